@@ -1,0 +1,82 @@
+"""numbaccum: optax-style gradient accumulation, averaging and clipping over flat buffers.
+
+A parameter tree is flattened once into contiguous buffers (`FlatTree`); transformations with
+optax's names and semantics drive parallel numba kernels over those buffers.
+"""
+
+from .accumulation import (
+    ApplyEvery,
+    EmaState,
+    MultiSteps,
+    MultiStepsState,
+    TraceState,
+    apply_every,
+    ema,
+    skip_large_updates,
+    skip_not_finite,
+    trace,
+)
+from .base import (
+    EmptyState,
+    GradientTransformation,
+    GradientTransformationExtraArgs,
+    apply_updates,
+    apply_updates_,
+    chain,
+    copy_state,
+    named_chain,
+    with_extra_args_support,
+)
+from .clipping import global_norm
+from .flat import FlatTree
+from .optim import (
+    ScaleByAdamState,
+    ScaleByScheduleState,
+    adam,
+    add_decayed_weights,
+    identity,
+    scale,
+    scale_by_adam,
+    scale_by_learning_rate,
+    sgd,
+)
+from .tree import tree_flatten, tree_map, tree_unflatten
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ApplyEvery",
+    "EmaState",
+    "EmptyState",
+    "FlatTree",
+    "GradientTransformation",
+    "GradientTransformationExtraArgs",
+    "MultiSteps",
+    "MultiStepsState",
+    "ScaleByAdamState",
+    "ScaleByScheduleState",
+    "TraceState",
+    "adam",
+    "add_decayed_weights",
+    "apply_every",
+    "apply_updates",
+    "apply_updates_",
+    "chain",
+    "copy_state",
+    "ema",
+    "global_norm",
+    "identity",
+    "MultiSteps",
+    "named_chain",
+    "scale",
+    "scale_by_adam",
+    "scale_by_learning_rate",
+    "sgd",
+    "skip_large_updates",
+    "skip_not_finite",
+    "trace",
+    "tree_flatten",
+    "tree_map",
+    "tree_unflatten",
+    "with_extra_args_support",
+]

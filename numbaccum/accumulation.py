@@ -1,0 +1,446 @@
+"""Accumulation with optax's semantics: trace, ema, apply_every, MultiSteps, skip predicates.
+
+States are NamedTuples with optax's field names; fields that mirror params are `FlatTree`s
+updated in place (the state passed in is consumed), counters are NumPy int32 scalars that
+saturate at the int32 maximum like optax's ``safe_increment``.
+"""
+
+from __future__ import annotations
+
+import functools
+import numbers
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from . import backend
+from .base import (
+    Flow,
+    GradientTransformationExtraArgs,
+    ParamsRef,
+    flat_transformation,
+    run_stage,
+    with_extra_args_support,
+)
+from .flat import FlatTree, Layout, as_flat, check_float_dtype, layout_of
+
+__all__ = [
+    "ApplyEvery",
+    "EmaState",
+    "MultiSteps",
+    "MultiStepsState",
+    "TraceState",
+    "apply_every",
+    "ema",
+    "skip_large_updates",
+    "skip_not_finite",
+    "trace",
+]
+
+_INT32_MAX = np.iinfo(np.int32).max
+
+
+def safe_increment(count: Any) -> np.int32:
+    """count + 1, saturating at the int32 maximum instead of wrapping."""
+    c = int(count)
+    return np.int32(c + 1 if c < _INT32_MAX else c)
+
+
+def check_decay(decay: Any, name: str = "decay") -> float:
+    d = float(decay)
+    if not 0.0 <= d <= 1.0:
+        raise ValueError(f"{name} must be in [0, 1], got {decay!r}")
+    return d
+
+
+def acc_dtypes(layout: Layout, accumulator_dtype: Any) -> list[np.dtype]:
+    """Storage dtype of each group's accumulator: ``accumulator_dtype`` or the group's own."""
+    if accumulator_dtype is None:
+        return list(layout.group_dtypes)
+    dt = check_float_dtype(accumulator_dtype, "accumulator_dtype")
+    return [dt] * len(layout.groups)
+
+
+def bias_correction(decay: float, count: int, dtype: np.dtype) -> Any:
+    """``1 - decay ** count`` computed in ``dtype`` (float32 leaves: float32, like optax)."""
+    t = np.dtype(dtype).type
+    return t(1) - t(decay) ** int(count)
+
+
+def compute_dtype(*arrays: np.ndarray) -> np.dtype:
+    dt = np.result_type(*arrays)
+    return np.dtype(np.float32) if dt == np.float16 else dt
+
+
+def expect_state(state: Any, cls: type, field: str, layout: Layout) -> FlatTree:
+    """The FlatTree field of a state, after checking its type and layout."""
+    if not isinstance(state, cls):
+        raise TypeError(f"state: expected {cls.__name__}, got {type(state).__name__}")
+    flat = getattr(state, field)
+    if not isinstance(flat, FlatTree) or flat.layout is not layout:
+        raise ValueError(f"state.{field}: its layout does not match the updates ({layout})")
+    return flat
+
+
+def zeros_output(owner: FlatTree, layout: Layout) -> Flow:
+    """A read-only zero tree kept by ``owner``: returned on steps that emit nothing."""
+    ws = owner._workspaces.get("zeros")
+    if ws is None:
+        ws = owner.workspace("zeros", list(layout.group_dtypes))
+        for g in ws.groups:
+            g.fill(0)
+            g.flags.writeable = False
+        ws._readonly = True
+    return Flow(ws, owned=False, returnable=True)
+
+
+# --- trace ----------------------------------------------------------------------------------
+
+
+class TraceState(NamedTuple):
+    """Holds the trace of past updates."""
+
+    trace: FlatTree
+
+
+def trace(decay: float, nesterov: bool = False, accumulator_dtype: Any = None) -> GradientTransformationExtraArgs:
+    """Momentum: ``trace = g + decay * trace``; update ``trace`` (or ``g + decay * trace`` with
+    nesterov).
+
+    Args:
+        decay: decay rate of the trace, in [0, 1].
+        nesterov: whether to return the Nesterov update.
+        accumulator_dtype: storage dtype of the trace; None keeps each leaf's dtype.
+
+    Returns:
+        A transformation with state `TraceState`. Updates keep each leaf's dtype.
+    """
+    decay = check_decay(decay)
+    nesterov = bool(nesterov)
+    if accumulator_dtype is not None:
+        check_float_dtype(accumulator_dtype, "accumulator_dtype")
+
+    def init(params: Any) -> TraceState:
+        layout = layout_of(params, "params")
+        return TraceState(FlatTree.zeros(layout, acc_dtypes(layout, accumulator_dtype)))
+
+    def flat_update(flow: Flow, state: Any, params: ParamsRef | None, extra: dict) -> tuple[Flow, TraceState]:
+        layout = flow.flat.layout
+        tr = expect_state(state, TraceState, "trace", layout)
+        out = tr.workspace("out", list(layout.group_dtypes))
+        for t, g, o in zip(tr.groups, flow.flat.groups, out.groups):
+            backend.call("trace_update_", t, g, flow.div, flow.mul, decay, nesterov, o)
+        return Flow(out, owned=True), TraceState(tr)
+
+    return flat_transformation(init, flat_update)
+
+
+# --- ema ------------------------------------------------------------------------------------
+
+
+class EmaState(NamedTuple):
+    """Holds an exponential moving average of past updates (never debiased) and its count."""
+
+    count: np.int32
+    ema: FlatTree
+
+
+def ema(decay: float, debias: bool = True, accumulator_dtype: Any = None) -> GradientTransformationExtraArgs:
+    """Exponential moving average: ``ema = (1 - decay) * g + decay * ema``; update ``ema``, or
+    ``ema / (1 - decay ** count)`` with debias.
+
+    The float32 result equals optax's recipe bit for bit: both products and the sum are rounded
+    in the accumulator's dtype and the debias is a true division by ``f32(1) - f32(d) ** count``.
+    ``count`` saturates at the int32 maximum; ``decay = 1`` with debias gives NaN, as in optax.
+
+    Args:
+        decay: decay rate, in [0, 1].
+        debias: whether to divide by ``1 - decay ** count``.
+        accumulator_dtype: storage dtype of the average; None keeps each leaf's dtype.
+
+    Returns:
+        A transformation with state `EmaState`. Updates keep each leaf's dtype.
+    """
+    decay = check_decay(decay)
+    one_minus = 1.0 - decay
+    if accumulator_dtype is not None:
+        check_float_dtype(accumulator_dtype, "accumulator_dtype")
+
+    def init(params: Any) -> EmaState:
+        layout = layout_of(params, "params")
+        return EmaState(np.int32(0), FlatTree.zeros(layout, acc_dtypes(layout, accumulator_dtype)))
+
+    def flat_update(flow: Flow, state: Any, params: ParamsRef | None, extra: dict) -> tuple[Flow, EmaState]:
+        layout = flow.flat.layout
+        avg = expect_state(state, EmaState, "ema", layout)
+        count = safe_increment(state.count)
+        out = avg.workspace("out", list(layout.group_dtypes))
+        for e, g, o in zip(avg.groups, flow.flat.groups, out.groups):
+            bc = bias_correction(decay, count, compute_dtype(e, g)) if debias else 1.0
+            backend.call("ema_update_", e, g, flow.div, flow.mul, one_minus, decay, bc, o)
+        return Flow(out, owned=True), EmaState(count, avg)
+
+    return flat_transformation(init, flat_update)
+
+
+# --- apply_every ----------------------------------------------------------------------------
+
+
+class ApplyEvery(NamedTuple):
+    """Counts steps and holds the sum of the gradients of the current cycle."""
+
+    count: np.int32
+    grad_acc: FlatTree
+
+
+def apply_every(k: int = 1) -> GradientTransformationExtraArgs:
+    """Sums ``k`` steps of updates and emits the sum every ``k``-th step, zeros otherwise.
+
+    ``grad_acc = g + (grad_acc if count % k else 0)``; update ``grad_acc`` when
+    ``count % k == k - 1``. Unlike optax, a step that emits nothing returns exact zeros and a new
+    cycle starts from exact zeros, so a NaN does not survive into the next cycle.
+    """
+    k = _check_k(k, "k")
+
+    def init(params: Any) -> ApplyEvery:
+        return ApplyEvery(np.int32(0), FlatTree.zeros(layout_of(params, "params")))
+
+    def flat_update(flow: Flow, state: Any, params: ParamsRef | None, extra: dict) -> tuple[Flow, ApplyEvery]:
+        layout = flow.flat.layout
+        acc = expect_state(state, ApplyEvery, "grad_acc", layout)
+        c = int(state.count) % k
+        for a, g in zip(acc.groups, flow.flat.groups):
+            backend.call("sum_accumulate_", a, g, flow.div, flow.mul, c == 0)
+        count = np.int32(int(safe_increment(state.count)) % k)
+        if c != k - 1:
+            return zeros_output(acc, layout), ApplyEvery(count, acc)
+        out = Flow(acc, owned=False).into(acc.workspace("out", list(layout.group_dtypes)))
+        return Flow(out, owned=True), ApplyEvery(count, acc)
+
+    return flat_transformation(init, flat_update)
+
+
+def _check_k(k: Any, name: str) -> int:
+    if isinstance(k, (bool, np.bool_)) or not isinstance(k, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(k).__name__}")
+    if int(k) < 1:
+        raise ValueError(f"{name} must be >= 1, got {k}")
+    return int(k)
+
+
+# --- skip predicates ------------------------------------------------------------------------
+
+
+def _flow_of(updates: Any) -> Flow:
+    flat = updates if isinstance(updates, FlatTree) else as_flat(updates, layout_of(updates, "updates"), "updates")[0]
+    return Flow(flat, owned=False)
+
+
+def _skip_not_finite_flat(flow: Flow, gradient_step: Any, params: Any) -> tuple[np.bool_, dict]:
+    flow = flow.settled()
+    n = sum(backend.call("count_nonfinite", g) for g in flow.flat.groups)
+    skip = np.bool_(n > 0)
+    return skip, {"should_skip": skip, "num_not_finite": np.int32(min(n, _INT32_MAX))}
+
+
+def skip_not_finite(updates: Any, gradient_step: Any, params: Any) -> tuple[np.bool_, dict]:
+    """Skip predicate for `MultiSteps`: skip when any element is NaN or +-inf.
+
+    Returns:
+        ``(should_skip, {"should_skip", "num_not_finite"})``.
+    """
+    return _skip_not_finite_flat(_flow_of(updates), gradient_step, params)
+
+
+def _skip_large_flat(flow: Flow, gradient_step: Any, params: Any, max_squared_norm: float) -> tuple[np.bool_, dict]:
+    flow = flow.settled()
+    norm_sq = 0.0
+    for g in flow.flat.groups:
+        norm_sq += backend.call("sumsq", g)
+    skip = np.bool_(not norm_sq < float(max_squared_norm))
+    return skip, {"should_skip": skip, "norm_squared": np.float64(norm_sq)}
+
+
+def skip_large_updates(updates: Any, gradient_step: Any, params: Any, max_squared_norm: float) -> tuple[np.bool_, dict]:
+    """Skip predicate for `MultiSteps`: skip unless ``sum(g ** 2) < max_squared_norm`` (so NaN
+    and equality skip). Bind ``max_squared_norm`` with ``functools.partial``.
+
+    Returns:
+        ``(should_skip, {"should_skip", "norm_squared"})``; the squared norm is float64.
+    """
+    return _skip_large_flat(_flow_of(updates), gradient_step, params, max_squared_norm)
+
+
+skip_not_finite._flat = _skip_not_finite_flat  # type: ignore[attr-defined]
+skip_large_updates._flat = _skip_large_flat  # type: ignore[attr-defined]
+
+
+def _call_skip(fn: Callable, flow: Flow, gradient_step: Any, params: ParamsRef | None) -> tuple[Any, Any]:
+    """Evaluates a skip predicate, on the flat buffers when it is one of ours."""
+    target, kwargs = fn, {}
+    if isinstance(fn, functools.partial) and not fn.args:
+        target, kwargs = fn.func, dict(fn.keywords)
+    flat = getattr(target, "_flat", None)
+    if flat is not None:
+        return flat(flow, gradient_step, params, **kwargs)
+    tree = flow.settled().flat.tree
+    return fn(tree, gradient_step, params.raw if params is not None else None)
+
+
+# --- MultiSteps -----------------------------------------------------------------------------
+
+
+class MultiStepsState(NamedTuple):
+    """State of `MultiSteps`.
+
+    Attributes:
+        mini_step: mini-steps accumulated in the current cycle (int32).
+        gradient_step: emitted (inner) steps so far (int32, saturating).
+        inner_opt_state: the inner optimizer's state; it advances only on emitting steps.
+        acc_grads: the running mean (or sum) of this cycle's gradients; zeros after emission.
+        skip_state: the last info dict of ``should_skip_update_fn`` (``()`` without one).
+    """
+
+    mini_step: np.int32
+    gradient_step: np.int32
+    inner_opt_state: Any
+    acc_grads: FlatTree
+    skip_state: Any = ()
+
+
+def _default_acc_dtype(dt: np.dtype) -> np.dtype:
+    return np.dtype(np.float64) if dt == np.float64 else np.dtype(np.float32)
+
+
+class MultiSteps:
+    """Gradient accumulation: runs ``opt`` on the mean (or sum) of every ``k`` mini-batches.
+
+    Each mini-step updates ``acc = acc + (g - acc) / (mini_step + 1)`` (mean, Welford) or
+    ``acc = g + acc`` (sum). On the ``k``-th mini-step the inner optimizer runs on ``acc`` and its
+    update is returned; on the others the update is exact zeros. ``k = every_k_schedule`` if an
+    int, else ``every_k_schedule(gradient_step)``, read at the start of each cycle.
+
+    Differences from optax (deliberate): steps that emit nothing return exact ``+0.0`` zeros
+    (optax returns ``0 * inner_update``, which can be ``-0.0`` or NaN); the accumulator is reset
+    to exact zeros on emission, so a NaN in one cycle does not stick forever; and the inner
+    optimizer runs only on emitting steps (optax runs it every mini-step and discards the result).
+
+    Args:
+        opt: the inner transformation.
+        every_k_schedule: ``k`` (an int, NumPy ints too) or a callable of ``gradient_step``.
+        use_grad_mean: accumulate the mean (True) or the sum (False).
+        should_skip_update_fn: ``fn(updates, gradient_step, params) -> (bool, info)``; a skipped
+            mini-step leaves the state unchanged except ``skip_state`` and returns zeros.
+        accumulator_dtype: dtype of ``acc_grads``; default float32 for float16/float32 leaves,
+            float64 for float64 leaves.
+    """
+
+    def __init__(
+        self,
+        opt: Any,
+        every_k_schedule: int | Callable[[Any], Any],
+        use_grad_mean: bool = True,
+        should_skip_update_fn: Callable[..., Any] | None = None,
+        accumulator_dtype: Any = None,
+    ) -> None:
+        if callable(every_k_schedule):
+            self._k: Any = every_k_schedule
+        else:
+            self._k = _check_k(every_k_schedule, "every_k_schedule")
+        self._opt = with_extra_args_support(opt)
+        self._mean = bool(use_grad_mean)
+        self._skip = should_skip_update_fn
+        self._acc_dtype = (
+            None if accumulator_dtype is None else check_float_dtype(accumulator_dtype, "accumulator_dtype")
+        )
+        self._tx = flat_transformation(self.init, self._flat_update)
+
+    @property
+    def inner_opt(self) -> GradientTransformationExtraArgs:
+        """The inner transformation (with extra-args support)."""
+        return self._opt
+
+    def init(self, params: Any) -> MultiStepsState:
+        """Zero accumulator, the inner state, and the skip function's info for zero updates."""
+        layout = layout_of(params, "params")
+        dts = [self._acc_dtype or _default_acc_dtype(d) for d in layout.group_dtypes]
+        acc = FlatTree.zeros(layout, dts)
+        skip_state: Any = ()
+        if self._skip is not None:
+            zeros = FlatTree.zeros(layout)
+            ref = ParamsRef(params, layout, None)
+            _, skip_state = _call_skip(self._skip, Flow(zeros, owned=False), np.int32(0), ref)
+        return MultiStepsState(np.int32(0), np.int32(0), self._opt.init(params), acc, skip_state)
+
+    def update(self, updates: Any, state: MultiStepsState, params: Any = None, **extra_args: Any) -> tuple[Any, MultiStepsState]:
+        """Accumulates ``updates``; returns the inner update on emitting steps, else zeros."""
+        return self._tx.update(updates, state, params, **extra_args)
+
+    def has_updated(self, state: MultiStepsState) -> bool:
+        """True right after an emitting step (optax: ``mini_step == 0 and gradient_step > 0``)."""
+        return bool(int(state.mini_step) == 0 and int(state.gradient_step) > 0)
+
+    def gradient_transformation(self) -> GradientTransformationExtraArgs:
+        """This MultiSteps as a GradientTransformation ``(init, update)``."""
+        return self._tx
+
+    def _schedule(self, gradient_step: np.int32) -> int:
+        if not callable(self._k):
+            return self._k
+        k = self._k(gradient_step)
+        try:
+            k_int = int(k)
+        except (TypeError, ValueError) as e:
+            raise TypeError(f"every_k_schedule returned {k!r}, not an int") from e
+        if k_int < 1:
+            raise ValueError(f"every_k_schedule returned {k_int} at gradient_step {gradient_step}; it must be >= 1")
+        return k_int
+
+    def _flat_update(self, flow: Flow, state: Any, params: ParamsRef | None, extra: dict) -> tuple[Flow, MultiStepsState]:
+        layout = flow.flat.layout
+        acc = expect_state(state, MultiStepsState, "acc_grads", layout)
+        k = self._schedule(state.gradient_step)
+        mini = int(state.mini_step)
+        skip_state = state.skip_state
+        if self._skip is not None:
+            skip, skip_state = _call_skip(self._skip, flow, state.gradient_step, params)
+            if np.ndim(skip) != 0 or np.asarray(skip).dtype != np.bool_:
+                raise ValueError(f"should_skip_update_fn must return a bool scalar, got {skip!r}")
+            if bool(skip):
+                return zeros_output(acc, layout), state._replace(skip_state=skip_state)
+        fresh = mini == 0
+        for a, g in zip(acc.groups, flow.flat.groups):
+            if self._mean:
+                backend.call("mean_accumulate_", a, g, flow.div, flow.mul, mini + 1, fresh)
+            else:
+                backend.call("sum_accumulate_", a, g, flow.div, flow.mul, fresh)
+        if mini < k - 1:
+            new = MultiStepsState(np.int32(mini + 1), state.gradient_step, state.inner_opt_state, acc, skip_state)
+            return zeros_output(acc, layout), new
+        # Emission: the inner optimizer sees acc in the updates' dtypes and may overwrite it
+        # (it is zeroed below); its result is moved out of acc first if it still lives there.
+        inner_in = self._as_update_dtypes(acc, layout)
+        out, inner_state = run_stage(
+            self._opt, Flow(inner_in, owned=True), state.inner_opt_state, params, extra, acc.workspace("inner", list(layout.group_dtypes))
+        )
+        if _shares(out.flat, acc) or _shares(out.flat, inner_in):
+            out = Flow(out.into(acc.workspace("emit", list(layout.group_dtypes))), owned=True)
+        for a in acc.groups:
+            backend.call("fill_", a, 0.0)
+        new = MultiStepsState(np.int32(0), safe_increment(state.gradient_step), inner_state, acc, skip_state)
+        return out, new
+
+    @staticmethod
+    def _as_update_dtypes(acc: FlatTree, layout: Layout) -> FlatTree:
+        if acc.group_dtypes == layout.group_dtypes:
+            return acc
+        cast = acc.workspace("cast", list(layout.group_dtypes))
+        for dst, src in zip(cast.groups, acc.groups):
+            backend.call("scale_", dst, src, 1.0, 1.0)
+        return cast
+
+
+def _shares(a: FlatTree, b: FlatTree) -> bool:
+    return any(np.may_share_memory(x, y) for x in a.groups for y in b.groups)
+

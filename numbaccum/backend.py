@@ -1,0 +1,83 @@
+"""The one dispatch point: picks the kernel module for the arrays and prepares each call.
+
+`call` casts Python scalars to the compute dtype of the call (the promoted dtype of its buffers),
+so a float32 buffer never runs a float64 variant by accident; this mirrors optax's weak typing,
+where ``decay`` is rounded to the leaf dtype. numba has no float16 on the CPU, so float16 buffers
+are staged through float32 copies (compute in float32, round once on the way back).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+from . import cpu
+
+# Arguments each in-place kernel writes (index into its argument list).
+_WRITES: dict[str, tuple[int, ...]] = {
+    "fill_": (0,),
+    "scale_": (0,),
+    "add_scaled_": (0,),
+    "trace_update_": (0, 6),
+    "ema_update_": (0, 7),
+    "mean_accumulate_": (0,),
+    "sum_accumulate_": (0,),
+    "adam_update_": (0, 1, 13),
+}
+
+_workqueue_lock = threading.Lock()
+_guard: Any = None  # decided after the first parallel call
+
+
+def _parallel_guard() -> Any:
+    """A lock when numba fell back to the ``workqueue`` layer, which aborts the process when two
+    threads enter parallel kernels at once (numba#9288); nothing for the thread-safe omp/tbb."""
+    global _guard
+    if _guard is None:
+        import numba
+
+        try:
+            layer = numba.threading_layer()
+        except ValueError:  # no parallel kernel has run yet: be safe this once
+            return _workqueue_lock
+        _guard = _workqueue_lock if layer == "workqueue" else contextlib.nullcontext()
+    return _guard
+
+
+def is_cuda_array(x: Any) -> bool:
+    """True for arrays that live on a CUDA device (without importing numba.cuda)."""
+    return hasattr(x, "__cuda_array_interface__") or type(x).__module__.startswith("numba.cuda")
+
+
+def module_for(x: Any) -> ModuleType:
+    """The kernel module for an array: NumPy -> `numbaccum.cpu`."""
+    if is_cuda_array(x):
+        raise TypeError(
+            "CUDA arrays are not supported by this build of numbaccum yet; pass NumPy arrays "
+            "(move them with .get() / .cpu().numpy() / .copy_to_host())"
+        )
+    return cpu
+
+
+def call(name: str, *args: Any) -> Any:
+    """Runs kernel ``name`` of the CPU contract on ``args`` (buffers and scalars)."""
+    staged: dict[int, np.ndarray] = {}  # id(float16 buffer) -> its float32 copy
+    for a in args:
+        if isinstance(a, np.ndarray) and a.dtype == np.float16 and id(a) not in staged:
+            staged[id(a)] = a.astype(np.float32)
+    run_args = [staged.get(id(a), a) if isinstance(a, np.ndarray) else a for a in args]
+    arrays = [a for a in run_args if isinstance(a, np.ndarray)]
+    ctype = np.result_type(*arrays) if arrays else np.dtype(np.float64)
+    run_args = [
+        a if isinstance(a, (np.ndarray, bool, np.bool_)) else ctype.type(a) for a in run_args
+    ]
+    with _parallel_guard():
+        result = getattr(cpu, name)(*run_args)
+    for i in _WRITES.get(name, ()) if staged else ():
+        if id(args[i]) in staged:
+            np.copyto(args[i], run_args[i], casting="same_kind")
+    return result

@@ -1,0 +1,284 @@
+"""The optax protocol over flat buffers: GradientTransformation, chain, apply_updates.
+
+Every numbaccum transformation is an optax-style ``(init, update)`` pair. Inside, it also has a
+*flat* update that takes and returns a `Flow`: the updates as a `FlatTree`, whether the buffer
+may be overwritten in place, and a pending ``(g / div) * mul`` factor that the next kernel
+applies while it reads ``g`` (so ``clip_by_global_norm`` costs no pass of its own). `chain` and
+`MultiSteps` pass flows from stage to stage; the public ``update`` converts a user tree into a
+flow once on the way in and back once on the way out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from . import backend
+from .flat import FlatTree, Layout, as_flat, check_leaves, layout_of
+
+__all__ = [
+    "EmptyState",
+    "GradientTransformation",
+    "GradientTransformationExtraArgs",
+    "apply_updates",
+    "apply_updates_",
+    "chain",
+    "copy_state",
+    "named_chain",
+    "with_extra_args_support",
+]
+
+
+class GradientTransformation(NamedTuple):
+    """A pair of pure-looking functions ``init(params) -> state`` and
+    ``update(updates, state, params=None) -> (updates, state)``."""
+
+    init: Callable[..., Any]
+    update: Callable[..., Any]
+
+
+class GradientTransformationExtraArgs(GradientTransformation):
+    """A GradientTransformation whose ``update`` accepts (and may ignore) ``**extra_args``."""
+
+
+class EmptyState(NamedTuple):
+    """The state of a stateless transformation."""
+
+
+def with_extra_args_support(tx: Any) -> GradientTransformationExtraArgs:
+    """Wraps ``tx`` so that its ``update`` accepts and drops unknown keyword arguments.
+
+    Returns ``tx`` itself when it already is a GradientTransformationExtraArgs.
+    """
+    if isinstance(tx, GradientTransformationExtraArgs):
+        return tx
+
+    def update(updates: Any, state: Any, params: Any = None, **extra_args: Any) -> Any:
+        del extra_args
+        return tx.update(updates, state, params)
+
+    return GradientTransformationExtraArgs(tx.init, update)
+
+
+# --- flows ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Flow:
+    """Updates between two stages: the value is ``(flat / div) * mul``, group by group."""
+
+    flat: FlatTree
+    owned: bool  # a state's scratch buffer: later stages may overwrite it
+    div: float = 1.0
+    mul: float = 1.0
+    returnable: bool | None = None  # may be handed to the user as is (default: owned)
+
+    def __post_init__(self) -> None:
+        if self.returnable is None:
+            self.returnable = self.owned
+
+    @property
+    def pending(self) -> bool:
+        return self.div != 1.0 or self.mul != 1.0
+
+    def settled(self, into: FlatTree | None = None) -> Flow:
+        """This flow with the pending factor applied (in place when owned)."""
+        if not self.pending:
+            return self
+        out = self.flat if self.owned else (into or FlatTree.empty(self.flat.layout))
+        for dst, src in zip(out.groups, self.flat.groups):
+            backend.call("scale_", dst, src, self.div, self.mul)
+        return Flow(out, True)
+
+    def into(self, out: FlatTree) -> FlatTree:
+        """Writes the value into ``out`` (same layout) and returns it."""
+        for dst, src in zip(out.groups, self.flat.groups):
+            backend.call("scale_", dst, src, self.div, self.mul)
+        return out
+
+
+class ParamsRef:
+    """The ``params`` argument, flattened only when a stage asks for it (then once)."""
+
+    def __init__(self, raw: Any, layout: Layout, owner: FlatTree | None) -> None:
+        self.raw = raw
+        self._layout = layout
+        self._owner = owner
+        self._flat: FlatTree | None = None
+
+    def flat(self) -> FlatTree:
+        if self._flat is None:
+            into = self._owner.workspace("params") if self._owner is not None else None
+            self._flat = as_flat(self.raw, self._layout, "params", pack_into=into)[0]
+        return self._flat
+
+
+FlatUpdate = Callable[[Flow, Any, "ParamsRef | None", dict], "tuple[Flow, Any]"]
+
+
+def state_owner(state: Any) -> FlatTree | None:
+    """The first FlatTree held by a state (its layout is the one the state was built for)."""
+    if isinstance(state, FlatTree):
+        return state
+    if isinstance(state, dict):
+        state = list(state.values())
+    if isinstance(state, (tuple, list)):
+        for s in state:
+            found = state_owner(s)
+            if found is not None:
+                return found
+    return None
+
+
+def _output(flow: Flow, owner: FlatTree | None) -> FlatTree:
+    """The flow as a buffer that the caller may keep until the next update: never an input."""
+    if flow.owned:
+        return flow.settled().flat
+    if flow.returnable and not flow.pending:
+        return flow.flat
+    out = owner.workspace("output") if owner is not None else FlatTree.empty(flow.flat.layout)
+    return flow.into(out)
+
+
+def flat_transformation(init: Callable[[Any], Any], flat_update: FlatUpdate) -> GradientTransformationExtraArgs:
+    """A GradientTransformationExtraArgs from ``init`` and a flat update.
+
+    The public ``update`` validates ``updates`` and ``params`` against the state's layout before
+    any buffer is touched, runs the flat update, and returns the updates in the caller's form: a
+    plain tree for a plain tree, a FlatTree for a FlatTree.
+    """
+
+    def update(updates: Any, state: Any, params: Any = None, **extra_args: Any) -> tuple[Any, Any]:
+        owner = state_owner(state)
+        layout = owner.layout if owner is not None else layout_of(updates, "updates")
+        inbox = owner.workspace("input") if owner is not None else None
+        flat, copied = as_flat(updates, layout, "updates", pack_into=inbox)
+        ref = None
+        if params is not None:
+            if not (isinstance(params, FlatTree) and params.layout is layout):
+                check_leaves(params, layout, "params")
+            ref = ParamsRef(params, layout, owner)
+        out_flow, new_state = flat_update(Flow(flat, copied), state, ref, extra_args)
+        out = _output(out_flow, state_owner(new_state) or owner)
+        return (out if isinstance(updates, FlatTree) else out.tree), new_state
+
+    update._flat = flat_update  # type: ignore[attr-defined]
+    return GradientTransformationExtraArgs(init, update)
+
+
+def run_stage(
+    tx: Any, flow: Flow, state: Any, params: ParamsRef | None, extra: dict, scratch: FlatTree
+) -> tuple[Flow, Any]:
+    """Runs one stage of a chain: the flat update of a numbaccum transformation, or the plain
+    ``update`` of any other (its output is checked and packed into ``scratch``)."""
+    flat_update = getattr(tx.update, "_flat", None)
+    if flat_update is not None:
+        return flat_update(flow, state, params, extra)
+    value = flow.settled(None if flow.owned else scratch)
+    out, new_state = tx.update(value.flat.tree, state, params.raw if params else None, **extra)
+    flat, copied = as_flat(out, flow.flat.layout, "updates", pack_into=scratch)
+    return Flow(flat, copied), new_state
+
+
+# --- combinators ----------------------------------------------------------------------------
+
+
+def chain(*transforms: Any) -> GradientTransformationExtraArgs:
+    """Applies ``transforms`` in order: ``u = t_n(...t_2(t_1(g)))``; state is a tuple.
+
+    ``params`` and extra keyword arguments are passed to every transformation.
+    """
+    txs = [with_extra_args_support(t) for t in transforms]
+
+    def init(params: Any) -> tuple:
+        return tuple(t.init(params) for t in txs)
+
+    def flat_update(flow: Flow, state: Any, params: ParamsRef | None, extra: dict) -> tuple[Flow, tuple]:
+        if not isinstance(state, tuple) or len(state) != len(txs):
+            n = len(state) if isinstance(state, (tuple, list)) else type(state).__name__
+            raise ValueError(f"state: chain of {len(txs)} transformations got a state of {n}")
+        new_states = []
+        for i, (t, s) in enumerate(zip(txs, state)):
+            scratch = _scratch(state, flow.flat.layout, f"chain{i}")
+            flow, s = run_stage(t, flow, s, params, extra, scratch)
+            new_states.append(s)
+        return flow, tuple(new_states)
+
+    return flat_transformation(init, flat_update)
+
+
+def named_chain(*transforms: tuple[str, Any]) -> GradientTransformationExtraArgs:
+    """Like `chain`, with a state dict keyed by the given names."""
+    names = [n for n, _ in transforms]
+    if len(set(names)) != len(names):
+        raise ValueError(f"named_chain: names must be unique, got {names}")
+    inner = chain(*(t for _, t in transforms))
+    inner_flat = inner.update._flat  # type: ignore[attr-defined]
+
+    def init(params: Any) -> dict:
+        return dict(zip(names, inner.init(params)))
+
+    def flat_update(flow: Flow, state: Any, params: ParamsRef | None, extra: dict) -> tuple[Flow, dict]:
+        if not isinstance(state, dict) or sorted(state) != sorted(names):
+            raise ValueError(f"state: named_chain expects a dict with keys {names}")
+        flow, states = inner_flat(flow, tuple(state[n] for n in names), params, extra)
+        return flow, dict(zip(names, states))
+
+    return flat_transformation(init, flat_update)
+
+
+def _scratch(state: Any, layout: Layout, name: str) -> FlatTree:
+    owner = state_owner(state)
+    return owner.workspace(name) if owner is not None else FlatTree.empty(layout)
+
+
+# --- applying updates and copying states ----------------------------------------------------
+
+
+def _apply(params: Any, updates: Any, out: FlatTree | None) -> Any:
+    layout = layout_of(params, "params")
+    p = as_flat(params, layout, "params")[0]
+    u = as_flat(updates, layout, "updates")[0]
+    target = out if out is not None else FlatTree.empty(layout, list(p.group_dtypes))
+    for dst, pg, ug in zip(target.groups, p.groups, u.groups):
+        backend.call("add_scaled_", dst, pg, 1.0, 1.0, ug, 1.0)
+    return target
+
+
+def apply_updates(params: Any, updates: Any) -> Any:
+    """Returns ``params + updates`` as a new tree; each leaf keeps its params dtype.
+
+    A FlatTree in gives a FlatTree out.
+    """
+    out = _apply(params, updates, None)
+    return out if isinstance(params, FlatTree) else out.tree
+
+
+def apply_updates_(params: Any, updates: Any) -> Any:
+    """``params += updates`` in place (a FlatTree, or a tree of writable arrays); returns params."""
+    if isinstance(params, FlatTree):
+        _apply(params, updates, params)
+        return params
+    leaves = check_leaves(params, layout_of(params, "params"), "params")
+    flat = _apply(params, updates, None)
+    for i, leaf in enumerate(leaves):
+        np.copyto(leaf, flat.leaf(i))
+    return params
+
+
+def copy_state(state: Any) -> Any:
+    """An independent deep copy of a state (FlatTrees and arrays copied, structure kept)."""
+    if isinstance(state, FlatTree):
+        return state.copy()
+    if isinstance(state, np.ndarray):
+        return state.copy()
+    if isinstance(state, dict):
+        return {k: copy_state(v) for k, v in state.items()}
+    if isinstance(state, tuple) and hasattr(type(state), "_fields"):
+        return type(state)(*(copy_state(v) for v in state))
+    if isinstance(state, (tuple, list)):
+        return type(state)(copy_state(v) for v in state)
+    return state

@@ -1,0 +1,410 @@
+"""The kernel contract on the CPU: numba ``@njit`` loops over flat 1-D buffers.
+
+Every elementwise kernel reads its gradient input as ``(g / div) * mul``: a pending
+``clip_by_global_norm`` factor (or ``div = mul = 1``, which is exact) rides inside the next pass
+instead of costing a pass of its own. Names ending in ``_`` write their first argument (and
+``out`` when given). Scalars arrive already cast to the compute dtype (see `numbaccum.backend`).
+
+Each loop body is written once over an index range ``[lo, hi)``; `_elementwise` turns it into a
+parallel driver (``prange`` over fixed chunks) and a serial one for small buffers. Reductions sum
+fixed blocks of ``REDUCE_BLOCK`` elements in float64 with 16 independent accumulators (which
+vectorise without fastmath) and combine the block partials in index order, so the result has the
+same bits for any thread count.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+from .. import _config
+
+_LANES = 16
+
+
+def _elementwise(body):
+    """Parallel and serial drivers for ``body(lo, hi, *args)``."""
+
+    @njit(parallel=True)
+    def parallel(n, chunk, *args):  # pragma: no cover - compiled
+        for c in prange((n + chunk - 1) // chunk):
+            body(c * chunk, min(n, (c + 1) * chunk), *args)
+
+    @njit
+    def serial(n, chunk, *args):  # pragma: no cover - compiled
+        body(0, n, *args)
+
+    return parallel, serial
+
+
+def _blocked(block_sum):
+    """Parallel and serial drivers of a fixed-partition float64 reduction."""
+
+    @njit(parallel=True)
+    def parallel(x, block):  # pragma: no cover - compiled
+        nb = (x.size + block - 1) // block
+        partial = np.empty(nb, np.float64)
+        for b in prange(nb):
+            partial[b] = block_sum(x, b * block, min(x.size, (b + 1) * block))
+        total = 0.0
+        for b in range(nb):
+            total += partial[b]
+        return total
+
+    @njit
+    def serial(x, block):  # pragma: no cover - compiled
+        nb = (x.size + block - 1) // block
+        total = 0.0
+        for b in range(nb):
+            total += block_sum(x, b * block, min(x.size, (b + 1) * block))
+        return total
+
+    return parallel, serial
+
+
+# --- reductions -----------------------------------------------------------------------------
+
+
+@njit(inline="always")
+def _block_sumsq(x, lo, hi):  # pragma: no cover - compiled
+    """sum(x[lo:hi] ** 2) in float64, 16 lanes then lane order."""
+    acc = np.zeros(_LANES, np.float64)
+    stop = lo + (hi - lo) // _LANES * _LANES
+    for i in range(lo, stop, _LANES):
+        for j in range(_LANES):
+            v = np.float64(x[i + j])
+            acc[j] += v * v
+    s = 0.0
+    for i in range(stop, hi):
+        v = np.float64(x[i])
+        s += v * v
+    for j in range(_LANES):
+        s += acc[j]
+    return s
+
+
+@njit(inline="always")
+def _block_sumabs(x, lo, hi):  # pragma: no cover - compiled
+    """sum(|x[lo:hi]|) in float64, 16 lanes then lane order."""
+    acc = np.zeros(_LANES, np.float64)
+    stop = lo + (hi - lo) // _LANES * _LANES
+    for i in range(lo, stop, _LANES):
+        for j in range(_LANES):
+            acc[j] += abs(np.float64(x[i + j]))
+    s = 0.0
+    for i in range(stop, hi):
+        s += abs(np.float64(x[i]))
+    for j in range(_LANES):
+        s += acc[j]
+    return s
+
+
+@njit(inline="always")
+def _block_maxabs(x, lo, hi):  # pragma: no cover - compiled
+    """max(|x[lo:hi]|), NaN if any element is NaN (like ``jnp.max``)."""
+    m = 0.0
+    for i in range(lo, hi):
+        a = abs(np.float64(x[i]))
+        if a > m or a != a:
+            m = a
+            if a != a:
+                break
+    return m
+
+
+@njit(inline="always")
+def _block_nonfinite(x, lo, hi):  # pragma: no cover - compiled
+    """Number of NaN and +-inf elements of x[lo:hi], as a float64 (exact below 2**53)."""
+    c = 0
+    for i in range(lo, hi):
+        v = x[i]
+        if not (v - v == 0):  # NaN for NaN and inf, 0 for every finite value
+            c += 1
+    return np.float64(c)
+
+
+_SUMSQ = _blocked(_block_sumsq)
+_SUMABS = _blocked(_block_sumabs)
+_NONFINITE = _blocked(_block_nonfinite)
+
+
+@njit(parallel=True)
+def _maxabs_parallel(x, block):  # pragma: no cover - compiled
+    nb = (x.size + block - 1) // block
+    partial = np.empty(nb, np.float64)
+    for b in prange(nb):
+        partial[b] = _block_maxabs(x, b * block, min(x.size, (b + 1) * block))
+    m = 0.0
+    for b in range(nb):
+        if partial[b] > m or partial[b] != partial[b]:
+            m = partial[b]
+            if m != m:
+                break
+    return m
+
+
+@njit
+def _maxabs_serial(x, block):  # pragma: no cover - compiled
+    return _block_maxabs(x, 0, x.size)
+
+
+_MAXABS = (_maxabs_parallel, _maxabs_serial)
+
+
+@njit
+def _segment_blocks(offsets, block):  # pragma: no cover - compiled
+    """Start, stop and segment of every block: each segment cut into fixed blocks."""
+    nseg = offsets.size - 1
+    nb = 0
+    for s in range(nseg):
+        nb += (offsets[s + 1] - offsets[s] + block - 1) // block
+    starts = np.empty(nb, np.int64)
+    stops = np.empty(nb, np.int64)
+    seg = np.empty(nb, np.int64)
+    b = 0
+    for s in range(nseg):
+        lo = offsets[s]
+        while lo < offsets[s + 1]:
+            starts[b] = lo
+            stops[b] = min(offsets[s + 1], lo + block)
+            seg[b] = s
+            lo += block
+            b += 1
+    return starts, stops, seg
+
+
+def _segmented(block_fn, take_max):
+    """Parallel and serial drivers of a per-segment reduction over fixed blocks per segment."""
+
+    @njit(inline="always")
+    def combine(out, s, v):  # pragma: no cover - compiled
+        if take_max:
+            if v > out[s] or v != v:
+                if out[s] == out[s]:
+                    out[s] = v
+        else:
+            out[s] += v
+
+    @njit(parallel=True)
+    def parallel(x, offsets, block):  # pragma: no cover - compiled
+        starts, stops, seg = _segment_blocks(offsets, block)
+        partial = np.empty(starts.size, np.float64)
+        for b in prange(starts.size):
+            partial[b] = block_fn(x, starts[b], stops[b])
+        out = np.zeros(offsets.size - 1, np.float64)
+        for b in range(starts.size):
+            combine(out, seg[b], partial[b])
+        return out
+
+    @njit
+    def serial(x, offsets, block):  # pragma: no cover - compiled
+        starts, stops, seg = _segment_blocks(offsets, block)
+        out = np.zeros(offsets.size - 1, np.float64)
+        for b in range(starts.size):
+            combine(out, seg[b], block_fn(x, starts[b], stops[b]))
+        return out
+
+    return parallel, serial
+
+
+_SEG_SUMSQ = _segmented(_block_sumsq, False)
+_SEG_SUMABS = _segmented(_block_sumabs, False)
+_SEG_MAXABS = _segmented(_block_maxabs, True)
+
+
+# --- elementwise ----------------------------------------------------------------------------
+
+
+@njit
+def _fill_body(lo, hi, x, value):  # pragma: no cover - compiled
+    """x = value."""
+    for i in range(lo, hi):
+        x[i] = value
+
+
+@njit
+def _scale_body(lo, hi, out, x, div, mul):  # pragma: no cover - compiled
+    """out = (x / div) * mul."""
+    for i in range(lo, hi):
+        out[i] = (x[i] / div) * mul
+
+
+@njit
+def _add_scaled_body(lo, hi, out, x, div, mul, y, s):  # pragma: no cover - compiled
+    """out = (x / div) * mul + s * y."""
+    for i in range(lo, hi):
+        out[i] = (x[i] / div) * mul + s * y[i]
+
+
+@njit
+def _trace_body(lo, hi, trace, g, div, mul, decay, nesterov, out):  # pragma: no cover
+    """t = g + decay * trace; trace = t; out = g + decay * t if nesterov else t."""
+    for i in range(lo, hi):
+        gi = (g[i] / div) * mul
+        t = gi + decay * trace[i]
+        trace[i] = t
+        if nesterov:
+            out[i] = gi + decay * t
+        else:
+            out[i] = t
+
+
+@njit
+def _ema_body(lo, hi, ema, g, div, mul, one_minus_decay, decay, bias_correction, out):  # pragma: no cover
+    """e = (1 - decay) * g + decay * ema; ema = e; out = e / bias_correction."""
+    for i in range(lo, hi):
+        e = one_minus_decay * ((g[i] / div) * mul) + decay * ema[i]
+        ema[i] = e
+        out[i] = e / bias_correction
+
+
+@njit
+def _mean_accumulate_body(lo, hi, acc, g, div, mul, count, fresh):  # pragma: no cover
+    """acc = acc + (g - acc) / count (Welford); acc = g + 0 when fresh (acc == 0, count == 1)."""
+    for i in range(lo, hi):
+        gi = (g[i] / div) * mul
+        if fresh:
+            # 0 + (g - 0) / 1 == g + 0.0 exactly (and -0 becomes +0), without reading acc.
+            acc[i] = gi + 0.0
+        else:
+            acc[i] = acc[i] + (gi - acc[i]) / count
+
+
+@njit
+def _sum_accumulate_body(lo, hi, acc, g, div, mul, fresh):  # pragma: no cover
+    """acc = g + acc; acc = g + 0 when fresh (acc == 0)."""
+    for i in range(lo, hi):
+        gi = (g[i] / div) * mul
+        if fresh:
+            acc[i] = gi + 0.0
+        else:
+            acc[i] = gi + acc[i]
+
+
+@njit
+def _adam_body(
+    lo, hi, mu, nu, g, div, mul, b1, one_minus_b1, b2, one_minus_b2, bc1, bc2, eps, eps_root, out
+):  # pragma: no cover - compiled
+    """mu, nu = moments of g; out = (mu / bc1) / (sqrt(nu / bc2 + eps_root) + eps)."""
+    for i in range(lo, hi):
+        gi = (g[i] / div) * mul
+        m = one_minus_b1 * gi + b1 * mu[i]
+        v = one_minus_b2 * (gi * gi) + b2 * nu[i]
+        mu[i] = m
+        nu[i] = v
+        out[i] = (m / bc1) / (np.sqrt(v / bc2 + eps_root) + eps)
+
+
+_FILL = _elementwise(_fill_body)
+_SCALE = _elementwise(_scale_body)
+_ADD_SCALED = _elementwise(_add_scaled_body)
+_TRACE = _elementwise(_trace_body)
+_EMA = _elementwise(_ema_body)
+_MEAN_ACC = _elementwise(_mean_accumulate_body)
+_SUM_ACC = _elementwise(_sum_accumulate_body)
+_ADAM = _elementwise(_adam_body)
+
+
+def _pick(pair, n):
+    return pair[1] if n < _config.SERIAL_BELOW else pair[0]
+
+
+def _run(pair, n, *args):
+    _pick(pair, n)(n, _config.CHUNK, *args)
+
+
+# --- the contract (same names and signatures in numbaccum.cuda) -----------------------------
+
+
+def sumsq(x):
+    """sum(x ** 2) in float64 over a fixed block partition."""
+    return float(_pick(_SUMSQ, x.size)(x, _config.REDUCE_BLOCK))
+
+
+def sumabs(x):
+    """sum(|x|) in float64 over a fixed block partition."""
+    return float(_pick(_SUMABS, x.size)(x, _config.REDUCE_BLOCK))
+
+
+def maxabs(x):
+    """max(|x|) (0 for an empty buffer, NaN if any element is NaN)."""
+    return float(_pick(_MAXABS, x.size)(x, _config.REDUCE_BLOCK))
+
+
+def count_nonfinite(x):
+    """Number of NaN and +-inf elements."""
+    return int(_pick(_NONFINITE, x.size)(x, _config.REDUCE_BLOCK))
+
+
+def segment_sumsq(x, offsets):
+    """Per segment ``s``: sum(x[offsets[s]:offsets[s+1]] ** 2) in float64."""
+    return _pick(_SEG_SUMSQ, x.size)(x, offsets, _config.REDUCE_BLOCK)
+
+
+def segment_sumabs(x, offsets):
+    """Per segment ``s``: sum(|x[offsets[s]:offsets[s+1]]|) in float64."""
+    return _pick(_SEG_SUMABS, x.size)(x, offsets, _config.REDUCE_BLOCK)
+
+
+def segment_maxabs(x, offsets):
+    """Per segment ``s``: max(|x[offsets[s]:offsets[s+1]]|) (0 if empty, NaN if any NaN)."""
+    return _pick(_SEG_MAXABS, x.size)(x, offsets, _config.REDUCE_BLOCK)
+
+
+def fill_(x, value):
+    """x = value."""
+    _run(_FILL, x.size, x, value)
+
+
+def scale_(out, x, div, mul):
+    """out = (x / div) * mul (``out`` may be ``x``)."""
+    _run(_SCALE, x.size, out, x, div, mul)
+
+
+def add_scaled_(out, x, div, mul, y, s):
+    """out = (x / div) * mul + s * y (``out`` may be ``x``)."""
+    _run(_ADD_SCALED, x.size, out, x, div, mul, y, s)
+
+
+def trace_update_(trace, g, div, mul, decay, nesterov, out):
+    """trace = g + decay * trace; out = trace, or g + decay * trace if nesterov."""
+    _run(_TRACE, g.size, trace, g, div, mul, decay, nesterov, out)
+
+
+def ema_update_(ema, g, div, mul, one_minus_decay, decay, bias_correction, out):
+    """ema = (1 - decay) * g + decay * ema; out = ema / bias_correction."""
+    _run(_EMA, g.size, ema, g, div, mul, one_minus_decay, decay, bias_correction, out)
+
+
+def mean_accumulate_(acc, g, div, mul, count, fresh):
+    """acc = acc + (g - acc) / count, with acc read as 0 if ``fresh``."""
+    _run(_MEAN_ACC, g.size, acc, g, div, mul, count, fresh)
+
+
+def sum_accumulate_(acc, g, div, mul, fresh):
+    """acc = g + acc, with acc read as 0 if ``fresh``."""
+    _run(_SUM_ACC, g.size, acc, g, div, mul, fresh)
+
+
+def adam_update_(mu, nu, g, div, mul, b1, one_minus_b1, b2, one_minus_b2, bc1, bc2, eps, eps_root, out):
+    """Adam moments in place; out = (mu / bc1) / (sqrt(nu / bc2 + eps_root) + eps)."""
+    _run(_ADAM, g.size, mu, nu, g, div, mul, b1, one_minus_b1, b2, one_minus_b2, bc1, bc2, eps, eps_root, out)
+
+
+KERNELS = (
+    "sumsq",
+    "sumabs",
+    "maxabs",
+    "count_nonfinite",
+    "segment_sumsq",
+    "segment_sumabs",
+    "segment_maxabs",
+    "fill_",
+    "scale_",
+    "add_scaled_",
+    "trace_update_",
+    "ema_update_",
+    "mean_accumulate_",
+    "sum_accumulate_",
+    "adam_update_",
+)

@@ -1,0 +1,382 @@
+"""Flat parameter trees: one contiguous 1-D buffer per dtype, leaves as views into it.
+
+A `Layout` says where each leaf lives: leaves are grouped by their dtype (a *group* is what one
+kernel launch covers), each group is a run of one buffer, and an int64 offsets table gives each
+leaf's segment within its group. A `FlatTree` is a layout plus storage. Two flat trees with the
+same layout can be combined by kernels group by group even when their storage dtypes differ (an
+float32 accumulator for float16 gradients), which is how states mirror their params.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from . import tree as _tree
+from .tree import TreeDef, format_path
+
+__all__ = ["FlatTree", "Layout"]
+
+_FLOATS = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
+
+
+def check_float_dtype(dtype: Any, what: str) -> np.dtype:
+    """The canonical float dtype for ``dtype``, or TypeError naming ``what``."""
+    try:
+        dt = np.dtype(dtype)
+    except TypeError as e:
+        raise TypeError(f"{what}: {dtype!r} is not a dtype") from e
+    if dt not in _FLOATS:
+        raise TypeError(f"{what}: dtype {dt} is not float16, float32 or float64")
+    return dt
+
+
+class Layout:
+    """Leaf shapes and their place in the flat buffers; interned, so ``is`` compares them."""
+
+    _cache: dict[tuple, Layout] = {}
+
+    treedef: TreeDef
+    shapes: tuple[tuple[int, ...], ...]
+    sizes: tuple[int, ...]
+    dtypes: tuple[np.dtype, ...]  # each leaf's dtype (the dtype that defined its group)
+    groups: tuple[tuple[int, ...], ...]  # leaf indices of each group, in leaf order
+    group_dtypes: tuple[np.dtype, ...]
+    leaf_group: tuple[int, ...]
+    leaf_start: tuple[int, ...]  # start of each leaf within its group
+    offsets: tuple[np.ndarray, ...]  # per group: int64 leaf boundaries, len = n_leaves + 1
+    group_sizes: tuple[int, ...]
+
+    @classmethod
+    def get(
+        cls,
+        treedef: TreeDef,
+        shapes: Sequence[tuple[int, ...]],
+        dtypes: Sequence[np.dtype],
+        group_key: Sequence[np.dtype] | None = None,
+    ) -> Layout:
+        """The layout for leaves of these shapes and dtypes, grouped by ``group_key`` (default
+        the dtypes; one key for all gives a single group)."""
+        shapes = tuple(tuple(int(d) for d in s) for s in shapes)
+        dtypes = tuple(np.dtype(d) for d in dtypes)
+        keys = tuple(np.dtype(k) for k in (group_key if group_key is not None else dtypes))
+        key = (treedef, shapes, dtypes, keys)
+        lay = cls._cache.get(key)
+        if lay is None:
+            lay = cls._cache[key] = cls(treedef, shapes, dtypes, keys)
+        return lay
+
+    def __init__(self, treedef: TreeDef, shapes: tuple, dtypes: tuple, keys: tuple) -> None:
+        self.treedef = treedef
+        self.shapes = shapes
+        self.sizes = tuple(int(np.prod(s, dtype=np.int64)) for s in shapes)
+        self.dtypes = dtypes
+        order: list[np.dtype] = []
+        for k in keys:
+            if k not in order:
+                order.append(k)
+        self.group_dtypes = tuple(order)
+        self.groups = tuple(tuple(i for i, k in enumerate(keys) if k == g) for g in order)
+        leaf_group = [0] * len(shapes)
+        leaf_start = [0] * len(shapes)
+        offsets = []
+        for gi, members in enumerate(self.groups):
+            off = np.zeros(len(members) + 1, np.int64)
+            for j, leaf in enumerate(members):
+                leaf_group[leaf] = gi
+                leaf_start[leaf] = int(off[j])
+                off[j + 1] = off[j] + self.sizes[leaf]
+            off.flags.writeable = False
+            offsets.append(off)
+        self.leaf_group = tuple(leaf_group)
+        self.leaf_start = tuple(leaf_start)
+        self.offsets = tuple(offsets)
+        self.group_sizes = tuple(int(o[-1]) for o in offsets)
+        self._paths: list[tuple] | None = None
+
+    @property
+    def num_leaves(self) -> int:
+        return len(self.shapes)
+
+    @property
+    def size(self) -> int:
+        return sum(self.sizes)
+
+    def path(self, leaf: int, root: str = "tree") -> str:
+        """The path of leaf number ``leaf`` as a user would index it."""
+        if self._paths is None:
+            self._paths = _tree.leaf_paths(self.treedef)
+        return format_path(self._paths[leaf], root)
+
+    def __repr__(self) -> str:
+        groups = ", ".join(f"{d}: {n}" for d, n in zip(self.group_dtypes, self.group_sizes))
+        return f"Layout({self.num_leaves} leaves, {{{groups}}})"
+
+
+def _as_leaf(x: Any, path: str) -> np.ndarray:
+    """A NumPy float array for a leaf, or TypeError naming its path."""
+    if isinstance(x, np.ndarray):
+        arr = x
+    elif isinstance(x, np.generic):
+        arr = np.asarray(x)
+    else:
+        from .backend import is_cuda_array
+
+        if is_cuda_array(x):
+            raise TypeError(f"{path}: CUDA arrays are not supported by this build of numbaccum")
+        raise TypeError(f"{path}: expected a NumPy array, got {type(x).__name__}")
+    if arr.dtype not in _FLOATS:
+        raise TypeError(f"{path}: dtype {arr.dtype} is not float16, float32 or float64")
+    return arr
+
+
+def leaves_of(tree: Any, name: str) -> tuple[list[np.ndarray], TreeDef]:
+    """Flattens ``tree`` and checks that each leaf is a NumPy float array (TypeError names it)."""
+    if isinstance(tree, FlatTree):
+        raise TypeError("internal: leaves_of expects a plain tree")
+    leaves, paths, td = _tree.tree_flatten_with_path(tree)
+    return [_as_leaf(x, format_path(p, name)) for x, p in zip(leaves, paths)], td
+
+
+def _layout_of_leaves(td: TreeDef, leaves: list[np.ndarray], dtype: Any = None) -> Layout:
+    dtypes = [leaf.dtype for leaf in leaves]
+    keys = [np.dtype(dtype)] * len(leaves) if dtype is not None else None
+    return Layout.get(td, [leaf.shape for leaf in leaves], dtypes, keys)
+
+
+class FlatTree:
+    """A tree stored in contiguous buffers, one per dtype; ``.tree`` holds views into them.
+
+    Index it like the tree (``flat['dense']['w']``), take ``.tree`` for the plain tree, or pass
+    it to any transformation: a FlatTree with the state's layout is used without a copy.
+    """
+
+    layout: Layout
+    group_dtypes: tuple[np.dtype, ...]  # storage dtype of each group
+    groups: tuple[np.ndarray, ...]  # 1-D view of each group's run of its buffer
+    buffers: dict[np.dtype, np.ndarray]
+
+    def __init__(
+        self,
+        layout: Layout,
+        groups: Sequence[np.ndarray],
+        buffers: dict[np.dtype, np.ndarray],
+        readonly: bool = False,
+    ) -> None:
+        self.layout = layout
+        self.groups = tuple(groups)
+        self.group_dtypes = tuple(g.dtype for g in self.groups)
+        self.buffers = buffers
+        self._readonly = readonly
+        self._tree: Any = None
+        self._workspaces: dict[str, FlatTree] = {}
+
+    # --- construction -----------------------------------------------------------------------
+
+    @classmethod
+    def empty(cls, layout: Layout, dtypes: Sequence[Any] | Any = None) -> FlatTree:
+        """Uninitialised storage for ``layout``; ``dtypes``: one per group, one for all, or
+        None (each group's own dtype). Groups of one storage dtype share a buffer."""
+        if dtypes is None:
+            gdt = list(layout.group_dtypes)
+        elif isinstance(dtypes, (list, tuple)):
+            gdt = [np.dtype(d) for d in dtypes]
+        else:
+            gdt = [np.dtype(dtypes)] * len(layout.groups)
+        totals: dict[np.dtype, int] = {}
+        starts = []
+        for d, n in zip(gdt, layout.group_sizes):
+            starts.append(totals.get(d, 0))
+            totals[d] = totals.get(d, 0) + n
+        buffers = {d: np.empty(n, d) for d, n in totals.items()}
+        groups = [buffers[d][s : s + n] for d, s, n in zip(gdt, starts, layout.group_sizes)]
+        return cls(layout, groups, buffers)
+
+    @classmethod
+    def zeros(cls, layout: Layout, dtypes: Sequence[Any] | Any = None) -> FlatTree:
+        """Zero-filled storage for ``layout`` (see `empty` for ``dtypes``)."""
+        out = cls.empty(layout, dtypes)
+        for b in out.buffers.values():
+            b.fill(0)
+        return out
+
+    @classmethod
+    def from_tree(cls, tree: Any, dtype: Any = None) -> FlatTree:
+        """Copies the leaves of ``tree`` into one contiguous buffer per dtype.
+
+        Args:
+            tree: a tree of NumPy float arrays (or a FlatTree, which is copied).
+            dtype: store every leaf in this dtype (one buffer); None keeps each leaf's dtype.
+        """
+        if dtype is not None:
+            dtype = check_float_dtype(dtype, "dtype")
+        if isinstance(tree, FlatTree):
+            tree = tree.tree
+        leaves, td = leaves_of(tree, "tree")
+        layout = _layout_of_leaves(td, leaves, dtype)
+        out = cls.empty(layout)
+        out._copy_leaves_in(leaves)
+        return out
+
+    # --- views ------------------------------------------------------------------------------
+
+    def leaf(self, i: int) -> np.ndarray:
+        """A view of leaf number ``i``."""
+        lay = self.layout
+        s = lay.leaf_start[i]
+        v = self.groups[lay.leaf_group[i]][s : s + lay.sizes[i]].reshape(lay.shapes[i])
+        if self._readonly:
+            v.flags.writeable = False
+        return v
+
+    @property
+    def leaves(self) -> list[np.ndarray]:
+        """Views of the leaves, in tree order."""
+        return _tree.tree_flatten(self.tree)[0]
+
+    @property
+    def tree(self) -> Any:
+        """The tree whose leaves are views into the buffers (built once, then cached)."""
+        if self._tree is None:
+            views = [self.leaf(i) for i in range(self.layout.num_leaves)]
+            self._tree = _tree.tree_unflatten(self.layout.treedef, views)
+        return self._tree
+
+    @property
+    def treedef(self) -> TreeDef:
+        return self.layout.treedef
+
+    def __numbaccum_tree__(self) -> Any:
+        return self.tree
+
+    def __getitem__(self, key: Any) -> Any:
+        return self.tree[key]
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        t = self.tree
+        if not isinstance(t, np.ndarray):
+            raise TypeError("only a FlatTree of a single array converts to an array; use .tree")
+        return np.array(t, dtype=dtype, copy=True) if copy else np.asarray(t, dtype=dtype)
+
+    def __repr__(self) -> str:
+        bufs = ", ".join(f"{d}: {b.size}" for d, b in self.buffers.items())
+        return f"FlatTree({self.layout.num_leaves} leaves, {{{bufs}}})"
+
+    # --- copies -----------------------------------------------------------------------------
+
+    def zeros_like(self, dtype: Any = None) -> FlatTree:
+        """A zero FlatTree of the same layout (storage dtype ``dtype`` if given)."""
+        if dtype is not None:
+            dtype = check_float_dtype(dtype, "dtype")
+        return FlatTree.zeros(self.layout, dtype if dtype is not None else list(self.group_dtypes))
+
+    def copy(self) -> FlatTree:
+        """An independent copy (same layout and storage dtypes)."""
+        out = FlatTree.empty(self.layout, list(self.group_dtypes))
+        for dst, src in zip(out.groups, self.groups):
+            dst[...] = src
+        return out
+
+    def _copy_leaves_in(self, leaves: Sequence[np.ndarray]) -> None:
+        for i, x in enumerate(leaves):
+            np.copyto(self.leaf(i), x, casting="same_kind")
+
+    def assign_(self, tree: Any) -> FlatTree:
+        """Copies the values of ``tree`` (same structure and shapes) into the buffers in place.
+
+        Raises:
+            ValueError: structure or shape mismatch (names the leaf); nothing is written then.
+            TypeError: a leaf is not a NumPy float array.
+        """
+        if self._readonly:
+            raise ValueError("this FlatTree is read-only")
+        if isinstance(tree, FlatTree) and tree.layout is self.layout:
+            for dst, src in zip(self.groups, tree.groups):
+                np.copyto(dst, src, casting="same_kind")
+            return self
+        leaves = check_leaves(tree, self.layout, "tree")
+        self._copy_leaves_in(leaves)
+        return self
+
+    def workspace(self, name: str, dtypes: Sequence[Any] | Any = None) -> FlatTree:
+        """A scratch FlatTree of the same layout owned by this one, allocated on first use.
+
+        States keep their output buffers here, so a step allocates nothing; a `copy` gets
+        fresh workspaces."""
+        ws = self._workspaces.get(name)
+        if ws is None:
+            ws = self._workspaces[name] = FlatTree.empty(self.layout, dtypes)
+        return ws
+
+
+def check_leaves(tree: Any, layout: Layout, name: str) -> list[np.ndarray]:
+    """The leaves of ``tree`` after checking them against ``layout`` (structure, shapes, float
+    dtypes); raises before anything is written."""
+    if isinstance(tree, FlatTree):
+        tree = tree.tree
+    leaves, td = leaves_of(tree, name)
+    _tree.check_same_structure(layout.treedef, td, name)
+    for i, (x, shape) in enumerate(zip(leaves, layout.shapes)):
+        if x.shape != shape:
+            raise ValueError(f"{layout.path(i, name)}: shape {x.shape} does not match {shape}")
+    return leaves
+
+
+def _views_group(leaves: list[np.ndarray], layout: Layout, g: int) -> np.ndarray | None:
+    """The group's run of a buffer when its leaves are exactly consecutive views of it."""
+    members = layout.groups[g]
+    first = leaves[members[0]]
+    base = first.base
+    dt = layout.group_dtypes[g]
+    if not isinstance(base, np.ndarray) or base.ndim != 1 or base.dtype != dt:
+        return None
+    if not base.flags.c_contiguous:
+        return None
+    origin = base.__array_interface__["data"][0]
+    start = first.__array_interface__["data"][0] - origin
+    offsets = layout.offsets[g]
+    for j, leaf in enumerate(members):
+        x = leaves[leaf]
+        if x.base is not base or x.dtype != dt or not x.flags.c_contiguous:
+            return None
+        if x.__array_interface__["data"][0] - origin - start != offsets[j] * dt.itemsize:
+            return None
+    s = start // dt.itemsize
+    return base[s : s + layout.group_sizes[g]]
+
+
+def as_flat(
+    tree: Any, layout: Layout, name: str, pack_into: FlatTree | None = None
+) -> tuple[FlatTree, bool]:
+    """``(flat, copied)``: ``tree`` as a FlatTree of ``layout``, without a copy when it already
+    is one (or is the ``.tree`` of one), else its values packed into ``pack_into`` (or a new
+    FlatTree) with ``copied`` True.
+
+    Raises TypeError/ValueError naming the leaf when the tree does not match ``layout``; nothing
+    has been written then.
+    """
+    if isinstance(tree, FlatTree) and tree.layout is layout:
+        return tree, False
+    leaves = check_leaves(tree, layout, name)
+    if layout.num_leaves and all(layout.groups):
+        views = []
+        for g in range(len(layout.groups)):
+            v = _views_group(leaves, layout, g)
+            if v is None:
+                break
+            views.append(v)
+        else:
+            return FlatTree(layout, views, {v.dtype: v for v in views}), False
+    out = pack_into if pack_into is not None else FlatTree.empty(layout)
+    out._copy_leaves_in(leaves)
+    return out, True
+
+
+def layout_of(tree: Any, name: str) -> Layout:
+    """The natural layout of a tree (grouped by leaf dtype), after checking its leaves."""
+    if isinstance(tree, FlatTree):
+        return tree.layout
+    leaves, td = leaves_of(tree, name)
+    return _layout_of_leaves(td, leaves)

@@ -1,0 +1,156 @@
+"""Inner optimizers, so that MultiSteps is usable on its own: scale, sgd, adam and friends."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from . import backend
+from .accumulation import bias_correction, check_decay, compute_dtype, expect_state, safe_increment, trace
+from .base import EmptyState, Flow, FlatTree, GradientTransformationExtraArgs, ParamsRef, chain, flat_transformation
+from .flat import check_float_dtype, layout_of
+
+__all__ = [
+    "ScaleByAdamState",
+    "ScaleByScheduleState",
+    "adam",
+    "add_decayed_weights",
+    "identity",
+    "scale",
+    "scale_by_adam",
+    "scale_by_learning_rate",
+    "sgd",
+]
+
+ScalarOrSchedule = float | Callable[[Any], Any]
+
+
+def _init_empty(params: Any) -> EmptyState:
+    return EmptyState()
+
+
+def _scaled(flow: Flow, factor: float) -> Flow:
+    """``flow * factor`` without a pass of its own: the factor rides on the next kernel."""
+    if flow.pending:
+        flow = flow.settled()
+    return Flow(flow.flat, flow.owned, 1.0, float(factor), flow.returnable)
+
+
+def identity() -> GradientTransformationExtraArgs:
+    """Returns the updates unchanged: ``u = g``."""
+    return flat_transformation(_init_empty, lambda flow, state, params, extra: (flow, state))
+
+
+def scale(step_size: float) -> GradientTransformationExtraArgs:
+    """Scales the updates: ``u = step_size * g``. Stateless."""
+    step_size = float(step_size)
+    return flat_transformation(_init_empty, lambda flow, state, params, extra: (_scaled(flow, step_size), state))
+
+
+class ScaleByScheduleState(NamedTuple):
+    """Step count of a schedule (int32, saturating)."""
+
+    count: np.int32
+
+
+def scale_by_learning_rate(learning_rate: ScalarOrSchedule, *, flip_sign: bool = True) -> GradientTransformationExtraArgs:
+    """``u = -learning_rate * g`` (``+`` with ``flip_sign=False``); ``learning_rate`` is a float
+    or a callable of the step count (then the state is `ScaleByScheduleState`)."""
+    sign = -1.0 if flip_sign else 1.0
+    if not callable(learning_rate):
+        return scale(sign * float(learning_rate))
+    schedule = learning_rate
+
+    def init(params: Any) -> ScaleByScheduleState:
+        return ScaleByScheduleState(np.int32(0))
+
+    def flat_update(flow: Flow, state: Any, params: ParamsRef | None, extra: dict) -> tuple[Flow, ScaleByScheduleState]:
+        if not isinstance(state, ScaleByScheduleState):
+            raise TypeError(f"state: expected ScaleByScheduleState, got {type(state).__name__}")
+        factor = sign * float(schedule(state.count))
+        return _scaled(flow, factor), ScaleByScheduleState(safe_increment(state.count))
+
+    return flat_transformation(init, flat_update)
+
+
+def add_decayed_weights(weight_decay: float = 0.0) -> GradientTransformationExtraArgs:
+    """Weight decay: ``u = g + weight_decay * params``. Needs ``params``."""
+    weight_decay = float(weight_decay)
+
+    def flat_update(flow: Flow, state: Any, params: ParamsRef | None, extra: dict) -> tuple[Flow, Any]:
+        if params is None:
+            raise ValueError("add_decayed_weights needs params: call update(updates, state, params)")
+        p = params.flat()
+        out = flow.flat if flow.owned else FlatTree.empty(flow.flat.layout)
+        for o, g, pg in zip(out.groups, flow.flat.groups, p.groups):
+            backend.call("add_scaled_", o, g, flow.div, flow.mul, pg, weight_decay)
+        return Flow(out, owned=True), state
+
+    return flat_transformation(_init_empty, flat_update)
+
+
+def sgd(
+    learning_rate: ScalarOrSchedule,
+    momentum: float | None = None,
+    nesterov: bool = False,
+    accumulator_dtype: Any = None,
+) -> GradientTransformationExtraArgs:
+    """Stochastic gradient descent: ``chain(trace(momentum, nesterov), scale_by_learning_rate)``
+    (no trace when ``momentum`` is None): ``u = -lr * trace``."""
+    first = trace(momentum, nesterov, accumulator_dtype) if momentum is not None else identity()
+    return chain(first, scale_by_learning_rate(learning_rate))
+
+
+class ScaleByAdamState(NamedTuple):
+    """Adam's step count and first and second moments."""
+
+    count: np.int32
+    mu: FlatTree
+    nu: FlatTree
+
+
+def scale_by_adam(
+    b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, eps_root: float = 0.0, mu_dtype: Any = None
+) -> GradientTransformationExtraArgs:
+    """Adam's direction, as optax computes it:
+
+    ``mu = (1 - b1) g + b1 mu``, ``nu = (1 - b2) g^2 + b2 nu``,
+    ``u = (mu / (1 - b1^t)) / (sqrt(nu / (1 - b2^t) + eps_root) + eps)``, one fused pass.
+
+    Args:
+        b1, b2: decay rates of the moments, in [0, 1].
+        eps, eps_root: added outside and inside the square root.
+        mu_dtype: storage dtype of ``mu``; None keeps each leaf's dtype.
+    """
+    b1 = check_decay(b1, "b1")
+    b2 = check_decay(b2, "b2")
+    eps, eps_root = float(eps), float(eps_root)
+    mu_dt = None if mu_dtype is None else check_float_dtype(mu_dtype, "mu_dtype")
+
+    def init(params: Any) -> ScaleByAdamState:
+        layout = layout_of(params, "params")
+        mu = FlatTree.zeros(layout, mu_dt if mu_dt is not None else None)
+        return ScaleByAdamState(np.int32(0), mu, FlatTree.zeros(layout))
+
+    def flat_update(flow: Flow, state: Any, params: ParamsRef | None, extra: dict) -> tuple[Flow, ScaleByAdamState]:
+        layout = flow.flat.layout
+        mu = expect_state(state, ScaleByAdamState, "mu", layout)
+        nu = expect_state(state, ScaleByAdamState, "nu", layout)
+        count = safe_increment(state.count)
+        out = nu.workspace("out", list(layout.group_dtypes))
+        for m, v, g, o in zip(mu.groups, nu.groups, flow.flat.groups, out.groups):
+            ct = compute_dtype(m, v, g)
+            bc1, bc2 = bias_correction(b1, count, ct), bias_correction(b2, count, ct)
+            backend.call("adam_update_", m, v, g, flow.div, flow.mul, b1, 1.0 - b1, b2, 1.0 - b2, bc1, bc2, eps, eps_root, o)
+        return Flow(out, owned=True), ScaleByAdamState(count, mu, nu)
+
+    return flat_transformation(init, flat_update)
+
+
+def adam(
+    learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, eps_root: float = 0.0
+) -> GradientTransformationExtraArgs:
+    """Adam: ``chain(scale_by_adam(b1, b2, eps, eps_root), scale_by_learning_rate(lr))``."""
+    return chain(scale_by_adam(b1, b2, eps, eps_root), scale_by_learning_rate(learning_rate))

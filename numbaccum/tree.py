@@ -1,0 +1,220 @@
+"""Parameter trees: flatten, unflatten and map, with leaf paths for error messages.
+
+A tree is a nest of ``dict`` (keys visited in sorted order, as JAX does), ``list``, ``tuple``,
+``NamedTuple`` and ``None`` (an empty subtree); anything else is a leaf. A `FlatTree` is also
+accepted and flattens as its ``.tree``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["TreeDef", "tree_flatten", "tree_unflatten", "tree_map", "format_path"]
+
+# Node kinds. A NamedTuple keeps its class so that unflatten rebuilds it.
+_LEAF, _NONE, _DICT, _LIST, _TUPLE, _NAMEDTUPLE = "leaf", "none", "dict", "list", "tuple", "nt"
+
+
+@dataclass(frozen=True)
+class TreeDef:
+    """The structure of a tree without its leaves; hashable and comparable."""
+
+    kind: str
+    meta: Any  # dict keys (sorted tuple) or NamedTuple class; None otherwise
+    children: tuple[TreeDef, ...]
+    num_leaves: int
+
+    def __repr__(self) -> str:
+        return f"TreeDef({_describe(self)}, num_leaves={self.num_leaves})"
+
+
+def _describe(td: TreeDef) -> str:
+    if td.kind == _LEAF:
+        return "*"
+    if td.kind == _NONE:
+        return "None"
+    inner = ", ".join(_describe(c) for c in td.children)
+    if td.kind == _DICT:
+        return "{" + ", ".join(f"{k!r}: {_describe(c)}" for k, c in zip(td.meta, td.children)) + "}"
+    if td.kind == _LIST:
+        return f"[{inner}]"
+    if td.kind == _TUPLE:
+        return f"({inner}{',' if len(td.children) == 1 else ''})"
+    return f"{td.meta.__name__}({inner})"
+
+
+_LEAF_DEF = TreeDef(_LEAF, None, (), 1)
+_NONE_DEF = TreeDef(_NONE, None, (), 0)
+
+
+def _is_namedtuple(x: Any) -> bool:
+    return isinstance(x, tuple) and hasattr(type(x), "_fields")
+
+
+def _children(node: Any) -> tuple[str, Any, list[tuple[Any, Any]]] | None:
+    """Returns (kind, meta, [(key, child), ...]) for an inner node, None for a leaf."""
+    if node is None:
+        return _NONE, None, []
+    if isinstance(node, dict):
+        try:
+            keys = tuple(sorted(node))
+        except TypeError as e:
+            raise TypeError(f"dict keys must be sortable, got {list(node)!r}") from e
+        return _DICT, keys, [(k, node[k]) for k in keys]
+    if _is_namedtuple(node):
+        return _NAMEDTUPLE, type(node), [(f, getattr(node, f)) for f in node._fields]
+    if isinstance(node, list):
+        return _LIST, None, list(enumerate(node))
+    if isinstance(node, tuple):
+        return _TUPLE, None, list(enumerate(node))
+    tree = getattr(node, "__numbaccum_tree__", None)  # FlatTree: flatten its views
+    if tree is not None:
+        return _children(tree())
+    return None
+
+
+def format_path(path: Sequence[Any], root: str = "tree") -> str:
+    """Formats a key path the way a user would index it, e.g. ``params['dense']['w']``."""
+    out = [root]
+    for k in path:
+        out.append(f".{k}" if isinstance(k, _Attr) else f"[{k!r}]")
+    return "".join(out)
+
+
+class _Attr(str):
+    """A NamedTuple field name in a path (printed as ``.field``)."""
+
+
+def _flatten(node: Any, path: tuple, leaves: list, paths: list | None) -> TreeDef:
+    spec = _children(node)
+    if spec is None:
+        leaves.append(node)
+        if paths is not None:
+            paths.append(path)
+        return _LEAF_DEF
+    kind, meta, items = spec
+    if kind == _NONE:
+        return _NONE_DEF
+    if kind == _NAMEDTUPLE:
+        items = [(_Attr(k), v) for k, v in items]
+    children = tuple(_flatten(v, path + (k,), leaves, paths) for k, v in items)
+    return TreeDef(kind, meta, children, sum(c.num_leaves for c in children))
+
+
+def tree_flatten(tree: Any) -> tuple[list[Any], TreeDef]:
+    """Flattens a tree into its leaves (depth first, dict keys sorted) and its structure.
+
+    Args:
+        tree: a nest of dict, list, tuple, NamedTuple and None; anything else is a leaf.
+
+    Returns:
+        ``(leaves, treedef)`` with ``tree_unflatten(treedef, leaves)`` rebuilding the tree.
+    """
+    leaves: list[Any] = []
+    return leaves, _flatten(tree, (), leaves, None)
+
+
+def tree_flatten_with_path(tree: Any) -> tuple[list[Any], list[tuple], TreeDef]:
+    """Like `tree_flatten`, also returning each leaf's key path."""
+    leaves: list[Any] = []
+    paths: list[tuple] = []
+    td = _flatten(tree, (), leaves, paths)
+    return leaves, paths, td
+
+
+def leaf_paths(treedef: TreeDef) -> list[tuple]:
+    """The key path of every leaf of ``treedef``, in leaf order."""
+    out: list[tuple] = []
+
+    def walk(td: TreeDef, path: tuple) -> None:
+        if td.kind == _LEAF:
+            out.append(path)
+        elif td.kind == _DICT:
+            for k, c in zip(td.meta, td.children):
+                walk(c, path + (k,))
+        elif td.kind == _NAMEDTUPLE:
+            for k, c in zip(td.meta._fields, td.children):
+                walk(c, path + (_Attr(k),))
+        else:
+            for i, c in enumerate(td.children):
+                walk(c, path + (i,))
+
+    walk(treedef, ())
+    return out
+
+
+def tree_unflatten(treedef: TreeDef, leaves: Sequence[Any]) -> Any:
+    """Rebuilds a tree of structure ``treedef`` from ``leaves`` (in `tree_flatten` order)."""
+    leaves = list(leaves)
+    if len(leaves) != treedef.num_leaves:
+        raise ValueError(f"treedef has {treedef.num_leaves} leaves, got {len(leaves)}")
+    it = iter(leaves)
+
+    def build(td: TreeDef) -> Any:
+        if td.kind == _LEAF:
+            return next(it)
+        if td.kind == _NONE:
+            return None
+        kids = [build(c) for c in td.children]
+        if td.kind == _DICT:
+            return dict(zip(td.meta, kids))
+        if td.kind == _LIST:
+            return kids
+        if td.kind == _TUPLE:
+            return tuple(kids)
+        return td.meta(*kids)
+
+    return build(treedef)
+
+
+def first_difference(a: TreeDef, b: TreeDef) -> tuple[tuple, str]:
+    """Path and description of the first place where two structures differ."""
+
+    def walk(x: TreeDef, y: TreeDef, path: tuple) -> tuple[tuple, str] | None:
+        if x.kind != y.kind or (x.kind == _NAMEDTUPLE and x.meta is not y.meta):
+            return path, f"expected {_describe(x)}, got {_describe(y)}"
+        if x.kind == _DICT and x.meta != y.meta:
+            missing = sorted(set(x.meta) - set(y.meta), key=repr)
+            extra = sorted(set(y.meta) - set(x.meta), key=repr)
+            return path, f"dict keys differ (missing {missing}, unexpected {extra})"
+        if len(x.children) != len(y.children):
+            return path, f"expected {len(x.children)} children, got {len(y.children)}"
+        keys: Sequence[Any]
+        if x.kind == _DICT:
+            keys = x.meta
+        elif x.kind == _NAMEDTUPLE:
+            keys = [_Attr(f) for f in x.meta._fields]
+        else:
+            keys = range(len(x.children))
+        for k, cx, cy in zip(keys, x.children, y.children):
+            found = walk(cx, cy, path + (k,))
+            if found is not None:
+                return found
+        return None
+
+    found = walk(a, b, ())
+    return found if found is not None else ((), "structures are equal")
+
+
+def check_same_structure(expected: TreeDef, got: TreeDef, name: str) -> None:
+    """Raises ValueError naming the first differing path when two structures differ."""
+    if expected != got:
+        path, why = first_difference(expected, got)
+        raise ValueError(f"{format_path(path, name)}: tree structure mismatch: {why}")
+
+
+def tree_map(f: Callable[..., Any], tree: Any, *rest: Any) -> Any:
+    """Applies ``f`` leaf by leaf to ``tree`` and trees of the same structure in ``rest``.
+
+    Raises:
+        ValueError: a tree in ``rest`` has another structure (names the first differing path).
+    """
+    leaves, td = tree_flatten(tree)
+    others = []
+    for i, r in enumerate(rest):
+        r_leaves, r_td = tree_flatten(r)
+        check_same_structure(td, r_td, f"rest[{i}]")
+        others.append(r_leaves)
+    return tree_unflatten(td, [f(*xs) for xs in zip(leaves, *others)])
