@@ -18,6 +18,7 @@ import numpy as np
 
 from . import backend
 from .flat import FlatTree, Layout, as_flat, check_leaves, layout_of
+from .tree import format_path, tree_flatten_with_path
 
 __all__ = [
     "EmptyState",
@@ -111,7 +112,8 @@ class ParamsRef:
 
     def flat(self) -> FlatTree:
         if self._flat is None:
-            into = self._owner.workspace("params") if self._owner is not None else None
+            owner = self._owner
+            into = (lambda: owner.workspace("params")) if owner is not None else None
             self._flat = as_flat(self.raw, self._layout, "params", pack_into=into)[0]
         return self._flat
 
@@ -153,8 +155,11 @@ def flat_transformation(init: Callable[[Any], Any], flat_update: FlatUpdate) -> 
 
     def update(updates: Any, state: Any, params: Any = None, **extra_args: Any) -> tuple[Any, Any]:
         owner = state_owner(state)
-        layout = owner.layout if owner is not None else layout_of(updates, "updates")
-        inbox = owner.workspace("input") if owner is not None else None
+        if owner is not None:
+            layout = owner.layout
+        else:  # a stateless transformation: params (if given) define the layout
+            layout = layout_of(params if params is not None else updates, "params" if params is not None else "updates")
+        inbox = (lambda: owner.workspace("input")) if owner is not None else None
         flat, copied = as_flat(updates, layout, "updates", pack_into=inbox)
         ref = None
         if params is not None:
@@ -238,14 +243,11 @@ def _scratch(state: Any, layout: Layout, name: str) -> FlatTree:
 # --- applying updates and copying states ----------------------------------------------------
 
 
-def _apply(params: Any, updates: Any, out: FlatTree | None) -> Any:
-    layout = layout_of(params, "params")
-    p = as_flat(params, layout, "params")[0]
-    u = as_flat(updates, layout, "updates")[0]
-    target = out if out is not None else FlatTree.empty(layout, list(p.group_dtypes))
-    for dst, pg, ug in zip(target.groups, p.groups, u.groups):
+def _apply(p: FlatTree, updates: Any, out: FlatTree) -> FlatTree:
+    u = as_flat(updates, p.layout, "updates")[0]
+    for dst, pg, ug in zip(out.groups, p.groups, u.groups):
         backend.call("add_scaled_", dst, pg, 1.0, 1.0, ug, 1.0)
-    return target
+    return out
 
 
 def apply_updates(params: Any, updates: Any) -> Any:
@@ -253,19 +255,31 @@ def apply_updates(params: Any, updates: Any) -> Any:
 
     A FlatTree in gives a FlatTree out.
     """
-    out = _apply(params, updates, None)
+    layout = params.layout if isinstance(params, FlatTree) else layout_of(params, "params")
+    p = as_flat(params, layout, "params")[0]
+    out = _apply(p, updates, FlatTree.empty(layout, list(p.group_dtypes)))
     return out if isinstance(params, FlatTree) else out.tree
 
 
 def apply_updates_(params: Any, updates: Any) -> Any:
-    """``params += updates`` in place (a FlatTree, or a tree of writable arrays); returns params."""
+    """``params += updates`` in place (a FlatTree, or a tree of writable arrays); returns params.
+
+    Raises:
+        TypeError: a leaf is a NumPy scalar or a read-only array (it cannot change in place).
+    """
     if isinstance(params, FlatTree):
         _apply(params, updates, params)
         return params
-    leaves = check_leaves(params, layout_of(params, "params"), "params")
-    flat = _apply(params, updates, None)
-    for i, leaf in enumerate(leaves):
-        np.copyto(leaf, flat.leaf(i))
+    layout = layout_of(params, "params")
+    leaves, paths, _ = tree_flatten_with_path(params)
+    for x, path in zip(leaves, paths):
+        if not isinstance(x, np.ndarray) or not x.flags.writeable:
+            raise TypeError(f"{format_path(path, 'params')}: cannot be updated in place (not a writable array)")
+    p, copied = as_flat(params, layout, "params")
+    _apply(p, updates, p)
+    if copied:
+        for i, leaf in enumerate(leaves):
+            np.copyto(leaf, p.leaf(i))
     return params
 
 

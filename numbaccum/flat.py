@@ -9,7 +9,7 @@ float32 accumulator for float16 gradients), which is how states mirror their par
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -312,12 +312,14 @@ class FlatTree:
 
 
 def check_leaves(tree: Any, layout: Layout, name: str) -> list[np.ndarray]:
-    """The leaves of ``tree`` after checking them against ``layout`` (structure, shapes, float
-    dtypes); raises before anything is written."""
+    """The leaves of ``tree`` after checking them against ``layout``: structure first
+    (ValueError naming the first differing path), then leaf types (TypeError), then shapes
+    (ValueError). Raises before anything is written."""
     if isinstance(tree, FlatTree):
         tree = tree.tree
-    leaves, td = leaves_of(tree, name)
+    raw, paths, td = _tree.tree_flatten_with_path(tree)
     _tree.check_same_structure(layout.treedef, td, name)
+    leaves = [_as_leaf(x, format_path(p, name)) for x, p in zip(raw, paths)]
     for i, (x, shape) in enumerate(zip(leaves, layout.shapes)):
         if x.shape != shape:
             raise ValueError(f"{layout.path(i, name)}: shape {x.shape} does not match {shape}")
@@ -326,33 +328,39 @@ def check_leaves(tree: Any, layout: Layout, name: str) -> list[np.ndarray]:
 
 def _views_group(leaves: list[np.ndarray], layout: Layout, g: int) -> np.ndarray | None:
     """The group's run of a buffer when its leaves are exactly consecutive views of it."""
-    members = layout.groups[g]
-    first = leaves[members[0]]
-    base = first.base
     dt = layout.group_dtypes[g]
-    if not isinstance(base, np.ndarray) or base.ndim != 1 or base.dtype != dt:
-        return None
-    if not base.flags.c_contiguous:
-        return None
-    origin = base.__array_interface__["data"][0]
-    start = first.__array_interface__["data"][0] - origin
     offsets = layout.offsets[g]
-    for j, leaf in enumerate(members):
+    base: Any = None
+    start = 0  # byte address of the group's first element
+    for j, leaf in enumerate(layout.groups[g]):
         x = leaves[leaf]
+        if x.size == 0:  # holds no data; NumPy may place it anywhere
+            continue
+        if base is None:
+            base = x.base
+            if not isinstance(base, np.ndarray) or base.ndim != 1 or base.dtype != dt:
+                return None
+            if not base.flags.c_contiguous:
+                return None
+            start = x.__array_interface__["data"][0] - int(offsets[j]) * dt.itemsize
         if x.base is not base or x.dtype != dt or not x.flags.c_contiguous:
             return None
-        if x.__array_interface__["data"][0] - origin - start != offsets[j] * dt.itemsize:
+        if x.__array_interface__["data"][0] - start != int(offsets[j]) * dt.itemsize:
             return None
-    s = start // dt.itemsize
-    return base[s : s + layout.group_sizes[g]]
+    if base is None:
+        return None
+    first, rem = divmod(start - base.__array_interface__["data"][0], dt.itemsize)
+    if rem or first < 0 or first + layout.group_sizes[g] > base.size:
+        return None
+    return base[first : first + layout.group_sizes[g]]
 
 
 def as_flat(
-    tree: Any, layout: Layout, name: str, pack_into: FlatTree | None = None
+    tree: Any, layout: Layout, name: str, pack_into: FlatTree | Callable[[], FlatTree] | None = None
 ) -> tuple[FlatTree, bool]:
     """``(flat, copied)``: ``tree`` as a FlatTree of ``layout``, without a copy when it already
     is one (or is the ``.tree`` of one), else its values packed into ``pack_into`` (or a new
-    FlatTree) with ``copied`` True.
+    FlatTree; a callable is called only then) with ``copied`` True.
 
     Raises TypeError/ValueError naming the leaf when the tree does not match ``layout``; nothing
     has been written then.
@@ -369,7 +377,10 @@ def as_flat(
             views.append(v)
         else:
             return FlatTree(layout, views, {v.dtype: v for v in views}), False
-    out = pack_into if pack_into is not None else FlatTree.empty(layout)
+    if pack_into is None:
+        out = FlatTree.empty(layout)
+    else:
+        out = pack_into if isinstance(pack_into, FlatTree) else pack_into()
     out._copy_leaves_in(leaves)
     return out, True
 
