@@ -104,7 +104,9 @@ class TraceState(NamedTuple):
     trace: FlatTree
 
 
-def trace(decay: float, nesterov: bool = False, accumulator_dtype: Any = None) -> GradientTransformationExtraArgs:
+def trace(
+    decay: float, nesterov: bool = False, accumulator_dtype: Any = None
+) -> GradientTransformationExtraArgs:
     """Momentum: ``trace = g + decay * trace``; update ``trace`` (or ``g + decay * trace`` with
     nesterov).
 
@@ -142,7 +144,7 @@ def trace(decay: float, nesterov: bool = False, accumulator_dtype: Any = None) -
 class EmaState(NamedTuple):
     """Holds an exponential moving average of past updates (never debiased) and its count."""
 
-    count: np.int32
+    count: np.int32  # type: ignore[assignment]  # shadows tuple.count, as in optax
     ema: FlatTree
 
 
@@ -177,7 +179,7 @@ def ema(decay: float, debias: bool = True, accumulator_dtype: Any = None) -> Gra
         count = safe_increment(state.count)
         out = avg.workspace("out", list(layout.group_dtypes))
         for e, g, o in zip(avg.groups, flow.flat.groups, out.groups):
-            bc = bias_correction(decay, count, compute_dtype(e, g)) if debias else 1.0
+            bc = bias_correction(decay, int(count), compute_dtype(e, g)) if debias else 1.0
             backend.call("ema_update_", e, g, flow.div, flow.mul, one_minus, decay, bc, o)
         return Flow(out, owned=True), EmaState(count, avg)
 
@@ -190,7 +192,7 @@ def ema(decay: float, debias: bool = True, accumulator_dtype: Any = None) -> Gra
 class ApplyEvery(NamedTuple):
     """Counts steps and holds the sum of the gradients of the current cycle."""
 
-    count: np.int32
+    count: np.int32  # type: ignore[assignment]  # shadows tuple.count, as in optax
     grad_acc: FlatTree
 
 
@@ -233,7 +235,11 @@ def _check_k(k: Any, name: str) -> int:
 
 
 def _flow_of(updates: Any) -> Flow:
-    flat = updates if isinstance(updates, FlatTree) else as_flat(updates, layout_of(updates, "updates"), "updates")[0]
+    flat = (
+        updates
+        if isinstance(updates, FlatTree)
+        else as_flat(updates, layout_of(updates, "updates"), "updates")[0]
+    )
     return Flow(flat, owned=False)
 
 
@@ -253,7 +259,9 @@ def skip_not_finite(updates: Any, gradient_step: Any, params: Any) -> tuple[np.b
     return _skip_not_finite_flat(_flow_of(updates), gradient_step, params)
 
 
-def _skip_large_flat(flow: Flow, gradient_step: Any, params: Any, max_squared_norm: float) -> tuple[np.bool_, dict]:
+def _skip_large_flat(
+    flow: Flow, gradient_step: Any, params: Any, max_squared_norm: float
+) -> tuple[np.bool_, dict]:
     flow = flow.settled()
     norm_sq = 0.0
     for g in flow.flat.groups:
@@ -262,7 +270,9 @@ def _skip_large_flat(flow: Flow, gradient_step: Any, params: Any, max_squared_no
     return skip, {"should_skip": skip, "norm_squared": np.float64(norm_sq)}
 
 
-def skip_large_updates(updates: Any, gradient_step: Any, params: Any, max_squared_norm: float) -> tuple[np.bool_, dict]:
+def skip_large_updates(
+    updates: Any, gradient_step: Any, params: Any, max_squared_norm: float
+) -> tuple[np.bool_, dict]:
     """Skip predicate for `MultiSteps`: skip unless ``sum(g ** 2) < max_squared_norm`` (so NaN
     and equality skip). Bind ``max_squared_norm`` with ``functools.partial``.
 
@@ -373,7 +383,9 @@ class MultiSteps:
             _, skip_state = _call_skip(self._skip, Flow(zeros, owned=False), np.int32(0), ref)
         return MultiStepsState(np.int32(0), np.int32(0), self._opt.init(params), acc, skip_state)
 
-    def update(self, updates: Any, state: MultiStepsState, params: Any = None, **extra_args: Any) -> tuple[Any, MultiStepsState]:
+    def update(
+        self, updates: Any, state: MultiStepsState, params: Any = None, **extra_args: Any
+    ) -> tuple[Any, MultiStepsState]:
         """Accumulates ``updates``; returns the inner update on emitting steps, else zeros."""
         return self._tx.update(updates, state, params, **extra_args)
 
@@ -394,10 +406,14 @@ class MultiSteps:
         except (TypeError, ValueError) as e:
             raise TypeError(f"every_k_schedule returned {k!r}, not an int") from e
         if k_int < 1:
-            raise ValueError(f"every_k_schedule returned {k_int} at gradient_step {gradient_step}; it must be >= 1")
+            raise ValueError(
+                f"every_k_schedule returned {k_int} at gradient_step {gradient_step}; it must be >= 1"
+            )
         return k_int
 
-    def _flat_update(self, flow: Flow, state: Any, params: ParamsRef | None, extra: dict) -> tuple[Flow, MultiStepsState]:
+    def _flat_update(
+        self, flow: Flow, state: Any, params: ParamsRef | None, extra: dict
+    ) -> tuple[Flow, MultiStepsState]:
         layout = flow.flat.layout
         acc = expect_state(state, MultiStepsState, "acc_grads", layout)
         k = self._schedule(state.gradient_step)
@@ -416,13 +432,20 @@ class MultiSteps:
             else:
                 backend.call("sum_accumulate_", a, g, flow.div, flow.mul, fresh)
         if mini < k - 1:
-            new = MultiStepsState(np.int32(mini + 1), state.gradient_step, state.inner_opt_state, acc, skip_state)
+            new = MultiStepsState(
+                np.int32(mini + 1), state.gradient_step, state.inner_opt_state, acc, skip_state
+            )
             return zeros_output(acc, layout), new
         # Emission: the inner optimizer sees acc in the updates' dtypes and may overwrite it
         # (it is zeroed below); its result is moved out of acc first if it still lives there.
         inner_in = self._as_update_dtypes(acc, layout)
         out, inner_state = run_stage(
-            self._opt, Flow(inner_in, owned=True), state.inner_opt_state, params, extra, acc.workspace("inner", list(layout.group_dtypes))
+            self._opt,
+            Flow(inner_in, owned=True),
+            state.inner_opt_state,
+            params,
+            extra,
+            acc.workspace("inner", list(layout.group_dtypes)),
         )
         if _shares(out.flat, acc) or _shares(out.flat, inner_in):
             out = Flow(out.into(acc.workspace("emit", list(layout.group_dtypes))), owned=True)
@@ -443,4 +466,3 @@ class MultiSteps:
 
 def _shares(a: FlatTree, b: FlatTree) -> bool:
     return any(np.may_share_memory(x, y) for x in a.groups for y in b.groups)
-

@@ -72,9 +72,7 @@ def call(name: str, *args: Any) -> Any:
     run_args = [staged.get(id(a), a) if isinstance(a, np.ndarray) else a for a in args]
     arrays = [a for a in run_args if isinstance(a, np.ndarray)]
     ctype = np.result_type(*arrays) if arrays else np.dtype(np.float64)
-    run_args = [
-        a if isinstance(a, (np.ndarray, bool, np.bool_)) else ctype.type(a) for a in run_args
-    ]
+    run_args = [a if isinstance(a, (np.ndarray, bool, np.bool_)) else ctype.type(a) for a in run_args]
     with _parallel_guard():
         result = getattr(cpu, name)(*run_args)
     for i in _WRITES.get(name, ()) if staged else ():

@@ -145,7 +145,9 @@ def _output(flow: Flow, owner: FlatTree | None) -> FlatTree:
     return flow.into(out)
 
 
-def flat_transformation(init: Callable[[Any], Any], flat_update: FlatUpdate) -> GradientTransformationExtraArgs:
+def flat_transformation(
+    init: Callable[[Any], Any], flat_update: FlatUpdate
+) -> GradientTransformationExtraArgs:
     """A GradientTransformationExtraArgs from ``init`` and a flat update.
 
     The public ``update`` validates ``updates`` and ``params`` against the state's layout before
@@ -158,7 +160,9 @@ def flat_transformation(init: Callable[[Any], Any], flat_update: FlatUpdate) -> 
         if owner is not None:
             layout = owner.layout
         else:  # a stateless transformation: params (if given) define the layout
-            layout = layout_of(params if params is not None else updates, "params" if params is not None else "updates")
+            layout = layout_of(
+                params if params is not None else updates, "params" if params is not None else "updates"
+            )
         inbox = (lambda: owner.workspace("input")) if owner is not None else None
         flat, copied = as_flat(updates, layout, "updates", pack_into=inbox)
         ref = None
@@ -274,7 +278,9 @@ def apply_updates_(params: Any, updates: Any) -> Any:
     leaves, paths, _ = tree_flatten_with_path(params)
     for x, path in zip(leaves, paths):
         if not isinstance(x, np.ndarray) or not x.flags.writeable:
-            raise TypeError(f"{format_path(path, 'params')}: cannot be updated in place (not a writable array)")
+            raise TypeError(
+                f"{format_path(path, 'params')}: cannot be updated in place (not a writable array)"
+            )
     p, copied = as_flat(params, layout, "params")
     _apply(p, updates, p)
     if copied:

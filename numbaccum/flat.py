@@ -184,7 +184,7 @@ class FlatTree:
         elif isinstance(dtypes, (list, tuple)):
             gdt = [np.dtype(d) for d in dtypes]
         else:
-            gdt = [np.dtype(dtypes)] * len(layout.groups)
+            gdt = [np.dtype(dtypes)] * len(layout.groups)  # type: ignore[arg-type]
         totals: dict[np.dtype, int] = {}
         starts = []
         for d, n in zip(gdt, layout.group_sizes):

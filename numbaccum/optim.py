@@ -9,7 +9,15 @@ import numpy as np
 
 from . import backend
 from .accumulation import bias_correction, check_decay, compute_dtype, expect_state, safe_increment, trace
-from .base import EmptyState, Flow, FlatTree, GradientTransformationExtraArgs, ParamsRef, chain, flat_transformation
+from .base import (
+    EmptyState,
+    FlatTree,
+    Flow,
+    GradientTransformationExtraArgs,
+    ParamsRef,
+    chain,
+    flat_transformation,
+)
 from .flat import check_float_dtype, layout_of
 
 __all__ = [
@@ -46,16 +54,20 @@ def identity() -> GradientTransformationExtraArgs:
 def scale(step_size: float) -> GradientTransformationExtraArgs:
     """Scales the updates: ``u = step_size * g``. Stateless."""
     step_size = float(step_size)
-    return flat_transformation(_init_empty, lambda flow, state, params, extra: (_scaled(flow, step_size), state))
+    return flat_transformation(
+        _init_empty, lambda flow, state, params, extra: (_scaled(flow, step_size), state)
+    )
 
 
 class ScaleByScheduleState(NamedTuple):
     """Step count of a schedule (int32, saturating)."""
 
-    count: np.int32
+    count: np.int32  # type: ignore[assignment]  # shadows tuple.count, as in optax
 
 
-def scale_by_learning_rate(learning_rate: ScalarOrSchedule, *, flip_sign: bool = True) -> GradientTransformationExtraArgs:
+def scale_by_learning_rate(
+    learning_rate: ScalarOrSchedule, *, flip_sign: bool = True
+) -> GradientTransformationExtraArgs:
     """``u = -learning_rate * g`` (``+`` with ``flip_sign=False``); ``learning_rate`` is a float
     or a callable of the step count (then the state is `ScaleByScheduleState`)."""
     sign = -1.0 if flip_sign else 1.0
@@ -66,7 +78,9 @@ def scale_by_learning_rate(learning_rate: ScalarOrSchedule, *, flip_sign: bool =
     def init(params: Any) -> ScaleByScheduleState:
         return ScaleByScheduleState(np.int32(0))
 
-    def flat_update(flow: Flow, state: Any, params: ParamsRef | None, extra: dict) -> tuple[Flow, ScaleByScheduleState]:
+    def flat_update(
+        flow: Flow, state: Any, params: ParamsRef | None, extra: dict
+    ) -> tuple[Flow, ScaleByScheduleState]:
         if not isinstance(state, ScaleByScheduleState):
             raise TypeError(f"state: expected ScaleByScheduleState, got {type(state).__name__}")
         factor = sign * float(schedule(state.count))
@@ -106,7 +120,7 @@ def sgd(
 class ScaleByAdamState(NamedTuple):
     """Adam's step count and first and second moments."""
 
-    count: np.int32
+    count: np.int32  # type: ignore[assignment]  # shadows tuple.count, as in optax
     mu: FlatTree
     nu: FlatTree
 
@@ -134,7 +148,9 @@ def scale_by_adam(
         mu = FlatTree.zeros(layout, mu_dt if mu_dt is not None else None)
         return ScaleByAdamState(np.int32(0), mu, FlatTree.zeros(layout))
 
-    def flat_update(flow: Flow, state: Any, params: ParamsRef | None, extra: dict) -> tuple[Flow, ScaleByAdamState]:
+    def flat_update(
+        flow: Flow, state: Any, params: ParamsRef | None, extra: dict
+    ) -> tuple[Flow, ScaleByAdamState]:
         layout = flow.flat.layout
         mu = expect_state(state, ScaleByAdamState, "mu", layout)
         nu = expect_state(state, ScaleByAdamState, "nu", layout)
@@ -142,15 +158,35 @@ def scale_by_adam(
         out = nu.workspace("out", list(layout.group_dtypes))
         for m, v, g, o in zip(mu.groups, nu.groups, flow.flat.groups, out.groups):
             ct = compute_dtype(m, v, g)
-            bc1, bc2 = bias_correction(b1, count, ct), bias_correction(b2, count, ct)
-            backend.call("adam_update_", m, v, g, flow.div, flow.mul, b1, 1.0 - b1, b2, 1.0 - b2, bc1, bc2, eps, eps_root, o)
+            bc1, bc2 = bias_correction(b1, int(count), ct), bias_correction(b2, int(count), ct)
+            backend.call(
+                "adam_update_",
+                m,
+                v,
+                g,
+                flow.div,
+                flow.mul,
+                b1,
+                1.0 - b1,
+                b2,
+                1.0 - b2,
+                bc1,
+                bc2,
+                eps,
+                eps_root,
+                o,
+            )
         return Flow(out, owned=True), ScaleByAdamState(count, mu, nu)
 
     return flat_transformation(init, flat_update)
 
 
 def adam(
-    learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, eps_root: float = 0.0
+    learning_rate: ScalarOrSchedule,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    eps_root: float = 0.0,
 ) -> GradientTransformationExtraArgs:
     """Adam: ``chain(scale_by_adam(b1, b2, eps, eps_root), scale_by_learning_rate(lr))``."""
     return chain(scale_by_adam(b1, b2, eps, eps_root), scale_by_learning_rate(learning_rate))

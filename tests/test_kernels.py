@@ -102,7 +102,9 @@ def test_elementwise_kernels_match_numpy(n, dtype):
     backend.call("adam_update_", mu, nu, g, 1.7, 0.3, 0.9, 0.1, 0.999, 1 - 0.999, bc1, bc2, 1e-8, 0.0, out)
     np.testing.assert_array_equal(mu, m)
     np.testing.assert_array_equal(nu, v)
-    np.testing.assert_allclose(out, (m / bc1) / (np.sqrt(v / bc2 + t(0)) + t(1e-8)), rtol=2e-7 if t is np.float32 else 1e-15)
+    np.testing.assert_allclose(
+        out, (m / bc1) / (np.sqrt(v / bc2 + t(0)) + t(1e-8)), rtol=2e-7 if t is np.float32 else 1e-15
+    )
 
     backend.call("fill_", out, 0.0)
     assert not out.any()
@@ -149,6 +151,8 @@ def test_same_bits_with_one_and_two_threads():
     results = []
     for threads in ("1", "2"):
         env = dict(os.environ, NUMBA_NUM_THREADS=threads)
-        r = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, check=True)
+        r = subprocess.run(
+            [sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, check=True
+        )
         results.append(r.stdout.strip())
     assert results[0] == results[1]

@@ -9,7 +9,8 @@ Each loop body is written once over an index range ``[lo, hi)``; `_elementwise` 
 parallel driver (``prange`` over fixed chunks) and a serial one for small buffers. Reductions sum
 fixed blocks of ``REDUCE_BLOCK`` elements in float64 with 16 independent accumulators (which
 vectorise without fastmath) and combine the block partials in index order, so the result has the
-same bits for any thread count.
+same bits for any thread count. ``error_model="numpy"``: a division by zero gives inf or NaN as in
+NumPy (optax's ``ema`` with ``decay = 1`` is NaN), never an exception.
 """
 
 from __future__ import annotations
@@ -25,12 +26,12 @@ _LANES = 16
 def _elementwise(body):
     """Parallel and serial drivers for ``body(lo, hi, *args)``."""
 
-    @njit(parallel=True)
+    @njit(parallel=True, error_model="numpy")
     def parallel(n, chunk, *args):  # pragma: no cover - compiled
         for c in prange((n + chunk - 1) // chunk):
             body(c * chunk, min(n, (c + 1) * chunk), *args)
 
-    @njit
+    @njit(error_model="numpy")
     def serial(n, chunk, *args):  # pragma: no cover - compiled
         body(0, n, *args)
 
@@ -40,7 +41,7 @@ def _elementwise(body):
 def _blocked(block_sum):
     """Parallel and serial drivers of a fixed-partition float64 reduction."""
 
-    @njit(parallel=True)
+    @njit(parallel=True, error_model="numpy")
     def parallel(x, block):  # pragma: no cover - compiled
         nb = (x.size + block - 1) // block
         partial = np.empty(nb, np.float64)
@@ -51,7 +52,7 @@ def _blocked(block_sum):
             total += partial[b]
         return total
 
-    @njit
+    @njit(error_model="numpy")
     def serial(x, block):  # pragma: no cover - compiled
         nb = (x.size + block - 1) // block
         total = 0.0
@@ -65,46 +66,49 @@ def _blocked(block_sum):
 # --- reductions -----------------------------------------------------------------------------
 
 
-@njit(inline="always")
+@njit(inline="always", error_model="numpy")
 def _block_sumsq(x, lo, hi):  # pragma: no cover - compiled
     """sum(x[lo:hi] ** 2) in float64, 16 lanes then lane order."""
+    v = x[lo:hi]
     acc = np.zeros(_LANES, np.float64)
-    stop = lo + (hi - lo) // _LANES * _LANES
-    for i in range(lo, stop, _LANES):
+    stop = v.size // _LANES * _LANES
+    for i in range(0, stop, _LANES):
         for j in range(_LANES):
-            v = np.float64(x[i + j])
-            acc[j] += v * v
+            e = np.float64(v[i + j])
+            acc[j] += e * e
     s = 0.0
-    for i in range(stop, hi):
-        v = np.float64(x[i])
-        s += v * v
+    for i in range(stop, v.size):
+        e = np.float64(v[i])
+        s += e * e
     for j in range(_LANES):
         s += acc[j]
     return s
 
 
-@njit(inline="always")
+@njit(inline="always", error_model="numpy")
 def _block_sumabs(x, lo, hi):  # pragma: no cover - compiled
     """sum(|x[lo:hi]|) in float64, 16 lanes then lane order."""
+    v = x[lo:hi]
     acc = np.zeros(_LANES, np.float64)
-    stop = lo + (hi - lo) // _LANES * _LANES
-    for i in range(lo, stop, _LANES):
+    stop = v.size // _LANES * _LANES
+    for i in range(0, stop, _LANES):
         for j in range(_LANES):
-            acc[j] += abs(np.float64(x[i + j]))
+            acc[j] += abs(np.float64(v[i + j]))
     s = 0.0
-    for i in range(stop, hi):
-        s += abs(np.float64(x[i]))
+    for i in range(stop, v.size):
+        s += abs(np.float64(v[i]))
     for j in range(_LANES):
         s += acc[j]
     return s
 
 
-@njit(inline="always")
+@njit(inline="always", error_model="numpy")
 def _block_maxabs(x, lo, hi):  # pragma: no cover - compiled
     """max(|x[lo:hi]|), NaN if any element is NaN (like ``jnp.max``)."""
+    v = x[lo:hi]
     m = 0.0
-    for i in range(lo, hi):
-        a = abs(np.float64(x[i]))
+    for i in range(v.size):
+        a = abs(np.float64(v[i]))
         if a > m or a != a:
             m = a
             if a != a:
@@ -112,13 +116,13 @@ def _block_maxabs(x, lo, hi):  # pragma: no cover - compiled
     return m
 
 
-@njit(inline="always")
+@njit(inline="always", error_model="numpy")
 def _block_nonfinite(x, lo, hi):  # pragma: no cover - compiled
     """Number of NaN and +-inf elements of x[lo:hi], as a float64 (exact below 2**53)."""
+    v = x[lo:hi]
     c = 0
-    for i in range(lo, hi):
-        v = x[i]
-        if not (v - v == 0):  # NaN for NaN and inf, 0 for every finite value
+    for i in range(v.size):
+        if v[i] - v[i] != 0:  # NaN for NaN and inf, 0 for every finite value
             c += 1
     return np.float64(c)
 
@@ -128,7 +132,7 @@ _SUMABS = _blocked(_block_sumabs)
 _NONFINITE = _blocked(_block_nonfinite)
 
 
-@njit(parallel=True)
+@njit(parallel=True, error_model="numpy")
 def _maxabs_parallel(x, block):  # pragma: no cover - compiled
     nb = (x.size + block - 1) // block
     partial = np.empty(nb, np.float64)
@@ -143,7 +147,7 @@ def _maxabs_parallel(x, block):  # pragma: no cover - compiled
     return m
 
 
-@njit
+@njit(error_model="numpy")
 def _maxabs_serial(x, block):  # pragma: no cover - compiled
     return _block_maxabs(x, 0, x.size)
 
@@ -151,7 +155,7 @@ def _maxabs_serial(x, block):  # pragma: no cover - compiled
 _MAXABS = (_maxabs_parallel, _maxabs_serial)
 
 
-@njit
+@njit(error_model="numpy")
 def _segment_blocks(offsets, block):  # pragma: no cover - compiled
     """Start, stop and segment of every block: each segment cut into fixed blocks."""
     nseg = offsets.size - 1
@@ -176,16 +180,15 @@ def _segment_blocks(offsets, block):  # pragma: no cover - compiled
 def _segmented(block_fn, take_max):
     """Parallel and serial drivers of a per-segment reduction over fixed blocks per segment."""
 
-    @njit(inline="always")
+    @njit(inline="always", error_model="numpy")
     def combine(out, s, v):  # pragma: no cover - compiled
         if take_max:
-            if v > out[s] or v != v:
-                if out[s] == out[s]:
-                    out[s] = v
+            if (v > out[s] or v != v) and out[s] == out[s]:  # NaN, once in, stays
+                out[s] = v
         else:
             out[s] += v
 
-    @njit(parallel=True)
+    @njit(parallel=True, error_model="numpy")
     def parallel(x, offsets, block):  # pragma: no cover - compiled
         starts, stops, seg = _segment_blocks(offsets, block)
         partial = np.empty(starts.size, np.float64)
@@ -196,7 +199,7 @@ def _segmented(block_fn, take_max):
             combine(out, seg[b], partial[b])
         return out
 
-    @njit
+    @njit(error_model="numpy")
     def serial(x, offsets, block):  # pragma: no cover - compiled
         starts, stops, seg = _segment_blocks(offsets, block)
         out = np.zeros(offsets.size - 1, np.float64)
@@ -215,84 +218,96 @@ _SEG_MAXABS = _segmented(_block_maxabs, True)
 # --- elementwise ----------------------------------------------------------------------------
 
 
-@njit
+# Bodies slice their arrays and loop from 0: an index that is provably non-negative lets LLVM
+# drop numba's negative-index wraparound and vectorise (measured: 2x on a mean accumulate).
+
+
+@njit(error_model="numpy")
 def _fill_body(lo, hi, x, value):  # pragma: no cover - compiled
     """x = value."""
-    for i in range(lo, hi):
-        x[i] = value
+    xs = x[lo:hi]
+    for i in range(xs.size):
+        xs[i] = value
 
 
-@njit
+@njit(error_model="numpy")
 def _scale_body(lo, hi, out, x, div, mul):  # pragma: no cover - compiled
     """out = (x / div) * mul."""
-    for i in range(lo, hi):
-        out[i] = (x[i] / div) * mul
+    o, xs = out[lo:hi], x[lo:hi]
+    for i in range(xs.size):
+        o[i] = (xs[i] / div) * mul
 
 
-@njit
+@njit(error_model="numpy")
 def _add_scaled_body(lo, hi, out, x, div, mul, y, s):  # pragma: no cover - compiled
     """out = (x / div) * mul + s * y."""
-    for i in range(lo, hi):
-        out[i] = (x[i] / div) * mul + s * y[i]
+    o, xs, ys = out[lo:hi], x[lo:hi], y[lo:hi]
+    for i in range(xs.size):
+        o[i] = (xs[i] / div) * mul + s * ys[i]
 
 
-@njit
+@njit(error_model="numpy")
 def _trace_body(lo, hi, trace, g, div, mul, decay, nesterov, out):  # pragma: no cover
     """t = g + decay * trace; trace = t; out = g + decay * t if nesterov else t."""
-    for i in range(lo, hi):
-        gi = (g[i] / div) * mul
-        t = gi + decay * trace[i]
-        trace[i] = t
+    tr, gs, o = trace[lo:hi], g[lo:hi], out[lo:hi]
+    for i in range(gs.size):
+        gi = (gs[i] / div) * mul
+        t = gi + decay * tr[i]
+        tr[i] = t
         if nesterov:
-            out[i] = gi + decay * t
+            o[i] = gi + decay * t
         else:
-            out[i] = t
+            o[i] = t
 
 
-@njit
+@njit(error_model="numpy")
 def _ema_body(lo, hi, ema, g, div, mul, one_minus_decay, decay, bias_correction, out):  # pragma: no cover
     """e = (1 - decay) * g + decay * ema; ema = e; out = e / bias_correction."""
-    for i in range(lo, hi):
-        e = one_minus_decay * ((g[i] / div) * mul) + decay * ema[i]
-        ema[i] = e
-        out[i] = e / bias_correction
+    em, gs, o = ema[lo:hi], g[lo:hi], out[lo:hi]
+    for i in range(gs.size):
+        e = one_minus_decay * ((gs[i] / div) * mul) + decay * em[i]
+        em[i] = e
+        o[i] = e / bias_correction
 
 
-@njit
+@njit(error_model="numpy")
 def _mean_accumulate_body(lo, hi, acc, g, div, mul, count, fresh):  # pragma: no cover
     """acc = acc + (g - acc) / count (Welford); acc = g + 0 when fresh (acc == 0, count == 1)."""
-    for i in range(lo, hi):
-        gi = (g[i] / div) * mul
+    a, gs = acc[lo:hi], g[lo:hi]
+    for i in range(gs.size):
+        gi = (gs[i] / div) * mul
         if fresh:
             # 0 + (g - 0) / 1 == g + 0.0 exactly (and -0 becomes +0), without reading acc.
-            acc[i] = gi + 0.0
+            a[i] = gi + 0.0
         else:
-            acc[i] = acc[i] + (gi - acc[i]) / count
+            a[i] = a[i] + (gi - a[i]) / count
 
 
-@njit
+@njit(error_model="numpy")
 def _sum_accumulate_body(lo, hi, acc, g, div, mul, fresh):  # pragma: no cover
     """acc = g + acc; acc = g + 0 when fresh (acc == 0)."""
-    for i in range(lo, hi):
-        gi = (g[i] / div) * mul
+    a, gs = acc[lo:hi], g[lo:hi]
+    for i in range(gs.size):
+        gi = (gs[i] / div) * mul
         if fresh:
-            acc[i] = gi + 0.0
+            a[i] = gi + 0.0
         else:
-            acc[i] = gi + acc[i]
+            a[i] = gi + a[i]
 
 
-@njit
+@njit(error_model="numpy")
 def _adam_body(
     lo, hi, mu, nu, g, div, mul, b1, one_minus_b1, b2, one_minus_b2, bc1, bc2, eps, eps_root, out
 ):  # pragma: no cover - compiled
     """mu, nu = moments of g; out = (mu / bc1) / (sqrt(nu / bc2 + eps_root) + eps)."""
-    for i in range(lo, hi):
-        gi = (g[i] / div) * mul
-        m = one_minus_b1 * gi + b1 * mu[i]
-        v = one_minus_b2 * (gi * gi) + b2 * nu[i]
-        mu[i] = m
-        nu[i] = v
-        out[i] = (m / bc1) / (np.sqrt(v / bc2 + eps_root) + eps)
+    ms, vs, gs, o = mu[lo:hi], nu[lo:hi], g[lo:hi], out[lo:hi]
+    for i in range(gs.size):
+        gi = (gs[i] / div) * mul
+        m = one_minus_b1 * gi + b1 * ms[i]
+        v = one_minus_b2 * (gi * gi) + b2 * vs[i]
+        ms[i] = m
+        vs[i] = v
+        o[i] = (m / bc1) / (np.sqrt(v / bc2 + eps_root) + eps)
 
 
 _FILL = _elementwise(_fill_body)

@@ -1,0 +1,5 @@
+import sys
+
+from numbaccum.cli import main
+
+sys.exit(main())

@@ -1,0 +1,1 @@
+"""`numbaccum bench`: workloads, NumPy baselines and the timing table."""

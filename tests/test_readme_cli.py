@@ -1,0 +1,55 @@
+"""The README's code runs as written, its test command is CI's, and the CLI answers."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+README = (ROOT / "README.md").read_text()
+
+
+@pytest.mark.parametrize("block", re.findall(r"```python\n(.*?)```", README, re.S))
+def test_readme_python_blocks_run(block):
+    exec(compile(block, "README.md", "exec"), {})
+
+
+def test_readme_commands_are_the_ones_ci_and_users_run():
+    bash = re.findall(r"```bash\n(.*?)```", README, re.S)
+    assert [b.strip() for b in bash] == [
+        "pip install . && numbaccum bench",
+        'pip install -e ".[test]" && python -m pytest -q',
+    ]
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert 'pip install -q -e ".[test]"' in ci and "python -m pytest -q" in ci
+
+
+def test_cli_info():
+    r = subprocess.run(
+        [sys.executable, "-m", "numbaccum", "info"], capture_output=True, text=True, check=True
+    )
+    assert "numbaccum" in r.stdout and "threads" in r.stdout
+
+
+def test_cli_bench_tiny_smoke(tmp_path):
+    out = tmp_path / "bench.json"
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "numbaccum",
+            "bench",
+            "--workload",
+            "tiny",
+            "--repeats",
+            "4",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert "MultiSteps mini-step" in r.stdout and out.exists()
