@@ -156,3 +156,29 @@ def test_same_bits_with_one_and_two_threads():
         )
         results.append(r.stdout.strip())
     assert results[0] == results[1]
+
+
+def test_concurrent_calls_from_threads_do_not_abort():
+    import threading
+
+    import numbaccum as nba
+
+    errors = []
+
+    def work(seed):
+        try:
+            p = {"w": rand(300_000, np.float32, seed)}
+            tx = nba.MultiSteps(nba.adam(1e-3), 2)
+            s = tx.init(p)
+            for _ in range(6):
+                _, s = tx.update(p, s, p)
+            assert int(s.gradient_step) == 3
+        except Exception as e:  # surfaced below; a crash would kill the process instead
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors

@@ -235,3 +235,37 @@ def test_non_emitting_zeros_are_read_only_and_positive():
     w = u["dense"]["w"]
     assert not w.flags.writeable
     assert not np.signbit(w).any() and not w.any()
+
+
+def test_mixed_float16_tree_multisteps_accumulates_in_float32():
+    p = {"h": np.ones(3, np.float16), "s": np.ones(2, np.float32), "d": np.ones(2, np.float64)}
+    tx = nba.MultiSteps(nba.sgd(1.0), 2)
+    s = tx.init(p)
+    assert s.acc_grads["h"].dtype == np.float32 and s.acc_grads["d"].dtype == np.float64
+    g1 = {"h": np.full(3, 1.0, np.float16), "s": np.full(2, 2.0, np.float32), "d": np.full(2, 3.0)}
+    g2 = {"h": np.full(3, 2.0, np.float16), "s": np.full(2, 4.0, np.float32), "d": np.full(2, 6.0)}
+    _, s = tx.update(g1, s, p)
+    u, s = tx.update(g2, s, p)
+    assert u["h"].dtype == np.float16 and u["s"].dtype == np.float32 and u["d"].dtype == np.float64
+    np.testing.assert_array_equal(u["h"], [-1.5] * 3)
+    np.testing.assert_array_equal(u["s"], [-3.0] * 2)
+    np.testing.assert_array_equal(u["d"], [-4.5] * 2)
+
+
+def test_extra_args_reach_the_inner_optimizer_of_multisteps():
+    seen = []
+
+    def init(params):
+        return nba.EmptyState()
+
+    def update(updates, state, params=None, *, loss):
+        seen.append(loss)
+        return nba.tree_map(lambda g: g * loss, updates), state
+
+    tx = nba.MultiSteps(nba.GradientTransformationExtraArgs(init, update), 2)
+    p = {"w": np.ones(2, np.float32)}
+    s = tx.init(p)
+    u, s = tx.update({"w": np.ones(2, np.float32)}, s, p, loss=3.0)
+    u, s = tx.update({"w": np.ones(2, np.float32)}, s, p, loss=3.0)
+    assert seen == [3.0]  # the inner optimizer runs only on the emitting step
+    np.testing.assert_array_equal(u["w"], [3.0, 3.0])
