@@ -1,0 +1,125 @@
+"""NumPy per-leaf versions of what the benchmarks time: the same math, in place, no numbaccum.
+
+They are the baseline a careful NumPy user would write: in-place ufuncs into preallocated
+buffers, one leaf at a time.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+K = 4
+LR, B1, B2, EPS = 1e-3, 0.9, 0.999, 1e-8
+DECAY = 0.9
+
+
+class NumpyMultiStepsAdam:
+    """Per-leaf MultiSteps(adam) with in-place ufuncs and preallocated buffers.
+
+    ``update(grads, block=None)``: each ufunc runs over a whole leaf, with a leaf-sized scratch
+    buffer. ``block=n``: each leaf is processed in runs of ``n`` elements, all ufuncs of a step
+    on one run before the next, so the scratch and the run's acc/mu/nu slices stay in cache.
+    Both modes give the same bits, so they can share one state (and its memory) in a benchmark.
+    """
+
+    def __init__(self, like_leaves, k=K, lr=LR, b1=B1, b2=B2, eps=EPS):
+        self.k, self.lr, self.b1, self.b2, self.eps = k, lr, b1, b2, eps
+        self.dtype = like_leaves[0].dtype
+        self.acc = [np.zeros_like(x) for x in like_leaves]
+        self.mu = [np.zeros_like(x) for x in like_leaves]
+        self.nu = [np.zeros_like(x) for x in like_leaves]
+        self.upd = [np.zeros_like(x) for x in like_leaves]
+        # np.zeros (calloc) rather than zeros_like: the returned zero tree is never written,
+        # so its pages need not count against the benchmark's memory.
+        self.zeros = [np.zeros(x.shape, x.dtype) for x in like_leaves]
+        n_scratch = max([1] + [x.size for x in like_leaves])
+        self._t1 = np.empty(n_scratch, self.dtype)
+        self._t2 = np.empty(n_scratch, self.dtype)
+        self.mini_step = 0
+        self.count = 0  # Adam's step count (number of emissions)
+
+    def update(self, grads, block=None):
+        """``grads``: list of leaves. Returns the list of update leaves (owned by self)."""
+        dt = self.dtype.type
+        n = self.mini_step
+        inv = dt(n + 1)  # acc += (g - acc) / (n + 1), a true division as optax does
+        emit = n == self.k - 1
+        if emit:
+            self.count += 1
+            c = self.count
+            coef = dict(
+                b1=dt(self.b1),
+                omb1=dt(1 - self.b1),
+                b2=dt(self.b2),
+                omb2=dt(1 - self.b2),
+                bc1=dt(1 - self.b1**c),
+                bc2=dt(1 - self.b2**c),
+                eps=dt(self.eps),
+                mlr=dt(-self.lr),
+            )
+        for i, g in enumerate(grads):
+            if block is None or block >= g.size:
+                self._leaf(g, i, slice(None), inv, emit, coef if emit else None)
+            else:
+                size = g.size
+                for s in range(0, size, block):
+                    self._leaf(g, i, slice(s, min(s + block, size)), inv, emit, coef if emit else None)
+        if emit:
+            self.mini_step = 0
+            return self.upd
+        self.mini_step = n + 1
+        return self.zeros
+
+    def _leaf(self, g, i, sl, inv, emit, cf):
+        g = g.reshape(-1)[sl]
+        acc = self.acc[i].reshape(-1)[sl]
+        m = g.size
+        t1 = self._t1[:m]
+        np.subtract(g, acc, out=t1)
+        np.divide(t1, inv, out=t1)
+        np.add(acc, t1, out=acc)
+        if not emit:
+            return
+        mu = self.mu[i].reshape(-1)[sl]
+        nu = self.nu[i].reshape(-1)[sl]
+        u = self.upd[i].reshape(-1)[sl]
+        t2 = self._t2[:m]
+        # mu = b1 * mu + (1 - b1) * acc
+        np.multiply(acc, cf["omb1"], out=t1)
+        np.multiply(mu, cf["b1"], out=mu)
+        np.add(mu, t1, out=mu)
+        # nu = b2 * nu + (1 - b2) * acc^2
+        np.multiply(acc, acc, out=t1)
+        np.multiply(t1, cf["omb2"], out=t1)
+        np.multiply(nu, cf["b2"], out=nu)
+        np.add(nu, t1, out=nu)
+        # u = -lr * (mu / bc1) / (sqrt(nu / bc2) + eps)
+        np.divide(nu, cf["bc2"], out=t2)
+        np.sqrt(t2, out=t2)
+        np.add(t2, cf["eps"], out=t2)
+        np.divide(mu, cf["bc1"], out=u)
+        np.divide(u, t2, out=u)
+        np.multiply(u, cf["mlr"], out=u)
+        acc.fill(0)
+
+
+class NumpyEma:
+    """Per-leaf ema with debias, in place."""
+
+    def __init__(self, leaves: list[np.ndarray]) -> None:
+        self.ema = [np.zeros_like(x) for x in leaves]
+        self.out = [np.zeros_like(x) for x in leaves]
+        self.tmp = np.empty(max(x.size for x in leaves), leaves[0].dtype)
+        self.count = 0
+
+    def update(self, grads: list[np.ndarray]) -> list[np.ndarray]:
+        t = grads[0].dtype.type
+        self.count += 1
+        bc = t(1) - t(DECAY) ** self.count
+        for g, e, out in zip(grads, self.ema, self.out):
+            tmp = self.tmp[: g.size].reshape(g.shape)
+            e *= t(DECAY)
+            np.multiply(g, t(1 - DECAY), out=tmp)
+            e += tmp
+            np.divide(e, bc, out=out)
+        return self.out
