@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 
 import numbaccum as nba
-from tests import reference as ref
-from tests.strategies import trees
+import reference as ref
+from strategies import trees
 
 
 class Pair(NamedTuple):

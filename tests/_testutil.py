@@ -1,0 +1,133 @@
+"""Small helpers shared by the numbaccum test files (comparisons, state lookup)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import reference as ref  # noqa: E402
+
+import numbaccum as nba  # noqa: E402
+
+INT32_MAX = ref.INT32_MAX
+
+# Default relative tolerances: float32 matches optax within 1e-6 (its own test
+# default); float64 within 1e-12 (DESIGN.md "Numerics").
+RTOL = {np.dtype(np.float32): 1e-6, np.dtype(np.float64): 1e-12}
+
+
+def as_tree(x: Any) -> Any:
+    """The plain tree of a FlatTree (views into its buffers); plain trees as-is."""
+    if isinstance(x, nba.FlatTree):
+        return x.tree
+    return x
+
+
+def leaves(x: Any) -> list:
+    return ref.tree_leaves(as_tree(x))
+
+
+def snapshot(x: Any) -> Any:
+    """An independent copy of a tree or FlatTree, as a plain tree."""
+    return ref.tree_map(lambda a: np.array(a, copy=True), as_tree(x))
+
+
+def scalar_int(x: Any) -> int:
+    """A state counter: must be an int32 scalar (np.int32 or 0-d int32)."""
+    a = np.asarray(x)
+    assert a.ndim == 0, f"counter is not a scalar: {x!r}"
+    assert a.dtype == np.int32, f"counter dtype {a.dtype}, expected int32"
+    return int(a)
+
+
+def assert_same_structure(actual: Any, expected: Any) -> None:
+    sa = ref.tree_structure(as_tree(actual))
+    se = ref.tree_structure(as_tree(expected))
+    assert sa == se, f"tree structure differs:\n got      {sa}\n expected {se}"
+
+
+def _check_leaf_meta(a, e, path, check_dtype):
+    a = np.asarray(a)
+    e = np.asarray(e)
+    assert a.shape == e.shape, f"{path}: shape {a.shape} != {e.shape}"
+    if check_dtype:
+        assert a.dtype == e.dtype, f"{path}: dtype {a.dtype} != {e.dtype}"
+    return a, e
+
+
+def assert_tree_equal(actual: Any, expected: Any, check_dtype: bool = True, msg: str = "") -> None:
+    """Bit-for-bit equality (NaN == NaN; -0.0 == +0.0, as assert_array_equal)."""
+    assert_same_structure(actual, expected)
+    paths = ref.tree_paths(as_tree(expected))
+    for p, a, e in zip(paths, leaves(actual), leaves(expected)):
+        a, e = _check_leaf_meta(a, e, p, check_dtype)
+        np.testing.assert_array_equal(a, e, err_msg=f"{msg} {p}")
+
+
+def assert_tree_close(
+    actual: Any,
+    expected: Any,
+    rtol: float | None = None,
+    atol_rel: float | None = None,
+    check_dtype: bool = True,
+    msg: str = "",
+) -> None:
+    """allclose leaf by leaf.
+
+    ``rtol`` defaults to RTOL of each expected leaf's dtype. ``atol`` is
+    ``rtol * max|expected|`` over the whole tree (``atol_rel`` overrides the
+    factor): elements that end near zero after cancellation would otherwise
+    need bit-exactness that the spec only promises for some recipes.
+    """
+    assert_same_structure(actual, expected)
+    el = leaves(expected)
+    scale = max([float(np.max(np.abs(np.asarray(e, dtype=np.float64)))) for e in el if np.size(e)] + [0.0])
+    paths = ref.tree_paths(as_tree(expected))
+    for p, a, e in zip(paths, leaves(actual), el):
+        a, e = _check_leaf_meta(a, e, p, check_dtype)
+        r = rtol if rtol is not None else RTOL.get(e.dtype, 1e-6)
+        atol = (atol_rel if atol_rel is not None else r) * scale
+        np.testing.assert_allclose(a, e, rtol=r, atol=atol, err_msg=f"{msg} {p}")
+
+
+def assert_exact_positive_zeros(tree: Any, msg: str = "") -> None:
+    """Every element is exactly +0.0 (no -0.0, no NaN)."""
+    for p, a in zip(ref.tree_paths(as_tree(tree)), leaves(tree)):
+        a = np.asarray(a)
+        assert np.all(a == 0), f"{msg} {p}: not all zeros: {a!r}"
+        assert not np.any(np.signbit(a)), f"{msg} {p}: -0.0 found: {a!r}"
+
+
+def find_state(state: Any, cls: type) -> Any:
+    """The first instance of ``cls`` inside nested tuples/lists/dicts of states."""
+    if isinstance(state, cls):
+        return state
+    if isinstance(state, dict):
+        children = list(state.values())
+    elif isinstance(state, (tuple, list)):
+        children = list(state)
+    else:
+        return None
+    for c in children:
+        r = find_state(c, cls)
+        if r is not None:
+            return r
+    return None
+
+
+def no_shared_memory(a_tree: Any, b_tree: Any) -> bool:
+    """True when no leaf of ``a_tree`` shares memory with a leaf of ``b_tree``."""
+    al = [np.asarray(x) for x in leaves(a_tree)]
+    bl = [np.asarray(x) for x in leaves(b_tree)]
+    for x in al:
+        if x.size == 0:
+            continue
+        for y in bl:
+            if y.size and np.shares_memory(x, y):
+                return False
+    return True

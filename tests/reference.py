@@ -1,0 +1,517 @@
+"""Plain NumPy, leaf-by-leaf reference implementation for the numbaccum tests.
+
+Nothing here imports numba or numbaccum: every transformation is written as the
+optax formula applied to one leaf at a time, so that the fast flat-buffer kernels
+can be checked against it (see reference/optax.md sections 0-2 in shared/).
+
+Conventions:
+* Trees are dicts (sorted keys), lists, tuples, NamedTuples and ``None`` (an
+  empty subtree); everything else is a leaf (a NumPy array).
+* Python float hyperparameters are "weakly typed" the way optax/JAX treat them:
+  an expression such as ``1 - decay`` is evaluated in Python float64 and then
+  rounded once to the leaf's dtype (``np.float32(1 - decay)``).
+* Counters are np.int32 scalars that saturate at int32 max (optax ``safe_increment``).
+* Updates keep the dtype of the incoming updates leaf; accumulators keep their
+  own dtype (the params' dtype unless an ``accumulator_dtype`` is given).
+* The numbaccum deviations from optax listed in API.md are mirrored in
+  ``MultiSteps``: non-emitting steps return exact +0.0, the accumulator is
+  reset to exact zeros on emission and the inner optimizer runs only on
+  emitting steps.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import numpy as np
+
+INT32_MAX = int(np.iinfo(np.int32).max)
+
+# ---------------------------------------------------------------------------
+# Trees
+# ---------------------------------------------------------------------------
+
+
+def is_namedtuple(x: Any) -> bool:
+    return isinstance(x, tuple) and hasattr(type(x), "_fields")
+
+
+def tree_flatten(tree: Any) -> tuple[list, tuple]:
+    """Return ``(leaves, treedef)``; the treedef is a hashable nested tuple."""
+    leaves: list = []
+
+    def rec(t: Any) -> tuple:
+        if t is None:
+            return ("none",)
+        if isinstance(t, dict):
+            keys = sorted(t)
+            return ("dict", tuple(keys), tuple(rec(t[k]) for k in keys))
+        if is_namedtuple(t):
+            return ("namedtuple", type(t), tuple(rec(c) for c in t))
+        if isinstance(t, tuple):
+            return ("tuple", tuple(rec(c) for c in t))
+        if isinstance(t, list):
+            return ("list", tuple(rec(c) for c in t))
+        leaves.append(t)
+        return ("leaf",)
+
+    treedef = rec(tree)
+    return leaves, treedef
+
+
+def tree_structure(tree: Any) -> tuple:
+    return tree_flatten(tree)[1]
+
+
+def tree_leaves(tree: Any) -> list:
+    return tree_flatten(tree)[0]
+
+
+def tree_unflatten(treedef: tuple, leaves) -> Any:
+    it = iter(list(leaves))
+
+    def rec(d: tuple) -> Any:
+        kind = d[0]
+        if kind == "leaf":
+            return next(it)
+        if kind == "none":
+            return None
+        if kind == "dict":
+            return {k: rec(c) for k, c in zip(d[1], d[2])}
+        if kind == "namedtuple":
+            return d[1](*[rec(c) for c in d[2]])
+        if kind == "tuple":
+            return tuple(rec(c) for c in d[1])
+        if kind == "list":
+            return [rec(c) for c in d[1]]
+        raise AssertionError(kind)
+
+    out = rec(treedef)
+    rest = list(it)
+    if rest:
+        raise ValueError(f"{len(rest)} leaves left over")
+    return out
+
+
+def tree_paths(tree: Any, root: str = "tree") -> list[str]:
+    """Path strings of the leaves, in flatten order (for messages)."""
+    paths: list[str] = []
+
+    def rec(t: Any, p: str) -> None:
+        if t is None:
+            return
+        if isinstance(t, dict):
+            for k in sorted(t):
+                rec(t[k], f"{p}[{k!r}]")
+        elif is_namedtuple(t):
+            for name, c in zip(t._fields, t):
+                rec(c, f"{p}.{name}")
+        elif isinstance(t, (list, tuple)):
+            for i, c in enumerate(t):
+                rec(c, f"{p}[{i}]")
+        else:
+            paths.append(p)
+
+    rec(tree, root)
+    return paths
+
+
+def tree_map(f: Callable, tree: Any, *rest: Any) -> Any:
+    leaves, treedef = tree_flatten(tree)
+    others = []
+    for r in rest:
+        rl, rd = tree_flatten(r)
+        if rd != treedef:
+            raise ValueError("tree structures differ")
+        others.append(rl)
+    return tree_unflatten(treedef, [f(*xs) for xs in zip(leaves, *others)])
+
+
+def tree_copy(tree: Any) -> Any:
+    return tree_map(lambda x: np.array(x, copy=True), tree)
+
+
+def zeros_like(tree: Any, dtype=None) -> Any:
+    return tree_map(lambda x: np.zeros(np.shape(x), dtype if dtype is not None else x.dtype), tree)
+
+
+def _arr(x, dtype) -> np.ndarray:
+    """A fresh array of ``dtype`` (0-d results of NumPy ops are scalars)."""
+    return np.array(x, dtype=dtype, copy=True)
+
+
+def _c(value: float, dtype) -> np.generic:
+    """A Python float hyperparameter rounded once to ``dtype`` (weak typing)."""
+    return np.dtype(dtype).type(value)
+
+
+def safe_increment(c) -> np.int32:
+    """optax ``safe_increment`` on an int32 counter: saturates, never wraps."""
+    c = int(c)
+    return np.int32(c + 1 if c < INT32_MAX else INT32_MAX)
+
+
+def powf(d: float, count, dtype) -> np.generic:
+    """``dtype(d) ** count`` with a Python int exponent (NumPy scalar power).
+
+    optax.md §0 says ``np.power(f32, f32)`` and ``f32 ** int`` both matched JAX;
+    with NumPy 2.4 they differ in the last bit for some (d, count), e.g.
+    d=0.9, count=4, so ``1 - d**count`` is not uniquely defined by the spec
+    there. Both agree for every count in 1..59 when d is in SAFE_DECAYS.
+    """
+    dt = np.dtype(dtype)
+    return dt.type(dt.type(d) ** int(count))
+
+
+# Decays for which every float32 way of computing ``1 - f32(d)**count``
+# (powf, scalar power, repeated squaring, float64 pow rounded) agrees bit for
+# bit for count in 1..59: safe for bit-exact comparisons of debiased output.
+SAFE_DECAYS = (0.0, 0.1, 0.2, 0.25, 0.3, 0.5, 0.75)
+
+
+def bias_correction_denominator(decay: float, count: int, dtype) -> np.generic:
+    """``dtype(1) - dtype(decay) ** count`` (optax's float32 debias recipe)."""
+    dt = np.dtype(dtype)
+    return dt.type(dt.type(1) - powf(decay, count, dt))
+
+
+# ---------------------------------------------------------------------------
+# Base protocol
+# ---------------------------------------------------------------------------
+
+
+class Transformation(NamedTuple):
+    init: Callable
+    update: Callable
+
+
+class EmptyState(NamedTuple):
+    pass
+
+
+def chain(*txs: Transformation) -> Transformation:
+    def init(params):
+        return tuple(t.init(params) for t in txs)
+
+    def update(updates, state, params=None, **extra):
+        if len(state) != len(txs):
+            raise ValueError("state/transformation count mismatch")
+        new_states = []
+        for t, s in zip(txs, state):
+            updates, s = t.update(updates, s, params, **extra)
+            new_states.append(s)
+        return updates, tuple(new_states)
+
+    return Transformation(init, update)
+
+
+def identity() -> Transformation:
+    return Transformation(lambda params: EmptyState(), lambda u, s, p=None, **e: (tree_copy(u), s))
+
+
+def apply_updates(params, updates):
+    """Per leaf ``(p + u).astype(p.dtype)``; ``None`` stays ``None``."""
+    return tree_map(lambda p, u: _arr(np.asarray(p) + np.asarray(u), p.dtype), params, updates)
+
+
+def global_norm(tree, ord=2, squared: bool = False) -> float:
+    """optax.tree.norm with float64 accumulation."""
+    leaves = [np.asarray(x, dtype=np.float64).ravel() for x in tree_leaves(tree)]
+    flat = np.concatenate(leaves) if leaves else np.zeros(0)
+    if ord in (None, 2):
+        s = float(np.sum(flat * flat))
+        return s if squared else math.sqrt(s)
+    if ord == 1:
+        r = float(np.sum(np.abs(flat)))
+    elif ord == np.inf or ord in ("inf", "infinity"):
+        r = float(np.max(np.abs(flat))) if flat.size else 0.0
+    else:
+        raise ValueError(f"unknown ord {ord!r}")
+    return r * r if squared else r
+
+
+# ---------------------------------------------------------------------------
+# Accumulation
+# ---------------------------------------------------------------------------
+
+
+class TraceState(NamedTuple):
+    trace: Any
+
+
+def trace(decay: float, nesterov: bool = False, accumulator_dtype=None) -> Transformation:
+    def init(params):
+        return TraceState(zeros_like(params, accumulator_dtype))
+
+    def update(updates, state, params=None, **extra):
+        gl, tdef = tree_flatten(updates)
+        tl, tdef2 = tree_flatten(state.trace)
+        if tdef != tdef2:
+            raise ValueError("tree structures differ")
+        us, ts = [], []
+        for g, t in zip(gl, tl):
+            cdt = np.result_type(g.dtype, t.dtype)
+            d = _c(decay, cdt)
+            gg = g.astype(cdt)
+            new = gg + d * t.astype(cdt)
+            u = gg + d * new if nesterov else new
+            us.append(_arr(u, g.dtype))
+            ts.append(_arr(new, t.dtype))
+        return tree_unflatten(tdef, us), TraceState(tree_unflatten(tdef, ts))
+
+    return Transformation(init, update)
+
+
+class EmaState(NamedTuple):
+    count: np.int32
+    ema: Any
+
+
+def ema(decay: float, debias: bool = True, accumulator_dtype=None) -> Transformation:
+    """``m = (1-d)*g + d*m`` in the accumulator dtype; ``u = m / (1 - d**count)``."""
+
+    def init(params):
+        return EmaState(np.int32(0), zeros_like(params, accumulator_dtype))
+
+    def update(updates, state, params=None, **extra):
+        count = safe_increment(state.count)
+        gl, tdef = tree_flatten(updates)
+        ml, mdef = tree_flatten(state.ema)
+        if mdef != tdef:
+            raise ValueError("tree structures differ")
+        us, ms = [], []
+        for g, m in zip(gl, ml):
+            cdt = np.result_type(g.dtype, m.dtype)
+            new = _c(1 - decay, cdt) * g.astype(cdt) + _c(decay, cdt) * m.astype(cdt)
+            u = new / bias_correction_denominator(decay, count, cdt) if debias else new
+            us.append(_arr(u, g.dtype))
+            ms.append(_arr(new, m.dtype))
+        return tree_unflatten(tdef, us), EmaState(count, tree_unflatten(tdef, ms))
+
+    return Transformation(init, update)
+
+
+class ApplyEveryState(NamedTuple):
+    count: int
+    grad_acc: Any
+
+
+def apply_every(k: int = 1) -> Transformation:
+    """optax: ``acc = (c != 0) * acc + g``; emit the sum when ``c == k - 1``."""
+
+    def init(params):
+        return ApplyEveryState(np.int32(0), zeros_like(params))
+
+    def update(updates, state, params=None, **extra):
+        c = state.count % k
+        emit = c == k - 1
+        gl, tdef = tree_flatten(updates)
+        al, _ = tree_flatten(state.grad_acc)
+        us, accs = [], []
+        for g, a in zip(gl, al):
+            dt = a.dtype
+            new = _c(float(c != 0), dt) * a + g.astype(dt)
+            accs.append(_arr(new, dt))
+            us.append(_arr(_c(float(emit), dt) * new, g.dtype))
+        count = np.int32(safe_increment(state.count) % k)
+        return tree_unflatten(tdef, us), ApplyEveryState(count, tree_unflatten(tdef, accs))
+
+    return Transformation(init, update)
+
+
+def skip_not_finite(updates, gradient_step, params):
+    n = int(sum(int(np.sum(~np.isfinite(np.asarray(x)))) for x in tree_leaves(updates)))
+    return n > 0, {"should_skip": n > 0, "num_not_finite": n}
+
+
+def skip_large_updates(updates, gradient_step, params, max_squared_norm: float):
+    norm_sq = global_norm(updates, squared=True)
+    skip = not (norm_sq < max_squared_norm)
+    return skip, {"should_skip": skip, "norm_squared": norm_sq}
+
+
+class MultiStepsState(NamedTuple):
+    mini_step: int
+    gradient_step: int
+    inner_opt_state: Any
+    acc_grads: Any
+    skip_state: Any = ()
+
+
+def default_accumulator_dtype(dtype) -> np.dtype:
+    """float32 for float16/float32 leaves, float64 for float64 leaves."""
+    return np.dtype(np.float64) if np.dtype(dtype) == np.float64 else np.dtype(np.float32)
+
+
+class MultiSteps:
+    """numbaccum's MultiSteps (optax semantics with API.md's deliberate differences)."""
+
+    def __init__(
+        self,
+        opt: Transformation,
+        every_k_schedule,
+        use_grad_mean: bool = True,
+        should_skip_update_fn=None,
+        accumulator_dtype=None,
+    ):
+        self.inner_opt = opt
+        self.every_k_schedule = every_k_schedule
+        self.use_grad_mean = use_grad_mean
+        self.should_skip_update_fn = should_skip_update_fn
+        self.accumulator_dtype = accumulator_dtype
+
+    def _k(self, gradient_step: int) -> int:
+        s = self.every_k_schedule
+        k = int(s) if isinstance(s, (int, np.integer)) else int(s(np.int32(gradient_step)))
+        if k < 1:
+            raise ValueError("every_k_schedule < 1")
+        return k
+
+    def _acc_dtype(self, dtype) -> np.dtype:
+        if self.accumulator_dtype is not None:
+            return np.dtype(self.accumulator_dtype)
+        return default_accumulator_dtype(dtype)
+
+    def init(self, params):
+        acc = tree_map(lambda p: np.zeros(np.shape(p), self._acc_dtype(p.dtype)), params)
+        if self.should_skip_update_fn is None:
+            skip_state = ()
+        else:
+            _, skip_state = self.should_skip_update_fn(zeros_like(params), 0, params)
+        return MultiStepsState(np.int32(0), np.int32(0), self.inner_opt.init(params), acc, skip_state)
+
+    def has_updated(self, state) -> bool:
+        return state.mini_step == 0 and state.gradient_step > 0
+
+    def update(self, updates, state, params=None, **extra):
+        k = self._k(state.gradient_step)
+        if self.should_skip_update_fn is None:
+            skip, skip_state = False, ()
+        else:
+            skip, skip_state = self.should_skip_update_fn(updates, state.gradient_step, params)
+        if bool(skip):
+            return zeros_like(updates), state._replace(skip_state=skip_state)
+
+        gl, tdef = tree_flatten(updates)
+        al, _ = tree_flatten(state.acc_grads)
+        n = state.mini_step
+        accs = []
+        for g, a in zip(gl, al):
+            cdt = np.result_type(g.dtype, a.dtype)
+            gg, aa = g.astype(cdt), a.astype(cdt)
+            # Welford mean (true division by the count) or a plain sum.
+            new = aa + (gg - aa) / cdt.type(n + 1) if self.use_grad_mean else gg + aa
+            accs.append(_arr(new, a.dtype))
+        emit = n == k - 1
+        if emit:
+            inner_in = tree_unflatten(tdef, [_arr(a, g.dtype) for a, g in zip(accs, gl)])
+            u, inner = self.inner_opt.update(inner_in, state.inner_opt_state, params, **extra)
+            new_acc = tree_unflatten(tdef, [np.zeros_like(a) for a in accs])
+            gs = safe_increment(state.gradient_step)
+        else:
+            u = zeros_like(updates)
+            inner = state.inner_opt_state
+            new_acc = tree_unflatten(tdef, accs)
+            gs = state.gradient_step
+        mini = np.int32(safe_increment(n) % k)
+        return u, MultiStepsState(mini, gs, inner, new_acc, skip_state)
+
+    def gradient_transformation(self) -> Transformation:
+        return Transformation(self.init, self.update)
+
+
+# ---------------------------------------------------------------------------
+# Inner optimizers
+# ---------------------------------------------------------------------------
+
+
+def scale(step_size: float) -> Transformation:
+    def update(updates, state, params=None, **extra):
+        return tree_map(lambda g: _arr(_c(step_size, g.dtype) * g, g.dtype), updates), state
+
+    return Transformation(lambda params: EmptyState(), update)
+
+
+class ScaleByScheduleState(NamedTuple):
+    count: int
+
+
+def scale_by_learning_rate(learning_rate) -> Transformation:
+    """``u = -lr * g``; a callable ``lr`` is evaluated at the pre-increment count."""
+    if callable(learning_rate):
+
+        def init(params):
+            return ScaleByScheduleState(np.int32(0))
+
+        def update(updates, state, params=None, **extra):
+            step = -float(learning_rate(np.int32(state.count)))
+            u = tree_map(lambda g: _arr(_c(step, g.dtype) * g, g.dtype), updates)
+            return u, ScaleByScheduleState(safe_increment(state.count))
+
+        return Transformation(init, update)
+    return scale(-float(learning_rate))
+
+
+def add_decayed_weights(weight_decay: float = 0.0) -> Transformation:
+    def update(updates, state, params=None, **extra):
+        if params is None:
+            raise ValueError("add_decayed_weights needs params")
+
+        def leaf(g, p):
+            cdt = np.result_type(g.dtype, p.dtype)
+            return _arr(g.astype(cdt) + _c(weight_decay, cdt) * p.astype(cdt), g.dtype)
+
+        return tree_map(leaf, updates, params), state
+
+    return Transformation(lambda params: EmptyState(), update)
+
+
+def sgd(learning_rate, momentum=None, nesterov: bool = False, accumulator_dtype=None) -> Transformation:
+    parts = []
+    if momentum is not None:
+        parts.append(trace(momentum, nesterov, accumulator_dtype))
+    parts.append(scale_by_learning_rate(learning_rate))
+    return chain(*parts)
+
+
+class ScaleByAdamState(NamedTuple):
+    count: int
+    mu: Any
+    nu: Any
+
+
+def scale_by_adam(
+    b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, eps_root: float = 0.0
+) -> Transformation:
+    def init(params):
+        return ScaleByAdamState(np.int32(0), zeros_like(params), zeros_like(params))
+
+    def update(updates, state, params=None, **extra):
+        count = safe_increment(state.count)
+        gl, tdef = tree_flatten(updates)
+        mul, _ = tree_flatten(state.mu)
+        nul, _ = tree_flatten(state.nu)
+        us, mus, nus = [], [], []
+        for g, mu, nu in zip(gl, mul, nul):
+            dt = g.dtype
+            mu_new = _c(1 - b1, dt) * g + _c(b1, dt) * mu.astype(dt)
+            nu_new = _c(1 - b2, dt) * (g * g) + _c(b2, dt) * nu.astype(dt)
+            mu_hat = mu_new / bias_correction_denominator(b1, count, dt)
+            nu_hat = nu_new / bias_correction_denominator(b2, count, dt)
+            u = mu_hat / (np.sqrt(nu_hat + _c(eps_root, dt)) + _c(eps, dt))
+            us.append(_arr(u, dt))
+            mus.append(_arr(mu_new, mu.dtype))
+            nus.append(_arr(nu_new, nu.dtype))
+        return tree_unflatten(tdef, us), ScaleByAdamState(
+            count, tree_unflatten(tdef, mus), tree_unflatten(tdef, nus)
+        )
+
+    return Transformation(init, update)
+
+
+def adam(
+    learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, eps_root: float = 0.0
+) -> Transformation:
+    return chain(scale_by_adam(b1, b2, eps, eps_root), scale_by_learning_rate(learning_rate))
