@@ -4,11 +4,11 @@ from typing import NamedTuple
 
 import numpy as np
 import pytest
+import reference as ref
 from hypothesis import given, settings
+from strategies import trees
 
 import numbaccum as nba
-import reference as ref
-from strategies import trees
 
 
 class Pair(NamedTuple):
