@@ -269,3 +269,13 @@ def test_extra_args_reach_the_inner_optimizer_of_multisteps():
     u, s = tx.update({"w": np.ones(2, np.float32)}, s, p, loss=3.0)
     assert seen == [3.0]  # the inner optimizer runs only on the emitting step
     np.testing.assert_array_equal(u["w"], [3.0, 3.0])
+
+
+def test_apply_every_starts_each_cycle_from_zero_so_nan_does_not_stick():
+    tx = nba.apply_every(2)
+    s = tx.init(np.zeros(1))
+    out = []
+    for g in (np.nan, 1.0, 2.0, 3.0, 4.0):
+        u, s = tx.update(np.array([g]), s)
+        out.append(float(u[0]))
+    np.testing.assert_array_equal(out, [0.0, np.nan, 0.0, 5.0, 0.0])  # optax: NaN from step 2 on
