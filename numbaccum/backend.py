@@ -26,7 +26,7 @@ _WRITES: dict[str, tuple[int, ...]] = {
     "ema_update_": (0, 7),
     "mean_accumulate_": (0,),
     "sum_accumulate_": (0,),
-    "adam_update_": (0, 1, 13),
+    "adam_update_": (0, 1, 14),
 }
 
 _workqueue_lock = threading.Lock()

@@ -151,6 +151,10 @@ def scale_by_adam(
     def flat_update(
         flow: Flow, state: Any, params: ParamsRef | None, extra: dict
     ) -> tuple[Flow, ScaleByAdamState]:
+        return step(flow, state, 1.0)
+
+    def step(flow: Flow, state: Any, out_mul: float) -> tuple[Flow, ScaleByAdamState]:
+        """One Adam pass over every group, its output multiplied by ``out_mul``."""
         layout = flow.flat.layout
         mu = expect_state(state, ScaleByAdamState, "mu", layout)
         nu = expect_state(state, ScaleByAdamState, "nu", layout)
@@ -159,26 +163,13 @@ def scale_by_adam(
         for m, v, g, o in zip(mu.groups, nu.groups, flow.flat.groups, out.groups):
             ct = compute_dtype(m, v, g)
             bc1, bc2 = bias_correction(b1, int(count), ct), bias_correction(b2, int(count), ct)
-            backend.call(
-                "adam_update_",
-                m,
-                v,
-                g,
-                flow.div,
-                flow.mul,
-                b1,
-                1.0 - b1,
-                b2,
-                1.0 - b2,
-                bc1,
-                bc2,
-                eps,
-                eps_root,
-                o,
-            )
+            args = (b1, 1.0 - b1, b2, 1.0 - b2, bc1, bc2, eps, eps_root, out_mul)
+            backend.call("adam_update_", m, v, g, flow.div, flow.mul, *args, o)
         return Flow(out, owned=True), ScaleByAdamState(count, mu, nu)
 
-    return flat_transformation(init, flat_update)
+    tx = flat_transformation(init, flat_update)
+    tx.update._adam_step = step  # type: ignore[attr-defined]
+    return tx
 
 
 def adam(
@@ -188,5 +179,27 @@ def adam(
     eps: float = 1e-8,
     eps_root: float = 0.0,
 ) -> GradientTransformationExtraArgs:
-    """Adam: ``chain(scale_by_adam(b1, b2, eps, eps_root), scale_by_learning_rate(lr))``."""
-    return chain(scale_by_adam(b1, b2, eps, eps_root), scale_by_learning_rate(learning_rate))
+    """Adam: ``chain(scale_by_adam(b1, b2, eps, eps_root), scale_by_learning_rate(lr))``.
+
+    Same state and same bits as that chain, in one pass: the ``-lr`` step is applied inside the
+    Adam kernel (``u = direction * -lr`` rounds exactly as a separate scaling pass would).
+    """
+    direction = scale_by_adam(b1, b2, eps, eps_root)
+    reference = chain(direction, scale_by_learning_rate(learning_rate))
+    adam_step = direction.update._adam_step  # type: ignore[attr-defined]
+
+    def flat_update(flow: Flow, state: Any, params: ParamsRef | None, extra: dict) -> tuple[Flow, tuple]:
+        if not isinstance(state, tuple) or len(state) != 2:
+            raise ValueError("state: adam expects the (ScaleByAdamState, learning-rate state) pair")
+        lr_state = state[1]
+        if isinstance(lr_state, ScaleByScheduleState) and callable(learning_rate):
+            factor = -float(learning_rate(lr_state.count))
+            lr_state = ScaleByScheduleState(safe_increment(lr_state.count))
+        elif isinstance(lr_state, EmptyState) and not callable(learning_rate):
+            factor = -float(learning_rate)
+        else:
+            raise TypeError(f"state[1]: unexpected learning-rate state {type(lr_state).__name__}")
+        out, adam_state = adam_step(flow, state[0], factor)
+        return out, (adam_state, lr_state)
+
+    return flat_transformation(reference.init, flat_update)

@@ -279,3 +279,15 @@ def test_apply_every_starts_each_cycle_from_zero_so_nan_does_not_stick():
         u, s = tx.update(np.array([g]), s)
         out.append(float(u[0]))
     np.testing.assert_array_equal(out, [0.0, np.nan, 0.0, 5.0, 0.0])  # optax: NaN from step 2 on
+
+
+@pytest.mark.parametrize("lr", [1e-2, lambda count: 1e-2 / (1.0 + count)])
+def test_fused_adam_is_bitwise_the_chain(lr):
+    p = params()
+    fused, chained = nba.adam(lr), nba.chain(nba.scale_by_adam(), nba.scale_by_learning_rate(lr))
+    s1, s2 = fused.init(p), chained.init(p)
+    for step in range(4):
+        u1, s1 = fused.update(grads(step), s1, p)
+        u2, s2 = chained.update(grads(step), s2, p)
+        assert_bitwise_equal(snapshot(u1), snapshot(u2))
+    assert_bitwise_equal(state_arrays(s1), state_arrays(s2))

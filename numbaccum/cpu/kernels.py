@@ -297,9 +297,9 @@ def _sum_accumulate_body(lo, hi, acc, g, div, mul, fresh):  # pragma: no cover
 
 @njit(error_model="numpy")
 def _adam_body(
-    lo, hi, mu, nu, g, div, mul, b1, one_minus_b1, b2, one_minus_b2, bc1, bc2, eps, eps_root, out
+    lo, hi, mu, nu, g, div, mul, b1, one_minus_b1, b2, one_minus_b2, bc1, bc2, eps, eps_root, out_mul, out
 ):  # pragma: no cover - compiled
-    """mu, nu = moments of g; out = (mu / bc1) / (sqrt(nu / bc2 + eps_root) + eps)."""
+    """mu, nu = moments of g; out = ((mu / bc1) / (sqrt(nu / bc2 + eps_root) + eps)) * out_mul."""
     ms, vs, gs, o = mu[lo:hi], nu[lo:hi], g[lo:hi], out[lo:hi]
     for i in range(gs.size):
         gi = (gs[i] / div) * mul
@@ -307,7 +307,7 @@ def _adam_body(
         v = one_minus_b2 * (gi * gi) + b2 * vs[i]
         ms[i] = m
         vs[i] = v
-        o[i] = (m / bc1) / (np.sqrt(v / bc2 + eps_root) + eps)
+        o[i] = ((m / bc1) / (np.sqrt(v / bc2 + eps_root) + eps)) * out_mul
 
 
 _FILL = _elementwise(_fill_body)
@@ -401,9 +401,32 @@ def sum_accumulate_(acc, g, div, mul, fresh):
     _run(_SUM_ACC, g.size, acc, g, div, mul, fresh)
 
 
-def adam_update_(mu, nu, g, div, mul, b1, one_minus_b1, b2, one_minus_b2, bc1, bc2, eps, eps_root, out):
-    """Adam moments in place; out = (mu / bc1) / (sqrt(nu / bc2 + eps_root) + eps)."""
-    _run(_ADAM, g.size, mu, nu, g, div, mul, b1, one_minus_b1, b2, one_minus_b2, bc1, bc2, eps, eps_root, out)
+def adam_update_(
+    mu, nu, g, div, mul, b1, one_minus_b1, b2, one_minus_b2, bc1, bc2, eps, eps_root, out_mul, out
+):
+    """Adam moments in place; out = ((mu / bc1) / (sqrt(nu / bc2 + eps_root) + eps)) * out_mul.
+
+    ``out_mul`` is the learning-rate step of ``adam`` fused into the pass (1 for scale_by_adam);
+    the product rounds exactly as a separate scaling pass would."""
+    _run(
+        _ADAM,
+        g.size,
+        mu,
+        nu,
+        g,
+        div,
+        mul,
+        b1,
+        one_minus_b1,
+        b2,
+        one_minus_b2,
+        bc1,
+        bc2,
+        eps,
+        eps_root,
+        out_mul,
+        out,
+    )
 
 
 KERNELS = (
