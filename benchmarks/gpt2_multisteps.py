@@ -49,6 +49,7 @@ sys.path.insert(0, str(_HERE.parent))
 
 from numbaccum.bench import workloads  # noqa: E402  (plain NumPy: imports nothing of numbaccum's)
 from numbaccum.bench.baselines import B1, B2, EPS, LR, K, NumpyMultiStepsAdam  # noqa: E402
+from numbaccum.bench.runner import _cpu_model  # noqa: E402
 
 MINI_BYTES = 12  # R g, R acc, W acc
 EMIT_BYTES = 32  # R g, R acc, W acc(:=0), R mu, W mu, R nu, W nu, W u
@@ -112,15 +113,7 @@ def numba_parallel_copy_bandwidth(nbytes=500_000_000, reps=7):
     return ts, 2 * n * 4
 
 
-def cpu_model():
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
+cpu_model = _cpu_model
 
 
 def machine_info(nba=None):

@@ -66,40 +66,39 @@ def _blocked(block_sum):
 # --- reductions -----------------------------------------------------------------------------
 
 
-@njit(inline="always", error_model="numpy")
-def _block_sumsq(x, lo, hi):  # pragma: no cover - compiled
-    """sum(x[lo:hi] ** 2) in float64, 16 lanes then lane order."""
-    v = x[lo:hi]
-    acc = np.zeros(_LANES, np.float64)
-    stop = v.size // _LANES * _LANES
-    for i in range(0, stop, _LANES):
+def _lane_sum(term):
+    """``block(x, lo, hi) = sum(term(x[lo:hi]))`` in float64: 16 lanes, then lane order."""
+
+    @njit(inline="always", error_model="numpy")
+    def block(x, lo, hi):  # pragma: no cover - compiled
+        v = x[lo:hi]
+        acc = np.zeros(_LANES, np.float64)
+        stop = v.size // _LANES * _LANES
+        for i in range(0, stop, _LANES):
+            for j in range(_LANES):
+                acc[j] += term(np.float64(v[i + j]))
+        s = 0.0
+        for i in range(stop, v.size):
+            s += term(np.float64(v[i]))
         for j in range(_LANES):
-            e = np.float64(v[i + j])
-            acc[j] += e * e
-    s = 0.0
-    for i in range(stop, v.size):
-        e = np.float64(v[i])
-        s += e * e
-    for j in range(_LANES):
-        s += acc[j]
-    return s
+            s += acc[j]
+        return s
+
+    return block
 
 
 @njit(inline="always", error_model="numpy")
-def _block_sumabs(x, lo, hi):  # pragma: no cover - compiled
-    """sum(|x[lo:hi]|) in float64, 16 lanes then lane order."""
-    v = x[lo:hi]
-    acc = np.zeros(_LANES, np.float64)
-    stop = v.size // _LANES * _LANES
-    for i in range(0, stop, _LANES):
-        for j in range(_LANES):
-            acc[j] += abs(np.float64(v[i + j]))
-    s = 0.0
-    for i in range(stop, v.size):
-        s += abs(np.float64(v[i]))
-    for j in range(_LANES):
-        s += acc[j]
-    return s
+def _square(e):  # pragma: no cover - compiled
+    return e * e
+
+
+@njit(inline="always", error_model="numpy")
+def _absolute(e):  # pragma: no cover - compiled
+    return abs(e)
+
+
+_block_sumsq = _lane_sum(_square)
+_block_sumabs = _lane_sum(_absolute)
 
 
 @njit(inline="always", error_model="numpy")
