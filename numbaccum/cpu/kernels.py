@@ -6,10 +6,11 @@ instead of costing a pass of its own. Names ending in ``_`` write their first ar
 ``out`` when given). Scalars arrive already cast to the compute dtype (see `numbaccum.backend`).
 
 Each loop body is written once over an index range ``[lo, hi)``; `_elementwise` turns it into a
-parallel driver (``prange`` over fixed chunks) and a serial one for small buffers. Reductions sum
-fixed blocks of ``REDUCE_BLOCK`` elements in float64 with 16 independent accumulators (which
-vectorise without fastmath) and combine the block partials in index order, so the result has the
-same bits for any thread count. ``error_model="numpy"``: a division by zero gives inf or NaN as in
+parallel driver (``prange`` over fixed chunks) and a serial one for small buffers. Reductions are
+segmented (a whole-buffer reduction is one segment): each segment is cut into fixed blocks of
+``REDUCE_BLOCK`` elements, summed in float64 with 16 independent accumulators (which vectorise
+without fastmath), and the block partials are combined in index order, so the result has the same
+bits for any thread count. ``error_model="numpy"``: a division by zero gives inf or NaN as in
 NumPy (optax's ``ema`` with ``decay = 1`` is NaN), never an exception.
 """
 
@@ -34,31 +35,6 @@ def _elementwise(body):
     @njit(error_model="numpy")
     def serial(n, chunk, *args):  # pragma: no cover - compiled
         body(0, n, *args)
-
-    return parallel, serial
-
-
-def _blocked(block_sum):
-    """Parallel and serial drivers of a fixed-partition float64 reduction."""
-
-    @njit(parallel=True, error_model="numpy")
-    def parallel(x, block):  # pragma: no cover - compiled
-        nb = (x.size + block - 1) // block
-        partial = np.empty(nb, np.float64)
-        for b in prange(nb):
-            partial[b] = block_sum(x, b * block, min(x.size, (b + 1) * block))
-        total = 0.0
-        for b in range(nb):
-            total += partial[b]
-        return total
-
-    @njit(error_model="numpy")
-    def serial(x, block):  # pragma: no cover - compiled
-        nb = (x.size + block - 1) // block
-        total = 0.0
-        for b in range(nb):
-            total += block_sum(x, b * block, min(x.size, (b + 1) * block))
-        return total
 
     return parallel, serial
 
@@ -126,34 +102,6 @@ def _block_nonfinite(x, lo, hi):  # pragma: no cover - compiled
     return np.float64(c)
 
 
-_SUMSQ = _blocked(_block_sumsq)
-_SUMABS = _blocked(_block_sumabs)
-_NONFINITE = _blocked(_block_nonfinite)
-
-
-@njit(parallel=True, error_model="numpy")
-def _maxabs_parallel(x, block):  # pragma: no cover - compiled
-    nb = (x.size + block - 1) // block
-    partial = np.empty(nb, np.float64)
-    for b in prange(nb):
-        partial[b] = _block_maxabs(x, b * block, min(x.size, (b + 1) * block))
-    m = 0.0
-    for b in range(nb):
-        if partial[b] > m or partial[b] != partial[b]:
-            m = partial[b]
-            if m != m:
-                break
-    return m
-
-
-@njit(error_model="numpy")
-def _maxabs_serial(x, block):  # pragma: no cover - compiled
-    return _block_maxabs(x, 0, x.size)
-
-
-_MAXABS = (_maxabs_parallel, _maxabs_serial)
-
-
 @njit(error_model="numpy")
 def _segment_blocks(offsets, block):  # pragma: no cover - compiled
     """Start, stop and segment of every block: each segment cut into fixed blocks."""
@@ -212,6 +160,7 @@ def _segmented(block_fn, take_max):
 _SEG_SUMSQ = _segmented(_block_sumsq, False)
 _SEG_SUMABS = _segmented(_block_sumabs, False)
 _SEG_MAXABS = _segmented(_block_maxabs, True)
+_SEG_NONFINITE = _segmented(_block_nonfinite, False)
 
 
 # --- elementwise ----------------------------------------------------------------------------
@@ -330,24 +279,29 @@ def _run(pair, n, *args):
 # --- the contract (same names and signatures in numbaccum.cuda) -----------------------------
 
 
+def _whole(pair, x):
+    """A reduction over all of ``x``: the segmented kernel with one segment (same blocks)."""
+    return float(_pick(pair, x.size)(x, np.array([0, x.size], np.int64), _config.REDUCE_BLOCK)[0])
+
+
 def sumsq(x):
     """sum(x ** 2) in float64 over a fixed block partition."""
-    return float(_pick(_SUMSQ, x.size)(x, _config.REDUCE_BLOCK))
+    return _whole(_SEG_SUMSQ, x)
 
 
 def sumabs(x):
     """sum(|x|) in float64 over a fixed block partition."""
-    return float(_pick(_SUMABS, x.size)(x, _config.REDUCE_BLOCK))
+    return _whole(_SEG_SUMABS, x)
 
 
 def maxabs(x):
     """max(|x|) (0 for an empty buffer, NaN if any element is NaN)."""
-    return float(_pick(_MAXABS, x.size)(x, _config.REDUCE_BLOCK))
+    return _whole(_SEG_MAXABS, x)
 
 
 def count_nonfinite(x):
     """Number of NaN and +-inf elements."""
-    return int(_pick(_NONFINITE, x.size)(x, _config.REDUCE_BLOCK))
+    return int(_whole(_SEG_NONFINITE, x))
 
 
 def segment_sumsq(x, offsets):
