@@ -28,7 +28,7 @@ from .base import (
     with_extra_args_support,
 )
 from .clipping import global_norm
-from .flat import FlatTree
+from .flat import FlatTree, to_device, to_host
 from .optim import (
     ScaleByAdamState,
     ScaleByScheduleState,
@@ -75,6 +75,8 @@ __all__ = [
     "skip_large_updates",
     "skip_not_finite",
     "trace",
+    "to_device",
+    "to_host",
     "tree_flatten",
     "tree_map",
     "tree_unflatten",

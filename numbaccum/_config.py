@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 # Elements per block of every reduction. The partition depends on the buffer size only, so a
 # norm has the same bits for any thread count. 2**14 float64 partials cover 2**30 elements.
 REDUCE_BLOCK = 1 << 16
@@ -13,3 +15,16 @@ CHUNK = 1 << 15
 # Below this many elements a kernel runs serially: entering a parallel region costs microseconds,
 # more than a small tree's whole update.
 SERIAL_BELOW = 1 << 16
+
+# CUDA: threads per block of every kernel (a power of two). CI's simulator run sets 4 through
+# NUMBACCUM_CUDA_THREADS, so that small inputs span many blocks.
+CUDA_THREADS = int(os.environ.get("NUMBACCUM_CUDA_THREADS", "256"))
+
+# CUDA: at most this many blocks per elementwise launch; grid-stride loops cover the rest
+# (132 SMs x 16 resident blocks of 256 threads on an H100). The simulator run lowers it: each
+# simulated thread is a Python thread.
+CUDA_MAX_BLOCKS = int(os.environ.get("NUMBACCUM_CUDA_MAX_BLOCKS", str(132 * 16)))
+
+# CUDA: elements per block of a reduction. Like REDUCE_BLOCK on the CPU, the partition depends on
+# the segment sizes only, so a norm has the same bits on every run and every GPU.
+CUDA_REDUCE_BLOCK = 1 << 14

@@ -23,7 +23,7 @@ from .base import (
     run_stage,
     with_extra_args_support,
 )
-from .flat import FlatTree, Layout, as_flat, check_float_dtype, layout_of
+from .flat import FlatTree, Layout, as_flat, check_float_dtype, layout_and_device, layout_of
 
 __all__ = [
     "ApplyEvery",
@@ -87,10 +87,10 @@ def zeros_output(owner: FlatTree, layout: Layout) -> Flow:
     """A read-only zero tree kept by ``owner``: returned on steps that emit nothing."""
     ws = owner._workspaces.get("zeros")
     if ws is None:
-        ws = owner.workspace("zeros", list(layout.group_dtypes))
-        for g in ws.groups:
-            g.fill(0)
-            g.flags.writeable = False
+        ws = owner.workspace("zeros", list(layout.group_dtypes)).fill_(0.0)
+        if not ws.device:  # NumPy can enforce it; on the GPU it is a promise
+            for g in ws.groups:
+                g.flags.writeable = False
         ws._readonly = True
     return Flow(ws, owned=False, returnable=True)
 
@@ -124,8 +124,8 @@ def trace(
         check_float_dtype(accumulator_dtype, "accumulator_dtype")
 
     def init(params: Any) -> TraceState:
-        layout = layout_of(params, "params")
-        return TraceState(FlatTree.zeros(layout, acc_dtypes(layout, accumulator_dtype)))
+        layout, device = layout_and_device(params, "params")
+        return TraceState(FlatTree.zeros(layout, acc_dtypes(layout, accumulator_dtype), device))
 
     def flat_update(flow: Flow, state: Any, params: ParamsRef | None, extra: dict) -> tuple[Flow, TraceState]:
         layout = flow.flat.layout
@@ -170,8 +170,8 @@ def ema(decay: float, debias: bool = True, accumulator_dtype: Any = None) -> Gra
         check_float_dtype(accumulator_dtype, "accumulator_dtype")
 
     def init(params: Any) -> EmaState:
-        layout = layout_of(params, "params")
-        return EmaState(np.int32(0), FlatTree.zeros(layout, acc_dtypes(layout, accumulator_dtype)))
+        layout, device = layout_and_device(params, "params")
+        return EmaState(np.int32(0), FlatTree.zeros(layout, acc_dtypes(layout, accumulator_dtype), device))
 
     def flat_update(flow: Flow, state: Any, params: ParamsRef | None, extra: dict) -> tuple[Flow, EmaState]:
         layout = flow.flat.layout
@@ -206,7 +206,8 @@ def apply_every(k: int = 1) -> GradientTransformationExtraArgs:
     k = _check_k(k, "k")
 
     def init(params: Any) -> ApplyEvery:
-        return ApplyEvery(np.int32(0), FlatTree.zeros(layout_of(params, "params")))
+        layout, device = layout_and_device(params, "params")
+        return ApplyEvery(np.int32(0), FlatTree.zeros(layout, None, device))
 
     def flat_update(flow: Flow, state: Any, params: ParamsRef | None, extra: dict) -> tuple[Flow, ApplyEvery]:
         layout = flow.flat.layout
@@ -235,12 +236,9 @@ def _check_k(k: Any, name: str) -> int:
 
 
 def _flow_of(updates: Any) -> Flow:
-    flat = (
-        updates
-        if isinstance(updates, FlatTree)
-        else as_flat(updates, layout_of(updates, "updates"), "updates")[0]
-    )
-    return Flow(flat, owned=False)
+    if isinstance(updates, FlatTree):
+        return Flow(updates, owned=False)
+    return Flow(as_flat(updates, layout_of(updates, "updates"), "updates")[0], owned=False)
 
 
 def _skip_not_finite_flat(flow: Flow, gradient_step: Any, params: Any) -> tuple[np.bool_, dict]:
@@ -373,13 +371,13 @@ class MultiSteps:
 
     def init(self, params: Any) -> MultiStepsState:
         """Zero accumulator, the inner state, and the skip function's info for zero updates."""
-        layout = layout_of(params, "params")
+        layout, device = layout_and_device(params, "params")
         dts = [self._acc_dtype or _default_acc_dtype(d) for d in layout.group_dtypes]
-        acc = FlatTree.zeros(layout, dts)
+        acc = FlatTree.zeros(layout, dts, device)
         skip_state: Any = ()
         if self._skip is not None:
-            zeros = FlatTree.zeros(layout)
-            ref = ParamsRef(params, layout, None)
+            zeros = FlatTree.zeros(layout, None, device)
+            ref = ParamsRef(params, layout, None, device)
             _, skip_state = _call_skip(self._skip, Flow(zeros, owned=False), np.int32(0), ref)
         return MultiStepsState(np.int32(0), np.int32(0), self._opt.init(params), acc, skip_state)
 
@@ -445,9 +443,9 @@ class MultiSteps:
             state.inner_opt_state,
             params,
             extra,
-            acc.workspace("inner", list(layout.group_dtypes)),
+            lambda: acc.workspace("inner", list(layout.group_dtypes)),
         )
-        if _shares(out.flat, acc) or _shares(out.flat, inner_in):
+        if out.flat is acc or out.flat is inner_in:
             out = Flow(out.into(acc.workspace("emit", list(layout.group_dtypes))), owned=True)
         for a in acc.groups:
             backend.call("fill_", a, 0.0)
@@ -462,7 +460,3 @@ class MultiSteps:
         for dst, src in zip(cast.groups, acc.groups):
             backend.call("scale_", dst, src, 1.0, 1.0)
         return cast
-
-
-def _shares(a: FlatTree, b: FlatTree) -> bool:
-    return any(np.may_share_memory(x, y) for x in a.groups for y in b.groups)

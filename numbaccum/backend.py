@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -53,18 +52,35 @@ def is_cuda_array(x: Any) -> bool:
     return hasattr(x, "__cuda_array_interface__") or type(x).__module__.startswith("numba.cuda")
 
 
-def module_for(x: Any) -> ModuleType:
-    """The kernel module for an array: NumPy -> `numbaccum.cpu`."""
-    if is_cuda_array(x):
-        raise TypeError(
-            "CUDA arrays are not supported by this build of numbaccum yet; pass NumPy arrays "
-            "(move them with .get() / .cpu().numpy() / .copy_to_host())"
-        )
-    return cpu
+def launch_context(kind: str) -> Any:
+    """Where an update's kernels go: the caller's current stream for CuPy and PyTorch arrays."""
+    if kind in ("cupy", "torch"):
+        from .cuda.device import on_stream
+
+        return on_stream(kind)
+    return contextlib.nullcontext()
+
+
+def _call_cuda(name: str, args: tuple) -> Any:
+    from .cuda.device import cuda_module
+
+    cuda_module()  # one clear error, once, when CUDA cannot run kernels here
+    from .cuda import kernels
+
+    dtypes = [a.dtype for a in args if not isinstance(a, (bool, np.bool_, int, float, np.generic))]
+    ctype = np.result_type(*dtypes) if dtypes else np.dtype(np.float64)
+    run_args = [
+        a if not isinstance(a, (int, float, np.generic)) or isinstance(a, (bool, np.bool_)) else ctype.type(a)
+        for a in args
+    ]
+    return getattr(kernels, name)(*run_args)
 
 
 def call(name: str, *args: Any) -> Any:
-    """Runs kernel ``name`` of the CPU contract on ``args`` (buffers and scalars)."""
+    """Runs kernel ``name`` of the contract on ``args`` (buffers and scalars), on the CPU for
+    NumPy buffers and on CUDA for device buffers."""
+    if args and not isinstance(args[0], np.ndarray) and is_cuda_array(args[0]):
+        return _call_cuda(name, args)
     staged: dict[int, np.ndarray] = {}  # id(float16 buffer) -> its float32 copy
     for a in args:
         if isinstance(a, np.ndarray) and a.dtype == np.float16 and id(a) not in staged:

@@ -89,7 +89,7 @@ class Flow:
         """This flow with the pending factor applied (in place when owned)."""
         if not self.pending:
             return self
-        out = self.flat if self.owned else (into or FlatTree.empty(self.flat.layout))
+        out = self.flat if self.owned else (into or FlatTree.empty(self.flat.layout, device=self.flat.device))
         for dst, src in zip(out.groups, self.flat.groups):
             backend.call("scale_", dst, src, self.div, self.mul)
         return Flow(out, True)
@@ -104,17 +104,18 @@ class Flow:
 class ParamsRef:
     """The ``params`` argument, flattened only when a stage asks for it (then once)."""
 
-    def __init__(self, raw: Any, layout: Layout, owner: FlatTree | None) -> None:
+    def __init__(self, raw: Any, layout: Layout, owner: FlatTree | None, device: bool | None = None) -> None:
         self.raw = raw
         self._layout = layout
         self._owner = owner
+        self._device = device
         self._flat: FlatTree | None = None
 
     def flat(self) -> FlatTree:
         if self._flat is None:
             owner = self._owner
             into = (lambda: owner.workspace("params")) if owner is not None else None
-            self._flat = as_flat(self.raw, self._layout, "params", pack_into=into)[0]
+            self._flat = as_flat(self.raw, self._layout, "params", pack_into=into, device=self._device)[0]
         return self._flat
 
 
@@ -141,7 +142,10 @@ def _output(flow: Flow, owner: FlatTree | None) -> FlatTree:
         return flow.settled().flat
     if flow.returnable and not flow.pending:
         return flow.flat
-    out = owner.workspace("output") if owner is not None else FlatTree.empty(flow.flat.layout)
+    if owner is not None:
+        out = owner.workspace("output")
+    else:
+        out = FlatTree.empty(flow.flat.layout, device=flow.flat.device)
     return flow.into(out)
 
 
@@ -164,31 +168,37 @@ def flat_transformation(
                 params if params is not None else updates, "params" if params is not None else "updates"
             )
         inbox = (lambda: owner.workspace("input")) if owner is not None else None
-        flat, copied = as_flat(updates, layout, "updates", pack_into=inbox)
+        device = owner.device if owner is not None else None
+        flat, copied, kind = as_flat(updates, layout, "updates", pack_into=inbox, device=device)
         ref = None
         if params is not None:
-            if not (isinstance(params, FlatTree) and params.layout is layout):
-                check_leaves(params, layout, "params")
-            ref = ParamsRef(params, layout, owner)
-        out_flow, new_state = flat_update(Flow(flat, copied), state, ref, extra_args)
-        out = _output(out_flow, state_owner(new_state) or owner)
-        return (out if isinstance(updates, FlatTree) else out.tree), new_state
+            if not (
+                isinstance(params, FlatTree) and params.layout is layout and params.device == flat.device
+            ):
+                check_leaves(params, layout, "params", flat.device)
+            ref = ParamsRef(params, layout, owner, flat.device)
+        with backend.launch_context(kind):
+            out_flow, new_state = flat_update(Flow(flat, copied), state, ref, extra_args)
+            out = _output(out_flow, state_owner(new_state) or owner)
+        if kind == "flat":
+            return out, new_state
+        return out.tree_as(kind), new_state
 
     update._flat = flat_update  # type: ignore[attr-defined]
     return GradientTransformationExtraArgs(init, update)
 
 
 def run_stage(
-    tx: Any, flow: Flow, state: Any, params: ParamsRef | None, extra: dict, scratch: FlatTree
+    tx: Any, flow: Flow, state: Any, params: ParamsRef | None, extra: dict, scratch: Callable[[], FlatTree]
 ) -> tuple[Flow, Any]:
     """Runs one stage of a chain: the flat update of a numbaccum transformation, or the plain
-    ``update`` of any other (its output is checked and packed into ``scratch``)."""
+    ``update`` of any other (its output is checked and packed into ``scratch()``)."""
     flat_update = getattr(tx.update, "_flat", None)
     if flat_update is not None:
         return flat_update(flow, state, params, extra)
-    value = flow.settled(None if flow.owned else scratch)
+    value = flow.settled(None if flow.owned or not flow.pending else scratch())
     out, new_state = tx.update(value.flat.tree, state, params.raw if params else None, **extra)
-    flat, copied = as_flat(out, flow.flat.layout, "updates", pack_into=scratch)
+    flat, copied, _ = as_flat(out, flow.flat.layout, "updates", pack_into=scratch, device=flow.flat.device)
     return Flow(flat, copied), new_state
 
 
@@ -211,7 +221,7 @@ def chain(*transforms: Any) -> GradientTransformationExtraArgs:
             raise ValueError(f"state: chain of {len(txs)} transformations got a state of {n}")
         new_states = []
         for i, (t, s) in enumerate(zip(txs, state)):
-            scratch = _scratch(state, flow.flat.layout, f"chain{i}")
+            scratch = _scratch(state, flow.flat, f"chain{i}")
             flow, s = run_stage(t, flow, s, params, extra, scratch)
             new_states.append(s)
         return flow, tuple(new_states)
@@ -239,16 +249,19 @@ def named_chain(*transforms: tuple[str, Any]) -> GradientTransformationExtraArgs
     return flat_transformation(init, flat_update)
 
 
-def _scratch(state: Any, layout: Layout, name: str) -> FlatTree:
+def _scratch(state: Any, flat: FlatTree, name: str) -> Callable[[], FlatTree]:
+    """A scratch buffer for a chain stage, made only if the stage asks for one."""
     owner = state_owner(state)
-    return owner.workspace(name) if owner is not None else FlatTree.empty(layout)
+    if owner is not None:
+        return lambda: owner.workspace(name)
+    return lambda: FlatTree.empty(flat.layout, device=flat.device)
 
 
 # --- applying updates and copying states ----------------------------------------------------
 
 
 def _apply(p: FlatTree, updates: Any, out: FlatTree) -> FlatTree:
-    u = as_flat(updates, p.layout, "updates")[0]
+    u = as_flat(updates, p.layout, "updates", device=p.device)[0]
     for dst, pg, ug in zip(out.groups, p.groups, u.groups):
         backend.call("add_scaled_", dst, pg, 1.0, 1.0, ug, 1.0)
     return out
@@ -257,12 +270,12 @@ def _apply(p: FlatTree, updates: Any, out: FlatTree) -> FlatTree:
 def apply_updates(params: Any, updates: Any) -> Any:
     """Returns ``params + updates`` as a new tree; each leaf keeps its params dtype.
 
-    A FlatTree in gives a FlatTree out.
+    A FlatTree in gives a FlatTree out; CUDA arrays in give the same array type out.
     """
     layout = params.layout if isinstance(params, FlatTree) else layout_of(params, "params")
-    p = as_flat(params, layout, "params")[0]
-    out = _apply(p, updates, FlatTree.empty(layout, list(p.group_dtypes)))
-    return out if isinstance(params, FlatTree) else out.tree
+    p, _, kind = as_flat(params, layout, "params")
+    out = _apply(p, updates, FlatTree.empty(layout, list(p.group_dtypes), p.device))
+    return out if kind == "flat" else out.tree_as(kind)
 
 
 def apply_updates_(params: Any, updates: Any) -> Any:
@@ -275,17 +288,20 @@ def apply_updates_(params: Any, updates: Any) -> Any:
         _apply(params, updates, params)
         return params
     layout = layout_of(params, "params")
-    leaves, paths, _ = tree_flatten_with_path(params)
-    for x, path in zip(leaves, paths):
-        if not isinstance(x, np.ndarray) or not x.flags.writeable:
+    raw, paths, _ = tree_flatten_with_path(params)
+    for x, path in zip(raw, paths):
+        if isinstance(x, np.generic) or (isinstance(x, np.ndarray) and not x.flags.writeable):
             raise TypeError(
                 f"{format_path(path, 'params')}: cannot be updated in place (not a writable array)"
             )
-    p, copied = as_flat(params, layout, "params")
+    p, copied, _ = as_flat(params, layout, "params")
     _apply(p, updates, p)
-    if copied:
-        for i, leaf in enumerate(leaves):
-            np.copyto(leaf, p.leaf(i))
+    if copied:  # scatter back into the caller's arrays
+        for i, leaf in enumerate(check_leaves(params, layout, "params")):
+            if p.device:
+                backend.call("scale_", leaf.reshape(leaf.size), p.leaf(i).reshape(leaf.size), 1.0, 1.0)
+            else:
+                np.copyto(leaf, p.leaf(i))
     return params
 
 

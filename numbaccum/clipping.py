@@ -38,6 +38,7 @@ def global_norm(tree: Any, ord: Any = 2, squared: bool = False) -> float:
     if key not in _SEGMENT_KERNEL:
         raise ValueError(f"ord must be 1, 2 or inf, got {ord!r}")
     flat = tree if isinstance(tree, FlatTree) else as_flat(tree, layout_of(tree, "tree"), "tree")[0]
+    # Each group's per-leaf values come back to the host: the norm is a host float (a sync on GPU).
     per_leaf = leaf_reductions(flat, _SEGMENT_KERNEL[key])
     if key == math.inf:
         value = float(np.max(per_leaf)) if per_leaf.size else 0.0

@@ -14,7 +14,9 @@ from typing import Any
 
 import numpy as np
 
+from . import backend
 from . import tree as _tree
+from .backend import is_cuda_array
 from .tree import TreeDef, format_path
 
 __all__ = ["FlatTree", "Layout"]
@@ -115,32 +117,56 @@ class Layout:
         return f"Layout({self.num_leaves} leaves, {{{groups}}})"
 
 
-def _as_leaf(x: Any, path: str) -> np.ndarray:
-    """A NumPy float array for a leaf, or TypeError naming its path."""
+def _as_leaf(x: Any, path: str) -> Any:
+    """A NumPy float array, or a numba view of a CUDA float array, for a leaf; TypeError naming
+    its path otherwise."""
     if isinstance(x, np.ndarray):
         arr = x
     elif isinstance(x, np.generic):
         arr = np.asarray(x)
-    else:
-        from .backend import is_cuda_array
+    elif is_cuda_array(x):
+        from .cuda.device import as_device_array
 
-        if is_cuda_array(x):
-            raise TypeError(f"{path}: CUDA arrays are not supported by this build of numbaccum")
-        raise TypeError(f"{path}: expected a NumPy array, got {type(x).__name__}")
+        arr = as_device_array(x)
+        if arr.dtype in _FLOATS and arr.size and not arr.is_c_contiguous():
+            raise ValueError(f"{path}: a non-contiguous CUDA array cannot be packed; pass a contiguous copy")
+    else:
+        raise TypeError(f"{path}: expected a NumPy or CUDA array, got {type(x).__name__}")
     if arr.dtype not in _FLOATS:
         raise TypeError(f"{path}: dtype {arr.dtype} is not float16, float32 or float64")
     return arr
 
 
-def leaves_of(tree: Any, name: str) -> tuple[list[np.ndarray], TreeDef]:
-    """Flattens ``tree`` and checks that each leaf is a NumPy float array (TypeError names it)."""
+def on_device(x: Any) -> bool:
+    """Whether an array (as `_as_leaf` returns it) lives on a CUDA device."""
+    return not isinstance(x, np.ndarray)
+
+
+def _same_side(leaves: Sequence[Any], paths: Sequence[tuple], name: str, device: bool | None) -> bool:
+    """The side (True: CUDA) all leaves live on; TypeError naming the first leaf on the other."""
+    for x, p in zip(leaves, paths):
+        side = on_device(x)
+        if device is None:
+            device = side
+        elif side != device:
+            where = "a CUDA array" if side else "a NumPy array"
+            expected = "the GPU" if device else "the host"
+            raise TypeError(f"{format_path(p, name)}: {where}, but the other arrays live on {expected}")
+    return bool(device)
+
+
+def leaves_of(tree: Any, name: str) -> tuple[list[Any], TreeDef]:
+    """Flattens ``tree`` and checks that each leaf is a float array, all on one side (host or
+    GPU); TypeError names the first bad leaf."""
     if isinstance(tree, FlatTree):
         raise TypeError("internal: leaves_of expects a plain tree")
-    leaves, paths, td = _tree.tree_flatten_with_path(tree)
-    return [_as_leaf(x, format_path(p, name)) for x, p in zip(leaves, paths)], td
+    raw, paths, td = _tree.tree_flatten_with_path(tree)
+    leaves = [_as_leaf(x, format_path(p, name)) for x, p in zip(raw, paths)]
+    _same_side(leaves, paths, name, None)
+    return leaves, td
 
 
-def _layout_of_leaves(td: TreeDef, leaves: list[np.ndarray], dtype: Any = None) -> Layout:
+def _layout_of_leaves(td: TreeDef, leaves: list[Any], dtype: Any = None) -> Layout:
     dtypes = [leaf.dtype for leaf in leaves]
     keys = [np.dtype(dtype)] * len(leaves) if dtype is not None else None
     return Layout.get(td, [leaf.shape for leaf in leaves], dtypes, keys)
@@ -156,7 +182,7 @@ class FlatTree:
     layout: Layout
     group_dtypes: tuple[np.dtype, ...]  # storage dtype of each group
     groups: tuple[np.ndarray, ...]  # 1-D view of each group's run of its buffer
-    buffers: dict[np.dtype, np.ndarray]
+    buffers: dict[np.dtype, Any]  # NumPy arrays, or numba device arrays on the GPU
 
     def __init__(
         self,
@@ -167,18 +193,20 @@ class FlatTree:
     ) -> None:
         self.layout = layout
         self.groups = tuple(groups)
-        self.group_dtypes = tuple(g.dtype for g in self.groups)
+        self.group_dtypes = tuple(np.dtype(g.dtype) for g in self.groups)
         self.buffers = buffers
+        self.device = bool(self.groups) and on_device(self.groups[0])  # on a CUDA device
         self._readonly = readonly
-        self._tree: Any = None
+        self._trees: dict[str, Any] = {}  # the tree of views, per array type it is shown as
         self._workspaces: dict[str, FlatTree] = {}
 
     # --- construction -----------------------------------------------------------------------
 
     @classmethod
-    def empty(cls, layout: Layout, dtypes: Sequence[Any] | Any = None) -> FlatTree:
-        """Uninitialised storage for ``layout``; ``dtypes``: one per group, one for all, or
-        None (each group's own dtype). Groups of one storage dtype share a buffer."""
+    def empty(cls, layout: Layout, dtypes: Sequence[Any] | Any = None, device: bool = False) -> FlatTree:
+        """Uninitialised storage for ``layout`` (on the GPU if ``device``); ``dtypes``: one per
+        group, one for all, or None (each group's own dtype). Groups of one storage dtype share a
+        buffer."""
         if dtypes is None:
             gdt = list(layout.group_dtypes)
         elif isinstance(dtypes, (list, tuple)):
@@ -190,17 +218,27 @@ class FlatTree:
         for d, n in zip(gdt, layout.group_sizes):
             starts.append(totals.get(d, 0))
             totals[d] = totals.get(d, 0) + n
-        buffers = {d: np.empty(n, d) for d, n in totals.items()}
+        if device:
+            from .cuda.device import empty
+
+            buffers = {d: empty(n, d) for d, n in totals.items()}
+        else:
+            buffers = {d: np.empty(n, d) for d, n in totals.items()}
         groups = [buffers[d][s : s + n] for d, s, n in zip(gdt, starts, layout.group_sizes)]
         return cls(layout, groups, buffers)
 
     @classmethod
-    def zeros(cls, layout: Layout, dtypes: Sequence[Any] | Any = None) -> FlatTree:
-        """Zero-filled storage for ``layout`` (see `empty` for ``dtypes``)."""
-        out = cls.empty(layout, dtypes)
-        for b in out.buffers.values():
-            b.fill(0)
+    def zeros(cls, layout: Layout, dtypes: Sequence[Any] | Any = None, device: bool = False) -> FlatTree:
+        """Zero-filled storage for ``layout`` (see `empty`)."""
+        out = cls.empty(layout, dtypes, device)
+        out.fill_(0.0)
         return out
+
+    def fill_(self, value: float) -> FlatTree:
+        """Sets every element to ``value``, in place (one kernel per buffer)."""
+        for b in self.buffers.values():
+            backend.call("fill_", b, value)
+        return self
 
     @classmethod
     def from_tree(cls, tree: Any, dtype: Any = None) -> FlatTree:
@@ -216,7 +254,7 @@ class FlatTree:
             tree = tree.tree
         leaves, td = leaves_of(tree, "tree")
         layout = _layout_of_leaves(td, leaves, dtype)
-        out = cls.empty(layout)
+        out = cls.empty(layout, device=bool(leaves) and on_device(leaves[0]))
         out._copy_leaves_in(leaves)
         return out
 
@@ -227,7 +265,7 @@ class FlatTree:
         lay = self.layout
         s = lay.leaf_start[i]
         v = self.groups[lay.leaf_group[i]][s : s + lay.sizes[i]].reshape(lay.shapes[i])
-        if self._readonly:
+        if self._readonly and not self.device:
             v.flags.writeable = False
         return v
 
@@ -238,11 +276,22 @@ class FlatTree:
 
     @property
     def tree(self) -> Any:
-        """The tree whose leaves are views into the buffers (built once, then cached)."""
-        if self._tree is None:
+        """The tree whose leaves are views into the buffers (built once, then cached): NumPy
+        arrays, or numba device arrays for a FlatTree on the GPU."""
+        return self.tree_as("numpy" if not self.device else "numba")
+
+    def tree_as(self, kind: str) -> Any:
+        """The tree of views as the array type ``kind`` ('numpy', 'numba', 'cupy', 'torch'),
+        zero-copy; built once per kind."""
+        t = self._trees.get(kind)
+        if t is None:
             views = [self.leaf(i) for i in range(self.layout.num_leaves)]
-            self._tree = _tree.tree_unflatten(self.layout.treedef, views)
-        return self._tree
+            if kind in ("cupy", "torch"):
+                from .cuda.device import as_kind
+
+                views = [as_kind(v, kind) for v in views]
+            t = self._trees[kind] = _tree.tree_unflatten(self.layout.treedef, views)
+        return t
 
     @property
     def treedef(self) -> TreeDef:
@@ -270,18 +319,26 @@ class FlatTree:
         """A zero FlatTree of the same layout (storage dtype ``dtype`` if given)."""
         if dtype is not None:
             dtype = check_float_dtype(dtype, "dtype")
-        return FlatTree.zeros(self.layout, dtype if dtype is not None else list(self.group_dtypes))
+        return FlatTree.zeros(
+            self.layout, dtype if dtype is not None else list(self.group_dtypes), self.device
+        )
 
     def copy(self) -> FlatTree:
-        """An independent copy (same layout and storage dtypes)."""
-        out = FlatTree.empty(self.layout, list(self.group_dtypes))
+        """An independent copy (same layout, storage dtypes and device)."""
+        out = FlatTree.empty(self.layout, list(self.group_dtypes), self.device)
         for dst, src in zip(out.groups, self.groups):
-            dst[...] = src
+            backend.call("scale_", dst, src, 1.0, 1.0)  # (x / 1) * 1 == x: a copy
         return out
 
-    def _copy_leaves_in(self, leaves: Sequence[np.ndarray]) -> None:
+    def _copy_leaves_in(self, leaves: Sequence[Any]) -> None:
+        lay = self.layout
         for i, x in enumerate(leaves):
-            np.copyto(self.leaf(i), x, casting="same_kind")
+            if not self.device:
+                np.copyto(self.leaf(i), x, casting="same_kind")
+            elif lay.sizes[i]:  # one copy kernel per leaf: a plain tree of CUDA arrays is scattered
+                s = lay.leaf_start[i]
+                dst = self.groups[lay.leaf_group[i]][s : s + lay.sizes[i]]
+                backend.call("scale_", dst, x.reshape(lay.sizes[i]), 1.0, 1.0)
 
     def assign_(self, tree: Any) -> FlatTree:
         """Copies the values of ``tree`` (same structure and shapes) into the buffers in place.
@@ -292,11 +349,11 @@ class FlatTree:
         """
         if self._readonly:
             raise ValueError("this FlatTree is read-only")
-        if isinstance(tree, FlatTree) and tree.layout is self.layout:
+        if isinstance(tree, FlatTree) and tree.layout is self.layout and tree.device == self.device:
             for dst, src in zip(self.groups, tree.groups):
-                np.copyto(dst, src, casting="same_kind")
+                backend.call("scale_", dst, src, 1.0, 1.0)
             return self
-        leaves = check_leaves(tree, self.layout, "tree")
+        leaves = check_leaves(tree, self.layout, "tree", self.device)
         self._copy_leaves_in(leaves)
         return self
 
@@ -307,67 +364,100 @@ class FlatTree:
         fresh workspaces."""
         ws = self._workspaces.get(name)
         if ws is None:
-            ws = self._workspaces[name] = FlatTree.empty(self.layout, dtypes)
+            ws = self._workspaces[name] = FlatTree.empty(self.layout, dtypes, self.device)
         return ws
 
 
-def check_leaves(tree: Any, layout: Layout, name: str) -> list[np.ndarray]:
+def check_leaves(tree: Any, layout: Layout, name: str, device: bool | None = None) -> list[Any]:
     """The leaves of ``tree`` after checking them against ``layout``: structure first
-    (ValueError naming the first differing path), then leaf types (TypeError), then shapes
-    (ValueError). Raises before anything is written."""
+    (ValueError naming the first differing path), then leaf types and device (TypeError; with
+    ``device`` None any one side), then shapes (ValueError). Raises before anything is written."""
     if isinstance(tree, FlatTree):
         tree = tree.tree
     raw, paths, td = _tree.tree_flatten_with_path(tree)
     _tree.check_same_structure(layout.treedef, td, name)
     leaves = [_as_leaf(x, format_path(p, name)) for x, p in zip(raw, paths)]
+    _same_side(leaves, paths, name, device)
     for i, (x, shape) in enumerate(zip(leaves, layout.shapes)):
         if x.shape != shape:
             raise ValueError(f"{layout.path(i, name)}: shape {x.shape} does not match {shape}")
     return leaves
 
 
-def _views_group(leaves: list[np.ndarray], layout: Layout, g: int) -> np.ndarray | None:
-    """The group's run of a buffer when its leaves are exactly consecutive views of it."""
+def _address(x: Any) -> int | None:
+    if isinstance(x, np.ndarray):
+        return int(x.__array_interface__["data"][0])
+    from .cuda.device import data_pointer
+
+    return data_pointer(x)
+
+
+def _views_group(leaves: list[Any], layout: Layout, g: int) -> Any:
+    """The group's run of memory when its leaves are exactly consecutive views of one buffer
+    (as the ``.tree`` of a FlatTree is), else None."""
     dt = layout.group_dtypes[g]
     offsets = layout.offsets[g]
-    base: Any = None
-    start = 0  # byte address of the group's first element
+    first: Any = None
+    start = 0  # address of the group's first element
     for j, leaf in enumerate(layout.groups[g]):
         x = leaves[leaf]
-        if x.size == 0:  # holds no data; NumPy may place it anywhere
+        if x.size == 0:  # holds no data; it may be placed anywhere
             continue
-        if base is None:
-            base = x.base
-            if not isinstance(base, np.ndarray) or base.ndim != 1 or base.dtype != dt:
-                return None
-            if not base.flags.c_contiguous:
-                return None
-            start = x.__array_interface__["data"][0] - int(offsets[j]) * dt.itemsize
-        if x.base is not base or x.dtype != dt or not x.flags.c_contiguous:
+        addr = _address(x)
+        if addr is None or x.dtype != dt:
             return None
-        if x.__array_interface__["data"][0] - start != int(offsets[j]) * dt.itemsize:
+        if first is None:
+            first = x
+            start = addr - int(offsets[j]) * dt.itemsize
+        elif addr - start != int(offsets[j]) * dt.itemsize:
             return None
-    if base is None:
+        if isinstance(x, np.ndarray):
+            if x.base is not first.base or not x.flags.c_contiguous:
+                return None
+        elif not x.is_c_contiguous():
+            return None
+    if first is None:
         return None
-    first, rem = divmod(start - base.__array_interface__["data"][0], dt.itemsize)
-    if rem or first < 0 or first + layout.group_sizes[g] > base.size:
+    n = layout.group_sizes[g]
+    if not isinstance(first, np.ndarray):
+        from .cuda.device import view_from_pointer
+
+        # The leaves sit back to back, so one view spans them; used only within this call.
+        return view_from_pointer(start, n, dt, owner=first)
+    base = first.base
+    if not isinstance(base, np.ndarray) or base.ndim != 1 or base.dtype != dt or not base.flags.c_contiguous:
         return None
-    return base[first : first + layout.group_sizes[g]]
+    lo, rem = divmod(start - _address(base), dt.itemsize)  # type: ignore[operator]
+    if rem or lo < 0 or lo + n > base.size:
+        return None
+    return base[lo : lo + n]
 
 
 def as_flat(
-    tree: Any, layout: Layout, name: str, pack_into: FlatTree | Callable[[], FlatTree] | None = None
-) -> tuple[FlatTree, bool]:
-    """``(flat, copied)``: ``tree`` as a FlatTree of ``layout``, without a copy when it already
-    is one (or is the ``.tree`` of one), else its values packed into ``pack_into`` (or a new
-    FlatTree; a callable is called only then) with ``copied`` True.
+    tree: Any,
+    layout: Layout,
+    name: str,
+    pack_into: FlatTree | Callable[[], FlatTree] | None = None,
+    device: bool | None = None,
+) -> tuple[FlatTree, bool, str]:
+    """``(flat, copied, kind)``: ``tree`` as a FlatTree of ``layout``, without a copy when it
+    already is one (or is the ``.tree`` of one), else its values packed into ``pack_into`` (or
+    a new FlatTree; a callable is called only then) with ``copied`` True. ``kind`` is the array
+    type of the input ('numpy', 'numba', 'cupy', 'torch'; 'flat' for a FlatTree).
 
-    Raises TypeError/ValueError naming the leaf when the tree does not match ``layout``; nothing
-    has been written then.
+    Raises TypeError/ValueError naming the leaf when the tree does not match ``layout`` or lives
+    on the other side (host or GPU) than ``device``; nothing has been written then.
     """
-    if isinstance(tree, FlatTree) and tree.layout is layout:
-        return tree, False
-    leaves = check_leaves(tree, layout, name)
+    if isinstance(tree, FlatTree) and tree.layout is layout and device in (None, tree.device):
+        return tree, False, "flat"
+    leaves = check_leaves(tree, layout, name, device)
+    if isinstance(tree, FlatTree):
+        kind = "flat"
+    else:
+        from .cuda.device import kind_of
+
+        kind = kind_of(_tree.tree_flatten(tree)[0][0]) if leaves else "numpy"
+    on_gpu = bool(leaves) and on_device(leaves[0])
     if layout.num_leaves and all(layout.groups):
         views = []
         for g in range(len(layout.groups)):
@@ -376,18 +466,50 @@ def as_flat(
                 break
             views.append(v)
         else:
-            return FlatTree(layout, views, {v.dtype: v for v in views}), False
+            return FlatTree(layout, views, {np.dtype(v.dtype): v for v in views}), False, kind
     if pack_into is None:
-        out = FlatTree.empty(layout)
+        out = FlatTree.empty(layout, device=on_gpu)
     else:
         out = pack_into if isinstance(pack_into, FlatTree) else pack_into()
     out._copy_leaves_in(leaves)
-    return out, True
+    return out, True, kind
 
 
 def layout_of(tree: Any, name: str) -> Layout:
     """The natural layout of a tree (grouped by leaf dtype), after checking its leaves."""
+    return layout_and_device(tree, name)[0]
+
+
+def layout_and_device(tree: Any, name: str) -> tuple[Layout, bool]:
+    """The natural layout of a tree and whether its leaves live on a CUDA device."""
     if isinstance(tree, FlatTree):
-        return tree.layout
+        return tree.layout, tree.device
     leaves, td = leaves_of(tree, name)
-    return _layout_of_leaves(td, leaves)
+    return _layout_of_leaves(td, leaves), bool(leaves) and on_device(leaves[0])
+
+
+def _moved(tree: Any, device: bool) -> Any:
+    src = tree if isinstance(tree, FlatTree) else FlatTree.from_tree(tree)
+    if src.device == device:
+        return src if isinstance(tree, FlatTree) else tree
+    out = FlatTree.empty(src.layout, list(src.group_dtypes), device)
+    for dtype, buf in src.buffers.items():  # the same layout: the buffers line up one to one
+        if device:
+            out.buffers[dtype].copy_to_device(buf)
+        else:
+            buf.copy_to_host(out.buffers[dtype])
+    return out if isinstance(tree, FlatTree) else out.tree
+
+
+def to_device(tree: Any) -> Any:
+    """Copies a tree to the GPU with one transfer per dtype buffer (not one per leaf).
+
+    A FlatTree gives a FlatTree on the device; a plain tree gives the same tree of numba device
+    arrays (views into one buffer per dtype).
+    """
+    return _moved(tree, True)
+
+
+def to_host(tree: Any) -> Any:
+    """Copies a tree from the GPU to NumPy with one transfer per dtype buffer."""
+    return _moved(tree, False)

@@ -18,7 +18,7 @@ from .base import (
     chain,
     flat_transformation,
 )
-from .flat import check_float_dtype, layout_of
+from .flat import check_float_dtype, layout_and_device
 
 __all__ = [
     "ScaleByAdamState",
@@ -97,7 +97,7 @@ def add_decayed_weights(weight_decay: float = 0.0) -> GradientTransformationExtr
         if params is None:
             raise ValueError("add_decayed_weights needs params: call update(updates, state, params)")
         p = params.flat()
-        out = flow.flat if flow.owned else FlatTree.empty(flow.flat.layout)
+        out = flow.flat if flow.owned else FlatTree.empty(flow.flat.layout, device=flow.flat.device)
         for o, g, pg in zip(out.groups, flow.flat.groups, p.groups):
             backend.call("add_scaled_", o, g, flow.div, flow.mul, pg, weight_decay)
         return Flow(out, owned=True), state
@@ -144,9 +144,9 @@ def scale_by_adam(
     mu_dt = None if mu_dtype is None else check_float_dtype(mu_dtype, "mu_dtype")
 
     def init(params: Any) -> ScaleByAdamState:
-        layout = layout_of(params, "params")
-        mu = FlatTree.zeros(layout, mu_dt if mu_dt is not None else None)
-        return ScaleByAdamState(np.int32(0), mu, FlatTree.zeros(layout))
+        layout, device = layout_and_device(params, "params")
+        mu = FlatTree.zeros(layout, mu_dt if mu_dt is not None else None, device)
+        return ScaleByAdamState(np.int32(0), mu, FlatTree.zeros(layout, None, device))
 
     def flat_update(
         flow: Flow, state: Any, params: ParamsRef | None, extra: dict

@@ -79,7 +79,7 @@ def test_single_leaf_flattree_is_array_like():
 @pytest.mark.parametrize(
     "tree, match, exc",
     [
-        ({"a": [1.0, 2.0]}, r"tree\['a'\]\[0\]: expected a NumPy array", TypeError),
+        ({"a": [1.0, 2.0]}, r"tree\['a'\]\[0\]: expected a NumPy or CUDA array", TypeError),
         ({"a": np.arange(3)}, r"tree\['a'\]: dtype int64", TypeError),
         ({"a": "x"}, r"tree\['a'\]", TypeError),
     ],

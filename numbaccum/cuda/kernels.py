@@ -1,0 +1,351 @@
+"""The kernel contract on CUDA: ``numba.cuda`` kernels over flat 1-D device buffers.
+
+Same names and signatures as `numbaccum.cpu`. Elementwise kernels are grid-stride loops with
+int64 indices (a flat float32 buffer passes 2**31 elements at 2B parameters). Every kernel is
+launched on `stream()` (the caller's stream, see `numbaccum.cuda.device`), once per call: one
+launch per operation and dtype group, never per leaf. Reductions cut each segment into fixed
+blocks of ``CUDA_REDUCE_BLOCK`` elements; one CUDA block sums a block in float64 through a
+shared-memory tree in a fixed order, and one thread per segment adds its block partials in index
+order: no float atomics, so a norm has the same bits on every run. Reductions return host values
+(a synchronisation): they serve `global_norm` and the skip predicates, which decide on the host.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+from numba import cuda
+
+from .. import _config
+from .device import stream
+
+LAUNCHES = [0]  # kernel launches so far (tests count them per update)
+
+_SUMSQ, _SUMABS, _MAXABS, _NONFINITE = 0, 1, 2, 3
+
+
+def _grid(n: int) -> tuple[int, int]:
+    tpb = _config.CUDA_THREADS
+    return max(1, min(_config.CUDA_MAX_BLOCKS, -(-n // tpb))), tpb
+
+
+def _launch(kernel: Any, n: int, *args: Any) -> None:
+    if n == 0:
+        return
+    blocks, tpb = _grid(n)
+    LAUNCHES[0] += 1
+    kernel[blocks, tpb, stream()](n, *args)
+
+
+def _start() -> tuple[Any, Any]:
+    """First index and stride of a grid-stride loop, as int64."""
+    i = np.int64(cuda.blockIdx.x) * np.int64(cuda.blockDim.x) + np.int64(cuda.threadIdx.x)  # type: ignore[arg-type]
+    return i, np.int64(cuda.gridDim.x) * np.int64(cuda.blockDim.x)  # type: ignore[arg-type]
+
+
+_start_device = cuda.jit(device=True)(_start)
+
+
+# --- elementwise ----------------------------------------------------------------------------
+
+
+@cuda.jit
+def _fill(n, x, value):  # pragma: no cover - compiled
+    i, step = _start_device()
+    while i < n:
+        x[i] = value
+        i += step
+
+
+@cuda.jit
+def _scale(n, out, x, div, mul):  # pragma: no cover - compiled
+    i, step = _start_device()
+    while i < n:
+        out[i] = (x[i] / div) * mul
+        i += step
+
+
+@cuda.jit
+def _add_scaled(n, out, x, div, mul, y, s):  # pragma: no cover - compiled
+    i, step = _start_device()
+    while i < n:
+        out[i] = (x[i] / div) * mul + s * y[i]
+        i += step
+
+
+@cuda.jit
+def _trace(n, trace, g, div, mul, decay, nesterov, out):  # pragma: no cover - compiled
+    i, step = _start_device()
+    while i < n:
+        gi = (g[i] / div) * mul
+        t = gi + decay * trace[i]
+        trace[i] = t
+        if nesterov:
+            out[i] = gi + decay * t
+        else:
+            out[i] = t
+        i += step
+
+
+@cuda.jit
+def _ema(n, ema, g, div, mul, one_minus_decay, decay, bias_correction, out):  # pragma: no cover
+    i, step = _start_device()
+    while i < n:
+        e = one_minus_decay * ((g[i] / div) * mul) + decay * ema[i]
+        ema[i] = e
+        out[i] = e / bias_correction
+        i += step
+
+
+@cuda.jit
+def _mean_accumulate(n, acc, g, div, mul, count, fresh):  # pragma: no cover - compiled
+    i, step = _start_device()
+    while i < n:
+        gi = (g[i] / div) * mul
+        if fresh:
+            acc[i] = gi + 0.0
+        else:
+            acc[i] = acc[i] + (gi - acc[i]) / count
+        i += step
+
+
+@cuda.jit
+def _sum_accumulate(n, acc, g, div, mul, fresh):  # pragma: no cover - compiled
+    i, step = _start_device()
+    while i < n:
+        gi = (g[i] / div) * mul
+        if fresh:
+            acc[i] = gi + 0.0
+        else:
+            acc[i] = gi + acc[i]
+        i += step
+
+
+@cuda.jit
+def _adam(
+    n, mu, nu, g, div, mul, b1, one_minus_b1, b2, one_minus_b2, bc1, bc2, eps, eps_root, out_mul, out
+):  # pragma: no cover - compiled
+    i, step = _start_device()
+    while i < n:
+        gi = (g[i] / div) * mul
+        m = one_minus_b1 * gi + b1 * mu[i]
+        v = one_minus_b2 * (gi * gi) + b2 * nu[i]
+        mu[i] = m
+        nu[i] = v
+        out[i] = ((m / bc1) / (math.sqrt(v / bc2 + eps_root) + eps)) * out_mul
+        i += step
+
+
+# --- reductions -----------------------------------------------------------------------------
+
+_REDUCERS: dict[tuple[int, int], Any] = {}
+
+
+def _reducer(kind: int, tpb: int) -> Any:
+    """The block-partial kernel of one reduction kind for ``tpb`` threads (shared memory needs
+    the size at compile time)."""
+    key = (kind, tpb)
+    if key in _REDUCERS:
+        return _REDUCERS[key]
+
+    @cuda.jit
+    def partials(x, starts, stops, out):  # pragma: no cover - compiled
+        shared = cuda.shared.array(tpb, np.float64)
+        b = cuda.blockIdx.x
+        t = cuda.threadIdx.x
+        acc = 0.0
+        i = starts[b] + t
+        while i < stops[b]:
+            v = np.float64(x[i])
+            if kind == _SUMSQ:
+                acc += v * v
+            elif kind == _SUMABS:
+                acc += abs(v)
+            elif kind == _MAXABS:
+                a = abs(v)
+                if (a > acc or a != a) and acc == acc:
+                    acc = a
+            elif v - v != 0:
+                acc += 1.0
+            i += tpb
+        shared[t] = acc
+        cuda.syncthreads()
+        half = tpb // 2
+        while half > 0:  # fixed pairing: the same tree every run
+            if t < half:
+                a = shared[t]
+                c = shared[t + half]
+                if kind == _MAXABS:
+                    if (c > a or c != c) and a == a:
+                        shared[t] = c
+                else:
+                    shared[t] = a + c
+            cuda.syncthreads()
+            half //= 2
+        if t == 0:
+            out[b] = shared[0]
+
+    _REDUCERS[key] = partials
+    return partials
+
+
+@cuda.jit
+def _combine(first, partial, take_max, out):  # pragma: no cover - compiled
+    s = cuda.grid(1)
+    if s < out.size:
+        acc = 0.0
+        for b in range(first[s], first[s + 1]):
+            v = partial[b]
+            if take_max:
+                if (v > acc or v != v) and acc == acc:
+                    acc = v
+            else:
+                acc += v
+        out[s] = acc
+
+
+_TABLES: dict[tuple, tuple[Any, ...]] = {}
+
+
+def _block_table(offsets: np.ndarray, block: int) -> tuple[Any, Any, Any, int]:
+    """Device copies of each block's start and stop and each segment's first block (cached per
+    offsets table: layouts keep theirs for life)."""
+    key = (offsets.tobytes(), block)
+    hit = _TABLES.get(key)
+    if hit is None:
+        sizes = np.diff(offsets)
+        counts = -(-sizes // block)
+        first = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        starts = np.concatenate(
+            [np.arange(o, o + s, block) for o, s in zip(offsets[:-1], sizes)] + [np.zeros(0)]
+        )
+        starts = starts.astype(np.int64)
+        seg = np.repeat(np.arange(sizes.size), counts)
+        stops = np.minimum(starts + block, offsets[1:][seg]).astype(np.int64)
+        hit = (cuda.to_device(starts), cuda.to_device(stops), cuda.to_device(first), int(starts.size))
+        if len(_TABLES) > 256:
+            _TABLES.clear()
+        _TABLES[key] = hit
+    return hit  # type: ignore[return-value]
+
+
+def _segmented(kind: int, x: Any, offsets: np.ndarray) -> np.ndarray:
+    offsets = np.asarray(offsets, np.int64)
+    nseg = offsets.size - 1
+    starts, stops, first, nblocks = _block_table(offsets, _config.CUDA_REDUCE_BLOCK)
+    partial = cuda.device_array(max(nblocks, 1), np.float64, stream=stream())
+    out = cuda.device_array(max(nseg, 1), np.float64, stream=stream())
+    tpb = _config.CUDA_THREADS
+    if nblocks:
+        LAUNCHES[0] += 1
+        _reducer(kind, tpb)[nblocks, tpb, stream()](x, starts, stops, partial)
+    if nseg:
+        LAUNCHES[0] += 1
+        _combine[-(-nseg // tpb), tpb, stream()](first, partial, kind == _MAXABS, out)
+    return out.copy_to_host(stream=stream())[:nseg]
+
+
+def _whole(kind: int, x: Any) -> float:
+    return float(_segmented(kind, x, np.array([0, x.size], np.int64))[0])
+
+
+# --- the contract (same names and signatures as numbaccum.cpu) ------------------------------
+
+
+def sumsq(x):
+    """sum(x ** 2) in float64 over a fixed block partition."""
+    return _whole(_SUMSQ, x)
+
+
+def sumabs(x):
+    """sum(|x|) in float64 over a fixed block partition."""
+    return _whole(_SUMABS, x)
+
+
+def maxabs(x):
+    """max(|x|) (0 for an empty buffer, NaN if any element is NaN)."""
+    return _whole(_MAXABS, x)
+
+
+def count_nonfinite(x):
+    """Number of NaN and +-inf elements."""
+    return int(_whole(_NONFINITE, x))
+
+
+def segment_sumsq(x, offsets):
+    """Per segment ``s``: sum(x[offsets[s]:offsets[s+1]] ** 2) in float64."""
+    return _segmented(_SUMSQ, x, offsets)
+
+
+def segment_sumabs(x, offsets):
+    """Per segment ``s``: sum(|x[offsets[s]:offsets[s+1]]|) in float64."""
+    return _segmented(_SUMABS, x, offsets)
+
+
+def segment_maxabs(x, offsets):
+    """Per segment ``s``: max(|x[offsets[s]:offsets[s+1]]|) (0 if empty, NaN if any NaN)."""
+    return _segmented(_MAXABS, x, offsets)
+
+
+def fill_(x, value):
+    """x = value."""
+    _launch(_fill, x.size, x, value)
+
+
+def scale_(out, x, div, mul):
+    """out = (x / div) * mul (``out`` may be ``x``)."""
+    _launch(_scale, x.size, out, x, div, mul)
+
+
+def add_scaled_(out, x, div, mul, y, s):
+    """out = (x / div) * mul + s * y (``out`` may be ``x``)."""
+    _launch(_add_scaled, x.size, out, x, div, mul, y, s)
+
+
+def trace_update_(trace, g, div, mul, decay, nesterov, out):
+    """trace = g + decay * trace; out = trace, or g + decay * trace if nesterov."""
+    _launch(_trace, g.size, trace, g, div, mul, decay, nesterov, out)
+
+
+def ema_update_(ema, g, div, mul, one_minus_decay, decay, bias_correction, out):
+    """ema = (1 - decay) * g + decay * ema; out = ema / bias_correction."""
+    _launch(_ema, g.size, ema, g, div, mul, one_minus_decay, decay, bias_correction, out)
+
+
+def mean_accumulate_(acc, g, div, mul, count, fresh):
+    """acc = acc + (g - acc) / count, with acc read as 0 if ``fresh``."""
+    _launch(_mean_accumulate, g.size, acc, g, div, mul, count, fresh)
+
+
+def sum_accumulate_(acc, g, div, mul, fresh):
+    """acc = g + acc, with acc read as 0 if ``fresh``."""
+    _launch(_sum_accumulate, g.size, acc, g, div, mul, fresh)
+
+
+def adam_update_(
+    mu, nu, g, div, mul, b1, one_minus_b1, b2, one_minus_b2, bc1, bc2, eps, eps_root, out_mul, out
+):
+    """Adam moments in place; out = ((mu / bc1) / (sqrt(nu / bc2 + eps_root) + eps)) * out_mul."""
+    args = (b1, one_minus_b1, b2, one_minus_b2, bc1, bc2, eps, eps_root, out_mul)
+    _launch(_adam, g.size, mu, nu, g, div, mul, *args, out)
+
+
+KERNELS = (
+    "sumsq",
+    "sumabs",
+    "maxabs",
+    "count_nonfinite",
+    "segment_sumsq",
+    "segment_sumabs",
+    "segment_maxabs",
+    "fill_",
+    "scale_",
+    "add_scaled_",
+    "trace_update_",
+    "ema_update_",
+    "mean_accumulate_",
+    "sum_accumulate_",
+    "adam_update_",
+)

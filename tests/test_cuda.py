@@ -1,0 +1,231 @@
+"""The CUDA backend: the same transformations on device arrays agree with the CPU.
+
+Runs on a real GPU, or in numba's CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``, which `.ci/run`
+exports for a pass of its own, with 4 threads per block so that small inputs span many blocks).
+Skipped where neither is available.
+"""
+
+import inspect
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import numbaccum as nba
+from numbaccum import cpu
+
+SIM = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
+
+
+def _cuda_usable():
+    try:
+        from numba import cuda
+
+        return SIM or cuda.is_available()
+    except Exception:
+        return False
+
+
+needs_cuda = pytest.mark.skipif(not _cuda_usable(), reason="no CUDA device and not in the simulator")
+
+
+def test_cuda_kernels_match_the_cpu_contract():
+    from numbaccum import cuda as gpu
+
+    assert gpu.KERNELS == cpu.KERNELS
+    for name in cpu.KERNELS:
+        ours, theirs = inspect.signature(getattr(cpu, name)), inspect.signature(getattr(gpu, name))
+        assert list(ours.parameters) == list(theirs.parameters), name
+
+
+def test_import_does_not_import_numba_cuda():
+    code = (
+        "import sys, numbaccum, numpy as np; numbaccum.ema(0.9).init(np.zeros(3)); "
+        "print('numba.cuda' in sys.modules)"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert r.stdout.strip() == "False"
+
+
+def dev(tree):
+    from numba import cuda
+
+    return nba.tree_map(lambda x: cuda.to_device(np.asarray(x)), tree)
+
+
+def host(tree):
+    return nba.tree_map(lambda x: np.asarray(x.copy_to_host() if hasattr(x, "copy_to_host") else x), tree)
+
+
+def params(dtype=np.float32, n=7):
+    rng = np.random.default_rng(0)
+    return {
+        "w": rng.standard_normal((3, n)).astype(dtype),
+        "b": rng.standard_normal(n).astype(dtype),
+        "s": np.array(0.5, dtype),
+        "e": np.zeros((0, 2), dtype),
+    }
+
+
+def grads(step, dtype=np.float32, n=7):
+    rng = np.random.default_rng(100 + step)
+    return nba.tree_map(lambda p: rng.standard_normal(p.shape).astype(dtype), params(dtype, n))
+
+
+TXS = {
+    "trace": lambda: nba.trace(0.9, nesterov=True),
+    "ema": lambda: nba.ema(0.9),
+    "apply_every": lambda: nba.apply_every(2),
+    "multisteps_adam": lambda: nba.MultiSteps(nba.adam(1e-2), 2),
+    "multisteps_sgd_skip": lambda: nba.MultiSteps(
+        nba.sgd(0.1, momentum=0.9), 2, use_grad_mean=False, should_skip_update_fn=nba.skip_not_finite
+    ),
+    "chain_decay": lambda: nba.chain(nba.trace(0.5), nba.add_decayed_weights(1e-2), nba.scale(-0.1)),
+}
+
+
+def close(a, b, dtype):
+    # CUDA contracts a * b + c into fused multiply-adds: agreement within float32 rounding.
+    rtol = 2e-6 if dtype == np.float32 else 1e-12
+    np.testing.assert_allclose(a, b, rtol=rtol, atol=rtol * 1e-3)
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("name", sorted(TXS))
+def test_transformations_on_device_match_cpu(name, dtype):
+    tx_cpu, tx_gpu = TXS[name](), TXS[name]()
+    p = params(dtype)
+    s_cpu, s_gpu = tx_cpu.init(p), tx_gpu.init(dev(p))
+    assert s_gpu is not None
+    for step in range(4):
+        g = grads(step, dtype)
+        u_cpu, s_cpu = tx_cpu.update(g, s_cpu, p)
+        u_gpu, s_gpu = tx_gpu.update(dev(g), s_gpu, dev(p))
+        got = host(u_gpu)
+        for a, b in zip(nba.tree_flatten(got)[0], nba.tree_flatten(u_cpu)[0]):
+            assert a.dtype == b.dtype and a.shape == b.shape
+            close(a, b, dtype)
+
+
+@needs_cuda
+def test_flattree_on_device_round_trip_and_views():
+    p = params()
+    flat = nba.FlatTree.from_tree(dev(p))
+    assert flat.device
+    for a, b in zip(nba.tree_flatten(host(flat.tree))[0], nba.tree_flatten(p)[0]):
+        np.testing.assert_array_equal(a, b)
+    back = nba.to_host(flat)
+    assert not back.device
+    np.testing.assert_array_equal(back["w"], p["w"])
+    again = nba.to_device(p)  # a plain tree in: the same tree of device arrays out
+    assert isinstance(again, dict) and hasattr(again["b"], "copy_to_host")
+    np.testing.assert_array_equal(host(again)["b"], p["b"])
+    np.testing.assert_array_equal(nba.to_host(again)["w"], p["w"])
+
+
+@needs_cuda
+def test_global_norm_and_skip_on_device():
+    p = params(np.float64)
+    np.testing.assert_allclose(nba.global_norm(dev(p)), nba.global_norm(p), rtol=1e-14)
+    for ord in (1, np.inf):
+        np.testing.assert_allclose(nba.global_norm(dev(p), ord=ord), nba.global_norm(p, ord=ord), rtol=1e-14)
+    bad = params(np.float64)
+    bad["b"][2] = np.nan
+    assert bool(nba.skip_not_finite(dev(bad), 0, None)[0])
+
+
+def _launches():
+    from numbaccum.cuda import kernels
+
+    return kernels.LAUNCHES[0]
+
+
+@needs_cuda
+@pytest.mark.parametrize("name", ["trace", "ema", "multisteps_adam"])
+def test_launches_per_update_do_not_grow_with_leaves(name):
+    counts = []
+    for n_leaves in (3, 30):
+        rng = np.random.default_rng(n_leaves)
+        p = {f"p{i:02d}": rng.standard_normal(5).astype(np.float32) for i in range(n_leaves)}
+        pf, gf = nba.FlatTree.from_tree(dev(p)), nba.FlatTree.from_tree(dev(p))
+        tx = TXS[name]()
+        s = tx.init(pf)
+        _, s = tx.update(gf, s, pf)  # first call allocates workspaces
+        before = _launches()
+        for _ in range(2):
+            _, s = tx.update(gf, s, pf)
+        counts.append(_launches() - before)
+    assert counts[0] == counts[1]
+    assert counts[0] <= 2 * 3  # at most 3 launches per update here, never one per leaf
+
+
+@needs_cuda
+def test_no_host_sync_in_trace_ema_and_mini_steps(monkeypatch):
+    from numbaccum.cuda import device
+
+    p = params()
+    pf = nba.FlatTree.from_tree(dev(p))
+    gf = nba.FlatTree.from_tree(dev(grads(0)))
+    syncs = []
+    array_type = type(pf.groups[0])
+    real = array_type.copy_to_host
+    monkeypatch.setattr(
+        array_type, "copy_to_host", lambda self, *a, **k: syncs.append(1) or real(self, *a, **k)
+    )
+    monkeypatch.setattr(device, "to_host", lambda x: syncs.append(1))
+    for tx in (nba.trace(0.9), nba.ema(0.9), nba.MultiSteps(nba.adam(1e-3), 3)):
+        s = tx.init(pf)
+        for _ in range(2):  # MultiSteps: two mini-steps, no emission
+            _, s = tx.update(gf, s, pf)
+    assert syncs == []
+
+
+@needs_cuda
+def test_host_arrays_into_a_device_state_name_the_leaf():
+    tx = nba.ema(0.9)
+    s = tx.init(dev(params()))
+    with pytest.raises(TypeError, match=r"updates\['b'\]: a NumPy array"):
+        tx.update(grads(0), s)
+
+
+def test_broken_cuda_stack_gives_one_clear_error(monkeypatch):
+    pytest.importorskip("numba.cuda")
+    from numbaccum.cuda import device
+
+    monkeypatch.setattr(device, "_checked", [])
+
+    def broken(*args, **kwargs):
+        raise AttributeError("module 'numpy' has no attribute 'row_stack'")
+
+    from numba import cuda
+
+    monkeypatch.setattr(cuda, "device_array", broken)
+    with pytest.raises(RuntimeError, match=r"pip install 'numbaccum\[cuda\]'"):
+        device.cuda_module()
+
+
+@pytest.mark.skipif(SIM or not _cuda_usable(), reason="needs a real GPU")
+@pytest.mark.parametrize("framework", ["torch", "cupy"])
+def test_framework_arrays_in_same_type_out_zero_copy(framework):
+    mod = pytest.importorskip(framework)
+    p = params()
+    conv = (lambda x: mod.as_tensor(x, device="cuda")) if framework == "torch" else mod.asarray
+    to_np = (lambda x: x.cpu().numpy()) if framework == "torch" else mod.asnumpy
+    tx_cpu, tx_gpu = nba.MultiSteps(nba.adam(1e-2), 2), nba.MultiSteps(nba.adam(1e-2), 2)
+    s_cpu, s_gpu = tx_cpu.init(p), tx_gpu.init(nba.tree_map(conv, p))
+    for step in range(4):
+        g = grads(step)
+        u_cpu, s_cpu = tx_cpu.update(g, s_cpu, p)
+        u_gpu, s_gpu = tx_gpu.update(nba.tree_map(conv, g), s_gpu, nba.tree_map(conv, p))
+        assert type(u_gpu["w"]).__module__.startswith(framework)
+        for a, b in zip(nba.tree_flatten(u_gpu)[0], nba.tree_flatten(u_cpu)[0]):
+            close(to_np(a), b, np.float32)
+    # the returned arrays are views of the state's workspace, not copies
+    ptr = u_gpu["w"].data_ptr() if framework == "torch" else u_gpu["w"].data.ptr
+    u2, s_gpu = tx_gpu.update(nba.tree_map(conv, grads(9)), s_gpu, nba.tree_map(conv, p))
+    u3, s_gpu = tx_gpu.update(nba.tree_map(conv, grads(10)), s_gpu, nba.tree_map(conv, p))
+    ptr3 = u3["w"].data_ptr() if framework == "torch" else u3["w"].data.ptr
+    assert ptr == ptr3
