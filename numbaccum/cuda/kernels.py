@@ -51,6 +51,16 @@ _start_device = cuda.jit(device=True)(_start)
 # --- elementwise ----------------------------------------------------------------------------
 
 
+@cuda.jit(device=True, inline=True)
+def _in(v, div, mul, scaled):  # pragma: no cover - compiled
+    """The pending factor on a read: (v / div) * mul, skipped (two divisions saved) when 1, 1."""
+    return (v / div) * mul if scaled else v
+
+
+def _scaled(div, mul):
+    return bool(div != 1 or mul != 1)
+
+
 @cuda.jit
 def _fill(n, x, value):  # pragma: no cover - compiled
     i, step = _start_device()
@@ -60,26 +70,26 @@ def _fill(n, x, value):  # pragma: no cover - compiled
 
 
 @cuda.jit
-def _scale(n, out, x, div, mul):  # pragma: no cover - compiled
+def _scale(n, out, x, div, mul, scaled):  # pragma: no cover - compiled
     i, step = _start_device()
     while i < n:
-        out[i] = (x[i] / div) * mul
+        out[i] = _in(x[i], div, mul, scaled)
         i += step
 
 
 @cuda.jit
-def _add_scaled(n, out, x, div, mul, y, s):  # pragma: no cover - compiled
+def _add_scaled(n, out, x, div, mul, scaled, y, s):  # pragma: no cover - compiled
     i, step = _start_device()
     while i < n:
-        out[i] = (x[i] / div) * mul + s * y[i]
+        out[i] = _in(x[i], div, mul, scaled) + s * y[i]
         i += step
 
 
 @cuda.jit
-def _trace(n, trace, g, div, mul, decay, nesterov, out):  # pragma: no cover - compiled
+def _trace(n, trace, g, div, mul, scaled, decay, nesterov, out):  # pragma: no cover - compiled
     i, step = _start_device()
     while i < n:
-        gi = (g[i] / div) * mul
+        gi = _in(g[i], div, mul, scaled)
         t = gi + decay * trace[i]
         trace[i] = t
         if nesterov:
@@ -90,20 +100,20 @@ def _trace(n, trace, g, div, mul, decay, nesterov, out):  # pragma: no cover - c
 
 
 @cuda.jit
-def _ema(n, ema, g, div, mul, one_minus_decay, decay, bias_correction, out):  # pragma: no cover
+def _ema(n, ema, g, div, mul, scaled, one_minus_decay, decay, bias_correction, out):  # pragma: no cover
     i, step = _start_device()
     while i < n:
-        e = one_minus_decay * ((g[i] / div) * mul) + decay * ema[i]
+        e = one_minus_decay * _in(g[i], div, mul, scaled) + decay * ema[i]
         ema[i] = e
         out[i] = e / bias_correction
         i += step
 
 
 @cuda.jit
-def _mean_accumulate(n, acc, g, div, mul, count, fresh):  # pragma: no cover - compiled
+def _mean_accumulate(n, acc, g, div, mul, scaled, count, fresh):  # pragma: no cover - compiled
     i, step = _start_device()
     while i < n:
-        gi = (g[i] / div) * mul
+        gi = _in(g[i], div, mul, scaled)
         if fresh:
             acc[i] = gi + 0.0
         else:
@@ -112,10 +122,10 @@ def _mean_accumulate(n, acc, g, div, mul, count, fresh):  # pragma: no cover - c
 
 
 @cuda.jit
-def _sum_accumulate(n, acc, g, div, mul, fresh):  # pragma: no cover - compiled
+def _sum_accumulate(n, acc, g, div, mul, scaled, fresh):  # pragma: no cover - compiled
     i, step = _start_device()
     while i < n:
-        gi = (g[i] / div) * mul
+        gi = _in(g[i], div, mul, scaled)
         if fresh:
             acc[i] = gi + 0.0
         else:
@@ -125,11 +135,11 @@ def _sum_accumulate(n, acc, g, div, mul, fresh):  # pragma: no cover - compiled
 
 @cuda.jit
 def _adam(
-    n, mu, nu, g, div, mul, b1, one_minus_b1, b2, one_minus_b2, bc1, bc2, eps, eps_root, out_mul, out
+    n, mu, nu, g, div, mul, scaled, b1, one_minus_b1, b2, one_minus_b2, bc1, bc2, eps, eps_root, out_mul, out
 ):  # pragma: no cover - compiled
     i, step = _start_device()
     while i < n:
-        gi = (g[i] / div) * mul
+        gi = _in(g[i], div, mul, scaled)
         m = one_minus_b1 * gi + b1 * mu[i]
         v = one_minus_b2 * (gi * gi) + b2 * nu[i]
         mu[i] = m
@@ -296,32 +306,32 @@ def fill_(x, value):
 
 def scale_(out, x, div, mul):
     """out = (x / div) * mul (``out`` may be ``x``)."""
-    _launch(_scale, x.size, out, x, div, mul)
+    _launch(_scale, x.size, out, x, div, mul, _scaled(div, mul))
 
 
 def add_scaled_(out, x, div, mul, y, s):
     """out = (x / div) * mul + s * y (``out`` may be ``x``)."""
-    _launch(_add_scaled, x.size, out, x, div, mul, y, s)
+    _launch(_add_scaled, x.size, out, x, div, mul, _scaled(div, mul), y, s)
 
 
 def trace_update_(trace, g, div, mul, decay, nesterov, out):
     """trace = g + decay * trace; out = trace, or g + decay * trace if nesterov."""
-    _launch(_trace, g.size, trace, g, div, mul, decay, nesterov, out)
+    _launch(_trace, g.size, trace, g, div, mul, _scaled(div, mul), decay, nesterov, out)
 
 
 def ema_update_(ema, g, div, mul, one_minus_decay, decay, bias_correction, out):
     """ema = (1 - decay) * g + decay * ema; out = ema / bias_correction."""
-    _launch(_ema, g.size, ema, g, div, mul, one_minus_decay, decay, bias_correction, out)
+    _launch(_ema, g.size, ema, g, div, mul, _scaled(div, mul), one_minus_decay, decay, bias_correction, out)
 
 
 def mean_accumulate_(acc, g, div, mul, count, fresh):
     """acc = acc + (g - acc) / count, with acc read as 0 if ``fresh``."""
-    _launch(_mean_accumulate, g.size, acc, g, div, mul, count, fresh)
+    _launch(_mean_accumulate, g.size, acc, g, div, mul, _scaled(div, mul), count, fresh)
 
 
 def sum_accumulate_(acc, g, div, mul, fresh):
     """acc = g + acc, with acc read as 0 if ``fresh``."""
-    _launch(_sum_accumulate, g.size, acc, g, div, mul, fresh)
+    _launch(_sum_accumulate, g.size, acc, g, div, mul, _scaled(div, mul), fresh)
 
 
 def adam_update_(
@@ -329,7 +339,7 @@ def adam_update_(
 ):
     """Adam moments in place; out = ((mu / bc1) / (sqrt(nu / bc2 + eps_root) + eps)) * out_mul."""
     args = (b1, one_minus_b1, b2, one_minus_b2, bc1, bc2, eps, eps_root, out_mul)
-    _launch(_adam, g.size, mu, nu, g, div, mul, *args, out)
+    _launch(_adam, g.size, mu, nu, g, div, mul, _scaled(div, mul), *args, out)
 
 
 KERNELS = (
