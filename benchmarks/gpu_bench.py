@@ -5,7 +5,8 @@
 Workloads (float32): GPT-2 small (124M params, 148 leaves), GPT-2 XL shapes (1.56B params, 580
 leaves) and 2000 leaves of 100-5000 elements. Operations: MultiSteps mini-step (mean accumulate,
 ``acc += (g - acc) / (n + 1)``; torch: ``_foreach_lerp_``) and ema with debias (torch:
-``_foreach_lerp_`` then ``_foreach_div``). The roof is a device-to-device copy (``copy_``).
+``_foreach_lerp_`` then ``_foreach_div``), and with ``--optax`` optax under ``jax.jit`` (state
+donated; run with XLA_PYTHON_CLIENT_PREALLOCATE=false). The roof is a device-to-device copy.
 Times are medians of CUDA-event-timed calls after warm-up; GB/s counts minimal bytes per param.
 """
 
@@ -46,7 +47,7 @@ def timed(fn, repeats: int) -> list[float]:
     return out
 
 
-def run(name: str, shapes: dict, repeats: int) -> list[dict]:
+def run(name: str, shapes: dict, repeats: int, optax_too: bool) -> list[dict]:
     from numba import cuda
 
     sizes = [int(np.prod(s)) for s in workloads.leaves(shapes)]
@@ -107,19 +108,57 @@ def run(name: str, shapes: dict, repeats: int) -> list[dict]:
 
     add("ema (debias)", "torch foreach", torch_ema, 16)
     free()
+    if optax_too:
+        run_optax(shapes, sizes, n, repeats, roof, rows, name)
     return rows
+
+
+def run_optax(
+    shapes: dict, sizes: list[int], n: int, repeats: int, roof: float, rows: list, name: str
+) -> None:
+    """optax under jax.jit, the state donated so XLA updates it in place."""
+    import time
+
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    box = {"leaves": [jnp.ones(s, jnp.float32) for s in sizes]}
+
+    def bench(tx, op, bpp):
+        leaves = box["leaves"]
+        state = tx.init(leaves)
+        step = jax.jit(tx.update, donate_argnums=(1,))
+        for _ in range(3):
+            u, state = step(leaves, state)
+        jax.block_until_ready(u)
+        ts = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            u, state = step(leaves, state)
+            jax.block_until_ready(u)
+            ts.append(time.perf_counter() - t)
+        med = statistics.median(ts)
+        gbs = bpp * n / med / 1e9
+        rows.append(dict(workload=name, op=op, impl="optax jit", ms=med * 1e3, gbs=gbs, roof=gbs / roof))
+
+    bench(optax.MultiSteps(optax.sgd(1.0), 1_000_000), "MultiSteps mini-step", 12)
+    bench(optax.ema(0.999), "ema (debias)", 16)
+    box.clear()
+    jax.clear_caches()
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
     ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--optax", action="store_true", help="also optax under jax.jit (needs JAX with CUDA)")
     args = ap.parse_args()
     print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}")
     rows = []
-    rows += run("2000 small leaves (5.2M)", workloads.many_small_shapes(), args.repeats)
-    rows += run("GPT-2 small (124M, 148 leaves)", workloads.gpt2_small_shapes(), args.repeats)
-    rows += run("GPT-2 XL (1.56B, 580 leaves)", gpt2_xl_shapes(), max(5, args.repeats // 2))
+    rows += run("2000 small leaves (5.2M)", workloads.many_small_shapes(), args.repeats, args.optax)
+    rows += run("GPT-2 small (124M, 148 leaves)", workloads.gpt2_small_shapes(), args.repeats, args.optax)
+    rows += run("GPT-2 XL (1.56B, 580 leaves)", gpt2_xl_shapes(), max(5, args.repeats // 2), args.optax)
     print("| workload | operation | implementation | median ms | GB/s | of d2d copy |")
     print("| --- | --- | --- | --- | --- | --- |")
     for r in rows:
