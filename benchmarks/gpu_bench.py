@@ -4,9 +4,11 @@
 
 Workloads (float32): GPT-2 small (124M params, 148 leaves), GPT-2 XL shapes (1.56B params, 580
 leaves) and 2000 leaves of 100-5000 elements. Operations: MultiSteps mini-step (mean accumulate,
-``acc += (g - acc) / (n + 1)``; torch: ``_foreach_lerp_``) and ema with debias (torch:
-``_foreach_lerp_`` then ``_foreach_div``), and with ``--optax`` optax under ``jax.jit`` (state
-donated; run with XLA_PYTHON_CLIENT_PREALLOCATE=false). The roof is a device-to-device copy.
+``acc += (g - acc) / (n + 1)``; torch: ``_foreach_lerp_``), ema with debias (torch:
+``_foreach_lerp_`` then ``_foreach_div``) and clip_by_global_norm (numbaccum into its output
+buffer: a norm pass and a scale pass, 12 bytes/param; torch ``clip_grad_norm_(foreach=True)`` in
+place). With ``--optax``, optax under ``jax.jit`` too (state donated; run with
+XLA_PYTHON_CLIENT_PREALLOCATE=false). The roof is a device-to-device copy.
 Times are medians of CUDA-event-timed calls after warm-up; GB/s counts minimal bytes per param.
 """
 
@@ -88,6 +90,14 @@ def run(name: str, shapes: dict, repeats: int, optax_too: bool) -> list[dict]:
         _, box["ema_state"] = box["ema"].update(box["g"], box["ema_state"])
 
     add("ema (debias)", "numbaccum", nba_ema, 16)
+    box.pop("ema_state")
+    box["clip"] = nba.clip_by_global_norm(1e-3)  # always clips: the factor pass runs
+    box["clip_state"] = box["clip"].init(box["g"])
+
+    def nba_clip():
+        box["clip"].update(box["g"], box["clip_state"])
+
+    add("clip_by_global_norm", "numbaccum", nba_clip, 12)
     free()
 
     box["tg"] = [torch.randn(s, device="cuda") for s in sizes]
@@ -107,6 +117,14 @@ def run(name: str, shapes: dict, repeats: int, optax_too: bool) -> list[dict]:
         torch._foreach_div(box["tacc"], 1 - 0.999 ** box["k"])
 
     add("ema (debias)", "torch foreach", torch_ema, 16)
+
+    def torch_clip():
+        torch.nn.utils.clip_grad_norm_(box["tacc"], 1e-3, foreach=True)
+
+    for t, g in zip(box["tacc"], box["tg"]):
+        t.grad = g
+    box["tacc"] = [t.requires_grad_() for t in box["tacc"]]
+    add("clip_by_global_norm (in place)", "torch clip_grad_norm_ foreach", torch_clip, 12)
     free()
     if optax_too:
         run_optax(shapes, sizes, n, repeats, roof, rows, name)
@@ -144,6 +162,7 @@ def run_optax(
 
     bench(optax.MultiSteps(optax.sgd(1.0), 1_000_000), "MultiSteps mini-step", 12)
     bench(optax.ema(0.999), "ema (debias)", 16)
+    bench(optax.clip_by_global_norm(1e-3), "clip_by_global_norm", 12)
     box.clear()
     jax.clear_caches()
 

@@ -27,7 +27,7 @@ from .base import (
     named_chain,
     with_extra_args_support,
 )
-from .clipping import global_norm
+from .clipping import ClipByGlobalNormState, clip_by_global_norm, global_norm
 from .flat import FlatTree, to_device, to_host
 from .optim import (
     ScaleByAdamState,
@@ -46,6 +46,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ApplyEvery",
+    "ClipByGlobalNormState",
     "EmaState",
     "EmptyState",
     "FlatTree",
@@ -62,6 +63,7 @@ __all__ = [
     "apply_updates",
     "apply_updates_",
     "chain",
+    "clip_by_global_norm",
     "copy_state",
     "ema",
     "global_norm",

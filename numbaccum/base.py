@@ -10,6 +10,7 @@ flow once on the way in and back once on the way out.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -18,7 +19,7 @@ import numpy as np
 
 from . import backend
 from .flat import FlatTree, Layout, as_flat, check_leaves, layout_of
-from .tree import format_path, tree_flatten_with_path
+from .tree import format_path, tree_flatten, tree_flatten_with_path
 
 __all__ = [
     "EmptyState",
@@ -136,8 +137,11 @@ def state_owner(state: Any) -> FlatTree | None:
     return None
 
 
-def _output(flow: Flow, owner: FlatTree | None) -> FlatTree:
-    """The flow as a buffer that the caller may keep until the next update: never an input."""
+def _output(flow: Flow, owner: FlatTree | None, kept: threading.local) -> FlatTree:
+    """The flow as a buffer that the caller may keep until the next update: never an input.
+
+    A stateless transformation has no state to own that buffer, so it keeps one per layout and
+    device (per thread) itself: its updates are valid until its own next update."""
     if flow.owned:
         return flow.settled().flat
     if flow.returnable and not flow.pending:
@@ -145,8 +149,25 @@ def _output(flow: Flow, owner: FlatTree | None) -> FlatTree:
     if owner is not None:
         out = owner.workspace("output")
     else:
-        out = FlatTree.empty(flow.flat.layout, device=flow.flat.device)
+        out = _kept(kept, "output", flow.flat.layout, flow.flat.device)
     return flow.into(out)
+
+
+def _kept(kept: threading.local, name: str, layout: Layout, device: bool) -> FlatTree:
+    """A buffer a stateless transformation keeps per layout and device (and thread)."""
+    cache = kept.__dict__.setdefault(name, {})
+    out = cache.get((layout, device))
+    if out is None:
+        out = cache[(layout, device)] = FlatTree.empty(layout, device=device)
+    return out
+
+
+def _side(tree: Any) -> bool:
+    """Whether a tree's first leaf is a CUDA array (the leaves were already checked to agree)."""
+    if isinstance(tree, FlatTree):
+        return tree.device
+    leaves = tree_flatten(tree)[0]
+    return bool(leaves) and not isinstance(leaves[0], (np.ndarray, np.generic))
 
 
 def flat_transformation(
@@ -159,6 +180,8 @@ def flat_transformation(
     plain tree for a plain tree, a FlatTree for a FlatTree.
     """
 
+    kept = threading.local()  # a stateless transformation's output buffers (see _output)
+
     def update(updates: Any, state: Any, params: Any = None, **extra_args: Any) -> tuple[Any, Any]:
         owner = state_owner(state)
         if owner is not None:
@@ -167,8 +190,11 @@ def flat_transformation(
             layout = layout_of(
                 params if params is not None else updates, "params" if params is not None else "updates"
             )
-        inbox = (lambda: owner.workspace("input")) if owner is not None else None
         device = owner.device if owner is not None else None
+        if owner is not None:
+            inbox: Callable[[], FlatTree] = lambda: owner.workspace("input")  # noqa: E731
+        else:
+            inbox = lambda: _kept(kept, "input", layout, _side(updates))  # noqa: E731
         flat, copied, kind = as_flat(updates, layout, "updates", pack_into=inbox, device=device)
         ref = None
         if params is not None:
@@ -179,7 +205,7 @@ def flat_transformation(
             ref = ParamsRef(params, layout, owner, flat.device)
         with backend.launch_context(kind):
             out_flow, new_state = flat_update(Flow(flat, copied), state, ref, extra_args)
-            out = _output(out_flow, state_owner(new_state) or owner)
+            out = _output(out_flow, state_owner(new_state) or owner, kept)
         if kind == "flat":
             return out, new_state
         return out.tree_as(kind), new_state

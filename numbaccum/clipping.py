@@ -1,4 +1,4 @@
-"""Norms of whole trees (the optax clipping family builds on them)."""
+"""Norms of whole trees and the optax clipping family built on them."""
 
 from __future__ import annotations
 
@@ -8,9 +8,10 @@ from typing import Any
 import numpy as np
 
 from . import backend
+from .base import EmptyState, Flow, GradientTransformationExtraArgs, flat_transformation
 from .flat import FlatTree, Layout, as_flat, layout_of
 
-__all__ = ["global_norm"]
+__all__ = ["ClipByGlobalNormState", "clip_by_global_norm", "global_norm"]
 
 _SEGMENT_KERNEL = {1: "segment_sumabs", 2: "segment_sumsq", math.inf: "segment_maxabs"}
 
@@ -22,6 +23,14 @@ def leaf_reductions(flat: FlatTree, kernel: str) -> np.ndarray:
     for members, offsets, g in zip(lay.groups, lay.offsets, flat.groups):
         out[list(members)] = backend.call(kernel, g, offsets)
     return out
+
+
+def sum_in_order(values: np.ndarray) -> float:
+    """Sequential float64 sum in tree order: the same bits whatever the layout or thread count."""
+    total = 0.0
+    for v in values:
+        total += float(v)
+    return total
 
 
 def global_norm(tree: Any, ord: Any = 2, squared: bool = False) -> float:
@@ -43,9 +52,41 @@ def global_norm(tree: Any, ord: Any = 2, squared: bool = False) -> float:
     if key == math.inf:
         value = float(np.max(per_leaf)) if per_leaf.size else 0.0
         return value * value if squared else value
-    total = 0.0
-    for v in per_leaf:  # tree order, sequential: the same bits whatever the layout
-        total += float(v)
+    total = sum_in_order(per_leaf)
     if key == 2:
         return total if squared else math.sqrt(total)
     return total * total if squared else total
+
+
+ClipByGlobalNormState = EmptyState
+
+
+def clip_by_global_norm(max_norm: float) -> GradientTransformationExtraArgs:
+    """Clips the whole tree to a global L2 norm of at most ``max_norm`` (optax's formula):
+
+    ``u = g`` if ``norm < max_norm`` (strict), else ``u = (g / norm) * max_norm``, with
+    ``norm = sqrt(sum g^2)`` over every leaf.
+
+    The norm accumulates in float64 (float32 squares cannot overflow: ``[1e20, 1e20]`` clips to
+    ``[0.7071, 0.7071]`` where optax gives zeros), and ``norm == max_norm == 0`` gives zeros where
+    optax gives NaN (0 / 0). A NaN norm clips every element to NaN, as in optax. The factor is not
+    a pass of its own: it rides on the next kernel that reads the updates. On the GPU the norm
+    comes back to the host (one synchronisation per call).
+
+    Raises:
+        ValueError: ``max_norm`` is negative.
+    """
+    max_norm = float(max_norm)
+    if not max_norm >= 0:
+        raise ValueError(f"max_norm must be >= 0, got {max_norm}")
+
+    def flat_update(flow: Flow, state: Any, params: Any, extra: dict) -> tuple[Flow, Any]:
+        flow = flow.settled()
+        norm = math.sqrt(sum_in_order(leaf_reductions(flow.flat, "segment_sumsq")))
+        if norm < max_norm:
+            return flow, state
+        if norm == 0.0:  # and so max_norm == 0: zeros, not 0 / 0
+            return Flow(flow.flat, flow.owned, 1.0, 0.0, flow.returnable), state
+        return Flow(flow.flat, flow.owned, norm, max_norm, flow.returnable), state
+
+    return flat_transformation(lambda params: EmptyState(), flat_update)

@@ -83,6 +83,10 @@ TXS = {
         nba.sgd(0.1, momentum=0.9), 2, use_grad_mean=False, should_skip_update_fn=nba.skip_not_finite
     ),
     "chain_decay": lambda: nba.chain(nba.trace(0.5), nba.add_decayed_weights(1e-2), nba.scale(-0.1)),
+    "clip": lambda: nba.clip_by_global_norm(1.0),
+    "multisteps_clip_adam": lambda: nba.MultiSteps(
+        nba.chain(nba.clip_by_global_norm(1.0), nba.adam(1e-2)), 2
+    ),
 }
 
 

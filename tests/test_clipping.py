@@ -1,0 +1,117 @@
+"""clip_by_global_norm: optax's vectors (reference/optax.md 3.3), the documented fixes, and
+composition with the accumulation transformations."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from strategies import trees
+
+import numbaccum as nba
+
+
+def clip(tree, max_norm):
+    tx = nba.clip_by_global_norm(max_norm)
+    u, _ = tx.update(tree, tx.init(tree))
+    return nba.tree_map(np.copy, u)
+
+
+@pytest.mark.parametrize(
+    "g, max_norm, expected",
+    [
+        ([3.0, 4.0], 5.0, [3.0, 4.0]),  # norm == max_norm: the clip branch, exact here
+        ([3.0, 4.0], 1.0, [0.6000000238, 0.8000000119]),
+        ([0.0, 0.0, 0.0], 1.0, [0.0, 0.0, 0.0]),
+        ([3.0, 4.0], 0.0, [0.0, 0.0]),
+        ([np.nan, 1.0], 1.0, [np.nan, np.nan]),
+        ([np.inf, 1.0], 1.0, [np.nan, 0.0]),
+    ],
+)
+def test_optax_edge_cases(g, max_norm, expected):
+    out = clip(np.array(g, np.float32), max_norm)
+    np.testing.assert_allclose(out, np.array(expected, np.float32), rtol=1e-7)
+
+
+def test_tree_and_setup_vectors():
+    out = clip((np.array([3.0], np.float32), np.array([4.0], np.float32)), 2.5)
+    np.testing.assert_array_equal(out[0], [1.5])
+    np.testing.assert_array_equal(out[1], [2.0])
+    setup = (np.array([500.0, 5.0], np.float32), np.array([300.0, 3.0], np.float32))
+    np.testing.assert_allclose(nba.global_norm(setup), 583.12433, rtol=1e-7)
+    out = clip(setup, 1.0)
+    np.testing.assert_allclose(out[0], [0.85745007, 0.0085745], rtol=1e-6)
+    np.testing.assert_allclose(out[1], [0.51447004, 0.0051447], rtol=1e-6)
+
+
+def test_float32_recipe_is_divide_then_multiply():
+    g = np.random.default_rng(0).standard_normal(1000).astype(np.float32)
+    norm = np.float32(np.sqrt(np.sum(g.astype(np.float64) ** 2)))
+    np.testing.assert_array_equal(clip(g, 1.0), (g / norm) * np.float32(1.0))
+
+
+def test_deliberate_differences_from_optax():
+    # zeros with max_norm 0: zeros, not NaN (optax PR #1752)
+    np.testing.assert_array_equal(clip(np.zeros(3, np.float32), 0.0), np.zeros(3))
+    # float32 squares do not overflow
+    np.testing.assert_allclose(clip(np.array([1e20, 1e20], np.float32), 1.0), [0.70710677] * 2, rtol=1e-6)
+
+
+def test_idempotent_loop_like_optax_test():
+    g = (np.array([500.0, 5.0], np.float32), np.array([300.0, 3.0], np.float32))
+    for i in range(1, 51):
+        out = clip(g, 1.0 / i)
+        np.testing.assert_allclose(nba.global_norm(out), 1.0 / i, rtol=1e-6)
+        np.testing.assert_allclose(nba.tree_flatten(clip(out, 1.0 / i))[0][0], out[0], rtol=1e-6)
+        g = out
+
+
+def test_negative_max_norm_is_rejected():
+    with pytest.raises(ValueError, match="max_norm"):
+        nba.clip_by_global_norm(-1.0)
+
+
+@settings(deadline=None, max_examples=25)
+@given(trees())
+def test_against_plain_numpy(tree):
+    leaves = nba.tree_flatten(tree)[0]
+    norm = nba.global_norm(tree)  # float64, fixed order; checked against NumPy here
+    np.testing.assert_allclose(
+        norm, np.sqrt(sum(float(np.sum(x.astype(np.float64) ** 2)) for x in leaves)), rtol=1e-13
+    )
+    out = nba.tree_flatten(clip(tree, 1.0))[0]
+    for x, y in zip(out, leaves):
+        if norm < 1.0:
+            np.testing.assert_array_equal(x, y)
+        else:
+            np.testing.assert_array_equal(x, (y / y.dtype.type(norm)) * y.dtype.type(1.0))
+
+
+def test_chained_clip_rides_on_the_next_kernel_and_matches_two_passes():
+    rng = np.random.default_rng(1)
+    p = {
+        "w": rng.standard_normal((20, 30)).astype(np.float32),
+        "b": rng.standard_normal(30).astype(np.float32),
+    }
+    fused = nba.MultiSteps(nba.chain(nba.clip_by_global_norm(1.0), nba.adam(1e-2)), 2)
+    s = fused.init(p)
+    ref_tx = nba.adam(1e-2)
+    rs = ref_tx.init(p)
+    acc = None
+    for step in range(6):
+        g = nba.tree_map(lambda x: rng.standard_normal(x.shape).astype(np.float32) * 3, p)
+        u, s = fused.update(g, s, p)
+        acc = g if acc is None else nba.tree_map(lambda a, b: a + (b - a) / np.float32(2), acc, g)
+        if step % 2 == 1:
+            ru, rs = ref_tx.update(clip(acc, 1.0), rs, p)
+            for x, y in zip(nba.tree_flatten(u)[0], nba.tree_flatten(ru)[0]):
+                np.testing.assert_array_equal(x, y)
+            acc = None
+
+
+def test_stateless_output_is_reused_and_never_aliases_the_input():
+    tx = nba.clip_by_global_norm(0.5)
+    g1, g2 = np.ones(4, np.float32), np.full(4, 2.0, np.float32)
+    u1, s = tx.update(g1, tx.init(g1))
+    u2, s = tx.update(g2, s)
+    assert np.shares_memory(u1, u2)  # one buffer per layout: no allocation per step
+    assert not np.shares_memory(u2, g2)
+    np.testing.assert_allclose(u2, [0.25] * 4)
