@@ -19,6 +19,8 @@ from . import cpu
 # Arguments each in-place kernel writes (index into its argument list).
 _WRITES: dict[str, tuple[int, ...]] = {
     "fill_": (0,),
+    "segment_sumsq_into_": (0,),
+    "clip_factors_": (0,),
     "scale_": (0,),
     "add_scaled_": (0,),
     "trace_update_": (0, 6),
@@ -67,11 +69,13 @@ def _call_cuda(name: str, args: tuple) -> Any:
     cuda_module()  # one clear error, once, when CUDA cannot run kernels here
     from .cuda import kernels
 
-    dtypes = [a.dtype for a in args if not isinstance(a, (bool, np.bool_, int, float, np.generic))]
-    ctype = np.result_type(*dtypes) if dtypes else np.dtype(np.float64)
+    arrays = [
+        a for a in args if hasattr(a, "dtype") and hasattr(a, "shape") and not isinstance(a, np.generic)
+    ]
+    ctype = np.result_type(*(a.dtype for a in arrays)) if arrays else np.dtype(np.float64)
+    scalar = (int, float, np.generic)
     run_args = [
-        a if not isinstance(a, (int, float, np.generic)) or isinstance(a, (bool, np.bool_)) else ctype.type(a)
-        for a in args
+        ctype.type(a) if isinstance(a, scalar) and not isinstance(a, (bool, np.bool_)) else a for a in args
     ]
     return getattr(kernels, name)(*run_args)
 

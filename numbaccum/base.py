@@ -74,8 +74,8 @@ class Flow:
 
     flat: FlatTree
     owned: bool  # a state's scratch buffer: later stages may overwrite it
-    div: float = 1.0
-    mul: float = 1.0
+    div: Any = 1.0  # a float, or (GPU) a dict dtype -> device array [div, mul] with mul None
+    mul: Any = 1.0
     returnable: bool | None = None  # may be handed to the user as is (default: owned)
 
     def __post_init__(self) -> None:
@@ -84,7 +84,7 @@ class Flow:
 
     @property
     def pending(self) -> bool:
-        return self.div != 1.0 or self.mul != 1.0
+        return isinstance(self.div, dict) or self.div != 1.0 or self.mul != 1.0
 
     def settled(self, into: FlatTree | None = None) -> Flow:
         """This flow with the pending factor applied (in place when owned)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import threading
 from typing import Any
 
 import numpy as np
@@ -60,6 +61,33 @@ def global_norm(tree: Any, ord: Any = 2, squared: bool = False) -> float:
 
 ClipByGlobalNormState = EmptyState
 
+_SCRATCH = threading.local()  # per layout: the per-leaf squared norms and the factors (GPU)
+
+
+def _device_factors(flat: FlatTree, max_norm: float) -> dict[np.dtype, Any]:
+    """clip_by_global_norm's ``[div, mul]`` on the device, one array per compute dtype the next
+    kernels may use: per-segment squares into one float64 array (group by group), then a
+    one-thread kernel sums them in order and picks the branch. Nothing comes to the host."""
+    from .cuda.device import empty
+
+    lay = flat.layout
+    cache = _SCRATCH.__dict__.setdefault("by_layout", {})
+    scratch = cache.get(lay)
+    if scratch is None:
+        dtypes: set[Any] = {np.dtype(np.float32), np.dtype(np.float64), *flat.group_dtypes}
+        scratch = cache[lay] = (
+            empty(max(lay.num_leaves, 1), np.dtype(np.float64)),
+            {d: empty(2, d) for d in dtypes},
+        )
+    parts, facs = scratch
+    pos = 0
+    for g, offsets in zip(flat.groups, lay.offsets):
+        backend.call("segment_sumsq_into_", parts[pos : pos + offsets.size - 1], g, offsets)
+        pos += offsets.size - 1
+    for fac in facs.values():
+        backend.call("clip_factors_", fac, parts[:pos], max_norm)
+    return facs
+
 
 def clip_by_global_norm(max_norm: float) -> GradientTransformationExtraArgs:
     """Clips the whole tree to a global L2 norm of at most ``max_norm`` (optax's formula):
@@ -77,11 +105,15 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformationExtraArgs:
         ValueError: ``max_norm`` is negative.
     """
     max_norm = float(max_norm)
-    if not max_norm >= 0:
+    if not max_norm >= 0:  # NaN too
         raise ValueError(f"max_norm must be >= 0, got {max_norm}")
 
     def flat_update(flow: Flow, state: Any, params: Any, extra: dict) -> tuple[Flow, Any]:
         flow = flow.settled()
+        if flow.flat.device:  # the norm and the factor stay on the GPU: no synchronisation
+            return Flow(
+                flow.flat, flow.owned, _device_factors(flow.flat, max_norm), None, flow.returnable
+            ), state
         norm = math.sqrt(sum_in_order(leaf_reductions(flow.flat, "segment_sumsq")))
         if norm < max_norm:
             return flow, state

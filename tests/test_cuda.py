@@ -169,7 +169,7 @@ def test_launches_per_update_do_not_grow_with_leaves(name):
 
 
 @needs_cuda
-def test_no_host_sync_in_trace_ema_and_mini_steps(monkeypatch):
+def test_no_host_sync_in_trace_ema_clip_and_multisteps(monkeypatch):
     from numbaccum.cuda import device
 
     p = params()
@@ -182,7 +182,15 @@ def test_no_host_sync_in_trace_ema_and_mini_steps(monkeypatch):
         array_type, "copy_to_host", lambda self, *a, **k: syncs.append(1) or real(self, *a, **k)
     )
     monkeypatch.setattr(device, "to_host", lambda x: syncs.append(1))
-    for tx in (nba.trace(0.9), nba.ema(0.9), nba.MultiSteps(nba.adam(1e-3), 3)):
+    txs = (
+        nba.trace(0.9),
+        nba.ema(0.9),
+        nba.MultiSteps(nba.adam(1e-3), 3),
+        nba.clip_by_global_norm(1.0),
+        nba.chain(nba.clip_by_global_norm(0.1), nba.ema(0.9)),
+        nba.MultiSteps(nba.chain(nba.clip_by_global_norm(0.1), nba.adam(1e-3)), 2),  # emits too
+    )
+    for tx in txs:
         s = tx.init(pf)
         for _ in range(2):  # MultiSteps: two mini-steps, no emission
             _, s = tx.update(gf, s, pf)

@@ -16,6 +16,8 @@ NumPy (optax's ``ema`` with ``decay = 1`` is NaN), never an exception.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 from numba import njit, prange
 
@@ -348,6 +350,21 @@ def segment_maxabs(x, offsets):
     return _pick(_SEG_MAXABS, x.size)(x, offsets, _config.REDUCE_BLOCK)
 
 
+def segment_sumsq_into_(out, x, offsets):
+    """out[s] = sum(x[offsets[s]:offsets[s+1]] ** 2) in float64."""
+    out[:] = segment_sumsq(x, offsets)
+
+
+def clip_factors_(fac, parts, max_norm):
+    """fac = [div, mul] of clip_by_global_norm from the squared norms ``parts`` (summed in order):
+    [1, 1] if norm < max_norm, [1, 0] if norm == 0, else [norm, max_norm]."""
+    total = 0.0
+    for v in parts:
+        total += float(v)
+    norm = math.sqrt(total)
+    fac[:] = (1.0, 1.0) if norm < max_norm else (1.0, 0.0) if norm == 0.0 else (norm, max_norm)
+
+
 def fill_(x, value):
     """x = value."""
     _run(_FILL, x.size, x, value)
@@ -402,6 +419,8 @@ KERNELS = (
     "segment_sumsq",
     "segment_sumabs",
     "segment_maxabs",
+    "segment_sumsq_into_",
+    "clip_factors_",
     "fill_",
     "scale_",
     "add_scaled_",

@@ -13,6 +13,7 @@ order: no float atomics, so a norm has the same bits on every run. Reductions re
 from __future__ import annotations
 
 import math
+import threading
 from typing import Any
 
 import numpy as np
@@ -52,13 +53,30 @@ _start_device = cuda.jit(device=True)(_start)
 
 
 @cuda.jit(device=True, inline=True)
-def _in(v, div, mul, scaled):  # pragma: no cover - compiled
-    """The pending factor on a read: (v / div) * mul, skipped (two divisions saved) when 1, 1."""
-    return (v / div) * mul if scaled else v
+def _in(v, div, mul, fac, mode):  # pragma: no cover - compiled
+    """The pending factor on a read: none (mode 0, two divisions saved), ``(v / div) * mul``
+    (mode 1), or ``(v / fac[0]) * fac[1]`` with the factor on the device (mode 2: a clip whose
+    norm never left the GPU)."""
+    if mode == 1:
+        return (v / div) * mul
+    if mode == 2:
+        return (v / fac[0]) * fac[1]
+    return v
 
 
-def _scaled(div, mul):
-    return bool(div != 1 or mul != 1)
+_DUMMY: dict[np.dtype, Any] = {}
+
+
+def _factor(div: Any, mul: Any, *arrays: Any) -> tuple[Any, Any, Any, int]:
+    """Kernel arguments for a pending factor: scalars, or a dict dtype -> device [div, mul]."""
+    ctype = np.result_type(*(a.dtype for a in arrays))
+    if isinstance(div, dict):
+        one = ctype.type(1)
+        return one, one, div[ctype], 2
+    dummy = _DUMMY.get(ctype)
+    if dummy is None:
+        dummy = _DUMMY[ctype] = cuda.device_array(2, ctype)  # never read in modes 0 and 1
+    return div, mul, dummy, int(bool(div != 1 or mul != 1))
 
 
 @cuda.jit
@@ -70,26 +88,26 @@ def _fill(n, x, value):  # pragma: no cover - compiled
 
 
 @cuda.jit
-def _scale(n, out, x, div, mul, scaled):  # pragma: no cover - compiled
+def _scale(n, out, x, div, mul, fac, mode):  # pragma: no cover - compiled
     i, step = _start_device()
     while i < n:
-        out[i] = _in(x[i], div, mul, scaled)
+        out[i] = _in(x[i], div, mul, fac, mode)
         i += step
 
 
 @cuda.jit
-def _add_scaled(n, out, x, div, mul, scaled, y, s):  # pragma: no cover - compiled
+def _add_scaled(n, out, x, div, mul, fac, mode, y, s):  # pragma: no cover - compiled
     i, step = _start_device()
     while i < n:
-        out[i] = _in(x[i], div, mul, scaled) + s * y[i]
+        out[i] = _in(x[i], div, mul, fac, mode) + s * y[i]
         i += step
 
 
 @cuda.jit
-def _trace(n, trace, g, div, mul, scaled, decay, nesterov, out):  # pragma: no cover - compiled
+def _trace(n, trace, g, div, mul, fac, mode, decay, nesterov, out):  # pragma: no cover - compiled
     i, step = _start_device()
     while i < n:
-        gi = _in(g[i], div, mul, scaled)
+        gi = _in(g[i], div, mul, fac, mode)
         t = gi + decay * trace[i]
         trace[i] = t
         if nesterov:
@@ -100,20 +118,20 @@ def _trace(n, trace, g, div, mul, scaled, decay, nesterov, out):  # pragma: no c
 
 
 @cuda.jit
-def _ema(n, ema, g, div, mul, scaled, one_minus_decay, decay, bias_correction, out):  # pragma: no cover
+def _ema(n, ema, g, div, mul, fac, mode, one_minus_decay, decay, bias_correction, out):  # pragma: no cover
     i, step = _start_device()
     while i < n:
-        e = one_minus_decay * _in(g[i], div, mul, scaled) + decay * ema[i]
+        e = one_minus_decay * _in(g[i], div, mul, fac, mode) + decay * ema[i]
         ema[i] = e
         out[i] = e / bias_correction
         i += step
 
 
 @cuda.jit
-def _mean_accumulate(n, acc, g, div, mul, scaled, count, fresh):  # pragma: no cover - compiled
+def _mean_accumulate(n, acc, g, div, mul, fac, mode, count, fresh):  # pragma: no cover - compiled
     i, step = _start_device()
     while i < n:
-        gi = _in(g[i], div, mul, scaled)
+        gi = _in(g[i], div, mul, fac, mode)
         if fresh:
             acc[i] = gi + 0.0
         else:
@@ -122,10 +140,10 @@ def _mean_accumulate(n, acc, g, div, mul, scaled, count, fresh):  # pragma: no c
 
 
 @cuda.jit
-def _sum_accumulate(n, acc, g, div, mul, scaled, fresh):  # pragma: no cover - compiled
+def _sum_accumulate(n, acc, g, div, mul, fac, mode, fresh):  # pragma: no cover - compiled
     i, step = _start_device()
     while i < n:
-        gi = _in(g[i], div, mul, scaled)
+        gi = _in(g[i], div, mul, fac, mode)
         if fresh:
             acc[i] = gi + 0.0
         else:
@@ -135,11 +153,28 @@ def _sum_accumulate(n, acc, g, div, mul, scaled, fresh):  # pragma: no cover - c
 
 @cuda.jit
 def _adam(
-    n, mu, nu, g, div, mul, scaled, b1, one_minus_b1, b2, one_minus_b2, bc1, bc2, eps, eps_root, out_mul, out
+    n,
+    mu,
+    nu,
+    g,
+    div,
+    mul,
+    fac,
+    mode,
+    b1,
+    one_minus_b1,
+    b2,
+    one_minus_b2,
+    bc1,
+    bc2,
+    eps,
+    eps_root,
+    out_mul,
+    out,
 ):  # pragma: no cover - compiled
     i, step = _start_device()
     while i < n:
-        gi = _in(g[i], div, mul, scaled)
+        gi = _in(g[i], div, mul, fac, mode)
         m = one_minus_b1 * gi + b1 * mu[i]
         v = one_minus_b2 * (gi * gi) + b2 * nu[i]
         mu[i] = m
@@ -241,12 +276,18 @@ def _block_table(offsets: np.ndarray, block: int) -> tuple[Any, Any, Any, int]:
     return hit  # type: ignore[return-value]
 
 
-def _segmented(kind: int, x: Any, offsets: np.ndarray) -> np.ndarray:
+_SCRATCH: dict[tuple, Any] = {}
+
+
+def _segmented_into(kind: int, out: Any, x: Any, offsets: np.ndarray) -> None:
+    """Per-segment reduction of ``x`` into the device array ``out``; nothing comes to the host."""
     offsets = np.asarray(offsets, np.int64)
     nseg = offsets.size - 1
     starts, stops, first, nblocks = _block_table(offsets, _config.CUDA_REDUCE_BLOCK)
-    partial = cuda.device_array(max(nblocks, 1), np.float64, stream=stream())
-    out = cuda.device_array(max(nseg, 1), np.float64, stream=stream())
+    key = (threading.get_ident(), nblocks)  # the block partials, reused call after call
+    partial = _SCRATCH.get(key)
+    if partial is None:
+        partial = _SCRATCH[key] = cuda.device_array(max(nblocks, 1), np.float64)
     tpb = _config.CUDA_THREADS
     if nblocks:
         LAUNCHES[0] += 1
@@ -254,7 +295,31 @@ def _segmented(kind: int, x: Any, offsets: np.ndarray) -> np.ndarray:
     if nseg:
         LAUNCHES[0] += 1
         _combine[-(-nseg // tpb), tpb, stream()](first, partial, kind == _MAXABS, out)
+
+
+def _segmented(kind: int, x: Any, offsets: np.ndarray) -> np.ndarray:
+    nseg = np.asarray(offsets).size - 1
+    out = cuda.device_array(max(nseg, 1), np.float64, stream=stream())
+    _segmented_into(kind, out, x, offsets)
     return out.copy_to_host(stream=stream())[:nseg]
+
+
+@cuda.jit
+def _clip_factors(fac, parts, max_norm):  # pragma: no cover - compiled
+    if cuda.grid(1) == 0:
+        total = 0.0
+        for i in range(parts.size):  # in order: the same bits every run
+            total += parts[i]
+        norm = math.sqrt(total)
+        if norm < max_norm:
+            fac[0] = 1.0
+            fac[1] = 1.0
+        elif norm == 0.0:
+            fac[0] = 1.0
+            fac[1] = 0.0
+        else:
+            fac[0] = norm
+            fac[1] = max_norm
 
 
 def _whole(kind: int, x: Any) -> float:
@@ -299,6 +364,18 @@ def segment_maxabs(x, offsets):
     return _segmented(_MAXABS, x, offsets)
 
 
+def segment_sumsq_into_(out, x, offsets):
+    """out[s] = sum(x[offsets[s]:offsets[s+1]] ** 2) in float64, on the device (no sync)."""
+    _segmented_into(_SUMSQ, out, x, offsets)
+
+
+def clip_factors_(fac, parts, max_norm):
+    """fac = [div, mul] of clip_by_global_norm from the squared norms ``parts`` (summed in order):
+    [1, 1] if norm < max_norm, [1, 0] if norm == 0, else [norm, max_norm]. On the device."""
+    LAUNCHES[0] += 1
+    _clip_factors[1, 1, stream()](fac, parts, max_norm)
+
+
 def fill_(x, value):
     """x = value."""
     _launch(_fill, x.size, x, value)
@@ -306,32 +383,34 @@ def fill_(x, value):
 
 def scale_(out, x, div, mul):
     """out = (x / div) * mul (``out`` may be ``x``)."""
-    _launch(_scale, x.size, out, x, div, mul, _scaled(div, mul))
+    _launch(_scale, x.size, out, x, *_factor(div, mul, out, x))
 
 
 def add_scaled_(out, x, div, mul, y, s):
     """out = (x / div) * mul + s * y (``out`` may be ``x``)."""
-    _launch(_add_scaled, x.size, out, x, div, mul, _scaled(div, mul), y, s)
+    _launch(_add_scaled, x.size, out, x, *_factor(div, mul, out, x, y), y, s)
 
 
 def trace_update_(trace, g, div, mul, decay, nesterov, out):
     """trace = g + decay * trace; out = trace, or g + decay * trace if nesterov."""
-    _launch(_trace, g.size, trace, g, div, mul, _scaled(div, mul), decay, nesterov, out)
+    _launch(_trace, g.size, trace, g, *_factor(div, mul, trace, g, out), decay, nesterov, out)
 
 
 def ema_update_(ema, g, div, mul, one_minus_decay, decay, bias_correction, out):
     """ema = (1 - decay) * g + decay * ema; out = ema / bias_correction."""
-    _launch(_ema, g.size, ema, g, div, mul, _scaled(div, mul), one_minus_decay, decay, bias_correction, out)
+    _launch(
+        _ema, g.size, ema, g, *_factor(div, mul, ema, g, out), one_minus_decay, decay, bias_correction, out
+    )
 
 
 def mean_accumulate_(acc, g, div, mul, count, fresh):
     """acc = acc + (g - acc) / count, with acc read as 0 if ``fresh``."""
-    _launch(_mean_accumulate, g.size, acc, g, div, mul, _scaled(div, mul), count, fresh)
+    _launch(_mean_accumulate, g.size, acc, g, *_factor(div, mul, acc, g), count, fresh)
 
 
 def sum_accumulate_(acc, g, div, mul, fresh):
     """acc = g + acc, with acc read as 0 if ``fresh``."""
-    _launch(_sum_accumulate, g.size, acc, g, div, mul, _scaled(div, mul), fresh)
+    _launch(_sum_accumulate, g.size, acc, g, *_factor(div, mul, acc, g), fresh)
 
 
 def adam_update_(
@@ -339,7 +418,7 @@ def adam_update_(
 ):
     """Adam moments in place; out = ((mu / bc1) / (sqrt(nu / bc2 + eps_root) + eps)) * out_mul."""
     args = (b1, one_minus_b1, b2, one_minus_b2, bc1, bc2, eps, eps_root, out_mul)
-    _launch(_adam, g.size, mu, nu, g, div, mul, _scaled(div, mul), *args, out)
+    _launch(_adam, g.size, mu, nu, g, *_factor(div, mul, mu, nu, g, out), *args, out)
 
 
 KERNELS = (
@@ -350,6 +429,8 @@ KERNELS = (
     "segment_sumsq",
     "segment_sumabs",
     "segment_maxabs",
+    "segment_sumsq_into_",
+    "clip_factors_",
     "fill_",
     "scale_",
     "add_scaled_",
