@@ -64,6 +64,21 @@ def _in(v, div, mul, fac, mode):  # pragma: no cover - compiled
     return v
 
 
+class _ByMode:
+    """A kernel compiled once per pending-factor mode (0, 1, 2): ``mode`` is a closure constant,
+    so the per-element branch of `_in` folds away at compile time."""
+
+    def __init__(self, factory: Any) -> None:
+        self._factory = factory
+        self._kernels: dict[int, Any] = {}
+
+    def __getitem__(self, mode: int) -> Any:
+        k = self._kernels.get(mode)
+        if k is None:
+            k = self._kernels[mode] = self._factory(mode)
+        return k
+
+
 _DUMMY: dict[np.dtype, Any] = {}
 
 
@@ -87,100 +102,141 @@ def _fill(n, x, value):  # pragma: no cover - compiled
         i += step
 
 
-@cuda.jit
-def _scale(n, out, x, div, mul, fac, mode):  # pragma: no cover - compiled
-    i, step = _start_device()
-    while i < n:
-        out[i] = _in(x[i], div, mul, fac, mode)
-        i += step
+def _scale_kernel(mode):  # pragma: no cover - compiled per mode
+    @cuda.jit
+    def kernel(n, out, x, div, mul, fac):  # pragma: no cover - compiled
+        i, step = _start_device()
+        while i < n:
+            out[i] = _in(x[i], div, mul, fac, mode)
+            i += step
+
+    return kernel
 
 
-@cuda.jit
-def _add_scaled(n, out, x, div, mul, fac, mode, y, s):  # pragma: no cover - compiled
-    i, step = _start_device()
-    while i < n:
-        out[i] = _in(x[i], div, mul, fac, mode) + s * y[i]
-        i += step
+_SCALE = _ByMode(_scale_kernel)
 
 
-@cuda.jit
-def _trace(n, trace, g, div, mul, fac, mode, decay, nesterov, out):  # pragma: no cover - compiled
-    i, step = _start_device()
-    while i < n:
-        gi = _in(g[i], div, mul, fac, mode)
-        t = gi + decay * trace[i]
-        trace[i] = t
-        if nesterov:
-            out[i] = gi + decay * t
-        else:
-            out[i] = t
-        i += step
+def _add_scaled_kernel(mode):  # pragma: no cover - compiled per mode
+    @cuda.jit
+    def kernel(n, out, x, div, mul, fac, y, s):  # pragma: no cover - compiled
+        i, step = _start_device()
+        while i < n:
+            out[i] = _in(x[i], div, mul, fac, mode) + s * y[i]
+            i += step
+
+    return kernel
 
 
-@cuda.jit
-def _ema(n, ema, g, div, mul, fac, mode, one_minus_decay, decay, bias_correction, out):  # pragma: no cover
-    i, step = _start_device()
-    while i < n:
-        e = one_minus_decay * _in(g[i], div, mul, fac, mode) + decay * ema[i]
-        ema[i] = e
-        out[i] = e / bias_correction
-        i += step
+_ADD_SCALED = _ByMode(_add_scaled_kernel)
 
 
-@cuda.jit
-def _mean_accumulate(n, acc, g, div, mul, fac, mode, count, fresh):  # pragma: no cover - compiled
-    i, step = _start_device()
-    while i < n:
-        gi = _in(g[i], div, mul, fac, mode)
-        if fresh:
-            acc[i] = gi + 0.0
-        else:
-            acc[i] = acc[i] + (gi - acc[i]) / count
-        i += step
+def _trace_kernel(mode):  # pragma: no cover - compiled per mode
+    @cuda.jit
+    def kernel(n, trace, g, div, mul, fac, decay, nesterov, out):  # pragma: no cover - compiled
+        i, step = _start_device()
+        while i < n:
+            gi = _in(g[i], div, mul, fac, mode)
+            t = gi + decay * trace[i]
+            trace[i] = t
+            if nesterov:
+                out[i] = gi + decay * t
+            else:
+                out[i] = t
+            i += step
+
+    return kernel
 
 
-@cuda.jit
-def _sum_accumulate(n, acc, g, div, mul, fac, mode, fresh):  # pragma: no cover - compiled
-    i, step = _start_device()
-    while i < n:
-        gi = _in(g[i], div, mul, fac, mode)
-        if fresh:
-            acc[i] = gi + 0.0
-        else:
-            acc[i] = gi + acc[i]
-        i += step
+_TRACE = _ByMode(_trace_kernel)
 
 
-@cuda.jit
-def _adam(
-    n,
-    mu,
-    nu,
-    g,
-    div,
-    mul,
-    fac,
-    mode,
-    b1,
-    one_minus_b1,
-    b2,
-    one_minus_b2,
-    bc1,
-    bc2,
-    eps,
-    eps_root,
-    out_mul,
-    out,
-):  # pragma: no cover - compiled
-    i, step = _start_device()
-    while i < n:
-        gi = _in(g[i], div, mul, fac, mode)
-        m = one_minus_b1 * gi + b1 * mu[i]
-        v = one_minus_b2 * (gi * gi) + b2 * nu[i]
-        mu[i] = m
-        nu[i] = v
-        out[i] = ((m / bc1) / (math.sqrt(v / bc2 + eps_root) + eps)) * out_mul
-        i += step
+def _ema_kernel(mode):  # pragma: no cover - compiled per mode
+    @cuda.jit
+    def kernel(n, ema, g, div, mul, fac, one_minus_decay, decay, bias_correction, out):  # pragma: no cover
+        i, step = _start_device()
+        while i < n:
+            e = one_minus_decay * _in(g[i], div, mul, fac, mode) + decay * ema[i]
+            ema[i] = e
+            out[i] = e / bias_correction
+            i += step
+
+    return kernel
+
+
+_EMA = _ByMode(_ema_kernel)
+
+
+def _mean_accumulate_kernel(mode):  # pragma: no cover - compiled per mode
+    @cuda.jit
+    def kernel(n, acc, g, div, mul, fac, count, fresh):  # pragma: no cover - compiled
+        i, step = _start_device()
+        while i < n:
+            gi = _in(g[i], div, mul, fac, mode)
+            if fresh:
+                acc[i] = gi + 0.0
+            else:
+                acc[i] = acc[i] + (gi - acc[i]) / count
+            i += step
+
+    return kernel
+
+
+_MEAN_ACCUMULATE = _ByMode(_mean_accumulate_kernel)
+
+
+def _sum_accumulate_kernel(mode):  # pragma: no cover - compiled per mode
+    @cuda.jit
+    def kernel(n, acc, g, div, mul, fac, fresh):  # pragma: no cover - compiled
+        i, step = _start_device()
+        while i < n:
+            gi = _in(g[i], div, mul, fac, mode)
+            if fresh:
+                acc[i] = gi + 0.0
+            else:
+                acc[i] = gi + acc[i]
+            i += step
+
+    return kernel
+
+
+_SUM_ACCUMULATE = _ByMode(_sum_accumulate_kernel)
+
+
+def _adam_kernel(mode):  # pragma: no cover - compiled per mode
+    @cuda.jit
+    def kernel(
+        n,
+        mu,
+        nu,
+        g,
+        div,
+        mul,
+        fac,
+        b1,
+        one_minus_b1,
+        b2,
+        one_minus_b2,
+        bc1,
+        bc2,
+        eps,
+        eps_root,
+        out_mul,
+        out,
+    ):  # pragma: no cover - compiled
+        i, step = _start_device()
+        while i < n:
+            gi = _in(g[i], div, mul, fac, mode)
+            m = one_minus_b1 * gi + b1 * mu[i]
+            v = one_minus_b2 * (gi * gi) + b2 * nu[i]
+            mu[i] = m
+            nu[i] = v
+            out[i] = ((m / bc1) / (math.sqrt(v / bc2 + eps_root) + eps)) * out_mul
+            i += step
+
+    return kernel
+
+
+_ADAM = _ByMode(_adam_kernel)
 
 
 # --- reductions -----------------------------------------------------------------------------
@@ -383,34 +439,38 @@ def fill_(x, value):
 
 def scale_(out, x, div, mul):
     """out = (x / div) * mul (``out`` may be ``x``)."""
-    _launch(_scale, x.size, out, x, *_factor(div, mul, out, x))
+    d, m, fac, mode = _factor(div, mul, out, x)
+    _launch(_SCALE[mode], x.size, out, x, d, m, fac)
 
 
 def add_scaled_(out, x, div, mul, y, s):
     """out = (x / div) * mul + s * y (``out`` may be ``x``)."""
-    _launch(_add_scaled, x.size, out, x, *_factor(div, mul, out, x, y), y, s)
+    d, m, fac, mode = _factor(div, mul, out, x, y)
+    _launch(_ADD_SCALED[mode], x.size, out, x, d, m, fac, y, s)
 
 
 def trace_update_(trace, g, div, mul, decay, nesterov, out):
     """trace = g + decay * trace; out = trace, or g + decay * trace if nesterov."""
-    _launch(_trace, g.size, trace, g, *_factor(div, mul, trace, g, out), decay, nesterov, out)
+    d, m, fac, mode = _factor(div, mul, trace, g, out)
+    _launch(_TRACE[mode], g.size, trace, g, d, m, fac, decay, nesterov, out)
 
 
 def ema_update_(ema, g, div, mul, one_minus_decay, decay, bias_correction, out):
     """ema = (1 - decay) * g + decay * ema; out = ema / bias_correction."""
-    _launch(
-        _ema, g.size, ema, g, *_factor(div, mul, ema, g, out), one_minus_decay, decay, bias_correction, out
-    )
+    d, m, fac, mode = _factor(div, mul, ema, g, out)
+    _launch(_EMA[mode], g.size, ema, g, d, m, fac, one_minus_decay, decay, bias_correction, out)
 
 
 def mean_accumulate_(acc, g, div, mul, count, fresh):
     """acc = acc + (g - acc) / count, with acc read as 0 if ``fresh``."""
-    _launch(_mean_accumulate, g.size, acc, g, *_factor(div, mul, acc, g), count, fresh)
+    d, m, fac, mode = _factor(div, mul, acc, g)
+    _launch(_MEAN_ACCUMULATE[mode], g.size, acc, g, d, m, fac, count, fresh)
 
 
 def sum_accumulate_(acc, g, div, mul, fresh):
     """acc = g + acc, with acc read as 0 if ``fresh``."""
-    _launch(_sum_accumulate, g.size, acc, g, *_factor(div, mul, acc, g), fresh)
+    d, m, fac, mode = _factor(div, mul, acc, g)
+    _launch(_SUM_ACCUMULATE[mode], g.size, acc, g, d, m, fac, fresh)
 
 
 def adam_update_(
@@ -418,7 +478,8 @@ def adam_update_(
 ):
     """Adam moments in place; out = ((mu / bc1) / (sqrt(nu / bc2 + eps_root) + eps)) * out_mul."""
     args = (b1, one_minus_b1, b2, one_minus_b2, bc1, bc2, eps, eps_root, out_mul)
-    _launch(_adam, g.size, mu, nu, g, *_factor(div, mul, mu, nu, g, out), *args, out)
+    d, m, fac, mode = _factor(div, mul, mu, nu, g, out)
+    _launch(_ADAM[mode], g.size, mu, nu, g, d, m, fac, *args, out)
 
 
 KERNELS = (
