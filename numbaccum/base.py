@@ -10,6 +10,7 @@ flow once on the way in and back once on the way out.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -77,6 +78,7 @@ class Flow:
     div: Any = 1.0  # a float, or (GPU) a dict dtype -> device array [div, mul] with mul None
     mul: Any = 1.0
     returnable: bool | None = None  # may be handed to the user as is (default: owned)
+    scratch: Callable[[], FlatTree] | None = None  # where a stage writes a new value (see fresh)
 
     def __post_init__(self) -> None:
         if self.returnable is None:
@@ -86,14 +88,27 @@ class Flow:
     def pending(self) -> bool:
         return isinstance(self.div, dict) or self.div != 1.0 or self.mul != 1.0
 
+    def with_factor(self, div: Any, mul: Any) -> Flow:
+        """The same buffer with the pending factor ``(x / div) * mul`` (none pending before)."""
+        return dataclasses.replace(self, div=div, mul=mul)
+
+    def fresh(self) -> FlatTree:
+        """A buffer for this flow's next value: the flow's own if it may be overwritten, else
+        the update's scratch (a workspace of the state, or the stateless transformation's)."""
+        if self.owned:
+            return self.flat
+        if self.scratch is not None:
+            return self.scratch()
+        return FlatTree.empty(self.flat.layout, device=self.flat.device)
+
     def settled(self, into: FlatTree | None = None) -> Flow:
         """This flow with the pending factor applied (in place when owned)."""
         if not self.pending:
             return self
-        out = self.flat if self.owned else (into or FlatTree.empty(self.flat.layout, device=self.flat.device))
+        out = into if into is not None and not self.owned else self.fresh()
         for dst, src in zip(out.groups, self.flat.groups):
             backend.call("scale_", dst, src, self.div, self.mul)
-        return Flow(out, True)
+        return Flow(out, True, scratch=self.scratch)
 
     def into(self, out: FlatTree) -> FlatTree:
         """Writes the value into ``out`` (same layout) and returns it."""
@@ -204,7 +219,12 @@ def flat_transformation(
                 check_leaves(params, layout, "params", flat.device)
             ref = ParamsRef(params, layout, owner, flat.device)
         with backend.launch_context(kind):
-            out_flow, new_state = flat_update(Flow(flat, copied), state, ref, extra_args)
+            scratch = (
+                (lambda: owner.workspace("output"))
+                if owner is not None
+                else (lambda: _kept(kept, "output", layout, flat.device))
+            )
+            out_flow, new_state = flat_update(Flow(flat, copied, scratch=scratch), state, ref, extra_args)
             out = _output(out_flow, state_owner(new_state) or owner, kept)
         if kind == "flat":
             return out, new_state

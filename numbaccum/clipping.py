@@ -118,7 +118,7 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformationExtraArgs:
         if norm < max_norm:
             return flow, state
         if norm == 0.0:  # and so max_norm == 0: zeros, not 0 / 0
-            return Flow(flow.flat, flow.owned, 1.0, 0.0, flow.returnable), state
-        return Flow(flow.flat, flow.owned, norm, max_norm, flow.returnable), state
+            return flow.with_factor(1.0, 0.0), state
+        return flow.with_factor(norm, max_norm), state
 
     return flat_transformation(lambda params: EmptyState(), flat_update)

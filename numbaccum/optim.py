@@ -43,7 +43,7 @@ def _scaled(flow: Flow, factor: float) -> Flow:
     """``flow * factor`` without a pass of its own: the factor rides on the next kernel."""
     if flow.pending:
         flow = flow.settled()
-    return Flow(flow.flat, flow.owned, 1.0, float(factor), flow.returnable)
+    return flow.with_factor(1.0, float(factor))
 
 
 def identity() -> GradientTransformationExtraArgs:
@@ -97,7 +97,7 @@ def add_decayed_weights(weight_decay: float = 0.0) -> GradientTransformationExtr
         if params is None:
             raise ValueError("add_decayed_weights needs params: call update(updates, state, params)")
         p = params.flat()
-        out = flow.flat if flow.owned else FlatTree.empty(flow.flat.layout, device=flow.flat.device)
+        out = flow.fresh()
         for o, g, pg in zip(out.groups, flow.flat.groups, p.groups):
             backend.call("add_scaled_", o, g, flow.div, flow.mul, pg, weight_decay)
         return Flow(out, owned=True), state
