@@ -27,7 +27,18 @@ from .base import (
     named_chain,
     with_extra_args_support,
 )
-from .clipping import ClipByGlobalNormState, clip_by_global_norm, global_norm
+from .clipping import (
+    ApplyIfFiniteState,
+    ClipByGlobalNormState,
+    ClipState,
+    ZeroNansState,
+    apply_if_finite,
+    clip,
+    clip_by_global_norm,
+    global_norm,
+    normalize_by_update_norm,
+    zero_nans,
+)
 from .flat import FlatTree, to_device, to_host
 from .optim import (
     ScaleByAdamState,
@@ -46,7 +57,9 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ApplyEvery",
+    "ApplyIfFiniteState",
     "ClipByGlobalNormState",
+    "ClipState",
     "EmaState",
     "EmptyState",
     "FlatTree",
@@ -57,19 +70,22 @@ __all__ = [
     "ScaleByAdamState",
     "ScaleByScheduleState",
     "TraceState",
+    "ZeroNansState",
     "adam",
     "add_decayed_weights",
     "apply_every",
+    "apply_if_finite",
     "apply_updates",
     "apply_updates_",
     "chain",
+    "clip",
     "clip_by_global_norm",
     "copy_state",
     "ema",
     "global_norm",
     "identity",
-    "MultiSteps",
     "named_chain",
+    "normalize_by_update_norm",
     "scale",
     "scale_by_adam",
     "scale_by_learning_rate",
@@ -83,4 +99,5 @@ __all__ = [
     "tree_map",
     "tree_unflatten",
     "with_extra_args_support",
+    "zero_nans",
 ]

@@ -4,15 +4,36 @@ from __future__ import annotations
 
 import math
 import threading
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from . import backend
-from .base import EmptyState, Flow, GradientTransformationExtraArgs, flat_transformation
+from .base import (
+    EmptyState,
+    Flow,
+    GradientTransformationExtraArgs,
+    flat_transformation,
+    run_stage,
+    with_extra_args_support,
+)
 from .flat import FlatTree, Layout, as_flat, layout_of
+from .tree import tree_unflatten
 
-__all__ = ["ClipByGlobalNormState", "clip_by_global_norm", "global_norm"]
+__all__ = [
+    "ApplyIfFiniteState",
+    "ClipByGlobalNormState",
+    "ClipState",
+    "ZeroNansState",
+    "apply_if_finite",
+    "clip",
+    "clip_by_global_norm",
+    "global_norm",
+    "normalize_by_update_norm",
+    "zero_nans",
+]
+
+_INT32_MAX = int(np.iinfo(np.int32).max)
 
 _SEGMENT_KERNEL = {1: "segment_sumabs", 2: "segment_sumsq", math.inf: "segment_maxabs"}
 
@@ -122,3 +143,124 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformationExtraArgs:
         return flow.with_factor(norm, max_norm), state
 
     return flat_transformation(lambda params: EmptyState(), flat_update)
+
+
+ClipState = EmptyState
+
+
+def clip(max_delta: float) -> GradientTransformationExtraArgs:
+    """Clips every element to ``[-max_delta, max_delta]``: ``u = clip(g, -max_delta, max_delta)``.
+
+    NaN stays NaN, as with ``jnp.clip``. Stateless.
+
+    Raises:
+        ValueError: ``max_delta`` is negative.
+    """
+    max_delta = float(max_delta)
+    if not max_delta >= 0:
+        raise ValueError(f"max_delta must be >= 0, got {max_delta}")
+
+    def flat_update(flow: Flow, state: Any, params: Any, extra: dict) -> tuple[Flow, Any]:
+        out = flow.fresh()
+        for o, g in zip(out.groups, flow.flat.groups):
+            backend.call("clip_", o, g, flow.div, flow.mul, max_delta)
+        return Flow(out, True, scratch=flow.scratch), state
+
+    return flat_transformation(lambda params: EmptyState(), flat_update)
+
+
+def normalize_by_update_norm(scale_factor: float = 1.0, eps: float = 1e-6) -> GradientTransformationExtraArgs:
+    """Scales the updates to a global L2 norm of ``scale_factor``: ``u = g / ((norm + eps) / scale_factor)``.
+
+    The norm accumulates in float64; the division rides on the next kernel. On the GPU the norm
+    comes back to the host (one synchronisation per call). Stateless.
+    """
+    scale_factor, eps = float(scale_factor), float(eps)
+
+    def flat_update(flow: Flow, state: Any, params: Any, extra: dict) -> tuple[Flow, Any]:
+        flow = flow.settled()
+        norm = math.sqrt(sum_in_order(leaf_reductions(flow.flat, "segment_sumsq")))
+        return flow.with_factor((norm + eps) / scale_factor, 1.0), state
+
+    return flat_transformation(lambda params: EmptyState(), flat_update)
+
+
+class ZeroNansState(NamedTuple):
+    """Whether each leaf held a NaN at the last update (a tree of bools shaped like params)."""
+
+    found_nan: Any
+
+
+def zero_nans() -> GradientTransformationExtraArgs:
+    """Replaces NaN by 0: ``u = where(isnan(g), 0, g)``; inf is kept. The state records, per leaf,
+    whether the last update held a NaN (on the GPU that flag comes back to the host)."""
+
+    def init(params: Any) -> ZeroNansState:
+        layout = layout_of(params, "params")
+        return ZeroNansState(tree_unflatten(layout.treedef, [np.bool_(False)] * layout.num_leaves))
+
+    def flat_update(flow: Flow, state: Any, params: Any, extra: dict) -> tuple[Flow, ZeroNansState]:
+        if not isinstance(state, ZeroNansState):
+            raise TypeError(f"state: expected ZeroNansState, got {type(state).__name__}")
+        flow = flow.settled()
+        found = leaf_reductions(flow.flat, "segment_nancount") > 0
+        out = flow.fresh()
+        for o, g in zip(out.groups, flow.flat.groups):
+            backend.call("zero_nans_", o, g, 1.0, 1.0)
+        flags = tree_unflatten(flow.flat.layout.treedef, [np.bool_(f) for f in found])
+        return Flow(out, True, scratch=flow.scratch), ZeroNansState(flags)
+
+    return flat_transformation(init, flat_update)
+
+
+class ApplyIfFiniteState(NamedTuple):
+    """State of `apply_if_finite`.
+
+    Attributes:
+        notfinite_count: consecutive non-finite updates so far (int32; not reset when the
+            transformation gives up, as in optax).
+        last_finite: whether the last update was finite.
+        total_notfinite: non-finite updates since init (int32, saturating).
+        inner_state: the inner transformation's state.
+    """
+
+    notfinite_count: np.int32
+    last_finite: np.bool_
+    total_notfinite: np.int32
+    inner_state: Any
+
+
+def apply_if_finite(inner: Any, max_consecutive_errors: int) -> GradientTransformationExtraArgs:
+    """Runs ``inner`` only on finite updates: a NaN or inf anywhere returns zeros and keeps the
+    inner state, until more than ``max_consecutive_errors`` such updates in a row, after which the
+    inner update is applied anyway (optax's semantics; the streak counter is not reset then).
+
+    The finiteness check is a reduction whose result the host needs (one synchronisation on the
+    GPU).
+    """
+    inner = with_extra_args_support(inner)
+    max_errors = int(max_consecutive_errors)
+
+    def init(params: Any) -> ApplyIfFiniteState:
+        return ApplyIfFiniteState(np.int32(0), np.bool_(True), np.int32(0), inner.init(params))
+
+    def flat_update(flow: Flow, state: Any, params: Any, extra: dict) -> tuple[Flow, ApplyIfFiniteState]:
+        if not isinstance(state, ApplyIfFiniteState):
+            raise TypeError(f"state: expected ApplyIfFiniteState, got {type(state).__name__}")
+        flow = flow.settled()
+        finite = sum(backend.call("count_nonfinite", g) for g in flow.flat.groups) == 0
+        count = 0 if finite else int(state.notfinite_count) + 1
+        total = int(state.total_notfinite) + (0 if finite else 1)
+        flags = (np.int32(min(count, _INT32_MAX)), np.bool_(finite), np.int32(min(total, _INT32_MAX)))
+        if finite or count > max_errors:
+            scratch = (
+                flow.scratch
+                if flow.scratch is not None
+                else (lambda: FlatTree.empty(flow.flat.layout, device=flow.flat.device))
+            )
+            out, inner_state = run_stage(inner, flow, state.inner_state, params, extra, scratch)
+            return out, ApplyIfFiniteState(*flags, inner_state)
+        zeros = flow.fresh().fill_(0.0)
+        return Flow(zeros, True, scratch=flow.scratch), ApplyIfFiniteState(*flags, state.inner_state)
+
+    return flat_transformation(init, flat_update)

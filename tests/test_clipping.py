@@ -115,3 +115,71 @@ def test_stateless_output_is_reused_and_never_aliases_the_input():
     assert np.shares_memory(u1, u2)  # one buffer per layout: no allocation per step
     assert not np.shares_memory(u2, g2)
     np.testing.assert_allclose(u2, [0.25] * 4)
+
+
+# --- clip, normalize_by_update_norm, zero_nans, apply_if_finite (reference/optax.md 3.1, 3.7, 4)
+
+
+def run(tx, tree):
+    u, s = tx.update(tree, tx.init(tree))
+    return nba.tree_map(np.copy, u), s
+
+
+def test_clip_vectors():
+    out, _ = run(nba.clip(1.0), np.array([500.0, -5.0, 0.5, np.nan], np.float32))
+    np.testing.assert_array_equal(out, np.array([1.0, -1.0, 0.5, np.nan], np.float32))
+    setup = (np.array([500.0, 5.0], np.float32), np.array([300.0, 3.0], np.float32))
+    same, _ = run(nba.clip(1e6), setup)
+    for a, b in zip(same, setup):
+        np.testing.assert_array_equal(a, b)
+    ones, _ = run(nba.clip(1.0), setup)
+    for a in ones:
+        np.testing.assert_array_equal(a, [1.0, 1.0])
+    with pytest.raises(ValueError, match="max_delta"):
+        nba.clip(-1.0)
+
+
+def test_normalize_by_update_norm_vectors():
+    out, _ = run(nba.normalize_by_update_norm(), np.array([3.0, 4.0], np.float32))
+    np.testing.assert_allclose(out, [0.5999999, 0.7999998], rtol=1e-6)
+    zeros, _ = run(nba.normalize_by_update_norm(scale_factor=-1.0), np.zeros(2, np.float32))
+    assert np.all(zeros == 0) and np.all(np.signbit(zeros))  # -0.0, as optax
+
+
+def test_zero_nans_vectors():
+    tree = (
+        np.array([1.0, 1.0, 1.0], np.float32),
+        np.array([1.0, np.nan, np.nan], np.float32),
+        np.array([np.nan, 1.0, 1.0], np.float32),
+    )
+    out, state = run(nba.zero_nans(), tree)
+    for a, b in zip(out, ([1, 1, 1], [1, 0, 0], [0, 1, 1])):
+        np.testing.assert_array_equal(a, b)
+    assert [bool(f) for f in state.found_nan] == [False, True, True]
+    with_inf = (tree[0], tree[1], np.array([np.inf, 1.0, 1.0], np.float32))
+    out, state = run(nba.zero_nans(), with_inf)
+    assert out[2][0] == np.inf and not bool(state.found_nan[2])
+
+
+def test_apply_if_finite_vector():
+    tx = nba.apply_if_finite(nba.sgd(1.0), 2)
+    p = np.zeros(1, np.float32)
+    s = tx.init(p)
+    params, counts = [], []
+    for x in (1.0, np.nan, np.nan, 1.0, np.nan, np.nan, np.nan):
+        u, s = tx.update(np.array([x], np.float32), s, p)
+        p = p + u
+        params.append(float(p[0]))
+        counts.append(int(s.notfinite_count))
+    np.testing.assert_array_equal(params, [-1, -1, -1, -2, -2, -2, np.nan])
+    assert counts == [0, 1, 2, 0, 1, 2, 3]
+    assert int(s.total_notfinite) == 5 and not bool(s.last_finite)
+
+
+def test_zero_nans_inside_multisteps_runs():  # optax #828
+    tx = nba.MultiSteps(nba.chain(nba.zero_nans(), nba.sgd(1e-4)), 2)
+    p = {"w": np.ones(3, np.float32)}
+    s = tx.init(p)
+    for _ in range(4):
+        u, s = tx.update({"w": np.array([1.0, np.nan, 2.0], np.float32)}, s, p)
+    np.testing.assert_allclose(u["w"], [-1e-4, 0.0, -2e-4], rtol=1e-6)

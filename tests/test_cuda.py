@@ -84,6 +84,10 @@ TXS = {
     ),
     "chain_decay": lambda: nba.chain(nba.trace(0.5), nba.add_decayed_weights(1e-2), nba.scale(-0.1)),
     "clip": lambda: nba.clip_by_global_norm(1.0),
+    "clip_values": lambda: nba.clip(0.5),
+    "normalize": lambda: nba.normalize_by_update_norm(),
+    "zero_nans_sgd": lambda: nba.chain(nba.zero_nans(), nba.sgd(0.1, momentum=0.5)),
+    "apply_if_finite": lambda: nba.apply_if_finite(nba.adam(1e-2), 2),
     "multisteps_clip_adam": lambda: nba.MultiSteps(
         nba.chain(nba.clip_by_global_norm(1.0), nba.adam(1e-2)), 2
     ),
@@ -243,3 +247,16 @@ def test_framework_arrays_in_same_type_out_zero_copy(framework):
     u3, s_gpu = tx_gpu.update(nba.tree_map(conv, grads(10)), s_gpu, nba.tree_map(conv, p))
     ptr3 = u3["w"].data_ptr() if framework == "torch" else u3["w"].data.ptr
     assert ptr == ptr3
+
+
+@needs_cuda
+def test_nan_handling_on_device_matches_cpu():
+    g = grads(0)
+    g["b"][[1, 4]] = np.nan
+    g["w"][0, 2] = np.inf
+    for make in (nba.zero_nans, lambda: nba.apply_if_finite(nba.sgd(1.0), 1), lambda: nba.clip(0.3)):
+        tx_cpu, tx_gpu = make(), make()
+        u_cpu, s_cpu = tx_cpu.update(g, tx_cpu.init(params()), params())
+        u_gpu, s_gpu = tx_gpu.update(dev(g), tx_gpu.init(dev(params())), dev(params()))
+        for a, b in zip(nba.tree_flatten(host(u_gpu))[0], nba.tree_flatten(u_cpu)[0]):
+            np.testing.assert_array_equal(a, b)

@@ -159,10 +159,22 @@ def _segmented(block_fn, take_max):
     return parallel, serial
 
 
+@njit(inline="always", error_model="numpy")
+def _block_nancount(x, lo, hi):  # pragma: no cover - compiled
+    """Number of NaN elements of x[lo:hi], as a float64."""
+    v = x[lo:hi]
+    c = 0
+    for i in range(v.size):
+        if v[i] != v[i]:
+            c += 1
+    return np.float64(c)
+
+
 _SEG_SUMSQ = _segmented(_block_sumsq, False)
 _SEG_SUMABS = _segmented(_block_sumabs, False)
 _SEG_MAXABS = _segmented(_block_maxabs, True)
 _SEG_NONFINITE = _segmented(_block_nonfinite, False)
+_SEG_NANCOUNT = _segmented(_block_nancount, False)
 
 
 # --- elementwise ----------------------------------------------------------------------------
@@ -289,7 +301,34 @@ def _adam_body(
         o[i] = ((m / bc1) / (np.sqrt(v / bc2 + eps_root) + eps)) * out_mul
 
 
+@njit(error_model="numpy")
+def _clip_body(lo, hi, out, x, div, mul, scaled, max_delta):  # pragma: no cover - compiled
+    """out = clip(x, -max_delta, max_delta); NaN stays NaN."""
+    o, xs = out[lo:hi], x[lo:hi]
+    for i in range(xs.size):
+        v = _in(xs[i], div, mul, scaled)
+        if v > max_delta:
+            v = max_delta
+        elif v < -max_delta:
+            v = -max_delta
+        o[i] = v
+
+
+@njit(error_model="numpy")
+def _zero_nans_body(lo, hi, out, x, div, mul, scaled):  # pragma: no cover - compiled
+    """out = 0 where x is NaN, else x (inf is kept)."""
+    o, xs = out[lo:hi], x[lo:hi]
+    for i in range(xs.size):
+        v = _in(xs[i], div, mul, scaled)
+        if v == v:
+            o[i] = v
+        else:
+            o[i] = 0
+
+
 _FILL = _elementwise(_fill_body)
+_CLIP = _elementwise(_clip_body)
+_ZERO_NANS = _elementwise(_zero_nans_body)
 _SCALE = _elementwise(_scale_body)
 _ADD_SCALED = _elementwise(_add_scaled_body)
 _TRACE = _elementwise(_trace_body)
@@ -350,6 +389,11 @@ def segment_maxabs(x, offsets):
     return _pick(_SEG_MAXABS, x.size)(x, offsets, _config.REDUCE_BLOCK)
 
 
+def segment_nancount(x, offsets):
+    """Per segment ``s``: the number of NaN elements of x[offsets[s]:offsets[s+1]]."""
+    return _pick(_SEG_NANCOUNT, x.size)(x, offsets, _config.REDUCE_BLOCK)
+
+
 def segment_sumsq_into_(out, x, offsets):
     """out[s] = sum(x[offsets[s]:offsets[s+1]] ** 2) in float64."""
     out[:] = segment_sumsq(x, offsets)
@@ -363,6 +407,16 @@ def clip_factors_(fac, parts, max_norm):
         total += float(v)
     norm = math.sqrt(total)
     fac[:] = (1.0, 1.0) if norm < max_norm else (1.0, 0.0) if norm == 0.0 else (norm, max_norm)
+
+
+def clip_(out, x, div, mul, max_delta):
+    """out = clip((x / div) * mul, -max_delta, max_delta); NaN stays NaN."""
+    _run(_CLIP, x.size, out, x, div, mul, _scaled(div, mul), max_delta)
+
+
+def zero_nans_(out, x, div, mul):
+    """out = 0 where (x / div) * mul is NaN, else that value (inf is kept)."""
+    _run(_ZERO_NANS, x.size, out, x, div, mul, _scaled(div, mul))
 
 
 def fill_(x, value):
@@ -419,9 +473,12 @@ KERNELS = (
     "segment_sumsq",
     "segment_sumabs",
     "segment_maxabs",
+    "segment_nancount",
     "segment_sumsq_into_",
     "clip_factors_",
     "fill_",
+    "clip_",
+    "zero_nans_",
     "scale_",
     "add_scaled_",
     "trace_update_",

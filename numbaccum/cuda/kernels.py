@@ -24,7 +24,7 @@ from .device import stream
 
 LAUNCHES = [0]  # kernel launches so far (tests count them per update)
 
-_SUMSQ, _SUMABS, _MAXABS, _NONFINITE = 0, 1, 2, 3
+_SUMSQ, _SUMABS, _MAXABS, _NONFINITE, _NANCOUNT = 0, 1, 2, 3, 4
 
 
 def _grid(n: int) -> tuple[int, int]:
@@ -239,6 +239,43 @@ def _adam_kernel(mode):  # pragma: no cover - compiled per mode
 _ADAM = _ByMode(_adam_kernel)
 
 
+def _clip_kernel(mode):  # pragma: no cover - compiled per mode
+    @cuda.jit
+    def kernel(n, out, x, div, mul, fac, max_delta):  # pragma: no cover - compiled
+        i, step = _start_device()
+        while i < n:
+            v = _in(x[i], div, mul, fac, mode)
+            if v > max_delta:
+                v = max_delta
+            elif v < -max_delta:
+                v = -max_delta
+            out[i] = v
+            i += step
+
+    return kernel
+
+
+_CLIP = _ByMode(_clip_kernel)
+
+
+def _zero_nans_kernel(mode):  # pragma: no cover - compiled per mode
+    @cuda.jit
+    def kernel(n, out, x, div, mul, fac):  # pragma: no cover - compiled
+        i, step = _start_device()
+        while i < n:
+            v = _in(x[i], div, mul, fac, mode)
+            if v == v:
+                out[i] = v
+            else:
+                out[i] = 0
+            i += step
+
+    return kernel
+
+
+_ZERO_NANS = _ByMode(_zero_nans_kernel)
+
+
 # --- reductions -----------------------------------------------------------------------------
 
 _REDUCERS: dict[tuple[int, int], Any] = {}
@@ -268,7 +305,10 @@ def _reducer(kind: int, tpb: int) -> Any:
                 a = abs(v)
                 if (a > acc or a != a) and acc == acc:
                     acc = a
-            elif v - v != 0:
+            elif kind == _NONFINITE:
+                if v - v != 0:
+                    acc += 1.0
+            elif v != v:
                 acc += 1.0
             i += tpb
         shared[t] = acc
@@ -420,6 +460,11 @@ def segment_maxabs(x, offsets):
     return _segmented(_MAXABS, x, offsets)
 
 
+def segment_nancount(x, offsets):
+    """Per segment ``s``: the number of NaN elements of x[offsets[s]:offsets[s+1]]."""
+    return _segmented(_NANCOUNT, x, offsets)
+
+
 def segment_sumsq_into_(out, x, offsets):
     """out[s] = sum(x[offsets[s]:offsets[s+1]] ** 2) in float64, on the device (no sync)."""
     _segmented_into(_SUMSQ, out, x, offsets)
@@ -430,6 +475,18 @@ def clip_factors_(fac, parts, max_norm):
     [1, 1] if norm < max_norm, [1, 0] if norm == 0, else [norm, max_norm]. On the device."""
     LAUNCHES[0] += 1
     _clip_factors[1, 1, stream()](fac, parts, max_norm)
+
+
+def clip_(out, x, div, mul, max_delta):
+    """out = clip((x / div) * mul, -max_delta, max_delta); NaN stays NaN."""
+    d, m, fac, mode = _factor(div, mul, out, x)
+    _launch(_CLIP[mode], x.size, out, x, d, m, fac, max_delta)
+
+
+def zero_nans_(out, x, div, mul):
+    """out = 0 where (x / div) * mul is NaN, else that value (inf is kept)."""
+    d, m, fac, mode = _factor(div, mul, out, x)
+    _launch(_ZERO_NANS[mode], x.size, out, x, d, m, fac)
 
 
 def fill_(x, value):
@@ -490,9 +547,12 @@ KERNELS = (
     "segment_sumsq",
     "segment_sumabs",
     "segment_maxabs",
+    "segment_nancount",
     "segment_sumsq_into_",
     "clip_factors_",
     "fill_",
+    "clip_",
+    "zero_nans_",
     "scale_",
     "add_scaled_",
     "trace_update_",
