@@ -19,6 +19,7 @@ from . import cpu
 # Arguments each in-place kernel writes (index into its argument list).
 _WRITES: dict[str, tuple[int, ...]] = {
     "fill_": (0,),
+    "segment_divide_": (0,),
     "clip_": (0,),
     "zero_nans_": (0,),
     "segment_sumsq_into_": (0,),

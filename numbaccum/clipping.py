@@ -27,6 +27,7 @@ __all__ = [
     "ZeroNansState",
     "apply_if_finite",
     "clip",
+    "clip_by_block_rms",
     "clip_by_global_norm",
     "global_norm",
     "normalize_by_update_norm",
@@ -264,3 +265,29 @@ def apply_if_finite(inner: Any, max_consecutive_errors: int) -> GradientTransfor
         return Flow(zeros, True, scratch=flow.scratch), ApplyIfFiniteState(*flags, state.inner_state)
 
     return flat_transformation(init, flat_update)
+
+
+def clip_by_block_rms(threshold: float) -> GradientTransformationExtraArgs:
+    """Clips each leaf to a root-mean-square of at most ``threshold``:
+    ``u = g / max(1, rms(g) / threshold)``, ``rms(g) = sqrt(mean(g^2))`` per leaf.
+
+    All leaves' squares come from one segmented pass and the division from a second (per-leaf
+    divisors), not a Python loop over leaves. As in optax, ``threshold = 0`` on a zero leaf gives
+    NaN (0 / 0). On the GPU the per-leaf divisors are computed on the host (one synchronisation).
+    """
+    threshold = float(threshold)
+
+    def flat_update(flow: Flow, state: Any, params: Any, extra: dict) -> tuple[Flow, Any]:
+        flow = flow.settled()
+        lay = flow.flat.layout
+        out = flow.fresh()
+        for gi, (offsets, g) in enumerate(zip(lay.offsets, flow.flat.groups)):
+            sizes = np.diff(offsets)
+            with np.errstate(divide="ignore", invalid="ignore"):  # 0 / 0 is NaN, as in optax
+                rms = np.sqrt(backend.call("segment_sumsq", g, offsets) / np.maximum(sizes, 1))
+                factors = np.maximum(1.0, rms / threshold)
+            ctype = np.result_type(g.dtype, out.groups[gi].dtype)
+            backend.call("segment_divide_", out.groups[gi], g, 1.0, 1.0, offsets, factors.astype(ctype))
+        return Flow(out, True, scratch=flow.scratch), state
+
+    return flat_transformation(lambda params: EmptyState(), flat_update)

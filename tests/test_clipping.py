@@ -183,3 +183,37 @@ def test_zero_nans_inside_multisteps_runs():  # optax #828
     for _ in range(4):
         u, s = tx.update({"w": np.array([1.0, np.nan, 2.0], np.float32)}, s, p)
     np.testing.assert_allclose(u["w"], [-1e-4, 0.0, -2e-4], rtol=1e-6)
+
+
+def test_clip_by_block_rms_vectors():
+    out, _ = run(nba.clip_by_block_rms(1.0), np.array([3.0, 4.0], np.float32))
+    np.testing.assert_allclose(out, [0.84852815, 1.1313709], rtol=1e-7)
+    zeros, _ = run(nba.clip_by_block_rms(1.0), np.zeros(3, np.float32))
+    np.testing.assert_array_equal(zeros, np.zeros(3))
+    nan, _ = run(nba.clip_by_block_rms(0.0), np.zeros(2, np.float32))
+    assert np.all(np.isnan(nan))  # optax: max(1, 0 / 0) is NaN
+
+
+def test_clip_by_block_rms_loop_like_optax_test():
+    g = (np.array([500.0, 5.0], np.float32), np.array([300.0, 3.0], np.float32))
+    for i in range(1, 51):
+        out, _ = run(nba.clip_by_block_rms(1.0 / i), g)
+        for leaf in out:
+            np.testing.assert_allclose(np.sqrt(np.mean(leaf.astype(np.float64) ** 2)), 1.0 / i, rtol=1e-6)
+        again, _ = run(nba.clip_by_block_rms(1.0 / i), out)
+        for a, b in zip(again, out):
+            np.testing.assert_allclose(a, b, rtol=1e-6)
+        g = out
+
+
+@settings(deadline=None, max_examples=25)
+@given(trees())
+def test_clip_by_block_rms_against_numpy(tree):
+    out = nba.tree_flatten(run(nba.clip_by_block_rms(0.5), tree)[0])[0]
+    for x, y in zip(out, nba.tree_flatten(tree)[0]):
+        if y.size == 0:
+            continue
+        rms = np.sqrt(np.mean(y.astype(np.float64) ** 2))
+        np.testing.assert_allclose(
+            x, y / y.dtype.type(max(1.0, rms / 0.5)), rtol=1e-6 if y.dtype == np.float32 else 1e-13
+        )

@@ -326,6 +326,20 @@ def _zero_nans_body(lo, hi, out, x, div, mul, scaled):  # pragma: no cover - com
             o[i] = 0
 
 
+def _segment_divider(parallel):
+    @njit(parallel=parallel, error_model="numpy")
+    def run(out, x, div, mul, scaled, offsets, factors, block):  # pragma: no cover - compiled
+        starts, stops, seg = _segment_blocks(offsets, block)
+        for b in prange(starts.size):
+            f = factors[seg[b]]
+            o, xs = out[starts[b] : stops[b]], x[starts[b] : stops[b]]
+            for i in range(xs.size):
+                o[i] = _in(xs[i], div, mul, scaled) / f
+
+    return run
+
+
+_SEGMENT_DIVIDE = (_segment_divider(True), _segment_divider(False))
 _FILL = _elementwise(_fill_body)
 _CLIP = _elementwise(_clip_body)
 _ZERO_NANS = _elementwise(_zero_nans_body)
@@ -409,6 +423,12 @@ def clip_factors_(fac, parts, max_norm):
     fac[:] = (1.0, 1.0) if norm < max_norm else (1.0, 0.0) if norm == 0.0 else (norm, max_norm)
 
 
+def segment_divide_(out, x, div, mul, offsets, factors):
+    """out = ((x / div) * mul) / factors[s] over each segment ``s`` (a per-leaf divisor)."""
+    run = _pick(_SEGMENT_DIVIDE, x.size)
+    run(out, x, div, mul, _scaled(div, mul), offsets, factors, _config.REDUCE_BLOCK)
+
+
 def clip_(out, x, div, mul, max_delta):
     """out = clip((x / div) * mul, -max_delta, max_delta); NaN stays NaN."""
     _run(_CLIP, x.size, out, x, div, mul, _scaled(div, mul), max_delta)
@@ -477,6 +497,7 @@ KERNELS = (
     "segment_sumsq_into_",
     "clip_factors_",
     "fill_",
+    "segment_divide_",
     "clip_",
     "zero_nans_",
     "scale_",

@@ -276,6 +276,22 @@ def _zero_nans_kernel(mode):  # pragma: no cover - compiled per mode
 _ZERO_NANS = _ByMode(_zero_nans_kernel)
 
 
+def _segment_divide_kernel(mode):  # pragma: no cover - compiled per mode
+    @cuda.jit
+    def kernel(out, x, div, mul, fac, starts, stops, seg, factors):  # pragma: no cover - compiled
+        b = cuda.blockIdx.x
+        f = factors[seg[b]]
+        i = starts[b] + cuda.threadIdx.x
+        while i < stops[b]:
+            out[i] = _in(x[i], div, mul, fac, mode) / f
+            i += cuda.blockDim.x
+
+    return kernel
+
+
+_SEGMENT_DIVIDE = _ByMode(_segment_divide_kernel)
+
+
 # --- reductions -----------------------------------------------------------------------------
 
 _REDUCERS: dict[tuple[int, int], Any] = {}
@@ -350,9 +366,9 @@ def _combine(first, partial, take_max, out):  # pragma: no cover - compiled
 _TABLES: dict[tuple, tuple[Any, ...]] = {}
 
 
-def _block_table(offsets: np.ndarray, block: int) -> tuple[Any, Any, Any, int]:
-    """Device copies of each block's start and stop and each segment's first block (cached per
-    offsets table: layouts keep theirs for life)."""
+def _block_table(offsets: np.ndarray, block: int) -> tuple[Any, Any, Any, int, Any]:
+    """Device copies of each block's start, stop, each segment's first block, the block count,
+    and each block's segment (cached per offsets table: layouts keep theirs for life)."""
     key = (offsets.tobytes(), block)
     hit = _TABLES.get(key)
     if hit is None:
@@ -365,7 +381,8 @@ def _block_table(offsets: np.ndarray, block: int) -> tuple[Any, Any, Any, int]:
         starts = starts.astype(np.int64)
         seg = np.repeat(np.arange(sizes.size), counts)
         stops = np.minimum(starts + block, offsets[1:][seg]).astype(np.int64)
-        hit = (cuda.to_device(starts), cuda.to_device(stops), cuda.to_device(first), int(starts.size))
+        dev = cuda.to_device
+        hit = (dev(starts), dev(stops), dev(first), int(starts.size), dev(seg.astype(np.int64)))
         if len(_TABLES) > 256:
             _TABLES.clear()
         _TABLES[key] = hit
@@ -379,7 +396,7 @@ def _segmented_into(kind: int, out: Any, x: Any, offsets: np.ndarray) -> None:
     """Per-segment reduction of ``x`` into the device array ``out``; nothing comes to the host."""
     offsets = np.asarray(offsets, np.int64)
     nseg = offsets.size - 1
-    starts, stops, first, nblocks = _block_table(offsets, _config.CUDA_REDUCE_BLOCK)
+    starts, stops, first, nblocks, _ = _block_table(offsets, _config.CUDA_REDUCE_BLOCK)
     key = (threading.get_ident(), nblocks)  # the block partials, reused call after call
     partial = _SCRATCH.get(key)
     if partial is None:
@@ -489,6 +506,20 @@ def zero_nans_(out, x, div, mul):
     _launch(_ZERO_NANS[mode], x.size, out, x, d, m, fac)
 
 
+def segment_divide_(out, x, div, mul, offsets, factors):
+    """out = ((x / div) * mul) / factors[s] over each segment ``s`` (a per-leaf divisor)."""
+    offsets = np.asarray(offsets, np.int64)
+    d, m, fac, mode = _factor(div, mul, out, x)
+    starts, stops, _, nblocks, seg = _block_table(offsets, _config.CUDA_REDUCE_BLOCK)
+    if nblocks:
+        if isinstance(factors, np.ndarray):
+            factors = cuda.to_device(factors, stream=stream())
+        LAUNCHES[0] += 1
+        _SEGMENT_DIVIDE[mode][nblocks, _config.CUDA_THREADS, stream()](
+            out, x, d, m, fac, starts, stops, seg, factors
+        )
+
+
 def fill_(x, value):
     """x = value."""
     _launch(_fill, x.size, x, value)
@@ -551,6 +582,7 @@ KERNELS = (
     "segment_sumsq_into_",
     "clip_factors_",
     "fill_",
+    "segment_divide_",
     "clip_",
     "zero_nans_",
     "scale_",
