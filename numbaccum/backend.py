@@ -57,6 +57,18 @@ def is_cuda_array(x: Any) -> bool:
     return hasattr(x, "__cuda_array_interface__") or type(x).__module__.startswith("numba.cuda")
 
 
+def kind_of(x: Any) -> str:
+    """Which array type the caller uses: 'numpy', 'numba', 'cupy' or 'torch'."""
+    mod = type(x).__module__
+    if mod.startswith("torch"):
+        return "torch"
+    if mod.startswith("cupy"):
+        return "cupy"
+    if isinstance(x, (np.ndarray, np.generic)):
+        return "numpy"
+    return "numba"
+
+
 def launch_context(kind: str) -> Any:
     """Where an update's kernels go: the caller's current stream for CuPy and PyTorch arrays."""
     if kind in ("cupy", "torch"):

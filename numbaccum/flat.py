@@ -117,9 +117,12 @@ class Layout:
         return f"Layout({self.num_leaves} leaves, {{{groups}}})"
 
 
-def _as_leaf(x: Any, path: str) -> Any:
+def _as_leaf(x: Any, where: tuple, name: str) -> Any:
     """A NumPy float array, or a numba view of a CUDA float array, for a leaf; TypeError naming
-    its path otherwise."""
+    its path (``name`` + key path ``where``, formatted only for the message) otherwise."""
+    if type(x) is np.ndarray and x.dtype in _FLOATS:  # the common case, first and cheap
+        return x
+    path = format_path(where, name)
     if isinstance(x, np.ndarray):
         arr = x
     elif isinstance(x, np.generic):
@@ -161,7 +164,7 @@ def leaves_of(tree: Any, name: str) -> tuple[list[Any], TreeDef]:
     if isinstance(tree, FlatTree):
         raise TypeError("internal: leaves_of expects a plain tree")
     raw, paths, td = _tree.tree_flatten_with_path(tree)
-    leaves = [_as_leaf(x, format_path(p, name)) for x, p in zip(raw, paths)]
+    leaves = [_as_leaf(x, p, name) for x, p in zip(raw, paths)]
     _same_side(leaves, paths, name, None)
     return leaves, td
 
@@ -368,7 +371,9 @@ class FlatTree:
         return ws
 
 
-def check_leaves(tree: Any, layout: Layout, name: str, device: bool | None = None) -> list[Any]:
+def check_leaves(
+    tree: Any, layout: Layout, name: str, device: bool | None = None, kinds: list | None = None
+) -> list[Any]:
     """The leaves of ``tree`` after checking them against ``layout``: structure first
     (ValueError naming the first differing path), then leaf types and device (TypeError; with
     ``device`` None any one side), then shapes (ValueError). Raises before anything is written."""
@@ -376,7 +381,9 @@ def check_leaves(tree: Any, layout: Layout, name: str, device: bool | None = Non
         tree = tree.tree
     raw, paths, td = _tree.tree_flatten_with_path(tree)
     _tree.check_same_structure(layout.treedef, td, name)
-    leaves = [_as_leaf(x, format_path(p, name)) for x, p in zip(raw, paths)]
+    if kinds is not None and raw:
+        kinds.append(backend.kind_of(raw[0]))
+    leaves = [_as_leaf(x, p, name) for x, p in zip(raw, paths)]
     _same_side(leaves, paths, name, device)
     for i, (x, shape) in enumerate(zip(leaves, layout.shapes)):
         if x.shape != shape:
@@ -450,13 +457,9 @@ def as_flat(
     """
     if isinstance(tree, FlatTree) and tree.layout is layout and device in (None, tree.device):
         return tree, False, "flat"
-    leaves = check_leaves(tree, layout, name, device)
-    if isinstance(tree, FlatTree):
-        kind = "flat"
-    else:
-        from .cuda.device import kind_of
-
-        kind = kind_of(_tree.tree_flatten(tree)[0][0]) if leaves else "numpy"
+    kinds: list[str] = []
+    leaves = check_leaves(tree, layout, name, device, kinds)
+    kind = "flat" if isinstance(tree, FlatTree) else (kinds[0] if kinds else "numpy")
     on_gpu = bool(leaves) and on_device(leaves[0])
     if layout.num_leaves and all(layout.groups):
         views = []

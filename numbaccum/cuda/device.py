@@ -66,18 +66,6 @@ class on_stream:
         _state.stream = self._old
 
 
-def kind_of(x: Any) -> str:
-    """Which array type the caller uses: 'numpy', 'numba', 'cupy' or 'torch'."""
-    mod = type(x).__module__
-    if mod.startswith("torch"):
-        return "torch"
-    if mod.startswith("cupy"):
-        return "cupy"
-    if isinstance(x, (np.ndarray, np.generic)):
-        return "numpy"
-    return "numba"
-
-
 def _framework_stream(kind: str) -> int:
     if kind == "torch":
         import torch
