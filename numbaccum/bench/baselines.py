@@ -123,3 +123,27 @@ class NumpyEma:
             e += tmp
             np.divide(e, bc, out=out)
         return self.out
+
+
+class NumpyClipByGlobalNorm:
+    """Per-leaf clip_by_global_norm into preallocated outputs: the norm from per-leaf dot
+    products in float64, then ``(g / norm) * max_norm`` leaf by leaf (optax's order)."""
+
+    def __init__(self, leaves: list[np.ndarray], max_norm: float) -> None:
+        self.out = [np.zeros_like(x) for x in leaves]
+        self.max_norm = max_norm
+
+    def update(self, grads: list[np.ndarray]) -> list[np.ndarray]:
+        sq = 0.0
+        for g in grads:
+            flat = g.reshape(-1)
+            sq += float(np.dot(flat, flat))  # float32 dot products, summed in float64
+        norm = np.sqrt(sq)
+        t = grads[0].dtype.type
+        for g, o in zip(grads, self.out):
+            if norm < self.max_norm:
+                np.copyto(o, g)
+            else:
+                np.divide(g, t(norm), out=o)
+                o *= t(self.max_norm)
+        return self.out

@@ -5,7 +5,8 @@ Each operation is timed after a warm-up (which also compiles the kernels) as the
 (DESIGN.md), and the copy floor is a large copy measured in the same run. Minimal bytes per
 float32 parameter: a MultiSteps mini-step reads g and reads and writes acc (12), except the first
 of a cycle, which only writes acc (8); an emitting step also reads and writes mu and nu and writes
-the update (32); ema with debias reads g, reads and writes ema, writes the update (16).
+the update (32); ema with debias reads g, reads and writes ema, writes the update (16);
+clip_by_global_norm reads g for the norm and again for the output, and writes the output (12).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from . import workloads
-from .baselines import DECAY, LR, NumpyEma, NumpyMultiStepsAdam
+from .baselines import DECAY, LR, NumpyClipByGlobalNorm, NumpyEma, NumpyMultiStepsAdam
 
 
 def _times(fn: Callable[[], Any], repeats: int) -> list[float]:
@@ -110,6 +111,16 @@ def run(workload: str, repeats: int, quick: bool) -> dict[str, Any]:
     add("ema (debias)", "numbaccum", _times(lambda: tx.update(gf, s), repeats), 16)
     ref_ema = NumpyEma(nba.tree_flatten(params)[0])
     add("ema (debias)", "numpy", _times(lambda: ref_ema.update(leaves), repeats), 16)
+
+    # clip_by_global_norm standalone, always clipping (max_norm far below the norm): a norm pass
+    # and a scale pass into the transformation's own output buffer.
+    clip = nba.clip_by_global_norm(1e-3)
+    cs = clip.init(pf)
+    clip.update(gf, cs)
+    add("clip_by_global_norm", "numbaccum", _times(lambda: clip.update(gf, cs), repeats), 12)
+    ref_clip = NumpyClipByGlobalNorm(nba.tree_flatten(params)[0], 1e-3)
+    ref_clip.update(leaves)
+    add("clip_by_global_norm", "numpy", _times(lambda: ref_clip.update(leaves), repeats), 12)
 
     return {
         "date": datetime.date.today().isoformat(),
