@@ -3,8 +3,9 @@
 A `Layout` says where each leaf lives: leaves are grouped by their dtype (a *group* is what one
 kernel launch covers), each group is a run of one buffer, and an int64 offsets table gives each
 leaf's segment within its group. A `FlatTree` is a layout plus storage. Two flat trees with the
-same layout can be combined by kernels group by group even when their storage dtypes differ (an
-float32 accumulator for float16 gradients), which is how states mirror their params.
+same layout can be combined by kernels group by group even when their storage dtypes differ (a
+float32 accumulator for float16 gradients), which is how states mirror their params. The storage
+is NumPy arrays, or numba device arrays for a FlatTree on a CUDA device.
 """
 
 from __future__ import annotations
