@@ -51,7 +51,10 @@ def copy_floor(nbytes: int, repeats: int) -> float:
     return 2 * a.nbytes / min(t_np, t_par) / 1e9
 
 
-def run(workload: str, repeats: int, quick: bool) -> dict[str, Any]:
+OPS = ("multisteps", "ema", "clip")
+
+
+def run(workload: str, repeats: int, ops: tuple[str, ...] = OPS, peers: bool = True) -> dict[str, Any]:
     import numba
 
     import numbaccum as nba
@@ -81,46 +84,58 @@ def run(workload: str, repeats: int, quick: bool) -> dict[str, Any]:
             )
         )
 
-    # MultiSteps(adam(1e-3), 4): time mini-steps and emitting steps separately.
-    opt = nba.MultiSteps(nba.adam(LR), k)
-    state = opt.init(pf)
-    ref = NumpyMultiStepsAdam(nba.tree_flatten(params)[0], k)
-    cycles = max(2, repeats // k)
-    mini: dict[str, list[float]] = {"numbaccum": [], "numpy": []}
-    emit: dict[str, list[float]] = {"numbaccum": [], "numpy": []}
-    for cycle in range(cycles + 1):  # the first cycle warms up
-        for step in range(k):
-            t = time.perf_counter()
-            _, state = opt.update(gf, state, pf)
-            t_nba = time.perf_counter() - t
-            t = time.perf_counter()
-            ref.update(leaves)
-            t_np = time.perf_counter() - t
-            if cycle:
-                bucket = emit if step == k - 1 else mini
-                bucket["numbaccum"].append(t_nba)
-                bucket["numpy"].append(t_np)
+    max_norm = 1e-3  # far below the norm: clip_by_global_norm always clips
+    p_leaves = nba.tree_flatten(params)[0]
+    opt, clip, ema = nba.MultiSteps(nba.adam(LR), k), nba.clip_by_global_norm(max_norm), nba.ema(DECAY)
+    box = {"ms": opt.init(pf), "clip": clip.init(pf), "ema": ema.init(pf)}
+
+    def nba_ms() -> None:
+        _, box["ms"] = opt.update(gf, box["ms"], pf)
+
+    def nba_ema() -> None:
+        _, box["ema"] = ema.update(gf, box["ema"])
+
+    def nba_clip() -> None:
+        clip.update(gf, box["clip"])
+
+    ref_ms, ref_ema = NumpyMultiStepsAdam(p_leaves, k), NumpyEma(p_leaves)
+    ref_clip = NumpyClipByGlobalNorm(p_leaves, max_norm)
+    impls: dict[str, dict[str, Callable[[], Any]]] = {
+        "numbaccum": {"multisteps": nba_ms, "ema": nba_ema, "clip": nba_clip},
+        "numpy": {
+            "multisteps": lambda: ref_ms.update(leaves),
+            "ema": lambda: ref_ema.update(leaves),
+            "clip": lambda: ref_clip.update(leaves),
+        },
+    }
+    if peers:
+        from . import peers as peer_libs
+
+        for name, build in (("torch foreach", peer_libs.torch_steps), ("optax jit", peer_libs.optax_steps)):
+            steps = build(p_leaves, leaves, k, max_norm)
+            if steps:
+                impls[name] = steps
     mini_bytes = (8 + 12 * (k - 2)) / (k - 1)  # the first mini-step of a cycle reads no acc
-    for impl in ("numbaccum", "numpy"):
-        add("MultiSteps mini-step", impl, mini[impl], mini_bytes)
-        add("MultiSteps emitting step", impl, emit[impl], 32)
-
-    tx = nba.ema(DECAY)
-    s = tx.init(pf)
-    tx.update(gf, s)
-    add("ema (debias)", "numbaccum", _times(lambda: tx.update(gf, s), repeats), 16)
-    ref_ema = NumpyEma(nba.tree_flatten(params)[0])
-    add("ema (debias)", "numpy", _times(lambda: ref_ema.update(leaves), repeats), 16)
-
-    # clip_by_global_norm standalone, always clipping (max_norm far below the norm): a norm pass
-    # and a scale pass into the transformation's own output buffer.
-    clip = nba.clip_by_global_norm(1e-3)
-    cs = clip.init(pf)
-    clip.update(gf, cs)
-    add("clip_by_global_norm", "numbaccum", _times(lambda: clip.update(gf, cs), repeats), 12)
-    ref_clip = NumpyClipByGlobalNorm(nba.tree_flatten(params)[0], 1e-3)
-    ref_clip.update(leaves)
-    add("clip_by_global_norm", "numpy", _times(lambda: ref_clip.update(leaves), repeats), 12)
+    cycles = max(2, repeats // k)
+    todo = [(impl, op) for impl in impls for op in ops]
+    for i, (impl, op) in enumerate(todo):
+        print(f"  [{i + 1}/{len(todo)}] {op}: {impl}", file=sys.stderr, flush=True)
+        step = impls[impl][op]
+        if op == "multisteps":  # mini-steps and emitting steps timed apart, after a warm-up cycle
+            mini: list[float] = []
+            emit: list[float] = []
+            for cycle in range(cycles + 1):
+                for position in range(k):
+                    t = time.perf_counter()
+                    step()
+                    if cycle:
+                        (emit if position == k - 1 else mini).append(time.perf_counter() - t)
+            add("MultiSteps mini-step", impl, mini, mini_bytes)
+            add("MultiSteps emitting step", impl, emit, 32)
+        else:
+            step()
+            label, nbytes = {"ema": ("ema (debias)", 16), "clip": ("clip_by_global_norm", 12)}[op]
+            add(label, impl, _times(step, repeats), nbytes)
 
     return {
         "date": datetime.date.today().isoformat(),
@@ -169,9 +184,10 @@ def format_table(result: dict[str, Any]) -> str:
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     numpy_time = {r["op"]: r["median_s"] for r in result["rows"] if r["impl"] == "numpy"}
+    result["rows"].sort(key=lambda r: list(numpy_time).index(r["op"]))
     for r in result["rows"]:
         speed = numpy_time[r["op"]] / r["median_s"]
-        ms = f"{r['median_s'] * 1e3:.2f} | {r['min_s'] * 1e3:.2f}-{r['max_s'] * 1e3:.2f}"
+        ms = f"{r['median_s'] * 1e3:.4g} | {r['min_s'] * 1e3:.4g}-{r['max_s'] * 1e3:.4g}"
         lines.append(
             f"| {r['op']} | {r['impl']} | {ms} | {r['gbs']:.1f} | {r['floor_fraction']:.2f} | {speed:.2f}x |"
         )
@@ -184,11 +200,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=None, help="timed calls per operation")
     parser.add_argument("--quick", action="store_true", help="a small workload and few repeats")
     parser.add_argument("--json", metavar="FILE", help="also write the raw numbers here")
+    parser.add_argument("--op", action="append", choices=OPS, help="operations to time (default all)")
+    parser.add_argument("--no-peers", action="store_true", help="skip PyTorch and optax even if installed")
     args = parser.parse_args(argv)
     workload = args.workload or ("many_small" if args.quick else "gpt2_small")
     repeats = args.repeats or (4 if args.quick else 12)
     print(f"numbaccum bench: {workload}, {repeats} repeats (warm-up first) ...", file=sys.stderr)
-    result = run(workload, repeats, args.quick)
+    result = run(workload, repeats, tuple(args.op or OPS), not args.no_peers)
     print(format_table(result))
     if args.json:
         with open(args.json, "w") as f:
