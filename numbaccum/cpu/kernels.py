@@ -8,7 +8,7 @@ instead of costing a pass of its own. Names ending in ``_`` write their first ar
 Each loop body is written once over an index range ``[lo, hi)``; `_elementwise` turns it into a
 parallel driver (``prange`` over fixed chunks) and a serial one for small buffers. Reductions are
 segmented (a whole-buffer reduction is one segment): each segment is cut into fixed blocks of
-``REDUCE_BLOCK`` elements, summed in float64 with 16 independent accumulators (which vectorise
+``REDUCE_BLOCK`` elements, summed in float64 with 64 independent accumulators (which vectorise
 without fastmath), and the block partials are combined in index order, so the result has the same
 bits for any thread count. ``error_model="numpy"``: a division by zero gives inf or NaN as in
 NumPy (optax's ``ema`` with ``decay = 1`` is NaN), never an exception.
@@ -23,7 +23,9 @@ from numba import njit, prange
 
 from .. import _config
 
-_LANES = 16
+# Independent float64 accumulators per block: measured on the 2-core VM, 16 and 32 lanes read at
+# 22-28 GB/s and 64 at 45 GB/s (enough independent add chains to hide their latency).
+_LANES = 64
 
 
 def _elementwise(body):
@@ -45,7 +47,7 @@ def _elementwise(body):
 
 
 def _lane_sum(term):
-    """``block(x, lo, hi) = sum(term(x[lo:hi]))`` in float64: 16 lanes, then lane order."""
+    """``block(x, lo, hi) = sum(term(x[lo:hi]))`` in float64: _LANES lanes, then lane order."""
 
     @njit(inline="always", error_model="numpy")
     def block(x, lo, hi):  # pragma: no cover - compiled
