@@ -53,6 +53,7 @@ from .optim import (
     sgd,
 )
 from .tree import tree_flatten, tree_map, tree_unflatten
+from .warmup import warmup
 
 __version__ = "0.1.0"
 
@@ -100,6 +101,7 @@ __all__ = [
     "tree_flatten",
     "tree_map",
     "tree_unflatten",
+    "warmup",
     "with_extra_args_support",
     "zero_nans",
 ]

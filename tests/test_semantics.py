@@ -291,3 +291,11 @@ def test_fused_adam_is_bitwise_the_chain(lr):
         u2, s2 = chained.update(grads(step), s2, p)
         assert_bitwise_equal(snapshot(u1), snapshot(u2))
     assert_bitwise_equal(state_arrays(s1), state_arrays(s2))
+
+
+def test_warmup_compiles_ahead_and_checks_its_arguments():
+    assert nba.warmup(dtypes=("float64",), backend="cpu") == ["cpu"]
+    with pytest.raises(ValueError, match="backend"):
+        nba.warmup(backend="tpu")
+    with pytest.raises(TypeError, match="dtypes"):
+        nba.warmup(dtypes=("int32",), backend="cpu")
