@@ -21,8 +21,29 @@ def info() -> int:
     print(f"threads: {numba.get_num_threads()} of {os.cpu_count()} cpus, layer {numba.threading_layer()}")
     cache_dir = getattr(numba.config, "CACHE_DIR", "") or "(next to the sources; NUMBA_CACHE_DIR moves it)"
     print(f"numba cache dir: {cache_dir}; numbaccum kernels compile on first use (not cached)")
-    print("cuda: not supported by this build (NumPy arrays only)")
+    print(f"cuda: {_cuda_status()}")
     return 0
+
+
+def _cuda_status() -> str:
+    try:
+        from numba import cuda
+    except Exception as e:  # pragma: no cover - depends on the installation
+        return f"numba.cuda cannot be imported ({e})"
+    if not cuda.is_available():
+        return "no CUDA device or driver (CUDA arrays would raise a clear error; NumPy works)"
+    from numbaccum.cuda.device import cuda_module
+
+    try:
+        cuda_module()
+    except RuntimeError as e:
+        return str(e)
+    from numba import config
+
+    if config.ENABLE_CUDASIM or not hasattr(cuda, "get_current_device"):
+        return "available (the numba CUDA simulator)"
+    name = cuda.get_current_device().name
+    return f"available: {name.decode() if isinstance(name, bytes) else name}"
 
 
 def main(argv: list[str] | None = None) -> int:
