@@ -40,7 +40,7 @@ def _cuda_status() -> str:
         return str(e)
     from numba import config
 
-    if config.ENABLE_CUDASIM or not hasattr(cuda, "get_current_device"):
+    if getattr(config, "ENABLE_CUDASIM", False) or not hasattr(cuda, "get_current_device"):
         return "available (the numba CUDA simulator)"
     name = cuda.get_current_device().name
     return f"available: {name.decode() if isinstance(name, bytes) else name}"
