@@ -17,6 +17,7 @@ from .base import (
     run_stage,
     with_extra_args_support,
 )
+from .cpu.kernels import sum_in_order as _sequential_sum
 from .flat import FlatTree, Layout, as_flat, layout_of
 from .tree import tree_unflatten
 
@@ -43,17 +44,15 @@ def leaf_reductions(flat: FlatTree, kernel: str) -> np.ndarray:
     """One float64 value per leaf (in leaf order), each from a segmented kernel per group."""
     lay: Layout = flat.layout
     out = np.empty(lay.num_leaves, np.float64)
-    for members, offsets, g in zip(lay.groups, lay.offsets, flat.groups):
-        out[list(members)] = backend.call(kernel, g, offsets)
+    for members, offsets, g in zip(lay.group_index, lay.offsets, flat.groups):
+        out[members] = backend.call(kernel, g, offsets)
     return out
 
 
 def sum_in_order(values: np.ndarray) -> float:
-    """Sequential float64 sum in tree order: the same bits whatever the layout or thread count."""
-    total = 0.0
-    for v in values:
-        total += float(v)
-    return total
+    """Sequential float64 sum in tree order: the same bits whatever the layout or thread count
+    (compiled: no Python loop over leaves)."""
+    return float(_sequential_sum(values))
 
 
 def global_norm(tree: Any, ord: Any = 2, squared: bool = False) -> float:

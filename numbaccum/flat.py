@@ -46,6 +46,7 @@ class Layout:
     sizes: tuple[int, ...]
     dtypes: tuple[np.dtype, ...]  # each leaf's dtype (the dtype that defined its group)
     groups: tuple[tuple[int, ...], ...]  # leaf indices of each group, in leaf order
+    group_index: tuple[np.ndarray, ...]  # the same as int64 arrays
     group_dtypes: tuple[np.dtype, ...]
     leaf_group: tuple[int, ...]
     leaf_start: tuple[int, ...]  # start of each leaf within its group
@@ -96,6 +97,7 @@ class Layout:
         self.leaf_group = tuple(leaf_group)
         self.leaf_start = tuple(leaf_start)
         self.offsets = tuple(offsets)
+        self.group_index = tuple(np.array(m, np.int64) for m in self.groups)  # for fancy indexing
         self.group_sizes = tuple(int(o[-1]) for o in offsets)
         self._paths: list[tuple] | None = None
 

@@ -415,13 +415,19 @@ def segment_sumsq_into_(out, x, offsets):
     out[:] = segment_sumsq(x, offsets)
 
 
+@njit(error_model="numpy")
+def sum_in_order(values):  # pragma: no cover - compiled
+    """Sequential float64 sum, in index order (host arrays; not part of the kernel contract)."""
+    total = 0.0
+    for i in range(values.size):
+        total += values[i]
+    return total
+
+
 def clip_factors_(fac, parts, max_norm):
     """fac = [div, mul] of clip_by_global_norm from the squared norms ``parts`` (summed in order):
     [1, 1] if norm < max_norm, [1, 0] if norm == 0, else [norm, max_norm]."""
-    total = 0.0
-    for v in parts:
-        total += float(v)
-    norm = math.sqrt(total)
+    norm = math.sqrt(sum_in_order(np.asarray(parts, np.float64)))
     fac[:] = (1.0, 1.0) if norm < max_norm else (1.0, 0.0) if norm == 0.0 else (norm, max_norm)
 
 
