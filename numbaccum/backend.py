@@ -16,23 +16,6 @@ import numpy as np
 
 from . import cpu
 
-# Arguments each in-place kernel writes (index into its argument list).
-_WRITES: dict[str, tuple[int, ...]] = {
-    "fill_": (0,),
-    "segment_divide_": (0,),
-    "clip_": (0,),
-    "zero_nans_": (0,),
-    "segment_sumsq_into_": (0,),
-    "clip_factors_": (0,),
-    "scale_": (0,),
-    "add_scaled_": (0,),
-    "trace_update_": (0, 6),
-    "ema_update_": (0, 7),
-    "mean_accumulate_": (0,),
-    "sum_accumulate_": (0,),
-    "adam_update_": (0, 1, 14),
-}
-
 _workqueue_lock = threading.Lock()
 _guard: Any = None  # decided after the first parallel call
 
@@ -110,7 +93,7 @@ def call(name: str, *args: Any) -> Any:
     run_args = [a if isinstance(a, (np.ndarray, bool, np.bool_)) else ctype.type(a) for a in run_args]
     with _parallel_guard():
         result = getattr(cpu, name)(*run_args)
-    for i in _WRITES.get(name, ()) if staged else ():
+    for i in cpu.WRITES.get(name, ()) if staged else ():
         if id(args[i]) in staged:
             np.copyto(args[i], run_args[i], casting="same_kind")
     return result

@@ -1,6 +1,16 @@
-"""CPU backend: the kernel contract as numba ``@njit`` loops."""
+"""CPU backend: the kernel contract as numba ``@njit`` loops.
 
+Each module of the package contributes ``KERNELS`` (the names it exports) and ``WRITES`` (for each
+in-place kernel, the positions of the arguments it writes); `numbaccum.cuda` mirrors the same
+modules with the same names and signatures.
+"""
+
+from . import kernels as _core
 from .kernels import *  # noqa: F403
-from .kernels import KERNELS
+
+_MODULES = (_core,)
+
+KERNELS: tuple[str, ...] = tuple(name for m in _MODULES for name in m.KERNELS)
+WRITES: dict[str, tuple[int, ...]] = {k: v for m in _MODULES for k, v in m.WRITES.items()}
 
 __all__ = list(KERNELS)

@@ -516,3 +516,20 @@ KERNELS = (
     "sum_accumulate_",
     "adam_update_",
 )
+
+# Arguments each in-place kernel writes (index into its argument list).
+WRITES: dict[str, tuple[int, ...]] = {
+    "fill_": (0,),
+    "segment_divide_": (0,),
+    "clip_": (0,),
+    "zero_nans_": (0,),
+    "segment_sumsq_into_": (0,),
+    "clip_factors_": (0,),
+    "scale_": (0,),
+    "add_scaled_": (0,),
+    "trace_update_": (0, 6),
+    "ema_update_": (0, 7),
+    "mean_accumulate_": (0,),
+    "sum_accumulate_": (0,),
+    "adam_update_": (0, 1, 14),
+}

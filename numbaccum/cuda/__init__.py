@@ -1,7 +1,12 @@
 """CUDA backend: the kernel contract as ``numba.cuda`` kernels (imported only when CUDA arrays are
-used; ``import numbaccum`` never imports ``numba.cuda``)."""
+used; ``import numbaccum`` never imports ``numba.cuda``). Same modules, names and signatures as
+`numbaccum.cpu`."""
 
+from . import kernels as _core
 from .kernels import *  # noqa: F403
-from .kernels import KERNELS
+
+_MODULES = (_core,)
+
+KERNELS: tuple[str, ...] = tuple(name for m in _MODULES for name in m.KERNELS)
 
 __all__ = list(KERNELS)
