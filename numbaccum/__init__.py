@@ -52,6 +52,13 @@ from .optim import (
     scale_by_learning_rate,
     sgd,
 )
+from .privacy import (
+    DifferentiallyPrivateAggregateState,
+    differentially_private_aggregate,
+    dpsgd,
+    per_example_global_norm_clip,
+    per_example_layer_norm_clip,
+)
 from .tree import tree_flatten, tree_map, tree_unflatten
 from .warmup import warmup
 
@@ -62,6 +69,7 @@ __all__ = [
     "ApplyIfFiniteState",
     "ClipByGlobalNormState",
     "ClipState",
+    "DifferentiallyPrivateAggregateState",
     "EmaState",
     "EmptyState",
     "FlatTree",
@@ -84,11 +92,15 @@ __all__ = [
     "clip_by_block_rms",
     "clip_by_global_norm",
     "copy_state",
+    "differentially_private_aggregate",
+    "dpsgd",
     "ema",
     "global_norm",
     "identity",
     "named_chain",
     "normalize_by_update_norm",
+    "per_example_global_norm_clip",
+    "per_example_layer_norm_clip",
     "scale",
     "scale_by_adam",
     "scale_by_learning_rate",

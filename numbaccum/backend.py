@@ -65,7 +65,7 @@ def _call_cuda(name: str, args: tuple) -> Any:
     from .cuda.device import cuda_module
 
     cuda_module()  # one clear error, once, when CUDA cannot run kernels here
-    from .cuda import kernels
+    from . import cuda as kernels  # the package: every kernel module's names
 
     arrays = [
         a for a in args if hasattr(a, "dtype") and hasattr(a, "shape") and not isinstance(a, np.generic)

@@ -515,3 +515,140 @@ def adam(
     learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, eps_root: float = 0.0
 ) -> Transformation:
     return chain(scale_by_adam(b1, b2, eps, eps_root), scale_by_learning_rate(learning_rate))
+
+
+# ---------------------------------------------------------------------------
+# Per-example clipping and differential privacy (optax.md 3.4, 3.5, 3.7)
+# ---------------------------------------------------------------------------
+
+
+def _batch_of(leaves) -> int:
+    if any(np.ndim(x) == 0 for x in leaves):
+        raise ValueError("a 0-d leaf has no batch dimension")
+    sizes = {np.shape(x)[0] for x in leaves}
+    if len(sizes) > 1:
+        raise ValueError(f"unequal batch sizes {sorted(sizes)}")
+    return sizes.pop() if sizes else 0
+
+
+def _example_sumsq(x, batch) -> np.ndarray:
+    """Per example: sum of squares of one leaf, in float64."""
+    x64 = np.asarray(x, np.float64).reshape(batch, -1)
+    return np.sum(x64 * x64, axis=1)
+
+
+def _clip_multipliers(norms, clip) -> np.ndarray:
+    """optax's ``nan_to_num(minimum(clip / norm, 1), nan=1)``, except that an example with a
+    non-finite norm gets 0 (dropped) where optax passes it through (numbaccum's DP fix)."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        mult = np.minimum(clip / norms, 1.0)
+    mult = np.where(np.isnan(mult), 1.0, mult)
+    return np.where(np.isfinite(norms), mult, 0.0)
+
+
+def _weighted_batch_sum(x, mult) -> np.ndarray:
+    """``sum_b mult[b] * x[b]`` in float64, in example order, dropped examples skipped."""
+    x64 = np.asarray(x, np.float64)
+    acc = np.zeros(x64.shape[1:], np.float64)
+    for b in range(x64.shape[0]):
+        if mult[b] != 0:
+            acc = acc + mult[b] * x64[b]
+    return acc
+
+
+def _global_multipliers(leaves, clip) -> np.ndarray:
+    """Per example: the multiplier of its global norm (over every leaf)."""
+    batch = _batch_of(leaves)
+    sq = np.zeros(batch, np.float64)
+    for x in leaves:
+        sq = sq + _example_sumsq(x, batch)
+    return _clip_multipliers(np.sqrt(sq), clip)
+
+
+def per_example_global_norm_clip(grads, l2_norm_clip: float):
+    """``(sum_b g[b] * min(1, C / ||g[b]||), #clipped)`` leaf by leaf, norms over all leaves."""
+    leaves, tdef = tree_flatten(grads)
+    mult = _global_multipliers(leaves, l2_norm_clip)
+    sums = [_arr(_weighted_batch_sum(x, mult), x.dtype) for x in leaves]
+    return tree_unflatten(tdef, sums), np.int32(np.count_nonzero(mult < 1.0))
+
+
+def per_example_layer_norm_clip(grads, global_l2_norm_clip: float, uniform: bool = True):
+    """Each leaf clipped on its own with ``C_k = C sqrt(1/K)`` or ``C sqrt(D_k / D)``."""
+    leaves, tdef = tree_flatten(grads)
+    batch = _batch_of(leaves)
+    sizes = [int(np.prod(np.shape(x)[1:])) for x in leaves]
+    total = sum(sizes)
+    sums, counts = [], []
+    for x, d in zip(leaves, sizes):
+        with np.errstate(divide="ignore", invalid="ignore"):  # D = 0: NaN, every multiplier 1
+            share = 1.0 / len(leaves) if uniform else np.float64(d) / total
+            c = global_l2_norm_clip * np.sqrt(share)
+        mult = _clip_multipliers(np.sqrt(_example_sumsq(x, batch)), c)
+        sums.append(_arr(_weighted_batch_sum(x, mult), x.dtype))
+        counts.append(np.int32(np.count_nonzero(mult < 1.0)))
+    return tree_unflatten(tdef, sums), tree_unflatten(tdef, counts)
+
+
+def dp_noise(leaves, seed: int, step: int) -> list:
+    """numbaccum's documented noise: ``Generator(Philox(key=[seed, step]))`` draws one float64
+    standard-normal array per dtype group (leaves grouped by dtype in order of first appearance,
+    groups in that order), split between the group's leaves in tree order."""
+    rng = np.random.Generator(np.random.Philox(key=np.array([seed, step], np.uint64)))
+    order: list = []
+    for x in leaves:
+        if x.dtype not in order:
+            order.append(x.dtype)
+    out: list = [None] * len(leaves)
+    for dt in order:
+        members = [i for i, x in enumerate(leaves) if x.dtype == dt]
+        shapes = [np.shape(leaves[i])[1:] for i in members]
+        z = rng.standard_normal(sum(int(np.prod(s)) for s in shapes))
+        pos = 0
+        for i, s in zip(members, shapes):
+            n = int(np.prod(s))
+            out[i] = z[pos : pos + n].reshape(s)
+            pos += n
+    return out
+
+
+class DifferentiallyPrivateAggregateState(NamedTuple):
+    rng_key: np.ndarray
+
+
+def differentially_private_aggregate(
+    l2_norm_clip: float, noise_multiplier: float, seed: int
+) -> Transformation:
+    """``(sum of clipped examples + C * nm * z) / B`` per leaf, in float64, saturated at the leaf
+    dtype's largest finite value, rounded once."""
+    std = l2_norm_clip * noise_multiplier if noise_multiplier > 0 else 0.0
+
+    def init(params):
+        return DifferentiallyPrivateAggregateState(np.array([seed, 0], np.uint64))
+
+    def update(updates, state, params=None, **extra):
+        leaves, tdef = tree_flatten(updates)
+        batch = _batch_of(leaves)
+        mult = _global_multipliers(leaves, l2_norm_clip)
+        step = int(state.rng_key[1])
+        noise = dp_noise(leaves, seed, step) if std else [0.0] * len(leaves)
+        out = []
+        for x, z in zip(leaves, noise):
+            v = (_weighted_batch_sum(x, mult) + std * z) / batch
+            big = float(np.finfo(x.dtype).max)
+            out.append(_arr(np.clip(v, -big, big), x.dtype))
+        return tree_unflatten(tdef, out), DifferentiallyPrivateAggregateState(
+            np.array([seed, step + 1], np.uint64)
+        )
+
+    return Transformation(init, update)
+
+
+def dpsgd(
+    learning_rate, l2_norm_clip, noise_multiplier, seed, momentum=None, nesterov=False
+) -> Transformation:
+    return chain(
+        differentially_private_aggregate(l2_norm_clip, noise_multiplier, seed),
+        *([trace(momentum, nesterov)] if momentum is not None else [identity()]),
+        scale_by_learning_rate(learning_rate),
+    )

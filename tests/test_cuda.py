@@ -261,3 +261,57 @@ def test_nan_handling_on_device_matches_cpu():
         u_gpu, s_gpu = tx_gpu.update(dev(g), tx_gpu.init(dev(params())), dev(params()))
         for a, b in zip(nba.tree_flatten(host(u_gpu))[0], nba.tree_flatten(u_cpu)[0]):
             np.testing.assert_array_equal(a, b)
+
+
+# --- per-example clipping and DP (numbaccum/privacy.py) -------------------------------------
+
+
+def per_example_grads(dtype=np.float32, batch=5):
+    rng = np.random.default_rng(21)
+    g = {
+        "w": rng.standard_normal((batch, 3, 7)).astype(dtype),
+        "b": rng.standard_normal((batch, 7)).astype(dtype),
+        "s": rng.standard_normal((batch,)).astype(np.float64),
+        "e": np.zeros((batch, 0, 2), dtype),
+    }
+    g["w"][1, 0, 0] = np.nan  # example 1 is dropped (its norm is NaN)
+    g["b"][3] *= 100  # example 3 is clipped hard
+    return g
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_per_example_clips_on_device_match_cpu(dtype):
+    g = per_example_grads(dtype)
+    sums_cpu, n_cpu = nba.per_example_global_norm_clip(g, 1.0)
+    sums_gpu, n_gpu = nba.per_example_global_norm_clip(dev(g), 1.0)
+    assert n_gpu == n_cpu == 5 and hasattr(sums_gpu["w"], "copy_to_host")
+    for a, b in zip(nba.tree_flatten(host(sums_gpu))[0], nba.tree_flatten(sums_cpu)[0]):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        close(a, b, dtype)
+    for uniform in (True, False):
+        l_cpu, c_cpu = nba.per_example_layer_norm_clip(g, 2.0, uniform)
+        l_gpu, c_gpu = nba.per_example_layer_norm_clip(nba.FlatTree.from_tree(dev(g)), 2.0, uniform)
+        assert isinstance(l_gpu, nba.FlatTree) and l_gpu.device and c_gpu == c_cpu
+        for a, b in zip(nba.tree_flatten(host(l_gpu.tree))[0], nba.tree_flatten(l_cpu)[0]):
+            close(a, b, dtype)
+
+
+@needs_cuda
+@pytest.mark.parametrize("momentum", [None, 0.9])
+def test_dpsgd_on_device_matches_cpu(momentum):
+    p = {"w": np.zeros((3, 7), np.float32), "b": np.zeros(7, np.float32), "s": np.zeros((), np.float64)}
+    tx_cpu, tx_gpu = (nba.dpsgd(0.1, 1.0, 0.5, seed=3, momentum=momentum) for _ in range(2))
+    s_cpu, s_gpu = tx_cpu.init(p), tx_gpu.init(dev(p))
+    for step in range(3):
+        g = per_example_grads()
+        g.pop("e")
+        g["w"] += step
+        u_cpu, s_cpu = tx_cpu.update(g, s_cpu, p)
+        u_gpu, s_gpu = tx_gpu.update(dev(g), s_gpu, dev(p))
+        for a, b in zip(nba.tree_flatten(host(u_gpu))[0], nba.tree_flatten(u_cpu)[0]):
+            assert a.dtype == b.dtype and np.all(np.isfinite(a))
+            close(a, b, a.dtype)  # the same host-drawn noise on both sides
+    agg = nba.differentially_private_aggregate(1e3, 1e3, seed=0)  # noise beyond float16: saturates
+    u, _ = agg.update(dev({"h": np.zeros((1, 64), np.float16)}), agg.init(None))
+    assert np.max(np.abs(host(u)["h"])) == np.finfo(np.float16).max

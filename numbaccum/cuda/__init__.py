@@ -3,9 +3,11 @@ used; ``import numbaccum`` never imports ``numba.cuda``). Same modules, names an
 `numbaccum.cpu`."""
 
 from . import kernels as _core
+from . import per_example as _per_example
 from .kernels import *  # noqa: F403
+from .per_example import *  # noqa: F403
 
-_MODULES = (_core,)
+_MODULES = (_core, _per_example)
 
 KERNELS: tuple[str, ...] = tuple(name for m in _MODULES for name in m.KERNELS)
 

@@ -1,0 +1,96 @@
+"""Per-example (DP-SGD) kernels on CUDA: the twin of `numbaccum.cpu.per_example`.
+
+One CUDA block covers a fixed run of one leaf's output elements; each thread sums its elements
+over the batch in example order (float64, no atomics: the same bits on every run), reading
+consecutive addresses across the threads of a warp for each example.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from numba import cuda
+
+from .. import _config
+from .device import stream
+from .kernels import LAUNCHES, _block_table
+
+__all__ = ["batch_weighted_sum_"]
+
+
+@cuda.jit
+def _weighted_sum(
+    out, g, offsets, out_offsets, starts, stops, seg, mult, noise, std, div, limit
+):  # pragma: no cover - compiled
+    blk = cuda.blockIdx.x
+    k = seg[blk]
+    size = out_offsets[k + 1] - out_offsets[k]
+    i = starts[blk] + cuda.threadIdx.x
+    while i < stops[blk]:
+        src = offsets[k] + (i - out_offsets[k])
+        acc = 0.0
+        for b in range(mult.shape[1]):
+            m = mult[k, b]
+            if m != 0.0:  # a dropped example is skipped, not multiplied: 0 * NaN is NaN
+                acc += m * np.float64(g[src + b * size])
+        if std != 0.0:
+            acc += std * noise[i]
+        v = acc / div
+        if v > limit:
+            v = limit
+        elif v < -limit:
+            v = -limit
+        out[i] = v
+        i += cuda.blockDim.x
+
+
+_OFFSETS: dict[bytes, Any] = {}
+
+
+def _device_offsets(offsets: np.ndarray) -> Any:
+    """A device copy of an offsets table (cached: layouts keep theirs for life)."""
+    key = offsets.tobytes()
+    hit = _OFFSETS.get(key)
+    if hit is None:
+        if len(_OFFSETS) > 256:
+            _OFFSETS.clear()
+        hit = _OFFSETS[key] = cuda.to_device(offsets)
+    return hit
+
+
+def _on_device(x: Any) -> Any:
+    return cuda.to_device(np.ascontiguousarray(x), stream=stream()) if isinstance(x, np.ndarray) else x
+
+
+def batch_weighted_sum_(out, g, offsets, out_offsets, mult, noise, std, div, limit):
+    """out[k][j] = clamp((sum_b mult[k, b] * g[k][b, j] + std * noise[k][j]) / div, +-limit).
+
+    ``offsets`` are the per-example group's leaf boundaries, ``out_offsets`` the output's (each
+    ``B`` times smaller); ``mult`` is float64 ``(leaves, B)``; ``noise`` is read only when
+    ``std != 0``. Sums run in float64 in example order; examples with ``mult == 0`` are skipped.
+    Host ``mult`` and ``noise`` are copied to the device first.
+    """
+    out_offsets = np.asarray(out_offsets, np.int64)
+    # A few elements per thread: enough blocks to fill the GPU for a 1M-parameter output.
+    starts, stops, _, nblocks, seg = _block_table(out_offsets, 4 * _config.CUDA_THREADS)
+    if not nblocks:
+        return
+    LAUNCHES[0] += 1
+    _weighted_sum[nblocks, _config.CUDA_THREADS, stream()](
+        out,
+        g,
+        _device_offsets(np.asarray(offsets, np.int64)),
+        _device_offsets(out_offsets),
+        starts,
+        stops,
+        seg,
+        _on_device(mult),
+        _on_device(noise),
+        std,
+        div,
+        limit,
+    )
+
+
+KERNELS = ("batch_weighted_sum_",)

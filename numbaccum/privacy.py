@@ -1,0 +1,476 @@
+"""Per-example gradient clipping and differentially private aggregation (DP-SGD).
+
+Per-example gradients come as a tree whose leaves carry the batch on axis 0: leaf ``k`` has shape
+``(B, *s_k)``. In a flat buffer that leaf is ``B`` contiguous runs of ``D_k = prod(s_k)`` elements,
+one per example, so whatever the number of leaves the work is two passes over the batch:
+
+1. one `segment_sumsq` per dtype group over the table of (leaf, example) runs gives every squared
+   norm ``n2[k, b]`` (float64, fixed partition: the same bits for any thread count);
+2. the host turns those few numbers into multipliers ``m[k, b]``, and one `batch_weighted_sum_`
+   per dtype group writes ``sum_b m[k, b] * g[k][b]`` (float64 sums in example order, rounded once
+   to the leaf dtype).
+
+No Python loop over examples or leaves, and no copy of the batch when it already lives in one
+buffer per dtype (a `FlatTree`, or the ``.tree`` of one: compute the per-example gradients into its
+views). A plain tree of separate arrays is packed into such a buffer first (one copy).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import threading
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from . import backend
+from .base import Flow, GradientTransformationExtraArgs, ParamsRef, run_stage, state_owner
+from .flat import FlatTree, Layout, as_flat, check_leaves, layout_of
+from .optim import sgd
+from .tree import tree_unflatten
+
+__all__ = [
+    "DifferentiallyPrivateAggregateState",
+    "differentially_private_aggregate",
+    "dpsgd",
+    "per_example_global_norm_clip",
+    "per_example_layer_norm_clip",
+]
+
+
+# --- the per-example layout -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What a per-example layout implies, worked out once per layout (layouts are interned)."""
+
+    batch: int
+    out_layout: Layout  # the same tree without the batch axis, grouped like the input
+    runs: tuple[np.ndarray, ...]  # per group: offsets of its (leaf, example) runs, leaf-major
+    example_sizes: np.ndarray  # D_k per leaf, int64
+
+
+_PLANS: dict[Layout, _Plan] = {}
+
+
+def _plan(layout: Layout, name: str) -> _Plan:
+    plan = _PLANS.get(layout)
+    if plan is None:
+        plan = _PLANS[layout] = _make_plan(layout, name)
+    return plan
+
+
+def _make_plan(layout: Layout, name: str) -> _Plan:
+    batch = 0
+    for i, shape in enumerate(layout.shapes):  # once per layout, not per call
+        if not shape:
+            raise ValueError(
+                f"{layout.path(i, name)}: a 0-d leaf has no batch dimension; per-example "
+                "gradients have shape (batch, ...)"
+            )
+        if i == 0:
+            batch = shape[0]
+        elif shape[0] != batch:
+            raise ValueError(
+                f"{layout.path(i, name)}: batch size {shape[0]} differs from {batch} "
+                f"({layout.path(0, name)}); every leaf needs the same batch size on axis 0"
+            )
+    keys = [layout.group_dtypes[g] for g in layout.leaf_group]
+    out_layout = Layout.get(layout.treedef, [s[1:] for s in layout.shapes], layout.dtypes, keys)
+    sizes = np.array(out_layout.sizes, np.int64)
+    runs = []
+    for members, offsets in zip(layout.group_index, layout.offsets):
+        d = sizes[members]
+        starts = offsets[:-1, None] + np.arange(batch, dtype=np.int64)[None, :] * d[:, None]
+        table = np.append(starts.ravel(), offsets[-1]).astype(np.int64)
+        table.flags.writeable = False
+        runs.append(table)
+    return _Plan(batch, out_layout, tuple(runs), sizes)
+
+
+def _per_example(grads: Any, name: str) -> tuple[FlatTree, _Plan, str]:
+    """``(flat, plan, kind)``: the per-example tree in flat buffers (zero-copy for a FlatTree or
+    its views); ValueError/TypeError naming the leaf before anything is computed."""
+    layout = grads.layout if isinstance(grads, FlatTree) else layout_of(grads, name)
+    plan = _plan(layout, name)
+    flat, _, kind = as_flat(grads, layout, name)
+    return flat, plan, kind
+
+
+def _check_clip(value: Any, name: str) -> float:
+    c = float(value)
+    if not c >= 0:  # NaN too
+        raise ValueError(f"{name} must be >= 0, got {value!r}")
+    return c
+
+
+# --- the two passes -------------------------------------------------------------------------
+
+
+def _squared_norms(flat: FlatTree, plan: _Plan) -> np.ndarray:
+    """``n2[k, b]``: the squared norm of example ``b`` of leaf ``k``, float64 ``(leaves, B)``.
+
+    One segmented reduction per dtype group; on the GPU the values come back to the host."""
+    lay = flat.layout
+    n2 = np.empty((lay.num_leaves, plan.batch), np.float64)
+    for members, runs, g in zip(lay.group_index, plan.runs, flat.groups):
+        n2[members] = np.asarray(backend.call("segment_sumsq", g, runs)).reshape(members.size, plan.batch)
+    return n2
+
+
+def _multipliers(norms: np.ndarray, clip: Any) -> np.ndarray:
+    """``min(clip / norm, 1)``, with optax's ``0 / 0 -> 1`` (a zero example under a zero clip is
+    not clipped) and 0 for a non-finite norm: that example is dropped, not passed through."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        mult = np.minimum(clip / norms, 1.0)
+    mult[np.isnan(mult)] = 1.0
+    mult[~np.isfinite(norms)] = 0.0
+    return mult
+
+
+def _global_multipliers(flat: FlatTree, plan: _Plan, clip: float) -> np.ndarray:
+    """Each example's multiplier for its norm over every leaf (leaves added in tree order)."""
+    return _multipliers(np.sqrt(_squared_norms(flat, plan).sum(axis=0)), clip)
+
+
+def _weighted_sums(
+    flat: FlatTree,
+    plan: _Plan,
+    mult: np.ndarray,
+    out: FlatTree,
+    noise: list[np.ndarray] | None = None,
+    std: float = 0.0,
+    div: float = 1.0,
+) -> FlatTree:
+    """``out[k] = (sum_b mult[k, b] * g[k][b] + std * noise[k]) / div``, one kernel per group;
+    ``mult`` is ``(leaves, B)``, or ``(B,)`` for one multiplier per example.
+
+    With noise the result saturates at the largest finite value of each output dtype."""
+    lay = flat.layout
+    mult = np.broadcast_to(mult, (lay.num_leaves, plan.batch))  # one multiplier per example: every leaf
+    for gi, (members, g, o) in enumerate(zip(lay.group_index, flat.groups, out.groups)):
+        limit = float(np.finfo(o.dtype).max) if noise is not None else math.inf
+        z = noise[gi] if noise is not None else _NO_NOISE
+        m = np.ascontiguousarray(mult[members])
+        args = (lay.offsets[gi], plan.out_layout.offsets[gi], m, z, std, div, limit)
+        backend.call("batch_weighted_sum_", o, g, *args)
+    return out
+
+
+_NO_NOISE = np.zeros(1, np.float64)  # the noise argument when std == 0 (never read then)
+
+
+def _new_sums(flat: FlatTree, plan: _Plan) -> FlatTree:
+    return FlatTree.empty(plan.out_layout, list(flat.group_dtypes), flat.device)
+
+
+def _as_kind(out: FlatTree, kind: str) -> Any:
+    return out if kind == "flat" else out.tree_as(kind)
+
+
+# --- per-example clipping -------------------------------------------------------------------
+
+
+def per_example_global_norm_clip(grads: Any, l2_norm_clip: float) -> tuple[Any, np.int32]:
+    """Clips each example's gradient to a global L2 norm and sums over the batch (optax's
+    ``per_example_global_norm_clip``):
+
+    ``sum_b g[b] * min(1, l2_norm_clip / ||g[b]||)``, with ``||g[b]||`` over every leaf of
+    example ``b``; ``num_clipped = #{b : multiplier < 1}``.
+
+    The norms accumulate in float64 (float32 squares cannot overflow: an example of ``1e20``
+    entries is scaled, not zeroed as in optax), and the sums too, rounded once to each leaf's
+    dtype. An example with a non-finite norm (a NaN or inf anywhere in it, or float64 entries
+    beyond about 1e154) is **dropped**: multiplier 0, counted as clipped. optax gives it
+    multiplier 1 (NaN) or a NaN sum (inf), which breaks the differential-privacy bound.
+    ``norm == l2_norm_clip`` is not counted (the test is a strict ``< 1``); a zero example under
+    a zero clip keeps multiplier 1, as in optax.
+
+    Args:
+        grads: a tree (or FlatTree) whose leaves have the batch on axis 0, all with the same
+            batch size; NumPy or CUDA arrays.
+        l2_norm_clip: the largest L2 norm an example may keep, ``>= 0`` (``inf`` clips nothing).
+
+    Returns:
+        ``(sums, num_clipped)``: the tree of sums over the batch (leaf shapes without the batch
+        axis, leaf dtypes kept; a FlatTree for a FlatTree, CUDA arrays for CUDA arrays) and the
+        number of clipped examples as an ``np.int32``.
+
+    Raises:
+        ValueError: a leaf without a batch dimension (0-d) or with another batch size (the
+            message names the leaf), or a negative ``l2_norm_clip``.
+        TypeError: a leaf that is not a float array.
+    """
+    clip = _check_clip(l2_norm_clip, "l2_norm_clip")
+    flat, plan, kind = _per_example(grads, "grads")
+    with backend.launch_context(kind):
+        mult = _global_multipliers(flat, plan, clip)
+        out = _weighted_sums(flat, plan, mult, _new_sums(flat, plan))
+    return _as_kind(out, kind), np.int32(np.count_nonzero(mult < 1.0))
+
+
+def per_example_layer_norm_clip(
+    grads: Any, global_l2_norm_clip: float, uniform: bool = True
+) -> tuple[Any, Any]:
+    """Clips each leaf ("layer") of each example to its own L2 norm and sums over the batch
+    (optax's ``per_example_layer_norm_clip``):
+
+    ``sums[k] = sum_b g[k][b] * min(1, C_k / ||g[k][b]||)``, with ``C_k = C / sqrt(K)`` if
+    ``uniform``, else ``C_k = C * sqrt(D_k / D)`` (``D_k`` elements per example in leaf ``k`` of
+    ``K``, ``D = sum D_k``); ``counts[k] = #{b : multiplier < 1}``.
+
+    Same numerics and differences from optax as `per_example_global_norm_clip`, per layer: an
+    example whose leaf has a non-finite norm is dropped from that leaf's sum (multiplier 0,
+    counted there) and kept in the others. One squared-norm pass and one sum pass for the whole
+    tree, as in the global version.
+
+    Args:
+        grads: a tree (or FlatTree) whose leaves have the batch on axis 0.
+        global_l2_norm_clip: the overall clip ``C >= 0``, shared out between the leaves.
+        uniform: share ``C`` equally (True) or in proportion to the leaves' sizes (False).
+
+    Returns:
+        ``(sums, counts)``: the tree of sums (as in `per_example_global_norm_clip`) and a tree of
+        the same structure holding each leaf's number of clipped examples (``np.int32``).
+
+    Raises:
+        ValueError: missing or unequal batch dimensions (naming the leaf), negative clip.
+        TypeError: a leaf that is not a float array.
+    """
+    clip = _check_clip(global_l2_norm_clip, "global_l2_norm_clip")
+    flat, plan, kind = _per_example(grads, "grads")
+    lay = flat.layout
+    d = plan.example_sizes.astype(np.float64)
+    with np.errstate(divide="ignore", invalid="ignore"):  # K = 0 or D = 0: no multiplier is read
+        clips = np.full(lay.num_leaves, clip * math.sqrt(1.0 / max(lay.num_leaves, 1)))
+        if not uniform:
+            clips = clip * np.sqrt(d / d.sum())
+    with backend.launch_context(kind):
+        mult = _multipliers(np.sqrt(_squared_norms(flat, plan)), clips[:, None])
+        out = _weighted_sums(flat, plan, mult, _new_sums(flat, plan))
+    counts = np.count_nonzero(mult < 1.0, axis=1).astype(np.int32)
+    return _as_kind(out, kind), tree_unflatten(lay.treedef, list(counts))
+
+
+# --- differential privacy -------------------------------------------------------------------
+
+
+class DifferentiallyPrivateAggregateState(NamedTuple):
+    """The key of the next noise draw.
+
+    Attributes:
+        rng_key: ``[seed, step]`` as two uint64 (read-only): the 128-bit key of the Philox
+            generator that draws the noise of the next update; ``step`` counts updates.
+    """
+
+    rng_key: np.ndarray
+
+
+def _check_seed(seed: Any) -> int:
+    if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, numbers.Integral):
+        raise TypeError(f"seed must be an int, got {type(seed).__name__}")
+    s = int(seed)
+    if not 0 <= s < 2**64:
+        raise ValueError(f"seed must be in [0, 2**64), got {s}")
+    return s
+
+
+def _key(seed: int, step: int) -> np.ndarray:
+    key = np.array([seed, step], np.uint64)
+    key.flags.writeable = False
+    return key
+
+
+def _check_dp_state(state: Any, name: str = "state") -> tuple[int, int]:
+    if not isinstance(state, DifferentiallyPrivateAggregateState):
+        raise TypeError(f"{name}: expected DifferentiallyPrivateAggregateState, got {type(state).__name__}")
+    key = np.asarray(state.rng_key)
+    if key.shape != (2,) or key.dtype != np.uint64:
+        raise ValueError(f"{name}.rng_key: expected 2 uint64 [seed, step], got {key.dtype} {key.shape}")
+    seed, step = int(key[0]), int(key[1])
+    if step == 2**64 - 1:  # the next key would repeat step 0's noise
+        raise ValueError(f"{name}.rng_key: the noise stream of this seed is exhausted")
+    return seed, step
+
+
+def _noise(seed: int, step: int, sizes: tuple[int, ...]) -> list[np.ndarray]:
+    """Standard normal float64 draws for each group, in group order, from Philox keyed by
+    ``(seed, step)``: every (seed, step) pair is an independent stream."""
+    rng = np.random.Generator(np.random.Philox(key=_key(seed, step)))
+    return [rng.standard_normal(n) for n in sizes]
+
+
+class _Aggregate:
+    """The flat work of `differentially_private_aggregate`, shared with `dpsgd`."""
+
+    def __init__(self, l2_norm_clip: Any, noise_multiplier: Any, seed: Any) -> None:
+        self.clip = _check_clip(l2_norm_clip, "l2_norm_clip")
+        nm = float(noise_multiplier)
+        if not (nm >= 0 and math.isfinite(nm)):
+            raise ValueError(f"noise_multiplier must be finite and >= 0, got {noise_multiplier!r}")
+        self.std = self.clip * nm if nm > 0 else 0.0
+        if not math.isfinite(self.std):
+            raise ValueError(
+                f"l2_norm_clip * noise_multiplier = {self.clip} * {nm} is not finite: no noise of "
+                "that scale can be added"
+            )
+        self.seed = _check_seed(seed)
+        self._kept = threading.local()  # the output buffer, per layout, dtypes and device
+
+    def init(self, params: Any) -> DifferentiallyPrivateAggregateState:
+        del params  # the noise key is all the state; B is known only from the first update
+        return DifferentiallyPrivateAggregateState(_key(self.seed, 0))
+
+    def buffer(self, plan: _Plan, flat: FlatTree) -> FlatTree:
+        """A sums buffer this transformation keeps (its updates are valid until its next one)."""
+        cache = self._kept.__dict__.setdefault("out", {})
+        key = (plan.out_layout, flat.group_dtypes, flat.device)
+        out = cache.get(key)
+        if out is None:
+            out = cache[key] = FlatTree.empty(plan.out_layout, list(flat.group_dtypes), flat.device)
+        return out
+
+    def check(self, updates: Any, state: Any) -> tuple[FlatTree, _Plan, str, int]:
+        """Validates a call: ``(flat, plan, kind, step)``; raises before anything is computed."""
+        _, step = _check_dp_state(state)
+        flat, plan, kind = _per_example(updates, "updates")
+        if plan.batch == 0 and flat.layout.num_leaves:
+            raise ValueError("updates: the batch is empty (batch size 0); there is nothing to average")
+        return flat, plan, kind, step
+
+    def run(
+        self, flat: FlatTree, plan: _Plan, step: int
+    ) -> tuple[FlatTree, DifferentiallyPrivateAggregateState]:
+        """Clip, sum, add noise, divide by the batch size."""
+        mult = _global_multipliers(flat, plan, self.clip)
+        if self.std:
+            noise = _noise(self.seed, step, plan.out_layout.group_sizes)
+        else:
+            noise = [_NO_NOISE] * len(flat.groups)  # not read; the output still saturates
+        out = _weighted_sums(
+            flat, plan, mult, self.buffer(plan, flat), noise, self.std, float(max(plan.batch, 1))
+        )
+        return out, DifferentiallyPrivateAggregateState(_key(self.seed, step + 1))
+
+
+def _check_params(params: Any, plan: _Plan, device: bool) -> None:
+    if params is not None and not (
+        isinstance(params, FlatTree) and params.layout is plan.out_layout and params.device == device
+    ):
+        check_leaves(params, plan.out_layout, "params", device)
+
+
+def differentially_private_aggregate(
+    l2_norm_clip: float, noise_multiplier: float, seed: int
+) -> GradientTransformationExtraArgs:
+    """Aggregates per-example gradients with Gaussian noise (optax's
+    ``differentially_private_aggregate``, the first stage of DP-SGD):
+
+    ``u = (sum_b clip(g[b], l2_norm_clip) + l2_norm_clip * noise_multiplier * z) / B``,
+    ``z ~ N(0, I)``, with ``clip`` as in `per_example_global_norm_clip` (non-finite examples
+    dropped).
+
+    ``update`` takes the per-example gradients (batch on axis 0 of every leaf) and returns updates
+    shaped like the params. Noise: for update number ``step``, NumPy's
+    ``Generator(Philox(key=[seed, step]))`` draws float64 standard normals, one array per dtype
+    group in group order (on the host, then copied to the device for CUDA arrays); the same seed
+    gives the same bits, step after step, and each step is an independent stream. The clipped sum,
+    the scaled noise and the division by ``B`` are computed in float64 and rounded once to the leaf
+    dtype, which is why this is safe with float32 (or float16) gradients: the noise a float32 leaf
+    receives is the float64 Gaussian rounded to float32 (relative error ``2**-24``, no bias), with
+    its tail intact, where a float32 sampler fed 24-bit uniforms stops near ``|z| = 5.8`` and can
+    return inf for a zero uniform. The result never becomes +-inf: it saturates at the largest
+    finite value of the leaf dtype (a noise scale beyond float16's 65504 would otherwise round to
+    inf), and a NaN or inf example never reaches the sum. (Rounding the noise to float32 keeps the
+    Gaussian's distribution, but like every floating-point DP implementation it does not defend
+    against attacks on the low-order bits of the noise.)
+
+    As in optax, the state holds only the noise key: this must be the first stage, fed per-example
+    gradients; ``MultiSteps`` and ``apply_every`` cannot wrap it (they accumulate params-shaped
+    updates). Use `dpsgd` for the whole optimizer. Updates live in a buffer this transformation
+    keeps: valid until its next ``update``.
+
+    Args:
+        l2_norm_clip: the per-example L2 clip ``C >= 0``.
+        noise_multiplier: the noise's standard deviation in units of ``C`` (``>= 0``, finite).
+        seed: a non-negative int below ``2**64``; the state starts at ``[seed, 0]``.
+
+    Raises:
+        ValueError: a bad hyperparameter (negative, or a non-finite noise scale), a leaf without
+            a batch dimension or with another batch size, an empty batch.
+    """
+    agg = _Aggregate(l2_norm_clip, noise_multiplier, seed)
+
+    def update(
+        updates: Any, state: Any, params: Any = None, **extra_args: Any
+    ) -> tuple[Any, DifferentiallyPrivateAggregateState]:
+        del extra_args
+        flat, plan, kind, step = agg.check(updates, state)
+        _check_params(params, plan, flat.device)
+        with backend.launch_context(kind):
+            out, new_state = agg.run(flat, plan, step)
+        return _as_kind(out, kind), new_state
+
+    return GradientTransformationExtraArgs(agg.init, update)
+
+
+def dpsgd(
+    learning_rate: Any,
+    l2_norm_clip: float,
+    noise_multiplier: float,
+    seed: int,
+    momentum: float | None = None,
+    nesterov: bool = False,
+) -> GradientTransformationExtraArgs:
+    """DP-SGD (optax's ``contrib.dpsgd``): `differentially_private_aggregate` then `sgd`:
+
+    ``u = -learning_rate * trace(dp_aggregate(g))`` (no trace when ``momentum`` is None).
+
+    ``update`` takes per-example gradients (batch on axis 0) and returns params-shaped updates.
+    The state is optax's: ``(DifferentiallyPrivateAggregateState, TraceState | EmptyState,
+    learning-rate state)``. Seeded and reproducible as `differentially_private_aggregate`.
+
+    Args:
+        learning_rate: a float or a schedule (a callable of the step count).
+        l2_norm_clip: the per-example L2 clip ``C >= 0``.
+        noise_multiplier: the noise's standard deviation in units of ``C``.
+        seed: a non-negative int below ``2**64``.
+        momentum: the trace decay, or None for plain SGD.
+        nesterov: Nesterov momentum.
+    """
+    agg = _Aggregate(l2_norm_clip, noise_multiplier, seed)
+    inner = sgd(learning_rate, momentum, nesterov)
+
+    def init(params: Any) -> tuple:
+        return (agg.init(params), *inner.init(params))
+
+    def update(updates: Any, state: Any, params: Any = None, **extra_args: Any) -> tuple[Any, tuple]:
+        if not isinstance(state, tuple) or len(state) != 3:
+            raise ValueError("state: dpsgd expects the (aggregate, trace, learning-rate) state of its init")
+        flat, plan, kind, step = agg.check(updates, state[0])
+        owner = state_owner(state[1:])
+        if owner is not None and (owner.layout is not plan.out_layout or owner.device != flat.device):
+            raise ValueError(
+                f"updates: per-example gradients for params of layout {plan.out_layout} (batch "
+                f"{plan.batch}), but the state was built for {owner.layout}"
+                + ("" if owner.device == flat.device else " on the other device")
+            )
+        _check_params(params, plan, flat.device)
+        ref = ParamsRef(params, plan.out_layout, owner, flat.device) if params is not None else None
+        with backend.launch_context(kind):
+            summed, dp_state = agg.run(flat, plan, step)
+            flow, inner_state = run_stage(
+                inner,
+                Flow(summed, owned=True),
+                tuple(state[1:]),
+                ref,
+                extra_args,
+                lambda: _new_sums(flat, plan),
+            )
+            out = flow.settled().flat if flow.owned else flow.into(summed)
+        return _as_kind(out, kind), (dp_state, *inner_state)
+
+    return GradientTransformationExtraArgs(init, update)
