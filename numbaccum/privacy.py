@@ -381,12 +381,13 @@ def differentially_private_aggregate(
     the scaled noise and the division by ``B`` are computed in float64 and rounded once to the leaf
     dtype, which is why this is safe with float32 (or float16) gradients: the noise a float32 leaf
     receives is the float64 Gaussian rounded to float32 (relative error ``2**-24``, no bias), with
-    its tail intact, where a float32 sampler fed 24-bit uniforms stops near ``|z| = 5.8`` and can
-    return inf for a zero uniform. The result never becomes +-inf: it saturates at the largest
-    finite value of the leaf dtype (a noise scale beyond float16's 65504 would otherwise round to
-    inf), and a NaN or inf example never reaches the sum. (Rounding the noise to float32 keeps the
-    Gaussian's distribution, but like every floating-point DP implementation it does not defend
-    against attacks on the low-order bits of the noise.)
+    its tail intact, where a float32 sampler fed 24-bit uniforms never draws beyond
+    ``|z| = 5.5 .. 5.8`` (Box-Muller's ``sqrt(-2 log u)`` or an inverse CDF at the last uniform
+    before 0 or 1) and returns inf if that uniform is 0. The result never becomes +-inf: it
+    saturates at the largest finite value of the leaf dtype (a noise scale beyond float16's 65504
+    would otherwise round to inf), and a NaN or inf example never reaches the sum. (Rounding the
+    noise to float32 keeps the Gaussian's distribution, but like every floating-point DP
+    implementation it does not defend against attacks on the low-order bits of the noise.)
 
     As in optax, the state holds only the noise key: this must be the first stage, fed per-example
     gradients; ``MultiSteps`` and ``apply_every`` cannot wrap it (they accumulate params-shaped

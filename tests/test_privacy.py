@@ -265,6 +265,19 @@ def test_mixed_dtypes_keep_dtypes_and_float16():
     assert_tree_close(sums, ref_sums, rtol=1e-3)  # float16: computed in float32, rounded to float16
 
 
+def test_flat_tree_stored_in_one_dtype():
+    rng = np.random.default_rng(5)
+    g = {"s": rng.standard_normal((3, 4)).astype(F32), "d": rng.standard_normal((3, 2))}
+    flat = nba.FlatTree.from_tree(g, dtype=F64)  # both leaves in one float64 buffer
+    sums, n = nba.per_example_global_norm_clip(flat, 1.0)
+    assert isinstance(sums, nba.FlatTree) and sums.group_dtypes == (np.dtype(F64),)
+    want, want_n = ref.per_example_global_norm_clip(nba.tree_map(lambda x: x.astype(F64), g), 1.0)
+    assert_tree_close(sums, want)
+    assert n == want_n
+    lsums, counts = nba.per_example_layer_norm_clip(flat, 1.0, uniform=False)
+    assert_tree_equal(counts, ref.per_example_layer_norm_clip(g, 1.0, uniform=False)[1])
+
+
 def test_one_kernel_per_pass_and_group_whatever_the_leaf_count(monkeypatch):
     calls = []
     real = backend.call
