@@ -64,8 +64,17 @@ def acc_dtypes(layout: Layout, accumulator_dtype: Any) -> list[np.dtype]:
 
 def bias_correction(decay: float, count: int, dtype: np.dtype) -> Any:
     """``1 - decay ** count`` computed in ``dtype`` (float32 leaves: float32, like optax)."""
-    t = np.dtype(dtype).type
-    return t(1) - t(decay) ** int(count)
+    consts = _BC_CONSTS.get((decay, dtype))
+    if consts is None:  # once per decay and dtype: making NumPy scalars costs more than the power
+        if len(_BC_CONSTS) > 1024:
+            _BC_CONSTS.clear()
+        t = np.dtype(dtype).type
+        consts = _BC_CONSTS[(decay, dtype)] = (t(1), t(decay))
+    one, d = consts
+    return one - d ** int(count)
+
+
+_BC_CONSTS: dict[tuple[float, Any], tuple[Any, Any]] = {}
 
 
 def compute_dtype(*arrays: np.ndarray) -> np.dtype:
@@ -177,7 +186,7 @@ def ema(decay: float, debias: bool = True, accumulator_dtype: Any = None) -> Gra
         layout = flow.flat.layout
         avg = expect_state(state, EmaState, "ema", layout)
         count = safe_increment(state.count)
-        out = avg.workspace("out", list(layout.group_dtypes))
+        out = avg.workspace("out", layout.group_dtypes)
         for e, g, o in zip(avg.groups, flow.flat.groups, out.groups):
             bc = bias_correction(decay, int(count), compute_dtype(e, g)) if debias else 1.0
             backend.call("ema_update_", e, g, flow.div, flow.mul, one_minus, decay, bc, o)

@@ -14,10 +14,15 @@ from typing import Any
 
 import numpy as np
 
-from . import cpu
+from . import _config, cpu
 
 _workqueue_lock = threading.Lock()
+_NO_GUARD = contextlib.nullcontext()
 _guard: Any = None  # decided after the first parallel call
+_F16 = np.dtype(np.float16)
+_F64 = np.dtype(np.float64)
+_AS_IS = (np.ndarray, bool, np.bool_)  # arguments passed through uncast
+_UNCAST: dict[type, frozenset] = {}  # per compute type: argument types that need no cast
 
 
 def _parallel_guard() -> Any:
@@ -31,7 +36,7 @@ def _parallel_guard() -> Any:
             layer = numba.threading_layer()
         except ValueError:  # no parallel kernel has run yet: be safe this once
             return _workqueue_lock
-        _guard = _workqueue_lock if layer == "workqueue" else contextlib.nullcontext()
+        _guard = _workqueue_lock if layer == "workqueue" else _NO_GUARD
     return _guard
 
 
@@ -52,9 +57,12 @@ def kind_of(x: Any) -> str:
     return "numba"
 
 
+STREAM_KINDS = ("cupy", "torch")  # array types whose current CUDA stream an update runs on
+
+
 def launch_context(kind: str) -> Any:
     """Where an update's kernels go: the caller's current stream for CuPy and PyTorch arrays."""
-    if kind in ("cupy", "torch"):
+    if kind in STREAM_KINDS:
         from .cuda.device import on_stream
 
         return on_stream(kind)
@@ -81,19 +89,54 @@ def _call_cuda(name: str, args: tuple) -> Any:
 def call(name: str, *args: Any) -> Any:
     """Runs kernel ``name`` of the contract on ``args`` (buffers and scalars), on the CPU for
     NumPy buffers and on CUDA for device buffers."""
-    if args and not isinstance(args[0], np.ndarray) and is_cuda_array(args[0]):
+    if args and type(args[0]) is not np.ndarray and is_cuda_array(args[0]):
         return _call_cuda(name, args)
+    dtypes = [a.dtype for a in args if isinstance(a, np.ndarray)]
+    if not dtypes:
+        ctype = _F64
+    else:  # the compute dtype: one dtype (the common case) needs no promotion
+        ctype = dtypes[0]
+        if dtypes.count(ctype) != len(dtypes):
+            if _F16 in set(dtypes):  # hashing first: == between dtypes is slow
+                return _call_staged(name, args)
+            ctype = np.result_type(*[a for a in args if isinstance(a, np.ndarray)])
+        elif ctype.type is np.float16:
+            return _call_staged(name, args)
+    cast = ctype.type
+    ok = _UNCAST.get(cast)
+    if ok is None:
+        ok = _UNCAST[cast] = frozenset((np.ndarray, bool, np.bool_, cast))
+    # Python floats first: most scalars are, and they always need the cast.
+    run_args = [
+        cast(a) if type(a) is float else a if type(a) in ok or isinstance(a, _AS_IS) else cast(a)
+        for a in args
+    ]
+    guard = _guard
+    if guard is None:
+        # Ask numba for its layer only after a call big enough to have entered a parallel region
+        # (asking before raises, which costs more than a small tree's kernel); lock until then.
+        big = isinstance(args[0], np.ndarray) and args[0].size >= _config.SERIAL_BELOW
+        guard = _parallel_guard() if big else _workqueue_lock
+    kernel = getattr(cpu, name)
+    if guard is _NO_GUARD:
+        return kernel(*run_args)
+    with guard:
+        return kernel(*run_args)
+
+
+def _call_staged(name: str, args: tuple) -> Any:
+    """`call` with float16 buffers: each computed through a float32 copy, written back once."""
     staged: dict[int, np.ndarray] = {}  # id(float16 buffer) -> its float32 copy
     for a in args:
         if isinstance(a, np.ndarray) and a.dtype == np.float16 and id(a) not in staged:
             staged[id(a)] = a.astype(np.float32)
     run_args = [staged.get(id(a), a) if isinstance(a, np.ndarray) else a for a in args]
     arrays = [a for a in run_args if isinstance(a, np.ndarray)]
-    ctype = np.result_type(*arrays) if arrays else np.dtype(np.float64)
-    run_args = [a if isinstance(a, (np.ndarray, bool, np.bool_)) else ctype.type(a) for a in run_args]
+    ctype = np.result_type(*arrays)
+    run_args = [a if isinstance(a, _AS_IS) else ctype.type(a) for a in run_args]
     with _parallel_guard():
         result = getattr(cpu, name)(*run_args)
-    for i in cpu.WRITES.get(name, ()) if staged else ():
+    for i in cpu.WRITES.get(name, ()):
         if id(args[i]) in staged:
             np.copyto(args[i], run_args[i], casting="same_kind")
     return result

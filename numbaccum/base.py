@@ -10,16 +10,14 @@ flow once on the way in and back once on the way out.
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import numpy as np
 
 from . import backend
-from .flat import FlatTree, Layout, as_flat, check_leaves, layout_of
+from .flat import FlatTree, Layout, as_flat, check_leaves, host_leaves, layout_of
 from .tree import format_path, tree_flatten, tree_flatten_with_path
 
 __all__ = [
@@ -69,20 +67,40 @@ def with_extra_args_support(tx: Any) -> GradientTransformationExtraArgs:
 # --- flows ----------------------------------------------------------------------------------
 
 
-@dataclass
 class Flow:
-    """Updates between two stages: the value is ``(flat / div) * mul``, group by group."""
+    """Updates between two stages: the value is ``(flat / div) * mul``, group by group.
 
-    flat: FlatTree
-    owned: bool  # a state's scratch buffer: later stages may overwrite it
-    div: Any = 1.0  # a float, or (GPU) a dict dtype -> device array [div, mul] with mul None
-    mul: Any = 1.0
-    returnable: bool | None = None  # may be handed to the user as is (default: owned)
-    scratch: Callable[[], FlatTree] | None = None  # where a stage writes a new value (see fresh)
+    Attributes:
+        flat: the buffer.
+        owned: a state's scratch buffer: later stages may overwrite it.
+        div, mul: the pending factor: floats, or (GPU) ``div`` a dict dtype -> device array
+            ``[div, mul]`` with ``mul`` None.
+        returnable: may be handed to the user as is (default: ``owned``).
+        scratch: where a stage writes a new value (see `fresh`).
+    """
 
-    def __post_init__(self) -> None:
-        if self.returnable is None:
-            self.returnable = self.owned
+    # A plain class with slots, not a dataclass: a few flows are made per update, and a small
+    # tree's whole update costs microseconds.
+    __slots__ = ("flat", "owned", "div", "mul", "returnable", "scratch")
+
+    def __init__(
+        self,
+        flat: FlatTree,
+        owned: bool,
+        div: Any = 1.0,
+        mul: Any = 1.0,
+        returnable: bool | None = None,
+        scratch: Callable[[], FlatTree] | None = None,
+    ) -> None:
+        self.flat = flat
+        self.owned = owned
+        self.div = div
+        self.mul = mul
+        self.returnable = owned if returnable is None else returnable
+        self.scratch = scratch
+
+    def __repr__(self) -> str:
+        return f"Flow({self.flat!r}, owned={self.owned}, div={self.div!r}, mul={self.mul!r})"
 
     @property
     def pending(self) -> bool:
@@ -90,7 +108,7 @@ class Flow:
 
     def with_factor(self, div: Any, mul: Any) -> Flow:
         """The same buffer with the pending factor ``(x / div) * mul`` (none pending before)."""
-        return dataclasses.replace(self, div=div, mul=mul)
+        return Flow(self.flat, self.owned, div, mul, self.returnable, self.scratch)
 
     def fresh(self) -> FlatTree:
         """A buffer for this flow's next value: the flow's own if it may be overwritten, else
@@ -146,21 +164,26 @@ def state_owner(state: Any) -> FlatTree | None:
         state = list(state.values())
     if isinstance(state, (tuple, list)):
         for s in state:
-            found = state_owner(s)
-            if found is not None:
-                return found
+            if isinstance(s, FlatTree):  # checked here first: no call per field
+                return s
+            if isinstance(s, (tuple, list, dict)):
+                found = state_owner(s)
+                if found is not None:
+                    return found
     return None
 
 
-def _output(flow: Flow, owner: FlatTree | None, kept: threading.local) -> FlatTree:
+def _output(flow: Flow, new_state: Any, owner: FlatTree | None, kept: threading.local) -> FlatTree:
     """The flow as a buffer that the caller may keep until the next update: never an input.
 
-    A stateless transformation has no state to own that buffer, so it keeps one per layout and
-    device (per thread) itself: its updates are valid until its own next update."""
+    It goes into a workspace of the new state's owner (else of ``owner``). A stateless
+    transformation has no state to own that buffer, so it keeps one per layout and device (per
+    thread) itself: its updates are valid until its own next update."""
     if flow.owned:
         return flow.settled().flat
     if flow.returnable and not flow.pending:
         return flow.flat
+    owner = state_owner(new_state) or owner
     if owner is not None:
         out = owner.workspace("output")
     else:
@@ -196,21 +219,30 @@ def flat_transformation(
     """
 
     kept = threading.local()  # a stateless transformation's output buffers (see _output)
+    last: list[Layout | None] = [None]  # a stateless transformation's last plain-tree layout
 
     def update(updates: Any, state: Any, params: Any = None, **extra_args: Any) -> tuple[Any, Any]:
         owner = state_owner(state)
+        side: bool | None = None  # the updates' side, when known here
+        checked = None  # the updates' leaves, when checked here
         if owner is not None:
             layout = owner.layout
+        elif params is None and isinstance(updates, FlatTree):
+            layout = updates.layout
+        elif params is None and last[0] is not None and (checked := host_leaves(updates, last[0])):
+            layout, side = last[0], False  # the same structure, shapes and dtypes as last time
         else:  # a stateless transformation: params (if given) define the layout
             layout = layout_of(
                 params if params is not None else updates, "params" if params is not None else "updates"
             )
+            if params is None:
+                last[0] = layout
         device = owner.device if owner is not None else None
         if owner is not None:
             inbox: Callable[[], FlatTree] = lambda: owner.workspace("input")  # noqa: E731
         else:
-            inbox = lambda: _kept(kept, "input", layout, _side(updates))  # noqa: E731
-        flat, copied, kind = as_flat(updates, layout, "updates", pack_into=inbox, device=device)
+            inbox = lambda: _kept(kept, "input", layout, _side(updates) if side is None else side)  # noqa: E731
+        flat, copied, kind = as_flat(updates, layout, "updates", inbox, device, checked)
         ref = None
         if params is not None:
             if not (
@@ -218,14 +250,18 @@ def flat_transformation(
             ):
                 check_leaves(params, layout, "params", flat.device)
             ref = ParamsRef(params, layout, owner, flat.device)
-        with backend.launch_context(kind):
-            scratch = (
-                (lambda: owner.workspace("output"))
-                if owner is not None
-                else (lambda: _kept(kept, "output", layout, flat.device))
-            )
-            out_flow, new_state = flat_update(Flow(flat, copied, scratch=scratch), state, ref, extra_args)
-            out = _output(out_flow, state_owner(new_state) or owner, kept)
+        if owner is not None:
+            scratch: Callable[[], FlatTree] = lambda: owner.workspace("output")  # noqa: E731
+        else:
+            scratch = lambda: _kept(kept, "output", layout, flat.device)  # noqa: E731
+        flow = Flow(flat, copied, scratch=scratch)
+        if kind in backend.STREAM_KINDS:  # kernels go to the caller's current CUDA stream
+            with backend.launch_context(kind):
+                out_flow, new_state = flat_update(flow, state, ref, extra_args)
+                out = _output(out_flow, new_state, owner, kept)
+        else:
+            out_flow, new_state = flat_update(flow, state, ref, extra_args)
+            out = _output(out_flow, new_state, owner, kept)
         if kind == "flat":
             return out, new_state
         return out.tree_as(kind), new_state

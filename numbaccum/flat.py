@@ -10,6 +10,7 @@ is NumPy arrays, or numba device arrays for a FlatTree on a CUDA device.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -52,6 +53,7 @@ class Layout:
     leaf_start: tuple[int, ...]  # start of each leaf within its group
     offsets: tuple[np.ndarray, ...]  # per group: int64 leaf boundaries, len = n_leaves + 1
     group_sizes: tuple[int, ...]
+    shapes_dtypes: list[tuple[tuple[int, ...], np.dtype]]
 
     @classmethod
     def get(
@@ -100,6 +102,8 @@ class Layout:
         self.group_index = tuple(np.array(m, np.int64) for m in self.groups)  # for fancy indexing
         self.group_sizes = tuple(int(o[-1]) for o in offsets)
         self._paths: list[tuple] | None = None
+        # A list, as `host_leaves` compares it with the list it builds from a tree's leaves.
+        self.shapes_dtypes = list(zip(shapes, dtypes))
 
     @property
     def num_leaves(self) -> int:
@@ -338,10 +342,13 @@ class FlatTree:
 
     def _copy_leaves_in(self, leaves: Sequence[Any]) -> None:
         lay = self.layout
+        if not self.device:  # one NumPy call per group, which flattens and casts each leaf
+            for members, dst in zip(lay.groups, self.groups):
+                src = leaves if len(members) == len(leaves) else [leaves[i] for i in members]
+                np.concatenate(src, axis=None, out=dst, casting="same_kind")
+            return
         for i, x in enumerate(leaves):
-            if not self.device:
-                np.copyto(self.leaf(i), x, casting="same_kind")
-            elif lay.sizes[i]:  # one copy kernel per leaf: a plain tree of CUDA arrays is scattered
+            if lay.sizes[i]:  # one copy kernel per leaf: a plain tree of CUDA arrays is scattered
                 s = lay.leaf_start[i]
                 dst = self.groups[lay.leaf_group[i]][s : s + lay.sizes[i]]
                 backend.call("scale_", dst, x.reshape(lay.sizes[i]), 1.0, 1.0)
@@ -382,6 +389,12 @@ def check_leaves(
     ``device`` None any one side), then shapes (ValueError). Raises before anything is written."""
     if isinstance(tree, FlatTree):
         tree = tree.tree
+    if device is not True:
+        fast = host_leaves(tree, layout)
+        if fast is not None:
+            if kinds is not None and fast:
+                kinds.append("numpy")
+            return fast
     raw, paths, td = _tree.tree_flatten_with_path(tree)
     _tree.check_same_structure(layout.treedef, td, name)
     if kinds is not None and raw:
@@ -392,6 +405,25 @@ def check_leaves(
         if x.shape != shape:
             raise ValueError(f"{layout.path(i, name)}: shape {x.shape} does not match {shape}")
     return leaves
+
+
+def host_leaves(tree: Any, layout: Layout) -> list[np.ndarray] | None:
+    """The leaves of ``tree`` when it is a plain tree of NumPy arrays with exactly the structure,
+    shapes and dtypes of ``layout``, else None (then `check_leaves` finds and names what differs).
+
+    The check an update makes on every step with a plain tree: one walk beside the treedef,
+    then whole-list comparisons, no per-leaf Python calls."""
+    raw = _tree.leaves_if_structure(tree, layout.treedef)
+    if (
+        raw is None
+        or list(map(type, raw)).count(np.ndarray) != len(raw)
+        or list(map(_SHAPE_DTYPE, raw)) != layout.shapes_dtypes
+    ):
+        return None
+    return raw
+
+
+_SHAPE_DTYPE = operator.attrgetter("shape", "dtype")
 
 
 def _address(x: Any) -> int | None:
@@ -413,6 +445,8 @@ def _views_group(leaves: list[Any], layout: Layout, g: int) -> Any:
         x = leaves[leaf]
         if x.size == 0:  # holds no data; it may be placed anywhere
             continue
+        if first is None and isinstance(x, np.ndarray) and x.base is None:
+            return None  # owns its memory: not a view into a flat buffer (a plain tree's leaf)
         addr = _address(x)
         if addr is None or x.dtype != dt:
             return None
@@ -449,11 +483,14 @@ def as_flat(
     name: str,
     pack_into: FlatTree | Callable[[], FlatTree] | None = None,
     device: bool | None = None,
+    checked: list[np.ndarray] | None = None,
 ) -> tuple[FlatTree, bool, str]:
     """``(flat, copied, kind)``: ``tree`` as a FlatTree of ``layout``, without a copy when it
     already is one (or is the ``.tree`` of one), else its values packed into ``pack_into`` (or
     a new FlatTree; a callable is called only then) with ``copied`` True. ``kind`` is the array
     type of the input ('numpy', 'numba', 'cupy', 'torch'; 'flat' for a FlatTree).
+    ``checked``: the tree's leaves as `host_leaves` returned them for this layout (skips the
+    check).
 
     Raises TypeError/ValueError naming the leaf when the tree does not match ``layout`` or lives
     on the other side (host or GPU) than ``device``; nothing has been written then.
@@ -461,7 +498,10 @@ def as_flat(
     if isinstance(tree, FlatTree) and tree.layout is layout and device in (None, tree.device):
         return tree, False, "flat"
     kinds: list[str] = []
-    leaves = check_leaves(tree, layout, name, device, kinds)
+    if checked is not None and device is not True and not isinstance(tree, FlatTree):
+        leaves, kinds = checked, ["numpy"]
+    else:
+        leaves = check_leaves(tree, layout, name, device, kinds)
     kind = "flat" if isinstance(tree, FlatTree) else (kinds[0] if kinds else "numpy")
     on_gpu = bool(leaves) and on_device(leaves[0])
     if layout.num_leaves and all(layout.groups):

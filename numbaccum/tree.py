@@ -11,6 +11,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 __all__ = ["TreeDef", "tree_flatten", "tree_unflatten", "tree_map", "format_path"]
 
 # Node kinds. A NamedTuple keeps its class so that unflatten rebuilds it.
@@ -122,6 +124,58 @@ def tree_flatten_with_path(tree: Any) -> tuple[list[Any], list[tuple], TreeDef]:
     paths: list[tuple] = []
     td = _flatten(tree, (), leaves, paths)
     return leaves, paths, td
+
+
+def leaves_if_structure(tree: Any, treedef: TreeDef) -> list[Any] | None:
+    """The leaves of ``tree`` (in `tree_flatten` order) if its structure is ``treedef``, else None.
+
+    A walk of the tree beside ``treedef`` that builds no TreeDef and no paths: the cheap check an
+    update makes every step. On None, the caller takes the path that names the difference."""
+    leaves: list[Any] = []
+    return leaves if _match(tree, treedef, leaves) else None
+
+
+def _match(node: Any, td: TreeDef, leaves: list) -> bool:
+    kind = td.kind
+    children: Sequence[Any]
+    if kind == _LEAF:
+        if type(node) is np.ndarray or _children(node) is None:
+            leaves.append(node)
+            return True
+        return False
+    if kind == _DICT:
+        # Same size and every expected key present: the same key set. get(), not [], so that a
+        # defaultdict does not grow a missing key.
+        if not isinstance(node, dict) or len(node) != len(td.meta):
+            return False
+        children = [node.get(k, _MISSING) for k in td.meta]
+    elif kind == _LIST:
+        if not isinstance(node, list) or len(node) != len(td.children):
+            return False
+        children = node
+    elif kind == _TUPLE:
+        if not isinstance(node, tuple) or _is_namedtuple(node) or len(node) != len(td.children):
+            return False
+        children = node
+    elif kind == _NAMEDTUPLE:
+        if type(node) is not td.meta:
+            return False
+        children = node
+    else:
+        return node is None
+    n = len(children)
+    if td.children.count(_LEAF_DEF) == n and [type(c) for c in children].count(np.ndarray) == n:
+        leaves.extend(children)  # a node whose children are all NumPy leaves: no call per leaf
+        return True
+    for child, ctd in zip(children, td.children):
+        if ctd is _LEAF_DEF and type(child) is np.ndarray:  # the common leaf, without a call
+            leaves.append(child)
+        elif child is _MISSING or not _match(child, ctd, leaves):
+            return False
+    return True
+
+
+_MISSING = object()
 
 
 def leaf_paths(treedef: TreeDef) -> list[tuple]:
