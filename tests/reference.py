@@ -652,3 +652,163 @@ def dpsgd(
         *([trace(momentum, nesterov)] if momentum is not None else [identity()]),
         scale_by_learning_rate(learning_rate),
     )
+
+
+# ---------------------------------------------------------------------------
+# Norm family: torchzero's ClipNorm / Normalize / Centralize with the fixes of
+# API.md (declearn_torchzero.md B.2-B.5), optax's centralize and
+# adaptive_grad_clip (optax.md 3.6, 3.7)
+# ---------------------------------------------------------------------------
+
+_ORD_NAMES = {"l0": 0.0, "l1": 1.0, "l2": 2.0, "l3": 3.0, "l4": 4.0, "linf": math.inf}
+
+
+def slice_metric(x, ord, axes) -> np.ndarray:
+    """The metric ``ord`` of ``x`` over ``axes`` (keepdims), in float64: a p-norm (``inf`` the
+    max, ``-inf`` the min of ``|x|``, ``0`` the count of non-zeros), ``'mad'`` (mean ``|x|``),
+    ``'std'``/``'var'`` (unbiased) or the signed ``'sum'``."""
+    v = np.asarray(x, np.float64)
+    axes = tuple(axes)
+    ord = _ORD_NAMES.get(ord, ord) if isinstance(ord, str) else float(ord)
+    n = math.prod(v.shape[a] for a in axes)
+    with np.errstate(all="ignore"):
+        if ord == "sum":
+            return np.sum(v, axis=axes, keepdims=True)
+        if ord == "mad":
+            return np.sum(np.abs(v), axis=axes, keepdims=True) / n
+        if ord in ("std", "var"):
+            d = v - np.sum(v, axis=axes, keepdims=True) / n
+            var = np.sum(d * d, axis=axes, keepdims=True) / (n - 1)
+            return np.sqrt(var) if ord == "std" else var
+        if ord == math.inf:
+            return np.max(np.abs(v), axis=axes, keepdims=True, initial=0.0)
+        if ord == -math.inf:
+            return np.min(np.abs(v), axis=axes, keepdims=True, initial=math.inf)
+        if ord == 0:
+            return np.sum(v != 0, axis=axes, keepdims=True).astype(np.float64)
+        return np.sum(np.abs(v) ** ord, axis=axes, keepdims=True) ** (1.0 / ord)
+
+
+def tree_metric(tree, ord) -> float:
+    """The metric of all leaves as one vector (torchzero's ``'global'``, ``'l0'`` counting)."""
+    flat = [np.asarray(x, np.float64).ravel() for x in tree_leaves(tree)]
+    v = np.concatenate(flat) if flat else np.zeros(0)
+    return float(slice_metric(v, ord, (0,)).reshape(()))
+
+
+def reduced_dims(ndim: int, dim, inverse_dims: bool) -> tuple:
+    """The dimensions a leaf of rank ``ndim`` is reduced over: ``dim`` (dims the leaf lacks
+    dropped, negative ones from the end; None: all), or the complement with ``inverse_dims``."""
+    if dim is None:
+        real = set(range(ndim))
+    else:
+        dims = (dim,) if isinstance(dim, int) else tuple(dim)
+        real = {d % ndim for d in dims if -ndim <= d < ndim}
+    if inverse_dims:
+        real = set(range(ndim)) - real
+    return tuple(sorted(real))
+
+
+def _usable_metric(n) -> np.ndarray:
+    n = np.asarray(n, np.float64)
+    return np.isfinite(n) & (n > 1e-12)
+
+
+def _norm_factor(n, max_norm=None, min_norm=None, norm_value=None) -> np.ndarray:
+    """Per-slice factor: torchzero's clip ``clamp(min/n, min=1) * clamp(max/n, max=1)`` or
+    normalize ``norm_value / n``; 1 where the metric is <= 1e-12 or not finite."""
+    n = np.asarray(n, np.float64)
+    with np.errstate(all="ignore"):
+        if norm_value is not None:
+            f = norm_value / n
+        else:
+            f = np.ones_like(n)
+            if max_norm is not None:
+                f = f * np.where(n > max_norm, max_norm / n, 1.0)
+            if min_norm is not None:
+                f = f * np.where(n < min_norm, min_norm / n, 1.0)
+        return np.where(_usable_metric(n), f, 1.0)
+
+
+def scale_slices(
+    tree, ord=2, dim=None, inverse_dims=False, min_size=1, max_norm=None, min_norm=None, norm_value=None
+):
+    """clip_norm / normalize / clip_grad_norm_ / normalize_grads_, leaf by leaf.
+
+    Per slice: ``x * f`` in float64, rounded once; ``dim='global'``: ``(x / div) * mul`` in the
+    leaf dtype (clip_by_global_norm's recipe), unchanged when ``div == mul``."""
+    leaves, tdef = tree_flatten(tree)
+    if dim == "global":
+        n = tree_metric(tree, ord)
+        if norm_value is not None:
+            div, mul = n, norm_value
+        else:
+            div = mul = 1.0
+            if max_norm is not None and n > max_norm:
+                div, mul = n, max_norm
+            if min_norm is not None and n < min_norm:
+                div, mul = div * n, mul * min_norm
+        if not _usable_metric(n) or div == mul:
+            return tree_copy(tree)
+        return tree_map(lambda x: _arr((x / x.dtype.type(div)) * x.dtype.type(mul), x.dtype), tree)
+    out = []
+    for x in leaves:
+        shape = x.shape if x.ndim else (1,)
+        axes = reduced_dims(len(shape), dim, inverse_dims)
+        if not axes or math.prod(shape[a] for a in axes) < min_size:
+            out.append(_arr(x, x.dtype))
+            continue
+        v = np.asarray(x, np.float64).reshape(shape)
+        f = _norm_factor(slice_metric(v, ord, axes), max_norm, min_norm, norm_value)
+        out.append(_arr((v * f).reshape(x.shape), x.dtype))
+    return tree_unflatten(tdef, out)
+
+
+def centralize(tree, dim=0, inverse_dims=True, min_size=2):
+    """``x - mean(x over dim)`` per leaf in float64, rounded once; 0-d leaves and leaves of
+    fewer than ``min_size`` elements unchanged; ``'global'``: the mean of all elements."""
+    leaves, tdef = tree_flatten(tree)
+    if dim == "global":
+        n = sum(int(np.size(x)) for x in leaves)
+        mean = sum(float(np.sum(np.asarray(x, np.float64))) for x in leaves) / n if n else 0.0
+        return tree_map(lambda x: _arr(np.asarray(x, np.float64) - mean, x.dtype), tree)
+    out = []
+    for x in leaves:
+        axes = reduced_dims(x.ndim, dim, inverse_dims) if x.ndim else ()
+        if not axes or x.size < min_size:
+            out.append(_arr(x, x.dtype))
+            continue
+        v = np.asarray(x, np.float64)
+        n = math.prod(v.shape[a] for a in axes)
+        with np.errstate(all="ignore"):  # an empty slice's mean is NaN; it has no element
+            out.append(_arr(v - np.sum(v, axis=axes, keepdims=True) / n, x.dtype))
+    return tree_unflatten(tdef, out)
+
+
+def unitwise_axes(shape, axis=None) -> tuple:
+    """optax's unitwise_norm axes (its code, 5-D included)."""
+    nd = len(shape)
+    if axis is not None:
+        return tuple(sorted({a % nd for a in ((axis,) if isinstance(axis, int) else axis)}))
+    if sum(1 for e in shape if e != 1) <= 1:
+        return tuple(range(nd))
+    if nd in (2, 3):
+        return (0,)
+    if nd in (4, 5):
+        return tuple(range(nd - 1))
+    raise ValueError(f"unsupported shape {shape}")
+
+
+def adaptive_grad_clip(tree, params, clipping, eps=1e-3, axis=None):
+    """optax's AGC leaf by leaf in float64: ``g`` where ``|g| < c * max(|p|, eps)``, else
+    ``g * max_norm / max(|g|, 1e-6)``, over unit-wise L2 norms."""
+
+    def one(g, p):
+        axes = unitwise_axes(np.shape(g), axis)
+        gn = slice_metric(g, 2, axes)
+        mx = clipping * np.maximum(slice_metric(p, 2, axes), eps)
+        with np.errstate(all="ignore"):
+            f = np.where(gn < mx, 1.0, mx / np.maximum(gn, 1e-6))
+        return _arr(np.asarray(g, np.float64) * f, g.dtype)
+
+    return tree_map(one, tree, params)

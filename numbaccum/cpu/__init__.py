@@ -7,10 +7,12 @@ modules with the same names and signatures.
 
 from . import kernels as _core
 from . import per_example as _per_example
+from . import slices as _slices
 from .kernels import *  # noqa: F403
 from .per_example import *  # noqa: F403
+from .slices import *  # noqa: F403
 
-_MODULES = (_core, _per_example)
+_MODULES = (_core, _per_example, _slices)
 
 KERNELS: tuple[str, ...] = tuple(name for m in _MODULES for name in m.KERNELS)
 WRITES: dict[str, tuple[int, ...]] = {k: v for m in _MODULES for k, v in m.WRITES.items()}

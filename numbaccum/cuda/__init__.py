@@ -4,10 +4,12 @@ used; ``import numbaccum`` never imports ``numba.cuda``). Same modules, names an
 
 from . import kernels as _core
 from . import per_example as _per_example
+from . import slices as _slices
 from .kernels import *  # noqa: F403
 from .per_example import *  # noqa: F403
+from .slices import *  # noqa: F403
 
-_MODULES = (_core, _per_example)
+_MODULES = (_core, _per_example, _slices)
 
 KERNELS: tuple[str, ...] = tuple(name for m in _MODULES for name in m.KERNELS)
 

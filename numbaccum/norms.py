@@ -1,0 +1,826 @@
+"""The norm family over flat buffers: ``ord``, ``dim``, ``inverse_dims``, ``min_size``.
+
+torchzero's ``ClipNorm``/``Normalize``/``Centralize`` and optax's ``centralize`` and
+``adaptive_grad_clip`` all measure *slices* of each leaf (the whole leaf, its rows, its output
+units, ...) and rescale or centre each slice. Here a *slicing* of a layout says, for every leaf,
+which dimensions are reduced; it is built once per layout and kept, as a slice table per dtype
+group (`numbaccum.cpu.slices`). A metric is then one or two segmented kernel passes over each
+group's buffer, the factors are computed on the host from the per-slice values (float64), and
+one more pass scales every slice of the group. No Python loop over leaves runs on the hot path.
+
+The internal API that other modules use: `check_ord`, `leaf_norms` (one value per leaf) and
+`tree_norm` (the global value).
+
+Deliberate differences from torchzero (see the README's "Differences from torchzero"):
+``dim=None`` reduces each leaf over all of its own dimensions; a slice whose metric is
+``<= 1e-12`` or not finite is left unchanged, in the per-slice and the global modes alike; the
+global ``'l0'`` counts the non-zero elements; negative dimensions count from the end in
+``inverse_dims`` as well.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from . import backend
+from .base import EmptyState, Flow, GradientTransformationExtraArgs, flat_transformation
+from .cpu.kernels import sum_in_order
+from .cpu.slices import ACTIVE, NSLICES, SLEN
+from .flat import FlatTree, Layout, as_flat, check_leaves, layout_of
+from .tree import format_path, tree_flatten_with_path
+
+__all__ = [
+    "adaptive_grad_clip",
+    "centralize",
+    "check_ord",
+    "clip_grad_norm_",
+    "clip_grad_value_",
+    "clip_norm",
+    "leaf_norms",
+    "normalize",
+    "normalize_grads_",
+    "tree_norm",
+    "unitwise_clip",
+    "unitwise_norm",
+]
+
+# A metric at or below this (or not finite) leaves its slice unchanged: torchzero's threshold,
+# where torchzero instead divides by 1 (so a tiny slice was still scaled by the target).
+TINY = 1e-12
+
+_NAMED_ORDS = {"l0": 0.0, "l1": 1.0, "l2": 2.0, "l3": 3.0, "l4": 4.0, "linf": math.inf}
+_STATISTICS = ("mad", "std", "var", "sum")
+_EMPTY = np.zeros(0, np.float64)
+
+NO_PARAMS_MSG = (
+    "You are using a transformation that requires the current value of parameters, but you are "
+    "not passing `params` when calling `update`."
+)
+
+
+# --- ord ------------------------------------------------------------------------------------
+
+
+def check_ord(ord: Any) -> float | str:
+    """The canonical form of a norm order: a float ``p`` (``inf``, ``-inf``, ``0`` and
+    fractional or negative ``p`` included; ``'l0'``..``'l4'`` and ``'linf'`` become numbers) or
+    one of ``'mad'`` (mean absolute value), ``'std'``, ``'var'`` (unbiased) and ``'sum'``.
+
+    Raises:
+        ValueError: an unknown name, NaN, or anything that is not a real number.
+    """
+    if isinstance(ord, str):
+        if ord in _NAMED_ORDS:
+            return _NAMED_ORDS[ord]
+        if ord in _STATISTICS:
+            return ord
+    elif not isinstance(ord, (bool, np.bool_)) and np.ndim(ord) == 0:
+        try:
+            p = float(ord)
+        except (TypeError, ValueError):
+            p = math.nan
+        if p == p:
+            return p
+    names = ", ".join(repr(n) for n in (*_STATISTICS, *_NAMED_ORDS))
+    raise ValueError(f"ord must be a number or one of {names}; got {ord!r}")
+
+
+# --- slicings -------------------------------------------------------------------------------
+
+
+class _GroupSlices(NamedTuple):
+    """One dtype group cut into slices: the kernel table and per-slice host arrays."""
+
+    rows: np.ndarray  # the slice table (see numbaccum.cpu.slices)
+    slen: np.ndarray  # float64: elements per slice
+    active: np.ndarray  # bool: the slice belongs to a leaf that is reduced and scaled
+    any_active: bool
+
+
+class _Slicing(NamedTuple):
+    groups: tuple[_GroupSlices, ...]
+    any_active: bool
+
+
+# A chooser maps a leaf's shape to ``(shape, reduced dims)`` (the shape a 0-d leaf is measured
+# as may be (1,)), or None for a leaf that is left alone.
+Chooser = Callable[[tuple], "tuple[tuple, frozenset] | None"]
+
+_SLICINGS: dict[tuple, _Slicing] = {}
+_SLICINGS_LOCK = threading.Lock()
+
+
+def _runs(shape: tuple, reduced: frozenset) -> tuple[list, list]:
+    """The leaf's dimensions merged into runs: ``(kept, reduced)`` lists of ``(extent,
+    stride)``, outermost first. Extent-1 dimensions are dropped and neighbours of one kind merge
+    (C order: they are adjacent in memory)."""
+    runs: list[list] = []  # [is_reduced, extent, stride], innermost first
+    stride = 1
+    for d in range(len(shape) - 1, -1, -1):
+        e = int(shape[d])
+        if e != 1:
+            red = d in reduced
+            if runs and runs[-1][0] == red:
+                runs[-1][1] *= e
+            else:
+                runs.append([red, e, stride])
+        stride *= e
+    runs.reverse()
+    return [(e, s) for r, e, s in runs if not r], [(e, s) for r, e, s in runs if r]
+
+
+def _table(cuts: list) -> tuple[np.ndarray, int]:
+    """The slice table of one group from ``[(base, kept, reduced, active)]`` (an empty leaf
+    has its slices all the same: their reductions see no element)."""
+    dk = max([len(k) for _, k, _, _ in cuts] + [1])
+    dr = max([len(r) for _, _, r, _ in cuts] + [1])
+    rows = np.zeros((len(cuts), 7 + 2 * dk + 2 * dr), np.int64)
+    first = 0
+    for i, (base, kept, red, active) in enumerate(cuts):
+        kept = [(1, 1)] * (dk - len(kept)) + kept  # padding: extent 1 (its stride is never used)
+        red = [(1, 1)] * (dr - len(red)) + red
+        nslices = int(np.prod([e for e, _ in kept], dtype=np.int64))
+        slen = int(np.prod([e for e, _ in red], dtype=np.int64))
+        rows[i, :7] = (base, first, nslices, slen, int(active), dk, dr)
+        rows[i, 7 : 7 + dk] = [e for e, _ in kept]
+        rows[i, 7 + dk : 7 + 2 * dk] = [s for _, s in kept]
+        rows[i, 7 + 2 * dk : 7 + 2 * dk + dr] = [e for e, _ in red]
+        rows[i, 7 + 2 * dk + dr :] = [s for _, s in red]
+        first += nslices
+    rows.flags.writeable = False
+    return rows, first
+
+
+def _slicing(layout: Layout, key: tuple, choose: Chooser, name: str = "updates") -> _Slicing:
+    """The slicing of ``layout`` by ``choose`` (cached under ``key``); ValueError naming the leaf
+    when ``choose`` rejects one."""
+    cache_key = (layout, key)
+    hit = _SLICINGS.get(cache_key)
+    if hit is not None:
+        return hit
+    groups = []
+    for members, offsets in zip(layout.groups, layout.offsets):
+        cuts: list[tuple] = []
+        for j, leaf in enumerate(members):
+            shape, size = layout.shapes[leaf], layout.sizes[leaf]
+            try:
+                chosen = choose(shape)
+            except ValueError as e:
+                raise ValueError(f"{layout.path(leaf, name)}: {e}") from None
+            if chosen is None:  # left alone: one contiguous slice, copied as it is
+                cuts.append((int(offsets[j]), [], [(size, 1)] if size != 1 else [], False))
+            else:
+                kept, red = _runs(*chosen)
+                cuts.append((int(offsets[j]), kept, red, True))
+        rows, _ = _table(cuts)
+        slen = np.repeat(rows[:, SLEN], rows[:, NSLICES]).astype(np.float64)
+        active = np.repeat(rows[:, ACTIVE], rows[:, NSLICES]).astype(bool)
+        groups.append(_GroupSlices(rows, slen, active, bool(active.any())))
+    out = _Slicing(tuple(groups), any(g.any_active for g in groups))
+    with _SLICINGS_LOCK:
+        if len(_SLICINGS) > 512:
+            _SLICINGS.clear()
+        _SLICINGS[cache_key] = out
+    return out
+
+
+def _whole_leaf(shape: tuple) -> tuple[tuple, frozenset]:
+    return shape, frozenset(range(len(shape)))
+
+
+def _whole(layout: Layout) -> _Slicing:
+    """Every leaf one slice (the per-leaf and global metrics)."""
+    return _slicing(layout, ("whole",), _whole_leaf)
+
+
+def _check_dim(dim: Any, allow_global: bool = True) -> tuple[int, ...] | str | None:
+    """``dim`` as None, 'global' or a tuple of ints; ValueError otherwise."""
+    if dim is None or (allow_global and isinstance(dim, str) and dim == "global"):
+        return dim
+    dims = (dim,) if not isinstance(dim, (tuple, list)) else tuple(dim)
+    for d in dims:
+        if isinstance(d, (bool, np.bool_)) or not isinstance(d, (int, np.integer)):
+            allowed = (
+                "an int, a tuple of ints, None or 'global'" if allow_global else "an int or a tuple of ints"
+            )
+            raise ValueError(f"dim must be {allowed}; got {dim!r}")
+    return tuple(int(d) for d in dims)
+
+
+def _check_min_size(min_size: Any) -> int:
+    if isinstance(min_size, (bool, np.bool_)) or not isinstance(min_size, (int, np.integer)) or min_size < 0:
+        raise ValueError(f"min_size must be an int >= 0; got {min_size!r}")
+    return int(min_size)
+
+
+def _real_dims(nd: int, dims: tuple | None, inverse_dims: bool) -> frozenset:
+    """torchzero's dimension rule with its two fixes: dimensions a leaf lacks are dropped (a
+    negative one counts from the end), and ``None`` means all of the leaf's own dimensions."""
+    real = frozenset(range(nd)) if dims is None else frozenset(d % nd for d in dims if -nd <= d < nd)
+    return frozenset(range(nd)) - real if inverse_dims else real
+
+
+def _norm_chooser(dims: tuple | None, inverse_dims: bool, min_size: int) -> Chooser:
+    """The norm family's rule: a 0-d leaf counts as shape (1,); a leaf is left alone when no
+    dimension is reduced or a slice has fewer than ``min_size`` elements."""
+
+    def choose(shape: tuple) -> tuple[tuple, frozenset] | None:
+        shape = shape or (1,)
+        real = _real_dims(len(shape), dims, inverse_dims)
+        if not real or math.prod(shape[d] for d in real) < min_size:
+            return None
+        return shape, real
+
+    return choose
+
+
+def _center_chooser(dims: tuple | None, inverse_dims: bool, min_size: int) -> Chooser:
+    """centralize's rule: 0-d leaves and leaves of fewer than ``min_size`` elements are left
+    alone (counted per leaf, so that an (n, 1) leaf is centred over its last axis as in optax)."""
+
+    def choose(shape: tuple) -> tuple[tuple, frozenset] | None:
+        real = _real_dims(len(shape), dims, inverse_dims) if shape else frozenset()
+        if not real or math.prod(shape) < min_size:
+            return None
+        return shape, real
+
+    return choose
+
+
+def unitwise_axes(shape: tuple, axis: tuple[int, ...] | None) -> frozenset:
+    """The axes `unitwise_norm` reduces (optax's rule): ``axis`` if given; else all for a leaf
+    whose squeezed rank is at most 1, axis 0 for rank 2 and 3, (0, 1, 2) for rank 4 and
+    (0, 1, 2, 3) for rank 5.
+
+    Raises:
+        ValueError: rank 6 or more without ``axis``, or an axis the leaf lacks.
+    """
+    nd = len(shape)
+    if axis is not None:
+        for a in axis:
+            if not -nd <= a < nd:
+                raise ValueError(f"axis {a} is out of bounds for shape {shape}")
+        return frozenset(a % nd for a in axis)
+    if sum(1 for e in shape if e != 1) <= 1:
+        return frozenset(range(nd))
+    if nd in (2, 3):
+        return frozenset((0,))
+    if nd in (4, 5):
+        return frozenset(range(nd - 1))
+    raise ValueError(f"expected a parameter of rank 1 to 5 (or an explicit axis), got shape {shape}")
+
+
+# --- metrics --------------------------------------------------------------------------------
+
+
+def _like(g: Any) -> Any:
+    if isinstance(g, np.ndarray):
+        return np.empty_like(g)
+    from .cuda.device import empty
+
+    return empty(g.size, np.dtype(g.dtype))
+
+
+def _raw(
+    g: Any, rows: np.ndarray, kernel: str, centers: Any = None, p: float = 0.0, scales: Any = None
+) -> np.ndarray:
+    """Per slice of ``rows``: the reduction ``kernel`` of ``(g - centers) * scales``."""
+    if scales is not None:  # a scaled copy first: the rare overflow rescue
+        tmp = _like(g)
+        backend.call("slice_apply_", tmp, g, rows, _EMPTY if centers is None else centers, scales)
+        g, centers = tmp, None
+    if kernel == "slice_sumsq":
+        return backend.call(kernel, g, rows, _EMPTY if centers is None else centers)
+    if kernel == "slice_sumpow":
+        return backend.call(kernel, g, rows, p)
+    return backend.call(kernel, g, rows)
+
+
+def _power_kernel(p: float) -> str:
+    return "slice_sumsq" if p == 2 else "slice_sumabs" if p == 1 else "slice_sumpow"
+
+
+def _power_sums(g: Any, gs: _GroupSlices, p: float, centers: Any = None) -> tuple[np.ndarray, np.ndarray]:
+    """``(S, f)`` per slice: ``S = sum(|(x - c) * f| ** p)``, where ``f`` is 1 except for slices
+    whose plain sum overflowed (float64 leaves above ~1e154 for p = 2): those are summed again
+    scaled by a power of two below their max, so the metric is ``S ** (1 / p) / f``."""
+    kernel = _power_kernel(p)
+    s = _raw(g, gs.rows, kernel, centers, p)
+    f = np.ones_like(s)
+    if p > 0:
+        over = np.isinf(s) & gs.active
+        if over.any():
+            m = _raw(g, gs.rows, "slice_maxabs")
+            fix = over & np.isfinite(m) & (m > 0)
+            if fix.any():
+                f[fix] = np.ldexp(1.0, -np.frexp(m[fix])[1])
+                s = np.where(fix, _raw(g, gs.rows, kernel, centers, p, f), s)
+    return s, f
+
+
+def _root(s: Any, f: Any, p: float) -> Any:
+    """The p-norm from power sums of values scaled by ``f``."""
+    if p == 2:
+        return np.sqrt(s) / f
+    if p == 1:
+        return s / f
+    return s ** (1.0 / p) / f
+
+
+def _slice_metric(g: Any, gs: _GroupSlices, key: float | str) -> np.ndarray:
+    """The metric ``key`` (see `check_ord`) of every slice of one group, in float64."""
+    rows, n = gs.rows, gs.slen
+    with np.errstate(all="ignore"):  # empty slices and 'std' of one element give NaN: no warning
+        if key == "sum":
+            return _raw(g, rows, "slice_sum")
+        if key == "mad":
+            return _raw(g, rows, "slice_sumabs") / n
+        if key in ("var", "std"):
+            mean = _raw(g, rows, "slice_sum") / n
+            s, f = _power_sums(g, gs, 2.0, np.where(gs.active, mean, 0.0))
+            return np.sqrt(s / (n - 1)) / f if key == "std" else s / (n - 1) / f / f
+        if key == math.inf:
+            return _raw(g, rows, "slice_maxabs")
+        if key == -math.inf:
+            return _raw(g, rows, "slice_minabs")
+        if key == 0:
+            return _raw(g, rows, "slice_nnz")
+        return _root(*_power_sums(g, gs, float(key)), float(key))
+
+
+def _flat_of(tree: Any, name: str = "tree") -> FlatTree:
+    if isinstance(tree, FlatTree):
+        return tree
+    return as_flat(tree, layout_of(tree, name), name)[0]
+
+
+def leaf_norms(flat: FlatTree, ord: Any = 2) -> np.ndarray:
+    """The metric ``ord`` of every leaf over all of its elements: float64, one per leaf, in leaf
+    order (a 0-d leaf is one element; an empty leaf gives 0, +inf for ``-inf``, NaN for
+    ``'mad'``, ``'std'`` and ``'var'``). One pass (two for ``'std'``/``'var'``) per dtype group.
+
+    Raises:
+        ValueError: unknown ``ord``.
+    """
+    key = check_ord(ord)
+    flat = _flat_of(flat)
+    whole = _whole(flat.layout)
+    out = np.empty(flat.layout.num_leaves, np.float64)
+    for members, g, gs in zip(flat.layout.group_index, flat.groups, whole.groups):
+        out[members] = _slice_metric(g, gs, key)
+    return out
+
+
+def _leafwise(
+    flat: FlatTree, kernel: str, centers: float | None = None, p: float = 0.0, scale: float | None = None
+) -> np.ndarray:
+    """Per leaf (leaf order): the reduction ``kernel`` of ``(x - centers) * scale`` over all its
+    elements (``centers`` and ``scale`` one value for the whole tree)."""
+    whole = _whole(flat.layout)
+    out = np.empty(flat.layout.num_leaves, np.float64)
+    for members, g, gs in zip(flat.layout.group_index, flat.groups, whole.groups):
+        c = None if centers is None else np.full(members.size, centers)
+        s = None if scale is None else np.full(members.size, scale)
+        out[members] = _raw(g, gs.rows, kernel, c, p, s)
+    return out
+
+
+def _tree_power_sum(flat: FlatTree, p: float, center: float | None = None) -> tuple[float, float]:
+    """``(S, f)`` over the whole tree, leaves added in leaf order (see `_power_sums`)."""
+    kernel = _power_kernel(p)
+    s = float(sum_in_order(_leafwise(flat, kernel, center, p)))
+    if p > 0 and math.isinf(s):
+        m = float(np.max(_leafwise(flat, "slice_maxabs")))
+        if math.isfinite(m) and m > 0:
+            f = math.ldexp(1.0, -math.frexp(m)[1])
+            return float(sum_in_order(_leafwise(flat, kernel, center, p, f))), f
+    return s, 1.0
+
+
+def tree_norm(flat: FlatTree, ord: Any = 2) -> float:
+    """The metric ``ord`` of the whole tree (all leaves as one vector; torchzero's ``'global'``):
+    p-norms from the per-leaf power sums added in leaf order, ``inf``/``-inf`` the max/min of
+    ``|x|``, ``0`` (``'l0'``) the number of non-zero elements (torchzero raises
+    ZeroDivisionError), ``'mad'`` ``sum|x| / n``, ``'sum'`` the signed sum, ``'std'``/``'var'``
+    over all elements (unbiased, two passes). Accumulated in float64.
+
+    Raises:
+        ValueError: unknown ``ord``.
+    """
+    key = check_ord(ord)
+    flat = _flat_of(flat)
+    n = flat.layout.size
+    with np.errstate(all="ignore"):
+        if key == "sum":
+            return float(sum_in_order(_leafwise(flat, "slice_sum")))
+        if key == "mad":
+            return float(sum_in_order(_leafwise(flat, "slice_sumabs"))) / n if n else math.nan
+        if key in ("var", "std"):
+            if n < 2:
+                return math.nan
+            mean = float(sum_in_order(_leafwise(flat, "slice_sum"))) / n
+            s, f = _tree_power_sum(flat, 2.0, mean)
+            return math.sqrt(s / (n - 1)) / f if key == "std" else s / (n - 1) / f / f
+        if key in (math.inf, -math.inf):
+            per_leaf = _leafwise(flat, "slice_maxabs" if key > 0 else "slice_minabs")
+            if not per_leaf.size:
+                return 0.0 if key > 0 else math.inf
+            return float(np.max(per_leaf) if key > 0 else np.min(per_leaf))
+        if key == 0:
+            return float(sum_in_order(_leafwise(flat, "slice_nnz")))
+        p = float(key)
+        return float(_root(*_tree_power_sum(flat, p), p))
+
+
+def _usable(metric: Any) -> Any:
+    """A metric that may divide: finite and above `TINY` (negative 'sum's and NaN 'std's not)."""
+    return np.isfinite(metric) & (metric > TINY)
+
+
+# --- scaling the updates --------------------------------------------------------------------
+
+# ``pair(metric) -> (div, mul)``: the slice becomes ``(x / div) * mul`` (float64 arrays).
+Pair = Callable[[np.ndarray], "tuple[np.ndarray, np.ndarray]"]
+
+
+def _clip_pair(max_norm: float | None, min_norm: float | None = None) -> Pair:
+    """torchzero's clip: ``clamp(min_norm / n, min=1) * clamp(max_norm / n, max=1)``."""
+
+    def pair(n: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        div, mul = np.ones_like(n), np.ones_like(n)
+        if max_norm is not None:
+            over = n > max_norm
+            div[over], mul[over] = n[over], max_norm
+        if min_norm is not None:
+            under = n < min_norm
+            div[under] *= n[under]
+            mul[under] *= min_norm
+        return div, mul
+
+    return pair
+
+
+def _normalize_pair(norm_value: float) -> Pair:
+    def pair(n: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        return n.copy(), np.full_like(n, norm_value)
+
+    return pair
+
+
+def _copy_group(out: Any, g: Any) -> None:
+    if out is not g:
+        backend.call("scale_", out, g, 1.0, 1.0)
+
+
+def _rescale(flow: Flow, key: float | str, dim: Any, choose: tuple, pair: Pair) -> Flow:
+    """Each slice (or the whole tree for ``dim='global'``) becomes ``(x / div) * mul`` with
+    ``(div, mul) = pair(metric)``; a slice whose metric is not `_usable` stays as it is."""
+    flow = flow.settled()
+    flat = flow.flat
+    if dim == "global":
+        n = tree_norm(flat, key)
+        if not _usable(n):
+            return flow
+        d, m = (float(v[0]) for v in pair(np.array([n])))
+        # The pending factor rides on the next kernel, as in clip_by_global_norm: (x / n) * t.
+        return flow if d == m else flow.with_factor(d, m)
+    slicing = _slicing(flat.layout, choose[0], choose[1])
+    factors = []
+    for g, gs in zip(flat.groups, slicing.groups):
+        f = None
+        if gs.any_active:
+            metric = _slice_metric(g, gs, key)
+            div, mul = pair(metric)
+            with np.errstate(all="ignore"):
+                f = np.where(gs.active & _usable(metric), mul / div, 1.0)
+            if np.all(f == 1.0):
+                f = None
+        factors.append(f)
+    if all(f is None for f in factors):
+        return flow
+    out = flow.fresh()
+    for o, g, gs, f in zip(out.groups, flat.groups, slicing.groups, factors):
+        if f is None:
+            _copy_group(o, g)
+        else:
+            backend.call("slice_apply_", o, g, gs.rows, _EMPTY, f)
+    return Flow(out, True, scratch=flow.scratch)
+
+
+def _check_max(value: Any, name: str) -> float:
+    v = float(value)
+    if not v >= 0:  # NaN too
+        raise ValueError(f"{name} must be >= 0, got {value!r}")
+    return v
+
+
+def _dims_spec(kind: str, dim: Any, inverse_dims: bool, min_size: Any) -> tuple:
+    """Validated ``(dims, choose)``: ``choose`` is ``(cache key, chooser)`` of the norm family
+    (``kind='norm'``) or of centralize (``'center'``), None for ``dim='global'``."""
+    dims = _check_dim(dim)
+    size = _check_min_size(min_size)
+    if dims is None or isinstance(dims, tuple):
+        inverse = bool(inverse_dims)
+        make = _norm_chooser if kind == "norm" else _center_chooser
+        return dims, ((kind, dims, inverse, size), make(dims, inverse, size))
+    return dims, None
+
+
+def _norm_spec(ord: Any, dim: Any, inverse_dims: bool, min_size: Any) -> tuple:
+    """Validated ``(key, dims, choose)`` of the norm family's arguments."""
+    key = check_ord(ord)
+    return (key, *_dims_spec("norm", dim, inverse_dims, min_size))
+
+
+def _stateless(flat_update: Callable[[Flow], Flow]) -> GradientTransformationExtraArgs:
+    return flat_transformation(
+        lambda params: EmptyState(), lambda flow, state, params, extra: (flat_update(flow), state)
+    )
+
+
+def clip_norm(
+    max_norm: float, ord: Any = 2, dim: Any = None, inverse_dims: bool = False, min_size: int = 1
+) -> GradientTransformationExtraArgs:
+    """Clips the norm of each leaf (or of each slice of it, or of the whole tree) to at most
+    ``max_norm`` (torchzero's ``ClipNorm``): ``u = g * min(1, max_norm / ||g||_ord)``.
+
+    Args:
+        max_norm: the largest norm a slice keeps (>= 0).
+        ord: a number (``inf``, ``-inf``, ``0`` and fractional or negative p included) or one
+            of ``'mad', 'std', 'var', 'sum', 'l0', 'l1', 'l2', 'l3', 'l4', 'linf'``.
+        dim: the dimensions the norm is taken over: an int or a tuple (``1`` on a matrix: row
+            norms; dimensions a leaf lacks are ignored), ``None`` (each leaf over all of its
+            own dimensions) or ``'global'`` (all leaves as one vector, like
+            ``clip_by_global_norm``).
+        inverse_dims: take the norm over every dimension *not* in ``dim``.
+        min_size: leaves whose slices have fewer elements are left unchanged (ignored for
+            ``'global'``). A 0-d leaf counts as one element.
+
+    A slice whose metric is ``<= 1e-12`` or not finite is left unchanged (also for
+    ``'global'``). The norms are reduced in float64 by segmented kernels, one pass per dtype
+    group, and a second pass scales every slice. Stateless.
+
+    Raises:
+        ValueError: negative ``max_norm``, unknown ``ord``, a bad ``dim`` or ``min_size``.
+    """
+    max_norm = _check_max(max_norm, "max_norm")
+    key, dims, choose = _norm_spec(ord, dim, inverse_dims, min_size)
+    pair = _clip_pair(max_norm)
+    return _stateless(lambda flow: _rescale(flow, key, dims, choose, pair))
+
+
+def normalize(
+    norm_value: float = 1.0, ord: Any = 2, dim: Any = None, inverse_dims: bool = False, min_size: int = 1
+) -> GradientTransformationExtraArgs:
+    """Scales each leaf (or slice, or the whole tree) to the norm ``norm_value`` (torchzero's
+    ``Normalize``): ``u = g * norm_value / ||g||_ord``.
+
+    Arguments as in `clip_norm`. A slice whose metric is ``<= 1e-12`` or not finite is left
+    unchanged, so zeros stay zeros (torchzero's global mode gives NaN there). Stateless.
+
+    Raises:
+        ValueError: unknown ``ord``, a bad ``dim`` or ``min_size``.
+    """
+    norm_value = float(norm_value)
+    key, dims, choose = _norm_spec(ord, dim, inverse_dims, min_size)
+    pair = _normalize_pair(norm_value)
+    return _stateless(lambda flow: _rescale(flow, key, dims, choose, pair))
+
+
+def _centre(flow: Flow, dims: Any, choose: tuple) -> Flow:
+    """Subtracts each slice's mean (the tree's mean for ``'global'``)."""
+    flow = flow.settled()
+    flat = flow.flat
+    if dims == "global":
+        n = flat.layout.size
+        mean = float(sum_in_order(_leafwise(flat, "slice_sum"))) / n if n else 0.0
+        if mean == 0.0:
+            return flow
+        slicing = _whole(flat.layout)
+        centers: list[np.ndarray | None] = [np.full(gs.active.size, mean) for gs in slicing.groups]
+    else:
+        slicing = _slicing(flat.layout, choose[0], choose[1])
+        if not slicing.any_active:
+            return flow
+        centers = []
+        for g, gs in zip(flat.groups, slicing.groups):
+            if not gs.any_active:
+                centers.append(None)
+                continue
+            with np.errstate(all="ignore"):
+                mean = _raw(g, gs.rows, "slice_sum") / gs.slen
+            centers.append(np.where(gs.active, mean, 0.0))
+    out = flow.fresh()
+    for o, g, gs, c in zip(out.groups, flat.groups, slicing.groups, centers):
+        if c is None:
+            _copy_group(o, g)
+        else:
+            backend.call("slice_apply_", o, g, gs.rows, c, _EMPTY)
+    return Flow(out, True, scratch=flow.scratch)
+
+
+def centralize(dim: Any = 0, inverse_dims: bool = True, min_size: int = 2) -> GradientTransformationExtraArgs:
+    """Subtracts the mean of each slice: ``u = g - mean(g, over dim)``.
+
+    The defaults are optax's ``centralize()`` (gradient centralization: a leaf of rank >= 2
+    loses its mean over every axis but the first; vectors and scalars are unchanged);
+    ``dim``/``inverse_dims`` select the reduced dimensions as in `clip_norm`, ``dim='global'``
+    subtracts the mean of the whole tree. Leaves with fewer than ``min_size`` elements and 0-d
+    leaves are left unchanged (``min_size`` counts a leaf's elements, so an (n, 1) leaf is
+    centred over its last axis, to zeros, as optax does). The means are float64 sums of one
+    segmented pass; a second pass subtracts them. Stateless.
+
+    Raises:
+        ValueError: a bad ``dim`` or ``min_size``.
+    """
+    dims, choose = _dims_spec("center", dim, inverse_dims, min_size)
+    return _stateless(lambda flow: _centre(flow, dims, choose))
+
+
+# --- optax's unit-wise clipping -------------------------------------------------------------
+
+
+def _check_axis(axis: Any) -> tuple[int, ...] | None:
+    if axis is None:
+        return None
+    checked = _check_dim(axis, allow_global=False)
+    return checked  # type: ignore[return-value]
+
+
+def unitwise_norm(x: Any, axis: Any = None) -> np.ndarray:
+    """The L2 norm of each output unit of ``x``, broadcast back to ``x.shape`` (optax):
+    ``sqrt(sum(x ** 2, axes, keepdims=True))``.
+
+    The axes are ``axis`` if given, else by rank (optax's code, not its docstring): all of them
+    for a leaf whose squeezed rank is at most 1, axis 0 for rank 2 and 3, (0, 1, 2) for rank 4,
+    (0, 1, 2, 3) for rank 5. Accumulated in float64; the result has ``x``'s dtype.
+
+    Raises:
+        ValueError: rank 6 or more without ``axis``, or an axis ``x`` lacks.
+    """
+    axes = _check_axis(axis)
+    a = np.asarray(x)
+    red = tuple(sorted(unitwise_axes(a.shape, axes)))
+    sq = np.sum(np.square(a, dtype=np.float64), axis=red, keepdims=True)
+    return np.broadcast_to(np.sqrt(sq), a.shape).astype(a.dtype if a.dtype.kind == "f" else np.float64)
+
+
+def unitwise_clip(g_norm: Any, max_norm: Any, grad: Any, div_eps: float = 1e-6) -> np.ndarray:
+    """optax's unit-wise clip of arrays of one shape:
+    ``where(g_norm < max_norm, grad, grad * (max_norm / max(g_norm, div_eps)))``.
+
+    Raises:
+        ValueError: the three arrays differ in shape.
+    """
+    g_norm, max_norm, grad = np.asarray(g_norm), np.asarray(max_norm), np.asarray(grad)
+    if not g_norm.shape == max_norm.shape == grad.shape:
+        raise ValueError(
+            "g_norm, max_norm and grad must have one shape; "
+            f"got {g_norm.shape}, {max_norm.shape}, {grad.shape}"
+        )
+    with np.errstate(all="ignore"):
+        clipped = grad * (max_norm / np.maximum(g_norm, div_eps))
+    return np.where(g_norm < max_norm, grad, clipped).astype(grad.dtype)
+
+
+AdaptiveGradClipState = EmptyState
+
+
+def adaptive_grad_clip(
+    clipping: float, eps: float = 1e-3, axis: Any = None
+) -> GradientTransformationExtraArgs:
+    """Clips each output unit of the updates relative to the same unit of the params (optax;
+    Brock et al. 2021): ``u = unitwise_clip(||g||_unit, clipping * max(||p||_unit, eps), g)``,
+    that is ``g`` where ``||g|| < max_norm``, else ``g * max_norm / max(||g||, 1e-6)``.
+
+    Units are `unitwise_norm`'s slices (``axis`` or the rank rule). The norms of updates and
+    params come from segmented kernels (one pass each per dtype group), the factors are float64
+    on the host, and one more pass scales the units. Stateless.
+
+    Raises:
+        ValueError: ``params`` not given; a leaf of rank 6 or more without ``axis`` (naming it).
+    """
+    clipping, eps = float(clipping), float(eps)
+    axes = _check_axis(axis)
+    key = ("unit", axes)
+
+    def choose(shape: tuple) -> tuple[tuple, frozenset]:
+        return shape, unitwise_axes(shape, axes)
+
+    def flat_update(flow: Flow, state: Any, params: Any, extra: dict) -> tuple[Flow, Any]:
+        if params is None:
+            raise ValueError(NO_PARAMS_MSG)
+        flow = flow.settled()
+        flat = flow.flat
+        slicing = _slicing(flat.layout, key, choose)
+        pf = params.flat()
+        out = flow.fresh()
+        for o, g, p, gs in zip(out.groups, flat.groups, pf.groups, slicing.groups):
+            g_norm = _slice_metric(g, gs, 2.0)
+            max_norm = clipping * np.maximum(_slice_metric(p, gs, 2.0), eps)
+            with np.errstate(all="ignore"):
+                f = np.where(g_norm < max_norm, 1.0, max_norm / np.maximum(g_norm, 1e-6))
+            backend.call("slice_apply_", o, g, gs.rows, _EMPTY, f)
+        return Flow(out, True, scratch=flow.scratch), state
+
+    return flat_transformation(lambda params: EmptyState(), flat_update)
+
+
+# --- in place on lists or trees of arrays ---------------------------------------------------
+
+
+def _in_place(grads: Any, run: Callable[[Flow], Flow]) -> Any:
+    """Runs ``run`` on ``grads`` and writes the result back into its arrays (a FlatTree, or the
+    ``.tree`` of one, is changed in its buffers with no copy)."""
+    if isinstance(grads, FlatTree):
+        flat, copied = grads, False
+    else:
+        layout = layout_of(grads, "grads")
+        raw, paths, _ = tree_flatten_with_path(grads)
+        for x, path in zip(raw, paths):
+            if isinstance(x, np.generic) or (isinstance(x, np.ndarray) and not x.flags.writeable):
+                raise TypeError(
+                    f"{format_path(path, 'grads')}: cannot be changed in place (not a writable array)"
+                )
+        flat, copied, _ = as_flat(grads, layout, "grads")
+    result = run(Flow(flat, True)).settled()
+    if copied:  # scatter back into the caller's arrays
+        for i, leaf in enumerate(check_leaves(grads, flat.layout, "grads")):
+            src = result.flat.leaf(i)
+            if flat.device:
+                backend.call("scale_", leaf.reshape(leaf.size), src.reshape(leaf.size), 1.0, 1.0)
+            else:
+                np.copyto(leaf, src)
+    return grads
+
+
+def clip_grad_norm_(
+    grads: Any,
+    max_norm: float | None,
+    ord: Any = 2,
+    dim: Any = None,
+    inverse_dims: bool = False,
+    min_size: int = 2,
+    min_norm: float | None = None,
+) -> Any:
+    """Clips, in place, the norm of each array of ``grads`` (a list or tree of arrays; slices
+    and ``'global'`` as in `clip_norm`) into ``[min_norm, max_norm]``:
+    ``g *= max(1, min_norm / n) * min(1, max_norm / n)`` (a bound that is None is not applied).
+
+    ``min_size=2`` (torchzero's default) leaves shape-(1,) and 0-d arrays alone. Returns
+    ``grads``.
+
+    Raises:
+        ValueError: a negative bound, unknown ``ord``, a bad ``dim`` or ``min_size`` (before any
+            array is changed).
+        TypeError: a leaf that cannot change in place (NumPy scalar, read-only array).
+    """
+    hi = None if max_norm is None else _check_max(max_norm, "max_norm")
+    lo = None if min_norm is None else _check_max(min_norm, "min_norm")
+    key, dims, choose = _norm_spec(ord, dim, inverse_dims, min_size)
+    pair = _clip_pair(hi, lo)
+    return _in_place(grads, lambda flow: _rescale(flow, key, dims, choose, pair))
+
+
+def normalize_grads_(
+    grads: Any,
+    norm_value: float,
+    ord: Any = 2,
+    dim: Any = None,
+    inverse_dims: bool = False,
+    min_size: int = 1,
+) -> Any:
+    """Scales, in place, each array of ``grads`` (or slice, or the whole tree) to the norm
+    ``norm_value``, as `normalize` does. Returns ``grads``.
+
+    Raises:
+        ValueError: unknown ``ord``, a bad ``dim`` or ``min_size`` (before any array is changed).
+        TypeError: a leaf that cannot change in place.
+    """
+    norm_value = float(norm_value)
+    key, dims, choose = _norm_spec(ord, dim, inverse_dims, min_size)
+    pair = _normalize_pair(norm_value)
+    return _in_place(grads, lambda flow: _rescale(flow, key, dims, choose, pair))
+
+
+def clip_grad_value_(grads: Any, value: float) -> Any:
+    """Clips every element of ``grads`` (a list or tree of arrays) in place into
+    ``[-value, value]``; NaN stays NaN. Returns ``grads``.
+
+    Raises:
+        ValueError: a negative ``value`` (torchzero maps every element to it instead).
+        TypeError: a leaf that cannot change in place.
+    """
+    bound = _check_max(value, "value")
+
+    def run(flow: Flow) -> Flow:
+        for g in flow.flat.groups:
+            backend.call("clip_", g, g, 1.0, 1.0, bound)
+        return flow
+
+    return _in_place(grads, run)
