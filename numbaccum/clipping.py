@@ -82,31 +82,26 @@ def global_norm(tree: Any, ord: Any = 2, squared: bool = False) -> float:
 
 ClipByGlobalNormState = EmptyState
 
-_SCRATCH = threading.local()  # per layout: the per-leaf squared norms and the factors (GPU)
+_SCRATCH = threading.local()  # per layout: the per-group squared norms and the factors (GPU)
+_FACTOR_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
 
-def _device_factors(flat: FlatTree, max_norm: float) -> dict[np.dtype, Any]:
-    """clip_by_global_norm's ``[div, mul]`` on the device, one array per compute dtype the next
-    kernels may use: per-segment squares into one float64 array (group by group), then a
-    one-thread kernel sums them in order and picks the branch. Nothing comes to the host."""
+def _device_factors(flat: FlatTree, max_norm: float) -> dict[np.dtype, Any] | None:
+    """clip_by_global_norm's ``[div, mul]`` on the device, for float32 and float64 kernels: one
+    launch per dtype group (its sum of squares; the last also the factor). Nothing comes to the
+    host. None for a tree with other dtypes (float16), which takes the host path."""
+    if any(d not in _FACTOR_DTYPES for d in flat.group_dtypes):
+        return None
     from .cuda.device import empty
 
-    lay = flat.layout
     cache = _SCRATCH.__dict__.setdefault("by_layout", {})
-    scratch = cache.get(lay)
+    scratch = cache.get(flat.layout)
     if scratch is None:
-        dtypes: set[Any] = {np.dtype(np.float32), np.dtype(np.float64), *flat.group_dtypes}
-        scratch = cache[lay] = (
-            empty(max(lay.num_leaves, 1), np.dtype(np.float64)),
-            {d: empty(2, d) for d in dtypes},
-        )
-    parts, facs = scratch
-    pos = 0
-    for g, offsets in zip(flat.groups, lay.offsets):
-        backend.call("segment_sumsq_into_", parts[pos : pos + offsets.size - 1], g, offsets)
-        pos += offsets.size - 1
-    for fac in facs.values():
-        backend.call("clip_factors_", fac, parts[:pos], max_norm)
+        sums = empty(len(flat.groups), np.dtype(np.float64))
+        scratch = cache[flat.layout] = (sums, {d: empty(2, d) for d in _FACTOR_DTYPES})
+    sums, facs = scratch
+    for i, g in enumerate(flat.groups):
+        backend.call("sumsq_clip_factors_", sums, g, i, max_norm, *facs.values())
     return facs
 
 
@@ -120,7 +115,7 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformationExtraArgs:
     ``[0.7071, 0.7071]`` where optax gives zeros), and ``norm == max_norm == 0`` gives zeros where
     optax gives NaN (0 / 0). A NaN norm clips every element to NaN, as in optax. The factor is not
     a pass of its own: it rides on the next kernel that reads the updates. On the GPU the norm
-    comes back to the host (one synchronisation per call).
+    and the factor stay on the device (no synchronisation; float16 trees bring the norm back).
 
     Raises:
         ValueError: ``max_norm`` is negative.
@@ -132,9 +127,9 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformationExtraArgs:
     def flat_update(flow: Flow, state: Any, params: Any, extra: dict) -> tuple[Flow, Any]:
         flow = flow.settled()
         if flow.flat.device:  # the norm and the factor stay on the GPU: no synchronisation
-            return Flow(
-                flow.flat, flow.owned, _device_factors(flow.flat, max_norm), None, flow.returnable
-            ), state
+            facs = _device_factors(flow.flat, max_norm)
+            if facs is not None:
+                return Flow(flow.flat, flow.owned, facs, None, flow.returnable), state
         norm = math.sqrt(sum_in_order(leaf_reductions(flow.flat, "segment_sumsq")))
         if norm < max_norm:
             return flow, state

@@ -410,11 +410,6 @@ def segment_nancount(x, offsets):
     return _pick(_SEG_NANCOUNT, x.size)(x, offsets, _config.REDUCE_BLOCK)
 
 
-def segment_sumsq_into_(out, x, offsets):
-    """out[s] = sum(x[offsets[s]:offsets[s+1]] ** 2) in float64."""
-    out[:] = segment_sumsq(x, offsets)
-
-
 @njit(error_model="numpy")
 def sum_in_order(values):  # pragma: no cover - compiled
     """Sequential float64 sum, in index order (host arrays; not part of the kernel contract)."""
@@ -424,11 +419,19 @@ def sum_in_order(values):  # pragma: no cover - compiled
     return total
 
 
-def clip_factors_(fac, parts, max_norm):
-    """fac = [div, mul] of clip_by_global_norm from the squared norms ``parts`` (summed in order):
-    [1, 1] if norm < max_norm, [1, 0] if norm == 0, else [norm, max_norm]."""
-    norm = math.sqrt(sum_in_order(np.asarray(parts, np.float64)))
-    fac[:] = (1.0, 1.0) if norm < max_norm else (1.0, 0.0) if norm == 0.0 else (norm, max_norm)
+def sumsq_clip_factors_(sums, x, group, max_norm, fac32, fac64):
+    """sums[group] = sum(x ** 2) in float64; the last group (``group == sums.size - 1``) then
+    sets ``fac = [div, mul]`` of clip_by_global_norm, in float32 and float64, from
+    ``norm = sqrt(sum(sums))`` (in order): [1, 1] if norm < max_norm, [1, 0] if norm == 0, else
+    [norm, max_norm]. (The CPU path of clip_by_global_norm keeps the factor on the host; this is
+    the contract twin of the CUDA kernel that keeps it on the device.)"""
+    group = int(group)
+    sums[group] = sumsq(x)
+    if group == sums.size - 1:
+        norm = math.sqrt(sum_in_order(sums))
+        fac = (1.0, 1.0) if norm < max_norm else (1.0, 0.0) if norm == 0.0 else (norm, max_norm)
+        fac32[:] = fac
+        fac64[:] = fac
 
 
 def segment_divide_(out, x, div, mul, offsets, factors):
@@ -493,7 +496,7 @@ def adam_update_(
     _run(_ADAM, g.size, mu, nu, g, div, mul, _scaled(div, mul), *args, out)
 
 
-KERNELS = (
+__all__ = [  # the contract (what `from .kernels import *` brings)
     "sumsq",
     "sumabs",
     "maxabs",
@@ -502,8 +505,7 @@ KERNELS = (
     "segment_sumabs",
     "segment_maxabs",
     "segment_nancount",
-    "segment_sumsq_into_",
-    "clip_factors_",
+    "sumsq_clip_factors_",
     "fill_",
     "segment_divide_",
     "clip_",
@@ -515,7 +517,8 @@ KERNELS = (
     "mean_accumulate_",
     "sum_accumulate_",
     "adam_update_",
-)
+]
+KERNELS = tuple(__all__)
 
 # Arguments each in-place kernel writes (index into its argument list).
 WRITES: dict[str, tuple[int, ...]] = {
@@ -523,8 +526,7 @@ WRITES: dict[str, tuple[int, ...]] = {
     "segment_divide_": (0,),
     "clip_": (0,),
     "zero_nans_": (0,),
-    "segment_sumsq_into_": (0,),
-    "clip_factors_": (0,),
+    "sumsq_clip_factors_": (0, 4, 5),
     "scale_": (0,),
     "add_scaled_": (0,),
     "trace_update_": (0, 6),

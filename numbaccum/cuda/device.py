@@ -106,8 +106,19 @@ def as_kind(x: Any, kind: str) -> Any:
 
 def data_pointer(x: Any) -> int | None:
     """Device address of ``x``'s first element (None in the simulator, which has none)."""
-    cai = getattr(x, "__cuda_array_interface__", None)
-    return None if cai is None else int(cai["data"][0])
+    try:
+        return int(x.device_ctypes_pointer.value or 0)  # 0.2 us; the interface dict costs 2.3 us
+    except AttributeError:
+        cai = getattr(x, "__cuda_array_interface__", None)
+        return None if cai is None else int(cai["data"][0])
+
+
+def stream_handle(s: Any) -> int:
+    """The CUDA handle of a numba stream (0 for the default stream)."""
+    if isinstance(s, int):
+        return s
+    h = s.handle
+    return int(h.value or 0) if hasattr(h, "value") else int(h)
 
 
 def view_from_pointer(ptr: int, n: int, dtype: np.dtype, owner: Any) -> Any:
