@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="numbaccum")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="versions, threads and backends")
-    sub.add_parser("bench", help="time numbaccum against NumPy on this machine", add_help=False)
+    sub.add_parser("bench", help="time numbaccum against NumPy and its peers here", add_help=False)
     args, rest = parser.parse_known_args(argv)
     if args.command == "info":
         return info()

@@ -14,16 +14,20 @@ DECAY = 0.9
 
 
 class NumpyMultiStepsAdam:
-    """Per-leaf MultiSteps(adam) with in-place ufuncs and preallocated buffers.
+    """Per-leaf MultiSteps(adam), or MultiSteps(chain(clip_by_global_norm(max_norm), adam)), with
+    in-place ufuncs and preallocated buffers.
 
     ``update(grads, block=None)``: each ufunc runs over a whole leaf, with a leaf-sized scratch
     buffer. ``block=n``: each leaf is processed in runs of ``n`` elements, all ufuncs of a step
     on one run before the next, so the scratch and the run's acc/mu/nu slices stay in cache.
     Both modes give the same bits, so they can share one state (and its memory) in a benchmark.
+    With ``max_norm``, an emitting step accumulates every leaf first (the clip needs the norm of
+    the whole mean), then clips and runs Adam leaf by leaf.
     """
 
-    def __init__(self, like_leaves, k=K, lr=LR, b1=B1, b2=B2, eps=EPS):
+    def __init__(self, like_leaves, k=K, lr=LR, b1=B1, b2=B2, eps=EPS, max_norm=None):
         self.k, self.lr, self.b1, self.b2, self.eps = k, lr, b1, b2, eps
+        self.max_norm = max_norm
         self.dtype = like_leaves[0].dtype
         self.acc = [np.zeros_like(x) for x in like_leaves]
         self.mu = [np.zeros_like(x) for x in like_leaves]
@@ -44,10 +48,11 @@ class NumpyMultiStepsAdam:
         n = self.mini_step
         inv = dt(n + 1)  # acc += (g - acc) / (n + 1), a true division as optax does
         emit = n == self.k - 1
+        cf = None
         if emit:
             self.count += 1
             c = self.count
-            coef = dict(
+            cf = dict(
                 b1=dt(self.b1),
                 omb1=dt(1 - self.b1),
                 b2=dt(self.b2),
@@ -57,32 +62,52 @@ class NumpyMultiStepsAdam:
                 eps=dt(self.eps),
                 mlr=dt(-self.lr),
             )
+        clipping = emit and self.max_norm is not None
         for i, g in enumerate(grads):
-            if block is None or block >= g.size:
-                self._leaf(g, i, slice(None), inv, emit, coef if emit else None)
-            else:
-                size = g.size
-                for s in range(0, size, block):
-                    self._leaf(g, i, slice(s, min(s + block, size)), inv, emit, coef if emit else None)
+            for sl in self._runs(g.size, block):
+                self._accumulate(g, i, sl, inv)
+                if emit and not clipping:
+                    self._adam(i, sl, cf)
+        if clipping:
+            sq = 0.0
+            for a in self.acc:
+                flat = a.reshape(-1)
+                sq += float(np.dot(flat, flat))  # float32 dot products, summed in float64
+            norm = np.sqrt(sq)
+            clip = None if norm < self.max_norm else (dt(norm), dt(self.max_norm))
+            for i, g in enumerate(grads):
+                for sl in self._runs(g.size, block):
+                    self._adam(i, sl, cf, clip)
         if emit:
             self.mini_step = 0
             return self.upd
         self.mini_step = n + 1
         return self.zeros
 
-    def _leaf(self, g, i, sl, inv, emit, cf):
+    @staticmethod
+    def _runs(size, block):
+        if block is None or block >= size:
+            return [slice(None)]
+        return [slice(s, min(s + block, size)) for s in range(0, size, block)]
+
+    def _accumulate(self, g, i, sl, inv):
         g = g.reshape(-1)[sl]
         acc = self.acc[i].reshape(-1)[sl]
-        m = g.size
-        t1 = self._t1[:m]
+        t1 = self._t1[: g.size]
         np.subtract(g, acc, out=t1)
         np.divide(t1, inv, out=t1)
         np.add(acc, t1, out=acc)
-        if not emit:
-            return
+
+    def _adam(self, i, sl, cf, clip=None):
+        acc = self.acc[i].reshape(-1)[sl]
+        if clip is not None:  # (acc / norm) * max_norm in place: acc is reset below anyway
+            np.divide(acc, clip[0], out=acc)
+            np.multiply(acc, clip[1], out=acc)
         mu = self.mu[i].reshape(-1)[sl]
         nu = self.nu[i].reshape(-1)[sl]
         u = self.upd[i].reshape(-1)[sl]
+        m = acc.size
+        t1 = self._t1[:m]
         t2 = self._t2[:m]
         # mu = b1 * mu + (1 - b1) * acc
         np.multiply(acc, cf["omb1"], out=t1)

@@ -1,18 +1,30 @@
-"""`numbaccum bench`: numbaccum next to a NumPy per-leaf version of the same math, in one run.
+"""`numbaccum bench`: numbaccum next to a NumPy per-leaf version of the same math and, when they are
+installed, PyTorch's foreach ops and optax under ``jax.jit``, in one run, on the CPU and (when one
+works) on a CUDA device.
 
-Each operation is timed after a warm-up (which also compiles the kernels) as the median of
-``repeats`` calls, with min and max. GB/s counts the minimal bytes per parameter of the operation
-(DESIGN.md), and the copy floor is a large copy measured in the same run. Minimal bytes per
-float32 parameter: a MultiSteps mini-step reads g and reads and writes acc (12), except the first
-of a cycle, which only writes acc (8); an emitting step also reads and writes mu and nu and writes
-the update (32); ema with debias reads g, reads and writes ema, writes the update (16);
+Workloads (float32): GPT-2-small shapes (124M parameters in 148 leaves), 2000 small leaves of
+100-5000 elements, and a tiny tree of 10 leaves of 10 elements, where what is measured is the
+per-call overhead (reported in microseconds). Operations: clip_by_global_norm (``max_norm`` far
+below the norm, so it always scales), a MultiSteps mini-step, ema with debias, and the emitting
+step of ``MultiSteps(chain(clip_by_global_norm(1.0), adam(1e-3)), 4)`` (the full step: accumulate,
+clip the mean, Adam, reset).
+
+Each operation is timed call by call after a warm-up (which also compiles the kernels): median,
+min and max. GB/s counts the minimal bytes per float32 parameter (DESIGN.md): a mini-step reads
+g and reads and writes acc (12), except the first of a cycle, which only writes acc (8); the full
+step reads g and acc for the norm, reads them again beside mu and nu, writes mu, nu, the update
+and the zeroed acc (40); ema with debias reads g, reads and writes ema, writes the update (16);
 clip_by_global_norm reads g for the norm and again for the output, and writes the output (12).
+The copy floor is measured in the same run: on the CPU the faster of ``np.copyto`` and a parallel
+copy of a large buffer, on the GPU a device-to-device copy of the workload's size. On the GPU,
+calls are timed between CUDA events (optax: wall time, its step blocks until ready).
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import os
 import platform
@@ -25,16 +37,42 @@ from typing import Any
 import numpy as np
 
 from . import workloads
-from .baselines import DECAY, LR, NumpyClipByGlobalNorm, NumpyEma, NumpyMultiStepsAdam
+from .baselines import B1, B2, DECAY, EPS, LR, NumpyClipByGlobalNorm, NumpyEma, NumpyMultiStepsAdam
+from .peers import FULL_MAX_NORM, Steps, optax_available, optax_steps, torch_available, torch_steps
+
+K = 4  # mini-steps per MultiSteps cycle
+CLIP_MAX_NORM = 1e-3  # far below the gradients' norm: the standalone clip always scales
+
+OPS = ("clip", "multisteps", "ema")
+MINI = "MultiSteps mini-step"
+FULL = "full step: MultiSteps(chain(clip, adam)), emitting"
+LABELS = {"clip": ("clip_by_global_norm",), "multisteps": (MINI, FULL), "ema": ("ema (debias)",)}
+BYTES_PER_PARAM = {
+    "clip_by_global_norm": 12.0,
+    MINI: (8 + 12 * (K - 2)) / (K - 1),  # the first mini-step of a cycle reads no acc
+    FULL: 40.0,
+    "ema (debias)": 16.0,
+}
+
+DEVICES = ("cpu", "cuda")
+DEFAULT_WORKLOADS = ("gpt2_small", "many_small", "tiny")
+QUICK_WORKLOADS = ("many_small", "tiny")
+# Timed calls per operation (MultiSteps: calls of all positions of a cycle, after a warm-up cycle).
+REPEATS = {"gpt2_small": 12, "many_small": 40, "tiny": 2000}
+QUICK_REPEATS = {"gpt2_small": 4, "many_small": 4, "tiny": 200}
+PER_CALL = {"tiny"}  # overhead-bound: reported in microseconds per call, no GB/s
+
+Clock = Callable[[Callable[[], Any]], float]
+
+
+def _wall(fn: Callable[[], Any]) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
 
 
 def _times(fn: Callable[[], Any], repeats: int) -> list[float]:
-    out = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t)
-    return out
+    return [_wall(fn) for _ in range(repeats)]
 
 
 def copy_floor(nbytes: int, repeats: int) -> float:
@@ -51,102 +89,204 @@ def copy_floor(nbytes: int, repeats: int) -> float:
     return 2 * a.nbytes / min(t_np, t_par) / 1e9
 
 
-OPS = ("multisteps", "ema", "clip")
+# --- what is timed --------------------------------------------------------------------------
 
 
-def run(workload: str, repeats: int, ops: tuple[str, ...] = OPS, peers: bool = True) -> dict[str, Any]:
-    import numba
-
+def numbaccum_steps(params: Any, grads: Any, k: int = K) -> Steps:
+    """numbaccum's steps on ``params`` and ``grads`` as given: FlatTrees (host or device), plain
+    trees of NumPy arrays, or trees of PyTorch CUDA tensors."""
     import numbaccum as nba
 
+    full = nba.MultiSteps(nba.chain(nba.clip_by_global_norm(FULL_MAX_NORM), nba.adam(LR, B1, B2, EPS)), k)
+    clip, ema = nba.clip_by_global_norm(CLIP_MAX_NORM), nba.ema(DECAY)
+    box = {"ms": full.init(params), "clip": clip.init(params), "ema": ema.init(params)}
+
+    def multisteps() -> None:
+        _, box["ms"] = full.update(grads, box["ms"], params)
+
+    def ema_step() -> None:
+        _, box["ema"] = ema.update(grads, box["ema"])
+
+    def clip_step() -> None:
+        clip.update(grads, box["clip"])
+
+    return {"multisteps": multisteps, "ema": ema_step, "clip": clip_step}
+
+
+def numpy_steps(params: list[np.ndarray], grads: list[np.ndarray], k: int = K) -> Steps:
+    """The NumPy per-leaf baselines (`baselines`) of the same math."""
+    ms = NumpyMultiStepsAdam(params, k, max_norm=FULL_MAX_NORM)
+    ema, clip = NumpyEma(params), NumpyClipByGlobalNorm(params, CLIP_MAX_NORM)
+    return {
+        "multisteps": lambda: ms.update(grads),
+        "ema": lambda: ema.update(grads),
+        "clip": lambda: clip.update(grads),
+    }
+
+
+class Impl:
+    """One implementation on one device: a name, how to build its steps from the workload's
+    trees, how to time a call."""
+
+    def __init__(
+        self, name: str, build: Callable[[dict[str, Any]], Steps], clock: Callable[[], Clock]
+    ) -> None:
+        self.name, self.build, self.clock = name, build, clock
+
+
+def _flat_pair(trees: dict[str, Any], device: bool) -> tuple[Any, Any]:
+    import numbaccum as nba
+
+    p, g = nba.FlatTree.from_tree(trees["params"]), nba.FlatTree.from_tree(trees["grads"])
+    return (nba.to_device(p), nba.to_device(g)) if device else (p, g)
+
+
+def _torch_views(trees: dict[str, Any]) -> Steps:
+    p, g = _flat_pair(trees, True)
+    return numbaccum_steps(p.tree_as("torch"), g.tree_as("torch"))
+
+
+def _peer(build: Callable[..., Steps], device: str) -> Callable[[dict[str, Any]], Steps]:
+    return lambda t: build(t["p_leaves"], t["g_leaves"], K, CLIP_MAX_NORM, device)
+
+
+def implementations(device: str, workload: str, peers: bool) -> list[Impl]:
+    """What runs on ``device`` for ``workload`` (peers only when installed and ``peers``)."""
+    wall = lambda: _wall  # noqa: E731
+    if device == "cpu":
+        out = [Impl("numbaccum", lambda t: numbaccum_steps(*_flat_pair(t, False)), wall)]
+        if workload in PER_CALL:  # the overhead of a plain tree (checked and packed every call)
+            plain = lambda t: numbaccum_steps(t["params"], t["grads"])  # noqa: E731
+            out.append(Impl("numbaccum (plain tree)", plain, wall))
+        out.append(Impl("numpy", lambda t: numpy_steps(t["p_leaves"], t["g_leaves"]), wall))
+        if peers and torch_available("cpu"):
+            out.append(Impl("torch foreach", _peer(torch_steps, "cpu"), wall))
+        if peers and optax_available("cpu"):
+            out.append(Impl("optax jit", _peer(optax_steps, "cpu"), wall))
+        return out
+    from . import gpu
+
+    out = [Impl("numbaccum", lambda t: numbaccum_steps(*_flat_pair(t, True)), gpu.Clock)]
+    if torch_available("cuda"):  # the same device buffers seen as PyTorch tensors: torch in and out
+        out.append(Impl("numbaccum (torch tensors)", _torch_views, gpu.Clock))
+    if peers and torch_available("cuda"):
+        out.append(Impl("torch foreach", _peer(torch_steps, "cuda"), gpu.Clock))
+    if peers and optax_available("cuda"):  # its step blocks until ready: wall time
+        out.append(Impl("optax jit", _peer(optax_steps, "cuda"), lambda: gpu.Clock(wall=True)))
+    return out
+
+
+def measure(step: Callable[[], Any], op: str, clock: Clock, repeats: int, warmup: int) -> dict:
+    """``{row label: per-call seconds}``. MultiSteps: a warm-up cycle, then the mini-steps and
+    the emitting (full) steps of ``max(2, repeats // K)`` cycles timed apart."""
+    if op == "multisteps":
+        mini: list[float] = []
+        emit: list[float] = []
+        for cycle in range(max(2, repeats // K) + 1):
+            for position in range(K):
+                t = clock(step)
+                if cycle:
+                    (emit if position == K - 1 else mini).append(t)
+        return {MINI: mini, FULL: emit}
+    for _ in range(warmup):
+        step()
+    return {LABELS[op][0]: [clock(step) for _ in range(repeats)]}
+
+
+class Progress:
+    """A progress bar on stderr (one line per step when stderr is not a terminal)."""
+
+    def __init__(self, total: int, stream: Any = None) -> None:
+        self.total, self.done = max(total, 1), 0
+        self.stream = stream if stream is not None else sys.stderr
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+
+    def step(self, label: str) -> None:
+        self.done += 1
+        if self.tty:
+            filled = 24 * self.done // self.total
+            bar = "#" * filled + "-" * (24 - filled)
+            self.stream.write(f"\r[{bar}] {self.done}/{self.total} {label[:70]:<70}")
+        else:
+            self.stream.write(f"  [{self.done}/{self.total}] {label}\n")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.tty:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+# --- a run ----------------------------------------------------------------------------------
+
+
+def _trees(workload: str) -> dict[str, Any]:
     shapes = workloads.WORKLOADS[workload]()
     params = workloads.make_tree(shapes, np.float32, seed=0)
     grads = workloads.make_tree(shapes, np.float32, seed=1, scale=1e-2)
-    leaves = nba.tree_flatten(grads)[0]
-    n_params = sum(x.size for x in leaves)
-    pf, gf = nba.FlatTree.from_tree(params), nba.FlatTree.from_tree(grads)
-    floor = copy_floor(min(500_000_000, max(64 * n_params, 1 << 22)), 5)
-    k = 4
-    rows = []
-
-    def add(op: str, impl: str, ts: list[float], bytes_per_param: float) -> None:
-        med = statistics.median(ts)
-        gbs = bytes_per_param * n_params / med / 1e9
-        rows.append(
-            dict(
-                op=op,
-                impl=impl,
-                median_s=med,
-                min_s=min(ts),
-                max_s=max(ts),
-                gbs=gbs,
-                floor_fraction=gbs / floor,
-            )
-        )
-
-    max_norm = 1e-3  # far below the norm: clip_by_global_norm always clips
-    p_leaves = nba.tree_flatten(params)[0]
-    opt, clip, ema = nba.MultiSteps(nba.adam(LR), k), nba.clip_by_global_norm(max_norm), nba.ema(DECAY)
-    box = {"ms": opt.init(pf), "clip": clip.init(pf), "ema": ema.init(pf)}
-
-    def nba_ms() -> None:
-        _, box["ms"] = opt.update(gf, box["ms"], pf)
-
-    def nba_ema() -> None:
-        _, box["ema"] = ema.update(gf, box["ema"])
-
-    def nba_clip() -> None:
-        clip.update(gf, box["clip"])
-
-    ref_ms, ref_ema = NumpyMultiStepsAdam(p_leaves, k), NumpyEma(p_leaves)
-    ref_clip = NumpyClipByGlobalNorm(p_leaves, max_norm)
-    impls: dict[str, dict[str, Callable[[], Any]]] = {
-        "numbaccum": {"multisteps": nba_ms, "ema": nba_ema, "clip": nba_clip},
-        "numpy": {
-            "multisteps": lambda: ref_ms.update(leaves),
-            "ema": lambda: ref_ema.update(leaves),
-            "clip": lambda: ref_clip.update(leaves),
-        },
-    }
-    if peers:
-        from . import peers as peer_libs
-
-        for name, build in (("torch foreach", peer_libs.torch_steps), ("optax jit", peer_libs.optax_steps)):
-            steps = build(p_leaves, leaves, k, max_norm)
-            if steps:
-                impls[name] = steps
-    mini_bytes = (8 + 12 * (k - 2)) / (k - 1)  # the first mini-step of a cycle reads no acc
-    cycles = max(2, repeats // k)
-    todo = [(impl, op) for impl in impls for op in ops]
-    for i, (impl, op) in enumerate(todo):
-        print(f"  [{i + 1}/{len(todo)}] {op}: {impl}", file=sys.stderr, flush=True)
-        step = impls[impl][op]
-        if op == "multisteps":  # mini-steps and emitting steps timed apart, after a warm-up cycle
-            mini: list[float] = []
-            emit: list[float] = []
-            for cycle in range(cycles + 1):
-                for position in range(k):
-                    t = time.perf_counter()
-                    step()
-                    if cycle:
-                        (emit if position == k - 1 else mini).append(time.perf_counter() - t)
-            add("MultiSteps mini-step", impl, mini, mini_bytes)
-            add("MultiSteps emitting step", impl, emit, 32)
-        else:
-            step()
-            label, nbytes = {"ema": ("ema (debias)", 16), "clip": ("clip_by_global_norm", 12)}[op]
-            add(label, impl, _times(step, repeats), nbytes)
-
     return {
-        "date": datetime.date.today().isoformat(),
-        "machine": f"{_cpu_model()}, {os.cpu_count()} cpus, {platform.system()} {platform.machine()}",
-        "numba_threads": numba.get_num_threads(),
-        "threading_layer": _threading_layer(),
-        "numpy": np.__version__,
-        "numba": numba.__version__,
+        "params": params,
+        "grads": grads,
+        "p_leaves": workloads.leaves(params),
+        "g_leaves": workloads.leaves(grads),
+    }
+
+
+def run_workload(
+    device: str,
+    workload: str,
+    ops: tuple[str, ...],
+    repeats: int,
+    impls: list[Impl],
+    floor: float | None,
+    progress: Progress | None = None,
+) -> dict[str, Any]:
+    """Times every implementation and operation on one device and workload. ``floor``: the CPU
+    copy floor in GB/s (the GPU measures its own, of the workload's size)."""
+    trees = _trees(workload)
+    n_params = sum(x.size for x in trees["g_leaves"])
+    if device == "cuda":
+        from . import gpu
+
+        floor = gpu.copy_roof(n_params, 10)
+    per_call = workload in PER_CALL
+    rows = []
+    for impl in impls:
+        steps = impl.build(trees)
+        clock = impl.clock()
+        for op in ops:
+            if progress is not None:
+                progress.step(f"{device} {workload}: {op}, {impl.name}")
+            if op not in steps:  # the library is missing after all
+                continue
+            warmup = 20 if per_call else 1
+            for label, ts in measure(steps[op], op, clock, repeats, warmup).items():
+                med = statistics.median(ts)
+                gbs = None if per_call else BYTES_PER_PARAM[label] * n_params / med / 1e9
+                rows.append(
+                    dict(
+                        op=label,
+                        impl=impl.name,
+                        median_s=med,
+                        min_s=min(ts),
+                        max_s=max(ts),
+                        calls=len(ts),
+                        gbs=gbs,
+                        floor_fraction=None if gbs is None or not floor else gbs / floor,
+                    )
+                )
+        del steps
+        gc.collect()
+        if device == "cuda":
+            from . import gpu
+
+            gpu.free()
+    return {
+        "device": device,
         "workload": workload,
         "n_params": int(n_params),
-        "n_leaves": len(leaves),
+        "n_leaves": len(trees["g_leaves"]),
+        "per_call": per_call,
         "copy_floor_gbs": floor,
         "rows": rows,
     }
@@ -172,43 +312,182 @@ def _threading_layer() -> str:
         return "not yet chosen"
 
 
-def format_table(result: dict[str, Any]) -> str:
-    lines = [
-        f"numbaccum bench -- {result['workload']}: {result['n_params']:,} float32 params in "
-        f"{result['n_leaves']} leaves; {result['date']}; {result['machine']}; numba "
-        f"{result['numba']} ({result['numba_threads']} threads, {result['threading_layer']}), "
-        f"numpy {result['numpy']}",
-        f"copy floor (best of np.copyto and a parallel copy, R+W): {result['copy_floor_gbs']:.1f} GB/s",
-        "",
-        "| operation | implementation | median ms | min-max ms | GB/s | of copy floor | vs numpy |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+def _versions() -> dict[str, str]:
+    """Versions of the peers this run imported."""
+    out = {}
+    for name in ("torch", "jax", "optax", "matplotlib"):
+        mod = sys.modules.get(name)
+        if mod is not None:
+            out[name] = str(getattr(mod, "__version__", "?"))
+    return out
+
+
+def run(
+    workload_names: tuple[str, ...],
+    devices: tuple[str, ...],
+    ops: tuple[str, ...] = OPS,
+    peers: bool = True,
+    repeats: dict[str, int] | None = None,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Every device x workload, with the machine's description; the JSON that ``--json`` writes."""
+    import numba
+
+    repeats = repeats or REPEATS
+    gpu_name = None
+    if "cuda" in devices:
+        from . import gpu
+
+        works, _, gpu_name = gpu.status()
+        if not works:
+            raise SystemExit(f"numbaccum bench --device cuda: {gpu_name}")
+    # The implementations are decided before anything is timed: the progress bar knows its length.
+    plan = [(d, w, implementations(d, w, peers)) for d in devices for w in workload_names]
+    bar = Progress(sum(len(impls) * len(ops) for _, _, impls in plan)) if progress else None
+    floor = None
+    if "cpu" in devices:
+        biggest = max(workloads.count_params(workloads.WORKLOADS[w]()) for w in workload_names)
+        floor = copy_floor(min(500_000_000, max(64 * biggest, 1 << 22)), 5)
+    runs = [
+        run_workload(d, w, ops, repeats[w], impls, floor if d == "cpu" else None, bar) for d, w, impls in plan
     ]
-    numpy_time = {r["op"]: r["median_s"] for r in result["rows"] if r["impl"] == "numpy"}
-    result["rows"].sort(key=lambda r: list(numpy_time).index(r["op"]))
-    for r in result["rows"]:
-        speed = numpy_time[r["op"]] / r["median_s"]
-        ms = f"{r['median_s'] * 1e3:.4g} | {r['min_s'] * 1e3:.4g}-{r['max_s'] * 1e3:.4g}"
-        lines.append(
-            f"| {r['op']} | {r['impl']} | {ms} | {r['gbs']:.1f} | {r['floor_fraction']:.2f} | {speed:.2f}x |"
-        )
+    if bar is not None:
+        bar.close()
+    return {
+        "date": datetime.date.today().isoformat(),
+        "machine": f"{_cpu_model()}, {os.cpu_count()} cpus, {platform.system()} {platform.machine()}",
+        "gpu": gpu_name,
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+        "numba": numba.__version__,
+        "numba_threads": numba.get_num_threads(),
+        "threading_layer": _threading_layer(),
+        "peers": _versions(),
+        "k": K,
+        "runs": runs,
+    }
+
+
+# --- output ---------------------------------------------------------------------------------
+
+
+def _num(v: float) -> str:
+    return f"{v:.4g}" if v < 10_000 else f"{v:,.0f}"
+
+
+def _ratio(num: float | None, den: float | None) -> str:
+    return f"{num / den:.2f}x" if num and den else "-"
+
+
+def format_table(result: dict[str, Any]) -> str:
+    """The run as Markdown: a header, then one table per device and workload."""
+    peers = ", ".join(f"{k} {v}" for k, v in result.get("peers", {}).items())
+    lines = [
+        f"numbaccum bench -- {result['date']}; {result['machine']}"
+        + (f"; GPU: {result['gpu']}" if result.get("gpu") else ""),
+        f"python {result['python']}, numpy {result['numpy']}, numba {result['numba']} "
+        f"({result['numba_threads']} threads, {result['threading_layer']})" + (f", {peers}" if peers else ""),
+    ]
+    for run in result["runs"]:
+        per_call = run["per_call"]
+        unit, scale = ("us", 1e6) if per_call else ("ms", 1e3)
+        floor = run["copy_floor_gbs"]
+        lines += [
+            "",
+            f"{run['device']} -- {run['workload']}: {run['n_params']:,} float32 params in "
+            f"{run['n_leaves']} leaves" + (" (per-call overhead)" if per_call else ""),
+        ]
+        if floor and not per_call:
+            what = (
+                "a device-to-device copy of the same size"
+                if run["device"] == "cuda"
+                else "best of np.copyto and a parallel copy"
+            )
+            lines.append(f"copy floor ({what}, R+W): {floor:.1f} GB/s")
+        lines += [
+            "",
+            f"| operation | implementation | median {unit} | min-max {unit} | GB/s | of copy floor "
+            "| vs numpy | numbaccum speed-up |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        ]
+        by = {(r["op"], r["impl"]): r["median_s"] for r in run["rows"]}
+        order = list(dict.fromkeys(r["op"] for r in run["rows"]))
+        for r in sorted(run["rows"], key=lambda r: order.index(r["op"])):
+            t = r["median_s"]
+            cells = [
+                r["op"],
+                r["impl"],
+                _num(t * scale),
+                f"{_num(r['min_s'] * scale)}-{_num(r['max_s'] * scale)}",
+                "-" if r["gbs"] is None else f"{r['gbs']:.1f}",
+                "-" if r["floor_fraction"] is None else f"{r['floor_fraction']:.2f}",
+                _ratio(by.get((r["op"], "numpy")), t),
+                _ratio(t, by.get((r["op"], "numbaccum"))),
+            ]
+            lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
+def _default_devices() -> tuple[str, ...]:
+    """The CPU, and CUDA when a real GPU works here (not the simulator: too slow for the default)."""
+    from . import gpu
+
+    works, simulated, _ = gpu.status()
+    return ("cpu", "cuda") if works and not simulated else ("cpu",)
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="numbaccum bench", description=__doc__)
-    parser.add_argument("--workload", default=None, choices=sorted(workloads.WORKLOADS))
+    parser = argparse.ArgumentParser(
+        prog="numbaccum bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--workload", action="append", choices=sorted(workloads.WORKLOADS), help="(repeatable) default: all"
+    )
+    parser.add_argument(
+        "--op",
+        action="append",
+        choices=OPS,
+        help="(repeatable) default: all; multisteps times the mini-step and the full step",
+    )
+    parser.add_argument(
+        "--device", choices=("cpu", "cuda", "all"), help="default: the CPU, and CUDA when a GPU works"
+    )
     parser.add_argument("--repeats", type=int, default=None, help="timed calls per operation")
-    parser.add_argument("--quick", action="store_true", help="a small workload and few repeats")
+    parser.add_argument("--quick", action="store_true", help="the two small workloads, few repeats (< 1 min)")
     parser.add_argument("--json", metavar="FILE", help="also write the raw numbers here")
-    parser.add_argument("--op", action="append", choices=OPS, help="operations to time (default all)")
+    parser.add_argument("--plot", metavar="FILE.png", help="draw the comparison (needs matplotlib)")
     parser.add_argument("--no-peers", action="store_true", help="skip PyTorch and optax even if installed")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     args = parser.parse_args(argv)
-    workload = args.workload or ("many_small" if args.quick else "gpt2_small")
-    repeats = args.repeats or (4 if args.quick else 12)
-    print(f"numbaccum bench: {workload}, {repeats} repeats (warm-up first) ...", file=sys.stderr)
-    result = run(workload, repeats, tuple(args.op or OPS), not args.no_peers)
+    if args.plot:
+        from .plot import require_matplotlib
+
+        require_matplotlib()  # before minutes of timing, not after
+    if args.repeats is not None and args.repeats < 1:
+        parser.error("--repeats must be >= 1")
+    names = tuple(args.workload or (QUICK_WORKLOADS if args.quick else DEFAULT_WORKLOADS))
+    base = QUICK_REPEATS if args.quick else REPEATS
+    repeats = {w: args.repeats or base[w] for w in names}
+    if args.device == "all":
+        devices: tuple[str, ...] = DEVICES
+    elif args.device:
+        devices = (args.device,)
+    else:
+        devices = _default_devices()
+    ops = tuple(dict.fromkeys(args.op or OPS))
+    print(
+        f"numbaccum bench: {', '.join(devices)} x {', '.join(names)}; {', '.join(ops)} ...",
+        file=sys.stderr,
+        flush=True,
+    )
+    result = run(names, devices, ops, not args.no_peers, repeats, not args.no_progress)
     print(format_table(result))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
+    if args.plot:
+        from .plot import plot
+
+        plot(result, args.plot)
+        print(f"plot: {args.plot}", file=sys.stderr)
     return 0

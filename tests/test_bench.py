@@ -1,0 +1,191 @@
+"""`numbaccum bench`: the smoke run CI makes (structure, not timings), the CUDA path in the
+simulator, the table and the plot, and the NumPy baseline doing the same math as numbaccum."""
+
+import io
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import numbaccum as nba
+from numbaccum.bench import baselines, plot, runner, workloads
+
+ROW_KEYS = {"op", "impl", "median_s", "min_s", "max_s", "calls", "gbs", "floor_fraction"}
+RUN_KEYS = {"device", "workload", "n_params", "n_leaves", "per_call", "copy_floor_gbs", "rows"}
+OPS = {
+    "clip_by_global_norm",
+    "MultiSteps mini-step",
+    "full step: MultiSteps(chain(clip, adam)), emitting",
+    "ema (debias)",
+}
+
+
+def _bench(args, env=None, timeout=600):
+    return subprocess.run(
+        [sys.executable, "-m", "numbaccum", "bench", *args],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def _check_run(run, device, workload):
+    assert set(run) >= RUN_KEYS
+    assert (run["device"], run["workload"]) == (device, workload)
+    shapes = workloads.WORKLOADS[workload]()
+    assert run["n_params"] == workloads.count_params(shapes)
+    assert run["n_leaves"] == workloads.count_leaves(shapes)
+    assert run["per_call"] == (workload == "tiny")
+    assert {r["op"] for r in run["rows"]} == OPS
+    for r in run["rows"]:
+        assert set(r) >= ROW_KEYS
+        assert 0 < r["min_s"] <= r["median_s"] <= r["max_s"] and r["calls"] >= 1
+        if run["per_call"]:
+            assert r["gbs"] is None and r["floor_fraction"] is None
+        else:
+            assert r["gbs"] > 0 and r["floor_fraction"] == pytest.approx(r["gbs"] / run["copy_floor_gbs"])
+
+
+def test_quick_smoke_run_writes_the_json(tmp_path):
+    """What CI runs: ``numbaccum bench --quick --no-peers --json FILE`` (not a timed test)."""
+    out = tmp_path / "bench.json"
+    r = _bench(["--quick", "--no-peers", "--json", str(out)])
+    result = json.loads(out.read_text())
+    assert {"date", "machine", "python", "numpy", "numba", "numba_threads", "k", "runs"} <= set(result)
+    assert [(x["device"], x["workload"]) for x in result["runs"]] == [("cpu", "many_small"), ("cpu", "tiny")]
+    for run in result["runs"]:
+        _check_run(run, "cpu", run["workload"])
+        impls = {r["impl"] for r in run["rows"]}
+        expected = {"numbaccum", "numpy"} | ({"numbaccum (plain tree)"} if run["per_call"] else set())
+        assert impls == expected  # --no-peers: no torch, no optax
+    many = result["runs"][0]
+    assert many["copy_floor_gbs"] > 0
+    # The table on stdout, the progress on stderr.
+    assert "| MultiSteps mini-step | numbaccum |" in r.stdout and "median us" in r.stdout
+    assert "[1/" in r.stderr and "cpu tiny: ema, numbaccum (plain tree)" in r.stderr
+
+
+def test_cuda_path_in_the_simulator(tmp_path):
+    """``--device cuda`` on numba's simulator: the device FlatTree path, timed by wall clock."""
+    out = tmp_path / "cuda.json"
+    env = {"NUMBA_ENABLE_CUDASIM": "1", "NUMBACCUM_CUDA_THREADS": "4", "NUMBACCUM_CUDA_MAX_BLOCKS": "8"}
+    r = _bench(["--device", "cuda", "--workload", "tiny", "--repeats", "2", "--json", str(out)], env)
+    result = json.loads(out.read_text())
+    assert result["gpu"] == "the numba CUDA simulator"
+    (run,) = result["runs"]
+    _check_run(run, "cuda", "tiny")
+    assert {r["impl"] for r in run["rows"]} >= {"numbaccum"}
+    assert "cuda -- tiny" in r.stdout
+
+
+def test_device_cuda_without_a_gpu_says_so():
+    from numbaccum.bench import gpu
+
+    works, _, why = gpu.status()
+    if works:
+        pytest.skip("a CUDA device (or the simulator) works here")
+    with pytest.raises(SystemExit, match="--device cuda: "):
+        runner.main(["--device", "cuda", "--workload", "tiny", "--no-peers"])
+
+
+def _result():
+    rows = [
+        dict(op=op, impl=impl, median_s=t, min_s=t, max_s=2 * t, calls=3, gbs=g, floor_fraction=f)
+        for op, impl, t, g, f in [
+            ("clip_by_global_norm", "numbaccum", 0.010, 12.0, 0.6),
+            ("clip_by_global_norm", "numpy", 0.020, 6.0, 0.3),
+            ("clip_by_global_norm", "torch foreach", 0.040, 3.0, 0.15),
+            ("ema (debias)", "numbaccum", 0.005, 16.0, 0.8),
+        ]
+    ]
+    tiny = [
+        dict(
+            op="ema (debias)",
+            impl="numbaccum",
+            median_s=7e-6,
+            min_s=6e-6,
+            max_s=9e-6,
+            calls=5,
+            gbs=None,
+            floor_fraction=None,
+        )
+    ]
+    common = dict(n_leaves=148, copy_floor_gbs=20.0)
+    return {
+        "date": "2026-01-01",
+        "machine": "test machine",
+        "gpu": None,
+        "python": "3",
+        "numpy": "2",
+        "numba": "0",
+        "numba_threads": 2,
+        "threading_layer": "omp",
+        "peers": {"torch": "2.0"},
+        "k": 4,
+        "runs": [
+            dict(device="cpu", workload="gpt2_small", n_params=10**8, per_call=False, rows=rows, **common),
+            dict(device="cpu", workload="tiny", n_params=100, per_call=True, rows=tiny, **common),
+        ],
+    }
+
+
+def test_table_has_speedups_over_numpy_and_of_numbaccum_over_each_peer():
+    table = runner.format_table(_result())
+    assert "| clip_by_global_norm | numbaccum | 10 | 10-20 | 12.0 | 0.60 | 2.00x | 1.00x |" in table
+    assert "| clip_by_global_norm | torch foreach | 40 | 40-80 | 3.0 | 0.15 | 0.50x | 4.00x |" in table
+    assert "| ema (debias) | numbaccum | 5 | 5-10 | 16.0 | 0.80 | - | 1.00x |" in table  # no numpy row
+    assert "median us" in table and "| ema (debias) | numbaccum | 7 | 6-9 | - | - | - | 1.00x |" in table
+    assert "copy floor" in table and "torch 2.0" in table
+
+
+def test_plot_draws_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "bench.png"
+    plot.plot(_result(), str(path))
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_without_matplotlib_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
+    with pytest.raises(SystemExit, match=r"numbaccum\[bench\]"):
+        plot.require_matplotlib()
+    with pytest.raises(SystemExit, match=r"numbaccum\[bench\]"):
+        runner.main(["--plot", "x.png", "--workload", "tiny"])  # before anything is timed
+
+
+def test_progress_bar_on_a_terminal_and_lines_otherwise():
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    tty, plain = Tty(), io.StringIO()
+    for stream in (tty, plain):
+        bar = runner.Progress(4, stream)
+        for i in range(4):
+            bar.step(f"step {i}")
+        bar.close()
+    assert tty.getvalue().count("\r") == 4 and "[" + "#" * 24 + "] 4/4 step 3" in tty.getvalue()
+    assert plain.getvalue().splitlines() == [f"  [{i + 1}/4] step {i}" for i in range(4)]
+
+
+@pytest.mark.parametrize("block", [None, 3])
+def test_numpy_full_step_is_the_math_numbaccum_does(block):
+    """The NumPy baseline of the full step, MultiSteps(chain(clip_by_global_norm(1.0), adam)),
+    agrees with numbaccum's (so the benchmark compares the same work), clipping or not."""
+    shapes = {"a": (4, 3), "b": (5,), "c": ()}
+    params = workloads.make_tree(shapes, np.float32, seed=0)
+    tx = nba.MultiSteps(nba.chain(nba.clip_by_global_norm(1.0), nba.adam(baselines.LR)), 2)
+    state = tx.init(params)
+    ref = baselines.NumpyMultiStepsAdam(workloads.leaves(params), k=2, max_norm=1.0)
+    for step in range(8):
+        scale = 1.0 if step < 4 else 1e-3  # the first cycles clip, the last ones do not
+        grads = workloads.make_tree(shapes, np.float32, seed=step + 1, scale=scale)
+        u, state = tx.update(grads, state, params)
+        expected = ref.update(workloads.leaves(grads), block=block)
+        for got, want in zip(workloads.leaves(u), expected):
+            np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-7)
