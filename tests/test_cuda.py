@@ -12,6 +12,8 @@ import sys
 
 import numpy as np
 import pytest
+import strategies as strat
+from hypothesis import HealthCheck, given, settings
 
 import numbaccum as nba
 from numbaccum import cpu
@@ -315,3 +317,52 @@ def test_dpsgd_on_device_matches_cpu(momentum):
     agg = nba.differentially_private_aggregate(1e3, 1e3, seed=0)  # noise beyond float16: saturates
     u, _ = agg.update(dev({"h": np.zeros((1, 64), np.float16)}), agg.init(None))
     assert np.max(np.abs(host(u)["h"])) == np.finfo(np.float16).max
+
+
+# --- the same transformations on random trees (hypothesis), device against CPU ---------------
+
+
+# The simulator runs each CUDA thread as a Python thread: a few examples per transformation.
+EXAMPLES = int(os.environ.get("NUMBACCUM_CUDA_EXAMPLES", "5" if SIM else "25"))
+
+
+@needs_cuda
+@settings(deadline=None, max_examples=EXAMPLES, suppress_health_check=list(HealthCheck))
+@given(data=strat.tree_sequences(min_steps=1, max_steps=3))
+@pytest.mark.parametrize("name", sorted(TXS))
+def test_transformations_on_random_trees_match_cpu(name, data):
+    """Every transformation of TXS on hypothesis trees (mixed float32/float64, 0-d and size-0
+    leaves): the device agrees with the CPU, which tests/test_reference_hypothesis.py holds to the
+    NumPy reference."""
+    p, steps = data
+    tx_cpu, tx_gpu = TXS[name](), TXS[name]()
+    s_cpu, s_gpu = tx_cpu.init(p), tx_gpu.init(dev(p))
+    for g in steps:
+        u_cpu, s_cpu = tx_cpu.update(g, s_cpu, p)
+        u_gpu, s_gpu = tx_gpu.update(dev(g), s_gpu, dev(p))
+        for a, b in zip(nba.tree_flatten(host(u_gpu))[0], nba.tree_flatten(u_cpu)[0]):
+            assert a.dtype == b.dtype and a.shape == b.shape
+            close(a, b, a.dtype)
+
+
+@pytest.mark.skipif(SIM or not _cuda_usable(), reason="needs a real GPU with 30 GB free")
+def test_buffers_past_2_to_the_31_elements():
+    """int64 indices everywhere: a float32 buffer of 2**31 + 3 elements (odd: the last element
+    is the pair kernels' tail), through an accumulation, a scale and a norm."""
+    from numba import cuda
+
+    from numbaccum.cuda import kernels
+
+    n = 2**31 + 3
+    acc, g = cuda.device_array(n, np.float32), cuda.device_array(n, np.float32)
+    kernels.fill_(acc, np.float32(1.0))
+    kernels.fill_(g, np.float32(3.0))
+    kernels.mean_accumulate_(acc, g, np.float32(1), np.float32(1), np.float32(2.0), False)  # 2.0
+    kernels.scale_(g, acc, np.float32(4.0), np.float32(1.0))  # g = acc / 4 = 0.5
+    for i in (0, 2**31 - 1, 2**31, n - 1):
+        assert acc[i : i + 1].copy_to_host()[0] == 2.0, i
+        assert g[i : i + 1].copy_to_host()[0] == 0.5, i
+    assert kernels.sumsq(acc) == 4.0 * n  # exact: integers below 2**53
+    flat = nba.FlatTree.from_tree({"x": acc})
+    assert nba.global_norm(flat, squared=True) == 4.0 * n
+    del acc, g, flat
