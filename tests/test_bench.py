@@ -189,3 +189,11 @@ def test_numpy_full_step_is_the_math_numbaccum_does(block):
         expected = ref.update(workloads.leaves(grads), block=block)
         for got, want in zip(workloads.leaves(u), expected):
             np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-7)
+
+
+def test_from_json_reprints_an_earlier_run_without_timing(tmp_path, capsys):
+    path = tmp_path / "earlier.json"
+    path.write_text(json.dumps(_result()))
+    assert runner.main(["--from-json", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert out.strip() == runner.format_table(_result()).strip()

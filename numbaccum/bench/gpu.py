@@ -12,6 +12,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+NO_DEVICE = "no CUDA device or driver"
+
 
 def status() -> tuple[bool, bool, str]:
     """``(works, simulated, description)`` of the CUDA device numbaccum would use."""
@@ -21,7 +23,7 @@ def status() -> tuple[bool, bool, str]:
         return False, False, f"numba.cuda cannot be imported ({e})"
     simulated = bool(getattr(config, "ENABLE_CUDASIM", False))
     if not cuda.is_available():
-        return False, False, "no CUDA device or driver"
+        return False, False, NO_DEVICE
     from numbaccum.cuda.device import cuda_module
 
     try:

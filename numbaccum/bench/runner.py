@@ -432,7 +432,9 @@ def _default_devices() -> tuple[str, ...]:
     """The CPU, and CUDA when a real GPU works here (not the simulator: too slow for the default)."""
     from . import gpu
 
-    works, simulated, _ = gpu.status()
+    works, simulated, why = gpu.status()
+    if not works and why != gpu.NO_DEVICE:  # a GPU is there but cannot run kernels: say why
+        print(f"numbaccum bench: CUDA skipped: {why}", file=sys.stderr)
     return ("cpu", "cuda") if works and not simulated else ("cpu",)
 
 
@@ -458,11 +460,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plot", metavar="FILE.png", help="draw the comparison (needs matplotlib)")
     parser.add_argument("--no-peers", action="store_true", help="skip PyTorch and optax even if installed")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    parser.add_argument(
+        "--from-json", metavar="FILE", help="time nothing: the table (and --plot) of an earlier --json run"
+    )
     args = parser.parse_args(argv)
     if args.plot:
         from .plot import require_matplotlib
 
         require_matplotlib()  # before minutes of timing, not after
+    if args.from_json:
+        with open(args.from_json) as f:
+            return _report(json.load(f), None, args.plot)
     if args.repeats is not None and args.repeats < 1:
         parser.error("--repeats must be >= 1")
     names = tuple(args.workload or (QUICK_WORKLOADS if args.quick else DEFAULT_WORKLOADS))
@@ -481,13 +489,17 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     result = run(names, devices, ops, not args.no_peers, repeats, not args.no_progress)
+    return _report(result, args.json, args.plot)
+
+
+def _report(result: dict[str, Any], json_path: str | None, plot_path: str | None) -> int:
     print(format_table(result))
-    if args.json:
-        with open(args.json, "w") as f:
+    if json_path:
+        with open(json_path, "w") as f:
             json.dump(result, f, indent=2)
-    if args.plot:
+    if plot_path:
         from .plot import plot
 
-        plot(result, args.plot)
-        print(f"plot: {args.plot}", file=sys.stderr)
+        plot(result, plot_path)
+        print(f"plot: {plot_path}", file=sys.stderr)
     return 0
