@@ -167,6 +167,8 @@ def implementations(device: str, workload: str, peers: bool) -> list[Impl]:
     from . import gpu
 
     out = [Impl("numbaccum", lambda t: numbaccum_steps(*_flat_pair(t, True)), gpu.Clock)]
+    if gpu.status()[1]:  # the simulator: numba's own arrays only (PyTorch and JAX need a real GPU)
+        return out
     if torch_available("cuda"):  # the same device buffers seen as PyTorch tensors: torch in and out
         out.append(Impl("numbaccum (torch tensors)", _torch_views, gpu.Clock))
     if peers and torch_available("cuda"):
