@@ -655,6 +655,209 @@ def dpsgd(
 
 
 # ---------------------------------------------------------------------------
+# History-based clipping: torchzero's ClipNormByEMA, NormalizeByEMA,
+# ClipValueByEMA, ClipNormGrowth, ClipValueGrowth without its bugs
+# (declearn_torchzero.md B.6-B.9; API.md "Resolved details")
+# ---------------------------------------------------------------------------
+
+def _metrics(leaves, ord, tensorwise: bool) -> np.ndarray:
+    """One metric per leaf (over all its elements), or the metric of all leaves concatenated
+    (a 0-d array); `slice_metric` and `tree_metric` below."""
+    if tensorwise:
+        return np.array([float(slice_metric(x, ord, range(np.ndim(x))).reshape(())) for x in leaves])
+    return np.array(tree_metric(list(leaves), ord))
+
+
+def _divided(leaves, denom, tensorwise: bool) -> list:
+    """Each leaf divided by its (or the global) factor, rounded to the leaf's dtype first."""
+    d = denom if tensorwise else np.full(len(leaves), float(denom))
+    return [_arr(x / x.dtype.type(f), x.dtype) if f != 1.0 else _arr(x, x.dtype) for x, f in zip(leaves, d)]
+
+
+class EmaNormState(NamedTuple):
+    exp_avg: list
+    prev: np.ndarray
+
+
+def clip_norm_by_ema(
+    beta=0.99, ord=2, tensorwise=True, max_ema_growth=1.5, init=0.0, min_norm=1e-6, normalize=False
+) -> Transformation:
+    """``e = (1 - beta) g + beta e`` (float64 arithmetic, rounded to the leaf dtype); the EMA's
+    norm grows by at most ``max_ema_growth`` per step once there is a history (``prev > 0``);
+    ``u = g / max(1, |g| / |e|)`` (normalize: ``g / (|g| / |e|)``). A leaf with a non-finite
+    norm is left out of the EMA; a norm that is non-finite or <= 1e-12 leaves the leaf as is."""
+
+    def init_fn(params):
+        leaves = tree_leaves(params)
+        exp_avg = [np.full(np.shape(x), init, x.dtype) for x in leaves]
+        return EmaNormState(exp_avg, np.zeros(len(leaves) if tensorwise else ()))
+
+    def update(updates, state, params=None):
+        leaves, treedef = tree_flatten(updates)
+        n = _metrics(leaves, ord, tensorwise)
+        active = np.isfinite(n) if tensorwise else np.full(len(leaves), np.isfinite(n))
+        exp_avg = [
+            _arr((1.0 - beta) * np.asarray(g, np.float64) + beta * np.asarray(e, np.float64), e.dtype)
+            if a
+            else e.copy()
+            for g, e, a in zip(leaves, state.exp_avg, active)
+        ]
+        ema_norm = _metrics(exp_avg, ord, tensorwise)
+        prev = state.prev.copy()
+        with np.errstate(all="ignore"):
+            if max_ema_growth is not None:
+                allowed = np.where(prev > 0, np.maximum(prev * max_ema_growth, min_norm), np.inf)
+                over = np.isfinite(ema_norm) & (ema_norm > allowed)
+                ratio = np.where(over, ema_norm / np.where(over, allowed, 1.0), 1.0)
+                exp_avg = _divided(exp_avg, ratio, tensorwise)
+                ema_norm = np.where(over, allowed, ema_norm)
+                prev = np.where(np.isfinite(ema_norm), ema_norm, prev)
+            denom = n / np.maximum(ema_norm, 0.0)
+            if not normalize:
+                denom = np.maximum(denom, 1.0)
+            denom = np.where(np.isfinite(n) & (n > 1e-12) & np.isfinite(ema_norm), denom, 1.0)
+        out = _divided(leaves, denom, tensorwise)
+        return tree_unflatten(treedef, out), EmaNormState(exp_avg, prev)
+
+    return Transformation(init_fn, update)
+
+
+class ValueEmaState(NamedTuple):
+    count: np.int32
+    exp_avg: list
+
+
+def clip_value_by_ema(beta=0.99, init=0.0) -> Transformation:
+    """``e = (1 - beta) |g| + beta e`` in the leaf dtype (``e = |g| init`` before the first
+    step); ``u = clip(g, -e, e)``. A non-finite element keeps its ``e``."""
+
+    def init_fn(params):
+        return ValueEmaState(np.int32(0), [np.zeros(np.shape(x), x.dtype) for x in tree_leaves(params)])
+
+    def update(updates, state, params=None):
+        leaves, treedef = tree_flatten(updates)
+        fresh = int(state.count) == 0
+        out, exp_avg = [], []
+        for g, e in zip(leaves, state.exp_avg):
+            dt = e.dtype
+            a = np.abs(g)
+            start = a * _c(init, dt) if fresh else e
+            with np.errstate(all="ignore"):
+                new = _arr(_c(1.0 - beta, dt) * a + _c(beta, dt) * start, dt)
+            new = np.where(np.isfinite(g), new, e).astype(dt)
+            exp_avg.append(new)
+            out.append(_arr(np.where(g > new, new, np.where(g < -new, -new, g)), dt))
+        return tree_unflatten(treedef, out), ValueEmaState(safe_increment(state.count), exp_avg)
+
+    return Transformation(init_fn, update)
+
+
+class NormGrowthState(NamedTuple):
+    prev_norm: np.ndarray
+
+
+def clip_norm_growth(
+    add=None, mul=1.5, min_value=1e-4, max_decay=2.0, ord=2, tensorwise=True
+) -> Transformation:
+    """``allowed = min(p + add, p * mul)`` with ``p = max(prev, min_value)``; the leaf (or tree)
+    is divided by ``|g| / allowed`` when above it. ``prev`` becomes the clipped norm (or
+    ``prev / max_decay`` when the norm fell below that), floored at ``min_value``; ``prev == 0``
+    means no history (no clipping, ``prev = |g|`` unfloored). ``add = mul = None``: identity."""
+
+    def init_fn(params):
+        return NormGrowthState(np.zeros(len(tree_leaves(params)) if tensorwise else ()))
+
+    def update(updates, state, params=None):
+        leaves, treedef = tree_flatten(updates)
+        if add is None and mul is None:
+            return tree_copy(updates), state
+        n = _metrics(leaves, ord, tensorwise)
+        prev = state.prev_norm
+        with np.errstate(all="ignore"):
+            history = prev > 0
+            p = np.maximum(prev, min_value) if min_value is not None else prev
+            allowed = np.full(np.shape(prev), np.inf)
+            if add is not None:
+                allowed = p + add
+            if mul is not None:
+                allowed = np.minimum(allowed, p * mul)
+            clipped = np.isfinite(n) & history & (n > 1e-12) & (n > allowed)
+            denom = np.where(clipped, n / allowed, 1.0)
+            new = np.where(clipped, allowed, n)
+            if max_decay is not None:
+                new = np.where(history & (n / prev < 1.0 / max_decay), prev / max_decay, new)
+            if min_value is not None:
+                new = np.where(history, np.maximum(new, min_value), new)
+            new = np.where(np.isfinite(n), new, prev)
+        return tree_unflatten(treedef, _divided(leaves, denom, tensorwise)), NormGrowthState(new)
+
+    return Transformation(init_fn, update)
+
+
+class ValueGrowthState(NamedTuple):
+    prev: list
+
+
+def clip_value_growth(add=None, mul=1.5, min_value=1e-4, max_decay=2.0) -> Transformation:
+    """Element by element, in the leaf dtype (hyperparameters rounded to it): ``prev == 0`` ->
+    pass (a finite value becomes the history); else ``|u| = min(|g|, |prev| + add)``,
+    ``growth = max(|u| / max(|prev|, min_value), 1e-8)``, ``|u| = mul * max(|prev|, min_value)``
+    if ``growth > mul``; ``prev`` becomes ``prev / max_decay`` if ``growth < 1 / max_decay``
+    (compared in float64), else ``u``. A non-finite g leaves ``prev`` as it is."""
+    k_add = math.inf if add is None else add
+    k_mul = math.inf if mul is None else mul
+    k_min = 0.0 if min_value is None else min_value
+    k_decay = math.inf if max_decay is None else max_decay
+
+    def init_fn(params):
+        return ValueGrowthState([np.zeros(np.shape(x), x.dtype) for x in tree_leaves(params)])
+
+    def one(v, p, t):
+        if p == 0:
+            return v, (v if np.isfinite(v) else p)
+        a, pa = abs(v), abs(p)
+        if a - pa > t(k_add):
+            a = pa + t(k_add)
+        pm = max(pa, t(k_min))
+        growth = a / pm
+        growth = growth if growth >= 1e-8 or growth != growth else 1e-8
+        if growth > t(k_mul):
+            a = t(k_mul) * pm
+        r = np.copysign(a, v)
+        if not np.isfinite(v):
+            return r, p
+        return r, (p / t(k_decay) if float(growth) < 1.0 / float(t(k_decay)) else r)
+
+    def update(updates, state, params=None):
+        leaves, treedef = tree_flatten(updates)
+        if add is None and mul is None:
+            return tree_copy(updates), state
+        out, prev = [], []
+        with np.errstate(all="ignore"):
+            for g, p in zip(leaves, state.prev):
+                t = g.dtype.type
+                pairs = [one(t(v), t(q), t) for v, q in zip(np.ravel(g), np.ravel(p))]
+                out.append(_arr(np.reshape([r for r, _ in pairs], np.shape(g)), g.dtype))
+                prev.append(_arr(np.reshape([q for _, q in pairs], np.shape(g)), g.dtype))
+        return tree_unflatten(treedef, out), ValueGrowthState(prev)
+
+    return Transformation(init_fn, update)
+
+
+def l2_clipping(tree, max_norm: float):
+    """declearn's L2Clipping: each leaf times ``min(max_norm / |g|, 1)``; a zero (or non-finite)
+    norm leaves the leaf as it is."""
+
+    def one(x):
+        n = math.sqrt(float(np.sum(np.asarray(x, np.float64) ** 2)))
+        if not (n > 0 and math.isfinite(n)):
+            return _arr(x, x.dtype)
+        return _arr(x / x.dtype.type(max(n / max_norm, 1.0)) if max_norm > 0 else x * 0.0, x.dtype)
+
+    return tree_map(one, tree)
+
+
+# ---------------------------------------------------------------------------
 # Norm family: torchzero's ClipNorm / Normalize / Centralize with the fixes of
 # API.md (declearn_torchzero.md B.2-B.5), optax's centralize and
 # adaptive_grad_clip (optax.md 3.6, 3.7)

@@ -366,3 +366,51 @@ def test_buffers_past_2_to_the_31_elements():
     flat = nba.FlatTree.from_tree({"x": acc})
     assert nba.global_norm(flat, squared=True) == 4.0 * n
     del acc, g, flat
+
+
+# --- history-based clippers (numbaccum/adaptive.py) -----------------------------------------
+
+
+def _adaptive_txs():
+    from numbaccum.adaptive import _value_ema_transformation
+
+    return {
+        "clip_norm_by_ema": lambda: nba.clip_norm_by_ema(beta=0.5),
+        "normalize_by_ema_global": lambda: nba.normalize_by_ema(beta=0.5, tensorwise=False),
+        "clip_value_by_ema": lambda: nba.clip_value_by_ema(beta=0.5, init=1.0),
+        "clip_value_by_ema_inner_tfm": lambda: _value_ema_transformation(
+            0.5, 0.0, inner=nba.scale(2.0), exp_avg_tfm=nba.scale(0.5)
+        ),
+        "clip_norm_growth": lambda: nba.clip_norm_growth(mul=1.2),
+        "clip_value_growth": lambda: nba.clip_value_growth(add=0.5, mul=1.2),
+    }
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "clip_norm_by_ema",
+        "normalize_by_ema_global",
+        "clip_value_by_ema",
+        "clip_value_by_ema_inner_tfm",
+        "clip_norm_growth",
+        "clip_value_growth",
+    ],
+)
+def test_adaptive_on_device_match_cpu(name, dtype):
+    make = _adaptive_txs()[name]
+    tx_cpu, tx_gpu = make(), make()
+    p = params(dtype)
+    s_cpu, s_gpu = tx_cpu.init(p), tx_gpu.init(dev(p))
+    for step in range(4):
+        g = nba.tree_map(lambda x, k=step: x * dtype(1 + 2 * k), grads(step, dtype))
+        if step == 2:  # a non-finite leaf: kept out of the histories (masked segment EMA)
+            g["b"][3] = np.nan
+        u_cpu, s_cpu = tx_cpu.update(g, s_cpu, p)
+        u_gpu, s_gpu = tx_gpu.update(dev(g), s_gpu, dev(p))
+        for a, b in zip(nba.tree_flatten(host(u_gpu))[0], nba.tree_flatten(u_cpu)[0]):
+            assert a.dtype == b.dtype and a.shape == b.shape
+            np.testing.assert_array_equal(np.isnan(a), np.isnan(b))
+            close(np.nan_to_num(a), np.nan_to_num(b), dtype)
