@@ -293,6 +293,9 @@ def chain(*transforms: Any) -> GradientTransformationExtraArgs:
     ``params`` and extra keyword arguments are passed to every transformation.
     """
     txs = [with_extra_args_support(t) for t in transforms]
+    front = getattr(txs[0].update, "_chain_front", None) if len(txs) > 1 else None
+    if front is not None:  # a first stage that changes the layout (per-example DP aggregation)
+        return front(txs[1:])
 
     def init(params: Any) -> tuple:
         return tuple(t.init(params) for t in txs)

@@ -26,9 +26,10 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from . import backend
-from .base import Flow, GradientTransformationExtraArgs, ParamsRef, run_stage, state_owner
+from .accumulation import trace
+from .base import Flow, GradientTransformationExtraArgs, ParamsRef, chain, state_owner
 from .flat import FlatTree, Layout, as_flat, check_leaves, layout_of
-from .optim import sgd
+from .optim import identity, scale_by_learning_rate
 from .tree import tree_unflatten
 
 __all__ = [
@@ -390,9 +391,10 @@ def differentially_private_aggregate(
     implementation it does not defend against attacks on the low-order bits of the noise.)
 
     As in optax, the state holds only the noise key: this must be the first stage, fed per-example
-    gradients; ``MultiSteps`` and ``apply_every`` cannot wrap it (they accumulate params-shaped
-    updates). Use `dpsgd` for the whole optimizer. Updates live in a buffer this transformation
-    keeps: valid until its next ``update``.
+    gradients, and ``chain(differentially_private_aggregate(...), adam(1e-3))`` works as in optax
+    (the rest of the chain sees params-shaped updates); ``MultiSteps`` and ``apply_every`` cannot
+    wrap it (they accumulate params-shaped updates). `dpsgd` is such a chain. Updates live in a
+    buffer this transformation keeps: valid until its next ``update``.
 
     Args:
         l2_norm_clip: the per-example L2 clip ``C >= 0``.
@@ -415,6 +417,7 @@ def differentially_private_aggregate(
             out, new_state = agg.run(flat, plan, step)
         return _as_kind(out, kind), new_state
 
+    update._chain_front = lambda rest: _chain_after(agg, rest)  # type: ignore[attr-defined]
     return GradientTransformationExtraArgs(agg.init, update)
 
 
@@ -442,15 +445,29 @@ def dpsgd(
         momentum: the trace decay, or None for plain SGD.
         nesterov: Nesterov momentum.
     """
-    agg = _Aggregate(l2_norm_clip, noise_multiplier, seed)
-    inner = sgd(learning_rate, momentum, nesterov)
+    inner = [trace(momentum, nesterov) if momentum is not None else identity()]
+    return chain(
+        differentially_private_aggregate(l2_norm_clip, noise_multiplier, seed),
+        *inner,
+        scale_by_learning_rate(learning_rate),
+    )
+
+
+def _chain_after(agg: _Aggregate, rest: list[Any]) -> GradientTransformationExtraArgs:
+    """``chain(differentially_private_aggregate(...), *rest)``: the aggregate turns per-example
+    gradients into params-shaped sums, which the rest of the chain takes as its input flow (the
+    generic chain would check the per-example input against the params' layout). The state is a
+    chain's: ``(aggregate state, *rest states)``."""
+    inner = chain(*rest)
+    inner_flat = inner.update._flat  # type: ignore[attr-defined]
+    names = len(rest)
 
     def init(params: Any) -> tuple:
         return (agg.init(params), *inner.init(params))
 
     def update(updates: Any, state: Any, params: Any = None, **extra_args: Any) -> tuple[Any, tuple]:
-        if not isinstance(state, tuple) or len(state) != 3:
-            raise ValueError("state: dpsgd expects the (aggregate, trace, learning-rate) state of its init")
+        if not isinstance(state, tuple) or len(state) != names + 1:
+            raise ValueError(f"state: chain of {names + 1} transformations expects its init's state")
         flat, plan, kind, step = agg.check(updates, state[0])
         owner = state_owner(state[1:])
         if owner is not None and (owner.layout is not plan.out_layout or owner.device != flat.device):
@@ -463,14 +480,7 @@ def dpsgd(
         ref = ParamsRef(params, plan.out_layout, owner, flat.device) if params is not None else None
         with backend.launch_context(kind):
             summed, dp_state = agg.run(flat, plan, step)
-            flow, inner_state = run_stage(
-                inner,
-                Flow(summed, owned=True),
-                tuple(state[1:]),
-                ref,
-                extra_args,
-                lambda: _new_sums(flat, plan),
-            )
+            flow, inner_state = inner_flat(Flow(summed, owned=True), tuple(state[1:]), ref, extra_args)
             out = flow.settled().flat if flow.owned else flow.into(summed)
         return _as_kind(out, kind), (dp_state, *inner_state)
 

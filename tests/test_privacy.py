@@ -462,3 +462,21 @@ def test_dp_aggregate_then_multisteps_and_multisteps_cannot_wrap_dpsgd():
     with pytest.raises(ValueError, match=r"updates\['w'\]: shape \(5, 2, 3\) does not match \(2, 3\)"):
         wrapped.update(g, s, params)
     assert int(s.mini_step) == 0
+
+
+def test_dp_aggregate_chains_like_optax():
+    """chain(differentially_private_aggregate, adam): the rest of the chain takes the aggregate's
+    params-shaped output, as optax.chain does; dpsgd is such a chain (optax's 3-part state)."""
+    rng = np.random.default_rng(5)
+    p = {"w": np.zeros((3, 4), np.float32), "b": np.zeros(4, np.float64)}
+    tx = nba.chain(nba.differentially_private_aggregate(1.0, 0.5, seed=2), nba.adam(1e-2))
+    rtx = ref.chain(ref.differentially_private_aggregate(1.0, 0.5, 2), ref.adam(1e-2))
+    s, rs = tx.init(p), rtx.init(p)
+    for _ in range(3):
+        g = {"w": rng.standard_normal((6, 3, 4)).astype(np.float32), "b": rng.standard_normal((6, 4))}
+        u, s = tx.update(g, s, p)
+        ru, rs = rtx.update(g, rs, p)
+        assert_tree_close(u, ru)
+    assert len(s) == 2 and isinstance(s[0], nba.DifferentiallyPrivateAggregateState)
+    with pytest.raises(ValueError, match="updates"):  # params-shaped input: no batch to aggregate
+        tx.update(p, s, p)
