@@ -198,17 +198,17 @@ def _whole(layout: Layout) -> _Slicing:
     return _slicing(layout, ("whole",), _whole_leaf)
 
 
-def _check_dim(dim: Any, allow_global: bool = True) -> tuple[int, ...] | str | None:
-    """``dim`` as None, 'global' or a tuple of ints; ValueError otherwise."""
-    if dim is None or (allow_global and isinstance(dim, str) and dim == "global"):
+def _check_dim(dim: Any, name: str = "dim") -> tuple[int, ...] | str | None:
+    """``dim`` as None, 'global' or a tuple of ints (``axis``: no 'global'); ValueError else."""
+    if dim is None or (name == "dim" and isinstance(dim, str) and dim == "global"):
         return dim
     dims = (dim,) if not isinstance(dim, (tuple, list)) else tuple(dim)
     for d in dims:
         if isinstance(d, (bool, np.bool_)) or not isinstance(d, (int, np.integer)):
             allowed = (
-                "an int, a tuple of ints, None or 'global'" if allow_global else "an int or a tuple of ints"
+                "an int, a tuple of ints, None or 'global'" if name == "dim" else "an int or a tuple of ints"
             )
-            raise ValueError(f"dim must be {allowed}; got {dim!r}")
+            raise ValueError(f"{name} must be {allowed}; got {dim!r}")
     return tuple(int(d) for d in dims)
 
 
@@ -648,7 +648,7 @@ def centralize(dim: Any = 0, inverse_dims: bool = True, min_size: int = 2) -> Gr
 def _check_axis(axis: Any) -> tuple[int, ...] | None:
     if axis is None:
         return None
-    checked = _check_dim(axis, allow_global=False)
+    checked = _check_dim(axis, "axis")
     return checked  # type: ignore[return-value]
 
 

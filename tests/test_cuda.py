@@ -94,6 +94,11 @@ TXS = {
     "multisteps_clip_adam": lambda: nba.MultiSteps(
         nba.chain(nba.clip_by_global_norm(1.0), nba.adam(1e-2)), 2
     ),
+    "clip_norm_rows": lambda: nba.clip_norm(1.0, dim=1),
+    "normalize_std_inverse": lambda: nba.normalize(0.5, ord="std", dim=1, inverse_dims=True),
+    "normalize_global_l1": lambda: nba.normalize(2.0, ord=1, dim="global"),
+    "centralize": lambda: nba.centralize(),
+    "adaptive_grad_clip": lambda: nba.adaptive_grad_clip(0.05),
 }
 
 
@@ -414,3 +419,42 @@ def test_adaptive_on_device_match_cpu(name, dtype):
             assert a.dtype == b.dtype and a.shape == b.shape
             np.testing.assert_array_equal(np.isnan(a), np.isnan(b))
             close(np.nan_to_num(a), np.nan_to_num(b), dtype)
+
+
+# --- norm family (numbaccum/norms.py) -------------------------------------------------------
+
+
+@needs_cuda
+@pytest.mark.parametrize("block", [5, 16384])
+def test_norms_on_device_match_cpu(monkeypatch, block):
+    from numbaccum import _config, norms
+
+    p = params(np.float64)
+    p["c"] = np.random.default_rng(1).standard_normal((3, 2, 4))
+    p["h"] = np.arange(-3, 6, dtype=np.float32)
+    monkeypatch.setattr(_config, "CUDA_REDUCE_BLOCK", block)  # 5: long slices cut into items
+    flat, flat_gpu = nba.FlatTree.from_tree(p), nba.FlatTree.from_tree(dev(p))
+    for ord in (2, 1, 0, 3, 0.5, -1, np.inf, -np.inf, "mad", "std", "var", "sum"):
+        a, b = norms.leaf_norms(flat_gpu, ord), norms.leaf_norms(flat, ord)
+        np.testing.assert_allclose(a, b, rtol=1e-12, equal_nan=True, err_msg=str(ord))
+        np.testing.assert_allclose(norms.tree_norm(flat_gpu, ord), norms.tree_norm(flat, ord), rtol=1e-12)
+    for tx in (nba.clip_norm(0.3, ord=3, dim=(0, 2)), nba.centralize(dim=-1, inverse_dims=False)):
+        u_cpu, _ = tx.update(p, tx.init(p))
+        u_gpu, _ = tx.update(dev(p), tx.init(dev(p)))
+        for a, b in zip(nba.tree_flatten(host(u_gpu))[0], nba.tree_flatten(u_cpu)[0]):
+            close(a, b, b.dtype)
+
+
+@needs_cuda
+def test_norm_functions_in_place_on_device():
+    g = grads(0)
+    g_gpu = dev(g)
+    for fn, args in (
+        (nba.clip_grad_norm_, (0.5,)),
+        (nba.normalize_grads_, (2.0, 2, "global")),
+        (nba.clip_grad_value_, (0.3,)),
+    ):
+        fn(g, *args)
+        assert fn(g_gpu, *args) is g_gpu
+        for a, b in zip(nba.tree_flatten(host(g_gpu))[0], nba.tree_flatten(g)[0]):
+            close(a, b, np.float32)

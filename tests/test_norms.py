@@ -400,3 +400,26 @@ def test_chains_and_flat_trees():
     out, _ = nba.normalize(1.0, dim="global").update(flat, nba.EmptyState())
     assert isinstance(out, nba.FlatTree)
     np.testing.assert_allclose(nba.global_norm(out), 1.0, rtol=1e-6)
+
+
+def test_float16_and_mixed_dtype_leaves_keep_their_dtype():
+    tree = {
+        "h": np.array([[3.0, 4.0], [0.3, 0.4]], np.float16),
+        "f": np.array([[6.0, 8.0]], np.float32),
+        "d": np.array([[0.0, 12.0]], np.float64),
+    }
+    out = run(nba.clip_norm(1.0, dim=1), tree)
+    for k in tree:
+        assert out[k].dtype == tree[k].dtype
+    np.testing.assert_allclose(out["h"], [[0.6, 0.8], [0.3, 0.4]], rtol=1e-3)
+    np.testing.assert_allclose(out["f"], [[0.6, 0.8]], rtol=1e-7)
+    np.testing.assert_array_equal(out["d"], [[0.0, 1.0]])
+    np.testing.assert_allclose(
+        norms.leaf_norms(tree, 2), [12.0, 10.0, math.sqrt(25.25)], rtol=1e-3
+    )  # d, f, h
+    cen = run(nba.centralize(), tree)
+    np.testing.assert_allclose(cen["h"].astype(np.float64), [[-0.5, 0.5], [-0.05, 0.05]], atol=1e-3)
+    g = [np.array([3.0, 4.0], np.float16)]
+    nba.normalize_grads_(g, 1.0)
+    assert g[0].dtype == np.float16
+    np.testing.assert_allclose(g[0], [0.6, 0.8], rtol=1e-3)
