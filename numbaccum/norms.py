@@ -7,6 +7,8 @@ which dimensions are reduced; it is built once per layout and kept, as a slice t
 group (`numbaccum.cpu.slices`). A metric is then one or two segmented kernel passes over each
 group's buffer, the factors are computed on the host from the per-slice values (float64), and
 one more pass scales every slice of the group. No Python loop over leaves runs on the hot path.
+On the GPU the per-slice values come to the host (they are small: one per slice), so an update
+synchronises once.
 
 The internal API that other modules use: `check_ord`, `leaf_norms` (one value per leaf) and
 `tree_norm` (the global value).
@@ -563,7 +565,9 @@ def clip_norm(
 
     A slice whose metric is ``<= 1e-12`` or not finite is left unchanged (also for
     ``'global'``). The norms are reduced in float64 by segmented kernels, one pass per dtype
-    group, and a second pass scales every slice. Stateless.
+    group (two for ``'std'``/``'var'``), and a second pass scales every slice; on the GPU the
+    per-slice norms come to the host for the factors (one synchronisation per update).
+    Stateless.
 
     Raises:
         ValueError: negative ``max_norm``, unknown ``ord``, a bad ``dim`` or ``min_size``.
