@@ -53,12 +53,10 @@ __all__ = [
 # --- shared pieces --------------------------------------------------------------------------
 
 
-def _positive(value: Any, name: str, allow_none: bool = True, strict: bool = True) -> float | None:
-    """``value`` as a float after checking it is > 0 (>= 0 if not strict), or None if allowed."""
+def _positive(value: Any, name: str, strict: bool = True) -> float | None:
+    """None, or ``value`` as a float after checking it is > 0 (>= 0 if not strict)."""
     if value is None:
-        if allow_none:
-            return None
-        raise ValueError(f"{name} must be a number, got None")
+        return None
     v = float(value)
     if not (v > 0 if strict else v >= 0):  # NaN fails both
         raise ValueError(f"{name} must be {'>' if strict else '>='} 0, got {value!r}")
@@ -171,7 +169,9 @@ def _ema_norm_transformation(
     ord = check_ord(ord)
     tensorwise = bool(tensorwise)
     growth = _positive(max_ema_growth, "max_ema_growth")
-    min_norm = float(_positive(min_norm, "min_norm", allow_none=False, strict=False))  # type: ignore[arg-type]
+    min_norm = float(min_norm)
+    if not min_norm >= 0:  # NaN too
+        raise ValueError(f"min_norm must be >= 0, got {min_norm!r}")
     init = float(init)
     if not math.isfinite(init):
         raise ValueError(f"init must be finite, got {init!r}")

@@ -421,6 +421,37 @@ def test_adaptive_on_device_match_cpu(name, dtype):
             close(np.nan_to_num(a), np.nan_to_num(b), dtype)
 
 
+@needs_cuda
+def test_compat_faces_on_device_match_cpu():
+    from numbaccum.compat import declearn as dl
+    from numbaccum.compat import torchzero as tz
+
+    g = {"a": np.array([3.0, 4.0]), "b": np.array([0.3, 0.4], np.float32), "c": np.zeros(2)}
+    modules = (
+        dl.L2Clipping(1.0),
+        dl.L2GlobalClipping(1.0),
+        dl.EWMAModule(0.5),
+        dl.MomentumModule(0.5, nesterov=True),
+        dl.GaussianNoiseModule(0.1, safe_mode=False, seed=0),  # host draws, added on the device
+    )
+    for m in modules:
+        twin = type(m).from_config(m.get_config())
+        for _ in range(2):
+            out, want = m.run(dev(g)), twin.run(g)
+            for k in g:
+                assert hasattr(out[k], "copy_to_host") and out[k].dtype == g[k].dtype
+                close(out[k].copy_to_host(), want[k], g[k].dtype)
+    m, twin = tz.ClipNormByEMA(beta=0.5), tz.ClipNormByEMA(beta=0.5)
+    for _ in range(2):
+        m.step(dev(g))
+        twin.step(g)
+    again = tz.ClipNormByEMA(beta=0.5)
+    again.load_state_dict(m.state_dict())  # a host state dict, loaded into a device state
+    got, want = host(again.step(dev(g))), twin.step(g)
+    for k in g:
+        close(got[k], want[k], g[k].dtype)
+
+
 # --- norm family (numbaccum/norms.py) -------------------------------------------------------
 
 
