@@ -59,11 +59,14 @@ class NumpyRowClip:
             if x.ndim < 2:  # no dimension 1: unchanged
                 np.copyto(o, x)
                 continue
-            v = x.reshape(x.shape[0], x.shape[1], -1)
-            n = np.sqrt(np.einsum("ijk,ijk->ik", v, v))
+            if x.ndim == 2:  # rows: the BLAS-free but contiguous einsum reduction
+                v, n = x, np.sqrt(np.einsum("ij,ij->i", x, x))[:, None]
+            else:
+                v = x.reshape(x.shape[0], x.shape[1], -1)
+                n = np.sqrt(np.einsum("ijk,ijk->ik", v, v))[:, None, :]
             with np.errstate(divide="ignore", invalid="ignore"):
                 f = np.where(np.isfinite(n) & (n > TINY), np.minimum(1.0, self.max_norm / n), 1.0)
-            np.multiply(v, f.astype(x.dtype)[:, None, :], out=o.reshape(v.shape))
+            np.multiply(v, f.astype(x.dtype), out=o.reshape(v.shape))
         return self.out
 
 
