@@ -197,3 +197,22 @@ def test_from_json_reprints_an_earlier_run_without_timing(tmp_path, capsys):
     assert runner.main(["--from-json", str(path)]) == 0
     out = capsys.readouterr().out
     assert out.strip() == runner.format_table(_result()).strip()
+
+
+def test_rows_stop_repeating_after_their_time_budget(monkeypatch):
+    """A slow row takes at least 3 samples (2 MultiSteps cycles), then stops at ROW_SECONDS."""
+    monkeypatch.setattr(runner, "ROW_SECONDS", 0.0)
+    calls = []
+    clock = lambda step: (step(), 1.0)[1]  # noqa: E731
+    out = runner.measure(lambda: calls.append(1), "ema", clock, repeats=100, warmup=0)
+    assert [len(v) for v in out.values()] == [3]
+    out = runner.measure(lambda: None, "multisteps", clock, repeats=100, warmup=0)
+    assert len(out[runner.FULL]) == 2 and len(out[runner.MINI]) == 2 * (runner.K - 1)
+
+
+def test_peer_selection():
+    names = [i.name for i in runner.implementations("cpu", "tiny", ())]
+    assert names == ["numbaccum", "numbaccum (plain tree)", "numpy"]
+    with_optax = [i.name for i in runner.implementations("cpu", "tiny", ["optax"])]
+    assert "torch foreach" not in with_optax
+    assert ("optax jit" in with_optax) == runner.optax_available("cpu")

@@ -31,7 +31,7 @@ import platform
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -150,8 +150,13 @@ def _peer(build: Callable[..., Steps], device: str) -> Callable[[dict[str, Any]]
     return lambda t: build(t["p_leaves"], t["g_leaves"], K, CLIP_MAX_NORM, device)
 
 
-def implementations(device: str, workload: str, peers: bool) -> list[Impl]:
-    """What runs on ``device`` for ``workload`` (peers only when installed and ``peers``)."""
+PEERS = ("torch", "optax")
+
+
+def implementations(device: str, workload: str, peers: bool | Sequence[str]) -> list[Impl]:
+    """What runs on ``device`` for ``workload`` (the peers named in ``peers``, or all of them for
+    True, when installed)."""
+    peers = PEERS if peers is True else () if peers is False else tuple(peers)
     wall = lambda: _wall  # noqa: E731
     if device == "cpu":
         out = [Impl("numbaccum", lambda t: numbaccum_steps(*_flat_pair(t, False)), wall)]
@@ -159,9 +164,9 @@ def implementations(device: str, workload: str, peers: bool) -> list[Impl]:
             plain = lambda t: numbaccum_steps(t["params"], t["grads"])  # noqa: E731
             out.append(Impl("numbaccum (plain tree)", plain, wall))
         out.append(Impl("numpy", lambda t: numpy_steps(t["p_leaves"], t["g_leaves"]), wall))
-        if peers and torch_available("cpu"):
+        if "torch" in peers and torch_available("cpu"):
             out.append(Impl("torch foreach", _peer(torch_steps, "cpu"), wall))
-        if peers and optax_available("cpu"):
+        if "optax" in peers and optax_available("cpu"):
             out.append(Impl("optax jit", _peer(optax_steps, "cpu"), wall))
         return out
     from . import gpu
@@ -171,20 +176,33 @@ def implementations(device: str, workload: str, peers: bool) -> list[Impl]:
         return out
     if torch_available("cuda"):  # the same device buffers seen as PyTorch tensors: torch in and out
         out.append(Impl("numbaccum (torch tensors)", _torch_views, gpu.Clock))
-    if peers and torch_available("cuda"):
+    if "torch" in peers and torch_available("cuda"):
         out.append(Impl("torch foreach", _peer(torch_steps, "cuda"), gpu.Clock))
-    if peers and optax_available("cuda"):  # its step blocks until ready: wall time
+    if "optax" in peers and optax_available("cuda"):  # its step blocks until ready: wall time
         out.append(Impl("optax jit", _peer(optax_steps, "cuda"), lambda: gpu.Clock(wall=True)))
     return out
 
 
+# A row stops repeating once it has spent this long (with at least 3 samples): a slow peer (a
+# 2000-leaf tree converted leaf by leaf, say) would otherwise hold the whole run for minutes.
+ROW_SECONDS = 5.0
+
+
 def measure(step: Callable[[], Any], op: str, clock: Clock, repeats: int, warmup: int) -> dict:
     """``{row label: per-call seconds}``. MultiSteps: a warm-up cycle, then the mini-steps and
-    the emitting (full) steps of ``max(2, repeats // K)`` cycles timed apart."""
+    the emitting (full) steps of ``max(2, repeats // K)`` cycles timed apart. Each row takes
+    ``repeats`` samples, or fewer (at least 3; 2 cycles) once ``ROW_SECONDS`` have passed."""
+    start = time.perf_counter()
+
+    def more(samples: int, least: int) -> bool:
+        return samples < least or time.perf_counter() - start < ROW_SECONDS
+
     if op == "multisteps":
         mini: list[float] = []
         emit: list[float] = []
         for cycle in range(max(2, repeats // K) + 1):
+            if not more(cycle, 3):
+                break
             for position in range(K):
                 t = clock(step)
                 if cycle:
@@ -192,7 +210,11 @@ def measure(step: Callable[[], Any], op: str, clock: Clock, repeats: int, warmup
         return {MINI: mini, FULL: emit}
     for _ in range(warmup):
         step()
-    return {LABELS[op][0]: [clock(step) for _ in range(repeats)]}
+    start = time.perf_counter()
+    times: list[float] = []
+    while len(times) < repeats and more(len(times), 3):
+        times.append(clock(step))
+    return {LABELS[op][0]: times}
 
 
 class Progress:
@@ -328,7 +350,7 @@ def run(
     workload_names: tuple[str, ...],
     devices: tuple[str, ...],
     ops: tuple[str, ...] = OPS,
-    peers: bool = True,
+    peers: bool | Sequence[str] = True,
     repeats: dict[str, int] | None = None,
     progress: bool = True,
 ) -> dict[str, Any]:
@@ -461,6 +483,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", metavar="FILE", help="also write the raw numbers here")
     parser.add_argument("--plot", metavar="FILE.png", help="draw the comparison (needs matplotlib)")
     parser.add_argument("--no-peers", action="store_true", help="skip PyTorch and optax even if installed")
+    parser.add_argument(
+        "--peer",
+        action="append",
+        choices=PEERS,
+        help="time only this peer (repeatable; default: every installed one). optax's jit of the "
+        "2000-leaf tree takes minutes and much memory on a small machine",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     parser.add_argument(
         "--from-json", metavar="FILE", help="time nothing: the table (and --plot) of an earlier --json run"
@@ -490,7 +519,8 @@ def main(argv: list[str] | None = None) -> int:
         file=sys.stderr,
         flush=True,
     )
-    result = run(names, devices, ops, not args.no_peers, repeats, not args.no_progress)
+    peers = () if args.no_peers else (args.peer or PEERS)
+    result = run(names, devices, ops, peers, repeats, not args.no_progress)
     return _report(result, args.json, args.plot)
 
 
