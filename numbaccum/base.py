@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from . import backend
-from .flat import FlatTree, Layout, as_flat, check_leaves, host_leaves, layout_of
+from .flat import FlatTree, Layout, as_flat, check_leaves, host_leaves, layout_of, torch_runs
 from .tree import format_path, tree_flatten, tree_flatten_with_path
 
 __all__ = [
@@ -231,6 +231,8 @@ def flat_transformation(
             layout = updates.layout
         elif params is None and last[0] is not None and (checked := host_leaves(updates, last[0])):
             layout, side = last[0], False  # the same structure, shapes and dtypes as last time
+        elif params is None and last[0] is not None and torch_runs(updates, last[0]) is not None:
+            layout, side = last[0], True  # the same torch views as last time
         else:  # a stateless transformation: params (if given) define the layout
             layout = layout_of(
                 params if params is not None else updates, "params" if params is not None else "updates"
@@ -247,7 +249,7 @@ def flat_transformation(
         if params is not None:
             if not (
                 isinstance(params, FlatTree) and params.layout is layout and params.device == flat.device
-            ):
+            ) and not (flat.device and torch_runs(params, layout) is not None):  # checked cheaply
                 check_leaves(params, layout, "params", flat.device)
             ref = ParamsRef(params, layout, owner, flat.device)
         if owner is not None:

@@ -257,6 +257,40 @@ def test_framework_arrays_in_same_type_out_zero_copy(framework):
     assert ptr == ptr3
 
 
+@pytest.mark.skipif(SIM or not _cuda_usable(), reason="needs a real GPU")
+def test_torch_views_of_one_buffer_are_read_without_a_copy():
+    """A tree of torch tensors that are consecutive views of one buffer per dtype (a FlatTree's
+    ``tree_as('torch')``) is taken zero-copy with torch's cheap attributes; separate tensors,
+    a permuted view and a wrong shape take the general path (packed, or a named error)."""
+    torch = pytest.importorskip("torch")
+    from numbaccum.flat import as_flat
+
+    p = {**params(), "d": np.arange(4.0)}  # a float64 group too
+    flat = nba.FlatTree.from_tree(dev(p))
+    views = flat.tree_as("torch")
+    got, copied, kind = as_flat(views, flat.layout, "updates")
+    assert not copied and kind == "torch"
+    for d, buf in got.buffers.items():
+        assert buf.device_ctypes_pointer.value == flat.buffers[d].device_ctypes_pointer.value
+    separate = nba.tree_map(lambda x: torch.as_tensor(x, device="cuda"), p)
+    assert as_flat(separate, flat.layout, "updates")[1]  # packed
+    clip = nba.clip_by_global_norm(1.0)  # stateless: the layout of its last call, checked cheaply
+    for _ in range(2):
+        u, _ = clip.update(views, clip.init(None))
+        assert type(u["w"]).__module__.startswith("torch")
+    tx_view, tx_sep = nba.ema(0.9), nba.ema(0.9)
+    s_view, s_sep = tx_view.init(views), tx_sep.init(separate)
+    for _ in range(2):
+        u_view, s_view = tx_view.update(views, s_view, views)
+        u_sep, s_sep = tx_sep.update(separate, s_sep, separate)
+        for a, b in zip(nba.tree_flatten(u_view)[0], nba.tree_flatten(u_sep)[0]):
+            assert type(a).__module__.startswith("torch")
+            np.testing.assert_array_equal(a.cpu().numpy(), b.cpu().numpy())
+    bad = dict(views, w=views["w"].t())  # a transposed view: another shape
+    with pytest.raises(ValueError, match=r"updates\['w'\]"):
+        tx_view.update(bad, s_view)
+
+
 @needs_cuda
 def test_nan_handling_on_device_matches_cpu():
     g = grads(0)
