@@ -331,7 +331,8 @@ def _root(s: Any, f: Any, p: float) -> Any:
         return np.sqrt(s) / f
     if p == 1:
         return s / f
-    return s ** (1.0 / p) / f
+    with np.errstate(divide="ignore"):  # a zero sum under a negative p: inf, as in NumPy
+        return np.asarray(s, np.float64) ** (1.0 / p) / f
 
 
 def _slice_metric(g: Any, gs: _GroupSlices, key: float | str) -> np.ndarray:
@@ -345,7 +346,8 @@ def _slice_metric(g: Any, gs: _GroupSlices, key: float | str) -> np.ndarray:
         if key in ("var", "std"):
             mean = _raw(g, rows, "slice_sum") / n
             s, f = _power_sums(g, gs, 2.0, np.where(gs.active, mean, 0.0))
-            return np.sqrt(s / (n - 1)) / f if key == "std" else s / (n - 1) / f / f
+            q = np.where(n > 1, s / (n - 1), np.nan)  # unbiased: NaN below two elements
+            return np.sqrt(q) / f if key == "std" else q / f / f
         if key == math.inf:
             return _raw(g, rows, "slice_maxabs")
         if key == -math.inf:

@@ -880,6 +880,8 @@ def slice_metric(x, ord, axes) -> np.ndarray:
         if ord == "mad":
             return np.sum(np.abs(v), axis=axes, keepdims=True) / n
         if ord in ("std", "var"):
+            if n < 2:  # unbiased: undefined below two elements (NumPy's ddof=1, torch.std)
+                return np.full(np.sum(v, axis=axes, keepdims=True).shape, np.nan)
             d = v - np.sum(v, axis=axes, keepdims=True) / n
             var = np.sum(d * d, axis=axes, keepdims=True) / (n - 1)
             return np.sqrt(var) if ord == "std" else var
