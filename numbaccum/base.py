@@ -371,25 +371,37 @@ def apply_updates_(params: Any, updates: Any) -> Any:
     Raises:
         TypeError: a leaf is a NumPy scalar or a read-only array (it cannot change in place).
     """
-    if isinstance(params, FlatTree):
-        _apply(params, updates, params)
-        return params
-    layout = layout_of(params, "params")
-    raw, paths, _ = tree_flatten_with_path(params)
+    p, copied = writable_flat(params, "params")
+    _apply(p, updates, p)
+    if copied:
+        scatter_back(p, params, "params")
+    return params
+
+
+def writable_flat(tree: Any, name: str) -> tuple[FlatTree, bool]:
+    """``(flat, copied)``: ``tree`` as a FlatTree whose changes reach the caller's arrays -- the
+    FlatTree itself, the buffers behind a FlatTree's ``.tree``, or (``copied``) a packed copy that
+    `scatter_back` writes back. TypeError names a leaf that cannot change in place, before
+    anything is written."""
+    if isinstance(tree, FlatTree):
+        return tree, False
+    layout = layout_of(tree, name)
+    raw, paths, _ = tree_flatten_with_path(tree)
     for x, path in zip(raw, paths):
         if isinstance(x, np.generic) or (isinstance(x, np.ndarray) and not x.flags.writeable):
-            raise TypeError(
-                f"{format_path(path, 'params')}: cannot be updated in place (not a writable array)"
-            )
-    p, copied, _ = as_flat(params, layout, "params")
-    _apply(p, updates, p)
-    if copied:  # scatter back into the caller's arrays
-        for i, leaf in enumerate(check_leaves(params, layout, "params")):
-            if p.device:
-                backend.call("scale_", leaf.reshape(leaf.size), p.leaf(i).reshape(leaf.size), 1.0, 1.0)
-            else:
-                np.copyto(leaf, p.leaf(i))
-    return params
+            raise TypeError(f"{format_path(path, name)}: cannot be changed in place (not a writable array)")
+    flat, copied, _ = as_flat(tree, layout, name)
+    return flat, copied
+
+
+def scatter_back(flat: FlatTree, tree: Any, name: str) -> None:
+    """Copies each leaf of ``flat`` into the matching array of ``tree`` (separate arrays: one copy
+    per leaf is all there is to do)."""
+    for i, leaf in enumerate(check_leaves(tree, flat.layout, name)):
+        if flat.device:
+            backend.call("scale_", leaf.reshape(leaf.size), flat.leaf(i).reshape(leaf.size), 1.0, 1.0)
+        else:
+            np.copyto(leaf, flat.leaf(i))
 
 
 def copy_state(state: Any) -> Any:

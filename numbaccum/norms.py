@@ -30,11 +30,17 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from . import backend
-from .base import EmptyState, Flow, GradientTransformationExtraArgs, flat_transformation
+from .base import (
+    EmptyState,
+    Flow,
+    GradientTransformationExtraArgs,
+    flat_transformation,
+    scatter_back,
+    writable_flat,
+)
 from .cpu.kernels import sum_in_order
 from .cpu.slices import ACTIVE, NSLICES, SLEN
-from .flat import FlatTree, Layout, as_flat, check_leaves, layout_of
-from .tree import format_path, tree_flatten_with_path
+from .flat import FlatTree, Layout, as_flat, layout_of
 
 __all__ = [
     "adaptive_grad_clip",
@@ -743,25 +749,10 @@ def adaptive_grad_clip(
 def _in_place(grads: Any, run: Callable[[Flow], Flow]) -> Any:
     """Runs ``run`` on ``grads`` and writes the result back into its arrays (a FlatTree, or the
     ``.tree`` of one, is changed in its buffers with no copy)."""
-    if isinstance(grads, FlatTree):
-        flat, copied = grads, False
-    else:
-        layout = layout_of(grads, "grads")
-        raw, paths, _ = tree_flatten_with_path(grads)
-        for x, path in zip(raw, paths):
-            if isinstance(x, np.generic) or (isinstance(x, np.ndarray) and not x.flags.writeable):
-                raise TypeError(
-                    f"{format_path(path, 'grads')}: cannot be changed in place (not a writable array)"
-                )
-        flat, copied, _ = as_flat(grads, layout, "grads")
+    flat, copied = writable_flat(grads, "grads")
     result = run(Flow(flat, True)).settled()
     if copied:  # scatter back into the caller's arrays
-        for i, leaf in enumerate(check_leaves(grads, flat.layout, "grads")):
-            src = result.flat.leaf(i)
-            if flat.device:
-                backend.call("scale_", leaf.reshape(leaf.size), src.reshape(leaf.size), 1.0, 1.0)
-            else:
-                np.copyto(leaf, src)
+        scatter_back(result.flat, grads, "grads")
     return grads
 
 
