@@ -140,3 +140,25 @@ def _call_staged(name: str, args: tuple) -> Any:
         if id(args[i]) in staged:
             np.copyto(args[i], run_args[i], casting="same_kind")
     return result
+
+
+_OPS: dict[str, Any] = {}
+
+
+class _LegacyDriver:
+    """TRANSITIONAL: stands for a driver until `numbaccum.cpu.driver` / `numbaccum.cuda.driver`."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+def ops_for(x: Any) -> Any:
+    """The kernel contract (`numbaccum.contract.Ops`) for the backend that holds buffer ``x``:
+    the CPU for NumPy arrays, CUDA for device arrays."""
+    from .contract import Ops
+
+    name = "cuda" if type(x) is not np.ndarray and is_cuda_array(x) else "cpu"
+    ops = _OPS.get(name)
+    if ops is None:
+        ops = _OPS[name] = Ops(_LegacyDriver(name))
+    return ops
