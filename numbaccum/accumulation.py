@@ -23,7 +23,8 @@ from .base import (
     run_stage,
     with_extra_args_support,
 )
-from .flat import FlatTree, Layout, as_flat, check_float_dtype, layout_and_device, layout_of
+from .flat import FlatTree, as_flat, layout_and_device, layout_of
+from .layout import Layout, check_float_dtype
 
 __all__ = [
     "ApplyEvery",

@@ -34,7 +34,8 @@ from .base import (
     run_stage,
     with_extra_args_support,
 )
-from .flat import FlatTree, Layout, layout_and_device
+from .flat import FlatTree, layout_and_device
+from .layout import Layout
 from .norms import TINY, check_ord, leaf_norms, tree_norm
 
 __all__ = [

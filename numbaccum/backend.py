@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from . import _config, cpu
+from .arrays import is_cuda_array
 
 _workqueue_lock = threading.Lock()
 _NO_GUARD = contextlib.nullcontext()
@@ -38,35 +39,6 @@ def _parallel_guard() -> Any:
             return _workqueue_lock
         _guard = _workqueue_lock if layer == "workqueue" else _NO_GUARD
     return _guard
-
-
-def is_cuda_array(x: Any) -> bool:
-    """True for arrays that live on a CUDA device (without importing numba.cuda)."""
-    return hasattr(x, "__cuda_array_interface__") or type(x).__module__.startswith("numba.cuda")
-
-
-def kind_of(x: Any) -> str:
-    """Which array type the caller uses: 'numpy', 'numba', 'cupy' or 'torch'."""
-    mod = type(x).__module__
-    if mod.startswith("torch"):
-        return "torch"
-    if mod.startswith("cupy"):
-        return "cupy"
-    if isinstance(x, (np.ndarray, np.generic)):
-        return "numpy"
-    return "numba"
-
-
-STREAM_KINDS = ("cupy", "torch")  # array types whose current CUDA stream an update runs on
-
-
-def launch_context(kind: str) -> Any:
-    """Where an update's kernels go: the caller's current stream for CuPy and PyTorch arrays."""
-    if kind in STREAM_KINDS:
-        from .cuda.device import on_stream
-
-        return on_stream(kind)
-    return contextlib.nullcontext()
 
 
 def _call_cuda(name: str, args: tuple) -> Any:

@@ -16,8 +16,10 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import backend
-from .flat import FlatTree, Layout, as_flat, check_leaves, host_leaves, layout_of, torch_runs
+from . import arrays, backend
+from .arrays import torch_runs
+from .flat import FlatTree, as_flat, check_leaves, host_leaves, layout_of
+from .layout import Layout
 from .tree import format_path, tree_flatten, tree_flatten_with_path
 
 __all__ = [
@@ -257,8 +259,8 @@ def flat_transformation(
         else:
             scratch = lambda: _kept(kept, "output", layout, flat.device)  # noqa: E731
         flow = Flow(flat, copied, scratch=scratch)
-        if kind in backend.STREAM_KINDS:  # kernels go to the caller's current CUDA stream
-            with backend.launch_context(kind):
+        if kind in arrays.STREAM_KINDS:  # kernels go to the caller's current CUDA stream
+            with arrays.launch_context(kind):
                 out_flow, new_state = flat_update(flow, state, ref, extra_args)
                 out = _output(out_flow, new_state, owner, kept)
         else:

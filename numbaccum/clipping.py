@@ -18,7 +18,8 @@ from .base import (
     with_extra_args_support,
 )
 from .cpu.kernels import sum_in_order as _sequential_sum
-from .flat import FlatTree, Layout, as_flat, layout_of
+from .flat import FlatTree, as_flat, layout_of
+from .layout import Layout
 from .tree import tree_unflatten
 
 __all__ = [
@@ -92,7 +93,7 @@ def _device_factors(flat: FlatTree, max_norm: float) -> dict[np.dtype, Any] | No
     host. None for a tree with other dtypes (float16), which takes the host path."""
     if any(d not in _FACTOR_DTYPES for d in flat.group_dtypes):
         return None
-    from .cuda.device import empty
+    from .arrays import empty
 
     cache = _SCRATCH.__dict__.setdefault("by_layout", {})
     scratch = cache.get(flat.layout)

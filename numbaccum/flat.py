@@ -1,11 +1,11 @@
 """Flat parameter trees: one contiguous 1-D buffer per dtype, leaves as views into it.
 
-A `Layout` says where each leaf lives: leaves are grouped by their dtype (a *group* is what one
-kernel launch covers), each group is a run of one buffer, and an int64 offsets table gives each
-leaf's segment within its group. A `FlatTree` is a layout plus storage. Two flat trees with the
-same layout can be combined by kernels group by group even when their storage dtypes differ (a
+A `numbaccum.layout.Layout` says where each leaf lives (its dtype group and its segment within
+the group's run of a buffer); a `FlatTree` is a layout plus storage. Two flat trees with the same
+layout can be combined by kernels group by group even when their storage dtypes differ (a
 float32 accumulator for float16 gradients), which is how states mirror their params. The storage
-is NumPy arrays, or numba device arrays for a FlatTree on a CUDA device.
+is NumPy arrays, or numba device arrays for a FlatTree on a CUDA device: this module only stores
+and views; device memory, pointers, streams and the caller's array types are `numbaccum.arrays`.
 """
 
 from __future__ import annotations
@@ -16,118 +16,19 @@ from typing import Any
 
 import numpy as np
 
-from . import backend
+from . import arrays, backend
 from . import tree as _tree
-from .backend import is_cuda_array
+from .arrays import as_device_array, is_contiguous, is_cuda_array, on_device, run_view, torch_views
+from .layout import FLOATS, Layout, check_float_dtype, layout_of_leaves
 from .tree import TreeDef, format_path
 
-__all__ = ["FlatTree", "Layout"]
-
-_FLOATS = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
-
-
-def check_float_dtype(dtype: Any, what: str) -> np.dtype:
-    """The canonical float dtype for ``dtype``, or TypeError naming ``what``."""
-    try:
-        dt = np.dtype(dtype)
-    except TypeError as e:
-        raise TypeError(f"{what}: {dtype!r} is not a dtype") from e
-    if dt not in _FLOATS:
-        raise TypeError(f"{what}: dtype {dt} is not float16, float32 or float64")
-    return dt
-
-
-class Layout:
-    """Leaf shapes and their place in the flat buffers; interned, so ``is`` compares them."""
-
-    _cache: dict[tuple, Layout] = {}
-
-    treedef: TreeDef
-    shapes: tuple[tuple[int, ...], ...]
-    sizes: tuple[int, ...]
-    dtypes: tuple[np.dtype, ...]  # each leaf's dtype (the dtype that defined its group)
-    groups: tuple[tuple[int, ...], ...]  # leaf indices of each group, in leaf order
-    group_index: tuple[np.ndarray, ...]  # the same as int64 arrays
-    group_dtypes: tuple[np.dtype, ...]
-    leaf_group: tuple[int, ...]
-    leaf_start: tuple[int, ...]  # start of each leaf within its group
-    offsets: tuple[np.ndarray, ...]  # per group: int64 leaf boundaries, len = n_leaves + 1
-    group_sizes: tuple[int, ...]
-    shapes_dtypes: list[tuple[tuple[int, ...], np.dtype]]
-
-    @classmethod
-    def get(
-        cls,
-        treedef: TreeDef,
-        shapes: Sequence[tuple[int, ...]],
-        dtypes: Sequence[np.dtype],
-        group_key: Sequence[np.dtype] | None = None,
-    ) -> Layout:
-        """The layout for leaves of these shapes and dtypes, grouped by ``group_key`` (default
-        the dtypes; one key for all gives a single group)."""
-        shapes = tuple(tuple(int(d) for d in s) for s in shapes)
-        dtypes = tuple(np.dtype(d) for d in dtypes)
-        keys = tuple(np.dtype(k) for k in (group_key if group_key is not None else dtypes))
-        key = (treedef, shapes, dtypes, keys)
-        lay = cls._cache.get(key)
-        if lay is None:
-            lay = cls._cache[key] = cls(treedef, shapes, dtypes, keys)
-        return lay
-
-    def __init__(self, treedef: TreeDef, shapes: tuple, dtypes: tuple, keys: tuple) -> None:
-        self.treedef = treedef
-        self.shapes = shapes
-        self.sizes = tuple(int(np.prod(s, dtype=np.int64)) for s in shapes)
-        self.dtypes = dtypes
-        order: list[np.dtype] = []
-        for k in keys:
-            if k not in order:
-                order.append(k)
-        self.group_dtypes = tuple(order)
-        self.groups = tuple(tuple(i for i, k in enumerate(keys) if k == g) for g in order)
-        leaf_group = [0] * len(shapes)
-        leaf_start = [0] * len(shapes)
-        offsets = []
-        for gi, members in enumerate(self.groups):
-            off = np.zeros(len(members) + 1, np.int64)
-            for j, leaf in enumerate(members):
-                leaf_group[leaf] = gi
-                leaf_start[leaf] = int(off[j])
-                off[j + 1] = off[j] + self.sizes[leaf]
-            off.flags.writeable = False
-            offsets.append(off)
-        self.leaf_group = tuple(leaf_group)
-        self.leaf_start = tuple(leaf_start)
-        self.offsets = tuple(offsets)
-        self.group_index = tuple(np.array(m, np.int64) for m in self.groups)  # for fancy indexing
-        self.group_sizes = tuple(int(o[-1]) for o in offsets)
-        self._paths: list[tuple] | None = None
-        # A list, as `host_leaves` compares it with the list it builds from a tree's leaves.
-        self.shapes_dtypes = list(zip(shapes, dtypes))
-
-    @property
-    def num_leaves(self) -> int:
-        return len(self.shapes)
-
-    @property
-    def size(self) -> int:
-        return sum(self.sizes)
-
-    def path(self, leaf: int, root: str = "tree") -> str:
-        """The path of leaf number ``leaf`` as a user would index it."""
-        if self._paths is None:
-            self._paths = _tree.leaf_paths(self.treedef)
-        return format_path(self._paths[leaf], root)
-
-    def __repr__(self) -> str:
-        groups = ", ".join(f"{d}: {n}" for d, n in zip(self.group_dtypes, self.group_sizes))
-        return f"Layout({self.num_leaves} leaves, {{{groups}}})"
+__all__ = ["FlatTree", "as_flat", "layout_of", "to_device", "to_host"]
 
 
 def _as_leaf(x: Any, where: tuple, name: str) -> Any:
     """A NumPy float array, or a numba view of a CUDA float array, for a leaf; TypeError naming
     its path (``name`` + key path ``where``, formatted only for the message) otherwise."""
-    if type(x) is np.ndarray and x.dtype in _FLOATS:  # the common case, first and cheap
+    if type(x) is np.ndarray and x.dtype in FLOATS:  # the common case, first and cheap
         return x
     path = format_path(where, name)
     if isinstance(x, np.ndarray):
@@ -135,21 +36,14 @@ def _as_leaf(x: Any, where: tuple, name: str) -> Any:
     elif isinstance(x, np.generic):
         arr = np.asarray(x)
     elif is_cuda_array(x):
-        from .cuda.device import as_device_array
-
         arr = as_device_array(x)
-        if arr.dtype in _FLOATS and arr.size and not arr.is_c_contiguous():
+        if arr.dtype in FLOATS and arr.size and not is_contiguous(arr):
             raise ValueError(f"{path}: a non-contiguous CUDA array cannot be packed; pass a contiguous copy")
     else:
         raise TypeError(f"{path}: expected a NumPy or CUDA array, got {type(x).__name__}")
-    if arr.dtype not in _FLOATS:
+    if arr.dtype not in FLOATS:
         raise TypeError(f"{path}: dtype {arr.dtype} is not float16, float32 or float64")
     return arr
-
-
-def on_device(x: Any) -> bool:
-    """Whether an array (as `_as_leaf` returns it) lives on a CUDA device."""
-    return not isinstance(x, np.ndarray)
 
 
 def _same_side(leaves: Sequence[Any], paths: Sequence[tuple], name: str, device: bool | None) -> bool:
@@ -174,12 +68,6 @@ def leaves_of(tree: Any, name: str) -> tuple[list[Any], TreeDef]:
     leaves = [_as_leaf(x, p, name) for x, p in zip(raw, paths)]
     _same_side(leaves, paths, name, None)
     return leaves, td
-
-
-def _layout_of_leaves(td: TreeDef, leaves: list[Any], dtype: Any = None) -> Layout:
-    dtypes = [leaf.dtype for leaf in leaves]
-    keys = [np.dtype(dtype)] * len(leaves) if dtype is not None else None
-    return Layout.get(td, [leaf.shape for leaf in leaves], dtypes, keys)
 
 
 class FlatTree:
@@ -229,9 +117,7 @@ class FlatTree:
             starts.append(totals.get(d, 0))
             totals[d] = totals.get(d, 0) + n
         if device:
-            from .cuda.device import empty
-
-            buffers = {d: empty(n, d) for d, n in totals.items()}
+            buffers = {d: arrays.empty(n, d) for d, n in totals.items()}
         else:
             buffers = {d: np.empty(n, d) for d, n in totals.items()}
         groups = [buffers[d][s : s + n] for d, s, n in zip(gdt, starts, layout.group_sizes)]
@@ -263,7 +149,7 @@ class FlatTree:
         if isinstance(tree, FlatTree):
             tree = tree.tree
         leaves, td = leaves_of(tree, "tree")
-        layout = _layout_of_leaves(td, leaves, dtype)
+        layout = layout_of_leaves(td, leaves, dtype)
         out = cls.empty(layout, device=bool(leaves) and on_device(leaves[0]))
         out._copy_leaves_in(leaves)
         return out
@@ -296,10 +182,8 @@ class FlatTree:
         t = self._trees.get(kind)
         if t is None:
             views = [self.leaf(i) for i in range(self.layout.num_leaves)]
-            if kind in ("cupy", "torch"):
-                from .cuda.device import as_kind
-
-                views = [as_kind(v, kind) for v in views]
+            if kind in arrays.STREAM_KINDS:  # a framework's own tensors, zero-copy
+                views = [arrays.as_kind(v, kind) for v in views]
             t = self._trees[kind] = _tree.tree_unflatten(self.layout.treedef, views)
         return t
 
@@ -398,7 +282,7 @@ def check_leaves(
     raw, paths, td = _tree.tree_flatten_with_path(tree)
     _tree.check_same_structure(layout.treedef, td, name)
     if kinds is not None and raw:
-        kinds.append(backend.kind_of(raw[0]))
+        kinds.append(arrays.kind_of(raw[0]))
     leaves = [_as_leaf(x, p, name) for x, p in zip(raw, paths)]
     _same_side(leaves, paths, name, device)
     for i, (x, shape) in enumerate(zip(leaves, layout.shapes)):
@@ -426,106 +310,6 @@ def host_leaves(tree: Any, layout: Layout) -> list[np.ndarray] | None:
 _SHAPE_DTYPE = operator.attrgetter("shape", "dtype")
 
 
-def _address(x: Any) -> int | None:
-    if isinstance(x, np.ndarray):
-        return int(x.__array_interface__["data"][0])
-    from .cuda.device import data_pointer
-
-    return data_pointer(x)
-
-
-def _views_group(leaves: list[Any], layout: Layout, g: int) -> Any:
-    """The group's run of memory when its leaves are exactly consecutive views of one buffer
-    (as the ``.tree`` of a FlatTree is), else None."""
-    dt = layout.group_dtypes[g]
-    offsets = layout.offsets[g]
-    first: Any = None
-    start = 0  # address of the group's first element
-    for j, leaf in enumerate(layout.groups[g]):
-        x = leaves[leaf]
-        if x.size == 0:  # holds no data; it may be placed anywhere
-            continue
-        if first is None and isinstance(x, np.ndarray) and x.base is None:
-            return None  # owns its memory: not a view into a flat buffer (a plain tree's leaf)
-        addr = _address(x)
-        if addr is None or x.dtype != dt:
-            return None
-        if first is None:
-            first = x
-            start = addr - int(offsets[j]) * dt.itemsize
-        elif addr - start != int(offsets[j]) * dt.itemsize:
-            return None
-        if isinstance(x, np.ndarray):
-            if x.base is not first.base or not x.flags.c_contiguous:
-                return None
-        elif not x.is_c_contiguous():
-            return None
-    if first is None:
-        return None
-    n = layout.group_sizes[g]
-    if not isinstance(first, np.ndarray):
-        from .cuda.device import view_from_pointer
-
-        # The leaves sit back to back, so one view spans them; used only within this call.
-        return view_from_pointer(start, n, dt, owner=first)
-    base = first.base
-    if not isinstance(base, np.ndarray) or base.ndim != 1 or base.dtype != dt or not base.flags.c_contiguous:
-        return None
-    lo, rem = divmod(start - _address(base), dt.itemsize)  # type: ignore[operator]
-    if rem or lo < 0 or lo + n > base.size:
-        return None
-    return base[lo : lo + n]
-
-
-def _first_leaf(tree: Any) -> Any:
-    """Some leaf of ``tree`` (the first child all the way down), to tell the array type cheaply."""
-    while isinstance(tree, (dict, list, tuple)) and tree:
-        tree = next(iter(tree.values())) if isinstance(tree, dict) else tree[0]
-    return tree
-
-
-def torch_runs(tree: Any, layout: Layout) -> list[tuple[int, Any]] | None:
-    """Per dtype group, ``(address, owner)`` of its run of memory when ``tree`` is a tree of
-    PyTorch CUDA tensors of ``layout`` that sit back to back as views of one buffer per group
-    (what ``FlatTree.tree_as('torch')`` hands out), else None.
-
-    Checked with torch's own attributes, a few microseconds a leaf: converting each leaf through
-    ``__cuda_array_interface__`` costs about 50 (8 ms a call on GPT-2 small's 148 leaves). Anything
-    else (separate tensors, another structure, a wrong shape) returns None and takes the general
-    path, which packs or names what differs."""
-    if not type(_first_leaf(tree)).__module__.startswith("torch"):
-        return None
-    raw = _tree.leaves_if_structure(tree, layout.treedef)
-    if not raw:
-        return None
-    import torch
-
-    dtypes = {torch.float16: _FLOATS[0], torch.float32: _FLOATS[1], torch.float64: _FLOATS[2]}
-    runs = []
-    for g, members in enumerate(layout.groups):
-        dt, offsets = layout.group_dtypes[g], layout.offsets[g]
-        start, owner = 0, None
-        for j, leaf in enumerate(members):
-            x = raw[leaf]
-            if not isinstance(x, torch.Tensor) or not x.is_cuda or dtypes.get(x.dtype) != dt:
-                return None
-            if tuple(x.shape) != layout.shapes[leaf]:
-                return None
-            if x.numel() == 0:  # holds no data; it may be placed anywhere
-                continue
-            if not x.is_contiguous():
-                return None
-            at = int(offsets[j]) * dt.itemsize
-            if owner is None:
-                start, owner = x.data_ptr() - at, x
-            elif x.data_ptr() - start != at or x.device != owner.device:
-                return None
-        if owner is None:
-            return None
-        runs.append((start, owner))
-    return runs
-
-
 def as_flat(
     tree: Any,
     layout: Layout,
@@ -546,15 +330,9 @@ def as_flat(
     """
     if isinstance(tree, FlatTree) and tree.layout is layout and device in (None, tree.device):
         return tree, False, "flat"
-    runs = torch_runs(tree, layout) if device is not False and checked is None else None
-    if runs is not None:
-        from .cuda.device import view_from_pointer
-
-        views = [
-            view_from_pointer(a, n, d, o)
-            for (a, o), n, d in zip(runs, layout.group_sizes, layout.group_dtypes)
-        ]
-        return FlatTree(layout, views, {np.dtype(v.dtype): v for v in views}), False, "torch"
+    tviews = torch_views(tree, layout) if device is not False and checked is None else None
+    if tviews is not None:
+        return FlatTree(layout, tviews, {np.dtype(v.dtype): v for v in tviews}), False, "torch"
     kinds: list[str] = []
     if checked is not None and device is not True and not isinstance(tree, FlatTree):
         leaves, kinds = checked, ["numpy"]
@@ -565,7 +343,7 @@ def as_flat(
     if layout.num_leaves and all(layout.groups):
         views = []
         for g in range(len(layout.groups)):
-            v = _views_group(leaves, layout, g)
+            v = run_view(leaves, layout, g)
             if v is None:
                 break
             views.append(v)
@@ -589,7 +367,7 @@ def layout_and_device(tree: Any, name: str) -> tuple[Layout, bool]:
     if isinstance(tree, FlatTree):
         return tree.layout, tree.device
     leaves, td = leaves_of(tree, name)
-    return _layout_of_leaves(td, leaves), bool(leaves) and on_device(leaves[0])
+    return layout_of_leaves(td, leaves), bool(leaves) and on_device(leaves[0])
 
 
 def _moved(tree: Any, device: bool) -> Any:
@@ -598,10 +376,7 @@ def _moved(tree: Any, device: bool) -> Any:
         return src if isinstance(tree, FlatTree) else tree
     out = FlatTree.empty(src.layout, list(src.group_dtypes), device)
     for dtype, buf in src.buffers.items():  # the same layout: the buffers line up one to one
-        if device:
-            out.buffers[dtype].copy_to_device(buf)
-        else:
-            buf.copy_to_host(out.buffers[dtype])
+        arrays.copy_(out.buffers[dtype], buf)
     return out if isinstance(tree, FlatTree) else out.tree
 
 

@@ -40,7 +40,8 @@ from .base import (
 )
 from .cpu.kernels import sum_in_order
 from .cpu.slices import ACTIVE, NSLICES, SLEN
-from .flat import FlatTree, Layout, as_flat, layout_of
+from .flat import FlatTree, as_flat, layout_of
+from .layout import Layout
 
 __all__ = [
     "adaptive_grad_clip",
@@ -289,7 +290,7 @@ def unitwise_axes(shape: tuple, axis: tuple[int, ...] | None) -> frozenset:
 def _like(g: Any) -> Any:
     if isinstance(g, np.ndarray):
         return np.empty_like(g)
-    from .cuda.device import empty
+    from .arrays import empty
 
     return empty(g.size, np.dtype(g.dtype))
 

@@ -18,7 +18,8 @@ from .base import (
     chain,
     flat_transformation,
 )
-from .flat import check_float_dtype, layout_and_device
+from .flat import layout_and_device
+from .layout import check_float_dtype
 
 __all__ = [
     "ScaleByAdamState",

@@ -25,10 +25,11 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import backend
+from . import arrays, backend
 from .accumulation import trace
 from .base import Flow, GradientTransformationExtraArgs, ParamsRef, chain, state_owner
-from .flat import FlatTree, Layout, as_flat, check_leaves, layout_of
+from .flat import FlatTree, as_flat, check_leaves, layout_of
+from .layout import Layout
 from .optim import identity, scale_by_learning_rate
 from .tree import tree_unflatten
 
@@ -207,7 +208,7 @@ def per_example_global_norm_clip(grads: Any, l2_norm_clip: float) -> tuple[Any, 
     """
     clip = _check_clip(l2_norm_clip, "l2_norm_clip")
     flat, plan, kind = _per_example(grads, "grads")
-    with backend.launch_context(kind):
+    with arrays.launch_context(kind):
         mult = _global_multipliers(flat, plan, clip)
         out = _weighted_sums(flat, plan, mult, _new_sums(flat, plan))
     return _as_kind(out, kind), np.int32(np.count_nonzero(mult < 1.0))
@@ -249,7 +250,7 @@ def per_example_layer_norm_clip(
         clips = np.full(lay.num_leaves, clip * math.sqrt(1.0 / max(lay.num_leaves, 1)))
         if not uniform:
             clips = clip * np.sqrt(d / d.sum())
-    with backend.launch_context(kind):
+    with arrays.launch_context(kind):
         mult = _multipliers(np.sqrt(_squared_norms(flat, plan)), clips[:, None])
         out = _weighted_sums(flat, plan, mult, _new_sums(flat, plan))
     counts = np.count_nonzero(mult < 1.0, axis=1).astype(np.int32)
@@ -413,7 +414,7 @@ def differentially_private_aggregate(
         del extra_args
         flat, plan, kind, step = agg.check(updates, state)
         _check_params(params, plan, flat.device)
-        with backend.launch_context(kind):
+        with arrays.launch_context(kind):
             out, new_state = agg.run(flat, plan, step)
         return _as_kind(out, kind), new_state
 
@@ -478,7 +479,7 @@ def _chain_after(agg: _Aggregate, rest: list[Any]) -> GradientTransformationExtr
             )
         _check_params(params, plan, flat.device)
         ref = ParamsRef(params, plan.out_layout, owner, flat.device) if params is not None else None
-        with backend.launch_context(kind):
+        with arrays.launch_context(kind):
             summed, dp_state = agg.run(flat, plan, step)
             flow, inner_state = inner_flat(Flow(summed, owned=True), tuple(state[1:]), ref, extra_args)
             out = flow.settled().flat if flow.owned else flow.into(summed)

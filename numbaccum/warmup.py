@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from . import _config
-from .flat import check_float_dtype
+from .layout import check_float_dtype
 
 
 def _transformations() -> list[Any]:

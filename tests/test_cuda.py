@@ -182,7 +182,7 @@ def test_launches_per_update_do_not_grow_with_leaves(name):
 
 @needs_cuda
 def test_no_host_sync_in_trace_ema_clip_and_multisteps(monkeypatch):
-    from numbaccum.cuda import device
+    from numbaccum import arrays
 
     p = params()
     pf = nba.FlatTree.from_tree(dev(p))
@@ -193,7 +193,7 @@ def test_no_host_sync_in_trace_ema_clip_and_multisteps(monkeypatch):
     monkeypatch.setattr(
         array_type, "copy_to_host", lambda self, *a, **k: syncs.append(1) or real(self, *a, **k)
     )
-    monkeypatch.setattr(device, "to_host", lambda x: syncs.append(1))
+    monkeypatch.setattr(arrays, "to_host", lambda x: syncs.append(1))
     txs = (
         nba.trace(0.9),
         nba.ema(0.9),

@@ -35,12 +35,13 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from .. import backend
+from .. import arrays, backend
 from ..accumulation import ema, trace
 from ..adaptive import _divide_leaves
+from ..arrays import on_device
 from ..base import EmptyState, Flow, GradientTransformationExtraArgs, flat_transformation
 from ..clipping import clip_by_global_norm, leaf_reductions
-from ..flat import FlatTree, as_flat, layout_and_device, on_device, to_device
+from ..flat import FlatTree, as_flat, layout_and_device, to_device
 from ._state import load_plain, to_plain
 
 __all__ = [
@@ -70,7 +71,7 @@ def _check_gradients(gradients: Any) -> dict[str, Any]:
 def _fresh_copy(out: dict[str, Any], order: list[str]) -> dict[str, Any]:
     """A new dict (in ``order``) of new arrays holding the values of ``out``: one buffer per
     dtype, of the caller's array type."""
-    kind = backend.kind_of(next(iter(out.values())))
+    kind = arrays.kind_of(next(iter(out.values())))
     copied = FlatTree.from_tree(out).tree_as(kind)
     return {k: copied[k] for k in order}
 
@@ -378,7 +379,7 @@ class GaussianNoiseModule(OptiModule):
             backend.call("add_scaled_", o, g, 1.0, 1.0, z, 1.0)
             if backend.call("count_nonfinite", o) != backend.call("count_nonfinite", g):
                 _saturate(o, g)
-        kind = backend.kind_of(next(iter(grads.values())))
+        kind = arrays.kind_of(next(iter(grads.values())))
         tree = out.tree_as(kind)
         return {k: tree[k] for k in grads}
 

@@ -13,7 +13,7 @@ import numpy as np
 from numba import cuda
 
 from .. import _config
-from .device import stream
+from ..arrays import stream
 from .kernels import LAUNCHES, _block_table, _ByMode, _factor, _in, _start_device
 
 __all__ = ["abs_ema_clip_", "abs_ema_update_", "clip_by_", "growth_clip_", "segment_ema_update_"]

@@ -20,7 +20,7 @@ import numpy as np
 from numba import cuda
 
 from .. import _config
-from .device import data_pointer, stream, stream_handle
+from ..arrays import data_pointer, stream, stream_handle
 
 LAUNCHES = [0]  # kernel launches so far (tests count them per update)
 

@@ -13,7 +13,7 @@ import numpy as np
 from numba import cuda
 
 from .. import _config
-from .device import stream
+from ..arrays import stream
 from .kernels import LAUNCHES, _block_table
 
 __all__ = ["batch_weighted_sum_"]

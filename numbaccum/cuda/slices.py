@@ -17,8 +17,8 @@ import numpy as np
 from numba import cuda
 
 from .. import _config
+from ..arrays import data_pointer, stream
 from ..cpu.slices import DK, DR, FIRST, HEAD, combine_partials, items_of, slice_start
-from .device import data_pointer, stream
 from .kernels import LAUNCHES
 
 __all__ = [

@@ -1,0 +1,128 @@
+"""Layouts: where each leaf of a tree lives in the flat buffers, and the float dtypes we store.
+
+A `Layout` is pure structure (a treedef, leaf shapes and dtypes, and an int64 offsets table per
+dtype group); it holds no data and knows nothing of the device the data lives on. Leaves are
+grouped by a key (by default their dtype): a *group* is what one kernel launch covers, and the
+offsets table gives each leaf's segment within its group. Layouts are interned, so two trees of
+the same structure share one object and ``is`` compares them in a few nanoseconds on every step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from . import tree as _tree
+from .tree import TreeDef, format_path
+
+__all__ = ["FLOATS", "Layout", "check_float_dtype", "layout_of_leaves"]
+
+FLOATS = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))  # the dtypes we store
+
+
+def check_float_dtype(dtype: Any, what: str) -> np.dtype:
+    """The canonical float dtype for ``dtype``, or TypeError naming ``what``."""
+    try:
+        dt = np.dtype(dtype)
+    except TypeError as e:
+        raise TypeError(f"{what}: {dtype!r} is not a dtype") from e
+    if dt not in FLOATS:
+        raise TypeError(f"{what}: dtype {dt} is not float16, float32 or float64")
+    return dt
+
+
+class Layout:
+    """Leaf shapes and their place in the flat buffers; interned, so ``is`` compares them."""
+
+    _cache: dict[tuple, Layout] = {}
+
+    treedef: TreeDef
+    shapes: tuple[tuple[int, ...], ...]
+    sizes: tuple[int, ...]
+    dtypes: tuple[np.dtype, ...]  # each leaf's dtype (the dtype that defined its group)
+    groups: tuple[tuple[int, ...], ...]  # leaf indices of each group, in leaf order
+    group_index: tuple[np.ndarray, ...]  # the same as int64 arrays
+    group_dtypes: tuple[np.dtype, ...]
+    leaf_group: tuple[int, ...]
+    leaf_start: tuple[int, ...]  # start of each leaf within its group
+    offsets: tuple[np.ndarray, ...]  # per group: int64 leaf boundaries, len = n_leaves + 1
+    group_sizes: tuple[int, ...]
+    shapes_dtypes: list[tuple[tuple[int, ...], np.dtype]]
+
+    @classmethod
+    def get(
+        cls,
+        treedef: TreeDef,
+        shapes: Sequence[tuple[int, ...]],
+        dtypes: Sequence[np.dtype],
+        group_key: Sequence[np.dtype] | None = None,
+    ) -> Layout:
+        """The layout for leaves of these shapes and dtypes, grouped by ``group_key`` (default
+        the dtypes; one key for all gives a single group)."""
+        shapes = tuple(tuple(int(d) for d in s) for s in shapes)
+        dtypes = tuple(np.dtype(d) for d in dtypes)
+        keys = tuple(np.dtype(k) for k in (group_key if group_key is not None else dtypes))
+        key = (treedef, shapes, dtypes, keys)
+        lay = cls._cache.get(key)
+        if lay is None:
+            lay = cls._cache[key] = cls(treedef, shapes, dtypes, keys)
+        return lay
+
+    def __init__(self, treedef: TreeDef, shapes: tuple, dtypes: tuple, keys: tuple) -> None:
+        self.treedef = treedef
+        self.shapes = shapes
+        self.sizes = tuple(int(np.prod(s, dtype=np.int64)) for s in shapes)
+        self.dtypes = dtypes
+        order: list[np.dtype] = []
+        for k in keys:
+            if k not in order:
+                order.append(k)
+        self.group_dtypes = tuple(order)
+        self.groups = tuple(tuple(i for i, k in enumerate(keys) if k == g) for g in order)
+        leaf_group = [0] * len(shapes)
+        leaf_start = [0] * len(shapes)
+        offsets = []
+        for gi, members in enumerate(self.groups):
+            off = np.zeros(len(members) + 1, np.int64)
+            for j, leaf in enumerate(members):
+                leaf_group[leaf] = gi
+                leaf_start[leaf] = int(off[j])
+                off[j + 1] = off[j] + self.sizes[leaf]
+            off.flags.writeable = False
+            offsets.append(off)
+        self.leaf_group = tuple(leaf_group)
+        self.leaf_start = tuple(leaf_start)
+        self.offsets = tuple(offsets)
+        self.group_index = tuple(np.array(m, np.int64) for m in self.groups)  # for fancy indexing
+        self.group_sizes = tuple(int(o[-1]) for o in offsets)
+        self._paths: list[tuple] | None = None
+        # A list, as `host_leaves` compares it with the list it builds from a tree's leaves.
+        self.shapes_dtypes = list(zip(shapes, dtypes))
+
+    @property
+    def num_leaves(self) -> int:
+        return len(self.shapes)
+
+    @property
+    def size(self) -> int:
+        return sum(self.sizes)
+
+    def path(self, leaf: int, root: str = "tree") -> str:
+        """The path of leaf number ``leaf`` as a user would index it."""
+        if self._paths is None:
+            self._paths = _tree.leaf_paths(self.treedef)
+        return format_path(self._paths[leaf], root)
+
+    def __repr__(self) -> str:
+        groups = ", ".join(f"{d}: {n}" for d, n in zip(self.group_dtypes, self.group_sizes))
+        return f"Layout({self.num_leaves} leaves, {{{groups}}})"
+
+
+def layout_of_leaves(td: TreeDef, leaves: Sequence[Any], dtype: Any = None) -> Layout:
+    """The layout of leaves of structure ``td`` (anything with ``.shape`` and ``.dtype``): grouped
+    by leaf dtype, or all in one group of ``dtype`` when given."""
+    dtypes = [leaf.dtype for leaf in leaves]
+    keys = [np.dtype(dtype)] * len(leaves) if dtype is not None else None
+    return Layout.get(td, [leaf.shape for leaf in leaves], dtypes, keys)
