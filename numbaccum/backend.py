@@ -117,20 +117,26 @@ def _call_staged(name: str, args: tuple) -> Any:
 _OPS: dict[str, Any] = {}
 
 
-class _LegacyDriver:
-    """TRANSITIONAL: stands for a driver until `numbaccum.cpu.driver` / `numbaccum.cuda.driver`."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-
-
 def ops_for(x: Any) -> Any:
     """The kernel contract (`numbaccum.contract.Ops`) for the backend that holds buffer ``x``:
-    the CPU for NumPy arrays, CUDA for device arrays."""
+    the CPU driver for NumPy arrays, the CUDA driver for device arrays (numba.cuda is imported
+    only then, with one clear error if it cannot compile kernels here)."""
+    if type(x) is np.ndarray:
+        return _OPS.get("cpu") or _make_ops("cpu")
+    if is_cuda_array(x):
+        return _OPS.get("cuda") or _make_ops("cuda")
+    return _OPS.get("cpu") or _make_ops("cpu")
+
+
+def _make_ops(name: str) -> Any:
     from .contract import Ops
 
-    name = "cuda" if type(x) is not np.ndarray and is_cuda_array(x) else "cpu"
-    ops = _OPS.get(name)
-    if ops is None:
-        ops = _OPS[name] = Ops(_LegacyDriver(name))
+    if name == "cuda":
+        from .cuda.device import cuda_module
+
+        cuda_module()  # one clear error, once, when CUDA cannot run kernels here
+        from .cuda import driver
+    else:
+        from .cpu import driver  # type: ignore[no-redef]
+    ops = _OPS[name] = Ops(driver)
     return ops

@@ -1,0 +1,186 @@
+"""The CPU driver: compiles the formulas of `numbaccum.formulas` into numba ``@njit`` loops.
+
+For each formula it generates one loop body over an index range ``[lo, hi)`` (the buffers are
+sliced and walked from 0: a provably non-negative index lets LLVM drop numba's wraparound check
+and vectorise, measured 2x on a mean accumulate) and two drivers: a parallel one (``prange``
+over fixed chunks of ``_config.CHUNK``) and a serial one for buffers under
+``_config.SERIAL_BELOW``. ``error_model="numpy"``: a division by zero gives inf or NaN as in
+NumPy (optax's ``ema`` with ``decay = 1`` is NaN), never an exception.
+
+`map` is the one entry point of elementwise work: it casts the scalars to the compute dtype of
+the call, stages float16 buffers through float32 copies (numba has no float16 arithmetic on the
+CPU; the buffers the formula writes are copied back, rounded once), and never lets two threads
+into numba's ``workqueue`` layer at once (it aborts the process, numba#9288).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Any
+
+import numpy as np
+from numba import njit, prange
+
+from .. import _config
+from ..contract import Factor
+from ..formulas import Formula, compile_formula
+
+__all__ = ["NAME", "map_", "parallel_guard"]
+
+NAME = "cpu"
+
+_workqueue_lock = threading.Lock()
+_NO_GUARD = contextlib.nullcontext()
+_guard: Any = None  # decided after the first parallel call
+_F16 = np.dtype(np.float16)
+_AS_IS = (np.ndarray, bool, np.bool_)  # arguments passed through uncast
+_UNCAST: dict[type, frozenset] = {}  # per compute type: argument types that need no cast
+
+
+def parallel_guard() -> Any:
+    """A lock when numba fell back to the ``workqueue`` layer, which aborts the process when two
+    threads enter parallel kernels at once (numba#9288); nothing for the thread-safe omp/tbb."""
+    global _guard
+    if _guard is None:
+        import numba
+
+        try:
+            layer = numba.threading_layer()
+        except ValueError:  # no parallel kernel has run yet: be safe this once
+            return _workqueue_lock
+        _guard = _workqueue_lock if layer == "workqueue" else _NO_GUARD
+    return _guard
+
+
+def guard_for(size: int) -> Any:
+    """The guard of a call over ``size`` elements: numba is asked for its layer only after a call
+    big enough to have entered a parallel region (asking before raises, which costs more than a
+    small tree's kernel); until then, the lock."""
+    guard = _guard
+    if guard is None:
+        guard = parallel_guard() if size >= _config.SERIAL_BELOW else _workqueue_lock
+    return guard
+
+
+@njit(inline="always", error_model="numpy")
+def read(v, div, mul, scaled):  # pragma: no cover - compiled
+    """The pending factor on a read: (v / div) * mul, skipped (two divisions saved) when 1, 1."""
+    return (v / div) * mul if scaled else v
+
+
+# --- code generation --------------------------------------------------------------------------
+
+_BODY = """
+def body(lo, hi, {arrays}, div, mul, scaled, {scalars}):
+{slices}
+    for k in range(hi - lo):
+        r = fn({args})
+{stores}
+"""
+
+_DRIVERS = """
+def parallel(n, chunk, {arrays}, div, mul, scaled, {scalars}):
+    for c in prange((n + chunk - 1) // chunk):
+        body(c * chunk, min(n, (c + 1) * chunk), {arrays}, div, mul, scaled, {scalars})
+
+def serial(n, chunk, {arrays}, div, mul, scaled, {scalars}):
+    body(0, n, {arrays}, div, mul, scaled, {scalars})
+"""
+
+
+def _source(f: Formula) -> tuple[str, str]:
+    """The generated loop body and drivers of formula ``f`` (Python source)."""
+    arrays = [f"a{i}" for i in range(len(f.arrays))]
+    scalars = [f"p{i}" for i in range(len(f.scalars))] or ["_unused"]
+    ns, ni = len(f.states), len(f.inputs)
+    slices = "\n".join(f"    v{i} = {a}[lo:hi]" for i, a in enumerate(arrays))
+    reads = [f"v{i}[k]" for i in range(ns)]
+    reads += [f"read(v{ns}[k], div, mul, scaled)" if j == 0 else f"v{ns + j}[k]" for j in range(ni)]
+    args = ", ".join(reads + [f"p{i}" for i in range(len(f.scalars))])
+    written = list(f.writes)
+    if len(written) == 1:
+        stores = f"        v{written[0]}[k] = r"
+    else:
+        stores = "\n".join(f"        v{w}[k] = r[{j}]" for j, w in enumerate(written))
+    fmt = {"arrays": ", ".join(arrays), "scalars": ", ".join(scalars)}
+    body = _BODY.format(slices=slices, args=args, stores=stores, **fmt)
+    return body, _DRIVERS.format(**fmt)
+
+
+_COMPILED: dict[str, tuple[Any, Any]] = {}
+_COMPILE_LOCK = threading.Lock()
+
+
+def compiled(f: Formula) -> tuple[Any, Any]:
+    """The (parallel, serial) drivers of formula ``f``, generated once per formula."""
+    pair = _COMPILED.get(f.name)
+    if pair is None:
+        with _COMPILE_LOCK:
+            pair = _COMPILED.get(f.name)
+            if pair is None:
+                pair = _COMPILED[f.name] = _compile(f)
+    return pair
+
+
+def _compile(f: Formula) -> tuple[Any, Any]:
+    ns: dict[str, Any] = {
+        "fn": compile_formula(f.fn, njit(inline="always", error_model="numpy")),
+        "read": read,
+        "prange": prange,
+    }
+    body_src, drivers_src = _source(f)
+    exec(compile(body_src, f"<numbaccum.cpu.driver {f.name} body>", "exec"), ns)
+    ns["body"] = njit(error_model="numpy")(ns["body"])
+    exec(compile(drivers_src, f"<numbaccum.cpu.driver {f.name}>", "exec"), ns)
+    return njit(parallel=True, error_model="numpy")(ns["parallel"]), njit(error_model="numpy")(ns["serial"])
+
+
+# --- the entry point --------------------------------------------------------------------------
+
+
+def map_(f: Formula, factor: Factor, arrays: tuple, scalars: tuple) -> None:
+    """Runs formula ``f`` over ``arrays`` (its states, inputs and outputs, all of one size),
+    reading ``arrays[len(f.states)]`` through ``factor``, with ``scalars`` cast to the compute
+    dtype (bools stay bools)."""
+    dtypes = [a.dtype for a in arrays]
+    ctype = dtypes[0]
+    if dtypes.count(ctype) != len(dtypes):
+        if _F16 in set(dtypes):  # hashing first: == between dtypes is slow
+            return _staged(f, factor, arrays, scalars)
+        ctype = np.result_type(*arrays)
+    elif ctype.type is np.float16:
+        return _staged(f, factor, arrays, scalars)
+    cast = ctype.type
+    ok = _UNCAST.get(cast)
+    if ok is None:
+        ok = _UNCAST[cast] = frozenset((bool, np.bool_, cast))
+    # Python floats first: most scalars are, and they always need the cast.
+    run_scalars = [cast(s) if type(s) is float else s if type(s) in ok else cast(s) for s in scalars]
+    div, mul = factor.div, factor.mul
+    scaled = not (div == 1.0 and mul == 1.0)
+    n = arrays[0].size
+    pair = compiled(f)
+    kernel = pair[1] if n < _config.SERIAL_BELOW else pair[0]
+    guard = guard_for(n)
+    # A formula without scalars still gets one argument: the generated signature needs a name.
+    args = (n, _config.CHUNK, *arrays, cast(div), cast(mul), scaled, *(run_scalars or [False]))
+    if guard is _NO_GUARD:
+        kernel(*args)
+    else:
+        with guard:
+            kernel(*args)
+
+
+def _staged(f: Formula, factor: Factor, arrays: tuple, scalars: tuple) -> None:
+    """`map_` with float16 buffers: each computed through a float32 copy; the buffers the formula
+    writes are copied back once."""
+    staged: dict[int, np.ndarray] = {}  # id(float16 buffer) -> its float32 copy
+    for a in arrays:
+        if a.dtype == _F16 and id(a) not in staged:
+            staged[id(a)] = a.astype(np.float32)
+    run_arrays = tuple(staged.get(id(a), a) for a in arrays)
+    map_(f, factor, run_arrays, scalars)
+    for i in f.writes:
+        if id(arrays[i]) in staged:
+            np.copyto(arrays[i], run_arrays[i], casting="same_kind")

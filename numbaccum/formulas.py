@@ -1,0 +1,262 @@
+"""Every per-element formula of numbaccum, written once as plain Python; the drivers compile them.
+
+A formula is a plain function of scalars. Its `Formula` declaration says how a driver feeds it
+from flat buffers: the *states* it reads and writes back, the *inputs* it only reads (the first
+one is the gradient, read through the pending `numbaccum.contract.Factor`), the *outputs* it only
+writes, and the per-step *scalars* (cast to the buffer dtype before the call). The function takes
+``(*states, *inputs, *scalars)`` and returns the new states followed by the outputs (a tuple, or
+one value when it writes one buffer).
+
+The CPU driver (`numbaccum.cpu.driver`) compiles a formula with ``numba.njit(inline="always")``
+into a parallel loop, the CUDA driver (`numbaccum.cuda.driver`) with ``cuda.jit(device=True)``
+into a grid-stride kernel: one formula, two drivers, the same order of operations (optax's), in
+the buffer dtype. Comparisons are written so that NaN goes the documented way.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import types
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+__all__ = ["Formula", "compile_formula"]
+
+
+class Formula(NamedTuple):
+    """The declaration of an elementwise formula.
+
+    Attributes:
+        fn: ``fn(*states, *inputs, *scalars) -> (*new_states, *outputs)``, plain Python.
+        states: buffers read and written back (moments, traces, accumulators).
+        inputs: buffers only read; ``inputs[0]`` is read through the pending factor.
+        outputs: buffers only written.
+        scalars: per-step scalars, in order.
+    """
+
+    fn: Callable
+    states: tuple[str, ...]
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    scalars: tuple[str, ...]
+
+    @property
+    def name(self) -> str:
+        return self.fn.__name__
+
+    @property
+    def arrays(self) -> tuple[str, ...]:
+        """The buffer arguments in the order a driver takes them: states, inputs, outputs."""
+        return self.states + self.inputs + self.outputs
+
+    @property
+    def writes(self) -> tuple[int, ...]:
+        """Positions (in `arrays`) of the buffers the formula writes."""
+        n_in = len(self.inputs)
+        return tuple(range(len(self.states))) + tuple(
+            len(self.states) + n_in + k for k in range(len(self.outputs))
+        )
+
+
+def formula(states: tuple = (), inputs: tuple = (), outputs: tuple = (), scalars: tuple = ()) -> Callable:
+    """Declares ``fn`` as a `Formula` (the module attribute becomes the declaration)."""
+
+    def declare(fn: Callable) -> Formula:
+        return Formula(fn, tuple(states), tuple(inputs), tuple(outputs), tuple(scalars))
+
+    return declare
+
+
+def compile_formula(fn: Callable, jit: Callable[[Callable], Any]) -> Any:
+    """``fn`` compiled by ``jit`` (a driver's decorator), with every plain helper of this module
+    it may call compiled by the same ``jit``: the helpers stay plain Python here, so both drivers
+    compile the one copy."""
+    glb = dict(globals())
+    for name, helper in _helpers().items():
+        glb[name] = jit(_rebind(helper, glb))
+    return jit(_rebind(fn, glb))
+
+
+def _rebind(fn: Callable, glb: dict) -> Callable:
+    """``fn`` reading its globals from ``glb`` (numba resolves them when it compiles)."""
+    return types.FunctionType(fn.__code__, glb, fn.__name__, fn.__defaults__, fn.__closure__)
+
+
+def _helpers() -> dict[str, Callable]:
+    """The plain scalar functions of this module that formulas call (not its machinery)."""
+    machinery = {"formula", "compile_formula", "_rebind", "_helpers"}
+    return {
+        name: v
+        for name, v in globals().items()
+        if inspect.isfunction(v) and v.__module__ == __name__ and name not in machinery
+    }
+
+
+# --- helpers (compiled with the formulas that call them) -------------------------------------
+
+
+def finite(v):
+    """True for every finite value (``v - v`` is NaN for NaN and +-inf, 0 otherwise)."""
+    return v - v == 0
+
+
+def clamp(v, bound):
+    """clip(v, -bound, bound); NaN stays NaN."""
+    if v > bound:
+        return bound
+    if v < -bound:
+        return -bound
+    return v
+
+
+def next_abs_ema(e, v, one_minus_decay, decay, init, fresh):
+    """The next EMA of |v| from ``e`` (from ``|v| * init`` when fresh); ``e`` for a non-finite v:
+    one inf would otherwise disable the clipper for that element for good."""
+    if not finite(v):
+        return e
+    a = abs(v)
+    if fresh:
+        e = a * init
+    return one_minus_decay * a + decay * e
+
+
+# --- the formulas ----------------------------------------------------------------------------
+
+
+@formula(outputs=("x",), scalars=("value",))
+def fill(value):
+    """x = value."""
+    return value
+
+
+@formula(inputs=("x",), outputs=("out",))
+def scale(x):
+    """out = x (the pending factor does the scaling; with none, a copy)."""
+    return x
+
+
+@formula(inputs=("x", "y"), outputs=("out",), scalars=("s",))
+def add_scaled(x, y, s):
+    """out = x + s * y."""
+    return x + s * y
+
+
+@formula(inputs=("x",), outputs=("out",), scalars=("max_delta",))
+def clip(x, max_delta):
+    """out = clip(x, -max_delta, max_delta); NaN stays NaN."""
+    return clamp(x, max_delta)
+
+
+@formula(inputs=("x",), outputs=("out",))
+def zero_nans(x):
+    """out = 0 where x is NaN, else x (inf is kept)."""
+    return x if x == x else 0.0  # stored in the buffer's dtype: exact
+
+
+@formula(states=("trace",), inputs=("g",), outputs=("out",), scalars=("decay", "nesterov"))
+def trace(trace, g, decay, nesterov):
+    """t = g + decay * trace; trace = t; out = g + decay * t if nesterov else t."""
+    t = g + decay * trace
+    return t, (g + decay * t if nesterov else t)
+
+
+@formula(
+    states=("ema",), inputs=("g",), outputs=("out",), scalars=("one_minus_decay", "decay", "bias_correction")
+)
+def ema(ema, g, one_minus_decay, decay, bias_correction):
+    """e = (1 - decay) * g + decay * ema; ema = e; out = e / bias_correction (optax's rounding)."""
+    e = one_minus_decay * g + decay * ema
+    return e, e / bias_correction
+
+
+@formula(states=("acc",), inputs=("g",), scalars=("count", "fresh"))
+def mean_accumulate(acc, g, count, fresh):
+    """acc = acc + (g - acc) / count (Welford); g + 0 when fresh (then acc == 0 and count == 1:
+    0 + (g - 0) / 1 == g + 0 exactly, -0 becomes +0, and acc need not be read)."""
+    return g + 0 if fresh else acc + (g - acc) / count
+
+
+@formula(states=("acc",), inputs=("g",), scalars=("fresh",))
+def sum_accumulate(acc, g, fresh):
+    """acc = g + acc; g + 0 when fresh (acc == 0)."""
+    return g + 0 if fresh else g + acc
+
+
+@formula(
+    states=("mu", "nu"),
+    inputs=("g",),
+    outputs=("out",),
+    scalars=("b1", "one_minus_b1", "b2", "one_minus_b2", "bc1", "bc2", "eps", "eps_root", "out_mul"),
+)
+def adam(mu, nu, g, b1, one_minus_b1, b2, one_minus_b2, bc1, bc2, eps, eps_root, out_mul):
+    """mu = (1 - b1) g + b1 mu; nu = (1 - b2) g^2 + b2 nu;
+    out = ((mu / bc1) / (sqrt(nu / bc2 + eps_root) + eps)) * out_mul (``out_mul``: adam's -lr
+    fused into the pass; the product rounds as a separate scaling pass would)."""
+    m = one_minus_b1 * g + b1 * mu
+    v = one_minus_b2 * (g * g) + b2 * nu
+    return m, v, ((m / bc1) / (math.sqrt(v / bc2 + eps_root) + eps)) * out_mul
+
+
+@formula(
+    states=("ema",),
+    inputs=("g",),
+    outputs=("out",),
+    scalars=("one_minus_decay", "decay", "init", "fresh"),
+)
+def abs_ema_clip(ema, g, one_minus_decay, decay, init, fresh):
+    """ema = EMA of |g| (`next_abs_ema`); out = clip(g, -ema, ema)."""
+    e = next_abs_ema(ema, g, one_minus_decay, decay, init, fresh)
+    return e, clamp(g, e)
+
+
+@formula(states=("ema",), inputs=("g",), scalars=("one_minus_decay", "decay", "init", "fresh"))
+def abs_ema(ema, g, one_minus_decay, decay, init, fresh):
+    """ema = EMA of |g| (`next_abs_ema`)."""
+    return next_abs_ema(ema, g, one_minus_decay, decay, init, fresh)
+
+
+@formula(inputs=("x", "bound"), outputs=("out",))
+def clip_by(x, bound):
+    """out = clip(x, -bound, bound) with a bound per element; NaN stays NaN."""
+    return clamp(x, bound)
+
+
+@formula(
+    states=("prev",),
+    inputs=("g",),
+    outputs=("out",),
+    scalars=("add", "max_growth", "min_value", "max_decay"),
+)
+def growth_clip(prev, g, add, max_growth, min_value, max_decay):
+    """torchzero's ClipValueGrowth: ``|out| <= min(|prev| + add, max_growth * max(|prev|,
+    min_value))`` with g's sign; prev becomes ``prev / max_decay`` if the growth was below
+    ``1 / max_decay``, else out. ``prev == 0`` is no history: g passes and becomes the history
+    (a 0 keeps waiting). A non-finite g is clipped (NaN stays NaN) and leaves prev as it is."""
+    if prev == 0:
+        return (g if finite(g) else prev), g
+    a = abs(g)
+    pa = abs(prev)
+    if a - pa > add:
+        a = pa + add
+    pm = max(pa, min_value)
+    growth = max(a / pm, 1e-8)  # torchzero's floor, measured after the additive clip
+    if growth > max_growth:
+        a = max_growth * pm
+    r = math.copysign(a, g)
+    if not finite(g):
+        return prev, r
+    if growth < 1.0 / max_decay:  # the history shrinks by at most max_decay per step
+        return prev / max_decay, r
+    return r, r
+
+
+def clip_factor(norm, max_norm):
+    """clip_by_global_norm's pending factor ``(div, mul)`` for a global L2 ``norm``: ``(1, 1)``
+    below ``max_norm`` (strict), ``(1, 0)`` at a zero norm (then ``max_norm == 0`` too: zeros,
+    not 0 / 0), else ``(norm, max_norm)``; a NaN norm gives ``(NaN, max_norm)`` (NaN updates)."""
+    if norm < max_norm:
+        return 1.0, 1.0
+    if norm == 0.0:
+        return 1.0, 0.0
+    return norm, max_norm

@@ -1,0 +1,149 @@
+"""The kernel contract: every formula compiled by both drivers, every Ops method declared once.
+
+The reference for a formula is the formula itself, run as plain Python on NumPy scalars of the
+buffer dtype, element by element: the drivers must compile exactly that. (Plain Python evaluates
+``math.sqrt`` and ``math.copysign`` in float64, so float32 results may differ in the last place.)
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+
+import numpy as np
+import pytest
+
+from numbaccum import contract, formulas
+from numbaccum.backend import ops_for
+from numbaccum.contract import ONE, Factor, Ops
+from numbaccum.cpu import driver as cpu_driver
+
+FORMULAS = [v for v in vars(formulas).values() if isinstance(v, formulas.Formula)]
+BOOLS = {"nesterov", "fresh"}
+SIM = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
+
+
+def _inputs(f, n, dtype, seed):
+    rng = np.random.default_rng(seed)
+    arrays = []
+    for name in f.arrays:
+        a = rng.standard_normal(n).astype(dtype)
+        if name == "nu":
+            a = np.abs(a)  # a second moment is never negative
+        if name in f.states:
+            a[::5] = 0  # growth_clip's "no history" and exact zeros
+        arrays.append(a)
+    if n >= 8 and f.inputs:
+        first = arrays[len(f.states)]
+        first[1], first[3], first[6] = np.nan, np.inf, -np.inf
+    scalars = []
+    for k, name in enumerate(f.scalars):
+        scalars.append(bool((seed + k) % 2) if name in BOOLS else float(rng.uniform(0.1, 1.0)))
+    return arrays, scalars
+
+
+def _reference(f, factor, arrays, scalars):
+    """The plain-Python formula over every element, in the arrays' dtype."""
+    out = [a.copy() for a in arrays]
+    ns = len(f.states)
+    ctype = np.result_type(*arrays)
+    cast = ctype.type
+    sc = [s if isinstance(s, bool) else cast(s) for s in scalars]
+    with np.errstate(all="ignore"):
+        for i in range(arrays[0].size if arrays else 0):
+            vals = [cast(a[i]) for a in arrays[: ns + len(f.inputs)]]
+            if f.inputs and not factor.is_one:
+                vals[ns] = (vals[ns] / cast(factor.div)) * cast(factor.mul)
+            r = f.fn(*vals, *sc)
+            r = r if isinstance(r, tuple) else (r,)
+            for k, w in enumerate(f.writes):
+                out[w][i] = r[k]
+    return out
+
+
+def _assert_same(got, ref, dtype):
+    assert np.array_equal(np.isnan(got), np.isnan(ref))
+    ok = ~np.isnan(ref)
+    np.testing.assert_array_max_ulp(got[ok], ref[ok].astype(got.dtype), maxulp=1)
+
+
+@pytest.mark.parametrize("f", FORMULAS, ids=lambda f: f.name)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("factor", [ONE, Factor(3.0, 0.5)], ids=["one", "factor"])
+def test_cpu_driver_compiles_the_formula(f, dtype, factor):
+    n = 37
+    arrays, scalars = _inputs(f, n, dtype, seed=3)
+    if not f.inputs and not factor.is_one:
+        pytest.skip("a formula without inputs reads no factor")
+    ref = _reference(f, factor, arrays, scalars)
+    cpu_driver.map_(f, factor, tuple(arrays), tuple(scalars))
+    for w in f.writes:
+        _assert_same(arrays[w], ref[w], dtype)
+
+
+@pytest.mark.parametrize("f", FORMULAS, ids=lambda f: f.name)
+def test_cpu_parallel_and_serial_give_the_same_bits(f):
+    n = (1 << 16) + 5  # past SERIAL_BELOW: the parallel driver
+    a1, s = _inputs(f, n, np.float32, seed=5)
+    a2 = [a.copy() for a in a1]
+    cpu_driver.map_(f, ONE, tuple(a1), tuple(s))
+    serial = cpu_driver.compiled(f)[1]
+    div, mul = np.float32(1), np.float32(1)
+    cast = [x if isinstance(x, bool) else np.float32(x) for x in s] or [False]
+    serial(n, 1 << 15, *a2, div, mul, False, *cast)
+    for w in f.writes:
+        assert a1[w].tobytes() == a2[w].tobytes()
+
+
+@pytest.mark.parametrize("f", FORMULAS, ids=lambda f: f.name)
+def test_float16_buffers_are_staged_and_written_back(f):
+    a16, s = _inputs(f, 9, np.float16, seed=7)
+    a32 = [a.astype(np.float32) for a in a16]
+    cpu_driver.map_(f, ONE, tuple(a16), tuple(s))
+    cpu_driver.map_(f, ONE, tuple(a32), tuple(s))
+    for w in f.writes:  # written buffers: computed in float32, rounded once
+        np.testing.assert_array_equal(a16[w], a32[w].astype(np.float16))
+    for i in set(range(len(f.arrays))) - set(f.writes):  # read-only buffers untouched
+        np.testing.assert_array_equal(a16[i].astype(np.float32), a32[i])
+
+
+def test_every_formula_is_reached_by_exactly_one_ops_method():
+    used = {}
+    for name, method in inspect.getmembers(Ops, inspect.isfunction):
+        src = inspect.getsource(method)
+        for f in FORMULAS:
+            if f"F.{f.name}," in src:
+                used.setdefault(f.name, []).append(name)
+    assert sorted(used) == sorted(f.name for f in FORMULAS)
+    assert all(len(v) == 1 for v in used.values()), used
+
+
+def test_writes_are_derived_from_the_declaration():
+    assert formulas.adam.writes == (0, 1, 3)  # mu, nu, out (g is read only)
+    assert formulas.clip_by.writes == (2,)
+    assert formulas.fill.writes == (0,)
+    assert formulas.mean_accumulate.writes == (0,)
+
+
+def test_ops_for_picks_the_cpu_for_numpy_buffers():
+    ops = ops_for(np.zeros(3, np.float32))
+    assert isinstance(ops, contract.Ops)
+    assert ops.driver is cpu_driver
+
+
+@pytest.mark.skipif(not SIM, reason="CUDA driver checked in the simulator (CI's CUDA pass) or on a GPU")
+@pytest.mark.parametrize("f", FORMULAS, ids=lambda f: f.name)
+def test_cuda_driver_compiles_the_same_formula(f):
+    from numba import cuda
+
+    from numbaccum.cuda import driver as cuda_driver
+
+    for n in (0, 1, 6, 9):  # even and odd: float32 pairs and the odd tail
+        arrays, scalars = _inputs(f, n, np.float32, seed=n)
+        host = [a.copy() for a in arrays]
+        dev = [cuda.to_device(a) for a in arrays]
+        factor = Factor(2.0, 0.5) if f.inputs else ONE
+        cpu_driver.map_(f, factor, tuple(host), tuple(scalars))
+        cuda_driver.map_(f, factor, tuple(dev), tuple(scalars))
+        for w in f.writes:
+            _assert_same(dev[w].copy_to_host(), host[w], np.float32)
