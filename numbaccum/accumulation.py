@@ -2,7 +2,8 @@
 
 States are NamedTuples with optax's field names; fields that mirror params are `FlatTree`s
 updated in place (the state passed in is consumed), counters are NumPy int32 scalars that
-saturate at the int32 maximum like optax's ``safe_increment``.
+saturate at the int32 maximum like optax's ``safe_increment``. Each transformation is a `Stage`:
+its plan checks the state and computes the step's scalars, its step runs the kernels.
 """
 
 from __future__ import annotations
@@ -14,15 +15,18 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import backend
+from .backend import ops_for
 from .base import (
-    Flow,
     GradientTransformationExtraArgs,
     ParamsRef,
-    flat_transformation,
-    run_stage,
+    Spec,
+    Stage,
+    Step,
+    Updates,
+    as_stage,
     with_extra_args_support,
 )
+from .contract import ONE, tree_sumsq
 from .flat import FlatTree, as_flat, layout_and_device, layout_of
 from .layout import Layout, check_float_dtype
 
@@ -78,22 +82,49 @@ def bias_correction(decay: float, count: int, dtype: np.dtype) -> Any:
 _BC_CONSTS: dict[tuple[float, Any], tuple[Any, Any]] = {}
 
 
-def compute_dtype(*arrays: np.ndarray) -> np.dtype:
-    dt = np.result_type(*arrays)
-    return np.dtype(np.float32) if dt == np.float16 else dt
+def compute_dtype(*arrays: Any) -> np.dtype:
+    """The dtype a kernel computes in for these arrays (or dtypes): float16 computes in float32."""
+    dt = _COMPUTE.get(arrays)
+    if dt is None:
+        dt = np.result_type(*arrays)
+        dt = np.dtype(np.float32) if dt == np.float16 else np.dtype(dt)
+        if all(isinstance(a, np.dtype) for a in arrays):  # dtypes are hashable and few: keep them
+            _COMPUTE[arrays] = dt
+    return dt
 
 
-def expect_state(state: Any, cls: type, field: str, layout: Layout) -> FlatTree:
-    """The FlatTree field of a state, after checking its type and layout."""
+_COMPUTE: dict[tuple, np.dtype] = {}
+
+
+def expect_state(
+    state: Any, cls: type, field: str, layout: Layout | Spec, device: bool | None = None
+) -> FlatTree:
+    """The FlatTree field of a state, after checking the state's type, the field's layout and
+    (with a `Spec`, or ``device``) its device. Raises before anything is written."""
+    if isinstance(layout, Spec):
+        layout, device = layout.layout, layout.device
     if not isinstance(state, cls):
         raise TypeError(f"state: expected {cls.__name__}, got {type(state).__name__}")
     flat = getattr(state, field)
     if not isinstance(flat, FlatTree) or flat.layout is not layout:
         raise ValueError(f"state.{field}: its layout does not match the updates ({layout})")
+    if device is not None and flat.device != device:
+        where = "a CUDA device" if flat.device else "the host"
+        raise ValueError(f"state.{field}: it lives on {where}, the updates do not")
     return flat
 
 
-def zeros_output(owner: FlatTree, layout: Layout) -> Flow:
+def field_owner(state: Any, cls: type, field: str) -> FlatTree | None:
+    """``state.<field>`` when ``state`` is a ``cls`` holding a FlatTree there (a stage's
+    declared workspace owner), else None."""
+    if isinstance(state, cls):
+        flat = getattr(state, field)
+        if isinstance(flat, FlatTree):
+            return flat
+    return None
+
+
+def zeros_output(owner: FlatTree, layout: Layout) -> Updates:
     """A read-only zero tree kept by ``owner``: returned on steps that emit nothing."""
     ws = owner._workspaces.get("zeros")
     if ws is None:
@@ -102,7 +133,7 @@ def zeros_output(owner: FlatTree, layout: Layout) -> Flow:
             for g in ws.groups:
                 g.flags.writeable = False
         ws._readonly = True
-    return Flow(ws, owned=False, returnable=True)
+    return Updates(ws, owned=False, returnable=True)
 
 
 # --- trace ----------------------------------------------------------------------------------
@@ -112,6 +143,36 @@ class TraceState(NamedTuple):
     """Holds the trace of past updates."""
 
     trace: FlatTree
+
+
+class _Trace(Stage):
+    """`trace` as a stage: its state's ``trace`` owns the workspaces."""
+
+    def __init__(self, decay: float, nesterov: bool, accumulator_dtype: Any) -> None:
+        self.decay = check_decay(decay)
+        self.nesterov = bool(nesterov)
+        if accumulator_dtype is not None:
+            check_float_dtype(accumulator_dtype, "accumulator_dtype")
+        self.accumulator_dtype = accumulator_dtype
+
+    def init(self, params: Any) -> TraceState:
+        layout, device = layout_and_device(params, "params")
+        return TraceState(FlatTree.zeros(layout, acc_dtypes(layout, self.accumulator_dtype), device))
+
+    def owner(self, state: Any) -> FlatTree | None:
+        return field_owner(state, TraceState, "trace")
+
+    def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
+        tr = expect_state(state, TraceState, "trace", spec)
+        decay, nesterov = self.decay, self.nesterov
+
+        def run(u: Updates) -> tuple[Updates, TraceState]:
+            out = tr.workspace("out", spec.layout.group_dtypes)
+            for t, g, o in zip(tr.groups, u.flat.groups, out.groups):
+                ops_for(g).trace_update_(t, g, u.factor, decay, nesterov, o)
+            return Updates(out, owned=True), TraceState(tr)
+
+        return Step(run)
 
 
 def trace(
@@ -128,24 +189,7 @@ def trace(
     Returns:
         A transformation with state `TraceState`. Updates keep each leaf's dtype.
     """
-    decay = check_decay(decay)
-    nesterov = bool(nesterov)
-    if accumulator_dtype is not None:
-        check_float_dtype(accumulator_dtype, "accumulator_dtype")
-
-    def init(params: Any) -> TraceState:
-        layout, device = layout_and_device(params, "params")
-        return TraceState(FlatTree.zeros(layout, acc_dtypes(layout, accumulator_dtype), device))
-
-    def flat_update(flow: Flow, state: Any, params: ParamsRef | None, extra: dict) -> tuple[Flow, TraceState]:
-        layout = flow.flat.layout
-        tr = expect_state(state, TraceState, "trace", layout)
-        out = tr.workspace("out", list(layout.group_dtypes))
-        for t, g, o in zip(tr.groups, flow.flat.groups, out.groups):
-            backend.call("trace_update_", t, g, flow.div, flow.mul, decay, nesterov, o)
-        return Flow(out, owned=True), TraceState(tr)
-
-    return flat_transformation(init, flat_update)
+    return _Trace(decay, nesterov, accumulator_dtype).transformation()
 
 
 # --- ema ------------------------------------------------------------------------------------
@@ -156,6 +200,47 @@ class EmaState(NamedTuple):
 
     count: np.int32  # type: ignore[assignment]  # shadows tuple.count, as in optax
     ema: FlatTree
+
+
+class _Ema(Stage):
+    """`ema` as a stage: the plan computes the count and each group's bias correction."""
+
+    def __init__(self, decay: float, debias: bool, accumulator_dtype: Any) -> None:
+        self.decay = check_decay(decay)
+        self.one_minus = 1.0 - self.decay
+        self.debias = bool(debias)
+        if accumulator_dtype is not None:
+            check_float_dtype(accumulator_dtype, "accumulator_dtype")
+        self.accumulator_dtype = accumulator_dtype
+
+    def init(self, params: Any) -> EmaState:
+        layout, device = layout_and_device(params, "params")
+        return EmaState(
+            np.int32(0), FlatTree.zeros(layout, acc_dtypes(layout, self.accumulator_dtype), device)
+        )
+
+    def owner(self, state: Any) -> FlatTree | None:
+        return field_owner(state, EmaState, "ema")
+
+    def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
+        avg = expect_state(state, EmaState, "ema", spec)
+        count = safe_increment(state.count)
+        decay, one_minus = self.decay, self.one_minus
+        if self.debias:
+            bcs = [
+                bias_correction(decay, int(count), compute_dtype(e.dtype, gdt))
+                for e, gdt in zip(avg.groups, spec.layout.group_dtypes)
+            ]
+        else:
+            bcs = [1.0] * len(avg.groups)
+
+        def run(u: Updates) -> tuple[Updates, EmaState]:
+            out = avg.workspace("out", spec.layout.group_dtypes)
+            for e, g, o, bc in zip(avg.groups, u.flat.groups, out.groups, bcs):
+                ops_for(g).ema_update_(e, g, u.factor, one_minus, decay, bc, o)
+            return Updates(out, owned=True), EmaState(count, avg)
+
+        return Step(run)
 
 
 def ema(decay: float, debias: bool = True, accumulator_dtype: Any = None) -> GradientTransformationExtraArgs:
@@ -174,26 +259,7 @@ def ema(decay: float, debias: bool = True, accumulator_dtype: Any = None) -> Gra
     Returns:
         A transformation with state `EmaState`. Updates keep each leaf's dtype.
     """
-    decay = check_decay(decay)
-    one_minus = 1.0 - decay
-    if accumulator_dtype is not None:
-        check_float_dtype(accumulator_dtype, "accumulator_dtype")
-
-    def init(params: Any) -> EmaState:
-        layout, device = layout_and_device(params, "params")
-        return EmaState(np.int32(0), FlatTree.zeros(layout, acc_dtypes(layout, accumulator_dtype), device))
-
-    def flat_update(flow: Flow, state: Any, params: ParamsRef | None, extra: dict) -> tuple[Flow, EmaState]:
-        layout = flow.flat.layout
-        avg = expect_state(state, EmaState, "ema", layout)
-        count = safe_increment(state.count)
-        out = avg.workspace("out", layout.group_dtypes)
-        for e, g, o in zip(avg.groups, flow.flat.groups, out.groups):
-            bc = bias_correction(decay, int(count), compute_dtype(e, g)) if debias else 1.0
-            backend.call("ema_update_", e, g, flow.div, flow.mul, one_minus, decay, bc, o)
-        return Flow(out, owned=True), EmaState(count, avg)
-
-    return flat_transformation(init, flat_update)
+    return _Ema(decay, debias, accumulator_dtype).transformation()
 
 
 # --- apply_every ----------------------------------------------------------------------------
@@ -206,6 +272,37 @@ class ApplyEvery(NamedTuple):
     grad_acc: FlatTree
 
 
+class _ApplyEvery(Stage):
+    """`apply_every` as a stage: the plan decides whether this step emits."""
+
+    def __init__(self, k: int) -> None:
+        self.k = _check_k(k, "k")
+
+    def init(self, params: Any) -> ApplyEvery:
+        layout, device = layout_and_device(params, "params")
+        return ApplyEvery(np.int32(0), FlatTree.zeros(layout, None, device))
+
+    def owner(self, state: Any) -> FlatTree | None:
+        return field_owner(state, ApplyEvery, "grad_acc")
+
+    def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
+        acc = expect_state(state, ApplyEvery, "grad_acc", spec)
+        k = self.k
+        c = int(state.count) % k
+        count = np.int32(int(safe_increment(state.count)) % k)
+        layout = spec.layout
+
+        def run(u: Updates) -> tuple[Updates, ApplyEvery]:
+            for a, g in zip(acc.groups, u.flat.groups):
+                ops_for(g).sum_accumulate_(a, g, u.factor, c == 0)
+            if c != k - 1:
+                return zeros_output(acc, layout), ApplyEvery(count, acc)
+            out = Updates(acc, owned=False).into(acc.workspace("out", list(layout.group_dtypes)))
+            return Updates(out, owned=True), ApplyEvery(count, acc)
+
+        return Step(run)
+
+
 def apply_every(k: int = 1) -> GradientTransformationExtraArgs:
     """Sums ``k`` steps of updates and emits the sum every ``k``-th step, zeros otherwise.
 
@@ -213,25 +310,7 @@ def apply_every(k: int = 1) -> GradientTransformationExtraArgs:
     ``count % k == k - 1``. Unlike optax, a step that emits nothing returns exact zeros and a new
     cycle starts from exact zeros, so a NaN does not survive into the next cycle.
     """
-    k = _check_k(k, "k")
-
-    def init(params: Any) -> ApplyEvery:
-        layout, device = layout_and_device(params, "params")
-        return ApplyEvery(np.int32(0), FlatTree.zeros(layout, None, device))
-
-    def flat_update(flow: Flow, state: Any, params: ParamsRef | None, extra: dict) -> tuple[Flow, ApplyEvery]:
-        layout = flow.flat.layout
-        acc = expect_state(state, ApplyEvery, "grad_acc", layout)
-        c = int(state.count) % k
-        for a, g in zip(acc.groups, flow.flat.groups):
-            backend.call("sum_accumulate_", a, g, flow.div, flow.mul, c == 0)
-        count = np.int32(int(safe_increment(state.count)) % k)
-        if c != k - 1:
-            return zeros_output(acc, layout), ApplyEvery(count, acc)
-        out = Flow(acc, owned=False).into(acc.workspace("out", list(layout.group_dtypes)))
-        return Flow(out, owned=True), ApplyEvery(count, acc)
-
-    return flat_transformation(init, flat_update)
+    return _ApplyEvery(k).transformation()
 
 
 def _check_k(k: Any, name: str) -> int:
@@ -245,15 +324,15 @@ def _check_k(k: Any, name: str) -> int:
 # --- skip predicates ------------------------------------------------------------------------
 
 
-def _flow_of(updates: Any) -> Flow:
+def _updates_of(updates: Any) -> Updates:
     if isinstance(updates, FlatTree):
-        return Flow(updates, owned=False)
-    return Flow(as_flat(updates, layout_of(updates, "updates"), "updates")[0], owned=False)
+        return Updates(updates, owned=False)
+    return Updates(as_flat(updates, layout_of(updates, "updates"), "updates")[0], owned=False)
 
 
-def _skip_not_finite_flat(flow: Flow, gradient_step: Any, params: Any) -> tuple[np.bool_, dict]:
-    flow = flow.settled()
-    n = sum(backend.call("count_nonfinite", g) for g in flow.flat.groups)
+def _skip_not_finite_flat(u: Updates, gradient_step: Any, params: Any) -> tuple[np.bool_, dict]:
+    u = u.settled()
+    n = sum(ops_for(g).count_nonfinite(g) for g in u.flat.groups)
     skip = np.bool_(n > 0)
     return skip, {"should_skip": skip, "num_not_finite": np.int32(min(n, _INT32_MAX))}
 
@@ -264,16 +343,14 @@ def skip_not_finite(updates: Any, gradient_step: Any, params: Any) -> tuple[np.b
     Returns:
         ``(should_skip, {"should_skip", "num_not_finite"})``.
     """
-    return _skip_not_finite_flat(_flow_of(updates), gradient_step, params)
+    return _skip_not_finite_flat(_updates_of(updates), gradient_step, params)
 
 
 def _skip_large_flat(
-    flow: Flow, gradient_step: Any, params: Any, max_squared_norm: float
+    u: Updates, gradient_step: Any, params: Any, max_squared_norm: float
 ) -> tuple[np.bool_, dict]:
-    flow = flow.settled()
-    norm_sq = 0.0
-    for g in flow.flat.groups:
-        norm_sq += backend.call("sumsq", g)
+    u = u.settled()
+    norm_sq = tree_sumsq(u.flat)  # the one squared global norm: global_norm's bits
     skip = np.bool_(not norm_sq < float(max_squared_norm))
     return skip, {"should_skip": skip, "norm_squared": np.float64(norm_sq)}
 
@@ -287,22 +364,26 @@ def skip_large_updates(
     Returns:
         ``(should_skip, {"should_skip", "norm_squared"})``; the squared norm is float64.
     """
-    return _skip_large_flat(_flow_of(updates), gradient_step, params, max_squared_norm)
+    return _skip_large_flat(_updates_of(updates), gradient_step, params, max_squared_norm)
 
 
-skip_not_finite._flat = _skip_not_finite_flat  # type: ignore[attr-defined]
-skip_large_updates._flat = _skip_large_flat  # type: ignore[attr-defined]
+# Our predicates, evaluated on the flat buffers (pending factor included) instead of a tree.
+FLAT_SKIP_PREDICATES: dict[Callable[..., Any], Callable[..., Any]] = {
+    skip_not_finite: _skip_not_finite_flat,
+    skip_large_updates: _skip_large_flat,
+}
 
 
-def _call_skip(fn: Callable, flow: Flow, gradient_step: Any, params: ParamsRef | None) -> tuple[Any, Any]:
-    """Evaluates a skip predicate, on the flat buffers when it is one of ours."""
+def _call_skip(fn: Callable, u: Updates, gradient_step: Any, params: ParamsRef | None) -> tuple[Any, Any]:
+    """Evaluates a skip predicate, on the flat buffers when it is one of ours (also bound with
+    ``functools.partial`` keywords)."""
     target, kwargs = fn, {}
     if isinstance(fn, functools.partial) and not fn.args:
         target, kwargs = fn.func, dict(fn.keywords)
-    flat = getattr(target, "_flat", None)
+    flat = FLAT_SKIP_PREDICATES.get(target)
     if flat is not None:
-        return flat(flow, gradient_step, params, **kwargs)
-    tree = flow.settled().flat.tree
+        return flat(u, gradient_step, params, **kwargs)
+    tree = u.settled().flat.tree
     return fn(tree, gradient_step, params.raw if params is not None else None)
 
 
@@ -331,7 +412,7 @@ def _default_acc_dtype(dt: np.dtype) -> np.dtype:
     return np.dtype(np.float64) if dt == np.float64 else np.dtype(np.float32)
 
 
-class MultiSteps:
+class MultiSteps(Stage):
     """Gradient accumulation: runs ``opt`` on the mean (or sum) of every ``k`` mini-batches.
 
     Each mini-step updates ``acc = acc + (g - acc) / (mini_step + 1)`` (mean, Welford) or
@@ -343,6 +424,11 @@ class MultiSteps:
     (optax returns ``0 * inner_update``, which can be ``-0.0`` or NaN); the accumulator is reset
     to exact zeros on emission, so a NaN in one cycle does not stick forever; and the inner
     optimizer runs only on emitting steps (optax runs it every mini-step and discards the result).
+
+    An update is all or nothing: the schedule is called and, on an emitting step, the inner
+    optimizer planned (its state, params and schedules checked) before the gradient is added.
+    A ``should_skip_update_fn`` of your own runs on the updates just before they are added; if
+    it raises, nothing of this state has changed.
 
     Args:
         opt: the inner transformation.
@@ -367,12 +453,12 @@ class MultiSteps:
         else:
             self._k = _check_k(every_k_schedule, "every_k_schedule")
         self._opt = with_extra_args_support(opt)
+        self._inner = as_stage(self._opt)
         self._mean = bool(use_grad_mean)
         self._skip = should_skip_update_fn
         self._acc_dtype = (
             None if accumulator_dtype is None else check_float_dtype(accumulator_dtype, "accumulator_dtype")
         )
-        self._tx = flat_transformation(self.init, self._flat_update)
 
     @property
     def inner_opt(self) -> GradientTransformationExtraArgs:
@@ -388,14 +474,8 @@ class MultiSteps:
         if self._skip is not None:
             zeros = FlatTree.zeros(layout, None, device)
             ref = ParamsRef(params, layout, None, device)
-            _, skip_state = _call_skip(self._skip, Flow(zeros, owned=False), np.int32(0), ref)
+            _, skip_state = _call_skip(self._skip, Updates(zeros, owned=False), np.int32(0), ref)
         return MultiStepsState(np.int32(0), np.int32(0), self._opt.init(params), acc, skip_state)
-
-    def update(
-        self, updates: Any, state: MultiStepsState, params: Any = None, **extra_args: Any
-    ) -> tuple[Any, MultiStepsState]:
-        """Accumulates ``updates``; returns the inner update on emitting steps, else zeros."""
-        return self._tx.update(updates, state, params, **extra_args)
 
     def has_updated(self, state: MultiStepsState) -> bool:
         """True right after an emitting step (optax: ``mini_step == 0 and gradient_step > 0``)."""
@@ -403,7 +483,10 @@ class MultiSteps:
 
     def gradient_transformation(self) -> GradientTransformationExtraArgs:
         """This MultiSteps as a GradientTransformation ``(init, update)``."""
-        return self._tx
+        return self.transformation()
+
+    def owner(self, state: Any) -> FlatTree | None:
+        return field_owner(state, MultiStepsState, "acc_grads")
 
     def _schedule(self, gradient_step: np.int32) -> int:
         if not callable(self._k):
@@ -419,54 +502,58 @@ class MultiSteps:
             )
         return k_int
 
-    def _flat_update(
-        self, flow: Flow, state: Any, params: ParamsRef | None, extra: dict
-    ) -> tuple[Flow, MultiStepsState]:
-        layout = flow.flat.layout
-        acc = expect_state(state, MultiStepsState, "acc_grads", layout)
+    def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
+        """Checks the state, calls ``every_k_schedule`` and, when this mini-step emits, plans the
+        inner optimizer on the accumulator (in the updates' dtypes)."""
+        acc = expect_state(state, MultiStepsState, "acc_grads", spec)
+        layout = spec.layout
         k = self._schedule(state.gradient_step)
         mini = int(state.mini_step)
-        skip_state = state.skip_state
-        if self._skip is not None:
-            skip, skip_state = _call_skip(self._skip, flow, state.gradient_step, params)
-            if np.ndim(skip) != 0 or np.asarray(skip).dtype != np.bool_:
-                raise ValueError(f"should_skip_update_fn must return a bool scalar, got {skip!r}")
-            if bool(skip):
-                return zeros_output(acc, layout), state._replace(skip_state=skip_state)
-        fresh = mini == 0
-        for a, g in zip(acc.groups, flow.flat.groups):
-            if self._mean:
-                backend.call("mean_accumulate_", a, g, flow.div, flow.mul, mini + 1, fresh)
-            else:
-                backend.call("sum_accumulate_", a, g, flow.div, flow.mul, fresh)
-        if mini < k - 1:
-            new = MultiStepsState(
-                np.int32(mini + 1), state.gradient_step, state.inner_opt_state, acc, skip_state
-            )
-            return zeros_output(acc, layout), new
-        # Emission: the inner optimizer sees acc in the updates' dtypes and may overwrite it
-        # (it is zeroed below); its result is moved out of acc first if it still lives there.
-        inner_in = self._as_update_dtypes(acc, layout)
-        out, inner_state = run_stage(
-            self._opt,
-            Flow(inner_in, owned=True),
-            state.inner_opt_state,
-            params,
-            extra,
-            lambda: acc.workspace("inner", list(layout.group_dtypes)),
-        )
-        if out.flat is acc or out.flat is inner_in:
-            out = Flow(out.into(acc.workspace("emit", list(layout.group_dtypes))), owned=True)
-        for a in acc.groups:
-            backend.call("fill_", a, 0.0)
-        new = MultiStepsState(np.int32(0), safe_increment(state.gradient_step), inner_state, acc, skip_state)
-        return out, new
+        gradient_step = state.gradient_step
+        emits = mini >= k - 1
+        inner = self._inner.plan(spec, state.inner_opt_state, params, extra) if emits else None
+        next_gradient_step = safe_increment(gradient_step) if emits else gradient_step
+        skip_fn, mean, fresh = self._skip, self._mean, mini == 0
 
-    @staticmethod
-    def _as_update_dtypes(acc: FlatTree, layout: Layout) -> FlatTree:
-        if acc.group_dtypes == layout.group_dtypes:
-            return acc
-        cast = acc.workspace("cast", list(layout.group_dtypes))
-        for dst, src in zip(cast.groups, acc.groups):
-            backend.call("scale_", dst, src, 1.0, 1.0)
-        return cast
+        def run(u: Updates) -> tuple[Updates, MultiStepsState]:
+            skip_state = state.skip_state
+            if skip_fn is not None:
+                skip, skip_state = _call_skip(skip_fn, u, gradient_step, params)
+                if np.ndim(skip) != 0 or np.asarray(skip).dtype != np.bool_:
+                    raise ValueError(f"should_skip_update_fn must return a bool scalar, got {skip!r}")
+                if bool(skip):
+                    return zeros_output(acc, layout), state._replace(skip_state=skip_state)
+            for a, g in zip(acc.groups, u.flat.groups):
+                if mean:
+                    ops_for(g).mean_accumulate_(a, g, u.factor, mini + 1, fresh)
+                else:
+                    ops_for(g).sum_accumulate_(a, g, u.factor, fresh)
+            if inner is None:
+                new = MultiStepsState(
+                    np.int32(mini + 1), gradient_step, state.inner_opt_state, acc, skip_state
+                )
+                return zeros_output(acc, layout), new
+            # Emission: the inner optimizer sees acc in the updates' dtypes and may overwrite it
+            # (it is zeroed below); its result is moved out of acc first if it still lives there.
+            inner_in = _as_update_dtypes(acc, layout)
+            out, inner_state = inner.run(
+                Updates(
+                    inner_in, owned=True, scratch=lambda: acc.workspace("inner", list(layout.group_dtypes))
+                )
+            )
+            if out.flat is acc or out.flat is inner_in:
+                out = Updates(out.into(acc.workspace("emit", list(layout.group_dtypes))), owned=True)
+            for a in acc.groups:
+                ops_for(a).fill_(a, 0.0)
+            return out, MultiStepsState(np.int32(0), next_gradient_step, inner_state, acc, skip_state)
+
+        return Step(run)
+
+
+def _as_update_dtypes(acc: FlatTree, layout: Layout) -> FlatTree:
+    if acc.group_dtypes == layout.group_dtypes:
+        return acc
+    cast = acc.workspace("cast", list(layout.group_dtypes))
+    for dst, src in zip(cast.groups, acc.groups):
+        ops_for(src).scale_(dst, src, ONE)
+    return cast

@@ -1,23 +1,36 @@
-"""The optax protocol over flat buffers: GradientTransformation, chain, apply_updates.
+"""The optax protocol over flat buffers: GradientTransformation, stages, chain, apply_updates.
 
-Every numbaccum transformation is an optax-style ``(init, update)`` pair. Inside, it also has a
-*flat* update that takes and returns a `Flow`: the updates as a `FlatTree`, whether the buffer
-may be overwritten in place, and a pending ``(g / div) * mul`` factor that the next kernel
-applies while it reads ``g`` (so ``clip_by_global_norm`` costs no pass of its own). `chain` and
-`MultiSteps` pass flows from stage to stage; the public ``update`` converts a user tree into a
-flow once on the way in and back once on the way out.
+Every numbaccum transformation is an optax-style ``(init, update)`` pair whose ``update`` is the
+bound method of a `Stage`. A stage updates in two phases, so that a failed call changes nothing:
+
+1. ``plan(spec, state, params, extra) -> Step`` (host only, writes nothing): validates the state
+   against the updates' `Spec` (layout and device), checks params and extra arguments, calls
+   schedules and computes every per-step scalar (bias corrections, learning rates, counts).
+2. ``Step.run(updates) -> (updates, new_state)``: runs the kernels. It may decide on values it
+   reads (a clip's norm, a skip predicate) but raises nothing a plan could have caught.
+
+`Stage.update` converts the user's tree into `Updates` once, plans the whole stage (a `chain`
+plans every one of its stages before it runs any), then runs it and hands the result back in the
+caller's form. `Updates` carry a pending `Factor` ``(flat / div) * mul`` that the next kernel
+applies while it reads the buffer, so ``clip_by_global_norm`` costs no pass of its own.
+
+Workspaces are explicit: a stage names the FlatTree of its state that owns its scratch buffers
+(`Stage.owner`); a stateless stage keeps its own, per layout, device and thread (`Stage.kept`).
 """
 
 from __future__ import annotations
 
+import abc
 import threading
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
 
-from . import arrays, backend
+from . import arrays
 from .arrays import torch_runs
+from .backend import ops_for
+from .contract import ONE, Factor
 from .flat import FlatTree, as_flat, check_leaves, host_leaves, layout_of
 from .layout import Layout
 from .tree import format_path, tree_flatten, tree_flatten_with_path
@@ -54,10 +67,16 @@ class EmptyState(NamedTuple):
 def with_extra_args_support(tx: Any) -> GradientTransformationExtraArgs:
     """Wraps ``tx`` so that its ``update`` accepts and drops unknown keyword arguments.
 
-    Returns ``tx`` itself when it already is a GradientTransformationExtraArgs.
+    Returns ``tx`` itself when it already is a GradientTransformationExtraArgs (and a `Stage`'s
+    own transformation for a stage, e.g. a `MultiSteps`).
     """
     if isinstance(tx, GradientTransformationExtraArgs):
         return tx
+    if isinstance(tx, Stage):
+        return tx.transformation()
+    stage = stage_of(tx)
+    if stage is not None:  # a GradientTransformation(stage.init, stage.update)
+        return stage.transformation()
 
     def update(updates: Any, state: Any, params: Any = None, **extra_args: Any) -> Any:
         del extra_args
@@ -66,140 +85,319 @@ def with_extra_args_support(tx: Any) -> GradientTransformationExtraArgs:
     return GradientTransformationExtraArgs(tx.init, update)
 
 
-# --- flows ----------------------------------------------------------------------------------
+# --- the values passed between stages -------------------------------------------------------
 
 
-class Flow:
-    """Updates between two stages: the value is ``(flat / div) * mul``, group by group.
+class Spec(NamedTuple):
+    """What a stage is fed: the updates' layout and whether they live on a CUDA device."""
+
+    layout: Layout
+    device: bool
+
+
+class Updates:
+    """Updates between two stages: the value is ``factor(flat)``, group by group.
 
     Attributes:
         flat: the buffer.
-        owned: a state's scratch buffer: later stages may overwrite it.
-        div, mul: the pending factor: floats, or (GPU) ``div`` a dict dtype -> device array
-            ``[div, mul]`` with ``mul`` None.
+        owned: a workspace this update may overwrite (never the caller's input, never a
+            state's accumulator).
+        factor: the pending `Factor` ``(x / div) * mul``, applied by the next kernel that reads
+            ``flat`` (`ONE`: none).
         returnable: may be handed to the user as is (default: ``owned``).
-        scratch: where a stage writes a new value (see `fresh`).
+        scratch: where a stage writes a new value when ``flat`` is not ``owned`` (see `fresh`);
+            the runner (`Stage.update`, `chain`) sets it to the running stage's workspace.
     """
 
-    # A plain class with slots, not a dataclass: a few flows are made per update, and a small
-    # tree's whole update costs microseconds.
-    __slots__ = ("flat", "owned", "div", "mul", "returnable", "scratch")
+    # A plain class with slots, not a dataclass: a few are made per update, and a small tree's
+    # whole update costs microseconds.
+    __slots__ = ("flat", "owned", "factor", "returnable", "scratch")
 
     def __init__(
         self,
         flat: FlatTree,
         owned: bool,
-        div: Any = 1.0,
-        mul: Any = 1.0,
+        factor: Factor = ONE,
         returnable: bool | None = None,
         scratch: Callable[[], FlatTree] | None = None,
     ) -> None:
         self.flat = flat
         self.owned = owned
-        self.div = div
-        self.mul = mul
+        self.factor = factor
         self.returnable = owned if returnable is None else returnable
         self.scratch = scratch
 
     def __repr__(self) -> str:
-        return f"Flow({self.flat!r}, owned={self.owned}, div={self.div!r}, mul={self.mul!r})"
+        return f"Updates({self.flat!r}, owned={self.owned}, factor={self.factor!r})"
 
     @property
     def pending(self) -> bool:
-        return isinstance(self.div, dict) or self.div != 1.0 or self.mul != 1.0
+        """Whether a factor waits to be applied."""
+        return self.factor is not ONE and not self.factor.is_one
 
-    def with_factor(self, div: Any, mul: Any) -> Flow:
-        """The same buffer with the pending factor ``(x / div) * mul`` (none pending before)."""
-        return Flow(self.flat, self.owned, div, mul, self.returnable, self.scratch)
+    def scaled(self, factor: Factor) -> Updates:
+        """``factor(self)``: the same buffer with ``factor`` pending, which rides on the next kernel.
+
+        A factor already pending is never dropped: it is applied first (one pass), so the result
+        is ``factor(pending(x))`` rounded exactly as two separate scalings would be.
+        """
+        if factor is ONE or factor.is_one:
+            return self
+        u = self.settled() if self.pending else self
+        return Updates(u.flat, u.owned, factor, u.returnable, u.scratch)
+
+    def view(self) -> Updates:
+        """The same value, read-only: a stage that runs an inner transformation on it and reads
+        it again afterwards passes this, so the inner one writes into ``scratch`` instead."""
+        return Updates(self.flat, False, self.factor, False, self.scratch)
 
     def fresh(self) -> FlatTree:
-        """A buffer for this flow's next value: the flow's own if it may be overwritten, else
-        the update's scratch (a workspace of the state, or the stateless transformation's)."""
+        """A buffer for this update's next value: its own if it may be overwritten, else the
+        running stage's scratch (a workspace of its state, or the stateless stage's own)."""
         if self.owned:
             return self.flat
         if self.scratch is not None:
             return self.scratch()
         return FlatTree.empty(self.flat.layout, device=self.flat.device)
 
-    def settled(self, into: FlatTree | None = None) -> Flow:
-        """This flow with the pending factor applied (in place when owned)."""
+    def settled(self, into: FlatTree | None = None) -> Updates:
+        """This update with the pending factor applied (in place when owned, else into ``into``
+        or `fresh`)."""
         if not self.pending:
             return self
         out = into if into is not None and not self.owned else self.fresh()
-        for dst, src in zip(out.groups, self.flat.groups):
-            backend.call("scale_", dst, src, self.div, self.mul)
-        return Flow(out, True, scratch=self.scratch)
+        self.into(out)
+        return Updates(out, True, scratch=self.scratch)
 
     def into(self, out: FlatTree) -> FlatTree:
-        """Writes the value into ``out`` (same layout) and returns it."""
+        """Writes the value into ``out`` (same layout; any storage dtypes) and returns it."""
+        factor = self.factor
         for dst, src in zip(out.groups, self.flat.groups):
-            backend.call("scale_", dst, src, self.div, self.mul)
+            ops_for(src).scale_(dst, src, factor)
         return out
+
+    # TRANSITIONAL (until clipping/privacy/adaptive/norms/compat use `factor`): the old fields.
+    @property
+    def div(self) -> Any:
+        f = self.factor
+        return f.device if f.device is not None else f.div
+
+    @property
+    def mul(self) -> Any:
+        f = self.factor
+        return None if f.device is not None else f.mul
+
+    def with_factor(self, div: Any, mul: Any) -> Updates:
+        """TRANSITIONAL: `scaled` with the old ``div, mul`` arguments (a dict ``div``: on device)."""
+        return self.scaled(Factor(device=div) if isinstance(div, dict) else Factor(div, mul))
 
 
 class ParamsRef:
-    """The ``params`` argument, flattened only when a stage asks for it (then once)."""
+    """The ``params`` argument: checked against the updates' layout before anything runs
+    (`Stage.update`), flattened only when a stage asks for it (then once, into a workspace)."""
 
-    def __init__(self, raw: Any, layout: Layout, owner: FlatTree | None, device: bool | None = None) -> None:
+    __slots__ = ("raw", "_layout", "_into", "_device", "_flat")
+
+    def __init__(
+        self,
+        raw: Any,
+        layout: Layout,
+        owner: FlatTree | None = None,
+        device: bool | None = None,
+        into: Callable[[], FlatTree] | None = None,
+    ) -> None:
         self.raw = raw
         self._layout = layout
-        self._owner = owner
         self._device = device
         self._flat: FlatTree | None = None
+        if into is None and owner is not None:
+            into = lambda: owner.workspace("params")  # noqa: E731
+        self._into = into
 
     def flat(self) -> FlatTree:
+        """The params as a FlatTree of the updates' layout (packed on first use)."""
         if self._flat is None:
-            owner = self._owner
-            into = (lambda: owner.workspace("params")) if owner is not None else None
-            self._flat = as_flat(self.raw, self._layout, "params", pack_into=into, device=self._device)[0]
+            self._flat = as_flat(self.raw, self._layout, "params", pack_into=self._into, device=self._device)[
+                0
+            ]
         return self._flat
 
 
-FlatUpdate = Callable[[Flow, Any, "ParamsRef | None", dict], "tuple[Flow, Any]"]
+def check_params(params: Any, spec: Spec) -> None:
+    """ValueError/TypeError naming the leaf when ``params`` does not match ``spec`` (cheap for
+    a FlatTree of that layout and for the torch views a FlatTree hands out)."""
+    if isinstance(params, FlatTree) and params.layout is spec.layout and params.device == spec.device:
+        return
+    if spec.device and torch_runs(params, spec.layout) is not None:
+        return
+    check_leaves(params, spec.layout, "params", spec.device)
 
 
-def state_owner(state: Any) -> FlatTree | None:
-    """The first FlatTree held by a state (its layout is the one the state was built for)."""
-    if isinstance(state, FlatTree):
-        return state
-    if isinstance(state, dict):
-        state = list(state.values())
-    if isinstance(state, (tuple, list)):
-        for s in state:
-            if isinstance(s, FlatTree):  # checked here first: no call per field
-                return s
-            if isinstance(s, (tuple, list, dict)):
-                found = state_owner(s)
-                if found is not None:
-                    return found
-    return None
+# --- the stage protocol ---------------------------------------------------------------------
 
 
-def _output(flow: Flow, new_state: Any, owner: FlatTree | None, kept: threading.local) -> FlatTree:
-    """The flow as a buffer that the caller may keep until the next update: never an input.
+class Step:
+    """A planned update of one stage: ``run(updates) -> (updates, new_state)``.
 
-    It goes into a workspace of the new state's owner (else of ``owner``). A stateless
-    transformation has no state to own that buffer, so it keeps one per layout and device (per
-    thread) itself: its updates are valid until its own next update."""
-    if flow.owned:
-        return flow.settled().flat
-    if flow.returnable and not flow.pending:
-        return flow.flat
-    owner = state_owner(new_state) or owner
-    if owner is not None:
-        out = owner.workspace("output")
-    else:
-        out = _kept(kept, "output", flow.flat.layout, flow.flat.device)
-    return flow.into(out)
+    Made by `Stage.plan` with everything already validated and computed; ``run`` only touches
+    buffers. ``spec``: the `Spec` of the updates ``run`` returns, when it differs from the input's
+    (a per-example aggregation returns params-shaped updates); None otherwise.
+    """
+
+    __slots__ = ("_run", "spec")
+
+    def __init__(self, run: Callable[[Updates], tuple[Updates, Any]] | None = None, spec: Spec | None = None):
+        self._run = run
+        self.spec = spec
+
+    def run(self, updates: Updates) -> tuple[Updates, Any]:
+        """Runs the planned kernels on ``updates``; returns the new updates and the new state."""
+        return self._run(updates)  # type: ignore[misc]
 
 
-def _kept(kept: threading.local, name: str, layout: Layout, device: bool) -> FlatTree:
-    """A buffer a stateless transformation keeps per layout and device (and thread)."""
-    cache = kept.__dict__.setdefault(name, {})
-    out = cache.get((layout, device))
-    if out is None:
-        out = cache[(layout, device)] = FlatTree.empty(layout, device=device)
-    return out
+class Stage(abc.ABC):
+    """A numbaccum transformation: ``init``, ``plan`` (validate, compute scalars, write nothing)
+    and the public optax ``update`` (plan, then run). ``transformation()`` is its
+    GradientTransformationExtraArgs; `stage_of` finds the stage back from one.
+
+    Subclasses implement `init` and `plan`, and `owner` when they have a state whose FlatTree
+    owns their workspaces. ``reshapes = True`` marks a stage whose output layout differs from its
+    input's (per-example aggregation); such a stage converts the user's input itself (`take`).
+    """
+
+    reshapes: ClassVar[bool] = False
+
+    @abc.abstractmethod
+    def init(self, params: Any) -> Any:
+        """The initial state for ``params``."""
+
+    @abc.abstractmethod
+    def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
+        """Validates ``state`` (and ``params``, ``extra``) for updates of ``spec`` and computes
+        every per-step scalar; writes nothing. Raises TypeError/ValueError naming what is wrong."""
+
+    def owner(self, state: Any) -> FlatTree | None:
+        """The FlatTree of ``state`` that owns this stage's workspaces, whose layout and device
+        are those of the updates the state was built for; None for a stateless stage (or a
+        state that is not this stage's: `plan` then says what is wrong)."""
+        return None
+
+    # --- workspaces -------------------------------------------------------------------------
+
+    def kept(self, name: str, layout: Layout, device: bool) -> FlatTree:
+        """A buffer this stage keeps for itself, per name, layout and device (and thread): the
+        workspaces of a stateless stage, whose updates are valid until its own next update."""
+        local = self.__dict__.get("_kept")
+        if local is None:  # made on first use: subclasses need not call an __init__ of ours
+            local = self.__dict__.setdefault("_kept", threading.local())
+        cache = local.__dict__.setdefault("buffers", {})
+        key = (name, layout, device)
+        out = cache.get(key)
+        if out is None:
+            out = cache[key] = FlatTree.empty(layout, device=device)
+        return out
+
+    def workspace(self, state: Any, spec: Spec, name: str) -> Callable[[], FlatTree]:
+        """A buffer of ``spec``'s layout for this stage and state, made on first use: in the
+        state's owner (`owner`) if it has one of that layout and device, else `kept`."""
+        return self._workspace(self.owner(state), spec, name)
+
+    def _workspace(self, owner: FlatTree | None, spec: Spec, name: str) -> Callable[[], FlatTree]:
+        if owner is not None and owner.layout is spec.layout and owner.device == spec.device:
+            return lambda: owner.workspace(name)
+        return lambda: self.kept(name, spec.layout, spec.device)
+
+    # --- the public update --------------------------------------------------------------------
+
+    def transformation(self) -> GradientTransformationExtraArgs:
+        """This stage as ``GradientTransformationExtraArgs(self.init, self.update)``."""
+        tx = self.__dict__.get("_transformation")
+        if tx is None:
+            tx = self.__dict__["_transformation"] = GradientTransformationExtraArgs(self.init, self.update)
+        return tx
+
+    def take(self, updates: Any, state: Any, params: Any, owner: FlatTree | None) -> tuple[Updates, str]:
+        """The user's updates as `Updates` (validated; packed into the ``input`` workspace when
+        they are not one flat buffer per dtype already) and their array kind.
+
+        The layout is that of the state's ``owner``; a stateless stage follows ``params`` if
+        given, else the updates themselves (remembering the last layout, so that the same plain
+        tree is checked cheaply next time). A reshaping stage overrides this."""
+        side: bool | None = None  # the updates' side, when known here
+        checked = None  # the updates' leaves, when checked here
+        last = self.__dict__.get("_last")
+        if owner is not None:
+            layout = owner.layout
+        elif params is None and isinstance(updates, FlatTree):
+            layout = updates.layout
+        elif params is None and last is not None and (checked := host_leaves(updates, last)):
+            layout, side = last, False  # the same structure, shapes and dtypes as last time
+        elif params is None and last is not None and torch_runs(updates, last) is not None:
+            layout, side = last, True  # the same torch views as last time
+        else:
+            layout = layout_of(
+                params if params is not None else updates, "params" if params is not None else "updates"
+            )
+            if params is None:
+                self.__dict__["_last"] = layout
+        if owner is not None:
+            device: bool | None = owner.device
+            inbox: Callable[[], FlatTree] = lambda: owner.workspace("input")  # noqa: E731
+        else:
+            device = None
+            inbox = lambda: self.kept("input", layout, _side(updates) if side is None else side)  # noqa: E731
+        flat, copied, kind = as_flat(updates, layout, "updates", inbox, device, checked)
+        return Updates(flat, copied), kind
+
+    def update(self, updates: Any, state: Any, params: Any = None, **extra_args: Any) -> tuple[Any, Any]:
+        """optax's ``update``: plans the whole stage (every check, every schedule) before any
+        buffer is written, then runs it. Returns the updates in the caller's form (a plain tree
+        for a plain tree, a FlatTree for a FlatTree, the same CUDA array type) and the new state.
+        """
+        owner = self.owner(state)
+        u, kind = self.take(updates, state, params, owner)
+        flat = u.flat
+        spec = Spec(flat.layout, flat.device)
+        ref = None
+        if params is not None:
+            if not self.reshapes:
+                check_params(params, spec)
+            ref = ParamsRef(params, spec.layout, None, flat.device, self._workspace(owner, spec, "params"))
+        step = self.plan(spec, state, ref, extra_args)
+        out_spec = step.spec or spec
+        if ref is not None and self.reshapes:
+            check_params(params, out_spec)
+            ref._layout = out_spec.layout
+            ref._into = self._workspace(owner, out_spec, "params")
+        u.scratch = self._workspace(owner, spec, "output")
+        if kind in arrays.STREAM_KINDS:  # kernels go to the caller's current CUDA stream
+            with arrays.launch_context(kind):
+                u, new_state = step.run(u)
+                out = self._output(u, new_state, out_spec)
+        else:
+            u, new_state = step.run(u)
+            out = self._output(u, new_state, out_spec)
+        if kind == "flat":
+            return out, new_state
+        return out.tree_as(kind), new_state
+
+    def _output(self, u: Updates, new_state: Any, spec: Spec) -> FlatTree:
+        """The updates as a buffer the caller may keep until the next update: never an input,
+        never an accumulator; the ``output`` workspace of the new state (else of this stage)."""
+        if u.owned:
+            return u.settled().flat
+        if u.returnable and not u.pending:
+            return u.flat
+        return u.into(self.workspace(new_state, spec, "output")())
+
+
+def stage_of(tx: Any) -> Stage | None:
+    """The `Stage` behind a transformation (its ``update`` is a stage's bound method), or None
+    for a foreign transformation (any other ``(init, update)`` pair)."""
+    if isinstance(tx, Stage):
+        return tx
+    owner = getattr(getattr(tx, "update", None), "__self__", None)
+    return owner if isinstance(owner, Stage) else None
 
 
 def _side(tree: Any) -> bool:
@@ -210,112 +408,151 @@ def _side(tree: Any) -> bool:
     return bool(leaves) and not isinstance(leaves[0], (np.ndarray, np.generic))
 
 
-def flat_transformation(
-    init: Callable[[Any], Any], flat_update: FlatUpdate
-) -> GradientTransformationExtraArgs:
-    """A GradientTransformationExtraArgs from ``init`` and a flat update.
+class Foreign(Stage):
+    """A transformation that is not a numbaccum stage, run through its plain ``update`` on the
+    settled updates' tree; its output is checked and packed back.
 
-    The public ``update`` validates ``updates`` and ``params`` against the state's layout before
-    any buffer is touched, runs the flat update, and returns the updates in the caller's form: a
-    plain tree for a plain tree, a FlatTree for a FlatTree.
+    It is planned like any stage, but its own checks run inside ``run``: if it raises there,
+    the stages of a chain before it have already written their state, which cannot be rolled
+    back. Put foreign transformations first in a chain when that matters.
     """
 
-    kept = threading.local()  # a stateless transformation's output buffers (see _output)
-    last: list[Layout | None] = [None]  # a stateless transformation's last plain-tree layout
+    def __init__(self, tx: Any) -> None:
+        self.tx = with_extra_args_support(tx)
 
-    def update(updates: Any, state: Any, params: Any = None, **extra_args: Any) -> tuple[Any, Any]:
-        owner = state_owner(state)
-        side: bool | None = None  # the updates' side, when known here
-        checked = None  # the updates' leaves, when checked here
-        if owner is not None:
-            layout = owner.layout
-        elif params is None and isinstance(updates, FlatTree):
-            layout = updates.layout
-        elif params is None and last[0] is not None and (checked := host_leaves(updates, last[0])):
-            layout, side = last[0], False  # the same structure, shapes and dtypes as last time
-        elif params is None and last[0] is not None and torch_runs(updates, last[0]) is not None:
-            layout, side = last[0], True  # the same torch views as last time
-        else:  # a stateless transformation: params (if given) define the layout
-            layout = layout_of(
-                params if params is not None else updates, "params" if params is not None else "updates"
-            )
-            if params is None:
-                last[0] = layout
-        device = owner.device if owner is not None else None
-        if owner is not None:
-            inbox: Callable[[], FlatTree] = lambda: owner.workspace("input")  # noqa: E731
-        else:
-            inbox = lambda: _kept(kept, "input", layout, _side(updates) if side is None else side)  # noqa: E731
-        flat, copied, kind = as_flat(updates, layout, "updates", inbox, device, checked)
-        ref = None
-        if params is not None:
-            if not (
-                isinstance(params, FlatTree) and params.layout is layout and params.device == flat.device
-            ) and not (flat.device and torch_runs(params, layout) is not None):  # checked cheaply
-                check_leaves(params, layout, "params", flat.device)
-            ref = ParamsRef(params, layout, owner, flat.device)
-        if owner is not None:
-            scratch: Callable[[], FlatTree] = lambda: owner.workspace("output")  # noqa: E731
-        else:
-            scratch = lambda: _kept(kept, "output", layout, flat.device)  # noqa: E731
-        flow = Flow(flat, copied, scratch=scratch)
-        if kind in arrays.STREAM_KINDS:  # kernels go to the caller's current CUDA stream
-            with arrays.launch_context(kind):
-                out_flow, new_state = flat_update(flow, state, ref, extra_args)
-                out = _output(out_flow, new_state, owner, kept)
-        else:
-            out_flow, new_state = flat_update(flow, state, ref, extra_args)
-            out = _output(out_flow, new_state, owner, kept)
-        if kind == "flat":
-            return out, new_state
-        return out.tree_as(kind), new_state
+    def init(self, params: Any) -> Any:
+        return self.tx.init(params)
 
-    update._flat = flat_update  # type: ignore[attr-defined]
-    return GradientTransformationExtraArgs(init, update)
+    def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
+        update = self.tx.update
+        raw = params.raw if params is not None else None
+
+        def run(u: Updates) -> tuple[Updates, Any]:
+            value = u.settled(None if u.owned or not u.pending else u.scratch() if u.scratch else None)
+            out, new_state = update(value.flat.tree, state, raw, **extra)
+            into = u.scratch or (lambda: self.kept("output", spec.layout, spec.device))
+            flat, copied, _ = as_flat(out, spec.layout, "updates", pack_into=into, device=spec.device)
+            return Updates(flat, copied), new_state
+
+        return Step(run)
 
 
-def run_stage(
-    tx: Any, flow: Flow, state: Any, params: ParamsRef | None, extra: dict, scratch: Callable[[], FlatTree]
-) -> tuple[Flow, Any]:
-    """Runs one stage of a chain: the flat update of a numbaccum transformation, or the plain
-    ``update`` of any other (its output is checked and packed into ``scratch()``)."""
-    flat_update = getattr(tx.update, "_flat", None)
-    if flat_update is not None:
-        return flat_update(flow, state, params, extra)
-    value = flow.settled(None if flow.owned or not flow.pending else scratch())
-    out, new_state = tx.update(value.flat.tree, state, params.raw if params else None, **extra)
-    flat, copied, _ = as_flat(out, flow.flat.layout, "updates", pack_into=scratch, device=flow.flat.device)
-    return Flow(flat, copied), new_state
+def as_stage(tx: Any) -> Stage:
+    """``tx``'s `Stage`, or a `Foreign` stage around it."""
+    stage = stage_of(tx)
+    return stage if stage is not None else Foreign(tx)
 
 
 # --- combinators ----------------------------------------------------------------------------
 
 
+class Chain(Stage):
+    """`chain` and `named_chain`: plans every stage (threading the `Spec`, which a first
+    reshaping stage changes) before it runs any. State: a tuple, or a dict keyed by ``names``."""
+
+    def __init__(self, stages: list[Stage], names: list[str] | None = None) -> None:
+        self.stages = stages
+        self.names = names
+        # A reshaping first stage (per-example aggregation) converts the chain's input.
+        self.reshapes = bool(stages) and stages[0].reshapes  # type: ignore[misc]
+
+    def init(self, params: Any) -> Any:
+        states = tuple(s.init(params) for s in self.stages)
+        return states if self.names is None else dict(zip(self.names, states))
+
+    def _states(self, state: Any) -> tuple | None:
+        """The stages' states in order, or None if ``state`` is not this chain's."""
+        if self.names is None:
+            return state if isinstance(state, tuple) and len(state) == len(self.stages) else None
+        if isinstance(state, dict) and len(state) == len(self.names) and all(n in state for n in self.names):
+            return tuple(state[n] for n in self.names)
+        return None
+
+    def owner(self, state: Any) -> FlatTree | None:
+        """The first owner among the stages before any reshaping one (their layout is the
+        chain's input layout)."""
+        states = self._states(state)
+        if states is None:
+            return None
+        for stage, s in zip(self.stages, states):
+            if stage.reshapes:
+                return None
+            o = stage.owner(s)
+            if o is not None:
+                return o
+        return None
+
+    def take(self, updates: Any, state: Any, params: Any, owner: FlatTree | None) -> tuple[Updates, str]:
+        if self.reshapes:
+            states = self._states(state)
+            first = states[0] if states is not None else None
+            return self.stages[0].take(updates, first, params, self.stages[0].owner(first))
+        return super().take(updates, state, params, owner)
+
+    def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
+        states = self._states(state)
+        if states is None:
+            if self.names is not None:
+                raise ValueError(f"state: named_chain expects a dict with keys {self.names}")
+            n = len(state) if isinstance(state, (tuple, list)) else type(state).__name__
+            raise ValueError(f"state: chain of {len(self.stages)} transformations got a state of {n}")
+        owner = self.owner(state)
+        steps = []
+        scratches = []
+        for i, (stage, s) in enumerate(zip(self.stages, states)):
+            step = stage.plan(spec, s, params, extra)
+            steps.append(step)
+            # A stage writes its new values into a scratch buffer of its own: one stage may
+            # still read its input after an inner transformation wrote into the scratch.
+            if owner is not None and owner.layout is spec.layout and owner.device == spec.device:
+                scratches.append(_named_workspace(owner, f"chain{i}"))
+            else:
+                scratches.append(stage.workspace(s, spec, "scratch"))
+            if step.spec is not None:
+                spec = step.spec
+        return _ChainStep(steps, scratches, self.names, spec if spec is not None else None)
+
+
+def _named_workspace(owner: FlatTree, name: str) -> Callable[[], FlatTree]:
+    return lambda: owner.workspace(name)
+
+
+class _ChainStep(Step):
+    __slots__ = ("steps", "scratches", "names")
+
+    def __init__(
+        self, steps: list[Step], scratches: list, names: list[str] | None, spec: Spec | None
+    ) -> None:
+        super().__init__(None, spec)
+        self.steps = steps
+        self.scratches = scratches
+        self.names = names
+
+    def run(self, updates: Updates) -> tuple[Updates, Any]:
+        states = []
+        for step, scratch in zip(self.steps, self.scratches):
+            updates.scratch = scratch
+            updates, s = step.run(updates)
+            states.append(s)
+        if self.names is None:
+            return updates, tuple(states)
+        return updates, dict(zip(self.names, states))
+
+
 def chain(*transforms: Any) -> GradientTransformationExtraArgs:
     """Applies ``transforms`` in order: ``u = t_n(...t_2(t_1(g)))``; state is a tuple.
 
-    ``params`` and extra keyword arguments are passed to every transformation.
+    ``params`` and extra keyword arguments are passed to every transformation. Every stage is
+    planned (its state, params and schedules checked) before any runs, so an error leaves every
+    state as it was; a foreign (non-numbaccum) transformation runs its own checks when it runs
+    (see `Foreign`).
     """
     txs = [with_extra_args_support(t) for t in transforms]
+    # TRANSITIONAL: privacy's aggregation until it is a reshaping Stage.
     front = getattr(txs[0].update, "_chain_front", None) if len(txs) > 1 else None
-    if front is not None:  # a first stage that changes the layout (per-example DP aggregation)
+    if front is not None:
         return front(txs[1:])
-
-    def init(params: Any) -> tuple:
-        return tuple(t.init(params) for t in txs)
-
-    def flat_update(flow: Flow, state: Any, params: ParamsRef | None, extra: dict) -> tuple[Flow, tuple]:
-        if not isinstance(state, tuple) or len(state) != len(txs):
-            n = len(state) if isinstance(state, (tuple, list)) else type(state).__name__
-            raise ValueError(f"state: chain of {len(txs)} transformations got a state of {n}")
-        new_states = []
-        for i, (t, s) in enumerate(zip(txs, state)):
-            scratch = _scratch(state, flow.flat, f"chain{i}")
-            flow, s = run_stage(t, flow, s, params, extra, scratch)
-            new_states.append(s)
-        return flow, tuple(new_states)
-
-    return flat_transformation(init, flat_update)
+    return Chain([as_stage(t) for t in txs]).transformation()
 
 
 def named_chain(*transforms: tuple[str, Any]) -> GradientTransformationExtraArgs:
@@ -323,27 +560,93 @@ def named_chain(*transforms: tuple[str, Any]) -> GradientTransformationExtraArgs
     names = [n for n, _ in transforms]
     if len(set(names)) != len(names):
         raise ValueError(f"named_chain: names must be unique, got {names}")
-    inner = chain(*(t for _, t in transforms))
-    inner_flat = inner.update._flat  # type: ignore[attr-defined]
-
-    def init(params: Any) -> dict:
-        return dict(zip(names, inner.init(params)))
-
-    def flat_update(flow: Flow, state: Any, params: ParamsRef | None, extra: dict) -> tuple[Flow, dict]:
-        if not isinstance(state, dict) or sorted(state) != sorted(names):
-            raise ValueError(f"state: named_chain expects a dict with keys {names}")
-        flow, states = inner_flat(flow, tuple(state[n] for n in names), params, extra)
-        return flow, dict(zip(names, states))
-
-    return flat_transformation(init, flat_update)
+    stages = [as_stage(with_extra_args_support(t)) for _, t in transforms]
+    return Chain(stages, names).transformation()
 
 
-def _scratch(state: Any, flat: FlatTree, name: str) -> Callable[[], FlatTree]:
-    """A scratch buffer for a chain stage, made only if the stage asks for one."""
-    owner = state_owner(state)
-    if owner is not None:
-        return lambda: owner.workspace(name)
-    return lambda: FlatTree.empty(flat.layout, device=flat.device)
+# --- TRANSITIONAL: the old function-attribute protocol, until WP4b's modules are ported ------
+
+
+class Flow(Updates):
+    """TRANSITIONAL: `Updates` with the old constructor ``(flat, owned, div, mul, returnable,
+    scratch)`` (a dict ``div`` with ``mul`` None: a factor on the device)."""
+
+    __slots__ = ()
+
+    def __init__(
+        self,
+        flat: FlatTree,
+        owned: bool,
+        div: Any = 1.0,
+        mul: Any = 1.0,
+        returnable: bool | None = None,
+        scratch: Callable[[], FlatTree] | None = None,
+    ) -> None:
+        if isinstance(div, dict):
+            factor = Factor(device=div)
+        elif div == 1.0 and mul == 1.0:
+            factor = ONE
+        else:
+            factor = Factor(div, mul)
+        super().__init__(flat, owned, factor, returnable, scratch)
+
+
+class _LegacyStage(Stage):
+    """TRANSITIONAL: a stage from ``flat_update(flow, state, params, extra) -> (flow, state)``,
+    planned and run in one go (no all-or-nothing)."""
+
+    def __init__(self, init: Callable[[Any], Any], flat_update: Callable) -> None:
+        self._init = init
+        self.flat_update = flat_update
+
+    def init(self, params: Any) -> Any:
+        return self._init(params)
+
+    def owner(self, state: Any) -> FlatTree | None:
+        return state_owner(state)
+
+    def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
+        return Step(lambda u: self.flat_update(u, state, params, extra))
+
+
+def flat_transformation(init: Callable[[Any], Any], flat_update: Callable) -> GradientTransformationExtraArgs:
+    """TRANSITIONAL: a transformation from a flat update (write a `Stage` instead)."""
+    return _LegacyStage(init, flat_update).transformation()
+
+
+def flat_update_of(tx: Any) -> Callable:
+    """TRANSITIONAL: ``tx``'s stage as a flat update ``(flow, state, params, extra)``."""
+    stage = as_stage(tx)
+    return lambda flow, state, params, extra: stage.plan(
+        Spec(flow.flat.layout, flow.flat.device), state, params, extra
+    ).run(flow)
+
+
+def run_stage(
+    tx: Any, flow: Updates, state: Any, params: ParamsRef | None, extra: dict, scratch: Callable[[], FlatTree]
+) -> tuple[Updates, Any]:
+    """TRANSITIONAL: plans and runs one stage on ``flow`` (its scratch: ``scratch``)."""
+    stage = as_stage(tx)
+    step = stage.plan(Spec(flow.flat.layout, flow.flat.device), state, params, extra)
+    flow.scratch = scratch
+    return step.run(flow)
+
+
+def state_owner(state: Any) -> FlatTree | None:
+    """TRANSITIONAL: the first FlatTree held by a state (declare `Stage.owner` instead)."""
+    if isinstance(state, FlatTree):
+        return state
+    if isinstance(state, dict):
+        state = list(state.values())
+    if isinstance(state, (tuple, list)):
+        for s in state:
+            if isinstance(s, FlatTree):
+                return s
+            if isinstance(s, (tuple, list, dict)):
+                found = state_owner(s)
+                if found is not None:
+                    return found
+    return None
 
 
 # --- applying updates and copying states ----------------------------------------------------
@@ -352,7 +655,7 @@ def _scratch(state: Any, flat: FlatTree, name: str) -> Callable[[], FlatTree]:
 def _apply(p: FlatTree, updates: Any, out: FlatTree) -> FlatTree:
     u = as_flat(updates, p.layout, "updates", device=p.device)[0]
     for dst, pg, ug in zip(out.groups, p.groups, u.groups):
-        backend.call("add_scaled_", dst, pg, 1.0, 1.0, ug, 1.0)
+        ops_for(pg).add_scaled_(dst, pg, ONE, ug, 1.0)
     return out
 
 
@@ -401,7 +704,8 @@ def scatter_back(flat: FlatTree, tree: Any, name: str) -> None:
     per leaf is all there is to do)."""
     for i, leaf in enumerate(check_leaves(tree, flat.layout, name)):
         if flat.device:
-            backend.call("scale_", leaf.reshape(leaf.size), flat.leaf(i).reshape(leaf.size), 1.0, 1.0)
+            src = flat.leaf(i).reshape(leaf.size)
+            ops_for(src).scale_(leaf.reshape(leaf.size), src, ONE)
         else:
             np.copyto(leaf, flat.leaf(i))
 

@@ -1,4 +1,8 @@
-"""Inner optimizers, so that MultiSteps is usable on its own: scale, sgd, adam and friends."""
+"""Inner optimizers, so that MultiSteps is usable on its own: scale, sgd, adam and friends.
+
+Each is a `Stage`. A learning rate is planned like any per-step scalar: a schedule is called by
+the plan, before any buffer is written, so a schedule that raises leaves the state as it was.
+"""
 
 from __future__ import annotations
 
@@ -7,18 +11,29 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import backend
-from .accumulation import bias_correction, check_decay, compute_dtype, expect_state, safe_increment, trace
+from .accumulation import (
+    bias_correction,
+    check_decay,
+    compute_dtype,
+    expect_state,
+    field_owner,
+    safe_increment,
+    trace,
+)
+from .backend import ops_for
 from .base import (
+    Chain,
     EmptyState,
-    FlatTree,
-    Flow,
     GradientTransformationExtraArgs,
     ParamsRef,
+    Spec,
+    Stage,
+    Step,
+    Updates,
     chain,
-    flat_transformation,
 )
-from .flat import layout_and_device
+from .contract import Factor
+from .flat import FlatTree, layout_and_device
 from .layout import check_float_dtype
 
 __all__ = [
@@ -36,34 +51,70 @@ __all__ = [
 ScalarOrSchedule = float | Callable[[Any], Any]
 
 
-def _init_empty(params: Any) -> EmptyState:
-    return EmptyState()
+class _Identity(Stage):
+    def init(self, params: Any) -> EmptyState:
+        return EmptyState()
 
-
-def _scaled(flow: Flow, factor: float) -> Flow:
-    """``flow * factor`` without a pass of its own: the factor rides on the next kernel."""
-    if flow.pending:
-        flow = flow.settled()
-    return flow.with_factor(1.0, float(factor))
+    def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
+        return Step(lambda u: (u, state))
 
 
 def identity() -> GradientTransformationExtraArgs:
     """Returns the updates unchanged: ``u = g``."""
-    return flat_transformation(_init_empty, lambda flow, state, params, extra: (flow, state))
+    return _Identity().transformation()
+
+
+class _Scale(Stage):
+    """``u = step_size * g``: a pending factor that rides on the next kernel (no pass of its own)."""
+
+    def __init__(self, step_size: float) -> None:
+        self.step_size = float(step_size)
+        self.factor = Factor(1.0, self.step_size)
+
+    def init(self, params: Any) -> EmptyState:
+        return EmptyState()
+
+    def step_factor(self, state: Any) -> tuple[float, Any]:
+        """The multiplier of this step and the new state (declared for `adam`'s fused step)."""
+        return self.step_size, state
+
+    def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
+        factor = self.factor
+        return Step(lambda u: (u.scaled(factor), state))
 
 
 def scale(step_size: float) -> GradientTransformationExtraArgs:
     """Scales the updates: ``u = step_size * g``. Stateless."""
-    step_size = float(step_size)
-    return flat_transformation(
-        _init_empty, lambda flow, state, params, extra: (_scaled(flow, step_size), state)
-    )
+    return _Scale(step_size).transformation()
 
 
 class ScaleByScheduleState(NamedTuple):
     """Step count of a schedule (int32, saturating)."""
 
     count: np.int32  # type: ignore[assignment]  # shadows tuple.count, as in optax
+
+
+class _ScaleBySchedule(Stage):
+    """``u = sign * schedule(count) * g``; the plan calls the schedule."""
+
+    def __init__(self, schedule: Callable[[Any], Any], sign: float) -> None:
+        self.schedule = schedule
+        self.sign = sign
+
+    def init(self, params: Any) -> ScaleByScheduleState:
+        return ScaleByScheduleState(np.int32(0))
+
+    def step_factor(self, state: Any) -> tuple[float, ScaleByScheduleState]:
+        """The multiplier of this step (the schedule's value, signed) and the new state."""
+        if not isinstance(state, ScaleByScheduleState):
+            raise TypeError(f"state: expected ScaleByScheduleState, got {type(state).__name__}")
+        factor = self.sign * float(self.schedule(state.count))
+        return factor, ScaleByScheduleState(safe_increment(state.count))
+
+    def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
+        mul, new_state = self.step_factor(state)
+        factor = Factor(1.0, mul)
+        return Step(lambda u: (u.scaled(factor), new_state))
 
 
 def scale_by_learning_rate(
@@ -74,36 +125,34 @@ def scale_by_learning_rate(
     sign = -1.0 if flip_sign else 1.0
     if not callable(learning_rate):
         return scale(sign * float(learning_rate))
-    schedule = learning_rate
+    return _ScaleBySchedule(learning_rate, sign).transformation()
 
-    def init(params: Any) -> ScaleByScheduleState:
-        return ScaleByScheduleState(np.int32(0))
 
-    def flat_update(
-        flow: Flow, state: Any, params: ParamsRef | None, extra: dict
-    ) -> tuple[Flow, ScaleByScheduleState]:
-        if not isinstance(state, ScaleByScheduleState):
-            raise TypeError(f"state: expected ScaleByScheduleState, got {type(state).__name__}")
-        factor = sign * float(schedule(state.count))
-        return _scaled(flow, factor), ScaleByScheduleState(safe_increment(state.count))
+class _AddDecayedWeights(Stage):
+    def __init__(self, weight_decay: float) -> None:
+        self.weight_decay = float(weight_decay)
 
-    return flat_transformation(init, flat_update)
+    def init(self, params: Any) -> EmptyState:
+        return EmptyState()
+
+    def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
+        if params is None:
+            raise ValueError("add_decayed_weights needs params: call update(updates, state, params)")
+        wd = self.weight_decay
+
+        def run(u: Updates) -> tuple[Updates, Any]:
+            p = params.flat()
+            out = u.fresh()
+            for o, g, pg in zip(out.groups, u.flat.groups, p.groups):
+                ops_for(g).add_scaled_(o, g, u.factor, pg, wd)
+            return Updates(out, owned=True), state
+
+        return Step(run)
 
 
 def add_decayed_weights(weight_decay: float = 0.0) -> GradientTransformationExtraArgs:
     """Weight decay: ``u = g + weight_decay * params``. Needs ``params``."""
-    weight_decay = float(weight_decay)
-
-    def flat_update(flow: Flow, state: Any, params: ParamsRef | None, extra: dict) -> tuple[Flow, Any]:
-        if params is None:
-            raise ValueError("add_decayed_weights needs params: call update(updates, state, params)")
-        p = params.flat()
-        out = flow.fresh()
-        for o, g, pg in zip(out.groups, flow.flat.groups, p.groups):
-            backend.call("add_scaled_", o, g, flow.div, flow.mul, pg, weight_decay)
-        return Flow(out, owned=True), state
-
-    return flat_transformation(_init_empty, flat_update)
+    return _AddDecayedWeights(weight_decay).transformation()
 
 
 def sgd(
@@ -126,6 +175,48 @@ class ScaleByAdamState(NamedTuple):
     nu: FlatTree
 
 
+class _ScaleByAdam(Stage):
+    """`scale_by_adam` as a stage; `plan_scaled` also multiplies the output inside the pass."""
+
+    def __init__(self, b1: float, b2: float, eps: float, eps_root: float, mu_dtype: Any) -> None:
+        self.b1 = check_decay(b1, "b1")
+        self.b2 = check_decay(b2, "b2")
+        self.eps, self.eps_root = float(eps), float(eps_root)
+        self.mu_dtype = None if mu_dtype is None else check_float_dtype(mu_dtype, "mu_dtype")
+
+    def init(self, params: Any) -> ScaleByAdamState:
+        layout, device = layout_and_device(params, "params")
+        mu = FlatTree.zeros(layout, self.mu_dtype, device)
+        return ScaleByAdamState(np.int32(0), mu, FlatTree.zeros(layout, None, device))
+
+    def owner(self, state: Any) -> FlatTree | None:
+        return field_owner(state, ScaleByAdamState, "nu")
+
+    def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
+        return self.plan_scaled(spec, state, 1.0)
+
+    def plan_scaled(self, spec: Spec, state: Any, out_mul: float) -> Step:
+        """The plan of one Adam pass over every group whose output is multiplied by ``out_mul``
+        in the same pass (``direction * out_mul`` rounds as a separate scaling would)."""
+        mu = expect_state(state, ScaleByAdamState, "mu", spec)
+        nu = expect_state(state, ScaleByAdamState, "nu", spec)
+        count = safe_increment(state.count)
+        b1, b2 = self.b1, self.b2
+        scalars = []
+        for m, v, gdt in zip(mu.groups, nu.groups, spec.layout.group_dtypes):
+            ct = compute_dtype(m.dtype, v.dtype, gdt)
+            bc1, bc2 = bias_correction(b1, int(count), ct), bias_correction(b2, int(count), ct)
+            scalars.append((b1, 1.0 - b1, b2, 1.0 - b2, bc1, bc2, self.eps, self.eps_root, out_mul))
+
+        def run(u: Updates) -> tuple[Updates, ScaleByAdamState]:
+            out = nu.workspace("out", spec.layout.group_dtypes)
+            for m, v, g, o, args in zip(mu.groups, nu.groups, u.flat.groups, out.groups, scalars):
+                ops_for(g).adam_update_(m, v, g, u.factor, *args, o)
+            return Updates(out, owned=True), ScaleByAdamState(count, mu, nu)
+
+        return Step(run)
+
+
 def scale_by_adam(
     b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, eps_root: float = 0.0, mu_dtype: Any = None
 ) -> GradientTransformationExtraArgs:
@@ -139,38 +230,32 @@ def scale_by_adam(
         eps, eps_root: added outside and inside the square root.
         mu_dtype: storage dtype of ``mu``; None keeps each leaf's dtype.
     """
-    b1 = check_decay(b1, "b1")
-    b2 = check_decay(b2, "b2")
-    eps, eps_root = float(eps), float(eps_root)
-    mu_dt = None if mu_dtype is None else check_float_dtype(mu_dtype, "mu_dtype")
+    return _ScaleByAdam(b1, b2, eps, eps_root, mu_dtype).transformation()
 
-    def init(params: Any) -> ScaleByAdamState:
-        layout, device = layout_and_device(params, "params")
-        mu = FlatTree.zeros(layout, mu_dt if mu_dt is not None else None, device)
-        return ScaleByAdamState(np.int32(0), mu, FlatTree.zeros(layout, None, device))
 
-    def flat_update(
-        flow: Flow, state: Any, params: ParamsRef | None, extra: dict
-    ) -> tuple[Flow, ScaleByAdamState]:
-        return step(flow, state, 1.0)
+class _Adam(Chain):
+    """``chain(scale_by_adam, scale_by_learning_rate)`` whose plan folds the learning rate
+    (`step_factor`) into the Adam pass (`plan_scaled`): same state, same bits, one pass."""
 
-    def step(flow: Flow, state: Any, out_mul: float) -> tuple[Flow, ScaleByAdamState]:
-        """One Adam pass over every group, its output multiplied by ``out_mul``."""
-        layout = flow.flat.layout
-        mu = expect_state(state, ScaleByAdamState, "mu", layout)
-        nu = expect_state(state, ScaleByAdamState, "nu", layout)
-        count = safe_increment(state.count)
-        out = nu.workspace("out", list(layout.group_dtypes))
-        for m, v, g, o in zip(mu.groups, nu.groups, flow.flat.groups, out.groups):
-            ct = compute_dtype(m, v, g)
-            bc1, bc2 = bias_correction(b1, int(count), ct), bias_correction(b2, int(count), ct)
-            args = (b1, 1.0 - b1, b2, 1.0 - b2, bc1, bc2, eps, eps_root, out_mul)
-            backend.call("adam_update_", m, v, g, flow.div, flow.mul, *args, o)
-        return Flow(out, owned=True), ScaleByAdamState(count, mu, nu)
+    def __init__(self, direction: _ScaleByAdam, lr: _Scale | _ScaleBySchedule) -> None:
+        super().__init__([direction, lr])
+        self.direction, self.lr = direction, lr
 
-    tx = flat_transformation(init, flat_update)
-    tx.update._adam_step = step  # type: ignore[attr-defined]
-    return tx
+    def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
+        if not isinstance(state, tuple) or len(state) != 2:
+            raise ValueError("state: adam expects the (ScaleByAdamState, learning-rate state) pair")
+        lr_state = state[1]
+        expected = ScaleByScheduleState if isinstance(self.lr, _ScaleBySchedule) else EmptyState
+        if not isinstance(lr_state, expected):
+            raise TypeError(f"state[1]: unexpected learning-rate state {type(lr_state).__name__}")
+        mul, new_lr_state = self.lr.step_factor(lr_state)
+        step = self.direction.plan_scaled(spec, state[0], mul)
+
+        def run(u: Updates) -> tuple[Updates, tuple]:
+            out, adam_state = step.run(u)
+            return out, (adam_state, new_lr_state)
+
+        return Step(run)
 
 
 def adam(
@@ -185,22 +270,9 @@ def adam(
     Same state and same bits as that chain, in one pass: the ``-lr`` step is applied inside the
     Adam kernel (``u = direction * -lr`` rounds exactly as a separate scaling pass would).
     """
-    direction = scale_by_adam(b1, b2, eps, eps_root)
-    reference = chain(direction, scale_by_learning_rate(learning_rate))
-    adam_step = direction.update._adam_step  # type: ignore[attr-defined]
-
-    def flat_update(flow: Flow, state: Any, params: ParamsRef | None, extra: dict) -> tuple[Flow, tuple]:
-        if not isinstance(state, tuple) or len(state) != 2:
-            raise ValueError("state: adam expects the (ScaleByAdamState, learning-rate state) pair")
-        lr_state = state[1]
-        if isinstance(lr_state, ScaleByScheduleState) and callable(learning_rate):
-            factor = -float(learning_rate(lr_state.count))
-            lr_state = ScaleByScheduleState(safe_increment(lr_state.count))
-        elif isinstance(lr_state, EmptyState) and not callable(learning_rate):
-            factor = -float(learning_rate)
-        else:
-            raise TypeError(f"state[1]: unexpected learning-rate state {type(lr_state).__name__}")
-        out, adam_state = adam_step(flow, state[0], factor)
-        return out, (adam_state, lr_state)
-
-    return flat_transformation(reference.init, flat_update)
+    direction = _ScaleByAdam(b1, b2, eps, eps_root, None)
+    if callable(learning_rate):
+        lr: _Scale | _ScaleBySchedule = _ScaleBySchedule(learning_rate, -1.0)
+    else:
+        lr = _Scale(-float(learning_rate))
+    return _Adam(direction, lr).transformation()
