@@ -30,6 +30,7 @@ __all__ = [
     "as_kind",
     "copy_",
     "cuda_api",
+    "cuda_available",
     "data_pointer",
     "empty",
     "is_contiguous",
@@ -112,6 +113,15 @@ def cuda_api() -> Any:
     except Exception as e:  # pragma: no cover - depends on the installation
         raise RuntimeError(f"{INSTALL_HINT} (importing numba.cuda failed: {e})") from e
     return cuda
+
+
+def cuda_available() -> bool:
+    """Whether numba.cuda imports and finds a device (or the simulator) here."""
+    try:
+        from numba import cuda
+    except Exception:  # pragma: no cover - depends on the installation
+        return False
+    return bool(cuda.is_available())
 
 
 def as_device_array(x: Any) -> Any:

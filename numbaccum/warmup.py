@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _config
+from . import _config, arrays
 from .layout import check_float_dtype
 
 
@@ -51,12 +51,9 @@ def warmup(dtypes: Sequence[Any] = ("float32", "float64"), backend: str = "auto"
     dts = [check_float_dtype(d, "dtypes") for d in dtypes]
     done = ["cpu"]
     targets = [False]
-    if backend != "cpu":
-        from numba import cuda
-
-        if backend == "cuda" or cuda.is_available():
-            targets.append(True)
-            done.append("cuda")
+    if backend == "cuda" or (backend == "auto" and arrays.cuda_available()):
+        targets.append(True)
+        done.append("cuda")
     for on_gpu in targets:
         for dt in dts:
             for n in (8, _config.SERIAL_BELOW + 1):

@@ -2,7 +2,7 @@
 
 Same names and signatures as `numbaccum.cpu`. Elementwise kernels are grid-stride loops with
 int64 indices (a flat float32 buffer passes 2**31 elements at 2B parameters). Every kernel is
-launched on `stream()` (the caller's stream, see `numbaccum.cuda.device`), once per call: one
+launched on `stream()` (the caller's stream, see `numbaccum.arrays`), once per call: one
 launch per operation and dtype group, never per leaf. Reductions cut each segment into fixed
 blocks of ``CUDA_REDUCE_BLOCK`` elements; one CUDA block sums a block in float64 through a
 shared-memory tree in a fixed order, and one thread per segment adds its block partials in index
