@@ -13,9 +13,15 @@ mul``: a clip factor that rides on the next pass instead of costing a pass of it
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
-__all__ = ["ONE", "Factor", "Ops"]
+import numpy as np
+
+from . import formulas as F
+from .tables import as_table, segments, sum_in_order, whole
+
+__all__ = ["ONE", "Factor", "Ops", "leaf_sumsq", "tree_sumsq"]
 
 
 class Factor:
@@ -65,41 +71,41 @@ class Ops:
 
     def fill_(self, x: Any, value: float) -> None:
         """x = value."""
-        _legacy("fill_", x, value)
+        self.driver.map_(F.fill, ONE, (x,), (value,))
 
     def scale_(self, out: Any, x: Any, factor: Factor) -> None:
         """out = factor(x) (``out`` may be ``x``; with `ONE` a copy)."""
-        _legacy("scale_", out, x, *_df(factor))
+        self.driver.map_(F.scale, factor, (x, out), ())
 
     def add_scaled_(self, out: Any, x: Any, factor: Factor, y: Any, s: float) -> None:
         """out = factor(x) + s * y (``out`` may be ``x``)."""
-        _legacy("add_scaled_", out, x, *_df(factor), y, s)
+        self.driver.map_(F.add_scaled, factor, (x, y, out), (s,))
 
     def clip_(self, out: Any, x: Any, factor: Factor, max_delta: float) -> None:
         """out = clip(factor(x), -max_delta, max_delta); NaN stays NaN."""
-        _legacy("clip_", out, x, *_df(factor), max_delta)
+        self.driver.map_(F.clip, factor, (x, out), (max_delta,))
 
     def zero_nans_(self, out: Any, x: Any, factor: Factor) -> None:
         """out = 0 where factor(x) is NaN, else that value (inf is kept)."""
-        _legacy("zero_nans_", out, x, *_df(factor))
+        self.driver.map_(F.zero_nans, factor, (x, out), ())
 
     def trace_update_(self, trace: Any, g: Any, factor: Factor, decay: float, nesterov: bool, out: Any) -> None:
         """trace = g + decay * trace; out = trace, or g + decay * trace if nesterov."""
-        _legacy("trace_update_", trace, g, *_df(factor), decay, nesterov, out)
+        self.driver.map_(F.trace, factor, (trace, g, out), (decay, nesterov))
 
     def ema_update_(
         self, ema: Any, g: Any, factor: Factor, one_minus_decay: float, decay: float, bias_correction: Any, out: Any
     ) -> None:
         """ema = (1 - decay) * g + decay * ema; out = ema / bias_correction."""
-        _legacy("ema_update_", ema, g, *_df(factor), one_minus_decay, decay, bias_correction, out)
+        self.driver.map_(F.ema, factor, (ema, g, out), (one_minus_decay, decay, bias_correction))
 
     def mean_accumulate_(self, acc: Any, g: Any, factor: Factor, count: int, fresh: bool) -> None:
         """acc = acc + (g - acc) / count (Welford), with acc read as 0 if ``fresh``."""
-        _legacy("mean_accumulate_", acc, g, *_df(factor), count, fresh)
+        self.driver.map_(F.mean_accumulate, factor, (acc, g), (count, fresh))
 
     def sum_accumulate_(self, acc: Any, g: Any, factor: Factor, fresh: bool) -> None:
         """acc = g + acc, with acc read as 0 if ``fresh``."""
-        _legacy("sum_accumulate_", acc, g, *_df(factor), fresh)
+        self.driver.map_(F.sum_accumulate, factor, (acc, g), (fresh,))
 
     def adam_update_(
         self,
@@ -120,24 +126,28 @@ class Ops:
     ) -> None:
         """Adam's moments in place; out = ((mu / bc1) / (sqrt(nu / bc2 + eps_root) + eps)) * out_mul."""
         args = (b1, one_minus_b1, b2, one_minus_b2, bc1, bc2, eps, eps_root, out_mul)
-        _legacy("adam_update_", mu, nu, g, *_df(factor), *args, out)
+        self.driver.map_(F.adam, factor, (mu, nu, g, out), args)
 
     def abs_ema_clip_(
         self, ema: Any, g: Any, factor: Factor, one_minus_decay: float, decay: float, init: float, fresh: bool, out: Any
     ) -> None:
         """ema = (1 - decay) * |g| + decay * (|g| * init if fresh else ema); out = clip(g, -ema, ema).
         A non-finite g leaves its ema element as it is."""
-        _legacy("abs_ema_clip_", ema, g, *_df(factor), one_minus_decay, decay, init, fresh, out)
+        self.driver.map_(F.abs_ema_clip, factor, (ema, g, out), (one_minus_decay, decay, init, fresh))
 
     def abs_ema_update_(
         self, ema: Any, g: Any, factor: Factor, one_minus_decay: float, decay: float, init: float, fresh: bool
     ) -> None:
         """ema = (1 - decay) * |g| + decay * (|g| * init if fresh else ema); non-finite g skipped."""
-        _legacy("abs_ema_update_", ema, g, *_df(factor), one_minus_decay, decay, init, fresh)
+        self.driver.map_(F.abs_ema, factor, (ema, g), (one_minus_decay, decay, init, fresh))
+
+    def sign_(self, out: Any, x: Any, factor: Factor) -> None:
+        """out = sign(factor(x)) (+-0 and NaN kept)."""
+        self.driver.map_(F.sign, factor, (x, out), ())
 
     def clip_by_(self, out: Any, x: Any, factor: Factor, bound: Any) -> None:
         """out = clip(factor(x), -bound, bound) with a bound per element; NaN stays NaN."""
-        _legacy("clip_by_", out, x, *_df(factor), bound)
+        self.driver.map_(F.clip_by, factor, (x, bound, out), ())
 
     def growth_clip_(
         self,
@@ -152,69 +162,145 @@ class Ops:
     ) -> None:
         """|out| <= min(|prev| + add, max_growth * max(|prev|, min_value)) with g's sign; prev
         tracks out (torchzero's ClipValueGrowth; see `numbaccum.formulas.growth_clip`)."""
-        _legacy("growth_clip_", prev, g, *_df(factor), add, max_growth, min_value, max_decay, out)
+        self.driver.map_(F.growth_clip, factor, (prev, g, out), (add, max_growth, min_value, max_decay))
 
-    # --- per segment / per slice (one reduction engine) --------------------------------------
-    # TRANSITIONAL: the reduction section is being rebuilt on one engine.
+    # --- reductions: one engine over slice tables (numbaccum.tables) --------------------------
+    # Whole buffer, per leaf, per slice and per example are all reductions over the slices of a
+    # table (a `numbaccum.tables.Table`, or a raw table array): float64 partials over the
+    # table's fixed work items, folded per slice in item order. Results are float64 host arrays,
+    # one value per slice in the table's order (on CUDA: one synchronisation). The same elements
+    # give the same bits whichever table holds them and whatever the thread count.
+
+    def slice_sumsq(self, x: Any, table: Any, centers: Any = None) -> np.ndarray:
+        """Per slice ``s``: sum((x - centers[s]) ** 2) (``centers`` None or empty: sum(x ** 2))."""
+        if centers is not None and np.size(centers):
+            return self._engine.reduce("csumsq", x, as_table(table), centers)
+        return self._engine.reduce("sumsq", x, as_table(table))
+
+    def slice_sumabs(self, x: Any, table: Any) -> np.ndarray:
+        """Per slice: sum(|x|)."""
+        return self._engine.reduce("sumabs", x, as_table(table))
+
+    def slice_sumpow(self, x: Any, table: Any, p: float) -> np.ndarray:
+        """Per slice: sum(|x| ** p) (|0| ** p is inf for a negative p)."""
+        return self._engine.reduce("sumpow", x, as_table(table), None, p)
+
+    def slice_sum(self, x: Any, table: Any) -> np.ndarray:
+        """Per slice: sum(x) (signed)."""
+        return self._engine.reduce("sum", x, as_table(table))
+
+    def slice_nnz(self, x: Any, table: Any) -> np.ndarray:
+        """Per slice: the number of non-zero elements (NaN counts)."""
+        return self._engine.reduce("nnz", x, as_table(table))
+
+    def slice_nancount(self, x: Any, table: Any) -> np.ndarray:
+        """Per slice: the number of NaN elements."""
+        return self._engine.reduce("nancount", x, as_table(table))
+
+    def slice_nonfinite(self, x: Any, table: Any) -> np.ndarray:
+        """Per slice: the number of NaN and +-inf elements."""
+        return self._engine.reduce("nonfinite", x, as_table(table))
+
+    def slice_maxabs(self, x: Any, table: Any) -> np.ndarray:
+        """Per slice: max(|x|) (0 if empty, NaN if any element is NaN)."""
+        return self._engine.reduce("maxabs", x, as_table(table))
+
+    def slice_minabs(self, x: Any, table: Any) -> np.ndarray:
+        """Per slice: min(|x|) (+inf if empty, NaN if any element is NaN)."""
+        return self._engine.reduce("minabs", x, as_table(table))
+
+    def slice_apply_(self, out: Any, x: Any, table: Any, centers: Any, factors: Any) -> None:
+        """out = (x - centers[s]) * factors[s] over every slice ``s`` (empty ``centers``: 0;
+        empty ``factors``: 1), in float64. Inactive rows are copied (skipped when out is x)."""
+        self._engine.apply_(out, x, as_table(table), _values(centers), _values(factors))
+
+    def slice_divide_(self, out: Any, x: Any, factor: Factor, table: Any, divisors: Any) -> None:
+        """out = factor(x) / divisors[s] over every slice ``s``, in the compute dtype."""
+        self._engine.divide_(out, x, factor, as_table(table), divisors)
+
+    def slice_ema_update_(
+        self, ema: Any, g: Any, factor: Factor, table: Any, active: Any, one_minus_decay: float, decay: float
+    ) -> None:
+        """ema = (1 - decay) * factor(g) + decay * ema over each slice ``s`` with ``active[s]``;
+        the other slices are left as they are (`numbaccum.formulas.ema`)."""
+        self._engine.ema_update_(ema, g, factor, as_table(table), active, one_minus_decay, decay)
+
+    def clip_factors_(
+        self,
+        leaf_sums: Any,
+        x: Any,
+        table: Any,
+        members: Any,
+        last: bool,
+        max_norm: float,
+        fac32: Any,
+        fac64: Any,
+    ) -> None:
+        """leaf_sums[members] = sum(x ** 2) per slice of ``table`` (the group's leaves); when
+        ``last``, ``fac = [div, mul]`` (float32 and float64) of clip_by_global_norm
+        (`numbaccum.formulas.clip_factor`) from ``sqrt(sum_in_order(leaf_sums))``: `tree_sumsq`'s
+        bits. On CUDA one launch per group and no synchronisation (device arrays)."""
+        self._engine.clip_factors_(leaf_sums, x, as_table(table), members, last, max_norm, fac32, fac64)
+
+    # Shorthands: a whole buffer is one slice, ``offsets`` one contiguous slice per segment.
 
     def sumsq(self, x: Any) -> float:
-        return _legacy("sumsq", x)
+        """sum(x ** 2) in float64."""
+        return float(self.slice_sumsq(x, whole(x.size))[0])
 
     def sumabs(self, x: Any) -> float:
-        return _legacy("sumabs", x)
+        """sum(|x|) in float64."""
+        return float(self.slice_sumabs(x, whole(x.size))[0])
 
     def maxabs(self, x: Any) -> float:
-        return _legacy("maxabs", x)
+        """max(|x|) (0 for an empty buffer, NaN if any element is NaN)."""
+        return float(self.slice_maxabs(x, whole(x.size))[0])
 
     def count_nonfinite(self, x: Any) -> int:
-        return _legacy("count_nonfinite", x)
+        """Number of NaN and +-inf elements."""
+        return int(self.slice_nonfinite(x, whole(x.size))[0])
 
-    def segment_sumsq(self, x: Any, offsets: Any) -> Any:
-        return _legacy("segment_sumsq", x, offsets)
+    def segment_sumsq(self, x: Any, offsets: Any) -> np.ndarray:
+        """Per segment ``[offsets[s], offsets[s + 1])``: sum(x ** 2)."""
+        return self.slice_sumsq(x, segments(offsets))
 
-    def segment_sumabs(self, x: Any, offsets: Any) -> Any:
-        return _legacy("segment_sumabs", x, offsets)
+    def segment_sumabs(self, x: Any, offsets: Any) -> np.ndarray:
+        """Per segment: sum(|x|)."""
+        return self.slice_sumabs(x, segments(offsets))
 
-    def segment_maxabs(self, x: Any, offsets: Any) -> Any:
-        return _legacy("segment_maxabs", x, offsets)
+    def segment_maxabs(self, x: Any, offsets: Any) -> np.ndarray:
+        """Per segment: max(|x|)."""
+        return self.slice_maxabs(x, segments(offsets))
 
-    def segment_nancount(self, x: Any, offsets: Any) -> Any:
-        return _legacy("segment_nancount", x, offsets)
+    def segment_nancount(self, x: Any, offsets: Any) -> np.ndarray:
+        """Per segment: the number of NaN elements."""
+        return self.slice_nancount(x, segments(offsets))
 
     def segment_divide_(self, out: Any, x: Any, factor: Factor, offsets: Any, factors: Any) -> None:
-        _legacy("segment_divide_", out, x, *_df(factor), offsets, factors)
+        """out = factor(x) / factors[s] over each segment ``s`` (a per-leaf divisor)."""
+        self.slice_divide_(out, x, factor, segments(offsets), factors)
 
     def segment_ema_update_(
-        self, ema: Any, g: Any, factor: Factor, offsets: Any, active: Any, one_minus_decay: float, decay: float
+        self,
+        ema: Any,
+        g: Any,
+        factor: Factor,
+        offsets: Any,
+        active: Any,
+        one_minus_decay: float,
+        decay: float,
     ) -> None:
-        _legacy("segment_ema_update_", ema, g, *_df(factor), offsets, active, one_minus_decay, decay)
+        """ema = (1 - decay) * factor(g) + decay * ema over each segment with ``active[s]``."""
+        self.slice_ema_update_(ema, g, factor, segments(offsets), active, one_minus_decay, decay)
 
-    def sumsq_clip_factors_(self, sums: Any, x: Any, group: int, max_norm: float, fac32: Any, fac64: Any) -> None:
-        _legacy("sumsq_clip_factors_", sums, x, group, max_norm, fac32, fac64)
-
-    def slice_sumsq(self, x: Any, rows: Any, centers: Any) -> Any:
-        return _legacy("slice_sumsq", x, rows, centers)
-
-    def slice_sumabs(self, x: Any, rows: Any) -> Any:
-        return _legacy("slice_sumabs", x, rows)
-
-    def slice_sumpow(self, x: Any, rows: Any, p: float) -> Any:
-        return _legacy("slice_sumpow", x, rows, p)
-
-    def slice_sum(self, x: Any, rows: Any) -> Any:
-        return _legacy("slice_sum", x, rows)
-
-    def slice_nnz(self, x: Any, rows: Any) -> Any:
-        return _legacy("slice_nnz", x, rows)
-
-    def slice_maxabs(self, x: Any, rows: Any) -> Any:
-        return _legacy("slice_maxabs", x, rows)
-
-    def slice_minabs(self, x: Any, rows: Any) -> Any:
-        return _legacy("slice_minabs", x, rows)
-
-    def slice_apply_(self, out: Any, x: Any, rows: Any, centers: Any, factors: Any) -> None:
-        _legacy("slice_apply_", out, x, rows, centers, factors)
+    @property
+    def _engine(self) -> Any:
+        """The reduction engine of this backend (`numbaccum.cpu.reduce`, `numbaccum.cuda.reduce`)."""
+        engine = self.__dict__.get("_reduce")
+        if engine is None:
+            name = _backend_name(self.driver)
+            engine = self.__dict__["_reduce"] = importlib.import_module(f"numbaccum.{name}.reduce")
+        return engine
 
     # --- per example (DP-SGD) ----------------------------------------------------------------
 
@@ -231,7 +317,42 @@ class Ops:
         limit: float,
     ) -> None:
         """out[k][j] = clamp((sum_b mult[k, b] * g[k][b, j] + std * noise[k][j]) / div, +-limit)."""
-        _legacy("batch_weighted_sum_", out, g, offsets, out_offsets, mult, noise, std, div, limit)
+        module = importlib.import_module(f"numbaccum.{_backend_name(self.driver)}.per_example")
+        t = np.result_type(out.dtype, g.dtype).type
+        module.batch_weighted_sum_(out, g, offsets, out_offsets, mult, noise, t(std), t(div), t(limit))
+
+
+def _backend_name(driver: Any) -> str:
+    return getattr(driver, "NAME", None) or getattr(driver, "name", "cpu")
+
+
+def _values(v: Any) -> Any:
+    """A per-slice argument that may be absent: None becomes an empty float64 array."""
+    return _NO_VALUES if v is None else v
+
+
+_NO_VALUES = np.zeros(0, np.float64)
+
+
+def leaf_sumsq(flat: Any) -> np.ndarray:
+    """sum(x ** 2) of every leaf of a `numbaccum.flat.FlatTree`, float64 in leaf order (one
+    engine call per dtype group, each leaf one slice)."""
+    from .backend import ops_for
+
+    lay = flat.layout
+    out = np.empty(lay.num_leaves, np.float64)
+    for members, offsets, g in zip(lay.group_index, lay.offsets, flat.groups):
+        out[members] = ops_for(g).slice_sumsq(g, segments(offsets))
+    return out
+
+
+def tree_sumsq(flat: Any) -> float:
+    """The squared global L2 norm of a tree: `leaf_sumsq` added in leaf order from 0.0.
+
+    The one definition: `numbaccum.global_norm`, ``norms.tree_norm(t, 2)``, ``clip_norm(...,
+    dim='global')``, clip_by_global_norm (`Ops.clip_factors_` on the device) and
+    skip_large_updates all take this sum, so they agree bit for bit."""
+    return float(sum_in_order(leaf_sumsq(flat)))
 
 
 def _df(factor: Factor) -> tuple[Any, Any]:

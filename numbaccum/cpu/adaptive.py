@@ -9,10 +9,11 @@ disable the clipper for that element (or leaf) for good.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from numba import njit
 
-from .. import _config
-from .kernels import _elementwise, _in, _pick, _run, _scaled, _segment_blocks
+from ..tables import segments
+from . import reduce as _engine
+from .kernels import _elementwise, _in, _run, _scaled, _segment_factor
 
 __all__ = ["abs_ema_clip_", "abs_ema_update_", "clip_by_", "growth_clip_", "segment_ema_update_"]
 
@@ -20,23 +21,6 @@ __all__ = ["abs_ema_clip_", "abs_ema_update_", "clip_by_", "growth_clip_", "segm
 @njit(inline="always", error_model="numpy")
 def _finite(v):  # pragma: no cover - compiled
     return v - v == 0  # NaN for NaN and +-inf, 0 for every finite value
-
-
-def _segment_ema(parallel):
-    @njit(parallel=parallel, error_model="numpy")
-    def run(ema, g, div, mul, scaled, offsets, active, one_minus_decay, decay, block):  # pragma: no cover
-        starts, stops, seg = _segment_blocks(offsets, block)
-        for b in prange(starts.size):
-            if active[seg[b]] == 0:
-                continue
-            em, gs = ema[starts[b] : stops[b]], g[starts[b] : stops[b]]
-            for i in range(gs.size):
-                em[i] = one_minus_decay * _in(gs[i], div, mul, scaled) + decay * em[i]
-
-    return run
-
-
-_SEGMENT_EMA = (_segment_ema(True), _segment_ema(False))
 
 
 @njit(inline="always", error_model="numpy")
@@ -131,9 +115,10 @@ _GROWTH_CLIP = _elementwise(_growth_clip_body)
 
 def segment_ema_update_(ema, g, div, mul, offsets, active, one_minus_decay, decay):
     """ema = (1 - decay) * g + decay * ema over each segment ``s`` with ``active[s] != 0``; the
-    other segments are left as they are (their g is not even read)."""
-    run = _pick(_SEGMENT_EMA, g.size)
-    run(ema, g, div, mul, _scaled(div, mul), offsets, active, one_minus_decay, decay, _config.REDUCE_BLOCK)
+    other segments are left as they are (their g is not even read). The reduction engine's
+    per-slice EMA (`numbaccum.cpu.reduce.ema_update_`) over a segments table."""
+    factor = _segment_factor(div, mul)
+    _engine.ema_update_(ema, g, factor, segments(offsets), active, one_minus_decay, decay)
 
 
 def abs_ema_clip_(ema, g, div, mul, one_minus_decay, decay, init, fresh, out):

@@ -6,26 +6,20 @@ instead of costing a pass of its own. Names ending in ``_`` write their first ar
 ``out`` when given). Scalars arrive already cast to the compute dtype (see `numbaccum.backend`).
 
 Each loop body is written once over an index range ``[lo, hi)``; `_elementwise` turns it into a
-parallel driver (``prange`` over fixed chunks) and a serial one for small buffers. Reductions are
-segmented (a whole-buffer reduction is one segment): each segment is cut into fixed blocks of
-``REDUCE_BLOCK`` elements, summed in float64 with 64 independent accumulators (which vectorise
-without fastmath), and the block partials are combined in index order, so the result has the same
-bits for any thread count. ``error_model="numpy"``: a division by zero gives inf or NaN as in
+parallel driver (``prange`` over fixed chunks) and a serial one for small buffers. Reductions
+(``sumsq``, ``segment_*``, ...) are the one reduction engine, `numbaccum.cpu.reduce`, under their
+transitional names. ``error_model="numpy"``: a division by zero gives inf or NaN as in
 NumPy (optax's ``ema`` with ``decay = 1`` is NaN), never an exception.
 """
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 from numba import njit, prange
 
 from .. import _config
-
-# Independent float64 accumulators per block: measured on the 2-core VM, 16 and 32 lanes read at
-# 22-28 GB/s and 64 at 45 GB/s (enough independent add chains to hide their latency).
-_LANES = 64
+from ..tables import segments, sum_in_order, whole  # noqa: F401  (sum_in_order: transitional home)
+from . import reduce as _engine
 
 
 def _elementwise(body):
@@ -43,140 +37,14 @@ def _elementwise(body):
     return parallel, serial
 
 
-# --- reductions -----------------------------------------------------------------------------
+# --- reductions: the one engine (numbaccum.cpu.reduce), by their transitional names ----------
 
 
-def _lane_sum(term):
-    """``block(x, lo, hi) = sum(term(x[lo:hi]))`` in float64: _LANES lanes, then lane order."""
+def _segment_factor(div, mul):
+    """A host pending factor from the transitional ``div, mul`` arguments."""
+    from ..contract import Factor
 
-    @njit(inline="always", error_model="numpy")
-    def block(x, lo, hi):  # pragma: no cover - compiled
-        v = x[lo:hi]
-        acc = np.zeros(_LANES, np.float64)
-        stop = v.size // _LANES * _LANES
-        for i in range(0, stop, _LANES):
-            for j in range(_LANES):
-                acc[j] += term(np.float64(v[i + j]))
-        s = 0.0
-        for i in range(stop, v.size):
-            s += term(np.float64(v[i]))
-        for j in range(_LANES):
-            s += acc[j]
-        return s
-
-    return block
-
-
-@njit(inline="always", error_model="numpy")
-def _square(e):  # pragma: no cover - compiled
-    return e * e
-
-
-@njit(inline="always", error_model="numpy")
-def _absolute(e):  # pragma: no cover - compiled
-    return abs(e)
-
-
-_block_sumsq = _lane_sum(_square)
-_block_sumabs = _lane_sum(_absolute)
-
-
-@njit(inline="always", error_model="numpy")
-def _block_maxabs(x, lo, hi):  # pragma: no cover - compiled
-    """max(|x[lo:hi]|), NaN if any element is NaN (like ``jnp.max``)."""
-    v = x[lo:hi]
-    m = 0.0
-    for i in range(v.size):
-        a = abs(np.float64(v[i]))
-        if a > m or a != a:
-            m = a
-            if a != a:
-                break
-    return m
-
-
-@njit(inline="always", error_model="numpy")
-def _block_nonfinite(x, lo, hi):  # pragma: no cover - compiled
-    """Number of NaN and +-inf elements of x[lo:hi], as a float64 (exact below 2**53)."""
-    v = x[lo:hi]
-    c = 0
-    for i in range(v.size):
-        if v[i] - v[i] != 0:  # NaN for NaN and inf, 0 for every finite value
-            c += 1
-    return np.float64(c)
-
-
-@njit(error_model="numpy")
-def _segment_blocks(offsets, block):  # pragma: no cover - compiled
-    """Start, stop and segment of every block: each segment cut into fixed blocks."""
-    nseg = offsets.size - 1
-    nb = 0
-    for s in range(nseg):
-        nb += (offsets[s + 1] - offsets[s] + block - 1) // block
-    starts = np.empty(nb, np.int64)
-    stops = np.empty(nb, np.int64)
-    seg = np.empty(nb, np.int64)
-    b = 0
-    for s in range(nseg):
-        lo = offsets[s]
-        while lo < offsets[s + 1]:
-            starts[b] = lo
-            stops[b] = min(offsets[s + 1], lo + block)
-            seg[b] = s
-            lo += block
-            b += 1
-    return starts, stops, seg
-
-
-def _segmented(block_fn, take_max):
-    """Parallel and serial drivers of a per-segment reduction over fixed blocks per segment."""
-
-    @njit(inline="always", error_model="numpy")
-    def combine(out, s, v):  # pragma: no cover - compiled
-        if take_max:
-            if (v > out[s] or v != v) and out[s] == out[s]:  # NaN, once in, stays
-                out[s] = v
-        else:
-            out[s] += v
-
-    @njit(parallel=True, error_model="numpy")
-    def parallel(x, offsets, block):  # pragma: no cover - compiled
-        starts, stops, seg = _segment_blocks(offsets, block)
-        partial = np.empty(starts.size, np.float64)
-        for b in prange(starts.size):
-            partial[b] = block_fn(x, starts[b], stops[b])
-        out = np.zeros(offsets.size - 1, np.float64)
-        for b in range(starts.size):
-            combine(out, seg[b], partial[b])
-        return out
-
-    @njit(error_model="numpy")
-    def serial(x, offsets, block):  # pragma: no cover - compiled
-        starts, stops, seg = _segment_blocks(offsets, block)
-        out = np.zeros(offsets.size - 1, np.float64)
-        for b in range(starts.size):
-            combine(out, seg[b], block_fn(x, starts[b], stops[b]))
-        return out
-
-    return parallel, serial
-
-
-@njit(inline="always", error_model="numpy")
-def _block_nancount(x, lo, hi):  # pragma: no cover - compiled
-    """Number of NaN elements of x[lo:hi], as a float64."""
-    v = x[lo:hi]
-    c = 0
-    for i in range(v.size):
-        if v[i] != v[i]:
-            c += 1
-    return np.float64(c)
-
-
-_SEG_SUMSQ = _segmented(_block_sumsq, False)
-_SEG_SUMABS = _segmented(_block_sumabs, False)
-_SEG_MAXABS = _segmented(_block_maxabs, True)
-_SEG_NONFINITE = _segmented(_block_nonfinite, False)
-_SEG_NANCOUNT = _segmented(_block_nancount, False)
+    return Factor(div, mul)
 
 
 # --- elementwise ----------------------------------------------------------------------------
@@ -328,20 +196,6 @@ def _zero_nans_body(lo, hi, out, x, div, mul, scaled):  # pragma: no cover - com
             o[i] = 0
 
 
-def _segment_divider(parallel):
-    @njit(parallel=parallel, error_model="numpy")
-    def run(out, x, div, mul, scaled, offsets, factors, block):  # pragma: no cover - compiled
-        starts, stops, seg = _segment_blocks(offsets, block)
-        for b in prange(starts.size):
-            f = factors[seg[b]]
-            o, xs = out[starts[b] : stops[b]], x[starts[b] : stops[b]]
-            for i in range(xs.size):
-                o[i] = _in(xs[i], div, mul, scaled) / f
-
-    return run
-
-
-_SEGMENT_DIVIDE = (_segment_divider(True), _segment_divider(False))
 _FILL = _elementwise(_fill_body)
 _CLIP = _elementwise(_clip_body)
 _ZERO_NANS = _elementwise(_zero_nans_body)
@@ -365,79 +219,57 @@ def _run(pair, n, *args):
 # --- the contract (same names and signatures in numbaccum.cuda) -----------------------------
 
 
-def _whole(pair, x):
-    """A reduction over all of ``x``: the segmented kernel with one segment (same blocks)."""
-    return float(_pick(pair, x.size)(x, np.array([0, x.size], np.int64), _config.REDUCE_BLOCK)[0])
-
-
 def sumsq(x):
-    """sum(x ** 2) in float64 over a fixed block partition."""
-    return _whole(_SEG_SUMSQ, x)
+    """sum(x ** 2) in float64 (the engine, one slice)."""
+    return float(_engine.reduce("sumsq", x, whole(x.size))[0])
 
 
 def sumabs(x):
-    """sum(|x|) in float64 over a fixed block partition."""
-    return _whole(_SEG_SUMABS, x)
+    """sum(|x|) in float64 (the engine, one slice)."""
+    return float(_engine.reduce("sumabs", x, whole(x.size))[0])
 
 
 def maxabs(x):
     """max(|x|) (0 for an empty buffer, NaN if any element is NaN)."""
-    return _whole(_SEG_MAXABS, x)
+    return float(_engine.reduce("maxabs", x, whole(x.size))[0])
 
 
 def count_nonfinite(x):
     """Number of NaN and +-inf elements."""
-    return int(_whole(_SEG_NONFINITE, x))
+    return int(_engine.reduce("nonfinite", x, whole(x.size))[0])
 
 
 def segment_sumsq(x, offsets):
     """Per segment ``s``: sum(x[offsets[s]:offsets[s+1]] ** 2) in float64."""
-    return _pick(_SEG_SUMSQ, x.size)(x, offsets, _config.REDUCE_BLOCK)
+    return _engine.reduce("sumsq", x, segments(offsets))
 
 
 def segment_sumabs(x, offsets):
     """Per segment ``s``: sum(|x[offsets[s]:offsets[s+1]]|) in float64."""
-    return _pick(_SEG_SUMABS, x.size)(x, offsets, _config.REDUCE_BLOCK)
+    return _engine.reduce("sumabs", x, segments(offsets))
 
 
 def segment_maxabs(x, offsets):
     """Per segment ``s``: max(|x[offsets[s]:offsets[s+1]]|) (0 if empty, NaN if any NaN)."""
-    return _pick(_SEG_MAXABS, x.size)(x, offsets, _config.REDUCE_BLOCK)
+    return _engine.reduce("maxabs", x, segments(offsets))
 
 
 def segment_nancount(x, offsets):
     """Per segment ``s``: the number of NaN elements of x[offsets[s]:offsets[s+1]]."""
-    return _pick(_SEG_NANCOUNT, x.size)(x, offsets, _config.REDUCE_BLOCK)
+    return _engine.reduce("nancount", x, segments(offsets))
 
 
-@njit(error_model="numpy")
-def sum_in_order(values):  # pragma: no cover - compiled
-    """Sequential float64 sum, in index order (host arrays; not part of the kernel contract)."""
-    total = 0.0
-    for i in range(values.size):
-        total += values[i]
-    return total
-
-
-def sumsq_clip_factors_(sums, x, group, max_norm, fac32, fac64):
-    """sums[group] = sum(x ** 2) in float64; the last group (``group == sums.size - 1``) then
-    sets ``fac = [div, mul]`` of clip_by_global_norm, in float32 and float64, from
-    ``norm = sqrt(sum(sums))`` (in order): [1, 1] if norm < max_norm, [1, 0] if norm == 0, else
-    [norm, max_norm]. (The CPU path of clip_by_global_norm keeps the factor on the host; this is
-    the contract twin of the CUDA kernel that keeps it on the device.)"""
-    group = int(group)
-    sums[group] = sumsq(x)
-    if group == sums.size - 1:
-        norm = math.sqrt(sum_in_order(sums))
-        fac = (1.0, 1.0) if norm < max_norm else (1.0, 0.0) if norm == 0.0 else (norm, max_norm)
-        fac32[:] = fac
-        fac64[:] = fac
+def sumsq_clip_factors_(leaf_sums, x, offsets, members, last, max_norm, fac32, fac64):
+    """leaf_sums[members] = sum(x ** 2) per segment (the group's leaves); when ``last``, sets
+    ``fac = [div, mul]`` of clip_by_global_norm, in float32 and float64, from ``norm =
+    sqrt(sum_in_order(leaf_sums))`` (`numbaccum.formulas.clip_factor`). The host twin of the
+    CUDA kernel that keeps the factor on the device."""
+    _engine.clip_factors_(leaf_sums, x, segments(offsets), members, bool(last), max_norm, fac32, fac64)
 
 
 def segment_divide_(out, x, div, mul, offsets, factors):
     """out = ((x / div) * mul) / factors[s] over each segment ``s`` (a per-leaf divisor)."""
-    run = _pick(_SEGMENT_DIVIDE, x.size)
-    run(out, x, div, mul, _scaled(div, mul), offsets, factors, _config.REDUCE_BLOCK)
+    _engine.divide_(out, x, _segment_factor(div, mul), segments(offsets), factors)
 
 
 def clip_(out, x, div, mul, max_delta):
@@ -526,7 +358,7 @@ WRITES: dict[str, tuple[int, ...]] = {
     "segment_divide_": (0,),
     "clip_": (0,),
     "zero_nans_": (0,),
-    "sumsq_clip_factors_": (0, 4, 5),
+    "sumsq_clip_factors_": (0, 6, 7),
     "scale_": (0,),
     "add_scaled_": (0,),
     "trace_update_": (0, 6),

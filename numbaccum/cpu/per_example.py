@@ -2,9 +2,10 @@
 
 A per-example leaf of shape ``(B, *s)`` sits in its group as ``B`` contiguous runs of
 ``D = prod(s)`` elements: example ``b`` of leaf ``k`` starts at ``offsets[k] + b * D``. The squared
-norm of every (leaf, example) run is `segment_sumsq` over a finer offsets table (one pass over the
-batch); this module holds the second pass, which reads the batch once more and writes one
-``D``-element sum per leaf.
+norm of every (leaf, example) run is a reduction of the one engine over the per-example table
+(`numbaccum.tables.examples`: one slice per example of each leaf; one pass over the batch); this
+module holds the second pass, which reads the batch once more and writes one ``D``-element sum
+per leaf.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ import numpy as np
 from numba import njit, prange
 
 from .. import _config
-from .kernels import _segment_blocks
+from ..formulas import clamp
+from ..tables import segments
 
 __all__ = ["batch_weighted_sum_"]
 
@@ -23,15 +25,16 @@ __all__ = ["batch_weighted_sum_"]
 # 6.4 ms (the same bits: each element still adds its examples in order).
 BATCH_CHUNK = 1 << 16
 
+_clamp = njit(inline="always", error_model="numpy")(clamp)
+
 
 def _weighted_sum(parallel):
     @njit(parallel=parallel, error_model="numpy")
-    def run(out, g, offsets, out_offsets, mult, noise, std, div, limit, chunk):  # pragma: no cover
-        starts, stops, seg = _segment_blocks(out_offsets, chunk)
+    def run(out, g, offsets, out_offsets, mult, noise, std, div, limit, items):  # pragma: no cover
         batch = mult.shape[1]
-        for c in prange(starts.size):
-            k = seg[c]
-            lo, hi = starts[c], stops[c]
+        for c in prange(items.shape[0]):
+            k = items[c, 0]
+            lo, hi = out_offsets[k] + items[c, 3], out_offsets[k] + items[c, 4]
             size = out_offsets[k + 1] - out_offsets[k]
             first = offsets[k] + (lo - out_offsets[k])
             w = hi - lo
@@ -71,12 +74,7 @@ def _weighted_sum(parallel):
                 v = acc[j]
                 if std != 0.0:
                     v += std * noise[lo + j]
-                v = v / div
-                if v > limit:
-                    v = limit
-                elif v < -limit:
-                    v = -limit
-                o[j] = v
+                o[j] = _clamp(v / div, limit)
 
     return run
 
@@ -92,7 +90,12 @@ def batch_weighted_sum_(out, g, offsets, out_offsets, mult, noise, std, div, lim
     ``std != 0``. Sums run in float64 in example order; examples with ``mult == 0`` are skipped.
     """
     run = _WEIGHTED_SUM[1] if g.size < _config.SERIAL_BELOW else _WEIGHTED_SUM[0]
-    run(out, g, offsets, out_offsets, mult, noise, std, div, limit, BATCH_CHUNK)
+    # The output's leaves cut into fixed items of BATCH_CHUNK elements (a segments table's work).
+    items = segments(out_offsets).work(BATCH_CHUNK, False).items
+    from .driver import guard_for  # numba's workqueue layer aborts on concurrent parallel calls
+
+    with guard_for(g.size):
+        run(out, g, offsets, out_offsets, mult, noise, std, div, limit, items)
 
 
 KERNELS = ("batch_weighted_sum_",)

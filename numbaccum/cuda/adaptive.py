@@ -9,12 +9,13 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import numpy as np
 from numba import cuda
 
 from .. import _config
 from ..arrays import stream
-from .kernels import LAUNCHES, _block_table, _ByMode, _factor, _in, _start_device
+from ..tables import segments
+from . import reduce as _engine
+from .kernels import LAUNCHES, _ByMode, _factor, _in, _segment_factor, _start_device
 
 __all__ = ["abs_ema_clip_", "abs_ema_update_", "clip_by_", "growth_clip_", "segment_ema_update_"]
 
@@ -53,20 +54,6 @@ def _clamp(v, bound):  # pragma: no cover - compiled
     return v
 
 
-def _segment_ema_kernel(mode):  # pragma: no cover - compiled per mode
-    @cuda.jit
-    def kernel(ema, g, div, mul, fac, starts, stops, seg, active, one_minus_decay, decay):  # pragma: no cover
-        b = cuda.blockIdx.x
-        if active[seg[b]] != 0:
-            i = starts[b] + cuda.threadIdx.x
-            while i < stops[b]:
-                ema[i] = one_minus_decay * _in(g[i], div, mul, fac, mode) + decay * ema[i]
-                i += cuda.blockDim.x
-
-    return kernel
-
-
-_SEGMENT_EMA = _ByMode(_segment_ema_kernel)
 
 
 def _abs_ema_clip_kernel(mode):  # pragma: no cover - compiled per mode
@@ -153,17 +140,9 @@ _GROWTH_CLIP = _ByMode(_growth_clip_kernel)
 
 
 def segment_ema_update_(ema, g, div, mul, offsets, active, one_minus_decay, decay):
-    """ema = (1 - decay) * g + decay * ema over each segment ``s`` with ``active[s] != 0``."""
-    offsets = np.asarray(offsets, np.int64)
-    d, m, fac, mode = _factor(div, mul, ema, g)
-    starts, stops, _, nblocks, seg = _block_table(offsets, _config.CUDA_REDUCE_BLOCK)
-    if nblocks:
-        if isinstance(active, np.ndarray):
-            active = cuda.to_device(np.ascontiguousarray(active), stream=stream())
-        LAUNCHES[0] += 1
-        _SEGMENT_EMA[mode][nblocks, _config.CUDA_THREADS, stream()](
-            ema, g, d, m, fac, starts, stops, seg, active, one_minus_decay, decay
-        )
+    """ema = (1 - decay) * g + decay * ema over each segment ``s`` with ``active[s] != 0``: the
+    engine's per-slice EMA (`numbaccum.cuda.reduce.ema_update_`) over a segments table."""
+    _engine.ema_update_(ema, g, _segment_factor(div, mul), segments(offsets), active, one_minus_decay, decay)
 
 
 def abs_ema_clip_(ema, g, div, mul, one_minus_decay, decay, init, fresh, out):

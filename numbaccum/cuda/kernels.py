@@ -3,28 +3,26 @@
 Same names and signatures as `numbaccum.cpu`. Elementwise kernels are grid-stride loops with
 int64 indices (a flat float32 buffer passes 2**31 elements at 2B parameters). Every kernel is
 launched on `stream()` (the caller's stream, see `numbaccum.arrays`), once per call: one
-launch per operation and dtype group, never per leaf. Reductions cut each segment into fixed
-blocks of ``CUDA_REDUCE_BLOCK`` elements; one CUDA block sums a block in float64 through a
-shared-memory tree in a fixed order, and one thread per segment adds its block partials in index
-order: no float atomics, so a norm has the same bits on every run. Reductions return host values
-(a synchronisation): they serve `global_norm` and the skip predicates, which decide on the host.
+launch per operation and dtype group, never per leaf. Reductions (``sumsq``, ``segment_*``, the
+clip factor) are the one reduction engine, `numbaccum.cuda.reduce`, under their transitional
+names; they return host values (a synchronisation), except the clip factor, which stays on the
+device.
 """
 
 from __future__ import annotations
 
 import math
-import threading
 from typing import Any
 
 import numpy as np
 from numba import cuda
 
 from .. import _config
-from ..arrays import data_pointer, stream, stream_handle
+from ..arrays import data_pointer, stream
+from ..tables import segments, whole
+from . import reduce as _engine
 
 LAUNCHES = [0]  # kernel launches so far (tests count them per update)
-
-_SUMSQ, _SUMABS, _MAXABS, _NONFINITE, _NANCOUNT = 0, 1, 2, 3, 4
 
 
 def _grid(n: int) -> tuple[int, int]:
@@ -323,19 +321,6 @@ def _fill(n, x, value):  # pragma: no cover - compiled
         i += step
 
 
-def _segment_divide_kernel(mode):  # pragma: no cover - compiled per mode
-    @cuda.jit
-    def kernel(out, x, div, mul, fac, starts, stops, seg, factors):  # pragma: no cover - compiled
-        b = cuda.blockIdx.x
-        f = factors[seg[b]]
-        i = starts[b] + cuda.threadIdx.x
-        while i < stops[b]:
-            out[i] = _in(x[i], div, mul, fac, mode) / f
-            i += cuda.blockDim.x
-
-    return kernel
-
-
 class _ByMode:
     """A kernel compiled once per pending-factor mode (0, 1, 2)."""
 
@@ -350,229 +335,8 @@ class _ByMode:
         return k
 
 
-_SEGMENT_DIVIDE = _ByMode(_segment_divide_kernel)
 
-
-# --- reductions -----------------------------------------------------------------------------
-
-_REDUCERS: dict[tuple, Any] = {}
-
-
-def _reducer(kind: int, tpb: int) -> Any:
-    """The block-partial kernel of one reduction kind for ``tpb`` threads (shared memory needs
-    the size at compile time)."""
-    key = (kind, tpb)
-    if key in _REDUCERS:
-        return _REDUCERS[key]
-
-    @cuda.jit
-    def partials(x, starts, stops, out):  # pragma: no cover - compiled
-        shared = cuda.shared.array(tpb, np.float64)
-        b = cuda.blockIdx.x
-        t = cuda.threadIdx.x
-        acc = 0.0
-        i = starts[b] + t
-        while i < stops[b]:
-            v = np.float64(x[i])
-            if kind == _SUMSQ:
-                acc += v * v
-            elif kind == _SUMABS:
-                acc += abs(v)
-            elif kind == _MAXABS:
-                a = abs(v)
-                if (a > acc or a != a) and acc == acc:
-                    acc = a
-            elif kind == _NONFINITE:
-                if v - v != 0:
-                    acc += 1.0
-            elif v != v:
-                acc += 1.0
-            i += tpb
-        shared[t] = acc
-        cuda.syncthreads()
-        half = tpb // 2
-        while half > 0:  # fixed pairing: the same tree every run
-            if t < half:
-                a = shared[t]
-                c = shared[t + half]
-                if kind == _MAXABS:
-                    if (c > a or c != c) and a == a:
-                        shared[t] = c
-                else:
-                    shared[t] = a + c
-            cuda.syncthreads()
-            half //= 2
-        if t == 0:
-            out[b] = shared[0]
-
-    _REDUCERS[key] = partials
-    return partials
-
-
-@cuda.jit
-def _combine(first, partial, take_max, out):  # pragma: no cover - compiled
-    s = cuda.grid(1)
-    if s < out.size:
-        acc = 0.0
-        for b in range(first[s], first[s + 1]):
-            v = partial[b]
-            if take_max:
-                if (v > acc or v != v) and acc == acc:
-                    acc = v
-            else:
-                acc += v
-        out[s] = acc
-
-
-_TABLES: dict[tuple, tuple[Any, ...]] = {}
-
-
-def _block_table(offsets: np.ndarray, block: int) -> tuple[Any, Any, Any, int, Any]:
-    """Device copies of each block's start, stop, each segment's first block, the block count,
-    and each block's segment (cached per offsets table: layouts keep theirs for life)."""
-    key = (offsets.tobytes(), block)
-    hit = _TABLES.get(key)
-    if hit is None:
-        sizes = np.diff(offsets)
-        counts = -(-sizes // block)
-        first = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
-        starts = np.concatenate(
-            [np.arange(o, o + s, block) for o, s in zip(offsets[:-1], sizes)] + [np.zeros(0)]
-        )
-        starts = starts.astype(np.int64)
-        seg = np.repeat(np.arange(sizes.size), counts)
-        stops = np.minimum(starts + block, offsets[1:][seg]).astype(np.int64)
-        dev = cuda.to_device
-        hit = (dev(starts), dev(stops), dev(first), int(starts.size), dev(seg.astype(np.int64)))
-        if len(_TABLES) > 256:
-            _TABLES.clear()
-        _TABLES[key] = hit
-    return hit  # type: ignore[return-value]
-
-
-_SCRATCH: dict[tuple, Any] = {}
-
-
-def _segmented_into(kind: int, out: Any, x: Any, offsets: np.ndarray) -> None:
-    """Per-segment reduction of ``x`` into the device array ``out``; nothing comes to the host."""
-    offsets = np.asarray(offsets, np.int64)
-    nseg = offsets.size - 1
-    starts, stops, first, nblocks, _ = _block_table(offsets, _config.CUDA_REDUCE_BLOCK)
-    key = (threading.get_ident(), nblocks)  # the block partials, reused call after call
-    partial = _SCRATCH.get(key)
-    if partial is None:
-        partial = _SCRATCH[key] = cuda.device_array(max(nblocks, 1), np.float64)
-    tpb = _config.CUDA_THREADS
-    if nblocks:
-        LAUNCHES[0] += 1
-        _reducer(kind, tpb)[nblocks, tpb, stream()](x, starts, stops, partial)
-    if nseg:
-        LAUNCHES[0] += 1
-        _combine[-(-nseg // tpb), tpb, stream()](first, partial, kind == _MAXABS, out)
-
-
-def _segmented(kind: int, x: Any, offsets: np.ndarray) -> np.ndarray:
-    nseg = np.asarray(offsets).size - 1
-    out = cuda.device_array(max(nseg, 1), np.float64, stream=stream())
-    _segmented_into(kind, out, x, offsets)
-    return out.copy_to_host(stream=stream())[:nseg]
-
-
-def _norm_factor_kernel(tpb: int, pairs: bool) -> Any:
-    """sumsq_clip_factors_'s kernel for ``tpb`` threads (shared memory is sized at compile time),
-    reading float32 as pairs or one element per access."""
-    key = ("norm", tpb, pairs)
-    if key in _REDUCERS:
-        return _REDUCERS[key]
-
-    @cuda.jit
-    def kernel(n, x, partial, ticket, sums, group, max_norm, fac32, fac64):  # pragma: no cover
-        shared = cuda.shared.array(tpb, np.float64)
-        last = cuda.shared.array(1, np.int32)
-        t = cuda.threadIdx.x
-        nb = cuda.gridDim.x
-        i, step = _start_device()
-        acc = 0.0
-        if pairs:
-            x2 = _pairs_device(x, n)
-            j = i
-            while j < x2.size:
-                v = x2[j]
-                re, im = np.float64(v.real), np.float64(v.imag)
-                acc += re * re + im * im
-                j += step
-            i = n - 1 if i == 0 and n % 2 else n
-        while i < n:
-            v = np.float64(x[i])
-            acc += v * v
-            i += step
-        _tree_sum(shared, acc, t, tpb)
-        if t == 0:  # publish this block's partial, then take a ticket
-            partial[cuda.blockIdx.x] = shared[0]
-            cuda.threadfence()
-            last[0] = cuda.atomic.add(ticket, 0, 1) == nb - 1
-        cuda.syncthreads()
-        if last[0]:  # the last block: every partial is visible; add them in a fixed order
-            acc = 0.0
-            k = t
-            while k < nb:
-                acc += partial[k]
-                k += tpb
-            _tree_sum(shared, acc, t, tpb)
-            if t == 0:
-                ticket[0] = 0
-                sums[group] = shared[0]
-                if group == sums.size - 1:
-                    total = 0.0
-                    for k in range(sums.size):  # groups in order
-                        total += sums[k]
-                    div, mul = _clip_factor(math.sqrt(total), max_norm)
-                    fac32[0], fac32[1] = div, mul
-                    fac64[0], fac64[1] = div, mul
-
-    _REDUCERS[key] = kernel
-    return kernel
-
-
-@cuda.jit(device=True, inline=True)
-def _tree_sum(shared, acc, t, tpb):  # pragma: no cover - compiled
-    """shared[0] = the block's sum of ``acc``, in a fixed pairing (the same tree every run)."""
-    shared[t] = acc
-    cuda.syncthreads()
-    half = tpb // 2
-    while half > 0:
-        if t < half:
-            shared[t] = shared[t] + shared[t + half]
-        cuda.syncthreads()
-        half //= 2
-
-
-@cuda.jit(device=True, inline=True)
-def _clip_factor(norm, max_norm):  # pragma: no cover - compiled
-    """clip_by_global_norm's [div, mul]: (1, 1) below max_norm (strict), (1, 0) at a zero norm
-    (then max_norm == 0 too: zeros, not 0 / 0), else (norm, max_norm)."""
-    if norm < max_norm:
-        return 1.0, 1.0
-    if norm == 0.0:
-        return 1.0, 0.0
-    return norm, max_norm
-
-
-_NORM_SCRATCH: dict[tuple, tuple[Any, Any]] = {}
-
-
-def _norm_scratch(blocks: int) -> tuple[Any, Any]:
-    """Block partials and the zeroed ticket counter, per host thread and stream: two clips in
-    flight on different streams never share them (the last block resets the ticket)."""
-    key = (threading.get_ident(), stream_handle(stream()))
-    hit = _NORM_SCRATCH.get(key)
-    if hit is None or hit[0].size < blocks:
-        size = max(blocks, _config.CUDA_MAX_BLOCKS)
-        hit = _NORM_SCRATCH[key] = (
-            cuda.device_array(size, np.float64, stream=stream()),
-            cuda.to_device(np.zeros(1, np.int32), stream=stream()),
-        )
-    return hit
+# --- reductions: the one engine (numbaccum.cuda.reduce), by their transitional names ---------
 
 
 def _aligned(x: Any) -> bool:
@@ -581,67 +345,55 @@ def _aligned(x: Any) -> bool:
     return ptr is None or ptr % 8 == 0
 
 
-def _whole(kind: int, x: Any) -> float:
-    return float(_segmented(kind, x, np.array([0, x.size], np.int64))[0])
-
-
 # --- the contract (same names and signatures as numbaccum.cpu) ------------------------------
 
 
 def sumsq(x):
-    """sum(x ** 2) in float64 over a fixed block partition."""
-    return _whole(_SUMSQ, x)
+    """sum(x ** 2) in float64 (the engine, one slice)."""
+    return float(_engine.reduce("sumsq", x, whole(x.size))[0])
 
 
 def sumabs(x):
-    """sum(|x|) in float64 over a fixed block partition."""
-    return _whole(_SUMABS, x)
+    """sum(|x|) in float64 (the engine, one slice)."""
+    return float(_engine.reduce("sumabs", x, whole(x.size))[0])
 
 
 def maxabs(x):
     """max(|x|) (0 for an empty buffer, NaN if any element is NaN)."""
-    return _whole(_MAXABS, x)
+    return float(_engine.reduce("maxabs", x, whole(x.size))[0])
 
 
 def count_nonfinite(x):
     """Number of NaN and +-inf elements."""
-    return int(_whole(_NONFINITE, x))
+    return int(_engine.reduce("nonfinite", x, whole(x.size))[0])
 
 
 def segment_sumsq(x, offsets):
     """Per segment ``s``: sum(x[offsets[s]:offsets[s+1]] ** 2) in float64."""
-    return _segmented(_SUMSQ, x, offsets)
+    return _engine.reduce("sumsq", x, segments(offsets))
 
 
 def segment_sumabs(x, offsets):
     """Per segment ``s``: sum(|x[offsets[s]:offsets[s+1]]|) in float64."""
-    return _segmented(_SUMABS, x, offsets)
+    return _engine.reduce("sumabs", x, segments(offsets))
 
 
 def segment_maxabs(x, offsets):
     """Per segment ``s``: max(|x[offsets[s]:offsets[s+1]]|) (0 if empty, NaN if any NaN)."""
-    return _segmented(_MAXABS, x, offsets)
+    return _engine.reduce("maxabs", x, segments(offsets))
 
 
 def segment_nancount(x, offsets):
     """Per segment ``s``: the number of NaN elements of x[offsets[s]:offsets[s+1]]."""
-    return _segmented(_NANCOUNT, x, offsets)
+    return _engine.reduce("nancount", x, segments(offsets))
 
 
-def sumsq_clip_factors_(sums, x, group, max_norm, fac32, fac64):
-    """sums[group] = sum(x ** 2) in float64; the last group (``group == sums.size - 1``) then
-    sets ``fac = [div, mul]`` of clip_by_global_norm, in float32 and float64, from
-    ``norm = sqrt(sum(sums))``: [1, 1] if norm < max_norm, [1, 0] if norm == 0, else
-    [norm, max_norm]. One launch, nothing comes to the host: the last block to finish its partial
-    sum (an integer ticket, no float atomics) adds the partials in a fixed order."""
-    n = x.size
-    pairs = x.dtype == np.float32 and _aligned(x)
-    kernel = _norm_factor_kernel(_config.CUDA_THREADS, pairs)
-    blocks, tpb = _grid((n + 1) // 2 if pairs else n)
-    partial, ticket = _norm_scratch(blocks)
-    LAUNCHES[0] += 1
-    args = (n, x, partial, ticket, sums, np.int64(group), np.float64(max_norm), fac32, fac64)
-    kernel[blocks, tpb, stream()](*args)
+def sumsq_clip_factors_(leaf_sums, x, offsets, members, last, max_norm, fac32, fac64):
+    """leaf_sums[members] = sum(x ** 2) per segment (the group's leaves); when ``last``, sets
+    ``fac = [div, mul]`` of clip_by_global_norm, in float32 and float64, from ``norm =
+    sqrt(sum(leaf_sums))`` in order. One launch, nothing comes to the host (see
+    `numbaccum.cuda.reduce.clip_factors_`)."""
+    _engine.clip_factors_(leaf_sums, x, segments(offsets), members, bool(last), max_norm, fac32, fac64)
 
 
 def clip_(out, x, div, mul, max_delta):
@@ -656,15 +408,14 @@ def zero_nans_(out, x, div, mul):
 
 def segment_divide_(out, x, div, mul, offsets, factors):
     """out = ((x / div) * mul) / factors[s] over each segment ``s`` (a per-leaf divisor)."""
-    offsets = np.asarray(offsets, np.int64)
-    d, m, fac, mode = _factor(div, mul, out, x)
-    starts, stops, _, nblocks, seg = _block_table(offsets, _config.CUDA_REDUCE_BLOCK)
-    if nblocks:
-        if isinstance(factors, np.ndarray):
-            factors = cuda.to_device(factors, stream=stream())
-        LAUNCHES[0] += 1
-        args = (out, x, d, m, fac, starts, stops, seg, factors)
-        _SEGMENT_DIVIDE[mode][nblocks, _config.CUDA_THREADS, stream()](*args)
+    _engine.divide_(out, x, _segment_factor(div, mul), segments(offsets), factors)
+
+
+def _segment_factor(div, mul):
+    """A pending factor from the transitional ``div, mul`` arguments (a dict: on the device)."""
+    from ..contract import Factor
+
+    return Factor(device=div) if isinstance(div, dict) else Factor(div, mul)
 
 
 def fill_(x, value):

@@ -14,20 +14,24 @@ from numba import cuda
 
 from .. import _config
 from ..arrays import stream
-from .kernels import LAUNCHES, _block_table
+from ..formulas import clamp
+from ..tables import segments
+from . import driver
 
 __all__ = ["batch_weighted_sum_"]
 
 
+_clamp = cuda.jit(device=True, inline=True)(clamp)
+
+
 @cuda.jit
-def _weighted_sum(
-    out, g, offsets, out_offsets, starts, stops, seg, mult, noise, std, div, limit
-):  # pragma: no cover - compiled
+def _weighted_sum(out, g, offsets, out_offsets, items, mult, noise, std, div, limit):  # pragma: no cover
     blk = cuda.blockIdx.x
-    k = seg[blk]
+    k = items[blk, 0]
     size = out_offsets[k + 1] - out_offsets[k]
-    i = starts[blk] + cuda.threadIdx.x
-    while i < stops[blk]:
+    i = out_offsets[k] + items[blk, 3] + cuda.threadIdx.x
+    stop = out_offsets[k] + items[blk, 4]
+    while i < stop:
         src = offsets[k] + (i - out_offsets[k])
         acc = 0.0
         for b in range(mult.shape[1]):
@@ -36,12 +40,7 @@ def _weighted_sum(
                 acc += m * np.float64(g[src + b * size])
         if std != 0.0:
             acc += std * noise[i]
-        v = acc / div
-        if v > limit:
-            v = limit
-        elif v < -limit:
-            v = -limit
-        out[i] = v
+        out[i] = _clamp(acc / div, limit)
         i += cuda.blockDim.x
 
 
@@ -72,19 +71,22 @@ def batch_weighted_sum_(out, g, offsets, out_offsets, mult, noise, std, div, lim
     Host ``mult`` and ``noise`` are copied to the device first.
     """
     out_offsets = np.asarray(out_offsets, np.int64)
-    # A few elements per thread: enough blocks to fill the GPU for a 1M-parameter output.
-    starts, stops, _, nblocks, seg = _block_table(out_offsets, 4 * _config.CUDA_THREADS)
+    # A few elements per thread: enough blocks to fill the GPU for a 1M-parameter output (the
+    # output's leaves cut into fixed items: a segments table's work).
+    work = segments(out_offsets).work(4 * _config.CUDA_THREADS, False)
+    nblocks = work.items.shape[0]
     if not nblocks:
         return
-    LAUNCHES[0] += 1
+    items = work.device.get("cuda items")
+    if items is None:
+        items = work.device["cuda items"] = cuda.to_device(work.items)
+    driver.LAUNCHES[0] += 1
     _weighted_sum[nblocks, _config.CUDA_THREADS, stream()](
         out,
         g,
         _device_offsets(np.asarray(offsets, np.int64)),
         _device_offsets(out_offsets),
-        starts,
-        stops,
-        seg,
+        items,
         _on_device(mult),
         _on_device(noise),
         std,

@@ -1,0 +1,473 @@
+"""The reduction engine on the CPU: every reduction and per-slice scaling of numbaccum.
+
+One engine runs any `numbaccum.tables` table (whole buffer, per leaf, per slice, per example)
+over the table's fixed work items (``_config.REDUCE_BLOCK`` elements each). An item gives one
+float64 partial per slice it covers, and `numbaccum.tables.combine` folds each slice's partials
+in item order: the same bits for any thread count, and the same bits for the same elements
+whichever table holds them (a leaf's sum of squares is the same in a per-leaf and a whole-leaf
+slice table, so every API that asks for a global norm gets one answer).
+
+A contiguous run of a slice is summed with 64 independent float64 accumulators when it is long
+(measured on the 2-core VM: 64 lanes read at 45 GB/s, 8 at 22-28 GB/s; enough independent add
+chains to hide their latency, and they vectorise without fastmath), with 8 when it is short (a
+64-lane array costs more than it saves on a few elements); the choice depends on the run's
+length only. Strided runs use the same sums over a strided view; slices of several reduced runs
+walk their digits run by run. ``error_model="numpy"``: no exception on a division by zero.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit, prange
+
+from .. import _config, formulas
+from ..tables import (
+    DK,
+    DR,
+    FIRST,
+    HEAD,
+    MAX,
+    MIN,
+    SUM,
+    Table,
+    combine,
+    element_offset,
+    fold,
+    identity,
+    slice_start,
+    sum_in_order,
+)
+
+__all__ = [
+    "KINDS",
+    "apply_",
+    "clip_factors_",
+    "divide_",
+    "ema_update_",
+    "reduce",
+]
+
+_slice_start = njit(inline="always", error_model="numpy")(slice_start)
+_element_offset = njit(inline="always", error_model="numpy")(element_offset)
+_jit = njit(inline="always", error_model="numpy")
+_clip_factor = formulas.compile_formula(formulas.clip_factor, _jit)
+_ema = formulas.compile_formula(formulas.ema.fn, _jit)
+
+_LANES = 64  # independent accumulators of a long run
+_WIDE = 1024  # runs of at least this many elements use them (the choice depends on n only)
+
+
+# --- terms: what a reduction adds up ---------------------------------------------------------
+
+
+@_jit
+def _t_sq(v, c, p):  # pragma: no cover - compiled
+    return v * v
+
+
+@_jit
+def _t_csq(v, c, p):  # pragma: no cover - compiled
+    d = v - c
+    return d * d
+
+
+@_jit
+def _t_abs(v, c, p):  # pragma: no cover - compiled
+    return abs(v)
+
+
+@_jit
+def _t_pow(v, c, p):  # pragma: no cover - compiled
+    return abs(v) ** p
+
+
+@_jit
+def _t_signed(v, c, p):  # pragma: no cover - compiled
+    return v
+
+
+@_jit
+def _t_nonzero(v, c, p):  # pragma: no cover - compiled
+    return 1.0 if v != 0 else 0.0
+
+
+@_jit
+def _t_nan(v, c, p):  # pragma: no cover - compiled
+    return 1.0 if v != v else 0.0
+
+
+@_jit
+def _t_nonfinite(v, c, p):  # pragma: no cover - compiled
+    return 1.0 if v - v != 0 else 0.0  # NaN for NaN and +-inf, 0 for every finite value
+
+
+def _lane_sum(term):
+    """``total(v, c, p) = sum(term(v[i], c, p))`` in float64 over a (possibly strided) view:
+    `_LANES` accumulators for a long view, 8 for a short one, combined in a fixed order."""
+
+    @_jit
+    def total(v, c, p):  # pragma: no cover - compiled
+        n = v.size
+        if n >= _WIDE:
+            acc = np.zeros(_LANES, np.float64)
+            stop = n // _LANES * _LANES
+            for i in range(0, stop, _LANES):
+                for j in range(_LANES):
+                    acc[j] += term(np.float64(v[i + j]), c, p)
+            s = 0.0
+            for i in range(stop, n):
+                s += term(np.float64(v[i]), c, p)
+            for j in range(_LANES):
+                s += acc[j]
+            return s
+        s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = 0.0
+        stop = n // 8 * 8
+        for i in range(0, stop, 8):
+            s0 += term(np.float64(v[i]), c, p)
+            s1 += term(np.float64(v[i + 1]), c, p)
+            s2 += term(np.float64(v[i + 2]), c, p)
+            s3 += term(np.float64(v[i + 3]), c, p)
+            s4 += term(np.float64(v[i + 4]), c, p)
+            s5 += term(np.float64(v[i + 5]), c, p)
+            s6 += term(np.float64(v[i + 6]), c, p)
+            s7 += term(np.float64(v[i + 7]), c, p)
+        t = 0.0
+        for i in range(stop, n):
+            t += term(np.float64(v[i]), c, p)
+        return (((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7))) + t
+
+    return total
+
+
+def _extreme(take_max):
+    """``total(v, c, p)``: the NaN-propagating max (or min) of |v|."""
+
+    @_jit
+    def total(v, c, p):  # pragma: no cover - compiled
+        m = 0.0 if take_max else np.inf
+        for i in range(v.size):
+            a = abs(np.float64(v[i]))
+            if a != a:
+                return a
+            if (a > m) if take_max else (a < m):
+                m = a
+        return m
+
+    return total
+
+
+def _view_run(total):
+    """``run(x, out, a, n, st, c, p)``: ``total`` over ``n`` elements of ``x`` from ``a`` with
+    stride ``st`` (a contiguous view when ``st == 1``: the loop vectorises)."""
+
+    @_jit
+    def run(x, out, a, n, st, c, p):  # pragma: no cover - compiled
+        if st == 1:
+            return total(x[a : a + n], c, p)
+        return total(x[a : a + (n - 1) * st + 1 : st], c, p)
+
+    return run
+
+
+def _walker(run, op):
+    """``walk(x, out, rows, r, off, e0, e1, idx, c, f)``: ``run`` over the runs of elements
+    ``[e0, e1)`` of the slice at ``off`` (one strided run when the slice has one reduced run;
+    else its digits, kept in the scratch ``idx``), the runs' values folded by ``op``."""
+
+    @_jit
+    def walk(x, out, rows, r, off, e0, e1, idx, c, f):  # pragma: no cover - compiled
+        dk, dr = rows[r, DK], rows[r, DR]
+        ext = HEAD + 2 * dk  # first reduced extent column
+        last = dr - 1
+        st = rows[r, ext + dr + last]
+        if dr == 1:  # one reduced run: the common case, no digits to carry
+            return run(x, out, off + e0 * st, e1 - e0, st, c, f)
+        rem = e0
+        for j in range(last, -1, -1):
+            idx[j] = rem % rows[r, ext + j]
+            rem //= rows[r, ext + j]
+        acc = identity(op)
+        e = e0
+        while e < e1:
+            n = min(rows[r, ext + last] - idx[last], e1 - e)
+            a = off + _element_offset(rows, r, e)
+            acc = fold(op, acc, run(x, out, a, n, st, c, f))
+            e += n
+            idx[last] += n
+            j = last
+            while j > 0 and idx[j] >= rows[r, ext + j]:
+                idx[j] = 0
+                idx[j - 1] += 1
+                j -= 1
+        return acc
+
+    return walk
+
+
+def _reducer(total, op):
+    """Parallel and serial drivers: ``part[pstart[b] + j]`` = the reduction of slice ``s0 + j``
+    of item ``b`` over the item's elements, centred on ``centers[slice]`` when given."""
+    walk = _walker(_view_run(total), op)
+
+    @_jit
+    def item(x, rows, items, pstart, centers, p, part, b, idx):  # pragma: no cover - compiled
+        r, s0, s1, e0, e1 = items[b, 0], items[b, 1], items[b, 2], items[b, 3], items[b, 4]
+        first = rows[r, FIRST]
+        for s in range(s0, s1):
+            c = centers[first + s] if centers.size else 0.0
+            part[pstart[b] + s - s0] = walk(x, x, rows, r, _slice_start(rows, r, s), e0, e1, idx, c, p)
+
+    @njit(parallel=True, error_model="numpy")
+    def parallel(x, rows, items, pstart, centers, p, part):  # pragma: no cover - compiled
+        width = max(rows[0, DR], 1) if rows.shape[0] else 1
+        for b in prange(items.shape[0]):
+            item(x, rows, items, pstart, centers, p, part, b, np.empty(width, np.int64))
+
+    @njit(error_model="numpy")
+    def serial(x, rows, items, pstart, centers, p, part):  # pragma: no cover - compiled
+        idx = np.empty(max(rows[0, DR], 1) if rows.shape[0] else 1, np.int64)
+        for b in range(items.shape[0]):
+            item(x, rows, items, pstart, centers, p, part, b, idx)
+
+    return (parallel, serial), op
+
+
+# The reduction kinds of the engine: name -> (drivers, fold).
+KINDS = {
+    "sumsq": _reducer(_lane_sum(_t_sq), SUM),
+    "csumsq": _reducer(_lane_sum(_t_csq), SUM),  # centred: sum((x - c) ** 2)
+    "sumabs": _reducer(_lane_sum(_t_abs), SUM),
+    "sumpow": _reducer(_lane_sum(_t_pow), SUM),
+    "sum": _reducer(_lane_sum(_t_signed), SUM),
+    "nnz": _reducer(_lane_sum(_t_nonzero), SUM),
+    "nancount": _reducer(_lane_sum(_t_nan), SUM),
+    "nonfinite": _reducer(_lane_sum(_t_nonfinite), SUM),
+    "maxabs": _reducer(_extreme(True), MAX),
+    "minabs": _reducer(_extreme(False), MIN),
+}
+
+
+def _pick(pair, n):
+    return pair[1] if n < _config.SERIAL_BELOW else pair[0]
+
+
+def _guarded(n, kernel, *args):
+    """Runs ``kernel`` under the CPU driver's guard (numba's ``workqueue`` layer aborts when two
+    threads enter parallel kernels at once)."""
+    from .driver import guard_for
+
+    with guard_for(n):
+        return kernel(*args)
+
+
+_NONE = np.zeros(0, np.float64)
+
+
+def _f16(x):
+    """numba has no float16 on the CPU: a float32 copy of a float16 buffer (exact), else x."""
+    return x.astype(np.float32) if x.dtype == np.float16 else x
+
+
+def partials(kind, x, table: Table, centers=None, p=0.0):
+    """The work of ``table`` (``REDUCE_BLOCK`` items) and its partials of reduction ``kind``."""
+    (pair, op) = KINDS[kind]
+    work = table.work(_config.REDUCE_BLOCK, True)
+    part = np.empty(work.nparts, np.float64)
+    x = _f16(x)
+    c = _NONE if centers is None else np.ascontiguousarray(centers, np.float64)
+    args = (x, table.rows, work.items, work.pstart, c, np.float64(p), part)
+    if work.items.shape[0]:
+        _guarded(x.size, _pick(pair, x.size), *args)
+    return work, part, op
+
+
+def reduce(kind, x, table: Table, centers=None, p=0.0):
+    """Per slice of ``table``: the reduction ``kind`` (a key of `KINDS`) of ``x``, float64.
+
+    ``centers`` (one per slice) only for ``'csumsq'``; ``p`` only for ``'sumpow'``. Slices of
+    inactive rows and empty slices hold the identity: 0, +inf for ``'minabs'``."""
+    work, part, op = partials(kind, x, table, centers, p)
+    return combine(part, work.pslice, op)
+
+
+# --- per-slice scalings ----------------------------------------------------------------------
+
+
+@_jit
+def _apply_run(x, out, a, n, st, c, f):  # pragma: no cover - compiled
+    """out = (x - c) * f over a run (float64 arithmetic, one rounding on the store)."""
+    if st == 1:
+        o, v = out[a : a + n], x[a : a + n]
+        for i in range(n):
+            o[i] = (np.float64(v[i]) - c) * f
+    else:
+        for i in range(n):
+            k = a + i * st
+            out[k] = (np.float64(x[k]) - c) * f
+    return 0.0
+
+
+@_jit
+def _divide_run(x, out, a, n, st, c, f):  # pragma: no cover - compiled
+    """out = ((x / div) * mul) / d over a run, in the buffer dtype; ``c = (div, mul, scaled)``
+    is the pending factor, ``f`` the slice's divisor."""
+    div, mul, scaled = c
+    if st == 1:
+        o, v = out[a : a + n], x[a : a + n]
+        for i in range(n):
+            o[i] = ((v[i] / div) * mul if scaled else v[i]) / f
+    else:
+        for i in range(n):
+            k = a + i * st
+            out[k] = ((x[k] / div) * mul if scaled else x[k]) / f
+    return 0.0
+
+
+@_jit
+def _ema_run(x, out, a, n, st, c, f):  # pragma: no cover - compiled
+    """ema = (1 - decay) * g + decay * ema over a run (`numbaccum.formulas.ema`), ``x`` the
+    gradient, ``out`` the ema; ``c = (div, mul, scaled, one_minus_decay, decay, one)``."""
+    div, mul, scaled, one_minus_decay, decay, one = c
+    for i in range(n):
+        k = a + i * st
+        v = (x[k] / div) * mul if scaled else x[k]
+        out[k] = _ema(out[k], v, one_minus_decay, decay, one)[0]
+    return 0.0
+
+
+def _scaler(run, per_slice):
+    """Parallel and serial drivers of ``run`` over every slice of the items; ``per_slice(values,
+    slice)`` picks the slice's ``f`` (``values`` a per-slice array); a slice whose ``f`` is NaN
+    in ``skip`` mode is left alone."""
+    walk = _walker(run, SUM)
+
+    @_jit
+    def item(out, x, rows, items, c, values, b, idx):  # pragma: no cover - compiled
+        r, s0, s1, e0, e1 = items[b, 0], items[b, 1], items[b, 2], items[b, 3], items[b, 4]
+        first = rows[r, FIRST]
+        for s in range(s0, s1):
+            cs, f, go = per_slice(c, values, first + s)
+            if go:
+                walk(x, out, rows, r, _slice_start(rows, r, s), e0, e1, idx, cs, f)
+
+    @njit(parallel=True, error_model="numpy")
+    def parallel(out, x, rows, items, c, values):  # pragma: no cover - compiled
+        width = max(rows[0, DR], 1) if rows.shape[0] else 1
+        for b in prange(items.shape[0]):
+            item(out, x, rows, items, c, values, b, np.empty(width, np.int64))
+
+    @njit(error_model="numpy")
+    def serial(out, x, rows, items, c, values):  # pragma: no cover - compiled
+        idx = np.empty(max(rows[0, DR], 1) if rows.shape[0] else 1, np.int64)
+        for b in range(items.shape[0]):
+            item(out, x, rows, items, c, values, b, idx)
+
+    return parallel, serial
+
+
+@_jit
+def _centre_scale(c, values, s):  # pragma: no cover - compiled
+    centers, factors = values
+    return (centers[s] if centers.size else 0.0), (factors[s] if factors.size else 1.0), True
+
+
+@_jit
+def _divisor(c, values, s):  # pragma: no cover - compiled
+    return c, values[s], True
+
+
+@_jit
+def _if_active(c, values, s):  # pragma: no cover - compiled
+    return c, 0.0, values[s] != 0
+
+
+_APPLY = _scaler(_apply_run, _centre_scale)
+_DIVIDE = _scaler(_divide_run, _divisor)
+_EMA = _scaler(_ema_run, _if_active)
+
+
+def _run_scaler(pair, n, table, active_only, out, x, c, values):
+    work = table.work(_config.REDUCE_BLOCK, active_only)
+    if work.items.shape[0]:
+        _guarded(n, _pick(pair, n), out, x, table.rows, work.items, c, values)
+
+
+def _staged(fn, write, *args):
+    """``fn(*args)`` with float16 buffers computed through float32 copies; the buffers at
+    positions ``write`` are copied back (rounded once)."""
+    staged = [
+        a.astype(np.float32) if isinstance(a, np.ndarray) and a.dtype == np.float16 else a for a in args
+    ]
+    fn(*staged)
+    for i in write:
+        if staged[i] is not args[i]:
+            np.copyto(args[i], staged[i], casting="same_kind")
+
+
+def _has_f16(*arrays):
+    return any(a.dtype == np.float16 for a in arrays)
+
+
+def apply_(out, x, table: Table, centers, factors):
+    """out = (x - centers[s]) * factors[s] over every slice ``s`` (empty ``centers``: 0; empty
+    ``factors``: 1), computed in float64. Inactive rows are copied (skipped when ``out`` is
+    ``x``)."""
+    if _has_f16(out, x):
+        same = out is x or out.ctypes.data == x.ctypes.data
+        if same:
+
+            def run(o):
+                apply_(o, o, table, centers, factors)
+
+            return _staged(run, (0,), out)
+        return _staged(lambda o, v: apply_(o, v, table, centers, factors), (0,), out, x)
+    in_place = out.ctypes.data == x.ctypes.data
+    values = (np.ascontiguousarray(centers, np.float64), np.ascontiguousarray(factors, np.float64))
+    _run_scaler(_APPLY, x.size, table, in_place, out, x, 0.0, values)
+
+
+def divide_(out, x, factor, table: Table, divisors):
+    """out = factor(x) / divisors[s] over every slice ``s`` of ``table``, in the compute dtype
+    (``divisors`` cast to it; ``factor`` a host `numbaccum.contract.Factor`)."""
+    if _has_f16(out, x):
+        if out is x or out.ctypes.data == x.ctypes.data:
+            return _staged(lambda o: divide_(o, o, factor, table, divisors), (0,), out)
+        return _staged(lambda o, v: divide_(o, v, factor, table, divisors), (0,), out, x)
+    div, mul = factor.div, factor.mul
+    t = np.result_type(out.dtype, x.dtype).type
+    scaled = not (div == 1.0 and mul == 1.0)
+    d = np.ascontiguousarray(divisors, t)
+    _run_scaler(_DIVIDE, x.size, table, False, out, x, (t(div), t(mul), scaled), d)
+
+
+def ema_update_(ema, g, factor, table: Table, active, one_minus_decay, decay):
+    """ema = (1 - decay) * factor(g) + decay * ema over each slice ``s`` with ``active[s] != 0``
+    (`numbaccum.formulas.ema`); the other slices are left as they are (their g is not even
+    read)."""
+    if _has_f16(ema, g):
+        return _staged(
+            lambda e, v: ema_update_(e, v, factor, table, active, one_minus_decay, decay), (0,), ema, g
+        )
+    div, mul = factor.div, factor.mul
+    t = np.result_type(ema.dtype, g.dtype).type
+    scaled = not (div == 1.0 and mul == 1.0)
+    c = (t(div), t(mul), scaled, t(one_minus_decay), t(decay), t(1))
+    act = np.ascontiguousarray(active, np.uint8)
+    _run_scaler(_EMA, g.size, table, False, ema, g, c, act)
+
+
+# --- clip_by_global_norm's factor -------------------------------------------------------------
+
+
+def clip_factors_(leaf_sums, x, table: Table, members, last, max_norm, fac32, fac64):
+    """leaf_sums[members] = the per-slice sums of squares of ``x`` (its leaves); when ``last``,
+    ``fac = [div, mul]`` of clip_by_global_norm (`numbaccum.formulas.clip_factor`) from
+    ``norm = sqrt(sum_in_order(leaf_sums))``, in float32 and float64. The host twin of the CUDA
+    kernel that keeps the factor on the device."""
+    leaf_sums[np.asarray(members)] = reduce("sumsq", x, table)
+    if last:
+        div, mul = _clip_factor(math.sqrt(sum_in_order(leaf_sums)), np.float64(max_norm))
+        fac32[0], fac32[1] = div, mul
+        fac64[0], fac64[1] = div, mul

@@ -1,0 +1,437 @@
+"""The reduction engine on CUDA: the twin of `numbaccum.cpu.reduce`.
+
+The same `numbaccum.tables` tables and work items, cut at ``CUDA_REDUCE_BLOCK`` elements. One
+CUDA block takes one item: for each slice of the item its threads stride over the item's
+elements (an element's offset from `numbaccum.tables.element_offset`), add them in float64, and
+a shared-memory tree in a fixed pairing gives the item's partial for that slice. No float
+atomics: the partials come to the host, where `numbaccum.tables.combine` folds each slice's in
+item order, so a norm has the same bits on every run. A scaling is one launch, one block per
+item.
+
+clip_by_global_norm keeps its factor on the device (`clip_factors_`): the same partials kernel,
+and the last block to finish (an integer ticket) folds each leaf's partials in item order into a
+per-leaf array in tree order, exactly as the host would; the kernel of the last dtype group adds
+that array in order and writes the factor (`numbaccum.formulas.clip_factor`). One launch per
+group, no synchronisation, and the same norm bits as `global_norm` of the same device tree.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from typing import Any
+
+import numpy as np
+from numba import cuda
+
+from .. import _config, formulas
+from ..arrays import data_pointer, stream, stream_handle
+from ..contract import Factor
+from ..tables import FIRST, MAX, MIN, SUM, Table, combine, element_offset, slice_start
+from . import driver
+
+__all__ = ["KINDS", "apply_", "clip_factors_", "divide_", "ema_update_", "reduce"]
+
+_dev_inline = cuda.jit(device=True, inline=True)
+_slice_start = cuda.jit(device=True)(slice_start)
+_element_offset = cuda.jit(device=True)(element_offset)
+_clip_factor = formulas.compile_formula(formulas.clip_factor, _dev_inline)
+_ema = formulas.compile_formula(formulas.ema.fn, _dev_inline)
+_read = driver.read
+
+# Reduction kinds (the same names as the CPU engine's) -> (code, fold).
+KINDS = {
+    "sumsq": (0, SUM),
+    "csumsq": (1, SUM),
+    "sumabs": (2, SUM),
+    "sumpow": (3, SUM),
+    "sum": (4, SUM),
+    "nnz": (5, SUM),
+    "nancount": (6, SUM),
+    "nonfinite": (7, SUM),
+    "maxabs": (8, MAX),
+    "minabs": (9, MIN),
+}
+_MAXABS, _MINABS = 8, 9
+
+
+@_dev_inline
+def _term(kind, v, c, p):  # pragma: no cover - compiled
+    if kind == 0:
+        return v * v
+    if kind == 1:
+        d = v - c
+        return d * d
+    if kind == 3:
+        return abs(v) ** p
+    if kind == 4:
+        return v
+    if kind == 5:
+        return 1.0 if v != 0 else 0.0
+    if kind == 6:
+        return 1.0 if v != v else 0.0
+    if kind == 7:
+        return 1.0 if v - v != 0 else 0.0
+    return abs(v)
+
+
+@_dev_inline
+def _merge(kind, acc, v):  # pragma: no cover - compiled
+    """Adds, or keeps the NaN-propagating max (min) for the extreme kinds."""
+    if kind != _MAXABS and kind != _MINABS:
+        return acc + v
+    if acc != acc:
+        return acc
+    if v != v:
+        return v
+    if kind == _MAXABS:
+        return v if v > acc else acc
+    return v if v < acc else acc
+
+
+_KERNELS: dict[tuple, Any] = {}
+_KERNELS_LOCK = threading.Lock()
+
+
+def _partials_kernel(kind: int, tpb: int, finish: bool) -> Any:
+    """The partials kernel of reduction ``kind`` for ``tpb`` threads (shared memory is sized at
+    compile time); with ``finish``, clip_by_global_norm's tail (see the module docstring)."""
+    key = (kind, tpb, finish)
+    hit = _KERNELS.get(key)
+    if hit is not None:
+        return hit
+
+    @cuda.jit
+    def kernel(
+        x,
+        rows,
+        items,
+        pstart,
+        centers,
+        centred,
+        p,
+        part,
+        pslice,
+        members,
+        leaf_sums,
+        ticket,
+        last_group,
+        max_norm,
+        fac32,
+        fac64,
+    ):  # pragma: no cover - compiled
+        shared = cuda.shared.array(tpb, np.float64)
+        b = cuda.blockIdx.x
+        t = cuda.threadIdx.x
+        if b < items.shape[0]:
+            r = items[b, 0]
+            s0 = items[b, 1]
+            first = rows[r, FIRST]
+            for s in range(s0, items[b, 2]):
+                off = _slice_start(rows, r, s)
+                c = centers[first + s] if centred else 0.0
+                acc = math.inf if kind == _MINABS else 0.0
+                e = items[b, 3] + t
+                while e < items[b, 4]:
+                    v = np.float64(x[off + _element_offset(rows, r, e)])
+                    acc = _merge(kind, acc, _term(kind, v, c, p))
+                    e += tpb
+                shared[t] = acc
+                cuda.syncthreads()
+                half = tpb // 2
+                while half > 0:  # fixed pairing: the same tree every run
+                    if t < half:
+                        shared[t] = _merge(kind, shared[t], shared[t + half])
+                    cuda.syncthreads()
+                    half //= 2
+                if t == 0:
+                    part[pstart[b] + s - s0] = shared[0]
+                cuda.syncthreads()  # shared[0] is read before the next slice overwrites it
+        if finish:
+            last = cuda.shared.array(1, np.int32)
+            if t == 0:  # this block's partials are out: take a ticket
+                cuda.threadfence()
+                last[0] = cuda.atomic.add(ticket, 0, 1) == cuda.gridDim.x - 1
+            cuda.syncthreads()
+            if last[0]:  # the last block: every partial is visible; fold each leaf's in order
+                s = t
+                while s < pslice.size - 1:
+                    acc = 0.0
+                    for k in range(pslice[s], pslice[s + 1]):
+                        acc += part[k]
+                    leaf_sums[members[s]] = acc
+                    s += tpb
+                cuda.threadfence()
+                cuda.syncthreads()
+                if t == 0:
+                    ticket[0] = 0
+                    if last_group:
+                        total = 0.0
+                        for k in range(leaf_sums.size):  # leaves in tree order
+                            total += leaf_sums[k]
+                        div, mul = _clip_factor(math.sqrt(total), max_norm)
+                        fac32[0], fac32[1] = div, mul
+                        fac64[0], fac64[1] = div, mul
+
+    with _KERNELS_LOCK:
+        _KERNELS[key] = kernel
+    return kernel
+
+
+# --- device copies ---------------------------------------------------------------------------
+
+_DUMMY: dict[Any, Any] = {}
+
+
+def _dummy(dtype: Any = np.float64) -> Any:
+    d = _DUMMY.get(np.dtype(dtype))
+    if d is None:
+        d = _DUMMY[np.dtype(dtype)] = cuda.to_device(np.zeros(1, dtype))
+    return d
+
+
+def _work(table: Table, active_only: bool = True) -> tuple:
+    """``(work, rows, items, pstart, pslice)``: the table's work at ``CUDA_REDUCE_BLOCK`` and
+    its device copies (cached with the table)."""
+    work = table.work(_config.CUDA_REDUCE_BLOCK, active_only)
+    dev = work.device.get("cuda")
+    if dev is None:
+        rows = table.device.get("cuda")
+        if rows is None:
+            rows = table.device["cuda"] = cuda.to_device(table.rows)
+        items = work.items if work.items.shape[0] else np.zeros((1, 5), np.int64)
+        dev = work.device["cuda"] = (
+            rows,
+            cuda.to_device(items),
+            cuda.to_device(work.pstart if work.pstart.size else np.zeros(1, np.int64)),
+            cuda.to_device(work.pslice),
+        )
+    return (work, *dev)
+
+
+def _per_slice(values: Any) -> tuple[Any, bool]:
+    """A per-slice float64 array on the device and whether it is given (None or empty: not)."""
+    if values is not None and values.size:
+        if isinstance(values, np.ndarray):
+            values = cuda.to_device(np.ascontiguousarray(values, np.float64), stream=stream())
+        return values, True
+    return _dummy(), False
+
+
+def _launch(kernel: Any, blocks: int, args: tuple) -> None:
+    driver.LAUNCHES[0] += 1
+    kernel[blocks, _config.CUDA_THREADS, stream()](*args)
+
+
+# --- reductions ------------------------------------------------------------------------------
+
+
+def reduce(kind: str, x: Any, table: Table, centers: Any = None, p: float = 0.0) -> np.ndarray:
+    """Per slice of ``table``: the reduction ``kind`` of ``x``, float64 on the host (one
+    synchronisation). As `numbaccum.cpu.reduce.reduce`."""
+    code, op = KINDS[kind]
+    work, rows, items, pstart, pslice = _work(table)
+    part = np.zeros(work.nparts, np.float64)
+    if work.items.shape[0]:
+        c, centred = _per_slice(centers)
+        part_d = cuda.device_array(work.nparts, np.float64, stream=stream())
+        d, i8 = _dummy(), _dummy(np.int64)
+        args = (
+            x,
+            rows,
+            items,
+            pstart,
+            c,
+            centred,
+            np.float64(p),
+            part_d,
+            pslice,
+            i8,
+            d,
+            _dummy(np.int32),
+            False,
+            np.float64(0),
+            _dummy(np.float32),
+            d,
+        )
+        _launch(_partials_kernel(code, _config.CUDA_THREADS, False), work.items.shape[0], args)
+        part = part_d.copy_to_host(stream=stream())
+    return combine(part, work.pslice, op)
+
+
+_TICKETS: dict[tuple, Any] = {}
+
+
+def _ticket() -> Any:
+    """The zeroed ticket counter, per host thread and stream: two clips in flight on different
+    streams never share one (the last block resets it)."""
+    key = (threading.get_ident(), stream_handle(stream()))
+    hit = _TICKETS.get(key)
+    if hit is None:
+        hit = _TICKETS[key] = cuda.to_device(np.zeros(1, np.int32), stream=stream())
+    return hit
+
+
+_PARTS: dict[tuple, Any] = {}
+
+
+def _scratch(n: int) -> Any:
+    key = (threading.get_ident(), stream_handle(stream()), n)
+    hit = _PARTS.get(key)
+    if hit is None:
+        if len(_PARTS) > 64:
+            _PARTS.clear()
+        hit = _PARTS[key] = cuda.device_array(max(n, 1), np.float64, stream=stream())
+    return hit
+
+
+_MEMBERS: dict[bytes, Any] = {}
+
+
+def clip_factors_(leaf_sums, x, table: Table, members, last, max_norm, fac32, fac64):
+    """leaf_sums[members] = the per-slice sums of squares of ``x`` (its leaves, folded as the
+    host folds them); when ``last``, ``fac = [div, mul]`` of clip_by_global_norm from ``norm =
+    sqrt(sum(leaf_sums))`` (in order), in float32 and float64. One launch, nothing comes to the
+    host."""
+    work, rows, items, pstart, pslice = _work(table)
+    members = np.ascontiguousarray(members, np.int64)
+    key = members.tobytes()
+    mem = _MEMBERS.get(key)
+    if mem is None:
+        if len(_MEMBERS) > 256:
+            _MEMBERS.clear()
+        mem = _MEMBERS[key] = cuda.to_device(members if members.size else np.zeros(1, np.int64))
+    args = (
+        x,
+        rows,
+        items,
+        pstart,
+        _dummy(),
+        False,
+        np.float64(0),
+        _scratch(work.nparts),
+        pslice,
+        mem,
+        leaf_sums,
+        _ticket(),
+        bool(last),
+        np.float64(max_norm),
+        fac32,
+        fac64,
+    )
+    # At least one block, so that a group without elements still writes its zeros (and the factor).
+    _launch(_partials_kernel(0, _config.CUDA_THREADS, True), max(1, work.items.shape[0]), args)
+
+
+# --- per-slice scalings ----------------------------------------------------------------------
+
+
+@cuda.jit
+def _apply(out, x, rows, items, centers, centred, factors, scaled):  # pragma: no cover - compiled
+    b = cuda.blockIdx.x
+    r = items[b, 0]
+    first = rows[r, FIRST]
+    for s in range(items[b, 1], items[b, 2]):
+        off = _slice_start(rows, r, s)
+        c = centers[first + s] if centred else 0.0
+        f = factors[first + s] if scaled else 1.0
+        e = items[b, 3] + cuda.threadIdx.x
+        while e < items[b, 4]:
+            k = off + _element_offset(rows, r, e)
+            out[k] = (np.float64(x[k]) - c) * f
+            e += cuda.blockDim.x
+
+
+def _by_mode(make: Any) -> Any:
+    """A kernel factory cached per pending-factor mode (a closure constant: branches fold)."""
+    cache: dict[int, Any] = {}
+
+    def get(mode: int) -> Any:
+        k = cache.get(mode)
+        if k is None:
+            k = cache[mode] = make(mode)
+        return k
+
+    return get
+
+
+@_by_mode
+def _divide(mode):  # pragma: no cover - compiled per mode
+    @cuda.jit
+    def kernel(out, x, div, mul, fac, rows, items, divisors):
+        b = cuda.blockIdx.x
+        r = items[b, 0]
+        first = rows[r, FIRST]
+        for s in range(items[b, 1], items[b, 2]):
+            off = _slice_start(rows, r, s)
+            f = divisors[first + s]
+            e = items[b, 3] + cuda.threadIdx.x
+            while e < items[b, 4]:
+                k = off + _element_offset(rows, r, e)
+                out[k] = _read(x[k], div, mul, fac, mode) / f
+                e += cuda.blockDim.x
+
+    return kernel
+
+
+@_by_mode
+def _ema_kernel(mode):  # pragma: no cover - compiled per mode
+    @cuda.jit
+    def kernel(ema, g, div, mul, fac, rows, items, active, one_minus_decay, decay, one):
+        b = cuda.blockIdx.x
+        r = items[b, 0]
+        first = rows[r, FIRST]
+        for s in range(items[b, 1], items[b, 2]):
+            if active[first + s] == 0:
+                continue
+            off = _slice_start(rows, r, s)
+            e = items[b, 3] + cuda.threadIdx.x
+            while e < items[b, 4]:
+                k = off + _element_offset(rows, r, e)
+                ema[k] = _ema(ema[k], _read(g[k], div, mul, fac, mode), one_minus_decay, decay, one)[0]
+                e += cuda.blockDim.x
+
+    return kernel
+
+
+def _on_device(x: Any, dtype: Any) -> Any:
+    if isinstance(x, np.ndarray):
+        return cuda.to_device(np.ascontiguousarray(x, dtype), stream=stream())
+    return x
+
+
+def apply_(out, x, table: Table, centers, factors):
+    """out = (x - centers[s]) * factors[s] over every slice ``s`` (empty ``centers``: 0; empty
+    ``factors``: 1), computed in float64. Inactive rows are copied (skipped when ``out`` is
+    ``x``)."""
+    ptr = data_pointer(out)
+    in_place = out is x or (ptr is not None and ptr == data_pointer(x))
+    work, rows, items, _, _ = _work(table, in_place)
+    if work.items.shape[0]:
+        c, centred = _per_slice(centers)
+        f, scaled = _per_slice(factors)
+        _launch(_apply, work.items.shape[0], (out, x, rows, items, c, centred, f, scaled))
+
+
+def divide_(out, x, factor: Factor, table: Table, divisors):
+    """out = factor(x) / divisors[s] over every slice ``s`` of ``table``, in the compute dtype
+    (host ``divisors`` are cast to it and copied to the device)."""
+    ctype = np.result_type(out.dtype, x.dtype)
+    work, rows, items, _, _ = _work(table, False)
+    if work.items.shape[0]:
+        div, mul, fac, mode = driver.factor_args(factor, ctype)
+        d = _on_device(divisors, ctype)
+        _launch(_divide(mode), work.items.shape[0], (out, x, div, mul, fac, rows, items, d))
+
+
+def ema_update_(ema, g, factor: Factor, table: Table, active, one_minus_decay, decay):
+    """ema = (1 - decay) * factor(g) + decay * ema over each slice ``s`` with ``active[s] != 0``
+    (`numbaccum.formulas.ema`); the other slices are left as they are."""
+    ctype = np.result_type(ema.dtype, g.dtype)
+    work, rows, items, _, _ = _work(table, False)
+    if work.items.shape[0]:
+        div, mul, fac, mode = driver.factor_args(factor, ctype)
+        act = _on_device(active, np.uint8)
+        t = ctype.type
+        args = (ema, g, div, mul, fac, rows, items, act, t(one_minus_decay), t(decay), t(1))
+        _launch(_ema_kernel(mode), work.items.shape[0], args)

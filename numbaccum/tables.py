@@ -1,0 +1,314 @@
+"""Slice tables and work items: the one description of every reduction, shared by both backends.
+
+Every reduction of numbaccum (whole tree, per leaf, per slice of a leaf, per example) is a
+reduction over the *slices* of a *table*: a leaf is one slice, a row of a matrix is one slice,
+an example's part of a per-example leaf is one slice (the batch dimension kept). The engines
+(`numbaccum.cpu.reduce`, `numbaccum.cuda.reduce`) run any table; this module builds the tables
+and cuts their work, on the host, and neither backend imports the other.
+
+A table ``rows`` is int64, one row per leaf of a dtype group; the leaf's dimensions are merged
+into runs of kept and of reduced ones, so that one kernel serves ``x.reshape(outer, red, inner)``
+and every other pattern:
+
+    [base, first, nslices, slen, active, DK, DR, kext[DK], kstr[DK], rext[DR], rstr[DR]]
+
+``base`` is the leaf's start in the group buffer, ``first`` the number of its first slice in the
+table's numbering, ``nslices`` and ``slen`` its slice count and elements per slice, ``active``
+whether the leaf is reduced and scaled at all (an inactive leaf is one slice that a scaling
+copies unchanged), ``kext``/``kstr`` the extents and strides of its kept runs and ``rext``/
+``rstr`` those of its reduced runs (outermost first, padded at the front with extent 1). Slice
+``s`` starts at ``base + sum(s_i * kstr[i])`` with ``s_i`` the row-major digits of ``s`` in
+``kext`` (`slice_start`); its element ``e`` sits at ``sum(e_j * rstr[j])`` from there
+(`element_offset`). Both are plain Python here, compiled by each backend.
+
+The work is cut into fixed *items* that depend only on the table and the block size: a run of
+whole slices of about ``block`` elements together, or a ``block`` chunk of one long slice. Each
+item gives one float64 partial per slice it covers; partials are numbered in slice order, so the
+partials of slice ``s`` are ``part[pslice[s]:pslice[s + 1]]``, and `combine` folds them in that
+order starting from the identity. No thread count enters: the same table gives the same bits.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numpy as np
+from numba import njit
+
+__all__ = [
+    "ACTIVE",
+    "BASE",
+    "DK",
+    "DR",
+    "FIRST",
+    "HEAD",
+    "MAX",
+    "MIN",
+    "NSLICES",
+    "SLEN",
+    "SUM",
+    "Table",
+    "Work",
+    "as_table",
+    "combine",
+    "element_offset",
+    "examples",
+    "segments",
+    "slice_start",
+    "slice_table",
+    "sum_in_order",
+    "whole",
+]
+
+# Columns of a table row.
+BASE, FIRST, NSLICES, SLEN, ACTIVE, DK, DR, HEAD = 0, 1, 2, 3, 4, 5, 6, 7
+# How the partials of one slice combine: added, or the NaN-propagating max or min.
+SUM, MAX, MIN = 0, 1, 2
+
+
+# --- index math: plain Python, compiled by each backend ------------------------------------
+
+
+def slice_start(rows, r, s):  # pragma: no cover - compiled by the backends
+    """Offset of slice ``s`` of row ``r``: ``base + sum(s_i * kstr[i])`` over the row-major
+    digits ``s_i`` of ``s`` in the kept extents."""
+    dk = rows[r, DK]
+    off = rows[r, BASE]
+    for i in range(dk - 1, -1, -1):
+        e = rows[r, HEAD + i]
+        off += (s % e) * rows[r, HEAD + dk + i]
+        s //= e
+    return off
+
+
+def element_offset(rows, r, e):  # pragma: no cover - compiled by the backends
+    """Offset of element ``e`` of a slice of row ``r`` from the slice's start:
+    ``sum(e_j * rstr[j])`` over the row-major digits ``e_j`` of ``e`` in the reduced extents."""
+    dr = rows[r, DR]
+    ext = HEAD + 2 * rows[r, DK]
+    if dr == 1:
+        return e * rows[r, ext + 1]
+    a = e - e  # an int64 zero of e's type
+    for j in range(dr - 1, -1, -1):
+        n = rows[r, ext + j]
+        a += (e % n) * rows[r, ext + dr + j]
+        e //= n
+    return a
+
+
+# --- host helpers (compiled once for the host) ----------------------------------------------
+
+
+@njit(inline="always", error_model="numpy")
+def fold(op, acc, v):  # pragma: no cover - compiled
+    """acc (+) v: a sum, or the NaN-propagating max or min (NaN, once in, stays)."""
+    if op == SUM:
+        return acc + v
+    if acc != acc:
+        return acc
+    if v != v:
+        return v
+    if op == MAX:
+        return v if v > acc else acc
+    return v if v < acc else acc
+
+
+@njit(inline="always", error_model="numpy")
+def identity(op):  # pragma: no cover - compiled
+    """The start of a fold: 0, or +inf for a minimum."""
+    return np.inf if op == MIN else 0.0
+
+
+@njit(error_model="numpy")
+def combine(part, pslice, op):  # pragma: no cover - compiled
+    """One value per slice: ``part[pslice[s]:pslice[s + 1]]`` folded in order from the identity
+    (a slice without partials keeps the identity: 0, or +inf for a minimum)."""
+    n = pslice.size - 1
+    out = np.empty(n, np.float64)
+    for s in range(n):
+        acc = identity(op)
+        for k in range(pslice[s], pslice[s + 1]):
+            acc = fold(op, acc, part[k])
+        out[s] = acc
+    return out
+
+
+@njit(error_model="numpy")
+def sum_in_order(values):  # pragma: no cover - compiled
+    """Sequential float64 sum from 0.0, in index order: how per-leaf values become a tree total."""
+    total = 0.0
+    for i in range(values.size):
+        total += values[i]
+    return total
+
+
+@njit(error_model="numpy")
+def _build_work(rows, nslices, block, active_only):  # pragma: no cover - compiled
+    """``(items, pstart, pslice)``: ``items[b] = (row, s0, s1, e0, e1)`` (slices ``[s0, s1)`` of
+    ``row`` over their elements ``[e0, e1)``), ``pstart[b]`` the index of item b's first
+    partial, ``pslice[s]`` the first partial of slice ``s`` (table numbering). Rows without
+    elements (and, if ``active_only``, inactive rows) get no item."""
+    count = 0
+    for r in range(rows.shape[0]):
+        nsl, slen = rows[r, NSLICES], rows[r, SLEN]
+        if nsl == 0 or slen == 0 or (active_only and rows[r, ACTIVE] == 0):
+            continue
+        if slen >= block:
+            count += nsl * ((slen + block - 1) // block)
+        else:
+            per = block // slen
+            count += (nsl + per - 1) // per
+    items = np.empty((count, 5), np.int64)
+    pstart = np.empty(count, np.int64)
+    pslice = np.zeros(nslices + 1, np.int64)
+    b = 0
+    parts = 0
+    for r in range(rows.shape[0]):
+        nsl, slen, first = rows[r, NSLICES], rows[r, SLEN], rows[r, FIRST]
+        if nsl == 0 or slen == 0 or (active_only and rows[r, ACTIVE] == 0):
+            for s in range(nsl):
+                pslice[first + s + 1] = parts
+            continue
+        if slen >= block:
+            for s in range(nsl):
+                for e0 in range(0, slen, block):
+                    items[b, 0], items[b, 1], items[b, 2] = r, s, s + 1
+                    items[b, 3], items[b, 4] = e0, min(slen, e0 + block)
+                    pstart[b] = parts
+                    parts += 1
+                    b += 1
+                pslice[first + s + 1] = parts
+        else:
+            per = block // slen
+            for s0 in range(0, nsl, per):
+                s1 = min(nsl, s0 + per)
+                items[b, 0], items[b, 1], items[b, 2], items[b, 3], items[b, 4] = r, s0, s1, 0, slen
+                pstart[b] = parts
+                for s in range(s0, s1):
+                    parts += 1
+                    pslice[first + s + 1] = parts
+                b += 1
+    return items, pstart, pslice
+
+
+# --- tables ---------------------------------------------------------------------------------
+
+
+class Work:
+    """The cut of a table for one block size: ``items``, ``pstart``, ``pslice`` (see
+    `_build_work`) and ``nparts``; ``device`` is a backend's cache of its own copies."""
+
+    __slots__ = ("items", "pstart", "pslice", "nparts", "device")
+
+    def __init__(self, items: np.ndarray, pstart: np.ndarray, pslice: np.ndarray) -> None:
+        self.items, self.pstart, self.pslice = items, pstart, pslice
+        self.nparts = int(pslice[-1])
+        self.device: dict = {}
+
+
+class Table:
+    """A slice table (``rows``, read-only int64) and its number of slices, with its work cut
+    once per ``(block, active_only)``; ``device`` is a backend's cache of its own copies."""
+
+    __slots__ = ("rows", "nslices", "_work", "device")
+
+    def __init__(self, rows: np.ndarray) -> None:
+        rows = np.ascontiguousarray(rows, np.int64)
+        if rows.ndim != 2 or (rows.shape[0] and rows.shape[1] < HEAD + 2):
+            raise ValueError(f"a slice table has rows of at least {HEAD + 2} columns; got shape {rows.shape}")
+        rows.flags.writeable = False
+        self.rows = rows
+        self.nslices = int(rows[-1, FIRST] + rows[-1, NSLICES]) if rows.shape[0] else 0
+        self._work: dict[tuple[int, bool], Work] = {}
+        self.device: dict = {}
+
+    def work(self, block: int, active_only: bool = True) -> Work:
+        """The items of this table for ``block`` elements per item (cached)."""
+        key = (int(block), bool(active_only))
+        w = self._work.get(key)
+        if w is None:
+            w = self._work[key] = Work(*_build_work(self.rows, self.nslices, np.int64(block), active_only))
+        return w
+
+    def __repr__(self) -> str:
+        return f"Table({self.rows.shape[0]} rows, {self.nslices} slices)"
+
+
+def slice_table(cuts: list) -> Table:
+    """The table of one group from ``[(base, kept, reduced, active)]``, ``kept`` and ``reduced``
+    lists of ``(extent, stride)`` runs, outermost first (an empty leaf has its slices all the
+    same: their reductions see no element)."""
+    dk = max([len(k) for _, k, _, _ in cuts] + [1])
+    dr = max([len(r) for _, _, r, _ in cuts] + [1])
+    rows = np.zeros((len(cuts), HEAD + 2 * dk + 2 * dr), np.int64)
+    first = 0
+    for i, (base, kept, red, active) in enumerate(cuts):
+        kept = [(1, 1)] * (dk - len(kept)) + list(kept)  # padding: extent 1 (its stride is never used)
+        red = [(1, 1)] * (dr - len(red)) + list(red)
+        nslices = int(np.prod([e for e, _ in kept], dtype=np.int64))
+        slen = int(np.prod([e for e, _ in red], dtype=np.int64))
+        rows[i, :HEAD] = (base, first, nslices, slen, int(active), dk, dr)
+        rows[i, HEAD : HEAD + dk] = [e for e, _ in kept]
+        rows[i, HEAD + dk : HEAD + 2 * dk] = [s for _, s in kept]
+        rows[i, HEAD + 2 * dk : HEAD + 2 * dk + dr] = [e for e, _ in red]
+        rows[i, HEAD + 2 * dk + dr :] = [s for _, s in red]
+        first += nslices
+    return Table(rows)
+
+
+_CACHE: dict[tuple, Table] = {}
+_CACHE_LOCK = threading.Lock()
+
+
+def _cached(key: tuple, make: Any) -> Table:
+    hit = _CACHE.get(key)
+    if hit is None:
+        hit = make()
+        with _CACHE_LOCK:
+            if len(_CACHE) > 1024:
+                _CACHE.clear()
+            _CACHE[key] = hit
+    return hit
+
+
+def segments(offsets: Any) -> Table:
+    """Each ``[offsets[k], offsets[k + 1])`` one contiguous slice (a group's leaves: one slice
+    per leaf). Cached per offsets (layouts keep theirs for life)."""
+    offsets = np.asarray(offsets, np.int64)
+    key = ("segments", offsets.tobytes())
+    return _cached(
+        key,
+        lambda: slice_table(
+            [(int(a), [], [(int(b - a), 1)], True) for a, b in zip(offsets[:-1], offsets[1:])]
+        ),
+    )
+
+
+def examples(offsets: Any, batch: int) -> Table:
+    """Per-example leaves ``(batch, *s)`` at ``offsets``: ``batch`` slices of ``prod(s)``
+    contiguous elements each (dimension 0 kept), numbered leaf by leaf, example by example."""
+    offsets = np.asarray(offsets, np.int64)
+    batch = int(batch)
+
+    def make() -> Table:
+        cuts = []
+        for a, b in zip(offsets[:-1], offsets[1:]):
+            d = int(b - a) // batch if batch else 0
+            cuts.append((int(a), [(batch, d)], [(d, 1)], True))
+        return slice_table(cuts)
+
+    return _cached(("examples", offsets.tobytes(), batch), make)
+
+
+def whole(n: int) -> Table:
+    """One slice over all ``n`` elements of a buffer."""
+    return segments(np.array([0, int(n)], np.int64))
+
+
+def as_table(table: Any) -> Table:
+    """``table`` as a `Table`: a Table itself, or a raw table array (cached by content)."""
+    if isinstance(table, Table):
+        return table
+    rows = np.asarray(table, np.int64)
+    return _cached(("rows", rows.shape, rows.tobytes()), lambda: Table(rows))
