@@ -73,7 +73,9 @@ from .optim import (
     scale,
     scale_by_adam,
     scale_by_learning_rate,
+    scale_by_sign,
     sgd,
+    sign_sgd,
 )
 from .privacy import (
     DifferentiallyPrivateAggregateState,
@@ -144,7 +146,9 @@ __all__ = [
     "scale",
     "scale_by_adam",
     "scale_by_learning_rate",
+    "scale_by_sign",
     "sgd",
+    "sign_sgd",
     "skip_large_updates",
     "skip_not_finite",
     "trace",

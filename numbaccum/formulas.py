@@ -260,3 +260,13 @@ def clip_factor(norm, max_norm):
     if norm == 0.0:
         return 1.0, 0.0
     return norm, max_norm
+
+
+@formula(inputs=("x",), outputs=("out",))
+def sign(x):
+    """out = sign(x): 1 for x > 0, -1 for x < 0, x itself for +-0 and NaN (as ``jnp.sign``)."""
+    if x > 0:
+        return 1.0  # stored in the buffer's dtype: exact
+    if x < 0:
+        return -1.0
+    return x

@@ -45,7 +45,9 @@ __all__ = [
     "scale",
     "scale_by_adam",
     "scale_by_learning_rate",
+    "scale_by_sign",
     "sgd",
+    "sign_sgd",
 ]
 
 ScalarOrSchedule = float | Callable[[Any], Any]
@@ -165,6 +167,34 @@ def sgd(
     (no trace when ``momentum`` is None): ``u = -lr * trace``."""
     first = trace(momentum, nesterov, accumulator_dtype) if momentum is not None else identity()
     return chain(first, scale_by_learning_rate(learning_rate))
+
+
+class _ScaleBySign(Stage):
+    """``u = sign(g)`` per element (`numbaccum.formulas.sign`); stateless."""
+
+    def init(self, params: Any) -> EmptyState:
+        return EmptyState()
+
+    def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
+        def run(u: Updates) -> tuple[Updates, Any]:
+            out = u.fresh()  # the updates' own buffer when it may be overwritten
+            for o, g in zip(out.groups, u.flat.groups):
+                ops_for(g).sign_(o, g, u.factor)
+            return Updates(out, owned=True), state
+
+        return Step(run)
+
+
+def scale_by_sign() -> GradientTransformationExtraArgs:
+    """The sign of each element: ``u = sign(g)`` (1, -1, and +-0 and NaN as they are, like
+    ``jnp.sign``). Stateless."""
+    return _ScaleBySign().transformation()
+
+
+def sign_sgd(learning_rate: ScalarOrSchedule) -> GradientTransformationExtraArgs:
+    """signSGD: ``u = -learning_rate * sign(g)``, i.e. ``chain(scale_by_sign(),
+    scale_by_learning_rate(learning_rate))``; ``learning_rate`` is a float or a schedule."""
+    return chain(scale_by_sign(), scale_by_learning_rate(learning_rate))
 
 
 class ScaleByAdamState(NamedTuple):

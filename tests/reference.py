@@ -476,6 +476,19 @@ def sgd(learning_rate, momentum=None, nesterov: bool = False, accumulator_dtype=
     return chain(*parts)
 
 
+def scale_by_sign() -> Transformation:
+    """``u = sign(g)``, as ``jnp.sign``: +-0 and NaN are kept."""
+
+    def update(updates, state, params=None, **extra):
+        return tree_map(lambda g: _arr(np.where(g == 0, g, np.sign(g)), g.dtype), updates), state
+
+    return Transformation(lambda params: EmptyState(), update)
+
+
+def sign_sgd(learning_rate) -> Transformation:
+    return chain(scale_by_sign(), scale_by_learning_rate(learning_rate))
+
+
 class ScaleByAdamState(NamedTuple):
     count: int
     mu: Any

@@ -87,6 +87,7 @@ TXS = {
     "chain_decay": lambda: nba.chain(nba.trace(0.5), nba.add_decayed_weights(1e-2), nba.scale(-0.1)),
     "clip": lambda: nba.clip_by_global_norm(1.0),
     "clip_values": lambda: nba.clip(0.5),
+    "sign_sgd": lambda: nba.sign_sgd(0.1),
     "block_rms": lambda: nba.clip_by_block_rms(0.3),
     "normalize": lambda: nba.normalize_by_update_norm(),
     "zero_nans_sgd": lambda: nba.chain(nba.zero_nans(), nba.sgd(0.1, momentum=0.5)),
