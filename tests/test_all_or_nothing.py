@@ -1,0 +1,342 @@
+"""All or nothing: an update that raises leaves every buffer and counter of the state exactly as it
+was, and a retry then gives the same bits as a run that never failed (issue 11, item 5).
+
+Each case runs a few good steps, makes one call fail, checks a deep copy of the state taken before
+that call against the state bit for bit, then retries and compares every later output and the
+final state with a clean run of a fresh transformation.
+"""
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+import numbaccum as nba
+from numbaccum.flat import FlatTree
+
+PARAMS = {
+    "b": {"c": np.arange(4, dtype=np.float64).reshape(2, 2) / 3},
+    "w": np.linspace(-1.0, 1.0, 5, dtype=np.float32),
+}
+OTHER = {"w": np.ones(7, np.float32)}  # another tree: its states do not fit PARAMS
+
+
+def grads(i: int) -> Any:
+    return nba.tree_map(lambda x: (x * (i + 1) + 0.25 * i).astype(x.dtype), PARAMS)
+
+
+def snapshot(state: Any) -> Any:
+    """A deep copy of a state as NumPy arrays (FlatTree buffers, counters, nested structure)."""
+    if isinstance(state, FlatTree):
+        return (
+            "FlatTree",
+            [np.array(b if not state.device else b.copy_to_host()) for b in state.buffers.values()],
+        )
+    if isinstance(state, dict):
+        return {k: snapshot(v) for k, v in sorted(state.items())}
+    if isinstance(state, tuple):
+        return (type(state).__name__, [snapshot(v) for v in state])
+    if isinstance(state, (np.ndarray, np.generic)):
+        return np.array(state)
+    return state
+
+
+def assert_bitwise(a: Any, b: Any, where: str = "state") -> None:
+    assert type(a) is type(b), where
+    if isinstance(a, dict):
+        assert list(a) == list(b), where
+        for k in a:
+            assert_bitwise(a[k], b[k], f"{where}[{k!r}]")
+    elif isinstance(a, (tuple, list)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_bitwise(x, y, f"{where}[{i}]")
+    elif isinstance(a, np.ndarray):
+        assert a.dtype == b.dtype and a.shape == b.shape, where
+        assert a.tobytes() == b.tobytes(), f"{where}: {a} != {b}"
+    else:
+        assert a == b, where
+
+
+def copy_out(u: Any) -> Any:
+    return snapshot(u.tree if isinstance(u, FlatTree) else nba.tree_map(np.array, u))
+
+
+class Flaky:
+    """A schedule (learning rate or every_k) that raises while ``fail`` is set."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+        self.fail = False
+
+    def __call__(self, count: Any) -> Any:
+        if self.fail:
+            raise RuntimeError("schedule failed")
+        return self.value
+
+
+def check_all_or_nothing(make, bad, steps_before=2, steps_after=3, params=None, error=Exception, match=None):
+    """``make()`` builds the transformation (and anything ``bad`` needs); ``bad(tx, state)`` is a
+    call that must raise ``error``. Good calls pass ``params``."""
+    tx = make()
+    state = tx.init(PARAMS)
+    outs = []
+    for i in range(steps_before):
+        u, state = tx.update(grads(i), state, params)
+        outs.append(copy_out(u))
+    before = snapshot(state)
+    with pytest.raises(error, match=match):
+        bad(tx, state)
+    assert_bitwise(snapshot(state), before)
+    for i in range(steps_before, steps_before + steps_after):
+        u, state = tx.update(grads(i), state, params)
+        outs.append(copy_out(u))
+    clean = make()
+    cstate = clean.init(PARAMS)
+    couts = []
+    for i in range(steps_before + steps_after):
+        u, cstate = clean.update(grads(i), cstate, params)
+        couts.append(copy_out(u))
+    assert_bitwise(outs, couts, "updates")
+    assert_bitwise(snapshot(state), snapshot(cstate))
+
+
+# --- chain and named_chain ------------------------------------------------------------------
+
+
+def test_chain_later_stage_without_params_leaves_the_trace():
+    """The issue's example: trace stays at zeros when add_decayed_weights raises."""
+    tx = nba.chain(nba.trace(0.9), nba.add_decayed_weights(1e-4))
+    state = tx.init({"w": np.zeros(3, np.float32)})
+    with pytest.raises(ValueError, match="needs params"):
+        tx.update({"w": np.ones(3, np.float32)}, state)
+    np.testing.assert_array_equal(state[0].trace.tree["w"], np.zeros(3, np.float32))
+    check_all_or_nothing(
+        lambda: nba.chain(nba.trace(0.9), nba.ema(0.5), nba.add_decayed_weights(1e-4)),
+        lambda tx, s: tx.update(grads(9), s),
+        params=PARAMS,
+        error=ValueError,
+        match="needs params",
+    )
+
+
+def test_named_chain_later_stage_without_params():
+    def make():
+        return nba.named_chain(
+            ("momentum", nba.trace(0.9, nesterov=True)),
+            ("avg", nba.ema(0.8)),
+            ("wd", nba.add_decayed_weights(1e-3)),
+        )
+
+    check_all_or_nothing(make, lambda tx, s: tx.update(grads(9), s), params=PARAMS, error=ValueError)
+
+
+def test_named_chain_state_with_a_missing_name():
+    def make():
+        return nba.named_chain(("momentum", nba.trace(0.9)), ("avg", nba.ema(0.8)))
+
+    check_all_or_nothing(
+        make, lambda tx, s: tx.update(grads(9), {"momentum": s["momentum"]}), error=ValueError, match="keys"
+    )
+
+
+def test_chain_with_a_wrong_state_of_a_later_stage():
+    def make():
+        return nba.chain(nba.trace(0.9), nba.ema(0.9))
+
+    # another type at state[1]
+    check_all_or_nothing(make, lambda tx, s: tx.update(grads(9), (s[0], s[0])), error=TypeError)
+    # the right type, built for another tree
+    other = nba.ema(0.9).init(OTHER)
+    check_all_or_nothing(make, lambda tx, s: tx.update(grads(9), (s[0], other)), error=ValueError)
+    # too few states
+    check_all_or_nothing(make, lambda tx, s: tx.update(grads(9), s[:1]), error=ValueError, match="chain of 2")
+
+
+def test_chain_with_a_state_of_another_tree():
+    def make():
+        return nba.chain(nba.clip_by_global_norm(1.0), nba.trace(0.9), nba.ema(0.9))
+
+    # the updates are of another tree than the state
+    check_all_or_nothing(make, lambda tx, s: tx.update(OTHER, s), error=ValueError)
+    # a whole state of another tree, next to the right one (the original is left alone too)
+    theirs = make().init(OTHER)
+    theirs_before = snapshot(theirs)
+    check_all_or_nothing(make, lambda tx, s: tx.update(grads(9), (s[0], s[1], theirs[2])), error=ValueError)
+    assert_bitwise(snapshot(theirs), theirs_before)
+
+
+def test_chain_params_of_another_tree():
+    def make():
+        return nba.chain(nba.trace(0.9), nba.add_decayed_weights(1e-4))
+
+    check_all_or_nothing(make, lambda tx, s: tx.update(grads(9), s, OTHER), params=PARAMS, error=ValueError)
+
+
+# --- optimizers with schedules --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("momentum", [None, 0.9])
+def test_sgd_with_a_schedule_that_raises(momentum):
+    lr = Flaky(0.1)
+
+    def make():
+        lr.fail = False
+        return nba.sgd(lr, momentum=momentum)
+
+    def bad(tx, s):
+        lr.fail = True
+        try:
+            return tx.update(grads(9), s)
+        finally:
+            lr.fail = False
+
+    check_all_or_nothing(make, bad, error=RuntimeError, match="schedule failed")
+
+
+def test_adam_with_a_schedule_that_raises():
+    lr = Flaky(1e-2)
+
+    def bad(tx, s):
+        lr.fail = True
+        try:
+            return tx.update(grads(9), s)
+        finally:
+            lr.fail = False
+
+    check_all_or_nothing(lambda: nba.adam(lr), bad, error=RuntimeError)
+    # the same in a chain after stateful stages
+    check_all_or_nothing(lambda: nba.chain(nba.trace(0.5), nba.adam(lr)), bad, error=RuntimeError)
+
+
+def test_adam_with_a_wrong_learning_rate_state():
+    def make():
+        return nba.adam(lambda count: 1e-3)
+
+    check_all_or_nothing(make, lambda tx, s: tx.update(grads(9), (s[0], nba.EmptyState())), error=TypeError)
+    check_all_or_nothing(make, lambda tx, s: tx.update(grads(9), s[:1]), error=ValueError)
+
+
+# --- MultiSteps -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("use_grad_mean", [True, False])
+def test_multisteps_inner_failure_on_an_emitting_step(use_grad_mean):
+    """The inner chain needs params only when it runs: the emitting step without them raises,
+    before the gradient is added (a retry counts it once)."""
+
+    def make():
+        inner = nba.chain(nba.trace(0.9), nba.add_decayed_weights(1e-4), nba.scale(-0.1))
+        return nba.MultiSteps(inner, 3, use_grad_mean=use_grad_mean)
+
+    check_all_or_nothing(make, lambda tx, s: tx.update(grads(9), s), params=PARAMS, error=ValueError)
+
+
+def test_multisteps_inner_schedule_failure_on_an_emitting_step():
+    lr = Flaky(0.5)
+
+    def make():
+        return nba.MultiSteps(nba.adam(lr), 3)
+
+    def bad(tx, s):
+        lr.fail = True
+        try:
+            return tx.update(grads(9), s)
+        finally:
+            lr.fail = False
+
+    # two mini-steps before: the failing one emits
+    check_all_or_nothing(make, bad, steps_before=2, error=RuntimeError)
+    # a non-emitting step never calls the inner schedule
+    tx = make()
+    s = tx.init(PARAMS)
+    lr.fail = True
+    try:
+        _, s = tx.update(grads(0), s)
+    finally:
+        lr.fail = False
+    assert int(s.mini_step) == 1
+
+
+@pytest.mark.parametrize("steps_before", [0, 1, 2])
+def test_multisteps_every_k_schedule_that_raises(steps_before):
+    k = Flaky(2)
+
+    def make():
+        return nba.MultiSteps(nba.sgd(0.1, momentum=0.9), k)
+
+    def bad(tx, s):
+        k.fail = True
+        try:
+            return tx.update(grads(9), s)
+        finally:
+            k.fail = False
+
+    check_all_or_nothing(make, bad, steps_before=steps_before, error=RuntimeError)
+
+
+def test_multisteps_every_k_schedule_below_one():
+    k = Flaky(2)
+
+    def make():
+        k.value = 2
+        return nba.MultiSteps(nba.sgd(0.1, momentum=0.9), k)
+
+    def bad(tx, s):
+        k.value = 0
+        try:
+            return tx.update(grads(9), s)
+        finally:
+            k.value = 2
+
+    check_all_or_nothing(make, bad, steps_before=1, error=ValueError, match="every_k_schedule")
+
+
+def test_multisteps_user_skip_predicate_that_raises():
+    calls = {"fail": False}
+
+    def skip(updates, gradient_step, params):
+        if calls["fail"]:
+            raise RuntimeError("predicate failed")
+        return np.bool_(False), {"ok": np.bool_(True)}
+
+    def bad(tx, s):
+        calls["fail"] = True
+        try:
+            return tx.update(grads(9), s)
+        finally:
+            calls["fail"] = False
+
+    check_all_or_nothing(
+        lambda: nba.MultiSteps(nba.sgd(0.1), 2, should_skip_update_fn=skip),
+        bad,
+        steps_before=1,
+        error=RuntimeError,
+    )
+
+
+def test_multisteps_in_a_chain_after_stateful_stages():
+    def make():
+        inner = nba.chain(nba.ema(0.9), nba.add_decayed_weights(1e-4))
+        return nba.chain(nba.trace(0.5), nba.MultiSteps(inner, 2))
+
+    check_all_or_nothing(
+        make, lambda tx, s: tx.update(grads(9), s), steps_before=1, params=PARAMS, error=ValueError
+    )
+
+
+def test_multisteps_state_of_another_tree():
+    def make():
+        return nba.MultiSteps(nba.adam(1e-2), 2)
+
+    theirs = make().init(OTHER)
+    # one mini-step before: the failing call emits, so the inner state is checked
+    check_all_or_nothing(
+        make,
+        lambda tx, s: tx.update(grads(9), s._replace(inner_opt_state=theirs.inner_opt_state)),
+        steps_before=1,
+        error=ValueError,
+    )
+
+
+# --- WP4b: apply_if_finite, dpsgd, the declearn Pipeline ------------------------------------
