@@ -318,8 +318,9 @@ class Ops:
     ) -> None:
         """out[k][j] = clamp((sum_b mult[k, b] * g[k][b, j] + std * noise[k][j]) / div, +-limit)."""
         module = importlib.import_module(f"numbaccum.{_backend_name(self.driver)}.per_example")
-        t = np.result_type(out.dtype, g.dtype).type
-        module.batch_weighted_sum_(out, g, offsets, out_offsets, mult, noise, t(std), t(div), t(limit))
+        # float64 scalars: the sums are float64 (``mult`` is), and so is the division by ``div``.
+        f = np.float64
+        module.batch_weighted_sum_(out, g, offsets, out_offsets, mult, noise, f(std), f(div), f(limit))
 
 
 def _backend_name(driver: Any) -> str:
