@@ -196,7 +196,7 @@ class ParamsRef:
     """The ``params`` argument: checked against the updates' layout before anything runs
     (`Stage.update`), flattened only when a stage asks for it (then once, into a workspace)."""
 
-    __slots__ = ("raw", "_layout", "_into", "_device", "_flat")
+    __slots__ = ("raw", "_layout", "_into", "_device", "_flat", "checked")
 
     def __init__(
         self,
@@ -210,6 +210,7 @@ class ParamsRef:
         self._layout = layout
         self._device = device
         self._flat: FlatTree | None = None
+        self.checked: list | None = None  # host leaves already checked against the layout
         if into is None and owner is not None:
             into = lambda: owner.workspace("params")  # noqa: E731
         self._into = into
@@ -217,42 +218,48 @@ class ParamsRef:
     def flat(self) -> FlatTree:
         """The params as a FlatTree of the updates' layout (packed on first use)."""
         if self._flat is None:
-            self._flat = as_flat(self.raw, self._layout, "params", pack_into=self._into, device=self._device)[
-                0
-            ]
+            self._flat = as_flat(
+                self.raw,
+                self._layout,
+                "params",
+                self._into,
+                self._device,
+                self.checked if not self._device else None,
+            )[0]
         return self._flat
 
 
-def check_params(params: Any, spec: Spec) -> None:
+def check_params(params: Any, spec: Spec) -> list | None:
     """ValueError/TypeError naming the leaf when ``params`` does not match ``spec`` (cheap for
-    a FlatTree of that layout and for the torch views a FlatTree hands out)."""
-    if isinstance(params, FlatTree) and params.layout is spec.layout and params.device == spec.device:
-        return
-    if spec.device and torch_runs(params, spec.layout) is not None:
-        return
-    check_leaves(params, spec.layout, "params", spec.device)
+    a FlatTree of that layout and for the torch views a FlatTree hands out). Returns the checked
+    leaves of a plain host tree (so that packing it does not check them again), else None."""
+    if isinstance(params, FlatTree):
+        if params.layout is spec.layout and params.device == spec.device:
+            return None
+    elif spec.device and torch_runs(params, spec.layout) is not None:
+        return None
+    leaves = check_leaves(params, spec.layout, "params", spec.device)
+    return leaves if not spec.device and not isinstance(params, FlatTree) else None
 
 
 # --- the stage protocol ---------------------------------------------------------------------
 
 
 class Step:
-    """A planned update of one stage: ``run(updates) -> (updates, new_state)``.
+    """A planned update of one stage: ``step.run(updates) -> (updates, new_state)``.
 
-    Made by `Stage.plan` with everything already validated and computed; ``run`` only touches
-    buffers. ``spec``: the `Spec` of the updates ``run`` returns, when it differs from the input's
-    (a per-example aggregation returns params-shaped updates); None otherwise.
+    Made by `Stage.plan` with everything already validated and computed; ``run`` (a function,
+    usually a closure over the plan's values) only touches buffers. ``spec``: the `Spec` of the
+    updates ``run`` returns, when it differs from the input's (a per-example aggregation returns
+    params-shaped updates); None otherwise.
     """
 
-    __slots__ = ("_run", "spec")
+    # ``run`` is the function itself, not a method calling it: one call less per stage and step.
+    __slots__ = ("run", "spec")
 
-    def __init__(self, run: Callable[[Updates], tuple[Updates, Any]] | None = None, spec: Spec | None = None):
-        self._run = run
+    def __init__(self, run: Callable[[Updates], tuple[Updates, Any]], spec: Spec | None = None) -> None:
+        self.run = run
         self.spec = spec
-
-    def run(self, updates: Updates) -> tuple[Updates, Any]:
-        """Runs the planned kernels on ``updates``; returns the new updates and the new state."""
-        return self._run(updates)  # type: ignore[misc]
 
 
 class Stage(abc.ABC):
@@ -357,16 +364,18 @@ class Stage(abc.ABC):
         owner = self.owner(state)
         u, kind = self.take(updates, state, params, owner)
         flat = u.flat
-        spec = Spec(flat.layout, flat.device)
+        spec = self.__dict__.get("_spec")  # the last one, kept: a small tree's update is microseconds
+        if spec is None or spec.layout is not flat.layout or spec.device != flat.device:
+            spec = self.__dict__["_spec"] = Spec(flat.layout, flat.device)
         ref = None
         if params is not None:
-            if not self.reshapes:
-                check_params(params, spec)
             ref = ParamsRef(params, spec.layout, None, flat.device, self._workspace(owner, spec, "params"))
+            if not self.reshapes:
+                ref.checked = check_params(params, spec)
         step = self.plan(spec, state, ref, extra_args)
         out_spec = step.spec or spec
         if ref is not None and self.reshapes:
-            check_params(params, out_spec)
+            ref.checked = check_params(params, out_spec)
             ref._layout = out_spec.layout
             ref._into = self._workspace(owner, out_spec, "params")
         u.scratch = self._workspace(owner, spec, "output")
@@ -472,15 +481,30 @@ class Chain(Stage):
         """The first owner among the stages before any reshaping one (their layout is the
         chain's input layout)."""
         states = self._states(state)
-        if states is None:
-            return None
-        for stage, s in zip(self.stages, states):
-            if stage.reshapes:
-                return None
-            o = stage.owner(s)
+        return None if states is None else self._owner_of(states)
+
+    def _owner_of(self, states: tuple) -> FlatTree | None:
+        stages = self.stages
+        for i in self._may_own:
+            o = stages[i].owner(states[i])
             if o is not None:
                 return o
         return None
+
+    @property
+    def _may_own(self) -> tuple[int, ...]:
+        """The stages that may own workspaces (their class declares `owner`), before the
+        first reshaping one: the only ones `owner` asks."""
+        found = self.__dict__.get("_may_own_")
+        if found is None:
+            found = []
+            for i, stage in enumerate(self.stages):
+                if stage.reshapes:
+                    break
+                if type(stage).owner is not Stage.owner:
+                    found.append(i)
+            found = self.__dict__["_may_own_"] = tuple(found)
+        return found
 
     def take(self, updates: Any, state: Any, params: Any, owner: FlatTree | None) -> tuple[Updates, str]:
         if self.reshapes:
@@ -496,47 +520,56 @@ class Chain(Stage):
                 raise ValueError(f"state: named_chain expects a dict with keys {self.names}")
             n = len(state) if isinstance(state, (tuple, list)) else type(state).__name__
             raise ValueError(f"state: chain of {len(self.stages)} transformations got a state of {n}")
-        owner = self.owner(state)
-        steps = []
-        scratches = []
-        for i, (stage, s) in enumerate(zip(self.stages, states)):
+        owner = self._owner_of(states)
+        if owner is not None and (owner.layout is not spec.layout or owner.device != spec.device):
+            owner = None
+        in_spec = spec
+        runs = []
+        specs = []  # the spec each stage is fed (a reshaping stage changes it for the next ones)
+        for stage, s in zip(self.stages, states):
+            specs.append(spec)
             step = stage.plan(spec, s, params, extra)
-            steps.append(step)
-            # A stage writes its new values into a scratch buffer of its own: one stage may
-            # still read its input after an inner transformation wrote into the scratch.
-            if owner is not None and owner.layout is spec.layout and owner.device == spec.device:
-                scratches.append(_named_workspace(owner, f"chain{i}"))
-            else:
-                scratches.append(stage.workspace(s, spec, "scratch"))
+            runs.append(step.run)
             if step.spec is not None:
                 spec = step.spec
-        return _ChainStep(steps, scratches, self.names, spec if spec is not None else None)
+        if spec is in_spec:
+            scratches = self._scratches(owner, in_spec, states)
+        else:
+            scratches = [
+                stage.workspace(s, sp, "scratch") for stage, s, sp in zip(self.stages, states, specs)
+            ]
+        names = self.names
+
+        def run(u: Updates) -> tuple[Updates, Any]:
+            new_states = []
+            for step_run, scratch in zip(runs, scratches):
+                u.scratch = scratch
+                u, new = step_run(u)
+                new_states.append(new)
+            return u, (tuple(new_states) if names is None else dict(zip(names, new_states)))
+
+        return Step(run, None if spec is in_spec else spec)
+
+    def _scratches(self, owner: FlatTree | None, spec: Spec, states: tuple) -> list:
+        """Each stage's scratch buffer: a workspace ``chain<i>`` of the chain's owner, else the
+        stage's own (`Stage.workspace`). A stage writes its new values into a scratch buffer of
+        its own: it may still read its input after an inner transformation wrote into the
+        scratch. The last list is kept, for the same owner (or layout) the next time."""
+        memo = self.__dict__.get("_scratch_memo")
+        if memo is not None and memo[0] is owner and memo[1] is spec.layout and memo[2] == spec.device:
+            return memo[3]
+        if owner is not None:
+            scratches = [_named_workspace(owner, f"chain{i}") for i in range(len(self.stages))]
+        else:
+            scratches = [stage.workspace(s, spec, "scratch") for stage, s in zip(self.stages, states)]
+            if any(stage.owner(s) is not None for stage, s in zip(self.stages, states)):
+                return scratches  # bound to this state: not kept
+        self.__dict__["_scratch_memo"] = (owner, spec.layout, spec.device, scratches)
+        return scratches
 
 
 def _named_workspace(owner: FlatTree, name: str) -> Callable[[], FlatTree]:
     return lambda: owner.workspace(name)
-
-
-class _ChainStep(Step):
-    __slots__ = ("steps", "scratches", "names")
-
-    def __init__(
-        self, steps: list[Step], scratches: list, names: list[str] | None, spec: Spec | None
-    ) -> None:
-        super().__init__(None, spec)
-        self.steps = steps
-        self.scratches = scratches
-        self.names = names
-
-    def run(self, updates: Updates) -> tuple[Updates, Any]:
-        states = []
-        for step, scratch in zip(self.steps, self.scratches):
-            updates.scratch = scratch
-            updates, s = step.run(updates)
-            states.append(s)
-        if self.names is None:
-            return updates, tuple(states)
-        return updates, dict(zip(self.names, states))
 
 
 def chain(*transforms: Any) -> GradientTransformationExtraArgs:
