@@ -24,16 +24,19 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import backend
-from .accumulation import check_decay, expect_state, safe_increment
+from .accumulation import check_decay, expect_state, field_owner, safe_increment
+from .backend import ops_for
 from .base import (
-    Flow,
     GradientTransformationExtraArgs,
     ParamsRef,
-    flat_transformation,
-    run_stage,
+    Spec,
+    Stage,
+    Step,
+    Updates,
+    as_stage,
     with_extra_args_support,
 )
+from .contract import ONE, Factor
 from .flat import FlatTree, layout_and_device
 from .layout import Layout
 from .norms import TINY, check_ord, leaf_norms, tree_norm
@@ -85,54 +88,56 @@ def _group_factors(flat: FlatTree, gi: int, per_leaf: np.ndarray) -> np.ndarray:
     return per_leaf[flat.layout.group_index[gi]].astype(np.float32 if dt == np.float16 else dt)
 
 
-def _divide_leaves(flow: Flow, factors: np.ndarray) -> Flow:
-    """``flow`` with each leaf divided by its factor (one segmented pass per group); the flow
-    itself when every factor is 1."""
+def _divide_leaves(u: Updates, factors: np.ndarray) -> Updates:
+    """``u`` with each leaf divided by its factor (one segmented pass per group); ``u`` itself
+    when every factor is 1."""
     if not np.any(factors != 1.0):
-        return flow
-    if isinstance(flow.div, dict):  # a device-resident pending factor: apply it first
-        flow = flow.settled()
-    out = flow.fresh()
-    lay = flow.flat.layout
-    for gi, (o, g) in enumerate(zip(out.groups, flow.flat.groups)):
-        f = _group_factors(flow.flat, gi, factors)
-        backend.call("segment_divide_", o, g, flow.div, flow.mul, lay.offsets[gi], f)
-    return Flow(out, True, scratch=flow.scratch)
+        return u
+    factor = u.factor
+    if factor.device is not None:  # a device-resident pending factor: apply it first
+        u, factor = u.settled(), ONE
+    out = u.fresh()
+    lay = u.flat.layout
+    for gi, (o, g) in enumerate(zip(out.groups, u.flat.groups)):
+        f = _group_factors(u.flat, gi, factors)
+        ops_for(g).segment_divide_(o, g, factor, lay.offsets[gi], f)
+    return Updates(out, True)
 
 
-def _divide_all(flow: Flow, factor: float) -> Flow:
-    """``flow`` divided by one factor: a pending factor that rides on the next kernel."""
-    if factor == 1.0:
-        return flow
-    if flow.pending:
-        flow = flow.settled()
-    return flow.with_factor(factor, 1.0)
+def _divide_all(u: Updates, factor: float) -> Updates:
+    """``u`` divided by one factor: a pending factor that rides on the next kernel."""
+    return u if factor == 1.0 else u.scaled(Factor(factor, 1.0))
 
 
-def _as_inner(inner: Any) -> Any:
-    """torchzero's ``inner``: None, a transformation, or a list of them (chained)."""
+def _as_inner(inner: Any) -> Stage | None:
+    """torchzero's ``inner``: None, a transformation, or a list of them (chained); as a stage."""
     if inner is None:
         return None
     if isinstance(inner, (list, tuple)) and not hasattr(inner, "update"):
         from .base import chain
 
-        return chain(*inner)
+        return as_stage(chain(*inner))
     if not hasattr(inner, "init") or not hasattr(inner, "update"):
         raise TypeError(f"inner: expected a GradientTransformation or a list of them, got {inner!r}")
-    return with_extra_args_support(inner)
+    return as_stage(with_extra_args_support(inner))
 
 
-def _run_inner(
-    inner: Any, flow: Flow, inner_state: Any, params: ParamsRef | None, extra: dict
-) -> tuple[Flow, Any]:
-    """Runs ``inner`` on the updates without letting it overwrite them (their statistics and
-    history still need them), as torchzero scales the inner output by the input's statistics."""
-    if inner is None:
-        return flow, inner_state
-    lay, device = flow.flat.layout, flow.flat.device
-    scratch = flow.scratch or (lambda: FlatTree.empty(lay, device=device))
-    view = Flow(flow.flat, False, flow.div, flow.mul, returnable=False, scratch=scratch)
-    return run_stage(inner, view, inner_state, params, extra, scratch)
+def _plan_inner(
+    inner: Stage | None, spec: Spec, state: Any, params: ParamsRef | None, extra: dict
+) -> Step | None:
+    """The inner transformation's step (its state, params and schedules checked), or None."""
+    return None if inner is None else inner.plan(spec, state, params, extra)
+
+
+def _run_inner(step: Step | None, u: Updates, inner_state: Any, owner: FlatTree) -> tuple[Updates, Any]:
+    """Runs the planned inner transformation on the updates without letting it overwrite them
+    (their statistics and history still need them), as torchzero scales the inner output by the
+    input's statistics: it writes into the ``inner`` workspace of ``owner`` (a FlatTree of this
+    stage's state), never into the buffer that holds ``u``."""
+    if step is None:
+        return u, inner_state
+    view = Updates(u.flat, False, u.factor, returnable=False, scratch=lambda: owner.workspace("inner"))
+    return step.run(view)
 
 
 # --- clip_norm_by_ema / normalize_by_ema ----------------------------------------------------
@@ -176,36 +181,64 @@ def _ema_norm_transformation(
     init = float(init)
     if not math.isfinite(init):
         raise ValueError(f"init must be finite, got {init!r}")
-    inner = _as_inner(inner)
+    return _EmaNorm(
+        beta, ord, tensorwise, growth, init, min_norm, normalize, _as_inner(inner)
+    ).transformation()
 
-    def init_fn(params: Any) -> ClipNormByEmaState:
+
+class _EmaNorm(Stage):
+    """`clip_norm_by_ema` and `normalize_by_ema` (``normalize``); ``exp_avg`` owns the workspaces."""
+
+    def __init__(
+        self,
+        beta: float,
+        ord: float | str,
+        tensorwise: bool,
+        growth: float | None,
+        init: float,
+        min_norm: float,
+        normalize: bool,
+        inner: Stage | None,
+    ) -> None:
+        self.beta, self.ord, self.tensorwise, self.growth = beta, ord, tensorwise, growth
+        self.init_value, self.min_norm, self.normalize, self.inner = init, min_norm, normalize, inner
+
+    def init(self, params: Any) -> ClipNormByEmaState:
         layout, device = layout_and_device(params, "params")
         exp_avg = FlatTree.zeros(layout, device=device)
-        if init != 0.0:
-            exp_avg.fill_(init)
-        prev = np.zeros(_history_shape(layout, tensorwise), np.float64)
-        return ClipNormByEmaState(exp_avg, prev, inner.init(params) if inner is not None else None)
+        if self.init_value != 0.0:
+            exp_avg.fill_(self.init_value)
+        prev = np.zeros(_history_shape(layout, self.tensorwise), np.float64)
+        inner_state = self.inner.init(params) if self.inner is not None else None
+        return ClipNormByEmaState(exp_avg, prev, inner_state)
 
-    def flat_update(
-        flow: Flow, state: Any, params: ParamsRef | None, extra: dict
-    ) -> tuple[Flow, ClipNormByEmaState]:
-        layout = flow.flat.layout
-        exp_avg = expect_state(state, ClipNormByEmaState, "exp_avg", layout)
-        prev = _history(state.prev_ema_norm, _history_shape(layout, tensorwise), "prev_ema_norm")
-        flow = flow.settled()
-        t = flow.flat
-        # The statistics come from the input; an inner transformation runs before any state is
-        # written, so a failing inner leaves the history as it was.
+    def owner(self, state: Any) -> FlatTree | None:
+        return field_owner(state, ClipNormByEmaState, "exp_avg")
+
+    def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
+        layout = spec.layout
+        exp_avg = expect_state(state, ClipNormByEmaState, "exp_avg", spec)
+        prev = _history(state.prev_ema_norm, _history_shape(layout, self.tensorwise), "prev_ema_norm")
+        inner = _plan_inner(self.inner, spec, state.inner_state, params, extra)
+        return Step(lambda u: self._run(u, exp_avg, prev, inner, state.inner_state))
+
+    def _run(
+        self, u: Updates, exp_avg: FlatTree, prev: np.ndarray, inner: Step | None, inner_state: Any
+    ) -> tuple[Updates, ClipNormByEmaState]:
+        beta, ord, tensorwise, growth = self.beta, self.ord, self.tensorwise, self.growth
+        min_norm, normalize = self.min_norm, self.normalize
+        layout = exp_avg.layout
+        u = u.settled()
+        t = u.flat
+        # The statistics come from the input, before the inner transformation runs.
         n = leaf_norms(t, ord) if tensorwise else np.array(tree_norm(t, ord))
-        out, inner_state = _run_inner(inner, flow, state.inner_state, params, extra)
+        out, inner_state = _run_inner(inner, u, inner_state, exp_avg)
         active = np.isfinite(n)
         for gi, (e, g) in enumerate(zip(exp_avg.groups, t.groups)):
             act = active[layout.group_index[gi]] if tensorwise else np.full(len(layout.groups[gi]), active)
             if act.any():
                 flags = act.astype(np.uint8)
-                backend.call(
-                    "segment_ema_update_", e, g, 1.0, 1.0, layout.offsets[gi], flags, 1.0 - beta, beta
-                )
+                ops_for(e).segment_ema_update_(e, g, ONE, layout.offsets[gi], flags, 1.0 - beta, beta)
         ema_norm = leaf_norms(exp_avg, ord) if tensorwise else np.array(tree_norm(exp_avg, ord))
         with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
             if growth is not None:
@@ -227,8 +260,6 @@ def _ema_norm_transformation(
         out = _divide_leaves(out, denom) if tensorwise else _divide_all(out, float(denom))
         return out, ClipNormByEmaState(exp_avg, prev, inner_state)
 
-    return flat_transformation(init_fn, flat_update)
-
 
 def _rescale_ema(exp_avg: FlatTree, ratio: np.ndarray, tensorwise: bool) -> None:
     """exp_avg /= ratio, per leaf or as a whole, in place."""
@@ -236,9 +267,9 @@ def _rescale_ema(exp_avg: FlatTree, ratio: np.ndarray, tensorwise: bool) -> None
     for gi, e in enumerate(exp_avg.groups):
         if tensorwise:
             f = _group_factors(exp_avg, gi, ratio)
-            backend.call("segment_divide_", e, e, 1.0, 1.0, lay.offsets[gi], f)
+            ops_for(e).segment_divide_(e, e, ONE, lay.offsets[gi], f)
         else:
-            backend.call("scale_", e, e, float(ratio), 1.0)
+            ops_for(e).scale_(e, e, Factor(float(ratio), 1.0))
 
 
 def clip_norm_by_ema(
@@ -326,49 +357,62 @@ def _value_ema_transformation(
     init = float(init)
     if not math.isfinite(init):
         raise ValueError(f"init must be finite, got {init!r}")
-    inner = _as_inner(inner)
-    tfm = _as_inner(exp_avg_tfm)
+    return _ValueEma(beta, init, _as_inner(inner), _as_inner(exp_avg_tfm)).transformation()
 
-    def init_fn(params: Any) -> ClipValueByEmaState:
+
+class _ValueEma(Stage):
+    """`clip_value_by_ema` (with torchzero's ``inner`` and ``exp_avg_tfm``); ``exp_avg`` owns the
+    workspaces."""
+
+    def __init__(self, beta: float, init: float, inner: Stage | None, tfm: Stage | None) -> None:
+        self.beta, self.init_value, self.inner, self.tfm = beta, init, inner, tfm
+
+    def init(self, params: Any) -> ClipValueByEmaState:
         layout, device = layout_and_device(params, "params")
         return ClipValueByEmaState(
             np.int32(0),
             FlatTree.zeros(layout, device=device),
-            inner.init(params) if inner is not None else None,
-            tfm.init(params) if tfm is not None else None,
+            self.inner.init(params) if self.inner is not None else None,
+            self.tfm.init(params) if self.tfm is not None else None,
         )
 
-    def flat_update(
-        flow: Flow, state: Any, params: ParamsRef | None, extra: dict
-    ) -> tuple[Flow, ClipValueByEmaState]:
-        layout = flow.flat.layout
-        exp_avg = expect_state(state, ClipValueByEmaState, "exp_avg", layout)
+    def owner(self, state: Any) -> FlatTree | None:
+        return field_owner(state, ClipValueByEmaState, "exp_avg")
+
+    def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
+        exp_avg = expect_state(state, ClipValueByEmaState, "exp_avg", spec)
         fresh = int(state.count) == 0
         count = safe_increment(state.count)
-        if inner is None and tfm is None:  # one fused pass: EMA update and clip
-            out = flow.fresh()
-            for e, g, o in zip(exp_avg.groups, flow.flat.groups, out.groups):
-                backend.call("abs_ema_clip_", e, g, flow.div, flow.mul, 1.0 - beta, beta, init, fresh, o)
-            return Flow(out, True, scratch=flow.scratch), ClipValueByEmaState(count, exp_avg)
-        if isinstance(flow.div, dict):
-            flow = flow.settled()
-        u, inner_state = _run_inner(inner, flow, state.inner_state, params, extra)
-        for e, g in zip(exp_avg.groups, flow.flat.groups):
-            backend.call("abs_ema_update_", e, g, flow.div, flow.mul, 1.0 - beta, beta, init, fresh)
-        bound, tfm_state = exp_avg, state.exp_avg_tfm_state
-        if tfm is not None:  # the transform sees a copy: the EMA itself stays as it is
-            view = Flow(exp_avg, False, returnable=False, scratch=lambda: exp_avg.workspace("tfm"))
-            b, tfm_state = run_stage(tfm, view, tfm_state, params, extra, lambda: exp_avg.workspace("tfm"))
-            bound = b.settled(exp_avg.workspace("tfm")).flat
-        if isinstance(u.div, dict):
-            u = u.settled()
-        out = u.fresh()
-        for o, x, bg in zip(out.groups, u.flat.groups, bound.groups):
-            backend.call("clip_by_", o, x, u.div, u.mul, bg)
-        new_state = ClipValueByEmaState(count, exp_avg, inner_state, tfm_state)
-        return Flow(out, True, scratch=u.scratch), new_state
+        beta, init = self.beta, self.init_value
+        inner = _plan_inner(self.inner, spec, state.inner_state, params, extra)
+        tfm = _plan_inner(self.tfm, spec, state.exp_avg_tfm_state, params, extra)
 
-    return flat_transformation(init_fn, flat_update)
+        def run(u: Updates) -> tuple[Updates, ClipValueByEmaState]:
+            factor = u.factor
+            if inner is None and tfm is None:  # one fused pass: EMA update and clip
+                out = u.fresh()
+                for e, g, o in zip(exp_avg.groups, u.flat.groups, out.groups):
+                    ops_for(e).abs_ema_clip_(e, g, factor, 1.0 - beta, beta, init, fresh, o)
+                return Updates(out, True), ClipValueByEmaState(count, exp_avg)
+            if factor.device is not None:  # the inner transformation reads a settled value
+                u, factor = u.settled(), ONE
+            v, inner_state = _run_inner(inner, u, state.inner_state, exp_avg)
+            for e, g in zip(exp_avg.groups, u.flat.groups):
+                ops_for(e).abs_ema_update_(e, g, factor, 1.0 - beta, beta, init, fresh)
+            bound, tfm_state = exp_avg, state.exp_avg_tfm_state
+            if tfm is not None:  # the transform sees a copy: the EMA itself stays as it is
+                ws = lambda: exp_avg.workspace("tfm")  # noqa: E731
+                b, tfm_state = tfm.run(Updates(exp_avg, False, returnable=False, scratch=ws))
+                bound = b.settled(ws()).flat
+            v_factor = v.factor
+            if v_factor.device is not None:
+                v, v_factor = v.settled(), ONE
+            out = v.fresh()
+            for o, x, bg in zip(out.groups, v.flat.groups, bound.groups):
+                ops_for(x).clip_by_(o, x, v_factor, bg)
+            return Updates(out, True), ClipValueByEmaState(count, exp_avg, inner_state, tfm_state)
+
+        return Step(run)
 
 
 def clip_value_by_ema(beta: float = 0.99, init: float = 0.0) -> GradientTransformationExtraArgs:
@@ -452,23 +496,41 @@ def clip_norm_growth(
     add, mul, min_value, max_decay = _growth_args(add, mul, min_value, max_decay)
     ord = check_ord(ord)
     tensorwise = bool(tensorwise)
-    identity = add is None and mul is None
+    return _NormGrowth(add, mul, min_value, max_decay, ord, tensorwise).transformation()
 
-    def init_fn(params: Any) -> ClipNormGrowthState:
+
+class _NormGrowth(Stage):
+    """`clip_norm_growth`: the history is a small float64 array (no FlatTree, no workspace owner)."""
+
+    def __init__(
+        self,
+        add: float | None,
+        mul: float | None,
+        min_value: float | None,
+        max_decay: float | None,
+        ord: float | str,
+        tensorwise: bool,
+    ) -> None:
+        self.add, self.mul, self.min_value, self.max_decay = add, mul, min_value, max_decay
+        self.ord, self.tensorwise = ord, tensorwise
+
+    def init(self, params: Any) -> ClipNormGrowthState:
         layout, _ = layout_and_device(params, "params")
-        return ClipNormGrowthState(np.zeros(_history_shape(layout, tensorwise), np.float64))
+        return ClipNormGrowthState(np.zeros(_history_shape(layout, self.tensorwise), np.float64))
 
-    def flat_update(
-        flow: Flow, state: Any, params: ParamsRef | None, extra: dict
-    ) -> tuple[Flow, ClipNormGrowthState]:
+    def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
         if not isinstance(state, ClipNormGrowthState):
             raise TypeError(f"state: expected ClipNormGrowthState, got {type(state).__name__}")
-        layout = flow.flat.layout
-        prev = _history(state.prev_norm, _history_shape(layout, tensorwise), "prev_norm")
-        if identity:
-            return flow, state
-        flow = flow.settled()
-        n = leaf_norms(flow.flat, ord) if tensorwise else np.array(tree_norm(flow.flat, ord))
+        prev = _history(state.prev_norm, _history_shape(spec.layout, self.tensorwise), "prev_norm")
+        if self.add is None and self.mul is None:  # the identity
+            return Step(lambda u: (u, state))
+        return Step(lambda u: self._run(u, prev))
+
+    def _run(self, u: Updates, prev: np.ndarray) -> tuple[Updates, ClipNormGrowthState]:
+        add, mul, min_value, max_decay = self.add, self.mul, self.min_value, self.max_decay
+        ord, tensorwise = self.ord, self.tensorwise
+        u = u.settled()
+        n = leaf_norms(u.flat, ord) if tensorwise else np.array(tree_norm(u.flat, ord))
         with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
             finite = np.isfinite(n)
             history = prev > 0
@@ -488,10 +550,8 @@ def clip_norm_growth(
             if min_value is not None:
                 new = np.where(history, np.maximum(new, min_value), new)
             prev[...] = np.where(finite, new, prev)
-        out = _divide_leaves(flow, denom) if tensorwise else _divide_all(flow, float(denom))
+        out = _divide_leaves(u, denom) if tensorwise else _divide_all(u, float(denom))
         return out, ClipNormGrowthState(prev)
-
-    return flat_transformation(init_fn, flat_update)
 
 
 # --- clip_value_growth ----------------------------------------------------------------------
@@ -534,27 +594,39 @@ def clip_value_growth(
     Returns:
         A transformation with state `ClipValueGrowthState`.
     """
-    add, mul, min_value, max_decay = _growth_args(add, mul, min_value, max_decay)
-    identity = add is None and mul is None
-    # The kernel's neutral values: a rule set to these never fires.
-    k_add = math.inf if add is None else add
-    k_mul = math.inf if mul is None else mul
-    k_min = 0.0 if min_value is None else min_value
-    k_decay = math.inf if max_decay is None else max_decay
+    return _ValueGrowth(*_growth_args(add, mul, min_value, max_decay)).transformation()
 
-    def init_fn(params: Any) -> ClipValueGrowthState:
+
+class _ValueGrowth(Stage):
+    """`clip_value_growth`: one fused pass; ``prev`` owns the workspaces."""
+
+    def __init__(
+        self, add: float | None, mul: float | None, min_value: float | None, max_decay: float | None
+    ) -> None:
+        self.identity = add is None and mul is None
+        # The kernel's neutral values: a rule set to these never fires.
+        self.k_add = math.inf if add is None else add
+        self.k_mul = math.inf if mul is None else mul
+        self.k_min = 0.0 if min_value is None else min_value
+        self.k_decay = math.inf if max_decay is None else max_decay
+
+    def init(self, params: Any) -> ClipValueGrowthState:
         layout, device = layout_and_device(params, "params")
         return ClipValueGrowthState(FlatTree.zeros(layout, device=device))
 
-    def flat_update(
-        flow: Flow, state: Any, params: ParamsRef | None, extra: dict
-    ) -> tuple[Flow, ClipValueGrowthState]:
-        prev = expect_state(state, ClipValueGrowthState, "prev", flow.flat.layout)
-        if identity:
-            return flow, state
-        out = flow.fresh()
-        for pg, g, o in zip(prev.groups, flow.flat.groups, out.groups):
-            backend.call("growth_clip_", pg, g, flow.div, flow.mul, k_add, k_mul, k_min, k_decay, o)
-        return Flow(out, True, scratch=flow.scratch), ClipValueGrowthState(prev)
+    def owner(self, state: Any) -> FlatTree | None:
+        return field_owner(state, ClipValueGrowthState, "prev")
 
-    return flat_transformation(init_fn, flat_update)
+    def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
+        prev = expect_state(state, ClipValueGrowthState, "prev", spec)
+        if self.identity:
+            return Step(lambda u: (u, state))
+        k = (self.k_add, self.k_mul, self.k_min, self.k_decay)
+
+        def run(u: Updates) -> tuple[Updates, ClipValueGrowthState]:
+            out = u.fresh()
+            for pg, g, o in zip(prev.groups, u.flat.groups, out.groups):
+                ops_for(pg).growth_clip_(pg, g, u.factor, *k, o)
+            return Updates(out, True), ClipValueGrowthState(prev)
+
+        return Step(run)

@@ -8,18 +8,24 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import backend
+from .backend import ops_for
 from .base import (
     EmptyState,
-    Flow,
     GradientTransformationExtraArgs,
-    flat_transformation,
-    run_stage,
+    ParamsRef,
+    Spec,
+    Stage,
+    Step,
+    Updates,
+    as_stage,
     with_extra_args_support,
 )
-from .cpu.kernels import sum_in_order as _sequential_sum
+from .contract import ONE, Factor, Ops, tree_sumsq
 from .flat import FlatTree, as_flat, layout_of
+from .formulas import clip_factor
 from .layout import Layout
+from .tables import segments
+from .tables import sum_in_order as _sequential_sum
 from .tree import tree_unflatten
 
 __all__ = [
@@ -38,15 +44,17 @@ __all__ = [
 
 _INT32_MAX = int(np.iinfo(np.int32).max)
 
-_SEGMENT_KERNEL = {1: "segment_sumabs", 2: "segment_sumsq", math.inf: "segment_maxabs"}
+_SEGMENT_KERNEL = {1: Ops.segment_sumabs, 2: Ops.segment_sumsq, math.inf: Ops.segment_maxabs}
 
 
-def leaf_reductions(flat: FlatTree, kernel: str) -> np.ndarray:
-    """One float64 value per leaf (in leaf order), each from a segmented kernel per group."""
+def leaf_reductions(flat: FlatTree, kernel: Any) -> np.ndarray:
+    """One float64 value per leaf (in leaf order), each from a segmented reduction per group.
+
+    ``kernel`` is a per-segment reduction of the contract, e.g. ``Ops.segment_sumsq``."""
     lay: Layout = flat.layout
     out = np.empty(lay.num_leaves, np.float64)
     for members, offsets, g in zip(lay.group_index, lay.offsets, flat.groups):
-        out[members] = backend.call(kernel, g, offsets)
+        out[members] = kernel(ops_for(g), g, offsets)
     return out
 
 
@@ -70,14 +78,15 @@ def global_norm(tree: Any, ord: Any = 2, squared: bool = False) -> float:
     if key not in _SEGMENT_KERNEL:
         raise ValueError(f"ord must be 1, 2 or inf, got {ord!r}")
     flat = tree if isinstance(tree, FlatTree) else as_flat(tree, layout_of(tree, "tree"), "tree")[0]
+    if key == 2:  # the one squared global norm of the library (a host float: a sync on GPU)
+        total = tree_sumsq(flat)
+        return total if squared else math.sqrt(total)
     # Each group's per-leaf values come back to the host: the norm is a host float (a sync on GPU).
     per_leaf = leaf_reductions(flat, _SEGMENT_KERNEL[key])
     if key == math.inf:
         value = float(np.max(per_leaf)) if per_leaf.size else 0.0
         return value * value if squared else value
     total = sum_in_order(per_leaf)
-    if key == 2:
-        return total if squared else math.sqrt(total)
     return total * total if squared else total
 
 
@@ -98,11 +107,14 @@ def _device_factors(flat: FlatTree, max_norm: float) -> dict[np.dtype, Any] | No
     cache = _SCRATCH.__dict__.setdefault("by_layout", {})
     scratch = cache.get(flat.layout)
     if scratch is None:
-        sums = empty(len(flat.groups), np.dtype(np.float64))
+        sums = empty(flat.layout.num_leaves, np.dtype(np.float64))  # per leaf, tree order
         scratch = cache[flat.layout] = (sums, {d: empty(2, d) for d in _FACTOR_DTYPES})
     sums, facs = scratch
+    fac32, fac64 = (facs[d] for d in _FACTOR_DTYPES)
+    lay, last = flat.layout, len(flat.groups) - 1
     for i, g in enumerate(flat.groups):
-        backend.call("sumsq_clip_factors_", sums, g, i, max_norm, *facs.values())
+        table = segments(lay.offsets[i])
+        ops_for(g).clip_factors_(sums, g, table, lay.group_index[i], i == last, max_norm, fac32, fac64)
     return facs
 
 
@@ -121,24 +133,37 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformationExtraArgs:
     Raises:
         ValueError: ``max_norm`` is negative.
     """
-    max_norm = float(max_norm)
-    if not max_norm >= 0:  # NaN too
-        raise ValueError(f"max_norm must be >= 0, got {max_norm}")
+    return _ClipByGlobalNorm(max_norm).transformation()
 
-    def flat_update(flow: Flow, state: Any, params: Any, extra: dict) -> tuple[Flow, Any]:
-        flow = flow.settled()
-        if flow.flat.device:  # the norm and the factor stay on the GPU: no synchronisation
-            facs = _device_factors(flow.flat, max_norm)
-            if facs is not None:
-                return Flow(flow.flat, flow.owned, facs, None, flow.returnable), state
-        norm = math.sqrt(sum_in_order(leaf_reductions(flow.flat, "segment_sumsq")))
-        if norm < max_norm:
-            return flow, state
-        if norm == 0.0:  # and so max_norm == 0: zeros, not 0 / 0
-            return flow.with_factor(1.0, 0.0), state
-        return flow.with_factor(norm, max_norm), state
 
-    return flat_transformation(lambda params: EmptyState(), flat_update)
+class _Stateless(Stage):
+    """A stateless stage: ``init`` gives `EmptyState` and the state passes through."""
+
+    def init(self, params: Any) -> EmptyState:
+        return EmptyState()
+
+
+class _ClipByGlobalNorm(_Stateless):
+    """`clip_by_global_norm`: the factor ``(g / norm) * max_norm`` is left pending on the updates."""
+
+    def __init__(self, max_norm: Any) -> None:
+        self.max_norm = float(max_norm)
+        if not self.max_norm >= 0:  # NaN too
+            raise ValueError(f"max_norm must be >= 0, got {self.max_norm}")
+
+    def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
+        max_norm = self.max_norm
+
+        def run(u: Updates) -> tuple[Updates, Any]:
+            u = u.settled()
+            if u.flat.device:  # the norm and the factor stay on the GPU: no synchronisation
+                facs = _device_factors(u.flat, max_norm)
+                if facs is not None:
+                    return Updates(u.flat, u.owned, Factor(device=facs), u.returnable, u.scratch), state
+            div, mul = clip_factor(math.sqrt(tree_sumsq(u.flat)), max_norm)
+            return u.scaled(Factor(div, mul)), state
+
+        return Step(run)
 
 
 ClipState = EmptyState
@@ -152,17 +177,25 @@ def clip(max_delta: float) -> GradientTransformationExtraArgs:
     Raises:
         ValueError: ``max_delta`` is negative.
     """
-    max_delta = float(max_delta)
-    if not max_delta >= 0:
-        raise ValueError(f"max_delta must be >= 0, got {max_delta}")
+    return _Clip(max_delta).transformation()
 
-    def flat_update(flow: Flow, state: Any, params: Any, extra: dict) -> tuple[Flow, Any]:
-        out = flow.fresh()
-        for o, g in zip(out.groups, flow.flat.groups):
-            backend.call("clip_", o, g, flow.div, flow.mul, max_delta)
-        return Flow(out, True, scratch=flow.scratch), state
 
-    return flat_transformation(lambda params: EmptyState(), flat_update)
+class _Clip(_Stateless):
+    def __init__(self, max_delta: Any) -> None:
+        self.max_delta = float(max_delta)
+        if not self.max_delta >= 0:
+            raise ValueError(f"max_delta must be >= 0, got {self.max_delta}")
+
+    def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
+        max_delta = self.max_delta
+
+        def run(u: Updates) -> tuple[Updates, Any]:
+            out = u.fresh()
+            for o, g in zip(out.groups, u.flat.groups):
+                ops_for(g).clip_(o, g, u.factor, max_delta)
+            return Updates(out, True), state
+
+        return Step(run)
 
 
 def normalize_by_update_norm(scale_factor: float = 1.0, eps: float = 1e-6) -> GradientTransformationExtraArgs:
@@ -171,14 +204,20 @@ def normalize_by_update_norm(scale_factor: float = 1.0, eps: float = 1e-6) -> Gr
     The norm accumulates in float64; the division rides on the next kernel. On the GPU the norm
     comes back to the host (one synchronisation per call). Stateless.
     """
-    scale_factor, eps = float(scale_factor), float(eps)
+    return _NormalizeByUpdateNorm(float(scale_factor), float(eps)).transformation()
 
-    def flat_update(flow: Flow, state: Any, params: Any, extra: dict) -> tuple[Flow, Any]:
-        flow = flow.settled()
-        norm = math.sqrt(sum_in_order(leaf_reductions(flow.flat, "segment_sumsq")))
-        return flow.with_factor((norm + eps) / scale_factor, 1.0), state
 
-    return flat_transformation(lambda params: EmptyState(), flat_update)
+class _NormalizeByUpdateNorm(_Stateless):
+    def __init__(self, scale_factor: float, eps: float) -> None:
+        self.scale_factor, self.eps = scale_factor, eps
+
+    def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
+        def run(u: Updates) -> tuple[Updates, Any]:
+            u = u.settled()
+            norm = math.sqrt(tree_sumsq(u.flat))
+            return u.scaled(Factor((norm + self.eps) / self.scale_factor, 1.0)), state
+
+        return Step(run)
 
 
 class ZeroNansState(NamedTuple):
@@ -191,22 +230,28 @@ def zero_nans() -> GradientTransformationExtraArgs:
     """Replaces NaN by 0: ``u = where(isnan(g), 0, g)``; inf is kept. The state records, per leaf,
     whether the last update held a NaN (on the GPU that flag comes back to the host)."""
 
-    def init(params: Any) -> ZeroNansState:
+    return _ZeroNans().transformation()
+
+
+class _ZeroNans(Stage):
+    def init(self, params: Any) -> ZeroNansState:
         layout = layout_of(params, "params")
         return ZeroNansState(tree_unflatten(layout.treedef, [np.bool_(False)] * layout.num_leaves))
 
-    def flat_update(flow: Flow, state: Any, params: Any, extra: dict) -> tuple[Flow, ZeroNansState]:
+    def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
         if not isinstance(state, ZeroNansState):
             raise TypeError(f"state: expected ZeroNansState, got {type(state).__name__}")
-        flow = flow.settled()
-        found = leaf_reductions(flow.flat, "segment_nancount") > 0
-        out = flow.fresh()
-        for o, g in zip(out.groups, flow.flat.groups):
-            backend.call("zero_nans_", o, g, 1.0, 1.0)
-        flags = tree_unflatten(flow.flat.layout.treedef, [np.bool_(f) for f in found])
-        return Flow(out, True, scratch=flow.scratch), ZeroNansState(flags)
+        treedef = spec.layout.treedef
 
-    return flat_transformation(init, flat_update)
+        def run(u: Updates) -> tuple[Updates, ZeroNansState]:
+            u = u.settled()
+            found = leaf_reductions(u.flat, Ops.segment_nancount) > 0
+            out = u.fresh()
+            for o, g in zip(out.groups, u.flat.groups):
+                ops_for(g).zero_nans_(o, g, ONE)
+            return Updates(out, True), ZeroNansState(tree_unflatten(treedef, [np.bool_(f) for f in found]))
+
+        return Step(run)
 
 
 class ApplyIfFiniteState(NamedTuple):
@@ -232,34 +277,44 @@ def apply_if_finite(inner: Any, max_consecutive_errors: int) -> GradientTransfor
     inner update is applied anyway (optax's semantics; the streak counter is not reset then).
 
     The finiteness check is a reduction whose result the host needs (one synchronisation on the
-    GPU).
+    GPU). All or nothing: the inner transformation is planned (its state, params and schedules
+    checked) on every call, finite or not, before anything is written.
     """
-    inner = with_extra_args_support(inner)
-    max_errors = int(max_consecutive_errors)
+    return _ApplyIfFinite(inner, int(max_consecutive_errors)).transformation()
 
-    def init(params: Any) -> ApplyIfFiniteState:
-        return ApplyIfFiniteState(np.int32(0), np.bool_(True), np.int32(0), inner.init(params))
 
-    def flat_update(flow: Flow, state: Any, params: Any, extra: dict) -> tuple[Flow, ApplyIfFiniteState]:
+class _ApplyIfFinite(Stage):
+    def __init__(self, inner: Any, max_errors: int) -> None:
+        self.inner = with_extra_args_support(inner)
+        self.stage = as_stage(self.inner)
+        self.max_errors = max_errors
+
+    def init(self, params: Any) -> ApplyIfFiniteState:
+        return ApplyIfFiniteState(np.int32(0), np.bool_(True), np.int32(0), self.inner.init(params))
+
+    def owner(self, state: Any) -> FlatTree | None:
+        return self.stage.owner(state.inner_state) if isinstance(state, ApplyIfFiniteState) else None
+
+    def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
         if not isinstance(state, ApplyIfFiniteState):
             raise TypeError(f"state: expected ApplyIfFiniteState, got {type(state).__name__}")
-        flow = flow.settled()
-        finite = sum(backend.call("count_nonfinite", g) for g in flow.flat.groups) == 0
-        count = 0 if finite else int(state.notfinite_count) + 1
-        total = int(state.total_notfinite) + (0 if finite else 1)
-        flags = (np.int32(min(count, _INT32_MAX)), np.bool_(finite), np.int32(min(total, _INT32_MAX)))
-        if finite or count > max_errors:
-            scratch = (
-                flow.scratch
-                if flow.scratch is not None
-                else (lambda: FlatTree.empty(flow.flat.layout, device=flow.flat.device))
-            )
-            out, inner_state = run_stage(inner, flow, state.inner_state, params, extra, scratch)
-            return out, ApplyIfFiniteState(*flags, inner_state)
-        zeros = flow.fresh().fill_(0.0)
-        return Flow(zeros, True, scratch=flow.scratch), ApplyIfFiniteState(*flags, state.inner_state)
+        inner = self.stage.plan(spec, state.inner_state, params, extra)
+        streak, total = int(state.notfinite_count), int(state.total_notfinite)
+        max_errors = self.max_errors
 
-    return flat_transformation(init, flat_update)
+        def run(u: Updates) -> tuple[Updates, ApplyIfFiniteState]:
+            u = u.settled()
+            finite = sum(ops_for(g).count_nonfinite(g) for g in u.flat.groups) == 0
+            count = 0 if finite else streak + 1
+            new_total = total + (0 if finite else 1)
+            flags = (np.int32(min(count, _INT32_MAX)), np.bool_(finite), np.int32(min(new_total, _INT32_MAX)))
+            if finite or count > max_errors:
+                out, inner_state = inner.run(u)
+                return out, ApplyIfFiniteState(*flags, inner_state)
+            zeros = u.fresh().fill_(0.0)
+            return Updates(zeros, True), ApplyIfFiniteState(*flags, state.inner_state)
+
+        return Step(run)
 
 
 def clip_by_block_rms(threshold: float) -> GradientTransformationExtraArgs:
@@ -270,19 +325,26 @@ def clip_by_block_rms(threshold: float) -> GradientTransformationExtraArgs:
     divisors), not a Python loop over leaves. As in optax, ``threshold = 0`` on a zero leaf gives
     NaN (0 / 0). On the GPU the per-leaf divisors are computed on the host (one synchronisation).
     """
-    threshold = float(threshold)
+    return _ClipByBlockRms(float(threshold)).transformation()
 
-    def flat_update(flow: Flow, state: Any, params: Any, extra: dict) -> tuple[Flow, Any]:
-        flow = flow.settled()
-        lay = flow.flat.layout
-        out = flow.fresh()
-        for gi, (offsets, g) in enumerate(zip(lay.offsets, flow.flat.groups)):
+
+class _ClipByBlockRms(_Stateless):
+    def __init__(self, threshold: float) -> None:
+        self.threshold = threshold
+
+    def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
+        return Step(lambda u: (self._run(u), state))
+
+    def _run(self, u: Updates) -> Updates:
+        threshold = self.threshold
+        u = u.settled()
+        lay = u.flat.layout
+        out = u.fresh()
+        for gi, (offsets, g) in enumerate(zip(lay.offsets, u.flat.groups)):
             sizes = np.diff(offsets)
             with np.errstate(divide="ignore", invalid="ignore"):  # 0 / 0 is NaN, as in optax
-                rms = np.sqrt(backend.call("segment_sumsq", g, offsets) / np.maximum(sizes, 1))
+                rms = np.sqrt(ops_for(g).segment_sumsq(g, offsets) / np.maximum(sizes, 1))
                 factors = np.maximum(1.0, rms / threshold)
             ctype = np.result_type(g.dtype, out.groups[gi].dtype)
-            backend.call("segment_divide_", out.groups[gi], g, 1.0, 1.0, offsets, factors.astype(ctype))
-        return Flow(out, True, scratch=flow.scratch), state
-
-    return flat_transformation(lambda params: EmptyState(), flat_update)
+            ops_for(g).segment_divide_(out.groups[gi], g, ONE, offsets, factors.astype(ctype))
+        return Updates(out, True)

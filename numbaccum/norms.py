@@ -29,19 +29,22 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import backend
+from .backend import ops_for
 from .base import (
     EmptyState,
-    Flow,
     GradientTransformationExtraArgs,
-    flat_transformation,
+    ParamsRef,
+    Spec,
+    Stage,
+    Step,
+    Updates,
     scatter_back,
     writable_flat,
 )
-from .cpu.kernels import sum_in_order
-from .cpu.slices import ACTIVE, NSLICES, SLEN
+from .contract import ONE, Factor, Ops, tree_sumsq
 from .flat import FlatTree, as_flat, layout_of
 from .layout import Layout
+from .tables import ACTIVE, NSLICES, SLEN, sum_in_order
 
 __all__ = [
     "adaptive_grad_clip",
@@ -296,22 +299,24 @@ def _like(g: Any) -> Any:
 
 
 def _raw(
-    g: Any, rows: np.ndarray, kernel: str, centers: Any = None, p: float = 0.0, scales: Any = None
+    g: Any, rows: np.ndarray, kernel: Any, centers: Any = None, p: float = 0.0, scales: Any = None
 ) -> np.ndarray:
-    """Per slice of ``rows``: the reduction ``kernel`` of ``(g - centers) * scales``."""
+    """Per slice of ``rows``: the reduction ``kernel`` (a per-slice reduction of the contract,
+    e.g. ``Ops.slice_sum``) of ``(g - centers) * scales``."""
+    ops = ops_for(g)
     if scales is not None:  # a scaled copy first: the rare overflow rescue
         tmp = _like(g)
-        backend.call("slice_apply_", tmp, g, rows, _EMPTY if centers is None else centers, scales)
+        ops.slice_apply_(tmp, g, rows, _EMPTY if centers is None else centers, scales)
         g, centers = tmp, None
-    if kernel == "slice_sumsq":
-        return backend.call(kernel, g, rows, _EMPTY if centers is None else centers)
-    if kernel == "slice_sumpow":
-        return backend.call(kernel, g, rows, p)
-    return backend.call(kernel, g, rows)
+    if kernel is Ops.slice_sumsq:
+        return ops.slice_sumsq(g, rows, _EMPTY if centers is None else centers)
+    if kernel is Ops.slice_sumpow:
+        return ops.slice_sumpow(g, rows, p)
+    return kernel(ops, g, rows)
 
 
-def _power_kernel(p: float) -> str:
-    return "slice_sumsq" if p == 2 else "slice_sumabs" if p == 1 else "slice_sumpow"
+def _power_kernel(p: float) -> Any:
+    return Ops.slice_sumsq if p == 2 else Ops.slice_sumabs if p == 1 else Ops.slice_sumpow
 
 
 def _power_sums(g: Any, gs: _GroupSlices, p: float, centers: Any = None) -> tuple[np.ndarray, np.ndarray]:
@@ -324,7 +329,7 @@ def _power_sums(g: Any, gs: _GroupSlices, p: float, centers: Any = None) -> tupl
     if p > 0:
         over = np.isinf(s) & gs.active
         if over.any():
-            m = _raw(g, gs.rows, "slice_maxabs")
+            m = _raw(g, gs.rows, Ops.slice_maxabs)
             fix = over & np.isfinite(m) & (m > 0)
             if fix.any():
                 f[fix] = np.ldexp(1.0, -np.frexp(m[fix])[1])
@@ -347,20 +352,20 @@ def _slice_metric(g: Any, gs: _GroupSlices, key: float | str) -> np.ndarray:
     rows, n = gs.rows, gs.slen
     with np.errstate(all="ignore"):  # empty slices and 'std' of one element give NaN: no warning
         if key == "sum":
-            return _raw(g, rows, "slice_sum")
+            return _raw(g, rows, Ops.slice_sum)
         if key == "mad":
-            return _raw(g, rows, "slice_sumabs") / n
+            return _raw(g, rows, Ops.slice_sumabs) / n
         if key in ("var", "std"):
-            mean = _raw(g, rows, "slice_sum") / n
+            mean = _raw(g, rows, Ops.slice_sum) / n
             s, f = _power_sums(g, gs, 2.0, np.where(gs.active, mean, 0.0))
             q = np.where(n > 1, s / (n - 1), np.nan)  # unbiased: NaN below two elements
             return np.sqrt(q) / f if key == "std" else q / f / f
         if key == math.inf:
-            return _raw(g, rows, "slice_maxabs")
+            return _raw(g, rows, Ops.slice_maxabs)
         if key == -math.inf:
-            return _raw(g, rows, "slice_minabs")
+            return _raw(g, rows, Ops.slice_minabs)
         if key == 0:
-            return _raw(g, rows, "slice_nnz")
+            return _raw(g, rows, Ops.slice_nnz)
         return _root(*_power_sums(g, gs, float(key)), float(key))
 
 
@@ -388,7 +393,7 @@ def leaf_norms(flat: FlatTree, ord: Any = 2) -> np.ndarray:
 
 
 def _leafwise(
-    flat: FlatTree, kernel: str, centers: float | None = None, p: float = 0.0, scale: float | None = None
+    flat: FlatTree, kernel: Any, centers: float | None = None, p: float = 0.0, scale: float | None = None
 ) -> np.ndarray:
     """Per leaf (leaf order): the reduction ``kernel`` of ``(x - centers) * scale`` over all its
     elements (``centers`` and ``scale`` one value for the whole tree)."""
@@ -404,9 +409,12 @@ def _leafwise(
 def _tree_power_sum(flat: FlatTree, p: float, center: float | None = None) -> tuple[float, float]:
     """``(S, f)`` over the whole tree, leaves added in leaf order (see `_power_sums`)."""
     kernel = _power_kernel(p)
-    s = float(sum_in_order(_leafwise(flat, kernel, center, p)))
+    if p == 2 and center is None:  # the one squared global norm: global_norm's bits
+        s = tree_sumsq(flat)
+    else:
+        s = float(sum_in_order(_leafwise(flat, kernel, center, p)))
     if p > 0 and math.isinf(s):
-        m = float(np.max(_leafwise(flat, "slice_maxabs")))
+        m = float(np.max(_leafwise(flat, Ops.slice_maxabs)))
         if math.isfinite(m) and m > 0:
             f = math.ldexp(1.0, -math.frexp(m)[1])
             return float(sum_in_order(_leafwise(flat, kernel, center, p, f))), f
@@ -428,22 +436,22 @@ def tree_norm(flat: FlatTree, ord: Any = 2) -> float:
     n = flat.layout.size
     with np.errstate(all="ignore"):
         if key == "sum":
-            return float(sum_in_order(_leafwise(flat, "slice_sum")))
+            return float(sum_in_order(_leafwise(flat, Ops.slice_sum)))
         if key == "mad":
-            return float(sum_in_order(_leafwise(flat, "slice_sumabs"))) / n if n else math.nan
+            return float(sum_in_order(_leafwise(flat, Ops.slice_sumabs))) / n if n else math.nan
         if key in ("var", "std"):
             if n < 2:
                 return math.nan
-            mean = float(sum_in_order(_leafwise(flat, "slice_sum"))) / n
+            mean = float(sum_in_order(_leafwise(flat, Ops.slice_sum))) / n
             s, f = _tree_power_sum(flat, 2.0, mean)
             return math.sqrt(s / (n - 1)) / f if key == "std" else s / (n - 1) / f / f
         if key in (math.inf, -math.inf):
-            per_leaf = _leafwise(flat, "slice_maxabs" if key > 0 else "slice_minabs")
+            per_leaf = _leafwise(flat, Ops.slice_maxabs if key > 0 else Ops.slice_minabs)
             if not per_leaf.size:
                 return 0.0 if key > 0 else math.inf
             return float(np.max(per_leaf) if key > 0 else np.min(per_leaf))
         if key == 0:
-            return float(sum_in_order(_leafwise(flat, "slice_nnz")))
+            return float(sum_in_order(_leafwise(flat, Ops.slice_nnz)))
         p = float(key)
         return float(_root(*_tree_power_sum(flat, p), p))
 
@@ -485,22 +493,48 @@ def _normalize_pair(norm_value: float) -> Pair:
 
 def _copy_group(out: Any, g: Any) -> None:
     if out is not g:
-        backend.call("scale_", out, g, 1.0, 1.0)
+        ops_for(g).scale_(out, g, ONE)
 
 
-def _rescale(flow: Flow, key: float | str, dim: Any, choose: tuple, pair: Pair) -> Flow:
+class _Sliced(Stage):
+    """A stateless stage of the norm family. Its plan picks the slicing of the updates' layout
+    (``choose``: see `_dims_spec`; a ValueError names a leaf that the choice of dimensions
+    rejects) and its run measures and scales. The in-place functions (`clip_grad_norm_`, ...)
+    plan and run the same stages."""
+
+    choose: tuple | None = None  # (cache key, chooser); None: the whole tree ('global')
+
+    def init(self, params: Any) -> EmptyState:
+        return EmptyState()
+
+    def slicing(self, spec: Spec) -> _Slicing | None:
+        """The slicing of ``spec``'s layout (None for ``dim='global'``)."""
+        choose = self.choose
+        return None if choose is None else _slicing(spec.layout, choose[0], choose[1])
+
+
+class _Rescale(_Sliced):
     """Each slice (or the whole tree for ``dim='global'``) becomes ``(x / div) * mul`` with
     ``(div, mul) = pair(metric)``; a slice whose metric is not `_usable` stays as it is."""
-    flow = flow.settled()
-    flat = flow.flat
-    if dim == "global":
+
+    def __init__(self, key: float | str, choose: tuple | None, pair: Pair) -> None:
+        self.key, self.choose, self.pair = key, choose, pair
+
+    def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
+        slicing, key, pair = self.slicing(spec), self.key, self.pair
+        return Step(lambda u: (_rescale(u.settled(), key, slicing, pair), state))
+
+
+def _rescale(u: Updates, key: float | str, slicing: _Slicing | None, pair: Pair) -> Updates:
+    """`_Rescale` on settled updates; ``slicing`` None: the whole tree."""
+    flat = u.flat
+    if slicing is None:
         n = tree_norm(flat, key)
         if not _usable(n):
-            return flow
+            return u
         d, m = (float(v[0]) for v in pair(np.array([n])))
         # The pending factor rides on the next kernel, as in clip_by_global_norm: (x / n) * t.
-        return flow if d == m else flow.with_factor(d, m)
-    slicing = _slicing(flat.layout, choose[0], choose[1])
+        return u if d == m else u.scaled(Factor(d, m))
     factors = []
     for g, gs in zip(flat.groups, slicing.groups):
         f = None
@@ -513,14 +547,14 @@ def _rescale(flow: Flow, key: float | str, dim: Any, choose: tuple, pair: Pair) 
                 f = None
         factors.append(f)
     if all(f is None for f in factors):
-        return flow
-    out = flow.fresh()
+        return u
+    out = u.fresh()
     for o, g, gs, f in zip(out.groups, flat.groups, slicing.groups, factors):
         if f is None:
             _copy_group(o, g)
         else:
-            backend.call("slice_apply_", o, g, gs.rows, _EMPTY, f)
-    return Flow(out, True, scratch=flow.scratch)
+            ops_for(g).slice_apply_(o, g, gs.rows, _EMPTY, f)
+    return Updates(out, True)
 
 
 def _check_max(value: Any, name: str) -> float:
@@ -546,12 +580,6 @@ def _norm_spec(ord: Any, dim: Any, inverse_dims: bool, min_size: Any) -> tuple:
     """Validated ``(key, dims, choose)`` of the norm family's arguments."""
     key = check_ord(ord)
     return (key, *_dims_spec("norm", dim, inverse_dims, min_size))
-
-
-def _stateless(flat_update: Callable[[Flow], Flow]) -> GradientTransformationExtraArgs:
-    return flat_transformation(
-        lambda params: EmptyState(), lambda flow, state, params, extra: (flat_update(flow), state)
-    )
 
 
 def clip_norm(
@@ -582,9 +610,8 @@ def clip_norm(
         ValueError: negative ``max_norm``, unknown ``ord``, a bad ``dim`` or ``min_size``.
     """
     max_norm = _check_max(max_norm, "max_norm")
-    key, dims, choose = _norm_spec(ord, dim, inverse_dims, min_size)
-    pair = _clip_pair(max_norm)
-    return _stateless(lambda flow: _rescale(flow, key, dims, choose, pair))
+    key, _, choose = _norm_spec(ord, dim, inverse_dims, min_size)
+    return _Rescale(key, choose, _clip_pair(max_norm)).transformation()
 
 
 def normalize(
@@ -600,41 +627,49 @@ def normalize(
         ValueError: unknown ``ord``, a bad ``dim`` or ``min_size``.
     """
     norm_value = float(norm_value)
-    key, dims, choose = _norm_spec(ord, dim, inverse_dims, min_size)
-    pair = _normalize_pair(norm_value)
-    return _stateless(lambda flow: _rescale(flow, key, dims, choose, pair))
+    key, _, choose = _norm_spec(ord, dim, inverse_dims, min_size)
+    return _Rescale(key, choose, _normalize_pair(norm_value)).transformation()
 
 
-def _centre(flow: Flow, dims: Any, choose: tuple) -> Flow:
+class _Centre(_Sliced):
     """Subtracts each slice's mean (the tree's mean for ``'global'``)."""
-    flow = flow.settled()
-    flat = flow.flat
-    if dims == "global":
+
+    def __init__(self, choose: tuple | None) -> None:
+        self.choose = choose
+
+    def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
+        slicing = self.slicing(spec)
+        return Step(lambda u: (_centre(u.settled(), slicing), state))
+
+
+def _centre(u: Updates, slicing: _Slicing | None) -> Updates:
+    """`_Centre` on settled updates; ``slicing`` None: the whole tree."""
+    flat = u.flat
+    if slicing is None:
         n = flat.layout.size
-        mean = float(sum_in_order(_leafwise(flat, "slice_sum"))) / n if n else 0.0
+        mean = float(sum_in_order(_leafwise(flat, Ops.slice_sum))) / n if n else 0.0
         if mean == 0.0:
-            return flow
+            return u
         slicing = _whole(flat.layout)
         centers: list[np.ndarray | None] = [np.full(gs.active.size, mean) for gs in slicing.groups]
     else:
-        slicing = _slicing(flat.layout, choose[0], choose[1])
         if not slicing.any_active:
-            return flow
+            return u
         centers = []
         for g, gs in zip(flat.groups, slicing.groups):
             if not gs.any_active:
                 centers.append(None)
                 continue
             with np.errstate(all="ignore"):
-                mean = _raw(g, gs.rows, "slice_sum") / gs.slen
+                mean = _raw(g, gs.rows, Ops.slice_sum) / gs.slen
             centers.append(np.where(gs.active, mean, 0.0))
-    out = flow.fresh()
+    out = u.fresh()
     for o, g, gs, c in zip(out.groups, flat.groups, slicing.groups, centers):
         if c is None:
             _copy_group(o, g)
         else:
-            backend.call("slice_apply_", o, g, gs.rows, c, _EMPTY)
-    return Flow(out, True, scratch=flow.scratch)
+            ops_for(g).slice_apply_(o, g, gs.rows, c, _EMPTY)
+    return Updates(out, True)
 
 
 def centralize(dim: Any = 0, inverse_dims: bool = True, min_size: int = 2) -> GradientTransformationExtraArgs:
@@ -651,8 +686,8 @@ def centralize(dim: Any = 0, inverse_dims: bool = True, min_size: int = 2) -> Gr
     Raises:
         ValueError: a bad ``dim`` or ``min_size``.
     """
-    dims, choose = _dims_spec("center", dim, inverse_dims, min_size)
-    return _stateless(lambda flow: _centre(flow, dims, choose))
+    _, choose = _dims_spec("center", dim, inverse_dims, min_size)
+    return _Centre(choose).transformation()
 
 
 # --- optax's unit-wise clipping -------------------------------------------------------------
@@ -718,40 +753,49 @@ def adaptive_grad_clip(
     Raises:
         ValueError: ``params`` not given; a leaf of rank 6 or more without ``axis`` (naming it).
     """
-    clipping, eps = float(clipping), float(eps)
-    axes = _check_axis(axis)
-    key = ("unit", axes)
+    return _AdaptiveGradClip(float(clipping), float(eps), _check_axis(axis)).transformation()
 
-    def choose(shape: tuple) -> tuple[tuple, frozenset]:
-        return shape, unitwise_axes(shape, axes)
 
-    def flat_update(flow: Flow, state: Any, params: Any, extra: dict) -> tuple[Flow, Any]:
+class _AdaptiveGradClip(_Sliced):
+    def __init__(self, clipping: float, eps: float, axes: tuple[int, ...] | None) -> None:
+        self.clipping, self.eps = clipping, eps
+
+        def choose(shape: tuple) -> tuple[tuple, frozenset]:
+            return shape, unitwise_axes(shape, axes)
+
+        self.choose = (("unit", axes), choose)
+
+    def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
         if params is None:
             raise ValueError(NO_PARAMS_MSG)
-        flow = flow.settled()
-        flat = flow.flat
-        slicing = _slicing(flat.layout, key, choose)
-        pf = params.flat()
-        out = flow.fresh()
-        for o, g, p, gs in zip(out.groups, flat.groups, pf.groups, slicing.groups):
-            g_norm = _slice_metric(g, gs, 2.0)
-            max_norm = clipping * np.maximum(_slice_metric(p, gs, 2.0), eps)
-            with np.errstate(all="ignore"):
-                f = np.where(g_norm < max_norm, 1.0, max_norm / np.maximum(g_norm, 1e-6))
-            backend.call("slice_apply_", o, g, gs.rows, _EMPTY, f)
-        return Flow(out, True, scratch=flow.scratch), state
+        slicing = self.slicing(spec)
+        clipping, eps = self.clipping, self.eps
 
-    return flat_transformation(lambda params: EmptyState(), flat_update)
+        def run(u: Updates) -> tuple[Updates, Any]:
+            u = u.settled()
+            pf = params.flat()
+            out = u.fresh()
+            for o, g, p, gs in zip(out.groups, u.flat.groups, pf.groups, slicing.groups):
+                g_norm = _slice_metric(g, gs, 2.0)
+                max_norm = clipping * np.maximum(_slice_metric(p, gs, 2.0), eps)
+                with np.errstate(all="ignore"):
+                    f = np.where(g_norm < max_norm, 1.0, max_norm / np.maximum(g_norm, 1e-6))
+                ops_for(g).slice_apply_(o, g, gs.rows, _EMPTY, f)
+            return Updates(out, True), state
+
+        return Step(run)
 
 
 # --- in place on lists or trees of arrays ---------------------------------------------------
 
 
-def _in_place(grads: Any, run: Callable[[Flow], Flow]) -> Any:
-    """Runs ``run`` on ``grads`` and writes the result back into its arrays (a FlatTree, or the
-    ``.tree`` of one, is changed in its buffers with no copy)."""
+def _in_place(grads: Any, stage: _Sliced) -> Any:
+    """Runs the stateless ``stage`` on ``grads`` and writes the result back into its arrays (a
+    FlatTree, or the ``.tree`` of one, is changed in its buffers with no copy). The stage is
+    planned first: an error leaves every array as it was."""
     flat, copied = writable_flat(grads, "grads")
-    result = run(Flow(flat, True)).settled()
+    step = stage.plan(Spec(flat.layout, flat.device), EmptyState(), None, {})
+    result = step.run(Updates(flat, True))[0].settled()
     if copied:  # scatter back into the caller's arrays
         scatter_back(result.flat, grads, "grads")
     return grads
@@ -780,9 +824,8 @@ def clip_grad_norm_(
     """
     hi = None if max_norm is None else _check_max(max_norm, "max_norm")
     lo = None if min_norm is None else _check_max(min_norm, "min_norm")
-    key, dims, choose = _norm_spec(ord, dim, inverse_dims, min_size)
-    pair = _clip_pair(hi, lo)
-    return _in_place(grads, lambda flow: _rescale(flow, key, dims, choose, pair))
+    key, _, choose = _norm_spec(ord, dim, inverse_dims, min_size)
+    return _in_place(grads, _Rescale(key, choose, _clip_pair(hi, lo)))
 
 
 def normalize_grads_(
@@ -801,9 +844,8 @@ def normalize_grads_(
         TypeError: a leaf that cannot change in place.
     """
     norm_value = float(norm_value)
-    key, dims, choose = _norm_spec(ord, dim, inverse_dims, min_size)
-    pair = _normalize_pair(norm_value)
-    return _in_place(grads, lambda flow: _rescale(flow, key, dims, choose, pair))
+    key, _, choose = _norm_spec(ord, dim, inverse_dims, min_size)
+    return _in_place(grads, _Rescale(key, choose, _normalize_pair(norm_value)))
 
 
 def clip_grad_value_(grads: Any, value: float) -> Any:
@@ -814,11 +856,23 @@ def clip_grad_value_(grads: Any, value: float) -> Any:
         ValueError: a negative ``value`` (torchzero maps every element to it instead).
         TypeError: a leaf that cannot change in place.
     """
-    bound = _check_max(value, "value")
+    return _in_place(grads, _ClipValueInPlace(_check_max(value, "value")))
 
-    def run(flow: Flow) -> Flow:
-        for g in flow.flat.groups:
-            backend.call("clip_", g, g, 1.0, 1.0, bound)
-        return flow
 
-    return _in_place(grads, run)
+class _ClipValueInPlace(_Sliced):
+    """`clip_grad_value_`'s stage: ``clip(g, -bound, bound)``, where the updates are when they
+    are owned (the in-place functions own theirs)."""
+
+    def __init__(self, bound: float) -> None:
+        self.bound = bound
+
+    def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
+        bound = self.bound
+
+        def run(u: Updates) -> tuple[Updates, Any]:
+            out = u.fresh()
+            for o, g in zip(out.groups, u.flat.groups):
+                ops_for(g).clip_(o, g, u.factor, bound)
+            return Updates(out, True), state
+
+        return Step(run)

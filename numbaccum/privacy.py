@@ -19,16 +19,16 @@ from __future__ import annotations
 
 import math
 import numbers
-import threading
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import arrays, backend
+from . import arrays
 from .accumulation import trace
-from .base import Flow, GradientTransformationExtraArgs, ParamsRef, chain, state_owner
-from .flat import FlatTree, as_flat, check_leaves, layout_of
+from .backend import ops_for
+from .base import GradientTransformationExtraArgs, ParamsRef, Spec, Stage, Step, Updates, chain
+from .flat import FlatTree, as_flat, layout_of
 from .layout import Layout
 from .optim import identity, scale_by_learning_rate
 from .tree import tree_unflatten
@@ -119,7 +119,7 @@ def _squared_norms(flat: FlatTree, plan: _Plan) -> np.ndarray:
     lay = flat.layout
     n2 = np.empty((lay.num_leaves, plan.batch), np.float64)
     for members, runs, g in zip(lay.group_index, plan.runs, flat.groups):
-        n2[members] = np.asarray(backend.call("segment_sumsq", g, runs)).reshape(members.size, plan.batch)
+        n2[members] = np.asarray(ops_for(g).segment_sumsq(g, runs)).reshape(members.size, plan.batch)
     return n2
 
 
@@ -158,7 +158,7 @@ def _weighted_sums(
         z = noise[gi] if noise is not None else _NO_NOISE
         m = np.ascontiguousarray(mult[members])
         args = (lay.offsets[gi], plan.out_layout.offsets[gi], m, z, std, div, limit)
-        backend.call("batch_weighted_sum_", o, g, *args)
+        ops_for(g).batch_weighted_sum_(o, g, *args)
     return out
 
 
@@ -305,8 +305,12 @@ def _noise(seed: int, step: int, sizes: tuple[int, ...]) -> list[np.ndarray]:
     return [rng.standard_normal(n) for n in sizes]
 
 
-class _Aggregate:
-    """The flat work of `differentially_private_aggregate`, shared with `dpsgd`."""
+class _Aggregate(Stage):
+    """`differentially_private_aggregate` as a reshaping stage: it takes per-example gradients
+    (its own `take`) and its step returns params-shaped updates (``Step.spec``), so that a
+    `chain` plans the stages after it on the params' layout."""
+
+    reshapes = True
 
     def __init__(self, l2_norm_clip: Any, noise_multiplier: Any, seed: Any) -> None:
         self.clip = _check_clip(l2_norm_clip, "l2_norm_clip")
@@ -320,49 +324,38 @@ class _Aggregate:
                 "that scale can be added"
             )
         self.seed = _check_seed(seed)
-        self._kept = threading.local()  # the output buffer, per layout, dtypes and device
 
     def init(self, params: Any) -> DifferentiallyPrivateAggregateState:
         del params  # the noise key is all the state; B is known only from the first update
         return DifferentiallyPrivateAggregateState(_key(self.seed, 0))
 
-    def buffer(self, plan: _Plan, flat: FlatTree) -> FlatTree:
-        """A sums buffer this transformation keeps (its updates are valid until its next one)."""
-        cache = self._kept.__dict__.setdefault("out", {})
-        key = (plan.out_layout, flat.group_dtypes, flat.device)
-        out = cache.get(key)
-        if out is None:
-            out = cache[key] = FlatTree.empty(plan.out_layout, list(flat.group_dtypes), flat.device)
-        return out
+    def take(self, updates: Any, state: Any, params: Any, owner: FlatTree | None) -> tuple[Updates, str]:
+        """The per-example gradients as `Updates` of their own layout (zero-copy for a FlatTree or
+        its views); ValueError/TypeError naming the leaf."""
+        flat, _, kind = _per_example(updates, "updates")
+        return Updates(flat, False), kind
 
-    def check(self, updates: Any, state: Any) -> tuple[FlatTree, _Plan, str, int]:
-        """Validates a call: ``(flat, plan, kind, step)``; raises before anything is computed."""
+    def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
+        """Checks the noise key and the batch; the step returns the sums in a buffer this stage
+        keeps (valid until its next update)."""
         _, step = _check_dp_state(state)
-        flat, plan, kind = _per_example(updates, "updates")
-        if plan.batch == 0 and flat.layout.num_leaves:
+        plan = _plan(spec.layout, "updates")
+        if plan.batch == 0 and spec.layout.num_leaves:
             raise ValueError("updates: the batch is empty (batch size 0); there is nothing to average")
-        return flat, plan, kind, step
+        out_spec = Spec(plan.out_layout, spec.device)
+        clip, std, seed = self.clip, self.std, self.seed
 
-    def run(
-        self, flat: FlatTree, plan: _Plan, step: int
-    ) -> tuple[FlatTree, DifferentiallyPrivateAggregateState]:
-        """Clip, sum, add noise, divide by the batch size."""
-        mult = _global_multipliers(flat, plan, self.clip)
-        if self.std:
-            noise = _noise(self.seed, step, plan.out_layout.group_sizes)
-        else:
-            noise = [_NO_NOISE] * len(flat.groups)  # not read; the output still saturates
-        out = _weighted_sums(
-            flat, plan, mult, self.buffer(plan, flat), noise, self.std, float(max(plan.batch, 1))
-        )
-        return out, DifferentiallyPrivateAggregateState(_key(self.seed, step + 1))
+        def run(u: Updates) -> tuple[Updates, DifferentiallyPrivateAggregateState]:
+            """Clip, sum, add noise, divide by the batch size."""
+            flat = u.settled().flat
+            mult = _global_multipliers(flat, plan, clip)
+            # Without noise the noise arrays are not read; the output still saturates.
+            noise = _noise(seed, step, plan.out_layout.group_sizes) if std else [_NO_NOISE] * len(flat.groups)
+            out = self.kept("sums", out_spec.layout, out_spec.device)
+            _weighted_sums(flat, plan, mult, out, noise, std, float(max(plan.batch, 1)))
+            return Updates(out, True), DifferentiallyPrivateAggregateState(_key(seed, step + 1))
 
-
-def _check_params(params: Any, plan: _Plan, device: bool) -> None:
-    if params is not None and not (
-        isinstance(params, FlatTree) and params.layout is plan.out_layout and params.device == device
-    ):
-        check_leaves(params, plan.out_layout, "params", device)
+        return Step(run, spec=out_spec)
 
 
 def differentially_private_aggregate(
@@ -406,20 +399,7 @@ def differentially_private_aggregate(
         ValueError: a bad hyperparameter (negative, or a non-finite noise scale), a leaf without
             a batch dimension or with another batch size, an empty batch.
     """
-    agg = _Aggregate(l2_norm_clip, noise_multiplier, seed)
-
-    def update(
-        updates: Any, state: Any, params: Any = None, **extra_args: Any
-    ) -> tuple[Any, DifferentiallyPrivateAggregateState]:
-        del extra_args
-        flat, plan, kind, step = agg.check(updates, state)
-        _check_params(params, plan, flat.device)
-        with arrays.launch_context(kind):
-            out, new_state = agg.run(flat, plan, step)
-        return _as_kind(out, kind), new_state
-
-    update._chain_front = lambda rest: _chain_after(agg, rest)  # type: ignore[attr-defined]
-    return GradientTransformationExtraArgs(agg.init, update)
+    return _Aggregate(l2_norm_clip, noise_multiplier, seed).transformation()
 
 
 def dpsgd(
@@ -452,37 +432,3 @@ def dpsgd(
         *inner,
         scale_by_learning_rate(learning_rate),
     )
-
-
-def _chain_after(agg: _Aggregate, rest: list[Any]) -> GradientTransformationExtraArgs:
-    """``chain(differentially_private_aggregate(...), *rest)``: the aggregate turns per-example
-    gradients into params-shaped sums, which the rest of the chain takes as its input flow (the
-    generic chain would check the per-example input against the params' layout). The state is a
-    chain's: ``(aggregate state, *rest states)``."""
-    inner = chain(*rest)
-    inner_flat = inner.update._flat  # type: ignore[attr-defined]
-    names = len(rest)
-
-    def init(params: Any) -> tuple:
-        return (agg.init(params), *inner.init(params))
-
-    def update(updates: Any, state: Any, params: Any = None, **extra_args: Any) -> tuple[Any, tuple]:
-        if not isinstance(state, tuple) or len(state) != names + 1:
-            raise ValueError(f"state: chain of {names + 1} transformations expects its init's state")
-        flat, plan, kind, step = agg.check(updates, state[0])
-        owner = state_owner(state[1:])
-        if owner is not None and (owner.layout is not plan.out_layout or owner.device != flat.device):
-            raise ValueError(
-                f"updates: per-example gradients for params of layout {plan.out_layout} (batch "
-                f"{plan.batch}), but the state was built for {owner.layout}"
-                + ("" if owner.device == flat.device else " on the other device")
-            )
-        _check_params(params, plan, flat.device)
-        ref = ParamsRef(params, plan.out_layout, owner, flat.device) if params is not None else None
-        with arrays.launch_context(kind):
-            summed, dp_state = agg.run(flat, plan, step)
-            flow, inner_state = inner_flat(Flow(summed, owned=True), tuple(state[1:]), ref, extra_args)
-            out = flow.settled().flat if flow.owned else flow.into(summed)
-        return _as_kind(out, kind), (dp_state, *inner_state)
-
-    return GradientTransformationExtraArgs(init, update)

@@ -340,3 +340,240 @@ def test_multisteps_state_of_another_tree():
 
 
 # --- WP4b: apply_if_finite, dpsgd, the declearn Pipeline ------------------------------------
+
+
+def _nan_grads(i: int) -> Any:
+    g = grads(i)
+    g["w"][1] = np.nan
+    return g
+
+
+@pytest.mark.parametrize("nonfinite", [False, True])
+def test_apply_if_finite_of_a_chain_whose_inner_fails(nonfinite):
+    """The inner chain is planned on every call, finite or not: its failure leaves the streak
+    counters and the inner states as they were."""
+
+    def make():
+        inner = nba.chain(nba.trace(0.9), nba.ema(0.5), nba.add_decayed_weights(1e-4))
+        return nba.apply_if_finite(inner, 2)
+
+    bad_grads = _nan_grads(9) if nonfinite else grads(9)
+    check_all_or_nothing(
+        make, lambda tx, s: tx.update(bad_grads, s), params=PARAMS, error=ValueError, match="needs params"
+    )
+
+
+def test_apply_if_finite_with_an_inner_schedule_that_raises():
+    lr = Flaky(0.1)
+
+    def make():
+        lr.fail = False
+        return nba.apply_if_finite(nba.chain(nba.clip_by_global_norm(1.0), nba.sgd(lr, momentum=0.9)), 1)
+
+    def bad(tx, s):
+        lr.fail = True
+        try:
+            tx.update(_nan_grads(9), s)
+        finally:
+            lr.fail = False
+
+    check_all_or_nothing(make, bad, error=RuntimeError, match="schedule failed")
+
+
+def test_apply_if_finite_with_an_inner_state_of_another_tree():
+    def make():
+        return nba.apply_if_finite(nba.chain(nba.trace(0.9), nba.clip_norm_by_ema()), 3)
+
+    theirs = make().init(OTHER)
+    theirs_before = snapshot(theirs)
+    check_all_or_nothing(
+        make, lambda tx, s: tx.update(grads(9), s._replace(inner_state=theirs.inner_state)), error=ValueError
+    )
+    assert_bitwise(snapshot(theirs), theirs_before)
+
+
+def per_example(i: int, batch: int = 3) -> Any:
+    """Per-example gradients of PARAMS (batch on axis 0)."""
+    rng = np.random.default_rng(i)
+    return nba.tree_map(lambda x: rng.standard_normal((batch, *x.shape)).astype(x.dtype), PARAMS)
+
+
+def check_per_example(make, bad, steps_before=2, steps_after=2, error=Exception, match=None):
+    """`check_all_or_nothing` for a transformation fed per-example gradients."""
+    tx = make()
+    state = tx.init(PARAMS)
+    outs = []
+    for i in range(steps_before):
+        u, state = tx.update(per_example(i), state, PARAMS)
+        outs.append(copy_out(u))
+    before = snapshot(state)
+    with pytest.raises(error, match=match):
+        bad(tx, state)
+    assert_bitwise(snapshot(state), before)
+    for i in range(steps_before, steps_before + steps_after):
+        u, state = tx.update(per_example(i), state, PARAMS)
+        outs.append(copy_out(u))
+    clean = make()
+    cstate = clean.init(PARAMS)
+    couts = []
+    for i in range(steps_before + steps_after):
+        u, cstate = clean.update(per_example(i), cstate, PARAMS)
+        couts.append(copy_out(u))
+    assert_bitwise(outs, couts, "updates")
+    assert_bitwise(snapshot(state), snapshot(cstate))
+
+
+def test_dpsgd_with_a_learning_rate_schedule_that_raises():
+    """The noise key does not advance and the trace is not written when a later stage fails."""
+    lr = Flaky(0.05)
+
+    def make():
+        lr.fail = False
+        return nba.dpsgd(lr, 1.0, 0.5, seed=3, momentum=0.9)
+
+    def bad(tx, s):
+        lr.fail = True
+        try:
+            tx.update(per_example(9), s, PARAMS)
+        finally:
+            lr.fail = False
+
+    check_per_example(make, bad, error=RuntimeError, match="schedule failed")
+
+
+def test_dpsgd_with_bad_input_for_a_later_stage():
+    def make():
+        return nba.dpsgd(0.1, 1.0, 0.5, seed=4, momentum=0.9)
+
+    theirs = make().init(OTHER)
+    # a trace built for another tree
+    check_per_example(
+        make, lambda tx, s: tx.update(per_example(9), (s[0], theirs[1], s[2])), error=ValueError
+    )
+    # per-example gradients of another tree (the trace does not fit their layout)
+    other = {"w": np.ones((3, 7), np.float32)}
+    check_per_example(make, lambda tx, s: tx.update(other, s, PARAMS), error=ValueError)
+    # params of another tree
+    check_per_example(make, lambda tx, s: tx.update(per_example(9), s, OTHER), error=ValueError)
+    # a wrong state for the learning rate schedule
+    check_per_example(
+        lambda: nba.dpsgd(lambda count: 0.1 / (1 + count), 1.0, 0.5, seed=4),
+        lambda tx, s: tx.update(per_example(9), (s[0], s[1], s[1])),
+        error=TypeError,
+    )
+
+
+def test_chain_of_dp_aggregate_and_a_later_stage_that_fails():
+    def make():
+        return nba.chain(
+            nba.differentially_private_aggregate(1.0, 0.7, seed=5),
+            nba.trace(0.5),
+            nba.add_decayed_weights(0.1),
+        )
+
+    check_per_example(
+        make, lambda tx, s: tx.update(per_example(9), s), error=ValueError, match="needs params"
+    )
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: nba.clip_norm_by_ema(0.9),
+        lambda: nba.normalize_by_ema(0.9, tensorwise=False),
+        lambda: nba.clip_value_by_ema(0.9),
+        lambda: nba.clip_norm_growth(add=0.1),
+        lambda: nba.clip_value_growth(mul=2.0),
+    ],
+    ids=[
+        "clip_norm_by_ema",
+        "normalize_by_ema",
+        "clip_value_by_ema",
+        "clip_norm_growth",
+        "clip_value_growth",
+    ],
+)
+def test_adaptive_clipper_given_a_state_of_another_tree(make):
+    """Alone, and as the later stage of a chain after a stateful one."""
+
+    def chained():
+        return nba.chain(nba.trace(0.9), make())
+
+    bigger = {"w": np.ones(7, np.float32), "x": np.ones(2), "y": np.ones((2, 2), np.float32)}
+    theirs = make().init(bigger)
+    theirs_before = snapshot(theirs)
+    check_all_or_nothing(make, lambda tx, s: tx.update(grads(9), theirs), error=ValueError)
+    check_all_or_nothing(chained, lambda tx, s: tx.update(grads(9), (s[0], theirs)), error=ValueError)
+    assert_bitwise(snapshot(theirs), theirs_before)
+
+
+def test_adaptive_clipper_whose_inner_transformation_fails():
+    from numbaccum.compat.torchzero import ClipNormByEMA, ClipValueByEMA
+
+    def make_norm():
+        return ClipNormByEMA(inner=[nba.trace(0.9), nba.add_decayed_weights(1e-3)])
+
+    def make_value():
+        return ClipValueByEMA(inner=nba.trace(0.5), exp_avg_tfm=nba.add_decayed_weights(1e-3))
+
+    for make in (make_norm, make_value):
+        check_all_or_nothing(
+            make, lambda tx, s: tx.update(grads(9), s), params=PARAMS, error=ValueError, match="needs params"
+        )
+
+
+def _pipeline_modules():
+    from numbaccum.compat import declearn as dl
+
+    momentum = dl.MomentumModule(0.9)
+    noise = dl.GaussianNoiseModule(0.1, safe_mode=False, seed=7)
+    clip = dl.L2Clipping(0.5)
+    ewma = dl.EWMAModule(0.8)
+    return momentum, noise, clip, ewma
+
+
+def _declearn_grads(i: int) -> dict:
+    g = grads(i)
+    return {"w": g["w"], "c": g["b"]["c"]}
+
+
+def test_declearn_pipeline_whose_later_module_fails():
+    """The later module (an EWMA whose state was built for other gradients) fails in the plan:
+    the momentum's velocity, the noise generator and the EWMA are left as they were."""
+    from numbaccum.compat import declearn as dl
+
+    def run(fail: bool) -> tuple[list, list]:
+        momentum, noise, clip, ewma = _pipeline_modules()
+        pipe = dl.Pipeline([momentum, noise, clip, ewma])
+        outs = [snapshot(pipe.run(_declearn_grads(i))) for i in range(2)]
+        if fail:
+            ewma.set_state({"state": 0.0})
+            ewma.run({"x": np.ones(3, np.float32)})  # now its state is for other gradients
+            before = snapshot(pipe.get_state()), noise._rng.bit_generator.state
+            with pytest.raises(ValueError):
+                pipe.run(_declearn_grads(2))
+            assert_bitwise(snapshot(pipe.get_state()), before[0], "pipeline state")
+            assert noise._rng.bit_generator.state == before[1]
+            ewma.set_state({"state": 0.0})
+        else:
+            ewma.set_state({"state": 0.0})
+        outs += [snapshot(pipe.run(_declearn_grads(i))) for i in range(2, 4)]
+        return outs, snapshot(pipe.get_state())
+
+    failed, clean = run(True), run(False)
+    assert_bitwise(failed[0], clean[0], "updates")
+    assert_bitwise(failed[1], clean[1], "pipeline state")
+
+
+def test_declearn_pipeline_with_a_pending_state_that_does_not_fit():
+    from numbaccum.compat import declearn as dl
+
+    momentum, noise, clip, ewma = _pipeline_modules()
+    momentum.run(_declearn_grads(0))
+    velocity = snapshot(momentum.get_state())
+    ewma.set_state({"state": {"x": np.ones(3)}})  # checked against the first gradients it sees
+    pipe = dl.Pipeline([momentum, clip, ewma])
+    with pytest.raises(ValueError, match="state"):
+        pipe.run(_declearn_grads(1))
+    assert_bitwise(snapshot(momentum.get_state()), velocity, "velocity")
+    assert ewma.get_state()["state"]["x"].shape == (3,)  # still pending, not half loaded

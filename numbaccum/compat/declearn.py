@@ -35,12 +35,26 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from .. import arrays, backend
+from .. import arrays
 from ..accumulation import ema, trace
 from ..adaptive import _divide_leaves
 from ..arrays import on_device
-from ..base import EmptyState, Flow, GradientTransformationExtraArgs, flat_transformation
+from ..backend import ops_for
+from ..base import (
+    Chain,
+    EmptyState,
+    Foreign,
+    GradientTransformation,
+    GradientTransformationExtraArgs,
+    ParamsRef,
+    Spec,
+    Stage,
+    Step,
+    Updates,
+    stage_of,
+)
 from ..clipping import clip_by_global_norm, leaf_reductions
+from ..contract import ONE, Ops
 from ..flat import FlatTree, as_flat, layout_and_device, to_device
 from ._state import load_plain, to_plain
 
@@ -150,17 +164,27 @@ class _TxModule(OptiModule, register=False):
         self._state: Any = None
         self._pending: Any = None  # a set_state value waiting for the first gradients
 
-    def _apply(self, gradients: dict[str, Any]) -> dict[str, Any]:
-        """The transformation's output (views of its workspace, valid until the next call)."""
-        if not gradients:
-            return {}
+    def _current_state(self, gradients: dict[str, Any]) -> Any:
+        """The state to update: the module's own, or (first run) a new one holding a pending
+        `set_state` value (checked before anything is written). Changes nothing of the module."""
         state = self._state
         if state is None:
             state = self._tx.init(gradients)
             if self._pending is not None:
                 state = self._load(state, self._pending)
-        out, self._state = self._tx.update(gradients, state)
-        self._pending = None
+        return state
+
+    def _commit(self, state: Any, keys: list[str]) -> None:
+        """Keeps the state of a successful update."""
+        self._state, self._pending = state, None
+
+    def _apply(self, gradients: dict[str, Any]) -> dict[str, Any]:
+        """The transformation's output (views of its workspace, valid until the next call); the
+        module's state changes only when the whole update succeeded."""
+        if not gradients:
+            return {}
+        out, state = self._tx.update(gradients, self._current_state(gradients))
+        self._commit(state, list(gradients))
         return out
 
     def _load(self, template: Any, value: dict[str, Any]) -> Any:
@@ -191,18 +215,29 @@ class L2Clipping(_TxModule):
 
 def _l2_clipping(max_norm: float) -> GradientTransformationExtraArgs:
     """Per-leaf L2 clipping: ``u = g / max(|g| / max_norm, 1)`` (1 for a zero or non-finite norm)."""
-    m = float(max_norm)
-    if not m >= 0:
-        raise ValueError(f"max_norm must be >= 0, got {max_norm!r}")
+    return _L2Clipping(max_norm).transformation()
 
-    def flat_update(flow: Flow, state: Any, params: Any, extra: dict) -> tuple[Flow, Any]:
-        flow = flow.settled()
-        norms = np.sqrt(leaf_reductions(flow.flat, "segment_sumsq"))
-        with np.errstate(divide="ignore", invalid="ignore"):
-            factors = np.where((norms > 0) & np.isfinite(norms), np.maximum(norms / m, 1.0), 1.0)
-        return _divide_leaves(flow, factors), state
 
-    return flat_transformation(lambda params: EmptyState(), flat_update)
+class _L2Clipping(Stage):
+    def __init__(self, max_norm: Any) -> None:
+        self.max_norm = float(max_norm)
+        if not self.max_norm >= 0:
+            raise ValueError(f"max_norm must be >= 0, got {max_norm!r}")
+
+    def init(self, params: Any) -> EmptyState:
+        return EmptyState()
+
+    def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
+        m = self.max_norm
+
+        def run(u: Updates) -> tuple[Updates, Any]:
+            u = u.settled()
+            norms = np.sqrt(leaf_reductions(u.flat, Ops.segment_sumsq))
+            with np.errstate(divide="ignore", invalid="ignore"):
+                factors = np.where((norms > 0) & np.isfinite(norms), np.maximum(norms / m, 1.0), 1.0)
+            return _divide_leaves(u, factors), state
+
+        return Step(run)
 
 
 class L2GlobalClipping(_TxModule):
@@ -240,8 +275,11 @@ class _Stateful(_TxModule, register=False):
     def run(self, gradients: Mapping[str, Any]) -> dict[str, Any]:
         grads = _check_gradients(gradients)
         out = self._apply(grads)
-        self._keys = list(grads)
         return _fresh_copy(out, self._keys) if out else {}
+
+    def _commit(self, state: Any, keys: list[str]) -> None:
+        super()._commit(state, keys)
+        self._keys = keys
 
     def get_state(self) -> dict[str, Any]:
         """``{key: 0.0}`` before the first run, else ``{key: {name: array}}`` (host copies)."""
@@ -360,28 +398,63 @@ class GaussianNoiseModule(OptiModule):
         grads = _check_gradients(gradients)
         if not grads:
             return {}
-        rng = self._rng if self._rng is not None else np.random.default_rng(secrets.randbits(128))
         layout, device = layout_and_device(grads, "gradients")
         flat = as_flat(grads, layout, "gradients")[0]
+        out = self._add_noise(flat, list(grads), FlatTree.empty(layout, device=device))
+        kind = arrays.kind_of(next(iter(grads.values())))
+        tree = out.tree_as(kind)
+        return {k: tree[k] for k in grads}
+
+    def _add_noise(self, flat: FlatTree, order: list[str], out: FlatTree) -> FlatTree:
+        """``out = flat + noise`` (``out`` is not ``flat``), the noise drawn per array in
+        ``order``, the dict's order (the tree's leaves follow the sorted keys)."""
+        rng = self._rng if self._rng is not None else np.random.default_rng(secrets.randbits(128))
+        layout = flat.layout
         noise = FlatTree.empty(layout)
-        leaf_of = {k: i for i, k in enumerate(sorted(grads))}  # the tree's leaves follow sorted keys
-        for k in grads:  # declearn draws in the dict's order
+        leaf_of = {k: i for i, k in enumerate(sorted(order))}
+        for k in order:  # declearn draws in the dict's order
             i = leaf_of[k]
             shape, dt = layout.shapes[i], layout.dtypes[i]
             z = rng.normal(scale=float(self.std), size=shape)
             big = float(np.finfo(dt).max)
             np.clip(z, -big, big, out=z)  # a huge std must not cast to inf
             noise.leaf(i)[...] = z.astype(dt)
-        if device:
+        if flat.device:
             noise = to_device(noise)
-        out = FlatTree.empty(layout, device=device)
         for o, g, z in zip(out.groups, flat.groups, noise.groups):
-            backend.call("add_scaled_", o, g, 1.0, 1.0, z, 1.0)
-            if backend.call("count_nonfinite", o) != backend.call("count_nonfinite", g):
+            ops = ops_for(g)
+            ops.add_scaled_(o, g, ONE, z, 1.0)
+            if ops.count_nonfinite(o) != ops.count_nonfinite(g):
                 _saturate(o, g)
-        kind = arrays.kind_of(next(iter(grads.values())))
-        tree = out.tree_as(kind)
-        return {k: tree[k] for k in grads}
+        return out
+
+
+class _GaussianNoise(Stage):
+    """A `GaussianNoiseModule` as a stage of a `Pipeline`: the noise is drawn when it runs (after
+    every module of the pipeline was planned), in the pipeline's key order."""
+
+    def __init__(self, module: GaussianNoiseModule, order: list[str]) -> None:
+        self.module, self.order = module, order
+
+    def init(self, params: Any) -> EmptyState:
+        return EmptyState()
+
+    def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
+        def run(u: Updates) -> tuple[Updates, Any]:
+            out = self.kept("noisy", spec.layout, spec.device)  # never the buffer of u
+            return Updates(self.module._add_noise(u.settled().flat, self.order, out), True), state
+
+        return Step(run)
+
+
+def _foreign_module(module: OptiModule) -> Stage:
+    """Another OptiModule as a stage of a `Pipeline`: its ``run`` on a dict of arrays, with its
+    own checks (which run only when it runs: see `numbaccum.base.Foreign`)."""
+
+    def update(updates: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
+        return module.run(updates), state
+
+    return Foreign(GradientTransformation(lambda params: EmptyState(), update))
 
 
 def _saturate(out: Any, g: Any) -> None:
@@ -411,18 +484,38 @@ class Pipeline:
         self.modules: list[OptiModule] = [_module(m) for m in modules]
 
     def run(self, gradients: Mapping[str, Any]) -> dict[str, Any]:
-        """The gradients after every module (a new dict of new arrays)."""
+        """The gradients after every module (a new dict of new arrays).
+
+        All or nothing: the modules run as one `numbaccum.chain`, planned as a whole (every
+        module's state checked against the gradients) before any runs, and each module keeps
+        its new state only when the whole pipeline succeeded. A module of your own (another
+        OptiModule) runs its own checks when its turn comes.
+        """
         grads = _check_gradients(gradients)
         if not grads:
             return {}
-        out = grads
+        order = list(grads)
+        stages: list[Stage] = []
+        states: list[Any] = []
         for m in self.modules:
-            # Between two modules that run numbaccum transformations the arrays stay views of
-            # the previous module's workspace (read in place, no copy); one copy at the end.
-            out = m._apply(out) if isinstance(m, _TxModule) else m.run(out)
-            if isinstance(m, _Stateful):
-                m._keys = list(grads)
-        return _fresh_copy(out, list(grads))
+            if isinstance(m, _TxModule):
+                stage = stage_of(m._tx)
+                assert stage is not None  # every module's transformation is a numbaccum stage
+                stages.append(stage)
+                states.append(m._current_state(grads))
+            elif isinstance(m, GaussianNoiseModule):
+                stages.append(_GaussianNoise(m, order))
+                states.append(EmptyState())
+            else:
+                stages.append(_foreign_module(m))
+                states.append(EmptyState())
+        # Between two modules the values stay in the stages' workspaces (no copy); one copy at
+        # the end.
+        out, new_states = Chain(stages).update(grads, tuple(states))
+        for m, state in zip(self.modules, new_states):
+            if isinstance(m, _TxModule):
+                m._commit(state, order)
+        return _fresh_copy(out, order)
 
     def get_config(self) -> dict[str, Any]:
         """``{"modules": [(name, config), ...]}``."""
