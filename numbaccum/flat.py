@@ -16,9 +16,11 @@ from typing import Any
 
 import numpy as np
 
-from . import arrays, backend
+from . import arrays
 from . import tree as _tree
 from .arrays import as_device_array, is_contiguous, is_cuda_array, on_device, run_view, torch_views
+from .backend import ops_for
+from .contract import ONE
 from .layout import FLOATS, Layout, check_float_dtype, layout_of_leaves
 from .tree import TreeDef, format_path
 
@@ -133,7 +135,7 @@ class FlatTree:
     def fill_(self, value: float) -> FlatTree:
         """Sets every element to ``value``, in place (one kernel per buffer)."""
         for b in self.buffers.values():
-            backend.call("fill_", b, value)
+            ops_for(b).fill_(b, value)
         return self
 
     @classmethod
@@ -221,7 +223,7 @@ class FlatTree:
         """An independent copy (same layout, storage dtypes and device)."""
         out = FlatTree.empty(self.layout, list(self.group_dtypes), self.device)
         for dst, src in zip(out.groups, self.groups):
-            backend.call("scale_", dst, src, 1.0, 1.0)  # (x / 1) * 1 == x: a copy
+            ops_for(dst).scale_(dst, src, ONE)  # a copy
         return out
 
     def _copy_leaves_in(self, leaves: Sequence[Any]) -> None:
@@ -235,7 +237,7 @@ class FlatTree:
             if lay.sizes[i]:  # one copy kernel per leaf: a plain tree of CUDA arrays is scattered
                 s = lay.leaf_start[i]
                 dst = self.groups[lay.leaf_group[i]][s : s + lay.sizes[i]]
-                backend.call("scale_", dst, x.reshape(lay.sizes[i]), 1.0, 1.0)
+                ops_for(dst).scale_(dst, x.reshape(lay.sizes[i]), ONE)
 
     def assign_(self, tree: Any) -> FlatTree:
         """Copies the values of ``tree`` (same structure and shapes) into the buffers in place.
@@ -248,7 +250,7 @@ class FlatTree:
             raise ValueError("this FlatTree is read-only")
         if isinstance(tree, FlatTree) and tree.layout is self.layout and tree.device == self.device:
             for dst, src in zip(self.groups, tree.groups):
-                backend.call("scale_", dst, src, 1.0, 1.0)
+                ops_for(dst).scale_(dst, src, ONE)
             return self
         leaves = check_leaves(tree, self.layout, "tree", self.device)
         self._copy_leaves_in(leaves)
