@@ -17,8 +17,8 @@ How ranks stay bitwise identical: an ``MPI_Allreduce`` delivers the same result 
 (the standard requires identical results on all members; MPICH's algorithms either reduce each
 element on one rank and pass the result on, or combine the same two partial sums on both sides
 of a pair, and ``a + b == b + a`` exactly in IEEE arithmetic). Reducing in a fixed order by hand
-(``Reduce`` to rank 0, then ``Bcast``) costs 2.5x an ``Allreduce`` here
-(benchmarks/results/2026-11-24-cpu-mpi-allreduce.md), so plain ``Allreduce`` it is, and the MPI
+(``Reduce`` to rank 0, then ``Bcast``) costs 2.6x an ``Allreduce`` here
+(benchmarks/results/2026-11-23-cpu-mpi-allreduce.md), so plain ``Allreduce`` it is, and the MPI
 tests compare every rank's state bit for bit after every step, on 2 and 3 ranks.
 
 A rank that raises while the others wait in a collective would leave them waiting forever: MPI
