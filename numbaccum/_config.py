@@ -28,3 +28,16 @@ CUDA_MAX_BLOCKS = int(os.environ.get("NUMBACCUM_CUDA_MAX_BLOCKS", str(132 * 16))
 # CUDA: elements per block of a reduction. Like REDUCE_BLOCK on the CPU, the partition depends on
 # the segment sizes only, so a norm has the same bits on every run and every GPU.
 CUDA_REDUCE_BLOCK = 1 << 14
+
+# MPI: at most this many elements per message of a collective. MPI counts are C ints, so a
+# larger buffer goes as several messages (mpi4py 4 with an MPI-4 library could send it whole;
+# MPI-3 libraries cannot). Tests lower it to exercise the split.
+MPI_MAX_COUNT = 2**31 - 1
+
+# MPI: whether CUDA buffers go to MPI directly: "1" yes, "0" no (staged through host memory),
+# "auto" asks the MPI library (MPIX_Query_cuda_support).
+MPI_CUDA_AWARE = os.environ.get("NUMBACCUM_MPI_CUDA_AWARE", "auto")
+
+# MPI: an uncaught exception on one rank calls MPI_Abort (see numbaccum.distributed), because
+# the other ranks would otherwise wait in a collective forever. "0" leaves it to the user.
+MPI_ABORT_ON_UNCAUGHT = os.environ.get("NUMBACCUM_MPI_ABORT", "1") != "0"

@@ -22,6 +22,9 @@ def info() -> int:
     cache_dir = getattr(numba.config, "CACHE_DIR", "") or "(next to the sources; NUMBA_CACHE_DIR moves it)"
     print(f"numba cache dir: {cache_dir}; numbaccum kernels compile on first use (not cached)")
     print(f"cuda: {_cuda_status()}")
+    from numbaccum.distributed import describe
+
+    print(f"mpi: {describe()}")  # imports mpi4py (and so starts MPI) only here, never on import
     return 0
 
 
