@@ -34,16 +34,19 @@ import hashlib
 import math
 import sys
 import weakref
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import _config, backend
-from .base import EmptyState, GradientTransformationExtraArgs
+from . import _config
+from .accumulation import expect_state, field_owner
+from .backend import ops_for
+from .base import EmptyState, GradientTransformationExtraArgs, ParamsRef, Spec, Stage, Step, Updates
 from .clipping import global_norm as _local_norm
-from .clipping import sum_in_order
-from .flat import FlatTree, Layout, layout_and_device
+from .contract import ONE, Factor
+from .flat import FlatTree, layout_and_device
+from .layout import Layout
+from .tables import sum_in_order
 
 __all__ = [
     "AllreduceMeanState",
@@ -107,9 +110,9 @@ def _staging(out: FlatTree, gi: int, dtype: np.dtype, what: str) -> np.ndarray:
     if h is None:
         n = out.layout.group_sizes[gi]
         if out.device:
-            from .cuda.device import cuda_module
+            from .arrays import cuda_api
 
-            h = cuda_module().pinned_array(n, dtype)
+            h = cuda_api().pinned_array(n, dtype)
         else:
             h = np.empty(n, dtype)
         bufs[key] = h
@@ -118,7 +121,7 @@ def _staging(out: FlatTree, gi: int, dtype: np.dtype, what: str) -> np.ndarray:
 
 def _sync_stream() -> Any:
     """The stream our kernels run on, after waiting for it: MPI reads memory from the host side."""
-    from .cuda.device import stream
+    from .arrays import stream
 
     s = stream()
     if s != 0:
@@ -143,12 +146,12 @@ def _reduce(comm: Any, src: FlatTree, out: FlatTree, mean: bool) -> None:
         if dt != _F16 and not out.device:
             _allreduce_host(comm, x, y)
             if mean:
-                backend.call("scale_", y, y, float(n), 1.0)
+                ops_for(y).scale_(y, y, Factor(float(n), 1.0))
         elif dt != _F16 and direct:
             for lo, hi in _chunks(y.size):  # device pointers straight to MPI
                 comm.Allreduce(x[lo:hi], y[lo:hi], op=_mpi().SUM)
             if mean:
-                backend.call("scale_", y, y, float(n), 1.0)
+                ops_for(y).scale_(y, y, Factor(float(n), 1.0))
         elif dt != _F16:  # CUDA through the host: one copy down, one up
             h = _staging(out, gi, dt, "sum")
             x.copy_to_host(h, stream=s)
@@ -329,29 +332,40 @@ def allreduce_mean(comm: Any = None) -> GradientTransformationExtraArgs:
     """
     comm = _comm(comm)
     _abort_on_uncaught(comm)
-    n = comm.Get_size()
+    return _AllreduceMean(comm).transformation()
 
-    def init(params: Any) -> AllreduceMeanState:
+
+class _AllreduceMean(Stage):
+    """`allreduce_mean` as a stage: the plan checks the state, the run is the collective."""
+
+    def __init__(self, comm: Any) -> None:
+        self.comm = comm
+        self.n = comm.Get_size()
+
+    def init(self, params: Any) -> AllreduceMeanState:
         layout, device = layout_and_device(params, "params")
-        check_same_layout(layout, comm)
+        check_same_layout(layout, self.comm)
         return AllreduceMeanState(FlatTree.zeros(layout, None, device))
 
-    def run(updates: FlatTree, settle: Callable[[FlatTree | None], FlatTree], state: Any) -> tuple:
-        if not isinstance(state, AllreduceMeanState):
-            raise TypeError(f"state: expected AllreduceMeanState, got {type(state).__name__}")
-        out = state.mean
-        if not isinstance(out, FlatTree) or out.layout is not updates.layout or out.device != updates.device:
-            raise ValueError(f"state.mean: its layout does not match the updates ({updates.layout})")
-        if n == 1:
-            return None, 1.0, 1.0, state
-        src = settle(out)  # a pending factor is applied on the way into our buffer: no extra pass
-        if _F16 in updates.layout.group_dtypes:
-            _reduce(comm, src, out, mean=True)
-            return out, 1.0, 1.0, state
-        _reduce(comm, src, out, mean=False)
-        return out, float(n), 1.0, state
+    def owner(self, state: Any) -> FlatTree | None:
+        """The state's buffer: it defines the layout the updates must have."""
+        return field_owner(state, AllreduceMeanState, "mean")
 
-    return _stage(init, run)
+    def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
+        out = expect_state(state, AllreduceMeanState, "mean", spec)
+        if self.n == 1:
+            return Step(lambda u: (u, state))
+        comm, n = self.comm, self.n
+        half = _F16 in spec.layout.group_dtypes
+
+        def run(u: Updates) -> tuple[Updates, AllreduceMeanState]:
+            # A pending factor is applied on the way into our buffer: no pass of its own.
+            src = u.flat if u.factor.is_one else u.into(out)
+            _reduce(comm, src, out, mean=half)
+            # The division by n rides on the next kernel (float16 trees: divided on the host).
+            return Updates(out, owned=True, factor=ONE if half else Factor(float(n), 1.0)), state
+
+        return Step(run)
 
 
 def clip_by_global_norm(max_norm: float, comm: Any = None) -> GradientTransformationExtraArgs:
@@ -371,16 +385,32 @@ def clip_by_global_norm(max_norm: float, comm: Any = None) -> GradientTransforma
     comm = _comm(comm)
     _abort_on_uncaught(comm)
 
-    def run(updates: FlatTree, settle: Callable[[FlatTree | None], FlatTree], state: Any) -> tuple:
-        value = settle(None)
-        norm = math.sqrt(_combine(_local_norm(value, squared=True), 2, comm))
-        if norm < max_norm:
-            return value, 1.0, 1.0, state
-        if norm == 0.0:  # and so max_norm == 0: zeros, not 0 / 0
-            return value, 1.0, 0.0, state
-        return value, norm, max_norm, state
+    return _ShardedClip(max_norm, comm).transformation()
 
-    return _stage(lambda params: EmptyState(), run)
+
+class _ShardedClip(Stage):
+    """The sharded clip as a stage: the run takes the norm over every rank (one collective)."""
+
+    def __init__(self, max_norm: float, comm: Any) -> None:
+        self.max_norm = max_norm
+        self.comm = comm
+
+    def init(self, params: Any) -> EmptyState:
+        return EmptyState()
+
+    def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
+        max_norm, comm = self.max_norm, self.comm
+
+        def run(u: Updates) -> tuple[Updates, Any]:
+            value = u.settled()
+            norm = math.sqrt(_combine(_local_norm(value.flat, squared=True), 2, comm))
+            if norm < max_norm:
+                return value, state
+            if norm == 0.0:  # and so max_norm == 0: zeros, not 0 / 0
+                return value.scaled(Factor(1.0, 0.0)), state
+            return value.scaled(Factor(norm, max_norm)), state
+
+        return Step(run)
 
 
 # --- MPI facts for `numbaccum info` ---------------------------------------------------------
@@ -412,35 +442,3 @@ def describe() -> str:
     library = " ".join(MPI.Get_library_version().strip().splitlines()[0].split())
     how = "passed to MPI directly (CUDA-aware MPI)" if cuda_aware() else "staged through host memory"
     return f"mpi4py {mpi4py.__version__}, {library}; CUDA buffers {how}"
-
-
-# === The one contact with base.py's internal stage protocol =================================
-# Everything above works on FlatTrees alone. `_stage` makes a transformation of ``init`` and
-# ``run`` through base.py's flat-stage protocol (`Flow`, `flat_transformation`). When that
-# protocol changes, this function is what to port.
-#
-# ``run(updates, settle, state) -> (out, div, mul, new_state)``:
-#   updates   the updates' buffers (read only; a pending factor may not be applied yet);
-#   settle    ``settle(into)`` -> the updates' value as a FlatTree: ``updates`` itself when no
-#             factor is pending, else written into ``into`` (None: a scratch buffer);
-#   out       a FlatTree (``updates``, a settled one, or a buffer of the state) whose value
-#             ``(out / div) * mul`` is the result; ``out=None`` returns the updates unchanged.
-
-
-def _stage(init: Callable[[Any], Any], run: Callable[..., tuple]) -> GradientTransformationExtraArgs:
-    from .base import Flow, flat_transformation
-
-    def flat_update(flow: Any, state: Any, params: Any, extra: dict) -> tuple[Any, Any]:
-        def settle(into: FlatTree | None) -> FlatTree:
-            if not flow.pending:
-                return flow.flat
-            return flow.settled().flat if into is None else flow.into(into)
-
-        out, div, mul, new_state = run(flow.flat, settle, state)
-        if out is None:
-            return flow, new_state
-        if out is flow.flat:  # the caller's buffer or the previous stage's: keep its ownership
-            return Flow(out, flow.owned, div, mul, flow.returnable, flow.scratch), new_state
-        return Flow(out, True, div, mul, scratch=flow.scratch), new_state
-
-    return flat_transformation(init, flat_update)
