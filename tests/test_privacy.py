@@ -15,7 +15,8 @@ from strategies import F64 as DT64
 from strategies import LeafSpec, tree_from_spec, tree_specs
 
 import numbaccum as nba
-from numbaccum import _config, backend
+from numbaccum import _config
+from numbaccum.contract import Ops
 
 F32, F64 = np.float32, np.float64
 
@@ -280,8 +281,9 @@ def test_flat_tree_stored_in_one_dtype():
 
 def test_one_kernel_per_pass_and_group_whatever_the_leaf_count(monkeypatch):
     calls = []
-    real = backend.call
-    monkeypatch.setattr(backend, "call", lambda name, *a: calls.append(name) or real(name, *a))
+    for name in ("segment_sumsq", "batch_weighted_sum_"):
+        real = getattr(Ops, name)
+        monkeypatch.setattr(Ops, name, lambda self, *a, _n=name, _f=real: calls.append(_n) or _f(self, *a))
     for n_leaves in (2, 40):
         tree = {f"p{i:02d}": np.ones((3, 4), F32) for i in range(n_leaves)}
         tree["d"] = np.ones((3, 2), F64)
