@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from .backend import ops_for
+from .backend import ops_for, tree_sumsq
 from .base import (
     GradientTransformationExtraArgs,
     ParamsRef,
@@ -26,7 +26,7 @@ from .base import (
     as_stage,
     with_extra_args_support,
 )
-from .contract import ONE, tree_sumsq
+from .contract import ONE
 from .flat import FlatTree, as_flat, layout_and_device, layout_of
 from .layout import Layout, check_float_dtype
 

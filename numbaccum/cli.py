@@ -13,9 +13,10 @@ def info() -> int:
     import numpy as np
 
     import numbaccum
-    from numbaccum import backend
+    from numbaccum.backend import ops_for
 
-    backend.call("sumsq", np.ones(1 << 17, np.float32))  # enter a parallel region: picks the layer
+    x = np.ones(1 << 17, np.float32)
+    ops_for(x).sumsq(x)  # enter a parallel region: numba picks its threading layer
     print(f"numbaccum {numbaccum.__version__}")
     print(f"python {sys.version.split()[0]}, numpy {np.__version__}, numba {numba.__version__}")
     print(f"threads: {numba.get_num_threads()} of {os.cpu_count()} cpus, layer {numba.threading_layer()}")

@@ -8,7 +8,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from .backend import ops_for
+from .backend import ops_for, tree_sumsq
 from .base import (
     EmptyState,
     GradientTransformationExtraArgs,
@@ -20,7 +20,7 @@ from .base import (
     as_stage,
     with_extra_args_support,
 )
-from .contract import ONE, Factor, Ops, tree_sumsq
+from .contract import ONE, Factor, Ops
 from .flat import FlatTree, as_flat, layout_of
 from .formulas import clip_factor
 from .layout import Layout

@@ -3,9 +3,12 @@
 A transformation gets the operations for its buffers from `numbaccum.backend.ops_for` and calls
 them by name (``ops.ema_update_(...)``): a reader and an editor can follow a call to its
 declaration here, and from here to its formula in `numbaccum.formulas`. Both backends implement
-the contract through a *driver* (`numbaccum.cpu.driver`, `numbaccum.cuda.driver`): how to walk a
-buffer, not what to compute. A trailing ``_`` means the operation writes some of its arguments;
-which ones is part of the formula's declaration (so float16 staging is derived, not listed).
+the contract through three modules with the same primitives (`BACKEND`): a *driver* that
+compiles the formulas (`numbaccum.cpu.driver`, `numbaccum.cuda.driver`: how to walk a buffer, not
+what to compute), the one reduction engine over the tables of `numbaccum.tables` (``reduce``),
+and the per-example weighted sum (``per_example``). A trailing ``_`` means the operation writes
+some of its arguments; which ones is part of the formula's declaration (so float16 staging is
+derived, not listed).
 
 Every elementwise operation reads its first array through a pending `Factor` ``(x / div) *
 mul``: a clip factor that rides on the next pass instead of costing a pass of its own.
@@ -13,15 +16,22 @@ mul``: a clip factor that rides on the next pass instead of costing a pass of it
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
 import numpy as np
 
 from . import formulas as F
-from .tables import as_table, segments, sum_in_order, whole
+from .tables import as_table, segments, whole
 
-__all__ = ["ONE", "Factor", "Ops", "leaf_sumsq", "tree_sumsq"]
+__all__ = ["BACKEND", "ONE", "Factor", "Ops"]
+
+# What each backend package provides, module by module (tests/test_contract.py checks that
+# numbaccum.cpu and numbaccum.cuda both define every primitive, with the same parameters).
+BACKEND: dict[str, tuple[str, ...]] = {
+    "driver": ("map_",),
+    "reduce": ("reduce", "apply_", "divide_", "ema_update_", "clip_factors_"),
+    "per_example": ("batch_weighted_sum_",),
+}
 
 
 class Factor:
@@ -61,11 +71,13 @@ class Ops:
     promoted dtype of its arrays), so a float32 buffer never runs a float64 variant by accident.
     """
 
-    def __init__(self, driver: Any) -> None:
-        self.driver = driver
+    def __init__(self, driver: Any, reduce: Any, per_example: Any) -> None:
+        self.driver = driver  # compiles and runs the formulas: map_
+        self.reduce = reduce  # the reduction engine: reduce, apply_, divide_, ema_update_, clip_factors_
+        self.per_example = per_example  # batch_weighted_sum_
 
     def __repr__(self) -> str:
-        return f"Ops({self.driver.name})"
+        return f"Ops({self.driver.NAME})"
 
     # --- elementwise: one formula each (numbaccum.formulas) ----------------------------------
 
@@ -89,12 +101,21 @@ class Ops:
         """out = 0 where factor(x) is NaN, else that value (inf is kept)."""
         self.driver.map_(F.zero_nans, factor, (x, out), ())
 
-    def trace_update_(self, trace: Any, g: Any, factor: Factor, decay: float, nesterov: bool, out: Any) -> None:
+    def trace_update_(
+        self, trace: Any, g: Any, factor: Factor, decay: float, nesterov: bool, out: Any
+    ) -> None:
         """trace = g + decay * trace; out = trace, or g + decay * trace if nesterov."""
         self.driver.map_(F.trace, factor, (trace, g, out), (decay, nesterov))
 
     def ema_update_(
-        self, ema: Any, g: Any, factor: Factor, one_minus_decay: float, decay: float, bias_correction: Any, out: Any
+        self,
+        ema: Any,
+        g: Any,
+        factor: Factor,
+        one_minus_decay: float,
+        decay: float,
+        bias_correction: Any,
+        out: Any,
     ) -> None:
         """ema = (1 - decay) * g + decay * ema; out = ema / bias_correction."""
         self.driver.map_(F.ema, factor, (ema, g, out), (one_minus_decay, decay, bias_correction))
@@ -129,7 +150,15 @@ class Ops:
         self.driver.map_(F.adam, factor, (mu, nu, g, out), args)
 
     def abs_ema_clip_(
-        self, ema: Any, g: Any, factor: Factor, one_minus_decay: float, decay: float, init: float, fresh: bool, out: Any
+        self,
+        ema: Any,
+        g: Any,
+        factor: Factor,
+        one_minus_decay: float,
+        decay: float,
+        init: float,
+        fresh: bool,
+        out: Any,
     ) -> None:
         """ema = (1 - decay) * |g| + decay * (|g| * init if fresh else ema); out = clip(g, -ema, ema).
         A non-finite g leaves its ema element as it is."""
@@ -174,56 +203,56 @@ class Ops:
     def slice_sumsq(self, x: Any, table: Any, centers: Any = None) -> np.ndarray:
         """Per slice ``s``: sum((x - centers[s]) ** 2) (``centers`` None or empty: sum(x ** 2))."""
         if centers is not None and np.size(centers):
-            return self._engine.reduce("csumsq", x, as_table(table), centers)
-        return self._engine.reduce("sumsq", x, as_table(table))
+            return self.reduce.reduce("csumsq", x, as_table(table), centers)
+        return self.reduce.reduce("sumsq", x, as_table(table))
 
     def slice_sumabs(self, x: Any, table: Any) -> np.ndarray:
         """Per slice: sum(|x|)."""
-        return self._engine.reduce("sumabs", x, as_table(table))
+        return self.reduce.reduce("sumabs", x, as_table(table))
 
     def slice_sumpow(self, x: Any, table: Any, p: float) -> np.ndarray:
         """Per slice: sum(|x| ** p) (|0| ** p is inf for a negative p)."""
-        return self._engine.reduce("sumpow", x, as_table(table), None, p)
+        return self.reduce.reduce("sumpow", x, as_table(table), None, p)
 
     def slice_sum(self, x: Any, table: Any) -> np.ndarray:
         """Per slice: sum(x) (signed)."""
-        return self._engine.reduce("sum", x, as_table(table))
+        return self.reduce.reduce("sum", x, as_table(table))
 
     def slice_nnz(self, x: Any, table: Any) -> np.ndarray:
         """Per slice: the number of non-zero elements (NaN counts)."""
-        return self._engine.reduce("nnz", x, as_table(table))
+        return self.reduce.reduce("nnz", x, as_table(table))
 
     def slice_nancount(self, x: Any, table: Any) -> np.ndarray:
         """Per slice: the number of NaN elements."""
-        return self._engine.reduce("nancount", x, as_table(table))
+        return self.reduce.reduce("nancount", x, as_table(table))
 
     def slice_nonfinite(self, x: Any, table: Any) -> np.ndarray:
         """Per slice: the number of NaN and +-inf elements."""
-        return self._engine.reduce("nonfinite", x, as_table(table))
+        return self.reduce.reduce("nonfinite", x, as_table(table))
 
     def slice_maxabs(self, x: Any, table: Any) -> np.ndarray:
         """Per slice: max(|x|) (0 if empty, NaN if any element is NaN)."""
-        return self._engine.reduce("maxabs", x, as_table(table))
+        return self.reduce.reduce("maxabs", x, as_table(table))
 
     def slice_minabs(self, x: Any, table: Any) -> np.ndarray:
         """Per slice: min(|x|) (+inf if empty, NaN if any element is NaN)."""
-        return self._engine.reduce("minabs", x, as_table(table))
+        return self.reduce.reduce("minabs", x, as_table(table))
 
     def slice_apply_(self, out: Any, x: Any, table: Any, centers: Any, factors: Any) -> None:
         """out = (x - centers[s]) * factors[s] over every slice ``s`` (empty ``centers``: 0;
         empty ``factors``: 1), in float64. Inactive rows are copied (skipped when out is x)."""
-        self._engine.apply_(out, x, as_table(table), _values(centers), _values(factors))
+        self.reduce.apply_(out, x, as_table(table), _values(centers), _values(factors))
 
     def slice_divide_(self, out: Any, x: Any, factor: Factor, table: Any, divisors: Any) -> None:
         """out = factor(x) / divisors[s] over every slice ``s``, in the compute dtype."""
-        self._engine.divide_(out, x, factor, as_table(table), divisors)
+        self.reduce.divide_(out, x, factor, as_table(table), divisors)
 
     def slice_ema_update_(
         self, ema: Any, g: Any, factor: Factor, table: Any, active: Any, one_minus_decay: float, decay: float
     ) -> None:
         """ema = (1 - decay) * factor(g) + decay * ema over each slice ``s`` with ``active[s]``;
         the other slices are left as they are (`numbaccum.formulas.ema`)."""
-        self._engine.ema_update_(ema, g, factor, as_table(table), active, one_minus_decay, decay)
+        self.reduce.ema_update_(ema, g, factor, as_table(table), active, one_minus_decay, decay)
 
     def clip_factors_(
         self,
@@ -240,7 +269,7 @@ class Ops:
         ``last``, ``fac = [div, mul]`` (float32 and float64) of clip_by_global_norm
         (`numbaccum.formulas.clip_factor`) from ``sqrt(sum_in_order(leaf_sums))``: `tree_sumsq`'s
         bits. On CUDA one launch per group and no synchronisation (device arrays)."""
-        self._engine.clip_factors_(leaf_sums, x, as_table(table), members, last, max_norm, fac32, fac64)
+        self.reduce.clip_factors_(leaf_sums, x, as_table(table), members, last, max_norm, fac32, fac64)
 
     # Shorthands: a whole buffer is one slice, ``offsets`` one contiguous slice per segment.
 
@@ -293,15 +322,6 @@ class Ops:
         """ema = (1 - decay) * factor(g) + decay * ema over each segment with ``active[s]``."""
         self.slice_ema_update_(ema, g, factor, segments(offsets), active, one_minus_decay, decay)
 
-    @property
-    def _engine(self) -> Any:
-        """The reduction engine of this backend (`numbaccum.cpu.reduce`, `numbaccum.cuda.reduce`)."""
-        engine = self.__dict__.get("_reduce")
-        if engine is None:
-            name = _backend_name(self.driver)
-            engine = self.__dict__["_reduce"] = importlib.import_module(f"numbaccum.{name}.reduce")
-        return engine
-
     # --- per example (DP-SGD) ----------------------------------------------------------------
 
     def batch_weighted_sum_(
@@ -317,14 +337,11 @@ class Ops:
         limit: float,
     ) -> None:
         """out[k][j] = clamp((sum_b mult[k, b] * g[k][b, j] + std * noise[k][j]) / div, +-limit)."""
-        module = importlib.import_module(f"numbaccum.{_backend_name(self.driver)}.per_example")
         # float64 scalars: the sums are float64 (``mult`` is), and so is the division by ``div``.
         f = np.float64
-        module.batch_weighted_sum_(out, g, offsets, out_offsets, mult, noise, f(std), f(div), f(limit))
-
-
-def _backend_name(driver: Any) -> str:
-    return getattr(driver, "NAME", None) or getattr(driver, "name", "cpu")
+        self.per_example.batch_weighted_sum_(
+            out, g, offsets, out_offsets, mult, noise, f(std), f(div), f(limit)
+        )
 
 
 def _values(v: Any) -> Any:
@@ -333,38 +350,3 @@ def _values(v: Any) -> Any:
 
 
 _NO_VALUES = np.zeros(0, np.float64)
-
-
-def leaf_sumsq(flat: Any) -> np.ndarray:
-    """sum(x ** 2) of every leaf of a `numbaccum.flat.FlatTree`, float64 in leaf order (one
-    engine call per dtype group, each leaf one slice)."""
-    from .backend import ops_for
-
-    lay = flat.layout
-    out = np.empty(lay.num_leaves, np.float64)
-    for members, offsets, g in zip(lay.group_index, lay.offsets, flat.groups):
-        out[members] = ops_for(g).slice_sumsq(g, segments(offsets))
-    return out
-
-
-def tree_sumsq(flat: Any) -> float:
-    """The squared global L2 norm of a tree: `leaf_sumsq` added in leaf order from 0.0.
-
-    The one definition: `numbaccum.global_norm`, ``norms.tree_norm(t, 2)``, ``clip_norm(...,
-    dim='global')``, clip_by_global_norm (`Ops.clip_factors_` on the device) and
-    skip_large_updates all take this sum, so they agree bit for bit."""
-    return float(sum_in_order(leaf_sumsq(flat)))
-
-
-def _df(factor: Factor) -> tuple[Any, Any]:
-    """TRANSITIONAL: a Factor as the old kernels' ``div, mul`` arguments."""
-    if factor.device is not None:
-        return factor.device, None
-    return factor.div, factor.mul
-
-
-def _legacy(name: str, *args: Any) -> Any:
-    """TRANSITIONAL: the old string dispatch, until the drivers implement the contract."""
-    from . import backend
-
-    return backend.call(name, *args)

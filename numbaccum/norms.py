@@ -29,7 +29,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from .backend import ops_for
+from .backend import ops_for, tree_sumsq
 from .base import (
     EmptyState,
     GradientTransformationExtraArgs,
@@ -41,7 +41,7 @@ from .base import (
     scatter_back,
     writable_flat,
 )
-from .contract import ONE, Factor, Ops, tree_sumsq
+from .contract import ONE, Factor, Ops
 from .flat import FlatTree, as_flat, layout_of
 from .layout import Layout
 from .tables import ACTIVE, NSLICES, SLEN, sum_in_order

@@ -7,8 +7,10 @@ buffer dtype, element by element: the drivers must compile exactly that. (Plain 
 
 from __future__ import annotations
 
+import ast
 import inspect
 import os
+import pathlib
 
 import numpy as np
 import pytest
@@ -116,6 +118,36 @@ def test_every_formula_is_reached_by_exactly_one_ops_method():
                 used.setdefault(f.name, []).append(name)
     assert sorted(used) == sorted(f.name for f in FORMULAS)
     assert all(len(v) == 1 for v in used.values()), used
+
+
+def _functions(path):
+    """Module-level functions of a source file and their parameter names (read, not imported:
+    the CUDA modules need no GPU to be checked)."""
+    tree = ast.parse(path.read_text())
+    return {n.name: [a.arg for a in n.args.args] for n in tree.body if isinstance(n, ast.FunctionDef)}
+
+
+def test_both_backends_implement_the_whole_contract():
+    root = pathlib.Path(contract.__file__).parent
+    for module, names in contract.BACKEND.items():
+        cpu_fns = _functions(root / "cpu" / f"{module}.py")
+        cuda_fns = _functions(root / "cuda" / f"{module}.py")
+        for name in names:
+            assert name in cpu_fns, f"numbaccum.cpu.{module} lacks {name}"
+            assert name in cuda_fns, f"numbaccum.cuda.{module} lacks {name}"
+            assert cpu_fns[name] == cuda_fns[name], f"{module}.{name}: {cpu_fns[name]} != {cuda_fns[name]}"
+
+
+def test_every_ops_method_reaches_a_backend_primitive():
+    """Each public Ops method runs a formula through the driver, a primitive of the engine or of
+    per_example, or another Ops method (the shorthands) -- never a kernel by name."""
+    primitives = {f"self.{m}.{n}(" for m, names in contract.BACKEND.items() for n in names}
+    methods = {name for name, _ in inspect.getmembers(Ops, inspect.isfunction) if not name.startswith("_")}
+    for name in methods:
+        src = inspect.getsource(getattr(Ops, name))
+        body = src.split('"""')[-1] if src.count('"""') >= 2 else src
+        reached = any(p in body for p in primitives) or any(f"self.{m}(" in body for m in methods)
+        assert reached, f"Ops.{name} reaches no primitive of the contract"
 
 
 def test_writes_are_derived_from_the_declaration():

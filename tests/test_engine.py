@@ -18,8 +18,8 @@ import pytest
 
 import numbaccum as nba
 from numbaccum import norms, tables
-from numbaccum.backend import ops_for
-from numbaccum.contract import ONE, Factor, leaf_sumsq, tree_sumsq
+from numbaccum.backend import leaf_sumsq, ops_for, tree_sumsq
+from numbaccum.contract import ONE, Factor
 
 SIM = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
 

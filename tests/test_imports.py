@@ -113,21 +113,9 @@ def _show(edges: list[Edge]) -> str:
     )
 
 
-# Known offenders in files being ported by other work packages of issue 11: (rule, module) -> why.
-# Each is an expected failure (not strict), so the rule keeps failing for any other module.
-_WP12 = (
-    "issue 11 WP1/WP2 in progress: the transitional string dispatch (contract._legacy -> backend.call "
-    "-> the cpu/ and cuda/ packages, whose __init__ re-exports every kernel module, which import the "
-    "drivers, which import contract)"
-)
-PENDING: dict[tuple[str, str], str] = {
-    **{
-        ("cycle", m): _WP12
-        for m in MODULES
-        if m in ("numbaccum.backend", "numbaccum.contract")
-        or (_within(m, ("numbaccum.cpu", "numbaccum.cuda")) and m != "numbaccum.cuda.device")
-    },
-}
+# Known offenders: (rule, module) -> why. Each would be an expected failure (not strict), so the
+# rule keeps failing for any other module. None today.
+PENDING: dict[tuple[str, str], str] = {}
 
 
 def _params(rule: str, modules: list[str]):

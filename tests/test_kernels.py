@@ -1,4 +1,5 @@
-"""The CPU kernel contract against plain NumPy, edge cases, and thread-count determinism."""
+"""The CPU kernels through the contract (`ops_for`) against plain NumPy: edge cases and thread-count
+determinism."""
 
 import os
 import subprocess
@@ -8,7 +9,12 @@ import textwrap
 import numpy as np
 import pytest
 
-from numbaccum import _config, backend, cpu
+from numbaccum import _config
+from numbaccum.backend import ops_for
+from numbaccum.contract import Factor
+
+OPS = ops_for(np.zeros(1))
+F = Factor(1.7, 0.3)
 
 DTYPES = [np.float32, np.float64]
 SIZES = [0, 1, 17, 1000, (1 << 16) + 3, 300_001]
@@ -23,22 +29,22 @@ def rand(n, dtype, seed=0):
 def test_reductions_match_float64_numpy(n, dtype):
     x = rand(n, dtype)
     x64 = x.astype(np.float64)
-    np.testing.assert_allclose(backend.call("sumsq", x), np.sum(x64 * x64), rtol=1e-12)
-    np.testing.assert_allclose(backend.call("sumabs", x), np.sum(np.abs(x64)), rtol=1e-12)
-    assert backend.call("maxabs", x) == (np.max(np.abs(x64)) if n else 0.0)
-    assert backend.call("count_nonfinite", x) == 0
+    np.testing.assert_allclose(OPS.sumsq(x), np.sum(x64 * x64), rtol=1e-12)
+    np.testing.assert_allclose(OPS.sumabs(x), np.sum(np.abs(x64)), rtol=1e-12)
+    assert OPS.maxabs(x) == (np.max(np.abs(x64)) if n else 0.0)
+    assert OPS.count_nonfinite(x) == 0
 
 
 def test_segment_reductions_match_per_leaf():
     sizes = [0, 5, 1 << 17, 3, 0, 70_000]
     x = rand(sum(sizes), np.float32)
     offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-    got = backend.call("segment_sumsq", x, offsets)
+    got = OPS.segment_sumsq(x, offsets)
     for s, v in enumerate(got):
         seg = x[offsets[s] : offsets[s + 1]]
-        assert v == backend.call("sumsq", seg)  # same fixed blocks per segment: same bits
+        assert v == OPS.sumsq(seg)  # same fixed blocks per segment: same bits
         np.testing.assert_allclose(v, np.sum(seg.astype(np.float64) ** 2), rtol=1e-12)
-    mx = backend.call("segment_maxabs", x, offsets)
+    mx = OPS.segment_maxabs(x, offsets)
     for s, v in enumerate(mx):
         seg = x[offsets[s] : offsets[s + 1]]
         assert v == (np.abs(seg).max() if seg.size else 0.0)
@@ -46,17 +52,17 @@ def test_segment_reductions_match_per_leaf():
 
 def test_nonfinite_and_nan_propagation():
     x = np.array([1.0, np.nan, np.inf, -np.inf, 3.0], np.float32)
-    assert backend.call("count_nonfinite", x) == 3
-    assert np.isnan(backend.call("maxabs", x))
-    assert np.isnan(backend.call("sumsq", x))
+    assert OPS.count_nonfinite(x) == 3
+    assert np.isnan(OPS.maxabs(x))
+    assert np.isnan(OPS.sumsq(x))
     big = np.full(4, 1e20, np.float32)  # squares overflow float32, not float64
-    np.testing.assert_allclose(backend.call("sumsq", big), 4e40, rtol=1e-7)
+    np.testing.assert_allclose(OPS.sumsq(big), 4e40, rtol=1e-7)
 
 
 def test_float32_norm_of_1e8_values_is_accurate():
     x = np.full(100_000_000, 0.1, np.float32)
     exact = 1e8 * float(np.float32(0.1)) ** 2
-    assert abs(backend.call("sumsq", x) - exact) / exact < 1e-7
+    assert abs(OPS.sumsq(x) - exact) / exact < 1e-7
 
 
 @pytest.mark.parametrize("n", [7, 200_003])
@@ -68,69 +74,62 @@ def test_elementwise_kernels_match_numpy(n, dtype):
     ge = (g / div) * mul
 
     out = np.empty_like(g)
-    backend.call("scale_", out, g, 1.7, 0.3)
+    OPS.scale_(out, g, F)
     np.testing.assert_array_equal(out, ge)
-    backend.call("add_scaled_", out, g, 1.7, 0.3, a, 0.25)
+    OPS.add_scaled_(out, g, F, a, 0.25)
     np.testing.assert_array_equal(out, ge + t(0.25) * a)
 
     tr = a.copy()
-    backend.call("trace_update_", tr, g, 1.7, 0.3, 0.9, True, out)
+    OPS.trace_update_(tr, g, F, 0.9, True, out)
     expect_t = ge + t(0.9) * a
     np.testing.assert_array_equal(tr, expect_t)
     np.testing.assert_array_equal(out, ge + t(0.9) * expect_t)
 
     e = a.copy()
     bc = t(1) - t(0.9) ** 3
-    backend.call("ema_update_", e, g, 1.7, 0.3, 1 - 0.9, 0.9, bc, out)
+    OPS.ema_update_(e, g, F, 1 - 0.9, 0.9, bc, out)
     expect_e = t(1 - 0.9) * ge + t(0.9) * a
     np.testing.assert_array_equal(e, expect_e)
     np.testing.assert_array_equal(out, expect_e / bc)
 
     acc = a.copy()
-    backend.call("mean_accumulate_", acc, g, 1.7, 0.3, 3, False)
+    OPS.mean_accumulate_(acc, g, F, 3, False)
     np.testing.assert_array_equal(acc, a + (ge - a) / t(3))
-    backend.call("mean_accumulate_", acc, g, 1.7, 0.3, 1, True)
+    OPS.mean_accumulate_(acc, g, F, 1, True)
     np.testing.assert_array_equal(acc, ge)
     acc = a.copy()
-    backend.call("sum_accumulate_", acc, g, 1.7, 0.3, False)
+    OPS.sum_accumulate_(acc, g, F, False)
     np.testing.assert_array_equal(acc, ge + a)
 
     mu, nu = a.copy(), np.abs(b)
     bc1, bc2 = t(1) - t(0.9) ** 2, t(1) - t(0.999) ** 2
     m = t(0.1) * ge + t(0.9) * a
     v = t(1 - 0.999) * (ge * ge) + t(0.999) * np.abs(b)
-    backend.call(
-        "adam_update_", mu, nu, g, 1.7, 0.3, 0.9, 0.1, 0.999, 1 - 0.999, bc1, bc2, 1e-8, 0.0, -0.5, out
-    )
+    OPS.adam_update_(mu, nu, g, F, 0.9, 0.1, 0.999, 1 - 0.999, bc1, bc2, 1e-8, 0.0, -0.5, out)
     np.testing.assert_array_equal(mu, m)
     np.testing.assert_array_equal(nu, v)
     direction = (m / bc1) / (np.sqrt(v / bc2 + t(0)) + t(1e-8))
     np.testing.assert_allclose(out, direction * t(-0.5), rtol=2e-7 if t is np.float32 else 1e-15)
 
-    backend.call("fill_", out, 0.0)
+    OPS.fill_(out, 0.0)
     assert not out.any()
 
 
 def test_mixed_dtypes_compute_in_promoted_dtype():
     acc = np.zeros(3, np.float64)
     g = np.array([1.0, 2.0, 3.0], np.float32)
-    backend.call("sum_accumulate_", acc, g, 1.0, 1.0, False)
-    backend.call("sum_accumulate_", acc, np.array([1e-12] * 3, np.float32), 1.0, 1.0, False)
+    OPS.sum_accumulate_(acc, g, Factor(), False)
+    OPS.sum_accumulate_(acc, np.array([1e-12] * 3, np.float32), Factor(), False)
     assert acc[0] == 1.0 + float(np.float32(1e-12))
-
-
-def test_kernel_lists_are_the_contract():
-    for name in cpu.KERNELS:
-        assert callable(getattr(cpu, name))
 
 
 def test_serial_and_parallel_paths_agree():
     x = rand(200_000, np.float32)
-    par = backend.call("sumsq", x)
+    par = OPS.sumsq(x)
     old = _config.SERIAL_BELOW
     try:
         _config.SERIAL_BELOW = 1 << 40
-        assert backend.call("sumsq", x) == par
+        assert OPS.sumsq(x) == par
     finally:
         _config.SERIAL_BELOW = old
 
@@ -138,11 +137,12 @@ def test_serial_and_parallel_paths_agree():
 SCRIPT = textwrap.dedent(
     """
     import numpy as np, numbaccum as nba
-    from numbaccum import backend
+    from numbaccum.backend import ops_for
+    OPS = ops_for(np.zeros(1))
     x = np.random.default_rng(5).standard_normal(3_000_001).astype(np.float32)
     tree = {"a": x[:1_000_000].reshape(1000, 1000), "b": x[1_000_000:]}
-    out = [backend.call("sumsq", x), backend.call("sumabs", x), nba.global_norm(tree)]
-    out += list(backend.call("segment_sumsq", x, np.array([0, 5, 2_000_000, 3_000_001], np.int64)))
+    out = [OPS.sumsq(x), OPS.sumabs(x), nba.global_norm(tree)]
+    out += list(OPS.segment_sumsq(x, np.array([0, 5, 2_000_000, 3_000_001], np.int64)))
     print(repr([float(v).hex() for v in out]))
     """
 )

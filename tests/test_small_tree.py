@@ -2,7 +2,7 @@
 
 A plain tree is checked by a walk beside the state's treedef (`leaves_if_structure`) and
 whole-list comparisons of leaf types, shapes and dtypes (`host_leaves`); a stateless
-transformation reuses its last layout when the tree still matches it; `backend.call` casts
+transformation reuses its last layout when the tree still matches it; the CPU driver casts
 scalars with a fast path for one dtype. Anything the fast path does not accept goes the full way,
 so errors still name the leaf and leave the state unchanged.
 """
@@ -18,7 +18,6 @@ from hypothesis import given, settings
 from strategies import trees
 
 import numbaccum as nba
-from numbaccum import backend
 from numbaccum.flat import host_leaves
 from numbaccum.tree import leaves_if_structure
 
@@ -161,35 +160,45 @@ def test_packing_casts_into_a_layout_of_another_dtype():
 
 
 def test_backend_casts_scalars_to_the_compute_dtype():
+    from numbaccum.backend import ops_for
+    from numbaccum.contract import Factor
+
+    OPS = ops_for(np.zeros(1))
     x32 = np.linspace(-1, 1, 7, dtype=np.float32)
     out32 = np.empty_like(x32)
-    backend.call("scale_", out32, x32, 3.0, 1.0)  # a Python float: rounded to float32 first
+    OPS.scale_(out32, x32, Factor(3.0, 1.0))  # a Python float: rounded to float32 first
     np.testing.assert_array_equal(out32, x32 / np.float32(3.0))
-    backend.call("scale_", out32, x32, np.float64(3.0), True)  # NumPy scalars and bools too
+    OPS.scale_(out32, x32, Factor(np.float64(3.0), True))  # NumPy scalars and bools too
     np.testing.assert_array_equal(out32, x32 / np.float32(3.0))
     x64 = x32.astype(np.float64)
     out64 = np.empty_like(x64)
-    backend.call("add_scaled_", out64, x64, 1.0, 1.0, x32, 0.1)  # mixed: float64 compute
+    OPS.add_scaled_(out64, x64, Factor(), x32, 0.1)  # mixed: float64 compute
     np.testing.assert_array_equal(out64, x64 + 0.1 * x32.astype(np.float64))
     x16 = x32.astype(np.float16)
     out16 = np.empty_like(x16)
-    backend.call("scale_", out16, x16, 3.0, 1.0)  # float16: through float32, rounded once
+    OPS.scale_(out16, x16, Factor(3.0, 1.0))  # float16: through float32, rounded once
     np.testing.assert_array_equal(out16, (x16.astype(np.float32) / np.float32(3)).astype(np.float16))
-    parts = backend.call("segment_sumsq", x32, np.array([0, 3, 7], np.int64))
+    parts = OPS.segment_sumsq(x32, np.array([0, 3, 7], np.int64))
     assert_tree_close(
         list(parts),
         [float(np.sum(x32[:3].astype(np.float64) ** 2)), float(np.sum(x32[3:].astype(np.float64) ** 2))],
     )
 
 
-def test_flow_factor_keeps_the_buffers_roles():
-    from numbaccum.base import Flow
+def test_updates_factor_keeps_the_buffers_roles_and_composes():
+    from numbaccum.base import Updates
+    from numbaccum.contract import Factor
 
     flat = nba.FlatTree.from_tree({"a": np.ones(3, np.float32)})
     scratch = flat.zeros_like
-    flow = Flow(flat, False, returnable=True, scratch=scratch)
-    f = flow.with_factor(2.0, 3.0)
-    assert (f.flat, f.owned, f.returnable, f.scratch, f.div, f.mul) == (flat, False, True, scratch, 2.0, 3.0)
-    assert f.pending and not flow.pending
-    assert Flow(flat, True).returnable and not Flow(flat, False).returnable
+    u = Updates(flat, False, returnable=True, scratch=scratch)
+    f = u.scaled(Factor(2.0, 3.0))
+    assert (f.flat, f.owned, f.returnable, f.scratch) == (flat, False, True, scratch)
+    assert (f.factor.div, f.factor.mul) == (2.0, 3.0)
+    assert f.pending and not u.pending
+    assert Updates(flat, True).returnable and not Updates(flat, False).returnable
     np.testing.assert_array_equal(f.settled().flat.tree["a"], np.full(3, 1.5, np.float32))
+    # A second factor composes with the pending one (never drops it): (1 / 2 * 3) * 5.
+    g = f.scaled(Factor(1.0, 5.0))
+    np.testing.assert_array_equal(g.settled().flat.tree["a"], np.full(3, 7.5, np.float32))
+    np.testing.assert_array_equal(flat.tree["a"], np.ones(3, np.float32))  # the input is untouched

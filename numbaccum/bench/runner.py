@@ -78,14 +78,16 @@ def _times(fn: Callable[[], Any], repeats: int) -> list[float]:
 def copy_floor(nbytes: int, repeats: int) -> float:
     """GB/s (read + write bytes) of the faster of ``np.copyto`` (one thread) and a parallel numba
     copy (all threads) between two preallocated float32 buffers: the roof a kernel can reach."""
-    from numbaccum import backend
+    from numbaccum.backend import ops_for
+    from numbaccum.contract import ONE
 
     a = np.ones(nbytes // 4, np.float32)
     b = np.empty_like(a)
     np.copyto(b, a)
-    backend.call("scale_", b, a, 1.0, 1.0)  # (x / 1) * 1 == x: a copy through our own kernel
+    ops = ops_for(a)
+    ops.scale_(b, a, ONE)  # a scale by one is a copy through our own kernel
     t_np = min(_times(lambda: np.copyto(b, a), repeats))
-    t_par = min(_times(lambda: backend.call("scale_", b, a, 1.0, 1.0), repeats))
+    t_par = min(_times(lambda: ops.scale_(b, a, ONE), repeats))
     return 2 * a.nbytes / min(t_np, t_par) / 1e9
 
 

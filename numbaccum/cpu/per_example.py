@@ -96,9 +96,3 @@ def batch_weighted_sum_(out, g, offsets, out_offsets, mult, noise, std, div, lim
 
     with guard_for(g.size):
         run(out, g, offsets, out_offsets, mult, noise, std, div, limit, items)
-
-
-KERNELS = ("batch_weighted_sum_",)
-
-# Arguments each in-place kernel writes (index into its argument list).
-WRITES: dict[str, tuple[int, ...]] = {"batch_weighted_sum_": (0,)}

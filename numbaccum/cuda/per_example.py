@@ -93,6 +93,3 @@ def batch_weighted_sum_(out, g, offsets, out_offsets, mult, noise, std, div, lim
         div,
         limit,
     )
-
-
-KERNELS = ("batch_weighted_sum_",)
