@@ -176,21 +176,6 @@ class Updates:
             ops_for(src).scale_(dst, src, factor)
         return out
 
-    # TRANSITIONAL (until clipping/privacy/adaptive/norms/compat use `factor`): the old fields.
-    @property
-    def div(self) -> Any:
-        f = self.factor
-        return f.device if f.device is not None else f.div
-
-    @property
-    def mul(self) -> Any:
-        f = self.factor
-        return None if f.device is not None else f.mul
-
-    def with_factor(self, div: Any, mul: Any) -> Updates:
-        """TRANSITIONAL: `scaled` with the old ``div, mul`` arguments (a dict ``div``: on device)."""
-        return self.scaled(Factor(device=div) if isinstance(div, dict) else Factor(div, mul))
-
 
 class ParamsRef:
     """The ``params`` argument: checked against the updates' layout before anything runs
@@ -580,12 +565,7 @@ def chain(*transforms: Any) -> GradientTransformationExtraArgs:
     state as it was; a foreign (non-numbaccum) transformation runs its own checks when it runs
     (see `Foreign`).
     """
-    txs = [with_extra_args_support(t) for t in transforms]
-    # TRANSITIONAL: privacy's aggregation until it is a reshaping Stage.
-    front = getattr(txs[0].update, "_chain_front", None) if len(txs) > 1 else None
-    if front is not None:
-        return front(txs[1:])
-    return Chain([as_stage(t) for t in txs]).transformation()
+    return Chain([as_stage(with_extra_args_support(t)) for t in transforms]).transformation()
 
 
 def named_chain(*transforms: tuple[str, Any]) -> GradientTransformationExtraArgs:
@@ -595,91 +575,6 @@ def named_chain(*transforms: tuple[str, Any]) -> GradientTransformationExtraArgs
         raise ValueError(f"named_chain: names must be unique, got {names}")
     stages = [as_stage(with_extra_args_support(t)) for _, t in transforms]
     return Chain(stages, names).transformation()
-
-
-# --- TRANSITIONAL: the old function-attribute protocol, until WP4b's modules are ported ------
-
-
-class Flow(Updates):
-    """TRANSITIONAL: `Updates` with the old constructor ``(flat, owned, div, mul, returnable,
-    scratch)`` (a dict ``div`` with ``mul`` None: a factor on the device)."""
-
-    __slots__ = ()
-
-    def __init__(
-        self,
-        flat: FlatTree,
-        owned: bool,
-        div: Any = 1.0,
-        mul: Any = 1.0,
-        returnable: bool | None = None,
-        scratch: Callable[[], FlatTree] | None = None,
-    ) -> None:
-        if isinstance(div, dict):
-            factor = Factor(device=div)
-        elif div == 1.0 and mul == 1.0:
-            factor = ONE
-        else:
-            factor = Factor(div, mul)
-        super().__init__(flat, owned, factor, returnable, scratch)
-
-
-class _LegacyStage(Stage):
-    """TRANSITIONAL: a stage from ``flat_update(flow, state, params, extra) -> (flow, state)``,
-    planned and run in one go (no all-or-nothing)."""
-
-    def __init__(self, init: Callable[[Any], Any], flat_update: Callable) -> None:
-        self._init = init
-        self.flat_update = flat_update
-
-    def init(self, params: Any) -> Any:
-        return self._init(params)
-
-    def owner(self, state: Any) -> FlatTree | None:
-        return state_owner(state)
-
-    def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
-        return Step(lambda u: self.flat_update(u, state, params, extra))
-
-
-def flat_transformation(init: Callable[[Any], Any], flat_update: Callable) -> GradientTransformationExtraArgs:
-    """TRANSITIONAL: a transformation from a flat update (write a `Stage` instead)."""
-    return _LegacyStage(init, flat_update).transformation()
-
-
-def flat_update_of(tx: Any) -> Callable:
-    """TRANSITIONAL: ``tx``'s stage as a flat update ``(flow, state, params, extra)``."""
-    stage = as_stage(tx)
-    return lambda flow, state, params, extra: stage.plan(
-        Spec(flow.flat.layout, flow.flat.device), state, params, extra
-    ).run(flow)
-
-
-def run_stage(
-    tx: Any, flow: Updates, state: Any, params: ParamsRef | None, extra: dict, scratch: Callable[[], FlatTree]
-) -> tuple[Updates, Any]:
-    """TRANSITIONAL: plans and runs one stage on ``flow`` (its scratch: ``scratch``)."""
-    stage = as_stage(tx)
-    step = stage.plan(Spec(flow.flat.layout, flow.flat.device), state, params, extra)
-    flow.scratch = scratch
-    return step.run(flow)
-
-
-def state_owner(state: Any) -> FlatTree | None:
-    """TRANSITIONAL: the first FlatTree held by a state (declare `Stage.owner` instead)."""
-    if isinstance(state, FlatTree):
-        return state
-    if isinstance(state, dict):
-        state = list(state.values())
-    if isinstance(state, (tuple, list)):
-        for s in state:
-            if isinstance(s, FlatTree):
-                return s
-            if isinstance(s, (tuple, list, dict)):
-                found = state_owner(s)
-                if found is not None:
-                    return found
-    return None
 
 
 # --- applying updates and copying states ----------------------------------------------------
