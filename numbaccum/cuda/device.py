@@ -13,7 +13,7 @@ import numpy as np
 
 from ..arrays import INSTALL_HINT, cuda_api
 
-__all__ = ["INSTALL_HINT", "cuda_module"]
+__all__ = ["cuda_module"]
 
 _checked: list[bool] = []
 _probe: list[Any] = []  # the compiled probe kernel, kept so a retry does not compile it again
