@@ -52,10 +52,18 @@ def leaf_sumsq(flat: Any) -> np.ndarray:
     """sum(x ** 2) of every leaf of a `numbaccum.flat.FlatTree`, float64 in leaf order (one
     engine call per dtype group, each leaf one slice)."""
     lay = flat.layout
+    tables = _LEAF_TABLES.get(lay)
+    if tables is None:  # once per layout: a small tree's whole update costs microseconds
+        if len(_LEAF_TABLES) > 1024:
+            _LEAF_TABLES.clear()
+        tables = _LEAF_TABLES[lay] = [segments(offsets) for offsets in lay.offsets]
     out = np.empty(lay.num_leaves, np.float64)
-    for members, offsets, g in zip(lay.group_index, lay.offsets, flat.groups):
-        out[members] = ops_for(g).slice_sumsq(g, segments(offsets))
+    for members, table, g in zip(lay.group_index, tables, flat.groups):
+        out[members] = ops_for(g).slice_sumsq(g, table)
     return out
+
+
+_LEAF_TABLES: dict[Any, list] = {}  # layout -> one segments table per group (each leaf a slice)
 
 
 def tree_sumsq(flat: Any) -> float:

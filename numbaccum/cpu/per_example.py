@@ -16,6 +16,9 @@ from numba import njit, prange
 from .. import _config
 from ..formulas import clamp
 from ..tables import segments
+from .driver import guard_for
+
+_F16 = np.dtype(np.float16)
 
 __all__ = ["batch_weighted_sum_"]
 
@@ -89,10 +92,16 @@ def batch_weighted_sum_(out, g, offsets, out_offsets, mult, noise, std, div, lim
     ``B`` times smaller); ``mult`` is float64 ``(leaves, B)``; ``noise`` is read only when
     ``std != 0``. Sums run in float64 in example order; examples with ``mult == 0`` are skipped.
     """
+    if out.dtype == _F16 or g.dtype == _F16 or noise.dtype == _F16:
+        # numba has no float16 on the CPU: read through float32 copies (exact), round once.
+        out32 = out.astype(np.float32)
+        batch_weighted_sum_(
+            out32, g.astype(np.float32), offsets, out_offsets, mult, noise.astype(np.float32), std, div, limit
+        )
+        np.copyto(out, out32, casting="same_kind")
+        return
     run = _WEIGHTED_SUM[1] if g.size < _config.SERIAL_BELOW else _WEIGHTED_SUM[0]
     # The output's leaves cut into fixed items of BATCH_CHUNK elements (a segments table's work).
     items = segments(out_offsets).work(BATCH_CHUNK, False).items
-    from .driver import guard_for  # numba's workqueue layer aborts on concurrent parallel calls
-
-    with guard_for(g.size):
+    with guard_for(g.size):  # numba's workqueue layer aborts on concurrent parallel calls
         run(out, g, offsets, out_offsets, mult, noise, std, div, limit, items)

@@ -39,6 +39,7 @@ from ..tables import (
     slice_start,
     sum_in_order,
 )
+from .driver import guard_for
 
 __all__ = [
     "KINDS",
@@ -256,8 +257,6 @@ def _pick(pair, n):
 def _guarded(n, kernel, *args):
     """Runs ``kernel`` under the CPU driver's guard (numba's ``workqueue`` layer aborts when two
     threads enter parallel kernels at once)."""
-    from .driver import guard_for
-
     with guard_for(n):
         return kernel(*args)
 
