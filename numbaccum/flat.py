@@ -123,6 +123,28 @@ class Layout:
         groups = ", ".join(f"{d}: {n}" for d, n in zip(self.group_dtypes, self.group_sizes))
         return f"Layout({self.num_leaves} leaves, {{{groups}}})"
 
+    @property
+    def group_keys(self) -> tuple[np.dtype, ...]:
+        """Each leaf's group key (the ``group_key`` that `get` was given): with the treedef, the
+        shapes and the dtypes, what identifies this layout."""
+        return tuple(self.group_dtypes[g] for g in self.leaf_group)
+
+    def __reduce__(self) -> Any:
+        # Layouts are interned and compared with `is`: an unpickled one must be the interned
+        # layout of its key, or a restored state fails every layout check.
+        return (_interned_layout, (self.treedef, self.shapes, self.dtypes, self.group_keys))
+
+    def __copy__(self) -> Layout:
+        return self  # immutable and interned
+
+    def __deepcopy__(self, memo: dict) -> Layout:
+        return self
+
+
+def _interned_layout(treedef: TreeDef, shapes: tuple, dtypes: tuple, keys: tuple) -> Layout:
+    """`Layout.get` for unpickling (a plain function pickles by name everywhere)."""
+    return Layout.get(treedef, shapes, dtypes, keys)
+
 
 def _as_leaf(x: Any, where: tuple, name: str) -> Any:
     """A NumPy float array, or a numba view of a CUDA float array, for a leaf; TypeError naming
@@ -323,6 +345,34 @@ class FlatTree:
         bufs = ", ".join(f"{d}: {b.size}" for d, b in self.buffers.items())
         return f"FlatTree({self.layout.num_leaves} leaves, {{{bufs}}})"
 
+    # --- pickle and copy --------------------------------------------------------------------
+
+    def __reduce__(self) -> Any:
+        # Pickling the attributes would make each group, buffer and leaf view a separate array:
+        # the restored tree's views would no longer alias its buffers and updates would write
+        # memory nobody reads. Pickle the values of the groups (host copies) instead, and
+        # rebuild the storage, the views and the interned layout from them.
+        host = to_host(self) if self.device else self
+        groups = [np.ascontiguousarray(g) for g in host.groups]
+        return (_unpickled_flat, (self.layout, groups, self.device, self._readonly))
+
+    def __deepcopy__(self, memo: dict) -> FlatTree:
+        out = self.copy()  # stays on its device; fresh workspaces, as `copy` gives
+        if self._readonly:
+            out._mark_readonly()
+        return out
+
+    def __copy__(self) -> FlatTree:
+        """A shallow copy: another FlatTree over the same storage (as ``copy.copy`` of a container
+        shares its items); ``copy.deepcopy`` or `copy` give independent storage."""
+        return FlatTree(self.layout, self.groups, self.buffers, self._readonly)
+
+    def _mark_readonly(self) -> None:
+        self._readonly = True
+        if not self.device:  # NumPy can enforce it; on the GPU it is a promise
+            for g in self.groups:
+                g.flags.writeable = False
+
     # --- copies -----------------------------------------------------------------------------
 
     def zeros_like(self, dtype: Any = None) -> FlatTree:
@@ -379,6 +429,21 @@ class FlatTree:
         if ws is None:
             ws = self._workspaces[name] = FlatTree.empty(self.layout, dtypes, self.device)
         return ws
+
+
+def _unpickled_flat(layout: Layout, groups: list[np.ndarray], device: bool, readonly: bool) -> FlatTree:
+    """The FlatTree that `FlatTree.__reduce__` pickled: fresh storage (one buffer per storage
+    dtype, as `FlatTree.empty` lays it out) holding the pickled group values."""
+    if len(groups) != len(layout.groups) or any(g.shape != (n,) for g, n in zip(groups, layout.group_sizes)):
+        raise ValueError(f"a pickled FlatTree does not fit its layout {layout}")
+    out = FlatTree.empty(layout, [g.dtype for g in groups])
+    for dst, src in zip(out.groups, groups):
+        dst[...] = src
+    if device:
+        out = to_device(out)
+    if readonly:
+        out._mark_readonly()
+    return out
 
 
 def check_leaves(
