@@ -39,6 +39,7 @@ from .base import (
     named_chain,
     with_extra_args_support,
 )
+from .checkpoint import load_state, save_state
 from .clipping import (
     ApplyIfFiniteState,
     ClipByGlobalNormState,
@@ -134,6 +135,7 @@ __all__ = [
     "ema",
     "global_norm",
     "identity",
+    "load_state",
     "named_chain",
     "normalize",
     "normalize_by_ema",
@@ -144,6 +146,7 @@ __all__ = [
     "scale",
     "scale_by_adam",
     "scale_by_learning_rate",
+    "save_state",
     "sgd",
     "skip_large_updates",
     "skip_not_finite",
