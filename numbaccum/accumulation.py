@@ -8,13 +8,13 @@ saturate at the int32 maximum like optax's ``safe_increment``.
 from __future__ import annotations
 
 import functools
-import numbers
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import numpy as np
 
 from . import backend
+from ._checks import INT32_MAX, integer, real, transformation
 from .base import (
     Flow,
     GradientTransformationExtraArgs,
@@ -24,6 +24,7 @@ from .base import (
     with_extra_args_support,
 )
 from .flat import FlatTree, Layout, as_flat, check_float_dtype, layout_and_device, layout_of
+from .tree import short_repr
 
 __all__ = [
     "ApplyEvery",
@@ -48,7 +49,7 @@ def safe_increment(count: Any) -> np.int32:
 
 
 def check_decay(decay: Any, name: str = "decay") -> float:
-    d = float(decay)
+    d = real(decay, name)
     if not 0.0 <= d <= 1.0:
         raise ValueError(f"{name} must be in [0, 1], got {decay!r}")
     return d
@@ -234,11 +235,9 @@ def apply_every(k: int = 1) -> GradientTransformationExtraArgs:
 
 
 def _check_k(k: Any, name: str) -> int:
-    if isinstance(k, (bool, np.bool_)) or not isinstance(k, numbers.Integral):
-        raise TypeError(f"{name} must be an int, got {type(k).__name__}")
-    if int(k) < 1:
-        raise ValueError(f"{name} must be >= 1, got {k}")
-    return int(k)
+    # At most the int32 maximum: the step counters are int32 (as in optax), so a larger k would
+    # overflow MultiSteps' mini_step, and apply_every's saturating count would never reach it.
+    return integer(k, name, minimum=1, maximum=INT32_MAX)
 
 
 # --- skip predicates ------------------------------------------------------------------------
@@ -365,7 +364,11 @@ class MultiSteps:
             self._k: Any = every_k_schedule
         else:
             self._k = _check_k(every_k_schedule, "every_k_schedule")
-        self._opt = with_extra_args_support(opt)
+        self._opt = with_extra_args_support(transformation(opt, "opt"))
+        if should_skip_update_fn is not None and not callable(should_skip_update_fn):
+            raise TypeError(
+                f"should_skip_update_fn must be callable or None, got {type(should_skip_update_fn).__name__}"
+            )
         self._mean = bool(use_grad_mean)
         self._skip = should_skip_update_fn
         self._acc_dtype = (
@@ -408,15 +411,14 @@ class MultiSteps:
         if not callable(self._k):
             return self._k
         k = self._k(gradient_step)
+        # The same rule as a constant k: an int in [1, int32 max]; 2.7, True or "3" are refused,
+        # not truncated or parsed.
         try:
-            k_int = int(k)
+            return _check_k(k, "every_k_schedule's value")
         except (TypeError, ValueError) as e:
-            raise TypeError(f"every_k_schedule returned {k!r}, not an int") from e
-        if k_int < 1:
-            raise ValueError(
-                f"every_k_schedule returned {k_int} at gradient_step {gradient_step}; it must be >= 1"
-            )
-        return k_int
+            raise type(e)(
+                f"every_k_schedule returned {short_repr(k, 40)} at gradient_step {gradient_step}: {e}"
+            ) from None
 
     def _flat_update(
         self, flow: Flow, state: Any, params: ParamsRef | None, extra: dict

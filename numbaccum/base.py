@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from . import backend
+from ._checks import transformation
 from .flat import FlatTree, Layout, as_flat, check_leaves, host_leaves, layout_of, torch_runs
 from .tree import format_path, tree_flatten, tree_flatten_with_path
 
@@ -56,6 +57,7 @@ def with_extra_args_support(tx: Any) -> GradientTransformationExtraArgs:
     """
     if isinstance(tx, GradientTransformationExtraArgs):
         return tx
+    transformation(tx, "tx")
 
     def update(updates: Any, state: Any, params: Any = None, **extra_args: Any) -> Any:
         del extra_args
@@ -294,7 +296,10 @@ def chain(*transforms: Any) -> GradientTransformationExtraArgs:
 
     ``params`` and extra keyword arguments are passed to every transformation.
     """
-    txs = [with_extra_args_support(t) for t in transforms]
+    txs = [
+        with_extra_args_support(transformation(t, f"chain: transforms[{i}]"))
+        for i, t in enumerate(transforms)
+    ]
     front = getattr(txs[0].update, "_chain_front", None) if len(txs) > 1 else None
     if front is not None:  # a first stage that changes the layout (per-example DP aggregation)
         return front(txs[1:])
@@ -318,6 +323,12 @@ def chain(*transforms: Any) -> GradientTransformationExtraArgs:
 
 def named_chain(*transforms: tuple[str, Any]) -> GradientTransformationExtraArgs:
     """Like `chain`, with a state dict keyed by the given names."""
+    for i, entry in enumerate(transforms):
+        if not (isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[0], str)):
+            raise TypeError(
+                f"named_chain: transforms[{i}] must be a (name, transformation) pair, got {entry!r:.60}"
+            )
+        transformation(entry[1], f"named_chain: transforms[{i}] ({entry[0]!r})")
     names = [n for n, _ in transforms]
     if len(set(names)) != len(names):
         raise ValueError(f"named_chain: names must be unique, got {names}")

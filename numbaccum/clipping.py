@@ -9,6 +9,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from . import backend
+from ._checks import integer, non_negative, real, transformation
 from .base import (
     EmptyState,
     Flow,
@@ -120,9 +121,7 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformationExtraArgs:
     Raises:
         ValueError: ``max_norm`` is negative.
     """
-    max_norm = float(max_norm)
-    if not max_norm >= 0:  # NaN too
-        raise ValueError(f"max_norm must be >= 0, got {max_norm}")
+    max_norm = non_negative(max_norm, "max_norm")
 
     def flat_update(flow: Flow, state: Any, params: Any, extra: dict) -> tuple[Flow, Any]:
         flow = flow.settled()
@@ -151,9 +150,7 @@ def clip(max_delta: float) -> GradientTransformationExtraArgs:
     Raises:
         ValueError: ``max_delta`` is negative.
     """
-    max_delta = float(max_delta)
-    if not max_delta >= 0:
-        raise ValueError(f"max_delta must be >= 0, got {max_delta}")
+    max_delta = non_negative(max_delta, "max_delta")
 
     def flat_update(flow: Flow, state: Any, params: Any, extra: dict) -> tuple[Flow, Any]:
         out = flow.fresh()
@@ -170,7 +167,7 @@ def normalize_by_update_norm(scale_factor: float = 1.0, eps: float = 1e-6) -> Gr
     The norm accumulates in float64; the division rides on the next kernel. On the GPU the norm
     comes back to the host (one synchronisation per call). Stateless.
     """
-    scale_factor, eps = float(scale_factor), float(eps)
+    scale_factor, eps = real(scale_factor, "scale_factor"), non_negative(eps, "eps")
 
     def flat_update(flow: Flow, state: Any, params: Any, extra: dict) -> tuple[Flow, Any]:
         flow = flow.settled()
@@ -233,8 +230,8 @@ def apply_if_finite(inner: Any, max_consecutive_errors: int) -> GradientTransfor
     The finiteness check is a reduction whose result the host needs (one synchronisation on the
     GPU).
     """
-    inner = with_extra_args_support(inner)
-    max_errors = int(max_consecutive_errors)
+    inner = with_extra_args_support(transformation(inner, "inner"))
+    max_errors = integer(max_consecutive_errors, "max_consecutive_errors")
 
     def init(params: Any) -> ApplyIfFiniteState:
         return ApplyIfFiniteState(np.int32(0), np.bool_(True), np.int32(0), inner.init(params))
@@ -269,7 +266,9 @@ def clip_by_block_rms(threshold: float) -> GradientTransformationExtraArgs:
     divisors), not a Python loop over leaves. As in optax, ``threshold = 0`` on a zero leaf gives
     NaN (0 / 0). On the GPU the per-leaf divisors are computed on the host (one synchronisation).
     """
-    threshold = float(threshold)
+    # A negative threshold never clipped and NaN gave NaN updates: both refused. 0 is allowed
+    # (optax's 0 / 0 = NaN on a zero leaf, documented above).
+    threshold = non_negative(threshold, "threshold")
 
     def flat_update(flow: Flow, state: Any, params: Any, extra: dict) -> tuple[Flow, Any]:
         flow = flow.settled()

@@ -30,6 +30,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from . import backend
+from ._checks import non_negative, real
 from .base import (
     EmptyState,
     Flow,
@@ -180,6 +181,10 @@ def _slicing(layout: Layout, key: tuple, choose: Chooser, name: str = "updates")
                 chosen = choose(shape)
             except ValueError as e:
                 raise ValueError(f"{layout.path(leaf, name)}: {e}") from None
+            if size == 0:
+                # Nothing to measure or scale; cut by ``dim`` it could still have billions of
+                # (empty) slices: shape (0, 2**31) with dim=0 would make 16 GiB of slice tables.
+                chosen = None
             if chosen is None:  # left alone: one contiguous slice, copied as it is
                 cuts.append((int(offsets[j]), [], [(size, 1)] if size != 1 else [], False))
             else:
@@ -523,10 +528,7 @@ def _rescale(flow: Flow, key: float | str, dim: Any, choose: tuple, pair: Pair) 
 
 
 def _check_max(value: Any, name: str) -> float:
-    v = float(value)
-    if not v >= 0:  # NaN too
-        raise ValueError(f"{name} must be >= 0, got {value!r}")
-    return v
+    return non_negative(value, name)
 
 
 def _dims_spec(kind: str, dim: Any, inverse_dims: bool, min_size: Any) -> tuple:
@@ -598,7 +600,7 @@ def normalize(
     Raises:
         ValueError: unknown ``ord``, a bad ``dim`` or ``min_size``.
     """
-    norm_value = float(norm_value)
+    norm_value = real(norm_value, "norm_value")
     key, dims, choose = _norm_spec(ord, dim, inverse_dims, min_size)
     pair = _normalize_pair(norm_value)
     return _stateless(lambda flow: _rescale(flow, key, dims, choose, pair))
@@ -717,7 +719,8 @@ def adaptive_grad_clip(
     Raises:
         ValueError: ``params`` not given; a leaf of rank 6 or more without ``axis`` (naming it).
     """
-    clipping, eps = float(clipping), float(eps)
+    # A negative clipping flipped the sign of every clipped unit; NaN gave NaN.
+    clipping, eps = non_negative(clipping, "clipping"), non_negative(eps, "eps")
     axes = _check_axis(axis)
     key = ("unit", axes)
 
@@ -799,7 +802,7 @@ def normalize_grads_(
         ValueError: unknown ``ord``, a bad ``dim`` or ``min_size`` (before any array is changed).
         TypeError: a leaf that cannot change in place.
     """
-    norm_value = float(norm_value)
+    norm_value = real(norm_value, "norm_value")
     key, dims, choose = _norm_spec(ord, dim, inverse_dims, min_size)
     pair = _normalize_pair(norm_value)
     return _in_place(grads, lambda flow: _rescale(flow, key, dims, choose, pair))

@@ -8,6 +8,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from . import backend
+from ._checks import real, real_or_schedule
 from .accumulation import bias_correction, check_decay, compute_dtype, expect_state, safe_increment, trace
 from .base import (
     EmptyState,
@@ -53,7 +54,7 @@ def identity() -> GradientTransformationExtraArgs:
 
 def scale(step_size: float) -> GradientTransformationExtraArgs:
     """Scales the updates: ``u = step_size * g``. Stateless."""
-    step_size = float(step_size)
+    step_size = real(step_size, "step_size")
     return flat_transformation(
         _init_empty, lambda flow, state, params, extra: (_scaled(flow, step_size), state)
     )
@@ -71,8 +72,9 @@ def scale_by_learning_rate(
     """``u = -learning_rate * g`` (``+`` with ``flip_sign=False``); ``learning_rate`` is a float
     or a callable of the step count (then the state is `ScaleByScheduleState`)."""
     sign = -1.0 if flip_sign else 1.0
+    learning_rate = real_or_schedule(learning_rate, "learning_rate")
     if not callable(learning_rate):
-        return scale(sign * float(learning_rate))
+        return scale(sign * learning_rate)
     schedule = learning_rate
 
     def init(params: Any) -> ScaleByScheduleState:
@@ -91,7 +93,7 @@ def scale_by_learning_rate(
 
 def add_decayed_weights(weight_decay: float = 0.0) -> GradientTransformationExtraArgs:
     """Weight decay: ``u = g + weight_decay * params``. Needs ``params``."""
-    weight_decay = float(weight_decay)
+    weight_decay = real(weight_decay, "weight_decay")
 
     def flat_update(flow: Flow, state: Any, params: ParamsRef | None, extra: dict) -> tuple[Flow, Any]:
         if params is None:
@@ -113,6 +115,8 @@ def sgd(
 ) -> GradientTransformationExtraArgs:
     """Stochastic gradient descent: ``chain(trace(momentum, nesterov), scale_by_learning_rate)``
     (no trace when ``momentum`` is None): ``u = -lr * trace``."""
+    if momentum is not None:
+        real(momentum, "momentum")  # named as the caller knows it (trace calls it decay)
     first = trace(momentum, nesterov, accumulator_dtype) if momentum is not None else identity()
     return chain(first, scale_by_learning_rate(learning_rate))
 
@@ -140,7 +144,7 @@ def scale_by_adam(
     """
     b1 = check_decay(b1, "b1")
     b2 = check_decay(b2, "b2")
-    eps, eps_root = float(eps), float(eps_root)
+    eps, eps_root = real(eps, "eps"), real(eps_root, "eps_root")
     mu_dt = None if mu_dtype is None else check_float_dtype(mu_dtype, "mu_dtype")
 
     def init(params: Any) -> ScaleByAdamState:
@@ -184,6 +188,7 @@ def adam(
     Same state and same bits as that chain, in one pass: the ``-lr`` step is applied inside the
     Adam kernel (``u = direction * -lr`` rounds exactly as a separate scaling pass would).
     """
+    learning_rate = real_or_schedule(learning_rate, "learning_rate")
     direction = scale_by_adam(b1, b2, eps, eps_root)
     reference = chain(direction, scale_by_learning_rate(learning_rate))
     adam_step = direction.update._adam_step  # type: ignore[attr-defined]

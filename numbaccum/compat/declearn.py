@@ -36,6 +36,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from .. import backend
+from .._checks import non_negative, real
 from ..accumulation import ema, trace
 from ..adaptive import _divide_leaves
 from ..base import EmptyState, Flow, GradientTransformationExtraArgs, flat_transformation
@@ -190,9 +191,7 @@ class L2Clipping(_TxModule):
 
 def _l2_clipping(max_norm: float) -> GradientTransformationExtraArgs:
     """Per-leaf L2 clipping: ``u = g / max(|g| / max_norm, 1)`` (1 for a zero or non-finite norm)."""
-    m = float(max_norm)
-    if not m >= 0:
-        raise ValueError(f"max_norm must be >= 0, got {max_norm!r}")
+    m = non_negative(max_norm, "max_norm")
 
     def flat_update(flow: Flow, state: Any, params: Any, extra: dict) -> tuple[Flow, Any]:
         flow = flow.settled()
@@ -345,7 +344,7 @@ class GaussianNoiseModule(OptiModule):
     name: ClassVar[str] = "gaussian-noise"
 
     def __init__(self, std: float = 1.0, safe_mode: bool = True, seed: int | None = None) -> None:
-        if not (math.isfinite(float(std)) and float(std) >= 0):
+        if not (math.isfinite(real(std, "std")) and real(std, "std") >= 0):
             raise ValueError(f"std must be finite and >= 0, got {std!r}")
         self.std = std
         self.safe_mode = bool(safe_mode)
