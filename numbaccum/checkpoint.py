@@ -76,7 +76,7 @@ def _class_name(cls: type, path: str) -> str:
     return f"{cls.__module__}:{qualname}"
 
 
-def _resolve_class(name: Any, fields: Any, known: dict[str, type]) -> type:
+def _resolve_class(name: Any, fields: Any, known: dict[str, type]) -> Any:
     """The NamedTuple class ``name`` with these fields: from ``known`` (the classes of ``like``),
     from numbaccum, or from a module that is already imported. Nothing is imported from a name
     that the file supplies, except numbaccum's own modules."""
@@ -258,7 +258,7 @@ def save_state(path: str | os.PathLike, state: Any) -> None:
         "state": node,
     }
     blob = np.frombuffer(json.dumps(header, separators=(",", ":")).encode(), np.uint8)
-    arrays = {HEADER: blob, **{f"a{i}": a for i, a in enumerate(enc.arrays)}}
+    arrays: dict[str, Any] = {HEADER: blob, **{f"a{i}": a for i, a in enumerate(enc.arrays)}}
     directory = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
     try:
@@ -384,7 +384,7 @@ def _read(f: Any) -> tuple[dict, list[np.ndarray]]:
             if key not in npz.files:
                 raise _Malformed(f"truncated or corrupt: the array {key} is missing")
             expected = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-            if npz.zip.getinfo(f"{key}.npy").file_size < expected:  # before allocating for it
+            if npz.zip.getinfo(f"{key}.npy").file_size < expected:  # type: ignore[union-attr]  # before reading
                 raise _Malformed(f"truncated or corrupt: the array {key} is shorter than its header says")
             a = _member(npz, key)
             if a.dtype != dtype or a.shape != shape:
@@ -502,9 +502,9 @@ class _Decoder:
             self.objects.append(a)
             return a
         if tag == "flat" and len(args) == 3:
-            out = self._flat(*args, path)
-            self.objects.append(out)
-            return out
+            flat = self._flat(args[0], args[1], args[2], path)
+            self.objects.append(flat)
+            return flat
         if tag == "ref" and len(args) == 1:
             i = args[0]
             if type(i) is not int or not 0 <= i < len(self.objects):
@@ -520,11 +520,11 @@ class _Decoder:
             items = [self.node(k, f"{path}[{i}]") for i, k in enumerate(args[0])]
             return tuple(items) if tag == "tuple" else items
         if tag == "dict" and len(args) == 1 and isinstance(args[0], list):
-            out: dict[Any, Any] = {}
+            mapping: dict[Any, Any] = {}
             for item in args[0]:
                 k = self.key(item[0], path)
-                out[k] = self.node(item[1], f"{path}[{short_repr(k)}]")
-            return out
+                mapping[k] = self.node(item[1], f"{path}[{short_repr(k)}]")
+            return mapping
         raise _Malformed(f"a malformed entry at {path} ({short_repr(tag)})")
 
     def key(self, n: Any, path: str) -> Any:
