@@ -25,9 +25,19 @@ def real(value: Any, name: str) -> float:
         raise TypeError(f"{name} must be a real number, got a bool {value!r}")
     if isinstance(value, numbers.Real):
         return float(value)
-    if isinstance(value, np.ndarray) and value.ndim == 0 and value.dtype.kind in "iuf":
+    if _real_0d(value):  # a 0-d array of NumPy, JAX or PyTorch (optax users pass jnp scalars)
         return float(value)
     raise TypeError(f"{name} must be a real number, got {type(value).__name__} {short_repr(value, 40)}")
+
+
+def _real_0d(value: Any) -> bool:
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__float__"):
+        return False
+    try:
+        arr = np.asarray(value)
+    except Exception:  # e.g. a CUDA tensor: not a host number
+        return False
+    return arr.ndim == 0 and arr.dtype.kind in "iuf"
 
 
 def non_negative(value: Any, name: str) -> float:
