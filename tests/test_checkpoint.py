@@ -431,20 +431,21 @@ def test_like_of_another_structure_shape_or_dtype_raises_value_error(saved):
     path, tx, _ = saved
     p = params_tree()
     other = dict(p, extra=np.ones(2, F32))
-    with pytest.raises(ValueError, match=r"state.acc_grads: .*params structure differs.*dict keys differ"):
+    mu = r"state.inner_opt_state\[0\].mu: the checkpoint does not match like: "
+    with pytest.raises(ValueError, match=mu + r"params structure differs at params: .*missing \['extra'\]"):
         nba.load_state(path, like=tx.init(other))
-    shape = r"state.acc_grads: .*params\['dense'\]\['w'\]: shape \(4, 3\) in the file, \(3, 4\) expected"
+    shape = mu + r"params\['dense'\]\['w'\]: shape \(4, 3\) in the file, \(3, 4\) expected"
     with pytest.raises(ValueError, match=shape):
         nba.load_state(path, like=tx.init(dict(p, dense={"w": np.ones((3, 4), F32), "b": p["dense"]["b"]})))
     with pytest.raises(ValueError, match=r"params\['half'\]: dtype float16 in the file, float32 expected"):
         nba.load_state(path, like=tx.init(dict(p, half=p["half"].astype(F32))))
     with pytest.raises(ValueError, match=r"state.acc_grads: .*storage dtypes"):
         nba.load_state(path, like=nba.MultiSteps(nba.adam(1e-3), 2, accumulator_dtype=F64).init(p))
-    with pytest.raises(ValueError, match=r"state.inner_opt_state: .*expected ScaleByAdamState, the file"):
+    with pytest.raises(ValueError, match=r"inner_opt_state: .*expected TraceState, the file holds tuple"):
         nba.load_state(path, like=nba.MultiSteps(nba.trace(0.9), 2).init(p))
     with pytest.raises(ValueError, match=r"state: .*expected TraceState"):
         nba.load_state(path, like=nba.trace(0.9).init(p))
-    with pytest.raises(ValueError, match=r"state.inner_opt_state: .*expected tuple"):
+    with pytest.raises(ValueError, match=r"state.inner_opt_state: .*2 entries in the file, 1 expected"):
         nba.load_state(path, like=nba.MultiSteps(nba.chain(nba.adam(1e-3)), 2).init(p))
     loaded = nba.load_state(path, like=tx.init(p))  # the right like still loads
     assert isinstance(loaded, nba.MultiStepsState)
