@@ -416,8 +416,9 @@ class MultiSteps:
         try:
             return _check_k(k, "every_k_schedule's value")
         except (TypeError, ValueError) as e:
+            shown = short_repr(k.item() if isinstance(k, np.generic) else k, 40)  # 0, not np.int64(0)
             raise type(e)(
-                f"every_k_schedule returned {short_repr(k, 40)} at gradient_step {gradient_step}: {e}"
+                f"every_k_schedule returned {shown} at gradient_step {gradient_step}: {e}"
             ) from None
 
     def _flat_update(
