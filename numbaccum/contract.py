@@ -89,12 +89,21 @@ class Ops:
         """out = 0 where factor(x) is NaN, else that value (inf is kept)."""
         self.driver.map_(F.zero_nans, factor, (x, out), ())
 
-    def trace_update_(self, trace: Any, g: Any, factor: Factor, decay: float, nesterov: bool, out: Any) -> None:
+    def trace_update_(
+        self, trace: Any, g: Any, factor: Factor, decay: float, nesterov: bool, out: Any
+    ) -> None:
         """trace = g + decay * trace; out = trace, or g + decay * trace if nesterov."""
         self.driver.map_(F.trace, factor, (trace, g, out), (decay, nesterov))
 
     def ema_update_(
-        self, ema: Any, g: Any, factor: Factor, one_minus_decay: float, decay: float, bias_correction: Any, out: Any
+        self,
+        ema: Any,
+        g: Any,
+        factor: Factor,
+        one_minus_decay: float,
+        decay: float,
+        bias_correction: Any,
+        out: Any,
     ) -> None:
         """ema = (1 - decay) * g + decay * ema; out = ema / bias_correction."""
         self.driver.map_(F.ema, factor, (ema, g, out), (one_minus_decay, decay, bias_correction))
@@ -129,7 +138,15 @@ class Ops:
         self.driver.map_(F.adam, factor, (mu, nu, g, out), args)
 
     def abs_ema_clip_(
-        self, ema: Any, g: Any, factor: Factor, one_minus_decay: float, decay: float, init: float, fresh: bool, out: Any
+        self,
+        ema: Any,
+        g: Any,
+        factor: Factor,
+        one_minus_decay: float,
+        decay: float,
+        init: float,
+        fresh: bool,
+        out: Any,
     ) -> None:
         """ema = (1 - decay) * |g| + decay * (|g| * init if fresh else ema); out = clip(g, -ema, ema).
         A non-finite g leaves its ema element as it is."""

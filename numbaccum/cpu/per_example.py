@@ -26,6 +26,7 @@ __all__ = ["batch_weighted_sum_"]
 BATCH_CHUNK = 1 << 16
 
 _clamp = njit(inline="always", error_model="numpy")(clamp)
+_F16 = np.dtype(np.float16)
 
 
 def _weighted_sum(parallel):
@@ -89,6 +90,22 @@ def batch_weighted_sum_(out, g, offsets, out_offsets, mult, noise, std, div, lim
     ``B`` times smaller); ``mult`` is float64 ``(leaves, B)``; ``noise`` is read only when
     ``std != 0``. Sums run in float64 in example order; examples with ``mult == 0`` are skipped.
     """
+    if out.dtype == _F16 or g.dtype == _F16:  # numba has no float16 on the CPU: stage through float32
+        staged = out.astype(np.float32) if out.dtype == _F16 else out
+        batch_weighted_sum_(
+            staged,
+            g.astype(np.float32) if g.dtype == _F16 else g,
+            offsets,
+            out_offsets,
+            mult,
+            noise,
+            std,
+            div,
+            limit,
+        )
+        if staged is not out:
+            out[...] = staged  # rounded once, on the way back
+        return
     run = _WEIGHTED_SUM[1] if g.size < _config.SERIAL_BELOW else _WEIGHTED_SUM[0]
     # The output's leaves cut into fixed items of BATCH_CHUNK elements (a segments table's work).
     items = segments(out_offsets).work(BATCH_CHUNK, False).items
