@@ -39,6 +39,7 @@ from .base import (
     named_chain,
     with_extra_args_support,
 )
+from .checkpoint import load_state, save_state
 from .clipping import (
     ApplyIfFiniteState,
     ClipByGlobalNormState,
@@ -136,6 +137,7 @@ __all__ = [
     "ema",
     "global_norm",
     "identity",
+    "load_state",
     "named_chain",
     "normalize",
     "normalize_by_ema",
@@ -146,6 +148,7 @@ __all__ = [
     "scale",
     "scale_by_adam",
     "scale_by_learning_rate",
+    "save_state",
     "scale_by_sign",
     "sgd",
     "sign_sgd",

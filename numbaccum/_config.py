@@ -3,6 +3,31 @@
 from __future__ import annotations
 
 import os
+import warnings
+
+
+def _env_int(name: str, default: int, power_of_two: bool = False, maximum: int | None = None) -> int:
+    """A positive int (at most ``maximum``) from the environment variable ``name``, else
+    ``default``.
+
+    A bad value must not break ``import numbaccum`` (the CPU path never reads these knobs): it
+    falls back to the default with a warning that names the variable.
+    """
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        value = 0
+    if value < 1 or (power_of_two and value & (value - 1)) or (maximum is not None and value > maximum):
+        need = "a positive power of two" if power_of_two else "a positive integer"
+        need += f" <= {maximum}" if maximum is not None else ""
+        shown = raw if len(raw) <= 40 else raw[:40] + "..."
+        warnings.warn(f"{name}={shown!r} is not {need}; using {default}", RuntimeWarning, stacklevel=2)
+        return default
+    return value
+
 
 # Elements per block of every reduction. The partition depends on the buffer size only, so a
 # norm has the same bits for any thread count. 2**14 float64 partials cover 2**30 elements.
@@ -18,12 +43,12 @@ SERIAL_BELOW = 1 << 16
 
 # CUDA: threads per block of every kernel (a power of two). CI's simulator run sets 4 through
 # NUMBACCUM_CUDA_THREADS, so that small inputs span many blocks.
-CUDA_THREADS = int(os.environ.get("NUMBACCUM_CUDA_THREADS", "256"))
+CUDA_THREADS = _env_int("NUMBACCUM_CUDA_THREADS", 256, power_of_two=True, maximum=1024)  # CUDA's limit
 
 # CUDA: at most this many blocks per elementwise launch; grid-stride loops cover the rest
 # (132 SMs x 16 resident blocks of 256 threads on an H100). The simulator run lowers it: each
 # simulated thread is a Python thread.
-CUDA_MAX_BLOCKS = int(os.environ.get("NUMBACCUM_CUDA_MAX_BLOCKS", str(132 * 16)))
+CUDA_MAX_BLOCKS = _env_int("NUMBACCUM_CUDA_MAX_BLOCKS", 132 * 16)
 
 # CUDA: elements per block of a reduction. Like REDUCE_BLOCK on the CPU, the partition depends on
 # the segment sizes only, so a norm has the same bits on every run and every GPU.

@@ -9,12 +9,12 @@ its plan checks the state and computes the step's scalars, its step runs the ker
 from __future__ import annotations
 
 import functools
-import numbers
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import numpy as np
 
+from ._checks import INT32_MAX, integer, real, transformation
 from .backend import ops_for, tree_sumsq
 from .base import (
     GradientTransformationExtraArgs,
@@ -29,6 +29,7 @@ from .base import (
 from .contract import ONE
 from .flat import FlatTree, as_flat, layout_and_device, layout_of
 from .layout import Layout, check_float_dtype
+from .tree import short_repr
 
 __all__ = [
     "ApplyEvery",
@@ -53,7 +54,7 @@ def safe_increment(count: Any) -> np.int32:
 
 
 def check_decay(decay: Any, name: str = "decay") -> float:
-    d = float(decay)
+    d = real(decay, name)
     if not 0.0 <= d <= 1.0:
         raise ValueError(f"{name} must be in [0, 1], got {decay!r}")
     return d
@@ -314,11 +315,9 @@ def apply_every(k: int = 1) -> GradientTransformationExtraArgs:
 
 
 def _check_k(k: Any, name: str) -> int:
-    if isinstance(k, (bool, np.bool_)) or not isinstance(k, numbers.Integral):
-        raise TypeError(f"{name} must be an int, got {type(k).__name__}")
-    if int(k) < 1:
-        raise ValueError(f"{name} must be >= 1, got {k}")
-    return int(k)
+    # At most the int32 maximum: the step counters are int32 (as in optax), so a larger k would
+    # overflow MultiSteps' mini_step, and apply_every's saturating count would never reach it.
+    return integer(k, name, minimum=1, maximum=INT32_MAX)
 
 
 # --- skip predicates ------------------------------------------------------------------------
@@ -452,8 +451,12 @@ class MultiSteps(Stage):
             self._k: Any = every_k_schedule
         else:
             self._k = _check_k(every_k_schedule, "every_k_schedule")
-        self._opt = with_extra_args_support(opt)
+        self._opt = with_extra_args_support(transformation(opt, "opt"))
         self._inner = as_stage(self._opt)
+        if should_skip_update_fn is not None and not callable(should_skip_update_fn):
+            raise TypeError(
+                f"should_skip_update_fn must be callable or None, got {type(should_skip_update_fn).__name__}"
+            )
         self._mean = bool(use_grad_mean)
         self._skip = should_skip_update_fn
         self._acc_dtype = (
@@ -492,15 +495,15 @@ class MultiSteps(Stage):
         if not callable(self._k):
             return self._k
         k = self._k(gradient_step)
+        # The same rule as a constant k: an int in [1, int32 max]; 2.7, True or "3" are refused,
+        # not truncated or parsed.
         try:
-            k_int = int(k)
+            return _check_k(k, "every_k_schedule's value")
         except (TypeError, ValueError) as e:
-            raise TypeError(f"every_k_schedule returned {k!r}, not an int") from e
-        if k_int < 1:
-            raise ValueError(
-                f"every_k_schedule returned {k_int} at gradient_step {gradient_step}; it must be >= 1"
-            )
-        return k_int
+            shown = short_repr(k.item() if isinstance(k, np.generic) else k, 40)  # 0, not np.int64(0)
+            raise type(e)(
+                f"every_k_schedule returned {shown} at gradient_step {gradient_step}: {e}"
+            ) from None
 
     def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
         """Checks the state, calls ``every_k_schedule`` and, when this mini-step emits, plans the

@@ -24,6 +24,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from ._checks import non_negative, real
 from .accumulation import check_decay, expect_state, field_owner, safe_increment
 from .backend import ops_for
 from .base import (
@@ -61,7 +62,7 @@ def _positive(value: Any, name: str, strict: bool = True) -> float | None:
     """None, or ``value`` as a float after checking it is > 0 (>= 0 if not strict)."""
     if value is None:
         return None
-    v = float(value)
+    v = real(value, name)
     if not (v > 0 if strict else v >= 0):  # NaN fails both
         raise ValueError(f"{name} must be {'>' if strict else '>='} 0, got {value!r}")
     return v
@@ -175,10 +176,8 @@ def _ema_norm_transformation(
     ord = check_ord(ord)
     tensorwise = bool(tensorwise)
     growth = _positive(max_ema_growth, "max_ema_growth")
-    min_norm = float(min_norm)
-    if not min_norm >= 0:  # NaN too
-        raise ValueError(f"min_norm must be >= 0, got {min_norm!r}")
-    init = float(init)
+    min_norm = non_negative(min_norm, "min_norm")
+    init = real(init, "init")
     if not math.isfinite(init):
         raise ValueError(f"init must be finite, got {init!r}")
     return _EmaNorm(
@@ -354,7 +353,7 @@ def _value_ema_transformation(
     beta: float, init: float, inner: Any = None, exp_avg_tfm: Any = None
 ) -> GradientTransformationExtraArgs:
     beta = check_decay(beta, "beta")
-    init = float(init)
+    init = real(init, "init")
     if not math.isfinite(init):
         raise ValueError(f"init must be finite, got {init!r}")
     return _ValueEma(beta, init, _as_inner(inner), _as_inner(exp_avg_tfm)).transformation()

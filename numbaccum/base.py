@@ -28,6 +28,7 @@ from typing import Any, ClassVar, NamedTuple
 import numpy as np
 
 from . import arrays
+from ._checks import transformation
 from .arrays import torch_runs
 from .backend import ops_for
 from .contract import ONE, Factor
@@ -77,6 +78,7 @@ def with_extra_args_support(tx: Any) -> GradientTransformationExtraArgs:
     stage = stage_of(tx)
     if stage is not None:  # a GradientTransformation(stage.init, stage.update)
         return stage.transformation()
+    transformation(tx, "tx")
 
     def update(updates: Any, state: Any, params: Any = None, **extra_args: Any) -> Any:
         del extra_args
@@ -565,11 +567,21 @@ def chain(*transforms: Any) -> GradientTransformationExtraArgs:
     state as it was; a foreign (non-numbaccum) transformation runs its own checks when it runs
     (see `Foreign`).
     """
-    return Chain([as_stage(with_extra_args_support(t)) for t in transforms]).transformation()
+    txs = [
+        with_extra_args_support(transformation(t, f"chain: transforms[{i}]"))
+        for i, t in enumerate(transforms)
+    ]
+    return Chain([as_stage(t) for t in txs]).transformation()
 
 
 def named_chain(*transforms: tuple[str, Any]) -> GradientTransformationExtraArgs:
     """Like `chain`, with a state dict keyed by the given names."""
+    for i, entry in enumerate(transforms):
+        if not (isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[0], str)):
+            raise TypeError(
+                f"named_chain: transforms[{i}] must be a (name, transformation) pair, got {entry!r:.60}"
+            )
+        transformation(entry[1], f"named_chain: transforms[{i}] ({entry[0]!r})")
     names = [n for n, _ in transforms]
     if len(set(names)) != len(names):
         raise ValueError(f"named_chain: names must be unique, got {names}")

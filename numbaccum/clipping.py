@@ -8,6 +8,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from ._checks import integer, non_negative, real, transformation
 from .backend import ops_for, tree_sumsq
 from .base import (
     EmptyState,
@@ -147,9 +148,7 @@ class _ClipByGlobalNorm(_Stateless):
     """`clip_by_global_norm`: the factor ``(g / norm) * max_norm`` is left pending on the updates."""
 
     def __init__(self, max_norm: Any) -> None:
-        self.max_norm = float(max_norm)
-        if not self.max_norm >= 0:  # NaN too
-            raise ValueError(f"max_norm must be >= 0, got {self.max_norm}")
+        self.max_norm = non_negative(max_norm, "max_norm")
 
     def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
         max_norm = self.max_norm
@@ -182,9 +181,7 @@ def clip(max_delta: float) -> GradientTransformationExtraArgs:
 
 class _Clip(_Stateless):
     def __init__(self, max_delta: Any) -> None:
-        self.max_delta = float(max_delta)
-        if not self.max_delta >= 0:
-            raise ValueError(f"max_delta must be >= 0, got {self.max_delta}")
+        self.max_delta = non_negative(max_delta, "max_delta")
 
     def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
         max_delta = self.max_delta
@@ -204,12 +201,12 @@ def normalize_by_update_norm(scale_factor: float = 1.0, eps: float = 1e-6) -> Gr
     The norm accumulates in float64; the division rides on the next kernel. On the GPU the norm
     comes back to the host (one synchronisation per call). Stateless.
     """
-    return _NormalizeByUpdateNorm(float(scale_factor), float(eps)).transformation()
+    return _NormalizeByUpdateNorm(scale_factor, eps).transformation()
 
 
 class _NormalizeByUpdateNorm(_Stateless):
-    def __init__(self, scale_factor: float, eps: float) -> None:
-        self.scale_factor, self.eps = scale_factor, eps
+    def __init__(self, scale_factor: Any, eps: Any) -> None:
+        self.scale_factor, self.eps = real(scale_factor, "scale_factor"), non_negative(eps, "eps")
 
     def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
         def run(u: Updates) -> tuple[Updates, Any]:
@@ -280,14 +277,14 @@ def apply_if_finite(inner: Any, max_consecutive_errors: int) -> GradientTransfor
     GPU). All or nothing: the inner transformation is planned (its state, params and schedules
     checked) on every call, finite or not, before anything is written.
     """
-    return _ApplyIfFinite(inner, int(max_consecutive_errors)).transformation()
+    return _ApplyIfFinite(inner, max_consecutive_errors).transformation()
 
 
 class _ApplyIfFinite(Stage):
-    def __init__(self, inner: Any, max_errors: int) -> None:
-        self.inner = with_extra_args_support(inner)
+    def __init__(self, inner: Any, max_errors: Any) -> None:
+        self.inner = with_extra_args_support(transformation(inner, "inner"))
         self.stage = as_stage(self.inner)
-        self.max_errors = max_errors
+        self.max_errors = integer(max_errors, "max_consecutive_errors")
 
     def init(self, params: Any) -> ApplyIfFiniteState:
         return ApplyIfFiniteState(np.int32(0), np.bool_(True), np.int32(0), self.inner.init(params))
@@ -325,12 +322,14 @@ def clip_by_block_rms(threshold: float) -> GradientTransformationExtraArgs:
     divisors), not a Python loop over leaves. As in optax, ``threshold = 0`` on a zero leaf gives
     NaN (0 / 0). On the GPU the per-leaf divisors are computed on the host (one synchronisation).
     """
-    return _ClipByBlockRms(float(threshold)).transformation()
+    return _ClipByBlockRms(threshold).transformation()
 
 
 class _ClipByBlockRms(_Stateless):
-    def __init__(self, threshold: float) -> None:
-        self.threshold = threshold
+    def __init__(self, threshold: Any) -> None:
+        # A negative threshold never clipped and NaN gave NaN updates: both refused. 0 is allowed
+        # (optax's 0 / 0 = NaN on a zero leaf, documented above).
+        self.threshold = non_negative(threshold, "threshold")
 
     def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
         return Step(lambda u: (self._run(u), state))

@@ -39,6 +39,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from . import _config
+from ._checks import non_negative
 from .accumulation import expect_state, field_owner
 from .backend import ops_for
 from .base import EmptyState, GradientTransformationExtraArgs, ParamsRef, Spec, Stage, Step, Updates
@@ -379,9 +380,7 @@ def clip_by_global_norm(max_norm: float, comm: Any = None) -> GradientTransforma
     Raises:
         ValueError: ``max_norm`` is negative.
     """
-    max_norm = float(max_norm)
-    if not max_norm >= 0:  # NaN too
-        raise ValueError(f"max_norm must be >= 0, got {max_norm}")
+    max_norm = non_negative(max_norm, "max_norm")
     comm = _comm(comm)
     _abort_on_uncaught(comm)
 

@@ -209,6 +209,34 @@ class FlatTree:
         bufs = ", ".join(f"{d}: {b.size}" for d, b in self.buffers.items())
         return f"FlatTree({self.layout.num_leaves} leaves, {{{bufs}}})"
 
+    # --- pickle and copy --------------------------------------------------------------------
+
+    def __reduce__(self) -> Any:
+        # Pickling the attributes would make each group, buffer and leaf view a separate array:
+        # the restored tree's views would no longer alias its buffers and updates would write
+        # memory nobody reads. Pickle the values of the groups (host copies) instead, and
+        # rebuild the storage, the views and the interned layout from them.
+        host = to_host(self) if self.device else self
+        groups = [np.ascontiguousarray(g) for g in host.groups]
+        return (_unpickled_flat, (self.layout, groups, self.device, self._readonly))
+
+    def __deepcopy__(self, memo: dict) -> FlatTree:
+        out = self.copy()  # stays on its device; fresh workspaces, as `copy` gives
+        if self._readonly:
+            out._mark_readonly()
+        return out
+
+    def __copy__(self) -> FlatTree:
+        """A shallow copy: another FlatTree over the same storage (as ``copy.copy`` of a container
+        shares its items); ``copy.deepcopy`` or `copy` give independent storage."""
+        return FlatTree(self.layout, self.groups, self.buffers, self._readonly)
+
+    def _mark_readonly(self) -> None:
+        self._readonly = True
+        if not self.device:  # NumPy can enforce it; on the GPU it is a promise
+            for g in self.groups:
+                g.flags.writeable = False
+
     # --- copies -----------------------------------------------------------------------------
 
     def zeros_like(self, dtype: Any = None) -> FlatTree:
@@ -265,6 +293,21 @@ class FlatTree:
         if ws is None:
             ws = self._workspaces[name] = FlatTree.empty(self.layout, dtypes, self.device)
         return ws
+
+
+def _unpickled_flat(layout: Layout, groups: list[np.ndarray], device: bool, readonly: bool) -> FlatTree:
+    """The FlatTree that `FlatTree.__reduce__` pickled: fresh storage (one buffer per storage
+    dtype, as `FlatTree.empty` lays it out) holding the pickled group values."""
+    if len(groups) != len(layout.groups) or any(g.shape != (n,) for g, n in zip(groups, layout.group_sizes)):
+        raise ValueError(f"a pickled FlatTree does not fit its layout {layout}")
+    out = FlatTree.empty(layout, [g.dtype for g in groups])
+    for dst, src in zip(out.groups, groups):
+        dst[...] = src
+    if device:
+        out = to_device(out)
+    if readonly:
+        out._mark_readonly()
+    return out
 
 
 def check_leaves(

@@ -119,6 +119,28 @@ class Layout:
         groups = ", ".join(f"{d}: {n}" for d, n in zip(self.group_dtypes, self.group_sizes))
         return f"Layout({self.num_leaves} leaves, {{{groups}}})"
 
+    @property
+    def group_keys(self) -> tuple[np.dtype, ...]:
+        """Each leaf's group key (the ``group_key`` that `get` was given): with the treedef, the
+        shapes and the dtypes, what identifies this layout."""
+        return tuple(self.group_dtypes[g] for g in self.leaf_group)
+
+    def __reduce__(self) -> Any:
+        # Layouts are interned and compared with `is`: an unpickled one must be the interned
+        # layout of its key, or a restored state fails every layout check.
+        return (_interned_layout, (self.treedef, self.shapes, self.dtypes, self.group_keys))
+
+    def __copy__(self) -> Layout:
+        return self  # immutable and interned
+
+    def __deepcopy__(self, memo: dict) -> Layout:
+        return self
+
+
+def _interned_layout(treedef: TreeDef, shapes: tuple, dtypes: tuple, keys: tuple) -> Layout:
+    """`Layout.get` for unpickling (a plain function pickles by name everywhere)."""
+    return Layout.get(treedef, shapes, dtypes, keys)
+
 
 def layout_of_leaves(td: TreeDef, leaves: Sequence[Any], dtype: Any = None) -> Layout:
     """The layout of leaves of structure ``td`` (anything with ``.shape`` and ``.dtype``): grouped

@@ -29,6 +29,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from ._checks import non_negative, real
 from .backend import ops_for, tree_sumsq
 from .base import (
     EmptyState,
@@ -184,6 +185,10 @@ def _slicing(layout: Layout, key: tuple, choose: Chooser, name: str = "updates")
                 chosen = choose(shape)
             except ValueError as e:
                 raise ValueError(f"{layout.path(leaf, name)}: {e}") from None
+            if size == 0:
+                # Nothing to measure or scale; cut by ``dim`` it could still have billions of
+                # (empty) slices: shape (0, 2**31) with dim=0 would make 16 GiB of slice tables.
+                chosen = None
             if chosen is None:  # left alone: one contiguous slice, copied as it is
                 cuts.append((int(offsets[j]), [], [(size, 1)] if size != 1 else [], False))
             else:
@@ -558,10 +563,7 @@ def _rescale(u: Updates, key: float | str, slicing: _Slicing | None, pair: Pair)
 
 
 def _check_max(value: Any, name: str) -> float:
-    v = float(value)
-    if not v >= 0:  # NaN too
-        raise ValueError(f"{name} must be >= 0, got {value!r}")
-    return v
+    return non_negative(value, name)
 
 
 def _dims_spec(kind: str, dim: Any, inverse_dims: bool, min_size: Any) -> tuple:
@@ -626,7 +628,7 @@ def normalize(
     Raises:
         ValueError: unknown ``ord``, a bad ``dim`` or ``min_size``.
     """
-    norm_value = float(norm_value)
+    norm_value = real(norm_value, "norm_value")
     key, _, choose = _norm_spec(ord, dim, inverse_dims, min_size)
     return _Rescale(key, choose, _normalize_pair(norm_value)).transformation()
 
@@ -753,12 +755,13 @@ def adaptive_grad_clip(
     Raises:
         ValueError: ``params`` not given; a leaf of rank 6 or more without ``axis`` (naming it).
     """
-    return _AdaptiveGradClip(float(clipping), float(eps), _check_axis(axis)).transformation()
+    return _AdaptiveGradClip(clipping, eps, _check_axis(axis)).transformation()
 
 
 class _AdaptiveGradClip(_Sliced):
-    def __init__(self, clipping: float, eps: float, axes: tuple[int, ...] | None) -> None:
-        self.clipping, self.eps = clipping, eps
+    def __init__(self, clipping: Any, eps: Any, axes: tuple[int, ...] | None) -> None:
+        # A negative clipping flipped the sign of every clipped unit; NaN gave NaN.
+        self.clipping, self.eps = non_negative(clipping, "clipping"), non_negative(eps, "eps")
 
         def choose(shape: tuple) -> tuple[tuple, frozenset]:
             return shape, unitwise_axes(shape, axes)
@@ -843,7 +846,7 @@ def normalize_grads_(
         ValueError: unknown ``ord``, a bad ``dim`` or ``min_size`` (before any array is changed).
         TypeError: a leaf that cannot change in place.
     """
-    norm_value = float(norm_value)
+    norm_value = real(norm_value, "norm_value")
     key, _, choose = _norm_spec(ord, dim, inverse_dims, min_size)
     return _in_place(grads, _Rescale(key, choose, _normalize_pair(norm_value)))
 

@@ -11,6 +11,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from ._checks import real, real_or_schedule
 from .accumulation import (
     bias_correction,
     check_decay,
@@ -70,7 +71,7 @@ class _Scale(Stage):
     """``u = step_size * g``: a pending factor that rides on the next kernel (no pass of its own)."""
 
     def __init__(self, step_size: float) -> None:
-        self.step_size = float(step_size)
+        self.step_size = real(step_size, "step_size")
         self.factor = Factor(1.0, self.step_size)
 
     def init(self, params: Any) -> EmptyState:
@@ -125,14 +126,15 @@ def scale_by_learning_rate(
     """``u = -learning_rate * g`` (``+`` with ``flip_sign=False``); ``learning_rate`` is a float
     or a callable of the step count (then the state is `ScaleByScheduleState`)."""
     sign = -1.0 if flip_sign else 1.0
+    learning_rate = real_or_schedule(learning_rate, "learning_rate")
     if not callable(learning_rate):
-        return scale(sign * float(learning_rate))
+        return scale(sign * learning_rate)
     return _ScaleBySchedule(learning_rate, sign).transformation()
 
 
 class _AddDecayedWeights(Stage):
     def __init__(self, weight_decay: float) -> None:
-        self.weight_decay = float(weight_decay)
+        self.weight_decay = real(weight_decay, "weight_decay")
 
     def init(self, params: Any) -> EmptyState:
         return EmptyState()
@@ -165,6 +167,8 @@ def sgd(
 ) -> GradientTransformationExtraArgs:
     """Stochastic gradient descent: ``chain(trace(momentum, nesterov), scale_by_learning_rate)``
     (no trace when ``momentum`` is None): ``u = -lr * trace``."""
+    if momentum is not None:
+        real(momentum, "momentum")  # named as the caller knows it (trace calls it decay)
     first = trace(momentum, nesterov, accumulator_dtype) if momentum is not None else identity()
     return chain(first, scale_by_learning_rate(learning_rate))
 
@@ -211,7 +215,7 @@ class _ScaleByAdam(Stage):
     def __init__(self, b1: float, b2: float, eps: float, eps_root: float, mu_dtype: Any) -> None:
         self.b1 = check_decay(b1, "b1")
         self.b2 = check_decay(b2, "b2")
-        self.eps, self.eps_root = float(eps), float(eps_root)
+        self.eps, self.eps_root = real(eps, "eps"), real(eps_root, "eps_root")
         self.mu_dtype = None if mu_dtype is None else check_float_dtype(mu_dtype, "mu_dtype")
 
     def init(self, params: Any) -> ScaleByAdamState:
@@ -300,9 +304,10 @@ def adam(
     Same state and same bits as that chain, in one pass: the ``-lr`` step is applied inside the
     Adam kernel (``u = direction * -lr`` rounds exactly as a separate scaling pass would).
     """
+    learning_rate = real_or_schedule(learning_rate, "learning_rate")
     direction = _ScaleByAdam(b1, b2, eps, eps_root, None)
     if callable(learning_rate):
         lr: _Scale | _ScaleBySchedule = _ScaleBySchedule(learning_rate, -1.0)
     else:
-        lr = _Scale(-float(learning_rate))
+        lr = _Scale(-learning_rate)
     return _Adam(direction, lr).transformation()

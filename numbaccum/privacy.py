@@ -25,6 +25,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from . import arrays
+from ._checks import non_negative, real
 from .accumulation import trace
 from .backend import ops_for
 from .base import GradientTransformationExtraArgs, ParamsRef, Spec, Stage, Step, Updates, chain
@@ -103,10 +104,7 @@ def _per_example(grads: Any, name: str) -> tuple[FlatTree, _Plan, str]:
 
 
 def _check_clip(value: Any, name: str) -> float:
-    c = float(value)
-    if not c >= 0:  # NaN too
-        raise ValueError(f"{name} must be >= 0, got {value!r}")
-    return c
+    return non_negative(value, name)
 
 
 # --- the two passes -------------------------------------------------------------------------
@@ -314,7 +312,7 @@ class _Aggregate(Stage):
 
     def __init__(self, l2_norm_clip: Any, noise_multiplier: Any, seed: Any) -> None:
         self.clip = _check_clip(l2_norm_clip, "l2_norm_clip")
-        nm = float(noise_multiplier)
+        nm = real(noise_multiplier, "noise_multiplier")
         if not (nm >= 0 and math.isfinite(nm)):
             raise ValueError(f"noise_multiplier must be finite and >= 0, got {noise_multiplier!r}")
         self.std = self.clip * nm if nm > 0 else 0.0
@@ -426,6 +424,8 @@ def dpsgd(
         momentum: the trace decay, or None for plain SGD.
         nesterov: Nesterov momentum.
     """
+    if momentum is not None:
+        real(momentum, "momentum")  # named as the caller knows it (trace calls it decay)
     inner = [trace(momentum, nesterov) if momentum is not None else identity()]
     return chain(
         differentially_private_aggregate(l2_norm_clip, noise_multiplier, seed),

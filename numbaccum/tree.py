@@ -31,6 +31,10 @@ class TreeDef:
     def __repr__(self) -> str:
         return f"TreeDef({_describe(self)}, num_leaves={self.num_leaves})"
 
+    def __reduce__(self) -> Any:
+        # The leaf and None defs are singletons that fast paths compare with `is`.
+        return (_treedef, (self.kind, self.meta, self.children, self.num_leaves))
+
 
 def _describe(td: TreeDef) -> str:
     if td.kind == _LEAF:
@@ -39,7 +43,7 @@ def _describe(td: TreeDef) -> str:
         return "None"
     inner = ", ".join(_describe(c) for c in td.children)
     if td.kind == _DICT:
-        return "{" + ", ".join(f"{k!r}: {_describe(c)}" for k, c in zip(td.meta, td.children)) + "}"
+        return "{" + ", ".join(f"{short_repr(k)}: {_describe(c)}" for k, c in zip(td.meta, td.children)) + "}"
     if td.kind == _LIST:
         return f"[{inner}]"
     if td.kind == _TUPLE:
@@ -49,6 +53,29 @@ def _describe(td: TreeDef) -> str:
 
 _LEAF_DEF = TreeDef(_LEAF, None, (), 1)
 _NONE_DEF = TreeDef(_NONE, None, (), 0)
+
+
+def _treedef(kind: str, meta: Any, children: tuple, num_leaves: int) -> TreeDef:
+    """A TreeDef as unpickled: the leaf and None singletons for those kinds."""
+    if kind == _LEAF:
+        return _LEAF_DEF
+    if kind == _NONE:
+        return _NONE_DEF
+    return TreeDef(kind, meta, tuple(children), num_leaves)
+
+
+# Error messages show keys and structures cut to this many characters: a 1 MB dict key must not
+# make a 1 MB message.
+_REPR_LIMIT = 80
+
+
+def short_repr(x: Any, limit: int = _REPR_LIMIT) -> str:
+    """``repr(x)``, its middle cut out when it is longer than ``limit`` characters."""
+    r = repr(x)
+    if len(r) <= limit:
+        return r
+    half = max((limit - 20) // 2, 1)
+    return f"{r[:half]}...<{len(r) - 2 * half} chars>...{r[-half:]}"
 
 
 def _is_namedtuple(x: Any) -> bool:
@@ -63,7 +90,7 @@ def _children(node: Any) -> tuple[str, Any, list[tuple[Any, Any]]] | None:
         try:
             keys = tuple(sorted(node))
         except TypeError as e:
-            raise TypeError(f"dict keys must be sortable, got {list(node)!r}") from e
+            raise TypeError(f"dict keys must be sortable, got {short_repr(list(node), 200)}") from e
         return _DICT, keys, [(k, node[k]) for k in keys]
     if _is_namedtuple(node):
         return _NAMEDTUPLE, type(node), [(f, getattr(node, f)) for f in node._fields]
@@ -81,7 +108,7 @@ def format_path(path: Sequence[Any], root: str = "tree") -> str:
     """Formats a key path the way a user would index it, e.g. ``params['dense']['w']``."""
     out = [root]
     for k in path:
-        out.append(f".{k}" if isinstance(k, _Attr) else f"[{k!r}]")
+        out.append(f".{k}" if isinstance(k, _Attr) else f"[{short_repr(k)}]")
     return "".join(out)
 
 
@@ -228,11 +255,11 @@ def first_difference(a: TreeDef, b: TreeDef) -> tuple[tuple, str]:
 
     def walk(x: TreeDef, y: TreeDef, path: tuple) -> tuple[tuple, str] | None:
         if x.kind != y.kind or (x.kind == _NAMEDTUPLE and x.meta is not y.meta):
-            return path, f"expected {_describe(x)}, got {_describe(y)}"
+            return path, f"expected {_cut(_describe(x))}, got {_cut(_describe(y))}"
         if x.kind == _DICT and x.meta != y.meta:
             missing = sorted(set(x.meta) - set(y.meta), key=repr)
             extra = sorted(set(y.meta) - set(x.meta), key=repr)
-            return path, f"dict keys differ (missing {missing}, unexpected {extra})"
+            return path, f"dict keys differ (missing {_keys(missing)}, unexpected {_keys(extra)})"
         if len(x.children) != len(y.children):
             return path, f"expected {len(x.children)} children, got {len(y.children)}"
         keys: Sequence[Any]
@@ -250,6 +277,17 @@ def first_difference(a: TreeDef, b: TreeDef) -> tuple[tuple, str]:
 
     found = walk(a, b, ())
     return found if found is not None else ((), "structures are equal")
+
+
+def _cut(text: str, limit: int = 200) -> str:
+    """``text`` cut to ``limit`` characters (a structure's description can be a whole tree)."""
+    return text if len(text) <= limit else f"{text[: limit - 30]}...<{len(text) - limit + 30} chars>"
+
+
+def _keys(keys: list) -> str:
+    """A list of dict keys for a message: each cut, at most five of them."""
+    shown = ", ".join(short_repr(k) for k in keys[:5])
+    return f"[{shown}{', ...' if len(keys) > 5 else ''}]"
 
 
 def check_same_structure(expected: TreeDef, got: TreeDef, name: str) -> None:

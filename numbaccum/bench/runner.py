@@ -502,8 +502,12 @@ def main(argv: list[str] | None = None) -> int:
 
         require_matplotlib()  # before minutes of timing, not after
     if args.from_json:
-        with open(args.from_json) as f:
-            return _report(json.load(f), None, args.plot)
+        try:
+            saved = load_result(args.from_json)
+        except ValueError as e:
+            print(f"numbaccum bench --from-json: {e}", file=sys.stderr)
+            return 2
+        return _report(saved, None, args.plot)
     if args.repeats is not None and args.repeats < 1:
         parser.error("--repeats must be >= 1")
     names = tuple(args.workload or (QUICK_WORKLOADS if args.quick else DEFAULT_WORKLOADS))
@@ -524,6 +528,92 @@ def main(argv: list[str] | None = None) -> int:
     peers = () if args.no_peers else (args.peer or PEERS)
     result = run(names, devices, ops, peers, repeats, not args.no_progress)
     return _report(result, args.json, args.plot)
+
+
+# What a --json run holds and `format_table` reads: key -> the types its value may have.
+_RESULT_KEYS: dict[str, tuple[type, ...]] = {
+    "date": (str,),
+    "machine": (str,),
+    "python": (str,),
+    "numpy": (str,),
+    "numba": (str,),
+    "numba_threads": (int,),
+    "threading_layer": (str,),
+    "runs": (list,),
+}
+_RUN_KEYS: dict[str, tuple[type, ...]] = {
+    "device": (str,),
+    "workload": (str,),
+    "n_params": (int,),
+    "n_leaves": (int,),
+    "per_call": (bool,),
+    "copy_floor_gbs": (int, float, type(None)),
+    "rows": (list,),
+}
+_ROW_KEYS: dict[str, tuple[type, ...]] = {
+    "op": (str,),
+    "impl": (str,),
+    "median_s": (int, float),
+    "min_s": (int, float),
+    "max_s": (int, float),
+    "gbs": (int, float, type(None)),
+    "floor_fraction": (int, float, type(None)),
+}
+
+
+def load_result(path: str) -> dict[str, Any]:
+    """A result that ``--json`` wrote, checked and with control characters removed from its strings
+    (a file's text must not drive the terminal); ValueError with the reason for anything else."""
+    shown = _printable(repr(path))
+    try:
+        with open(path, "rb") as f:
+            data = f.read(64 << 20)
+    except OSError as e:
+        raise ValueError(f"{shown}: cannot read it ({_printable(e.strerror or str(e))})") from None
+    try:
+        result = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        why = type(e).__name__ if isinstance(e, RecursionError) else _printable(str(e))[:200]
+        raise ValueError(f"{shown}: not the JSON of a numbaccum bench --json run ({why})") from None
+    _check_keys(result, _RESULT_KEYS, "the file", shown)
+    peers, gpu = result.get("peers", {}), result.get("gpu")
+    if not isinstance(peers, dict) or not all(isinstance(v, str) for v in peers.values()):
+        raise ValueError(f"{shown}: 'peers' is not a dict of versions: not a numbaccum bench --json run")
+    if gpu is not None and not isinstance(gpu, str):
+        raise ValueError(f"{shown}: 'gpu' is a {type(gpu).__name__}: not a numbaccum bench --json run")
+    for i, run in enumerate(result["runs"]):
+        _check_keys(run, _RUN_KEYS, f"runs[{i}]", shown)
+        for j, row in enumerate(run["rows"]):
+            _check_keys(row, _ROW_KEYS, f"runs[{i}].rows[{j}]", shown)
+            if not row["median_s"] > 0 or not row["min_s"] > 0 or not row["max_s"] > 0:
+                raise ValueError(f"{shown}: runs[{i}].rows[{j}]: times must be positive")
+    return _clean(result)
+
+
+def _check_keys(obj: Any, keys: dict[str, tuple[type, ...]], where: str, shown: str) -> None:
+    if not isinstance(obj, dict):
+        raise ValueError(f"{shown}: {where} is not a JSON object: not a numbaccum bench --json run")
+    for key, types in keys.items():
+        if key not in obj:
+            raise ValueError(f"{shown}: {where} has no {key!r}: not a numbaccum bench --json run")
+        value = obj[key]
+        if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+            raise ValueError(f"{shown}: {where}: {key!r} is a {type(value).__name__}, not a bench result's")
+
+
+def _printable(text: str) -> str:
+    """``text`` without control characters (ANSI escapes among them), each shown as ``?``."""
+    return "".join(c if c.isprintable() else "?" for c in text)
+
+
+def _clean(x: Any) -> Any:
+    if isinstance(x, str):
+        return _printable(x)
+    if isinstance(x, list):
+        return [_clean(v) for v in x]
+    if isinstance(x, dict):
+        return {_clean(k): _clean(v) for k, v in x.items()}
+    return x
 
 
 def _report(result: dict[str, Any], json_path: str | None, plot_path: str | None) -> int:

@@ -36,6 +36,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from .. import arrays
+from .._checks import non_negative, real
 from ..accumulation import ema, trace
 from ..adaptive import _divide_leaves
 from ..arrays import on_device
@@ -220,9 +221,7 @@ def _l2_clipping(max_norm: float) -> GradientTransformationExtraArgs:
 
 class _L2Clipping(Stage):
     def __init__(self, max_norm: Any) -> None:
-        self.max_norm = float(max_norm)
-        if not self.max_norm >= 0:
-            raise ValueError(f"max_norm must be >= 0, got {max_norm!r}")
+        self.max_norm = non_negative(max_norm, "max_norm")
 
     def init(self, params: Any) -> EmptyState:
         return EmptyState()
@@ -384,7 +383,7 @@ class GaussianNoiseModule(OptiModule):
     name: ClassVar[str] = "gaussian-noise"
 
     def __init__(self, std: float = 1.0, safe_mode: bool = True, seed: int | None = None) -> None:
-        if not (math.isfinite(float(std)) and float(std) >= 0):
+        if not (math.isfinite(real(std, "std")) and real(std, "std") >= 0):
             raise ValueError(f"std must be finite and >= 0, got {std!r}")
         self.std = std
         self.safe_mode = bool(safe_mode)

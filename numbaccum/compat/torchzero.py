@@ -23,6 +23,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from .._checks import non_negative
 from ..adaptive import (
     _ema_norm_transformation,
     _value_ema_transformation,
@@ -141,6 +142,7 @@ class ClipValue(_Module):
     """
 
     def __new__(cls, value: float) -> ClipValue:
+        non_negative(value, "value")  # checked here: clip's own message names max_delta
         return cls._build(clip(value), dict(value=value))
 
 

@@ -29,6 +29,7 @@ __all__ = ["batch_weighted_sum_"]
 BATCH_CHUNK = 1 << 16
 
 _clamp = njit(inline="always", error_model="numpy")(clamp)
+_F16 = np.dtype(np.float16)
 
 
 def _weighted_sum(parallel):

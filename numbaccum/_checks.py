@@ -1,0 +1,78 @@
+"""Checks of constructor arguments: a bad value raises TypeError/ValueError naming the argument.
+
+``float("0.9x")`` says ``could not convert string to float: '0.9x'`` and ``float(None)`` names no
+argument either; a transformation given ``None`` or ``'adam'`` would fail on ``.init`` with an
+AttributeError. These helpers turn such values into errors that say which argument is wrong.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any
+
+import numpy as np
+
+from .tree import short_repr
+
+INT32_MAX = int(np.iinfo(np.int32).max)
+
+
+def real(value: Any, name: str) -> float:
+    """``value`` as a float when it is a real number (a Python or NumPy int or float, or a 0-d
+    array of one); TypeError naming ``name`` for anything else (bools, strings, None, complex
+    numbers, lists)."""
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a real number, got a bool {value!r}")
+    if isinstance(value, numbers.Real):
+        return float(value)
+    if _real_0d(value):  # a 0-d array of NumPy, JAX or PyTorch (optax users pass jnp scalars)
+        return float(value)
+    raise TypeError(f"{name} must be a real number, got {type(value).__name__} {short_repr(value, 40)}")
+
+
+def _real_0d(value: Any) -> bool:
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__float__"):
+        return False
+    try:
+        arr = np.asarray(value)
+    except Exception:  # e.g. a CUDA tensor: not a host number
+        return False
+    return arr.ndim == 0 and arr.dtype.kind in "iuf"
+
+
+def non_negative(value: Any, name: str) -> float:
+    """A real number ``>= 0`` (NaN rejected); ValueError or TypeError naming ``name``."""
+    v = real(value, name)
+    if not v >= 0:  # NaN too
+        raise ValueError(f"{name} must be >= 0, got {value!r}")
+    return v
+
+
+def integer(value: Any, name: str, minimum: int = 0, maximum: int | None = None) -> int:
+    """``value`` as an int in ``[minimum, maximum]``: a Python or NumPy integer, or a 0-d integer
+    array (not a bool, a float or a string: ``2.7`` is not silently truncated)."""
+    if isinstance(value, np.ndarray) and value.ndim == 0 and value.dtype.kind in "iu":
+        value = value[()]
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {short_repr(value, 40)}")
+    v = int(value)
+    if v < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {v}")
+    if maximum is not None and v > maximum:
+        raise ValueError(f"{name} must be <= {maximum}, got {v}")
+    return v
+
+
+def transformation(tx: Any, name: str) -> Any:
+    """``tx`` when it has callable ``init`` and ``update``; TypeError naming ``name`` otherwise."""
+    if not (callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))):
+        raise TypeError(
+            f"{name} must be a GradientTransformation (with init and update), got "
+            f"{type(tx).__name__} {short_repr(tx, 40)}"
+        )
+    return tx
+
+
+def real_or_schedule(value: Any, name: str) -> Any:
+    """A callable (a schedule of the step count) as it is, else ``value`` as a real number."""
+    return value if callable(value) else real(value, name)
