@@ -673,6 +673,7 @@ def dpsgd(
 # (declearn_torchzero.md B.6-B.9; API.md "Resolved details")
 # ---------------------------------------------------------------------------
 
+
 def _metrics(leaves, ord, tensorwise: bool) -> np.ndarray:
     """One metric per leaf (over all its elements), or the metric of all leaves concatenated
     (a 0-d array); `slice_metric` and `tree_metric` below."""
