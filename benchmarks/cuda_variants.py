@@ -24,7 +24,8 @@ import gpu_bench  # noqa: E402
 import torch  # noqa: E402
 from numba import cuda  # noqa: E402
 
-from numbaccum.cuda import kernels  # noqa: E402
+from numbaccum.backend import ops_for  # noqa: E402
+from numbaccum.contract import Factor  # noqa: E402
 
 
 @cuda.jit
@@ -90,7 +91,8 @@ def main() -> None:
     c = np.float32(3.0)
     copy = timed(lambda: tc.copy_(tg))
     print(f"n = {n}; d2d copy {copy * 1e3:.3f} ms; roof for 12 B/elem = {copy * 1.5 * 1e3:.3f} ms")
-    rows = [("library mean_accumulate_", lambda: kernels.mean_accumulate_(acc, g, c, c, c, False))]
+    ops = ops_for(acc)
+    rows = [("library mean_accumulate_", lambda: ops.mean_accumulate_(acc, g, Factor(c, c), c, False))]
     for blocks in (132 * 8, 132 * 16, 132 * 32, -(-n // 256)):
         rows.append((f"unroll4 [{blocks}x256]", lambda b=blocks: unroll4[b, 256](n, acc, g, c)))
         half = n // 2
