@@ -42,6 +42,7 @@ from .base import (
     scatter_back,
     writable_flat,
 )
+from .clipping import _Clip
 from .contract import ONE, Factor, Ops
 from .flat import FlatTree, as_flat, layout_of
 from .layout import Layout
@@ -792,7 +793,7 @@ class _AdaptiveGradClip(_Sliced):
 # --- in place on lists or trees of arrays ---------------------------------------------------
 
 
-def _in_place(grads: Any, stage: _Sliced) -> Any:
+def _in_place(grads: Any, stage: Stage) -> Any:
     """Runs the stateless ``stage`` on ``grads`` and writes the result back into its arrays (a
     FlatTree, or the ``.tree`` of one, is changed in its buffers with no copy). The stage is
     planned first: an error leaves every array as it was."""
@@ -859,23 +860,4 @@ def clip_grad_value_(grads: Any, value: float) -> Any:
         ValueError: a negative ``value`` (torchzero maps every element to it instead).
         TypeError: a leaf that cannot change in place.
     """
-    return _in_place(grads, _ClipValueInPlace(_check_max(value, "value")))
-
-
-class _ClipValueInPlace(_Sliced):
-    """`clip_grad_value_`'s stage: ``clip(g, -bound, bound)``, where the updates are when they
-    are owned (the in-place functions own theirs)."""
-
-    def __init__(self, bound: float) -> None:
-        self.bound = bound
-
-    def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
-        bound = self.bound
-
-        def run(u: Updates) -> tuple[Updates, Any]:
-            out = u.fresh()
-            for o, g in zip(out.groups, u.flat.groups):
-                ops_for(g).clip_(o, g, u.factor, bound)
-            return Updates(out, True), state
-
-        return Step(run)
+    return _in_place(grads, _Clip(_check_max(value, "value")))  # optax.clip's stage
