@@ -63,6 +63,30 @@ def integer(value: Any, name: str, minimum: int = 0, maximum: int | None = None)
     return v
 
 
+def flag(value: Any, name: str) -> bool:
+    """``value`` as a bool: a Python or NumPy bool (or a 0-d bool array), or the ints 0 and 1;
+    TypeError naming ``name`` for anything else. ``bool(value)`` would take the string
+    ``"False"`` as True and fail on an array with a message that names nothing."""
+    if isinstance(value, np.ndarray) and value.ndim == 0 and value.dtype.kind == "b":
+        value = value[()]
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    if isinstance(value, numbers.Integral) and int(value) in (0, 1):
+        return bool(value)
+    raise TypeError(f"{name} must be a bool, got {type(value).__name__} {short_repr(value, 40)}")
+
+
+def scheduled(schedule: Any, count: Any, name: str) -> float:
+    """``schedule(count)`` as a float; TypeError naming ``name`` and the step when the schedule
+    returns something other than a real number (None, a string, an array of several values)."""
+    value = schedule(count)
+    try:
+        return real(value, name)
+    except TypeError as e:
+        shown = short_repr(value, 40)
+        raise TypeError(f"{name} (a schedule) returned {shown} at step {int(count)}: {e}") from None
+
+
 def transformation(tx: Any, name: str) -> Any:
     """``tx`` when it has callable ``init`` and ``update``; TypeError naming ``name`` otherwise."""
     if not (callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))):

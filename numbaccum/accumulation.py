@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from ._checks import INT32_MAX, integer, real, transformation
+from ._checks import INT32_MAX, flag, integer, real, transformation
 from .backend import ops_for, tree_sumsq
 from .base import (
     GradientTransformationExtraArgs,
@@ -151,7 +151,7 @@ class _Trace(Stage):
 
     def __init__(self, decay: float, nesterov: bool, accumulator_dtype: Any) -> None:
         self.decay = check_decay(decay)
-        self.nesterov = bool(nesterov)
+        self.nesterov = flag(nesterov, "nesterov")
         if accumulator_dtype is not None:
             check_float_dtype(accumulator_dtype, "accumulator_dtype")
         self.accumulator_dtype = accumulator_dtype
@@ -209,7 +209,7 @@ class _Ema(Stage):
     def __init__(self, decay: float, debias: bool, accumulator_dtype: Any) -> None:
         self.decay = check_decay(decay)
         self.one_minus = 1.0 - self.decay
-        self.debias = bool(debias)
+        self.debias = flag(debias, "debias")
         if accumulator_dtype is not None:
             check_float_dtype(accumulator_dtype, "accumulator_dtype")
         self.accumulator_dtype = accumulator_dtype
@@ -383,7 +383,12 @@ def _call_skip(fn: Callable, u: Updates, gradient_step: Any, params: ParamsRef |
     if flat is not None:
         return flat(u, gradient_step, params, **kwargs)
     tree = u.settled().flat.tree
-    return fn(tree, gradient_step, params.raw if params is not None else None)
+    out = fn(tree, gradient_step, params.raw if params is not None else None)
+    if not (isinstance(out, tuple) and len(out) == 2):
+        raise TypeError(
+            f"should_skip_update_fn must return a (should_skip, info) pair, got {short_repr(out, 40)}"
+        )
+    return out
 
 
 # --- MultiSteps -----------------------------------------------------------------------------
@@ -457,7 +462,7 @@ class MultiSteps(Stage):
             raise TypeError(
                 f"should_skip_update_fn must be callable or None, got {type(should_skip_update_fn).__name__}"
             )
-        self._mean = bool(use_grad_mean)
+        self._mean = flag(use_grad_mean, "use_grad_mean")
         self._skip = should_skip_update_fn
         self._acc_dtype = (
             None if accumulator_dtype is None else check_float_dtype(accumulator_dtype, "accumulator_dtype")

@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from ._checks import non_negative, real
+from ._checks import flag, non_negative, real
 from .accumulation import check_decay, expect_state, field_owner, safe_increment
 from .backend import ops_for
 from .base import (
@@ -174,7 +174,7 @@ def _ema_norm_transformation(
 ) -> GradientTransformationExtraArgs:
     beta = check_decay(beta, "beta")
     ord = check_ord(ord)
-    tensorwise = bool(tensorwise)
+    tensorwise = flag(tensorwise, "tensorwise")
     growth = _positive(max_ema_growth, "max_ema_growth")
     min_norm = non_negative(min_norm, "min_norm")
     init = real(init, "init")
@@ -494,7 +494,7 @@ def clip_norm_growth(
     """
     add, mul, min_value, max_decay = _growth_args(add, mul, min_value, max_decay)
     ord = check_ord(ord)
-    tensorwise = bool(tensorwise)
+    tensorwise = flag(tensorwise, "tensorwise")
     return _NormGrowth(add, mul, min_value, max_decay, ord, tensorwise).transformation()
 
 

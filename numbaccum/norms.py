@@ -29,7 +29,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from ._checks import non_negative, real
+from ._checks import flag, non_negative, real
 from .backend import ops_for, tree_sumsq
 from .base import (
     EmptyState,
@@ -573,7 +573,7 @@ def _dims_spec(kind: str, dim: Any, inverse_dims: bool, min_size: Any) -> tuple:
     dims = _check_dim(dim)
     size = _check_min_size(min_size)
     if dims is None or isinstance(dims, tuple):
-        inverse = bool(inverse_dims)
+        inverse = flag(inverse_dims, "inverse_dims")
         make = _norm_chooser if kind == "norm" else _center_chooser
         return dims, ((kind, dims, inverse, size), make(dims, inverse, size))
     return dims, None

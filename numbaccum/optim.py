@@ -11,7 +11,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from ._checks import real, real_or_schedule
+from ._checks import flag, real, real_or_schedule, scheduled
 from .accumulation import (
     bias_correction,
     check_decay,
@@ -111,7 +111,7 @@ class _ScaleBySchedule(Stage):
         """The multiplier of this step (the schedule's value, signed) and the new state."""
         if not isinstance(state, ScaleByScheduleState):
             raise TypeError(f"state: expected ScaleByScheduleState, got {type(state).__name__}")
-        factor = self.sign * float(self.schedule(state.count))
+        factor = self.sign * scheduled(self.schedule, state.count, "learning_rate")
         return factor, ScaleByScheduleState(safe_increment(state.count))
 
     def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
@@ -125,7 +125,7 @@ def scale_by_learning_rate(
 ) -> GradientTransformationExtraArgs:
     """``u = -learning_rate * g`` (``+`` with ``flip_sign=False``); ``learning_rate`` is a float
     or a callable of the step count (then the state is `ScaleByScheduleState`)."""
-    sign = -1.0 if flip_sign else 1.0
+    sign = -1.0 if flag(flip_sign, "flip_sign") else 1.0
     learning_rate = real_or_schedule(learning_rate, "learning_rate")
     if not callable(learning_rate):
         return scale(sign * learning_rate)
@@ -168,7 +168,7 @@ def sgd(
     """Stochastic gradient descent: ``chain(trace(momentum, nesterov), scale_by_learning_rate)``
     (no trace when ``momentum`` is None): ``u = -lr * trace``."""
     if momentum is not None:
-        real(momentum, "momentum")  # named as the caller knows it (trace calls it decay)
+        check_decay(momentum, "momentum")  # named as the caller knows it (trace calls it decay)
     first = trace(momentum, nesterov, accumulator_dtype) if momentum is not None else identity()
     return chain(first, scale_by_learning_rate(learning_rate))
 

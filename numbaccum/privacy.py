@@ -26,7 +26,7 @@ import numpy as np
 
 from . import arrays
 from ._checks import non_negative, real
-from .accumulation import trace
+from .accumulation import check_decay, trace
 from .backend import ops_for
 from .base import GradientTransformationExtraArgs, ParamsRef, Spec, Stage, Step, Updates, chain
 from .flat import FlatTree, as_flat, layout_of
@@ -425,7 +425,7 @@ def dpsgd(
         nesterov: Nesterov momentum.
     """
     if momentum is not None:
-        real(momentum, "momentum")  # named as the caller knows it (trace calls it decay)
+        check_decay(momentum, "momentum")  # named as the caller knows it (trace calls it decay)
     inner = [trace(momentum, nesterov) if momentum is not None else identity()]
     return chain(
         differentially_private_aggregate(l2_norm_clip, noise_multiplier, seed),

@@ -36,7 +36,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from .. import arrays
-from .._checks import non_negative, real
+from .._checks import flag, non_negative, real
 from ..accumulation import ema, trace
 from ..adaptive import _divide_leaves
 from ..arrays import on_device
@@ -359,7 +359,7 @@ class MomentumModule(_Stateful):
 
     def __init__(self, beta: float = 0.9, nesterov: bool = False, round_reset: bool = False) -> None:
         self.beta = _check_beta(beta)
-        self.nesterov = bool(nesterov)
+        self.nesterov = flag(nesterov, "nesterov")
         super().__init__(trace(beta, nesterov=self.nesterov), round_reset)
 
     def get_config(self) -> dict[str, Any]:
