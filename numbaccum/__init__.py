@@ -82,6 +82,8 @@ from .privacy import (
     DifferentiallyPrivateAggregateState,
     differentially_private_aggregate,
     dpsgd,
+    per_example_clip_from_norms,
+    per_example_clip_weights,
     per_example_global_norm_clip,
     per_example_layer_norm_clip,
 )
@@ -143,6 +145,8 @@ __all__ = [
     "normalize_by_ema",
     "normalize_by_update_norm",
     "normalize_grads_",
+    "per_example_clip_from_norms",
+    "per_example_clip_weights",
     "per_example_global_norm_clip",
     "per_example_layer_norm_clip",
     "scale",

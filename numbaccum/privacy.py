@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from . import arrays
-from ._checks import non_negative, real
+from ._checks import flag, non_negative, real
 from .accumulation import check_decay, trace
 from .backend import ops_for
 from .base import GradientTransformationExtraArgs, ParamsRef, Spec, Stage, Step, Updates, chain
@@ -38,6 +38,8 @@ __all__ = [
     "DifferentiallyPrivateAggregateState",
     "differentially_private_aggregate",
     "dpsgd",
+    "per_example_clip_from_norms",
+    "per_example_clip_weights",
     "per_example_global_norm_clip",
     "per_example_layer_norm_clip",
 ]
@@ -174,7 +176,7 @@ def _as_kind(out: FlatTree, kind: str) -> Any:
 # --- per-example clipping -------------------------------------------------------------------
 
 
-def per_example_global_norm_clip(grads: Any, l2_norm_clip: float) -> tuple[Any, np.int32]:
+def per_example_global_norm_clip(grads: Any, l2_norm_clip: float, *, return_norms: bool = False) -> tuple:
     """Clips each example's gradient to a global L2 norm and sums over the batch (optax's
     ``per_example_global_norm_clip``):
 
@@ -193,11 +195,15 @@ def per_example_global_norm_clip(grads: Any, l2_norm_clip: float) -> tuple[Any, 
         grads: a tree (or FlatTree) whose leaves have the batch on axis 0, all with the same
             batch size; NumPy or CUDA arrays.
         l2_norm_clip: the largest L2 norm an example may keep, ``>= 0`` (``inf`` clips nothing).
+        return_norms: also return each example's pre-clip norm (to log it, or to clip again
+            from it with `per_example_clip_from_norms`). It costs nothing: the norms are computed
+            anyway.
 
     Returns:
         ``(sums, num_clipped)``: the tree of sums over the batch (leaf shapes without the batch
         axis, leaf dtypes kept; a FlatTree for a FlatTree, CUDA arrays for CUDA arrays) and the
-        number of clipped examples as an ``np.int32``.
+        number of clipped examples as an ``np.int32``. With ``return_norms``,
+        ``(sums, num_clipped, norms)``: ``norms`` is a float64 host array of shape ``(B,)``.
 
     Raises:
         ValueError: a leaf without a batch dimension (0-d) or with another batch size (the
@@ -205,16 +211,93 @@ def per_example_global_norm_clip(grads: Any, l2_norm_clip: float) -> tuple[Any, 
         TypeError: a leaf that is not a float array.
     """
     clip = _check_clip(l2_norm_clip, "l2_norm_clip")
+    want_norms = flag(return_norms, "return_norms")
     flat, plan, kind = _per_example(grads, "grads")
     with arrays.launch_context(kind):
-        mult = _global_multipliers(flat, plan, clip)
+        norms = np.sqrt(_squared_norms(flat, plan).sum(axis=0))
+        mult = _multipliers(norms, clip)
+        out = _weighted_sums(flat, plan, mult, _new_sums(flat, plan))
+    result = (_as_kind(out, kind), np.int32(np.count_nonzero(mult < 1.0)))
+    return (*result, norms) if want_norms else result
+
+
+def per_example_clip_weights(norms: Any, l2_norm_clip: float) -> np.ndarray:
+    """The multiplier of each example for per-example norms the caller already has:
+    ``w[b] = min(1, l2_norm_clip / norms[b])``, with ``0 / 0 -> 1`` and ``w[b] = 0`` for a
+    non-finite norm (the example is dropped), exactly as `per_example_global_norm_clip` weighs.
+
+    Ghost clipping computes the norms without per-example gradients; a second backward pass on
+    the loss weighted by ``w`` then gives the clipped sum directly.
+
+    Args:
+        norms: the per-example L2 norms, a 1-d array of ``B`` real numbers ``>= 0`` (NaN and inf
+            allowed: dropped examples).
+        l2_norm_clip: the largest L2 norm an example may keep, ``>= 0``.
+
+    Returns:
+        ``w``, float64 of shape ``(B,)``.
+    """
+    clip = _check_clip(l2_norm_clip, "l2_norm_clip")
+    return _multipliers(_check_norms(norms, None), clip)
+
+
+def per_example_clip_from_norms(grads: Any, norms: Any, l2_norm_clip: float) -> tuple[Any, np.int32]:
+    """`per_example_global_norm_clip` with the norms given: ``sum_b g[b] * w[b]`` with
+    ``w = per_example_clip_weights(norms, l2_norm_clip)``, in one pass over the batch (the norm
+    pass is skipped). With the norms `per_example_global_norm_clip` returned for the same
+    ``grads``, the result is the same, bit for bit.
+
+    Args:
+        grads: per-example gradients (batch on axis 0 of every leaf), as in
+            `per_example_global_norm_clip`.
+        norms: the examples' L2 norms, a 1-d array of the batch size (float64 or any real
+            dtype; NaN and inf drop an example).
+        l2_norm_clip: the largest L2 norm an example may keep, ``>= 0``.
+
+    Returns:
+        ``(sums, num_clipped)`` as `per_example_global_norm_clip`.
+
+    Raises:
+        ValueError: norms of another length than the batch, negative norms or clip, or leaves
+            without a common batch dimension (naming the leaf).
+        TypeError: norms that are not a 1-d array of real numbers.
+    """
+    clip = _check_clip(l2_norm_clip, "l2_norm_clip")
+    flat, plan, kind = _per_example(grads, "grads")
+    mult = _multipliers(_check_norms(norms, plan.batch), clip)
+    with arrays.launch_context(kind):
         out = _weighted_sums(flat, plan, mult, _new_sums(flat, plan))
     return _as_kind(out, kind), np.int32(np.count_nonzero(mult < 1.0))
 
 
+def _check_norms(norms: Any, batch: int | None) -> np.ndarray:
+    """``norms`` as a float64 host array of shape ``(batch,)``; TypeError/ValueError naming
+    ``norms`` otherwise (a CUDA array is brought to the host: it is B numbers)."""
+    if hasattr(norms, "copy_to_host"):
+        norms = norms.copy_to_host()
+    elif hasattr(norms, "__cuda_array_interface__") and hasattr(norms, "get"):
+        norms = norms.get()  # CuPy
+    elif type(norms).__module__.startswith("torch"):
+        norms = norms.detach().cpu().numpy()
+    try:
+        arr = np.asarray(norms)
+    except Exception as e:  # ragged lists and the like
+        raise TypeError(f"norms must be a 1-d array of real numbers: {e}") from None
+    if arr.dtype.kind not in "iuf":
+        raise TypeError(f"norms must be a 1-d array of real numbers, got dtype {arr.dtype}")
+    if arr.ndim != 1:
+        raise ValueError(f"norms must be 1-d (one norm per example), got shape {arr.shape}")
+    if batch is not None and arr.shape[0] != batch:
+        raise ValueError(f"norms: {arr.shape[0]} norms for a batch of {batch} examples")
+    out = arr.astype(np.float64)
+    if np.any(out < 0):  # NaN compares False: allowed (the example is dropped)
+        raise ValueError(f"norms must be >= 0, got {out[out < 0][0]!r} at index {int(np.argmax(out < 0))}")
+    return out
+
+
 def per_example_layer_norm_clip(
-    grads: Any, global_l2_norm_clip: float, uniform: bool = True
-) -> tuple[Any, Any]:
+    grads: Any, global_l2_norm_clip: float, uniform: bool = True, *, return_norms: bool = False
+) -> tuple:
     """Clips each leaf ("layer") of each example to its own L2 norm and sums over the batch
     (optax's ``per_example_layer_norm_clip``):
 
@@ -231,16 +314,21 @@ def per_example_layer_norm_clip(
         grads: a tree (or FlatTree) whose leaves have the batch on axis 0.
         global_l2_norm_clip: the overall clip ``C >= 0``, shared out between the leaves.
         uniform: share ``C`` equally (True) or in proportion to the leaves' sizes (False).
+        return_norms: also return each leaf's per-example pre-clip norms.
 
     Returns:
         ``(sums, counts)``: the tree of sums (as in `per_example_global_norm_clip`) and a tree of
-        the same structure holding each leaf's number of clipped examples (``np.int32``).
+        the same structure holding each leaf's number of clipped examples (``np.int32``). With
+        ``return_norms``, ``(sums, counts, norms)``: a tree of the same structure whose leaves
+        are float64 host arrays of shape ``(B,)``.
 
     Raises:
         ValueError: missing or unequal batch dimensions (naming the leaf), negative clip.
         TypeError: a leaf that is not a float array.
     """
     clip = _check_clip(global_l2_norm_clip, "global_l2_norm_clip")
+    uniform = flag(uniform, "uniform")
+    want_norms = flag(return_norms, "return_norms")
     flat, plan, kind = _per_example(grads, "grads")
     lay = flat.layout
     d = plan.example_sizes.astype(np.float64)
@@ -249,10 +337,12 @@ def per_example_layer_norm_clip(
         if not uniform:
             clips = clip * np.sqrt(d / d.sum())
     with arrays.launch_context(kind):
-        mult = _multipliers(np.sqrt(_squared_norms(flat, plan)), clips[:, None])
+        norms = np.sqrt(_squared_norms(flat, plan))
+        mult = _multipliers(norms, clips[:, None])
         out = _weighted_sums(flat, plan, mult, _new_sums(flat, plan))
     counts = np.count_nonzero(mult < 1.0, axis=1).astype(np.int32)
-    return _as_kind(out, kind), tree_unflatten(lay.treedef, list(counts))
+    result = (_as_kind(out, kind), tree_unflatten(lay.treedef, list(counts)))
+    return (*result, tree_unflatten(lay.treedef, list(norms))) if want_norms else result
 
 
 # --- differential privacy -------------------------------------------------------------------

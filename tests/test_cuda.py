@@ -329,6 +329,21 @@ def test_per_example_clips_on_device_match_cpu(dtype):
 
 
 @needs_cuda
+def test_per_example_norms_on_device_match_cpu():
+    """Issue 15 item 4 on the device: the returned norms are host float64, and clipping from
+    them gives the device's own clipped sum."""
+    g = per_example_grads(np.float32)
+    _, _, norms_cpu = nba.per_example_global_norm_clip(g, 1.0, return_norms=True)
+    sums_gpu, n_gpu, norms_gpu = nba.per_example_global_norm_clip(dev(g), 1.0, return_norms=True)
+    assert isinstance(norms_gpu, np.ndarray) and norms_gpu.dtype == np.float64
+    np.testing.assert_allclose(norms_gpu, norms_cpu, rtol=1e-12, equal_nan=True)
+    again, n_again = nba.per_example_clip_from_norms(dev(g), norms_gpu, 1.0)
+    assert n_again == n_gpu and hasattr(again["w"], "copy_to_host")
+    for a, b in zip(nba.tree_flatten(host(again))[0], nba.tree_flatten(host(sums_gpu))[0]):
+        np.testing.assert_array_equal(a, b)
+
+
+@needs_cuda
 @pytest.mark.parametrize("momentum", [None, 0.9])
 def test_dpsgd_on_device_matches_cpu(momentum):
     p = {"w": np.zeros((3, 7), np.float32), "b": np.zeros(7, np.float32), "s": np.zeros((), np.float64)}
