@@ -187,11 +187,14 @@ class Ops:
         max_growth: float,
         min_value: float,
         max_decay: float,
+        fresh: bool,
         out: Any,
     ) -> None:
         """|out| <= min(|prev| + add, max_growth * max(|prev|, min_value)) with g's sign; prev
-        tracks out (torchzero's ClipValueGrowth; see `numbaccum.formulas.growth_clip`)."""
-        self.driver.map_(F.growth_clip, factor, (prev, g, out), (add, max_growth, min_value, max_decay))
+        tracks out; on the first step (``fresh``) g passes (torchzero's ClipValueGrowth; see
+        `numbaccum.formulas.growth_clip`)."""
+        args = (add, max_growth, min_value, max_decay, fresh)
+        self.driver.map_(F.growth_clip, factor, (prev, g, out), args)
 
     # --- reductions: one engine over slice tables (numbaccum.tables) --------------------------
     # Whole buffer, per leaf, per slice and per example are all reductions over the slices of a

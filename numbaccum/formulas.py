@@ -226,23 +226,28 @@ def clip_by(x, bound):
     states=("prev",),
     inputs=("g",),
     outputs=("out",),
-    scalars=("add", "max_growth", "min_value", "max_decay"),
+    scalars=("add", "max_growth", "min_value", "max_decay", "fresh"),
 )
-def growth_clip(prev, g, add, max_growth, min_value, max_decay):
+def growth_clip(prev, g, add, max_growth, min_value, max_decay, fresh):
     """torchzero's ClipValueGrowth: ``|out| <= min(|prev| + add, max_growth * max(|prev|,
     min_value))`` with g's sign; prev becomes ``prev / max_decay`` if the growth was below
-    ``1 / max_decay``, else out. ``prev == 0`` is no history: g passes and becomes the history
-    (a 0 keeps waiting). A non-finite g is clipped (NaN stays NaN) and leaves prev as it is."""
-    if prev == 0:
+    ``1 / max_decay``, else out. On the first step (``fresh``) there is no history: g passes and
+    becomes it. Afterwards a ``prev`` of 0 is a history of 0 (``0 -> 5`` is limited to
+    ``max_growth * min_value``), except that a bound ``max_growth * 0`` (``min_value`` 0) is
+    not applied: it would hold the element at 0 for good. A non-finite g is clipped (NaN stays
+    NaN) and leaves prev as it is."""
+    if fresh:
         return (g if finite(g) else prev), g
     a = abs(g)
     pa = abs(prev)
     if a - pa > add:
         a = pa + add
     pm = max(pa, min_value)
-    growth = max(a / pm, 1e-8)  # torchzero's floor, measured after the additive clip
-    if growth > max_growth:
-        a = max_growth * pm
+    growth = math.inf  # no ratio to a bound of 0: neither the multiplicative limit nor a decay
+    if pm > 0:
+        growth = max(a / pm, 1e-8)  # torchzero's floor, measured after the additive clip
+        if growth > max_growth:
+            a = max_growth * pm
     r = math.copysign(a, g)
     if not finite(g):
         return prev, r

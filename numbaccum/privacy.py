@@ -334,8 +334,9 @@ class _Aggregate(Stage):
         return Updates(flat, False), kind
 
     def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
-        """Checks the noise key and the batch; the step returns the sums in a buffer this stage
-        keeps (valid until its next update)."""
+        """Checks the noise key and the batch; the step returns the sums in a new buffer of
+        their own (a buffer this stage kept would be overwritten by the update of another state
+        of the same transformation while the caller still holds the first one's updates)."""
         _, step = _check_dp_state(state)
         plan = _plan(spec.layout, "updates")
         if plan.batch == 0 and spec.layout.num_leaves:
@@ -349,7 +350,8 @@ class _Aggregate(Stage):
             mult = _global_multipliers(flat, plan, clip)
             # Without noise the noise arrays are not read; the output still saturates.
             noise = _noise(seed, step, plan.out_layout.group_sizes) if std else [_NO_NOISE] * len(flat.groups)
-            out = self.kept("sums", out_spec.layout, out_spec.device)
+            # A new buffer per update: params-sized, B times smaller than the batch it sums.
+            out = FlatTree.empty(out_spec.layout, device=out_spec.device)
             _weighted_sums(flat, plan, mult, out, noise, std, float(max(plan.batch, 1)))
             return Updates(out, True), DifferentiallyPrivateAggregateState(_key(seed, step + 1))
 
@@ -385,8 +387,8 @@ def differentially_private_aggregate(
     As in optax, the state holds only the noise key: this must be the first stage, fed per-example
     gradients, and ``chain(differentially_private_aggregate(...), adam(1e-3))`` works as in optax
     (the rest of the chain sees params-shaped updates); ``MultiSteps`` and ``apply_every`` cannot
-    wrap it (they accumulate params-shaped updates). `dpsgd` is such a chain. Updates live in a
-    buffer this transformation keeps: valid until its next ``update``.
+    wrap it (they accumulate params-shaped updates). `dpsgd` is such a chain. Each ``update``
+    returns its updates in a new buffer: they stay valid whatever other updates follow.
 
     Args:
         l2_norm_clip: the per-example L2 clip ``C >= 0``.
