@@ -39,6 +39,7 @@ from .base import (
     as_stage,
     with_extra_args_support,
 )
+from .clipping import divide_leaves
 from .contract import ONE, Factor
 from .flat import FlatTree, layout_and_device
 from .layout import Layout
@@ -92,19 +93,9 @@ def _group_factors(flat: FlatTree, gi: int, per_leaf: np.ndarray) -> np.ndarray:
 
 
 def _divide_leaves(u: Updates, factors: np.ndarray) -> Updates:
-    """``u`` with each leaf divided by its factor (one segmented pass per group); ``u`` itself
-    when every factor is 1."""
-    if not np.any(factors != 1.0):
-        return u
-    factor = u.factor
-    if factor.device is not None:  # a device-resident pending factor: apply it first
-        u, factor = u.settled(), ONE
-    out = u.fresh()
-    lay = u.flat.layout
-    for gi, (o, g) in enumerate(zip(out.groups, u.flat.groups)):
-        f = _group_factors(u.flat, gi, factors)
-        ops_for(g).segment_divide_(o, g, factor, lay.offsets[gi], f)
-    return Updates(out, True)
+    """``u`` with each leaf divided by its factor (`numbaccum.clipping.divide_leaves`); ``u``
+    itself when every factor is 1."""
+    return divide_leaves(u, factors)
 
 
 def _divide_all(u: Updates, factor: float) -> Updates:

@@ -46,6 +46,10 @@ class Factor:
     __slots__ = ("div", "mul", "device")
 
     def __init__(self, div: float = 1.0, mul: float = 1.0, device: dict | None = None) -> None:
+        # Computed in float64 and cast to the buffer dtype by the kernels: a pair outside
+        # float32's range is first scaled by a power of two (`numbaccum.formulas.balanced`).
+        if not (_LO < abs(div) < _HI and _LO < abs(mul) < _HI) and device is None:
+            div, mul = F.balanced(float(div), float(mul))
         self.div = div
         self.mul = mul
         self.device = device
@@ -61,6 +65,7 @@ class Factor:
         return f"Factor(div={self.div!r}, mul={self.mul!r})"
 
 
+_LO, _HI = 2.0**-99, 2.0**99  # inside: `balanced` changes nothing (the common case, one test)
 ONE = Factor()
 
 
@@ -208,6 +213,11 @@ class Ops:
         if centers is not None and np.size(centers):
             return self.reduce.reduce("csumsq", x, as_table(table), centers)
         return self.reduce.reduce("sumsq", x, as_table(table))
+
+    def slice_sumsq_scaled(self, x: Any, table: Any, scales: Any) -> np.ndarray:
+        """Per slice ``s``: sum((x * scales[s]) ** 2) (``scales`` powers of two: the rescue of an
+        overflowed or underflowed sum of squares, see `numbaccum.backend.slice_sumsq`)."""
+        return self.reduce.reduce("ssumsq", x, as_table(table), scales)
 
     def slice_sumabs(self, x: Any, table: Any) -> np.ndarray:
         """Per slice: sum(|x|)."""

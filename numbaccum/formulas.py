@@ -256,15 +256,33 @@ def growth_clip(prev, g, add, max_growth, min_value, max_decay, fresh):
     return r, r
 
 
+def balanced(div, mul):
+    """A pending factor ``(div, mul)`` (float64) with both scaled by one power of two so that
+    ``(x / div) * mul`` can run in float32 where the cast alone gave ``x / inf = 0`` (a norm of
+    3.5e38) or ``inf / inf = NaN``: ``div`` goes to [1, 2) (then ``x / div`` cannot overflow),
+    unless that would push ``mul`` out of [2**-120, 2**121) (then ``mul`` goes to that edge).
+    Powers of two are exact: inside [2**-100, 2**100] (every common case) the pair is returned
+    as it is, bit for bit."""
+    if not (finite(div) and finite(mul)) or div == 0.0 or mul == 0.0:
+        return div, mul
+    ed = math.frexp(div)[1]
+    em = math.frexp(mul)[1]
+    if -100 < ed < 100 and -100 < em < 100:
+        return div, mul
+    k = min(max(ed - 1, em - 120), em + 120)
+    return math.ldexp(div, -k), math.ldexp(mul, -k)
+
+
 def clip_factor(norm, max_norm):
-    """clip_by_global_norm's pending factor ``(div, mul)`` for a global L2 ``norm``: ``(1, 1)``
-    below ``max_norm`` (strict), ``(1, 0)`` at a zero norm (then ``max_norm == 0`` too: zeros,
-    not 0 / 0), else ``(norm, max_norm)``; a NaN norm gives ``(NaN, max_norm)`` (NaN updates)."""
+    """clip_by_global_norm's pending factor ``(div, mul)`` for a global L2 ``norm`` (float64):
+    ``(1, 1)`` below ``max_norm`` (strict), ``(1, 0)`` at a zero norm (then ``max_norm == 0``
+    too: zeros, not 0 / 0), else ``(norm, max_norm)`` made to fit float32 (`balanced`); a NaN
+    norm gives ``(NaN, max_norm)`` (NaN updates)."""
     if norm < max_norm:
         return 1.0, 1.0
     if norm == 0.0:
         return 1.0, 0.0
-    return norm, max_norm
+    return balanced(norm, max_norm)
 
 
 @formula(inputs=("x",), outputs=("out",))

@@ -27,10 +27,11 @@ import numpy as np
 from . import arrays
 from ._checks import non_negative, real
 from .accumulation import trace
-from .backend import ops_for
+from .backend import ops_for, slice_sumsq
 from .base import GradientTransformationExtraArgs, ParamsRef, Spec, Stage, Step, Updates, chain
 from .flat import FlatTree, as_flat, layout_of
 from .layout import Layout
+from .tables import segments
 from .optim import identity, scale_by_learning_rate
 from .tree import tree_unflatten
 
@@ -110,15 +111,20 @@ def _check_clip(value: Any, name: str) -> float:
 # --- the two passes -------------------------------------------------------------------------
 
 
-def _squared_norms(flat: FlatTree, plan: _Plan) -> np.ndarray:
-    """``n2[k, b]``: the squared norm of example ``b`` of leaf ``k``, float64 ``(leaves, B)``.
+def _squared_norms(flat: FlatTree, plan: _Plan) -> tuple[np.ndarray, np.ndarray]:
+    """``(s, f)``, float64 ``(leaves, B)``: the squared norm of example ``b`` of leaf ``k`` is
+    ``s[k, b] / f[k, b] ** 2`` (`numbaccum.backend.slice_sumsq`: ``f`` is 1 except where float64
+    entries past ~1e154 or below ~1e-154 made the plain sum overflow or underflow).
 
     One segmented reduction per dtype group; on the GPU the values come back to the host."""
     lay = flat.layout
-    n2 = np.empty((lay.num_leaves, plan.batch), np.float64)
+    s = np.empty((lay.num_leaves, plan.batch), np.float64)
+    f = np.ones_like(s)
     for members, runs, g in zip(lay.group_index, plan.runs, flat.groups):
-        n2[members] = np.asarray(ops_for(g).segment_sumsq(g, runs)).reshape(members.size, plan.batch)
-    return n2
+        gs, gf = slice_sumsq(g, segments(runs))
+        s[members] = np.asarray(gs).reshape(members.size, plan.batch)
+        f[members] = np.asarray(gf).reshape(members.size, plan.batch)
+    return s, f
 
 
 def _multipliers(norms: np.ndarray, clip: Any) -> np.ndarray:
@@ -132,8 +138,14 @@ def _multipliers(norms: np.ndarray, clip: Any) -> np.ndarray:
 
 
 def _global_multipliers(flat: FlatTree, plan: _Plan, clip: float) -> np.ndarray:
-    """Each example's multiplier for its norm over every leaf (leaves added in tree order)."""
-    return _multipliers(np.sqrt(_squared_norms(flat, plan).sum(axis=0)), clip)
+    """Each example's multiplier for its norm over every leaf (leaves added in tree order; where
+    a leaf was rescaled, the example's leaves are added at its smallest scale)."""
+    s, f = _squared_norms(flat, plan)
+    if np.all(f == 1.0):  # the common case
+        return _multipliers(np.sqrt(s.sum(axis=0)), clip)
+    big = f.min(axis=0)  # per example: the scale of its largest entries
+    r = big[None, :] / f
+    return _multipliers(np.sqrt((s * r * r).sum(axis=0)) / big, clip)
 
 
 def _weighted_sums(
@@ -183,8 +195,10 @@ def per_example_global_norm_clip(grads: Any, l2_norm_clip: float) -> tuple[Any, 
 
     The norms accumulate in float64 (float32 squares cannot overflow: an example of ``1e20``
     entries is scaled, not zeroed as in optax), and the sums too, rounded once to each leaf's
-    dtype. An example with a non-finite norm (a NaN or inf anywhere in it, or float64 entries
-    beyond about 1e154) is **dropped**: multiplier 0, counted as clipped. optax gives it
+    dtype. Norms are scaled (`numbaccum.global_norm`): float64 entries past 1e154 or below
+    1e-154 still give the example's finite norm. An example with a non-finite norm (a NaN or inf
+    anywhere in it, or a norm past float64's range) is **dropped**: multiplier 0, counted as
+    clipped. optax gives it
     multiplier 1 (NaN) or a NaN sum (inf), which breaks the differential-privacy bound.
     ``norm == l2_norm_clip`` is not counted (the test is a strict ``< 1``); a zero example under
     a zero clip keeps multiplier 1, as in optax.
@@ -249,7 +263,8 @@ def per_example_layer_norm_clip(
         if not uniform:
             clips = clip * np.sqrt(d / d.sum())
     with arrays.launch_context(kind):
-        mult = _multipliers(np.sqrt(_squared_norms(flat, plan)), clips[:, None])
+        s, f = _squared_norms(flat, plan)
+        mult = _multipliers(np.sqrt(s) / f, clips[:, None])
         out = _weighted_sums(flat, plan, mult, _new_sums(flat, plan))
     counts = np.count_nonzero(mult < 1.0, axis=1).astype(np.int32)
     return _as_kind(out, kind), tree_unflatten(lay.treedef, list(counts))

@@ -129,7 +129,12 @@ VALUE_STEPS = [a(1, -1, 0, 2), a(3, -1.2, 5, 0.5), a(3, -1.2, 5, 0.1), a(3, 0.01
 def test_clip_value_growth_default_table():
     # torchzero's table, all of it: the third element grows from its first value 0 (item 8).
     outs, state = run(nba.clip_value_growth(), VALUE_STEPS)
-    expected = [[1, -1, 0, 2], [1.5, -1.2, 0.00015, 0.5], [2.25, -1.2, 0.000225, 0.1], [3, 0.01, 0.0003375, 0.1]]
+    expected = [
+        [1, -1, 0, 2],
+        [1.5, -1.2, 0.00015, 0.5],
+        [2.25, -1.2, 0.000225, 0.1],
+        [3, 0.01, 0.0003375, 0.1],
+    ]
     check_outputs(outs, expected)
     np.testing.assert_allclose(state.prev.tree, [3, -0.6, 0.0003375, 0.25], rtol=1e-12)
     prevs = []

@@ -75,6 +75,12 @@ def _t_csq(v, c, p):  # pragma: no cover - compiled
 
 
 @_jit
+def _t_ssq(v, c, p):  # pragma: no cover - compiled
+    w = v * c  # c a power of two: exact
+    return w * w
+
+
+@_jit
 def _t_abs(v, c, p):  # pragma: no cover - compiled
     return abs(v)
 
@@ -239,6 +245,7 @@ def _reducer(total, op):
 KINDS = {
     "sumsq": _reducer(_lane_sum(_t_sq), SUM),
     "csumsq": _reducer(_lane_sum(_t_csq), SUM),  # centred: sum((x - c) ** 2)
+    "ssumsq": _reducer(_lane_sum(_t_ssq), SUM),  # scaled: sum((x * c) ** 2), c per slice
     "sumabs": _reducer(_lane_sum(_t_abs), SUM),
     "sumpow": _reducer(_lane_sum(_t_pow), SUM),
     "sum": _reducer(_lane_sum(_t_signed), SUM),
@@ -285,7 +292,8 @@ def partials(kind, x, table: Table, centers=None, p=0.0):
 def reduce(kind, x, table: Table, centers=None, p=0.0):
     """Per slice of ``table``: the reduction ``kind`` (a key of `KINDS`) of ``x``, float64.
 
-    ``centers`` (one per slice) only for ``'csumsq'``; ``p`` only for ``'sumpow'``. Slices of
+    ``centers`` (one per slice) only for ``'csumsq'`` (the centres) and ``'ssumsq'`` (the
+    scales); ``p`` only for ``'sumpow'``. Slices of
     inactive rows and empty slices hold the identity: 0, +inf for ``'minabs'``."""
     work, part, op = partials(kind, x, table, centers, p)
     return combine(part, work.pslice, op)

@@ -51,6 +51,7 @@ KINDS = {
     "nonfinite": (7, SUM),
     "maxabs": (8, MAX),
     "minabs": (9, MIN),
+    "ssumsq": (10, SUM),  # scaled: sum((x * c) ** 2), c per slice (a power of two)
 }
 _MAXABS, _MINABS = 8, 9
 
@@ -72,6 +73,9 @@ def _term(kind, v, c, p):  # pragma: no cover - compiled
         return 1.0 if v != v else 0.0
     if kind == 7:
         return 1.0 if v - v != 0 else 0.0
+    if kind == 10:
+        w = v * c
+        return w * w
     return abs(v)
 
 
