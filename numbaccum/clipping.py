@@ -108,7 +108,8 @@ def _device_factors(flat: FlatTree, max_norm: float) -> dict[np.dtype, Any] | No
     cache = _SCRATCH.__dict__.setdefault("by_layout", {})
     scratch = cache.get(flat.layout)
     if scratch is None:
-        sums = empty(flat.layout.num_leaves, np.dtype(np.float64))  # per leaf, tree order
+        # per leaf, tree order: [plain | rescued | scale] (see `Ops.clip_factors_`)
+        sums = empty(3 * flat.layout.num_leaves, np.dtype(np.float64))
         scratch = cache[flat.layout] = (sums, {d: empty(2, d) for d in _FACTOR_DTYPES})
     sums, facs = scratch
     fac32, fac64 = (facs[d] for d in _FACTOR_DTYPES)

@@ -278,10 +278,13 @@ class Ops:
         fac32: Any,
         fac64: Any,
     ) -> None:
-        """leaf_sums[members] = sum(x ** 2) per slice of ``table`` (the group's leaves); when
-        ``last``, ``fac = [div, mul]`` (float32 and float64) of clip_by_global_norm
-        (`numbaccum.formulas.clip_factor`) from ``sqrt(sum_in_order(leaf_sums))``: `tree_sumsq`'s
-        bits. On CUDA one launch per group and no synchronisation (device arrays)."""
+        """``leaf_sums`` holds 3 float64 per leaf, ``[plain | rescued | scale]``: sum(x ** 2) per
+        slice of ``table`` (the group's leaves) at ``members``, and the group's rescued sums and
+        scale where a float64 group's plain total `numbaccum.tables.needs_scaling` (else the
+        plain sums and 1); when ``last``, ``fac = [div, mul]`` (float32 and float64) of
+        clip_by_global_norm (`numbaccum.formulas.clip_factor`) of
+        `numbaccum.tables.rescued_norm`: the bits of `numbaccum.backend.tree_norm`. On CUDA one
+        launch per group and no synchronisation (device arrays)."""
         self.reduce.clip_factors_(leaf_sums, x, as_table(table), members, last, max_norm, fac32, fac64)
 
     # Shorthands: a whole buffer is one slice, ``offsets`` one contiguous slice per segment.

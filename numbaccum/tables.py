@@ -58,6 +58,7 @@ __all__ = [
     "examples",
     "needs_scaling",
     "norm_scale",
+    "rescued_norm",
     "segments",
     "slice_start",
     "slice_table",
@@ -90,6 +91,27 @@ def norm_scale(m):  # pragma: no cover - compiled by the backends too
     [2**-76, 1): still far from underflow)."""
     e = math.frexp(m)[1]
     return math.ldexp(1.0, min(max(-e, -1000), 1000))
+
+
+def rescued_norm(sums):  # pragma: no cover - compiled by the backends too
+    """The global L2 norm from ``sums = [plain | rescued | scale]`` (3 blocks of one value per
+    leaf, leaf order): ``sqrt(sum plain)`` unless that total `needs_scaling`, else
+    ``sqrt(sum_k rescued_k * (F / scale_k) ** 2) / F`` with ``F = min scale_k`` (the bits of
+    `numbaccum.backend.tree_sumsq_scaled`)."""
+    n = sums.size // 3
+    total = 0.0
+    for k in range(n):
+        total += sums[k]
+    if not needs_scaling(total):
+        return math.sqrt(total)
+    big = math.inf  # no leaves: 0 / inf = 0
+    for k in range(n):
+        big = min(big, sums[2 * n + k])
+    ts = 0.0
+    for k in range(n):
+        r = big / sums[2 * n + k]
+        ts += sums[n + k] * r * r
+    return math.sqrt(ts) / big
 
 
 # Columns of a table row.

@@ -4,10 +4,15 @@ growth clipping from zero."""
 
 from __future__ import annotations
 
+import math
+import os
+from fractions import Fraction
+
 import numpy as np
 import pytest
 
 import numbaccum as nba
+from numbaccum.compat import declearn as dl
 from numbaccum.compat import torchzero as tz
 
 F32, F64 = np.float32, np.float64
@@ -169,3 +174,184 @@ def test_item7_dpsgd_updates_are_not_overwritten_by_another_state(momentum):
     u3, _ = tx.update(g1, s1)  # and the next update of the same state
     np.testing.assert_array_equal(u1["w"], keep)
     del u3
+
+
+# === item 5: extreme magnitudes, one scaled norm ============================================
+
+
+def ref_norm(*leaves):
+    """The exact L2 norm of every element of ``leaves``, from Fractions (rounded once)."""
+    vals = [Fraction(float(v)) for x in leaves for v in np.ravel(np.asarray(x, F64))]
+    if not vals:
+        return 0.0
+    m = max(abs(v) for v in vals)
+    if m == 0:
+        return 0.0
+    e = math.frexp(float(m))[1]  # exact rescaling by a power of two: the sqrt stays in range
+    s = sum((v / Fraction(2) ** e) ** 2 for v in vals)
+    return math.ldexp(math.sqrt(s.numerator / s.denominator), e)
+
+
+def clipped(x, norm, max_norm):
+    """optax's clip, computed in float64 and rounded once to the leaf dtype."""
+    x = np.asarray(x)
+    return (x.astype(F64) / norm * max_norm).astype(x.dtype) if norm >= max_norm else x
+
+
+HUGE = [1e154, 3e200, 1e300, -7.5e299]  # per leaf; their norms are representable
+TINY = [1e-170, 3e-160, 2.5e-300, -1e-310]
+
+
+@pytest.mark.parametrize("v", HUGE + TINY)
+def test_item5_global_norm_of_extreme_float64(v):
+    tree = {"a": np.full(3, v), "b": [np.array([v / 3, -v]), np.array(0.0)], "c": np.ones(2, F32)}
+    got = nba.global_norm(tree)
+    want = ref_norm(tree["a"], *tree["b"], tree["c"])
+    assert math.isfinite(got)
+    assert got == pytest.approx(want, rel=1e-14)
+    assert nba.norms.tree_norm(tree, 2) == got  # one definition, one set of bits
+    assert nba.global_norm(tree, squared=True) == pytest.approx(want * want, rel=1e-13)
+
+
+def test_item5_global_norm_underflow_vector_of_the_issue():
+    assert nba.global_norm([np.array([1e-170] * 4)]) == 2e-170
+    assert nba.global_norm([np.full(4, 1e-170)]) == 2e-170
+    assert nba.global_norm({"x": np.zeros(5)}) == 0.0
+
+
+def test_item5_non_finite_input_keeps_todays_behaviour():
+    assert nba.global_norm({"a": np.array([1.0, np.inf])}) == math.inf
+    assert math.isnan(nba.global_norm({"a": np.array([1e300, np.nan])}))
+    assert nba.global_norm({"a": np.full(4, 1.7e308)}) == math.inf  # the norm itself overflows
+    u, _ = nba.clip_by_global_norm(1.0).update({"a": np.array([1.0, np.nan])}, None)
+    assert np.all(np.isnan(u["a"]))
+
+
+def test_item5_clip_by_global_norm_float32_near_max():
+    with np.errstate(all="raise"):
+        x = np.array([2.5e38, 2.5e38], F32)
+        u, _ = nba.clip_by_global_norm(1.0).update({"a": x}, None)
+        np.testing.assert_allclose(u["a"], clipped(x, ref_norm(x), 1.0), rtol=1e-6)
+        assert u["a"][0] == pytest.approx(math.sqrt(0.5), rel=1e-6)
+        y = np.array([3e38, 3e38], F32)
+        u, _ = nba.clip_by_global_norm(4e38).update({"a": y}, None)
+        assert np.all(np.isfinite(u["a"]))
+        np.testing.assert_allclose(u["a"], clipped(y, ref_norm(y), 4e38), rtol=1e-6)
+        for tree, m in (({"a": x}, 1.0), ({"a": y}, 4e38)):
+            tx = nba.clip_norm(m, dim="global")
+            u, _ = tx.update(tree, tx.init(tree))
+            np.testing.assert_allclose(u["a"], clipped(tree["a"], ref_norm(tree["a"]), m), rtol=1e-6)
+
+
+@pytest.mark.parametrize("v", HUGE + TINY)
+def test_item5_every_norm_user_on_extreme_float64(v):
+    tree = {"a": np.array([v, -v / 2, v / 4]), "b": np.array([v / 8])}
+    norm = ref_norm(tree["a"], tree["b"])
+    mx = norm / 4  # clipping applies
+    want = {k: clipped(x, norm, mx) for k, x in tree.items()}
+
+    def check(u, expected=want, rtol=1e-13):
+        for k in tree:
+            np.testing.assert_allclose(np.asarray(u[k]), expected[k], rtol=rtol, err_msg=k)
+
+    check(nba.clip_by_global_norm(mx).update(tree, None)[0])
+    tx = nba.clip_norm(mx, dim="global")
+    check(tx.update(tree, tx.init(tree))[0])
+    tx = nba.normalize_by_update_norm(scale_factor=mx, eps=0.0)
+    check(tx.update(tree, tx.init(tree))[0])
+    check(dl_run(dl.L2GlobalClipping(mx), tree))
+    # per leaf: clip_by_block_rms, L2Clipping, clip_norm / clip_grad_norm_ per leaf
+    leaf = {k: ref_norm(x) for k, x in tree.items()}
+    per_leaf = {k: clipped(x, leaf[k], leaf["b"] / 2) for k, x in tree.items()}
+    check(dl_run(dl.L2Clipping(leaf["b"] / 2), tree), per_leaf)
+    tx = nba.clip_norm(leaf["b"] / 2, dim=None, min_size=1)
+    check(tx.update(tree, tx.init(tree))[0], per_leaf)
+    g = {k: np.copy(x) for k, x in tree.items()}
+    nba.clip_grad_norm_(g, leaf["b"] / 2, min_size=1)
+    check(g, per_leaf)
+    rms = {k: leaf[k] / math.sqrt(x.size) for k, x in tree.items()}
+    thr = rms["b"] / 2
+    tx = nba.clip_by_block_rms(thr)
+    check(tx.update(tree, tx.init(tree))[0], {k: clipped(x, rms[k], thr) for k, x in tree.items()})
+    # skip_large_updates: its squared norm is the same quantity
+    sq = float(nba.skip_large_updates(tree, 0, None, 1.0)[1]["norm_squared"])
+    assert sq == pytest.approx(norm * norm, rel=1e-13) or (norm * norm == math.inf and sq == math.inf)
+    # adaptive norms take the same scaled sums
+    assert nba.norms.leaf_norms(nba.FlatTree.from_tree(tree))[0] == pytest.approx(leaf["a"], rel=1e-14)
+
+
+def dl_run(module, tree):
+    return module.run(dict(tree))
+
+
+@pytest.mark.parametrize("v", [1e200, 1e-170])
+def test_item5_per_example_clipping_extreme_float64(v):
+    g = {"w": np.array([[v, v], [v / 10, 0.0], [0.0, 0.0]]), "b": np.array([[v], [0.0], [-v]])}
+    norms = [ref_norm(g["w"][i], g["b"][i]) for i in range(3)]
+    clip = min(n for n in norms if n > 0) / 2
+    sums, n_clipped = nba.per_example_global_norm_clip(g, clip)
+    mult = [min(1.0, clip / n) if n > 0 else 1.0 for n in norms]
+    for k in g:
+        want = sum(g[k][i] * mult[i] for i in range(3))
+        np.testing.assert_allclose(sums[k], want, rtol=1e-13)
+    assert int(n_clipped) == 3 - sum(m == 1.0 for m in mult)
+    sums, counts = nba.per_example_layer_norm_clip(g, clip)
+    for k in g:
+        c = clip / math.sqrt(2)
+        mult = [min(1.0, c / ref_norm(g[k][i])) if ref_norm(g[k][i]) > 0 else 1.0 for i in range(3)]
+        np.testing.assert_allclose(sums[k], sum(g[k][i] * mult[i] for i in range(3)), rtol=1e-13)
+
+
+def test_item5_tiny_leaves_are_clipped_by_their_true_rms():
+    tree = {"a": np.full(4, 1e-170)}  # rms 1e-170: its squares underflow to 0 in float64
+    u, _ = nba.clip_by_block_rms(1e-171).update(tree, None)
+    np.testing.assert_allclose(u["a"], np.full(4, 1e-171), rtol=1e-14)
+
+
+def test_item5_float32_leaves_take_the_plain_fast_path_bit_for_bit():
+    from numbaccum.backend import tree_norm, tree_sumsq
+
+    rng = np.random.default_rng(0)
+    t = {"a": rng.standard_normal(1000).astype(F32), "b": rng.standard_normal(7)}
+    flat = nba.FlatTree.from_tree(t)
+    assert tree_norm(flat) == math.sqrt(tree_sumsq(flat)) == nba.global_norm(t)
+
+
+def _cuda_usable():
+    try:
+        from numba import cuda
+
+        return os.environ.get("NUMBA_ENABLE_CUDASIM") == "1" or cuda.is_available()
+    except Exception:
+        return False
+
+
+@pytest.mark.skipif(not _cuda_usable(), reason="no CUDA device and not in the simulator")
+@pytest.mark.parametrize("v", [3e200, 1e-170, 2.0])
+def test_item5_cuda_device_factor_is_the_scaled_norm(v):
+    from numba import cuda
+
+    from numbaccum import clipping
+    from numbaccum.backend import tree_norm
+
+    host = {"a": np.array([v, -v / 2, v / 4]), "b": np.full(3, 0.5, F32), "c": np.array([v / 8])}
+    if v != 2.0:
+        host["b"] = np.zeros(3, F32)  # the rescue: float32 leaves are 0 or negligible
+    d = {k: cuda.to_device(x) for k, x in host.items()}
+    flat = nba.FlatTree.from_tree(d)
+    norm = tree_norm(flat)
+    assert math.isfinite(norm) and norm == pytest.approx(ref_norm(*host.values()), rel=1e-14)
+    assert nba.global_norm(d) == norm
+    facs = clipping._device_factors(flat, norm / 4)
+    fac64 = facs[np.dtype(F64)].copy_to_host()
+    assert tuple(fac64) == clip_pair(norm, norm / 4)  # the host's bits, computed on the device
+    u, _ = nba.clip_by_global_norm(norm / 4).update(d, None)
+    for k, x in host.items():
+        want = clipped(x, ref_norm(*host.values()), norm / 4)
+        np.testing.assert_allclose(u[k].copy_to_host(), want, rtol=1e-6 if x.dtype == F32 else 1e-13)
+
+
+def clip_pair(norm, max_norm):
+    from numbaccum.formulas import clip_factor
+
+    return tuple(float(v) for v in clip_factor(norm, max_norm))
