@@ -157,16 +157,20 @@ def tree_sumsq_scaled(flat: Any) -> tuple[float, float]:
     normalize_by_update_norm and skip_large_updates all take it, so they agree bit for bit.
     ``f`` is 1 and ``s`` the plain `tree_sumsq` unless that `needs_scaling`; then each float64
     group whose own plain total needs it is summed again, its leaves scaled by one power of two
-    ``f_g`` from the group's max |x|, and ``s = sum_k s_k * (F / f_k) ** 2`` in leaf order with
-    ``F = min f_k`` (the other leaves keep their plain sums and ``f_k = 1``)."""
+    ``f_g`` from the group's max |x|, and ``s = sum_k s_k * (F / f_k) ** 2`` in leaf order over
+    the non-zero leaves, ``F`` the least of their ``f_k`` (the other leaves keep their plain sums
+    and ``f_k = 1``). `numbaccum.tables.rescued_norm` is the same sum, on the device too."""
     sums = leaf_sumsq(flat)
     total = float(sum_in_order(sums))
     if not needs_scaling(total):
         return total, 1.0
     scaled, scale = _rescued(flat, sums)
-    big = float(scale.min()) if scale.size else 1.0
-    r = big / scale
-    return float(sum_in_order(scaled * r * r)), big
+    nonzero = scaled != 0  # zero leaves have no magnitude to rescale to (and 0 * inf is NaN)
+    big = float(scale[nonzero].min()) if nonzero.any() else 1.0
+    with np.errstate(over="ignore", invalid="ignore"):
+        r = big / scale
+        terms = np.where(nonzero, scaled * r * r, 0.0)
+    return float(sum_in_order(terms)), big
 
 
 def _rescued(flat: Any, sums: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -143,9 +143,13 @@ def _global_multipliers(flat: FlatTree, plan: _Plan, clip: float) -> np.ndarray:
     s, f = _squared_norms(flat, plan)
     if np.all(f == 1.0):  # the common case
         return _multipliers(np.sqrt(s.sum(axis=0)), clip)
-    big = f.min(axis=0)  # per example: the scale of its largest entries
-    r = big[None, :] / f
-    return _multipliers(np.sqrt((s * r * r).sum(axis=0)) / big, clip)
+    nonzero = s != 0  # per example: the scale of its largest entries, over its non-zero leaves
+    big = np.where(nonzero, f, np.inf).min(axis=0)
+    big = np.where(np.isfinite(big), big, 1.0)
+    with np.errstate(over="ignore", invalid="ignore"):
+        r = big[None, :] / f
+        terms = np.where(nonzero, s * r * r, 0.0)
+    return _multipliers(np.sqrt(terms.sum(axis=0)) / big, clip)
 
 
 def _weighted_sums(

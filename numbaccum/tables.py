@@ -96,21 +96,25 @@ def norm_scale(m):  # pragma: no cover - compiled by the backends too
 def rescued_norm(sums):  # pragma: no cover - compiled by the backends too
     """The global L2 norm from ``sums = [plain | rescued | scale]`` (3 blocks of one value per
     leaf, leaf order): ``sqrt(sum plain)`` unless that total `needs_scaling`, else
-    ``sqrt(sum_k rescued_k * (F / scale_k) ** 2) / F`` with ``F = min scale_k`` (the bits of
-    `numbaccum.backend.tree_sumsq_scaled`)."""
+    ``sqrt(sum_k rescued_k * (F / scale_k) ** 2) / F`` over the non-zero leaves, with ``F`` the
+    least of their scales (the bits of `numbaccum.backend.tree_sumsq_scaled`)."""
     n = sums.size // 3
     total = 0.0
     for k in range(n):
         total += sums[k]
     if not needs_scaling(total):
         return math.sqrt(total)
-    big = math.inf  # no leaves: 0 / inf = 0
+    big = math.inf  # the scale of the largest elements: the least over the non-zero leaves
     for k in range(n):
-        big = min(big, sums[2 * n + k])
+        if sums[n + k] != 0:
+            big = min(big, sums[2 * n + k])
+    if big == math.inf:
+        big = 1.0
     ts = 0.0
     for k in range(n):
-        r = big / sums[2 * n + k]
-        ts += sums[n + k] * r * r
+        if sums[n + k] != 0:  # a zero leaf may have a scale far from big: 0 * inf is NaN
+            r = big / sums[2 * n + k]
+            ts += sums[n + k] * r * r
     return math.sqrt(ts) / big
 
 
