@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ._checks import INT32_MAX, flag, integer, real, transformation
-from .backend import ops_for, tree_sumsq
+from .backend import ops_for, tree_sumsq_scaled
 from .base import (
     GradientTransformationExtraArgs,
     ParamsRef,
@@ -349,7 +349,8 @@ def _skip_large_flat(
     u: Updates, gradient_step: Any, params: Any, max_squared_norm: float
 ) -> tuple[np.bool_, dict]:
     u = u.settled()
-    norm_sq = tree_sumsq(u.flat)  # the one squared global norm: global_norm's bits
+    s, f = tree_sumsq_scaled(u.flat)  # the one global norm: global_norm's bits
+    norm_sq = s / f / f if f != 1.0 else s  # inf only where the squared norm is past float64
     skip = np.bool_(not norm_sq < float(max_squared_norm))
     return skip, {"should_skip": skip, "norm_squared": np.float64(norm_sq)}
 

@@ -5,8 +5,10 @@ previous update per element, or the previous norm per leaf (a small float64 arra
 in global mode). torchzero's behaviour is followed except for its bugs (see
 reference/declearn_torchzero.md, Part B):
 
-* A stored previous norm (or element) of 0 means "no history yet": that step is not limited and
-  the history restarts from it, so a zero first step never collapses the later ones.
+* The growth clippers' first step has no history (a flag in the state); from then on a previous
+  norm (or element) of 0 is a history of 0, limited as in torchzero, except that a limit of
+  ``mul * 0`` (``min_value=None``) is not applied: it would hold the value at 0 for good. The EMA
+  clippers' stored norm of 0 means "no history yet", so a zero first step never collapses them.
 * ``min_value`` bounds the allowed norm (``mul * max(prev, min_value)``), never the divisor.
 * ``add=None, mul=None`` is the identity (torchzero crashes from its second step).
 * A slice whose norm is non-finite or <= 1e-12 is left unchanged, and a non-finite update never
@@ -37,6 +39,7 @@ from .base import (
     as_stage,
     with_extra_args_support,
 )
+from .clipping import divide_leaves
 from .contract import ONE, Factor
 from .flat import FlatTree, layout_and_device
 from .layout import Layout
@@ -90,19 +93,9 @@ def _group_factors(flat: FlatTree, gi: int, per_leaf: np.ndarray) -> np.ndarray:
 
 
 def _divide_leaves(u: Updates, factors: np.ndarray) -> Updates:
-    """``u`` with each leaf divided by its factor (one segmented pass per group); ``u`` itself
-    when every factor is 1."""
-    if not np.any(factors != 1.0):
-        return u
-    factor = u.factor
-    if factor.device is not None:  # a device-resident pending factor: apply it first
-        u, factor = u.settled(), ONE
-    out = u.fresh()
-    lay = u.flat.layout
-    for gi, (o, g) in enumerate(zip(out.groups, u.flat.groups)):
-        f = _group_factors(u.flat, gi, factors)
-        ops_for(g).segment_divide_(o, g, factor, lay.offsets[gi], f)
-    return Updates(out, True)
+    """``u`` with each leaf divided by its factor (`numbaccum.clipping.divide_leaves`); ``u``
+    itself when every factor is 1."""
+    return divide_leaves(u, factors)
 
 
 def _divide_all(u: Updates, factor: float) -> Updates:
@@ -441,10 +434,16 @@ class ClipNormGrowthState(NamedTuple):
 
     Attributes:
         prev_norm: float64 norm of the previous (clipped) update, one per leaf (0-d in global
-            mode); 0 means no history yet.
+            mode).
+        started: False until the first update: that update has no history (it passes and its
+            norm becomes ``prev_norm``); from then on a ``prev_norm`` of 0 is a history of 0.
+        layout: the layout of the tree the state was built for (an update of another tree,
+            even with as many leaves, is refused).
     """
 
     prev_norm: np.ndarray
+    started: np.bool_
+    layout: Layout
 
 
 def _growth_args(
@@ -473,12 +472,17 @@ def clip_norm_growth(
     ``p = max(prev, min_value)``, per leaf (``tensorwise``) or over the whole tree.
 
     The history ``prev`` becomes the clipped norm, or ``prev / max_decay`` when the norm fell
-    below ``prev / max_decay`` (the history shrinks by at most ``max_decay`` per step). A ``prev``
-    of 0 means no history: the first step (and zero updates before any other) pass unchanged.
-    ``min_value`` bounds the allowed norm from below, never the divisor: torchzero divides every
-    step by ``min_value`` when it is above 1, and collapses after a zero first step. With
-    ``add=None, mul=None`` this is the identity. A leaf whose norm is non-finite or <= 1e-12
-    passes unchanged; a non-finite norm leaves its history as it was.
+    below ``prev / max_decay`` (the history shrinks by at most ``max_decay`` per step), floored
+    at ``min_value``. The first update has no history (a flag in the state): it passes unchanged
+    and its norm becomes ``prev``, as in torchzero. From then on torchzero's rule holds even from
+    a ``prev`` of 0 (growth from zero is what the limit is for): after a zero first step the
+    norm may grow to ``mul * min_value``, ``1.5e-4`` by default. ``min_value`` bounds the allowed
+    norm from below, never the divisor: torchzero divides every step by ``min_value`` when it is
+    above 1 (and zeroes the second step after a zero first one). Where the multiplicative limit
+    would be ``mul * 0`` (``prev == 0`` with ``min_value=None``) it is not applied: torchzero
+    would hold that leaf at 0 for good. With ``add=None, mul=None`` this is the identity. A leaf
+    whose norm is non-finite or <= 1e-12 passes unchanged; a non-finite norm leaves its history
+    as it was.
 
     Args:
         add: additive limit (``|u| <= prev + add``); None: none.
@@ -515,42 +519,50 @@ class _NormGrowth(Stage):
 
     def init(self, params: Any) -> ClipNormGrowthState:
         layout, _ = layout_and_device(params, "params")
-        return ClipNormGrowthState(np.zeros(_history_shape(layout, self.tensorwise), np.float64))
+        prev = np.zeros(_history_shape(layout, self.tensorwise), np.float64)
+        return ClipNormGrowthState(prev, np.bool_(False), layout)
 
     def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
         if not isinstance(state, ClipNormGrowthState):
             raise TypeError(f"state: expected ClipNormGrowthState, got {type(state).__name__}")
+        if state.layout is not spec.layout:  # as many leaves is not enough: the same tree
+            raise ValueError(
+                f"state: it was built for another tree ({state.layout!r}) than the updates ({spec.layout!r})"
+            )
         prev = _history(state.prev_norm, _history_shape(spec.layout, self.tensorwise), "prev_norm")
+        if not isinstance(state.started, (bool, np.bool_)):
+            raise TypeError(f"state.started: expected a bool, got {type(state.started).__name__}")
         if self.add is None and self.mul is None:  # the identity
             return Step(lambda u: (u, state))
-        return Step(lambda u: self._run(u, prev))
+        started = bool(state.started)
+        return Step(lambda u: self._run(u, prev, started, spec.layout))
 
-    def _run(self, u: Updates, prev: np.ndarray) -> tuple[Updates, ClipNormGrowthState]:
+    def _run(
+        self, u: Updates, prev: np.ndarray, started: bool, layout: Layout
+    ) -> tuple[Updates, ClipNormGrowthState]:
         add, mul, min_value, max_decay = self.add, self.mul, self.min_value, self.max_decay
         ord, tensorwise = self.ord, self.tensorwise
         u = u.settled()
         n = leaf_norms(u.flat, ord) if tensorwise else np.array(tree_norm(u.flat, ord))
         with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
             finite = np.isfinite(n)
-            history = prev > 0
+            history = np.full(prev.shape, started)
             p = np.maximum(prev, min_value) if min_value is not None else prev
             allowed = np.full(prev.shape, np.inf)
             if add is not None:
                 allowed = p + add
-            if mul is not None:
-                allowed = np.minimum(allowed, p * mul)
+            if mul is not None:  # mul * 0 would hold the norm at 0 for good: not applied then
+                allowed = np.minimum(allowed, np.where(p > 0, p * mul, np.inf))
             clipped = finite & history & (n > TINY) & (n > allowed)
             denom = np.where(clipped, n / np.where(clipped, allowed, 1.0), 1.0)
             new = np.where(clipped, allowed, n)
-            if max_decay is not None:
-                new = np.where(
-                    history & (n / np.where(history, prev, 1.0) < 1.0 / max_decay), prev / max_decay, new
-                )
+            if max_decay is not None:  # n / 0 is inf or NaN: never a decay
+                new = np.where(history & (n / prev < 1.0 / max_decay), prev / max_decay, new)
             if min_value is not None:
                 new = np.where(history, np.maximum(new, min_value), new)
             prev[...] = np.where(finite, new, prev)
         out = _divide_leaves(u, denom) if tensorwise else _divide_all(u, float(denom))
-        return out, ClipNormGrowthState(prev)
+        return out, ClipNormGrowthState(prev, np.bool_(True), layout)
 
 
 # --- clip_value_growth ----------------------------------------------------------------------
@@ -560,10 +572,13 @@ class ClipValueGrowthState(NamedTuple):
     """State of `clip_value_growth`.
 
     Attributes:
-        prev: the previous (clipped) update per element, shaped like params; 0 means no history.
+        prev: the previous (clipped) update per element, shaped like params.
+        started: False until the first update: that update has no history (it passes and becomes
+            ``prev``); from then on a ``prev`` of 0 is a history of 0.
     """
 
     prev: FlatTree
+    started: np.bool_
 
 
 def clip_value_growth(
@@ -577,11 +592,14 @@ def clip_value_growth(
     ``|u| <= min(|prev| + add, mul * max(|prev|, min_value))``, with g's sign.
 
     The history ``prev`` becomes ``u``, or ``prev / max_decay`` when the element's growth was
-    below ``1 / max_decay``. An element whose ``prev`` is 0 has no history: it passes unchanged
-    and starts one (torchzero clips it to ``mul * min_value``, or zeroes it for good with
-    ``min_value=None``). With ``add=None, mul=None`` this is the identity. A non-finite element
-    never enters the history: with a history it is clipped (an inf to the bound, a NaN stays
-    NaN), without one it passes. One fused pass over the buffer.
+    below ``1 / max_decay``. The first update has no history (a flag in the state): it passes
+    unchanged and becomes ``prev``, as in torchzero. From then on torchzero's rule holds even
+    from a ``prev`` of 0 (a sparse row of an embedding is the common case): ``0 -> 5`` gives
+    ``1.5e-4`` by default and ``1`` with ``add=1, mul=None``. Where the multiplicative limit
+    would be ``mul * 0`` (``prev == 0`` with ``min_value=None``) it is not applied: torchzero
+    zeroes such an element for good. With ``add=None, mul=None`` this is the identity. A
+    non-finite element never enters the history: with a history it is clipped (an inf to the
+    bound, a NaN stays NaN), on the first update it passes. One fused pass over the buffer.
 
     Args:
         add: additive limit; None: none.
@@ -611,21 +629,23 @@ class _ValueGrowth(Stage):
 
     def init(self, params: Any) -> ClipValueGrowthState:
         layout, device = layout_and_device(params, "params")
-        return ClipValueGrowthState(FlatTree.zeros(layout, device=device))
+        return ClipValueGrowthState(FlatTree.zeros(layout, device=device), np.bool_(False))
 
     def owner(self, state: Any) -> FlatTree | None:
         return field_owner(state, ClipValueGrowthState, "prev")
 
     def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
         prev = expect_state(state, ClipValueGrowthState, "prev", spec)
+        if not isinstance(state.started, (bool, np.bool_)):
+            raise TypeError(f"state.started: expected a bool, got {type(state.started).__name__}")
         if self.identity:
             return Step(lambda u: (u, state))
-        k = (self.k_add, self.k_mul, self.k_min, self.k_decay)
+        k = (self.k_add, self.k_mul, self.k_min, self.k_decay, not state.started)
 
         def run(u: Updates) -> tuple[Updates, ClipValueGrowthState]:
             out = u.fresh()
             for pg, g, o in zip(prev.groups, u.flat.groups, out.groups):
                 ops_for(pg).growth_clip_(pg, g, u.factor, *k, o)
-            return Updates(out, True), ClipValueGrowthState(prev)
+            return Updates(out, True), ClipValueGrowthState(prev, np.bool_(True))
 
         return Step(run)

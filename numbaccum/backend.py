@@ -10,15 +10,36 @@ when a CUDA array is seen, with one clear error if it cannot compile kernels her
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
 
 from .arrays import is_cuda_array
 from .contract import Ops
-from .tables import segments, sum_in_order
+from .tables import (
+    ACTIVE,
+    NSLICES,
+    SLEN,
+    SUMSQ_TINY,
+    as_table,
+    needs_scaling,
+    norm_scale,
+    segments,
+    sum_in_order,
+)
 
-__all__ = ["leaf_sumsq", "ops_for", "tree_sumsq"]
+__all__ = [
+    "leaf_norms",
+    "leaf_sumsq",
+    "leaf_tables",
+    "ops_for",
+    "slice_norms",
+    "slice_sumsq",
+    "tree_norm",
+    "tree_sumsq",
+    "tree_sumsq_scaled",
+]
 
 _OPS: dict[str, Ops] = {}
 
@@ -46,30 +67,132 @@ def _make_ops(name: str) -> Ops:
 
 
 # --- the one global norm: every API that needs a tree's sum of squares takes it here -----------
+#
+# The plain float64 sum of squares is the fast path (one pass); `numbaccum.tables.needs_scaling`
+# says when it cannot be trusted (float64 elements past ~1e154 overflow it, below ~1e-154
+# underflow in it), and then the few slices concerned are summed again as sum((x * f) ** 2), with
+# ``f`` a power of two from their max |x| (`numbaccum.tables.norm_scale`): the norm is
+# ``sqrt(s) / f``, finite whenever it is representable. float32 and float16 elements never need
+# it (their squares fit float64 with room to spare).
+
+
+def slice_sumsq(x: Any, table: Any) -> tuple[np.ndarray, np.ndarray]:
+    """``(s, f)`` per slice of ``table``: ``s = sum((x * f) ** 2)`` in float64, ``f`` 1 (the
+    plain sum, the common case) or the power of two that rescued an overflowed or underflowed
+    slice; the slice's L2 norm is ``sqrt(s) / f``. An inf or NaN element keeps the plain sum (inf
+    or NaN), as before."""
+    table = as_table(table)
+    ops = ops_for(x)
+    s = ops.slice_sumsq(x, table)
+    f = np.ones_like(s)
+    if np.dtype(x.dtype).itemsize < 8 or not s.size:  # float32/16: the plain sum is exact enough
+        return s, f
+    bad = (s == np.inf) | (s < SUMSQ_TINY)
+    if not bad.any():
+        return s, f
+    rows = table.rows
+    row_of = np.repeat(np.arange(rows.shape[0]), rows[:, NSLICES])  # slices are numbered row by row
+    bad &= ((rows[:, ACTIVE] != 0) & (rows[:, SLEN] > 0))[row_of]  # empty and inactive: 0 is right
+    if not bad.any():
+        return s, f
+    sub = table.only(np.bincount(row_of[bad], minlength=rows.shape[0]) > 0)  # read only those rows
+    m = ops.slice_maxabs(x, sub)
+    fix = bad & np.isfinite(m) & (m > 0)
+    if fix.any():
+        f[fix] = [norm_scale(v) for v in m[fix]]
+        s = np.where(fix, ops.slice_sumsq_scaled(x, sub, f), s)
+    return s, f
+
+
+def slice_norms(x: Any, table: Any) -> np.ndarray:
+    """The L2 norm of every slice of ``table``, float64, finite whenever it is representable."""
+    s, f = slice_sumsq(x, table)
+    return np.sqrt(s) / f
 
 
 def leaf_sumsq(flat: Any) -> np.ndarray:
     """sum(x ** 2) of every leaf of a `numbaccum.flat.FlatTree`, float64 in leaf order (one
-    engine call per dtype group, each leaf one slice)."""
+    engine call per dtype group, each leaf one slice): the plain sums, the fast path."""
     lay = flat.layout
+    out = np.empty(lay.num_leaves, np.float64)
+    for members, table, g in zip(lay.group_index, leaf_tables(lay), flat.groups):
+        out[members] = ops_for(g).slice_sumsq(g, table)
+    return out
+
+
+def leaf_tables(lay: Any) -> list:
+    """One segments table per group of layout ``lay`` (each leaf a slice), cached per layout."""
     tables = _LEAF_TABLES.get(lay)
     if tables is None:  # once per layout: a small tree's whole update costs microseconds
         if len(_LEAF_TABLES) > 1024:
             _LEAF_TABLES.clear()
         tables = _LEAF_TABLES[lay] = [segments(offsets) for offsets in lay.offsets]
-    out = np.empty(lay.num_leaves, np.float64)
-    for members, table, g in zip(lay.group_index, tables, flat.groups):
-        out[members] = ops_for(g).slice_sumsq(g, table)
-    return out
+    return tables
 
 
 _LEAF_TABLES: dict[Any, list] = {}  # layout -> one segments table per group (each leaf a slice)
 
 
+def leaf_norms(flat: Any) -> np.ndarray:
+    """The L2 norm of every leaf, float64 in leaf order (`slice_sumsq` per group)."""
+    lay = flat.layout
+    out = np.empty(lay.num_leaves, np.float64)
+    for members, table, g in zip(lay.group_index, leaf_tables(lay), flat.groups):
+        out[members] = slice_norms(g, table)
+    return out
+
+
 def tree_sumsq(flat: Any) -> float:
-    """The squared global L2 norm of a tree: `leaf_sumsq` added in leaf order from 0.0.
+    """The plain squared global L2 norm of a tree: `leaf_sumsq` added in leaf order from 0.0
+    (inf past float64's range: the squared norm is then not representable)."""
+    return float(sum_in_order(leaf_sumsq(flat)))
+
+
+def tree_sumsq_scaled(flat: Any) -> tuple[float, float]:
+    """``(s, f)``: the squared global L2 norm of ``flat`` is ``s / f**2``, its norm
+    ``sqrt(s) / f`` (`tree_norm`).
 
     The one definition: `numbaccum.global_norm`, ``norms.tree_norm(t, 2)``, ``clip_norm(...,
-    dim='global')``, clip_by_global_norm (`Ops.clip_factors_` on the device) and
-    skip_large_updates all take this sum, so they agree bit for bit."""
-    return float(sum_in_order(leaf_sumsq(flat)))
+    dim='global')``, clip_by_global_norm (and its device twin, `Ops.clip_factors_`),
+    normalize_by_update_norm and skip_large_updates all take it, so they agree bit for bit.
+    ``f`` is 1 and ``s`` the plain `tree_sumsq` unless that `needs_scaling`; then each float64
+    group whose own plain total needs it is summed again, its leaves scaled by one power of two
+    ``f_g`` from the group's max |x|, and ``s = sum_k s_k * (F / f_k) ** 2`` in leaf order over
+    the non-zero leaves, ``F`` the least of their ``f_k`` (the other leaves keep their plain sums
+    and ``f_k = 1``). `numbaccum.tables.rescued_norm` is the same sum, on the device too."""
+    sums = leaf_sumsq(flat)
+    total = float(sum_in_order(sums))
+    if not needs_scaling(total):
+        return total, 1.0
+    scaled, scale = _rescued(flat, sums)
+    nonzero = scaled != 0  # zero leaves have no magnitude to rescale to (and 0 * inf is NaN)
+    big = float(scale[nonzero].min()) if nonzero.any() else 1.0
+    with np.errstate(over="ignore", invalid="ignore"):
+        r = big / scale
+        terms = np.where(nonzero, scaled * r * r, 0.0)
+    return float(sum_in_order(terms)), big
+
+
+def _rescued(flat: Any, sums: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per leaf ``(s_k, f_k)``: the plain sums, except in float64 groups whose total
+    `needs_scaling` (the host twin of the device kernel's rescue in `Ops.clip_factors_`)."""
+    lay = flat.layout
+    scaled, scale = sums.copy(), np.ones_like(sums)
+    for members, table, g in zip(lay.group_index, leaf_tables(lay), flat.groups):
+        if np.dtype(g.dtype).itemsize < 8 or not needs_scaling(float(sum_in_order(sums[members]))):
+            continue
+        ops = ops_for(g)
+        per_leaf = ops.slice_maxabs(g, table)
+        m = float(np.max(per_leaf)) if per_leaf.size else 0.0  # NaN if any is NaN
+        if math.isfinite(m) and m > 0:
+            f = norm_scale(m)
+            scaled[members] = ops.slice_sumsq_scaled(g, table, np.full(members.size, f))
+            scale[members] = f
+    return scaled, scale
+
+
+def tree_norm(flat: Any) -> float:
+    """The global L2 norm of a tree, float64: ``sqrt(s) / f`` of `tree_sumsq_scaled` (finite
+    whenever it is representable; inf or NaN for an inf or NaN element)."""
+    s, f = tree_sumsq_scaled(flat)
+    return math.sqrt(s) / f

@@ -16,13 +16,14 @@ A checkpoint is an uncompressed ``.npz`` (a zip of ``.npy`` arrays, read back wi
 numbers as the hex of their bytes, so every bit comes back), ``["array", i, writeable]``,
 ``["tuple", [nodes]]``, ``["list", [nodes]]``, ``["dict", [[key, node], ...]]``,
 ``["nt", class, [fields], [nodes]]`` (a NamedTuple: numbaccum's states by their public name, other
-classes as ``module:qualname``), ``["flat", layout, [arrays], on_device]`` and ``["ref", i]`` (the
-``i``-th FlatTree or array met before: aliasing is kept). A layout is
+classes as ``module:qualname``), ``["flat", layout, [arrays], on_device]``, ``["layout", layout]``
+(a `Layout` a state holds: the tree it was built for) and ``["ref", i]`` (the ``i``-th FlatTree or
+array met before: aliasing is kept). A layout is
 ``{"treedef", "shapes", "dtypes", "keys"}``, its treedef ``["leaf"]``, ``["none"]``,
 ``["dict", [keys], [treedefs]]``, ``["list", ...]``, ``["tuple", ...]`` or
 ``["nt", class, [fields], [treedefs]]``.
 
-The walk is generic: any nest of tuples, lists, dicts and NamedTuples whose leaves are FlatTrees,
+The walk is generic: any nest of tuples, lists, dicts and NamedTuples whose leaves are FlatTrees, Layouts,
 NumPy arrays and scalars, Python numbers, strings and None saves (every numbaccum state is one);
 anything else raises TypeError naming its path before a byte is written.
 """
@@ -153,6 +154,8 @@ class _Encoder:
             self._seen[id(x)] = len(self._objects)
             self._objects.append(x)
             return self._flat(x, path) if isinstance(x, FlatTree) else self._ndarray(x, path)
+        if t is Layout:
+            return ["layout", self._layout(x, path)]
         if _is_namedtuple(x):
             cls = _class_name(t, path)
             kids = [self.node(v, f"{path}.{f}") for f, v in zip(x._fields, x)]
@@ -447,6 +450,8 @@ def _classes_of(like: Any) -> dict[str, type]:
                 out[_class_name(type(x), "like")] = type(x)
         elif isinstance(x, FlatTree):
             treedef(x.layout.treedef)
+        elif isinstance(x, Layout):
+            treedef(x.treedef)
     return out
 
 
@@ -502,6 +507,8 @@ class _Decoder:
             flat = self._flat(args[0], args[1], args[2], path)
             self.objects.append(flat)
             return flat
+        if tag == "layout" and len(args) == 1:
+            return self.layout(args[0], path)
         if tag == "ref" and len(args) == 1:
             i = args[0]
             if type(i) is not int or not 0 <= i < len(self.objects):
@@ -642,6 +649,12 @@ def _compare(got: Any, want: Any, path: str) -> None:
             g = [str(d) for d in got.group_dtypes]
             w = [str(d) for d in want.group_dtypes]
             raise _mismatch(path, f"storage dtypes {g} in the file, {w} expected")
+        return
+    if isinstance(want, Layout):
+        if not isinstance(got, Layout):
+            raise _mismatch(path, f"expected a layout, the file holds {_kind(got)}")
+        if got is not want:
+            raise _mismatch(path, _layout_difference(got, want))
         return
     if type(got) is not type(want):
         raise _mismatch(path, f"expected {_kind(want)}, the file holds {_kind(got)}")

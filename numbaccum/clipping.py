@@ -9,7 +9,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ._checks import integer, non_negative, real, transformation
-from .backend import ops_for, tree_sumsq
+from .backend import leaf_tables, ops_for, slice_sumsq, tree_norm, tree_sumsq_scaled
 from .base import (
     EmptyState,
     GradientTransformationExtraArgs,
@@ -79,9 +79,9 @@ def global_norm(tree: Any, ord: Any = 2, squared: bool = False) -> float:
     if key not in _SEGMENT_KERNEL:
         raise ValueError(f"ord must be 1, 2 or inf, got {ord!r}")
     flat = tree if isinstance(tree, FlatTree) else as_flat(tree, layout_of(tree, "tree"), "tree")[0]
-    if key == 2:  # the one squared global norm of the library (a host float: a sync on GPU)
-        total = tree_sumsq(flat)
-        return total if squared else math.sqrt(total)
+    if key == 2:  # the one global L2 norm of the library (a host float: a sync on GPU)
+        s, f = tree_sumsq_scaled(flat)  # sqrt(s) / f: finite whenever representable
+        return (s / f / f if f != 1.0 else s) if squared else math.sqrt(s) / f
     # Each group's per-leaf values come back to the host: the norm is a host float (a sync on GPU).
     per_leaf = leaf_reductions(flat, _SEGMENT_KERNEL[key])
     if key == math.inf:
@@ -108,7 +108,8 @@ def _device_factors(flat: FlatTree, max_norm: float) -> dict[np.dtype, Any] | No
     cache = _SCRATCH.__dict__.setdefault("by_layout", {})
     scratch = cache.get(flat.layout)
     if scratch is None:
-        sums = empty(flat.layout.num_leaves, np.dtype(np.float64))  # per leaf, tree order
+        # per leaf, tree order: [plain | rescued | scale] (see `Ops.clip_factors_`)
+        sums = empty(3 * flat.layout.num_leaves, np.dtype(np.float64))
         scratch = cache[flat.layout] = (sums, {d: empty(2, d) for d in _FACTOR_DTYPES})
     sums, facs = scratch
     fac32, fac64 = (facs[d] for d in _FACTOR_DTYPES)
@@ -159,7 +160,7 @@ class _ClipByGlobalNorm(_Stateless):
                 facs = _device_factors(u.flat, max_norm)
                 if facs is not None:
                     return Updates(u.flat, u.owned, Factor(device=facs), u.returnable, u.scratch), state
-            div, mul = clip_factor(math.sqrt(tree_sumsq(u.flat)), max_norm)
+            div, mul = clip_factor(tree_norm(u.flat), max_norm)  # float64, fits float32
             return u.scaled(Factor(div, mul)), state
 
         return Step(run)
@@ -211,7 +212,7 @@ class _NormalizeByUpdateNorm(_Stateless):
     def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
         def run(u: Updates) -> tuple[Updates, Any]:
             u = u.settled()
-            norm = math.sqrt(tree_sumsq(u.flat))
+            norm = tree_norm(u.flat)  # float64; the factor is scaled to fit float32 (`Factor`)
             return u.scaled(Factor((norm + self.eps) / self.scale_factor, 1.0)), state
 
         return Step(run)
@@ -338,12 +339,39 @@ class _ClipByBlockRms(_Stateless):
         threshold = self.threshold
         u = u.settled()
         lay = u.flat.layout
-        out = u.fresh()
-        for gi, (offsets, g) in enumerate(zip(lay.offsets, u.flat.groups)):
-            sizes = np.diff(offsets)
-            with np.errstate(divide="ignore", invalid="ignore"):  # 0 / 0 is NaN, as in optax
-                rms = np.sqrt(ops_for(g).segment_sumsq(g, offsets) / np.maximum(sizes, 1))
-                factors = np.maximum(1.0, rms / threshold)
-            ctype = np.result_type(g.dtype, out.groups[gi].dtype)
-            ops_for(g).segment_divide_(out.groups[gi], g, ONE, offsets, factors.astype(ctype))
-        return Updates(out, True)
+        factors = np.empty(lay.num_leaves, np.float64)
+        for members, offsets, table, g in zip(lay.group_index, lay.offsets, leaf_tables(lay), u.flat.groups):
+            s, f = slice_sumsq(g, table)  # scaled: finite for float64 leaves past 1e154
+            with np.errstate(divide="ignore", invalid="ignore", over="ignore"):  # 0 / 0: NaN, as optax
+                rms = np.sqrt(s / np.maximum(np.diff(offsets), 1)) / f
+                factors[members] = np.maximum(1.0, rms / threshold)
+        return divide_leaves(u, factors, always=True)
+
+
+def divide_leaves(u: Updates, factors: np.ndarray, always: bool = False) -> Updates:
+    """``u`` with each leaf divided by its float64 factor: one segmented pass per group in the
+    compute dtype (the factors cast to it), or, for a group where a factor does not fit that
+    dtype (a float32 leaf divided by 1e39 would be divided by inf), ``x * (1 / factor)`` in
+    float64, rounded once. ``u`` itself when every factor is 1 (unless ``always``)."""
+    if not always and not np.any(factors != 1.0):
+        return u
+    factor = u.factor
+    if factor.device is not None:  # a device-resident pending factor: apply it first
+        u, factor = u.settled(), ONE
+    out = u.fresh()
+    lay = u.flat.layout
+    for gi, (o, g) in enumerate(zip(out.groups, u.flat.groups)):
+        f = factors[lay.group_index[gi]]
+        ctype = np.result_type(g.dtype, o.dtype)
+        ctype = np.dtype(np.float32) if ctype == np.float16 else ctype  # float16 runs in float32
+        info = np.finfo(ctype)
+        with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
+            fits = (np.abs(f) >= info.tiny) & (np.abs(f) <= info.max)
+            if np.all(fits | ~np.isfinite(f) | (f == 0)):  # the common case: optax's division
+                ops_for(g).segment_divide_(o, g, factor, lay.offsets[gi], f.astype(ctype))
+                continue
+            if not factor.is_one:  # the float64 path reads settled values
+                ops_for(g).scale_(o, g, factor)
+                g = o
+            ops_for(g).slice_apply_(o, g, segments(lay.offsets[gi]), None, 1.0 / f)
+    return Updates(out, True)

@@ -46,6 +46,10 @@ class Factor:
     __slots__ = ("div", "mul", "device")
 
     def __init__(self, div: float = 1.0, mul: float = 1.0, device: dict | None = None) -> None:
+        # Computed in float64 and cast to the buffer dtype by the kernels: a pair outside
+        # float32's range is first scaled by a power of two (`numbaccum.formulas.balanced`).
+        if not (_LO < abs(div) < _HI and _LO < abs(mul) < _HI) and device is None:
+            div, mul = F.balanced(float(div), float(mul))
         self.div = div
         self.mul = mul
         self.device = device
@@ -61,6 +65,7 @@ class Factor:
         return f"Factor(div={self.div!r}, mul={self.mul!r})"
 
 
+_LO, _HI = 2.0**-99, 2.0**99  # inside: `balanced` changes nothing (the common case, one test)
 ONE = Factor()
 
 
@@ -187,11 +192,14 @@ class Ops:
         max_growth: float,
         min_value: float,
         max_decay: float,
+        fresh: bool,
         out: Any,
     ) -> None:
         """|out| <= min(|prev| + add, max_growth * max(|prev|, min_value)) with g's sign; prev
-        tracks out (torchzero's ClipValueGrowth; see `numbaccum.formulas.growth_clip`)."""
-        self.driver.map_(F.growth_clip, factor, (prev, g, out), (add, max_growth, min_value, max_decay))
+        tracks out; on the first step (``fresh``) g passes (torchzero's ClipValueGrowth; see
+        `numbaccum.formulas.growth_clip`)."""
+        args = (add, max_growth, min_value, max_decay, fresh)
+        self.driver.map_(F.growth_clip, factor, (prev, g, out), args)
 
     # --- reductions: one engine over slice tables (numbaccum.tables) --------------------------
     # Whole buffer, per leaf, per slice and per example are all reductions over the slices of a
@@ -205,6 +213,11 @@ class Ops:
         if centers is not None and np.size(centers):
             return self.reduce.reduce("csumsq", x, as_table(table), centers)
         return self.reduce.reduce("sumsq", x, as_table(table))
+
+    def slice_sumsq_scaled(self, x: Any, table: Any, scales: Any) -> np.ndarray:
+        """Per slice ``s``: sum((x * scales[s]) ** 2) (``scales`` powers of two: the rescue of an
+        overflowed or underflowed sum of squares, see `numbaccum.backend.slice_sumsq`)."""
+        return self.reduce.reduce("ssumsq", x, as_table(table), scales)
 
     def slice_sumabs(self, x: Any, table: Any) -> np.ndarray:
         """Per slice: sum(|x|)."""
@@ -265,10 +278,13 @@ class Ops:
         fac32: Any,
         fac64: Any,
     ) -> None:
-        """leaf_sums[members] = sum(x ** 2) per slice of ``table`` (the group's leaves); when
-        ``last``, ``fac = [div, mul]`` (float32 and float64) of clip_by_global_norm
-        (`numbaccum.formulas.clip_factor`) from ``sqrt(sum_in_order(leaf_sums))``: `tree_sumsq`'s
-        bits. On CUDA one launch per group and no synchronisation (device arrays)."""
+        """``leaf_sums`` holds 3 float64 per leaf, ``[plain | rescued | scale]``: sum(x ** 2) per
+        slice of ``table`` (the group's leaves) at ``members``, and the group's rescued sums and
+        scale where a float64 group's plain total `numbaccum.tables.needs_scaling` (else the
+        plain sums and 1); when ``last``, ``fac = [div, mul]`` (float32 and float64) of
+        clip_by_global_norm (`numbaccum.formulas.clip_factor`) of
+        `numbaccum.tables.rescued_norm`: the bits of `numbaccum.backend.tree_norm`. On CUDA one
+        launch per group and no synchronisation (device arrays)."""
         self.reduce.clip_factors_(leaf_sums, x, as_table(table), members, last, max_norm, fac32, fac64)
 
     # Shorthands: a whole buffer is one slice, ``offsets`` one contiguous slice per segment.

@@ -226,23 +226,28 @@ def clip_by(x, bound):
     states=("prev",),
     inputs=("g",),
     outputs=("out",),
-    scalars=("add", "max_growth", "min_value", "max_decay"),
+    scalars=("add", "max_growth", "min_value", "max_decay", "fresh"),
 )
-def growth_clip(prev, g, add, max_growth, min_value, max_decay):
+def growth_clip(prev, g, add, max_growth, min_value, max_decay, fresh):
     """torchzero's ClipValueGrowth: ``|out| <= min(|prev| + add, max_growth * max(|prev|,
     min_value))`` with g's sign; prev becomes ``prev / max_decay`` if the growth was below
-    ``1 / max_decay``, else out. ``prev == 0`` is no history: g passes and becomes the history
-    (a 0 keeps waiting). A non-finite g is clipped (NaN stays NaN) and leaves prev as it is."""
-    if prev == 0:
+    ``1 / max_decay``, else out. On the first step (``fresh``) there is no history: g passes and
+    becomes it. Afterwards a ``prev`` of 0 is a history of 0 (``0 -> 5`` is limited to
+    ``max_growth * min_value``), except that a bound ``max_growth * 0`` (``min_value`` 0) is
+    not applied: it would hold the element at 0 for good. A non-finite g is clipped (NaN stays
+    NaN) and leaves prev as it is."""
+    if fresh:
         return (g if finite(g) else prev), g
     a = abs(g)
     pa = abs(prev)
     if a - pa > add:
         a = pa + add
     pm = max(pa, min_value)
-    growth = max(a / pm, 1e-8)  # torchzero's floor, measured after the additive clip
-    if growth > max_growth:
-        a = max_growth * pm
+    growth = math.inf  # no ratio to a bound of 0: neither the multiplicative limit nor a decay
+    if pm > 0:
+        growth = max(a / pm, 1e-8)  # torchzero's floor, measured after the additive clip
+        if growth > max_growth:
+            a = max_growth * pm
     r = math.copysign(a, g)
     if not finite(g):
         return prev, r
@@ -251,15 +256,33 @@ def growth_clip(prev, g, add, max_growth, min_value, max_decay):
     return r, r
 
 
+def balanced(div, mul):
+    """A pending factor ``(div, mul)`` (float64) with both scaled by one power of two so that
+    ``(x / div) * mul`` can run in float32 where the cast alone gave ``x / inf = 0`` (a norm of
+    3.5e38) or ``inf / inf = NaN``: ``div`` goes to [1, 2) (then ``x / div`` cannot overflow),
+    unless that would push ``mul`` out of [2**-120, 2**121) (then ``mul`` goes to that edge).
+    Powers of two are exact: inside [2**-100, 2**100] (every common case) the pair is returned
+    as it is, bit for bit."""
+    if not (finite(div) and finite(mul)) or div == 0.0 or mul == 0.0:
+        return div, mul
+    ed = math.frexp(div)[1]
+    em = math.frexp(mul)[1]
+    if -100 < ed < 100 and -100 < em < 100:
+        return div, mul
+    k = min(max(ed - 1, em - 120), em + 120)
+    return math.ldexp(div, -k), math.ldexp(mul, -k)
+
+
 def clip_factor(norm, max_norm):
-    """clip_by_global_norm's pending factor ``(div, mul)`` for a global L2 ``norm``: ``(1, 1)``
-    below ``max_norm`` (strict), ``(1, 0)`` at a zero norm (then ``max_norm == 0`` too: zeros,
-    not 0 / 0), else ``(norm, max_norm)``; a NaN norm gives ``(NaN, max_norm)`` (NaN updates)."""
+    """clip_by_global_norm's pending factor ``(div, mul)`` for a global L2 ``norm`` (float64):
+    ``(1, 1)`` below ``max_norm`` (strict), ``(1, 0)`` at a zero norm (then ``max_norm == 0``
+    too: zeros, not 0 / 0), else ``(norm, max_norm)`` made to fit float32 (`balanced`); a NaN
+    norm gives ``(NaN, max_norm)`` (NaN updates)."""
     if norm < max_norm:
         return 1.0, 1.0
     if norm == 0.0:
         return 1.0, 0.0
-    return norm, max_norm
+    return balanced(norm, max_norm)
 
 
 @formula(inputs=("x",), outputs=("out",))

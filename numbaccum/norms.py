@@ -30,7 +30,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ._checks import flag, non_negative, real
-from .backend import ops_for, tree_sumsq
+from .backend import ops_for, slice_sumsq, tree_sumsq_scaled
 from .base import (
     EmptyState,
     GradientTransformationExtraArgs,
@@ -329,6 +329,8 @@ def _power_sums(g: Any, gs: _GroupSlices, p: float, centers: Any = None) -> tupl
     """``(S, f)`` per slice: ``S = sum(|(x - c) * f| ** p)``, where ``f`` is 1 except for slices
     whose plain sum overflowed (float64 leaves above ~1e154 for p = 2): those are summed again
     scaled by a power of two below their max, so the metric is ``S ** (1 / p) / f``."""
+    if p == 2 and centers is None:  # the library's one scaled sum of squares (overflow and underflow)
+        return slice_sumsq(g, gs.rows)
     kernel = _power_kernel(p)
     s = _raw(g, gs.rows, kernel, centers, p)
     f = np.ones_like(s)
@@ -415,10 +417,9 @@ def _leafwise(
 def _tree_power_sum(flat: FlatTree, p: float, center: float | None = None) -> tuple[float, float]:
     """``(S, f)`` over the whole tree, leaves added in leaf order (see `_power_sums`)."""
     kernel = _power_kernel(p)
-    if p == 2 and center is None:  # the one squared global norm: global_norm's bits
-        s = tree_sumsq(flat)
-    else:
-        s = float(sum_in_order(_leafwise(flat, kernel, center, p)))
+    if p == 2 and center is None:  # the one global L2 norm: global_norm's bits
+        return tree_sumsq_scaled(flat)
+    s = float(sum_in_order(_leafwise(flat, kernel, center, p)))
     if p > 0 and math.isinf(s):
         m = float(np.max(_leafwise(flat, Ops.slice_maxabs)))
         if math.isfinite(m) and m > 0:

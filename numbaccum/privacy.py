@@ -27,10 +27,11 @@ import numpy as np
 from . import arrays
 from ._checks import flag, non_negative, real
 from .accumulation import check_decay, trace
-from .backend import ops_for
+from .backend import ops_for, slice_sumsq
 from .base import GradientTransformationExtraArgs, ParamsRef, Spec, Stage, Step, Updates, chain
 from .flat import FlatTree, as_flat, layout_of
 from .layout import Layout
+from .tables import segments
 from .optim import identity, scale_by_learning_rate
 from .tree import tree_unflatten
 
@@ -112,15 +113,20 @@ def _check_clip(value: Any, name: str) -> float:
 # --- the two passes -------------------------------------------------------------------------
 
 
-def _squared_norms(flat: FlatTree, plan: _Plan) -> np.ndarray:
-    """``n2[k, b]``: the squared norm of example ``b`` of leaf ``k``, float64 ``(leaves, B)``.
+def _squared_norms(flat: FlatTree, plan: _Plan) -> tuple[np.ndarray, np.ndarray]:
+    """``(s, f)``, float64 ``(leaves, B)``: the squared norm of example ``b`` of leaf ``k`` is
+    ``s[k, b] / f[k, b] ** 2`` (`numbaccum.backend.slice_sumsq`: ``f`` is 1 except where float64
+    entries past ~1e154 or below ~1e-154 made the plain sum overflow or underflow).
 
     One segmented reduction per dtype group; on the GPU the values come back to the host."""
     lay = flat.layout
-    n2 = np.empty((lay.num_leaves, plan.batch), np.float64)
+    s = np.empty((lay.num_leaves, plan.batch), np.float64)
+    f = np.ones_like(s)
     for members, runs, g in zip(lay.group_index, plan.runs, flat.groups):
-        n2[members] = np.asarray(ops_for(g).segment_sumsq(g, runs)).reshape(members.size, plan.batch)
-    return n2
+        gs, gf = slice_sumsq(g, segments(runs))
+        s[members] = np.asarray(gs).reshape(members.size, plan.batch)
+        f[members] = np.asarray(gf).reshape(members.size, plan.batch)
+    return s, f
 
 
 def _multipliers(norms: np.ndarray, clip: Any) -> np.ndarray:
@@ -133,9 +139,24 @@ def _multipliers(norms: np.ndarray, clip: Any) -> np.ndarray:
     return mult
 
 
+def _global_norms(flat: FlatTree, plan: _Plan) -> np.ndarray:
+    """Each example's L2 norm over every leaf, float64 ``(B,)`` (leaves added in tree order;
+    where a leaf was rescaled, the example's leaves are added at its smallest scale)."""
+    s, f = _squared_norms(flat, plan)
+    if np.all(f == 1.0):  # the common case
+        return np.sqrt(s.sum(axis=0))
+    nonzero = s != 0  # per example: the scale of its largest entries, over its non-zero leaves
+    big = np.where(nonzero, f, np.inf).min(axis=0)
+    big = np.where(np.isfinite(big), big, 1.0)
+    with np.errstate(over="ignore", invalid="ignore"):
+        r = big[None, :] / f
+        terms = np.where(nonzero, s * r * r, 0.0)
+    return np.sqrt(terms.sum(axis=0)) / big
+
+
 def _global_multipliers(flat: FlatTree, plan: _Plan, clip: float) -> np.ndarray:
-    """Each example's multiplier for its norm over every leaf (leaves added in tree order)."""
-    return _multipliers(np.sqrt(_squared_norms(flat, plan).sum(axis=0)), clip)
+    """Each example's multiplier for its norm over every leaf (`_global_norms`)."""
+    return _multipliers(_global_norms(flat, plan), clip)
 
 
 def _weighted_sums(
@@ -185,8 +206,10 @@ def per_example_global_norm_clip(grads: Any, l2_norm_clip: float, *, return_norm
 
     The norms accumulate in float64 (float32 squares cannot overflow: an example of ``1e20``
     entries is scaled, not zeroed as in optax), and the sums too, rounded once to each leaf's
-    dtype. An example with a non-finite norm (a NaN or inf anywhere in it, or float64 entries
-    beyond about 1e154) is **dropped**: multiplier 0, counted as clipped. optax gives it
+    dtype. Norms are scaled (`numbaccum.global_norm`): float64 entries past 1e154 or below
+    1e-154 still give the example's finite norm. An example with a non-finite norm (a NaN or inf
+    anywhere in it, or a norm past float64's range) is **dropped**: multiplier 0, counted as
+    clipped. optax gives it
     multiplier 1 (NaN) or a NaN sum (inf), which breaks the differential-privacy bound.
     ``norm == l2_norm_clip`` is not counted (the test is a strict ``< 1``); a zero example under
     a zero clip keeps multiplier 1, as in optax.
@@ -214,7 +237,7 @@ def per_example_global_norm_clip(grads: Any, l2_norm_clip: float, *, return_norm
     want_norms = flag(return_norms, "return_norms")
     flat, plan, kind = _per_example(grads, "grads")
     with arrays.launch_context(kind):
-        norms = np.sqrt(_squared_norms(flat, plan).sum(axis=0))
+        norms = _global_norms(flat, plan)
         mult = _multipliers(norms, clip)
         out = _weighted_sums(flat, plan, mult, _new_sums(flat, plan))
     result = (_as_kind(out, kind), np.int32(np.count_nonzero(mult < 1.0)))
@@ -337,7 +360,8 @@ def per_example_layer_norm_clip(
         if not uniform:
             clips = clip * np.sqrt(d / d.sum())
     with arrays.launch_context(kind):
-        norms = np.sqrt(_squared_norms(flat, plan))
+        s, f = _squared_norms(flat, plan)
+        norms = np.sqrt(s) / f
         mult = _multipliers(norms, clips[:, None])
         out = _weighted_sums(flat, plan, mult, _new_sums(flat, plan))
     counts = np.count_nonzero(mult < 1.0, axis=1).astype(np.int32)
@@ -424,8 +448,9 @@ class _Aggregate(Stage):
         return Updates(flat, False), kind
 
     def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
-        """Checks the noise key and the batch; the step returns the sums in a buffer this stage
-        keeps (valid until its next update)."""
+        """Checks the noise key and the batch; the step returns the sums in a new buffer of
+        their own (a buffer this stage kept would be overwritten by the update of another state
+        of the same transformation while the caller still holds the first one's updates)."""
         _, step = _check_dp_state(state)
         plan = _plan(spec.layout, "updates")
         if plan.batch == 0 and spec.layout.num_leaves:
@@ -439,7 +464,8 @@ class _Aggregate(Stage):
             mult = _global_multipliers(flat, plan, clip)
             # Without noise the noise arrays are not read; the output still saturates.
             noise = _noise(seed, step, plan.out_layout.group_sizes) if std else [_NO_NOISE] * len(flat.groups)
-            out = self.kept("sums", out_spec.layout, out_spec.device)
+            # A new buffer per update: params-sized, B times smaller than the batch it sums.
+            out = FlatTree.empty(out_spec.layout, device=out_spec.device)
             _weighted_sums(flat, plan, mult, out, noise, std, float(max(plan.batch, 1)))
             return Updates(out, True), DifferentiallyPrivateAggregateState(_key(seed, step + 1))
 
@@ -475,8 +501,8 @@ def differentially_private_aggregate(
     As in optax, the state holds only the noise key: this must be the first stage, fed per-example
     gradients, and ``chain(differentially_private_aggregate(...), adam(1e-3))`` works as in optax
     (the rest of the chain sees params-shaped updates); ``MultiSteps`` and ``apply_every`` cannot
-    wrap it (they accumulate params-shaped updates). `dpsgd` is such a chain. Updates live in a
-    buffer this transformation keeps: valid until its next ``update``.
+    wrap it (they accumulate params-shaped updates). `dpsgd` is such a chain. Each ``update``
+    returns its updates in a new buffer: they stay valid whatever other updates follow.
 
     Args:
         l2_norm_clip: the per-example L2 clip ``C >= 0``.

@@ -30,6 +30,7 @@ order starting from the identity. No thread count enters: the same table gives t
 
 from __future__ import annotations
 
+import math
 import threading
 from typing import Any
 
@@ -46,6 +47,7 @@ __all__ = [
     "MAX",
     "MIN",
     "NSLICES",
+    "SUMSQ_TINY",
     "SLEN",
     "SUM",
     "Table",
@@ -54,12 +56,67 @@ __all__ = [
     "combine",
     "element_offset",
     "examples",
+    "needs_scaling",
+    "norm_scale",
+    "rescued_norm",
     "segments",
     "slice_start",
     "slice_table",
     "sum_in_order",
     "whole",
 ]
+
+# --- the scaled L2 norm: when the plain float64 sum of squares cannot be trusted --------------
+#
+# A float32 (or float16) element squares to between 2e-90 and 1.2e77 in float64: the plain sum of
+# squares neither overflows nor loses an element to underflow, and it is always the answer. A
+# float64 element above ~1.3e154 squares to inf, one below ~1.5e-154 to a subnormal or 0. So
+# the plain sum (the fast path, one pass) is kept unless it is inf (overflow; NaN stays NaN) or
+# below `SUMSQ_TINY` (where an underflowed square may have been a large part of it, or all of it:
+# [1e-170] * 4 sums to 0). Those slices are summed again as sum((x * f) ** 2), ``f`` the power of
+# two that brings their max |x| into [0.5, 1) (`norm_scale`): no overflow, and every square that
+# is lost is below 2**-1074 next to a max square of at least 0.25. The norm is sqrt(s) / f.
+SUMSQ_TINY = 2.0**-800  # ~1.5e-241: lost squares are < 2**-1074 each, 1e-82 of it per 1e12 elements
+
+
+def needs_scaling(s):  # pragma: no cover - compiled by the backends too
+    """Whether a plain float64 sum of squares of float64 elements may be wrong: inf, or small
+    enough that underflow may have lost part of it (NaN: no, it stays NaN)."""
+    return s == math.inf or s < SUMSQ_TINY
+
+
+def norm_scale(m):  # pragma: no cover - compiled by the backends too
+    """The power of two ``f`` that puts ``m * f`` (a finite max |x| > 0) in [0.5, 1); kept
+    within [2**-1000, 2**1000] so that ``f`` itself is finite (a subnormal max then lands in
+    [2**-76, 1): still far from underflow)."""
+    e = math.frexp(m)[1]
+    return math.ldexp(1.0, min(max(-e, -1000), 1000))
+
+
+def rescued_norm(sums):  # pragma: no cover - compiled by the backends too
+    """The global L2 norm from ``sums = [plain | rescued | scale]`` (3 blocks of one value per
+    leaf, leaf order): ``sqrt(sum plain)`` unless that total `needs_scaling`, else
+    ``sqrt(sum_k rescued_k * (F / scale_k) ** 2) / F`` over the non-zero leaves, with ``F`` the
+    least of their scales (the bits of `numbaccum.backend.tree_sumsq_scaled`)."""
+    n = sums.size // 3
+    total = 0.0
+    for k in range(n):
+        total += sums[k]
+    if not needs_scaling(total):
+        return math.sqrt(total)
+    big = math.inf  # the scale of the largest elements: the least over the non-zero leaves
+    for k in range(n):
+        if sums[n + k] != 0:
+            big = min(big, sums[2 * n + k])
+    if big == math.inf:
+        big = 1.0
+    ts = 0.0
+    for k in range(n):
+        if sums[n + k] != 0:  # a zero leaf may have a scale far from big: 0 * inf is NaN
+            r = big / sums[2 * n + k]
+            ts += sums[n + k] * r * r
+    return math.sqrt(ts) / big
+
 
 # Columns of a table row.
 BASE, FIRST, NSLICES, SLEN, ACTIVE, DK, DR, HEAD = 0, 1, 2, 3, 4, 5, 6, 7
@@ -230,6 +287,13 @@ class Table:
         if w is None:
             w = self._work[key] = Work(*_build_work(self.rows, self.nslices, np.int64(block), active_only))
         return w
+
+    def only(self, rows: np.ndarray) -> Table:
+        """This table with only the rows where ``rows`` is True active (the others get no work
+        and keep the identity): a second pass over a few leaves reads only them."""
+        out = self.rows.copy()
+        out[:, ACTIVE] = np.where(rows, out[:, ACTIVE], 0)
+        return Table(out)
 
     def __repr__(self) -> str:
         return f"Table({self.rows.shape[0]} rows, {self.nslices} slices)"

@@ -768,18 +768,20 @@ def clip_value_by_ema(beta=0.99, init=0.0) -> Transformation:
 
 class NormGrowthState(NamedTuple):
     prev_norm: np.ndarray
+    started: bool
 
 
 def clip_norm_growth(
     add=None, mul=1.5, min_value=1e-4, max_decay=2.0, ord=2, tensorwise=True
 ) -> Transformation:
-    """``allowed = min(p + add, p * mul)`` with ``p = max(prev, min_value)``; the leaf (or tree)
-    is divided by ``|g| / allowed`` when above it. ``prev`` becomes the clipped norm (or
-    ``prev / max_decay`` when the norm fell below that), floored at ``min_value``; ``prev == 0``
-    means no history (no clipping, ``prev = |g|`` unfloored). ``add = mul = None``: identity."""
+    """The first update passes (``prev = |g|`` unfloored). Then, as torchzero:
+    ``allowed = min(p + add, p * mul)`` with ``p = max(prev, min_value)`` (``p * mul`` left out
+    when ``p == 0``: it would hold the norm at 0 for good); the leaf (or tree) is divided by
+    ``|g| / allowed`` when above it. ``prev`` becomes the clipped norm (or ``prev / max_decay``
+    when the norm fell below that), floored at ``min_value``. ``add = mul = None``: identity."""
 
     def init_fn(params):
-        return NormGrowthState(np.zeros(len(tree_leaves(params)) if tensorwise else ()))
+        return NormGrowthState(np.zeros(len(tree_leaves(params)) if tensorwise else ()), False)
 
     def update(updates, state, params=None):
         leaves, treedef = tree_flatten(updates)
@@ -788,13 +790,13 @@ def clip_norm_growth(
         n = _metrics(leaves, ord, tensorwise)
         prev = state.prev_norm
         with np.errstate(all="ignore"):
-            history = prev > 0
+            history = np.full(np.shape(prev), state.started)
             p = np.maximum(prev, min_value) if min_value is not None else prev
             allowed = np.full(np.shape(prev), np.inf)
             if add is not None:
                 allowed = p + add
             if mul is not None:
-                allowed = np.minimum(allowed, p * mul)
+                allowed = np.minimum(allowed, np.where(p > 0, p * mul, np.inf))
             clipped = np.isfinite(n) & history & (n > 1e-12) & (n > allowed)
             denom = np.where(clipped, n / allowed, 1.0)
             new = np.where(clipped, allowed, n)
@@ -803,40 +805,44 @@ def clip_norm_growth(
             if min_value is not None:
                 new = np.where(history, np.maximum(new, min_value), new)
             new = np.where(np.isfinite(n), new, prev)
-        return tree_unflatten(treedef, _divided(leaves, denom, tensorwise)), NormGrowthState(new)
+        return tree_unflatten(treedef, _divided(leaves, denom, tensorwise)), NormGrowthState(new, True)
 
     return Transformation(init_fn, update)
 
 
 class ValueGrowthState(NamedTuple):
     prev: list
+    started: bool
 
 
 def clip_value_growth(add=None, mul=1.5, min_value=1e-4, max_decay=2.0) -> Transformation:
-    """Element by element, in the leaf dtype (hyperparameters rounded to it): ``prev == 0`` ->
-    pass (a finite value becomes the history); else ``|u| = min(|g|, |prev| + add)``,
-    ``growth = max(|u| / max(|prev|, min_value), 1e-8)``, ``|u| = mul * max(|prev|, min_value)``
-    if ``growth > mul``; ``prev`` becomes ``prev / max_decay`` if ``growth < 1 / max_decay``
-    (compared in float64), else ``u``. A non-finite g leaves ``prev`` as it is."""
+    """Element by element, in the leaf dtype (hyperparameters rounded to it): the first update
+    passes (a finite value becomes the history). Then ``|u| = min(|g|, |prev| + add)``; with
+    ``pm = max(|prev|, min_value) > 0``: ``growth = max(|u| / pm, 1e-8)``, ``|u| = mul * pm`` if
+    ``growth > mul``; with ``pm == 0`` no multiplicative limit and no decay; ``prev`` becomes
+    ``prev / max_decay`` if ``growth < 1 / max_decay`` (compared in float64), else ``u``. A
+    non-finite g leaves ``prev`` as it is."""
     k_add = math.inf if add is None else add
     k_mul = math.inf if mul is None else mul
     k_min = 0.0 if min_value is None else min_value
     k_decay = math.inf if max_decay is None else max_decay
 
     def init_fn(params):
-        return ValueGrowthState([np.zeros(np.shape(x), x.dtype) for x in tree_leaves(params)])
+        return ValueGrowthState([np.zeros(np.shape(x), x.dtype) for x in tree_leaves(params)], False)
 
-    def one(v, p, t):
-        if p == 0:
+    def one(v, p, t, started):
+        if not started:
             return v, (v if np.isfinite(v) else p)
         a, pa = abs(v), abs(p)
         if a - pa > t(k_add):
             a = pa + t(k_add)
         pm = max(pa, t(k_min))
-        growth = a / pm
-        growth = growth if growth >= 1e-8 or growth != growth else 1e-8
-        if growth > t(k_mul):
-            a = t(k_mul) * pm
+        growth = math.inf
+        if pm > 0:
+            growth = a / pm
+            growth = growth if growth >= 1e-8 or growth != growth else 1e-8
+            if growth > t(k_mul):
+                a = t(k_mul) * pm
         r = np.copysign(a, v)
         if not np.isfinite(v):
             return r, p
@@ -850,10 +856,10 @@ def clip_value_growth(add=None, mul=1.5, min_value=1e-4, max_decay=2.0) -> Trans
         with np.errstate(all="ignore"):
             for g, p in zip(leaves, state.prev):
                 t = g.dtype.type
-                pairs = [one(t(v), t(q), t) for v, q in zip(np.ravel(g), np.ravel(p))]
+                pairs = [one(t(v), t(q), t, state.started) for v, q in zip(np.ravel(g), np.ravel(p))]
                 out.append(_arr(np.reshape([r for r, _ in pairs], np.shape(g)), g.dtype))
                 prev.append(_arr(np.reshape([q for _, q in pairs], np.shape(g)), g.dtype))
-        return tree_unflatten(treedef, out), ValueGrowthState(prev)
+        return tree_unflatten(treedef, out), ValueGrowthState(prev, True)
 
     return Transformation(init_fn, update)
 

@@ -127,12 +127,16 @@ VALUE_STEPS = [a(1, -1, 0, 2), a(3, -1.2, 5, 0.5), a(3, -1.2, 5, 0.1), a(3, 0.01
 
 
 def test_clip_value_growth_default_table():
-    # torchzero's table except the third element, whose first value was 0 (no history: see
-    # test_value_growth_zero_history_passes_instead_of_collapsing).
+    # torchzero's table, all of it: the third element grows from its first value 0 (item 8).
     outs, state = run(nba.clip_value_growth(), VALUE_STEPS)
-    expected = [[1, -1, 0, 2], [1.5, -1.2, 5, 0.5], [2.25, -1.2, 5, 0.1], [3, 0.01, 5, 0.1]]
+    expected = [
+        [1, -1, 0, 2],
+        [1.5, -1.2, 0.00015, 0.5],
+        [2.25, -1.2, 0.000225, 0.1],
+        [3, 0.01, 0.0003375, 0.1],
+    ]
     check_outputs(outs, expected)
-    np.testing.assert_allclose(state.prev.tree, [3, -0.6, 5, 0.25], rtol=1e-12)
+    np.testing.assert_allclose(state.prev.tree, [3, -0.6, 0.0003375, 0.25], rtol=1e-12)
     prevs = []
     tx = nba.clip_value_growth()
     s = tx.init(VALUE_STEPS[0])
@@ -140,14 +144,16 @@ def test_clip_value_growth_default_table():
         _, s = tx.update(g, s)
         prevs.append(np.copy(s.prev.tree))
     np.testing.assert_allclose(
-        np.array(prevs)[:, [0, 1, 3]], [[1, -1, 2], [1.5, -1.2, 1], [2.25, -1.2, 0.5], [3, -0.6, 0.25]]
+        np.array(prevs),
+        [[1, -1, 0, 2], [1.5, -1.2, 0.00015, 1], [2.25, -1.2, 0.000225, 0.5], [3, -0.6, 0.0003375, 0.25]],
+        rtol=1e-12,
     )
 
 
 def test_clip_value_growth_additive_table():
     outs, state = run(nba.clip_value_growth(add=1, mul=None), VALUE_STEPS)
-    check_outputs(outs[1:], [[2, -1.2, 5, 0.5], [3, -1.2, 5, 0.1], [3, 0.01, 5, 0.1]])
-    np.testing.assert_allclose(state.prev.tree[[0, 1, 3]], [3, -0.6, 0.25], rtol=1e-12)
+    check_outputs(outs[1:], [[2, -1.2, 1, 0.5], [3, -1.2, 2, 0.1], [3, 0.01, 3, 0.1]])
+    np.testing.assert_allclose(state.prev.tree, [3, -0.6, 3, 0.25], rtol=1e-12)
 
 
 NORM_STEPS = [S34, S3040, S3040, S0304, S0304, S34]
@@ -204,10 +210,11 @@ def test_zero_first_step_does_not_collapse_clip_norm_by_ema():
 
 
 def test_zero_first_step_does_not_collapse_clip_norm_growth():
-    # torchzero: [0, 0] then [3, 4] gives [0, 0], [9e-5, 1.2e-4], [1.35e-4, 1.8e-4].
+    # torchzero: [0, 0] then [3, 4] x3 gives [0, 0], [0, 0] (allowed 0: divided by inf), then
+    # [9e-5, 1.2e-4], [1.35e-4, 1.8e-4]. Here the growth from 0 starts at once from min_value.
     outs, state = run(nba.clip_norm_growth(), [a(0, 0), S34, S34])
-    check_outputs(outs, [[0, 0], [3, 4], [3, 4]])
-    np.testing.assert_allclose(state.prev_norm, [5.0])
+    check_outputs(outs, [[0, 0], [9e-5, 1.2e-4], [1.35e-4, 1.8e-4]])
+    np.testing.assert_allclose(state.prev_norm, [2.25e-4])
 
 
 def test_min_value_bounds_the_allowed_norm_not_the_divisor():
@@ -232,13 +239,14 @@ def test_add_none_mul_none_is_the_identity(make):
 
 
 def test_value_growth_zero_history_passes_instead_of_collapsing():
-    # torchzero with min_value=None zeroes such an element for good: [0,1,0] every time; with the
-    # default it clips it to 1.5e-4 and recovers by 1.5x per step.
+    # torchzero with min_value=None zeroes such an element for good: [0,1,0] every time (the
+    # bound mul * 0); that bound is not applied here, so the element grows.
     outs, state = run(nba.clip_value_growth(min_value=None), [a(0, 1, 0), a(2, 1, 0), a(2, 1, 0)])
     check_outputs(outs, [[0, 1, 0], [2, 1, 0], [2, 1, 0]])
     np.testing.assert_allclose(state.prev.tree, [2, 1, 0])
+    # With the default it is clipped to 1.5e-4 and grows by 1.5x per step (torchzero's rule).
     outs, _ = run(nba.clip_value_growth(), [a(0.0), a(5.0), a(100.0)])
-    check_outputs(outs, [[0], [5], [7.5]])
+    check_outputs(outs, [[0], [1.5e-4], [2.25e-4]])
 
 
 @pytest.mark.parametrize("ord", ["mad", "std", "l1", "linf", "sum", 3])
@@ -288,7 +296,7 @@ def test_non_finite_elements_in_value_clippers():
     assert np.isnan(outs[1][2])
     np.testing.assert_array_equal(state.exp_avg.tree, [1, 1, 1])  # and never enters it
     outs, state = run(nba.clip_value_growth(), [a(2, 2, 0), a(np.inf, np.nan, np.inf)])
-    np.testing.assert_array_equal(outs[1][[0, 2]], [3, np.inf])  # clipped with a history
+    np.testing.assert_array_equal(outs[1][[0, 2]], [3, 1.5 * 1e-4])  # clipped: a history, even of 0
     assert np.isnan(outs[1][1])
     np.testing.assert_array_equal(state.prev.tree, [2, 2, 0])
 

@@ -2,7 +2,8 @@
 ``state_dict``/``get_state`` and ``load_state_dict``/``set_state``.
 
 `to_plain` copies: a FlatTree becomes its tree of host arrays, a NamedTuple a dict of its fields,
-a tuple a list. `load_plain` is the inverse against a template state from ``init``: it checks
+a tuple a list, a `Layout` (the tree a state was built for) the list of its leaves' ``[path,
+shape, dtype]``. `load_plain` is the inverse against a template state from ``init``: it checks
 everything first (ValueError/TypeError naming the path) and writes only then, so a failed load
 leaves the state as it was.
 """
@@ -14,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from ..flat import FlatTree, check_leaves, to_device, to_host
+from ..layout import Layout
 from ..tree import tree_map
 
 
@@ -21,8 +23,15 @@ def _is_namedtuple(x: Any) -> bool:
     return isinstance(x, tuple) and hasattr(type(x), "_fields")
 
 
+def _plain_layout(layout: Layout) -> list:
+    """A layout as plain data: ``[path, shape, dtype]`` per leaf."""
+    return [[layout.path(i, "params"), list(s), str(d)] for i, (s, d) in enumerate(layout.shapes_dtypes)]
+
+
 def to_plain(state: Any) -> Any:
     """An independent copy of ``state`` as plain data."""
+    if isinstance(state, Layout):
+        return _plain_layout(state)
     if isinstance(state, FlatTree):
         host = to_host(state) if state.device else state
         return tree_map(lambda x: np.array(x, copy=True), host.tree)
@@ -45,6 +54,16 @@ def load_plain(template: Any, plain: Any, path: str = "state") -> Any:
 
 
 def _load(template: Any, plain: Any, path: str, write: bool) -> Any:
+    if isinstance(template, Layout):  # nothing to write: the state must be for the same tree
+        try:
+            same = [[p, list(s), str(d)] for p, s, d in plain] == _plain_layout(template)
+        except (TypeError, ValueError):
+            same = False
+        if not same:
+            raise ValueError(
+                f"{path}: the state was built for another tree than these updates ({template!r})"
+            )
+        return template
     if isinstance(template, FlatTree):
         leaves = check_leaves(plain, template.layout, path, device=False)
         for i, (x, dt) in enumerate(zip(leaves, template.layout.dtypes)):

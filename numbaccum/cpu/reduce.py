@@ -36,6 +36,9 @@ from ..tables import (
     element_offset,
     fold,
     identity,
+    needs_scaling,
+    norm_scale,
+    rescued_norm,
     slice_start,
     sum_in_order,
 )
@@ -55,6 +58,7 @@ _element_offset = njit(inline="always", error_model="numpy")(element_offset)
 _jit = njit(inline="always", error_model="numpy")
 _clip_factor = formulas.compile_formula(formulas.clip_factor, _jit)
 _ema = formulas.compile_formula(formulas.ema.fn, _jit)
+_rescued_norm = njit(error_model="numpy")(rescued_norm)
 
 _LANES = 64  # independent accumulators of a long run
 _WIDE = 1024  # runs of at least this many elements use them (the choice depends on n only)
@@ -72,6 +76,12 @@ def _t_sq(v, c, p):  # pragma: no cover - compiled
 def _t_csq(v, c, p):  # pragma: no cover - compiled
     d = v - c
     return d * d
+
+
+@_jit
+def _t_ssq(v, c, p):  # pragma: no cover - compiled
+    w = v * c  # c a power of two: exact
+    return w * w
 
 
 @_jit
@@ -239,6 +249,7 @@ def _reducer(total, op):
 KINDS = {
     "sumsq": _reducer(_lane_sum(_t_sq), SUM),
     "csumsq": _reducer(_lane_sum(_t_csq), SUM),  # centred: sum((x - c) ** 2)
+    "ssumsq": _reducer(_lane_sum(_t_ssq), SUM),  # scaled: sum((x * c) ** 2), c per slice
     "sumabs": _reducer(_lane_sum(_t_abs), SUM),
     "sumpow": _reducer(_lane_sum(_t_pow), SUM),
     "sum": _reducer(_lane_sum(_t_signed), SUM),
@@ -285,7 +296,8 @@ def partials(kind, x, table: Table, centers=None, p=0.0):
 def reduce(kind, x, table: Table, centers=None, p=0.0):
     """Per slice of ``table``: the reduction ``kind`` (a key of `KINDS`) of ``x``, float64.
 
-    ``centers`` (one per slice) only for ``'csumsq'``; ``p`` only for ``'sumpow'``. Slices of
+    ``centers`` (one per slice) only for ``'csumsq'`` (the centres) and ``'ssumsq'`` (the
+    scales); ``p`` only for ``'sumpow'``. Slices of
     inactive rows and empty slices hold the identity: 0, +inf for ``'minabs'``."""
     work, part, op = partials(kind, x, table, centers, p)
     return combine(part, work.pslice, op)
@@ -461,12 +473,26 @@ def ema_update_(ema, g, factor, table: Table, active, one_minus_decay, decay):
 
 
 def clip_factors_(leaf_sums, x, table: Table, members, last, max_norm, fac32, fac64):
-    """leaf_sums[members] = the per-slice sums of squares of ``x`` (its leaves); when ``last``,
-    ``fac = [div, mul]`` of clip_by_global_norm (`numbaccum.formulas.clip_factor`) from
-    ``norm = sqrt(sum_in_order(leaf_sums))``, in float32 and float64. The host twin of the CUDA
-    kernel that keeps the factor on the device."""
-    leaf_sums[np.asarray(members)] = reduce("sumsq", x, table)
+    """``leaf_sums = [plain | rescued | scale]`` (3 per leaf): the per-slice sums of squares of
+    ``x`` (its leaves) at ``members``, and for a float64 group whose total `needs_scaling` its
+    rescued sums and scale (else the plain sums and 1); when ``last``, ``fac = [div, mul]`` of
+    clip_by_global_norm (`numbaccum.formulas.clip_factor`) from
+    `numbaccum.tables.rescued_norm`, in float32 and float64. The host twin of the CUDA kernel
+    that keeps the factor on the device."""
+    members = np.asarray(members)
+    nl = leaf_sums.size // 3
+    plain = reduce("sumsq", x, table)
+    leaf_sums[members] = plain
+    scaled, scale = plain, np.ones_like(plain)
+    if x.dtype == np.float64 and needs_scaling(float(sum_in_order(plain))):
+        per_leaf = reduce("maxabs", x, table)
+        m = float(np.max(per_leaf)) if per_leaf.size else 0.0
+        if math.isfinite(m) and m > 0:
+            f = norm_scale(m)
+            scaled, scale = reduce("ssumsq", x, table, np.full(plain.size, f)), np.full(plain.size, f)
+    leaf_sums[nl + members] = scaled
+    leaf_sums[2 * nl + members] = scale
     if last:
-        div, mul = _clip_factor(math.sqrt(sum_in_order(leaf_sums)), np.float64(max_norm))
+        div, mul = _clip_factor(_rescued_norm(leaf_sums), np.float64(max_norm))
         fac32[0], fac32[1] = div, mul
         fac64[0], fac64[1] = div, mul

@@ -12,7 +12,12 @@ clip_by_global_norm keeps its factor on the device (`clip_factors_`): the same p
 and the last block to finish (an integer ticket) folds each leaf's partials in item order into a
 per-leaf array in tree order, exactly as the host would; the kernel of the last dtype group adds
 that array in order and writes the factor (`numbaccum.formulas.clip_factor`). One launch per
-group, no synchronisation, and the same norm bits as `global_norm` of the same device tree.
+group, no synchronisation, and the same norm bits as `global_norm` of the same device tree. The
+scaled norm (`numbaccum.backend.tree_sumsq_scaled`) rides on the same launch: in a float64 group
+whose plain total `needs_scaling` (float64 elements past ~1e154 or below ~1e-154, rare), the last
+block alone runs the group's max and scaled partials over the same items with the same pairing
+(slow, but the same bits as the host's rescue), and the factor comes from
+`numbaccum.tables.rescued_norm`.
 """
 
 from __future__ import annotations
@@ -27,7 +32,19 @@ from numba import cuda
 from .. import _config, formulas
 from ..arrays import data_pointer, stream, stream_handle
 from ..contract import Factor
-from ..tables import FIRST, MAX, MIN, SUM, Table, combine, element_offset, slice_start
+from ..tables import (
+    FIRST,
+    MAX,
+    MIN,
+    SUM,
+    Table,
+    combine,
+    element_offset,
+    needs_scaling,
+    norm_scale,
+    rescued_norm,
+    slice_start,
+)
 from . import driver
 
 __all__ = ["KINDS", "apply_", "clip_factors_", "divide_", "ema_update_", "reduce"]
@@ -36,6 +53,9 @@ _dev_inline = cuda.jit(device=True, inline=True)
 _slice_start = cuda.jit(device=True)(slice_start)
 _element_offset = cuda.jit(device=True)(element_offset)
 _clip_factor = formulas.compile_formula(formulas.clip_factor, _dev_inline)
+_needs_scaling = cuda.jit(device=True)(needs_scaling)
+_norm_scale = cuda.jit(device=True)(norm_scale)
+_rescued_norm = cuda.jit(device=True)(rescued_norm)
 _ema = formulas.compile_formula(formulas.ema.fn, _dev_inline)
 _read = driver.read
 
@@ -51,6 +71,7 @@ KINDS = {
     "nonfinite": (7, SUM),
     "maxabs": (8, MAX),
     "minabs": (9, MIN),
+    "ssumsq": (10, SUM),  # scaled: sum((x * c) ** 2), c per slice (a power of two)
 }
 _MAXABS, _MINABS = 8, 9
 
@@ -72,6 +93,9 @@ def _term(kind, v, c, p):  # pragma: no cover - compiled
         return 1.0 if v != v else 0.0
     if kind == 7:
         return 1.0 if v - v != 0 else 0.0
+    if kind == 10:
+        w = v * c
+        return w * w
     return abs(v)
 
 
@@ -93,10 +117,12 @@ _KERNELS: dict[tuple, Any] = {}
 _KERNELS_LOCK = threading.Lock()
 
 
-def _partials_kernel(kind: int, tpb: int, finish: bool) -> Any:
+def _partials_kernel(kind: int, tpb: int, finish: bool, rescue: bool = False) -> Any:
     """The partials kernel of reduction ``kind`` for ``tpb`` threads (shared memory is sized at
-    compile time); with ``finish``, clip_by_global_norm's tail (see the module docstring)."""
-    key = (kind, tpb, finish)
+    compile time); with ``finish``, clip_by_global_norm's tail (see the module docstring), and
+    with ``rescue`` (a float64 group) the tail's scaled second pass when the group's plain sum of
+    squares `needs_scaling`."""
+    key = (kind, tpb, finish, rescue)
     hit = _KERNELS.get(key)
     if hit is not None:
         return hit
@@ -149,13 +175,16 @@ def _partials_kernel(kind: int, tpb: int, finish: bool) -> Any:
                 cuda.syncthreads()  # shared[0] is read before the next slice overwrites it
         if finish:
             last = cuda.shared.array(1, np.int32)
+            scale = cuda.shared.array(1, np.float64)
             if t == 0:  # this block's partials are out: take a ticket
                 cuda.threadfence()
                 last[0] = cuda.atomic.add(ticket, 0, 1) == cuda.gridDim.x - 1
             cuda.syncthreads()
             if last[0]:  # the last block: every partial is visible; fold each leaf's in order
+                nl = leaf_sums.size // 3  # [plain | rescued | scale] per leaf
+                nsl = pslice.size - 1
                 s = t
-                while s < pslice.size - 1:
+                while s < nsl:
                     acc = 0.0
                     for k in range(pslice[s], pslice[s + 1]):
                         acc += part[k]
@@ -164,12 +193,82 @@ def _partials_kernel(kind: int, tpb: int, finish: bool) -> Any:
                 cuda.threadfence()
                 cuda.syncthreads()
                 if t == 0:
+                    scale[0] = 0.0
+                    if rescue:  # the group's own plain total, in leaf order (as the host adds it)
+                        gt = 0.0
+                        for k in range(nsl):
+                            gt += leaf_sums[members[k]]
+                        if _needs_scaling(gt):
+                            scale[0] = 1.0
+                cuda.syncthreads()
+                if rescue and scale[0] != 0.0:
+                    # The rare rescue, by this one block: the group's max |x| over every item,
+                    # then the scaled partials of every item with the engine's own cut, thread
+                    # stride and pairing (the bits of `reduce('ssumsq')`), folded per leaf.
+                    m = 0.0
+                    for b2 in range(items.shape[0]):
+                        r2 = items[b2, 0]
+                        for s2 in range(items[b2, 1], items[b2, 2]):
+                            off = _slice_start(rows, r2, s2)
+                            e = items[b2, 3] + t
+                            while e < items[b2, 4]:
+                                m = _merge(_MAXABS, m, abs(np.float64(x[off + _element_offset(rows, r2, e)])))
+                                e += tpb
+                    shared[t] = m
+                    cuda.syncthreads()
+                    half = tpb // 2
+                    while half > 0:
+                        if t < half:
+                            shared[t] = _merge(_MAXABS, shared[t], shared[t + half])
+                        cuda.syncthreads()
+                        half //= 2
+                    if t == 0:
+                        mm = shared[0]
+                        scale[0] = _norm_scale(mm) if (mm - mm == 0 and mm > 0) else 0.0
+                    cuda.syncthreads()
+                    f = scale[0]
+                    if f != 0.0:
+                        for b2 in range(items.shape[0]):
+                            r2 = items[b2, 0]
+                            s0b = items[b2, 1]
+                            for s2 in range(s0b, items[b2, 2]):
+                                off = _slice_start(rows, r2, s2)
+                                acc = 0.0
+                                e = items[b2, 3] + t
+                                while e < items[b2, 4]:
+                                    acc = acc + _term(10, np.float64(x[off + _element_offset(rows, r2, e)]), f, p)
+                                    e += tpb
+                                shared[t] = acc
+                                cuda.syncthreads()
+                                half = tpb // 2
+                                while half > 0:
+                                    if t < half:
+                                        shared[t] = shared[t] + shared[t + half]
+                                    cuda.syncthreads()
+                                    half //= 2
+                                if t == 0:
+                                    part[pstart[b2] + s2 - s0b] = shared[0]
+                                cuda.syncthreads()
+                        cuda.threadfence_block()
+                s = t
+                while s < nsl:
+                    k = members[s]
+                    if rescue and scale[0] != 0.0:
+                        acc = 0.0
+                        for q in range(pslice[s], pslice[s + 1]):
+                            acc += part[q]
+                        leaf_sums[nl + k] = acc
+                        leaf_sums[2 * nl + k] = scale[0]
+                    else:
+                        leaf_sums[nl + k] = leaf_sums[k]
+                        leaf_sums[2 * nl + k] = 1.0
+                    s += tpb
+                cuda.threadfence()
+                cuda.syncthreads()
+                if t == 0:
                     ticket[0] = 0
                     if last_group:
-                        total = 0.0
-                        for k in range(leaf_sums.size):  # leaves in tree order
-                            total += leaf_sums[k]
-                        div, mul = _clip_factor(math.sqrt(total), max_norm)
+                        div, mul = _clip_factor(_rescued_norm(leaf_sums), max_norm)
                         fac32[0], fac32[1] = div, mul
                         fac64[0], fac64[1] = div, mul
 
@@ -289,10 +388,11 @@ _MEMBERS: dict[bytes, Any] = {}
 
 
 def clip_factors_(leaf_sums, x, table: Table, members, last, max_norm, fac32, fac64):
-    """leaf_sums[members] = the per-slice sums of squares of ``x`` (its leaves, folded as the
-    host folds them); when ``last``, ``fac = [div, mul]`` of clip_by_global_norm from ``norm =
-    sqrt(sum(leaf_sums))`` (in order), in float32 and float64. One launch, nothing comes to the
-    host."""
+    """``leaf_sums = [plain | rescued | scale]`` (3 per leaf): the group's plain per-leaf sums
+    of squares (folded as the host folds them), and for a float64 group whose total
+    `needs_scaling` its rescued sums and scale (else the plain sums and 1); when ``last``, ``fac
+    = [div, mul]`` of clip_by_global_norm from `numbaccum.tables.rescued_norm`, in float32 and
+    float64. One launch, nothing comes to the host."""
     work, rows, items, pstart, pslice = _work(table)
     members = np.ascontiguousarray(members, np.int64)
     key = members.tobytes()
@@ -320,7 +420,8 @@ def clip_factors_(leaf_sums, x, table: Table, members, last, max_norm, fac32, fa
         fac64,
     )
     # At least one block, so that a group without elements still writes its zeros (and the factor).
-    _launch(_partials_kernel(0, _config.CUDA_THREADS, True), max(1, work.items.shape[0]), args)
+    rescue = np.dtype(x.dtype) == np.float64  # float32/16 squares never leave float64's range
+    _launch(_partials_kernel(0, _config.CUDA_THREADS, True, rescue), max(1, work.items.shape[0]), args)
 
 
 # --- per-slice scalings ----------------------------------------------------------------------
