@@ -36,6 +36,8 @@ from typing import Any
 import numpy as np
 from numba import njit
 
+from . import _cache
+
 __all__ = [
     "ACTIVE",
     "BASE",
@@ -120,6 +122,9 @@ def identity(op):  # pragma: no cover - compiled
     return np.inf if op == MIN else 0.0
 
 
+@_cache.cached
+
+
 @njit(error_model="numpy")
 def combine(part, pslice, op):  # pragma: no cover - compiled
     """One value per slice: ``part[pslice[s]:pslice[s + 1]]`` folded in order from the identity
@@ -134,6 +139,9 @@ def combine(part, pslice, op):  # pragma: no cover - compiled
     return out
 
 
+@_cache.cached
+
+
 @njit(error_model="numpy")
 def sum_in_order(values):  # pragma: no cover - compiled
     """Sequential float64 sum from 0.0, in index order: how per-leaf values become a tree total."""
@@ -141,6 +149,9 @@ def sum_in_order(values):  # pragma: no cover - compiled
     for i in range(values.size):
         total += values[i]
     return total
+
+
+@_cache.cached
 
 
 @njit(error_model="numpy")
