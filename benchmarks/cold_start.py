@@ -28,5 +28,13 @@ state = tx.init(grads)
 for _ in range(4):
     updates, state = tx.update(grads, state)
 t3 = time.perf_counter()
-print(json.dumps({"numpy_import_s": t1 - t0, "import_s": t2 - t1, "first_step_s": t3 - t2,
-                  "w0": float(updates["w"][0, 0])}))
+print(
+    json.dumps(
+        {
+            "numpy_import_s": t1 - t0,
+            "import_s": t2 - t1,
+            "first_step_s": t3 - t2,
+            "w0": float(updates["w"][0, 0]),
+        }
+    )
+)

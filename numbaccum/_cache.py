@@ -377,8 +377,7 @@ def cached(dispatcher: Any, cache_class: Any = _CpuCache) -> Any:
     code kept in the cache directory; unchanged when the cache is off."""
     if root() is None:
         return dispatcher
-    try:
+    # No locator (a file outside the package and the cache): it compiles in memory.
+    with contextlib.suppress(Exception):
         dispatcher._cache = cache_class(dispatcher.py_func)
-    except Exception:  # no locator (a file outside the package and the cache): compile in memory
-        pass
     return dispatcher

@@ -123,8 +123,6 @@ def identity(op):  # pragma: no cover - compiled
 
 
 @_cache.cached
-
-
 @njit(error_model="numpy")
 def combine(part, pslice, op):  # pragma: no cover - compiled
     """One value per slice: ``part[pslice[s]:pslice[s + 1]]`` folded in order from the identity
@@ -140,8 +138,6 @@ def combine(part, pslice, op):  # pragma: no cover - compiled
 
 
 @_cache.cached
-
-
 @njit(error_model="numpy")
 def sum_in_order(values):  # pragma: no cover - compiled
     """Sequential float64 sum from 0.0, in index order: how per-leaf values become a tree total."""
@@ -152,8 +148,6 @@ def sum_in_order(values):  # pragma: no cover - compiled
 
 
 @_cache.cached
-
-
 @njit(error_model="numpy")
 def _build_work(rows, nslices, block, active_only):  # pragma: no cover - compiled
     """``(items, pstart, pslice)``: ``items[b] = (row, s0, s1, e0, e1)`` (slices ``[s0, s1)`` of

@@ -221,7 +221,6 @@ def _reducer(total, op):
             part[pstart[b] + s - s0] = walk(x, x, rows, r, _slice_start(rows, r, s), e0, e1, idx, c, p)
 
     @_cache.cached
-
     @njit(parallel=True, error_model="numpy")
     def parallel(x, rows, items, pstart, centers, p, part):  # pragma: no cover - compiled
         width = max(rows[0, DR], 1) if rows.shape[0] else 1
@@ -229,7 +228,6 @@ def _reducer(total, op):
             item(x, rows, items, pstart, centers, p, part, b, np.empty(width, np.int64))
 
     @_cache.cached
-
     @njit(error_model="numpy")
     def serial(x, rows, items, pstart, centers, p, part):  # pragma: no cover - compiled
         idx = np.empty(max(rows[0, DR], 1) if rows.shape[0] else 1, np.int64)
@@ -356,7 +354,6 @@ def _scaler(run, per_slice):
                 walk(x, out, rows, r, _slice_start(rows, r, s), e0, e1, idx, cs, f)
 
     @_cache.cached
-
     @njit(parallel=True, error_model="numpy")
     def parallel(out, x, rows, items, c, values):  # pragma: no cover - compiled
         width = max(rows[0, DR], 1) if rows.shape[0] else 1
@@ -364,7 +361,6 @@ def _scaler(run, per_slice):
             item(out, x, rows, items, c, values, b, np.empty(width, np.int64))
 
     @_cache.cached
-
     @njit(error_model="numpy")
     def serial(out, x, rows, items, c, values):  # pragma: no cover - compiled
         idx = np.empty(max(rows[0, DR], 1) if rows.shape[0] else 1, np.int64)

@@ -29,6 +29,7 @@ from ..arrays import data_pointer, stream, stream_handle
 from ..contract import Factor
 from ..tables import FIRST, MAX, MIN, SUM, Table, combine, element_offset, slice_start
 from . import driver
+from .cache import cached
 
 __all__ = ["KINDS", "apply_", "clip_factors_", "divide_", "ema_update_", "reduce"]
 
@@ -101,6 +102,7 @@ def _partials_kernel(kind: int, tpb: int, finish: bool) -> Any:
     if hit is not None:
         return hit
 
+    @cached
     @cuda.jit
     def kernel(
         x,
@@ -326,6 +328,7 @@ def clip_factors_(leaf_sums, x, table: Table, members, last, max_norm, fac32, fa
 # --- per-slice scalings ----------------------------------------------------------------------
 
 
+@cached
 @cuda.jit
 def _apply(out, x, rows, items, centers, centred, factors, scaled):  # pragma: no cover - compiled
     b = cuda.blockIdx.x
@@ -357,6 +360,7 @@ def _by_mode(make: Any) -> Any:
 
 @_by_mode
 def _divide(mode):  # pragma: no cover - compiled per mode
+    @cached
     @cuda.jit
     def kernel(out, x, div, mul, fac, rows, items, divisors):
         b = cuda.blockIdx.x
@@ -376,6 +380,7 @@ def _divide(mode):  # pragma: no cover - compiled per mode
 
 @_by_mode
 def _ema_kernel(mode):  # pragma: no cover - compiled per mode
+    @cached
     @cuda.jit
     def kernel(ema, g, div, mul, fac, rows, items, active, one_minus_decay, decay, one):
         b = cuda.blockIdx.x
