@@ -377,6 +377,9 @@ def cached(dispatcher: Any, cache_class: Any = _CpuCache) -> Any:
     code kept in the cache directory; unchanged when the cache is off."""
     if root() is None:
         return dispatcher
+    py_func = getattr(dispatcher, "py_func", None)
+    if getattr(py_func, "__closure__", None) and code_digest(py_func) is None:
+        return dispatcher  # numba's own key of these cells differs in each process: no stable entry
     # No locator (a file outside the package and the cache): it compiles in memory.
     with contextlib.suppress(Exception):
         dispatcher._cache = cache_class(dispatcher.py_func)
