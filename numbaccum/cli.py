@@ -8,11 +8,12 @@ import sys
 
 
 def info() -> int:
-    """Prints versions, threads, the threading layer, CUDA status and the numba cache dir."""
+    """Prints versions, threads, the threading layer, the kernel cache and CUDA status."""
     import numba
     import numpy as np
 
     import numbaccum
+    from numbaccum._cache import describe as describe_cache
     from numbaccum.backend import ops_for
 
     x = np.ones(1 << 17, np.float32)
@@ -20,8 +21,7 @@ def info() -> int:
     print(f"numbaccum {numbaccum.__version__}")
     print(f"python {sys.version.split()[0]}, numpy {np.__version__}, numba {numba.__version__}")
     print(f"threads: {numba.get_num_threads()} of {os.cpu_count()} cpus, layer {numba.threading_layer()}")
-    cache_dir = getattr(numba.config, "CACHE_DIR", "") or "(next to the sources; NUMBA_CACHE_DIR moves it)"
-    print(f"numba cache dir: {cache_dir}; numbaccum kernels compile on first use (not cached)")
+    print(f"kernel cache: {describe_cache()}")
     print(f"cuda: {_cuda_status()}")
     from numbaccum.distributed import describe
 

@@ -37,6 +37,8 @@ from typing import Any
 import numpy as np
 from numba import njit
 
+from . import _cache
+
 __all__ = [
     "ACTIVE",
     "BASE",
@@ -177,6 +179,7 @@ def identity(op):  # pragma: no cover - compiled
     return np.inf if op == MIN else 0.0
 
 
+@_cache.cached
 @njit(error_model="numpy")
 def combine(part, pslice, op):  # pragma: no cover - compiled
     """One value per slice: ``part[pslice[s]:pslice[s + 1]]`` folded in order from the identity
@@ -191,6 +194,7 @@ def combine(part, pslice, op):  # pragma: no cover - compiled
     return out
 
 
+@_cache.cached
 @njit(error_model="numpy")
 def sum_in_order(values):  # pragma: no cover - compiled
     """Sequential float64 sum from 0.0, in index order: how per-leaf values become a tree total."""
@@ -200,6 +204,7 @@ def sum_in_order(values):  # pragma: no cover - compiled
     return total
 
 
+@_cache.cached
 @njit(error_model="numpy")
 def _build_work(rows, nslices, block, active_only):  # pragma: no cover - compiled
     """``(items, pstart, pslice)``: ``items[b] = (row, s0, s1, e0, e1)`` (slices ``[s0, s1)`` of

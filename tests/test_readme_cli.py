@@ -1,5 +1,6 @@
 """The README's code runs as written, its test command is CI's, and the CLI answers."""
 
+import os
 import re
 import subprocess
 import sys
@@ -35,6 +36,8 @@ def test_cli_info():
         [sys.executable, "-m", "numbaccum", "info"], capture_output=True, text=True, check=True
     )
     assert "numbaccum" in r.stdout and "threads" in r.stdout
+    cache = os.environ.get("NUMBACCUM_CACHE_DIR")  # set for the session by conftest
+    assert f"kernel cache: {cache} (on;" in r.stdout if cache else "kernel cache: " in r.stdout
 
 
 def test_cli_bench_tiny_smoke(tmp_path):

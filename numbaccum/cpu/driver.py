@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 from numba import njit, prange
 
-from .. import _config
+from .. import _cache, _config
 from ..contract import Factor
 from ..formulas import Formula, compile_formula
 
@@ -108,32 +108,42 @@ def _source(f: Formula) -> tuple[str, str]:
     return body, _DRIVERS.format(**fmt)
 
 
-_COMPILED: dict[str, tuple[Any, Any]] = {}
+_COMPILED: dict[Formula, tuple[Any, Any]] = {}
 _COMPILE_LOCK = threading.Lock()
 
 
 def compiled(f: Formula) -> tuple[Any, Any]:
-    """The (parallel, serial) drivers of formula ``f``, generated once per formula."""
-    pair = _COMPILED.get(f.name)
+    """The (parallel, serial) drivers of formula ``f``, generated once per formula (keyed by the
+    declaration, so two formulas of one name never share drivers)."""
+    pair = _COMPILED.get(f)
     if pair is None:
         with _COMPILE_LOCK:
-            pair = _COMPILED.get(f.name)
+            pair = _COMPILED.get(f)
             if pair is None:
-                pair = _COMPILED[f.name] = _compile(f)
+                pair = _COMPILED[f] = _compile(f)
     return pair
 
 
 def _compile(f: Formula) -> tuple[Any, Any]:
-    ns: dict[str, Any] = {
-        "fn": compile_formula(f.fn, njit(inline="always", error_model="numpy")),
-        "read": read,
-        "prange": prange,
-    }
+    """Generates the module of ``f``'s drivers and jits them. With the kernel cache on, the
+    module is a file in the cache named by a hash of its source and of ``f`` (numba caches only
+    functions with a source file), so a later process loads the compiled drivers."""
     body_src, drivers_src = _source(f)
-    exec(compile(body_src, f"<numbaccum.cpu.driver {f.name} body>", "exec"), ns)
+    source = f"# numbaccum.cpu.driver: the drivers of formula {f.name}\n{body_src}{drivers_src}"
+    digest = _cache.code_digest(f)
+    path = _cache.source_file(source, f"cpu_{f.name}", f"cpu\0{digest}") if digest else None
+    ns = _cache.namespace(path, f"<numbaccum.cpu.driver {f.name}>")
+    ns["fn"] = compile_formula(f.fn, njit(inline="always", error_model="numpy"))
+    ns["read"] = read
+    ns["prange"] = prange
+    exec(compile(source, ns["__file__"], "exec"), ns)
+    # Globals are resolved when a function compiles: `parallel` and `serial` call the jitted body.
     ns["body"] = njit(error_model="numpy")(ns["body"])
-    exec(compile(drivers_src, f"<numbaccum.cpu.driver {f.name}>", "exec"), ns)
-    return njit(parallel=True, error_model="numpy")(ns["parallel"]), njit(error_model="numpy")(ns["serial"])
+    parallel = njit(parallel=True, error_model="numpy")(ns["parallel"])
+    serial = njit(error_model="numpy")(ns["serial"])
+    if path:
+        parallel, serial = _cache.cached(parallel), _cache.cached(serial)
+    return parallel, serial
 
 
 # --- the entry point --------------------------------------------------------------------------

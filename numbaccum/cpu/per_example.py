@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .. import _config
+from .. import _cache, _config
 from ..formulas import clamp
 from ..tables import segments
 from .driver import guard_for
@@ -33,6 +33,7 @@ _F16 = np.dtype(np.float16)
 
 
 def _weighted_sum(parallel):
+    @_cache.cached
     @njit(parallel=parallel, error_model="numpy")
     def run(out, g, offsets, out_offsets, mult, noise, std, div, limit, items):  # pragma: no cover
         batch = mult.shape[1]

@@ -22,7 +22,7 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from .. import _config, formulas
+from .. import _cache, _config, formulas
 from ..tables import (
     DK,
     DR,
@@ -230,12 +230,14 @@ def _reducer(total, op):
             c = centers[first + s] if centers.size else 0.0
             part[pstart[b] + s - s0] = walk(x, x, rows, r, _slice_start(rows, r, s), e0, e1, idx, c, p)
 
+    @_cache.cached
     @njit(parallel=True, error_model="numpy")
     def parallel(x, rows, items, pstart, centers, p, part):  # pragma: no cover - compiled
         width = max(rows[0, DR], 1) if rows.shape[0] else 1
         for b in prange(items.shape[0]):
             item(x, rows, items, pstart, centers, p, part, b, np.empty(width, np.int64))
 
+    @_cache.cached
     @njit(error_model="numpy")
     def serial(x, rows, items, pstart, centers, p, part):  # pragma: no cover - compiled
         idx = np.empty(max(rows[0, DR], 1) if rows.shape[0] else 1, np.int64)
@@ -363,12 +365,14 @@ def _scaler(run, per_slice):
             if go:
                 walk(x, out, rows, r, _slice_start(rows, r, s), e0, e1, idx, cs, f)
 
+    @_cache.cached
     @njit(parallel=True, error_model="numpy")
     def parallel(out, x, rows, items, c, values):  # pragma: no cover - compiled
         width = max(rows[0, DR], 1) if rows.shape[0] else 1
         for b in prange(items.shape[0]):
             item(out, x, rows, items, c, values, b, np.empty(width, np.int64))
 
+    @_cache.cached
     @njit(error_model="numpy")
     def serial(out, x, rows, items, c, values):  # pragma: no cover - compiled
         idx = np.empty(max(rows[0, DR], 1) if rows.shape[0] else 1, np.int64)

@@ -22,10 +22,11 @@ from typing import Any
 import numpy as np
 from numba import cuda
 
-from .. import _config
+from .. import _cache, _config
 from ..arrays import data_pointer, stream
 from ..contract import Factor
 from ..formulas import Formula, compile_formula
+from .cache import cached
 
 __all__ = ["LAUNCHES", "NAME", "launch", "map_", "start"]
 
@@ -78,7 +79,7 @@ def pairs_of(x, n):  # pragma: no cover - compiled
 
 _KERNEL = """
 def make(mode, pairs):
-    @cuda.jit
+    @jit
     def kernel(n, {arrays}, div, mul, fac, {scalars}):
         i, step = start()
         if pairs:
@@ -140,18 +141,29 @@ def _source(f: Formula) -> str:
     )
 
 
+def _cached_jit(fn: Any) -> Any:
+    return cached(cuda.jit(fn))
+
+
 class _Family:
     """One formula's kernels, compiled on first use per (mode, pairs)."""
 
     def __init__(self, f: Formula) -> None:
-        ns: dict[str, Any] = {
-            "cuda": cuda,
-            "fn": compile_formula(f.fn, cuda.jit(device=True, inline=True)),
-            "read": read,
-            "pairs_of": pairs_of,
-            "start": start,
-        }
-        exec(compile(_source(f), f"<numbaccum.cuda.driver {f.name}>", "exec"), ns)
+        # With the kernel cache on, the generated module is a file in the cache (numba caches only
+        # functions with a source file), named by a hash of its source and of ``f``.
+        source = f"# numbaccum.cuda.driver: the kernels of formula {f.name}\n{_source(f)}"
+        digest = _cache.code_digest(f)
+        path = _cache.source_file(source, f"cuda_{f.name}", f"cuda\0{digest}") if digest else None
+        ns = _cache.namespace(path, f"<numbaccum.cuda.driver {f.name}>")
+        ns.update(
+            cuda=cuda,
+            jit=_cached_jit if path else cuda.jit,
+            fn=compile_formula(f.fn, cuda.jit(device=True, inline=True)),
+            read=read,
+            pairs_of=pairs_of,
+            start=start,
+        )
+        exec(compile(source, ns["__file__"], "exec"), ns)
         self._make = ns["make"]
         self._kernels: dict[tuple[int, bool], Any] = {}
 
@@ -162,18 +174,18 @@ class _Family:
         return k
 
 
-_FAMILIES: dict[str, _Family] = {}
+_FAMILIES: dict[Formula, _Family] = {}
 _LOCK = threading.Lock()
 _DUMMY: dict[np.dtype, Any] = {}
 
 
 def _family(f: Formula) -> _Family:
-    fam = _FAMILIES.get(f.name)
+    fam = _FAMILIES.get(f)
     if fam is None:
         with _LOCK:
-            fam = _FAMILIES.get(f.name)
+            fam = _FAMILIES.get(f)
             if fam is None:
-                fam = _FAMILIES[f.name] = _Family(f)
+                fam = _FAMILIES[f] = _Family(f)
     return fam
 
 

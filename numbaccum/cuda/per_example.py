@@ -17,6 +17,7 @@ from ..arrays import stream
 from ..formulas import clamp
 from ..tables import segments
 from . import driver
+from .cache import cached
 
 __all__ = ["batch_weighted_sum_"]
 
@@ -24,6 +25,7 @@ __all__ = ["batch_weighted_sum_"]
 _clamp = cuda.jit(device=True, inline=True)(clamp)
 
 
+@cached
 @cuda.jit
 def _weighted_sum(out, g, offsets, out_offsets, items, mult, noise, std, div, limit):  # pragma: no cover
     blk = cuda.blockIdx.x

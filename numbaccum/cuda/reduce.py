@@ -46,6 +46,7 @@ from ..tables import (
     slice_start,
 )
 from . import driver
+from .cache import cached
 
 __all__ = ["KINDS", "apply_", "clip_factors_", "divide_", "ema_update_", "reduce"]
 
@@ -127,6 +128,7 @@ def _partials_kernel(kind: int, tpb: int, finish: bool, rescue: bool = False) ->
     if hit is not None:
         return hit
 
+    @cached
     @cuda.jit
     def kernel(
         x,
@@ -427,6 +429,7 @@ def clip_factors_(leaf_sums, x, table: Table, members, last, max_norm, fac32, fa
 # --- per-slice scalings ----------------------------------------------------------------------
 
 
+@cached
 @cuda.jit
 def _apply(out, x, rows, items, centers, centred, factors, scaled):  # pragma: no cover - compiled
     b = cuda.blockIdx.x
@@ -458,6 +461,7 @@ def _by_mode(make: Any) -> Any:
 
 @_by_mode
 def _divide(mode):  # pragma: no cover - compiled per mode
+    @cached
     @cuda.jit
     def kernel(out, x, div, mul, fac, rows, items, divisors):
         b = cuda.blockIdx.x
@@ -477,6 +481,7 @@ def _divide(mode):  # pragma: no cover - compiled per mode
 
 @_by_mode
 def _ema_kernel(mode):  # pragma: no cover - compiled per mode
+    @cached
     @cuda.jit
     def kernel(ema, g, div, mul, fac, rows, items, active, one_minus_decay, decay, one):
         b = cuda.blockIdx.x

@@ -1,0 +1,386 @@
+"""The on-disk kernel cache: where compiled kernels are kept between processes, and how.
+
+A fresh process compiles every kernel it runs (about 16 s for a first Adam step on the 2-core
+VM); with the cache it loads them instead. The cache is numba's own (``cache=True`` machinery:
+an index file and data files per function), pointed at one directory of ours:
+
+* ``NUMBACCUM_CACHE_DIR`` when set; set to nothing, ``0``, ``off``, ``false`` or ``no`` turns
+  the cache off (kernels compile in memory, as without a cache);
+* else the user cache directory of the platform: ``$XDG_CACHE_HOME/numbaccum`` or
+  ``~/.cache/numbaccum`` (Linux), ``~/Library/Caches/numbaccum`` (macOS),
+  ``%LOCALAPPDATA%\\numbaccum\\Cache`` (Windows).
+
+Inside it, everything lives under one subdirectory per (numba version, Python version, hash of
+the package's sources): numba checks only the source file of the function it loads, not the
+functions that function calls (numba's caching notes), so an edit anywhere in the package starts
+a new subdirectory rather than loading a kernel that inlined an older helper.
+
+Kernels generated at run time (the drivers' loops around each `numbaccum.formulas.Formula`) are
+exec'd source with no file, which numba cannot cache: `source_file` writes each generated module
+once under a name that hashes its source and everything the formula's code reaches
+(`code_digest`), so any formula, including one composed at run time, gets its own entry and a
+changed formula never loads a stale kernel. The file is written to a temporary name and linked
+into place, never rewritten (numba stamps a function with its source file).
+
+Two processes filling an empty cache at once: numba writes each index and data file to a unique
+temporary name and renames it, but the index is read, extended and written back, so two writers
+can lose each other's entries or give two signatures the same data file (numba#4807). Loads and
+saves of one function hold an ``flock`` on a lock file beside its index (shared to load,
+exclusive to save); a failed load compiles instead, a failed save is reported once and ignored.
+
+A directory that cannot be written (a read-only install, a read-only home) turns the cache off
+for the process with one warning; kernels then compile in memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import os
+import re
+import sys
+import tempfile
+import threading
+import types
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numba
+import numpy as np
+from numba.core.caching import CompileResultCacheImpl, FunctionCache, _CacheLocator
+
+try:  # POSIX: advisory locks between processes (Windows gets numba's own renames only)
+    import fcntl
+except ImportError:  # pragma: no cover - Windows
+    fcntl = None  # type: ignore[assignment]
+
+__all__ = ["cached", "code_digest", "describe", "directory", "namespace", "root", "source_file"]
+
+ENV = "NUMBACCUM_CACHE_DIR"
+_OFF = frozenset({"", "0", "off", "false", "no", "none"})
+PACKAGE = Path(__file__).resolve().parent
+GENERATED = "generated"  # subdirectory of the generated kernel modules
+
+_lock = threading.Lock()
+_state: dict[str, Any] = {}  # "root": the usable cache root (None: off), "why": why not
+_warned: set[str] = set()
+
+
+def directory() -> Path | None:
+    """The cache directory the environment asks for (``None``: turned off), whether or not it
+    can be written."""
+    raw = os.environ.get(ENV)
+    if raw is not None:
+        if raw.strip().lower() in _OFF:
+            return None
+        return Path(raw.strip()).expanduser()
+    home = Path.home()
+    if sys.platform.startswith("win"):
+        base = os.environ.get("LOCALAPPDATA")
+        return (Path(base) if base else home / "AppData" / "Local") / "numbaccum" / "Cache"
+    if sys.platform == "darwin":
+        return home / "Library" / "Caches" / "numbaccum"
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    return (Path(xdg) if os.path.isabs(xdg) else home / ".cache") / "numbaccum"
+
+
+@functools.lru_cache(maxsize=1)
+def tag() -> str:
+    """The subdirectory of this numba, this Python and these package sources."""
+    h = hashlib.sha256()
+    for p in sorted(PACKAGE.rglob("*.py")):
+        h.update(p.relative_to(PACKAGE).as_posix().encode() + b"\0")
+        h.update(p.read_bytes() + b"\0")
+    py = f"{sys.version_info[0]}{sys.version_info[1]}"
+    return f"numba{numba.__version__}-py{py}-{h.hexdigest()[:16]}"
+
+
+def root() -> Path | None:
+    """The writable cache directory of this process (its `tag` subdirectory), or ``None`` when
+    the cache is off or cannot be written (decided once per process)."""
+    if "root" not in _state:
+        with _lock:
+            if "root" not in _state:
+                _state["root"], _state["why"] = _probe()
+    return _state["root"]
+
+
+def _probe() -> tuple[Path | None, str]:
+    base = directory()
+    if base is None:
+        return None, f"off ({ENV} is set to turn it off)"
+    where = base / tag()
+    try:
+        (where / GENERATED).mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=where):  # writable, not just present
+            pass
+    except OSError as e:
+        why = f"off: {base} cannot be written ({e.strerror or e}); kernels compile in memory"
+        _warn_once("probe", f"numbaccum kernel cache {why}. Set {ENV} to a writable directory.")
+        return None, why
+    return where, "on"
+
+
+def describe() -> str:
+    """One line for ``numbaccum info``: the directory and whether the cache is on."""
+    where = root()
+    base = directory()
+    if where is None:
+        return f"{base} ({_state['why']})" if base is not None else _state["why"]
+    return f"{base} (on; this version's kernels in {where.name})"
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+# --- generated modules ------------------------------------------------------------------------
+
+
+def source_file(source: str, name: str, key: str) -> str | None:
+    """The path of a file holding ``source`` (a generated module), written once into the cache;
+    ``None`` when the cache is off or the file cannot be written (then exec the source without a
+    file: it compiles in memory). ``key`` is everything else the compiled code depends on (the
+    formula's `code_digest`, the driver)."""
+    where = root()
+    if where is None:
+        return None
+    digest = hashlib.sha256(f"{key}\0{source}".encode()).hexdigest()[:24]
+    safe = re.sub(r"[^A-Za-z0-9_]", "_", name)[:40]
+    path = where / GENERATED / f"{safe}_{digest}.py"
+    data = source.encode()
+    try:
+        if not path.exists():
+            _write_once(path, data)
+        if path.read_bytes() == data:
+            return str(path)
+    except OSError as e:
+        _warn_once("write", f"numbaccum kernel cache: cannot write {path} ({e}); compiling in memory")
+        return None
+    return None  # another content under this name (never expected): do not trust it
+
+
+def namespace(path: str | None, placeholder: str) -> dict[str, Any]:
+    """The globals to exec a generated module in: with a cache file ``path``, those of a module
+    registered in ``sys.modules`` (numba re-imports a cached function's module by name to rebuild
+    its environment), named after the file; else a plain dict (``__file__`` the placeholder)."""
+    if path is None:
+        return {"__file__": placeholder}
+    name = "_numbaccum_" + Path(path).stem
+    with _lock:
+        mod = sys.modules.get(name)
+        if mod is None:
+            mod = sys.modules[name] = types.ModuleType(name)
+            mod.__file__ = path
+    return mod.__dict__
+
+
+def _write_once(path: Path, data: bytes) -> None:
+    """Writes ``path`` whole or not at all (temporary file, fsync, link into place); a file that
+    another process put there first is kept as it is."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".py")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            os.link(tmp, path)  # fails if it exists: the first writer's file stays
+        except FileExistsError:
+            pass
+        except OSError:  # no hard links here: replace, atomic too
+            os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+
+
+def code_digest(fn: Any) -> str | None:
+    """A hash of what compiling ``fn`` depends on: its bytecode and constants, the names it
+    reads and, recursively, the functions, formulas and plain values (numbers, strings, arrays)
+    those names and its closure cells hold. ``None`` when it holds something else (then it is
+    not cached on disk)."""
+    h = hashlib.sha256()
+    try:
+        _digest(fn, h, set())
+    except _Unhashable:
+        return None
+    return h.hexdigest()
+
+
+class _Unhashable(Exception):
+    pass
+
+
+def _digest(v: Any, h: Any, seen: set[int]) -> None:
+    if isinstance(v, (bool, int, float, complex, str, bytes, type(None))):
+        h.update(f"{type(v).__name__}:{v!r};".encode())
+    elif isinstance(v, (tuple, list, frozenset)):  # a Formula too (a NamedTuple)
+        items = sorted(v, key=repr) if isinstance(v, frozenset) else v
+        h.update(f"{type(v).__name__}[{len(v)}](".encode())
+        for x in items:
+            _digest(x, h, seen)
+        h.update(b")")
+    elif isinstance(v, dict):
+        h.update(f"dict[{len(v)}](".encode())
+        for k in sorted(v, key=repr):
+            _digest(k, h, seen)
+            _digest(v[k], h, seen)
+        h.update(b")")
+    elif isinstance(v, np.ndarray):
+        h.update(f"array{v.dtype.str}{v.shape}".encode() + np.ascontiguousarray(v).tobytes())
+    elif isinstance(v, (np.generic, np.dtype)):
+        h.update(f"{type(v).__name__}:{v!r};".encode())
+    elif isinstance(v, types.ModuleType):
+        h.update(f"module:{v.__name__};".encode())
+    elif hasattr(v, "py_func") and isinstance(v.py_func, types.FunctionType):  # a numba dispatcher
+        h.update(b"jit:")
+        _digest(v.py_func, h, seen)
+    elif isinstance(v, types.FunctionType):
+        if id(v) in seen:
+            h.update(f"seen:{v.__qualname__};".encode())
+            return
+        seen.add(id(v))
+        h.update(f"function:{v.__module__}.{v.__qualname__}(".encode())
+        _digest_code(v.__code__, v.__globals__, h, seen)
+        _digest(v.__defaults__, h, seen)
+        for cell in v.__closure__ or ():
+            _digest(cell.cell_contents, h, seen)
+        h.update(b")")
+    elif isinstance(v, type):  # a class named in the code (an exception raised, a dtype)
+        h.update(f"class:{v.__module__}.{v.__qualname__};".encode())
+    else:
+        raise _Unhashable(type(v).__name__)
+
+
+def _digest_code(code: types.CodeType, glb: dict, h: Any, seen: set[int]) -> None:
+    h.update(code.co_code)
+    h.update(repr((code.co_names, code.co_varnames, code.co_freevars, code.co_argcount)).encode())
+    for c in code.co_consts:
+        if isinstance(c, types.CodeType):
+            _digest_code(c, glb, h, seen)
+        else:
+            _digest(c, h, seen)
+    for name in code.co_names:
+        if name in glb:
+            h.update(f"global {name}=".encode())
+            _digest(glb[name], h, seen)
+
+
+# --- numba's cache, in our directory, with locks ------------------------------------------------
+
+
+class Locator(_CacheLocator):
+    """Numba's cache files of a package source (``kernels/<its folder>``) or of a generated
+    module (``kernels/generated``), under this process's cache `root`."""
+
+    def __init__(self, py_func: Any, py_file: str, where: Path) -> None:
+        self._py_file = py_file
+        self._lineno = py_func.__code__.co_firstlineno
+        path = Path(py_file).resolve()
+        if path.parent == where / GENERATED:
+            sub = GENERATED
+        else:
+            rel = path.parent.relative_to(PACKAGE).as_posix()
+            sub = "numbaccum" if rel == "." else "numbaccum/" + rel
+        self._cache_path = str(where / "kernels" / sub)
+
+    def get_cache_path(self) -> str:
+        return self._cache_path
+
+    def get_source_stamp(self) -> Any:
+        st = os.stat(self._py_file)
+        return _file_hash(self._py_file, st.st_mtime_ns, st.st_size)
+
+    def get_disambiguator(self) -> str:
+        return str(self._lineno)
+
+    @classmethod
+    def from_function(cls, py_func: Any, py_file: str) -> Locator | None:
+        where = root()
+        if where is None or not os.path.isfile(py_file):
+            return None
+        path = Path(py_file).resolve()
+        if path.parent != where / GENERATED and PACKAGE not in path.parents:
+            return None
+        self = cls(py_func, py_file, where)
+        try:
+            os.makedirs(self._cache_path, exist_ok=True)
+        except OSError:
+            return None
+        return self
+
+
+@functools.lru_cache(maxsize=256)
+def _file_hash(path: str, mtime_ns: int, size: int) -> bytes:
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).digest()
+
+
+class LockedCache:
+    """Mixin for a numba ``Cache``: loads under a shared lock, saves under an exclusive one (the
+    index is read, extended and written back); a failed load compiles, a failed save warns once."""
+
+    @contextlib.contextmanager
+    def _locked(self, exclusive: bool) -> Any:
+        if fcntl is None:
+            yield
+            return
+        path = getattr(getattr(self, "_cache_file", None), "_index_path", None)
+        if path is None:
+            yield
+            return
+        with open(path + ".lock", "ab") as f:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+            try:
+                yield
+            finally:
+                fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+    def _index_key(self, sig: Any, codegen: Any) -> Any:
+        """Numba's key hashes a closure's cells pickled, which differs from process to process
+        for cells holding jitted functions; `code_digest` hashes what they compute instead."""
+        digest = code_digest(self._py_func)  # type: ignore[attr-defined]
+        if digest is None:
+            return super()._index_key(sig, codegen)  # type: ignore[misc]
+        return (sig, codegen.magic_tuple(), ("numbaccum", digest))
+
+    def load_overload(self, sig: Any, target_context: Any) -> Any:
+        try:
+            with self._locked(exclusive=False):
+                return super().load_overload(sig, target_context)  # type: ignore[misc]
+        except Exception:  # a damaged or foreign entry: compile instead
+            return None
+
+    def save_overload(self, sig: Any, data: Any) -> None:
+        try:
+            with self._locked(exclusive=True):
+                super().save_overload(sig, data)  # type: ignore[misc]
+        except Exception as e:  # the kernel still runs; only the next process recompiles
+            _warn_once("save", f"numbaccum kernel cache: a kernel could not be saved ({e!r})")
+
+
+class _CpuImpl(CompileResultCacheImpl):
+    _locator_classes = [Locator]
+
+
+class _CpuCache(LockedCache, FunctionCache):
+    _impl_class = _CpuImpl
+
+
+def cached(dispatcher: Any, cache_class: Any = _CpuCache) -> Any:
+    """``dispatcher`` (a numba ``njit`` function, before its first compile) with its compiled
+    code kept in the cache directory; unchanged when the cache is off."""
+    if root() is None:
+        return dispatcher
+    py_func = getattr(dispatcher, "py_func", None)
+    if getattr(py_func, "__closure__", None) and code_digest(py_func) is None:
+        return dispatcher  # numba's own key of these cells differs in each process: no stable entry
+    # No locator (a file outside the package and the cache): it compiles in memory.
+    with contextlib.suppress(Exception):
+        dispatcher._cache = cache_class(dispatcher.py_func)
+    return dispatcher
