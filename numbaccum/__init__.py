@@ -78,6 +78,7 @@ from .optim import (
     sgd,
     sign_sgd,
 )
+from .passes import Explanation, explain, step_
 from .privacy import (
     DifferentiallyPrivateAggregateState,
     differentially_private_aggregate,
@@ -102,6 +103,7 @@ __all__ = [
     "DifferentiallyPrivateAggregateState",
     "EmaState",
     "EmptyState",
+    "Explanation",
     "FlatTree",
     "GradientTransformation",
     "GradientTransformationExtraArgs",
@@ -135,6 +137,7 @@ __all__ = [
     "differentially_private_aggregate",
     "dpsgd",
     "ema",
+    "explain",
     "global_norm",
     "identity",
     "load_state",
@@ -154,6 +157,7 @@ __all__ = [
     "sign_sgd",
     "skip_large_updates",
     "skip_not_finite",
+    "step_",
     "trace",
     "to_device",
     "to_host",
