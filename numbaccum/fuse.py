@@ -149,16 +149,33 @@ def _pack(part: Any, states: list, i: int) -> tuple[Any, int]:
     return (tuple(out) if part.names is None else dict(zip(part.names, out))), i
 
 
+# numba cannot inline a call of more than 30 arguments ("Calling a closure with *args"): a run
+# is cut before its composite would take more (arrays and scalars; 3 kept for step_'s apply).
+MAX_ARGS = 27
+
+
+def _cost(part: Any) -> int:
+    """The composite arguments a part may add: buffers, scalars, and a factor's two."""
+    if isinstance(part, Kernel):
+        f = part.formula
+        return len(f.states) + len(f.inputs) - 1 + len(f.scalars) + 2
+    return sum(_cost(p) for p in leaves(part)) if isinstance(part, Chained) else 2
+
+
 def segments(steps: list) -> list[tuple[int, int, FusedRun | None]]:
     """``(start, stop, run)`` covering ``steps`` in order: a `FusedRun` of ``steps[start:stop]``,
     or ``(i, i + 1, None)`` for a step that runs as it is. A run holds at least one `Kernel`
-    (else fusing saves nothing); a `Prepass` only starts one."""
+    (else fusing saves nothing); a `Prepass` only starts one; a run is cut where its composite
+    would take more than `MAX_ARGS` arguments."""
     out: list[tuple[int, int, FusedRun | None]] = []
     i, n = 0, len(steps)
     while i < n:
-        j = i
+        j, cost = i, 1  # the updates' buffer
         while j < n and steps[j].spec is None and _fusable(steps[j].fuse):
             if j > i and isinstance(leaves(steps[j].fuse)[0], Prepass):
+                break
+            cost += _cost(steps[j].fuse)
+            if cost > MAX_ARGS:
                 break
             j += 1
         parts = [s.fuse for s in steps[i:j]]
