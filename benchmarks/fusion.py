@@ -94,7 +94,8 @@ def main() -> None:
                 nb.apply_updates_(p, u)
 
         # update then apply_updates_: that one reads params and updates and writes params (12)
-        nbytes = nb.explain(tx, p, apply=True).total if mode == "step_" else nb.explain(tx, p).total + 12.0
+        applied = nb.explain(tx, p, apply=True, fused=True)
+        nbytes = applied.total if mode == "step_" else nb.explain(tx, p, fused=True).total + 12.0
         contenders.append((mode, call, nbytes))
     rows.append(("chain(clip_by_global_norm, adam)", _time(contenders, args.repeats)))
     _fused(True)
