@@ -78,6 +78,7 @@ from .optim import (
     sgd,
     sign_sgd,
 )
+from .passes import Explanation, explain, step_
 from .privacy import (
     DifferentiallyPrivateAggregateState,
     differentially_private_aggregate,
@@ -104,6 +105,7 @@ __all__ = [
     "DifferentiallyPrivateAggregateState",
     "EmaState",
     "EmptyState",
+    "Explanation",
     "FlatTree",
     "GradientTransformation",
     "GradientTransformationExtraArgs",
@@ -137,6 +139,7 @@ __all__ = [
     "differentially_private_aggregate",
     "dpsgd",
     "ema",
+    "explain",
     "global_norm",
     "identity",
     "load_state",
@@ -158,6 +161,7 @@ __all__ = [
     "sign_sgd",
     "skip_large_updates",
     "skip_not_finite",
+    "step_",
     "trace",
     "to_device",
     "to_host",

@@ -14,6 +14,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from . import formulas as F
 from ._checks import INT32_MAX, flag, integer, real, transformation
 from .backend import ops_for, tree_sumsq_scaled
 from .base import (
@@ -28,6 +29,7 @@ from .base import (
 )
 from .contract import ONE
 from .flat import FlatTree, as_flat, layout_and_device, layout_of
+from .fuse import Kernel
 from .layout import Layout, check_float_dtype
 from .tree import short_repr
 
@@ -167,13 +169,19 @@ class _Trace(Stage):
         tr = expect_state(state, TraceState, "trace", spec)
         decay, nesterov = self.decay, self.nesterov
 
-        def run(u: Updates) -> tuple[Updates, TraceState]:
-            out = tr.workspace("out", spec.layout.group_dtypes)
-            for t, g, o in zip(tr.groups, u.flat.groups, out.groups):
-                ops_for(g).trace_update_(t, g, u.factor, decay, nesterov, o)
-            return Updates(out, owned=True), TraceState(tr)
+        new_state = TraceState(tr)
 
-        return Step(run)
+        def out() -> FlatTree:
+            return tr.workspace("out", spec.layout.group_dtypes)
+
+        def run(u: Updates) -> tuple[Updates, TraceState]:
+            o = out()
+            for t, g, og in zip(tr.groups, u.flat.groups, o.groups):
+                ops_for(g).trace_update_(t, g, u.factor, decay, nesterov, og)
+            return Updates(o, owned=True), new_state
+
+        scalars = [(decay, nesterov)] * len(tr.groups)
+        return Step(run, fuse=Kernel(F.trace, (tr,), scalars, new_state, out=out, name="trace"))
 
 
 def trace(
@@ -235,13 +243,19 @@ class _Ema(Stage):
         else:
             bcs = [1.0] * len(avg.groups)
 
-        def run(u: Updates) -> tuple[Updates, EmaState]:
-            out = avg.workspace("out", spec.layout.group_dtypes)
-            for e, g, o, bc in zip(avg.groups, u.flat.groups, out.groups, bcs):
-                ops_for(g).ema_update_(e, g, u.factor, one_minus, decay, bc, o)
-            return Updates(out, owned=True), EmaState(count, avg)
+        new_state = EmaState(count, avg)
 
-        return Step(run)
+        def out() -> FlatTree:
+            return avg.workspace("out", spec.layout.group_dtypes)
+
+        def run(u: Updates) -> tuple[Updates, EmaState]:
+            o = out()
+            for e, g, og, bc in zip(avg.groups, u.flat.groups, o.groups, bcs):
+                ops_for(g).ema_update_(e, g, u.factor, one_minus, decay, bc, og)
+            return Updates(o, owned=True), new_state
+
+        scalars = [(one_minus, decay, bc) for bc in bcs]
+        return Step(run, fuse=Kernel(F.ema, (avg,), scalars, new_state, out=out, name="ema"))
 
 
 def ema(decay: float, debias: bool = True, accumulator_dtype: Any = None) -> GradientTransformationExtraArgs:

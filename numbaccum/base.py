@@ -27,7 +27,7 @@ from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
 
-from . import arrays
+from . import arrays, fuse
 from ._checks import transformation
 from .arrays import torch_runs
 from .backend import ops_for
@@ -242,11 +242,29 @@ class Step:
     """
 
     # ``run`` is the function itself, not a method calling it: one call less per stage and step.
-    __slots__ = ("run", "spec")
+    __slots__ = ("run", "spec", "fuse", "apply", "final")
 
-    def __init__(self, run: Callable[[Updates], tuple[Updates, Any]], spec: Spec | None = None) -> None:
+    def __init__(
+        self,
+        run: Callable[[Updates], tuple[Updates, Any]],
+        spec: Spec | None = None,
+        fuse: Any = None,
+        apply: Callable[[Updates, FlatTree], Any] | None = None,
+        final: Callable[[Updates], tuple[Updates, Any]] | None = None,
+    ) -> None:
         self.run = run
         self.spec = spec
+        # The stage's elementwise work, declared for the chain compiler (`numbaccum.fuse`): a
+        # `Kernel`, `Scale` or `Prepass` part, or a `Chained` run of them; None: not fusable.
+        self.fuse = fuse
+        # ``apply(updates, params) -> new_state``: runs the step and adds its updates to
+        # ``params`` (a FlatTree of the layout) in its last pass, never writing them
+        # (`numbaccum.step_`); None where the step cannot.
+        self.apply = apply
+        # ``final(updates) -> (updates, new_state)``: `run` for a caller that settles the
+        # updates right after (`Stage.update`): a factor left pending at the end is applied in
+        # the last pass instead of a pass of its own. None: use `run`.
+        self.final = final
 
 
 class Stage(abc.ABC):
@@ -366,12 +384,13 @@ class Stage(abc.ABC):
             ref._layout = out_spec.layout
             ref._into = self._workspace(owner, out_spec, "params")
         u.scratch = self._workspace(owner, spec, "output")
+        run = step.final or step.run
         if kind in arrays.STREAM_KINDS:  # kernels go to the caller's current CUDA stream
             with arrays.launch_context(kind):
-                u, new_state = step.run(u)
+                u, new_state = run(u)
                 out = self._output(u, new_state, out_spec)
         else:
-            u, new_state = step.run(u)
+            u, new_state = run(u)
             out = self._output(u, new_state, out_spec)
         if kind == "flat":
             return out, new_state
@@ -511,14 +530,15 @@ class Chain(Stage):
         if owner is not None and (owner.layout is not spec.layout or owner.device != spec.device):
             owner = None
         in_spec = spec
-        runs = []
+        steps = []
         specs = []  # the spec each stage is fed (a reshaping stage changes it for the next ones)
         for stage, s in zip(self.stages, states):
             specs.append(spec)
             step = stage.plan(spec, s, params, extra)
-            runs.append(step.run)
+            steps.append(step)
             if step.spec is not None:
                 spec = step.spec
+        runs = [step.run for step in steps]
         if spec is in_spec:
             scratches = self._scratches(owner, in_spec, states)
         else:
@@ -526,16 +546,44 @@ class Chain(Stage):
                 stage.workspace(s, sp, "scratch") for stage, s, sp in zip(self.stages, states, specs)
             ]
         names = self.names
+        out_spec = None if spec is in_spec else spec
+        segs = fuse.segments(steps) if fuse.enabled() else None
+        if segs is not None and all(r is None for _, _, r in segs):
+            segs = None  # nothing to fuse
+        if segs is None:
 
-        def run(u: Updates) -> tuple[Updates, Any]:
-            new_states = []
-            for step_run, scratch in zip(runs, scratches):
-                u.scratch = scratch
-                u, new = step_run(u)
-                new_states.append(new)
+            def run(u: Updates) -> tuple[Updates, Any]:
+                new_states = []
+                for step_run, scratch in zip(runs, scratches):
+                    u.scratch = scratch
+                    u, new = step_run(u)
+                    new_states.append(new)
+                return u, (tuple(new_states) if names is None else dict(zip(names, new_states)))
+
+            return Step(run, out_spec, _chained(steps, names))
+
+        n = len(steps)
+
+        def run_fused(u: Updates, apply: FlatTree | None = None, settle: bool = False) -> tuple[Any, Any]:
+            new_states: list = [None] * n
+            for start, stop, fr in segs:
+                u.scratch = scratches[stop - 1]
+                if fr is None:
+                    u, new_states[start] = runs[start](u)
+                elif stop == n:
+                    u, new_states[start:stop] = run_parts(fr, u, apply, settle)
+                else:
+                    u, new_states[start:stop] = run_parts(fr, u)
             return u, (tuple(new_states) if names is None else dict(zip(names, new_states)))
 
-        return Step(run, None if spec is in_spec else spec)
+        last_fused = segs[-1][2] is not None
+        return Step(
+            run_fused,
+            out_spec,
+            _chained(steps, names),
+            (lambda u, p: run_fused(u, p)[1]) if last_fused else None,
+            (lambda u: run_fused(u, None, True)) if last_fused else None,
+        )
 
     def _scratches(self, owner: FlatTree | None, spec: Spec, states: tuple) -> list:
         """Each stage's scratch buffer: a workspace ``chain<i>`` of the chain's owner, else the
@@ -553,6 +601,25 @@ class Chain(Stage):
                 return scratches  # bound to this state: not kept
         self.__dict__["_scratch_memo"] = (owner, spec.layout, spec.device, scratches)
         return scratches
+
+
+def run_parts(
+    fr: fuse.FusedRun, u: Updates, apply: FlatTree | None = None, settle: bool = False
+) -> tuple[Any, list]:
+    """Runs a fused run on ``u`` (`numbaccum.fuse.FusedRun.run`): ``(updates, new_states)``, the
+    updates None when they were added to ``apply`` instead of written."""
+    out, factor, new_states = fr.run(u.flat, u.factor, u.fresh, apply, settle)
+    if out is None:
+        return None, new_states
+    return Updates(out, True, factor, scratch=u.scratch), new_states
+
+
+def _chained(steps: list, names: list[str] | None) -> Any:
+    """A chain's own part for an enclosing chain: its steps' parts when every one is fusable
+    (`numbaccum.fuse.Chained`), else None."""
+    if not steps or any(s.fuse is None or s.spec is not None for s in steps):
+        return None
+    return fuse.Chained([s.fuse for s in steps], names)
 
 
 def _named_workspace(owner: FlatTree, name: str) -> Callable[[], FlatTree]:

@@ -8,6 +8,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from . import formulas as F
 from ._checks import integer, non_negative, real, transformation
 from .backend import leaf_tables, ops_for, slice_sumsq, tree_norm, tree_sumsq_scaled
 from .base import (
@@ -24,6 +25,7 @@ from .base import (
 from .contract import ONE, Factor, Ops
 from .flat import FlatTree, as_flat, layout_of
 from .formulas import clip_factor
+from .fuse import Kernel, Prepass
 from .layout import Layout
 from .tables import segments
 from .tables import sum_in_order as _sequential_sum
@@ -154,16 +156,18 @@ class _ClipByGlobalNorm(_Stateless):
     def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
         max_norm = self.max_norm
 
+        def factor_of(flat: FlatTree) -> Factor:
+            if flat.device:  # the norm and the factor stay on the GPU: no synchronisation
+                facs = _device_factors(flat, max_norm)
+                if facs is not None:
+                    return Factor(device=facs)
+            return Factor(*clip_factor(tree_norm(flat), max_norm))  # float64, fits float32
+
         def run(u: Updates) -> tuple[Updates, Any]:
             u = u.settled()
-            if u.flat.device:  # the norm and the factor stay on the GPU: no synchronisation
-                facs = _device_factors(u.flat, max_norm)
-                if facs is not None:
-                    return Updates(u.flat, u.owned, Factor(device=facs), u.returnable, u.scratch), state
-            div, mul = clip_factor(tree_norm(u.flat), max_norm)  # float64, fits float32
-            return u.scaled(Factor(div, mul)), state
+            return Updates(u.flat, u.owned, factor_of(u.flat), u.returnable, u.scratch), state
 
-        return Step(run)
+        return Step(run, fuse=Prepass(factor_of, state, "clip_by_global_norm"))
 
 
 ClipState = EmptyState
@@ -193,7 +197,8 @@ class _Clip(_Stateless):
                 ops_for(g).clip_(o, g, u.factor, max_delta)
             return Updates(out, True), state
 
-        return Step(run)
+        scalars = [(max_delta,)] * len(spec.layout.groups)
+        return Step(run, fuse=Kernel(F.clip, (), scalars, state, name="clip"))
 
 
 def normalize_by_update_norm(scale_factor: float = 1.0, eps: float = 1e-6) -> GradientTransformationExtraArgs:
@@ -210,12 +215,15 @@ class _NormalizeByUpdateNorm(_Stateless):
         self.scale_factor, self.eps = real(scale_factor, "scale_factor"), non_negative(eps, "eps")
 
     def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
+        def factor_of(flat: FlatTree) -> Factor:
+            norm = tree_norm(flat)  # float64; the factor is scaled to fit float32 (`Factor`)
+            return Factor((norm + self.eps) / self.scale_factor, 1.0)
+
         def run(u: Updates) -> tuple[Updates, Any]:
             u = u.settled()
-            norm = tree_norm(u.flat)  # float64; the factor is scaled to fit float32 (`Factor`)
-            return u.scaled(Factor((norm + self.eps) / self.scale_factor, 1.0)), state
+            return u.scaled(factor_of(u.flat)), state
 
-        return Step(run)
+        return Step(run, fuse=Prepass(factor_of, state, "normalize_by_update_norm", "update norm"))
 
 
 class ZeroNansState(NamedTuple):

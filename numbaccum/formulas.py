@@ -21,6 +21,8 @@ import types
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+import numpy as np
+
 __all__ = ["Formula", "compile_formula"]
 
 
@@ -75,6 +77,10 @@ def compile_formula(fn: Callable, jit: Callable[[Callable], Any]) -> Any:
     glb = dict(globals())
     for name, helper in _helpers().items():
         glb[name] = jit(_rebind(helper, glb))
+    # A fused chain's composite (`numbaccum.fuse`) calls formulas by their names: each one is
+    # compiled there as a function too (numba compiles a dispatcher on its first typed call).
+    for name, decl in _formulas().items():
+        glb[name] = jit(_rebind(decl.fn, glb))
     return jit(_rebind(fn, glb))
 
 
@@ -85,7 +91,7 @@ def _rebind(fn: Callable, glb: dict) -> Callable:
 
 def _helpers() -> dict[str, Callable]:
     """The plain scalar functions of this module that formulas call (not its machinery)."""
-    machinery = {"formula", "compile_formula", "_rebind", "_helpers"}
+    machinery = {"formula", "compile_formula", "_rebind", "_helpers", "_formulas"}
     return {
         name: v
         for name, v in globals().items()
@@ -93,7 +99,23 @@ def _helpers() -> dict[str, Callable]:
     }
 
 
+def _formulas() -> dict[str, Formula]:
+    """The formulas declared in this module, by name."""
+    return {name: v for name, v in globals().items() if isinstance(v, Formula)}
+
+
 # --- helpers (compiled with the formulas that call them) -------------------------------------
+
+
+def as_float32(v):
+    """v rounded to float32 (a fused chain's value between two formulas, stored as a buffer
+    of that dtype would hold it)."""
+    return np.float32(v)
+
+
+def as_float64(v):
+    """v as float64."""
+    return np.float64(v)
 
 
 def finite(v):

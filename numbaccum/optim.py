@@ -11,6 +11,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from . import formulas as F
 from ._checks import flag, real, real_or_schedule, scheduled
 from .accumulation import (
     bias_correction,
@@ -33,8 +34,9 @@ from .base import (
     Updates,
     chain,
 )
-from .contract import Factor
+from .contract import ONE, Factor
 from .flat import FlatTree, layout_and_device
+from .fuse import Kernel, Scale
 from .layout import check_float_dtype
 
 __all__ = [
@@ -59,7 +61,7 @@ class _Identity(Stage):
         return EmptyState()
 
     def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
-        return Step(lambda u: (u, state))
+        return Step(lambda u: (u, state), fuse=Scale(ONE, state, "identity"))
 
 
 def identity() -> GradientTransformationExtraArgs:
@@ -83,7 +85,7 @@ class _Scale(Stage):
 
     def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
         factor = self.factor
-        return Step(lambda u: (u.scaled(factor), state))
+        return Step(lambda u: (u.scaled(factor), state), fuse=Scale(factor, state))
 
 
 def scale(step_size: float) -> GradientTransformationExtraArgs:
@@ -117,7 +119,8 @@ class _ScaleBySchedule(Stage):
     def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
         mul, new_state = self.step_factor(state)
         factor = Factor(1.0, mul)
-        return Step(lambda u: (u.scaled(factor), new_state))
+        part = Scale(factor, new_state, "scale_by_schedule")
+        return Step(lambda u: (u.scaled(factor), new_state), fuse=part)
 
 
 def scale_by_learning_rate(
@@ -151,7 +154,11 @@ class _AddDecayedWeights(Stage):
                 ops_for(g).add_scaled_(o, g, u.factor, pg, wd)
             return Updates(out, owned=True), state
 
-        return Step(run)
+        scalars = [(wd,)] * len(spec.layout.groups)
+        part = Kernel(
+            F.add_scaled, (), scalars, state, inputs=lambda: (params.flat(),), name="add_decayed_weights"
+        )
+        return Step(run, fuse=part)
 
 
 def add_decayed_weights(weight_decay: float = 0.0) -> GradientTransformationExtraArgs:
@@ -186,7 +193,7 @@ class _ScaleBySign(Stage):
                 ops_for(g).sign_(o, g, u.factor)
             return Updates(out, owned=True), state
 
-        return Step(run)
+        return Step(run, fuse=Kernel(F.sign, (), [()] * len(spec.layout.groups), state, name="scale_by_sign"))
 
 
 def scale_by_sign() -> GradientTransformationExtraArgs:
@@ -242,13 +249,18 @@ class _ScaleByAdam(Stage):
             bc1, bc2 = bias_correction(b1, int(count), ct), bias_correction(b2, int(count), ct)
             scalars.append((b1, 1.0 - b1, b2, 1.0 - b2, bc1, bc2, self.eps, self.eps_root, out_mul))
 
-        def run(u: Updates) -> tuple[Updates, ScaleByAdamState]:
-            out = nu.workspace("out", spec.layout.group_dtypes)
-            for m, v, g, o, args in zip(mu.groups, nu.groups, u.flat.groups, out.groups, scalars):
-                ops_for(g).adam_update_(m, v, g, u.factor, *args, o)
-            return Updates(out, owned=True), ScaleByAdamState(count, mu, nu)
+        new_state = ScaleByAdamState(count, mu, nu)
 
-        return Step(run)
+        def out() -> FlatTree:
+            return nu.workspace("out", spec.layout.group_dtypes)
+
+        def run(u: Updates) -> tuple[Updates, ScaleByAdamState]:
+            o = out()
+            for m, v, g, og, args in zip(mu.groups, nu.groups, u.flat.groups, o.groups, scalars):
+                ops_for(g).adam_update_(m, v, g, u.factor, *args, og)
+            return Updates(o, owned=True), new_state
+
+        return Step(run, fuse=Kernel(F.adam, (mu, nu), scalars, new_state, out=out, name="scale_by_adam"))
 
 
 def scale_by_adam(
@@ -289,7 +301,8 @@ class _Adam(Chain):
             out, adam_state = step.run(u)
             return out, (adam_state, new_lr_state)
 
-        return Step(run)
+        part = step.fuse._replace(new_state=(step.fuse.new_state, new_lr_state), name="adam")
+        return Step(run, fuse=part)
 
 
 def adam(

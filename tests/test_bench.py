@@ -210,6 +210,20 @@ def test_rows_stop_repeating_after_their_time_budget(monkeypatch):
     assert len(out[runner.FULL]) == 2 and len(out[runner.MINI]) == 2 * (runner.K - 1)
 
 
+def test_contenders_of_a_row_are_timed_alternately():
+    """A, B, C, A, B, C ... call by call; MultiSteps: a whole cycle each in turn."""
+    calls = []
+    clock = lambda step: (step(), 1.0)[1]  # noqa: E731
+    contenders = [(lambda name=name: calls.append(name), clock) for name in "ABC"]
+    out = runner.measure_alternating(contenders, "ema", repeats=3, warmup=1)
+    assert calls == list("ABC") + list("ABC") * 3  # the warm-ups, then alternated calls
+    assert [len(o[runner.LABELS["ema"][0]]) for o in out] == [3, 3, 3]
+    calls.clear()
+    out = runner.measure_alternating(contenders, "multisteps", repeats=runner.K * 2, warmup=0)
+    assert calls == [c for _ in range(3) for c in "ABC" for _ in range(runner.K)]
+    assert all(len(o[runner.FULL]) == 2 for o in out)
+
+
 def test_peer_selection():
     names = [i.name for i in runner.implementations("cpu", "tiny", ())]
     assert names == ["numbaccum", "numbaccum (plain tree)", "numpy"]

@@ -171,6 +171,42 @@ def test_launches_per_update_do_not_grow_with_leaves(name):
 
 
 @needs_cuda
+def test_a_fused_update_is_one_pre_pass_and_one_pass_per_group(monkeypatch):
+    p = {"w": params()["w"], "d": params(np.float64)["b"]}  # two dtype groups
+    pf = nba.FlatTree.from_tree(dev(p))
+    gf = nba.FlatTree.from_tree(dev({"w": grads(0)["w"], "d": grads(0, np.float64)["b"]}))
+    counts, outs = {}, {}
+    for mode in ("1", "0"):
+        monkeypatch.setenv("NUMBACCUM_FUSE", mode)
+        tx = nba.chain(nba.clip_by_global_norm(0.5), nba.ema(0.9), nba.trace(0.9), nba.scale(-0.1))
+        s = tx.init(pf)
+        tx.update(gf, s)
+        before = _launches()
+        u, s = tx.update(gf, s)
+        counts[mode] = _launches() - before
+        outs[mode] = host(u.tree)
+    assert counts["1"] == 2 + 2  # the norm: one launch per group; then one fused pass per group
+    assert counts["0"] == 2 + 3 * 2  # ema, trace, and the pending scale settled
+    for k in p:
+        close(outs["1"][k], outs["0"][k], p[k].dtype)
+
+
+@needs_cuda
+def test_step_on_device_matches_update_then_apply():
+    p = params()
+    tx_a, tx_b = (nba.chain(nba.clip_by_global_norm(0.5), nba.adam(1e-2)) for _ in range(2))
+    pa, pb = nba.FlatTree.from_tree(dev(p)), nba.FlatTree.from_tree(dev(p))
+    sa, sb = tx_a.init(pa), tx_b.init(pb)
+    for step in range(3):
+        g = dev(grads(step))
+        sa = nba.step_(tx_a, g, sa, pa)
+        u, sb = tx_b.update(g, sb, pb)
+        nba.apply_updates_(pb, u)
+    for a, b in zip(nba.tree_flatten(host(pa.tree))[0], nba.tree_flatten(host(pb.tree))[0]):
+        close(a, b, np.float32)
+
+
+@needs_cuda
 def test_no_host_sync_in_trace_ema_clip_and_multisteps(monkeypatch):
     from numbaccum import arrays
 

@@ -9,12 +9,16 @@ below the norm, so it always scales), a MultiSteps mini-step, ema with debias, a
 step of ``MultiSteps(chain(clip_by_global_norm(1.0), adam(1e-3)), 4)`` (the full step: accumulate,
 clip the mean, Adam, reset).
 
-Each operation is timed call by call after a warm-up (which also compiles the kernels): median,
-min and max. GB/s counts the minimal bytes per float32 parameter (DESIGN.md): a mini-step reads
-g and reads and writes acc (12), except the first of a cycle, which only writes acc (8); the full
-step reads g and acc for the norm, reads them again beside mu and nu, writes mu, nu, the update
-and the zeroed acc (40); ema with debias reads g, reads and writes ema, writes the update (16);
-clip_by_global_norm reads g for the norm and again for the output, and writes the output (12).
+Each operation is timed call by call after a warm-up (which also compiles the kernels), the
+implementations of a row alternately (A, B, C, A, B, C, ...; MultiSteps: a whole cycle each in
+turn), so that a shared machine's changing load falls on all of them alike (timed in blocks, the
+ratio against PyTorch moved between 0.64x and 1.37x in back-to-back runs; alternated, by less than
+0.2x): median, min and max of each. GB/s counts the minimal bytes per float32 parameter
+(DESIGN.md): a mini-step reads g and reads and writes acc (12), except the first of a cycle, which
+only writes acc (8); the full step reads g and acc for the norm, reads them again beside mu and
+nu, writes mu, nu, the update and the zeroed acc (40); ema with debias reads g, reads and writes
+ema, writes the update (16); clip_by_global_norm reads g for the norm and again for the output,
+and writes the output (12).
 The copy floor is measured in the same run: on the CPU the faster of ``np.copyto`` and a parallel
 copy of a large buffer, on the GPU a device-to-device copy of the workload's size. On the GPU,
 calls are timed between CUDA events (optax: wall time, its step blocks until ready).
@@ -191,32 +195,45 @@ ROW_SECONDS = 5.0
 
 
 def measure(step: Callable[[], Any], op: str, clock: Clock, repeats: int, warmup: int) -> dict:
-    """``{row label: per-call seconds}``. MultiSteps: a warm-up cycle, then the mini-steps and
-    the emitting (full) steps of ``max(2, repeats // K)`` cycles timed apart. Each row takes
-    ``repeats`` samples, or fewer (at least 3; 2 cycles) once ``ROW_SECONDS`` have passed."""
-    start = time.perf_counter()
+    """``{row label: per-call seconds}`` of one implementation (`measure_alternating`)."""
+    return measure_alternating([(step, clock)], op, repeats, warmup)[0]
+
+
+def measure_alternating(
+    contenders: list[tuple[Callable[[], Any], Clock]], op: str, repeats: int, warmup: int
+) -> list[dict]:
+    """``[{row label: per-call seconds}]``, one per ``(step, clock)`` contender, timed in turn:
+    call by call (A, B, C, A, B, C, ...); MultiSteps cycle by cycle (a warm-up cycle each, then
+    the mini-steps and the emitting (full) steps of ``max(2, repeats // K)`` cycles timed apart).
+    Each row takes ``repeats`` samples, or fewer (at least 3; 2 cycles) once ``ROW_SECONDS`` per
+    contender have passed."""
+    n = max(1, len(contenders))
 
     def more(samples: int, least: int) -> bool:
-        return samples < least or time.perf_counter() - start < ROW_SECONDS
+        return samples < least or time.perf_counter() - start < ROW_SECONDS * n
 
+    start = time.perf_counter()
     if op == "multisteps":
-        mini: list[float] = []
-        emit: list[float] = []
+        minis: list[list[float]] = [[] for _ in contenders]
+        emits: list[list[float]] = [[] for _ in contenders]
         for cycle in range(max(2, repeats // K) + 1):
             if not more(cycle, 3):
                 break
-            for position in range(K):
-                t = clock(step)
-                if cycle:
-                    (emit if position == K - 1 else mini).append(t)
-        return {MINI: mini, FULL: emit}
-    for _ in range(warmup):
-        step()
+            for (step, clock), mini, emit in zip(contenders, minis, emits):
+                for position in range(K):
+                    t = clock(step)
+                    if cycle:
+                        (emit if position == K - 1 else mini).append(t)
+        return [{MINI: mini, FULL: emit} for mini, emit in zip(minis, emits)]
+    for step, _ in contenders:
+        for _ in range(warmup):
+            step()
     start = time.perf_counter()
-    times: list[float] = []
-    while len(times) < repeats and more(len(times), 3):
-        times.append(clock(step))
-    return {LABELS[op][0]: times}
+    times: list[list[float]] = [[] for _ in contenders]
+    while len(times[0]) < repeats and more(len(times[0]), 3):
+        for (step, clock), ts in zip(contenders, times):
+            ts.append(clock(step))
+    return [{LABELS[op][0]: ts} for ts in times]
 
 
 class Progress:
@@ -277,16 +294,17 @@ def run_workload(
         floor = gpu.copy_roof(n_params, 10)
     per_call = workload in PER_CALL
     rows = []
-    for impl in impls:
-        steps = impl.build(trees)
-        clock = impl.clock()
-        for op in ops:
-            if progress is not None:
+    # Every implementation is built first: a row's contenders are then timed alternately.
+    built = [(impl, impl.build(trees), impl.clock()) for impl in impls]
+    for op in ops:
+        here = [(impl, steps[op], clock) for impl, steps, clock in built if op in steps]
+        if progress is not None:
+            for impl, _, _ in built:
                 progress.step(f"{device} {workload}: {op}, {impl.name}")
-            if op not in steps:  # the library is missing after all
-                continue
-            warmup = 20 if per_call else 1
-            for label, ts in measure(steps[op], op, clock, repeats, warmup).items():
+        warmup = 20 if per_call else 1
+        results = measure_alternating([(step, clock) for _, step, clock in here], op, repeats, warmup)
+        for (impl, _, _), result in zip(here, results):
+            for label, ts in result.items():
                 med = statistics.median(ts)
                 gbs = None if per_call else BYTES_PER_PARAM[label] * n_params / med / 1e9
                 rows.append(
@@ -301,12 +319,12 @@ def run_workload(
                         floor_fraction=None if gbs is None or not floor else gbs / floor,
                     )
                 )
-        del steps
-        gc.collect()
-        if device == "cuda":
-            from . import gpu
+    del built
+    gc.collect()
+    if device == "cuda":
+        from . import gpu
 
-            gpu.free()
+        gpu.free()
     return {
         "device": device,
         "workload": workload,

@@ -1,0 +1,468 @@
+"""The chain compiler: a run of elementwise stages becomes one generated formula, one pass.
+
+A stage that may be fused says so in its plan: its `Step` carries a *part* (``Step.fuse``),
+
+* `Kernel`: one formula of `numbaccum.formulas` over the updates, with the stage's state
+  buffers, extra inputs (params), per-group scalars and the buffer it writes its output to;
+* `Scale`: a pending factor (``scale``, a learning rate), no pass of its own;
+* `Prepass`: a reduction over the updates that yields a pending factor (``clip_by_global_norm``:
+  the global norm; ``normalize_by_update_norm``). It can only start a run, since it must read
+  the run's input, not a value inside the fused pass.
+
+`segments` cuts a chain's planned steps into maximal runs of parts (a step without a part runs
+as it is). `FusedRun.run` runs one: at most one pre-pass over its input, then, per dtype group,
+**one** kernel: a *composite formula* generated here, a plain-Python function that calls each
+part's formula in sequence and threads the running update from one to the next; it reads every
+input and state buffer once and writes every state and the output once. Both drivers compile it
+unchanged (`numbaccum.formulas.compile_formula` compiles the formulas it calls by name), the CPU
+into a parallel loop, CUDA into a grid-stride kernel.
+
+Why a generated formula and not a driver of its own: the drivers already know how to walk a
+buffer on each backend (chunks, float32 pairs, streams, the pending factor), and a composite is
+just one more formula to them. The stage-by-stage path stays (``NUMBACCUM_FUSE=0``) and the fused
+one gives the same bits on the CPU, because the composite rounds as the separate passes would:
+
+* each part computes in the dtype the driver would use for that formula alone (the promoted
+  dtype of its buffers) with its scalars cast to that dtype, and its output is rounded to the
+  group's storage dtype before the next part reads it (``as_float32``: the intermediate buffer);
+* a pending factor is read by the next formula in that formula's dtype, and a second factor
+  settles the first (``(v / div) * mul`` rounded), as `numbaccum.base.Updates.scaled` does;
+* float16 groups (the CPU driver stages them through float32, and an intermediate float16
+  rounding has no numba cast) run their parts one formula at a time: the stage-by-stage bits.
+
+Composites are cached by the sequence of (formula name, dtypes, wiring), not by Python objects,
+and named from that key (``fused_<sha1>``), which is what the drivers cache by: two chains of
+the same formulas over the same dtypes share one compiled kernel.
+
+On CUDA a clip's factor never leaves the device: the composite reads its input through the
+driver's device factor (mode 2), so a fused update is one pre-pass plus one pass per group.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from . import formulas as F
+from .backend import ops_for
+from .contract import ONE, Factor
+from .flat import FlatTree
+
+__all__ = ["Chained", "FusedRun", "Kernel", "Prepass", "Scale", "enabled", "segments"]
+
+_FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
+
+
+def enabled() -> bool:
+    """Whether chains fuse (read at each plan): ``NUMBACCUM_FUSE=0`` runs stage by stage."""
+    return os.environ.get("NUMBACCUM_FUSE", "1").strip() != "0"
+
+
+# --- the parts a stage declares -------------------------------------------------------------
+
+
+class Kernel(NamedTuple):
+    """A stage's elementwise formula over the updates.
+
+    Attributes:
+        formula: a `numbaccum.formulas.Formula` with exactly one output (the new updates);
+            ``inputs[0]`` is the updates.
+        states: the FlatTrees of its states, in the formula's order (read and written).
+        scalars: per dtype group, the formula's scalars.
+        new_state: the stage's new state (its buffers are updated in place by the pass).
+        inputs: made at run time, the FlatTrees of ``formula.inputs[1:]`` (params), or None.
+        out: made at run time, where the stage writes its output; None: the updates' own buffer
+            when it may be overwritten, else the running stage's scratch.
+        name: the stage, as `numbaccum.explain` shows it.
+    """
+
+    formula: F.Formula
+    states: tuple
+    scalars: list
+    new_state: Any
+    inputs: Callable[[], tuple] | None = None
+    out: Callable[[], FlatTree] | None = None
+    name: str = ""
+
+
+class Scale(NamedTuple):
+    """A pending factor on the updates (`Factor`; `ONE`: nothing at all)."""
+
+    factor: Factor
+    new_state: Any
+    name: str = "scale"
+
+
+class Prepass(NamedTuple):
+    """A reduction over the updates that gives the factor left pending on them.
+
+    Attributes:
+        factor_of: ``factor_of(flat) -> Factor`` over the settled updates (one reduction pass).
+        new_state: the stage's state.
+        name: the stage; ``reads``: what the reduction computes (for `numbaccum.explain`).
+    """
+
+    factor_of: Callable[[FlatTree], Factor]
+    new_state: Any
+    name: str = ""
+    reads: str = "global norm"
+
+
+class Chained(NamedTuple):
+    """A nested chain whose every step is fusable: its steps' parts, spliced into the enclosing
+    chain's runs (``names``: a named_chain's, to rebuild its state dict)."""
+
+    parts: list
+    names: list | None = None
+    name: str = "chain"
+
+
+def leaves(part: Any) -> list:
+    """The `Kernel`, `Scale` and `Prepass` parts of a part, nested chains spliced in order."""
+    if isinstance(part, Chained):
+        return [leaf for p in part.parts for leaf in leaves(p)]
+    return [part]
+
+
+def _fusable(part: Any) -> bool:
+    """Whether a step's part can join a run: a pre-pass may only be its first leaf."""
+    if part is None:
+        return False
+    if not isinstance(part, Chained):
+        return True
+    return not any(isinstance(p, Prepass) for p in leaves(part)[1:])
+
+
+def _pack(part: Any, states: list, i: int) -> tuple[Any, int]:
+    """The new state of ``part`` from the leaves' new states from ``i``; and the next index."""
+    if not isinstance(part, Chained):
+        return states[i], i + 1
+    out = []
+    for p in part.parts:
+        st, i = _pack(p, states, i)
+        out.append(st)
+    return (tuple(out) if part.names is None else dict(zip(part.names, out))), i
+
+
+# numba cannot inline a call of more than 30 arguments ("Calling a closure with *args"): a run
+# is cut before its composite would take more (arrays and scalars; 3 kept for step_'s apply).
+MAX_ARGS = 27
+
+
+def _cost(part: Any) -> int:
+    """The composite arguments a part may add: buffers, scalars, and a factor's two."""
+    if isinstance(part, Kernel):
+        f = part.formula
+        return len(f.states) + len(f.inputs) - 1 + len(f.scalars) + 2
+    return sum(_cost(p) for p in leaves(part)) if isinstance(part, Chained) else 2
+
+
+def segments(steps: list) -> list[tuple[int, int, FusedRun | None]]:
+    """``(start, stop, run)`` covering ``steps`` in order: a `FusedRun` of ``steps[start:stop]``,
+    or ``(i, i + 1, None)`` for a step that runs as it is. A run holds at least one `Kernel`
+    (else fusing saves nothing); a `Prepass` only starts one; a run is cut where its composite
+    would take more than `MAX_ARGS` arguments."""
+    out: list[tuple[int, int, FusedRun | None]] = []
+    i, n = 0, len(steps)
+    while i < n:
+        j, cost = i, 1  # the updates' buffer
+        while j < n and steps[j].spec is None and _fusable(steps[j].fuse):
+            if j > i and isinstance(leaves(steps[j].fuse)[0], Prepass):
+                break
+            cost += _cost(steps[j].fuse)
+            if cost > MAX_ARGS:
+                break
+            j += 1
+        parts = [s.fuse for s in steps[i:j]]
+        if any(isinstance(p, Kernel) for part in parts for p in leaves(part)):
+            out.append((i, j, FusedRun(parts)))
+            i = j
+        else:  # nothing to fuse: the step runs as it is
+            out.append((i, i + 1, None))
+            i += 1
+    return out
+
+
+class FusedRun:
+    """A maximal run of fusable steps: at most one pre-pass, then one pass per dtype group.
+
+    ``steps``: each step's part (a nested chain's `Chained`); ``parts``: their leaves in order."""
+
+    __slots__ = ("steps", "parts")
+
+    def __init__(self, steps: list) -> None:
+        self.steps = steps
+        self.parts = [leaf for p in steps for leaf in leaves(p)]
+
+    @property
+    def kernels(self) -> list[Kernel]:
+        return [p for p in self.parts if isinstance(p, Kernel)]
+
+    def new_states(self) -> list:
+        """One new state per step (nested chains' states rebuilt)."""
+        flat = [p.new_state for p in self.parts]
+        out, i = [], 0
+        for part in self.steps:
+            st, i = _pack(part, flat, i)
+            out.append(st)
+        return out
+
+    def run(
+        self,
+        flat: FlatTree,
+        factor: Factor,
+        fresh: Callable[[], FlatTree],
+        apply: FlatTree | None = None,
+        settle: bool = False,
+    ) -> tuple[FlatTree | None, Factor, list]:
+        """Runs the parts on the updates ``factor(flat)``; ``fresh()`` gives the buffer a stage
+        without an output of its own writes to. With ``apply`` (params of the same layout) the
+        updates are added to it in the pass (``apply += updates``) and never written. With
+        ``settle`` a factor left pending at the end (a trailing learning rate) is applied in the
+        pass, as the caller would settle it right after (rounded the same way).
+
+        Returns ``(out, factor, new_states)``: the updates are ``factor(out)`` (out None with
+        ``apply``), and one new state per part."""
+        parts = self.parts
+        if isinstance(parts[0], Prepass):
+            if factor is not ONE and not factor.is_one:  # the reduction reads settled updates
+                into = fresh()
+                for dst, src in zip(into.groups, flat.groups):
+                    ops_for(src).scale_(dst, src, factor)
+                flat = into
+                fresh = lambda: into  # noqa: E731  # owned now
+            factor = parts[0].factor_of(flat)
+            parts = parts[1:]
+        kernels = [p for p in parts if isinstance(p, Kernel)]
+        out = None
+        if apply is None:
+            last = kernels[-1]
+            out = last.out() if last.out is not None else fresh()
+        extras = [k.inputs() if k.inputs is not None else () for k in kernels]
+        pending = factor
+        for gi in range(len(flat.groups)):
+            pending = _run_group(parts, extras, gi, flat, factor, out, apply, settle)
+        return out, (pending if apply is None else ONE), self.new_states()
+
+
+def _run_group(
+    parts: list,
+    extras: list,
+    gi: int,
+    flat: FlatTree,
+    factor: Factor,
+    out: FlatTree | None,
+    apply: FlatTree | None,
+    settle: bool = False,
+) -> Factor:
+    """One dtype group of a run: one composite kernel (float32/float64), or the parts one formula
+    at a time (float16). Returns the factor left pending on the output."""
+    x = flat.groups[gi]
+    d = np.dtype(flat.layout.group_dtypes[gi])
+    arrays_states: list = []
+    arrays_inputs: list = [x]
+    scalars: list = []
+    ops: list = []
+    kinds: list = []  # every buffer's dtype (float16 anywhere: the stage-by-stage fallback)
+    if factor is ONE or factor.is_one:
+        pend: str | None = None
+    elif factor.device is not None:
+        pend = "device"  # read by the driver on the device (no host round trip)
+    else:
+        pend = "host"
+    fac = factor
+    k = 0
+    for p in parts:
+        if isinstance(p, Scale):
+            if p.factor is ONE or p.factor.is_one:
+                continue  # Updates.scaled: nothing pending, nothing settled
+            if pend == "host":
+                ops.append(("settle",))
+                scalars += [fac.div, fac.mul]
+            elif pend == "device":
+                ops.append(("cast",))
+            pend, fac = "host", p.factor
+            continue
+        if isinstance(p, Prepass):
+            raise AssertionError("a pre-pass only starts a run")  # segments() guarantees it
+        states = [s.groups[gi] for s in p.states]
+        ins = [e.groups[gi] for e in extras[k]]
+        k += 1
+        c = np.result_type(*(a.dtype for a in states), d, *(a.dtype for a in ins), d)
+        sc = p.scalars[gi]
+        bools = tuple(isinstance(s, (bool, np.bool_)) for s in sc)
+        ops.append(("kernel", p.formula.name, c.name, pend == "host", len(states), len(ins), bools))
+        if pend == "host":
+            scalars += [fac.div, fac.mul]
+        scalars += list(sc)
+        arrays_states += states
+        arrays_inputs += ins
+        kinds += [a.dtype for a in states + ins]
+        pend, fac = None, ONE
+    if apply is None and settle and pend == "host":
+        ops.append(("settle",))
+        scalars += [fac.div, fac.mul]
+        pend, fac = None, ONE
+    if apply is not None:
+        pg = apply.groups[gi]
+        if pend == "host":
+            ops.append(("settle",))
+            scalars += [fac.div, fac.mul]
+        elif pend == "device":
+            ops.append(("cast",))
+        pend, fac = None, ONE
+        ops.append(("apply", np.result_type(pg.dtype, d, pg.dtype).name))
+        arrays_states.append(pg)
+        kinds.append(pg.dtype)
+    else:
+        kinds.append(out.groups[gi].dtype)  # type: ignore[union-attr]
+    ops_ = ops_for(x)
+    if d not in _FLOATS or any(t not in _FLOATS for t in kinds):
+        _one_by_one(ops_, parts, extras, gi, x, factor, out, apply, settle)
+        return fac
+    key = (d.name, factor.device is not None, tuple(ops), apply is None)
+    composite = _composite(key)
+    arrays = [*arrays_states, *arrays_inputs]
+    if apply is None:
+        arrays.append(out.groups[gi])  # type: ignore[union-attr]
+    ops_.driver.map_(composite, factor if factor.device is not None else ONE, tuple(arrays), tuple(scalars))
+    return fac
+
+
+def _one_by_one(
+    ops_: Any,
+    parts: list,
+    extras: list,
+    gi: int,
+    x: Any,
+    factor: Factor,
+    out: FlatTree | None,
+    apply: FlatTree | None,
+    settle: bool,
+) -> None:
+    """A float16 group: each part its own formula, through ``out`` (or a scratch copy with
+    ``apply``), as the stages would run one by one."""
+    buf = out.groups[gi] if out is not None else np.empty_like(x) if isinstance(x, np.ndarray) else None
+    if buf is None:
+        from .arrays import empty
+
+        buf = empty(x.size, x.dtype)
+    val, fac, k = x, factor, 0
+    for p in parts:
+        if isinstance(p, Scale):
+            if p.factor is ONE or p.factor.is_one:
+                continue
+            if fac is not ONE and not fac.is_one:
+                ops_.scale_(buf, val, fac)
+                val = buf
+            fac = p.factor
+            continue
+        arrays = (*(s.groups[gi] for s in p.states), val, *(e.groups[gi] for e in extras[k]), buf)
+        k += 1
+        ops_.driver.map_(p.formula, fac, arrays, tuple(p.scalars[gi]))
+        val, fac = buf, ONE
+    if apply is None and settle and fac is not ONE and not fac.is_one:
+        ops_.scale_(buf, val, fac)
+    if apply is not None:
+        pg = apply.groups[gi]
+        if fac is not ONE and not fac.is_one:
+            ops_.scale_(buf, val, fac)
+            val = buf
+        ops_.add_scaled_(pg, pg, ONE, val, 1.0)
+
+
+# --- composite formulas ---------------------------------------------------------------------
+
+_COMPOSITES: dict[tuple, F.Formula] = {}
+_LOCK = threading.Lock()
+
+
+def _composite(key: tuple) -> F.Formula:
+    """The composite formula of ``key`` (made once per key)."""
+    f = _COMPOSITES.get(key)
+    if f is None:
+        with _LOCK:
+            f = _COMPOSITES.get(key)
+            if f is None:
+                f = _COMPOSITES[key] = _make_composite(key)
+    return f
+
+
+def composite_source(key: tuple) -> tuple[str, str, tuple, tuple, tuple, tuple]:
+    """The Python source of the composite of ``key`` and its declaration
+    ``(name, source, states, inputs, outputs, scalars)``.
+
+    ``key = (dtype, raw_input, ops, has_output)``: the group's storage dtype; whether the input
+    arrives already scaled by a device factor (kept in the driver's dtype, not rounded); and the
+    ops, each ``("kernel", formula, compute dtype, reads a factor, n_states, n_inputs,
+    bool scalars)``, ``("settle",)`` (a factor applied and rounded), ``("cast",)`` (a device
+    factor's value rounded) or ``("apply", compute dtype)`` (``params += value``)."""
+    d, raw_input, ops, has_output = key
+    name = "fused_" + hashlib.sha1(repr(key).encode()).hexdigest()[:16]
+    states: list[str] = []
+    inputs: list[str] = ["x"]
+    scalars: list[str] = []
+    body = ["    v = x" if raw_input else f"    v = as_{d}(x)"]
+    new_states: list[str] = []
+
+    def scalar() -> str:
+        s = f"p{len(scalars)}"
+        scalars.append(s)
+        return s
+
+    for op in ops:
+        if op[0] == "settle":
+            div, mul = scalar(), scalar()
+            body.append(f"    v = as_{d}((as_{d}(v) / as_{d}({div})) * as_{d}({mul}))")
+        elif op[0] == "cast":
+            body.append(f"    v = as_{d}(v)")
+        elif op[0] == "apply":
+            c = op[1]
+            st = f"s{len(states)}"
+            states.append(st)
+            new_states.append(f"n{len(new_states)}")
+            body.append(f"    {new_states[-1]} = {st} + as_{c}(1.0) * as_{c}(v)")
+        else:
+            _, fname, c, factored, n_states, n_inputs, bools = op
+            if factored:
+                div, mul = scalar(), scalar()
+                body.append(f"    g = (as_{c}(v) / as_{c}({div})) * as_{c}({mul})")
+            else:
+                body.append(f"    g = as_{c}(v)")
+            sts = [f"s{len(states) + i}" for i in range(n_states)]
+            states += sts
+            ins = [f"x{len(inputs) + i}" for i in range(n_inputs)]
+            inputs += ins
+            scs = [scalar() if b else f"as_{c}({scalar()})" for b in bools]
+            body.append(f"    r = {fname}({', '.join(sts + ['g'] + ins + scs)})")
+            if n_states == 0:
+                body.append(f"    v = as_{d}(r)")
+            else:
+                for i in range(n_states):
+                    new_states.append(f"n{len(new_states)}")
+                    body.append(f"    {new_states[-1]} = r[{i}]")
+                body.append(f"    v = as_{d}(r[{n_states}])")
+    returns = new_states + (["v"] if has_output else [])
+    params = states + inputs + (scalars or [])
+    src = f"def {name}({', '.join(params)}):\n" + "\n".join(body) + f"\n    return {', '.join(returns)}\n"
+    outputs = ("out",) if has_output else ()
+    return name, src, tuple(states), tuple(inputs), outputs, tuple(scalars)
+
+
+def _make_composite(key: tuple) -> F.Formula:
+    name, src, states, inputs, outputs, scalars = composite_source(key)
+    ns: dict[str, Any] = {}
+    exec(compile(src, f"<numbaccum.fuse {name}>", "exec"), ns)
+    fn = ns[name]
+    fn.__doc__ = src  # the generated source, readable where a driver names the kernel
+    return F.Formula(fn, states, inputs, outputs, scalars)
+
+
+def cached_composites() -> int:
+    """How many composite formulas exist (each compiled once per driver)."""
+    return len(_COMPOSITES)

@@ -1,0 +1,290 @@
+"""What an update runs, and an update applied in place: `explain` and `step_`.
+
+`explain(tx, params)` plans ``tx`` as ``tx.update`` would (nothing is written) and lists the
+passes over memory it will run: each pass, the stages it fuses (`numbaccum.fuse`) and the bytes
+per parameter it moves, against the arithmetic minimum (each input read once, each state read
+and written once, the output written once, plus one read of the input per reduction a clip or a
+normalize needs before its factor is known).
+
+`step_(tx, grads, state, params)` runs the update and adds it to ``params`` in place within the
+last fused pass: the update buffer is never written and read back (about 8 bytes per float32
+parameter less than ``update`` then `apply_updates_`). Same bits as those two calls.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from . import arrays, fuse
+from ._checks import transformation
+from .base import (
+    Chain,
+    ParamsRef,
+    Spec,
+    Stage,
+    Updates,
+    apply_updates_,
+    as_stage,
+    check_params,
+    run_parts,
+    scatter_back,
+    with_extra_args_support,
+)
+from .flat import FlatTree, as_flat, layout_of
+from .tree import format_path, tree_flatten_with_path
+
+__all__ = ["Explanation", "Pass", "explain", "step_"]
+
+
+# --- step_ ----------------------------------------------------------------------------------
+
+
+def step_(tx: Any, grads: Any, state: Any, params: Any, **extra_args: Any) -> Any:
+    """``params += tx.update(grads, state, params)[0]`` in place, within the update's last fused
+    pass (the update is never written to a buffer); returns the new state.
+
+    Same results as ``updates, state = tx.update(grads, state, params)`` then
+    ``apply_updates_(params, updates)`` (the same bits on the CPU). A transformation whose last
+    stages do not fuse (a foreign one, `MultiSteps`, ``NUMBACCUM_FUSE=0``) runs exactly those two
+    calls.
+
+    Args:
+        tx: a transformation.
+        grads: the gradients (a tree, or a FlatTree).
+        state: ``tx``'s state (consumed, like ``update``'s).
+        params: a FlatTree, or a tree of writable arrays, changed in place.
+
+    Raises:
+        TypeError: a leaf of ``params`` cannot change in place; or what ``tx.update`` raises.
+        Nothing is written then.
+    """
+    stage = as_stage(with_extra_args_support(transformation(tx, "tx")))
+    if not fuse.enabled() or stage.reshapes:
+        return _update_then_apply(stage, grads, state, params, extra_args)
+    owner = stage.owner(state)
+    u, kind = stage.take(grads, state, params, owner)
+    spec = Spec(u.flat.layout, u.flat.device)
+    ref = ParamsRef(params, spec.layout, None, spec.device, stage._workspace(owner, spec, "params"))
+    ref.checked = check_params(params, spec)
+    step = stage.plan(spec, state, ref, extra_args)
+    apply = step.apply
+    if apply is None and step.spec is None and fuse._fusable(step.fuse):
+        (_, _, fr), *rest = fuse.segments([step])
+        if fr is not None and not rest:
+            apply = lambda u, p: run_parts(fr, u, p)[1][0]  # noqa: E731
+    if apply is None:  # nothing fused at the end: the planned step, then apply_updates_
+        return _run_then_apply(stage, step, u, kind, params, spec, owner)
+    p, copied = _writable(params, spec)
+    u.scratch = stage._workspace(owner, spec, "output")
+    if kind in arrays.STREAM_KINDS:
+        with arrays.launch_context(kind):
+            new_state = apply(u, p)
+    else:
+        new_state = apply(u, p)
+    if copied:
+        scatter_back(p, params, "params")
+    return new_state
+
+
+def _update_then_apply(stage: Stage, grads: Any, state: Any, params: Any, extra: dict) -> Any:
+    _writable_check(params)
+    updates, new_state = stage.update(grads, state, params, **extra)
+    apply_updates_(params, updates)
+    return new_state
+
+
+def _run_then_apply(
+    stage: Stage, step: Any, u: Updates, kind: str, params: Any, spec: Spec, owner: Any
+) -> Any:
+    p, copied = _writable(params, spec)
+    u.scratch = stage._workspace(owner, spec, "output")
+    if kind in arrays.STREAM_KINDS:
+        with arrays.launch_context(kind):
+            u, new_state = step.run(u)
+            apply_updates_(p, stage._output(u, new_state, spec))
+    else:
+        u, new_state = step.run(u)
+        apply_updates_(p, stage._output(u, new_state, spec))
+    if copied:
+        scatter_back(p, params, "params")
+    return new_state
+
+
+def _writable_check(tree: Any) -> None:
+    if isinstance(tree, FlatTree):
+        return
+    raw, paths, _ = tree_flatten_with_path(tree)
+    for x, path in zip(raw, paths):
+        if isinstance(x, np.generic) or (isinstance(x, np.ndarray) and not x.flags.writeable):
+            where = format_path(path, "params")
+            raise TypeError(f"{where}: cannot be changed in place (not a writable array)")
+
+
+def _writable(params: Any, spec: Spec) -> tuple[FlatTree, bool]:
+    """params as a FlatTree of ``spec``'s layout whose changes reach the caller (``copied``: a
+    packed copy to scatter back)."""
+    _writable_check(params)
+    if isinstance(params, FlatTree) and params.layout is spec.layout and params.device == spec.device:
+        return params, False
+    flat, copied, _ = as_flat(params, spec.layout, "params", device=spec.device)
+    return flat, copied
+
+
+# --- explain --------------------------------------------------------------------------------
+
+
+class Pass(NamedTuple):
+    """One pass over memory: ``kind`` ("reduction", "fused", "kernel", "settle", "apply",
+    "opaque"), the stages it runs, and the bytes per parameter it reads and writes (None where
+    not known: a stage that is not described)."""
+
+    kind: str
+    stages: tuple[str, ...]
+    read: float | None
+    written: float | None
+
+    @property
+    def bytes(self) -> float | None:
+        return None if self.read is None or self.written is None else self.read + self.written
+
+
+class Explanation(NamedTuple):
+    """The passes of an update (`explain`); ``print`` shows them as a table."""
+
+    passes: tuple[Pass, ...]
+    minimum: float
+    fused: bool
+    applied: bool
+    num_params: int
+
+    @property
+    def total(self) -> float | None:
+        """Bytes per parameter over every pass (None if a pass is not described)."""
+        sizes = [p.bytes for p in self.passes]
+        return None if any(b is None for b in sizes) else float(sum(sizes))  # type: ignore[arg-type]
+
+    def __str__(self) -> str:
+        head = "step_" if self.applied else "update"
+        mode = "fused" if self.fused else "stage by stage"
+        lines = [f"{head} ({mode}), {self.num_params} parameters: {len(self.passes)} passes"]
+        for i, p in enumerate(self.passes):
+            b = "?" if p.bytes is None else f"{p.bytes:.1f}"
+            r = "?" if p.read is None else f"{p.read:.1f}"
+            w = "?" if p.written is None else f"{p.written:.1f}"
+            stages = " + ".join(p.stages)
+            lines.append(f"  {i + 1}. {p.kind:<9} {b:>5} B/param (read {r}, write {w})  {stages}")
+        total = self.total
+        shown = "?" if total is None else f"{total:.1f}"
+        ratio = "" if total is None or not self.minimum else f" ({total / self.minimum:.2f}x)"
+        lines.append(f"  total {shown} B/param{ratio}; arithmetic minimum {self.minimum:.1f} B/param")
+        return "\n".join(lines)
+
+    __repr__ = __str__
+
+
+def explain(
+    tx: Any, params: Any, state: Any = None, *, apply: bool = False, fused: bool | None = None
+) -> Explanation:
+    """The passes ``tx.update(updates, state, params)`` will run (`step_` with ``apply=True``).
+
+    Plans ``tx`` for updates shaped like ``params`` (nothing is run or written): which stages
+    each pass fuses, the bytes per parameter each moves (reads and writes of inputs, states and
+    outputs, by their dtypes), and the total against the arithmetic minimum.
+
+    Args:
+        tx: a transformation.
+        params: the parameters (their layout and dtypes; add_decayed_weights reads them).
+        state: ``tx``'s state; None: ``tx.init(params)`` (allocates a state).
+        apply: explain `step_` (the update added to params) instead of ``update``.
+        fused: explain the fused (True) or stage-by-stage (False) path; None: what
+            ``NUMBACCUM_FUSE`` selects now.
+    """
+    stage = as_stage(with_extra_args_support(transformation(tx, "tx")))
+    fused = fuse.enabled() if fused is None else bool(fused)
+    layout = params.layout if isinstance(params, FlatTree) else layout_of(params, "params")
+    device = params.device if isinstance(params, FlatTree) else False
+    if state is None:
+        state = stage.init(params)
+    spec = Spec(layout, device)
+    ref = ParamsRef(params, layout, None, device)
+    if isinstance(stage, Chain) and type(stage).plan is Chain.plan:
+        states = stage._states(state)
+        if states is None:
+            raise ValueError("state: not this chain's state")
+        steps = [s.plan(spec, st, ref, {}) for s, st in zip(stage.stages, states)]
+        names = [type(s).__name__.lstrip("_") for s in stage.stages]
+    else:
+        steps = [stage.plan(spec, state, ref, {})]
+        names = [type(stage).__name__.lstrip("_")]
+    sizes = np.array(layout.group_sizes, np.float64)
+    n = float(sizes.sum()) or 1.0
+    d = np.array([np.dtype(t).itemsize for t in layout.group_dtypes], np.float64)
+
+    def per_param(itemsizes: Any) -> float:
+        return float(np.dot(sizes, itemsizes) / n)
+
+    x = per_param(d)
+
+    def buffers(part: fuse.Kernel) -> tuple[float, float]:
+        st = sum(per_param([g.dtype.itemsize for g in s.groups]) for s in part.states)
+        extra = x * (len(part.formula.inputs) - 1)  # params: the updates' dtypes
+        return st + extra, st
+
+    segs = fuse.segments(steps) if fused else [(i, i + 1, None) for i in range(len(steps))]
+    passes: list[Pass] = []
+    # The gradient read once, and the output written once (params read and written with apply);
+    # each state and extra input below.
+    minimum = x + (2 * x if apply else x)
+    pending = False
+    for start, stop, fr in segs:
+        parts = fr.parts if fr is not None else fuse.leaves(steps[start].fuse) if steps[start].fuse else None
+        if parts is None:
+            passes.append(Pass("opaque", (names[start],), None, None))
+            pending = False
+            continue
+        for p in parts:
+            if isinstance(p, fuse.Kernel):
+                r, w = buffers(p)
+                minimum += r + w
+            elif isinstance(p, fuse.Prepass):
+                minimum += x
+        if fr is not None:
+            label = tuple(_part_name(p) for p in parts if not (isinstance(p, fuse.Scale) and p.factor.is_one))
+            if isinstance(parts[0], fuse.Prepass):
+                passes.append(Pass("reduction", (f"{parts[0].name} ({parts[0].reads})",), x, 0.0))
+            r = x + sum(buffers(p)[0] for p in parts if isinstance(p, fuse.Kernel))
+            w = sum(buffers(p)[1] for p in parts if isinstance(p, fuse.Kernel))
+            last = stop == len(steps)
+            if apply and last:
+                passes.append(Pass("fused", (*label, "apply to params"), r + x, w + x))
+            else:
+                passes.append(Pass("fused", label, r, w + x))
+            pending = False
+            continue
+        for p in parts:  # stage by stage
+            if isinstance(p, fuse.Prepass):
+                if pending:
+                    passes.append(Pass("settle", ("pending factor",), x, x))
+                passes.append(Pass("reduction", (f"{p.name} ({p.reads})",), x, 0.0))
+                pending = True
+            elif isinstance(p, fuse.Scale):
+                if p.factor.is_one:
+                    continue
+                if pending:
+                    passes.append(Pass("settle", ("pending factor",), x, x))
+                pending = True
+            else:
+                r, w = buffers(p)
+                passes.append(Pass("kernel", (_part_name(p),), x + r, w + x))
+                pending = False
+    if pending:  # a factor left on the output: `Stage.update` settles it
+        passes.append(Pass("settle", ("pending factor",), x, x))
+    if apply and not (fused and segs and segs[-1][2] is not None):
+        passes.append(Pass("apply", ("apply_updates_",), 2 * x, x))
+    return Explanation(tuple(passes), minimum, fused, apply, int(sum(layout.group_sizes)))
+
+
+def _part_name(p: Any) -> str:
+    return p.name or type(p).__name__.lower()

@@ -1,0 +1,328 @@
+"""The chain compiler (`numbaccum.fuse`): fused and stage-by-stage give the same bits.
+
+Every test runs one recipe twice, fused (the default) and with ``NUMBACCUM_FUSE=0``, on the
+same gradients, and compares updates and states bit for bit; some also against
+``tests/reference.py``. Random chains draw their stages, order and length with hypothesis, over
+random trees (mixed float32/float64 leaves, 0-d and size-0 ones).
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+from _testutil import assert_tree_close, assert_tree_equal, ref, snapshot
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from strategies import tree_sequences
+
+import numbaccum as nb
+from numbaccum import fuse
+
+# name -> (numbaccum constructor, reference constructor or None)
+POOL = {
+    "trace": (lambda: nb.trace(0.9), lambda: ref.trace(0.9)),
+    "trace_nesterov_f64": (
+        lambda: nb.trace(0.5, nesterov=True, accumulator_dtype=np.float64),
+        lambda: ref.trace(0.5, nesterov=True, accumulator_dtype=np.float64),
+    ),
+    "ema": (lambda: nb.ema(0.9), lambda: ref.ema(0.9)),
+    "ema_nodebias": (lambda: nb.ema(0.75, debias=False), lambda: ref.ema(0.75, debias=False)),
+    "scale": (lambda: nb.scale(-0.3), lambda: ref.scale(-0.3)),
+    "scale_by_adam": (lambda: nb.scale_by_adam(), lambda: ref.scale_by_adam()),
+    "adam": (lambda: nb.adam(1e-2), lambda: ref.adam(1e-2)),
+    "sgd": (lambda: nb.sgd(0.1, momentum=0.9), lambda: ref.sgd(0.1, momentum=0.9)),
+    "sgd_plain": (lambda: nb.sgd(0.1), lambda: ref.sgd(0.1)),
+    "add_decayed_weights": (lambda: nb.add_decayed_weights(0.1), lambda: ref.add_decayed_weights(0.1)),
+    "scale_by_sign": (lambda: nb.scale_by_sign(), lambda: ref.scale_by_sign()),
+    "lr_schedule": (
+        lambda: nb.scale_by_learning_rate(lambda c: 0.1 / (1 + int(c))),
+        lambda: ref.scale_by_learning_rate(lambda c: 0.1 / (1 + int(c))),
+    ),
+    "clip_by_global_norm": (lambda: nb.clip_by_global_norm(1.0), None),
+    "clip": (lambda: nb.clip(0.5), None),
+    "normalize": (lambda: nb.normalize_by_update_norm(2.0), None),
+    "zero_nans": (lambda: nb.zero_nans(), None),  # not fusable: splits a run
+}
+
+
+WITH_REFERENCE = [n for n in sorted(POOL) if POOL[n][1] is not None]
+
+
+def _run(make, params, grads, fused: bool, via_step: bool = False):
+    """(updates per step, final state) with fusion on or off; ``via_step``: `numbaccum.step_`
+    on a copy of params (the params after each step are the result)."""
+    old = os.environ.get("NUMBACCUM_FUSE")
+    os.environ["NUMBACCUM_FUSE"] = "1" if fused else "0"
+    try:
+        tx = make()
+        state = tx.init(params)
+        outs = []
+        p = snapshot(params)
+        for g in grads:
+            if via_step:
+                state = nb.step_(tx, g, state, p)
+                outs.append(snapshot(p))
+            else:
+                u, state = tx.update(g, state, params)
+                outs.append(snapshot(u))
+        return outs, snapshot_state(state)
+    finally:
+        if old is None:
+            del os.environ["NUMBACCUM_FUSE"]
+        else:
+            os.environ["NUMBACCUM_FUSE"] = old
+
+
+def snapshot_state(state):
+    """A state's leaves as independent arrays (FlatTrees as plain trees)."""
+    if isinstance(state, nb.FlatTree):
+        return snapshot(state)
+    if isinstance(state, dict):
+        return {k: snapshot_state(v) for k, v in state.items()}
+    if isinstance(state, (tuple, list)):
+        return tuple(snapshot_state(v) for v in state)
+    return np.array(state, copy=True)
+
+
+def _same(a, b, msg=""):
+    (ua, sa), (ub, sb) = a, b
+    for i, (x, y) in enumerate(zip(ua, ub)):
+        assert_tree_equal(x, y, msg=f"{msg} step {i}")
+    assert_tree_equal(_state_leaves(sa), _state_leaves(sb), msg=f"{msg} state")
+
+
+def _state_leaves(s):
+    return ref.tree_leaves(s)
+
+
+def _chain(names):
+    return lambda: nb.chain(*(POOL[n][0]() for n in names))
+
+
+@settings(max_examples=14, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    names=st.lists(st.sampled_from(sorted(POOL)), min_size=1, max_size=5),
+    data=tree_sequences(max_steps=3, max_leaves=4, allow_none=False),
+)
+def test_random_chains_fused_equal_stage_by_stage(names, data):
+    params, grads = data
+    make = _chain(names)
+    _same(_run(make, params, grads, True), _run(make, params, grads, False), msg=str(names))
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    names=st.lists(st.sampled_from(WITH_REFERENCE), min_size=1, max_size=4),
+    data=tree_sequences(max_steps=3, max_leaves=4, allow_none=False),
+)
+def test_random_chains_against_reference(names, data):
+    params, grads = data
+    outs, _ = _run(_chain(names), params, grads, True)
+    rtx = ref.chain(*(POOL[n][1]() for n in names))
+    rstate = rtx.init(params)
+    for i, g in enumerate(grads):
+        expected, rstate = rtx.update(g, rstate, params)
+        assert_tree_close(outs[i], expected, rtol=2e-5, atol_rel=2e-5, msg=f"{names} step {i}")
+
+
+PARAMS = {
+    "w": np.linspace(-2, 2, 70000, dtype=np.float32).reshape(350, 200),  # a parallel-sized group
+    "b": np.linspace(-1, 1, 7).astype(np.float64),
+    "s": np.float32(0.5),
+    "e": np.zeros((0, 3), np.float32),
+}
+
+
+def _grads(n=3, seed=0, params=PARAMS):
+    rng = np.random.default_rng(seed)
+    return [
+        {k: (rng.standard_normal(np.shape(v)) * 2).astype(np.asarray(v).dtype) for k, v in params.items()}
+        for _ in range(n)
+    ]
+
+
+RECIPES = {
+    "issue_chain": lambda: nb.chain(nb.clip_by_global_norm(1.0), nb.ema(0.9), nb.trace(0.9), nb.scale(-1e-3)),
+    "clip_adam": lambda: nb.chain(nb.clip_by_global_norm(1.0), nb.adam(1e-3)),
+    "nested": lambda: nb.chain(
+        nb.clip_by_global_norm(0.5),
+        nb.chain(nb.scale_by_adam(), nb.add_decayed_weights(1e-2)),
+        nb.scale(-0.1),
+    ),
+    "named": lambda: nb.named_chain(("clip", nb.clip_by_global_norm(1.0)), ("opt", nb.sgd(0.1, 0.9))),
+    "multisteps": lambda: nb.MultiSteps(nb.chain(nb.clip_by_global_norm(1.0), nb.adam(1e-3)), 2),
+    "apply_if_finite": lambda: nb.apply_if_finite(nb.chain(nb.trace(0.9), nb.scale(-0.1)), 2),
+    "split_by_zero_nans": lambda: nb.chain(nb.ema(0.5), nb.zero_nans(), nb.trace(0.9), nb.scale(0.1)),
+    "clip_mid_chain": lambda: nb.chain(nb.ema(0.5), nb.clip_by_global_norm(0.1), nb.trace(0.9)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_recipes_fused_equal_stage_by_stage(name):
+    grads = _grads(4)
+    grads[2]["b"][1] = np.nan  # apply_if_finite skips it; the others carry a NaN through
+    _same(_run(RECIPES[name], PARAMS, grads, True), _run(RECIPES[name], PARAMS, grads, False), msg=name)
+
+
+def test_float16_groups_run_one_formula_at_a_time_with_the_same_bits():
+    params = {"h": np.linspace(-1, 1, 9).astype(np.float16), "f": np.ones(3, np.float32)}
+    grads = _grads(3, 1, params)
+    make = RECIPES["issue_chain"]
+    _same(_run(make, params, grads, True), _run(make, params, grads, False))
+    acc = lambda: nb.chain(nb.trace(0.9, accumulator_dtype=np.float16), nb.scale(2.0))  # noqa: E731
+    _same(_run(acc, PARAMS, _grads(2), True), _run(acc, PARAMS, _grads(2), False))
+
+
+def _count_kernels(monkeypatch):
+    """Counts the elementwise kernels the CPU driver runs (formula names)."""
+    from numbaccum.cpu import driver
+
+    seen: list[str] = []
+    real = driver.map_
+
+    def counting(f, *args):
+        seen.append(f.name)
+        return real(f, *args)
+
+    monkeypatch.setattr(driver, "map_", counting)
+    return seen
+
+
+def test_a_fused_run_is_one_kernel_per_dtype_group(monkeypatch):
+    tx = RECIPES["issue_chain"]()
+    state = tx.init(PARAMS)
+    tx.update(_grads(1)[0], state)
+    seen = _count_kernels(monkeypatch)
+    tx.update(_grads(1)[0], state)
+    assert len(seen) == 2 and all(n.startswith("fused_") for n in seen), seen  # float32, float64
+    monkeypatch.setenv("NUMBACCUM_FUSE", "0")
+    seen.clear()
+    tx.update(_grads(1)[0], state)
+    assert sorted(set(seen)) == ["ema", "scale", "trace"] and len(seen) == 3 * 2, seen  # + settling the scale
+
+
+def test_a_long_run_is_cut_below_numbas_argument_limit():
+    make = lambda: nb.chain(*(nb.adam(1e-2) for _ in range(4)), nb.trace(0.5))  # noqa: E731
+    from numbaccum.base import Spec
+    from numbaccum.flat import layout_of
+
+    spec = Spec(layout_of(PARAMS, "params"), False)
+    steps = [s.plan(spec, s.init(PARAMS), None, {}) for s in make().update.__self__.stages]
+    cut = fuse.segments(steps)
+    assert len(cut) >= 2 and all(r is not None for _, _, r in cut)
+    _same(_run(make, PARAMS, _grads(2), True), _run(make, PARAMS, _grads(2), False))
+
+
+def test_composites_are_cached_by_formulas_not_objects():
+    a, b = RECIPES["issue_chain"](), RECIPES["issue_chain"]()
+    g = _grads(1)[0]
+    a.update(g, a.init(PARAMS))
+    n = fuse.cached_composites()
+    b.update(g, b.init(PARAMS))
+    assert fuse.cached_composites() == n
+    keys = [k for k in fuse._COMPOSITES if k[2] and k[2][0][0] == "kernel" and k[2][0][1] == "ema"]
+    names = {fuse._COMPOSITES[k].name for k in keys}
+    assert len(names) == len(keys) and all(n.startswith("fused_") for n in names)
+    # the name is derived from the key only: the same in any process
+    assert fuse.composite_source(keys[0])[0] == fuse._COMPOSITES[keys[0]].name
+
+
+def test_a_failing_plan_leaves_a_fused_chain_unchanged():
+    tx = nb.chain(nb.trace(0.9), nb.ema(0.9), nb.add_decayed_weights(0.1))
+    state = tx.init(PARAMS)
+    before = snapshot_state(state)
+    with pytest.raises(ValueError, match="params"):
+        tx.update(_grads(1)[0], state)  # add_decayed_weights needs params: planned before running
+    assert_tree_equal(_state_leaves(snapshot_state(state)), _state_leaves(before))
+
+
+# --- step_ ----------------------------------------------------------------------------------
+
+STEP_RECIPES = {
+    **{k: RECIPES[k] for k in ("issue_chain", "clip_adam", "nested", "named", "multisteps")},
+    "split_by_zero_nans": RECIPES["split_by_zero_nans"],
+    "adam_alone": lambda: nb.adam(1e-2),
+    "trace_alone": lambda: nb.trace(0.9),
+    "not_fusable_last": lambda: nb.chain(nb.adam(1e-2), nb.zero_nans()),
+    "decayed_weights_last": lambda: nb.chain(nb.scale_by_adam(), nb.add_decayed_weights(0.1), nb.scale(-0.1)),
+}
+
+
+def _update_and_apply(make, params, grads):
+    tx = make()
+    state = tx.init(params)
+    p = snapshot(params)
+    outs = []
+    for g in grads:
+        u, state = tx.update(g, state, p)
+        nb.apply_updates_(p, u)
+        outs.append(snapshot(p))
+    return outs, snapshot_state(state)
+
+
+@pytest.mark.parametrize("name", sorted(STEP_RECIPES))
+def test_step_equals_update_then_apply_updates(name):
+    params = {k: np.array(v) for k, v in PARAMS.items() if np.ndim(v)}  # writable leaves
+    grads = [{k: g[k] for k in params} for g in _grads(3)]
+    make = STEP_RECIPES[name]
+    # step_ updates params in place from the params it is given (weight decay reads them)
+    got = _run_step(make, params, grads)
+    _same(got, _update_and_apply(make, params, grads), msg=name)
+
+
+def _run_step(make, params, grads, flat=False):
+    tx = make()
+    state = tx.init(params)
+    p = nb.FlatTree.from_tree(params) if flat else snapshot(params)
+    outs = []
+    for g in grads:
+        state = nb.step_(tx, g, state, p)
+        outs.append(snapshot(p.tree if flat else p))
+    return outs, snapshot_state(state)
+
+
+def test_step_on_a_flat_tree_never_writes_the_update_buffer(monkeypatch):
+    params = {k: np.array(v) for k, v in PARAMS.items() if np.ndim(v)}
+    grads = [{k: g[k] for k in params} for g in _grads(2)]
+    make = RECIPES["clip_adam"]
+    _same(_run_step(make, params, grads, flat=True), _update_and_apply(make, params, grads))
+    tx = make()
+    state = tx.init(params)
+    p = nb.FlatTree.from_tree(params)
+    seen = _count_kernels(monkeypatch)
+    nb.step_(tx, grads[0], state, p)
+    assert len(seen) == 2 and all(n.startswith("fused_") for n in seen), seen  # one per group
+
+
+def test_step_refuses_read_only_params_before_writing():
+    params = {"w": np.ones(3, np.float32)}
+    params["w"].flags.writeable = False
+    tx = nb.trace(0.9)
+    state = tx.init(params)
+    with pytest.raises(TypeError, match="params"):
+        nb.step_(tx, {"w": np.ones(3, np.float32)}, state, params)
+    assert np.all(state.trace.groups[0] == 0)
+
+
+# --- explain --------------------------------------------------------------------------------
+
+
+def test_explain_lists_the_passes_and_bytes():
+    params = {"w": np.ones((100, 10), np.float32)}
+    tx = RECIPES["issue_chain"]()
+    fused = nb.explain(tx, params)
+    assert [p.kind for p in fused.passes] == ["reduction", "fused"]
+    assert fused.passes[1].stages == ("clip_by_global_norm", "ema", "trace", "scale")
+    assert fused.total == fused.minimum == 28.0  # norm read 4; g 4, ema 8, trace 8, out 4
+    staged = nb.explain(tx, params, fused=False)
+    assert [p.kind for p in staged.passes] == ["reduction", "kernel", "kernel", "settle"]
+    assert staged.total == 44.0
+    text = str(fused)
+    assert "2 passes" in text and "ema + trace" in text and "minimum 28.0" in text
+    applied = nb.explain(RECIPES["clip_adam"](), params, apply=True)
+    assert applied.passes[-1].stages[-1] == "apply to params" and applied.total == 32.0
+    assert nb.explain(RECIPES["clip_adam"](), params, apply=True, fused=False).total == 40.0
+    opaque = nb.explain(RECIPES["multisteps"](), params)
+    assert opaque.total is None and "?" in str(opaque)
