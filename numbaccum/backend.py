@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from ._bounded import Bounded
 from .arrays import is_cuda_array
 from .contract import Ops
 from .tables import segments, sum_in_order
@@ -54,16 +55,14 @@ def leaf_sumsq(flat: Any) -> np.ndarray:
     lay = flat.layout
     tables = _LEAF_TABLES.get(lay)
     if tables is None:  # once per layout: a small tree's whole update costs microseconds
-        if len(_LEAF_TABLES) > 1024:
-            _LEAF_TABLES.clear()
-        tables = _LEAF_TABLES[lay] = [segments(offsets) for offsets in lay.offsets]
+        tables = _LEAF_TABLES.put(lay, [segments(offsets) for offsets in lay.offsets])
     out = np.empty(lay.num_leaves, np.float64)
     for members, table, g in zip(lay.group_index, tables, flat.groups):
         out[members] = ops_for(g).slice_sumsq(g, table)
     return out
 
 
-_LEAF_TABLES: dict[Any, list] = {}  # layout -> one segments table per group (each leaf a slice)
+_LEAF_TABLES = Bounded()  # layout -> one segments table per group (each leaf a slice)
 
 
 def tree_sumsq(flat: Any) -> float:

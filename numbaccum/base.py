@@ -27,7 +27,8 @@ from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
 
-from . import arrays
+from . import _config, arrays
+from ._bounded import Bounded
 from ._checks import transformation
 from .arrays import torch_runs
 from .backend import ops_for
@@ -284,11 +285,19 @@ class Stage(abc.ABC):
         local = self.__dict__.get("_kept")
         if local is None:  # made on first use: subclasses need not call an __init__ of ours
             local = self.__dict__.setdefault("_kept", threading.local())
-        cache = local.__dict__.setdefault("buffers", {})
-        key = (name, layout, device)
-        out = cache.get(key)
+        # Per thread, the buffers of the `_config.KEPT_LAYOUTS` most recently used (layout,
+        # device) pairs: a stateless transformation fed ever new tree shapes keeps a bounded
+        # amount of memory. An evicted buffer lives on in the updates the caller still holds.
+        shapes = local.__dict__.get("shapes")
+        if shapes is None:
+            shapes = local.shapes = Bounded(_config.KEPT_LAYOUTS)
+        key = (layout, device)
+        named = shapes.get(key)
+        if named is None:
+            named = shapes.put(key, {})
+        out = named.get(name)
         if out is None:
-            out = cache[key] = FlatTree.empty(layout, device=device)
+            out = named[name] = FlatTree.empty(layout, device=device)
         return out
 
     def workspace(self, state: Any, spec: Spec, name: str) -> Callable[[], FlatTree]:
@@ -349,6 +358,25 @@ class Stage(abc.ABC):
         for a plain tree, a FlatTree for a FlatTree, the same CUDA array type) and the new state.
         """
         owner = self.owner(state)
+        if owner is not None:
+            # A state is not thread-safe: its update writes the state's buffers in place. Two
+            # updates of one state at once are caught here (a flag on the FlatTree that owns the
+            # state's workspaces, tens of nanoseconds; best effort, not a lock).
+            if owner._busy:
+                raise RuntimeError(
+                    "state: another update of this state is running (on another thread?); a state "
+                    "is not thread-safe: give each thread its own state (transformations may be shared)"
+                )
+            owner._busy = True
+        try:
+            return self._update(updates, state, params, owner, extra_args)
+        finally:
+            if owner is not None:
+                owner._busy = False
+
+    def _update(
+        self, updates: Any, state: Any, params: Any, owner: FlatTree | None, extra_args: dict
+    ) -> tuple[Any, Any]:
         u, kind = self.take(updates, state, params, owner)
         flat = u.flat
         spec = self.__dict__.get("_spec")  # the last one, kept: a small tree's update is microseconds

@@ -8,6 +8,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from ._bounded import Bounded
 from ._checks import integer, non_negative, real, transformation
 from .backend import ops_for, tree_sumsq
 from .base import (
@@ -105,11 +106,13 @@ def _device_factors(flat: FlatTree, max_norm: float) -> dict[np.dtype, Any] | No
         return None
     from .arrays import empty
 
-    cache = _SCRATCH.__dict__.setdefault("by_layout", {})
+    cache = _SCRATCH.__dict__.get("by_layout")
+    if cache is None:
+        cache = _SCRATCH.by_layout = Bounded()
     scratch = cache.get(flat.layout)
     if scratch is None:
         sums = empty(flat.layout.num_leaves, np.dtype(np.float64))  # per leaf, tree order
-        scratch = cache[flat.layout] = (sums, {d: empty(2, d) for d in _FACTOR_DTYPES})
+        scratch = cache.put(flat.layout, (sums, {d: empty(2, d) for d in _FACTOR_DTYPES}))
     sums, facs = scratch
     fac32, fac64 = (facs[d] for d in _FACTOR_DTYPES)
     lay, last = flat.layout, len(flat.groups) - 1
