@@ -28,7 +28,6 @@ from typing import Any, ClassVar, NamedTuple
 import numpy as np
 
 from . import _config, arrays
-from ._bounded import Bounded
 from ._checks import transformation
 from .arrays import torch_runs
 from .backend import ops_for
@@ -285,20 +284,30 @@ class Stage(abc.ABC):
         local = self.__dict__.get("_kept")
         if local is None:  # made on first use: subclasses need not call an __init__ of ours
             local = self.__dict__.setdefault("_kept", threading.local())
-        # Per thread, the buffers of the `_config.KEPT_LAYOUTS` most recently used (layout,
-        # device) pairs: a stateless transformation fed ever new tree shapes keeps a bounded
-        # amount of memory. An evicted buffer lives on in the updates the caller still holds.
-        shapes = local.__dict__.get("shapes")
-        if shapes is None:
-            shapes = local.shapes = Bounded(_config.KEPT_LAYOUTS)
-        key = (layout, device)
-        named = shapes.get(key)
-        if named is None:
-            named = shapes.put(key, {})
-        out = named.get(name)
+        cache = local.__dict__.get("buffers")
+        if cache is None:
+            cache = local.buffers = {}
+        key = (name, layout, device)
+        out = cache.get(key)
         if out is None:
-            out = named[name] = FlatTree.empty(layout, device=device)
+            out = cache[key] = self._keep(local, cache, key)
         return out
+
+    @staticmethod
+    def _keep(local: threading.local, cache: dict, key: tuple) -> FlatTree:
+        """A new kept buffer for ``key``. Per thread, buffers are kept for the
+        `_config.KEPT_LAYOUTS` (layout, device) pairs first used last, the oldest pair's dropped
+        first (a hit costs one dict lookup): a stateless transformation fed ever new tree shapes
+        keeps bounded memory. A dropped buffer lives on in the updates a caller still holds."""
+        shapes = local.__dict__.setdefault("shapes", [])  # (layout, device), in first-use order
+        pair = key[1:]
+        if pair not in shapes:
+            shapes.append(pair)
+            while len(shapes) > max(_config.KEPT_LAYOUTS, 2):  # 2: a reshaping stage's in and out
+                gone = shapes.pop(0)
+                for k in [k for k in cache if k[1:] == gone]:
+                    del cache[k]
+        return FlatTree.empty(key[1], device=key[2])
 
     def workspace(self, state: Any, spec: Spec, name: str) -> Callable[[], FlatTree]:
         """A buffer of ``spec``'s layout for this stage and state, made on first use: in the
