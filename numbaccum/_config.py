@@ -66,3 +66,13 @@ MPI_CUDA_AWARE = os.environ.get("NUMBACCUM_MPI_CUDA_AWARE", "auto")
 # MPI: an uncaught exception on one rank calls MPI_Abort (see numbaccum.distributed), because
 # the other ranks would otherwise wait in a collective forever. "0" leaves it to the user.
 MPI_ABORT_ON_UNCAUGHT = os.environ.get("NUMBACCUM_MPI_ABORT", "1") != "0"
+
+# Every cache of data derived from a layout (leaf and slice tables, per-example plans, the
+# buffers a stateless transformation keeps per tree shape, per thread) holds at most this many
+# entries, the oldest evicted first: a training loop sees a handful of tree shapes, a
+# program that feeds thousands (Poisson-sampled batch sizes, growing models) stays bounded.
+CACHE_ENTRIES = _env_int("NUMBACCUM_CACHE_ENTRIES", 64)
+
+# The buffers a stateless transformation keeps for itself (its input copy and its output, per
+# tree shape and thread) are kept for this many tree shapes, the oldest dropped first.
+KEPT_LAYOUTS = _env_int("NUMBACCUM_KEPT_LAYOUTS", 8)

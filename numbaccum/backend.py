@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from ._bounded import Bounded
 from .arrays import is_cuda_array
 from .contract import Ops
 from .tables import (
@@ -124,13 +125,11 @@ def leaf_tables(lay: Any) -> list:
     """One segments table per group of layout ``lay`` (each leaf a slice), cached per layout."""
     tables = _LEAF_TABLES.get(lay)
     if tables is None:  # once per layout: a small tree's whole update costs microseconds
-        if len(_LEAF_TABLES) > 1024:
-            _LEAF_TABLES.clear()
-        tables = _LEAF_TABLES[lay] = [segments(offsets) for offsets in lay.offsets]
+        tables = _LEAF_TABLES.put(lay, [segments(offsets) for offsets in lay.offsets])
     return tables
 
 
-_LEAF_TABLES: dict[Any, list] = {}  # layout -> one segments table per group (each leaf a slice)
+_LEAF_TABLES = Bounded()  # layout -> one segments table per group (each leaf a slice)
 
 
 def leaf_norms(flat: Any) -> np.ndarray:

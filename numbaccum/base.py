@@ -27,7 +27,7 @@ from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
 
-from . import arrays, fuse
+from . import _config, arrays, fuse
 from ._checks import transformation
 from .arrays import torch_runs
 from .backend import ops_for
@@ -302,12 +302,30 @@ class Stage(abc.ABC):
         local = self.__dict__.get("_kept")
         if local is None:  # made on first use: subclasses need not call an __init__ of ours
             local = self.__dict__.setdefault("_kept", threading.local())
-        cache = local.__dict__.setdefault("buffers", {})
+        cache = local.__dict__.get("buffers")
+        if cache is None:
+            cache = local.buffers = {}
         key = (name, layout, device)
         out = cache.get(key)
         if out is None:
-            out = cache[key] = FlatTree.empty(layout, device=device)
+            out = cache[key] = self._keep(local, cache, key)
         return out
+
+    @staticmethod
+    def _keep(local: threading.local, cache: dict, key: tuple) -> FlatTree:
+        """A new kept buffer for ``key``. Per thread, buffers are kept for the
+        `_config.KEPT_LAYOUTS` (layout, device) pairs first used last, the oldest pair's dropped
+        first (a hit costs one dict lookup): a stateless transformation fed ever new tree shapes
+        keeps bounded memory. A dropped buffer lives on in the updates a caller still holds."""
+        shapes = local.__dict__.setdefault("shapes", [])  # (layout, device), in first-use order
+        pair = key[1:]
+        if pair not in shapes:
+            shapes.append(pair)
+            while len(shapes) > max(_config.KEPT_LAYOUTS, 2):  # 2: a reshaping stage's in and out
+                gone = shapes.pop(0)
+                for k in [k for k in cache if k[1:] == gone]:
+                    del cache[k]
+        return FlatTree.empty(key[1], device=key[2])
 
     def workspace(self, state: Any, spec: Spec, name: str) -> Callable[[], FlatTree]:
         """A buffer of ``spec``'s layout for this stage and state, made on first use: in the
@@ -367,6 +385,25 @@ class Stage(abc.ABC):
         for a plain tree, a FlatTree for a FlatTree, the same CUDA array type) and the new state.
         """
         owner = self.owner(state)
+        if owner is not None:
+            # A state is not thread-safe: its update writes the state's buffers in place. Two
+            # updates of one state at once are caught here (a flag on the FlatTree that owns the
+            # state's workspaces, tens of nanoseconds; best effort, not a lock).
+            if owner._busy:
+                raise RuntimeError(
+                    "state: another update of this state is running (on another thread?); a state "
+                    "is not thread-safe: give each thread its own state (transformations may be shared)"
+                )
+            owner._busy = True
+        try:
+            return self._update(updates, state, params, owner, extra_args)
+        finally:
+            if owner is not None:
+                owner._busy = False
+
+    def _update(
+        self, updates: Any, state: Any, params: Any, owner: FlatTree | None, extra_args: dict
+    ) -> tuple[Any, Any]:
         u, kind = self.take(updates, state, params, owner)
         flat = u.flat
         spec = self.__dict__.get("_spec")  # the last one, kept: a small tree's update is microseconds

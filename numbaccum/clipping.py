@@ -9,6 +9,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from . import formulas as F
+from ._bounded import Bounded
 from ._checks import integer, non_negative, real, transformation
 from .backend import leaf_tables, ops_for, slice_sumsq, tree_norm, tree_sumsq_scaled
 from .base import (
@@ -107,12 +108,14 @@ def _device_factors(flat: FlatTree, max_norm: float) -> dict[np.dtype, Any] | No
         return None
     from .arrays import empty
 
-    cache = _SCRATCH.__dict__.setdefault("by_layout", {})
+    cache = _SCRATCH.__dict__.get("by_layout")
+    if cache is None:
+        cache = _SCRATCH.by_layout = Bounded()
     scratch = cache.get(flat.layout)
     if scratch is None:
         # per leaf, tree order: [plain | rescued | scale] (see `Ops.clip_factors_`)
         sums = empty(3 * flat.layout.num_leaves, np.dtype(np.float64))
-        scratch = cache[flat.layout] = (sums, {d: empty(2, d) for d in _FACTOR_DTYPES})
+        scratch = cache.put(flat.layout, (sums, {d: empty(2, d) for d in _FACTOR_DTYPES}))
     sums, facs = scratch
     fac32, fac64 = (facs[d] for d in _FACTOR_DTYPES)
     lay, last = flat.layout, len(flat.groups) - 1

@@ -83,6 +83,7 @@ class FlatTree:
     group_dtypes: tuple[np.dtype, ...]  # storage dtype of each group
     groups: tuple[np.ndarray, ...]  # 1-D view of each group's run of its buffer
     buffers: dict[np.dtype, Any]  # NumPy arrays, or numba device arrays on the GPU
+    _busy = False  # an update of the state this FlatTree owns is running (`Stage.update`)
 
     def __init__(
         self,

@@ -9,6 +9,8 @@ the same structure share one object and ``is`` compares them in a few nanosecond
 
 from __future__ import annotations
 
+import threading
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -36,7 +38,14 @@ def check_float_dtype(dtype: Any, what: str) -> np.dtype:
 class Layout:
     """Leaf shapes and their place in the flat buffers; interned, so ``is`` compares them."""
 
-    _cache: dict[tuple, Layout] = {}
+    # Interning: one object per key while anything holds it, in a weak-value dict. States,
+    # workspaces and the bounded caches of derived data (`numbaccum._bounded`) hold their layouts
+    # strongly, so ``is`` stays valid for as long as it can be asked; a layout nobody holds is
+    # freed with its treedef (whose dict keys may be large), so the cache never outgrows what is
+    # alive. A lock makes get-or-create atomic: two threads that build the same new layout at
+    # once (a 20,000-leaf one takes milliseconds) both get the one that was stored first.
+    _cache: weakref.WeakValueDictionary[tuple, Layout] = weakref.WeakValueDictionary()
+    _lock = threading.Lock()
 
     treedef: TreeDef
     shapes: tuple[tuple[int, ...], ...]
@@ -67,7 +76,11 @@ class Layout:
         key = (treedef, shapes, dtypes, keys)
         lay = cls._cache.get(key)
         if lay is None:
-            lay = cls._cache[key] = cls(treedef, shapes, dtypes, keys)
+            new = cls(treedef, shapes, dtypes, keys)  # built outside the lock: others may intern
+            with cls._lock:
+                lay = cls._cache.get(key)
+                if lay is None:
+                    lay = cls._cache[key] = new
         return lay
 
     def __init__(self, treedef: TreeDef, shapes: tuple, dtypes: tuple, keys: tuple) -> None:

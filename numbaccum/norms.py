@@ -23,12 +23,12 @@ global ``'l0'`` counts the non-zero elements; negative dimensions count from the
 from __future__ import annotations
 
 import math
-import threading
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import numpy as np
 
+from ._bounded import Bounded
 from ._checks import flag, non_negative, real
 from .backend import ops_for, slice_sumsq, tree_sumsq_scaled
 from .base import (
@@ -125,8 +125,7 @@ class _Slicing(NamedTuple):
 # as may be (1,)), or None for a leaf that is left alone.
 Chooser = Callable[[tuple], "tuple[tuple, frozenset] | None"]
 
-_SLICINGS: dict[tuple, _Slicing] = {}
-_SLICINGS_LOCK = threading.Lock()
+_SLICINGS = Bounded()  # (layout, chooser key) -> slicing
 
 
 def _runs(shape: tuple, reduced: frozenset) -> tuple[list, list]:
@@ -200,11 +199,7 @@ def _slicing(layout: Layout, key: tuple, choose: Chooser, name: str = "updates")
         active = np.repeat(rows[:, ACTIVE], rows[:, NSLICES]).astype(bool)
         groups.append(_GroupSlices(rows, slen, active, bool(active.any())))
     out = _Slicing(tuple(groups), any(g.any_active for g in groups))
-    with _SLICINGS_LOCK:
-        if len(_SLICINGS) > 512:
-            _SLICINGS.clear()
-        _SLICINGS[cache_key] = out
-    return out
+    return _SLICINGS.put(cache_key, out)
 
 
 def _whole_leaf(shape: tuple) -> tuple[tuple, frozenset]:

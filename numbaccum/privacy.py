@@ -25,6 +25,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from . import arrays
+from ._bounded import Bounded
 from ._checks import flag, non_negative, real
 from .accumulation import check_decay, trace
 from .backend import ops_for, slice_sumsq
@@ -59,13 +60,15 @@ class _Plan:
     example_sizes: np.ndarray  # D_k per leaf, int64
 
 
-_PLANS: dict[Layout, _Plan] = {}
+# Per per-example layout, i.e. per batch size: bounded, as Poisson-sampled DP-SGD sees a new
+# batch size almost every step.
+_PLANS = Bounded()
 
 
 def _plan(layout: Layout, name: str) -> _Plan:
     plan = _PLANS.get(layout)
     if plan is None:
-        plan = _PLANS[layout] = _make_plan(layout, name)
+        plan = _PLANS.put(layout, _make_plan(layout, name))
     return plan
 
 
