@@ -88,6 +88,16 @@ from .privacy import (
     per_example_global_norm_clip,
     per_example_layer_norm_clip,
 )
+from .schedules import (
+    constant_schedule,
+    cosine_decay_schedule,
+    exponential_decay,
+    join_schedules,
+    linear_schedule,
+    piecewise_constant_schedule,
+    polynomial_schedule,
+    warmup_cosine_decay_schedule,
+)
 from .tree import tree_flatten, tree_map, tree_unflatten
 from .warmup import warmup
 
@@ -173,4 +183,12 @@ __all__ = [
     "warmup",
     "with_extra_args_support",
     "zero_nans",
+    "constant_schedule",
+    "cosine_decay_schedule",
+    "exponential_decay",
+    "join_schedules",
+    "linear_schedule",
+    "piecewise_constant_schedule",
+    "polynomial_schedule",
+    "warmup_cosine_decay_schedule",
 ]
