@@ -47,18 +47,16 @@ def polynomial_schedule(
     """``(init - end) * (1 - t / transition_steps) ** power + end``, with
     ``t = clip(count - transition_begin, 0, transition_steps)``.
 
-    ``transition_steps <= 0`` gives the constant ``init_value`` (as optax); a negative
-    ``transition_begin`` is a ValueError.
+    As in optax, ``transition_steps <= 0`` gives the constant ``init_value`` and a negative
+    ``transition_begin`` counts as 0.
     """
     init_value = real(init_value, "init_value")
     end_value = real(end_value, "end_value")
     power = real(power, "power")
     transition_steps = _steps(transition_steps, "transition_steps")
-    transition_begin = _steps(transition_begin, "transition_begin")
+    transition_begin = max(_steps(transition_begin, "transition_begin"), 0)
     if transition_steps <= 0:
         return constant_schedule(init_value)
-    if transition_begin < 0:
-        raise ValueError(f"transition_begin must be >= 0, got {transition_begin}")
 
     def schedule(count: Any) -> float:
         t = min(max(_count(count) - transition_begin, 0), transition_steps)

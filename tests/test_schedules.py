@@ -21,6 +21,8 @@ def test_linear_schedule_values():
     assert got == pytest.approx([1.0, 1.0, 1.0, 0.75, 0.5, 0.25, 0.0, 0.0, 0.0], abs=1e-15)
     # optax: transition_steps <= 0 gives the constant init_value.
     assert na.linear_schedule(2.0, 0.0, 0)(5) == 2.0
+    # optax: a negative transition_begin counts as 0.
+    assert na.linear_schedule(1.0, 0.0, 4, transition_begin=-3)(2) == 0.5
 
 
 def test_polynomial_schedule_power():
@@ -84,7 +86,7 @@ def test_join_schedules_values():
         (lambda: na.join_schedules([1, 2], [3]), TypeError, r"schedules\[0\]"),
         (lambda: na.linear_schedule("a", 0, 3), TypeError, "init_value"),
         (lambda: na.linear_schedule(1, 0, 2.5), TypeError, "transition_steps"),
-        (lambda: na.linear_schedule(1, 0, 2, transition_begin=-1), ValueError, "transition_begin"),
+        (lambda: na.linear_schedule(1, 0, 2, transition_begin=1.5), TypeError, "transition_begin"),
         (lambda: na.exponential_decay(1, 2, 0.5, staircase=1), TypeError, "staircase"),
     ],
 )
