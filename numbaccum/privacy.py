@@ -31,8 +31,8 @@ from .backend import ops_for, slice_sumsq
 from .base import GradientTransformationExtraArgs, ParamsRef, Spec, Stage, Step, Updates, chain
 from .flat import FlatTree, as_flat, layout_of
 from .layout import Layout
-from .tables import segments
 from .optim import identity, scale_by_learning_rate
+from .tables import segments
 from .tree import tree_unflatten
 
 __all__ = [
