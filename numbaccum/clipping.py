@@ -359,6 +359,16 @@ class _ClipByBlockRms(_Stateless):
         return divide_leaves(u, factors, always=True)
 
 
+_RANGE: dict[np.dtype, tuple[float, float]] = {}
+
+
+def _range(ctype: np.dtype) -> tuple[float, float]:
+    """The normal range of a compute dtype (float16 runs in float32)."""
+    info = np.finfo(np.float32 if ctype == np.float16 else ctype)
+    out = _RANGE[ctype] = (float(info.tiny), float(info.max))
+    return out
+
+
 def divide_leaves(u: Updates, factors: np.ndarray, always: bool = False) -> Updates:
     """``u`` with each leaf divided by its float64 factor: one segmented pass per group in the
     compute dtype (the factors cast to it), or, for a group where a factor does not fit that
@@ -374,11 +384,10 @@ def divide_leaves(u: Updates, factors: np.ndarray, always: bool = False) -> Upda
     for gi, (o, g) in enumerate(zip(out.groups, u.flat.groups)):
         f = factors[lay.group_index[gi]]
         ctype = np.result_type(g.dtype, o.dtype)
-        ctype = np.dtype(np.float32) if ctype == np.float16 else ctype  # float16 runs in float32
-        info = np.finfo(ctype)
+        tiny, big = _RANGE.get(ctype) or _range(ctype)
         with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
-            fits = (np.abs(f) >= info.tiny) & (np.abs(f) <= info.max)
-            if np.all(fits | ~np.isfinite(f) | (f == 0)):  # the common case: optax's division
+            a = np.abs(f)  # NaN fits (optax's NaN), 0 and inf too (the division by them is exact)
+            if not np.any(((a > big) & (a < np.inf)) | ((a < tiny) & (a > 0))):  # the common case
                 ops_for(g).segment_divide_(o, g, factor, lay.offsets[gi], f.astype(ctype))
                 continue
             if not factor.is_one:  # the float64 path reads settled values

@@ -104,7 +104,7 @@ def rescued_norm(sums):  # pragma: no cover - compiled by the backends too
     total = 0.0
     for k in range(n):
         total += sums[k]
-    if not needs_scaling(total):
+    if not (total == math.inf or total < SUMSQ_TINY):  # `needs_scaling`, inlined for the compilers
         return math.sqrt(total)
     big = math.inf  # the scale of the largest elements: the least over the non-zero leaves
     for k in range(n):

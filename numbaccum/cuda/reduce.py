@@ -238,7 +238,9 @@ def _partials_kernel(kind: int, tpb: int, finish: bool, rescue: bool = False) ->
                                 acc = 0.0
                                 e = items[b2, 3] + t
                                 while e < items[b2, 4]:
-                                    acc = acc + _term(10, np.float64(x[off + _element_offset(rows, r2, e)]), f, p)
+                                    acc = acc + _term(
+                                        10, np.float64(x[off + _element_offset(rows, r2, e)]), f, p
+                                    )
                                     e += tpb
                                 shared[t] = acc
                                 cuda.syncthreads()
