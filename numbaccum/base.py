@@ -14,6 +14,10 @@ plans every one of its stages before it runs any), then runs it and hands the re
 caller's form. `Updates` carry a pending `Factor` ``(flat / div) * mul`` that the next kernel
 applies while it reads the buffer, so ``clip_by_global_norm`` costs no pass of its own.
 
+A `chain` runs each maximal run of stages that declare their elementwise work (``Step.fuse``) as
+one generated kernel per dtype group (`numbaccum.fuse`; ``NUMBACCUM_FUSE=0``: stage by stage,
+the same bits on the CPU).
+
 Workspaces are explicit: a stage names the FlatTree of its state that owns its scratch buffers
 (`Stage.owner`); a stateless stage keeps its own, per layout, device and thread (`Stage.kept`).
 """
