@@ -1,12 +1,13 @@
 """The README's code runs as written, its test command is CI's, and the CLI answers."""
 
-import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from numbaccum import _cache
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
@@ -36,8 +37,8 @@ def test_cli_info():
         [sys.executable, "-m", "numbaccum", "info"], capture_output=True, text=True, check=True
     )
     assert "numbaccum" in r.stdout and "threads" in r.stdout
-    cache = os.environ.get("NUMBACCUM_CACHE_DIR")  # set for the session by conftest
-    assert f"kernel cache: {cache} (on;" in r.stdout if cache else "kernel cache: " in r.stdout
+    where = _cache.directory()  # the session's, set by conftest (None: turned off)
+    assert f"kernel cache: {where} (on;" in r.stdout if where else "kernel cache: off" in r.stdout
 
 
 def test_cli_bench_tiny_smoke(tmp_path):
