@@ -233,8 +233,10 @@ def test_growth_modules_tables():
     m = tz.ClipValueGrowth(add=1, mul=None)
     steps = [a(1, -1, 0, 2), a(3, -1.2, 5, 0.5), a(3, -1.2, 5, 0.1), a(3, 0.01, 5, 0.1)]
     outs = [np.copy(m.step(g)) for g in steps]
+    # The third element starts at 0: after the first step 0 is history like any value, so 0 -> 5
+    # grows by at most add=1 per step (torchzero's rule; issue 12 item 8).
     np.testing.assert_allclose(
-        outs[1:], [[2, -1.2, 5, 0.5], [3, -1.2, 5, 0.1], [3, 0.01, 5, 0.1]], rtol=1e-12
+        outs[1:], [[2, -1.2, 1, 0.5], [3, -1.2, 2, 0.1], [3, 0.01, 3, 0.1]], rtol=1e-12
     )
     m = tz.ClipNormGrowth(add=None, mul=None)  # torchzero crashes on its second step
     for g in (a(3, 4, 5), a(30, 40, 50)):
