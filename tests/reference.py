@@ -222,6 +222,11 @@ def global_norm(tree, ord=2, squared: bool = False) -> float:
     flat = np.concatenate(leaves) if leaves else np.zeros(0)
     if ord in (None, 2):
         s = float(np.sum(flat * flat))
+        m = float(np.max(np.abs(flat))) if flat.size else 0.0
+        if (not math.isfinite(s) or s < 2.0**-800) and math.isfinite(m) and m > 0:
+            # Overflowed or (maybe) underflowed: rescaled by the max, as the library does.
+            r = m * math.sqrt(float(np.sum((flat / m) ** 2)))
+            return r * r if squared else r
         return s if squared else math.sqrt(s)
     if ord == 1:
         r = float(np.sum(np.abs(flat)))
@@ -569,13 +574,30 @@ def _weighted_batch_sum(x, mult) -> np.ndarray:
     return acc
 
 
-def _global_multipliers(leaves, clip) -> np.ndarray:
-    """Per example: the multiplier of its global norm (over every leaf)."""
-    batch = _batch_of(leaves)
+def _example_norms(leaves, batch) -> np.ndarray:
+    """Per example: its L2 norm over ``leaves``, in float64; where the plain sum of squares
+    overflowed or may have underflowed (below 2**-800), rescaled by the example's max |x|, as the
+    library does (issue 12 item 5)."""
     sq = np.zeros(batch, np.float64)
+    m = np.zeros(batch, np.float64)
     for x in leaves:
         sq = sq + _example_sumsq(x, batch)
-    return _clip_multipliers(np.sqrt(sq), clip)
+        x64 = np.abs(np.asarray(x, np.float64).reshape(batch, -1))
+        m = np.maximum(m, np.max(x64, axis=1, initial=0.0))
+    norms = np.sqrt(sq)
+    with np.errstate(all="ignore"):
+        redo = (~np.isfinite(sq) | (sq < 2.0**-800)) & np.isfinite(m) & (m > 0)
+        for b in np.flatnonzero(redo):
+            t = sum(
+                float(np.sum((np.asarray(x, np.float64).reshape(batch, -1)[b] / m[b]) ** 2)) for x in leaves
+            )
+            norms[b] = m[b] * np.sqrt(t)
+    return norms
+
+
+def _global_multipliers(leaves, clip) -> np.ndarray:
+    """Per example: the multiplier of its global norm (over every leaf)."""
+    return _clip_multipliers(_example_norms(leaves, _batch_of(leaves)), clip)
 
 
 def per_example_global_norm_clip(grads, l2_norm_clip: float):
@@ -597,7 +619,7 @@ def per_example_layer_norm_clip(grads, global_l2_norm_clip: float, uniform: bool
         with np.errstate(divide="ignore", invalid="ignore"):  # D = 0: NaN, every multiplier 1
             share = 1.0 / len(leaves) if uniform else np.float64(d) / total
             c = global_l2_norm_clip * np.sqrt(share)
-        mult = _clip_multipliers(np.sqrt(_example_sumsq(x, batch)), c)
+        mult = _clip_multipliers(_example_norms([x], batch), c)
         sums.append(_arr(_weighted_batch_sum(x, mult), x.dtype))
         counts.append(np.int32(np.count_nonzero(mult < 1.0)))
     return tree_unflatten(tdef, sums), tree_unflatten(tdef, counts)
@@ -911,7 +933,18 @@ def slice_metric(x, ord, axes) -> np.ndarray:
             return np.min(np.abs(v), axis=axes, keepdims=True, initial=math.inf)
         if ord == 0:
             return np.sum(v != 0, axis=axes, keepdims=True).astype(np.float64)
-        return np.sum(np.abs(v) ** ord, axis=axes, keepdims=True) ** (1.0 / ord)
+        plain = np.sum(np.abs(v) ** ord, axis=axes, keepdims=True) ** (1.0 / ord)
+        if ord != 2:
+            return plain
+        # The L2 norm as the library takes it (issue 12 item 5): where the plain sum of squares
+        # overflowed or may have underflowed (below 2**-800), rescaled by the slice's max |x|.
+        m = np.max(np.abs(v), axis=axes, keepdims=True, initial=0.0)
+        redo = (~np.isfinite(plain) | (plain * plain < 2.0**-800)) & np.isfinite(m) & (m > 0)
+        if not redo.any():
+            return plain
+        safe = np.where(redo, m, 1.0)
+        scaled = safe * np.sqrt(np.sum((v / safe) ** 2, axis=axes, keepdims=True))
+        return np.where(redo, scaled, plain)
 
 
 def tree_metric(tree, ord) -> float:

@@ -281,7 +281,7 @@ def test_flat_tree_stored_in_one_dtype():
 
 def test_one_kernel_per_pass_and_group_whatever_the_leaf_count(monkeypatch):
     calls = []
-    for name in ("segment_sumsq", "batch_weighted_sum_"):
+    for name in ("slice_sumsq", "batch_weighted_sum_"):
         real = getattr(Ops, name)
         monkeypatch.setattr(Ops, name, lambda self, *a, _n=name, _f=real: calls.append(_n) or _f(self, *a))
     for n_leaves in (2, 40):
@@ -289,7 +289,7 @@ def test_one_kernel_per_pass_and_group_whatever_the_leaf_count(monkeypatch):
         tree["d"] = np.ones((3, 2), F64)
         calls.clear()
         nba.per_example_global_norm_clip(tree, 1.0)
-        assert sorted(calls) == ["batch_weighted_sum_"] * 2 + ["segment_sumsq"] * 2  # two groups
+        assert sorted(calls) == ["batch_weighted_sum_"] * 2 + ["slice_sumsq"] * 2  # two groups
 
 
 def test_flat_input_is_not_copied(monkeypatch):
