@@ -933,18 +933,7 @@ def slice_metric(x, ord, axes) -> np.ndarray:
             return np.min(np.abs(v), axis=axes, keepdims=True, initial=math.inf)
         if ord == 0:
             return np.sum(v != 0, axis=axes, keepdims=True).astype(np.float64)
-        plain = np.sum(np.abs(v) ** ord, axis=axes, keepdims=True) ** (1.0 / ord)
-        if ord != 2:
-            return plain
-        # The L2 norm as the library takes it (issue 12 item 5): where the plain sum of squares
-        # overflowed or may have underflowed (below 2**-800), rescaled by the slice's max |x|.
-        m = np.max(np.abs(v), axis=axes, keepdims=True, initial=0.0)
-        redo = (~np.isfinite(plain) | (plain * plain < 2.0**-800)) & np.isfinite(m) & (m > 0)
-        if not redo.any():
-            return plain
-        safe = np.where(redo, m, 1.0)
-        scaled = safe * np.sqrt(np.sum((v / safe) ** 2, axis=axes, keepdims=True))
-        return np.where(redo, scaled, plain)
+        return np.sum(np.abs(v) ** ord, axis=axes, keepdims=True) ** (1.0 / ord)
 
 
 def tree_metric(tree, ord) -> float:
