@@ -54,6 +54,14 @@ from .clipping import (
     zero_nans,
 )
 from .flat import FlatTree, to_device, to_host
+from .inject import (
+    InjectHyperparamsState,
+    InjectStatefulHyperparamsState,
+    WrappedSchedule,
+    WrappedScheduleState,
+    inject_hyperparams,
+)
+from .masking import MaskedNode, MaskedState, masked
 from .norms import (
     adaptive_grad_clip,
     centralize,
@@ -191,4 +199,13 @@ __all__ = [
     "piecewise_constant_schedule",
     "polynomial_schedule",
     "warmup_cosine_decay_schedule",
+    # hyperparameters in the state, and masking (optax's inject_hyperparams and masked)
+    "InjectHyperparamsState",
+    "InjectStatefulHyperparamsState",
+    "MaskedNode",
+    "MaskedState",
+    "WrappedSchedule",
+    "WrappedScheduleState",
+    "inject_hyperparams",
+    "masked",
 ]

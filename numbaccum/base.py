@@ -185,9 +185,13 @@ class Updates:
 
 class ParamsRef:
     """The ``params`` argument: checked against the updates' layout before anything runs
-    (`Stage.update`), flattened only when a stage asks for it (then once, into a workspace)."""
+    (`Stage.update`), flattened only when a stage asks for it (then once, into a workspace).
 
-    __slots__ = ("raw", "_layout", "_into", "_device", "_flat", "checked")
+    A wrapper that hands an inner transformation part of the params (`numbaccum.masking`) gives
+    ``fill`` (makes the flat params) and ``raw_of`` (makes the tree, for a foreign inner
+    transformation) instead of ``raw``: both are called only if asked for."""
+
+    __slots__ = ("_raw", "_raw_of", "_layout", "_into", "_device", "_flat", "_fill", "checked")
 
     def __init__(
         self,
@@ -196,27 +200,42 @@ class ParamsRef:
         owner: FlatTree | None = None,
         device: bool | None = None,
         into: Callable[[], FlatTree] | None = None,
+        *,
+        fill: Callable[[], FlatTree] | None = None,
+        raw_of: Callable[[], Any] | None = None,
     ) -> None:
-        self.raw = raw
+        self._raw = raw
+        self._raw_of = raw_of
         self._layout = layout
         self._device = device
         self._flat: FlatTree | None = None
+        self._fill = fill
         self.checked: list | None = None  # host leaves already checked against the layout
         if into is None and owner is not None:
             into = lambda: owner.workspace("params")  # noqa: E731
         self._into = into
 
+    @property
+    def raw(self) -> Any:
+        """The params as the caller gave them."""
+        if self._raw_of is not None:
+            self._raw, self._raw_of = self._raw_of(), None
+        return self._raw
+
     def flat(self) -> FlatTree:
         """The params as a FlatTree of the updates' layout (packed on first use)."""
         if self._flat is None:
-            self._flat = as_flat(
-                self.raw,
-                self._layout,
-                "params",
-                self._into,
-                self._device,
-                self.checked if not self._device else None,
-            )[0]
+            if self._fill is not None:
+                self._flat = self._fill()
+            else:
+                self._flat = as_flat(
+                    self.raw,
+                    self._layout,
+                    "params",
+                    self._into,
+                    self._device,
+                    self.checked if not self._device else None,
+                )[0]
         return self._flat
 
 
@@ -388,6 +407,10 @@ class Stage(abc.ABC):
         buffer is written, then runs it. Returns the updates in the caller's form (a plain tree
         for a plain tree, a FlatTree for a FlatTree, the same CUDA array type) and the new state.
         """
+        if updates is None and params is not None:
+            # optax maps over the updates: None (an empty tree) gives None whatever the params,
+            # which are then not read (a stateful stage still says its state wants a tree).
+            params = FlatTree.empty(layout_of(None, "params"))
         owner = self.owner(state)
         if owner is not None:
             # A state is not thread-safe: its update writes the state's buffers in place. Two
@@ -712,6 +735,8 @@ def apply_updates(params: Any, updates: Any) -> Any:
 
     A FlatTree in gives a FlatTree out; CUDA arrays in give the same array type out.
     """
+    if params is None:  # an empty tree, as in optax
+        return None
     layout = params.layout if isinstance(params, FlatTree) else layout_of(params, "params")
     p, _, kind = as_flat(params, layout, "params")
     out = _apply(p, updates, FlatTree.empty(layout, list(p.group_dtypes), p.device))
@@ -724,6 +749,8 @@ def apply_updates_(params: Any, updates: Any) -> Any:
     Raises:
         TypeError: a leaf is a NumPy scalar or a read-only array (it cannot change in place).
     """
+    if params is None:  # an empty tree: nothing to change
+        return None
     p, copied = writable_flat(params, "params")
     _apply(p, updates, p)
     if copied:

@@ -38,6 +38,7 @@ from .contract import ONE, Factor
 from .flat import FlatTree, layout_and_device
 from .fuse import Kernel, Scale
 from .layout import check_float_dtype
+from .masking import MaskedState, _Masked
 
 __all__ = [
     "ScaleByAdamState",
@@ -161,9 +162,53 @@ class _AddDecayedWeights(Stage):
         return Step(run, fuse=part)
 
 
-def add_decayed_weights(weight_decay: float = 0.0) -> GradientTransformationExtraArgs:
-    """Weight decay: ``u = g + weight_decay * params``. Needs ``params``."""
-    return _AddDecayedWeights(weight_decay).transformation()
+class _MaskedDecay(_Masked):
+    """``masked(add_decayed_weights(weight_decay), mask)`` without packing: the decay runs on
+    each run of consecutive kept leaves of the flat buffers in place, the other leaves pass
+    through (copied only when the output is a new buffer or a factor is pending)."""
+
+    def __init__(self, weight_decay: float, mask: Any) -> None:
+        super().__init__(_AddDecayedWeights(weight_decay), mask, False)
+        self.weight_decay = self.inner.weight_decay
+
+    def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
+        if not isinstance(state, MaskedState) or not isinstance(state.inner_state, EmptyState):
+            raise TypeError(
+                f"state: add_decayed_weights with a mask expects MaskedState(EmptyState()), got {state!r:.80}"
+            )
+        if params is None:
+            raise ValueError("add_decayed_weights needs params: call update(updates, state, params)")
+        m = self.resolve(spec.layout)
+        wd = self.weight_decay
+
+        def run(u: Updates) -> tuple[Updates, Any]:
+            p = params.flat()
+            out = u.fresh()
+            x, o = u.flat.groups, out.groups
+            if out is not u.flat or u.pending:
+                for g, a, b in m.gaps:
+                    ops_for(x[g]).scale_(o[g][a:b], x[g][a:b], u.factor)
+            for g, a, b, _, _ in m.runs:
+                ops_for(x[g]).add_scaled_(o[g][a:b], x[g][a:b], u.factor, p.groups[g][a:b], wd)
+            return Updates(out, owned=True), state
+
+        return Step(run)
+
+
+def add_decayed_weights(weight_decay: float = 0.0, mask: Any = None) -> GradientTransformationExtraArgs:
+    """Weight decay: ``u = g + weight_decay * params``. Needs ``params``.
+
+    Args:
+        weight_decay: the decay rate.
+        mask: None (every leaf), or a tree of bools of the params' structure (or a prefix of
+            it), or a callable of the params returning one: only the leaves where it is True
+            are decayed, the others pass through (optax's ``masked(add_decayed_weights(...),
+            mask)``, with its state ``MaskedState(EmptyState())``; the usual way to keep biases
+            and norm scales out of weight decay). See `numbaccum.masked`.
+    """
+    if mask is None:
+        return _AddDecayedWeights(weight_decay).transformation()
+    return _MaskedDecay(weight_decay, mask).transformation()
 
 
 def sgd(

@@ -310,3 +310,38 @@ def tree_map(f: Callable[..., Any], tree: Any, *rest: Any) -> Any:
         check_same_structure(td, r_td, f"rest[{i}]")
         others.append(r_leaves)
     return tree_unflatten(td, [f(*xs) for xs in zip(leaves, *others)])
+
+
+def broadcast_prefix(prefix: Any, treedef: TreeDef, name: str = "prefix") -> list[Any]:
+    """The value of ``prefix`` for each leaf of ``treedef``, in leaf order: ``prefix`` is a tree
+    with the structure of ``treedef`` down to some depth, a leaf of it standing for the whole
+    subtree below (optax's "a prefix of the params tree", as for a mask).
+
+    Raises:
+        ValueError: ``prefix`` is not a prefix of ``treedef`` (names the first differing path).
+    """
+    out: list[Any] = []
+
+    def walk(node: Any, td: TreeDef, path: tuple) -> None:
+        spec = _children(node)
+        if spec is None:
+            out.extend([node] * td.num_leaves)
+            return
+        kind, meta, items = spec
+        if td.kind == _LEAF or kind != td.kind or (kind == _NAMEDTUPLE and meta is not td.meta):
+            why = f"expected {_cut(_describe(td))}, got {_cut(short_repr(node, 200))}"
+            raise ValueError(f"{format_path(path, name)}: not a prefix of the tree's structure: {why}")
+        if kind == _DICT and meta != td.meta:
+            missing = sorted(set(td.meta) - set(meta), key=repr)
+            extra = sorted(set(meta) - set(td.meta), key=repr)
+            why = f"missing {_keys(missing)}, unexpected {_keys(extra)}"
+            raise ValueError(f"{format_path(path, name)}: dict keys differ ({why})")
+        if len(items) != len(td.children):
+            raise ValueError(
+                f"{format_path(path, name)}: expected {len(td.children)} children, got {len(items)}"
+            )
+        for (k, child), ctd in zip(items, td.children):
+            walk(child, ctd, path + ((_Attr(k),) if kind == _NAMEDTUPLE else (k,)))
+
+    walk(prefix, treedef, ())
+    return out

@@ -473,6 +473,49 @@ def add_decayed_weights(weight_decay: float = 0.0) -> Transformation:
     return Transformation(lambda params: EmptyState(), update)
 
 
+class MaskedNode(NamedTuple):
+    """A masked-out leaf, as optax's ``masked`` hands the inner transformation."""
+
+
+class MaskedState(NamedTuple):
+    inner_state: Any
+
+
+def masked(inner: Transformation, mask) -> Transformation:
+    """optax's ``masked`` for a mask of the params' full structure (or a callable giving one):
+    the inner transformation runs on the tree whose masked-out leaves are `MaskedNode`, and those
+    leaves pass through as they came."""
+
+    def mask_leaves(tree):
+        m = mask(tree) if callable(mask) else mask
+        return [bool(b) for b in tree_leaves(m)]
+
+    def hide(tree, keep):
+        leaves, td = tree_flatten(tree)
+        return tree_unflatten(td, [x if k else MaskedNode() for x, k in zip(leaves, keep)])
+
+    def init(params):
+        return MaskedState(inner.init(hide(params, mask_leaves(params))))
+
+    def update(updates, state, params=None, **extra):
+        keep = mask_leaves(updates)
+        sub = hide(updates, keep)
+        new_sub, inner_state = inner.update(
+            sub, state.inner_state, None if params is None else hide(params, keep)
+        )
+        new_leaves = iter(tree_leaves(new_sub))
+        leaves, td = tree_flatten(updates)
+        out = [next(new_leaves) if k else tree_copy(x) for x, k in zip(leaves, keep)]
+        return tree_unflatten(td, out), MaskedState(inner_state)
+
+    return Transformation(init, update)
+
+
+def add_decayed_weights_masked(weight_decay: float, mask) -> Transformation:
+    """optax's ``add_decayed_weights(weight_decay, mask)``."""
+    return masked(add_decayed_weights(weight_decay), mask)
+
+
 def sgd(learning_rate, momentum=None, nesterov: bool = False, accumulator_dtype=None) -> Transformation:
     parts = []
     if momentum is not None:

@@ -81,3 +81,87 @@ def test_multisteps_adam_matches_optax(k):
     for a, b in zip(ours, theirs):
         # 1e-5 for a chain (reference/optax.md); atol for elements where mu nearly cancels
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * float(np.max(np.abs(b))))
+
+
+def _tree_close(ours, theirs, rtol=1e-6):
+    a_leaves, b_leaves = nba.tree_flatten(ours)[0], jax.tree.leaves(theirs)
+    assert len(a_leaves) == len(b_leaves)
+    for a, b in zip(a_leaves, b_leaves):
+        b = np.asarray(b)
+        np.testing.assert_allclose(
+            np.asarray(a), b, rtol=rtol, atol=rtol * float(np.max(np.abs(b), initial=0.0))
+        )
+
+
+def _mlp(seed):
+    rng = np.random.default_rng(seed)
+    return {
+        "dense": {
+            "w": rng.standard_normal((8, 4)).astype(np.float32),
+            "b": rng.standard_normal(4).astype(np.float32),
+        },
+        "norm": {"scale": rng.standard_normal(4).astype(np.float32)},
+    }
+
+
+def test_masked_weight_decay_matches_optax():
+    def mask(t):
+        return jax.tree.map(lambda x: x.ndim > 1, t)
+
+    params = _mlp(0)
+    for make_ours, make_theirs in [
+        (lambda: nba.add_decayed_weights(0.1, mask), lambda: optax.add_decayed_weights(0.1, mask)),
+        (lambda: nba.masked(nba.adam(1e-2), mask), lambda: optax.masked(optax.adam(1e-2), mask)),
+        (
+            lambda: nba.chain(nba.scale_by_adam(), nba.add_decayed_weights(1e-2, mask), nba.scale(-1e-2)),
+            lambda: optax.chain(
+                optax.scale_by_adam(), optax.add_decayed_weights(1e-2, mask), optax.scale(-1e-2)
+            ),
+        ),
+    ]:
+        ours, theirs = make_ours(), make_theirs()
+        s, t = ours.init(params), theirs.init(params)
+        for i in range(3):
+            g = _mlp(10 + i)
+            u, s = ours.update(g, s, params)
+            v, t = jax.jit(theirs.update)(g, t, params)
+            _tree_close(u, v, 1e-5)
+
+
+def test_inject_hyperparams_matches_optax():
+    params = _mlp(0)
+    ours = nba.inject_hyperparams(nba.adam)(learning_rate=1e-2, b1=0.8)
+    theirs = optax.inject_hyperparams(optax.adam)(learning_rate=1e-2, b1=0.8)
+    s, t = ours.init(params), theirs.init(params)
+    assert set(s.hyperparams) == set(t.hyperparams)
+    for i, lr in enumerate([1e-2, 1e-2, 1e-3, 5e-2]):
+        s.hyperparams["learning_rate"] = lr
+        t.hyperparams["learning_rate"] = lr
+        g = _mlp(20 + i)
+        u, s = ours.update(g, s, params)
+        v, t = theirs.update(g, t, params)
+        _tree_close(u, v, 1e-5)
+        for k in s.hyperparams:
+            assert np.asarray(s.hyperparams[k]).dtype == np.asarray(t.hyperparams[k]).dtype
+    sched = optax.linear_schedule(1.0, 0.1, 5)
+    ours = nba.inject_hyperparams(nba.sgd)(learning_rate=nba.linear_schedule(1.0, 0.1, 5), momentum=0.9)
+    theirs = optax.inject_hyperparams(optax.sgd)(learning_rate=sched, momentum=0.9)
+    s, t = ours.init(params), theirs.init(params)
+    for i in range(6):
+        g = _mlp(30 + i)
+        u, s = ours.update(g, s, params)
+        v, t = theirs.update(g, t, params)
+        _tree_close(u, v, 1e-6)
+        np.testing.assert_allclose(
+            float(s.hyperparams["learning_rate"]), float(t.hyperparams["learning_rate"]), rtol=1e-6
+        )  # JAX: float32 schedule
+
+
+def test_none_updates_as_optax():
+    params = _mlp(0)
+    for name in ("scale", "clip_by_global_norm", "sgd", "add_decayed_weights"):
+        arg = {"scale": 2.0, "clip_by_global_norm": 1.0, "sgd": 0.1, "add_decayed_weights": 0.1}[name]
+        ours, theirs = getattr(nba, name)(arg), getattr(optax, name)(arg)
+        assert ours.update(None, ours.init(params), params)[0] is None
+        assert theirs.update(None, theirs.init(params), params)[0] is None
+    assert nba.apply_updates(None, params) is None and optax.apply_updates(None, params) is None

@@ -89,6 +89,15 @@ TXS = {
     "normalize_global_l1": lambda: nba.normalize(2.0, ord=1, dim="global"),
     "centralize": lambda: nba.centralize(),
     "adaptive_grad_clip": lambda: nba.adaptive_grad_clip(0.05),
+    # masking: the kept leaves' runs of the flat buffers, on the device
+    "adamw_like_masked_decay": lambda: nba.chain(
+        nba.scale_by_adam(),
+        nba.add_decayed_weights(1e-2, lambda p: nba.tree_map(lambda x: x.ndim > 1, p)),
+        nba.scale(-0.1),
+    ),
+    "masked_trace": lambda: nba.masked(
+        nba.chain(nba.scale(2.0), nba.trace(0.9)), lambda p: nba.tree_map(lambda x: x.size % 2 == 1, p)
+    ),
 }
 
 

@@ -1,0 +1,255 @@
+"""`masked`: run a transformation on some leaves of the tree, pass the others through.
+
+The usual use is keeping biases and norm scales out of weight decay::
+
+    decay = masked(add_decayed_weights(1e-4), lambda p: tree_map(lambda x: x.ndim > 1, p))
+
+The inner transformation sees the tree with every masked-out leaf replaced by a `MaskedNode` (an
+empty node, as in optax), so its state holds only the kept leaves. The mask is resolved once per
+tree layout into the leaves it keeps; a run of consecutive kept leaves of one dtype is one
+contiguous range of the flat buffers, so moving the kept leaves in and out of the inner
+transformation is one copy per range, not per leaf.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from . import _bounded
+from .backend import ops_for
+from .base import (
+    GradientTransformationExtraArgs,
+    ParamsRef,
+    Spec,
+    Stage,
+    Step,
+    Updates,
+    as_stage,
+    with_extra_args_support,
+)
+from .contract import ONE
+from .flat import FlatTree, layout_of
+from .layout import Layout
+from .tree import broadcast_prefix, tree_flatten, tree_unflatten
+
+__all__ = ["MaskedNode", "MaskedState", "masked"]
+
+
+class MaskedNode(NamedTuple):
+    """A masked-out leaf, as the inner transformation of `masked` sees it: an empty node."""
+
+
+class MaskedState(NamedTuple):
+    """The state of `masked`: the inner transformation's state, over the kept leaves only."""
+
+    inner_state: Any
+
+
+class _Plan(NamedTuple):
+    """A mask resolved for one layout."""
+
+    keep: tuple[bool, ...]  # per leaf of the full layout
+    kept: tuple[int, ...]  # indices of the kept leaves
+    sub: Layout  # the layout of the tree the inner transformation sees
+    # (group, start, stop, sub_group, sub_start) per maximal run of consecutive kept leaves
+    runs: tuple[tuple[int, int, int, int, int], ...]
+    # (group, start, stop) per maximal run of consecutive masked-out leaves
+    gaps: tuple[tuple[int, int, int], ...]
+
+
+def _standins(layout: Layout) -> Any:
+    """A tree of read-only zero-stride arrays of the layout's shapes and dtypes (no memory): what
+    a callable mask is given, so that it is called once per layout (optax calls it on traced
+    values under ``jit``: a mask may depend on shapes, dtypes and paths, not on values)."""
+    leaves = [np.broadcast_to(np.zeros((), d), s) for s, d in zip(layout.shapes, layout.dtypes)]
+    return tree_unflatten(layout.treedef, leaves)
+
+
+def _mask_leaf(value: Any, where: str) -> bool:
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    if isinstance(value, np.ndarray) and value.shape == () and value.dtype == np.bool_:
+        return bool(value)
+    raise TypeError(f"{where}: a mask leaf must be a bool, got {type(value).__name__} {value!r:.40}")
+
+
+def _masked_tree(layout: Layout, leaves: list, keep: tuple[bool, ...]) -> Any:
+    """The tree of ``leaves`` (of ``layout``) with every masked-out leaf a `MaskedNode`."""
+    return tree_unflatten(layout.treedef, [x if k else MaskedNode() for x, k in zip(leaves, keep)])
+
+
+def _runs(layout: Layout, sub: Layout, keep: tuple[bool, ...]) -> tuple[tuple, tuple]:
+    runs: list[list[int]] = []
+    gaps: list[list[int]] = []
+    j = 0  # the kept leaf's index in ``sub``
+    for i, k in enumerate(keep):
+        g, start = layout.leaf_group[i], layout.leaf_start[i]
+        stop = start + layout.sizes[i]
+        if k:
+            sg, ss = sub.leaf_group[j], sub.leaf_start[j]
+            last = runs[-1] if runs else None
+            if (
+                last
+                and last[0] == g
+                and last[2] == start
+                and last[3] == sg
+                and last[4] + last[2] - last[1] == ss
+            ):
+                last[2] = stop
+            else:
+                runs.append([g, start, stop, sg, ss])
+            j += 1
+        else:
+            last = gaps[-1] if gaps else None
+            if last and last[0] == g and last[2] == start:
+                last[2] = stop
+            else:
+                gaps.append([g, start, stop])
+    return tuple(tuple(r) for r in runs if r[2] > r[1]), tuple(tuple(r) for r in gaps if r[2] > r[1])
+
+
+class _Masked(Stage):
+    """`masked` as a stage: plans the inner stage on the kept leaves' layout (so its checks run
+    before anything is written), and runs it on a packed copy of the kept leaves."""
+
+    def __init__(self, inner: Any, mask: Any, mask_compatible_extra_args: bool) -> None:
+        self.inner = as_stage(with_extra_args_support(inner))
+        if self.inner.reshapes:
+            raise TypeError("masked: the inner transformation must not change the updates' shape")
+        self.mask = mask
+        self.mask_extra = bool(mask_compatible_extra_args)
+        self._plans = _bounded.Bounded()
+
+    def resolve(self, layout: Layout) -> _Plan:
+        """The mask for trees of ``layout`` (cached per layout)."""
+        found = self._plans.get(layout)
+        if found is not None:
+            return found
+        mask = self.mask(_standins(layout)) if callable(self.mask) else self.mask
+        prefix = broadcast_prefix(mask, layout.treedef, "mask")
+        paths = None
+        keep = []
+        for i, value in enumerate(prefix):
+            try:
+                keep.append(_mask_leaf(value, "mask"))
+            except TypeError:
+                paths = paths or layout.path(i, "mask")
+                raise TypeError(
+                    f"{paths}: a mask leaf must be a bool, got {type(value).__name__} {value!r:.40}"
+                ) from None
+        keep_t = tuple(keep)
+        stand = tree_flatten(_standins(layout))[0]
+        sub = layout_of(_masked_tree(layout, stand, keep_t), "mask")
+        runs, gaps = _runs(layout, sub, keep_t)
+        plan = _Plan(keep_t, tuple(i for i, k in enumerate(keep_t) if k), sub, runs, gaps)
+        self._plans.put(layout, plan)
+        return plan
+
+    def _masked_input(self, tree: Any) -> Any:
+        """``tree`` (params at init) with the masked-out leaves replaced by `MaskedNode`."""
+        if isinstance(tree, FlatTree):
+            layout, leaves = tree.layout, [tree.leaf(i) for i in range(tree.layout.num_leaves)]
+        else:
+            layout, leaves = layout_of(tree, "params"), tree_flatten(tree)[0]
+        return _masked_tree(layout, leaves, self.resolve(layout).keep)
+
+    def init(self, params: Any) -> MaskedState:
+        return MaskedState(self.inner.init(self._masked_input(params)))
+
+    def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
+        if not isinstance(state, MaskedState):
+            raise TypeError(f"state: masked expects a MaskedState, got {type(state).__name__}")
+        m = self.resolve(spec.layout)
+        sub_spec = Spec(m.sub, spec.device)
+        sub_params = None
+        if params is not None:
+            sub_params = ParamsRef(
+                None,
+                m.sub,
+                device=spec.device,
+                fill=self._packer(params, m, sub_spec),
+                raw_of=lambda: self._masked_input(params.raw),
+            )
+        if self.mask_extra:
+            extra = {k: self._mask_extra(v, spec.layout, m) for k, v in extra.items()}
+        step = self.inner.plan(sub_spec, state.inner_state, sub_params, extra)
+        if step.spec is not None:
+            raise TypeError("masked: the inner transformation must not change the updates' shape")
+        inner_run = step.final or step.run
+        inbox = lambda: self.kept("masked_in", m.sub, spec.device)  # noqa: E731
+        scratch = lambda: self.kept("masked_scratch", m.sub, spec.device)  # noqa: E731
+
+        def run(u: Updates) -> tuple[Updates, MaskedState]:
+            sub = inbox()
+            for g, a, b, sg, sa in m.runs:  # the kept leaves, with the pending factor applied
+                x = u.flat.groups[g]
+                ops_for(x).scale_(sub.groups[sg][sa : sa + b - a], x[a:b], u.factor)
+            inner_out, new_inner = inner_run(Updates(sub, True, scratch=scratch))
+            inner_out = inner_out.settled()
+            out = u.fresh()
+            for g, a, b in m.gaps:  # the masked-out leaves pass through
+                x = u.flat.groups[g]
+                if out is not u.flat or u.pending:
+                    ops_for(x).scale_(out.groups[g][a:b], x[a:b], u.factor)
+            for g, a, b, sg, sa in m.runs:
+                y = inner_out.flat.groups[sg]
+                ops_for(y).scale_(out.groups[g][a:b], y[sa : sa + b - a], ONE)
+            return Updates(out, True, scratch=u.scratch), MaskedState(new_inner)
+
+        return Step(run)
+
+    def _packer(self, params: ParamsRef, m: _Plan, sub_spec: Spec) -> Callable[[], FlatTree]:
+        """A ``ParamsRef`` fill for the kept leaves of ``params``: packed from its flat form,
+        one copy per run of kept leaves."""
+
+        def into() -> FlatTree:
+            full = params.flat()
+            sub = self.kept("masked_params", sub_spec.layout, sub_spec.device)
+            for g, a, b, sg, sa in m.runs:
+                x = full.groups[g]
+                ops_for(x).scale_(sub.groups[sg][sa : sa + b - a], x[a:b], ONE)
+            return sub
+
+        return into
+
+    def _mask_extra(self, value: Any, layout: Layout, m: _Plan) -> Any:
+        """An extra argument of the updates' structure, masked like them (optax's
+        ``mask_compatible_extra_args``); anything else as it is."""
+        try:
+            leaves, td = tree_flatten(value)
+        except TypeError:
+            return value
+        if td != layout.treedef:
+            return value
+        return _masked_tree(layout, leaves, m.keep)
+
+
+def masked(
+    inner: Any,
+    mask: Any | Callable[[Any], Any],
+    *,
+    mask_compatible_extra_args: bool = False,
+) -> GradientTransformationExtraArgs:
+    """Applies ``inner`` to the leaves selected by ``mask``; the others pass through unchanged.
+
+    ``u_i = inner(g)_i`` where ``mask_i`` is True, ``u_i = g_i`` where it is False. The inner
+    transformation sees the tree with each masked-out leaf replaced by a `MaskedNode`, so its
+    state covers the kept leaves only (optax's ``masked``).
+
+    Args:
+        inner: the transformation to apply to the kept leaves.
+        mask: a tree of bools with the structure of the params or a prefix of it (a bool at a
+            subtree applies to all its leaves), or a callable of the params returning one. A
+            callable is called once per tree layout, with read-only stand-in arrays of the
+            leaves' shapes and dtypes: as under optax's ``jit``, it may depend on shapes, dtypes
+            and paths, not on values.
+        mask_compatible_extra_args: also mask the extra keyword arguments of ``update`` that have
+            the updates' structure.
+
+    Returns:
+        The masked transformation; its state is ``MaskedState(inner_state)``.
+    """
+    return _Masked(inner, mask, mask_compatible_extra_args).transformation()

@@ -1,0 +1,142 @@
+"""inject_hyperparams: hyperparameters kept in the state, changed between steps, or scheduled;
+the same updates as the plain factory built with the same values, and nothing compiled again."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from _testutil import assert_tree_equal
+
+import numbaccum as nba
+
+
+def _params(dtype=np.float32):
+    rng = np.random.default_rng(0)
+    return {
+        "w": rng.standard_normal((3, 5)).astype(dtype),
+        "b": rng.standard_normal(5).astype(dtype),
+        "s": np.ones((), dtype),
+    }
+
+
+def _grads(i, dtype=np.float32):
+    rng = np.random.default_rng(10 + i)
+    return nba.tree_map(lambda x: rng.standard_normal(x.shape).astype(dtype), _params(dtype))
+
+
+def _frozen(state):
+    return [np.array(x, copy=True) for x in nba.tree_flatten(state)[0]]
+
+
+def test_state_holds_the_hyperparameters_in_the_params_dtype():
+    p = _params()
+    opt = nba.inject_hyperparams(nba.adam)(learning_rate=0.1, b1=0.8)
+    s = opt.init(p)
+    assert isinstance(s, nba.InjectStatefulHyperparamsState) and int(s.count) == 0
+    assert set(s.hyperparams) == {"learning_rate", "b1", "b2", "eps", "eps_root"}
+    assert all(type(v) is np.float32 for v in s.hyperparams.values())  # optax casts to the params' dtype
+    assert s.hyperparams["b1"] == np.float32(0.8)
+    s64 = nba.inject_hyperparams(nba.adam)(learning_rate=0.1).init(_params(np.float64))
+    assert type(s64.hyperparams["learning_rate"]) is np.float64
+    fixed = nba.inject_hyperparams(nba.adam, hyperparam_dtype=np.float64)(learning_rate=0.1).init(p)
+    assert type(fixed.hyperparams["learning_rate"]) is np.float64
+
+
+def test_changing_the_learning_rate_between_steps():
+    """Steps with lr 0.1 then 0.01 equal the plain adam built with each value, on one state."""
+    p = _params()
+    opt = nba.inject_hyperparams(nba.adam)(learning_rate=0.1)
+    s = opt.init(p)
+    plain_state = nba.adam(0.1).init(p)
+    for i, lr in enumerate([0.1, 0.1, 0.01, 0.01, 0.5]):
+        s.hyperparams["learning_rate"] = lr
+        u, s = opt.update(_grads(i), s, p)
+        h = {k: np.float32(v) for k, v in s.hyperparams.items()}
+        plain = nba.adam(**h)
+        pu, plain_state = plain.update(_grads(i), plain_state, p)
+        assert_tree_equal(u, pu)
+        assert s.hyperparams["learning_rate"] == np.float32(lr) and int(s.count) == i + 1
+
+
+def test_schedules_are_called_with_the_step_and_stored():
+    p = _params(np.float64)
+    sched = nba.linear_schedule(1.0, 0.0, 4)
+    opt = nba.inject_hyperparams(nba.sgd)(learning_rate=sched, momentum=0.9)
+    ref = nba.sgd(sched, momentum=0.9)
+    s, rs = opt.init(p), ref.init(p)
+    assert s.hyperparams["learning_rate"] == 1.0
+    for i in range(5):
+        s.hyperparams["learning_rate"] = 123.0  # a scheduled entry cannot be set: no effect
+        u, s = opt.update(_grads(i, np.float64), s, p)
+        ru, rs = ref.update(_grads(i, np.float64), rs, p)
+        assert_tree_equal(u, ru)
+        assert s.hyperparams["learning_rate"] == sched(i)
+        assert int(s.hyperparams_states["learning_rate"].count) == i + 1
+
+
+def test_a_new_learning_rate_compiles_nothing():
+    from numba.core import event
+
+    p = _params()
+    opt = nba.inject_hyperparams(nba.adam)(learning_rate=0.1)
+    s = opt.init(p)
+    _, s = opt.update(_grads(0), s, p)  # warm: every kernel of this tree is compiled
+    with event.install_recorder("numba:compile") as rec:
+        for lr in (0.2, 0.05, 1e-4):
+            s.hyperparams["learning_rate"] = lr
+            _, s = opt.update(_grads(1), s, p)
+    assert rec.buffer == []
+
+
+def test_bad_values_raise_before_anything_is_written():
+    p = _params()
+    opt = nba.inject_hyperparams(nba.adam)(learning_rate=0.1)
+    s = opt.init(p)
+    _, s = opt.update(_grads(0), s, p)
+    before = _frozen(s)
+    s.hyperparams["b1"] = 1.5  # adam refuses a decay outside [0, 1]
+    with pytest.raises(ValueError, match="b1"):
+        opt.update(_grads(1), s, p)
+    s.hyperparams["b1"] = np.float32(0.9)
+    assert_tree_equal(_frozen(s), before)
+    del s.hyperparams["b2"]
+    with pytest.raises(ValueError, match="missing"):
+        opt.update(_grads(1), s, p)
+    with pytest.raises(TypeError, match="InjectStatefulHyperparamsState"):
+        opt.update(_grads(1), nba.EmptyState(), p)
+
+
+def test_static_args_and_bools():
+    with pytest.raises(ValueError, match="static_args"):
+        nba.inject_hyperparams(nba.sgd, static_args="nope")
+    opt = nba.inject_hyperparams(nba.sgd)(learning_rate=0.1, momentum=0.9, nesterov=True)
+    s = opt.init(_params())
+    assert "nesterov" not in s.hyperparams  # a bool is not a hyperparameter to change
+
+    def factory(learning_rate, fn):
+        return nba.chain(nba.scale(fn(learning_rate)))
+
+    opt = nba.inject_hyperparams(factory, static_args="fn")(learning_rate=0.5, fn=lambda x: 2 * x)
+    s = opt.init(_params())
+    assert set(s.hyperparams) == {"learning_rate"}
+    u, _ = opt.update(_grads(0), s, _params())
+    np.testing.assert_array_equal(u["b"], _grads(0)["b"] * np.float32(1.0))
+
+
+def test_stateful_schedule_protocol():
+    class Halving:
+        def init(self):
+            return np.int32(0)
+
+        def update(self, state, **extra):
+            return state + 1
+
+        def __call__(self, state, **extra):
+            return 1.0 / 2 ** int(state)
+
+    p = _params(np.float64)
+    opt = nba.inject_hyperparams(nba.scale)(step_size=Halving())
+    s = opt.init(p)
+    for i in range(3):
+        u, s = opt.update(_grads(i, np.float64), s, p)
+        np.testing.assert_array_equal(u["w"], _grads(i, np.float64)["w"] / 2**i)

@@ -1,0 +1,248 @@
+"""masked(inner, mask) and add_decayed_weights(weight_decay, mask) against the plain NumPy
+reference: random trees and masks, prefix and callable masks, pending factors, fused chains, and
+bad masks refused before anything is written."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import reference as ref
+import strategies as strat
+from _testutil import assert_tree_close, assert_tree_equal, snapshot
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import numbaccum as nba
+
+SETTINGS = settings(deadline=None, max_examples=12, suppress_health_check=[HealthCheck.too_slow])
+
+PAIRS = {
+    "masked_trace": (
+        lambda m: nba.masked(nba.trace(0.9), m),
+        lambda m: ref.masked(ref.trace(0.9), m),
+    ),
+    "masked_decay": (
+        lambda m: nba.masked(nba.add_decayed_weights(0.1), m),
+        lambda m: ref.masked(ref.add_decayed_weights(0.1), m),
+    ),
+    "decay_mask_argument": (
+        lambda m: nba.add_decayed_weights(0.1, m),
+        lambda m: ref.add_decayed_weights_masked(0.1, m),
+    ),
+    "scaled_then_masked_adam": (  # a factor pending on the input of the masked stage
+        lambda m: nba.chain(nba.scale(0.5), nba.masked(nba.adam(0.01), m), nba.scale(2.0)),
+        lambda m: ref.chain(ref.scale(0.5), ref.masked(ref.adam(0.01), m), ref.scale(2.0)),
+    ),
+    "trace_masked_decay_sgd": (
+        lambda m: nba.chain(nba.trace(0.5), nba.add_decayed_weights(0.05, m), nba.sgd(0.1, 0.9)),
+        lambda m: ref.chain(ref.trace(0.5), ref.add_decayed_weights_masked(0.05, m), ref.sgd(0.1, 0.9)),
+    ),
+}
+
+
+@SETTINGS
+@given(
+    data=strat.tree_sequences(min_steps=1, max_steps=3),
+    bits=st.lists(st.booleans(), min_size=64, max_size=64),
+)
+@pytest.mark.parametrize("name", sorted(PAIRS))
+def test_matches_reference(name, data, bits):
+    params, grads = data
+    leaves, td = nba.tree_flatten(params)
+    mask = nba.tree_unflatten(td, bits[: len(leaves)])
+    tx, rtx = PAIRS[name][0](mask), PAIRS[name][1](mask)
+    s, rs = tx.init(params), rtx.init(params)
+    for g in grads:
+        before = snapshot(g)
+        u, s = tx.update(g, s, params)
+        ru, rs = rtx.update(g, rs, params)
+        assert_tree_close(u, ru)
+        assert_tree_equal(g, before)  # the gradient is read, never written
+
+
+def _frozen(state):
+    """Copies of every array in a state (FlatTrees flatten as their leaves)."""
+    return [np.array(x, copy=True) for x in nba.tree_flatten(state)[0]]
+
+
+def _tree():
+    rng = np.random.default_rng(0)
+    return {
+        "dense": {
+            "w": rng.standard_normal((3, 4)).astype(np.float32),
+            "b": rng.standard_normal(4).astype(np.float32),
+        },
+        "norm": {"scale": rng.standard_normal(4), "bias": rng.standard_normal(4)},
+        "head": rng.standard_normal((4, 2)).astype(np.float32),
+        "t": np.float32(0.5) * np.ones(()),
+    }
+
+
+def _run(tx, params, grads_seq):
+    s = tx.init(params)
+    out = []
+    for g in grads_seq:
+        u, s = tx.update(g, s, params)
+        out.append(snapshot(u))
+    return out, s
+
+
+def _grads(n=3):
+    return [nba.tree_map(lambda x, v=0.25 * (i + 1): np.full_like(x, v), _tree()) for i in range(n)]
+
+
+def test_prefix_and_callable_masks_equal_the_full_mask():
+    p = _tree()
+    full = {
+        "dense": {"w": True, "b": False},
+        "norm": {"scale": False, "bias": False},
+        "head": True,
+        "t": False,
+    }
+    prefix = {"dense": {"w": True, "b": False}, "norm": False, "head": True, "t": False}
+    calls = []
+
+    def by_ndim(tree):
+        calls.append(1)
+        return nba.tree_map(lambda x: x.ndim > 1, tree)
+
+    want, _ = _run(nba.masked(nba.trace(0.5), full), p, _grads())
+    for mask in (prefix, by_ndim):
+        got, _ = _run(nba.masked(nba.trace(0.5), mask), p, _grads())
+        for a, b in zip(got, want):
+            assert_tree_equal(a, b)
+    # A callable mask is resolved once per tree layout (init, then the updates of that layout).
+    assert len(calls) == 1
+    # The reference agrees (it calls the mask on the real trees).
+    rgot, _ = _run(ref.masked(ref.trace(0.5), full), p, _grads())
+    for a, b in zip(want, rgot):
+        assert_tree_close(a, b)
+
+
+def test_inner_state_covers_the_kept_leaves_only():
+    p = _tree()
+    tx = nba.masked(nba.trace(0.5), {"dense": True, "norm": False, "head": False, "t": False})
+    s = tx.init(p)
+    assert isinstance(s, nba.MaskedState)
+    assert s.inner_state.trace.layout.num_leaves == 2
+    tree = s.inner_state.trace.tree
+    assert isinstance(tree["norm"]["scale"], nba.MaskedNode) and tree["dense"]["w"].shape == (3, 4)
+
+
+def test_all_and_none_masked():
+    p = _tree()
+    g = _grads(1)[0]
+    on = nba.tree_map(lambda x: True, p)
+    off = nba.tree_map(lambda x: False, p)
+    u, _ = nba.add_decayed_weights(0.5, on).update(g, nba.add_decayed_weights(0.5, on).init(p), p)
+    want, _ = nba.add_decayed_weights(0.5).update(g, nba.EmptyState(), p)
+    assert_tree_equal(u, want)
+    u, _ = nba.masked(nba.scale(3.0), off).update(g, nba.masked(nba.scale(3.0), off).init(p), p)
+    assert_tree_equal(u, g)
+
+
+def test_flat_tree_in_flat_tree_out_and_state_matches_optax_shape():
+    p = nba.FlatTree.from_tree(_tree())
+    g = nba.FlatTree.from_tree(_grads(1)[0])
+    tx = nba.chain(
+        nba.scale_by_adam(), nba.add_decayed_weights(0.1, lambda t: nba.tree_map(lambda x: x.ndim > 1, t))
+    )
+    s = tx.init(p)
+    assert isinstance(s[1], nba.MaskedState) and isinstance(s[1].inner_state, nba.EmptyState)
+    u, s = tx.update(g, s, p)
+    assert isinstance(u, nba.FlatTree)
+    rtx = ref.chain(
+        ref.scale_by_adam(),
+        ref.add_decayed_weights_masked(0.1, lambda t: ref.tree_map(lambda x: np.ndim(x) > 1, t)),
+    )
+    ru, _ = rtx.update(g.tree, rtx.init(p.tree), p.tree)
+    assert_tree_close(u.tree, ru)
+
+
+@pytest.mark.parametrize(
+    "mask, error, match",
+    [
+        ({"dense": True, "norm": True, "head": True}, ValueError, r"mask: dict keys differ"),
+        (
+            {"dense": {"w": True}, "norm": True, "head": True, "t": True},
+            ValueError,
+            r"mask\['dense'\]: dict keys",
+        ),
+        (
+            {"dense": True, "norm": True, "head": [True], "t": True},
+            ValueError,
+            r"mask\['head'\]: not a prefix",
+        ),
+        (
+            {"dense": True, "norm": True, "head": 1, "t": True},
+            TypeError,
+            r"mask\['head'\]: a mask leaf must be a bool",
+        ),
+    ],
+)
+def test_bad_masks_are_refused_before_anything_is_written(mask, error, match):
+    p = _tree()
+    good = nba.masked(nba.trace(0.5), {"dense": True, "norm": True, "head": True, "t": True})
+    s = good.init(p)
+    before = _frozen(s)
+    with pytest.raises(error, match=match):
+        nba.masked(nba.trace(0.5), mask).update(_grads(1)[0], s, p)
+    assert_tree_equal(_frozen(s), before)
+    with pytest.raises(error, match=match):
+        nba.add_decayed_weights(0.1, mask).update(_grads(1)[0], nba.MaskedState(nba.EmptyState()), p)
+
+
+def test_bad_states_and_missing_params():
+    p = _tree()
+    g = _grads(1)[0]
+    with pytest.raises(TypeError, match="MaskedState"):
+        nba.masked(nba.trace(0.5), nba.tree_map(lambda x: True, p)).update(g, nba.EmptyState(), p)
+    tx = nba.add_decayed_weights(0.1, nba.tree_map(lambda x: True, p))
+    with pytest.raises(ValueError, match="needs params"):
+        tx.update(g, tx.init(p))
+    with pytest.raises(TypeError, match="MaskedState"):
+        tx.update(g, nba.EmptyState(), p)
+    # An inner state of another layout is caught by the inner plan, before anything is written.
+    inner = nba.masked(nba.trace(0.5), nba.tree_map(lambda x: True, p))
+    s = inner.init(p)
+    other = nba.masked(nba.trace(0.5), {"dense": False, "norm": True, "head": True, "t": True})
+    before = _frozen(s)
+    with pytest.raises(ValueError):
+        other.update(g, s, p)
+    assert_tree_equal(_frozen(s), before)
+
+
+def test_fused_and_stage_by_stage_agree(monkeypatch):
+    p = _tree()
+    mask = {"dense": {"w": True, "b": False}, "norm": False, "head": True, "t": True}
+
+    def make():
+        return nba.chain(
+            nba.clip_by_global_norm(1.0),
+            nba.scale_by_adam(),
+            nba.add_decayed_weights(0.1, mask),
+            nba.scale(-0.01),
+        )
+
+    fused, _ = _run(make(), p, _grads())
+    monkeypatch.setenv("NUMBACCUM_FUSE", "0")
+    plain, _ = _run(make(), p, _grads())
+    for a, b in zip(fused, plain):
+        assert_tree_equal(a, b)
+
+
+def test_none_updates_give_none_as_in_optax():
+    p = _tree()
+    decay = nba.add_decayed_weights(0.1)  # needs params even for no updates, as in optax
+    for tx in (nba.scale(2.0), nba.clip_by_global_norm(1.0), nba.sgd(0.1), decay):
+        u, s = tx.update(None, tx.init(p), p)
+        assert u is None
+        assert tx.update(None, tx.init(None), None if tx is not decay else p)[0] is None
+    sched = nba.scale_by_learning_rate(lambda c: 0.1)
+    u, s = sched.update(None, sched.init(p), p)
+    assert u is None and int(s.count) == 1  # the step still counts, as in optax
+    adam = nba.adam(0.1)
+    with pytest.raises(ValueError, match="updates: tree structure mismatch"):
+        adam.update(None, adam.init(p), p)  # a state of a tree wants that tree
+    assert nba.apply_updates(None, _grads(1)[0]) is None
+    assert nba.apply_updates_(None, _grads(1)[0]) is None
