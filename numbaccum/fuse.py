@@ -316,7 +316,13 @@ def _run_group(
         elif pend == "device":
             ops.append(("cast",))
         pend, fac = None, ONE
-        ops.append(("apply", np.result_type(pg.dtype, d, pg.dtype).name))
+        # An input that is the params themselves (weight decay in `step_`) is read through the
+        # apply's state argument instead of a second array argument: two arguments aliasing one
+        # buffer make LLVM add runtime overlap checks per pair of arrays, and past its limit it
+        # leaves the loop scalar (4x slower for adamw with its sqrt and division).
+        alias = tuple(i for i, a in enumerate(arrays_inputs) if i > 0 and a is pg)
+        arrays_inputs = [a for i, a in enumerate(arrays_inputs) if i not in alias]
+        ops.append(("apply", np.result_type(pg.dtype, d, pg.dtype).name, alias))
         arrays_states.append(pg)
         kinds.append(pg.dtype)
     else:
@@ -404,6 +410,9 @@ def composite_source(key: tuple) -> tuple[str, str, tuple, tuple, tuple, tuple]:
     factor's value rounded) or ``("apply", compute dtype)`` (``params += value``)."""
     d, raw_input, ops, has_output = key
     name = "fused_" + hashlib.sha1(repr(key).encode()).hexdigest()[:16]
+    # Inputs (by index among all inputs, x first) that are the apply's target: read as its state.
+    aliased = next((op[2] for op in ops if op[0] == "apply"), ())
+    n_in = 1  # inputs seen so far, x included
     states: list[str] = []
     inputs: list[str] = ["x"]
     scalars: list[str] = []
@@ -423,7 +432,7 @@ def composite_source(key: tuple) -> tuple[str, str, tuple, tuple, tuple, tuple]:
             body.append(f"    v = as_{d}(v)")
         elif op[0] == "apply":
             c = op[1]
-            st = f"s{len(states)}"
+            st = "sp"  # the params (also what an aliased input reads)
             states.append(st)
             new_states.append(f"n{len(new_states)}")
             body.append(f"    {new_states[-1]} = {st} + as_{c}(1.0) * as_{c}(v)")
@@ -436,8 +445,14 @@ def composite_source(key: tuple) -> tuple[str, str, tuple, tuple, tuple, tuple]:
                 body.append(f"    g = as_{c}(v)")
             sts = [f"s{len(states) + i}" for i in range(n_states)]
             states += sts
-            ins = [f"x{len(inputs) + i}" for i in range(n_inputs)]
-            inputs += ins
+            ins = []
+            for _ in range(n_inputs):
+                if n_in in aliased:
+                    ins.append("sp")
+                else:
+                    ins.append(f"x{len(inputs)}")
+                    inputs.append(ins[-1])
+                n_in += 1
             scs = [scalar() if b else f"as_{c}({scalar()})" for b in bools]
             body.append(f"    r = {fname}({', '.join(sts + ['g'] + ins + scs)})")
             if n_states == 0:

@@ -77,6 +77,8 @@ def step_(tx: Any, grads: Any, state: Any, params: Any, **extra_args: Any) -> An
     if apply is None:  # nothing fused at the end: the planned step, then apply_updates_
         return _run_then_apply(stage, step, u, kind, params, spec, owner)
     p, copied = _writable(params, spec)
+    if ref._flat is None:  # a stage that reads the params (weight decay) reads these: the
+        ref._flat = p  # fused pass then reads and writes one buffer (`fuse._run_group`)
     u.scratch = stage._workspace(owner, spec, "output")
     if kind in arrays.STREAM_KINDS:
         with arrays.launch_context(kind):
@@ -258,7 +260,10 @@ def explain(
             w = sum(buffers(p)[1] for p in parts if isinstance(p, fuse.Kernel))
             last = stop == len(steps)
             if apply and last:
-                passes.append(Pass("fused", (*label, "apply to params"), r + x, w + x))
+                # The params a part reads (weight decay) are the ones the pass writes: read once.
+                shared = x * sum(len(p.formula.inputs) - 1 for p in parts if isinstance(p, fuse.Kernel))
+                minimum -= shared
+                passes.append(Pass("fused", (*label, "apply to params"), r + x - shared, w + x))
             else:
                 passes.append(Pass("fused", label, r, w + x))
             pending = False

@@ -326,3 +326,33 @@ def test_explain_lists_the_passes_and_bytes():
     assert nb.explain(RECIPES["clip_adam"](), params, apply=True, fused=False).total == 40.0
     opaque = nb.explain(RECIPES["multisteps"](), params)
     assert opaque.total is None and "?" in str(opaque)
+
+
+def test_step_with_weight_decay_reads_the_params_once(monkeypatch):
+    """In `step_`, weight decay's params are the buffer the pass writes: the composite takes it
+    once (an aliased second argument leaves LLVM's loop scalar), with the same bits."""
+    params = {k: np.array(v) for k, v in PARAMS.items() if np.ndim(v)}
+    grads = [{k: g[k] for k in params} for g in _grads(3)]
+
+    def make():
+        return nb.chain(
+            nb.clip_by_global_norm(1.0), nb.scale_by_adam(), nb.add_decayed_weights(1e-2), nb.scale(-0.1)
+        )
+
+    want = _update_and_apply(make, params, grads)
+    _same(_run_step(make, params, grads, flat=True), want)
+    _same(_run_step(make, params, grads), want)  # a plain tree: packed once, read once too
+    applied = nb.explain(make(), {"w": np.ones((100, 10), np.float32)}, apply=True)
+    assert applied.total == applied.minimum == 32.0  # norm 4; g 4, mu 8, nu 8, params 8
+    tx = make()
+    state = tx.init(params)
+    seen = []
+    real = fuse._composite
+
+    def spy(key):
+        seen.append(key)
+        return real(key)
+
+    monkeypatch.setattr(fuse, "_composite", spy)
+    nb.step_(tx, grads[0], state, nb.FlatTree.from_tree(params))
+    assert seen and all(k[2][-1][0] == "apply" and k[2][-1][2] == (1,) for k in seen), seen
