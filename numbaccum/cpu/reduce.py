@@ -173,7 +173,9 @@ def _view_run(total):
     """``run(x, out, a, n, st, c, p)``: ``total`` over ``n`` elements of ``x`` from ``a`` with
     stride ``st`` (a contiguous view when ``st == 1``: the loop vectorises)."""
 
-    @_jit
+    # Compiled on its own (not inlined): the walker calls it twice, and an inlined copy per call
+    # site and view type made the engine's kernels take seconds each to compile.
+    @njit(error_model="numpy")
     def run(x, out, a, n, st, c, p):  # pragma: no cover - compiled
         if st == 1:
             return total(x[a : a + n], c, p)
