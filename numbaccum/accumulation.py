@@ -24,7 +24,9 @@ from .base import (
     Stage,
     Step,
     Updates,
+    apply_updates_,
     as_stage,
+    step_applier,
     with_extra_args_support,
 )
 from .contract import ONE
@@ -537,40 +539,69 @@ class MultiSteps(Stage):
         inner = self._inner.plan(spec, state.inner_opt_state, params, extra) if emits else None
         next_gradient_step = safe_increment(gradient_step) if emits else gradient_step
         skip_fn, mean, fresh = self._skip, self._mean, mini == 0
+        inner_apply = step_applier(inner) if inner is not None else None
 
-        def run(u: Updates) -> tuple[Updates, MultiStepsState]:
+        def accumulate(u: Updates) -> tuple[bool, Any]:
+            """Adds ``u`` to the accumulator unless the skip function says not to: ``(skipped,
+            skip_state)``."""
             skip_state = state.skip_state
             if skip_fn is not None:
                 skip, skip_state = _call_skip(skip_fn, u, gradient_step, params)
                 if np.ndim(skip) != 0 or np.asarray(skip).dtype != np.bool_:
                     raise ValueError(f"should_skip_update_fn must return a bool scalar, got {skip!r}")
                 if bool(skip):
-                    return zeros_output(acc, layout), state._replace(skip_state=skip_state)
+                    return True, skip_state
             for a, g in zip(acc.groups, u.flat.groups):
                 if mean:
                     ops_for(g).mean_accumulate_(a, g, u.factor, mini + 1, fresh)
                 else:
                     ops_for(g).sum_accumulate_(a, g, u.factor, fresh)
-            if inner is None:
-                new = MultiStepsState(
-                    np.int32(mini + 1), gradient_step, state.inner_opt_state, acc, skip_state
-                )
-                return zeros_output(acc, layout), new
-            # Emission: the inner optimizer sees acc in the updates' dtypes and may overwrite it
-            # (it is zeroed below); its result is moved out of acc first if it still lives there.
+            return False, skip_state
+
+        def inner_updates() -> Updates:
+            # The inner optimizer sees acc in the updates' dtypes and may overwrite it (it is
+            # zeroed after).
             inner_in = _as_update_dtypes(acc, layout)
-            out, inner_state = inner.run(
-                Updates(
-                    inner_in, owned=True, scratch=lambda: acc.workspace("inner", list(layout.group_dtypes))
-                )
-            )
-            if out.flat is acc or out.flat is inner_in:
-                out = Updates(out.into(acc.workspace("emit", list(layout.group_dtypes))), owned=True)
+            scratch = lambda: acc.workspace("inner", list(layout.group_dtypes))  # noqa: E731
+            return Updates(inner_in, owned=True, scratch=scratch)
+
+        def emitted(inner_state: Any, skip_state: Any) -> MultiStepsState:
             for a in acc.groups:
                 ops_for(a).fill_(a, 0.0)
-            return out, MultiStepsState(np.int32(0), next_gradient_step, inner_state, acc, skip_state)
+            return MultiStepsState(np.int32(0), next_gradient_step, inner_state, acc, skip_state)
 
-        return Step(run)
+        def waiting(skip_state: Any) -> MultiStepsState:
+            return MultiStepsState(np.int32(mini + 1), gradient_step, state.inner_opt_state, acc, skip_state)
+
+        def run(u: Updates) -> tuple[Updates, MultiStepsState]:
+            skipped, skip_state = accumulate(u)
+            if skipped:
+                return zeros_output(acc, layout), state._replace(skip_state=skip_state)
+            if inner is None:
+                return zeros_output(acc, layout), waiting(skip_state)
+            inner_in = inner_updates()
+            out, inner_state = inner.run(inner_in)
+            # The result is moved out of acc first if it still lives there.
+            if out.flat is acc or out.flat is inner_in.flat:
+                out = Updates(out.into(acc.workspace("emit", list(layout.group_dtypes))), owned=True)
+            return out, emitted(inner_state, skip_state)
+
+        def apply(u: Updates, p: FlatTree) -> MultiStepsState:
+            """`run`, the emitted update added to ``p`` in the inner optimizer's last pass
+            (`numbaccum.step_`); a step that emits nothing leaves ``p`` as it is."""
+            skipped, skip_state = accumulate(u)
+            if skipped:
+                return state._replace(skip_state=skip_state)
+            if inner is None:
+                return waiting(skip_state)
+            if inner_apply is not None:
+                inner_state = inner_apply(inner_updates(), p)
+            else:
+                out, inner_state = inner.run(inner_updates())
+                apply_updates_(p, out.settled().flat)
+            return emitted(inner_state, skip_state)
+
+        return Step(run, apply=apply)
 
 
 def _as_update_dtypes(acc: FlatTree, layout: Layout) -> FlatTree:

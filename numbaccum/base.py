@@ -678,6 +678,19 @@ def run_parts(
     return Updates(out, True, factor, scratch=u.scratch), new_states
 
 
+def step_applier(step: Step) -> Callable[[Updates, FlatTree], Any] | None:
+    """``apply(updates, params) -> new_state`` for a planned step: its own `Step.apply`, or, for
+    a step that is one fusable run, that run with the params added in its pass; None when the
+    step cannot apply its updates in its last pass (then: run it, then add the updates)."""
+    if step.apply is not None:
+        return step.apply
+    if step.spec is None and fuse._fusable(step.fuse):
+        (_, _, fr), *rest = fuse.segments([step])
+        if fr is not None and not rest:
+            return lambda u, p: run_parts(fr, u, p)[1][0]
+    return None
+
+
 def _chained(steps: list, names: list[str] | None) -> Any:
     """A chain's own part for an enclosing chain: its steps' parts when every one is fusable
     (`numbaccum.fuse.Chained`), else None."""

@@ -19,6 +19,7 @@ import numpy as np
 
 from . import arrays, fuse
 from ._checks import transformation
+from .accumulation import MultiSteps, MultiStepsState, skip_large_updates, skip_not_finite
 from .base import (
     Chain,
     ParamsRef,
@@ -28,8 +29,8 @@ from .base import (
     apply_updates_,
     as_stage,
     check_params,
-    run_parts,
     scatter_back,
+    step_applier,
     with_extra_args_support,
 )
 from .flat import FlatTree, as_flat, layout_of
@@ -69,11 +70,7 @@ def step_(tx: Any, grads: Any, state: Any, params: Any, **extra_args: Any) -> An
     ref = ParamsRef(params, spec.layout, None, spec.device, stage._workspace(owner, spec, "params"))
     ref.checked = check_params(params, spec)
     step = stage.plan(spec, state, ref, extra_args)
-    apply = step.apply
-    if apply is None and step.spec is None and fuse._fusable(step.fuse):
-        (_, _, fr), *rest = fuse.segments([step])
-        if fr is not None and not rest:
-            apply = lambda u, p: run_parts(fr, u, p)[1][0]  # noqa: E731
+    apply = step_applier(step)
     if apply is None:  # nothing fused at the end: the planned step, then apply_updates_
         return _run_then_apply(stage, step, u, kind, params, spec, owner)
     p, copied = _writable(params, spec)
@@ -211,6 +208,8 @@ def explain(
         state = stage.init(params)
     spec = Spec(layout, device)
     ref = ParamsRef(params, layout, None, device)
+    if isinstance(stage, MultiSteps):
+        return _explain_multisteps(stage, params, state, apply, fused, layout)
     if isinstance(stage, Chain) and type(stage).plan is Chain.plan:
         states = stage._states(state)
         if states is None:
@@ -288,6 +287,42 @@ def explain(
         passes.append(Pass("settle", ("pending factor",), x, x))
     if apply and not (fused and segs and segs[-1][2] is not None):
         passes.append(Pass("apply", ("apply_updates_",), 2 * x, x))
+    return Explanation(tuple(passes), minimum, fused, apply, int(sum(layout.group_sizes)))
+
+
+def _explain_multisteps(
+    stage: MultiSteps, params: Any, state: Any, apply: bool, fused: bool, layout: Any
+) -> Explanation:
+    """The passes of `MultiSteps`' next step (as its state says): the accumulation, the skip
+    function's check, and on an emitting step the inner optimizer's passes and the reset."""
+    if not isinstance(state, MultiStepsState):
+        raise TypeError(f"state: expected MultiStepsState, got {type(state).__name__}")
+    sizes = np.array(layout.group_sizes, np.float64)
+    n = float(sizes.sum()) or 1.0
+    x = float(np.dot(sizes, [np.dtype(t).itemsize for t in layout.group_dtypes]) / n)
+    a = float(np.dot(sizes, [g.dtype.itemsize for g in state.acc_grads.groups]) / n)
+    mini, k = int(state.mini_step), stage._schedule(state.gradient_step)
+    passes: list[Pass] = []
+    skip = stage._skip
+    if skip is not None:  # the library's predicates read the updates once; a user's: unknown
+        known = skip in (skip_not_finite, skip_large_updates)
+        passes.append(
+            Pass(
+                "reduction" if known else "opaque",
+                ("should_skip_update_fn",),
+                *((x, 0.0) if known else (None, None)),
+            )
+        )
+    fresh = mini == 0
+    passes.append(Pass("kernel", ("multisteps (accumulate)",), x + (0.0 if fresh else a), a))
+    minimum = x + (0.0 if fresh else a) + a
+    if mini >= k - 1:
+        if a != x:
+            passes.append(Pass("kernel", ("multisteps (cast to the updates' dtypes)",), a, x))
+        inner = explain(stage.inner_opt, params, state.inner_opt_state, apply=apply, fused=fused)
+        passes += inner.passes
+        passes.append(Pass("kernel", ("multisteps (reset)",), 0.0, a))
+        minimum += inner.minimum - x  # the inner reads the accumulator, counted above
     return Explanation(tuple(passes), minimum, fused, apply, int(sum(layout.group_sizes)))
 
 

@@ -247,6 +247,11 @@ STEP_RECIPES = {
     "trace_alone": lambda: nb.trace(0.9),
     "not_fusable_last": lambda: nb.chain(nb.adam(1e-2), nb.zero_nans()),
     "decayed_weights_last": lambda: nb.chain(nb.scale_by_adam(), nb.add_decayed_weights(0.1), nb.scale(-0.1)),
+    "multisteps_decay_sum": lambda: nb.MultiSteps(
+        nb.chain(nb.scale_by_adam(), nb.add_decayed_weights(0.1), nb.scale(-0.1)), 2, use_grad_mean=False
+    ),
+    "multisteps_skip": lambda: nb.MultiSteps(nb.sgd(0.1, 0.9), 1, should_skip_update_fn=nb.skip_not_finite),
+    "multisteps_not_fusable": lambda: nb.MultiSteps(nb.chain(nb.adam(1e-2), nb.zero_nans()), 2),
 }
 
 
@@ -324,7 +329,18 @@ def test_explain_lists_the_passes_and_bytes():
     applied = nb.explain(RECIPES["clip_adam"](), params, apply=True)
     assert applied.passes[-1].stages[-1] == "apply to params" and applied.total == 32.0
     assert nb.explain(RECIPES["clip_adam"](), params, apply=True, fused=False).total == 40.0
-    opaque = nb.explain(RECIPES["multisteps"](), params)
+    ms = RECIPES["multisteps"]()  # k = 2
+    state = ms.init(params)
+    first = nb.explain(ms, params, state)
+    assert [p.stages for p in first.passes] == [("multisteps (accumulate)",)] and first.total == 8.0
+    emitting = nb.explain(ms, params, state._replace(mini_step=np.int32(1)))
+    kinds = [p.kind for p in emitting.passes]
+    assert kinds == ["kernel", "reduction", "fused", "kernel"]  # accumulate, norm, adam, reset
+    assert emitting.total == 44.0 and emitting.minimum == 36.0
+    assert nb.explain(ms, params, state._replace(mini_step=np.int32(1)), apply=True).total == 48.0
+    opaque = nb.explain(
+        nb.MultiSteps(nb.sgd(0.1), 2, should_skip_update_fn=lambda u, s, p: (False, ())), params
+    )
     assert opaque.total is None and "?" in str(opaque)
 
 
@@ -356,3 +372,23 @@ def test_step_with_weight_decay_reads_the_params_once(monkeypatch):
     monkeypatch.setattr(fuse, "_composite", spy)
     nb.step_(tx, grads[0], state, nb.FlatTree.from_tree(params))
     assert seen and all(k[2][-1][0] == "apply" and k[2][-1][2] == (1,) for k in seen), seen
+
+
+def test_step_through_multisteps_adds_in_the_inner_pass(monkeypatch):
+    """The emitting step of MultiSteps under step_: the inner chain's last fused pass adds the
+    update to the params (no update buffer); the other steps leave the params untouched."""
+    params = {k: np.array(v) for k, v in PARAMS.items() if np.ndim(v)}
+    grads = [{k: g[k] for k in params} for g in _grads(4)]
+    make = RECIPES["multisteps"]
+    _same(_run_step(make, params, grads, flat=True), _update_and_apply(make, params, grads))
+    tx = make()
+    state = tx.init(params)
+    p = nb.FlatTree.from_tree(params)
+    before = snapshot(p.tree)
+    state = nb.step_(tx, grads[0], state, p)  # accumulates only
+    assert_tree_equal(p.tree, before)
+    seen = []
+    real = fuse._composite
+    monkeypatch.setattr(fuse, "_composite", lambda key: seen.append(key) or real(key))
+    nb.step_(tx, grads[1], state, p)  # emits
+    assert seen and all(k[2][-1][0] == "apply" for k in seen)
