@@ -6,8 +6,9 @@ the plan, before any buffer is written, so a schedule that raises leaves the sta
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
 
@@ -34,21 +35,23 @@ from .base import (
     Updates,
     chain,
 )
-from .contract import ONE, Factor
+from .contract import ONE, Factor, Ops
 from .flat import FlatTree, layout_and_device
 from .fuse import Kernel, Scale
-from .layout import check_float_dtype
+from .layout import Layout, check_float_dtype
 from .masking import MaskedState, _Masked
 
 __all__ = [
     "ScaleByAdamState",
     "ScaleByScheduleState",
+    "WeightDecaySchedule",
     "adam",
     "add_decayed_weights",
     "identity",
     "scale",
     "scale_by_adam",
     "scale_by_learning_rate",
+    "scale_by_nadam",
     "scale_by_sign",
     "sgd",
     "sign_sgd",
@@ -136,28 +139,62 @@ def scale_by_learning_rate(
     return _ScaleBySchedule(learning_rate, sign).transformation()
 
 
+class WeightDecaySchedule(NamedTuple):
+    """The step count of a scheduled weight decay."""
+
+    count: np.int32  # type: ignore[assignment]  # shadows tuple.count, as in optax
+
+
 class _AddDecayedWeights(Stage):
-    def __init__(self, weight_decay: float) -> None:
-        self.weight_decay = real(weight_decay, "weight_decay")
+    def __init__(self, weight_decay: ScalarOrSchedule) -> None:
+        # optax skips a constant zero (a Python int or float): the updates pass unchanged (+-0
+        # kept, inf params ignored).
+        self.skip = (
+            isinstance(weight_decay, (int, float))
+            and not isinstance(weight_decay, bool)
+            and weight_decay == 0
+        )
+        self.weight_decay = real_or_schedule(weight_decay, "weight_decay")
 
-    def init(self, params: Any) -> EmptyState:
-        return EmptyState()
+    def init(self, params: Any) -> Any:
+        return WeightDecaySchedule(np.int32(0)) if callable(self.weight_decay) else EmptyState()
 
-    def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
+    def decay(self, state: Any, params: ParamsRef | None) -> tuple[float, Any]:
+        """This step's weight decay and the new state (the schedule called); raises first on a
+        missing ``params`` or a state of another kind."""
         if params is None:
             raise ValueError("add_decayed_weights needs params: call update(updates, state, params)")
-        wd = self.weight_decay
+        if not callable(self.weight_decay):
+            if not isinstance(state, EmptyState):
+                raise TypeError(f"state: add_decayed_weights expects EmptyState, got {type(state).__name__}")
+            return self.weight_decay, state
+        if not isinstance(state, WeightDecaySchedule):
+            raise TypeError(
+                f"state: a scheduled weight decay expects WeightDecaySchedule, got {type(state).__name__}"
+            )
+        wd = scheduled(self.weight_decay, state.count, "weight_decay")
+        return wd, WeightDecaySchedule(safe_increment(state.count))
+
+    def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
+        wd, new_state = self.decay(state, params)
+        if self.skip:
+            return Step(lambda u: (u, new_state), fuse=Scale(ONE, new_state, "add_decayed_weights"))
 
         def run(u: Updates) -> tuple[Updates, Any]:
-            p = params.flat()
+            p = params.flat()  # type: ignore[union-attr]
             out = u.fresh()
             for o, g, pg in zip(out.groups, u.flat.groups, p.groups):
                 ops_for(g).add_scaled_(o, g, u.factor, pg, wd)
-            return Updates(out, owned=True), state
+            return Updates(out, owned=True), new_state
 
         scalars = [(wd,)] * len(spec.layout.groups)
         part = Kernel(
-            F.add_scaled, (), scalars, state, inputs=lambda: (params.flat(),), name="add_decayed_weights"
+            F.add_scaled,
+            (),
+            scalars,
+            new_state,
+            inputs=lambda: (params.flat(),),  # type: ignore[union-attr]
+            name="add_decayed_weights",
         )
         return Step(run, fuse=part)
 
@@ -167,22 +204,23 @@ class _MaskedDecay(_Masked):
     each run of consecutive kept leaves of the flat buffers in place, the other leaves pass
     through (copied only when the output is a new buffer or a factor is pending)."""
 
-    def __init__(self, weight_decay: float, mask: Any) -> None:
+    def __init__(self, weight_decay: ScalarOrSchedule, mask: Any) -> None:
         super().__init__(_AddDecayedWeights(weight_decay), mask, False)
-        self.weight_decay = self.inner.weight_decay
 
     def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
-        if not isinstance(state, MaskedState) or not isinstance(state.inner_state, EmptyState):
+        if not isinstance(state, MaskedState):
             raise TypeError(
-                f"state: add_decayed_weights with a mask expects MaskedState(EmptyState()), got {state!r:.80}"
+                f"state: add_decayed_weights with a mask expects a MaskedState, got {type(state).__name__}"
             )
-        if params is None:
-            raise ValueError("add_decayed_weights needs params: call update(updates, state, params)")
+        inner: _AddDecayedWeights = self.inner  # type: ignore[assignment]
+        wd, inner_state = inner.decay(state.inner_state, params)
+        new_state = MaskedState(inner_state)
         m = self.resolve(spec.layout)
-        wd = self.weight_decay
+        if inner.skip:
+            return Step(lambda u: (u, new_state))
 
         def run(u: Updates) -> tuple[Updates, Any]:
-            p = params.flat()
+            p = params.flat()  # type: ignore[union-attr]
             out = u.fresh()
             x, o = u.flat.groups, out.groups
             if out is not u.flat or u.pending:
@@ -190,16 +228,19 @@ class _MaskedDecay(_Masked):
                     ops_for(x[g]).scale_(o[g][a:b], x[g][a:b], u.factor)
             for g, a, b, _, _ in m.runs:
                 ops_for(x[g]).add_scaled_(o[g][a:b], x[g][a:b], u.factor, p.groups[g][a:b], wd)
-            return Updates(out, owned=True), state
+            return Updates(out, owned=True), new_state
 
         return Step(run)
 
 
-def add_decayed_weights(weight_decay: float = 0.0, mask: Any = None) -> GradientTransformationExtraArgs:
+def add_decayed_weights(
+    weight_decay: ScalarOrSchedule = 0.0, mask: Any = None
+) -> GradientTransformationExtraArgs:
     """Weight decay: ``u = g + weight_decay * params``. Needs ``params``.
 
     Args:
-        weight_decay: the decay rate.
+        weight_decay: the decay rate, or a schedule of the step (state `WeightDecaySchedule`);
+            a constant 0 passes the updates through unchanged, as in optax.
         mask: None (every leaf), or a tree of bools of the params' structure (or a prefix of
             it), or a callable of the params returning one: only the leaves where it is True
             are decayed, the others pass through (optax's ``masked(add_decayed_weights(...),
@@ -309,7 +350,13 @@ class _ScaleByAdam(Stage):
 
 
 def scale_by_adam(
-    b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, eps_root: float = 0.0, mu_dtype: Any = None
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    eps_root: float = 0.0,
+    mu_dtype: Any = None,
+    *,
+    nesterov: bool = False,
 ) -> GradientTransformationExtraArgs:
     """Adam's direction, as optax computes it:
 
@@ -320,8 +367,103 @@ def scale_by_adam(
         b1, b2: decay rates of the moments, in [0, 1].
         eps, eps_root: added outside and inside the square root.
         mu_dtype: storage dtype of ``mu``; None keeps each leaf's dtype.
+        nesterov: NAdam's direction instead (`scale_by_nadam`).
     """
+    if flag(nesterov, "nesterov"):
+        return scale_by_nadam(b1, b2, eps, eps_root, mu_dtype)
     return _ScaleByAdam(b1, b2, eps, eps_root, mu_dtype).transformation()
+
+
+class _Direction(Stage):
+    """A stage whose update is one formula over its moments and the updates, per dtype group.
+
+    Subclasses say which state class and FlatTree fields (in the formula's order), whether the
+    state counts steps, the `Ops` method of the formula, and the per-group scalars of a step
+    (`scalars`, from the new count and the group's compute dtype)."""
+
+    state_cls: ClassVar[type]
+    fields: ClassVar[tuple[str, ...]]
+    counted: ClassVar[bool] = True
+    formula: ClassVar[F.Formula]
+    op: ClassVar[Callable[..., None]]
+    name: ClassVar[str]
+    mu_dtype: np.dtype | None = None  # storage dtype of the first field (mu), where optax has one
+    initial: float = 0.0  # the value the last field starts at (rms, rss)
+
+    def init(self, params: Any) -> Any:
+        layout, device = layout_and_device(params, "params")
+        values = {f: self._buffer(f, layout, device) for f in self.fields}
+        if self.counted:
+            values["count"] = np.int32(0)
+        return self.state_cls(**values)
+
+    def _buffer(self, field: str, layout: Layout, device: bool) -> FlatTree:
+        if field == "mu":
+            return FlatTree.zeros(layout, self.mu_dtype, device)
+        buf = FlatTree.zeros(layout, None, device)
+        return buf.fill_(self.initial) if self.initial and field == self.fields[-1] else buf
+
+    def owner(self, state: Any) -> FlatTree | None:
+        return field_owner(state, self.state_cls, self.fields[-1])
+
+    @abc.abstractmethod
+    def scalars(self, count: Any, ct: np.dtype) -> tuple:
+        """The formula's scalars for a group computing in ``ct`` at the new ``count``."""
+
+    def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
+        bufs = [expect_state(state, self.state_cls, f, spec) for f in self.fields]
+        count = safe_increment(state.count) if self.counted else None
+        scalars = []
+        for gi, gdt in enumerate(spec.layout.group_dtypes):
+            ct = compute_dtype(*(b.groups[gi].dtype for b in bufs), gdt)
+            scalars.append(self.scalars(count, ct))
+        values = dict(zip(self.fields, bufs))
+        if self.counted:
+            values["count"] = count
+        new_state = self.state_cls(**values)
+        last = bufs[-1]
+        op = type(self).op
+
+        def out() -> FlatTree:
+            return last.workspace("out", spec.layout.group_dtypes)
+
+        def run(u: Updates) -> tuple[Updates, Any]:
+            o = out()
+            for gi, g in enumerate(u.flat.groups):
+                op(ops_for(g), *(b.groups[gi] for b in bufs), g, u.factor, *scalars[gi], out=o.groups[gi])
+            return Updates(o, owned=True), new_state
+
+        part = Kernel(self.formula, tuple(bufs), scalars, new_state, out=out, name=self.name)
+        return Step(run, fuse=part)
+
+
+def _mu_dtype(mu_dtype: Any) -> np.dtype | None:
+    return None if mu_dtype is None else check_float_dtype(mu_dtype, "mu_dtype")
+
+
+class _ScaleByNadam(_Direction):
+    state_cls, fields, formula, name = ScaleByAdamState, ("mu", "nu"), F.nadam, "scale_by_adam(nesterov)"
+    op = Ops.nadam_update_
+
+    def __init__(self, b1: float, b2: float, eps: float, eps_root: float, mu_dtype: Any) -> None:
+        self.b1, self.b2 = check_decay(b1, "b1"), check_decay(b2, "b2")
+        self.eps, self.eps_root = real(eps, "eps"), real(eps_root, "eps_root")
+        self.mu_dtype = _mu_dtype(mu_dtype)
+
+    def scalars(self, count: Any, ct: np.dtype) -> tuple:
+        b1, b2, t = self.b1, self.b2, int(count)
+        bc1, bc1_next = bias_correction(b1, t, ct), bias_correction(b1, int(safe_increment(count)), ct)
+        bc2 = bias_correction(b2, t, ct)
+        return (b1, 1.0 - b1, b2, 1.0 - b2, bc1, bc1_next, bc2, self.eps, self.eps_root)
+
+
+def scale_by_nadam(
+    b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, eps_root: float = 0.0, mu_dtype: Any = None
+) -> GradientTransformationExtraArgs:
+    """``scale_by_adam(..., nesterov=True)``: Adam's moments, the first one corrected with
+    Nesterov's look-ahead, ``mu_hat = b1 mu / (1 - b1^(t+1)) + (1 - b1) g / (1 - b1^t)``,
+    ``u = mu_hat / (sqrt(nu / (1 - b2^t) + eps_root) + eps)`` (state `ScaleByAdamState`)."""
+    return _ScaleByNadam(b1, b2, eps, eps_root, mu_dtype).transformation()
 
 
 class _Adam(Chain):
@@ -356,14 +498,21 @@ def adam(
     b2: float = 0.999,
     eps: float = 1e-8,
     eps_root: float = 0.0,
+    mu_dtype: Any = None,
+    *,
+    nesterov: bool = False,
 ) -> GradientTransformationExtraArgs:
-    """Adam: ``chain(scale_by_adam(b1, b2, eps, eps_root), scale_by_learning_rate(lr))``.
+    """Adam: ``chain(scale_by_adam(b1, b2, eps, eps_root, mu_dtype, nesterov=nesterov),
+    scale_by_learning_rate(lr))``.
 
     Same state and same bits as that chain, in one pass: the ``-lr`` step is applied inside the
     Adam kernel (``u = direction * -lr`` rounds exactly as a separate scaling pass would).
+    ``nesterov=True`` is `nadam`.
     """
     learning_rate = real_or_schedule(learning_rate, "learning_rate")
-    direction = _ScaleByAdam(b1, b2, eps, eps_root, None)
+    if flag(nesterov, "nesterov"):
+        return chain(scale_by_nadam(b1, b2, eps, eps_root, mu_dtype), scale_by_learning_rate(learning_rate))
+    direction = _ScaleByAdam(b1, b2, eps, eps_root, mu_dtype)
     if callable(learning_rate):
         lr: _Scale | _ScaleBySchedule = _ScaleBySchedule(learning_rate, -1.0)
     else:

@@ -1102,3 +1102,226 @@ def adaptive_grad_clip(tree, params, clipping, eps=1e-3, axis=None):
         return _arr(np.asarray(g, np.float64) * f, g.dtype)
 
     return tree_map(one, tree, params)
+
+
+# ---------------------------------------------------------------------------
+# optax's optimizer library (numbaccum.optimizers), leaf by leaf from optax's
+# alias.py / transform.py: moments ``(1 - d) g**k + d m``, corrections
+# ``1 - d**count`` in the leaf dtype, then the direction.
+# ---------------------------------------------------------------------------
+
+
+def _direction(state_cls, fields, step, counted=True, initial=None, mu_dtype=None):
+    """A transformation whose state holds ``fields`` (trees, ``initial[f]`` at start) and, when
+    ``counted``, a count; ``step(count, dt, g, *moments) -> (u, *new_moments)`` per leaf."""
+
+    def init(params):
+        trees = []
+        for f in fields:
+            value = (initial or {}).get(f, 0.0)
+            dtype = mu_dtype if (f == "mu" and mu_dtype is not None) else None
+            trees.append(tree_map(lambda x, v=value, d=dtype: np.full(np.shape(x), v, d or x.dtype), params))
+        return state_cls(np.int32(0), *trees) if counted else state_cls(*trees)
+
+    def update(updates, state, params=None, **extra):
+        count = safe_increment(state.count) if counted else None
+        moments = [getattr(state, f) for f in fields]
+        gl, tdef = tree_flatten(updates)
+        ml = [tree_flatten(m)[0] for m in moments]
+        us, new = [], [[] for _ in fields]
+        for i, g in enumerate(gl):
+            dt = g.dtype
+            olds = [m[i] for m in ml]
+            u, *ms = step(count, dt, g, *[o.astype(np.result_type(o.dtype, dt)) for o in olds])
+            us.append(_arr(u, dt))
+            for k, (m_new, old) in enumerate(zip(ms, olds)):
+                new[k].append(_arr(m_new, old.dtype))
+        trees = [tree_unflatten(tdef, n) for n in new]
+        return tree_unflatten(tdef, us), (state_cls(count, *trees) if counted else state_cls(*trees))
+
+    return Transformation(init, update)
+
+
+def _moment(g, m, d, dt, order=1):
+    return _c(1 - d, dt) * (g if order == 1 else g * g) + _c(d, dt) * m
+
+
+def _nesterov_hat(m, g, b1, count, dt):
+    return _c(b1, dt) * (m / bias_correction_denominator(b1, safe_increment(count), dt)) + _c(1 - b1, dt) * (
+        g / bias_correction_denominator(b1, count, dt)
+    )
+
+
+def scale_by_nadam(b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0, mu_dtype=None) -> Transformation:
+    def step(count, dt, g, mu, nu):
+        m, v = _moment(g, mu, b1, dt), _moment(g, nu, b2, dt, 2)
+        m_hat = _nesterov_hat(m, g, b1, count, dt)
+        v_hat = v / bias_correction_denominator(b2, count, dt)
+        return m_hat / (np.sqrt(v_hat + _c(eps_root, dt)) + _c(eps, dt)), m, v
+
+    return _direction(ScaleByAdamState, ("mu", "nu"), step, mu_dtype=mu_dtype)
+
+
+def adamw(
+    learning_rate, b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0, weight_decay=1e-4, mask=None, *, nesterov=False
+):
+    direction = scale_by_nadam(b1, b2, eps, eps_root) if nesterov else scale_by_adam(b1, b2, eps, eps_root)
+    decay = (
+        add_decayed_weights(weight_decay) if mask is None else add_decayed_weights_masked(weight_decay, mask)
+    )
+    return chain(direction, decay, scale_by_learning_rate(learning_rate))
+
+
+def nadam(learning_rate, b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0):
+    return chain(scale_by_nadam(b1, b2, eps, eps_root), scale_by_learning_rate(learning_rate))
+
+
+class ScaleByAmsgradState(NamedTuple):
+    count: int
+    mu: Any
+    nu: Any
+    nu_max: Any
+
+
+def amsgrad(
+    learning_rate, b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0, bias_correction_mu=True, bias_correction_nu=True
+):
+    def step(count, dt, g, mu, nu, nu_max):
+        m, v = _moment(g, mu, b1, dt), _moment(g, nu, b2, dt, 2)
+        m_hat = m / bias_correction_denominator(b1, count, dt) if bias_correction_mu else m
+        v_eff = v / bias_correction_denominator(b2, count, dt) if bias_correction_nu else v
+        vm = np.maximum(nu_max, v_eff)
+        return m_hat / (np.sqrt(vm + _c(eps_root, dt)) + _c(eps, dt)), m, v, vm
+
+    direction = _direction(ScaleByAmsgradState, ("mu", "nu", "nu_max"), step)
+    return chain(direction, scale_by_learning_rate(learning_rate))
+
+
+def adamax(learning_rate, b1=0.9, b2=0.999, eps=1e-8):
+    def step(count, dt, g, mu, nu):
+        m = _moment(g, mu, b1, dt)
+        v = np.maximum(np.abs(g) + _c(eps, dt), _c(b2, dt) * nu)
+        return (m / bias_correction_denominator(b1, count, dt)) / v, m, v
+
+    return chain(_direction(ScaleByAdamState, ("mu", "nu"), step), scale_by_learning_rate(learning_rate))
+
+
+class ScaleByBeliefState(NamedTuple):
+    count: int
+    mu: Any
+    nu: Any
+
+
+def adabelief(learning_rate, b1=0.9, b2=0.999, eps=1e-16, eps_root=1e-16, *, nesterov=False):
+    def step(count, dt, g, mu, nu):
+        m = _moment(g, mu, b1, dt)
+        v = _moment(g - m, nu, b2, dt, 2) + _c(eps_root, dt)
+        m_hat = (
+            _nesterov_hat(m, g, b1, count, dt) if nesterov else m / bias_correction_denominator(b1, count, dt)
+        )
+        v_hat = v / bias_correction_denominator(b2, count, dt)
+        return m_hat / (np.sqrt(v_hat) + _c(eps, dt)), m, v
+
+    return chain(_direction(ScaleByBeliefState, ("mu", "nu"), step), scale_by_learning_rate(learning_rate))
+
+
+class ScaleByLionState(NamedTuple):
+    count: int
+    mu: Any
+
+
+def scale_by_lion(b1=0.9, b2=0.99, mode="hard", smooth_beta=1.0):
+    def step(count, dt, g, mu):
+        c = _c(1 - b1, dt) * g + _c(b1, dt) * mu
+        if mode == "smooth":
+            u = np.tanh(_c(smooth_beta, dt) * c)
+        elif mode == "refined":
+            u = np.where(np.abs(c) < 1.0, c, np.where(c == 0, c, np.sign(c)))
+        else:
+            u = np.where(c == 0, c, np.sign(c))  # jnp.sign keeps +-0 (and NaN)
+        return u, _moment(g, mu, b2, dt)
+
+    return _direction(ScaleByLionState, ("mu",), step)
+
+
+def lion(learning_rate, b1=0.9, b2=0.99, weight_decay=1e-3):
+    return chain(
+        scale_by_lion(b1, b2), add_decayed_weights(weight_decay), scale_by_learning_rate(learning_rate)
+    )
+
+
+class ScaleByRmsState(NamedTuple):
+    nu: Any
+
+
+class ScaleByRmsWithCountState(NamedTuple):
+    count: int
+    nu: Any
+
+
+class ScaleByRStdDevState(NamedTuple):
+    mu: Any
+    nu: Any
+
+
+class ScaleByRStdDevWithCountState(NamedTuple):
+    count: int
+    mu: Any
+    nu: Any
+
+
+def _inv_sqrt(n, eps, dt, eps_in_sqrt):
+    one = _c(1.0, dt)
+    return one / np.sqrt(n + _c(eps, dt)) if eps_in_sqrt else one / (np.sqrt(n) + _c(eps, dt))
+
+
+def rmsprop(
+    learning_rate,
+    decay=0.9,
+    eps=1e-8,
+    initial_scale=0.0,
+    eps_in_sqrt=True,
+    centered=False,
+    momentum=None,
+    nesterov=False,
+    bias_correction=False,
+):
+    def correct(x, count, dt):
+        return x / bias_correction_denominator(decay, count, dt) if bias_correction else x
+
+    if centered:
+
+        def step(count, dt, g, mu, nu):
+            m, v = _moment(g, mu, decay, dt), _moment(g, nu, decay, dt, 2)
+            mh, vh = correct(m, count, dt), correct(v, count, dt)
+            return _inv_sqrt(vh - mh * mh, eps, dt, eps_in_sqrt) * g, m, v
+
+        cls = ScaleByRStdDevWithCountState if bias_correction else ScaleByRStdDevState
+        direction = _direction(cls, ("mu", "nu"), step, bias_correction, {"nu": initial_scale})
+    else:
+
+        def step(count, dt, g, nu):
+            v = _moment(g, nu, decay, dt, 2)
+            return _inv_sqrt(correct(v, count, dt), eps, dt, eps_in_sqrt) * g, v
+
+        cls = ScaleByRmsWithCountState if bias_correction else ScaleByRmsState
+        direction = _direction(cls, ("nu",), step, bias_correction, {"nu": initial_scale})
+    tail = trace(momentum, nesterov) if momentum is not None else identity()
+    return chain(direction, scale_by_learning_rate(learning_rate), tail)
+
+
+class ScaleByRssState(NamedTuple):
+    sum_of_squares: Any
+
+
+def adagrad(learning_rate, initial_accumulator_value=0.1, eps=1e-7):
+    def step(count, dt, g, s):
+        s_new = g * g + s
+        with np.errstate(divide="ignore", invalid="ignore"):
+            scale = np.where(s_new > 0, _c(1.0, dt) / np.sqrt(s_new + _c(eps, dt)), _c(0.0, dt))
+        return scale * g, s_new
+
+    direction = _direction(
+        ScaleByRssState, ("sum_of_squares",), step, False, {"sum_of_squares": initial_accumulator_value}
+    )
+    return chain(direction, scale_by_learning_rate(learning_rate))

@@ -95,6 +95,16 @@ TXS = {
         nba.add_decayed_weights(1e-2, lambda p: nba.tree_map(lambda x: x.ndim > 1, p)),
         nba.scale(-0.1),
     ),
+    # optax's optimizer library: one formula each, on the device
+    "adamw_nesterov": lambda: nba.adamw(1e-2, weight_decay=0.1, nesterov=True),
+    "amsgrad": lambda: nba.amsgrad(1e-2),
+    "adamax": lambda: nba.adamax(1e-2),
+    "adabelief": lambda: nba.adabelief(1e-2),
+    "lion": lambda: nba.lion(1e-2),
+    "lion_smooth": lambda: nba.scale_by_lion(mode="smooth"),
+    "rmsprop_centered_momentum": lambda: nba.rmsprop(1e-2, centered=True, momentum=0.9, bias_correction=True),
+    "rmsprop": lambda: nba.rmsprop(1e-2, eps_in_sqrt=False),
+    "adagrad": lambda: nba.adagrad(0.1),
     "masked_trace": lambda: nba.masked(
         nba.chain(nba.scale(2.0), nba.trace(0.9)), lambda p: nba.tree_map(lambda x: x.size % 2 == 1, p)
     ),

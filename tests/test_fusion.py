@@ -44,6 +44,22 @@ POOL = {
     "clip": (lambda: nb.clip(0.5), None),
     "normalize": (lambda: nb.normalize_by_update_norm(2.0), None),
     "zero_nans": (lambda: nb.zero_nans(), None),  # not fusable: splits a run
+    # optax's optimizer library (numbaccum.optimizers)
+    "adamw": (lambda: nb.adamw(1e-2, weight_decay=0.1), lambda: ref.adamw(1e-2, weight_decay=0.1)),
+    "nadam": (lambda: nb.nadam(1e-2), lambda: ref.nadam(1e-2)),
+    "amsgrad": (lambda: nb.amsgrad(1e-2), lambda: ref.amsgrad(1e-2)),
+    "adamax": (lambda: nb.adamax(1e-2), lambda: ref.adamax(1e-2)),
+    "adabelief": (lambda: nb.adabelief(1e-2), lambda: ref.adabelief(1e-2)),
+    "lion": (lambda: nb.lion(1e-2), lambda: ref.lion(1e-2)),
+    "rmsprop_centered": (
+        lambda: nb.rmsprop(1e-2, centered=True, momentum=0.9),
+        lambda: ref.rmsprop(1e-2, centered=True, momentum=0.9),
+    ),
+    "adagrad": (lambda: nb.adagrad(1e-1), lambda: ref.adagrad(1e-1)),
+    "masked_decay": (
+        lambda: nb.add_decayed_weights(0.1, lambda t: nb.tree_map(lambda x: x.ndim > 1, t)),
+        None,
+    ),
 }
 
 

@@ -1,0 +1,446 @@
+"""optax's optimizer library beyond SGD and Adam: each direction is one formula
+(`numbaccum.formulas`), each optimizer optax's chain of it with weight decay and the learning rate.
+
+A direction is a `_Direction` stage: its state holds its moments as FlatTrees (plus the step
+count where the formula needs bias corrections), and its update is one kernel per dtype group
+that reads the updates and the moments once and writes the moments and the direction once. In a
+chain, the learning rate and weight decay fuse into that kernel (`numbaccum.fuse`), so
+``adamw(1e-3)`` is one pass, and `numbaccum.step_` adds it to the params in the same pass.
+
+Names, arguments, defaults, state classes and their fields are optax's, and so is the order of
+the floating-point operations (the formulas' docstrings give them).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from . import formulas as F
+from ._checks import flag, real
+from .accumulation import bias_correction, check_decay, safe_increment, trace
+from .base import GradientTransformationExtraArgs, chain
+from .contract import Ops
+from .flat import FlatTree
+from .optim import (
+    ScalarOrSchedule,
+    ScaleByAdamState,
+    _Direction,
+    _mu_dtype,
+    add_decayed_weights,
+    identity,
+    scale_by_adam,
+    scale_by_learning_rate,
+    scale_by_nadam,
+)
+
+__all__ = [
+    "ScaleByAmsgradState",
+    "ScaleByBeliefState",
+    "ScaleByLionState",
+    "ScaleByRStdDevState",
+    "ScaleByRStdDevWithCountState",
+    "ScaleByRmsState",
+    "ScaleByRmsWithCountState",
+    "ScaleByRssState",
+    "adabelief",
+    "adagrad",
+    "adamax",
+    "adamw",
+    "amsgrad",
+    "lion",
+    "nadam",
+    "nadamw",
+    "rmsprop",
+    "scale_by_adamax",
+    "scale_by_amsgrad",
+    "scale_by_belief",
+    "scale_by_lion",
+    "scale_by_rms",
+    "scale_by_rss",
+    "scale_by_stddev",
+]
+
+
+class ScaleByAmsgradState(NamedTuple):
+    """AMSGrad's step count, moments and running maximum of the corrected second moment."""
+
+    count: np.int32  # type: ignore[assignment]  # shadows tuple.count, as in optax
+    mu: FlatTree
+    nu: FlatTree
+    nu_max: FlatTree
+
+
+class ScaleByBeliefState(NamedTuple):
+    """AdaBelief's step count, first moment and second central moment."""
+
+    count: np.int32  # type: ignore[assignment]
+    mu: FlatTree
+    nu: FlatTree
+
+
+class ScaleByLionState(NamedTuple):
+    """Lion's step count and momentum."""
+
+    count: np.int32  # type: ignore[assignment]
+    mu: FlatTree
+
+
+class ScaleByRmsState(NamedTuple):
+    """RMSProp's second moment."""
+
+    nu: FlatTree
+
+
+class ScaleByRmsWithCountState(NamedTuple):
+    """RMSProp's step count and second moment (with bias correction)."""
+
+    count: np.int32  # type: ignore[assignment]
+    nu: FlatTree
+
+
+class ScaleByRStdDevState(NamedTuple):
+    """Centred RMSProp's first and second moments."""
+
+    mu: FlatTree
+    nu: FlatTree
+
+
+class ScaleByRStdDevWithCountState(NamedTuple):
+    """Centred RMSProp's step count and moments (with bias correction)."""
+
+    count: np.int32  # type: ignore[assignment]
+    mu: FlatTree
+    nu: FlatTree
+
+
+class ScaleByRssState(NamedTuple):
+    """Adagrad's sum of squared gradients."""
+
+    sum_of_squares: FlatTree
+
+
+def adamw(
+    learning_rate: ScalarOrSchedule,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    eps_root: float = 0.0,
+    mu_dtype: Any = None,
+    weight_decay: ScalarOrSchedule = 1e-4,
+    mask: Any = None,
+    *,
+    nesterov: bool = False,
+) -> GradientTransformationExtraArgs:
+    """AdamW: ``chain(scale_by_adam(b1, b2, eps, eps_root, mu_dtype, nesterov=nesterov),
+    add_decayed_weights(weight_decay, mask), scale_by_learning_rate(learning_rate))``:
+    ``u = -lr (adam_direction(g) + weight_decay * params)``, one fused pass. Needs ``params``.
+
+    ``weight_decay`` multiplies the learning rate (as in optax and PyTorch); ``mask`` keeps
+    leaves out of the decay (a tree of bools, a prefix of one, or a callable of the params).
+    """
+    return chain(
+        scale_by_adam(b1, b2, eps, eps_root, mu_dtype, nesterov=nesterov),
+        add_decayed_weights(weight_decay, mask),
+        scale_by_learning_rate(learning_rate),
+    )
+
+
+def nadam(
+    learning_rate: ScalarOrSchedule,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    eps_root: float = 0.0,
+    mu_dtype: Any = None,
+) -> GradientTransformationExtraArgs:
+    """NAdam: ``adam(..., nesterov=True)`` (see `scale_by_nadam`)."""
+    return chain(scale_by_nadam(b1, b2, eps, eps_root, mu_dtype), scale_by_learning_rate(learning_rate))
+
+
+def nadamw(
+    learning_rate: ScalarOrSchedule,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    eps_root: float = 0.0,
+    mu_dtype: Any = None,
+    weight_decay: ScalarOrSchedule = 1e-4,
+    mask: Any = None,
+) -> GradientTransformationExtraArgs:
+    """NAdamW: ``adamw(..., nesterov=True)``."""
+    return adamw(learning_rate, b1, b2, eps, eps_root, mu_dtype, weight_decay, mask, nesterov=True)
+
+
+class _ScaleByAmsgrad(_Direction):
+    state_cls, fields, formula, name = (
+        ScaleByAmsgradState,
+        ("mu", "nu", "nu_max"),
+        F.amsgrad,
+        "scale_by_amsgrad",
+    )
+    op = Ops.amsgrad_update_
+
+    def __init__(
+        self, b1: float, b2: float, eps: float, eps_root: float, mu_dtype: Any, bc_mu: bool, bc_nu: bool
+    ) -> None:
+        self.b1, self.b2 = check_decay(b1, "b1"), check_decay(b2, "b2")
+        self.eps, self.eps_root = real(eps, "eps"), real(eps_root, "eps_root")
+        self.mu_dtype = _mu_dtype(mu_dtype)
+        self.bc_mu, self.bc_nu = flag(bc_mu, "bias_correction_mu"), flag(bc_nu, "bias_correction_nu")
+
+    def scalars(self, count: Any, ct: np.dtype) -> tuple:
+        b1, b2, t = self.b1, self.b2, int(count)
+        bc1 = bias_correction(b1, t, ct) if self.bc_mu else 1.0  # x / 1 is x: "no correction"
+        bc2 = bias_correction(b2, t, ct) if self.bc_nu else 1.0
+        return (b1, 1.0 - b1, b2, 1.0 - b2, bc1, bc2, self.eps, self.eps_root)
+
+
+def scale_by_amsgrad(
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    eps_root: float = 0.0,
+    mu_dtype: Any = None,
+    bias_correction_mu: bool = True,
+    bias_correction_nu: bool = True,
+) -> GradientTransformationExtraArgs:
+    """AMSGrad's direction: Adam's moments, ``nu_max = max(nu_max, nu / (1 - b2^t))``,
+    ``u = (mu / (1 - b1^t)) / (sqrt(nu_max + eps_root) + eps)`` (each correction optional)."""
+    return _ScaleByAmsgrad(
+        b1, b2, eps, eps_root, mu_dtype, bias_correction_mu, bias_correction_nu
+    ).transformation()
+
+
+def amsgrad(
+    learning_rate: ScalarOrSchedule,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    eps_root: float = 0.0,
+    mu_dtype: Any = None,
+    bias_correction_mu: bool = True,
+    bias_correction_nu: bool = True,
+) -> GradientTransformationExtraArgs:
+    """AMSGrad: ``chain(scale_by_amsgrad(...), scale_by_learning_rate(learning_rate))``."""
+    return chain(
+        scale_by_amsgrad(b1, b2, eps, eps_root, mu_dtype, bias_correction_mu, bias_correction_nu),
+        scale_by_learning_rate(learning_rate),
+    )
+
+
+class _ScaleByAdamax(_Direction):
+    state_cls, fields, formula, name = ScaleByAdamState, ("mu", "nu"), F.adamax, "scale_by_adamax"
+    op = Ops.adamax_update_
+
+    def __init__(self, b1: float, b2: float, eps: float) -> None:
+        self.b1, self.b2, self.eps = check_decay(b1, "b1"), check_decay(b2, "b2"), real(eps, "eps")
+
+    def scalars(self, count: Any, ct: np.dtype) -> tuple:
+        return (self.b1, 1.0 - self.b1, self.b2, bias_correction(self.b1, int(count), ct), self.eps)
+
+
+def scale_by_adamax(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> GradientTransformationExtraArgs:
+    """Adamax's direction: ``mu`` as Adam's, ``nu = max(|g| + eps, b2 nu)``,
+    ``u = (mu / (1 - b1^t)) / nu`` (state `ScaleByAdamState`, as in optax)."""
+    return _ScaleByAdamax(b1, b2, eps).transformation()
+
+
+def adamax(
+    learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8
+) -> GradientTransformationExtraArgs:
+    """Adamax: ``chain(scale_by_adamax(b1, b2, eps), scale_by_learning_rate(learning_rate))``."""
+    return chain(scale_by_adamax(b1, b2, eps), scale_by_learning_rate(learning_rate))
+
+
+class _ScaleByBelief(_Direction):
+    state_cls, fields, formula, name = ScaleByBeliefState, ("mu", "nu"), F.belief, "scale_by_belief"
+    op = Ops.belief_update_
+
+    def __init__(self, b1: float, b2: float, eps: float, eps_root: float, nesterov: bool) -> None:
+        self.b1, self.b2 = check_decay(b1, "b1"), check_decay(b2, "b2")
+        self.eps, self.eps_root = real(eps, "eps"), real(eps_root, "eps_root")
+        self.nesterov = flag(nesterov, "nesterov")
+
+    def scalars(self, count: Any, ct: np.dtype) -> tuple:
+        b1, b2, t = self.b1, self.b2, int(count)
+        bc1, bc1_next = bias_correction(b1, t, ct), bias_correction(b1, int(safe_increment(count)), ct)
+        bc2 = bias_correction(b2, t, ct)
+        return (b1, 1.0 - b1, b2, 1.0 - b2, bc1, bc1_next, bc2, self.eps, self.eps_root, self.nesterov)
+
+
+def scale_by_belief(
+    b1: float = 0.9, b2: float = 0.999, eps: float = 1e-16, eps_root: float = 1e-16, *, nesterov: bool = False
+) -> GradientTransformationExtraArgs:
+    """AdaBelief's direction: ``mu`` as Adam's, ``nu = (1 - b2) (g - mu)^2 + b2 nu + eps_root``,
+    ``u = mu_hat / (sqrt(nu / (1 - b2^t)) + eps)`` (``mu_hat`` as Adam's, or NAdam's)."""
+    return _ScaleByBelief(b1, b2, eps, eps_root, nesterov).transformation()
+
+
+def adabelief(
+    learning_rate: ScalarOrSchedule,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-16,
+    eps_root: float = 1e-16,
+    *,
+    nesterov: bool = False,
+) -> GradientTransformationExtraArgs:
+    """AdaBelief: ``chain(scale_by_belief(...), scale_by_learning_rate(learning_rate))``."""
+    return chain(
+        scale_by_belief(b1, b2, eps, eps_root, nesterov=nesterov), scale_by_learning_rate(learning_rate)
+    )
+
+
+# --- Lion -----------------------------------------------------------------------------------
+
+
+_LION_MODES = ("hard", "smooth", "refined")
+
+
+class _ScaleByLion(_Direction):
+    state_cls, fields, formula, name = ScaleByLionState, ("mu",), F.lion, "scale_by_lion"
+    op = Ops.lion_update_
+
+    def __init__(self, b1: float, b2: float, mu_dtype: Any, mode: str, smooth_beta: float) -> None:
+        self.b1, self.b2 = check_decay(b1, "b1"), check_decay(b2, "b2")
+        self.mu_dtype = _mu_dtype(mu_dtype)
+        if mode not in _LION_MODES:
+            raise ValueError(f"mode must be one of {list(_LION_MODES)}, got {mode!r}")
+        self.mode, self.smooth_beta = mode, real(smooth_beta, "smooth_beta")
+
+    def scalars(self, count: Any, ct: np.dtype) -> tuple:
+        b1, b2 = self.b1, self.b2
+        return (1.0 - b1, b1, 1.0 - b2, b2, self.smooth_beta, self.mode == "smooth", self.mode == "refined")
+
+
+def scale_by_lion(
+    b1: float = 0.9, b2: float = 0.99, mu_dtype: Any = None, *, mode: str = "hard", smooth_beta: float = 1.0
+) -> GradientTransformationExtraArgs:
+    """Lion's direction: ``u = sign((1 - b1) g + b1 mu)`` (``mode='smooth'``: ``tanh(smooth_beta
+    c)``; ``'refined'``: ``c`` where ``|c| < 1``), then ``mu = (1 - b2) g + b2 mu``."""
+    return _ScaleByLion(b1, b2, mu_dtype, mode, smooth_beta).transformation()
+
+
+def lion(
+    learning_rate: ScalarOrSchedule,
+    b1: float = 0.9,
+    b2: float = 0.99,
+    mu_dtype: Any = None,
+    weight_decay: ScalarOrSchedule = 1e-3,
+    mask: Any = None,
+) -> GradientTransformationExtraArgs:
+    """Lion: ``chain(scale_by_lion(b1, b2, mu_dtype), add_decayed_weights(weight_decay, mask),
+    scale_by_learning_rate(learning_rate))``, one fused pass. Needs ``params``."""
+    return chain(
+        scale_by_lion(b1, b2, mu_dtype),
+        add_decayed_weights(weight_decay, mask),
+        scale_by_learning_rate(learning_rate),
+    )
+
+
+# --- RMSProp and Adagrad --------------------------------------------------------------------
+
+
+class _ScaleByRms(_Direction):
+    formula, name, op = F.rms, "scale_by_rms", Ops.rms_update_
+    fields = ("nu",)
+
+    def __init__(self, decay: float, eps: float, initial_scale: float, eps_in_sqrt: bool, bc: bool) -> None:
+        self.decay, self.eps = check_decay(decay, "decay"), real(eps, "eps")
+        self.initial = real(initial_scale, "initial_scale")
+        self.eps_in_sqrt, self.bc = flag(eps_in_sqrt, "eps_in_sqrt"), flag(bc, "bias_correction")
+        self.counted = self.bc  # type: ignore[misc]  # optax's state has a count only then
+        self.state_cls = ScaleByRmsWithCountState if self.bc else ScaleByRmsState  # type: ignore[misc]
+
+    def scalars(self, count: Any, ct: np.dtype) -> tuple:
+        bc = bias_correction(self.decay, int(count), ct) if self.bc else 1.0
+        return (1.0 - self.decay, self.decay, bc, self.eps, self.eps_in_sqrt)
+
+
+def scale_by_rms(
+    decay: float = 0.9,
+    eps: float = 1e-8,
+    initial_scale: float = 0.0,
+    eps_in_sqrt: bool = True,
+    bias_correction: bool = False,
+) -> GradientTransformationExtraArgs:
+    """RMSProp's scaling: ``nu = (1 - decay) g^2 + decay nu`` (from ``initial_scale``),
+    ``u = g / sqrt(nu_hat + eps)`` (``eps_in_sqrt``) or ``g / (sqrt(nu_hat) + eps)``,
+    ``nu_hat = nu / (1 - decay^t)`` with ``bias_correction`` (state `ScaleByRmsWithCountState`),
+    else ``nu`` (state `ScaleByRmsState`)."""
+    return _ScaleByRms(decay, eps, initial_scale, eps_in_sqrt, bias_correction).transformation()
+
+
+class _ScaleByStddev(_ScaleByRms):
+    formula, name, op = F.stddev, "scale_by_stddev", Ops.stddev_update_
+    fields = ("mu", "nu")
+
+    def __init__(self, decay: float, eps: float, initial_scale: float, eps_in_sqrt: bool, bc: bool) -> None:
+        super().__init__(decay, eps, initial_scale, eps_in_sqrt, bc)
+        self.state_cls = ScaleByRStdDevWithCountState if self.bc else ScaleByRStdDevState  # type: ignore[misc]
+
+
+def scale_by_stddev(
+    decay: float = 0.9,
+    eps: float = 1e-8,
+    initial_scale: float = 0.0,
+    eps_in_sqrt: bool = True,
+    bias_correction: bool = False,
+) -> GradientTransformationExtraArgs:
+    """Centred RMSProp's scaling: ``mu``, ``nu`` the EMAs of ``g`` and ``g^2`` (``nu`` from
+    ``initial_scale``), ``u = g / sqrt(nu_hat - mu_hat^2 + eps)`` (or ``g / (sqrt(nu_hat -
+    mu_hat^2) + eps)``), hats bias-corrected with ``bias_correction``."""
+    return _ScaleByStddev(decay, eps, initial_scale, eps_in_sqrt, bias_correction).transformation()
+
+
+def rmsprop(
+    learning_rate: ScalarOrSchedule,
+    decay: float = 0.9,
+    eps: float = 1e-8,
+    initial_scale: float = 0.0,
+    eps_in_sqrt: bool = True,
+    centered: bool = False,
+    momentum: float | None = None,
+    nesterov: bool = False,
+    bias_correction: bool = False,
+) -> GradientTransformationExtraArgs:
+    """RMSProp: ``chain(scale_by_rms(...)`` (``scale_by_stddev`` when ``centered``)``,
+    scale_by_learning_rate(learning_rate), trace(momentum, nesterov))`` (``identity()`` for no
+    momentum), as optax: the learning rate is applied before the momentum."""
+    direction = scale_by_stddev if flag(centered, "centered") else scale_by_rms
+    return chain(
+        direction(decay, eps, initial_scale, eps_in_sqrt, bias_correction),
+        scale_by_learning_rate(learning_rate),
+        trace(momentum, nesterov) if momentum is not None else identity(),
+    )
+
+
+class _ScaleByRss(_Direction):
+    state_cls, fields, formula, name = ScaleByRssState, ("sum_of_squares",), F.rss, "scale_by_rss"
+    op = Ops.rss_update_
+    counted = False
+
+    def __init__(self, initial_accumulator_value: float, eps: float) -> None:
+        self.initial = real(initial_accumulator_value, "initial_accumulator_value")
+        self.eps = real(eps, "eps")
+
+    def scalars(self, count: Any, ct: np.dtype) -> tuple:
+        return (self.eps,)
+
+
+def scale_by_rss(
+    initial_accumulator_value: float = 0.1, eps: float = 1e-7
+) -> GradientTransformationExtraArgs:
+    """Adagrad's scaling: ``s = g^2 + s`` (from ``initial_accumulator_value``),
+    ``u = g / sqrt(s + eps)`` where ``s > 0``, else 0."""
+    return _ScaleByRss(initial_accumulator_value, eps).transformation()
+
+
+def adagrad(
+    learning_rate: ScalarOrSchedule, initial_accumulator_value: float = 0.1, eps: float = 1e-7
+) -> GradientTransformationExtraArgs:
+    """Adagrad: ``chain(scale_by_rss(initial_accumulator_value, eps),
+    scale_by_learning_rate(learning_rate))``."""
+    return chain(scale_by_rss(initial_accumulator_value, eps), scale_by_learning_rate(learning_rate))

@@ -1,0 +1,234 @@
+"""optax's optimizer library (adamw, nadam, amsgrad, adamax, adabelief, lion, rmsprop, adagrad)
+against the plain NumPy reference on random trees, with schedules, edge values, and bad input
+refused before anything is written. optax itself: tests/test_against_optax.py."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import reference as ref
+import strategies as strat
+from _testutil import assert_tree_close, assert_tree_equal, snapshot
+from hypothesis import HealthCheck, given, settings
+
+import numbaccum as nba
+
+SETTINGS = settings(deadline=None, max_examples=10, suppress_health_check=[HealthCheck.too_slow])
+
+
+def _sched(c):
+    return 0.1 / (1.0 + c)
+
+
+# name -> (ours, reference); the learning rate a float or a schedule.
+PAIRS = {
+    "adamw": (lambda: nba.adamw(0.01, weight_decay=0.1), lambda: ref.adamw(0.01, weight_decay=0.1)),
+    "adamw_schedule_nesterov": (
+        lambda: nba.adamw(_sched, nesterov=True),
+        lambda: ref.adamw(_sched, nesterov=True),
+    ),
+    "nadam": (lambda: nba.nadam(0.01, b1=0.8), lambda: ref.nadam(0.01, b1=0.8)),
+    "adam_nesterov": (lambda: nba.adam(0.01, nesterov=True), lambda: ref.nadam(0.01)),
+    "amsgrad": (lambda: nba.amsgrad(_sched), lambda: ref.amsgrad(_sched)),
+    "amsgrad_no_corrections": (
+        lambda: nba.amsgrad(0.01, bias_correction_mu=False, bias_correction_nu=False),
+        lambda: ref.amsgrad(0.01, bias_correction_mu=False, bias_correction_nu=False),
+    ),
+    "adamax": (lambda: nba.adamax(0.01), lambda: ref.adamax(0.01)),
+    "adabelief": (lambda: nba.adabelief(0.01), lambda: ref.adabelief(0.01)),
+    "adabelief_nesterov": (
+        lambda: nba.adabelief(0.01, nesterov=True),
+        lambda: ref.adabelief(0.01, nesterov=True),
+    ),
+    "lion": (lambda: nba.lion(0.01, weight_decay=0.1), lambda: ref.lion(0.01, weight_decay=0.1)),
+    "lion_smooth": (
+        lambda: nba.scale_by_lion(mode="smooth", smooth_beta=2.0),
+        lambda: ref.scale_by_lion(mode="smooth", smooth_beta=2.0),
+    ),
+    "lion_refined": (lambda: nba.scale_by_lion(mode="refined"), lambda: ref.scale_by_lion(mode="refined")),
+    "rmsprop": (lambda: nba.rmsprop(0.01), lambda: ref.rmsprop(0.01)),
+    "rmsprop_every_option": (
+        lambda: nba.rmsprop(
+            _sched,
+            0.8,
+            1e-6,
+            0.5,
+            eps_in_sqrt=False,
+            centered=True,
+            momentum=0.9,
+            nesterov=True,
+            bias_correction=True,
+        ),
+        lambda: ref.rmsprop(
+            _sched,
+            0.8,
+            1e-6,
+            0.5,
+            eps_in_sqrt=False,
+            centered=True,
+            momentum=0.9,
+            nesterov=True,
+            bias_correction=True,
+        ),
+    ),
+    "rmsprop_centered": (lambda: nba.rmsprop(0.01, centered=True), lambda: ref.rmsprop(0.01, centered=True)),
+    "rmsprop_bias_corrected": (
+        lambda: nba.rmsprop(0.01, bias_correction=True, momentum=0.5),
+        lambda: ref.rmsprop(0.01, bias_correction=True, momentum=0.5),
+    ),
+    "adagrad": (lambda: nba.adagrad(0.1), lambda: ref.adagrad(0.1)),
+    "adagrad_from_zero": (lambda: nba.adagrad(0.1, 0.0), lambda: ref.adagrad(0.1, 0.0)),
+}
+
+
+@SETTINGS
+@given(data=strat.tree_sequences(min_steps=1, max_steps=4))
+@pytest.mark.parametrize("name", sorted(PAIRS))
+def test_matches_reference(name, data):
+    params, grads = data
+    tx, rtx = PAIRS[name][0](), PAIRS[name][1]()
+    s, rs = tx.init(params), rtx.init(params)
+    for g in grads:
+        before = snapshot(g)
+        u, s = tx.update(g, s, params)
+        ru, rs = rtx.update(g, rs, params)
+        assert_tree_close(u, ru, msg=name)
+        assert_tree_equal(g, before)  # the gradient is read, never written
+
+
+STATES = {
+    "adamw": (nba.adamw(0.1), (nba.ScaleByAdamState, nba.EmptyState, nba.EmptyState)),
+    "nadam": (nba.nadam(0.1), (nba.ScaleByAdamState, nba.EmptyState)),
+    "amsgrad": (nba.amsgrad(0.1), (nba.ScaleByAmsgradState, nba.EmptyState)),
+    "adamax": (nba.adamax(0.1), (nba.ScaleByAdamState, nba.EmptyState)),
+    "adabelief": (nba.adabelief(0.1), (nba.ScaleByBeliefState, nba.EmptyState)),
+    "lion": (nba.lion(0.1), (nba.ScaleByLionState, nba.EmptyState, nba.EmptyState)),
+    "rmsprop": (nba.rmsprop(0.1), (nba.ScaleByRmsState, nba.EmptyState, nba.EmptyState)),
+    "rmsprop_bc": (
+        nba.rmsprop(0.1, bias_correction=True, momentum=0.9),
+        (nba.ScaleByRmsWithCountState, nba.EmptyState, nba.TraceState),
+    ),
+    "rmsprop_centered": (
+        nba.rmsprop(0.1, centered=True),
+        (nba.ScaleByRStdDevState, nba.EmptyState, nba.EmptyState),
+    ),
+    "adagrad": (nba.adagrad(0.1), (nba.ScaleByRssState, nba.EmptyState)),
+    "adamw_wd_schedule": (
+        nba.adamw(0.1, weight_decay=lambda c: 0.1),
+        (nba.ScaleByAdamState, nba.WeightDecaySchedule, nba.EmptyState),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(STATES))
+def test_states_are_optaxs(name):
+    tx, classes = STATES[name]
+    p = {"w": np.ones((2, 3), np.float32)}
+    s = tx.init(p)
+    assert tuple(type(x) for x in s) == classes
+    first = s[0]
+    for field in first._fields:
+        value = getattr(first, field)
+        assert isinstance(value, nba.FlatTree) or field == "count"
+    _, s = tx.update({"w": np.full((2, 3), 0.5, np.float32)}, s, p)
+    if "count" in s[0]._fields:
+        assert int(s[0].count) == 1
+
+
+def test_initial_values_and_mu_dtype():
+    p = {"w": np.ones(3, np.float32)}
+    assert np.all(nba.scale_by_rss(0.3).init(p).sum_of_squares.tree["w"] == np.float32(0.3))
+    assert np.all(nba.scale_by_rms(initial_scale=2.0).init(p).nu.tree["w"] == 2.0)
+    s = nba.scale_by_stddev(initial_scale=2.0).init(p)
+    assert np.all(s.mu.tree["w"] == 0) and np.all(s.nu.tree["w"] == 2.0)
+    for tx in (nba.adamw(0.1, mu_dtype=np.float64), nba.nadam(0.1, mu_dtype=np.float64)):
+        s = tx.init(p)
+        assert s[0].mu.group_dtypes == (np.dtype(np.float64),) and s[0].nu.group_dtypes == (
+            np.dtype(np.float32),
+        )
+        u, s = tx.update({"w": np.full(3, 0.5, np.float32)}, s, p)
+        assert u["w"].dtype == np.float32  # the updates keep the gradient's dtype
+    s = nba.amsgrad(0.1, mu_dtype=np.float16).init(p)
+    assert s[0].mu.group_dtypes == (np.dtype(np.float16),)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("name", sorted(PAIRS))
+def test_edge_values(name, dtype):
+    """NaN, +-inf, +-0 and huge values: the same answers as the reference, NaN where it has NaN."""
+    g = {"x": np.array([np.nan, np.inf, -np.inf, 0.0, -0.0, 1e30, -1e-30, 3.0], dtype)}
+    p = {"x": np.array([1.0, -1.0, 2.0, 0.0, -0.0, 1.0, 1.0, np.inf], dtype)}
+    tx, rtx = PAIRS[name][0](), PAIRS[name][1]()
+    s, rs = tx.init(p), rtx.init(p)
+    with np.errstate(all="ignore"):
+        for _ in range(2):
+            u, s = tx.update(g, s, p)
+            ru, rs = rtx.update(g, rs, p)
+            np.testing.assert_array_equal(np.isnan(u["x"]), np.isnan(ru["x"]), err_msg=name)
+            finite = np.isfinite(ru["x"])
+            np.testing.assert_allclose(u["x"][finite], ru["x"][finite], rtol=1e-6, err_msg=name)
+            np.testing.assert_array_equal(u["x"][~finite], ru["x"][~finite], err_msg=name)
+
+
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda: nba.adamw(0.1, b1=1.5), "b1"),
+        (lambda: nba.nadam(0.1, b2=-0.1), "b2"),
+        (lambda: nba.lion(0.1, b1=2.0), "b1"),
+        (lambda: nba.scale_by_lion(mode="soft"), "mode"),
+        (lambda: nba.rmsprop(0.1, decay=1.1), "decay"),
+        (lambda: nba.rmsprop(0.1, centered="yes"), "centered"),
+        (lambda: nba.adagrad(0.1, eps="1e-7"), "eps"),
+        (lambda: nba.amsgrad(0.1, mu_dtype=np.int32), "mu_dtype"),
+        (lambda: nba.adamw("0.1"), "learning_rate"),
+        (lambda: nba.adamw(0.1, weight_decay=None), "weight_decay"),
+    ],
+)
+def test_bad_hyperparameters_are_named(make, match):
+    with pytest.raises((TypeError, ValueError), match=match):
+        make()
+
+
+def test_a_bad_state_or_schedule_leaves_the_state_unchanged():
+    p = {"w": np.ones((2, 3), np.float32), "b": np.zeros(3)}
+    g = nba.tree_map(lambda x: np.full_like(x, 0.25), p)
+    tx = nba.adamw(lambda c: 0.1 if c < 1 else "oops")
+    s = tx.init(p)
+    _, s = tx.update(g, s, p)
+    frozen = [np.array(x, copy=True) for x in nba.tree_flatten(s)[0]]
+    with pytest.raises(TypeError, match="learning_rate"):
+        tx.update(g, s, p)
+    assert_tree_equal([np.asarray(x) for x in nba.tree_flatten(s)[0]], frozen)
+    other = nba.amsgrad(0.1).init({"w": np.ones(4, np.float32)})
+    with pytest.raises(ValueError, match="tree structure mismatch"):  # a state of another tree
+        nba.amsgrad(0.1).update(g, other, p)
+    with pytest.raises(TypeError, match="ScaleByRmsWithCountState"):
+        nba.rmsprop(0.1, bias_correction=True).update(g, nba.rmsprop(0.1).init(p), p)
+
+
+def test_zero_weight_decay_passes_the_updates_through():
+    """optax skips a constant zero weight decay: -0.0 stays -0.0 and inf params are not read."""
+    g = {"x": np.array([-0.0, 1.0], np.float32)}
+    p = {"x": np.array([np.inf, np.nan], np.float32)}
+    u, _ = nba.add_decayed_weights(0.0).update(g, nba.EmptyState(), p)
+    assert np.signbit(u["x"][0]) and u["x"][1] == 1.0
+    tx = nba.add_decayed_weights(0.0, {"x": True})
+    u, _ = tx.update(g, tx.init(p), p)
+    assert np.signbit(u["x"][0]) and u["x"][1] == 1.0
+
+
+@pytest.mark.parametrize("name", ["adamw", "lion", "rmsprop_every_option", "adagrad", "amsgrad"])
+def test_step_applies_in_the_fused_pass_with_the_same_bits(name):
+    p = {"w": np.linspace(-1, 1, 12, dtype=np.float32).reshape(3, 4), "b": np.linspace(0, 1, 4)}
+    grads = [nba.tree_map(lambda x, i=i: np.sin(x * 3 + i).astype(x.dtype), p) for i in range(3)]
+    a, b = snapshot(p), snapshot(p)
+    tx1, tx2 = PAIRS[name][0](), PAIRS[name][0]()
+    s1, s2 = tx1.init(a), tx2.init(b)
+    for g in grads:
+        s1 = nba.step_(tx1, g, s1, a)
+        u, s2 = tx2.update(g, s2, b)
+        nba.apply_updates_(b, u)
+        assert_tree_equal(a, b)
+    plan = nba.explain(PAIRS[name][0](), {"w": np.ones((3, 4), np.float32)}, apply=True)
+    assert [x.kind for x in plan.passes] == ["fused"] and plan.total == plan.minimum
