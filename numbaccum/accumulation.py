@@ -559,11 +559,11 @@ class MultiSteps(Stage):
             return False, skip_state
 
         def inner_updates() -> Updates:
-            # The inner optimizer sees acc in the updates' dtypes and may overwrite it (it is
-            # zeroed after).
+            # The inner optimizer reads acc in the updates' dtypes and writes its result to a
+            # buffer of its own: not into acc, which would then be copied out before the reset.
             inner_in = _as_update_dtypes(acc, layout)
-            scratch = lambda: acc.workspace("inner", list(layout.group_dtypes))  # noqa: E731
-            return Updates(inner_in, owned=True, scratch=scratch)
+            scratch = lambda: acc.workspace("emit", list(layout.group_dtypes))  # noqa: E731
+            return Updates(inner_in, owned=False, scratch=scratch)
 
         def emitted(inner_state: Any, skip_state: Any) -> MultiStepsState:
             for a in acc.groups:
@@ -580,7 +580,9 @@ class MultiSteps(Stage):
             if inner is None:
                 return zeros_output(acc, layout), waiting(skip_state)
             inner_in = inner_updates()
-            out, inner_state = inner.run(inner_in)
+            # `final`: a factor left pending at the end (the learning rate) is applied in the
+            # last pass, not in a pass of its own when the caller settles the updates.
+            out, inner_state = (inner.final or inner.run)(inner_in)
             # The result is moved out of acc first if it still lives there.
             if out.flat is acc or out.flat is inner_in.flat:
                 out = Updates(out.into(acc.workspace("emit", list(layout.group_dtypes))), owned=True)

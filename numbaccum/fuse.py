@@ -331,11 +331,19 @@ def _run_group(
     if d not in _FLOATS or any(t not in _FLOATS for t in kinds):
         _one_by_one(ops_, parts, extras, gi, x, factor, out, apply, settle)
         return fac
-    key = (d.name, factor.device is not None, tuple(ops), apply is None)
+    # Written in place (the output is the input buffer, an owned workspace): the input is then
+    # the composite's last state, read and written through one argument. As two arguments, LLVM
+    # cannot rule out their overlap and leaves the loop scalar (3x slower for Adam's sqrt and
+    # division). Not with a device factor, which the driver applies to the first input.
+    inplace = apply is None and out.groups[gi] is x and factor.device is None  # type: ignore[union-attr]
+    key = (d.name, factor.device is not None, tuple(ops), apply is None, inplace)
     composite = _composite(key)
-    arrays = [*arrays_states, *arrays_inputs]
-    if apply is None:
-        arrays.append(out.groups[gi])  # type: ignore[union-attr]
+    if inplace:
+        arrays = [*arrays_states, x, *arrays_inputs[1:]]
+    else:
+        arrays = [*arrays_states, *arrays_inputs]
+        if apply is None:
+            arrays.append(out.groups[gi])  # type: ignore[union-attr]
     ops_.driver.map_(composite, factor if factor.device is not None else ONE, tuple(arrays), tuple(scalars))
     return fac
 
@@ -403,12 +411,13 @@ def composite_source(key: tuple) -> tuple[str, str, tuple, tuple, tuple, tuple]:
     """The Python source of the composite of ``key`` and its declaration
     ``(name, source, states, inputs, outputs, scalars)``.
 
-    ``key = (dtype, raw_input, ops, has_output)``: the group's storage dtype; whether the input
-    arrives already scaled by a device factor (kept in the driver's dtype, not rounded); and the
+    ``key = (dtype, raw_input, ops, has_output, inplace)``: the group's storage dtype; whether
+    the input arrives already scaled by a device factor (kept in the driver's dtype, not
+    rounded); whether there is an output, and whether it is the input buffer itself; and the
     ops, each ``("kernel", formula, compute dtype, reads a factor, n_states, n_inputs,
     bool scalars)``, ``("settle",)`` (a factor applied and rounded), ``("cast",)`` (a device
     factor's value rounded) or ``("apply", compute dtype)`` (``params += value``)."""
-    d, raw_input, ops, has_output = key
+    d, raw_input, ops, has_output, inplace = key
     name = "fused_" + hashlib.sha1(repr(key).encode()).hexdigest()[:16]
     # Inputs (by index among all inputs, x first) that are the apply's target: read as its state.
     aliased = next((op[2] for op in ops if op[0] == "apply"), ())
@@ -463,9 +472,11 @@ def composite_source(key: tuple) -> tuple[str, str, tuple, tuple, tuple, tuple]:
                     body.append(f"    {new_states[-1]} = r[{i}]")
                 body.append(f"    v = as_{d}(r[{n_states}])")
     returns = new_states + (["v"] if has_output else [])
+    if inplace:  # x is the last state: its new value is the output
+        states, inputs = [*states, "x"], inputs[1:]
     params = states + inputs + (scalars or [])
     src = f"def {name}({', '.join(params)}):\n" + "\n".join(body) + f"\n    return {', '.join(returns)}\n"
-    outputs = ("out",) if has_output else ()
+    outputs = ("out",) if has_output and not inplace else ()
     return name, src, tuple(states), tuple(inputs), outputs, tuple(scalars)
 
 

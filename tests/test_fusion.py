@@ -408,3 +408,22 @@ def test_step_through_multisteps_adds_in_the_inner_pass(monkeypatch):
     monkeypatch.setattr(fuse, "_composite", lambda key: seen.append(key) or real(key))
     nb.step_(tx, grads[1], state, p)  # emits
     assert seen and all(k[2][-1][0] == "apply" for k in seen)
+
+
+def test_a_run_written_in_place_takes_its_buffer_once(monkeypatch):
+    """When the updates may be overwritten (an owned workspace), the fused pass writes them in
+    place through one argument (the composite's last state): same bits as into another buffer."""
+    params = {k: np.array(v) for k, v in PARAMS.items() if np.ndim(v)}
+    grads = [{k: g[k] for k in params} for g in _grads(3)]
+
+    def make():  # zero_nans ends a run: the next run reads its owned output
+        return nb.chain(nb.zero_nans(), nb.scale_by_adam(), nb.add_decayed_weights(0.1), nb.scale(-0.1))
+
+    seen = []
+    real = fuse._composite
+    monkeypatch.setattr(fuse, "_composite", lambda key: seen.append(key) or real(key))
+    fused = _run(make, params, grads, fused=True)
+    assert any(k[4] for k in seen)  # in place
+    _same(fused, _run(make, params, grads, fused=False))
+    name, src, states, inputs, outputs, _ = fuse.composite_source(next(k for k in seen if k[4]))
+    assert states[-1] == "x" and "x" not in inputs and outputs == ()
