@@ -204,6 +204,10 @@ def sum_in_order(values):  # pragma: no cover - compiled
     return total
 
 
+# Tables up to this many rows and slices are laid out in plain Python (`Table.work`).
+_PY_ROWS, _PY_SLICES = 4096, 16384
+
+
 @_cache.cached
 @njit(error_model="numpy")
 def _build_work(rows, nslices, block, active_only):  # pragma: no cover - compiled
@@ -290,7 +294,11 @@ class Table:
         key = (int(block), bool(active_only))
         w = self._work.get(key)
         if w is None:
-            w = self._work[key] = Work(*_build_work(self.rows, self.nslices, np.int64(block), active_only))
+            # A small table is laid out by the plain-Python function (milliseconds, once per
+            # table): compiling it costs about a second of a cold start.
+            small = self.rows.shape[0] <= _PY_ROWS and self.nslices <= _PY_SLICES
+            build = _build_work.py_func if small else _build_work
+            w = self._work[key] = Work(*build(self.rows, self.nslices, np.int64(block), active_only))
         return w
 
     def only(self, rows: np.ndarray) -> Table:
