@@ -134,6 +134,7 @@ from .schedules import (
     polynomial_schedule,
     warmup_cosine_decay_schedule,
 )
+from .stats import stats
 from .tree import tree_flatten, tree_map, tree_unflatten
 from .warmup import warmup
 
@@ -263,4 +264,5 @@ __all__ = [
     "scale_by_rms",
     "scale_by_rss",
     "scale_by_stddev",
+    "stats",
 ]

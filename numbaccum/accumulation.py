@@ -20,6 +20,7 @@ from .backend import ops_for, tree_sumsq_scaled
 from .base import (
     GradientTransformationExtraArgs,
     ParamsRef,
+    SkipStep,
     Spec,
     Stage,
     Step,
@@ -582,7 +583,10 @@ class MultiSteps(Stage):
             inner_in = inner_updates()
             # `final`: a factor left pending at the end (the learning rate) is applied in the
             # last pass, not in a pass of its own when the caller settles the updates.
-            out, inner_state = (inner.final or inner.run)(inner_in)
+            try:
+                out, inner_state = (inner.final or inner.run)(inner_in)
+            except SkipStep as e:  # the inner optimizer skipped (a clip saw NaN): zeros, cycle over
+                return zeros_output(acc, layout), emitted(e.new_state, skip_state)
             # The result is moved out of acc first if it still lives there.
             if out.flat is acc or out.flat is inner_in.flat:
                 out = Updates(out.into(acc.workspace("emit", list(layout.group_dtypes))), owned=True)
@@ -596,11 +600,14 @@ class MultiSteps(Stage):
                 return state._replace(skip_state=skip_state)
             if inner is None:
                 return waiting(skip_state)
-            if inner_apply is not None:
-                inner_state = inner_apply(inner_updates(), p)
-            else:
-                out, inner_state = inner.run(inner_updates())
-                apply_updates_(p, out.settled().flat)
+            try:
+                if inner_apply is not None:
+                    inner_state = inner_apply(inner_updates(), p)
+                else:
+                    out, inner_state = inner.run(inner_updates())
+                    apply_updates_(p, out.settled().flat)
+            except SkipStep as e:  # the inner optimizer skipped: params untouched, cycle over
+                inner_state = e.new_state
             return emitted(inner_state, skip_state)
 
         return Step(run, apply=apply)

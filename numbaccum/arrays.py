@@ -193,6 +193,35 @@ def copy_(dst: Any, src: Any) -> None:
         dst.copy_to_device(src, stream=stream())
 
 
+class DeviceScalar:
+    """A number that a kernel left on the device (a clip's norm), read only when asked:
+    ``float(x)`` or ``bool(x)`` copies it to the host, which waits for the stream; nothing before.
+    ``value`` is the 1-element device array. A copy or a pickle holds the host value (a NumPy
+    scalar of ``dtype``), as does a checkpoint."""
+
+    __slots__ = ("value", "dtype")
+
+    def __init__(self, value: Any, dtype: Any) -> None:
+        self.value = value
+        self.dtype = np.dtype(dtype)
+
+    def host(self) -> np.generic:
+        """The value as a NumPy scalar of ``dtype`` (a synchronisation)."""
+        return self.dtype.type(to_host(self.value)[0])
+
+    def __float__(self) -> float:
+        return float(self.host())
+
+    def __bool__(self) -> bool:
+        return bool(self.host())
+
+    def __reduce__(self) -> Any:
+        return (self.dtype.type, (self.host(),))
+
+    def __repr__(self) -> str:
+        return f"DeviceScalar({self.dtype.name}, on the device)"
+
+
 # --- streams ----------------------------------------------------------------------------------
 
 

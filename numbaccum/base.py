@@ -183,6 +183,22 @@ class Updates:
         return out
 
 
+class SkipStep(Exception):
+    """Raised inside a run by a stage that decided, from the data, that this step must not
+    happen (a clip with ``nonfinite="skip"`` that saw a NaN or inf): the enclosing chain keeps the
+    states of the stages after it as they were and passes the exception on, and the outermost
+    stage returns zero updates (`Stage.update`, `numbaccum.step_`: params untouched).
+
+    Attributes:
+        new_state: the new state of what raised it (a chain: every stage's, the stages after the
+            skipping one unchanged).
+    """
+
+    def __init__(self, new_state: Any) -> None:
+        super().__init__("step skipped")
+        self.new_state = new_state
+
+
 class ParamsRef:
     """The ``params`` argument: checked against the updates' layout before anything runs
     (`Stage.update`), flattened only when a stage asks for it (then once, into a workspace).
@@ -451,14 +467,21 @@ class Stage(abc.ABC):
         run = step.final or step.run
         if kind in arrays.STREAM_KINDS:  # kernels go to the caller's current CUDA stream
             with arrays.launch_context(kind):
-                u, new_state = run(u)
-                out = self._output(u, new_state, out_spec)
+                out, new_state = self._run_or_zeros(run, u, out_spec)
         else:
-            u, new_state = run(u)
-            out = self._output(u, new_state, out_spec)
+            out, new_state = self._run_or_zeros(run, u, out_spec)
         if kind == "flat":
             return out, new_state
         return out.tree_as(kind), new_state
+
+    def _run_or_zeros(self, run: Callable, u: Updates, spec: Spec) -> tuple[FlatTree, Any]:
+        """``run(u)`` and its output; zeros (and the skipping stage's state) for a skipped step."""
+        try:
+            u, new_state = run(u)
+        except SkipStep as e:
+            zeros = self.workspace(e.new_state, spec, "output")().fill_(0.0)
+            return zeros, e.new_state
+        return self._output(u, new_state, spec), new_state
 
     def _output(self, u: Updates, new_state: Any, spec: Spec) -> FlatTree:
         """The updates as a buffer the caller may keep until the next update: never an input,
@@ -611,34 +634,45 @@ class Chain(Stage):
             ]
         names = self.names
         out_spec = None if spec is in_spec else spec
+
+        def pack(new_states: list) -> Any:
+            return tuple(new_states) if names is None else dict(zip(names, new_states))
+
         segs = fuse.segments(steps) if fuse.enabled() else None
         if segs is not None and all(r is None for _, _, r in segs):
             segs = None  # nothing to fuse
         if segs is None:
 
             def run(u: Updates) -> tuple[Updates, Any]:
-                new_states = []
-                for step_run, scratch in zip(runs, scratches):
+                new_states = list(states)
+                for i, (step_run, scratch) in enumerate(zip(runs, scratches)):
                     u.scratch = scratch
-                    u, new = step_run(u)
-                    new_states.append(new)
-                return u, (tuple(new_states) if names is None else dict(zip(names, new_states)))
+                    try:
+                        u, new_states[i] = step_run(u)
+                    except SkipStep as e:  # the stages after it keep their states
+                        new_states[i] = e.new_state
+                        raise SkipStep(pack(new_states)) from None
+                return u, pack(new_states)
 
             return Step(run, out_spec, _chained(steps, names))
 
         n = len(steps)
 
         def run_fused(u: Updates, apply: FlatTree | None = None, settle: bool = False) -> tuple[Any, Any]:
-            new_states: list = [None] * n
+            new_states: list = list(states)
             for start, stop, fr in segs:
                 u.scratch = scratches[stop - 1]
-                if fr is None:
-                    u, new_states[start] = runs[start](u)
-                elif stop == n:
-                    u, new_states[start:stop] = run_parts(fr, u, apply, settle)
-                else:
-                    u, new_states[start:stop] = run_parts(fr, u)
-            return u, (tuple(new_states) if names is None else dict(zip(names, new_states)))
+                try:
+                    if fr is None:
+                        u, new_states[start] = runs[start](u)
+                    elif stop == n:
+                        u, new_states[start:stop] = run_parts(fr, u, apply, settle)
+                    else:
+                        u, new_states[start:stop] = run_parts(fr, u)
+                except SkipStep as e:  # a run's pre-pass (a clip) skipped: nothing of it ran
+                    new_states[start] = e.new_state
+                    raise SkipStep(pack(new_states)) from None
+            return u, pack(new_states)
 
         last_fused = segs[-1][2] is not None
         return Step(

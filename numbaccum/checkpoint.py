@@ -41,6 +41,7 @@ from typing import Any
 
 import numpy as np
 
+from .arrays import DeviceScalar
 from .flat import FlatTree, to_device, to_host
 from .layout import FLOATS, Layout
 from .tree import TreeDef, first_difference, format_path, short_repr, tree_flatten
@@ -156,6 +157,8 @@ class _Encoder:
             return self._flat(x, path) if isinstance(x, FlatTree) else self._ndarray(x, path)
         if t is Layout:
             return ["layout", self._layout(x, path)]
+        if isinstance(x, DeviceScalar):  # a clip's norm left on the device: its host value
+            return self.node(x.host(), path)
         if _is_namedtuple(x):
             cls = _class_name(t, path)
             kids = [self.node(v, f"{path}.{f}") for f, v in zip(x._fields, x)]

@@ -16,6 +16,7 @@ from .base import (
     EmptyState,
     GradientTransformationExtraArgs,
     ParamsRef,
+    SkipStep,
     Spec,
     Stage,
     Step,
@@ -26,7 +27,7 @@ from .base import (
 from .contract import ONE, Factor, Ops
 from .flat import FlatTree, as_flat, layout_of
 from .formulas import clip_factor
-from .fuse import Kernel, Prepass
+from .fuse import Kernel, Later, Prepass
 from .layout import Layout
 from .tables import segments
 from .tables import sum_in_order as _sequential_sum
@@ -94,7 +95,37 @@ def global_norm(tree: Any, ord: Any = 2, squared: bool = False) -> float:
     return total * total if squared else total
 
 
-ClipByGlobalNormState = EmptyState
+class ClipByGlobalNormState(NamedTuple):
+    """What `clip_by_global_norm` saw at its last update, for a logger (`numbaccum.stats`).
+
+    Attributes:
+        norm: the global L2 norm before clipping: a float64 on the host; for CUDA updates a
+            `numbaccum.arrays.DeviceScalar` (never synchronised: ``float(norm)`` is the caller's).
+        clipped: whether the updates were scaled down (``norm >= max_norm``, or a NaN norm); a
+            bool, or a DeviceScalar for CUDA updates.
+        skipped: whether the step was skipped or refused for a non-finite norm (``nonfinite``).
+    """
+
+    norm: Any
+    clipped: Any
+    skipped: Any = np.bool_(False)
+
+
+_NONFINITE = ("pass", "skip", "raise")
+
+
+def _nonfinite_policy(value: Any) -> str:
+    if value not in _NONFINITE:
+        raise ValueError(f"nonfinite must be one of {list(_NONFINITE)}, got {value!r}")
+    return value
+
+
+def first_nonfinite_leaf(flat: FlatTree) -> str | None:
+    """The path of the first leaf holding a NaN or inf, or None (a host sync on the GPU)."""
+    counts = leaf_reductions(flat, Ops.segment_nonfinite)
+    bad = np.flatnonzero(counts > 0)
+    return flat.layout.path(int(bad[0]), "updates") if bad.size else None
+
 
 _SCRATCH = threading.local()  # per layout: the per-group squared norms and the factors (GPU)
 _FACTOR_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
@@ -115,7 +146,8 @@ def _device_factors(flat: FlatTree, max_norm: float) -> dict[np.dtype, Any] | No
     if scratch is None:
         # per leaf, tree order: [plain | rescued | scale] (see `Ops.clip_factors_`)
         sums = empty(3 * flat.layout.num_leaves, np.dtype(np.float64))
-        scratch = cache.put(flat.layout, (sums, {d: empty(2, d) for d in _FACTOR_DTYPES}))
+        # [div, mul] per dtype; the float64 one also [norm, clipped] for the state
+        scratch = cache.put(flat.layout, (sums, {d: empty(4, d) for d in _FACTOR_DTYPES}))
     sums, facs = scratch
     fac32, fac64 = (facs[d] for d in _FACTOR_DTYPES)
     lay, last = flat.layout, len(flat.groups) - 1
@@ -125,7 +157,7 @@ def _device_factors(flat: FlatTree, max_norm: float) -> dict[np.dtype, Any] | No
     return facs
 
 
-def clip_by_global_norm(max_norm: float) -> GradientTransformationExtraArgs:
+def clip_by_global_norm(max_norm: float, *, nonfinite: str = "pass") -> GradientTransformationExtraArgs:
     """Clips the whole tree to a global L2 norm of at most ``max_norm`` (optax's formula):
 
     ``u = g`` if ``norm < max_norm`` (strict), else ``u = (g / norm) * max_norm``, with
@@ -137,10 +169,21 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformationExtraArgs:
     a pass of its own: it rides on the next kernel that reads the updates. On the GPU the norm
     and the factor stay on the device (no synchronisation; float16 trees bring the norm back).
 
+    The state (`ClipByGlobalNormState`) records the norm it saw and whether it clipped, for a
+    logger (`numbaccum.stats`); optax's state is empty.
+
+    Args:
+        max_norm: the largest global norm let through.
+        nonfinite: what a NaN or inf norm does: ``"pass"`` (the default, optax's: NaN updates),
+            ``"skip"`` (zero updates, and in a chain the stages after this one keep their states;
+            the stages before it have run), or ``"raise"`` (FloatingPointError naming the first
+            leaf holding a NaN or inf; nothing after the stages before it has run). Both check
+            on the host: on the GPU that is a synchronisation, which ``"pass"`` never makes.
+
     Raises:
-        ValueError: ``max_norm`` is negative.
+        ValueError: ``max_norm`` is negative, or ``nonfinite`` is not one of the three.
     """
-    return _ClipByGlobalNorm(max_norm).transformation()
+    return _ClipByGlobalNorm(max_norm, nonfinite).transformation()
 
 
 class _Stateless(Stage):
@@ -150,27 +193,60 @@ class _Stateless(Stage):
         return EmptyState()
 
 
-class _ClipByGlobalNorm(_Stateless):
-    """`clip_by_global_norm`: the factor ``(g / norm) * max_norm`` is left pending on the updates."""
+class _ClipByGlobalNorm(Stage):
+    """`clip_by_global_norm`: the factor ``(g / norm) * max_norm`` is left pending on the
+    updates; the norm it saw goes into the new state (`fuse.Later`: known once the pre-pass ran)."""
 
-    def __init__(self, max_norm: Any) -> None:
+    def __init__(self, max_norm: Any, nonfinite: str = "pass") -> None:
         self.max_norm = non_negative(max_norm, "max_norm")
+        self.nonfinite = _nonfinite_policy(nonfinite)
+
+    def init(self, params: Any) -> ClipByGlobalNormState:
+        return ClipByGlobalNormState(np.float64(0.0), np.bool_(False), np.bool_(False))
 
     def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
-        max_norm = self.max_norm
+        if not isinstance(state, (ClipByGlobalNormState, EmptyState)):  # EmptyState: optax's
+            raise TypeError(f"state: expected ClipByGlobalNormState, got {type(state).__name__}")
+        max_norm, policy = self.max_norm, self.nonfinite
+        seen: list = []  # the state this step records, once its pre-pass has run
 
         def factor_of(flat: FlatTree) -> Factor:
-            if flat.device:  # the norm and the factor stay on the GPU: no synchronisation
+            if flat.device and policy == "pass":  # norm and factor stay on the GPU: no sync
                 facs = _device_factors(flat, max_norm)
                 if facs is not None:
+                    seen.append(_device_record(facs))
                     return Factor(device=facs)
-            return Factor(*clip_factor(tree_norm(flat), max_norm))  # float64, fits float32
+            norm = tree_norm(flat)  # float64
+            clipped = not norm < max_norm
+            if not math.isfinite(norm) and policy != "pass":
+                seen.append(ClipByGlobalNormState(np.float64(norm), np.bool_(clipped), np.bool_(True)))
+                if policy == "raise":
+                    where = first_nonfinite_leaf(flat)
+                    raise FloatingPointError(
+                        f"clip_by_global_norm: the global norm is {norm}: {where} is not finite"
+                    )
+                raise SkipStep(seen[-1])
+            seen.append(ClipByGlobalNormState(np.float64(norm), np.bool_(clipped), np.bool_(False)))
+            return Factor(*clip_factor(norm, max_norm))  # fits float32 (`Factor`)
 
         def run(u: Updates) -> tuple[Updates, Any]:
             u = u.settled()
-            return Updates(u.flat, u.owned, factor_of(u.flat), u.returnable, u.scratch), state
+            factor = factor_of(u.flat)
+            return Updates(u.flat, u.owned, factor, u.returnable, u.scratch), seen[-1]
 
-        return Step(run, fuse=Prepass(factor_of, state, "clip_by_global_norm"))
+        return Step(run, fuse=Prepass(factor_of, Later(lambda: seen[-1]), "clip_by_global_norm"))
+
+
+def _device_record(facs: dict) -> ClipByGlobalNormState:
+    """The norm and the clipped flag of a device-side clip (`_device_factors` leaves them after
+    the float64 factor), copied on the device into a state of their own (`DeviceScalar`s)."""
+    from .arrays import DeviceScalar, empty
+
+    rec = empty(2, np.dtype(np.float64))
+    rec.copy_to_device(facs[np.dtype(np.float64)][2:4])
+    return ClipByGlobalNormState(
+        DeviceScalar(rec[0:1], np.float64), DeviceScalar(rec[1:2], np.bool_), np.bool_(False)
+    )
 
 
 ClipState = EmptyState
@@ -318,7 +394,10 @@ class _ApplyIfFinite(Stage):
             new_total = total + (0 if finite else 1)
             flags = (np.int32(min(count, _INT32_MAX)), np.bool_(finite), np.int32(min(new_total, _INT32_MAX)))
             if finite or count > max_errors:
-                out, inner_state = inner.run(u)
+                try:
+                    out, inner_state = inner.run(u)
+                except SkipStep as e:  # an inner clip skipped: zeros, its state as it says
+                    return Updates(u.fresh().fill_(0.0), True), ApplyIfFiniteState(*flags, e.new_state)
                 return out, ApplyIfFiniteState(*flags, inner_state)
             zeros = u.fresh().fill_(0.0)
             return Updates(zeros, True), ApplyIfFiniteState(*flags, state.inner_state)

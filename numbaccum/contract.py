@@ -364,6 +364,10 @@ class Ops:
         """Per segment: the number of NaN elements."""
         return self.slice_nancount(x, segments(offsets))
 
+    def segment_nonfinite(self, x: Any, offsets: Any) -> np.ndarray:
+        """Per segment: the number of NaN and +-inf elements."""
+        return self.slice_nonfinite(x, segments(offsets))
+
     def segment_divide_(self, out: Any, x: Any, factor: Factor, offsets: Any, factors: Any) -> None:
         """out = factor(x) / factors[s] over each segment ``s`` (a per-leaf divisor)."""
         self.slice_divide_(out, x, factor, segments(offsets), factors)

@@ -53,7 +53,7 @@ from .backend import ops_for
 from .contract import ONE, Factor
 from .flat import FlatTree
 
-__all__ = ["Chained", "FusedRun", "Kernel", "Prepass", "Scale", "enabled", "segments"]
+__all__ = ["Chained", "FusedRun", "Kernel", "Later", "Prepass", "Scale", "enabled", "segments"]
 
 _FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
 
@@ -111,6 +111,13 @@ class Prepass(NamedTuple):
     new_state: Any
     name: str = ""
     reads: str = "global norm"
+
+
+class Later(NamedTuple):
+    """A part's new state that the pass itself determines (a clip records the norm it saw):
+    ``make()`` builds it once the pass has run."""
+
+    make: Callable[[], Any]
 
 
 class Chained(NamedTuple):
@@ -205,7 +212,7 @@ class FusedRun:
 
     def new_states(self) -> list:
         """One new state per step (nested chains' states rebuilt)."""
-        flat = [p.new_state for p in self.parts]
+        flat = [p.new_state.make() if isinstance(p.new_state, Later) else p.new_state for p in self.parts]
         out, i = [], 0
         for part in self.steps:
             st, i = _pack(part, flat, i)

@@ -23,6 +23,7 @@ from .accumulation import MultiSteps, MultiStepsState, skip_large_updates, skip_
 from .base import (
     Chain,
     ParamsRef,
+    SkipStep,
     Spec,
     Stage,
     Updates,
@@ -77,11 +78,14 @@ def step_(tx: Any, grads: Any, state: Any, params: Any, **extra_args: Any) -> An
     if ref._flat is None:  # a stage that reads the params (weight decay) reads these: the
         ref._flat = p  # fused pass then reads and writes one buffer (`fuse._run_group`)
     u.scratch = stage._workspace(owner, spec, "output")
-    if kind in arrays.STREAM_KINDS:
-        with arrays.launch_context(kind):
+    try:
+        if kind in arrays.STREAM_KINDS:
+            with arrays.launch_context(kind):
+                new_state = apply(u, p)
+        else:
             new_state = apply(u, p)
-    else:
-        new_state = apply(u, p)
+    except SkipStep as e:  # a clip skipped the step: the params are not touched
+        return e.new_state
     if copied:
         scatter_back(p, params, "params")
     return new_state
@@ -99,13 +103,16 @@ def _run_then_apply(
 ) -> Any:
     p, copied = _writable(params, spec)
     u.scratch = stage._workspace(owner, spec, "output")
-    if kind in arrays.STREAM_KINDS:
-        with arrays.launch_context(kind):
+    try:
+        if kind in arrays.STREAM_KINDS:
+            with arrays.launch_context(kind):
+                u, new_state = step.run(u)
+                apply_updates_(p, stage._output(u, new_state, spec))
+        else:
             u, new_state = step.run(u)
             apply_updates_(p, stage._output(u, new_state, spec))
-    else:
-        u, new_state = step.run(u)
-        apply_updates_(p, stage._output(u, new_state, spec))
+    except SkipStep as e:  # a clip skipped the step: the params are not touched
+        return e.new_state
     if copied:
         scatter_back(p, params, "params")
     return new_state

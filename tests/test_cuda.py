@@ -583,3 +583,24 @@ def test_norm_functions_in_place_on_device():
         assert fn(g_gpu, *args) is g_gpu
         for a, b in zip(nba.tree_flatten(host(g_gpu))[0], nba.tree_flatten(g)[0]):
             close(a, b, np.float32)
+
+
+@needs_cuda
+def test_clip_records_its_norm_on_the_device_without_a_sync():
+    p = params(np.float64)
+    tx = nba.chain(nba.clip_by_global_norm(1.0), nba.sgd(0.1))
+    s = tx.init(dev(p))
+    _, s = tx.update(dev(p), s)
+    rec = s[0]
+    assert type(rec.norm).__name__ == "DeviceScalar" and type(rec.clipped).__name__ == "DeviceScalar"
+    np.testing.assert_allclose(float(rec.norm), nba.global_norm(p), rtol=1e-14)
+    assert bool(rec.clipped) is True
+    st = nba.stats(s)
+    assert float(st["clip_by_global_norm/norm"]) == float(rec.norm)
+    # skip on the device: the policy checks on the host (a sync), zeros out
+    bad = params(np.float64)
+    bad["b"][0] = np.nan
+    tx = nba.chain(nba.clip_by_global_norm(1.0, nonfinite="skip"), nba.adam(0.1))
+    s = tx.init(dev(p))
+    u, s = tx.update(dev(bad), s)
+    assert all(np.all(host(x) == 0) for x in nba.tree_flatten(u)[0]) and bool(s[0].skipped)

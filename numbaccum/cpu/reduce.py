@@ -499,6 +499,9 @@ def clip_factors_(leaf_sums, x, table: Table, members, last, max_norm, fac32, fa
     leaf_sums[nl + members] = scaled
     leaf_sums[2 * nl + members] = scale
     if last:
-        div, mul = _clip_factor(_rescued_norm(leaf_sums), np.float64(max_norm))
+        norm = _rescued_norm(leaf_sums)
+        div, mul = _clip_factor(norm, np.float64(max_norm))
         fac32[0], fac32[1] = div, mul
         fac64[0], fac64[1] = div, mul
+        if fac64.size >= 4:  # the clip's state: the norm and whether it clipped
+            fac64[2], fac64[3] = norm, 0.0 if norm < max_norm else 1.0

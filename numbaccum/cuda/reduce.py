@@ -272,9 +272,13 @@ def _partials_kernel(kind: int, tpb: int, finish: bool, rescue: bool = False) ->
                 if t == 0:
                     ticket[0] = 0
                     if last_group:
-                        div, mul = _clip_factor(_rescued_norm(leaf_sums), max_norm)
+                        norm = _rescued_norm(leaf_sums)
+                        div, mul = _clip_factor(norm, max_norm)
                         fac32[0], fac32[1] = div, mul
                         fac64[0], fac64[1] = div, mul
+                        if fac64.size >= 4:  # the clip's state: the norm and whether it clipped
+                            fac64[2] = norm
+                            fac64[3] = 0.0 if norm < max_norm else 1.0
 
     with _KERNELS_LOCK:
         _KERNELS[key] = kernel
