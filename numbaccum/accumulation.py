@@ -18,6 +18,7 @@ from . import formulas as F
 from ._checks import INT32_MAX, flag, integer, real, transformation
 from .backend import ops_for, tree_sumsq_scaled
 from .base import (
+    Chain,
     GradientTransformationExtraArgs,
     ParamsRef,
     SkipStep,
@@ -421,6 +422,8 @@ class MultiStepsState(NamedTuple):
         inner_opt_state: the inner optimizer's state; it advances only on emitting steps.
         acc_grads: the running mean (or sum) of this cycle's gradients; zeros after emission.
         skip_state: the last info dict of ``should_skip_update_fn`` (``()`` without one).
+        examples: DP accumulation (an inner `differentially_private_aggregate`): the examples
+            summed in ``acc_grads`` this cycle (0 otherwise).
     """
 
     mini_step: np.int32
@@ -428,6 +431,7 @@ class MultiStepsState(NamedTuple):
     inner_opt_state: Any
     acc_grads: FlatTree
     skip_state: Any = ()
+    examples: Any = np.int64(0)
 
 
 def _default_acc_dtype(dt: np.dtype) -> np.dtype:
@@ -476,6 +480,17 @@ class MultiSteps(Stage):
             self._k = _check_k(every_k_schedule, "every_k_schedule")
         self._opt = with_extra_args_support(transformation(opt, "opt"))
         self._inner = as_stage(self._opt)
+        # DP accumulation: an inner optimizer that starts by aggregating per-example gradients
+        # (`differentially_private_aggregate`) sums them here, and noises them once per cycle.
+        inner = self._inner
+        first = inner.stages[0] if isinstance(inner, Chain) and inner.stages else inner
+        self._dp = first if inner.reshapes and hasattr(first, "plan_accumulation") else None
+        if inner.reshapes and self._dp is None:
+            raise TypeError("opt: MultiSteps cannot accumulate a transformation that reshapes its updates")
+        if self._dp is not None and should_skip_update_fn is not None:
+            raise ValueError("should_skip_update_fn: not with DP accumulation (the updates are per example)")
+        self._rest = Chain(inner.stages[1:]) if self._dp is not None and isinstance(inner, Chain) else None
+        self.reshapes = self._dp is not None  # type: ignore[misc]
         if should_skip_update_fn is not None and not callable(should_skip_update_fn):
             raise TypeError(
                 f"should_skip_update_fn must be callable or None, got {type(should_skip_update_fn).__name__}"
@@ -495,6 +510,8 @@ class MultiSteps(Stage):
         """Zero accumulator, the inner state, and the skip function's info for zero updates."""
         layout, device = layout_and_device(params, "params")
         dts = [self._acc_dtype or _default_acc_dtype(d) for d in layout.group_dtypes]
+        if self._dp is not None:  # the sums of clipped examples: float64 unless asked otherwise
+            dts = [self._acc_dtype or np.dtype(np.float64)] * len(layout.group_dtypes)
         acc = FlatTree.zeros(layout, dts, device)
         skip_state: Any = ()
         if self._skip is not None:
@@ -528,9 +545,69 @@ class MultiSteps(Stage):
                 f"every_k_schedule returned {shown} at gradient_step {gradient_step}: {e}"
             ) from None
 
+    def take(self, updates: Any, state: Any, params: Any, owner: FlatTree | None) -> tuple[Updates, str]:
+        if self._dp is not None:  # per-example gradients, of their own layout
+            return self._dp.take(updates, None, params, None)
+        return super().take(updates, state, params, owner)
+
+    def _plan_dp(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
+        """DP accumulation: the mini-step adds its clipped examples to the float64 sums; the
+        emitting one noises and averages them (`privacy._Aggregate.plan_accumulation`) and runs
+        the rest of the inner chain on the result."""
+        if not isinstance(state, MultiStepsState) or not isinstance(state.acc_grads, FlatTree):
+            raise TypeError(f"state: expected MultiStepsState, got {type(state).__name__}")
+        acc, inner = state.acc_grads, self._inner
+        k = self._schedule(state.gradient_step)
+        mini, gradient_step = int(state.mini_step), state.gradient_step
+        emits, fresh = mini >= k - 1, mini == 0
+        if isinstance(inner, Chain):
+            states = inner._states(state.inner_opt_state)
+            if states is None:
+                raise ValueError("state.inner_opt_state: not the inner chain's state")
+        else:
+            states = (state.inner_opt_state,)
+        out_spec, total, dp_run = self._dp.plan_accumulation(  # type: ignore[union-attr]
+            spec, states[0], acc, int(state.examples), fresh, emits
+        )
+        rest = self._rest.plan(out_spec, tuple(states[1:]), params, extra) if emits and self._rest else None
+        names = inner.names if isinstance(inner, Chain) else None
+
+        def pack(new: list) -> Any:
+            if not isinstance(inner, Chain):
+                return new[0]
+            return tuple(new) if names is None else dict(zip(names, new))
+
+        def run(u: Updates) -> tuple[Updates, MultiStepsState]:
+            out, dp_state = dp_run(u)
+            if not emits:
+                new = MultiStepsState(
+                    np.int32(mini + 1),
+                    gradient_step,
+                    state.inner_opt_state,
+                    acc,
+                    state.skip_state,
+                    np.int64(total),
+                )
+                return zeros_output(acc, out_spec.layout), new
+            rest_states: list = list(states[1:])
+            if rest is not None:
+                out, rest_new = (rest.final or rest.run)(out)
+                rest_states = list(rest_new)
+            for a in acc.groups:
+                ops_for(a).fill_(a, 0.0)
+            inner_state = pack([dp_state, *rest_states])
+            new = MultiStepsState(
+                np.int32(0), safe_increment(gradient_step), inner_state, acc, state.skip_state, np.int64(0)
+            )
+            return out, new
+
+        return Step(run, spec=out_spec)
+
     def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
         """Checks the state, calls ``every_k_schedule`` and, when this mini-step emits, plans the
         inner optimizer on the accumulator (in the updates' dtypes)."""
+        if self._dp is not None:
+            return self._plan_dp(spec, state, params, extra)
         acc = expect_state(state, MultiStepsState, "acc_grads", spec)
         layout = spec.layout
         k = self._schedule(state.gradient_step)

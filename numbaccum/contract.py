@@ -398,12 +398,15 @@ class Ops:
         std: float,
         div: float,
         limit: float,
+        init: Any = None,
     ) -> None:
-        """out[k][j] = clamp((sum_b mult[k, b] * g[k][b, j] + std * noise[k][j]) / div, +-limit)."""
+        """out[k][j] = clamp((init[k][j] + sum_b mult[k, b] * g[k][b, j] + std * noise[k][j]) / div,
+        +-limit), the sum from ``init`` (an earlier sum: DP accumulation) or from 0 when None."""
         # float64 scalars: the sums are float64 (``mult`` is), and so is the division by ``div``.
         f = np.float64
+        start = _NO_INIT if init is None else init
         self.per_example.batch_weighted_sum_(
-            out, g, offsets, out_offsets, mult, noise, f(std), f(div), f(limit)
+            out, g, offsets, out_offsets, mult, noise, f(std), f(div), f(limit), start, init is not None
         )
 
 
@@ -413,3 +416,4 @@ def _values(v: Any) -> Any:
 
 
 _NO_VALUES = np.zeros(0, np.float64)
+_NO_INIT = np.zeros(1, np.float64)  # batch_weighted_sum_'s init when the sum starts from 0

@@ -215,7 +215,7 @@ def explain(
         state = stage.init(params)
     spec = Spec(layout, device)
     ref = ParamsRef(params, layout, None, device)
-    if isinstance(stage, MultiSteps):
+    if isinstance(stage, MultiSteps) and not stage.reshapes:  # (DP accumulation: opaque below)
         return _explain_multisteps(stage, params, state, apply, fused, layout)
     if isinstance(stage, Chain) and type(stage).plan is Chain.plan:
         states = stage._states(state)

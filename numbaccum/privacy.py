@@ -170,9 +170,11 @@ def _weighted_sums(
     noise: list[np.ndarray] | None = None,
     std: float = 0.0,
     div: float = 1.0,
+    init: FlatTree | None = None,
 ) -> FlatTree:
-    """``out[k] = (sum_b mult[k, b] * g[k][b] + std * noise[k]) / div``, one kernel per group;
-    ``mult`` is ``(leaves, B)``, or ``(B,)`` for one multiplier per example.
+    """``out[k] = (init[k] + sum_b mult[k, b] * g[k][b] + std * noise[k]) / div``, one kernel
+    per group; ``mult`` is ``(leaves, B)``, or ``(B,)`` for one multiplier per example; the sum
+    starts from 0 without ``init`` (an earlier sum of the same layout: DP accumulation).
 
     With noise the result saturates at the largest finite value of each output dtype."""
     lay = flat.layout
@@ -182,7 +184,7 @@ def _weighted_sums(
         z = noise[gi] if noise is not None else _NO_NOISE
         m = np.ascontiguousarray(mult[members])
         args = (lay.offsets[gi], plan.out_layout.offsets[gi], m, z, std, div, limit)
-        ops_for(g).batch_weighted_sum_(o, g, *args)
+        ops_for(g).batch_weighted_sum_(o, g, *args, init=None if init is None else init.groups[gi])
     return out
 
 
@@ -474,6 +476,46 @@ class _Aggregate(Stage):
 
         return Step(run, spec=out_spec)
 
+    def plan_accumulation(
+        self, spec: Spec, state: Any, acc: FlatTree, examples: int, fresh: bool, emit: bool
+    ) -> tuple[Spec, int, Any]:
+        """`MultiSteps`' mini-step over per-example gradients of ``spec``: ``(params spec, the
+        examples summed so far with this batch, run)``; ``run(u) -> (updates or None, new DP
+        state)``. Each mini-step adds its clipped examples to the float64 running sum ``acc`` in
+        example order, continuing the sum of the earlier ones (`_weighted_sums`' ``init``); the
+        emitting one adds the noise once and divides by every example of the cycle, in the same
+        kernel: the bits of one update on the whole logical batch, with the same noise draw."""
+        _, step = _check_dp_state(state)
+        plan = _plan(spec.layout, "updates")
+        if acc.layout is not plan.out_layout or acc.device != spec.device:
+            want, got = acc.layout, plan.out_layout
+            for i in range(min(want.num_leaves, got.num_leaves)):
+                if want.shapes[i] != got.shapes[i] or want.dtypes[i] != got.dtypes[i]:
+                    raise ValueError(
+                        f"{got.path(i, 'updates')}: per-example {got.shapes[i]} {got.dtypes[i]} does not "
+                        f"match the params the state was built for: {want.shapes[i]} {want.dtypes[i]}"
+                    )
+            raise ValueError("updates: not per-example gradients of the params the state was built for")
+        total = examples + plan.batch
+        if emit and total == 0 and spec.layout.num_leaves:
+            raise ValueError("updates: no example in the whole cycle; there is nothing to average")
+        out_spec = Spec(plan.out_layout, spec.device)
+        clip, std, seed = self.clip, self.std, self.seed
+
+        def run(u: Updates) -> tuple[Updates | None, DifferentiallyPrivateAggregateState]:
+            flat = u.settled().flat
+            mult = _global_multipliers(flat, plan, clip)
+            init = None if fresh else acc
+            if not emit:  # the running sum, in float64: exact, neither noised nor divided
+                _weighted_sums(flat, plan, mult, acc, init=init)
+                return None, state
+            noise = _noise(seed, step, plan.out_layout.group_sizes) if std else [_NO_NOISE] * len(flat.groups)
+            out = FlatTree.empty(out_spec.layout, device=out_spec.device)
+            _weighted_sums(flat, plan, mult, out, noise, std, float(max(total, 1)), init=init)
+            return Updates(out, True), DifferentiallyPrivateAggregateState(_key(seed, step + 1))
+
+        return out_spec, total, run
+
 
 def differentially_private_aggregate(
     l2_norm_clip: float, noise_multiplier: float, seed: int
@@ -503,9 +545,17 @@ def differentially_private_aggregate(
 
     As in optax, the state holds only the noise key: this must be the first stage, fed per-example
     gradients, and ``chain(differentially_private_aggregate(...), adam(1e-3))`` works as in optax
-    (the rest of the chain sees params-shaped updates); ``MultiSteps`` and ``apply_every`` cannot
-    wrap it (they accumulate params-shaped updates). `dpsgd` is such a chain. Each ``update``
+    (the rest of the chain sees params-shaped updates). `dpsgd` is such a chain. Each ``update``
     returns its updates in a new buffer: they stay valid whatever other updates follow.
+
+    Gradient accumulation: ``MultiSteps(differentially_private_aggregate(...) or a chain starting
+    with it, k)`` sums each mini-batch's clipped examples into a float64 accumulator and, on the
+    k-th mini-step, adds the noise once and divides by all the cycle's examples ``N``:
+    ``u = (sum_{b < N} clip(g[b], C) + C * noise_multiplier * z) / N``, then runs the rest of the
+    chain on it. That is one update of this stage on the logical batch of ``N`` examples (the same
+    bits on the CPU, the same noise draw for the same seed and step), so the privacy accounting is
+    that of one step on the logical batch: sampling rate ``N / dataset size``, noise multiplier
+    ``noise_multiplier``. (``apply_every`` still cannot wrap it.)
 
     Args:
         l2_norm_clip: the per-example L2 clip ``C >= 0``.

@@ -604,3 +604,20 @@ def test_clip_records_its_norm_on_the_device_without_a_sync():
     s = tx.init(dev(p))
     u, s = tx.update(dev(bad), s)
     assert all(np.all(host(x) == 0) for x in nba.tree_flatten(u)[0]) and bool(s[0].skipped)
+
+
+@needs_cuda
+def test_dp_accumulation_on_the_device_matches_the_host():
+    p = params(np.float64)
+    rng = np.random.default_rng(5)
+    batch = {k: rng.standard_normal((6, *np.shape(v))) for k, v in p.items()}
+    minis = [{k: v[i * 2 : (i + 1) * 2] for k, v in batch.items()} for i in range(3)]
+    outs = []
+    for put in (lambda t: t, dev):
+        ms = nba.MultiSteps(nba.dpsgd(0.1, 1.0, 1.0, seed=3), 3)
+        s = ms.init(put(p))
+        for m in minis:
+            u, s = ms.update(put(m), s)
+        outs.append(host(u))
+    for a, b in zip(nba.tree_flatten(outs[1])[0], nba.tree_flatten(outs[0])[0]):
+        np.testing.assert_allclose(a, b, rtol=1e-13)

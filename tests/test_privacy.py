@@ -283,7 +283,9 @@ def test_one_kernel_per_pass_and_group_whatever_the_leaf_count(monkeypatch):
     calls = []
     for name in ("slice_sumsq", "batch_weighted_sum_"):
         real = getattr(Ops, name)
-        monkeypatch.setattr(Ops, name, lambda self, *a, _n=name, _f=real: calls.append(_n) or _f(self, *a))
+        monkeypatch.setattr(
+            Ops, name, lambda self, *a, _n=name, _f=real, **kw: calls.append(_n) or _f(self, *a, **kw)
+        )
     for n_leaves in (2, 40):
         tree = {f"p{i:02d}": np.ones((3, 4), F32) for i in range(n_leaves)}
         tree["d"] = np.ones((3, 2), F64)
@@ -442,9 +444,9 @@ def test_dpsgd_matches_reference_chain(momentum, nesterov, lr):
     assert isinstance(out, nba.FlatTree) and out["w"].shape == (3, 4)
 
 
-def test_dp_aggregate_then_multisteps_and_multisteps_cannot_wrap_dpsgd():
+def test_dp_aggregate_then_multisteps_and_multisteps_around_dpsgd():
     """The aggregate must be the first stage (optax #515): its output, params-shaped, feeds any
-    chain, MultiSteps included; MultiSteps around dpsgd sees per-example input and refuses it."""
+    chain, MultiSteps included; MultiSteps around dpsgd accumulates per-example input."""
     rng = np.random.default_rng(4)
     params = {"w": np.zeros((2, 3), F32)}
     agg = nba.differentially_private_aggregate(1.0, 0.5, seed=9)
@@ -459,11 +461,14 @@ def test_dp_aggregate_then_multisteps_and_multisteps_cannot_wrap_dpsgd():
         ru, r_agg = ragg.update(g, r_agg)
         ru, r_ms = rms.update(ru, r_ms, params)
         assert_tree_close(u, ru, rtol=1e-5)
+    # MultiSteps around dpsgd is DP accumulation now (issue 15): per-example input, summed
+    # (tests/test_dp_accumulation.py); params-shaped input is refused, naming the leaf.
     wrapped = nba.MultiSteps(nba.dpsgd(0.1, 1.0, 0.5, seed=9, momentum=0.9), 2)
     s = wrapped.init(params)
-    with pytest.raises(ValueError, match=r"updates\['w'\]: shape \(5, 2, 3\) does not match \(2, 3\)"):
-        wrapped.update(g, s, params)
-    assert int(s.mini_step) == 0
+    _, s = wrapped.update(g, s, params)
+    assert int(s.mini_step) == 1 and int(s.examples) == 5
+    with pytest.raises(ValueError, match=r"updates\['w'\]"):
+        wrapped.update({"w": np.zeros((2, 3), F32)[0]}, s, params)
 
 
 def test_dp_aggregate_chains_like_optax():

@@ -35,7 +35,9 @@ _F16 = np.dtype(np.float16)
 def _weighted_sum(parallel):
     @_cache.cached
     @njit(parallel=parallel, error_model="numpy")
-    def run(out, g, offsets, out_offsets, mult, noise, std, div, limit, items):  # pragma: no cover
+    def run(
+        out, g, offsets, out_offsets, mult, noise, std, div, limit, init, has_init, items
+    ):  # pragma: no cover
         batch = mult.shape[1]
         for c in prange(items.shape[0]):
             k = items[c, 0]
@@ -51,6 +53,9 @@ def _weighted_sum(parallel):
                     active[na] = b
                     na += 1
             acc = np.zeros(w, np.float64)
+            if has_init:  # an earlier sum continued: the same additions, in the same order
+                for j in range(w):
+                    acc[j] = init[lo + j]
             q = 0
             while q + 4 <= na:  # four rows per sweep of the accumulator, added in example order
                 b0, b1, b2, b3 = active[q], active[q + 1], active[q + 2], active[q + 3]
@@ -87,8 +92,9 @@ def _weighted_sum(parallel):
 _WEIGHTED_SUM = (_weighted_sum(True), _weighted_sum(False))
 
 
-def batch_weighted_sum_(out, g, offsets, out_offsets, mult, noise, std, div, limit):
-    """out[k][j] = clamp((sum_b mult[k, b] * g[k][b, j] + std * noise[k][j]) / div, +-limit).
+def batch_weighted_sum_(out, g, offsets, out_offsets, mult, noise, std, div, limit, init, has_init):
+    """out[k][j] = clamp((sum_b mult[k, b] * g[k][b, j] + std * noise[k][j]) / div, +-limit), the
+    sum starting from ``init[k][j]`` (float64, the output's layout) when ``has_init``.
 
     ``offsets`` are the per-example group's leaf boundaries, ``out_offsets`` the output's (each
     ``B`` times smaller); ``mult`` is float64 ``(leaves, B)``; ``noise`` is read only when
@@ -98,7 +104,17 @@ def batch_weighted_sum_(out, g, offsets, out_offsets, mult, noise, std, div, lim
         # numba has no float16 on the CPU: read through float32 copies (exact), round once.
         out32 = out.astype(np.float32)
         batch_weighted_sum_(
-            out32, g.astype(np.float32), offsets, out_offsets, mult, noise.astype(np.float32), std, div, limit
+            out32,
+            g.astype(np.float32),
+            offsets,
+            out_offsets,
+            mult,
+            noise.astype(np.float32),
+            std,
+            div,
+            limit,
+            init.astype(np.float32) if init.dtype == _F16 else init,
+            has_init,
         )
         np.copyto(out, out32, casting="same_kind")
         return
@@ -106,4 +122,4 @@ def batch_weighted_sum_(out, g, offsets, out_offsets, mult, noise, std, div, lim
     # The output's leaves cut into fixed items of BATCH_CHUNK elements (a segments table's work).
     items = segments(out_offsets).work(BATCH_CHUNK, False).items
     with guard_for(g.size):  # numba's workqueue layer aborts on concurrent parallel calls
-        run(out, g, offsets, out_offsets, mult, noise, std, div, limit, items)
+        run(out, g, offsets, out_offsets, mult, noise, std, div, limit, init, has_init, items)

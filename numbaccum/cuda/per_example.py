@@ -27,7 +27,9 @@ _clamp = cuda.jit(device=True, inline=True)(clamp)
 
 @cached
 @cuda.jit
-def _weighted_sum(out, g, offsets, out_offsets, items, mult, noise, std, div, limit):  # pragma: no cover
+def _weighted_sum(
+    out, g, offsets, out_offsets, items, mult, noise, std, div, limit, init, has_init
+):  # pragma: no cover
     blk = cuda.blockIdx.x
     k = items[blk, 0]
     size = out_offsets[k + 1] - out_offsets[k]
@@ -35,7 +37,7 @@ def _weighted_sum(out, g, offsets, out_offsets, items, mult, noise, std, div, li
     stop = out_offsets[k] + items[blk, 4]
     while i < stop:
         src = offsets[k] + (i - out_offsets[k])
-        acc = 0.0
+        acc = np.float64(init[i]) if has_init else 0.0  # an earlier sum continued (DP accumulation)
         for b in range(mult.shape[1]):
             m = mult[k, b]
             if m != 0.0:  # a dropped example is skipped, not multiplied: 0 * NaN is NaN
@@ -64,8 +66,9 @@ def _on_device(x: Any) -> Any:
     return cuda.to_device(np.ascontiguousarray(x), stream=stream()) if isinstance(x, np.ndarray) else x
 
 
-def batch_weighted_sum_(out, g, offsets, out_offsets, mult, noise, std, div, limit):
-    """out[k][j] = clamp((sum_b mult[k, b] * g[k][b, j] + std * noise[k][j]) / div, +-limit).
+def batch_weighted_sum_(out, g, offsets, out_offsets, mult, noise, std, div, limit, init, has_init):
+    """out[k][j] = clamp((sum_b mult[k, b] * g[k][b, j] + std * noise[k][j]) / div, +-limit), the
+    sum starting from ``init[k][j]`` (the output's layout) when ``has_init``.
 
     ``offsets`` are the per-example group's leaf boundaries, ``out_offsets`` the output's (each
     ``B`` times smaller); ``mult`` is float64 ``(leaves, B)``; ``noise`` is read only when
@@ -94,4 +97,6 @@ def batch_weighted_sum_(out, g, offsets, out_offsets, mult, noise, std, div, lim
         std,
         div,
         limit,
+        _on_device(init),
+        has_init,
     )

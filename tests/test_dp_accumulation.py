@@ -1,0 +1,103 @@
+"""DP-SGD with gradient accumulation: MultiSteps over differentially_private_aggregate sums the
+clipped examples of k mini-batches and noises them once, the same bits as one update on the
+logical batch (same seed, same noise draw)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from _testutil import assert_tree_equal
+
+import numbaccum as nba
+
+MAKERS = {
+    "dpsgd_momentum": lambda: nba.dpsgd(0.1, 1.0, 1.1, seed=7, momentum=0.9),
+    "aggregate_adam": lambda: nba.chain(nba.differentially_private_aggregate(0.5, 2.0, 3), nba.adam(1e-2)),
+    "aggregate_alone": lambda: nba.differentially_private_aggregate(1.0, 0.7, 11),
+    "named": lambda: nba.named_chain(
+        ("dp", nba.differentially_private_aggregate(1.0, 1.0, 5)), ("opt", nba.adamw(1e-2, weight_decay=0.1))
+    ),
+}
+
+
+def _params(seed):
+    rng = np.random.default_rng(seed)
+    return {
+        "w": rng.standard_normal((3, 4)).astype(np.float32),
+        "b": rng.standard_normal(4),
+        "s": np.float32(0.5) * np.ones((), np.float32),  # a 0-d param: per-example leaves (B,)
+    }
+
+
+def _batch(p, n, seed):
+    rng = np.random.default_rng(seed)
+    out = {k: (rng.standard_normal((n, *np.shape(v))) * 3).astype(np.asarray(v).dtype) for k, v in p.items()}
+    out["b"][1] = np.nan  # a non-finite example is dropped, in both
+    return out
+
+
+def _split(batch, sizes):
+    out, start = [], 0
+    for n in sizes:
+        out.append({k: v[start : start + n] for k, v in batch.items()})
+        start += n
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(MAKERS))
+@pytest.mark.parametrize("sizes", [(5, 5, 5), (2, 7, 1), (4,)], ids=["even", "uneven", "k1"])
+def test_k_mini_steps_equal_one_step_on_the_logical_batch(name, sizes):
+    p = _params(0)
+    one, ms = MAKERS[name](), nba.MultiSteps(MAKERS[name](), len(sizes))
+    s1, s2 = one.init(p), ms.init(p)
+    for cycle in range(2):  # the second cycle draws the next noise, as the second big step
+        batch = _batch(p, sum(sizes), 10 + cycle)
+        u1, s1 = one.update(batch, s1, p)
+        for i, mini in enumerate(_split(batch, sizes)):
+            u2, s2 = ms.update(mini, s2, p)
+            if i < len(sizes) - 1:
+                assert all(np.all(np.asarray(x) == 0) for x in nba.tree_flatten(u2)[0])
+                assert int(s2.examples) == sum(sizes[: i + 1])
+        assert_tree_equal(u2, u1)  # the same bits
+        assert int(s2.examples) == 0 and int(s2.gradient_step) == cycle + 1
+    assert_tree_equal(nba.tree_flatten(s2.inner_opt_state)[0], nba.tree_flatten(s1)[0])
+
+
+def test_a_checkpoint_mid_cycle_continues_with_the_same_bits(tmp_path):
+    p = _params(1)
+    ms = nba.MultiSteps(MAKERS["aggregate_adam"](), 3)
+    s = ms.init(p)
+    batch = _batch(p, 9, 3)
+    minis = _split(batch, (3, 3, 3))
+    _, s = ms.update(minis[0], s, p)
+    nba.save_state(tmp_path / "s.npz", s)
+    restored = nba.load_state(tmp_path / "s.npz", like=ms.init(p))
+    outs = []
+    for st in (s, restored):
+        for mini in minis[1:]:
+            u, st = ms.update(mini, st, p)
+        outs.append(u)
+    assert_tree_equal(outs[0], outs[1])
+
+
+def test_bad_input_leaves_the_state_as_it_was():
+    p = _params(2)
+    ms = nba.MultiSteps(MAKERS["dpsgd_momentum"](), 2)
+    s = ms.init(p)
+    _, s = ms.update(_batch(p, 3, 1), s, p)
+    before = [np.array(x, copy=True) for x in nba.tree_flatten(s)[0]]
+    bad = _batch(p, 3, 2)
+    bad["w"] = bad["w"][:2]  # another batch size in one leaf
+    with pytest.raises(ValueError, match="batch"):
+        ms.update(bad, s, p)
+    assert_tree_equal([np.asarray(x) for x in nba.tree_flatten(s)[0]], before)
+    with pytest.raises(ValueError, match="should_skip_update_fn"):
+        nba.MultiSteps(MAKERS["dpsgd_momentum"](), 2, should_skip_update_fn=nba.skip_not_finite)
+
+
+def test_the_accumulator_is_float64_unless_asked():
+    p = _params(3)
+    s = nba.MultiSteps(MAKERS["dpsgd_momentum"](), 2).init(p)
+    assert set(s.acc_grads.group_dtypes) == {np.dtype(np.float64)}
+    s = nba.MultiSteps(MAKERS["dpsgd_momentum"](), 2, accumulator_dtype=np.float32).init(p)
+    assert set(s.acc_grads.group_dtypes) == {np.dtype(np.float32)}
