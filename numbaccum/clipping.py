@@ -205,7 +205,8 @@ class _ClipByGlobalNorm(Stage):
         return ClipByGlobalNormState(np.float64(0.0), np.bool_(False), np.bool_(False))
 
     def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
-        if not isinstance(state, (ClipByGlobalNormState, EmptyState)):  # EmptyState: optax's
+        # optax's EmptyState, or None (a stateless transformation's state is often passed so)
+        if state is not None and not isinstance(state, (ClipByGlobalNormState, EmptyState)):
             raise TypeError(f"state: expected ClipByGlobalNormState, got {type(state).__name__}")
         max_norm, policy = self.max_norm, self.nonfinite
         seen: list = []  # the state this step records, once its pre-pass has run
