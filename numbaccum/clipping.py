@@ -9,6 +9,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from . import formulas as F
+from . import fuse
 from ._bounded import Bounded
 from ._checks import integer, non_negative, real, transformation
 from .backend import leaf_tables, ops_for, slice_sumsq, tree_norm, tree_sumsq_scaled
@@ -210,8 +211,25 @@ class _ClipByGlobalNorm(Stage):
             raise TypeError(f"state: expected ClipByGlobalNormState, got {type(state).__name__}")
         max_norm, policy = self.max_norm, self.nonfinite
         seen: list = []  # the state this step records, once its pre-pass has run
+        memo: list = []  # (flat, factor): asked twice for one buffer (apply_if_finite), reduce once
 
         def factor_of(flat: FlatTree) -> Factor:
+            if memo and memo[0][0] is flat:
+                return memo[0][1]
+            factor = reduce_to_factor(flat)
+            memo[:] = [(flat, factor)]
+            return factor
+
+        def finite_of(flat: FlatTree) -> bool | None:
+            """True when the norm is finite: then every element is (a NaN or inf element makes
+            the rescued sum of squares NaN or inf); None otherwise (finite elements can still
+            have an infinite float64 norm), and on the GPU, whose norm stays there."""
+            if flat.device or policy != "pass":
+                return None
+            factor_of(flat)
+            return True if math.isfinite(seen[-1].norm) else None
+
+        def reduce_to_factor(flat: FlatTree) -> Factor:
             if flat.device and policy == "pass":  # norm and factor stay on the GPU: no sync
                 facs = _device_factors(flat, max_norm)
                 if facs is not None:
@@ -235,7 +253,8 @@ class _ClipByGlobalNorm(Stage):
             factor = factor_of(u.flat)
             return Updates(u.flat, u.owned, factor, u.returnable, u.scratch), seen[-1]
 
-        return Step(run, fuse=Prepass(factor_of, Later(lambda: seen[-1]), "clip_by_global_norm"))
+        part = Prepass(factor_of, Later(lambda: seen[-1]), "clip_by_global_norm", finite_of=finite_of)
+        return Step(run, fuse=part)
 
 
 def _device_record(facs: dict) -> ClipByGlobalNormState:
@@ -388,9 +407,15 @@ class _ApplyIfFinite(Stage):
         streak, total = int(state.notfinite_count), int(state.total_notfinite)
         max_errors = self.max_errors
 
+        # An inner optimizer that starts with a clip: its norm tells finiteness (one reduction).
+        first = fuse.leaves(inner.fuse)[0] if inner.fuse is not None and inner.spec is None else None
+        finite_of = first.finite_of if isinstance(first, Prepass) else None
+
         def run(u: Updates) -> tuple[Updates, ApplyIfFiniteState]:
             u = u.settled()
-            finite = sum(ops_for(g).count_nonfinite(g) for g in u.flat.groups) == 0
+            finite = finite_of(u.flat) if finite_of is not None else None
+            if finite is None:
+                finite = sum(ops_for(g).count_nonfinite(g) for g in u.flat.groups) == 0
             count = 0 if finite else streak + 1
             new_total = total + (0 if finite else 1)
             flags = (np.int32(min(count, _INT32_MAX)), np.bool_(finite), np.int32(min(new_total, _INT32_MAX)))

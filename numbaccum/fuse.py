@@ -111,6 +111,9 @@ class Prepass(NamedTuple):
     new_state: Any
     name: str = ""
     reads: str = "global norm"
+    # ``finite_of(flat) -> True | None``: True when this pre-pass's own reduction shows every
+    # element finite (then `apply_if_finite` needs no reduction of its own); None: it cannot tell.
+    finite_of: Callable[[FlatTree], bool | None] | None = None
 
 
 class Later(NamedTuple):

@@ -427,3 +427,36 @@ def test_a_run_written_in_place_takes_its_buffer_once(monkeypatch):
     _same(fused, _run(make, params, grads, fused=False))
     name, src, states, inputs, outputs, _ = fuse.composite_source(next(k for k in seen if k[4]))
     assert states[-1] == "x" and "x" not in inputs and outputs == ()
+
+
+def test_apply_if_finite_reads_finiteness_from_the_clips_norm(monkeypatch):
+    """apply_if_finite(chain(clip_by_global_norm, ...)): the clip's norm pre-pass also tells
+    finiteness, so a finite step runs one reduction, not two; a NaN step counts as before."""
+    params = {k: np.array(v) for k, v in PARAMS.items() if np.ndim(v)}
+    grads = [{k: g[k] for k in params} for g in _grads(3)]
+    bad = {k: np.full_like(v, np.nan) for k, v in grads[0].items()}
+    seq = [grads[0], bad, grads[1], bad, bad, grads[2]]
+
+    def make():
+        return nb.apply_if_finite(nb.chain(nb.clip_by_global_norm(1.0), nb.adam(1e-2)), 1)
+
+    counted = []
+    real = nb.contract.Ops.count_nonfinite
+    monkeypatch.setattr(
+        nb.contract.Ops, "count_nonfinite", lambda self, x: counted.append(1) or real(self, x)
+    )
+    tx = make()
+    s = tx.init(params)
+    outs = []
+    for i, g in enumerate(seq):
+        counted.clear()
+        u, s = tx.update(g, s, params)
+        outs.append(snapshot(u))
+        assert bool(counted) == (g is bad), i  # finite: no reduction of its own
+    monkeypatch.setenv("NUMBACCUM_FUSE", "0")
+    tx = make()
+    s2 = tx.init(params)
+    for i, (g, want) in enumerate(zip(seq, outs)):
+        u, s2 = tx.update(g, s2, params)
+        assert_tree_equal(snapshot(u), want, msg=f"step {i}")
+    assert int(s.total_notfinite) == int(s2.total_notfinite) == 3
