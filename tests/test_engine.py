@@ -273,7 +273,7 @@ def test_cuda_global_norm_has_one_value_across_apis():
     facs = clipping._device_factors(flat, 0.5)
     assert facs is not None
     fac64 = facs[np.dtype(np.float64)].copy_to_host()
-    assert tuple(fac64) == (math.sqrt(want), 0.5)
+    assert tuple(fac64) == (math.sqrt(want), 0.5, math.sqrt(want), 1.0)  # [div, mul, norm, clipped]
     norm = math.sqrt(want)
     u1, _ = nba.clip_by_global_norm(0.5).update(d, None)
     tx = nba.clip_norm(0.5, dim="global")
