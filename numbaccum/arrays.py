@@ -32,6 +32,8 @@ __all__ = [
     "cuda_api",
     "cuda_available",
     "data_pointer",
+    "device_leaves",
+    "device_pointers",
     "empty",
     "is_contiguous",
     "is_cuda_array",
@@ -41,12 +43,12 @@ __all__ = [
     "on_device",
     "on_stream",
     "run_view",
+    "simulated",
+    "runs_of",
     "stream",
     "stream_handle",
     "to_device",
     "to_host",
-    "torch_runs",
-    "torch_views",
     "view_from_pointer",
 ]
 
@@ -113,6 +115,13 @@ def cuda_api() -> Any:
     except Exception as e:  # pragma: no cover - depends on the installation
         raise RuntimeError(f"{INSTALL_HINT} (importing numba.cuda failed: {e})") from e
     return cuda
+
+
+def simulated() -> bool:
+    """Whether numba's CUDA simulator stands in for the GPU (``NUMBA_ENABLE_CUDASIM=1``)."""
+    from numba import config
+
+    return bool(getattr(config, "ENABLE_CUDASIM", False))
 
 
 def cuda_available() -> bool:
@@ -317,62 +326,144 @@ def run_view(leaves: list[Any], layout: Layout, g: int) -> Any:
     return base[lo : lo + n]
 
 
-def _first_leaf(tree: Any) -> Any:
-    """Some leaf of ``tree`` (the first child all the way down), to tell the array type cheaply."""
-    while isinstance(tree, (dict, list, tuple)) and tree:
-        tree = next(iter(tree.values())) if isinstance(tree, dict) else tree[0]
-    return tree
+# --- trees of separate CUDA arrays: each leaf's address, read off its own attributes ----------
+#
+# Converting a leaf through ``__cuda_array_interface__`` into a numba device array costs about
+# 50 us (7 ms a call for GPT-2 small's 148 leaves, around a 0.7 ms update). The address, shape,
+# dtype and contiguity are all an update needs to pack the leaves with one launch over a table of
+# addresses (`numbaccum.cuda.leaves`): each array type's own attributes give them in about a
+# microsecond a leaf.
+
+_TORCH_DTYPES: dict[Any, np.dtype] = {}
 
 
-def torch_runs(tree: Any, layout: Layout) -> list[tuple[int, Any]] | None:
-    """Per dtype group, ``(address, owner)`` of its run of memory when ``tree`` is a tree of
-    PyTorch CUDA tensors of ``layout`` that sit back to back as views of one buffer per group
-    (what ``FlatTree.tree_as('torch')`` hands out), else None.
+def _torch_dtype(dt: Any) -> np.dtype | None:
+    if not _TORCH_DTYPES:
+        import torch
 
-    Checked with torch's own attributes, a few microseconds a leaf: converting each leaf through
-    ``__cuda_array_interface__`` costs about 50 (8 ms a call on GPT-2 small's 148 leaves). Anything
-    else (separate tensors, another structure, a wrong shape) returns None and takes the general
-    path, which packs or names what differs."""
-    if not type(_first_leaf(tree)).__module__.startswith("torch"):
+        _TORCH_DTYPES.update({torch.float16: FLOATS[0], torch.float32: FLOATS[1], torch.float64: FLOATS[2]})
+    return _TORCH_DTYPES.get(dt)
+
+
+def _torch_leaf(x: Any) -> tuple | None:
+    if not x.is_cuda or not x.is_contiguous():
+        return None
+    return x.data_ptr(), tuple(x.shape), _torch_dtype(x.dtype), x.get_device()
+
+
+def _cupy_leaf(x: Any) -> tuple | None:
+    if not x.flags.c_contiguous:
+        return None
+    return x.data.ptr, x.shape, x.dtype, x.device.id
+
+
+def _numba_leaf(x: Any) -> tuple | None:
+    if not x.is_c_contiguous():
+        return None
+    ary = getattr(x, "_ary", None)  # the simulator's array: its address is in host memory
+    ptr = int(x.device_ctypes_pointer.value or 0) if ary is None else ary.__array_interface__["data"][0]
+    return ptr, x.shape, x.dtype, 0
+
+
+def _interface_leaf(x: Any) -> tuple | None:
+    cai = x.__cuda_array_interface__
+    shape = tuple(cai["shape"])
+    strides = cai.get("strides")
+    dt = np.dtype(cai["typestr"])
+    if strides is not None and tuple(strides) != _c_strides(shape, dt.itemsize):
+        return None
+    return int(cai["data"][0]), shape, dt, 0
+
+
+def _c_strides(shape: tuple, itemsize: int) -> tuple:
+    out, step = [], itemsize
+    for d in reversed(shape):
+        out.append(step)
+        step *= d
+    return tuple(reversed(out))
+
+
+def _leaf_reader(x: Any) -> Any:
+    mod = type(x).__module__
+    if mod.startswith("torch"):
+        return _torch_leaf
+    if mod.startswith("cupy"):
+        return _cupy_leaf
+    if is_device_array(x):
+        return _numba_leaf
+    if hasattr(x, "__cuda_array_interface__"):
+        return _interface_leaf
+    return None
+
+
+def device_pointers(tree: Any, layout: Layout) -> list[int] | None:
+    """Each leaf's device address (0 for an empty leaf) when ``tree`` is a plain tree of CUDA
+    arrays of one type (numba, CuPy, PyTorch or any ``__cuda_array_interface__``) with exactly
+    the structure, shapes and dtypes of ``layout``, each C-contiguous and all on one device;
+    else None, and the general path packs the tree or names what differs.
+
+    Read off each array's own attributes, about a microsecond a leaf: no conversion, no
+    synchronisation. In the simulator the address is that of the host memory behind the
+    simulated array."""
+    found = device_leaves(tree, layout)
+    return None if found is None else found[0]
+
+
+def device_leaves(tree: Any, layout: Layout) -> tuple[list[int], list[Any]] | None:
+    """`device_pointers` and the leaves they were read from."""
+    if isinstance(tree, np.ndarray) or not layout.num_leaves:
         return None
     raw = _tree.leaves_if_structure(tree, layout.treedef)
     if not raw:
         return None
-    import torch
+    facts = device_facts(raw)
+    if facts is None:
+        return None
+    ptrs, shapes, dtypes = facts
+    if list(zip(shapes, dtypes)) != layout.shapes_dtypes:
+        return None
+    return [p if n else 0 for p, n in zip(ptrs, layout.sizes)], raw
 
-    dtypes = {torch.float16: FLOATS[0], torch.float32: FLOATS[1], torch.float64: FLOATS[2]}
+
+def device_facts(leaves: list[Any]) -> tuple[tuple, tuple, tuple] | None:
+    """``(addresses, shapes, dtypes)`` of CUDA arrays of one type, each C-contiguous and all on
+    one device, read off their own attributes; None for anything else (NumPy arrays, mixed
+    types, a strided array), which the general path handles or names."""
+    read = _leaf_reader(leaves[0])
+    if read is None:
+        return None
+    try:
+        facts = [read(x) for x in leaves]
+    except AttributeError:  # an array of another type among them
+        return None
+    if None in facts:
+        return None
+    ptrs, shapes, dtypes, devices = zip(*facts)
+    if devices.count(devices[0]) != len(devices):
+        return None
+    return ptrs, shapes, dtypes
+
+
+def runs_of(ptrs: list[int], layout: Layout) -> list[int] | None:
+    """Per dtype group, the address of its run of memory when the leaves at ``ptrs`` sit back to
+    back in group order (what ``FlatTree.tree_as`` hands out), else None (always in the
+    simulator, whose addresses are host memory that no device view can be made of)."""
+    if simulated():
+        return None
     runs = []
     for g, members in enumerate(layout.groups):
-        dt, offsets = layout.group_dtypes[g], layout.offsets[g]
-        start, owner = 0, None
+        at, offsets, size = None, layout.offsets[g], layout.group_dtypes[g].itemsize
         for j, leaf in enumerate(members):
-            x = raw[leaf]
-            if not isinstance(x, torch.Tensor) or not x.is_cuda or dtypes.get(x.dtype) != dt:
-                return None
-            if tuple(x.shape) != layout.shapes[leaf]:
-                return None
-            if x.numel() == 0:  # holds no data; it may be placed anywhere
+            if not layout.sizes[leaf]:  # holds no data; it may be placed anywhere
                 continue
-            if not x.is_contiguous():
+            if layout.dtypes[leaf] != layout.group_dtypes[g]:
                 return None
-            at = int(offsets[j]) * dt.itemsize
-            if owner is None:
-                start, owner = x.data_ptr() - at, x
-            elif x.data_ptr() - start != at or x.device != owner.device:
+            start = ptrs[leaf] - int(offsets[j]) * size
+            if at is None:
+                at = start
+            elif start != at:
                 return None
-        if owner is None:
+        if at is None:
             return None
-        runs.append((start, owner))
+        runs.append(at)
     return runs
-
-
-def torch_views(tree: Any, layout: Layout) -> list[Any] | None:
-    """Per dtype group, a numba view of its run of memory when ``tree`` is a tree of PyTorch
-    CUDA tensors that sit back to back as views of one buffer per group (see `torch_runs`),
-    else None."""
-    runs = torch_runs(tree, layout)
-    if runs is None:
-        return None
-    return [
-        view_from_pointer(a, n, d, o) for (a, o), n, d in zip(runs, layout.group_sizes, layout.group_dtypes)
-    ]

@@ -18,7 +18,7 @@ import numpy as np
 
 from . import arrays
 from . import tree as _tree
-from .arrays import as_device_array, is_contiguous, is_cuda_array, on_device, run_view, torch_views
+from .arrays import as_device_array, is_contiguous, is_cuda_array, on_device, run_view
 from .backend import ops_for
 from .contract import ONE
 from .layout import FLOATS, Layout, check_float_dtype, layout_of_leaves
@@ -151,6 +151,11 @@ class FlatTree:
             dtype = check_float_dtype(dtype, "dtype")
         if isinstance(tree, FlatTree):
             tree = tree.tree
+        found = _device_layout(tree, dtype)
+        if found is not None:  # separate CUDA arrays: one launch per group
+            out = cls.empty(found[0], device=True)
+            pack_leaves_(out, found[1], found[2])
+            return out
         leaves, td = leaves_of(tree, "tree")
         layout = layout_of_leaves(td, leaves, dtype)
         out = cls.empty(layout, device=bool(leaves) and on_device(leaves[0]))
@@ -281,6 +286,10 @@ class FlatTree:
             for dst, src in zip(self.groups, tree.groups):
                 ops_for(dst).scale_(dst, src, ONE)
             return self
+        found = arrays.device_leaves(tree, self.layout) if self.device else None
+        if found is not None:  # separate CUDA arrays: one launch per group
+            pack_leaves_(self, found[0], arrays.kind_of(found[1][0]))
+            return self
         leaves = check_leaves(tree, self.layout, "tree", self.device)
         self._copy_leaves_in(leaves)
         return self
@@ -376,9 +385,10 @@ def as_flat(
     """
     if isinstance(tree, FlatTree) and tree.layout is layout and device in (None, tree.device):
         return tree, False, "flat"
-    tviews = torch_views(tree, layout) if device is not False and checked is None else None
-    if tviews is not None:
-        return FlatTree(layout, tviews, {np.dtype(v.dtype): v for v in tviews}), False, "torch"
+    if device is not False and checked is None and not isinstance(tree, FlatTree):
+        found = arrays.device_leaves(tree, layout)
+        if found is not None:  # separate CUDA arrays, read off their own attributes
+            return _device_flat(found, layout, pack_into)
     kinds: list[str] = []
     if checked is not None and device is not True and not isinstance(tree, FlatTree):
         leaves, kinds = checked, ["numpy"]
@@ -403,15 +413,72 @@ def as_flat(
     return out, True, kind
 
 
+def _device_flat(
+    found: tuple[list[int], list[Any]], layout: Layout, pack_into: FlatTree | Callable[[], FlatTree] | None
+) -> tuple[FlatTree, bool, str]:
+    """`as_flat` of a tree of CUDA arrays whose addresses `arrays.device_leaves` read: views of
+    their memory when each group's leaves sit back to back (the ``.tree`` of a FlatTree), else
+    packed with one launch per group over the table of addresses (`numbaccum.cuda.leaves`)."""
+    ptrs, raw = found
+    kind = arrays.kind_of(raw[0])
+    runs = arrays.runs_of(ptrs, layout)
+    if runs is not None:
+        owners = [raw[next(i for i in m if layout.sizes[i])] for m in layout.groups]
+        views = [
+            arrays.view_from_pointer(a, n, d, o)
+            for a, n, d, o in zip(runs, layout.group_sizes, layout.group_dtypes, owners)
+        ]
+        return FlatTree(layout, views, {np.dtype(v.dtype): v for v in views}), False, kind
+    if pack_into is None:
+        out = FlatTree.empty(layout, device=True)
+    else:
+        out = pack_into if isinstance(pack_into, FlatTree) else pack_into()
+    pack_leaves_(out, ptrs, kind)
+    return out, True, kind
+
+
+def pack_leaves_(flat: FlatTree, ptrs: list[int], kind: str) -> None:
+    """Copies the CUDA arrays at ``ptrs`` (one per leaf, `arrays.device_pointers`) into the
+    device FlatTree ``flat``: one launch per dtype group, on the caller's stream."""
+    from .cuda import leaves
+
+    with arrays.launch_context(kind):
+        leaves.pack_(flat.groups, flat.layout, ptrs)
+
+
+def scatter_leaves_(flat: FlatTree, ptrs: list[int], kind: str) -> None:
+    """Copies the device FlatTree ``flat`` into the CUDA arrays at ``ptrs``: the inverse of
+    `pack_leaves_`."""
+    from .cuda import leaves
+
+    with arrays.launch_context(kind):
+        leaves.scatter_(flat.groups, flat.layout, ptrs)
+
+
 def layout_of(tree: Any, name: str) -> Layout:
     """The natural layout of a tree (grouped by leaf dtype), after checking its leaves."""
     return layout_and_device(tree, name)[0]
+
+
+def _device_layout(tree: Any, dtype: Any = None) -> tuple[Layout, list[int], str] | None:
+    """``(layout, addresses, kind)`` of a plain tree of CUDA float arrays that
+    `arrays.device_facts` can read (stored in ``dtype`` if given), else None."""
+    raw, td = _tree.tree_flatten(tree)
+    facts = arrays.device_facts(raw) if raw and not isinstance(raw[0], np.ndarray) else None
+    if facts is None or not all(d in FLOATS for d in facts[2]):
+        return None
+    ptrs, shapes, dtypes = facts
+    layout = Layout.get(td, shapes, dtypes, None if dtype is None else [dtype] * len(raw))
+    return layout, [p if n else 0 for p, n in zip(ptrs, layout.sizes)], arrays.kind_of(raw[0])
 
 
 def layout_and_device(tree: Any, name: str) -> tuple[Layout, bool]:
     """The natural layout of a tree and whether its leaves live on a CUDA device."""
     if isinstance(tree, FlatTree):
         return tree.layout, tree.device
+    found = _device_layout(tree)
+    if found is not None:  # CUDA arrays, read off their own attributes: no conversion
+        return found[0], True
     leaves, td = leaves_of(tree, name)
     return layout_of_leaves(td, leaves), bool(leaves) and on_device(leaves[0])
 

@@ -68,13 +68,14 @@ def step_(tx: Any, grads: Any, state: Any, params: Any, **extra_args: Any) -> An
     owner = stage.owner(state)
     u, kind = stage.take(grads, state, params, owner)
     spec = Spec(u.flat.layout, u.flat.device)
-    ref = ParamsRef(params, spec.layout, None, spec.device, stage._workspace(owner, spec, "params"))
+    into = stage._workspace(owner, spec, "params")
+    ref = ParamsRef(params, spec.layout, None, spec.device, into)
     ref.checked = check_params(params, spec)
     step = stage.plan(spec, state, ref, extra_args)
     apply = step_applier(step)
     if apply is None:  # nothing fused at the end: the planned step, then apply_updates_
         return _run_then_apply(stage, step, u, kind, params, spec, owner)
-    p, copied = _writable(params, spec)
+    p, copied = _writable(params, spec, into)
     if ref._flat is None:  # a stage that reads the params (weight decay) reads these: the
         ref._flat = p  # fused pass then reads and writes one buffer (`fuse._run_group`)
     u.scratch = stage._workspace(owner, spec, "output")
@@ -101,7 +102,7 @@ def _update_then_apply(stage: Stage, grads: Any, state: Any, params: Any, extra:
 def _run_then_apply(
     stage: Stage, step: Any, u: Updates, kind: str, params: Any, spec: Spec, owner: Any
 ) -> Any:
-    p, copied = _writable(params, spec)
+    p, copied = _writable(params, spec, stage._workspace(owner, spec, "params"))
     u.scratch = stage._workspace(owner, spec, "output")
     try:
         if kind in arrays.STREAM_KINDS:
@@ -128,13 +129,13 @@ def _writable_check(tree: Any) -> None:
             raise TypeError(f"{where}: cannot be changed in place (not a writable array)")
 
 
-def _writable(params: Any, spec: Spec) -> tuple[FlatTree, bool]:
+def _writable(params: Any, spec: Spec, into: Any) -> tuple[FlatTree, bool]:
     """params as a FlatTree of ``spec``'s layout whose changes reach the caller (``copied``: a
-    packed copy to scatter back)."""
+    packed copy, in the workspace ``into`` gives, to scatter back)."""
     _writable_check(params)
     if isinstance(params, FlatTree) and params.layout is spec.layout and params.device == spec.device:
         return params, False
-    flat, copied, _ = as_flat(params, spec.layout, "params", device=spec.device)
+    flat, copied, _ = as_flat(params, spec.layout, "params", pack_into=into, device=spec.device)
     return flat, copied
 
 

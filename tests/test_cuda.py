@@ -621,3 +621,145 @@ def test_dp_accumulation_on_the_device_matches_the_host():
         outs.append(host(u))
     for a, b in zip(nba.tree_flatten(outs[1])[0], nba.tree_flatten(outs[0])[0]):
         np.testing.assert_allclose(a, b, rtol=1e-13)
+
+
+# --- trees of separate CUDA arrays: packed and scattered over a table of their addresses ------
+
+
+def _many_leaves(n_leaves, seed=0):
+    """A tree of ``n_leaves`` float32 leaves of assorted sizes (some past one chunk of the
+    pointer-table kernels, a 0-d and a size-0 one) and three float64 leaves."""
+    from numbaccum.cuda import leaves
+
+    rng = np.random.default_rng(seed)
+    sizes = [1, 3, leaves.chunk() + 5, 17, 2 * leaves.chunk() + 1]
+    tree = {f"f{i:03d}": rng.standard_normal(sizes[i % 5]).astype(np.float32) for i in range(n_leaves)}
+    tree["scalar"] = np.array(rng.standard_normal(), np.float32)
+    tree["empty"] = np.zeros((0, 3), np.float32)
+    tree["d"] = [rng.standard_normal((2, 3)), rng.standard_normal(leaves.chunk() + 1), np.zeros(0)]
+    return tree
+
+
+@needs_cuda
+@pytest.mark.parametrize("n_leaves", [3, 40])
+def test_separate_device_leaves_pack_with_one_launch_per_group(n_leaves):
+    from numbaccum import arrays
+    from numbaccum.flat import as_flat
+
+    p = _many_leaves(n_leaves)
+    d = dev(p)
+    layout = nba.FlatTree.from_tree(p).layout
+    ptrs = arrays.device_pointers(d, layout)
+    assert ptrs is not None and len(ptrs) == layout.num_leaves
+    before = _launches()
+    flat, copied, kind = as_flat(d, layout, "updates")
+    assert copied and kind == "numba"
+    assert _launches() - before == 2  # one launch per dtype group, whatever the number of leaves
+    for a, b in zip(nba.tree_flatten(host(flat.tree))[0], nba.tree_flatten(p)[0]):
+        np.testing.assert_array_equal(a, b)
+    # and back: apply_updates_ into separate arrays scatters with one launch per group too
+    u = nba.tree_map(lambda x: np.full_like(x, 0.25), p)
+    uf = nba.FlatTree.from_tree(dev(u))
+    before = _launches()
+    assert nba.apply_updates_(d, uf) is d
+    assert _launches() - before == 2 + 2 + 2  # pack the params, add, scatter back
+    for a, b, c in zip(nba.tree_flatten(host(d))[0], nba.tree_flatten(p)[0], nba.tree_flatten(u)[0]):
+        np.testing.assert_array_equal(a, b + c)
+
+
+@needs_cuda
+def test_separate_device_leaves_through_update_step_and_assign_match_cpu():
+    p = _many_leaves(12, seed=1)
+    g = [_many_leaves(12, seed=10 + i) for i in range(3)]
+    tx_cpu = nba.chain(nba.clip_by_global_norm(1.0), nba.adamw(1e-2, weight_decay=0.1))
+    tx_gpu = nba.chain(nba.clip_by_global_norm(1.0), nba.adamw(1e-2, weight_decay=0.1))
+    tx_step = nba.chain(nba.clip_by_global_norm(1.0), nba.adamw(1e-2, weight_decay=0.1))
+    p_cpu, p_gpu, p_step = nba.tree_map(np.copy, p), dev(p), dev(p)
+    s_cpu, s_gpu, s_step = tx_cpu.init(p_cpu), tx_gpu.init(p_gpu), tx_step.init(p_step)
+    for gi in g:
+        u_cpu, s_cpu = tx_cpu.update(gi, s_cpu, p_cpu)
+        nba.apply_updates_(p_cpu, u_cpu)
+        u_gpu, s_gpu = tx_gpu.update(dev(gi), s_gpu, p_gpu)
+        nba.apply_updates_(p_gpu, u_gpu)
+        s_step = nba.step_(tx_step, dev(gi), s_step, p_step)
+    for a, b, c in zip(*(nba.tree_flatten(host(t))[0] for t in (p_gpu, p_step, p_cpu))):
+        close(a, c, a.dtype)
+        close(b, c, b.dtype)
+    # FlatTree.assign_ from separate arrays: one launch per group, the values in place
+    flat = nba.FlatTree.from_tree(dev(p))
+    before = _launches()
+    flat.assign_(dev(g[0]))
+    assert _launches() - before == 2
+    for a, b in zip(nba.tree_flatten(host(flat.tree))[0], nba.tree_flatten(g[0])[0]):
+        np.testing.assert_array_equal(a, b)
+
+
+@needs_cuda
+def test_separate_leaves_of_several_dtypes_in_one_stored_group():
+    """A layout that stores float16 and float64 leaves in one float32 group (`from_tree(...,
+    dtype=)`): one launch per leaf dtype, each cast on the store, and back."""
+    rng = np.random.default_rng(3)
+    p = {"h": rng.standard_normal(300).astype(np.float16), "d": rng.standard_normal((4, 70))}
+    p["h0"] = np.array(np.float16(2))
+    flat = nba.FlatTree.from_tree(dev(p), dtype=np.float32)
+    assert flat.group_dtypes == (np.dtype(np.float32),)
+    new = {"h": (p["h"] * 2).astype(np.float16), "d": p["d"] * 3, "h0": np.array(np.float16(-1))}
+    before = _launches()
+    flat.assign_(dev(new))
+    assert _launches() - before == 2  # the float16 leaves, then the float64 leaf
+    for k in new:
+        np.testing.assert_array_equal(host(flat.tree)[k], new[k].astype(np.float32))
+    from numbaccum.base import scatter_back
+
+    out = dev(nba.tree_map(np.zeros_like, p))
+    scatter_back(flat, out, "params")
+    for k in new:
+        got = host(out)[k]
+        assert got.dtype == p[k].dtype
+        np.testing.assert_array_equal(got, new[k].astype(np.float32).astype(p[k].dtype))
+
+
+@needs_cuda
+def test_device_leaves_that_cannot_take_the_pointer_table_take_the_named_path():
+    from numba import cuda
+
+    from numbaccum import arrays
+
+    p = params()
+    layout = nba.FlatTree.from_tree(p).layout
+    d = dev(p)
+    strided = dict(d, w=cuda.to_device(np.asfortranarray(p["w"])))  # same shape, not C-contiguous
+    assert arrays.device_pointers(strided, layout) is None
+    tx = nba.ema(0.9)
+    s = tx.init(d)
+    with pytest.raises(ValueError, match=r"updates\['w'\]: a non-contiguous CUDA array"):
+        tx.update(strided, s)
+    assert arrays.device_pointers(dict(d, b=d["w"]), layout) is None  # a wrong shape
+    with pytest.raises(ValueError, match=r"updates\['b'\]: shape \(3, 7\)"):
+        tx.update(dict(d, b=d["w"]), s)
+    assert arrays.device_pointers(dict(d, b=p["b"]), layout) is None  # a NumPy array among them
+    assert arrays.device_pointers(p, layout) is None
+
+
+def test_pointer_table_kernels_compile_for_the_device():
+    """The kernels' device build (the address cast is an LLVM intrinsic, which the simulator
+    does not run): compiled to PTX for every leaf and storage dtype, where NVVM is installed
+    (numba-cuda with the CUDA toolkit's wheels; no GPU needed)."""
+    if SIM:
+        pytest.skip("the simulator runs the Python twin")
+    cuda = pytest.importorskip("numba.cuda")
+    from numba import types
+
+    try:
+        from numbaccum.cuda import leaves
+
+        cuda.compile_ptx(lambda x: None, (types.float32[::1],), cc=(8, 0))
+    except Exception as e:
+        pytest.skip(f"no NVVM here: {e}")
+    i64 = types.int64
+    for direction in ("pack", "scatter"):
+        for leaf_dtype in (np.float16, np.float32, np.float64):
+            for flat in (types.float16, types.float32, types.float64):
+                fn = leaves._kernel(direction, np.dtype(leaf_dtype)).py_func
+                ptx, _ = cuda.compile_ptx(fn, (flat[::1], i64[::1], i64[:, ::1], i64[:, ::1], i64), cc=(8, 0))
+                assert "cvta.to.global" in ptx  # the address is used as a global pointer
