@@ -33,7 +33,6 @@ import numpy as np
 
 from . import _config, arrays, fuse
 from ._checks import transformation
-from .arrays import device_leaves, device_pointers, kind_of
 from .backend import ops_for
 from .contract import ONE, Factor
 from .flat import FlatTree, as_flat, check_leaves, host_leaves, layout_of, scatter_leaves_
@@ -263,7 +262,7 @@ def check_params(params: Any, spec: Spec) -> list | None:
     if isinstance(params, FlatTree):
         if params.layout is spec.layout and params.device == spec.device:
             return None
-    elif spec.device and device_pointers(params, spec.layout) is not None:
+    elif spec.device and arrays.device_pointers(params, spec.layout) is not None:
         return None
     leaves = check_leaves(params, spec.layout, "params", spec.device)
     return leaves if not spec.device and not isinstance(params, FlatTree) else None
@@ -402,7 +401,7 @@ class Stage(abc.ABC):
             layout = updates.layout
         elif params is None and last is not None and (checked := host_leaves(updates, last)):
             layout, side = last, False  # the same structure, shapes and dtypes as last time
-        elif params is None and last is not None and device_pointers(updates, last) is not None:
+        elif params is None and last is not None and arrays.device_pointers(updates, last) is not None:
             layout, side = last, True  # CUDA arrays of the same structure and shapes as last time
         else:
             layout = layout_of(
@@ -825,9 +824,9 @@ def writable_flat(tree: Any, name: str) -> tuple[FlatTree, bool]:
 def scatter_back(flat: FlatTree, tree: Any, name: str) -> None:
     """Copies each leaf of ``flat`` into the matching array of ``tree``: separate NumPy arrays
     one by one, separate CUDA arrays with one launch per dtype group (over their addresses)."""
-    found = device_leaves(tree, flat.layout) if flat.device else None
+    found = arrays.device_leaves(tree, flat.layout) if flat.device else None
     if found is not None:
-        scatter_leaves_(flat, found[0], kind_of(found[1][0]))
+        scatter_leaves_(flat, found[0], arrays.kind_of(found[1][0]))
         return
     for i, leaf in enumerate(check_leaves(tree, flat.layout, name)):
         if flat.device:

@@ -29,7 +29,7 @@ __all__ = ["BACKEND", "ONE", "Factor", "Ops"]
 # numbaccum.cpu and numbaccum.cuda both define every primitive, with the same parameters).
 BACKEND: dict[str, tuple[str, ...]] = {
     "driver": ("map_",),
-    "reduce": ("reduce", "apply_", "divide_", "ema_update_", "clip_factors_"),
+    "reduce": ("reduce", "apply_", "divide_", "ema_update_", "clip_factors_", "rescale_"),
     "per_example": ("batch_weighted_sum_",),
 }
 
@@ -78,7 +78,9 @@ class Ops:
 
     def __init__(self, driver: Any, reduce: Any, per_example: Any) -> None:
         self.driver = driver  # compiles and runs the formulas: map_
-        self.reduce = reduce  # the reduction engine: reduce, apply_, divide_, ema_update_, clip_factors_
+        self.reduce = (
+            reduce  # the reduction engine: reduce, apply_, divide_, ema_update_, clip_factors_, rescale_
+        )
         self.per_example = per_example  # batch_weighted_sum_
 
     def __repr__(self) -> str:
@@ -329,6 +331,28 @@ class Ops:
         `numbaccum.tables.rescued_norm`: the bits of `numbaccum.backend.tree_norm`. On CUDA one
         launch per group and no synchronisation (device arrays)."""
         self.reduce.clip_factors_(leaf_sums, x, as_table(table), members, last, max_norm, fac32, fac64)
+
+    def slice_rescale_(
+        self,
+        out: Any,
+        x: Any,
+        table: Any,
+        p: float,
+        max_norm: float = float("inf"),
+        min_norm: float = 0.0,
+        norm_value: float = float("nan"),
+    ) -> bool:
+        """out = x * (mul / div) over every slice ``s``, ``(div, mul)`` the norm family's
+        `numbaccum.tables.norm_pair` of the slice's p-norm (p > 0; `numbaccum.tables.pnorm_factor`):
+        clip_norm's and normalize's scaling, the factors computed where the data lives (on CUDA
+        three launches and no synchronisation). A slice whose p-norm overflows (or, for p = 2 in
+        float64, may have underflowed) is measured again scaled by a power of two. Returns whether
+        ``out`` was written: the host returns False when every factor is 1, and the caller keeps
+        ``x``; CUDA always writes it."""
+        may_rescue = p != float("inf") and (p != 2.0 or np.dtype(x.dtype).itemsize == 8)
+        return bool(
+            self.reduce.rescale_(out, x, as_table(table), p, may_rescue, max_norm, min_norm, norm_value)
+        )
 
     # Shorthands: a whole buffer is one slice, ``offsets`` one contiguous slice per segment.
 

@@ -5,10 +5,12 @@ torchzero's ``ClipNorm``/``Normalize``/``Centralize`` and optax's ``centralize``
 units, ...) and rescale or centre each slice. Here a *slicing* of a layout says, for every leaf,
 which dimensions are reduced; it is built once per layout and kept, as a slice table per dtype
 group (`numbaccum.cpu.slices`). A metric is then one or two segmented kernel passes over each
-group's buffer, the factors are computed on the host from the per-slice values (float64), and
-one more pass scales every slice of the group. No Python loop over leaves runs on the hot path.
-On the GPU the per-slice values come to the host (they are small: one per slice), so an update
-synchronises once.
+group's buffer, the factors are computed from the per-slice values (float64), and one more
+pass scales every slice of the group. No Python loop over leaves runs on the hot path. For the
+p-norms (p > 0, the common case) the factors are computed where the data lives
+(`Ops.slice_rescale_`, one source for both backends: `numbaccum.tables.pnorm_factor`), so on the
+GPU clip_norm and normalize never synchronise; the statistics (``'mad'``, ``'std'``, ``'var'``,
+``'sum'``), p <= 0 and ``dim='global'`` bring their values to the host once per update.
 
 The internal API that other modules use: `check_ord`, `leaf_norms` (one value per leaf) and
 `tree_norm` (the global value).
@@ -27,7 +29,9 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import numpy as np
+from numba import njit
 
+from . import _cache
 from ._bounded import Bounded
 from ._checks import flag, non_negative, real
 from .backend import ops_for, slice_sumsq, tree_sumsq_scaled
@@ -46,7 +50,7 @@ from .clipping import _Clip
 from .contract import ONE, Factor, Ops
 from .flat import FlatTree, as_flat, layout_of
 from .layout import Layout
-from .tables import ACTIVE, NSLICES, SLEN, sum_in_order
+from .tables import ACTIVE, METRIC_TINY, NSLICES, SLEN, norm_pair, sum_in_order
 
 __all__ = [
     "adaptive_grad_clip",
@@ -65,7 +69,9 @@ __all__ = [
 
 # A metric at or below this (or not finite) leaves its slice unchanged: torchzero's threshold,
 # where torchzero instead divides by 1 (so a tiny slice was still scaled by the target).
-TINY = 1e-12
+TINY = METRIC_TINY
+
+_norm_pair = njit(inline="always", error_model="numpy")(norm_pair)
 
 _NAMED_ORDS = {"l0": 0.0, "l1": 1.0, "l2": 2.0, "l3": 3.0, "l4": 4.0, "linf": math.inf}
 _STATISTICS = ("mad", "std", "var", "sum")
@@ -458,39 +464,38 @@ def tree_norm(flat: FlatTree, ord: Any = 2) -> float:
         return float(_root(*_tree_power_sum(flat, p), p))
 
 
-def _usable(metric: Any) -> Any:
-    """A metric that may divide: finite and above `TINY` (negative 'sum's and NaN 'std's not)."""
-    return np.isfinite(metric) & (metric > TINY)
-
-
 # --- scaling the updates --------------------------------------------------------------------
 
-# ``pair(metric) -> (div, mul)``: the slice becomes ``(x / div) * mul`` (float64 arrays).
-Pair = Callable[[np.ndarray], "tuple[np.ndarray, np.ndarray]"]
+
+class _Target(NamedTuple):
+    """What a slice's metric is scaled to (`numbaccum.tables.norm_pair`): clip's bounds
+    (``max_norm`` inf and ``min_norm`` 0 when unset), or normalize's ``norm_value`` (NaN for a
+    clip)."""
+
+    max_norm: float = math.inf
+    min_norm: float = 0.0
+    norm_value: float = math.nan
 
 
-def _clip_pair(max_norm: float | None, min_norm: float | None = None) -> Pair:
+def _clip_target(max_norm: float | None, min_norm: float | None = None) -> _Target:
     """torchzero's clip: ``clamp(min_norm / n, min=1) * clamp(max_norm / n, max=1)``."""
-
-    def pair(n: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        div, mul = np.ones_like(n), np.ones_like(n)
-        if max_norm is not None:
-            over = n > max_norm
-            div[over], mul[over] = n[over], max_norm
-        if min_norm is not None:
-            under = n < min_norm
-            div[under] *= n[under]
-            mul[under] *= min_norm
-        return div, mul
-
-    return pair
+    return _Target(math.inf if max_norm is None else max_norm, 0.0 if min_norm is None else min_norm)
 
 
-def _normalize_pair(norm_value: float) -> Pair:
-    def pair(n: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        return n.copy(), np.full_like(n, norm_value)
+def _normalize_target(norm_value: float) -> _Target:
+    return _Target(norm_value=norm_value)
 
-    return pair
+
+@_cache.cached
+@njit(error_model="numpy")
+def _slice_factors(metric, active, max_norm, min_norm, norm_value):  # pragma: no cover - compiled
+    """``mul / div`` of `numbaccum.tables.norm_pair` per slice (1 for an inactive one)."""
+    out = np.ones(metric.size, np.float64)
+    for s in range(metric.size):
+        if active[s]:
+            div, mul = _norm_pair(metric[s], max_norm, min_norm, norm_value)
+            out[s] = mul / div
+    return out
 
 
 def _copy_group(out: Any, g: Any) -> None:
@@ -517,45 +522,51 @@ class _Sliced(Stage):
 
 class _Rescale(_Sliced):
     """Each slice (or the whole tree for ``dim='global'``) becomes ``(x / div) * mul`` with
-    ``(div, mul) = pair(metric)``; a slice whose metric is not `_usable` stays as it is."""
+    ``(div, mul)`` the `numbaccum.tables.norm_pair` of its metric toward ``target``; a slice
+    whose metric is not finite or is at most `TINY` stays as it is."""
 
-    def __init__(self, key: float | str, choose: tuple | None, pair: Pair) -> None:
-        self.key, self.choose, self.pair = key, choose, pair
+    def __init__(self, key: float | str, choose: tuple | None, target: _Target) -> None:
+        self.key, self.choose, self.target = key, choose, target
 
     def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
-        slicing, key, pair = self.slicing(spec), self.key, self.pair
-        return Step(lambda u: (_rescale(u.settled(), key, slicing, pair), state))
+        slicing, key, target = self.slicing(spec), self.key, self.target
+        return Step(lambda u: (_rescale(u.settled(), key, slicing, target), state))
 
 
-def _rescale(u: Updates, key: float | str, slicing: _Slicing | None, pair: Pair) -> Updates:
-    """`_Rescale` on settled updates; ``slicing`` None: the whole tree."""
+def _rescale(u: Updates, key: float | str, slicing: _Slicing | None, target: _Target) -> Updates:
+    """`_Rescale` on settled updates; ``slicing`` None: the whole tree.
+
+    A p-norm (p > 0, the common case) is one engine call per group (`Ops.slice_rescale_`): the
+    factors are computed where the data lives, so on CUDA nothing comes to the host. The
+    statistics (``'mad'``, ``'std'``, ``'var'``, ``'sum'``) and p <= 0 bring their per-slice
+    metrics to the host for the factors."""
     flat = u.flat
     if slicing is None:
         n = tree_norm(flat, key)
-        if not _usable(n):
-            return u
-        d, m = (float(v[0]) for v in pair(np.array([n])))
+        d, m = norm_pair(n, *target)
         # The pending factor rides on the next kernel, as in clip_by_global_norm: (x / n) * t.
         return u if d == m else u.scaled(Factor(d, m))
-    factors = []
-    for g, gs in zip(flat.groups, slicing.groups):
-        f = None
-        if gs.any_active:
-            metric = _slice_metric(g, gs, key)
-            div, mul = pair(metric)
-            with np.errstate(all="ignore"):
-                f = np.where(gs.active & _usable(metric), mul / div, 1.0)
-            if np.all(f == 1.0):
-                f = None
-        factors.append(f)
-    if all(f is None for f in factors):
+    if not slicing.any_active:
         return u
     out = u.fresh()
-    for o, g, gs, f in zip(out.groups, flat.groups, slicing.groups, factors):
-        if f is None:
-            _copy_group(o, g)
+    written = []
+    for o, g, gs in zip(out.groups, flat.groups, slicing.groups):
+        if not gs.any_active:
+            written.append(False)
+        elif isinstance(key, float) and key > 0:
+            written.append(ops_for(g).slice_rescale_(o, g, gs.rows, key, *target))
         else:
-            ops_for(g).slice_apply_(o, g, gs.rows, _EMPTY, f)
+            metric = _slice_metric(g, gs, key)
+            f = _slice_factors(metric, gs.active, *target)
+            scale = not np.all(f == 1.0)
+            if scale:
+                ops_for(g).slice_apply_(o, g, gs.rows, _EMPTY, f)
+            written.append(scale)
+    if not any(written):
+        return u
+    for o, g, w in zip(out.groups, flat.groups, written):
+        if not w:
+            _copy_group(o, g)
     return Updates(out, True)
 
 
@@ -601,8 +612,9 @@ def clip_norm(
 
     A slice whose metric is ``<= 1e-12`` or not finite is left unchanged (also for
     ``'global'``). The norms are reduced in float64 by segmented kernels, one pass per dtype
-    group (two for ``'std'``/``'var'``), and a second pass scales every slice; on the GPU the
-    per-slice norms come to the host for the factors (one synchronisation per update).
+    group (two for ``'std'``/``'var'``), and a second pass scales every slice. On the GPU a
+    p-norm's factors (p > 0, per slice) stay on the device: no synchronisation; the statistics,
+    p <= 0 and ``'global'`` bring their metrics to the host (one synchronisation per update).
     Stateless.
 
     Raises:
@@ -610,7 +622,7 @@ def clip_norm(
     """
     max_norm = _check_max(max_norm, "max_norm")
     key, _, choose = _norm_spec(ord, dim, inverse_dims, min_size)
-    return _Rescale(key, choose, _clip_pair(max_norm)).transformation()
+    return _Rescale(key, choose, _clip_target(max_norm)).transformation()
 
 
 def normalize(
@@ -627,7 +639,7 @@ def normalize(
     """
     norm_value = real(norm_value, "norm_value")
     key, _, choose = _norm_spec(ord, dim, inverse_dims, min_size)
-    return _Rescale(key, choose, _normalize_pair(norm_value)).transformation()
+    return _Rescale(key, choose, _normalize_target(norm_value)).transformation()
 
 
 class _Centre(_Sliced):
@@ -825,7 +837,7 @@ def clip_grad_norm_(
     hi = None if max_norm is None else _check_max(max_norm, "max_norm")
     lo = None if min_norm is None else _check_max(min_norm, "min_norm")
     key, _, choose = _norm_spec(ord, dim, inverse_dims, min_size)
-    return _in_place(grads, _Rescale(key, choose, _clip_pair(hi, lo)))
+    return _in_place(grads, _Rescale(key, choose, _clip_target(hi, lo)))
 
 
 def normalize_grads_(
@@ -845,7 +857,7 @@ def normalize_grads_(
     """
     norm_value = real(norm_value, "norm_value")
     key, _, choose = _norm_spec(ord, dim, inverse_dims, min_size)
-    return _in_place(grads, _Rescale(key, choose, _normalize_pair(norm_value)))
+    return _in_place(grads, _Rescale(key, choose, _normalize_target(norm_value)))
 
 
 def clip_grad_value_(grads: Any, value: float) -> Any:

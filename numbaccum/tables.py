@@ -31,6 +31,7 @@ order starting from the identity. No thread count enters: the same table gives t
 from __future__ import annotations
 
 import math
+import types
 from typing import Any
 
 import numpy as np
@@ -47,6 +48,7 @@ __all__ = [
     "FIRST",
     "HEAD",
     "MAX",
+    "METRIC_TINY",
     "MIN",
     "NSLICES",
     "SUMSQ_TINY",
@@ -56,10 +58,14 @@ __all__ = [
     "Work",
     "as_table",
     "combine",
+    "compiled",
     "element_offset",
     "examples",
     "needs_scaling",
+    "norm_pair",
     "norm_scale",
+    "pnorm_factor",
+    "pnorm_kind",
     "rescued_norm",
     "segments",
     "slice_start",
@@ -154,6 +160,95 @@ def element_offset(rows, r, e):  # pragma: no cover - compiled by the backends
         a += (e % n) * rows[r, ext + dr + j]
         e //= n
     return a
+
+
+# --- the norm family's per-slice factor: plain Python, compiled by each backend --------------
+#
+# clip_norm / normalize (and their in-place twins) scale each slice by a factor of its p-norm.
+# The backends fold each slice's partials into its power sum, then call `pnorm_factor` once per
+# slice (a loop on the host, a thread per slice on CUDA): the factor is computed where the data
+# lives and never crosses to the host.
+
+
+# A slice whose metric is at or below this (or not finite) is left as it is (torchzero's 1e-12).
+METRIC_TINY = 1e-12
+
+
+def norm_pair(n, max_norm, min_norm, norm_value):  # pragma: no cover - compiled by the backends too
+    """The norm family's ``(div, mul)`` for a slice of metric ``n`` (the slice becomes ``(x /
+    div) * mul``): torchzero's clip ``clamp(min_norm / n, min=1) * clamp(max_norm / n, max=1)``
+    (``max_norm`` inf and ``min_norm`` 0 when unset), or, for a ``norm_value`` that is not NaN,
+    normalize's ``norm_value / n``. ``(1, 1)`` for a metric that is not finite or is at most
+    1e-12: such a slice is left as it is."""
+    if not (n - n == 0 and n > METRIC_TINY):
+        return 1.0, 1.0
+    if norm_value == norm_value:
+        return n, norm_value
+    div = 1.0
+    mul = 1.0
+    if n > max_norm:
+        div = n
+        mul = max_norm
+    if n < min_norm:
+        div = div * n
+        mul = mul * min_norm
+    return div, mul
+
+
+def pnorm_factor(total, x, rows, r, s, p, may_rescue, max_norm, min_norm, norm_value):  # pragma: no cover
+    """The factor ``mul / div`` (`norm_pair`) of slice ``s`` of row ``r`` from its plain power
+    sum ``total = sum(|x| ** p)`` (p > 0; for p = inf, the max |x|); 1 for an inactive row.
+
+    With ``may_rescue`` (a float64 buffer for p = 2, any buffer for other finite p), a total
+    that is inf (or, for p = 2, below `SUMSQ_TINY`) is summed again here over the slice's
+    elements, scaled by the power of two `norm_scale` of its max |x|: the metric is then
+    ``S ** (1 / p) / f``, finite whenever it is representable (the rare rescue, serial, by the
+    one thread that owns the slice)."""
+    if rows[r, ACTIVE] == 0 or rows[r, SLEN] == 0:
+        return 1.0
+    f = 1.0
+    if may_rescue and (total == math.inf or (p == 2.0 and total < SUMSQ_TINY)):
+        off = slice_start(rows, r, s)
+        m = 0.0
+        for e in range(rows[r, SLEN]):
+            v = abs(np.float64(x[off + element_offset(rows, r, e)]))
+            if v != v or v > m:
+                m = v
+                if v != v:
+                    break
+        if m - m == 0 and m > 0:
+            f = norm_scale(m)
+            acc = 0.0
+            for e in range(rows[r, SLEN]):
+                w = abs(np.float64(x[off + element_offset(rows, r, e)]) * f)
+                acc += w * w if p == 2.0 else w**p
+            total = acc
+    if p == 2.0:
+        n = math.sqrt(total) / f
+    elif p == 1.0:
+        n = total / f
+    elif p == math.inf:
+        n = total
+    else:
+        n = total ** (1.0 / p) / f
+    div, mul = norm_pair(n, max_norm, min_norm, norm_value)
+    return mul / div
+
+
+def pnorm_kind(p: float) -> str:
+    """The engines' reduction (a key of their ``KINDS``) whose per-slice value `pnorm_factor`
+    takes for a p-norm (p > 0): the sum of squares, of |x|, of |x| ** p, or the max |x|."""
+    return {2.0: "sumsq", 1.0: "sumabs", math.inf: "maxabs"}.get(p, "sumpow")
+
+
+def compiled(fn: Any, jit: Any) -> Any:
+    """``fn`` (a plain function of this module) compiled by ``jit``, with the plain helpers it
+    calls (`slice_start`, `element_offset`, `norm_scale`, `norm_pair`) compiled by the same
+    ``jit``: one source, both backends."""
+    glb = dict(globals())
+    for name in ("slice_start", "element_offset", "norm_scale", "norm_pair"):
+        glb[name] = jit(globals()[name])
+    return jit(types.FunctionType(fn.__code__, glb, fn.__name__, fn.__defaults__, fn.__closure__))
 
 
 # --- host helpers (compiled once for the host) ----------------------------------------------

@@ -753,6 +753,13 @@ def _divided(leaves, denom, tensorwise: bool) -> list:
     return [_arr(x / x.dtype.type(f), x.dtype) if f != 1.0 else _arr(x, x.dtype) for x, f in zip(leaves, d)]
 
 
+def _ema_in(dtype, g, e, beta):
+    """``(1 - beta) g + beta e`` computed in the leaf's dtype (float16: in float32, as the
+    library's kernels stage it), not yet rounded to it."""
+    t = np.promote_types(dtype, np.float32).type
+    return t(1.0 - beta) * np.asarray(g, t) + t(beta) * np.asarray(e, t)
+
+
 class EmaNormState(NamedTuple):
     exp_avg: list
     prev: np.ndarray
@@ -761,7 +768,7 @@ class EmaNormState(NamedTuple):
 def clip_norm_by_ema(
     beta=0.99, ord=2, tensorwise=True, max_ema_growth=1.5, init=0.0, min_norm=1e-6, normalize=False
 ) -> Transformation:
-    """``e = (1 - beta) g + beta e`` (float64 arithmetic, rounded to the leaf dtype); the EMA's
+    """``e = (1 - beta) g + beta e`` in the leaf dtype (as torchzero's ``lerp_``); the EMA's
     norm grows by at most ``max_ema_growth`` per step once there is a history (``prev > 0``);
     ``u = g / max(1, |g| / |e|)`` (normalize: ``g / (|g| / |e|)``). A leaf with a non-finite
     norm is left out of the EMA; a norm that is non-finite or <= 1e-12 leaves the leaf as is."""
@@ -776,9 +783,7 @@ def clip_norm_by_ema(
         n = _metrics(leaves, ord, tensorwise)
         active = np.isfinite(n) if tensorwise else np.full(len(leaves), np.isfinite(n))
         exp_avg = [
-            _arr((1.0 - beta) * np.asarray(g, np.float64) + beta * np.asarray(e, np.float64), e.dtype)
-            if a
-            else e.copy()
+            _arr(_ema_in(e.dtype, g, e, beta), e.dtype) if a else e.copy()
             for g, e, a in zip(leaves, state.exp_avg, active)
         ]
         ema_norm = _metrics(exp_avg, ord, tensorwise)
@@ -934,7 +939,7 @@ def l2_clipping(tree, max_norm: float):
     norm leaves the leaf as it is."""
 
     def one(x):
-        n = math.sqrt(float(np.sum(np.asarray(x, np.float64) ** 2)))
+        n = global_norm([x])  # rescaled where the plain sum of squares under- or overflows
         if not (n > 0 and math.isfinite(n)):
             return _arr(x, x.dtype)
         return _arr(x / x.dtype.type(max(n / max_norm, 1.0)) if max_norm > 0 else x * 0.0, x.dtype)
@@ -976,7 +981,19 @@ def slice_metric(x, ord, axes) -> np.ndarray:
             return np.min(np.abs(v), axis=axes, keepdims=True, initial=math.inf)
         if ord == 0:
             return np.sum(v != 0, axis=axes, keepdims=True).astype(np.float64)
-        return np.sum(np.abs(v) ** ord, axis=axes, keepdims=True) ** (1.0 / ord)
+        a = np.abs(v)
+        naive = np.sum(a**ord, axis=axes, keepdims=True) ** (1.0 / ord)
+        if ord != 2:
+            return naive
+        # Overflowed or (maybe) underflowed: rescaled by the max, as the library does for the
+        # 2-norm (its one scaled sum of squares; other p-norms are summed as they are).
+        m = np.max(a, axis=axes, keepdims=True, initial=0.0)
+        rescale = (~np.isfinite(naive) | (naive < 2.0**-400)) & np.isfinite(m) & (m > 0)
+        if not np.any(rescale):
+            return naive
+        safe = np.where(rescale, m, 1.0)
+        scaled = safe * np.sum((a / safe) ** ord, axis=axes, keepdims=True) ** (1.0 / ord)
+        return np.where(rescale, scaled, naive)
 
 
 def tree_metric(tree, ord) -> float:

@@ -571,6 +571,35 @@ def test_norms_on_device_match_cpu(monkeypatch, block):
 
 
 @needs_cuda
+def test_per_slice_clip_and_normalize_keep_their_metrics_on_the_device(monkeypatch):
+    """clip_norm / normalize with a p-norm compute each slice's factor on the device: no
+    reduction comes to the host (the engine's host-returning `reduce` is never called), and the
+    result matches the CPU, overflowed float64 rows included."""
+    from numbaccum.cuda import reduce as cuda_reduce
+
+    p = params(np.float64)
+    p["c"] = np.random.default_rng(1).standard_normal((3, 2, 4))
+    p["c"][0] *= 1e200  # overflows the plain sums of its slices
+    p["h"] = np.arange(-3, 6, dtype=np.float32)
+    txs = [
+        nba.clip_norm(0.5, dim=0),
+        nba.clip_norm(0.3, ord=3, dim=(0, 2)),
+        nba.clip_norm(0.2, ord=np.inf),
+        nba.normalize(2.0, ord=1, dim=-1),
+    ]
+    want = [tx.update(p, tx.init(p))[0] for tx in txs]
+
+    def no_host_reduction(*args, **kwargs):
+        raise AssertionError("a per-slice metric came to the host")
+
+    monkeypatch.setattr(cuda_reduce, "reduce", no_host_reduction)
+    for tx, w in zip(txs, want):
+        u, _ = tx.update(dev(p), tx.init(dev(p)))
+        for a, b in zip(nba.tree_flatten(host(u))[0], nba.tree_flatten(w)[0]):
+            close(a, b, b.dtype)
+
+
+@needs_cuda
 def test_norm_functions_in_place_on_device():
     g = grads(0)
     g_gpu = dev(g)
@@ -763,3 +792,38 @@ def test_pointer_table_kernels_compile_for_the_device():
                 fn = leaves._kernel(direction, np.dtype(leaf_dtype)).py_func
                 ptx, _ = cuda.compile_ptx(fn, (flat[::1], i64[::1], i64[:, ::1], i64[:, ::1], i64), cc=(8, 0))
                 assert "cvta.to.global" in ptx  # the address is used as a global pointer
+
+
+def test_norm_factor_kernel_compiles_for_the_device():
+    """`numbaccum.cuda.reduce._pnorm_factors` (the norm family's per-slice factors on the
+    device, `numbaccum.tables.pnorm_factor` compiled as a device function) builds to PTX for
+    every buffer dtype, where NVVM is installed (no GPU needed)."""
+    if SIM:
+        pytest.skip("the simulator runs the Python source")
+    cuda = pytest.importorskip("numba.cuda")
+    from numba import types
+
+    try:
+        from numbaccum.cuda import reduce as cuda_reduce
+
+        cuda.compile_ptx(lambda x: None, (types.float32[::1],), cc=(8, 0))
+    except Exception as e:
+        pytest.skip(f"no NVVM here: {e}")
+    f8, i8 = types.float64, types.int64
+    for x in (types.float16, types.float32, types.float64):
+        sig = (
+            f8[::1],
+            i8[::1],
+            i8[::1],
+            x[::1],
+            i8[:, ::1],
+            types.boolean,
+            f8,
+            types.boolean,
+            f8,
+            f8,
+            f8,
+            f8[::1],
+        )
+        ptx, _ = cuda.compile_ptx(cuda_reduce._pnorm_factors.py_func, sig, cc=(8, 0))
+        assert "sqrt" in ptx

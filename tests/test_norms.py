@@ -110,6 +110,43 @@ def test_float64_overflow_is_rescaled_not_inf():
     )
 
 
+def _slice_factor_want(x, p, max_norm):
+    """clip_norm's factor for one slice, from NumPy on the slice divided by its max first."""
+    m = float(np.max(np.abs(x)))
+    n = m * float(np.sum(np.abs(x / m) ** p) ** (1 / p)) if m > 0 else 0.0
+    return max_norm / n if n > max_norm and n > 1e-12 else 1.0  # a metric <= 1e-12: left alone
+
+
+@pytest.mark.parametrize("p", [2.0, 1.0, 3.0, np.inf])
+def test_per_slice_clip_rescues_overflow_in_the_engine(p):
+    """`Ops.slice_rescale_`: rows whose plain power sum overflows are measured again scaled, on
+    the host as on the device (the same source); a tiny row is left alone however measured."""
+    from numbaccum.backend import ops_for
+
+    rows = [
+        [1e200, -1e200, 3e199, 0.0],  # overflows for every finite p
+        [1e-170, 1e-170, -1e-170, 1e-170],  # squares underflow to 0; a metric <= 1e-12 anyway
+        [3.0, 4.0, 0.0, 0.0],  # plain
+        [0.0, 0.0, 0.0, 0.0],  # zero: left alone
+    ]
+    x = np.array(rows)
+    max_norm = 1e-200
+    tx = nba.clip_norm(max_norm, ord=p, dim=1)
+    out = run(tx, x)
+    for i, r in enumerate(rows):
+        r = np.array(r)
+        f = _slice_factor_want(r, p, max_norm) if np.any(r) else 1.0
+        np.testing.assert_allclose(out[i], r * f, rtol=1e-13, err_msg=f"row {i}, p={p}")
+    # and nothing is written when nothing is clipped (the host engine can tell)
+    flat = nba.FlatTree.from_tree([np.array([[3.0, 4.0]])])
+    table = norms._slicing(flat.layout, ("whole",), norms._whole_leaf).groups[0].rows
+    out_buf = np.full(2, 7.0)
+    assert ops_for(flat.groups[0]).slice_rescale_(out_buf, flat.groups[0], table, 2.0, 10.0) is False
+    assert np.all(out_buf == 7.0)
+    assert ops_for(flat.groups[0]).slice_rescale_(out_buf, flat.groups[0], table, 2.0, 1.0) is True
+    np.testing.assert_allclose(out_buf, [0.6, 0.8], rtol=1e-15)
+
+
 # --- torchzero's observed values (B.3-B.5) --------------------------------------------------
 
 

@@ -30,14 +30,18 @@ from ..tables import (
     HEAD,
     MAX,
     MIN,
+    NSLICES,
     SUM,
     Table,
     combine,
+    compiled,
     element_offset,
     fold,
     identity,
     needs_scaling,
     norm_scale,
+    pnorm_factor,
+    pnorm_kind,
     rescued_norm,
     slice_start,
     sum_in_order,
@@ -51,6 +55,7 @@ __all__ = [
     "divide_",
     "ema_update_",
     "reduce",
+    "rescale_",
 ]
 
 _slice_start = njit(inline="always", error_model="numpy")(slice_start)
@@ -59,6 +64,7 @@ _jit = njit(inline="always", error_model="numpy")
 _clip_factor = formulas.compile_formula(formulas.clip_factor, _jit)
 _ema = formulas.compile_formula(formulas.ema.fn, _jit)
 _rescued_norm = njit(error_model="numpy")(rescued_norm)
+_pnorm_factor = compiled(pnorm_factor, _jit)
 
 _LANES = 64  # independent accumulators of a long run
 _WIDE = 1024  # runs of at least this many elements use them (the choice depends on n only)
@@ -305,6 +311,46 @@ def reduce(kind, x, table: Table, centers=None, p=0.0):
     inactive rows and empty slices hold the identity: 0, +inf for ``'minabs'``."""
     work, part, op = partials(kind, x, table, centers, p)
     return combine(part, work.pslice, op)
+
+
+# --- the norm family's per-slice scaling ----------------------------------------------------
+
+
+@_cache.cached
+@njit(error_model="numpy")
+def _pnorm_factors(
+    totals, x, rows, p, may_rescue, max_norm, min_norm, norm_value, factors
+):  # pragma: no cover
+    """factors[s] = `numbaccum.tables.pnorm_factor` of every slice; whether any is not 1."""
+    changed = False
+    for r in range(rows.shape[0]):
+        first = rows[r, FIRST]
+        for s in range(rows[r, NSLICES]):
+            f = _pnorm_factor(totals[first + s], x, rows, r, s, p, may_rescue, max_norm, min_norm, norm_value)
+            factors[first + s] = f
+            changed = changed or f != 1.0
+    return changed
+
+
+def rescale_(out, x, table: Table, p, may_rescue, max_norm, min_norm, norm_value):
+    """out = x * factor[s] over every slice ``s``, the factor `numbaccum.tables.pnorm_factor` of
+    the slice's p-norm (p > 0): clip_norm's and normalize's scaling. Returns False, writing
+    nothing, when every factor is 1 (the host can tell; the caller then keeps ``x``)."""
+    totals = reduce(pnorm_kind(p), x, table, None, p)
+    factors = np.empty(table.nslices, np.float64)
+    # Only a rescue reads x here, and numba has no float16: a float32 copy when one may happen.
+    xr = _f16(x) if may_rescue else x[:0].astype(np.float32) if x.dtype == np.float16 else x
+    args = (
+        np.float64(p),
+        bool(may_rescue),
+        np.float64(max_norm),
+        np.float64(min_norm),
+        np.float64(norm_value),
+    )
+    if not _pnorm_factors(totals, xr, table.rows, *args, factors):
+        return False
+    apply_(out, x, table, _NONE, factors)
+    return True
 
 
 # --- per-slice scalings ----------------------------------------------------------------------

@@ -36,19 +36,23 @@ from ..tables import (
     FIRST,
     MAX,
     MIN,
+    NSLICES,
     SUM,
     Table,
     combine,
+    compiled,
     element_offset,
     needs_scaling,
     norm_scale,
+    pnorm_factor,
+    pnorm_kind,
     rescued_norm,
     slice_start,
 )
 from . import driver
 from .cache import cached
 
-__all__ = ["KINDS", "apply_", "clip_factors_", "divide_", "ema_update_", "reduce"]
+__all__ = ["KINDS", "apply_", "clip_factors_", "divide_", "ema_update_", "reduce", "rescale_"]
 
 _dev_inline = cuda.jit(device=True, inline=True)
 _slice_start = cuda.jit(device=True)(slice_start)
@@ -58,6 +62,7 @@ _needs_scaling = cuda.jit(device=True)(needs_scaling)
 _norm_scale = cuda.jit(device=True)(norm_scale)
 _rescued_norm = cuda.jit(device=True)(rescued_norm)
 _ema = formulas.compile_formula(formulas.ema.fn, _dev_inline)
+_pnorm_factor = compiled(pnorm_factor, _dev_inline)
 _read = driver.read
 
 # Reduction kinds (the same names as the CPU engine's) -> (code, fold).
@@ -382,8 +387,9 @@ def _ticket() -> Any:
 _PARTS: dict[tuple, Any] = {}
 
 
-def _scratch(n: int) -> Any:
-    key = (threading.get_ident(), stream_handle(stream()), n)
+def _scratch(n: int, tag: str = "partials") -> Any:
+    """A float64 device array of ``n`` (at least 1) per host thread, stream, size and use."""
+    key = (threading.get_ident(), stream_handle(stream()), n, tag)
     hit = _PARTS.get(key)
     if hit is None:
         if len(_PARTS) > 64:
@@ -430,6 +436,67 @@ def clip_factors_(leaf_sums, x, table: Table, members, last, max_norm, fac32, fa
     # At least one block, so that a group without elements still writes its zeros (and the factor).
     rescue = np.dtype(x.dtype) == np.float64  # float32/16 squares never leave float64's range
     _launch(_partials_kernel(0, _config.CUDA_THREADS, True, rescue), max(1, work.items.shape[0]), args)
+
+
+# --- the norm family's per-slice scaling: factors computed on the device ----------------------
+
+
+@cached
+@cuda.jit
+def _pnorm_factors(
+    part, pslice, slice_row, x, rows, is_max, p, may_rescue, max_norm, min_norm, norm_value, factors
+):  # pragma: no cover - compiled
+    """factors[s] = `numbaccum.tables.pnorm_factor` of slice ``s`` from its partials folded in
+    item order (as `numbaccum.tables.combine` folds them): one thread per slice."""
+    s = cuda.grid(1)
+    while s < factors.size:
+        acc = 0.0
+        for k in range(pslice[s], pslice[s + 1]):
+            acc = _merge(_MAXABS, acc, part[k]) if is_max else acc + part[k]
+        r = slice_row[s]
+        factors[s] = _pnorm_factor(
+            acc, x, rows, r, s - rows[r, FIRST], p, may_rescue, max_norm, min_norm, norm_value
+        )
+        s += cuda.gridsize(1)
+
+
+def _slice_rows(table: Table) -> Any:
+    """The row of every slice of ``table`` (int64, on the device; cached with the table)."""
+    dev = table.device.get("cuda slice rows")
+    if dev is None:
+        rows = np.repeat(np.arange(table.rows.shape[0], dtype=np.int64), table.rows[:, NSLICES])
+        dev = table.device["cuda slice rows"] = cuda.to_device(rows if rows.size else np.zeros(1, np.int64))
+    return dev
+
+
+def rescale_(out, x, table: Table, p, may_rescue, max_norm, min_norm, norm_value):
+    """out = x * factor[s] over every slice ``s``, the factor `numbaccum.tables.pnorm_factor` of
+    the slice's p-norm (p > 0): three launches (partials, factors, scaling) and nothing comes
+    to the host, so it always writes ``out`` and returns True (the host twin may return False)."""
+    code, op = KINDS[pnorm_kind(p)]
+    work, rows, items, pstart, pslice = _work(table)
+    part = _scratch(work.nparts)
+    if work.items.shape[0]:
+        d, i8 = _dummy(), _dummy(np.int64)
+        unused = (i8, d, _dummy(np.int32), False, np.float64(0), _dummy(np.float32), d)  # the clip's tail
+        args = (x, rows, items, pstart, d, False, np.float64(p), part, pslice, *unused)
+        _launch(_partials_kernel(code, _config.CUDA_THREADS, False), work.items.shape[0], args)
+    factors = _scratch(table.nslices, "factors")
+    if table.nslices:
+        scalars = (
+            np.float64(p),
+            bool(may_rescue),
+            np.float64(max_norm),
+            np.float64(min_norm),
+            np.float64(norm_value),
+        )
+        blocks, tpb = driver.grid(table.nslices)
+        driver.LAUNCHES[0] += 1
+        _pnorm_factors[blocks, tpb, stream()](
+            part, pslice, _slice_rows(table), x, rows, op == MAX, *scalars, factors
+        )
+    apply_(out, x, table, None, factors)
+    return True
 
 
 # --- per-slice scalings ----------------------------------------------------------------------
