@@ -67,6 +67,17 @@ def _make_ops(name: str) -> Ops:
     return ops
 
 
+def device_leaf_copies() -> Any:
+    """`numbaccum.cuda.leaves`: packing and scattering a tree of separate CUDA arrays over a
+    table of their addresses (the one door to it, like `ops_for`)."""
+    from .cuda.device import cuda_module
+
+    cuda_module()
+    from .cuda import leaves
+
+    return leaves
+
+
 # --- the one global norm: every API that needs a tree's sum of squares takes it here -----------
 #
 # The plain float64 sum of squares is the fast path (one pass); `numbaccum.tables.needs_scaling`

@@ -19,7 +19,7 @@ import numpy as np
 from . import arrays
 from . import tree as _tree
 from .arrays import as_device_array, is_contiguous, is_cuda_array, on_device, run_view
-from .backend import ops_for
+from .backend import device_leaf_copies, ops_for
 from .contract import ONE
 from .layout import FLOATS, Layout, check_float_dtype, layout_of_leaves
 from .tree import TreeDef, format_path
@@ -440,19 +440,15 @@ def _device_flat(
 def pack_leaves_(flat: FlatTree, ptrs: list[int], kind: str) -> None:
     """Copies the CUDA arrays at ``ptrs`` (one per leaf, `arrays.device_pointers`) into the
     device FlatTree ``flat``: one launch per dtype group, on the caller's stream."""
-    from .cuda import leaves
-
     with arrays.launch_context(kind):
-        leaves.pack_(flat.groups, flat.layout, ptrs)
+        device_leaf_copies().pack_(flat.groups, flat.layout, ptrs)
 
 
 def scatter_leaves_(flat: FlatTree, ptrs: list[int], kind: str) -> None:
     """Copies the device FlatTree ``flat`` into the CUDA arrays at ``ptrs``: the inverse of
     `pack_leaves_`."""
-    from .cuda import leaves
-
     with arrays.launch_context(kind):
-        leaves.scatter_(flat.groups, flat.layout, ptrs)
+        device_leaf_copies().scatter_(flat.groups, flat.layout, ptrs)
 
 
 def layout_of(tree: Any, name: str) -> Layout:
