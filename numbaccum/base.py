@@ -821,10 +821,12 @@ def writable_flat(tree: Any, name: str) -> tuple[FlatTree, bool]:
     return flat, copied
 
 
-def scatter_back(flat: FlatTree, tree: Any, name: str) -> None:
+def scatter_back(flat: FlatTree, tree: Any, name: str, found: Any = None) -> None:
     """Copies each leaf of ``flat`` into the matching array of ``tree``: separate NumPy arrays
-    one by one, separate CUDA arrays with one launch per dtype group (over their addresses)."""
-    found = arrays.device_leaves(tree, flat.layout) if flat.device else None
+    one by one, separate CUDA arrays with one launch per dtype group (over their addresses,
+    ``found`` if the caller has read them: `arrays.device_leaves`)."""
+    if found is None and flat.device:
+        found = arrays.device_leaves(tree, flat.layout)
     if found is not None:
         scatter_leaves_(flat, found[0], arrays.kind_of(found[1][0]))
         return

@@ -388,7 +388,7 @@ def as_flat(
     if device is not False and checked is None and not isinstance(tree, FlatTree):
         found = arrays.device_leaves(tree, layout)
         if found is not None:  # separate CUDA arrays, read off their own attributes
-            return _device_flat(found, layout, pack_into)
+            return device_flat(found, layout, pack_into)
     kinds: list[str] = []
     if checked is not None and device is not True and not isinstance(tree, FlatTree):
         leaves, kinds = checked, ["numpy"]
@@ -413,10 +413,11 @@ def as_flat(
     return out, True, kind
 
 
-def _device_flat(
+def device_flat(
     found: tuple[list[int], list[Any]], layout: Layout, pack_into: FlatTree | Callable[[], FlatTree] | None
 ) -> tuple[FlatTree, bool, str]:
-    """`as_flat` of a tree of CUDA arrays whose addresses `arrays.device_leaves` read: views of
+    """`as_flat` of a tree of CUDA arrays whose addresses `arrays.device_leaves` read (``found``,
+    read once per call by a caller that needs them again, as `step_` does to write back): views of
     their memory when each group's leaves sit back to back (the ``.tree`` of a FlatTree), else
     packed with one launch per group over the table of addresses (`numbaccum.cuda.leaves`)."""
     ptrs, raw = found

@@ -34,7 +34,7 @@ from .base import (
     step_applier,
     with_extra_args_support,
 )
-from .flat import FlatTree, as_flat, layout_of
+from .flat import FlatTree, as_flat, device_flat, layout_of
 from .tree import format_path, tree_flatten_with_path
 
 __all__ = ["Explanation", "Pass", "explain", "step_"]
@@ -70,12 +70,17 @@ def step_(tx: Any, grads: Any, state: Any, params: Any, **extra_args: Any) -> An
     spec = Spec(u.flat.layout, u.flat.device)
     into = stage._workspace(owner, spec, "params")
     ref = ParamsRef(params, spec.layout, None, spec.device, into)
-    ref.checked = check_params(params, spec)
+    # Separate CUDA arrays: their addresses are read once here, for the check, the packing and
+    # the write-back (a microsecond a leaf each time otherwise).
+    found = (
+        None if isinstance(params, FlatTree) or not spec.device else arrays.device_leaves(params, spec.layout)
+    )
+    ref.checked = None if found is not None else check_params(params, spec)
     step = stage.plan(spec, state, ref, extra_args)
     apply = step_applier(step)
     if apply is None:  # nothing fused at the end: the planned step, then apply_updates_
-        return _run_then_apply(stage, step, u, kind, params, spec, owner)
-    p, copied = _writable(params, spec, into)
+        return _run_then_apply(stage, step, u, kind, params, spec, owner, found)
+    p, copied = _writable(params, spec, into, found)
     if ref._flat is None:  # a stage that reads the params (weight decay) reads these: the
         ref._flat = p  # fused pass then reads and writes one buffer (`fuse._run_group`)
     u.scratch = stage._workspace(owner, spec, "output")
@@ -88,7 +93,7 @@ def step_(tx: Any, grads: Any, state: Any, params: Any, **extra_args: Any) -> An
     except SkipStep as e:  # a clip skipped the step: the params are not touched
         return e.new_state
     if copied:
-        scatter_back(p, params, "params")
+        scatter_back(p, params, "params", found)
     return new_state
 
 
@@ -100,9 +105,9 @@ def _update_then_apply(stage: Stage, grads: Any, state: Any, params: Any, extra:
 
 
 def _run_then_apply(
-    stage: Stage, step: Any, u: Updates, kind: str, params: Any, spec: Spec, owner: Any
+    stage: Stage, step: Any, u: Updates, kind: str, params: Any, spec: Spec, owner: Any, found: Any
 ) -> Any:
-    p, copied = _writable(params, spec, stage._workspace(owner, spec, "params"))
+    p, copied = _writable(params, spec, stage._workspace(owner, spec, "params"), found)
     u.scratch = stage._workspace(owner, spec, "output")
     try:
         if kind in arrays.STREAM_KINDS:
@@ -115,7 +120,7 @@ def _run_then_apply(
     except SkipStep as e:  # a clip skipped the step: the params are not touched
         return e.new_state
     if copied:
-        scatter_back(p, params, "params")
+        scatter_back(p, params, "params", found)
     return new_state
 
 
@@ -129,9 +134,13 @@ def _writable_check(tree: Any) -> None:
             raise TypeError(f"{where}: cannot be changed in place (not a writable array)")
 
 
-def _writable(params: Any, spec: Spec, into: Any) -> tuple[FlatTree, bool]:
+def _writable(params: Any, spec: Spec, into: Any, found: Any = None) -> tuple[FlatTree, bool]:
     """params as a FlatTree of ``spec``'s layout whose changes reach the caller (``copied``: a
-    packed copy, in the workspace ``into`` gives, to scatter back)."""
+    packed copy, in the workspace ``into`` gives, to scatter back); ``found``: the addresses of
+    separate CUDA arrays, already read (`arrays.device_leaves`)."""
+    if found is not None:
+        flat, copied, _ = device_flat(found, spec.layout, into)
+        return flat, copied
     _writable_check(params)
     if isinstance(params, FlatTree) and params.layout is spec.layout and params.device == spec.device:
         return params, False

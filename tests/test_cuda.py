@@ -770,30 +770,51 @@ def test_device_leaves_that_cannot_take_the_pointer_table_take_the_named_path():
     assert arrays.device_pointers(p, layout) is None
 
 
+def _ptx_compiler(module: str):
+    """``(compile, numba.types, module)``: ``compile(fn, sig)`` builds ``fn`` to PTX for sm_80
+    where NVVM and numba-cuda can (no GPU needed); the test skips in the simulator, which runs
+    the Python source, and where a first build of one of the module's kernels fails (no NVVM,
+    or a numba-cuda build that wants a CUDA driver)."""
+    if SIM:
+        pytest.skip("the simulator runs the Python source")
+    cuda = pytest.importorskip("numba.cuda")
+    import importlib
+
+    from numba import types
+
+    def compile(fn, sig):
+        return cuda.compile_ptx(fn, sig, cc=(8, 0))[0]
+
+    try:
+        mod = importlib.import_module(module)
+        if module.endswith("leaves"):
+            probe = mod._kernel("pack", np.dtype(np.float32)).py_func
+            i64 = types.int64
+            compile(probe, (types.float32[::1], i64[::1], i64[:, ::1], i64[:, ::1], i64))
+        else:
+            compile(mod._pnorm_factors.py_func, _pnorm_sig(types, types.float32))
+    except Exception as e:
+        pytest.skip(f"no NVVM or no CUDA driver here: {e}")
+    return compile, types, mod
+
+
+def _pnorm_sig(types, x):
+    """The argument types of `numbaccum.cuda.reduce._pnorm_factors` for a buffer of ``x``."""
+    f8, i8, b = types.float64, types.int64, types.boolean
+    return (f8[::1], i8[::1], i8[::1], x[::1], i8[:, ::1], b, f8, b, f8, f8, f8, f8[::1])
+
+
 def test_pointer_table_kernels_compile_for_the_device():
     """The kernels' device build (the address cast is an LLVM intrinsic, which the simulator
     does not run): compiled to PTX for every leaf and storage dtype, where NVVM is installed
     (numba-cuda with the CUDA toolkit's wheels; no GPU needed)."""
-    if SIM:
-        pytest.skip("the simulator runs the Python twin")
-    cuda = pytest.importorskip("numba.cuda")
-    from numba import types
-
-    try:
-        from numbaccum.cuda import leaves
-
-        cuda.compile_ptx(lambda x: None, (types.float32[::1],), cc=(8, 0))
-        fn = leaves._kernel("pack", np.dtype(np.float32)).py_func
-        sig = (types.float32[::1], types.int64[::1], types.int64[:, ::1], types.int64[:, ::1], types.int64)
-        cuda.compile_ptx(fn, sig, cc=(8, 0))  # needs the CUDA driver in some numba-cuda builds
-    except Exception as e:
-        pytest.skip(f"no NVVM or no CUDA driver here: {e}")
+    compile, types, leaves = _ptx_compiler("numbaccum.cuda.leaves")
     i64 = types.int64
     for direction in ("pack", "scatter"):
         for leaf_dtype in (np.float16, np.float32, np.float64):
             for flat in (types.float16, types.float32, types.float64):
                 fn = leaves._kernel(direction, np.dtype(leaf_dtype)).py_func
-                ptx, _ = cuda.compile_ptx(fn, (flat[::1], i64[::1], i64[:, ::1], i64[:, ::1], i64), cc=(8, 0))
+                ptx = compile(fn, (flat[::1], i64[::1], i64[:, ::1], i64[:, ::1], i64))
                 assert "cvta.to.global" in ptx  # the address is used as a global pointer
 
 
@@ -801,46 +822,6 @@ def test_norm_factor_kernel_compiles_for_the_device():
     """`numbaccum.cuda.reduce._pnorm_factors` (the norm family's per-slice factors on the
     device, `numbaccum.tables.pnorm_factor` compiled as a device function) builds to PTX for
     every buffer dtype, where NVVM is installed (no GPU needed)."""
-    if SIM:
-        pytest.skip("the simulator runs the Python source")
-    cuda = pytest.importorskip("numba.cuda")
-    from numba import types
-
-    try:
-        from numbaccum.cuda import reduce as cuda_reduce
-
-        f8, i8 = types.float64, types.int64
-        sig = (
-            f8[::1],
-            i8[::1],
-            i8[::1],
-            f8[::1],
-            i8[:, ::1],
-            types.boolean,
-            f8,
-            types.boolean,
-            f8,
-            f8,
-            f8,
-            f8[::1],
-        )
-        cuda.compile_ptx(cuda_reduce._pnorm_factors.py_func, sig, cc=(8, 0))  # may need the driver
-    except Exception as e:
-        pytest.skip(f"no NVVM or no CUDA driver here: {e}")
+    compile, types, cuda_reduce = _ptx_compiler("numbaccum.cuda.reduce")
     for x in (types.float16, types.float32, types.float64):
-        sig = (
-            f8[::1],
-            i8[::1],
-            i8[::1],
-            x[::1],
-            i8[:, ::1],
-            types.boolean,
-            f8,
-            types.boolean,
-            f8,
-            f8,
-            f8,
-            f8[::1],
-        )
-        ptx, _ = cuda.compile_ptx(cuda_reduce._pnorm_factors.py_func, sig, cc=(8, 0))
-        assert "sqrt" in ptx
+        assert "sqrt" in compile(cuda_reduce._pnorm_factors.py_func, _pnorm_sig(types, x))

@@ -336,10 +336,9 @@ def rescale_(out, x, table: Table, p, may_rescue, max_norm, min_norm, norm_value
     """out = x * factor[s] over every slice ``s``, the factor `numbaccum.tables.pnorm_factor` of
     the slice's p-norm (p > 0): clip_norm's and normalize's scaling. Returns False, writing
     nothing, when every factor is 1 (the host can tell; the caller then keeps ``x``)."""
-    totals = reduce(pnorm_kind(p), x, table, None, p)
+    xr = _f16(x)  # numba has no float16: one float32 copy, for the sums and the rare rescue
+    totals = reduce(pnorm_kind(p), xr, table, None, p)
     factors = np.empty(table.nslices, np.float64)
-    # Only a rescue reads x here, and numba has no float16: a float32 copy when one may happen.
-    xr = _f16(x) if may_rescue else x[:0].astype(np.float32) if x.dtype == np.float16 else x
     args = (
         np.float64(p),
         bool(may_rescue),
