@@ -284,9 +284,11 @@ def balanced(div, mul):
     3.5e38) or ``inf / inf = NaN``: ``div`` goes to [1, 2) (then ``x / div`` cannot overflow),
     unless that would push ``mul`` out of [2**-120, 2**121) (then ``mul`` goes to that edge).
     Powers of two are exact: inside [2**-100, 2**100] (every common case) the pair is returned
-    as it is, bit for bit."""
-    if not (finite(div) and finite(mul)) or div == 0.0 or mul == 0.0:
+    as it is, bit for bit. A zero ``mul`` gives ``(1, 0)``: zeros (NaN for an inf or NaN x)."""
+    if not (finite(div) and finite(mul)) or div == 0.0:
         return div, mul
+    if mul == 0.0:  # zeros whatever div is; a tiny div would round to 0 in float32 (0 / 0)
+        return 1.0, 0.0
     ed = math.frexp(div)[1]
     em = math.frexp(mul)[1]
     if -100 < ed < 100 and -100 < em < 100:

@@ -44,6 +44,15 @@ def test_tree_and_setup_vectors():
     np.testing.assert_allclose(out[1], [0.51447004, 0.0051447], rtol=1e-6)
 
 
+def test_max_norm_zero_with_a_tiny_norm_gives_zeros_in_every_dtype():
+    """A float64 leaf makes the norm 2e-276; the float32 leaf's pending factor must not round
+    its divisor to 0 (0 / 0 = NaN): max_norm=0 gives zeros."""
+    g = {"a": np.array(2.04301765e-276), "b": np.zeros(3, np.float32)}
+    tx = nba.clip_by_global_norm(0.0)
+    u, _ = tx.update(g, tx.init(g))
+    assert np.array_equal(u["a"], 0.0) and np.array_equal(u["b"], np.zeros(3, np.float32))
+
+
 def test_float32_recipe_is_divide_then_multiply():
     g = np.random.default_rng(0).standard_normal(1000).astype(np.float32)
     norm = np.float32(np.sqrt(np.sum(g.astype(np.float64) ** 2)))
