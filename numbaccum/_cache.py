@@ -10,10 +10,26 @@ an index file and data files per function), pointed at one directory of ours:
   ``~/.cache/numbaccum`` (Linux), ``~/Library/Caches/numbaccum`` (macOS),
   ``%LOCALAPPDATA%\\numbaccum\\Cache`` (Windows).
 
-Inside it, everything lives under one subdirectory per (numba version, Python version, hash of
-the package's sources): numba checks only the source file of the function it loads, not the
-functions that function calls (numba's caching notes), so an edit anywhere in the package starts
-a new subdirectory rather than loading a kernel that inlined an older helper.
+Namespace. Inside it, everything lives under one subdirectory per (`FORMAT`, numba version,
+Python version, hash of the package's sources): numba checks only the source file of the
+function it loads, not the functions that function calls (numba's caching notes), so an edit
+anywhere in the package starts a new subdirectory rather than loading a kernel that inlined an
+older helper; `FORMAT` changes when the layout or the naming of the entries does, so a cache
+filled by a version with other rules is never read.
+
+Identity. Every kernel is named after what it computes, never after where its source sits.
+numba names a compiled function's symbol after its module, its qualified name and a counter
+that starts again in every process, and a cached kernel reaches the functions it calls by
+those names: two closures of one factory (the reduction engine's per-kind drivers) compiled in
+two processes could carry one name for two codes, and a third process that loaded both ran one
+in place of the other. So `identify` puts a readable tag (the kind, the driver variant) and the
+`code_digest` of the function (its bytecode, and what its names and closure cells hold,
+recursively) into the qualified name of every function that numba compiles on its own (not
+inlined) for a cached kernel, before the first compile; `cached` does it for the kernels
+themselves. One name then means one code, and each kernel has an index file of its own; the
+index key is the digest too (`LockedCache._index_key`). numba's counter is also started at a
+random place in each process (`_unique_ids`), for the callees no name of ours reaches (numba's
+own helpers, a parallel loop's body).
 
 Kernels generated at run time (the drivers' loops around each `numbaccum.formulas.Formula`) are
 exec'd source with no file, which numba cannot cache: `source_file` writes each generated module
@@ -22,11 +38,18 @@ once under a name that hashes its source and everything the formula's code reach
 changed formula never loads a stale kernel. The file is written to a temporary name and linked
 into place, never rewritten (numba stamps a function with its source file).
 
+Safety. The cache imports the generated modules and unpickles numba's indexes, so whoever may
+write its directories may run code in this process. Like ssh with its keys, the cache uses a
+directory (the cache directory, its namespace and every subdirectory it reads) only when it
+belongs to this user and neither group nor others may write it; otherwise it warns once and
+kernels compile in memory (`describe` says why). The directories it makes are mode 0o700.
+
 Two processes filling an empty cache at once: numba writes each index and data file to a unique
 temporary name and renames it, but the index is read, extended and written back, so two writers
 can lose each other's entries or give two signatures the same data file (numba#4807). Loads and
 saves of one function hold an ``flock`` on a lock file beside its index (shared to load,
 exclusive to save); a failed load compiles instead, a failed save is reported once and ignored.
+An index that cannot be read is replaced by the next save, not kept (it would fail every save).
 
 A directory that cannot be written (a read-only install, a read-only home) turns the cache off
 for the process with one warning; kernels then compile in memory.
@@ -37,8 +60,11 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import itertools
 import os
 import re
+import secrets
+import stat
 import sys
 import tempfile
 import threading
@@ -56,12 +82,27 @@ try:  # POSIX: advisory locks between processes (Windows gets numba's own rename
 except ImportError:  # pragma: no cover - Windows
     fcntl = None  # type: ignore[assignment]
 
-__all__ = ["cached", "code_digest", "describe", "directory", "namespace", "root", "source_file"]
+__all__ = [
+    "cached",
+    "code_digest",
+    "describe",
+    "directory",
+    "identified",
+    "identify",
+    "named",
+    "namespace",
+    "root",
+    "source_file",
+]
 
 ENV = "NUMBACCUM_CACHE_DIR"
 _OFF = frozenset({"", "0", "off", "false", "no", "none"})
 PACKAGE = Path(__file__).resolve().parent
 GENERATED = "generated"  # subdirectory of the generated kernel modules
+# The layout of a namespace and the naming of its kernels. 2: kernels named by what they compute
+# (`identify`); a cache written under 1 held entries that a process could confuse, never read it.
+FORMAT = 2
+_PRIVATE = 0o700  # the mode of every directory the cache makes
 
 _lock = threading.Lock()
 _state: dict[str, Any] = {}  # "root": the usable cache root (None: off), "why": why not
@@ -94,7 +135,7 @@ def tag() -> str:
         h.update(p.relative_to(PACKAGE).as_posix().encode() + b"\0")
         h.update(p.read_bytes() + b"\0")
     py = f"{sys.version_info[0]}{sys.version_info[1]}"
-    return f"numba{numba.__version__}-py{py}-{h.hexdigest()[:16]}"
+    return f"v{FORMAT}-numba{numba.__version__}-py{py}-{h.hexdigest()[:16]}"
 
 
 def root() -> Path | None:
@@ -113,14 +154,61 @@ def _probe() -> tuple[Path | None, str]:
         return None, f"off ({ENV} is set to turn it off)"
     where = base / tag()
     try:
-        (where / GENERATED).mkdir(parents=True, exist_ok=True)
+        os.makedirs(base, mode=_PRIVATE, exist_ok=True)
+        for d in (base, where, where / GENERATED):
+            _private_dir(d)
         with tempfile.TemporaryFile(dir=where):  # writable, not just present
             pass
+    except _Unsafe as e:
+        why = f"off: {e}; kernels compile in memory"
+        _warn_once(
+            "probe",
+            f"numbaccum kernel cache {why}. The cache imports and unpickles what it finds there: "
+            f"set {ENV} to a directory that only you can write (or chmod go-w it).",
+        )
+        return None, why
     except OSError as e:
         why = f"off: {base} cannot be written ({e.strerror or e}); kernels compile in memory"
         _warn_once("probe", f"numbaccum kernel cache {why}. Set {ENV} to a writable directory.")
         return None, why
     return where, "on"
+
+
+class _Unsafe(Exception):
+    """A cache directory that someone else owns or may write."""
+
+
+_private: set[str] = set()  # directories found private in this process
+
+
+def _private_dir(path: Path) -> None:
+    """Makes directory ``path`` (mode 0o700) unless it exists, and checks it as ssh checks a key
+    file: it must belong to this user and be writable by no one else (`_Unsafe` otherwise), since
+    the cache imports the modules and unpickles the indexes it finds there. Its parent must have
+    passed this check (or be the cache directory itself)."""
+    key = str(path)
+    if key in _private:
+        return
+    with contextlib.suppress(FileExistsError):
+        path.mkdir(mode=_PRIVATE)
+    if hasattr(os, "geteuid"):  # POSIX (Windows guards its profile folders with ACLs instead)
+        st = os.stat(path)
+        if not stat.S_ISDIR(st.st_mode):
+            raise NotADirectoryError(f"{path} is not a directory")
+        if st.st_uid != os.geteuid():
+            raise _Unsafe(f"{path} belongs to uid {st.st_uid}, not to this user (uid {os.geteuid()})")
+        if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            mode = oct(stat.S_IMODE(st.st_mode))
+            raise _Unsafe(f"{path} can be written by other users (mode {mode})")
+    _private.add(key)
+
+
+def _private_dirs(top: Path, path: Path) -> None:
+    """`_private_dir` for every directory below ``top`` down to ``path``."""
+    d = top
+    for part in path.relative_to(top).parts:
+        d = d / part
+        _private_dir(d)
 
 
 def describe() -> str:
@@ -271,6 +359,57 @@ def _digest_code(code: types.CodeType, glb: dict, h: Any, seen: set[int]) -> Non
             _digest(glb[name], h, seen)
 
 
+# --- identities: what numba names a compiled function after --------------------------------------
+
+_IDENTITY = "__numbaccum_identity__"  # set on a function `identify` has named
+
+
+def identify(fn: Any, *tags: str) -> Any:
+    """``fn`` (a plain function, before numba first compiles it) named after what it computes:
+    its ``__qualname__`` gets the ``tags`` (readable: the reduction kind, the driver variant) and
+    the first 16 hex digits of its `code_digest`. Returns ``fn``; a second call changes nothing.
+
+    numba names a compiled function's symbol after its module, its qualified name and a counter
+    that starts again in every process, and links a cached kernel's callees by those names: two
+    closures of one factory, compiled in two processes, could carry one name for two different
+    codes, and a third process that loaded both ran one in place of the other. With the digest
+    in the name, one name means one code. Call it on every function numba compiles on its own
+    (not ``inline="always"``) that is cached or called by a cached kernel, and on the functions
+    it calls first (their names are part of its digest). A function without a digest gets a
+    random name: nothing it computes can be named, so nothing may share its name."""
+    if getattr(fn, _IDENTITY, None):
+        return fn
+    digest = code_digest(fn)
+    token = digest[:16] if digest else "u" + secrets.token_hex(8)
+    suffix = "_".join([re.sub(r"\W", "_", t) for t in tags] + [token])
+    fn.__qualname__ = f"{fn.__qualname__}__{suffix}"
+    fn.__name__ = f"{fn.__name__}__{suffix}"
+    setattr(fn, _IDENTITY, token)
+    return fn
+
+
+def identified(*tags: str) -> Any:
+    """`identify` as a decorator (below numba's): ``@njit(...)`` over ``@identified("sumsq")``."""
+    return lambda fn: identify(fn, *tags)
+
+
+def _unique_ids() -> None:
+    """Starts numba's per-process counter of function ids (part of every symbol name) at a random
+    place, again in a forked child: a callee numba compiles for a cached kernel that `identify`
+    does not reach (one of numba's own helpers, a parallel loop's body) then gets a name no
+    other process gives to other code (numba#10486)."""
+    from numba.core.bytecode import FunctionIdentity
+
+    counter = getattr(FunctionIdentity, "_unique_ids", None)
+    if isinstance(counter, itertools.count):
+        FunctionIdentity._unique_ids = itertools.count(next(counter) + secrets.randbits(60))
+
+
+_unique_ids()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_unique_ids)
+
+
 # --- numba's cache, in our directory, with locks ------------------------------------------------
 
 
@@ -309,7 +448,10 @@ class Locator(_CacheLocator):
             return None
         self = cls(py_func, py_file, where)
         try:
-            os.makedirs(self._cache_path, exist_ok=True)
+            _private_dirs(where, Path(self._cache_path))
+        except _Unsafe as e:  # made by someone else since the probe: never read it
+            _warn_once("unsafe", f"numbaccum kernel cache: {e}; those kernels compile in memory")
+            return None
         except OSError:
             return None
         return self
@@ -359,9 +501,23 @@ class LockedCache:
     def save_overload(self, sig: Any, data: Any) -> None:
         try:
             with self._locked(exclusive=True):
+                self._drop_unreadable_index()
                 super().save_overload(sig, data)  # type: ignore[misc]
         except Exception as e:  # the kernel still runs; only the next process recompiles
             _warn_once("save", f"numbaccum kernel cache: a kernel could not be saved ({e!r})")
+
+    def _drop_unreadable_index(self) -> None:
+        """Removes an index that cannot be read (a torn write, a full disk, a damaged file):
+        saving reads the index and extends it, so a damaged one would fail every later save and
+        make every later process compile. Its data files are overwritten as the new index fills."""
+        cache_file = getattr(self, "_cache_file", None)
+        if cache_file is None:
+            return
+        try:
+            cache_file._load_index()
+        except Exception:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(cache_file._index_path)
 
 
 class _CpuImpl(CompileResultCacheImpl):
@@ -372,14 +528,24 @@ class _CpuCache(LockedCache, FunctionCache):
     _impl_class = _CpuImpl
 
 
-def cached(dispatcher: Any, cache_class: Any = _CpuCache) -> Any:
-    """``dispatcher`` (a numba ``njit`` function, before its first compile) with its compiled
-    code kept in the cache directory; unchanged when the cache is off."""
-    if root() is None:
-        return dispatcher
+def named(dispatcher: Any) -> Any:
+    """``dispatcher`` (numba's, before its first compile) with its function named by `identify`
+    unless it was already (``@identified`` below the jit decorator adds readable tags)."""
     py_func = getattr(dispatcher, "py_func", None)
-    if getattr(py_func, "__closure__", None) and code_digest(py_func) is None:
-        return dispatcher  # numba's own key of these cells differs in each process: no stable entry
+    if isinstance(py_func, types.FunctionType) and not getattr(py_func, _IDENTITY, None):
+        identify(py_func)
+        dispatcher.__qualname__, dispatcher.__name__ = py_func.__qualname__, py_func.__name__
+    return dispatcher
+
+
+def cached(dispatcher: Any, cache_class: Any = _CpuCache) -> Any:
+    """``dispatcher`` (a numba ``njit`` function, before its first compile) `named` after what it
+    computes, with its compiled code kept in the cache directory; unchanged but for the name when
+    the cache is off. A function whose code cannot be hashed (`code_digest` is ``None``) is never
+    cached: numba's own key of it would not say what it computes."""
+    named(dispatcher)
+    if root() is None or code_digest(dispatcher.py_func) is None:
+        return dispatcher
     # No locator (a file outside the package and the cache): it compiles in memory.
     with contextlib.suppress(Exception):
         dispatcher._cache = cache_class(dispatcher.py_func)

@@ -8,13 +8,17 @@ The child counts numba's ``numba:compile`` events: a kernel loaded from the cach
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
+import pkgutil
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from numbaccum import _cache
 from numbaccum.formulas import Formula
@@ -202,3 +206,186 @@ def test_the_key_of_a_formula_is_its_code_and_declaration_not_its_name_or_identi
     assert _cache.code_digest(closing(2.0)) != _cache.code_digest(closing(np.float32(2.0)))
     # Something it cannot hash by content: no disk cache for that formula (None), no wrong hit.
     assert _cache.code_digest(_formula(read, K=object())) is None
+
+
+# --- identities: one name, one code (issue 22, item 1) ------------------------------------------
+
+
+def _is_dispatcher(v: object) -> bool:
+    return isinstance(getattr(v, "py_func", None), types.FunctionType) and hasattr(v, "targetoptions")
+
+
+def _reachable_dispatchers() -> list:
+    """Every numba dispatcher reachable from numbaccum's modules: module and class attributes,
+    dict, tuple and list values (`numbaccum.cpu.reduce.KINDS`), and, from a function, its closure
+    cells and the globals its code reads, recursively; with the CPU drivers of every formula."""
+    import numbaccum
+    from numbaccum import formulas
+    from numbaccum.cpu import driver
+
+    for m in pkgutil.walk_packages(numbaccum.__path__, "numbaccum."):
+        if not m.name.endswith("__main__"):  # the command line runs on import
+            importlib.import_module(m.name)
+    for f in vars(formulas).values():
+        if isinstance(f, formulas.Formula):
+            driver.compiled(f)  # generated and jitted, not compiled
+    found, seen = [], set()
+
+    def names(code: types.CodeType):
+        yield from code.co_names
+        for c in code.co_consts:
+            if isinstance(c, types.CodeType):
+                yield from names(c)
+
+    def ours(v: object) -> bool:
+        mod = getattr(v, "__module__", None) or ""
+        return mod.startswith(("numbaccum", "_numbaccum_"))
+
+    def visit(v: object) -> None:
+        if id(v) in seen:
+            return
+        seen.add(id(v))
+        if _is_dispatcher(v):
+            found.append(v)
+            visit(v.py_func)
+        elif isinstance(v, types.FunctionType):
+            for cell in v.__closure__ or ():
+                visit(cell.cell_contents)
+            for name in names(v.__code__):
+                if name in v.__globals__:
+                    visit(v.__globals__[name])
+        elif isinstance(v, dict):
+            for x in list(v.values()):
+                visit(x)
+        elif isinstance(v, (tuple, list)):
+            for x in v:
+                visit(x)
+        elif isinstance(v, types.ModuleType) and v.__name__.startswith("numbaccum"):
+            visit(vars(v))
+        elif isinstance(v, type) and ours(v):
+            visit(dict(vars(v)))
+
+    for name, mod in list(sys.modules.items()):
+        if name == "numbaccum" or name.startswith(("numbaccum.", "_numbaccum_")):
+            visit(mod)
+    return found
+
+
+def test_no_two_kernels_of_different_code_share_a_name():
+    """numba names a function's symbol after its module and qualified name (and a per-process
+    counter), and links a cached kernel's callees by name: every function compiled on its own
+    (not inlined) must have a name that only its code carries."""
+    by_name: dict[tuple, set] = {}
+    dispatchers = _reachable_dispatchers()
+    from numbaccum.cpu.reduce import KINDS
+
+    reached = {id(d) for d in dispatchers}
+    assert all(id(d) in reached for pair, _ in KINDS.values() for d in pair)
+    for d in dispatchers:
+        options = {k: v for k, v in d.targetoptions.items() if k != "inline"}
+        if d.targetoptions.get("inline") in ("always", True):
+            continue  # inlined where it is called: no symbol of its own
+        f = d.py_func
+        key = (type(d).__name__, f.__module__, f.__qualname__)
+        digest = _cache.code_digest(f)
+        assert digest is not None, key
+        by_name.setdefault(key, set()).add((digest, repr(sorted(options.items()))))
+    shared = [f"{'.'.join(k[1:])}: {len(v)} codes" for k, v in by_name.items() if len(v) > 1]
+    assert not shared, "\n".join(shared)
+    assert len(by_name) > 30  # the walk reached the engine, the drivers and the tables
+
+
+def test_a_name_says_what_the_code_computes():
+    def make(k):
+        def f(x):
+            return x * k
+
+        return f
+
+    a, a2 = _cache.identify(make(2.0), "two"), _cache.identify(make(2.0), "two")
+    b = _cache.identify(make(3.0))
+    assert a.__qualname__ != b.__qualname__ and a.__qualname__ == a2.__qualname__
+    assert "two" in a.__qualname__ and _cache.code_digest(make(2.0))[:16] in a.__qualname__
+    assert _cache.identify(a, "again").__qualname__ == a2.__qualname__  # named once
+
+
+# --- a damaged index is replaced, not kept ------------------------------------------------------
+
+
+def test_a_damaged_index_is_replaced_by_the_next_process(tmp_path):
+    first, _ = _run(str(tmp_path))
+    indexes = [p for p in _files(tmp_path) if p.suffix == ".nbi"]
+    assert indexes
+    for p in indexes:
+        p.write_bytes(b"not a pickle")
+    second, err = _run(str(tmp_path))  # nothing loads: it compiles and writes new indexes
+    assert second["compiled"] > 0 and "could not be saved" not in err, err
+    assert all(p.read_bytes() != b"not a pickle" for p in indexes)
+    third, err = _run(str(tmp_path))
+    assert third == first | {"compiled": 0} and "numbaccum" not in err, err
+
+
+# --- a directory someone else may write is never read (issue 22, item 5) ------------------------
+
+
+def _describe(cache: str) -> str:
+    script = "from numbaccum import _cache; print(_cache.describe())"
+    return subprocess.run(
+        [sys.executable, "-c", script], env=_env(cache), capture_output=True, text=True, check=True
+    ).stdout
+
+
+def _assert_not_used(cache: Path, made: Path, why: str) -> None:
+    """A child with cache ``cache`` runs in memory, warns once (naming ``made`` and ``why``),
+    writes nothing under ``made``, and `describe` says why the cache is off."""
+    before = _files(made)
+    res, err = _run(str(cache))
+    assert res["made"] == [1.0, 3.0, 5.0, 7.0] and res["compiled"] > 0
+    assert err.count("numbaccum kernel cache") == 1 and why in err and str(made) in err, err
+    assert _files(made) == before
+    said = _describe(str(cache))
+    assert "off" in said and why in said and str(made) in said, said
+
+
+def test_a_cache_directory_others_can_write_is_not_used(tmp_path):
+    cache = tmp_path / "shared"
+    cache.mkdir()
+    cache.chmod(0o777)
+    _assert_not_used(cache, cache, "can be written by other users")
+
+
+@pytest.mark.parametrize("sub", ["namespace", "kernels"])
+def test_a_premade_subdirectory_others_can_write_is_not_used(tmp_path, sub):
+    cache = tmp_path / "mine"
+    cache.mkdir(mode=0o700)
+    made = cache / _cache.tag()
+    if sub == "kernels":  # below a namespace of ours: made by someone else, later
+        made.mkdir(mode=0o700)
+        made = made / "kernels"
+    made.mkdir()
+    made.chmod(0o777)
+    if sub == "namespace":
+        _assert_not_used(cache, made, "can be written by other users")
+        return
+    res, err = _run(str(cache))  # the namespace is used; none of its kernels are saved
+    assert res["made"] == [1.0, 3.0, 5.0, 7.0] and res["compiled"] > 0
+    assert err.count("can be written by other users") == 1 and str(made) in err, err
+    assert not _files(made)
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0, reason="chown needs root")
+def test_a_premade_namespace_of_another_user_is_not_used(tmp_path):
+    cache = tmp_path / "mine"
+    cache.mkdir(mode=0o700)
+    made = cache / _cache.tag()
+    made.mkdir(mode=0o755)
+    os.chown(made, 12345, 12345)
+    _assert_not_used(cache, made, "belongs to uid 12345")
+
+
+def test_the_cache_makes_its_directories_private(tmp_path):
+    cache = tmp_path / "new" / "cache"
+    _run(str(cache))
+    dirs = [cache, *(p for p in cache.rglob("*") if p.is_dir())]
+    assert len(dirs) > 3
+    assert all(d.stat().st_mode & 0o077 == 0 for d in dirs), [oct(d.stat().st_mode) for d in dirs]

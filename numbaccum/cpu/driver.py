@@ -138,7 +138,7 @@ def _compile(f: Formula) -> tuple[Any, Any]:
     ns["prange"] = prange
     exec(compile(source, ns["__file__"], "exec"), ns)
     # Globals are resolved when a function compiles: `parallel` and `serial` call the jitted body.
-    ns["body"] = njit(error_model="numpy")(ns["body"])
+    ns["body"] = njit(error_model="numpy")(_cache.identify(ns["body"], f.name))
     parallel = njit(parallel=True, error_model="numpy")(ns["parallel"])
     serial = njit(error_model="numpy")(ns["serial"])
     if path:

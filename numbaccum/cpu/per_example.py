@@ -35,6 +35,7 @@ _F16 = np.dtype(np.float16)
 def _weighted_sum(parallel):
     @_cache.cached
     @njit(parallel=parallel, error_model="numpy")
+    @_cache.identified("parallel" if parallel else "serial")  # one code, two kernels
     def run(
         out, g, offsets, out_offsets, mult, noise, std, div, limit, init, has_init, items
     ):  # pragma: no cover

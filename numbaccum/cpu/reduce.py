@@ -175,13 +175,15 @@ def _extreme(take_max):
     return total
 
 
-def _view_run(total):
+def _view_run(kind, total):
     """``run(x, out, a, n, st, c, p)``: ``total`` over ``n`` elements of ``x`` from ``a`` with
     stride ``st`` (a contiguous view when ``st == 1``: the loop vectorises)."""
 
     # Compiled on its own (not inlined): the walker calls it twice, and an inlined copy per call
-    # site and view type made the engine's kernels take seconds each to compile.
+    # site and view type made the engine's kernels take seconds each to compile. A symbol of its
+    # own, so named after its kind and code: the kernels that call it are cached.
     @njit(error_model="numpy")
+    @_cache.identified(kind)
     def run(x, out, a, n, st, c, p):  # pragma: no cover - compiled
         if st == 1:
             return total(x[a : a + n], c, p)
@@ -225,10 +227,11 @@ def _walker(run, op):
     return walk
 
 
-def _reducer(total, op):
-    """Parallel and serial drivers: ``part[pstart[b] + j]`` = the reduction of slice ``s0 + j``
-    of item ``b`` over the item's elements, centred on ``centers[slice]`` when given."""
-    walk = _walker(_view_run(total), op)
+def _reducer(kind, total, op):
+    """Parallel and serial drivers of reduction ``kind``: ``part[pstart[b] + j]`` = the reduction
+    of slice ``s0 + j`` of item ``b`` over the item's elements, centred on ``centers[slice]``
+    when given."""
+    walk = _walker(_view_run(kind, total), op)
 
     @_jit
     def item(x, rows, items, pstart, centers, p, part, b, idx):  # pragma: no cover - compiled
@@ -240,6 +243,7 @@ def _reducer(total, op):
 
     @_cache.cached
     @njit(parallel=True, error_model="numpy")
+    @_cache.identified(kind)
     def parallel(x, rows, items, pstart, centers, p, part):  # pragma: no cover - compiled
         width = max(rows[0, DR], 1) if rows.shape[0] else 1
         for b in prange(items.shape[0]):
@@ -247,6 +251,7 @@ def _reducer(total, op):
 
     @_cache.cached
     @njit(error_model="numpy")
+    @_cache.identified(kind)
     def serial(x, rows, items, pstart, centers, p, part):  # pragma: no cover - compiled
         idx = np.empty(max(rows[0, DR], 1) if rows.shape[0] else 1, np.int64)
         for b in range(items.shape[0]):
@@ -255,20 +260,23 @@ def _reducer(total, op):
     return (parallel, serial), op
 
 
-# The reduction kinds of the engine: name -> (drivers, fold).
-KINDS = {
-    "sumsq": _reducer(_lane_sum(_t_sq), SUM),
-    "csumsq": _reducer(_lane_sum(_t_csq), SUM),  # centred: sum((x - c) ** 2)
-    "ssumsq": _reducer(_lane_sum(_t_ssq), SUM),  # scaled: sum((x * c) ** 2), c per slice
-    "sumabs": _reducer(_lane_sum(_t_abs), SUM),
-    "sumpow": _reducer(_lane_sum(_t_pow), SUM),
-    "sum": _reducer(_lane_sum(_t_signed), SUM),
-    "nnz": _reducer(_lane_sum(_t_nonzero), SUM),
-    "nancount": _reducer(_lane_sum(_t_nan), SUM),
-    "nonfinite": _reducer(_lane_sum(_t_nonfinite), SUM),
-    "maxabs": _reducer(_extreme(True), MAX),
-    "minabs": _reducer(_extreme(False), MIN),
+# What each reduction kind adds up (or keeps), and how its values fold.
+_TOTALS = {
+    "sumsq": (_lane_sum(_t_sq), SUM),
+    "csumsq": (_lane_sum(_t_csq), SUM),  # centred: sum((x - c) ** 2)
+    "ssumsq": (_lane_sum(_t_ssq), SUM),  # scaled: sum((x * c) ** 2), c per slice
+    "sumabs": (_lane_sum(_t_abs), SUM),
+    "sumpow": (_lane_sum(_t_pow), SUM),
+    "sum": (_lane_sum(_t_signed), SUM),
+    "nnz": (_lane_sum(_t_nonzero), SUM),
+    "nancount": (_lane_sum(_t_nan), SUM),
+    "nonfinite": (_lane_sum(_t_nonfinite), SUM),
+    "maxabs": (_extreme(True), MAX),
+    "minabs": (_extreme(False), MIN),
 }
+
+# The reduction kinds of the engine: name -> (drivers, fold).
+KINDS = {kind: _reducer(kind, total, op) for kind, (total, op) in _TOTALS.items()}
 
 
 def _pick(pair, n):
@@ -397,7 +405,7 @@ def _ema_run(x, out, a, n, st, c, f):  # pragma: no cover - compiled
     return 0.0
 
 
-def _scaler(run, per_slice):
+def _scaler(name, run, per_slice):
     """Parallel and serial drivers of ``run`` over every slice of the items; ``per_slice(values,
     slice)`` picks the slice's ``f`` (``values`` a per-slice array); a slice whose ``f`` is NaN
     in ``skip`` mode is left alone."""
@@ -414,6 +422,7 @@ def _scaler(run, per_slice):
 
     @_cache.cached
     @njit(parallel=True, error_model="numpy")
+    @_cache.identified(name)
     def parallel(out, x, rows, items, c, values):  # pragma: no cover - compiled
         width = max(rows[0, DR], 1) if rows.shape[0] else 1
         for b in prange(items.shape[0]):
@@ -421,6 +430,7 @@ def _scaler(run, per_slice):
 
     @_cache.cached
     @njit(error_model="numpy")
+    @_cache.identified(name)
     def serial(out, x, rows, items, c, values):  # pragma: no cover - compiled
         idx = np.empty(max(rows[0, DR], 1) if rows.shape[0] else 1, np.int64)
         for b in range(items.shape[0]):
@@ -445,9 +455,9 @@ def _if_active(c, values, s):  # pragma: no cover - compiled
     return c, 0.0, values[s] != 0
 
 
-_APPLY = _scaler(_apply_run, _centre_scale)
-_DIVIDE = _scaler(_divide_run, _divisor)
-_EMA = _scaler(_ema_run, _if_active)
+_APPLY = _scaler("apply", _apply_run, _centre_scale)
+_DIVIDE = _scaler("divide", _divide_run, _divisor)
+_EMA = _scaler("ema", _ema_run, _if_active)
 
 
 def _run_scaler(pair, n, table, active_only, out, x, c, values):

@@ -30,8 +30,10 @@ def _cache_class() -> Any:
 
 
 def cached(kernel: Any) -> Any:
-    """``kernel`` (a ``cuda.jit`` kernel, before its first compile) with its compiled code kept
-    in the cache directory; unchanged in the simulator or when the cache is off."""
+    """``kernel`` (a ``cuda.jit`` kernel, before its first compile) named after what it computes
+    (`numbaccum._cache.named`) with its compiled code kept in the cache directory; only named in
+    the simulator or when the cache is off."""
+    _cache.named(kernel)
     if getattr(config, "ENABLE_CUDASIM", False) or not hasattr(kernel, "enable_caching"):
         return kernel
     if _cache.root() is None:
