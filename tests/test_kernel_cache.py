@@ -309,6 +309,41 @@ def test_a_name_says_what_the_code_computes():
     assert _cache.identify(a, "again").__qualname__ == a2.__qualname__  # named once
 
 
+def test_numba_numbers_functions_differently_in_each_process_and_forked_child():
+    """Callees that no name of ours reaches (numba's own helpers, a parallel loop's body) are
+    named with numba's function counter: it starts at a random place in each process, so two
+    processes never give one symbol name to two codes (numba#10486)."""
+    script = (
+        "import os, numba, numbaccum\n"
+        "f = numba.njit(lambda x: x + 1)\n"
+        "f(1)\n"
+        "print(next(iter(f.overloads.values())).fndesc.mangled_name)\n"
+        "if hasattr(os, 'fork'):\n"
+        "    r, w = os.pipe()\n"
+        "    if os.fork() == 0:\n"
+        "        g = numba.njit(lambda x: x + 1)\n"
+        "        g(1)\n"
+        "        os.write(w, next(iter(g.overloads.values())).fndesc.mangled_name.encode())\n"
+        "        os._exit(0)\n"
+        "    h = numba.njit(lambda x: x + 1)\n"
+        "    h(1)\n"
+        "    print(next(iter(h.overloads.values())).fndesc.mangled_name)\n"
+        "    os.close(w)\n"
+        "    print(os.read(r, 1000).decode())\n"
+    )
+
+    def names() -> list[str]:
+        out = subprocess.run(
+            [sys.executable, "-c", script], env=_env("off"), capture_output=True, text=True, check=True
+        ).stdout
+        return out.split()
+
+    first, second = names(), names()
+    assert first[0] != second[0]
+    if len(first) == 3:  # parent and forked child, after the fork
+        assert first[1] != first[2]
+
+
 # --- a damaged index is replaced, not kept ------------------------------------------------------
 
 
