@@ -184,8 +184,8 @@ _private: set[str] = set()  # directories found private in this process
 def _private_dir(path: Path) -> None:
     """Makes directory ``path`` (mode 0o700) unless it exists, and checks it as ssh checks a key
     file: it must belong to this user and be writable by no one else (`_Unsafe` otherwise), since
-    the cache imports the modules and unpickles the indexes it finds there. Its parent must have
-    passed this check (or be the cache directory itself)."""
+    the cache imports the modules and unpickles the indexes it finds there. Checked once per
+    directory and process."""
     key = str(path)
     if key in _private:
         return

@@ -1,6 +1,9 @@
 """The on-disk kernel cache (`numbaccum._cache`), in fresh processes: an empty cache fills, a
 filled one is used (nothing compiles), two processes fill one cache at once, an unwritable or
-turned-off cache still runs, and ``numbaccum info`` says where the cache is.
+turned-off cache still runs, and ``numbaccum info`` says where the cache is. No two kernels of
+different code share a name (issue 22, item 1; test_cache_across_processes.py runs them across
+processes), a damaged index is replaced, and a directory someone else owns or may write is never
+used (item 5).
 
 Each test gives its processes a cache directory of its own (never the session's, see conftest).
 The child counts numba's ``numba:compile`` events: a kernel loaded from the cache raises none.
