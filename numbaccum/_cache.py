@@ -164,7 +164,7 @@ def _probe() -> tuple[Path | None, str]:
         _warn_once(
             "probe",
             f"numbaccum kernel cache {why}. The cache imports and unpickles what it finds there: "
-            f"set {ENV} to a directory that only you can write (or chmod go-w it).",
+            f"set {ENV} to a new directory that only you can write.",
         )
         return None, why
     except OSError as e:
