@@ -39,7 +39,7 @@ from .base import (
     named_chain,
     with_extra_args_support,
 )
-from .checkpoint import load_state, save_state
+from .checkpoint import load_state, register_state_class, save_state
 from .clipping import (
     ApplyIfFiniteState,
     ClipByGlobalNormState,
@@ -202,6 +202,7 @@ __all__ = [
     "scale",
     "scale_by_adam",
     "scale_by_learning_rate",
+    "register_state_class",
     "save_state",
     "scale_by_sign",
     "sgd",
