@@ -21,6 +21,7 @@ import numpy as np
 from .accumulation import safe_increment
 from .base import GradientTransformationExtraArgs, with_extra_args_support
 from .flat import FlatTree
+from .layout import check_float_dtype
 from .tree import tree_flatten
 
 __all__ = [
@@ -145,6 +146,7 @@ def inject_hyperparams(
 
     Raises:
         ValueError: ``static_args`` names an argument ``inner_factory`` does not have.
+        TypeError: ``hyperparam_dtype`` is not float16, float32 or float64.
     """
     static = {static_args} if isinstance(static_args, str) else set(static_args)
     signature = inspect.signature(inner_factory)
@@ -153,7 +155,7 @@ def inject_hyperparams(
             f"static_args must name parameters of inner_factory: got {sorted(static)}, "
             f"parameters are {list(signature.parameters)}"
         )
-    fixed_dtype = None if hyperparam_dtype is None else np.dtype(hyperparam_dtype)
+    fixed_dtype = None if hyperparam_dtype is None else check_float_dtype(hyperparam_dtype, "hyperparam_dtype")
 
     def wrapped(*args: Any, **kwargs: Any) -> GradientTransformationExtraArgs:
         bound = signature.bind(*args, **kwargs)
