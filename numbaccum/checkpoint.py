@@ -17,8 +17,9 @@ numbers as the hex of their bytes, so every bit comes back), ``["array", i, writ
 ``["tuple", [nodes]]``, ``["list", [nodes]]``, ``["dict", [[key, node], ...]]``,
 ``["nt", class, [fields], [nodes]]`` (a NamedTuple: numbaccum's states by their public name, other
 classes as ``module:qualname``; a reader finds the class by that name in a registry of known
-classes, see `register_state_class`, and never imports or looks up anything the file names), ``["flat", layout, [arrays], on_device]``, ``["layout", layout]``
-(a `Layout` a state holds: the tree it was built for) and ``["ref", i]`` (the ``i``-th FlatTree or
+classes, see `register_state_class`, and never imports or looks up anything the file names),
+``["flat", layout, [arrays], on_device]``, ``["layout", layout]`` (a `Layout` a state holds:
+the tree it was built for) and ``["ref", i]`` (the ``i``-th FlatTree or
 array met before: aliasing is kept). A layout is
 ``{"treedef", "shapes", "dtypes", "keys"}``, its treedef ``["leaf"]``, ``["none"]``,
 ``["dict", [keys], [treedefs]]``, ``["list", ...]``, ``["tuple", ...]`` or
@@ -107,8 +108,18 @@ def _library_state_classes() -> tuple[type, ...]:
     """Every NamedTuple class of numbaccum that a state can hold (tests/test_checkpoint.py checks
     this list against every NamedTuple class defined in the package)."""
     # Imported here, not at the top: these modules import the package, which imports us.
-    from . import accumulation, adaptive, base, clipping, distributed, inject, masking, optim
-    from . import optimizers, privacy
+    from . import (
+        accumulation,
+        adaptive,
+        base,
+        clipping,
+        distributed,
+        inject,
+        masking,
+        optim,
+        optimizers,
+        privacy,
+    )
 
     return (
         base.EmptyState,

@@ -177,7 +177,9 @@ def inject_hyperparams(
             f"static_args must name parameters of inner_factory: got {sorted(static)}, "
             f"parameters are {list(signature.parameters)}"
         )
-    fixed_dtype = None if hyperparam_dtype is None else check_float_dtype(hyperparam_dtype, "hyperparam_dtype")
+    fixed_dtype = (
+        None if hyperparam_dtype is None else check_float_dtype(hyperparam_dtype, "hyperparam_dtype")
+    )
 
     def wrapped(*args: Any, **kwargs: Any) -> GradientTransformationExtraArgs:
         bound = signature.bind(*args, **kwargs)
@@ -217,7 +219,9 @@ def inject_hyperparams(
                 if k not in schedules
             }
             for k, f in schedules.items():
-                hparams[k] = _convert_floats(_scalar(f(states[k], **extra), f"{k} (the schedule's value)"), dtype)
+                hparams[k] = _convert_floats(
+                    _scalar(f(states[k], **extra), f"{k} (the schedule's value)"), dtype
+                )
             return hparams
 
         def init(params: Any) -> InjectStatefulHyperparamsState:

@@ -723,14 +723,14 @@ def _node_strategy():
         st.just(["none"]),
         st.tuples(st.just("int"), st.integers(-(2**70), 2**70)).map(list),
         st.tuples(st.just("float"), st.text(max_size=12)).map(list),
-        st.tuples(st.just("np"), st.sampled_from(["<f4", "<i8", "|O", "<U3", "V2", "?", "x"]), json_values).map(
-            list
-        ),
+        st.tuples(
+            st.just("np"), st.sampled_from(["<f4", "<i8", "|O", "<U3", "V2", "?", "x"]), json_values
+        ).map(list),
         st.tuples(st.just("array"), st.integers(-2, 40), st.booleans()).map(list),
         st.tuples(st.sampled_from(["ref", "layout"]), st.integers(-2, 40)).map(list),
-        st.tuples(st.just("flat"), st.integers(-1, 3), st.lists(st.integers(-1, 40), max_size=3), json_values).map(
-            list
-        ),
+        st.tuples(
+            st.just("flat"), st.integers(-1, 3), st.lists(st.integers(-1, 40), max_size=3), json_values
+        ).map(list),
         json_values,
     )
 
@@ -773,7 +773,9 @@ def test_fuzzed_headers_load_or_raise_value_error_and_import_nothing(pristine, n
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(flips=st.lists(st.tuples(st.floats(0, 1, exclude_max=True), st.integers(1, 255)), min_size=1, max_size=4))
+@given(
+    flips=st.lists(st.tuples(st.floats(0, 1, exclude_max=True), st.integers(1, 255)), min_size=1, max_size=4)
+)
 def test_random_byte_flips_load_or_raise_value_error_and_import_nothing(pristine, flips):
     path, data = pristine
     bad = bytearray(data)

@@ -153,8 +153,11 @@ def test_a_hyperparameter_of_the_wrong_shape_is_named_and_the_state_kept():
     for bad in (np.ones(3), np.ones((2, 2), np.float32), np.ones(0)):
         s.hyperparams["learning_rate"] = bad
         shape = str(bad.shape).replace("(", r"\(").replace(")", r"\)")
-        with pytest.raises(ValueError, match=rf"state.hyperparams\['learning_rate'\]: an array of shape {shape}, "
-                           r"expected a scalar \(shape \(\)\)"):
+        with pytest.raises(
+            ValueError,
+            match=rf"state.hyperparams\['learning_rate'\]: an array of shape {shape}, "
+            r"expected a scalar \(shape \(\)\)",
+        ):
             opt.update(_grads(1), s, p)
         assert s.hyperparams["learning_rate"] is bad
     s.hyperparams["learning_rate"] = np.float32(0.1)
@@ -165,7 +168,9 @@ def test_a_hyperparameter_of_the_wrong_shape_is_named_and_the_state_kept():
     scheduled = nba.inject_hyperparams(nba.adam)(learning_rate=lambda count: np.full(2, 0.1))
     with pytest.raises(ValueError, match=r"learning_rate \(the schedule's value\): an array of shape \(2,\)"):
         scheduled.init(p)
-    late = nba.inject_hyperparams(nba.adam)(learning_rate=lambda count: 0.1 if count == 0 else np.full(2, 0.1))
+    late = nba.inject_hyperparams(nba.adam)(
+        learning_rate=lambda count: 0.1 if count == 0 else np.full(2, 0.1)
+    )
     s = late.init(p)
     _, s = late.update(_grads(0), s, p)
     before = _frozen(s)
