@@ -840,6 +840,33 @@ def test_register_state_class_refuses_what_a_file_could_not_name():
     assert "strategies:Pair" in ck._registry()
 
 
+def _v1_state():
+    """The state tests/data/checkpoint_v1.npz holds: ``save_state`` of this, run with the code of
+    landed main 7d5d46e (format version 1, before the class registry)."""
+    p = {k: v for k, v in params_tree().items() if k not in ("scalar", "empty")}
+    tx = nba.chain(
+        nba.clip_by_global_norm(1.0),
+        nba.trace(0.9),
+        nba.ema(0.5, accumulator_dtype=F64),
+        nba.apply_if_finite(nba.scale_by_adam(), 2),
+        nba.inject_hyperparams(nba.sgd)(learning_rate=0.1, momentum=0.9),
+    )
+    s = tx.init(p)
+    for k in range(3):
+        g = nba.tree_map(
+            lambda x, k=k: ((k + 1.5) * (np.arange(x.size) - 2.0)).reshape(x.shape).astype(x.dtype), p
+        )
+        _, s = tx.update(g, s, p)
+    return tx, p, s
+
+
+def test_a_checkpoint_written_before_the_registry_still_loads():
+    path = os.path.join(os.path.dirname(__file__), "data", "checkpoint_v1.npz")
+    tx, p, state = _v1_state()
+    assert_bits_equal(nba.load_state(path), state)
+    assert_bits_equal(nba.load_state(path, like=tx.init(p)), state)
+
+
 # --- pickle and deepcopy ----------------------------------------------------------------------
 
 
