@@ -19,8 +19,8 @@ numbers as the hex of their bytes, so every bit comes back), ``["array", i, writ
 classes as ``module:qualname``; a reader finds the class by that name in a registry of known
 classes, see `register_state_class`, and never imports or looks up anything the file names),
 ``["flat", layout, [arrays], on_device]``, ``["layout", layout]`` (a `Layout` a state holds:
-the tree it was built for) and ``["ref", i]`` (the ``i``-th FlatTree or
-array met before: aliasing is kept). A layout is
+the tree it was built for) and ``["ref", i]`` (the ``i``-th FlatTree or array met before:
+aliasing is kept). A layout is
 ``{"treedef", "shapes", "dtypes", "keys"}``, its treedef ``["leaf"]``, ``["none"]``,
 ``["dict", [keys], [treedefs]]``, ``["list", ...]``, ``["tuple", ...]`` or
 ``["nt", class, [fields], [treedefs]]``.
