@@ -39,7 +39,7 @@ from .base import (
     named_chain,
     with_extra_args_support,
 )
-from .checkpoint import load_state, save_state
+from .checkpoint import load_state, register_state_class, save_state
 from .clipping import (
     ApplyIfFiniteState,
     ClipByGlobalNormState,
@@ -199,6 +199,7 @@ __all__ = [
     "per_example_clip_weights",
     "per_example_global_norm_clip",
     "per_example_layer_norm_clip",
+    "register_state_class",
     "scale",
     "scale_by_adam",
     "scale_by_learning_rate",

@@ -16,9 +16,11 @@ A checkpoint is an uncompressed ``.npz`` (a zip of ``.npy`` arrays, read back wi
 numbers as the hex of their bytes, so every bit comes back), ``["array", i, writeable]``,
 ``["tuple", [nodes]]``, ``["list", [nodes]]``, ``["dict", [[key, node], ...]]``,
 ``["nt", class, [fields], [nodes]]`` (a NamedTuple: numbaccum's states by their public name, other
-classes as ``module:qualname``), ``["flat", layout, [arrays], on_device]``, ``["layout", layout]``
-(a `Layout` a state holds: the tree it was built for) and ``["ref", i]`` (the ``i``-th FlatTree or
-array met before: aliasing is kept). A layout is
+classes as ``module:qualname``; a reader finds the class by that name in a registry of known
+classes, see `register_state_class`, and never imports or looks up anything the file names),
+``["flat", layout, [arrays], on_device]``, ``["layout", layout]`` (a `Layout` a state holds:
+the tree it was built for) and ``["ref", i]`` (the ``i``-th FlatTree or array met before:
+aliasing is kept). A layout is
 ``{"treedef", "shapes", "dtypes", "keys"}``, its treedef ``["leaf"]``, ``["none"]``,
 ``["dict", [keys], [treedefs]]``, ``["list", ...]``, ``["tuple", ...]`` or
 ``["nt", class, [fields], [treedefs]]``.
@@ -31,12 +33,11 @@ anything else raises TypeError naming its path before a byte is written.
 from __future__ import annotations
 
 import contextlib
-import importlib
 import json
-import keyword
 import os
 import sys
 import tempfile
+import threading
 from typing import Any
 
 import numpy as np
@@ -46,7 +47,7 @@ from .flat import FlatTree, to_device, to_host
 from .layout import FLOATS, Layout
 from .tree import TreeDef, first_difference, format_path, short_repr, tree_flatten
 
-__all__ = ["load_state", "save_state"]
+__all__ = ["load_state", "register_state_class", "save_state"]
 
 FORMAT = "numbaccum-state"
 VERSION = 1  # bump when a reader of this version cannot read what is written
@@ -78,38 +79,127 @@ def _class_name(cls: type, path: str) -> str:
 
 
 def _resolve_class(name: Any, fields: Any, known: dict[str, type]) -> Any:
-    """The NamedTuple class ``name`` with these fields: from ``known`` (the classes of ``like``),
-    from numbaccum, or from a module that is already imported. Nothing is imported from a name
-    that the file supplies, except numbaccum's own modules."""
+    """The NamedTuple class ``name`` with these fields, from ``known`` (the classes of ``like``)
+    or from the registry. A name the file supplies is only ever a key: nothing is imported,
+    looked up in a module or called for it."""
     if not (isinstance(name, str) and isinstance(fields, list) and all(isinstance(f, str) for f in fields)):
         raise _Malformed(f"a bad class entry {short_repr(name)}")
-    cls = known.get(name)
+    cls = known.get(name) or _registry().get(name)
     if cls is None:
-        module, _, qualname = name.partition(":")
-        parts = qualname.split(".")
-        if not all(p.isidentifier() and not keyword.iskeyword(p) and not p.startswith("__") for p in parts):
-            raise _Malformed(f"a bad class name {short_repr(name)}")
-        if module == "numbaccum" or module.startswith("numbaccum."):
-            try:
-                obj: Any = importlib.import_module(module)
-            except ImportError:
-                obj = None
-        else:
-            obj = sys.modules.get(module)
-            if obj is None:
-                raise _Malformed(
-                    f"the state holds the class {short_repr(name)}, whose module is not imported: import "
-                    "it before loading, or pass like="
-                )
-        for p in parts:
-            obj = getattr(obj, p, None)
-        cls = obj
-    if not (isinstance(cls, type) and issubclass(cls, tuple) and hasattr(cls, "_fields")):
-        raise _Malformed(f"the class {short_repr(name)} is not a NamedTuple this program knows")
+        raise _Malformed(
+            f"the class {short_repr(name)} is not a state class numbaccum knows: numbaccum's own "
+            "states load by name; register a class of your own with numbaccum.register_state_class "
+            "before loading, or pass like="
+        )
     if list(cls._fields) != fields:
         raise _Malformed(
             f"the class {short_repr(name)} has the fields {list(cls._fields)}, the file {fields}"
         )
+    return cls
+
+
+# --- the registry of NamedTuple classes a checkpoint may name ------------------------------------
+
+_registered: dict[str, type] = {}  # file name -> class: numbaccum's states, then the user's
+_registry_lock = threading.Lock()
+
+
+def _library_state_classes() -> tuple[type, ...]:
+    """Every NamedTuple class of numbaccum that a state can hold (tests/test_checkpoint.py checks
+    this list against every NamedTuple class defined in the package)."""
+    # Imported here, not at the top: these modules import the package, which imports us.
+    from . import (
+        accumulation,
+        adaptive,
+        base,
+        clipping,
+        distributed,
+        inject,
+        masking,
+        optim,
+        optimizers,
+        privacy,
+    )
+
+    return (
+        base.EmptyState,
+        accumulation.TraceState,
+        accumulation.EmaState,
+        accumulation.ApplyEvery,
+        accumulation.MultiStepsState,
+        adaptive.ClipNormByEmaState,
+        adaptive.ClipValueByEmaState,
+        adaptive.ClipNormGrowthState,
+        adaptive.ClipValueGrowthState,
+        clipping.ClipByGlobalNormState,
+        clipping.ZeroNansState,
+        clipping.ApplyIfFiniteState,
+        distributed.AllreduceMeanState,
+        inject.InjectStatefulHyperparamsState,
+        inject.WrappedScheduleState,
+        masking.MaskedNode,
+        masking.MaskedState,
+        optim.ScaleByScheduleState,
+        optim.WeightDecaySchedule,
+        optim.ScaleByAdamState,
+        optimizers.ScaleByAmsgradState,
+        optimizers.ScaleByBeliefState,
+        optimizers.ScaleByLionState,
+        optimizers.ScaleByRmsState,
+        optimizers.ScaleByRmsWithCountState,
+        optimizers.ScaleByRStdDevState,
+        optimizers.ScaleByRStdDevWithCountState,
+        optimizers.ScaleByRssState,
+        privacy.DifferentiallyPrivateAggregateState,
+    )
+
+
+def _names_of(cls: type) -> set[str]:
+    """The names a file may give ``cls``: the one `save_state` writes and ``module:qualname``."""
+    return {_class_name(cls, "cls"), f"{cls.__module__}:{cls.__qualname__}"}
+
+
+def _registry() -> dict[str, type]:
+    """The registry, with numbaccum's own classes added on first use (after the package has
+    finished importing, so that their public names are known)."""
+    if not _registered:
+        with _registry_lock:
+            if not _registered:
+                library = {n: cls for cls in _library_state_classes() for n in _names_of(cls)}
+                _registered.update(library)
+    return _registered
+
+
+def register_state_class(cls: type) -> type:
+    """Lets `load_state` rebuild the NamedTuple class ``cls`` from a checkpoint without ``like``.
+
+    A checkpoint names each NamedTuple class of a state (numbaccum's own states, the state class
+    of a transformation you wrote, a NamedTuple in your params tree) and `load_state` finds the
+    class by that name in a registry: numbaccum's states are in it; register your own classes
+    once, at import time, before loading. Nothing a file names is ever imported or looked up
+    anywhere else, so a checkpoint cannot run code. (With ``like=``, the classes ``like`` holds
+    are found too, without registering.)
+
+    Usable as a decorator; registering a class again, or a new class of the same module and
+    name (a module reloaded in a notebook), keeps the latest.
+
+    Args:
+        cls: a NamedTuple class defined at the top level of a module (or nested in a class).
+
+    Returns:
+        ``cls``.
+
+    Raises:
+        TypeError: ``cls`` is not a NamedTuple class, or is defined inside a function (its name
+            would not find it again).
+    """
+    if not (isinstance(cls, type) and issubclass(cls, tuple) and hasattr(cls, "_fields")):
+        raise TypeError(f"cls: expected a NamedTuple class, got {short_repr(cls)}")
+    names = _names_of(cls)  # TypeError for a class defined inside a function
+    registry = _registry()
+    with _registry_lock:
+        for n in names:
+            registry[n] = cls
     return cls
 
 
@@ -321,8 +411,9 @@ def load_state(path: str | os.PathLike, like: Any = None) -> Any:
 
     Raises:
         ValueError: the file is truncated or corrupt, from another program, of a newer format
-            version, or (with ``like``) of another structure, shape or dtype; the reason is in
-            the message.
+            version, names a NamedTuple class that is neither numbaccum's nor registered (see
+            `register_state_class`) nor in ``like``, or (with ``like``) is of another structure,
+            shape or dtype; the reason is in the message.
     """
     name = os.fspath(path)
     try:

@@ -111,9 +111,11 @@ class FlatTree:
         if dtypes is None:
             gdt = list(layout.group_dtypes)
         elif isinstance(dtypes, (list, tuple)):
-            gdt = [np.dtype(d) for d in dtypes]
+            gdt = [check_float_dtype(d, "dtypes") for d in dtypes]
+            if len(gdt) != len(layout.groups):
+                raise ValueError(f"dtypes: {len(gdt)} dtypes for the {len(layout.groups)} groups of {layout}")
         else:
-            gdt = [np.dtype(dtypes)] * len(layout.groups)  # type: ignore[arg-type]
+            gdt = [check_float_dtype(dtypes, "dtypes")] * len(layout.groups)
         totals: dict[np.dtype, int] = {}
         starts = []
         for d, n in zip(gdt, layout.group_sizes):

@@ -21,6 +21,7 @@ import numpy as np
 from .accumulation import safe_increment
 from .base import GradientTransformationExtraArgs, with_extra_args_support
 from .flat import FlatTree
+from .layout import check_float_dtype
 from .tree import tree_flatten
 
 __all__ = [
@@ -106,6 +107,25 @@ def _convert_floats(value: Any, dtype: np.dtype | None) -> Any:
     return value
 
 
+def _scalar(value: Any, what: str) -> Any:
+    """``value``, or ValueError naming ``what`` when it is an array that is not a scalar: a
+    hyperparameter is one number (every factory reads it as one), and the key of the kept
+    transformation reads it with ``.item()``."""
+    shape = getattr(value, "shape", None)
+    if shape is None or isinstance(value, type):
+        return value
+    try:
+        shape = tuple(shape)
+    except TypeError:
+        return value
+    if shape != ():
+        raise ValueError(
+            f"{what}: an array of shape {shape}, expected a scalar (shape ()); name an argument that "
+            "takes an array in static_args"
+        )
+    return value
+
+
 def _key(hparams: dict) -> tuple | None:
     """A hashable key of the values (None when one is not hashable: then nothing is kept)."""
     try:
@@ -144,7 +164,11 @@ def inject_hyperparams(
         A function with ``inner_factory``'s signature returning the wrapped transformation.
 
     Raises:
-        ValueError: ``static_args`` names an argument ``inner_factory`` does not have.
+        ValueError: ``static_args`` names an argument ``inner_factory`` does not have; (from
+            the returned function) a numeric argument is an array that is not a scalar (the same
+            for a value set in ``state.hyperparams`` or returned by a schedule, at the update,
+            the state unchanged).
+        TypeError: ``hyperparam_dtype`` is not float16, float32 or float64.
     """
     static = {static_args} if isinstance(static_args, str) else set(static_args)
     signature = inspect.signature(inner_factory)
@@ -153,7 +177,9 @@ def inject_hyperparams(
             f"static_args must name parameters of inner_factory: got {sorted(static)}, "
             f"parameters are {list(signature.parameters)}"
         )
-    fixed_dtype = None if hyperparam_dtype is None else np.dtype(hyperparam_dtype)
+    fixed_dtype = (
+        None if hyperparam_dtype is None else check_float_dtype(hyperparam_dtype, "hyperparam_dtype")
+    )
 
     def wrapped(*args: Any, **kwargs: Any) -> GradientTransformationExtraArgs:
         bound = signature.bind(*args, **kwargs)
@@ -169,7 +195,7 @@ def inject_hyperparams(
             elif callable(value):
                 schedules[name] = WrappedSchedule(value)
             elif isinstance(value, (numbers.Number, np.ndarray)) or hasattr(value, "__float__"):
-                numeric[name] = value
+                numeric[name] = _scalar(value, name)
             else:
                 other[name] = value
         # The inner transformation of the last values, kept while they do not change (its
@@ -187,9 +213,15 @@ def inject_hyperparams(
             return tx
 
         def values(state_hparams: dict, states: dict, dtype: np.dtype | None, extra: dict) -> dict:
-            hparams = {k: _convert_floats(v, dtype) for k, v in state_hparams.items() if k not in schedules}
+            hparams = {
+                k: _convert_floats(_scalar(v, f"state.hyperparams[{k!r}]"), dtype)
+                for k, v in state_hparams.items()
+                if k not in schedules
+            }
             for k, f in schedules.items():
-                hparams[k] = _convert_floats(f(states[k], **extra), dtype)
+                hparams[k] = _convert_floats(
+                    _scalar(f(states[k], **extra), f"{k} (the schedule's value)"), dtype
+                )
             return hparams
 
         def init(params: Any) -> InjectStatefulHyperparamsState:

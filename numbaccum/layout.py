@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from . import tree as _tree
-from .tree import TreeDef, format_path
+from .tree import TreeDef, format_path, short_repr
 
 __all__ = ["FLOATS", "Layout", "check_float_dtype", "layout_of_leaves"]
 
@@ -28,8 +28,8 @@ def check_float_dtype(dtype: Any, what: str) -> np.dtype:
     """The canonical float dtype for ``dtype``, or TypeError naming ``what``."""
     try:
         dt = np.dtype(dtype)
-    except TypeError as e:
-        raise TypeError(f"{what}: {dtype!r} is not a dtype") from e
+    except Exception as e:  # NumPy's own words name no argument: "format number 1 of '0:' ..."
+        raise TypeError(f"{what}: {short_repr(dtype)} is not a dtype") from e
     if dt not in FLOATS:
         raise TypeError(f"{what}: dtype {dt} is not float16, float32 or float64")
     return dt

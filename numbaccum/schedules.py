@@ -7,7 +7,9 @@ schedule is a per-step scalar of the plan, never part of a kernel.
 
 Where optax only logs and falls back to a constant (``transition_steps <= 0`` in
 ``linear_schedule`` / ``exponential_decay``, ``decay_rate == 0``), we fall back the same way, so
-a ported config behaves the same.
+a ported config behaves the same. Powers follow IEEE arithmetic as ``jnp.power`` does (inf on
+overflow, NaN for a negative base and a fractional exponent), never a Python OverflowError or a
+complex number, so that a value bounded by ``end_value`` is that bound however far it overflowed.
 """
 
 from __future__ import annotations
@@ -16,18 +18,41 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
 from ._checks import integer, real
 
 Schedule = Callable[[Any], float]
 
 
+_INT64 = 2**63  # counts and steps are int64 at most (a state's count is an int32)
+
+
 def _count(count: Any) -> int:
     """The step count as an int; TypeError for anything that is not an integer."""
-    return integer(count, "count", minimum=-(2**63))
+    return integer(count, "count", minimum=-_INT64, maximum=_INT64 - 1)
 
 
 def _steps(value: Any, name: str) -> int:
-    return integer(value, name, minimum=-(2**63))
+    return integer(value, name, minimum=-_INT64, maximum=_INT64 - 1)
+
+
+def _pow(base: float, exponent: float) -> float:
+    """``base ** exponent`` as ``jnp.power`` gives it: inf where it overflows, inf for 0 to a
+    negative power, NaN for a negative base to a fractional power (Python's ``**`` raises
+    OverflowError or ZeroDivisionError there, or returns a complex number)."""
+    try:
+        return math.pow(base, exponent)  # the C library's pow, as NumPy's: the same bits
+    except (OverflowError, ValueError):
+        with np.errstate(all="ignore"):
+            return float(np.power(np.float64(base), np.float64(exponent)))
+
+
+def _bound(value: float, end: float, lower: bool) -> float:
+    """``jnp.maximum(value, end)`` (``lower``) or ``jnp.minimum``: NaN if either is NaN."""
+    if math.isnan(value) or math.isnan(end):
+        return math.nan
+    return max(value, end) if lower else min(value, end)
 
 
 def constant_schedule(value: Any) -> Schedule:
@@ -61,7 +86,7 @@ def polynomial_schedule(
     def schedule(count: Any) -> float:
         t = min(max(_count(count) - transition_begin, 0), transition_steps)
         frac = 1.0 - t / transition_steps
-        return (init_value - end_value) * frac**power + end_value
+        return (init_value - end_value) * _pow(frac, power) + end_value
 
     return schedule
 
@@ -93,7 +118,7 @@ def cosine_decay_schedule(
     def schedule(count: Any) -> float:
         t = min(_count(count), decay_steps)
         cosine = 0.5 * (1.0 + math.cos(math.pi * t / decay_steps))
-        return init_value * ((1.0 - alpha) * cosine**exponent + alpha)
+        return init_value * ((1.0 - alpha) * _pow(cosine, exponent) + alpha)
 
     return schedule
 
@@ -172,8 +197,9 @@ def exponential_decay(
     end_value: Any = None,
 ) -> Schedule:
     """``init_value * decay_rate ** p``, ``p = (count - transition_begin) / transition_steps``
-    (floored when ``staircase``); ``init_value`` until ``transition_begin``; bounded by
-    ``end_value`` (a floor when ``decay_rate < 1``, a ceiling otherwise).
+    (floored when ``staircase``); ``init_value`` until ``transition_begin``; every value, those
+    before ``transition_begin`` too, bounded by ``end_value`` (a floor when ``decay_rate < 1``, a
+    ceiling otherwise), as optax: a growth that overflows gives ``end_value``.
 
     As optax, ``transition_steps <= 0`` or ``decay_rate == 0`` give the constant ``init_value``
     and a negative ``transition_begin`` counts as 0.
@@ -191,14 +217,13 @@ def exponential_decay(
     def schedule(count: Any) -> float:
         t = _count(count) - transition_begin
         if t <= 0:
-            return init_value
-        p = t / transition_steps
-        if staircase:
-            p = math.floor(p)
-        value = init_value * decay_rate**p
-        if end is not None:
-            value = max(value, end) if decay_rate < 1.0 else min(value, end)
-        return value
+            value = init_value
+        else:
+            p = t / transition_steps
+            if staircase:
+                p = math.floor(p)
+            value = init_value * _pow(decay_rate, p)
+        return value if end is None else _bound(value, end, lower=decay_rate < 1.0)
 
     return schedule
 

@@ -7,17 +7,22 @@ or corrupt file, a file of another program, a newer format, a mismatched ``like`
 middle of a write.
 """
 
+import builtins
+import contextlib
 import copy
 import functools
+import importlib
 import json
 import os
 import pickle
+import pkgutil
 import signal
 import subprocess
 import sys
 import textwrap
 import time
 import zipfile
+from typing import Any, NamedTuple
 
 import numpy as np
 import pytest
@@ -29,6 +34,10 @@ import numbaccum as nba
 from numbaccum import checkpoint as ck
 from numbaccum.compat import declearn as dl
 from numbaccum.compat import torchzero as tz
+from numbaccum.tree import short_repr
+
+# params_tree() holds this NamedTuple of the tests; a file can only name registered classes.
+nba.register_state_class(strat.Pair)
 
 F16, F32, F64 = np.float16, np.float32, np.float64
 
@@ -521,6 +530,341 @@ def test_a_killed_writer_leaves_a_loadable_checkpoint(tmp_path):
         count = int(state.count)
         expected = 1.0 - 0.5**count
         assert np.all(state.ema["w"] == expected), count
+
+
+# --- a file names classes, it never imports them (issue 22, item 5) ---------------------------
+
+# NamedTuple classes of numbaccum that no state holds (plans, specs, kernels): the only ones the
+# registry may lack. A new class is a state class until it is listed here.
+NOT_STATE_CLASSES = {
+    "numbaccum.base:Spec",
+    "numbaccum.formulas:Formula",
+    "numbaccum.fuse:Chained",
+    "numbaccum.fuse:Kernel",
+    "numbaccum.fuse:Later",
+    "numbaccum.fuse:Prepass",
+    "numbaccum.fuse:Scale",
+    "numbaccum.masking:_Plan",
+    "numbaccum.norms:_GroupSlices",
+    "numbaccum.norms:_Slicing",
+    "numbaccum.norms:_Target",
+    "numbaccum.passes:Explanation",
+    "numbaccum.passes:Pass",
+}
+
+# Names of real callables and modules a crafted file might try.
+HOSTILE_CLASS_NAMES = [
+    "numbaccum.__main__:X",
+    "numbaccum.__main__:main",
+    "numbaccum.cli:main",
+    "numbaccum:__class__",
+    "numbaccum:GradientTransformation",  # a NamedTuple of numbaccum, but not a state
+    "numbaccum.checkpoint:_registered",
+    "os:system",
+    "builtins:eval",
+    "builtins:__import__",
+    "subprocess:Popen",
+    "antigravity:Fly",
+    "numpy:testing",  # numpy imports its submodules on attribute access
+    "importlib:import_module",
+    "strategies:Pair.__class__",
+    ":",
+    "",
+]
+
+
+def _is_namedtuple_class(obj):
+    return isinstance(obj, type) and issubclass(obj, tuple) and hasattr(obj, "_fields")
+
+
+def test_every_namedtuple_class_of_numbaccum_is_registered_or_listed_as_not_a_state():
+    found = set()
+    for info in pkgutil.walk_packages(nba.__path__, "numbaccum."):
+        if info.name == "numbaccum.__main__":  # importing it runs the command line
+            continue
+        module = importlib.import_module(info.name)
+        found |= {
+            obj
+            for obj in vars(module).values()
+            if _is_namedtuple_class(obj)
+            and obj.__module__ == module.__name__
+            and not issubclass(obj, nba.GradientTransformation)  # transformations (torchzero's too)
+        }
+    registered = set(ck._registry().values())
+    missing = {f"{c.__module__}:{c.__qualname__}" for c in found - registered}
+    assert missing == NOT_STATE_CLASSES, (
+        f"not registered: {sorted(missing - NOT_STATE_CLASSES)}; "
+        f"listed as no state but registered or gone: {sorted(NOT_STATE_CLASSES - missing)}"
+    )
+    assert {c for c in registered if c.__module__.startswith("numbaccum")} <= found | {strat.Pair}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_every_state_holds_only_registered_classes(case):
+    make, _, _ = CASES[case]
+    registered = set(ck._registry().values())
+    state = make().init(params_tree())
+    held = {type(x) for x in ck._walk(state) if ck._is_namedtuple(x)}
+    assert held and held <= registered, held - registered
+
+
+@contextlib.contextmanager
+def nothing_imported():
+    """Fails the test if the block calls ``importlib.import_module``, or ``__import__`` for
+    numbaccum, a relative name or a module not imported yet (each such call is recorded and
+    refused), or changes ``sys.modules``. (NumPy imports modules it has loaded already on each
+    call, ``zipfile`` in ``np.load``, ``numpy._core._dtype`` to print a dtype: those pass.)"""
+    calls = []
+    real_import, real_import_module = builtins.__import__, importlib.import_module
+
+    def refuse(name, *args, **kwargs):
+        calls.append(name)
+        raise ImportError(f"the loader tried to import {name!r}")
+
+    def guarded_import(name, globals=None, locals=None, fromlist=(), level=0):
+        if level or name not in sys.modules or name.partition(".")[0] == "numbaccum":
+            return refuse(name)
+        return real_import(name, globals, locals, fromlist, level)
+
+    before = set(sys.modules)
+    builtins.__import__, importlib.import_module = guarded_import, refuse
+    try:
+        yield
+    finally:
+        builtins.__import__, importlib.import_module = real_import, real_import_module
+    assert not calls, f"imported {calls}"
+    assert set(sys.modules) == before, sorted(set(sys.modules) ^ before)
+
+
+def load_or_value_error(path):
+    """load_state(path) under `nothing_imported`: (state, None) or (None, its ValueError); any
+    other exception fails the test."""
+    ck._registry()  # the first use of the registry imports numbaccum's own state modules
+    with nothing_imported():
+        try:
+            return nba.load_state(path), None
+        except ValueError as e:
+            return None, e
+
+
+@pytest.fixture
+def pristine(saved):
+    """A real checkpoint's path and its bytes (the file is rewritten by each example)."""
+    path, _, _ = saved
+    return path, path.read_bytes()
+
+
+def _registered_only(state):
+    for x in ck._walk(state):
+        if ck._is_namedtuple(x):
+            assert type(x) in set(ck._registry().values()), type(x)
+
+
+def _wrap(node, wrappers):
+    """``node`` nested in lists, tuples, dicts and registered NamedTuples, outermost last."""
+    for w in wrappers:
+        node = {
+            "list": ["list", [["none"], node]],
+            "tuple": ["tuple", [node]],
+            "dict": ["dict", [[["str", "k"], node]]],
+            "nt": ["nt", "numbaccum:MaskedState", ["inner_state"], [node]],
+        }[w]
+    return node
+
+
+class_names = st.one_of(
+    st.sampled_from(HOSTILE_CLASS_NAMES),
+    st.from_regex(r"[a-z_][a-z0-9_.]{0,15}:[A-Za-z_][A-Za-z0-9_.]{0,15}", fullmatch=True),
+    st.text(max_size=20),
+).filter(lambda n: n not in ck._registry())
+field_lists = st.lists(st.sampled_from(["a", "b", "count", "inner_state", "__class__"]), max_size=3)
+wrappers = st.lists(st.sampled_from(["list", "tuple", "dict", "nt"]), max_size=6)
+
+
+@pytest.mark.parametrize("name", HOSTILE_CLASS_NAMES)
+def test_a_header_naming_a_real_callable_raises_value_error_and_imports_nothing(pristine, name):
+    path, data = pristine
+    rewrite(path, lambda h: h.update(state=["nt", name, [], []]))
+    state, err = load_or_value_error(path)
+    assert err is not None and short_repr(name) in str(err), err
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(name=class_names, fields=field_lists, nesting=wrappers, where=st.sampled_from(["state", "treedef"]))
+def test_fuzzed_class_names_anywhere_raise_value_error_naming_them_and_import_nothing(
+    pristine, name, fields, nesting, where
+):
+    path, data = pristine
+    path.write_bytes(data)
+    bad = ["nt", name, fields, [["leaf"] if where == "treedef" else ["none"] for _ in fields]]
+
+    def change(h):
+        if where == "state":
+            h["state"] = _wrap(bad, nesting)
+        else:  # the params' structure of a buffer's layout
+            h["layouts"][0]["treedef"] = ["list", [bad]] if nesting else bad
+
+    rewrite(path, change)
+    state, err = load_or_value_error(path)
+    assert err is not None, f"{name!r} loaded as {state!r}"
+    assert short_repr(name) in str(err), err
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats() | st.text(max_size=8),
+    lambda kids: st.lists(kids, max_size=4) | st.dictionaries(st.text(max_size=6), kids, max_size=4),
+    max_leaves=20,
+)
+
+
+def _node_strategy():
+    """Header nodes: well-formed tags with drawn arguments, random JSON, and random classes."""
+    leaf = st.one_of(
+        st.just(["none"]),
+        st.tuples(st.just("int"), st.integers(-(2**70), 2**70)).map(list),
+        st.tuples(st.just("float"), st.text(max_size=12)).map(list),
+        st.tuples(
+            st.just("np"), st.sampled_from(["<f4", "<i8", "|O", "<U3", "V2", "?", "x"]), json_values
+        ).map(list),
+        st.tuples(st.just("array"), st.integers(-2, 40), st.booleans()).map(list),
+        st.tuples(st.sampled_from(["ref", "layout"]), st.integers(-2, 40)).map(list),
+        st.tuples(
+            st.just("flat"), st.integers(-1, 3), st.lists(st.integers(-1, 40), max_size=3), json_values
+        ).map(list),
+        json_values,
+    )
+
+    def compound(kids):
+        names = st.sampled_from(sorted(ck._registry())) | class_names
+        return st.one_of(
+            st.tuples(st.sampled_from(["list", "tuple"]), st.lists(kids, max_size=4)).map(list),
+            st.tuples(st.just("dict"), st.lists(st.tuples(leaf, kids).map(list), max_size=3)).map(list),
+            st.tuples(st.just("nt"), names, field_lists, st.lists(kids, max_size=3)).map(list),
+        )
+
+    return st.recursive(leaf, compound, max_leaves=25)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(node=_node_strategy(), part=st.sampled_from(["state", "treedef", "layout", "arrays", "whole", "key"]))
+def test_fuzzed_headers_load_or_raise_value_error_and_import_nothing(pristine, node, part):
+    path, data = pristine
+    path.write_bytes(data)
+
+    def change(h):
+        if part == "state":
+            h["state"] = node
+        elif part == "treedef":
+            h["layouts"][0]["treedef"] = node
+        elif part == "layout":
+            h["layouts"][0] = node
+        elif part == "arrays":
+            h["arrays"] = node
+        elif part == "whole":
+            h.clear()
+            h.update(format="numbaccum-state", version=1, arrays=node, layouts=node, state=node)
+        else:
+            del h[sorted(h)[len(str(node)) % len(h)]]
+
+    rewrite(path, change)
+    state, err = load_or_value_error(path)
+    if err is None:
+        _registered_only(state)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    flips=st.lists(st.tuples(st.floats(0, 1, exclude_max=True), st.integers(1, 255)), min_size=1, max_size=4)
+)
+def test_random_byte_flips_load_or_raise_value_error_and_import_nothing(pristine, flips):
+    path, data = pristine
+    bad = bytearray(data)
+    for where, mask in flips:
+        bad[int(where * len(bad))] ^= mask
+    path.write_bytes(bytes(bad))
+    state, err = load_or_value_error(path)
+    if err is None:
+        _registered_only(state)
+
+
+def test_the_issue_example_a_header_naming_the_command_line_does_not_run_it(saved, tmp_path):
+    """The crafted file of the issue, loaded in a fresh process: ValueError, and the process
+    goes on (before, it imported ``numbaccum.__main__``, printed ``numbaccum info`` and exited)."""
+    path, _, _ = saved
+    rewrite(path, lambda h: h.update(state=["nt", "numbaccum.__main__:X", [], []]))
+    script = textwrap.dedent(
+        f"""
+        import numbaccum as nba
+        try:
+            nba.load_state({str(path)!r})
+        except ValueError as e:
+            print("refused:", e)
+        print("still here")
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "refused:" in out.stdout and "numbaccum.__main__:X" in out.stdout
+    assert out.stdout.rstrip().endswith("still here"), out.stdout
+
+
+class UserState(NamedTuple):
+    """The state class of a transformation a user wrote (registered by its test only)."""
+
+    count: Any
+    buffer: Any
+
+
+def test_a_user_state_class_loads_once_registered_or_with_like(tmp_path):
+    state = UserState(np.int32(3), nba.FlatTree.from_tree(params_tree()))
+    nba.save_state(tmp_path / "u.npz", state)
+    name = f"{__name__}:UserState"
+    if name not in ck._registry():  # (a second run in one process has registered it)
+        with pytest.raises(ValueError, match=f"'{name}' is not a state class.*register_state_class"):
+            nba.load_state(tmp_path / "u.npz")
+    assert type(nba.load_state(tmp_path / "u.npz", like=state)) is UserState  # like's classes
+    assert nba.register_state_class(UserState) is UserState
+    loaded = nba.load_state(tmp_path / "u.npz")
+    assert type(loaded) is UserState and loaded.count == 3
+
+
+def test_register_state_class_refuses_what_a_file_could_not_name():
+    class Local(NamedTuple):
+        x: int
+
+    with pytest.raises(TypeError, match="inside a function"):
+        nba.register_state_class(Local)
+    for bad in (dict, tuple, os.system, Local(1)):
+        with pytest.raises(TypeError, match="cls: expected a NamedTuple class"):
+            nba.register_state_class(bad)
+    assert "strategies:Pair" in ck._registry()
+
+
+def _v1_state():
+    """The state tests/data/checkpoint_v1.npz holds: ``save_state`` of this, run with the code of
+    landed main 7d5d46e (format version 1, before the class registry)."""
+    p = {k: v for k, v in params_tree().items() if k not in ("scalar", "empty")}
+    tx = nba.chain(
+        nba.clip_by_global_norm(1.0),
+        nba.trace(0.9),
+        nba.ema(0.5, accumulator_dtype=F64),
+        nba.apply_if_finite(nba.scale_by_adam(), 2),
+        nba.inject_hyperparams(nba.sgd)(learning_rate=0.1, momentum=0.9),
+    )
+    s = tx.init(p)
+    for k in range(3):
+        g = nba.tree_map(
+            lambda x, k=k: ((k + 1.5) * (np.arange(x.size) - 2.0)).reshape(x.shape).astype(x.dtype), p
+        )
+        _, s = tx.update(g, s, p)
+    return tx, p, s
+
+
+def test_a_checkpoint_written_before_the_registry_still_loads():
+    path = os.path.join(os.path.dirname(__file__), "data", "checkpoint_v1.npz")
+    tx, p, state = _v1_state()
+    assert_bits_equal(nba.load_state(path), state)
+    assert_bits_equal(nba.load_state(path, like=tx.init(p)), state)
 
 
 # --- pickle and deepcopy ----------------------------------------------------------------------

@@ -383,3 +383,119 @@ def test_hostile_numbers_in_global_norm_are_exact_or_inf(value):
         assert np.isnan(got)
     else:
         assert got == abs(x)
+
+
+# --- dtype arguments (issue 22, item 6) ---------------------------------------------------------
+
+
+def _flat() -> nba.FlatTree:
+    return nba.FlatTree.from_tree(_tree())
+
+
+def _mu_dtype(fn: Any, **required: Any) -> Any:
+    return lambda v: fn(**required, mu_dtype=v)
+
+
+# "callable.argument" -> a call with that argument set to the value (every other one valid).
+DTYPE_ARGUMENTS: dict[str, Any] = {
+    "FlatTree.empty.dtypes": lambda v: nba.FlatTree.empty(_flat().layout, v),
+    "FlatTree.zeros.dtypes": lambda v: nba.FlatTree.zeros(_flat().layout, [v] * len(_flat().layout.groups)),
+    "FlatTree.workspace.dtypes": lambda v: _flat().workspace("scratch", v),
+    "FlatTree.from_tree.dtype": lambda v: nba.FlatTree.from_tree(_tree(), v),
+    "FlatTree.zeros_like.dtype": lambda v: _flat().zeros_like(v),
+    "MultiSteps.accumulator_dtype": lambda v: nba.MultiSteps(nba.sgd(0.1), 2, accumulator_dtype=v),
+    "trace.accumulator_dtype": lambda v: nba.trace(0.9, accumulator_dtype=v),
+    "ema.accumulator_dtype": lambda v: nba.ema(0.9, accumulator_dtype=v),
+    "sgd.accumulator_dtype": lambda v: nba.sgd(0.1, 0.9, accumulator_dtype=v),
+    "scale_by_adam.mu_dtype": _mu_dtype(nba.scale_by_adam),
+    "scale_by_amsgrad.mu_dtype": _mu_dtype(nba.scale_by_amsgrad),
+    "scale_by_lion.mu_dtype": _mu_dtype(nba.scale_by_lion),
+    "scale_by_nadam.mu_dtype": _mu_dtype(nba.scale_by_nadam),
+    "adam.mu_dtype": _mu_dtype(nba.adam, learning_rate=1e-3),
+    "adamw.mu_dtype": _mu_dtype(nba.adamw, learning_rate=1e-3),
+    "amsgrad.mu_dtype": _mu_dtype(nba.amsgrad, learning_rate=1e-3),
+    "lion.mu_dtype": _mu_dtype(nba.lion, learning_rate=1e-3),
+    "nadam.mu_dtype": _mu_dtype(nba.nadam, learning_rate=1e-3),
+    "nadamw.mu_dtype": _mu_dtype(nba.nadamw, learning_rate=1e-3),
+    "warmup.dtypes": lambda v: nba.warmup([v]),
+    "inject_hyperparams.hyperparam_dtype": lambda v: nba.inject_hyperparams(nba.adam, hyperparam_dtype=v),
+}
+
+FLOAT_DTYPES = {np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64)}  # native order
+
+
+def _public_dtype_arguments() -> set[str]:
+    """Every argument whose name holds "dtype" of a public function, class or method."""
+    found = set()
+    for name in nba.__all__:
+        obj = getattr(nba, name)
+        targets = [(name, obj)]
+        if inspect.isclass(obj):
+            targets = [(name, obj.__init__)] + [
+                (f"{name}.{m}", getattr(obj, m)) for m in vars(obj) if not m.startswith("_")
+            ]
+        for label, fn in targets:
+            try:
+                params = inspect.signature(fn).parameters
+            except (TypeError, ValueError):
+                continue
+            found |= {f"{label}.{p}" for p in params if "dtype" in p}
+    return found
+
+
+def test_every_public_dtype_argument_is_in_the_hostile_cases():
+    assert _public_dtype_arguments() == set(DTYPE_ARGUMENTS)
+
+
+def _is_float_dtype(value: Any) -> bool:
+    try:
+        return np.dtype(value) in FLOAT_DTYPES
+    except Exception:
+        return False
+
+
+BAD_DTYPES = st.one_of(
+    st.sampled_from(
+        [
+            "0:",  # NumPy: "format number 1 of '0:' is not recognized" (a ValueError)
+            "f8,f8",
+            "int32",
+            np.int64,
+            np.dtype("i2"),
+            "U3",
+            "O",
+            "M8",
+            ">f4",  # a float32 of the other byte order
+            "complex64",
+            np.longdouble,
+            "(",
+            "",
+            "V8",
+            "a" * 300,
+            object(),
+            3,
+            1.5,
+            True,
+            [np.float32],
+            {"a": 1},
+            b"\xff",
+        ]
+    ),
+    st.text(max_size=5),
+).filter(lambda v: not _is_float_dtype(v))
+
+
+@pytest.mark.parametrize("case", sorted(DTYPE_ARGUMENTS))
+@SETTINGS
+@given(value=BAD_DTYPES)
+def test_hostile_dtype_arguments_raise_naming_the_argument(case, value):
+    arg = case.rpartition(".")[2]
+    with pytest.raises((TypeError, ValueError)) as e:
+        DTYPE_ARGUMENTS[case](value)
+    assert arg in str(e.value), f"{case}={value!r}: {e.value!r} does not name {arg}"
+
+
+@pytest.mark.parametrize("case", sorted(set(DTYPE_ARGUMENTS) - {"warmup.dtypes"}))  # (warmup compiles)
+@pytest.mark.parametrize("value", [np.float16, "float32", np.dtype(np.float64), "d", "half"])
+def test_float_dtype_arguments_are_accepted(case, value):
+    DTYPE_ARGUMENTS[case](value)

@@ -140,3 +140,40 @@ def test_stateful_schedule_protocol():
     for i in range(3):
         u, s = opt.update(_grads(i, np.float64), s, p)
         np.testing.assert_array_equal(u["w"], _grads(i, np.float64)["w"] / 2**i)
+
+
+def test_a_hyperparameter_of_the_wrong_shape_is_named_and_the_state_kept():
+    """Issue 22: an array hyperparameter of shape (3,) raised NumPy's "can only convert an array
+    of size 1 to a Python scalar", naming nothing."""
+    p = _params()
+    opt = nba.inject_hyperparams(nba.adam)(learning_rate=0.1)
+    s = opt.init(p)
+    _, s = opt.update(_grads(0), s, p)
+    before = _frozen(s)
+    for bad in (np.ones(3), np.ones((2, 2), np.float32), np.ones(0)):
+        s.hyperparams["learning_rate"] = bad
+        shape = str(bad.shape).replace("(", r"\(").replace(")", r"\)")
+        with pytest.raises(
+            ValueError,
+            match=rf"state.hyperparams\['learning_rate'\]: an array of shape {shape}, "
+            r"expected a scalar \(shape \(\)\)",
+        ):
+            opt.update(_grads(1), s, p)
+        assert s.hyperparams["learning_rate"] is bad
+    s.hyperparams["learning_rate"] = np.float32(0.1)
+    assert_tree_equal(_frozen(s), before)
+    opt.update(_grads(1), s, p)  # and it goes on
+    with pytest.raises(ValueError, match=r"^b1: an array of shape \(3,\)"):
+        nba.inject_hyperparams(nba.adam)(learning_rate=0.1, b1=np.full(3, 0.9))
+    scheduled = nba.inject_hyperparams(nba.adam)(learning_rate=lambda count: np.full(2, 0.1))
+    with pytest.raises(ValueError, match=r"learning_rate \(the schedule's value\): an array of shape \(2,\)"):
+        scheduled.init(p)
+    late = nba.inject_hyperparams(nba.adam)(
+        learning_rate=lambda count: 0.1 if count == 0 else np.full(2, 0.1)
+    )
+    s = late.init(p)
+    _, s = late.update(_grads(0), s, p)
+    before = _frozen(s)
+    with pytest.raises(ValueError, match=r"learning_rate \(the schedule's value\): an array of shape \(2,\)"):
+        late.update(_grads(1), s, p)
+    assert_tree_equal(_frozen(s), before)
