@@ -28,6 +28,7 @@ from .base import (
     Updates,
     apply_updates_,
     as_stage,
+    guarded,
     step_applier,
     with_extra_args_support,
 )
@@ -401,7 +402,9 @@ def _call_skip(fn: Callable, u: Updates, gradient_step: Any, params: ParamsRef |
     flat = FLAT_SKIP_PREDICATES.get(target)
     if flat is not None:
         return flat(u, gradient_step, params, **kwargs)
-    tree = u.settled().flat.tree
+    # Code that is not ours gets a buffer of its own, which it may keep or modify: never the
+    # caller's gradients, which are added to the accumulator after it returns.
+    tree = u.into(FlatTree.empty(u.flat.layout, device=u.flat.device)).tree
     out = fn(tree, gradient_step, params.raw if params is not None else None)
     if not (isinstance(out, tuple) and len(out) == 2):
         raise TypeError(
@@ -530,6 +533,9 @@ class MultiSteps(Stage):
 
     def owner(self, state: Any) -> FlatTree | None:
         return field_owner(state, MultiStepsState, "acc_grads")
+
+    def foreign(self) -> bool:
+        return self._inner.foreign()
 
     def _schedule(self, gradient_step: np.int32) -> int:
         if not callable(self._k):
@@ -687,6 +693,11 @@ class MultiSteps(Stage):
                 inner_state = e.new_state
             return emitted(inner_state, skip_state)
 
+        if emits and self._inner.foreign():
+            # The gradient is added to acc before the inner optimizer runs; foreign code in it
+            # may raise (a transient failure): acc is then restored, so that the retry of this
+            # step sees the state as it was.
+            run, apply = guarded(run, acc), guarded(apply, acc)
         return Step(run, apply=apply)
 
 

@@ -123,6 +123,9 @@ class _Masked(Stage):
         self.mask_extra = bool(mask_compatible_extra_args)
         self._plans = _bounded.Bounded()
 
+    def foreign(self) -> bool:
+        return self.inner.foreign()
+
     def resolve(self, layout: Layout) -> _Plan:
         """The mask for trees of ``layout`` (cached per layout)."""
         found = self._plans.get(layout)
