@@ -107,14 +107,15 @@ def _item(it: tuple, lib: Any) -> Any:
         return lib.MultiSteps(inner, k).gradient_transformation()
     if kind == "finite":
         return lib.apply_if_finite(inner, 2)
-    mask = {"b": [bool(bits & 1), bool(bits & 2)], "w": bool(bits & 4)}
+    # bit 8: a prefix mask, whose False leaf is one MaskedNode for its whole subtree
+    mask = {"b": bool(bits & 1) if bits & 8 else [bool(bits & 1), bool(bits & 2)], "w": bool(bits & 4)}
     return lib.masked(inner, mask)
 
 
 _leaf = st.one_of(
     st.tuples(st.just("stage"), st.sampled_from(STAGES)), st.tuples(st.just("user"), st.sampled_from(STYLES))
 )
-_wrapped = st.tuples(st.sampled_from(WRAPPERS), st.lists(_leaf, min_size=1, max_size=3), st.integers(1, 3), st.integers(0, 7))
+_wrapped = st.tuples(st.sampled_from(WRAPPERS), st.lists(_leaf, min_size=1, max_size=3), st.integers(1, 3), st.integers(0, 15))
 
 
 @st.composite
@@ -126,9 +127,9 @@ def chains(draw: Any, wrapper: str | None) -> list:
     if wrapper is not None:
         inner = draw(st.lists(_leaf, min_size=0, max_size=2))
         inner.insert(draw(st.integers(0, len(inner))), user)
-        user = (wrapper, inner, draw(st.integers(1, 3)), draw(st.integers(0, 7)))
+        user = (wrapper, inner, draw(st.integers(1, 3)), draw(st.integers(0, 15)))
         if draw(st.integers(0, 3)) == 0:  # one more level
-            user = (draw(st.sampled_from(WRAPPERS)), [user], draw(st.integers(1, 3)), draw(st.integers(0, 7)))
+            user = (draw(st.sampled_from(WRAPPERS)), [user], draw(st.integers(1, 3)), draw(st.integers(0, 15)))
     items.insert(draw(st.integers(0, len(items))), user)
     return items
 
