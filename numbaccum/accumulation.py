@@ -425,8 +425,10 @@ class MultiStepsState(NamedTuple):
         inner_opt_state: the inner optimizer's state; it advances only on emitting steps.
         acc_grads: the running mean (or sum) of this cycle's gradients; zeros after emission.
         skip_state: the last info dict of ``should_skip_update_fn`` (``()`` without one).
-        examples: DP accumulation (an inner `differentially_private_aggregate`): the examples
-            summed in ``acc_grads`` this cycle (0 otherwise).
+
+    optax's five fields, read by field as optax code does. With DP accumulation (an inner
+    `differentially_private_aggregate`), the examples summed in ``acc_grads`` this cycle are
+    counted in that stage's own state (``DifferentiallyPrivateAggregateState.examples``).
     """
 
     mini_step: np.int32
@@ -434,7 +436,6 @@ class MultiStepsState(NamedTuple):
     inner_opt_state: Any
     acc_grads: FlatTree
     skip_state: Any = ()
-    examples: Any = np.int64(0)
 
 
 def _default_acc_dtype(dt: np.dtype) -> np.dtype:
@@ -572,8 +573,8 @@ class MultiSteps(Stage):
                 raise ValueError("state.inner_opt_state: not the inner chain's state")
         else:
             states = (state.inner_opt_state,)
-        out_spec, total, dp_run = self._dp.plan_accumulation(  # type: ignore[union-attr]
-            spec, states[0], acc, int(state.examples), fresh, emits
+        out_spec, dp_run = self._dp.plan_accumulation(  # type: ignore[union-attr]
+            spec, states[0], acc, fresh, emits
         )
         rest = self._rest.plan(out_spec, tuple(states[1:]), params, extra) if emits and self._rest else None
         names = inner.names if isinstance(inner, Chain) else None
@@ -585,15 +586,9 @@ class MultiSteps(Stage):
 
         def run(u: Updates) -> tuple[Updates, MultiStepsState]:
             out, dp_state = dp_run(u)
-            if not emits:
-                new = MultiStepsState(
-                    np.int32(mini + 1),
-                    gradient_step,
-                    state.inner_opt_state,
-                    acc,
-                    state.skip_state,
-                    np.int64(total),
-                )
+            if not emits:  # the DP stage's state counts the examples; the others wait
+                inner_state = pack([dp_state, *states[1:]])
+                new = MultiStepsState(np.int32(mini + 1), gradient_step, inner_state, acc, state.skip_state)
                 return zeros_output(acc, out_spec.layout), new
             rest_states: list = list(states[1:])
             if rest is not None:
@@ -602,9 +597,7 @@ class MultiSteps(Stage):
             for a in acc.groups:
                 ops_for(a).fill_(a, 0.0)
             inner_state = pack([dp_state, *rest_states])
-            new = MultiStepsState(
-                np.int32(0), safe_increment(gradient_step), inner_state, acc, state.skip_state, np.int64(0)
-            )
+            new = MultiStepsState(np.int32(0), safe_increment(gradient_step), inner_state, acc, state.skip_state)
             return out, new
 
         return Step(run, spec=out_spec)
