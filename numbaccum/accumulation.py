@@ -484,6 +484,7 @@ class MultiSteps(Stage):
             self._k = _check_k(every_k_schedule, "every_k_schedule")
         self._opt = with_extra_args_support(transformation(opt, "opt"))
         self._inner = as_stage(self._opt)
+        self._foreign = self._inner.foreign()
         # DP accumulation: an inner optimizer that starts by aggregating per-example gradients
         # (`differentially_private_aggregate`) sums them here, and noises them once per cycle.
         inner = self._inner
@@ -536,7 +537,7 @@ class MultiSteps(Stage):
         return field_owner(state, MultiStepsState, "acc_grads")
 
     def foreign(self) -> bool:
-        return self._inner.foreign()
+        return self._foreign
 
     def _schedule(self, gradient_step: np.int32) -> int:
         if not callable(self._k):
@@ -686,7 +687,7 @@ class MultiSteps(Stage):
                 inner_state = e.new_state
             return emitted(inner_state, skip_state)
 
-        if emits and self._inner.foreign():
+        if emits and self._foreign:
             # The gradient is added to acc before the inner optimizer runs; foreign code in it
             # may raise (a transient failure): acc is then restored, so that the retry of this
             # step sees the state as it was.

@@ -662,7 +662,16 @@ class Chain(Stage):
         return None
 
     def foreign(self) -> bool:
-        return any(stage.foreign() for stage in self.stages)
+        return self._last_foreign >= 0
+
+    @property
+    def _last_foreign(self) -> int:
+        """The index of the last stage that runs foreign code, -1 if none (found once)."""
+        found = self.__dict__.get("_last_foreign_")
+        if found is None:
+            found = max((i for i, s in enumerate(self.stages) if s.foreign()), default=-1)
+            self.__dict__["_last_foreign_"] = found
+        return found
 
     def owner(self, state: Any) -> FlatTree | None:
         """The first owner among the stages before any reshaping one (their layout is the
@@ -734,8 +743,7 @@ class Chain(Stage):
 
         # Foreign code runs its own checks while it runs: the states of the stages before the
         # last foreign one are snapshot before the run and restored if it raises (`guarded`).
-        last = max((i for i, stage in enumerate(self.stages) if stage.foreign()), default=0)
-        earlier = states[:last]
+        earlier = states[: self._last_foreign] if self._last_foreign > 0 else ()
         segs = fuse.segments(steps) if fuse.enabled() else None
         if segs is not None and all(r is None for _, _, r in segs):
             segs = None  # nothing to fuse
