@@ -28,6 +28,7 @@ from .base import (
     Updates,
     apply_updates_,
     as_stage,
+    guarded,
     step_applier,
     with_extra_args_support,
 )
@@ -401,7 +402,9 @@ def _call_skip(fn: Callable, u: Updates, gradient_step: Any, params: ParamsRef |
     flat = FLAT_SKIP_PREDICATES.get(target)
     if flat is not None:
         return flat(u, gradient_step, params, **kwargs)
-    tree = u.settled().flat.tree
+    # Code that is not ours gets a buffer of its own, which it may keep or modify: never the
+    # caller's gradients, which are added to the accumulator after it returns.
+    tree = u.into(FlatTree.empty(u.flat.layout, device=u.flat.device)).tree
     out = fn(tree, gradient_step, params.raw if params is not None else None)
     if not (isinstance(out, tuple) and len(out) == 2):
         raise TypeError(
@@ -422,8 +425,10 @@ class MultiStepsState(NamedTuple):
         inner_opt_state: the inner optimizer's state; it advances only on emitting steps.
         acc_grads: the running mean (or sum) of this cycle's gradients; zeros after emission.
         skip_state: the last info dict of ``should_skip_update_fn`` (``()`` without one).
-        examples: DP accumulation (an inner `differentially_private_aggregate`): the examples
-            summed in ``acc_grads`` this cycle (0 otherwise).
+
+    optax's five fields, read by field as optax code does. With DP accumulation (an inner
+    `differentially_private_aggregate`), the examples summed in ``acc_grads`` this cycle are
+    counted in that stage's own state (``DifferentiallyPrivateAggregateState.examples``).
     """
 
     mini_step: np.int32
@@ -431,7 +436,6 @@ class MultiStepsState(NamedTuple):
     inner_opt_state: Any
     acc_grads: FlatTree
     skip_state: Any = ()
-    examples: Any = np.int64(0)
 
 
 def _default_acc_dtype(dt: np.dtype) -> np.dtype:
@@ -480,6 +484,7 @@ class MultiSteps(Stage):
             self._k = _check_k(every_k_schedule, "every_k_schedule")
         self._opt = with_extra_args_support(transformation(opt, "opt"))
         self._inner = as_stage(self._opt)
+        self._foreign = self._inner.foreign()
         # DP accumulation: an inner optimizer that starts by aggregating per-example gradients
         # (`differentially_private_aggregate`) sums them here, and noises them once per cycle.
         inner = self._inner
@@ -531,6 +536,9 @@ class MultiSteps(Stage):
     def owner(self, state: Any) -> FlatTree | None:
         return field_owner(state, MultiStepsState, "acc_grads")
 
+    def foreign(self) -> bool:
+        return self._foreign
+
     def _schedule(self, gradient_step: np.int32) -> int:
         if not callable(self._k):
             return self._k
@@ -566,8 +574,8 @@ class MultiSteps(Stage):
                 raise ValueError("state.inner_opt_state: not the inner chain's state")
         else:
             states = (state.inner_opt_state,)
-        out_spec, total, dp_run = self._dp.plan_accumulation(  # type: ignore[union-attr]
-            spec, states[0], acc, int(state.examples), fresh, emits
+        out_spec, dp_run = self._dp.plan_accumulation(  # type: ignore[union-attr]
+            spec, states[0], acc, fresh, emits
         )
         rest = self._rest.plan(out_spec, tuple(states[1:]), params, extra) if emits and self._rest else None
         names = inner.names if isinstance(inner, Chain) else None
@@ -579,15 +587,9 @@ class MultiSteps(Stage):
 
         def run(u: Updates) -> tuple[Updates, MultiStepsState]:
             out, dp_state = dp_run(u)
-            if not emits:
-                new = MultiStepsState(
-                    np.int32(mini + 1),
-                    gradient_step,
-                    state.inner_opt_state,
-                    acc,
-                    state.skip_state,
-                    np.int64(total),
-                )
+            if not emits:  # the DP stage's state counts the examples; the others wait
+                inner_state = pack([dp_state, *states[1:]])
+                new = MultiStepsState(np.int32(mini + 1), gradient_step, inner_state, acc, state.skip_state)
                 return zeros_output(acc, out_spec.layout), new
             rest_states: list = list(states[1:])
             if rest is not None:
@@ -596,9 +598,7 @@ class MultiSteps(Stage):
             for a in acc.groups:
                 ops_for(a).fill_(a, 0.0)
             inner_state = pack([dp_state, *rest_states])
-            new = MultiStepsState(
-                np.int32(0), safe_increment(gradient_step), inner_state, acc, state.skip_state, np.int64(0)
-            )
+            new = MultiStepsState(np.int32(0), safe_increment(gradient_step), inner_state, acc, state.skip_state)
             return out, new
 
         return Step(run, spec=out_spec)
@@ -687,6 +687,11 @@ class MultiSteps(Stage):
                 inner_state = e.new_state
             return emitted(inner_state, skip_state)
 
+        if emits and self._foreign:
+            # The gradient is added to acc before the inner optimizer runs; foreign code in it
+            # may raise (a transient failure): acc is then restored, so that the retry of this
+            # step sees the state as it was.
+            run, apply = guarded(run, acc), guarded(apply, acc)
         return Step(run, apply=apply)
 
 

@@ -37,7 +37,7 @@ from .backend import ops_for
 from .contract import ONE, Factor
 from .flat import FlatTree, as_flat, check_leaves, host_leaves, layout_of, scatter_leaves_
 from .layout import Layout
-from .tree import format_path, tree_flatten, tree_flatten_with_path
+from .tree import format_path, leaves_if_structure, tree_flatten, tree_flatten_with_path, tree_unflatten
 
 __all__ = [
     "EmptyState",
@@ -333,6 +333,12 @@ class Stage(abc.ABC):
         state that is not this stage's: `plan` then says what is wrong)."""
         return None
 
+    def foreign(self) -> bool:
+        """Whether this stage runs code that is not numbaccum's (a `Foreign` stage, or a
+        combinator around one): such code runs its own checks, and may raise, while the step
+        runs, after earlier stages have written their states (see `guarded`)."""
+        return False
+
     # --- workspaces -------------------------------------------------------------------------
 
     def kept(self, name: str, layout: Layout, device: bool) -> FlatTree:
@@ -511,12 +517,15 @@ def _side(tree: Any) -> bool:
 
 
 class Foreign(Stage):
-    """A transformation that is not a numbaccum stage, run through its plain ``update`` on the
-    settled updates' tree; its output is checked and packed back.
+    """A transformation that is not a numbaccum stage, run through its plain ``update``.
 
-    It is planned like any stage, but its own checks run inside ``run``: if it raises there,
-    the stages of a chain before it have already written their state, which cannot be rolled
-    back. Put foreign transformations first in a chain when that matters.
+    Its code may keep, return or modify the arrays it is given, as optax code may keep the
+    immutable arrays JAX gives it: each call gets a new buffer holding the settled updates
+    (never the caller's gradients, a state's accumulator or a workspace numbaccum writes again),
+    and what it returns is copied into this stage's scratch as soon as it returns, before
+    anything it might alias changes. Its own checks run inside ``run``: an enclosing `Chain`
+    or `MultiSteps` snapshots what it wrote before and restores it if the code raises
+    (`guarded`), so an update is all or nothing around it too.
     """
 
     def __init__(self, tx: Any) -> None:
@@ -525,18 +534,100 @@ class Foreign(Stage):
     def init(self, params: Any) -> Any:
         return self.tx.init(params)
 
+    def foreign(self) -> bool:
+        return True
+
     def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
         update = self.tx.update
         raw = params.raw if params is not None else None
 
         def run(u: Updates) -> tuple[Updates, Any]:
-            value = u.settled(None if u.owned or not u.pending else u.scratch() if u.scratch else None)
-            out, new_state = update(value.flat.tree, state, raw, **extra)
+            given = u.into(FlatTree.empty(spec.layout, device=spec.device))  # its own, new each call
+            out, new_state = update(given.tree, state, raw, **extra)
             into = u.scratch or (lambda: self.kept("output", spec.layout, spec.device))
-            flat, copied, _ = as_flat(out, spec.layout, "updates", pack_into=into, device=spec.device)
-            return Updates(flat, copied), new_state
+            return Updates(_read_foreign(out, spec, into), True), new_state
 
         return Step(run)
+
+
+def _read_foreign(out: Any, spec: Spec, into: Callable[[], FlatTree]) -> FlatTree:
+    """Copies the updates foreign code returned into ``into()``: always a copy, never a view of
+    them (they may be its input, its own arrays or the params, which may change before they
+    are read again). A Python or NumPy scalar stands for a 0-d leaf, as JAX accepts one."""
+    layout = spec.layout
+    raw = leaves_if_structure(out, layout.treedef)
+    if raw is not None and any(type(x) is not np.ndarray for x in raw):
+        fixed = [
+            np.asarray(x, dtype=dt) if _is_real_scalar(x) and shape == () else x
+            for x, shape, dt in zip(raw, layout.shapes, layout.dtypes)
+        ]
+        out = tree_unflatten(layout.treedef, fixed)
+    flat, copied, _ = as_flat(out, layout, "updates", pack_into=into, device=spec.device)
+    if copied:
+        return flat
+    dst = into()
+    for d, g in zip(dst.groups, flat.groups):
+        ops_for(g).scale_(d, g, ONE)  # a copy
+    return dst
+
+
+def _is_real_scalar(x: Any) -> bool:
+    return isinstance(x, (float, int, np.floating, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def guarded(run: Callable[..., Any], states: Any) -> Callable[..., Any]:
+    """``run`` made all or nothing for the FlatTrees of ``states``: they are copied before it
+    runs and copied back, bit for bit, if it raises (a `SkipStep` is an outcome, not a failure:
+    it passes through). For the states a step writes before foreign code runs (`Foreign`): a
+    numbaccum stage cannot know in its plan what that code will do, so this restores what was
+    written instead of committing nothing. The copies are workspaces of each FlatTree
+    (``undo``), made once."""
+    flats = _state_flats(states)
+    if not flats:
+        return run
+
+    def all_or_nothing(*args: Any) -> Any:
+        saved = [(f, f.workspace("undo", list(f.group_dtypes))) for f in flats]
+        for f, b in saved:
+            _copy_groups(b, f)
+        try:
+            return run(*args)
+        except SkipStep:
+            raise
+        except BaseException:
+            for f, b in saved:
+                _copy_groups(f, b)
+            raise
+
+    return all_or_nothing
+
+
+def _copy_groups(dst: FlatTree, src: FlatTree) -> None:
+    for d, s in zip(dst.groups, src.groups):
+        if dst.device:
+            ops_for(s).scale_(d, s, ONE)
+        else:
+            np.copyto(d, s)  # bit for bit, NaN payloads included
+
+
+def _state_flats(state: Any) -> list[FlatTree]:
+    """The writable FlatTrees in a state (a nest of tuples, NamedTuples, lists and dicts), each
+    once."""
+    found: dict[int, FlatTree] = {}
+
+    def walk(x: Any) -> None:
+        if isinstance(x, FlatTree):
+            if not x._readonly:
+                found.setdefault(id(x), x)
+        elif isinstance(x, dict):
+            for v in x.values():
+                walk(v)
+        elif isinstance(x, (tuple, list)):
+            for v in x:
+                walk(v)
+
+    walk(state)
+    return list(found.values())
 
 
 def as_stage(tx: Any) -> Stage:
@@ -569,6 +660,18 @@ class Chain(Stage):
         if isinstance(state, dict) and len(state) == len(self.names) and all(n in state for n in self.names):
             return tuple(state[n] for n in self.names)
         return None
+
+    def foreign(self) -> bool:
+        return self._last_foreign >= 0
+
+    @property
+    def _last_foreign(self) -> int:
+        """The index of the last stage that runs foreign code, -1 if none (found once)."""
+        found = self.__dict__.get("_last_foreign_")
+        if found is None:
+            found = max((i for i, s in enumerate(self.stages) if s.foreign()), default=-1)
+            self.__dict__["_last_foreign_"] = found
+        return found
 
     def owner(self, state: Any) -> FlatTree | None:
         """The first owner among the stages before any reshaping one (their layout is the
@@ -638,6 +741,9 @@ class Chain(Stage):
         def pack(new_states: list) -> Any:
             return tuple(new_states) if names is None else dict(zip(names, new_states))
 
+        # Foreign code runs its own checks while it runs: the states of the stages before the
+        # last foreign one are snapshot before the run and restored if it raises (`guarded`).
+        earlier = states[: self._last_foreign] if self._last_foreign > 0 else ()
         segs = fuse.segments(steps) if fuse.enabled() else None
         if segs is not None and all(r is None for _, _, r in segs):
             segs = None  # nothing to fuse
@@ -654,7 +760,7 @@ class Chain(Stage):
                         raise SkipStep(pack(new_states)) from None
                 return u, pack(new_states)
 
-            return Step(run, out_spec, _chained(steps, names))
+            return Step(guarded(run, earlier), out_spec, _chained(steps, names))
 
         n = len(steps)
 
@@ -674,6 +780,7 @@ class Chain(Stage):
                     raise SkipStep(pack(new_states)) from None
             return u, pack(new_states)
 
+        run_fused = guarded(run_fused, earlier)
         last_fused = segs[-1][2] is not None
         return Step(
             run_fused,

@@ -400,6 +400,9 @@ class _ApplyIfFinite(Stage):
     def owner(self, state: Any) -> FlatTree | None:
         return self.stage.owner(state.inner_state) if isinstance(state, ApplyIfFiniteState) else None
 
+    def foreign(self) -> bool:
+        return self.stage.foreign()
+
     def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
         if not isinstance(state, ApplyIfFiniteState):
             raise TypeError(f"state: expected ApplyIfFiniteState, got {type(state).__name__}")

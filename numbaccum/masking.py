@@ -4,11 +4,12 @@ The usual use is keeping biases and norm scales out of weight decay::
 
     decay = masked(add_decayed_weights(1e-4), lambda p: tree_map(lambda x: x.ndim > 1, p))
 
-The inner transformation sees the tree with every masked-out leaf replaced by a `MaskedNode` (an
-empty node, as in optax), so its state holds only the kept leaves. The mask is resolved once per
-tree layout into the leaves it keeps; a run of consecutive kept leaves of one dtype is one
-contiguous range of the flat buffers, so moving the kept leaves in and out of the inner
-transformation is one copy per range, not per leaf.
+The inner transformation sees the tree with every masked-out subtree (under each False leaf of
+the mask, a prefix of the tree) replaced by one `MaskedNode` (an empty node, as in optax), so its
+state holds only the kept leaves. The mask is resolved once per tree layout into the leaves it
+keeps; a run of consecutive kept leaves of one dtype is one contiguous range of the flat
+buffers, so moving the kept leaves in and out of the inner transformation is one copy per range,
+not per leaf.
 """
 
 from __future__ import annotations
@@ -76,9 +77,24 @@ def _mask_leaf(value: Any, where: str) -> bool:
     raise TypeError(f"{where}: a mask leaf must be a bool, got {type(value).__name__} {value!r:.40}")
 
 
-def _masked_tree(layout: Layout, leaves: list, keep: tuple[bool, ...]) -> Any:
-    """The tree of ``leaves`` (of ``layout``) with every masked-out leaf a `MaskedNode`."""
-    return tree_unflatten(layout.treedef, [x if k else MaskedNode() for x, k in zip(leaves, keep)])
+def _mask_pytree(mask: Any, tree: Any) -> Any:
+    """``tree`` with each subtree under a False leaf of the ``mask`` prefix replaced by one
+    `MaskedNode` (optax's ``mask_pytree``: a masked-out dict is one node, not one per leaf).
+    ``mask`` has been checked to be a prefix of ``tree`` (`broadcast_prefix`)."""
+    if mask is None:  # an empty subtree of the params: nothing to mask
+        return tree
+    if isinstance(mask, dict):
+        return {k: _mask_pytree(mask[k], v) for k, v in tree.items()}
+    if isinstance(mask, tuple) and hasattr(type(mask), "_fields"):
+        return type(tree)(*(_mask_pytree(m, v) for m, v in zip(mask, tree)))
+    if isinstance(mask, (list, tuple)):
+        return type(tree)(_mask_pytree(m, v) for m, v in zip(mask, tree))
+    return tree if _mask_leaf(mask, "mask") else MaskedNode()
+
+
+def _masked_tree(plan: _Plan, leaves: list) -> Any:
+    """The tree of ``leaves`` (of the full layout) as the inner transformation sees it."""
+    return tree_unflatten(plan.sub.treedef, [leaves[i] for i in plan.kept])
 
 
 def _runs(layout: Layout, sub: Layout, keep: tuple[bool, ...]) -> tuple[tuple, tuple]:
@@ -123,6 +139,9 @@ class _Masked(Stage):
         self.mask_extra = bool(mask_compatible_extra_args)
         self._plans = _bounded.Bounded()
 
+    def foreign(self) -> bool:
+        return self.inner.foreign()
+
     def resolve(self, layout: Layout) -> _Plan:
         """The mask for trees of ``layout`` (cached per layout)."""
         found = self._plans.get(layout)
@@ -141,8 +160,7 @@ class _Masked(Stage):
                     f"{paths}: a mask leaf must be a bool, got {type(value).__name__} {value!r:.40}"
                 ) from None
         keep_t = tuple(keep)
-        stand = tree_flatten(_standins(layout))[0]
-        sub = layout_of(_masked_tree(layout, stand, keep_t), "mask")
+        sub = layout_of(_mask_pytree(mask, _standins(layout)), "mask")
         runs, gaps = _runs(layout, sub, keep_t)
         plan = _Plan(keep_t, tuple(i for i, k in enumerate(keep_t) if k), sub, runs, gaps)
         self._plans.put(layout, plan)
@@ -154,7 +172,7 @@ class _Masked(Stage):
             layout, leaves = tree.layout, [tree.leaf(i) for i in range(tree.layout.num_leaves)]
         else:
             layout, leaves = layout_of(tree, "params"), tree_flatten(tree)[0]
-        return _masked_tree(layout, leaves, self.resolve(layout).keep)
+        return _masked_tree(self.resolve(layout), leaves)
 
     def init(self, params: Any) -> MaskedState:
         return MaskedState(self.inner.init(self._masked_input(params)))
@@ -224,7 +242,7 @@ class _Masked(Stage):
             return value
         if td != layout.treedef:
             return value
-        return _masked_tree(layout, leaves, m.keep)
+        return _masked_tree(m, leaves)
 
 
 def masked(
@@ -236,8 +254,8 @@ def masked(
     """Applies ``inner`` to the leaves selected by ``mask``; the others pass through unchanged.
 
     ``u_i = inner(g)_i`` where ``mask_i`` is True, ``u_i = g_i`` where it is False. The inner
-    transformation sees the tree with each masked-out leaf replaced by a `MaskedNode`, so its
-    state covers the kept leaves only (optax's ``masked``).
+    transformation sees the tree with each masked-out subtree (under a False leaf of the mask)
+    replaced by one `MaskedNode`, so its state covers the kept leaves only (optax's ``masked``).
 
     Args:
         inner: the transformation to apply to the kept leaves.

@@ -34,7 +34,7 @@ from .flat import FlatTree, as_flat, layout_of
 from .layout import Layout
 from .optim import identity, scale_by_learning_rate
 from .tables import segments
-from .tree import tree_unflatten
+from .tree import short_repr, tree_unflatten
 
 __all__ = [
     "DifferentiallyPrivateAggregateState",
@@ -378,14 +378,18 @@ def per_example_layer_norm_clip(
 
 
 class DifferentiallyPrivateAggregateState(NamedTuple):
-    """The key of the next noise draw.
+    """The key of the next noise draw (optax's field), and the examples of the current
+    accumulation cycle.
 
     Attributes:
         rng_key: ``[seed, step]`` as two uint64 (read-only): the 128-bit key of the Philox
             generator that draws the noise of the next update; ``step`` counts updates.
+        examples: under `MultiSteps` (DP accumulation), the examples summed into its
+            accumulator so far this cycle (int64); 0 otherwise.
     """
 
     rng_key: np.ndarray
+    examples: Any = np.int64(0)
 
 
 def _check_seed(seed: Any) -> int:
@@ -412,6 +416,9 @@ def _check_dp_state(state: Any, name: str = "state") -> tuple[int, int]:
     seed, step = int(key[0]), int(key[1])
     if step == 2**64 - 1:  # the next key would repeat step 0's noise
         raise ValueError(f"{name}.rng_key: the noise stream of this seed is exhausted")
+    examples = state.examples
+    if isinstance(examples, (bool, np.bool_)) or not isinstance(examples, numbers.Integral) or examples < 0:
+        raise ValueError(f"{name}.examples: expected an int >= 0, got {short_repr(examples, 40)}")
     return seed, step
 
 
@@ -477,11 +484,12 @@ class _Aggregate(Stage):
         return Step(run, spec=out_spec)
 
     def plan_accumulation(
-        self, spec: Spec, state: Any, acc: FlatTree, examples: int, fresh: bool, emit: bool
-    ) -> tuple[Spec, int, Any]:
-        """`MultiSteps`' mini-step over per-example gradients of ``spec``: ``(params spec, the
-        examples summed so far with this batch, run)``; ``run(u) -> (updates or None, new DP
-        state)``. Each mini-step adds its clipped examples to the float64 running sum ``acc`` in
+        self, spec: Spec, state: Any, acc: FlatTree, fresh: bool, emit: bool
+    ) -> tuple[Spec, Any]:
+        """`MultiSteps`' mini-step over per-example gradients of ``spec``: ``(params spec,
+        run)``; ``run(u) -> (updates or None, new DP state)``, the new state counting the
+        examples summed so far this cycle (0 after the emitting mini-step). Each mini-step adds
+        its clipped examples to the float64 running sum ``acc`` in
         example order, continuing the sum of the earlier ones (`_weighted_sums`' ``init``); the
         emitting one adds the noise once and divides by every example of the cycle, in the same
         kernel: the bits of one update on the whole logical batch, with the same noise draw."""
@@ -496,7 +504,7 @@ class _Aggregate(Stage):
                         f"match the params the state was built for: {want.shapes[i]} {want.dtypes[i]}"
                     )
             raise ValueError("updates: not per-example gradients of the params the state was built for")
-        total = examples + plan.batch
+        total = (0 if fresh else int(state.examples)) + plan.batch
         if emit and total == 0 and spec.layout.num_leaves:
             raise ValueError("updates: no example in the whole cycle; there is nothing to average")
         out_spec = Spec(plan.out_layout, spec.device)
@@ -508,13 +516,13 @@ class _Aggregate(Stage):
             init = None if fresh else acc
             if not emit:  # the running sum, in float64: exact, neither noised nor divided
                 _weighted_sums(flat, plan, mult, acc, init=init)
-                return None, state
+                return None, state._replace(examples=np.int64(total))
             noise = _noise(seed, step, plan.out_layout.group_sizes) if std else [_NO_NOISE] * len(flat.groups)
             out = FlatTree.empty(out_spec.layout, device=out_spec.device)
             _weighted_sums(flat, plan, mult, out, noise, std, float(max(total, 1)), init=init)
             return Updates(out, True), DifferentiallyPrivateAggregateState(_key(seed, step + 1))
 
-        return out_spec, total, run
+        return out_spec, run
 
 
 def differentially_private_aggregate(

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from _testutil import assert_tree_equal
+from _testutil import assert_tree_equal, find_state
 
 import numbaccum as nba
 
@@ -36,6 +36,24 @@ def _batch(p, n, seed):
     return out
 
 
+def _examples(state):
+    """The examples of the cycle, as the DP stage's own state counts them."""
+    return int(find_state(state.inner_opt_state, nba.DifferentiallyPrivateAggregateState).examples)
+
+
+def test_multisteps_state_has_optax_fields():
+    """issue 22 item 6: optax code reads MultiStepsState by field; it has optax's five (the DP
+    example count was a sixth)."""
+    fields = ("mini_step", "gradient_step", "inner_opt_state", "acc_grads", "skip_state")
+    assert nba.MultiStepsState._fields == fields
+    p = _params(4)
+    ms = nba.MultiSteps(MAKERS["aggregate_adam"](), 2)
+    s = ms.init(p)
+    _, s = ms.update(_batch(p, 3, 1), s, p)
+    assert type(s)._fields == fields and _examples(s) == 3
+    assert nba.DifferentiallyPrivateAggregateState._fields[0] == "rng_key"  # optax's, first
+
+
 def _split(batch, sizes):
     out, start = [], 0
     for n in sizes:
@@ -57,9 +75,9 @@ def test_k_mini_steps_equal_one_step_on_the_logical_batch(name, sizes):
             u2, s2 = ms.update(mini, s2, p)
             if i < len(sizes) - 1:
                 assert all(np.all(np.asarray(x) == 0) for x in nba.tree_flatten(u2)[0])
-                assert int(s2.examples) == sum(sizes[: i + 1])
+                assert _examples(s2) == sum(sizes[: i + 1])
         assert_tree_equal(u2, u1)  # the same bits
-        assert int(s2.examples) == 0 and int(s2.gradient_step) == cycle + 1
+        assert _examples(s2) == 0 and int(s2.gradient_step) == cycle + 1
     assert_tree_equal(nba.tree_flatten(s2.inner_opt_state)[0], nba.tree_flatten(s1)[0])
 
 

@@ -126,7 +126,42 @@ def test_inner_state_covers_the_kept_leaves_only():
     assert isinstance(s, nba.MaskedState)
     assert s.inner_state.trace.layout.num_leaves == 2
     tree = s.inner_state.trace.tree
-    assert isinstance(tree["norm"]["scale"], nba.MaskedNode) and tree["dense"]["w"].shape == (3, 4)
+    assert isinstance(tree["norm"], nba.MaskedNode) and tree["dense"]["w"].shape == (3, 4)
+
+
+@pytest.mark.parametrize("callable_mask", [False, True])
+def test_masked_out_subtree_is_one_masked_node(callable_mask):
+    """issue 22 item 6: as optax's ``mask_pytree``, a False leaf of a prefix mask makes its
+    whole subtree one `MaskedNode` (in the inner state, its params and its updates); a full
+    mask gives one per leaf."""
+    p = _tree()
+    seen = []
+
+    def update(u, s, params=None):
+        seen.append((u, params))
+        return u, s
+
+    def init(params):
+        seen.append((params, None))
+        return nba.EmptyState()
+
+    prefix = {"dense": True, "norm": False, "head": False, "t": False}
+    full = nba.tree_map(lambda x: True, p)
+    full["norm"] = nba.tree_map(lambda x: False, p["norm"])
+    for mask, one_node in [(prefix, True), (full, False)]:
+        seen.clear()
+        m = (lambda params, mask=mask: mask) if callable_mask else mask
+        user = nba.masked(nba.GradientTransformation(init, update), m)
+        traced = nba.masked(nba.trace(0.5), m)
+        user.update(_grads(1)[0], user.init(p), p)
+        trees = [seen[0][0], seen[1][0], seen[1][1], traced.init(p).inner_state.trace.tree]
+        for tree in trees:
+            if one_node:
+                assert isinstance(tree["norm"], nba.MaskedNode) and isinstance(tree["head"], nba.MaskedNode)
+            else:
+                assert isinstance(tree["norm"], dict)
+                assert all(isinstance(v, nba.MaskedNode) for v in tree["norm"].values())
+            assert tree["dense"]["w"].shape == (3, 4)
 
 
 def test_all_and_none_masked():

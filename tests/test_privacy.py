@@ -466,7 +466,7 @@ def test_dp_aggregate_then_multisteps_and_multisteps_around_dpsgd():
     wrapped = nba.MultiSteps(nba.dpsgd(0.1, 1.0, 0.5, seed=9, momentum=0.9), 2)
     s = wrapped.init(params)
     _, s = wrapped.update(g, s, params)
-    assert int(s.mini_step) == 1 and int(s.examples) == 5
+    assert int(s.mini_step) == 1 and int(s.inner_opt_state[0].examples) == 5
     with pytest.raises(ValueError, match=r"updates\['w'\]"):
         wrapped.update({"w": np.zeros((2, 3), F32)[0]}, s, params)
 
