@@ -320,7 +320,7 @@ def test_the_run_says_what_will_run_and_shows_progress_before_any_slow_step(fake
     assert "not installed: absent peer (absent): pip install absent-peer" in plan
     assert "over 20 s (--peer-budget) is skipped" in plan
     assert re.search(r"\[\d+\.\d s\] measuring the copy floor\n$", plan)
-    assert seen["_trees"].endswith("cpu tiny: making the trees; starting fast peer\n")
+    assert seen["_trees"].endswith("cpu tiny: making the trees, and the peers' own (fast peer)\n")
     assert re.search(
         r"\[1/3, \d+\.\d s\] cpu tiny: clip: numbaccum, numbaccum \(plain tree\), numpy, fast peer\n$",
         seen["measure_alternating"],

@@ -37,6 +37,9 @@ class Peer:
         steps: ``"module:function"`` of its builder, called in the peer's process as
             ``function(params, grads, k, max_norm, device, ops)``.
         available: ``"module:function"`` taking the device, whether it runs there.
+        warm: ``"module:function"`` taking the device, called as its process starts: it pays the
+            library's one-time costs (lazy imports, its compiler's start) on a tiny tree, so that
+            a row's budget measures the row.
         cuda_wall: on a GPU, time its calls by wall clock (its step blocks until ready) rather
             than between CUDA events.
     """
@@ -46,6 +49,7 @@ class Peer:
     install: str
     steps: str
     available: str
+    warm: str | None = None
     cuda_wall: bool = False
 
     def installed(self) -> bool:
@@ -71,6 +75,7 @@ PEERS: dict[str, Peer] = {
         "pip install torch (the CPU build: --index-url https://download.pytorch.org/whl/cpu)",
         "numbaccum.bench.peers:torch_steps",
         "numbaccum.bench.peers:torch_available",
+        "numbaccum.bench.peers:torch_warm",
     ),
     "optax": Peer(
         "optax jit",
@@ -78,6 +83,7 @@ PEERS: dict[str, Peer] = {
         'pip install "numbaccum[bench]" (jax and optax)',
         "numbaccum.bench.peers:optax_steps",
         "numbaccum.bench.peers:optax_available",
+        "numbaccum.bench.peers:optax_warm",
         cuda_wall=True,
     ),
 }
@@ -136,6 +142,14 @@ def torch_steps(
     return out
 
 
+def torch_warm(device: str) -> None:
+    """One step of each operation on a tree of one 2-element leaf: PyTorch's first optimizer step
+    imports its compiler stack, seconds that belong to no row."""
+    one = np.ones(2, np.float32)
+    for step in torch_steps([one], [one], 1, 1.0, device).values():
+        step()
+
+
 def _torch_multisteps(torch: Any, g: list[Any], params: list[Any], k: int) -> Callable[[], None]:
     acc = [torch.zeros_like(x) for x in g]
     p = [x.requires_grad_() for x in params]
@@ -177,6 +191,13 @@ def optax_available(device: str) -> bool:
         return bool(jax.devices("gpu" if device == "cuda" else "cpu"))
     except RuntimeError:  # no such backend
         return False
+
+
+def optax_warm(device: str) -> None:
+    """One jitted step of each operation on a tree of one 2-element leaf: starts XLA's compiler."""
+    one = np.ones(2, np.float32)
+    for step in optax_steps([one], [one], 1, 1.0, device).values():
+        step()
 
 
 def optax_steps(

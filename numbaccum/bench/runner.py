@@ -2,9 +2,10 @@
 installed, PyTorch's foreach ops and optax under ``jax.jit``, in one run, on the CPU and (when one
 works) on a CUDA device.
 
-Workloads (float32): GPT-2-small shapes (124M parameters in 148 leaves), 2000 small leaves of
+Workloads (float32): ResNet-50 shapes (25.6M parameters in 161 leaves), 2000 small leaves of
 100-5000 elements, and a tiny tree of 10 leaves of 10 elements, where what is measured is the
-per-call overhead (reported in microseconds). Operations: clip_by_global_norm (``max_norm`` far
+per-call overhead (reported in microseconds); on request, GPT-2-small shapes (124M parameters in
+148 leaves, about 10 GB with every peer). Operations: clip_by_global_norm (``max_norm`` far
 below the norm, so it always scales), a MultiSteps mini-step, ema with debias, and the emitting
 step of ``MultiSteps(chain(clip_by_global_norm(1.0), adam(1e-3)), 4)`` (the full step: accumulate,
 clip the mean, Adam, reset).
@@ -22,6 +23,12 @@ and writes the output (12).
 The copy floor is measured in the same run: on the CPU the faster of ``np.copyto`` and a parallel
 copy of a large buffer, on the GPU a device-to-device copy of the workload's size. On the GPU,
 calls are timed between CUDA events (optax: wall time, its step blocks until ready).
+
+A run first says what it will time, then a line as each phase and row begins. Each peer runs in a
+process of its own (`worker`), timed there call by call, in turn with the others: a row whose
+build and first call (compile included) run over the peer budget, or whose process grows past its
+memory bound, is abandoned (the process killed) and noted under the table. Each row builds only
+its own operation's states, so a run holds one operation's memory at a time.
 """
 
 from __future__ import annotations
@@ -76,12 +83,15 @@ QUICK_REPEATS = {"gpt2_small": 4, "resnet50": 4, "many_small": 4, "tiny": 200}
 # row is skipped with a note: optax's jit of the 2000-leaf tree would otherwise hold a run for
 # many minutes and gigabytes.
 PEER_BUDGET_S = 20.0
-QUICK_PEER_BUDGET_S = 8.0
+QUICK_PEER_BUDGET_S = 10.0
 # The most resident memory a peer's process may hold: its trees and states (at most about 12
 # float32 copies of the parameters), plus this much for its library.
 PEER_MEMORY_BASE = 3 << 29  # 1.5 GiB
 PEER_MEMORY_COPIES = 12
 PER_CALL = {"tiny"}  # overhead-bound: reported in microseconds per call, no GB/s
+# The copy floor's buffers: 16 float32 copies of the largest workload, at most 2 x 128 MB (far
+# past any cache; 2 x 500 MB cost seconds of page faults on a busy 2-core machine).
+COPY_FLOOR_BYTES = 1 << 27
 
 Clock = Callable[[Callable[[], Any]], float]
 
@@ -143,7 +153,7 @@ def numpy_steps(
     params: list[np.ndarray], grads: list[np.ndarray], k: int = K, ops: Sequence[str] = OPS
 ) -> Steps:
     """The NumPy per-leaf baselines (`baselines`) of the same math, for ``ops``."""
-    make = {
+    make: dict[str, Callable[[], Any]] = {
         "multisteps": lambda: NumpyMultiStepsAdam(params, k, max_norm=FULL_MAX_NORM),
         "ema": lambda: NumpyEma(params),
         "clip": lambda: NumpyClipByGlobalNorm(params, CLIP_MAX_NORM),
@@ -223,6 +233,8 @@ ROW_SECONDS = 3.0
 class _Local:
     """A contender in this process: its step and clock."""
 
+    skipped: str | None = None
+
     def __init__(self, step: Callable[[], Any], clock: Clock) -> None:
         self.step, self.clock = step, clock
 
@@ -233,9 +245,10 @@ class _Local:
 class _Remote:
     """A contender in a peer's process (`worker.PeerProcess`), timed there call by call."""
 
+    skipped: str | None = None
+
     def __init__(self, process: PeerProcess, op: str) -> None:
         self.process, self.op = process, op
-        self.skipped: str | None = None
 
     def calls(self, n: int) -> list[float]:
         return self.process.calls(self.op, n)
@@ -243,7 +256,9 @@ class _Remote:
 
 def measure(step: Callable[[], Any], op: str, clock: Clock, repeats: int, warmup: int) -> dict:
     """``{row label: per-call seconds}`` of one implementation (`measure_alternating`)."""
-    return measure_alternating([(step, clock)], op, repeats, warmup)[0]
+    (out,) = measure_alternating([(step, clock)], op, repeats, warmup)
+    assert out is not None  # only a peer's process drops out of a row
+    return out
 
 
 def measure_alternating(contenders: list[Any], op: str, repeats: int, warmup: int) -> list[dict | None]:
@@ -346,19 +361,26 @@ def _peer_memory(n_params: int) -> int:
 
 
 class _Peers:
-    """The peers' processes of one device and workload: started together (they import their
-    libraries and build their trees while this process builds its own), each dropped for the
-    rest of the workload once it fails or runs over its budget."""
+    """The peers' processes on one device: each started once (it imports its library while this
+    process works), given each workload in turn, dropped for the rest of a workload once it
+    fails or runs over its budget, and started again for the next workload if it was killed."""
 
-    def __init__(
-        self, peers: dict[str, Peer], device: str, workload: str, budget_s: float, n_params: int
-    ) -> None:
-        memory = _peer_memory(n_params)
-        self.procs = {
-            p.label: PeerProcess(p, device, workload, K, CLIP_MAX_NORM, budget_s, memory)
-            for p in peers.values()
-        }
+    def __init__(self, peers: dict[str, Peer], device: str, budget_s: float) -> None:
+        self.peers, self.device, self.budget_s = peers, device, budget_s
+        self.procs: dict[str, PeerProcess] = {}
         self.gone: dict[str, str] = {}
+
+    def begin(self, workload: str, n_params: int) -> None:
+        """Has every peer build ``workload``'s trees (in its own process, while this one builds
+        its own)."""
+        self.gone = {}
+        for p in self.peers.values():
+            proc = self.procs.get(p.label)
+            if proc is None or not proc.alive:
+                if proc is not None:
+                    proc.close()
+                proc = self.procs[p.label] = PeerProcess(p, self.device, K, CLIP_MAX_NORM, self.budget_s)
+            proc.load(workload, _peer_memory(n_params))
 
     def prepare(self, op: str, skipped: list[dict], progress: Progress | None) -> list[tuple[str, _Remote]]:
         """The peers ready to be timed on ``op``: each built its step and made its first calls
@@ -389,9 +411,10 @@ class _Peers:
     def close(self) -> None:
         for proc in self.procs.values():
             proc.close()
+        self.procs = {}
 
 
-def _rows(label: str, ts: list[float], impl: str, n_params: int, per_call: bool, floor: float | None) -> dict:
+def _row(label: str, ts: list[float], impl: str, n_params: int, per_call: bool, floor: float | None) -> dict:
     med = statistics.median(ts)
     gbs = None if per_call else BYTES_PER_PARAM[label] * n_params / med / 1e9
     return dict(
@@ -414,47 +437,50 @@ def run_workload(
     impls: list[Impl],
     floor: float | None,
     progress: Progress | None = None,
-    peers: dict[str, Peer] | None = None,
-    budget_s: float = PEER_BUDGET_S,
+    remote: _Peers | None = None,
 ) -> dict[str, Any]:
     """Times every implementation and operation on one device and workload: ``impls`` in this
-    process, ``peers`` each in a process of its own (`worker`), alternately. ``floor``: the CPU
-    copy floor in GB/s (the GPU measures its own, of the workload's size). Each row builds only
-    its operation's steps, so a row holds the memory of one operation at a time."""
+    process, the peers of ``remote`` each in a process of its own (`worker`), alternately.
+    ``floor``: the CPU copy floor in GB/s (the GPU measures its own, of the workload's size).
+    Each row builds only its operation's steps, so a row holds one operation's memory at a time."""
     note = progress.note if progress is not None else lambda text: None
+    remote = remote if remote is not None else _Peers({}, device, PEER_BUDGET_S)
     note(
         f"{device} {workload}: making the trees"
-        + (f"; starting {', '.join(p.label for p in peers.values())}" if peers else "")
+        + (
+            f", and the peers' own ({', '.join(p.label for p in remote.peers.values())})"
+            if remote.peers
+            else ""
+        )
     )
     shapes = workloads.WORKLOADS[workload]()
     n_params = workloads.count_params(shapes)
-    remote = _Peers(peers or {}, device, workload, budget_s, n_params)
-    try:
-        trees = _trees(workload)
-        if device == "cuda":
-            from . import gpu
+    remote.begin(workload, n_params)
+    trees = _trees(workload)
+    if device == "cuda":
+        from . import gpu
 
-            floor = gpu.copy_roof(n_params, 10)
-        per_call = workload in PER_CALL
-        rows: list[dict] = []
-        skipped: list[dict] = []
-        for op in ops:
-            names = [impl.name for impl in impls] + [lb for lb in remote.procs if lb not in remote.gone]
-            if progress is not None:
-                progress.step(f"{device} {workload}: {op}: {', '.join(names)}")
-            here = [(impl.name, _Local(impl.build(trees, (op,))[op], impl.clock())) for impl in impls]
-            here += remote.prepare(op, skipped, progress)
-            results = measure_alternating([c for _, c in here], op, repeats, 20 if per_call else 1)
-            for (name, c), result in zip(here, results):
-                if result is None:
-                    remote.dropped(name, c.skipped, op, skipped)
-                    note(f"{name} dropped on {op}: {c.skipped}")
-                    continue
-                rows += [_rows(label, ts, name, n_params, per_call, floor) for label, ts in result.items()]
-            del here, results
-            gc.collect()
-    finally:
-        remote.close()
+        floor = gpu.copy_roof(n_params, 10)
+    per_call = workload in PER_CALL
+    rows: list[dict] = []
+    skipped: list[dict] = []
+    for op in ops:
+        names = [impl.name for impl in impls] + [lb for lb in remote.procs if lb not in remote.gone]
+        if progress is not None:
+            progress.step(f"{device} {workload}: {op}: {', '.join(names)}")
+        here: list[tuple[str, _Local | _Remote]] = [
+            (impl.name, _Local(impl.build(trees, (op,))[op], impl.clock())) for impl in impls
+        ]
+        here += remote.prepare(op, skipped, progress)
+        results = measure_alternating([c for _, c in here], op, repeats, 20 if per_call else 1)
+        for (name, c), result in zip(here, results):
+            if result is None:
+                remote.dropped(name, c.skipped or "dropped", op, skipped)
+                note(f"{name} dropped on {op}: {c.skipped}")
+                continue
+            rows += [_row(label, ts, name, n_params, per_call, floor) for label, ts in result.items()]
+        del here, results
+        gc.collect()
     del trees
     gc.collect()
     if device == "cuda":
@@ -586,11 +612,17 @@ def run(
         if bar is not None:
             bar.note("measuring the copy floor")
         biggest = max(workloads.count_params(workloads.WORKLOADS[w]()) for w in workload_names)
-        floor = copy_floor(min(500_000_000, max(64 * biggest, 1 << 22)), 5)
-    runs = [
-        run_workload(d, w, ops, repeats[w], impls, floor if d == "cpu" else None, bar, ps, budget_s)
-        for d, w, impls, ps in plan
-    ]
+        floor = copy_floor(min(COPY_FLOOR_BYTES, max(64 * biggest, 1 << 22)), 5)
+    runs = []
+    for device in devices:
+        remote = _Peers(next(ps for d, _, _, ps in plan if d == device), device, budget_s)
+        try:
+            for d, w, impls, _ in plan:
+                if d == device:
+                    cpu_floor = floor if d == "cpu" else None
+                    runs.append(run_workload(d, w, ops, repeats[w], impls, cpu_floor, bar, remote))
+        finally:
+            remote.close()
     if bar is not None:
         bar.close()
     return {

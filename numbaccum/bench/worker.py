@@ -12,6 +12,7 @@ Every call is timed inside the worker, so the messages' own cost is never in a s
 from __future__ import annotations
 
 import contextlib
+import gc
 import importlib
 import os
 import pickle
@@ -54,31 +55,24 @@ def _rss(pid: int) -> int | None:
 
 
 class PeerProcess:
-    """One peer on one device and workload, in a process of its own.
+    """One peer on one device, in a process of its own, for as many workloads as it survives.
 
     Args:
         peer: its `peers.Peer` entry.
         device: ``"cpu"`` or ``"cuda"``.
-        workload: the name of the workload (the worker builds its own copy of the trees).
         k: the MultiSteps period.
         max_norm: the standalone clip's max_norm.
         budget_s: the most seconds a step's build and first calls (compile included), or any
             later request, may take before the process is killed.
-        memory_bytes: the most resident memory the process may hold (checked while waiting).
+        startup_s: the most seconds its start (imports, the library's warm-up) or a workload's
+            trees may take.
     """
 
     def __init__(
-        self,
-        peer: Any,
-        device: str,
-        workload: str,
-        k: int,
-        max_norm: float,
-        budget_s: float,
-        memory_bytes: int,
-        startup_s: float = 120.0,
+        self, peer: Any, device: str, k: int, max_norm: float, budget_s: float, startup_s: float = 120.0
     ) -> None:
-        self.peer, self.budget_s, self.memory_bytes, self.startup_s = peer, budget_s, memory_bytes, startup_s
+        self.peer, self.budget_s, self.startup_s = peer, budget_s, startup_s
+        self.memory_bytes = 1 << 62  # set with each workload
         self._log = tempfile.TemporaryFile()  # noqa: SIM115 (lives as long as the process; close() frees it)
         package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         self._proc = subprocess.Popen(
@@ -87,11 +81,27 @@ class PeerProcess:
             stdout=subprocess.PIPE,
             stderr=self._log,
         )
+        assert self._proc.stdin is not None and self._proc.stdout is not None
+        self._to, self._from = self._proc.stdin, self._proc.stdout
         self._replies: queue.Queue = queue.Queue()
-        threading.Thread(target=self._read, args=(self._proc.stdout,), daemon=True).start()
+        threading.Thread(target=self._read, args=(self._from,), daemon=True).start()
         self._dead: str | None = None
-        self._ready = False
-        self._send(("start", peer, device, workload, k, max_norm))
+        self._setup: list[str] = []  # requests sent whose replies `ready` has yet to read
+        self._request(("start", peer, device, k, max_norm), "its start")
+
+    @property
+    def alive(self) -> bool:
+        return self._dead is None
+
+    def load(self, workload: str, memory_bytes: int) -> None:
+        """Has the worker build ``workload``'s trees (dropping the last one's), in the background:
+        the next `prepare` waits for it. ``memory_bytes``: its resident memory's bound from now."""
+        self.memory_bytes = memory_bytes
+        self._request(("workload", workload), f"its trees of {workload}")
+
+    def _request(self, msg: tuple, what: str) -> None:
+        self._send(msg)
+        self._setup.append(what)
 
     def _read(self, stream: BinaryIO) -> None:
         # A reader thread turns the blocking pipe into a queue the parent can wait on with a timeout.
@@ -104,8 +114,8 @@ class PeerProcess:
 
     def _send(self, msg: tuple) -> None:
         try:
-            pickle.dump(msg, self._proc.stdin)
-            self._proc.stdin.flush()
+            pickle.dump(msg, self._to)
+            self._to.flush()
         except (OSError, ValueError):
             pass  # the process is gone: the wait for its reply says so
 
@@ -143,14 +153,14 @@ class PeerProcess:
             raise self._abandon(f"{what}: its process exited ({code}): {self._last_error_line()}")
 
     def ready(self) -> None:
-        """Waits for the worker to import its library and build its trees (a failure there is
-        fatal: the process is killed and every row of the workload skipped)."""
-        if not self._ready:
+        """Waits for the worker's start (imports, warm-up) and trees (a failure there is fatal:
+        the process is killed and every later row skipped)."""
+        while self._setup:
             try:
-                self._wait("its start", self.startup_s)
+                self._wait(self._setup[0], self.startup_s)
             except PeerSkipped as e:
                 raise e if e.dead else self._abandon(str(e)) from None
-            self._ready = True
+            self._setup.pop(0)
 
     def prepare(self, op: str, calls: int) -> float:
         """Builds ``op``'s step (dropping the previous one) and makes its first ``calls`` calls,
@@ -177,10 +187,9 @@ class PeerProcess:
                 self._proc.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 self.kill()
-        for stream in (self._proc.stdin, self._proc.stdout):
-            if stream is not None:
-                with contextlib.suppress(OSError):
-                    stream.close()
+        for stream in (self._to, self._from):
+            with contextlib.suppress(OSError):
+                stream.close()
         self._log.close()
 
 
@@ -209,21 +218,31 @@ def _clock(device: str, wall: bool) -> Any:
 class _Worker:
     """What a peer's process holds: its trees, the step of the current operation, its clock."""
 
-    def __init__(self, peer: Any, device: str, workload: str, k: int, max_norm: float) -> None:
-        from . import workloads
-
+    def __init__(self, peer: Any, device: str, k: int, max_norm: float) -> None:
         if not _function(peer.available)(device):
             raise RuntimeError(f"{', '.join(peer.modules)} cannot run on {device} here")
-        params, grads = workloads.bench_trees(workload)
-        self.p, self.g = workloads.leaves(params), workloads.leaves(grads)
+        if peer.warm is not None:
+            _function(peer.warm)(device)
         self.build = _function(peer.steps)
         self.args = (k, max_norm, device)
         self.clock = _clock(device, peer.cuda_wall)
         self.op: str | None = None
         self.step: Any = None
+        self.p: list[Any] = []
+        self.g: list[Any] = []
+
+    def workload(self, name: str) -> None:
+        from . import workloads
+
+        # The last workload's trees and state go before the next ones are made.
+        self.op, self.step, self.p, self.g = None, None, [], []
+        gc.collect()
+        params, grads = workloads.bench_trees(name)
+        self.p, self.g = workloads.leaves(params), workloads.leaves(grads)
 
     def prepare(self, op: str, calls: int) -> float:
-        self.step = None  # the previous operation's state goes before the next one's is made
+        self.op, self.step = None, None  # the last operation's state goes before the next one's
+        gc.collect()
         t = time.perf_counter()
         self.step = self.build(self.p, self.g, *self.args, (op,))[op]
         self.op = op
@@ -257,6 +276,9 @@ def serve(inp: BinaryIO | None = None, out: BinaryIO | None = None) -> None:
                 reply: tuple = ("ok", None)
             elif worker is None:
                 reply = ("error", "not started")
+            elif msg[0] == "workload":
+                worker.workload(*msg[1:])
+                reply = ("ok", None)
             elif msg[0] == "prepare":
                 reply = ("ok", worker.prepare(*msg[1:]))
             else:
