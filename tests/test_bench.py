@@ -250,8 +250,13 @@ def available(device):
 
 def steps(params, grads, k, max_norm, device, ops):
     def slow():  # a compile that never ends, as optax's jit of 2000 leaves on a small machine
-        time.sleep(600)
+        t = time.perf_counter()
+        while time.perf_counter() - t < 600:
+            pass
     return {op: slow if op == "clip" else (lambda: None) for op in ops}
+
+def stuck(params, grads, k, max_norm, device, ops):
+    return {op: (lambda: time.sleep(600)) if op == "ema" else (lambda: None) for op in ops}
 
 def fast(params, grads, k, max_norm, device, ops):
     return {op: (lambda: None) for op in ops}
@@ -260,12 +265,14 @@ def fast(params, grads, k, max_norm, device, ops):
 
 @pytest.fixture
 def fake_peers(tmp_path, monkeypatch):
-    """Two peers in the registry, importable by their processes: "slow" (its clip's first call
-    never returns) and "fast" (every call does nothing), and "absent" (not installed)."""
+    """Peers in the registry, importable by their processes: "slow" (its clip's first call
+    computes for 600 s), "stuck" (its ema's first call sleeps for 600 s), "fast" (every call does
+    nothing), and "absent" (not installed)."""
     (tmp_path / "fake_bench_peer.py").write_text(textwrap.dedent(SLOW_PEER))
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
     entries = {
         "slow": peers.Peer("slow peer", (), "-", "fake_bench_peer:steps", "fake_bench_peer:available"),
+        "stuck": peers.Peer("stuck peer", (), "-", "fake_bench_peer:stuck", "fake_bench_peer:available"),
         "fast": peers.Peer("fast peer", (), "-", "fake_bench_peer:fast", "fake_bench_peer:available"),
         "absent": peers.Peer("absent peer", ("no_such_module_x",), "pip install absent-peer", "-", "-"),
     }
@@ -279,19 +286,30 @@ def test_a_peer_over_its_budget_is_skipped_with_a_note_and_the_run_completes(fak
     result = runner.run(
         ("tiny",), ("cpu",), runner.OPS, fake_peers, {"tiny": 5}, progress=False, budget_s=1.0
     )
-    assert time.perf_counter() - t < 300  # the slow peer's call sleeps 600 s: it was not waited for
+    assert time.perf_counter() - t < 300  # the slow calls take 600 s: they were not waited for
     (run,) = result["runs"]
     impls = {(r["op"], r["impl"]) for r in run["rows"]}
     assert not any(impl == "slow peer" for _, impl in impls)
+    assert {op for op, impl in impls if impl == "stuck peer"} == set(OPS) - {"ema (debias)"}
     for label in OPS:  # everyone else is timed on every row, alternately with the fast peer
         assert {(label, "numbaccum"), (label, "numpy"), (label, "fast peer")} <= impls
     notes = {(x["op"], x["impl"]): x["why"] for x in run["skipped"]}
-    assert set(notes) == {("clip", "slow peer"), ("multisteps", "slow peer"), ("ema", "slow peer")}
-    assert "first call (compile included) of clip ran over 1 s" in notes[("clip", "slow peer")]
+    assert set(notes) == {
+        ("clip", "slow peer"),
+        ("multisteps", "slow peer"),
+        ("ema", "slow peer"),
+        ("ema", "stuck peer"),
+    }
+    # Computing: over 1 s of CPU time (or 3 s of wall time on a machine too busy to give it 1 s).
+    assert re.fullmatch(
+        r"its build .* of clip ran over (1 s \(of CPU time\)|3 s)", notes[("clip", "slow peer")]
+    )
     assert notes[("ema", "slow peer")].startswith("not run")
+    # Sleeping (no CPU time): over 3 s of wall time.
+    assert notes[("ema", "stuck peer")] == "its build and first call (compile included) of ema ran over 3 s"
     table = runner.format_table(result)
     assert (
-        "- slow peer on clip: skipped: its build and first call (compile included) of clip ran over 1 s"
+        "- stuck peer on ema: skipped: its build and first call (compile included) of ema ran over 3 s"
         in table
     )
 
@@ -318,7 +336,7 @@ def test_the_run_says_what_will_run_and_shows_progress_before_any_slow_step(fake
     assert "workloads: tiny (100 params in 10 leaves)" in plan
     assert "cpu: numbaccum, numbaccum (plain tree), numpy, fast peer" in plan
     assert "not installed: absent peer (absent): pip install absent-peer" in plan
-    assert "over 20 s (--peer-budget) is skipped" in plan
+    assert "over 20 s of CPU time or 60 s (--peer-budget) is skipped" in plan
     assert re.search(r"\[\d+\.\d s\] measuring the copy floor\n$", plan)
     assert seen["_trees"].endswith("cpu tiny: making the trees, and the peers' own (fast peer)\n")
     assert re.search(

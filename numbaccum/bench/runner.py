@@ -52,7 +52,7 @@ import numpy as np
 from . import workloads
 from .baselines import B1, B2, DECAY, EPS, LR, NumpyClipByGlobalNorm, NumpyEma, NumpyMultiStepsAdam
 from .peers import FULL_MAX_NORM, PEERS, Peer, Steps, torch_available
-from .worker import PeerProcess, PeerSkipped
+from .worker import WALL_FACTOR, PeerProcess, PeerSkipped
 
 K = 4  # mini-steps per MultiSteps cycle
 CLIP_MAX_NORM = 1e-3  # far below the gradients' norm: the standalone clip always scales
@@ -79,9 +79,9 @@ QUICK_WORKLOADS = ("many_small", "tiny")
 # Timed calls per operation (MultiSteps: calls of all positions of a cycle, after a warm-up cycle).
 REPEATS = {"gpt2_small": 12, "resnet50": 20, "many_small": 40, "tiny": 2000}
 QUICK_REPEATS = {"gpt2_small": 4, "resnet50": 4, "many_small": 4, "tiny": 200}
-# A peer's build and first calls of a row (its compile included) must finish within this, or the
-# row is skipped with a note: optax's jit of the 2000-leaf tree would otherwise hold a run for
-# many minutes and gigabytes.
+# A peer's build and first calls of a row (its compile included) must finish within this many
+# seconds of CPU time (and WALL_FACTOR times as many of wall time), or the row is skipped with a
+# note: optax's jit of the 2000-leaf tree would otherwise hold a run for many minutes and gigabytes.
 PEER_BUDGET_S = 20.0
 QUICK_PEER_BUDGET_S = 10.0
 # The most resident memory a peer's process may hold: its trees and states (at most about 12
@@ -570,8 +570,8 @@ def describe_plan(
         versions = "; ".join(v for v in (p.version() for p in peers.values()) if v)
         lines.append(
             f"  peers ({versions or ', '.join(peers)}) run in processes of their own: "
-            f"a row whose build and first call (compile included) take over {budget_s:g} s "
-            "(--peer-budget) is skipped with a note"
+            f"a row whose build and first call (compile included) take over {budget_s:g} s of CPU time "
+            f"or {WALL_FACTOR * budget_s:g} s (--peer-budget) is skipped with a note"
         )
     for name, peer in missing.items():
         lines.append(f"  not installed: {peer.label} ({name}): {peer.install}")
@@ -744,8 +744,9 @@ def main(argv: list[str] | None = None) -> int:
         "--peer-budget",
         type=float,
         metavar="SECONDS",
-        help=f"the most a peer's build and first call of a row (its compile included) may take before the "
-        f"row is skipped with a note (default {PEER_BUDGET_S:g}, with --quick {QUICK_PEER_BUDGET_S:g})",
+        help=f"the most CPU seconds (and {WALL_FACTOR:g} times as many seconds) a peer's build and first "
+        "call of a row (its compile included) may take before the row is skipped with a note "
+        f"(default {PEER_BUDGET_S:g}, with --quick {QUICK_PEER_BUDGET_S:g})",
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     parser.add_argument(

@@ -30,7 +30,8 @@ _BOOT = (
     "import sys, types; pkg = types.ModuleType('numbaccum'); pkg.__path__ = [sys.argv[1]]; "
     "sys.modules['numbaccum'] = pkg; from numbaccum.bench.worker import serve; serve()"
 )
-_POLL_S = 0.1  # how often a wait looks at the worker's memory and liveness
+_POLL_S = 0.1  # how often a wait looks at the worker's memory, CPU time and liveness
+WALL_FACTOR = 3.0  # a budget of CPU seconds allows this many times as many seconds of wall time
 
 
 class PeerSkipped(Exception):
@@ -54,6 +55,17 @@ def _rss(pid: int) -> int | None:
         return None
 
 
+def _cpu_seconds(pid: int) -> float | None:
+    """CPU seconds (user and system, all threads) process ``pid`` has used; None where /proc
+    cannot tell."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()  # the name, in parentheses, may hold spaces
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
+
+
 class PeerProcess:
     """One peer on one device, in a process of its own, for as many workloads as it survives.
 
@@ -62,8 +74,8 @@ class PeerProcess:
         device: ``"cpu"`` or ``"cuda"``.
         k: the MultiSteps period.
         max_norm: the standalone clip's max_norm.
-        budget_s: the most seconds a step's build and first calls (compile included), or any
-            later request, may take before the process is killed.
+        budget_s: the most CPU seconds a step's build and first calls (compile included), or any
+            later request, may take before the process is killed (`_wait`).
         startup_s: the most seconds its start (imports, the library's warm-up) or a workload's
             trees may take.
     """
@@ -129,12 +141,16 @@ class PeerProcess:
         self._dead = why
         return PeerSkipped(why, dead=True)
 
-    def _wait(self, what: str, timeout: float) -> Any:
-        """The worker's reply to ``what``; PeerSkipped (and the process killed) when it takes
-        longer than ``timeout`` s, holds more than the memory bound, dies or reports an error."""
+    def _wait(self, what: str, timeout: float, cpu: bool = True) -> Any:
+        """The worker's reply to ``what``; PeerSkipped (and the process killed) when it holds
+        more than the memory bound, dies, reports an error, or takes longer than ``timeout``
+        seconds: of its CPU time where /proc tells it (``cpu``; a busy machine then decides
+        as a quiet one would), and never more than `WALL_FACTOR` times that of wall time."""
         if self._dead is not None:
             raise PeerSkipped(f"not run ({self._dead})", dead=True)
-        deadline = time.perf_counter() + timeout
+        cpu0 = _cpu_seconds(self._proc.pid) if cpu else None
+        wall = timeout if cpu0 is None else WALL_FACTOR * timeout
+        deadline = time.perf_counter() + wall
         while True:
             try:
                 kind, value = self._replies.get(timeout=_POLL_S)
@@ -142,8 +158,11 @@ class PeerProcess:
                 rss = _rss(self._proc.pid)
                 if rss is not None and rss > self.memory_bytes:
                     raise self._abandon(f"{what} went over {self.memory_bytes / 2**30:.1f} GB") from None
+                used = _cpu_seconds(self._proc.pid) if cpu0 is not None else None
+                if used is not None and cpu0 is not None and used - cpu0 > timeout:
+                    raise self._abandon(f"{what} ran over {timeout:g} s (of CPU time)") from None
                 if time.perf_counter() > deadline:
-                    raise self._abandon(f"{what} ran over {timeout:g} s") from None
+                    raise self._abandon(f"{what} ran over {wall:g} s") from None
                 continue
             if kind == "ok":
                 return value
@@ -157,7 +176,7 @@ class PeerProcess:
         the process is killed and every later row skipped)."""
         while self._setup:
             try:
-                self._wait(self._setup[0], self.startup_s)
+                self._wait(self._setup[0], self.startup_s, cpu=False)
             except PeerSkipped as e:
                 raise e if e.dead else self._abandon(str(e)) from None
             self._setup.pop(0)
