@@ -293,6 +293,8 @@ def test_a_peer_over_its_budget_is_skipped_with_a_note_and_the_run_completes(fak
     assert {op for op, impl in impls if impl == "stuck peer"} == set(OPS) - {"ema (debias)"}
     for label in OPS:  # everyone else is timed on every row, alternately with the fast peer
         assert {(label, "numbaccum"), (label, "numpy"), (label, "fast peer")} <= impls
+    # A peer's row says how long its build and first calls took; numbaccum's rows are as before.
+    assert all((r["impl"] in ("fast peer", "stuck peer")) == ("first_call_s" in r) for r in run["rows"])
     notes = {(x["op"], x["impl"]): x["why"] for x in run["skipped"]}
     assert set(notes) == {
         ("clip", "slow peer"),
@@ -336,7 +338,7 @@ def test_the_run_says_what_will_run_and_shows_progress_before_any_slow_step(fake
     assert "workloads: tiny (100 params in 10 leaves)" in plan
     assert "cpu: numbaccum, numbaccum (plain tree), numpy, fast peer" in plan
     assert "not installed: absent peer (absent): pip install absent-peer" in plan
-    assert "over 20 s of CPU time or 60 s (--peer-budget) is skipped" in plan
+    assert "over 10 s of CPU time or 30 s (--peer-budget) is skipped" in plan
     assert re.search(r"\[\d+\.\d s\] measuring the copy floor\n$", plan)
     assert seen["_trees"].endswith("cpu tiny: making the trees, and the peers' own (fast peer)\n")
     assert re.search(

@@ -82,8 +82,8 @@ QUICK_REPEATS = {"gpt2_small": 4, "resnet50": 4, "many_small": 4, "tiny": 200}
 # A peer's build and first calls of a row (its compile included) must finish within this many
 # seconds of CPU time (and WALL_FACTOR times as many of wall time), or the row is skipped with a
 # note: optax's jit of the 2000-leaf tree would otherwise hold a run for many minutes and gigabytes.
-PEER_BUDGET_S = 20.0
-QUICK_PEER_BUDGET_S = 10.0
+PEER_BUDGET_S = 10.0
+QUICK_PEER_BUDGET_S = 5.0
 # The most resident memory a peer's process may hold: its trees and states (at most about 12
 # float32 copies of the parameters), plus this much for its library.
 PEER_MEMORY_BASE = 3 << 29  # 1.5 GiB
@@ -247,8 +247,8 @@ class _Remote:
 
     skipped: str | None = None
 
-    def __init__(self, process: PeerProcess, op: str) -> None:
-        self.process, self.op = process, op
+    def __init__(self, process: PeerProcess, op: str, first_s: float) -> None:
+        self.process, self.op, self.first_s = process, op, first_s
 
     def calls(self, n: int) -> list[float]:
         return self.process.calls(self.op, n)
@@ -390,8 +390,8 @@ class _Peers:
             why = self.gone.get(label)
             if why is None:
                 try:
-                    proc.prepare(op, K if op == "multisteps" else 1)
-                    out.append((label, _Remote(proc, op)))
+                    first = proc.prepare(op, K if op == "multisteps" else 1)
+                    out.append((label, _Remote(proc, op, first)))
                     continue
                 except PeerSkipped as e:
                     why = str(e)
@@ -478,7 +478,10 @@ def run_workload(
                 remote.dropped(name, c.skipped or "dropped", op, skipped)
                 note(f"{name} dropped on {op}: {c.skipped}")
                 continue
-            rows += [_row(label, ts, name, n_params, per_call, floor) for label, ts in result.items()]
+            for label, ts in result.items():
+                rows.append(_row(label, ts, name, n_params, per_call, floor))
+                if isinstance(c, _Remote):  # how long its build and first calls took (its budget's use)
+                    rows[-1]["first_call_s"] = c.first_s
         del here, results
         gc.collect()
     del trees
