@@ -31,7 +31,7 @@ _BOOT = (
     "sys.modules['numbaccum'] = pkg; from numbaccum.bench.worker import serve; serve()"
 )
 _POLL_S = 0.1  # how often a wait looks at the worker's memory, CPU time and liveness
-WALL_FACTOR = 3.0  # a budget of CPU seconds allows this many times as many seconds of wall time
+WALL_FACTOR = 6.0  # a budget of CPU seconds allows this many times as many seconds of wall time
 
 
 class PeerSkipped(Exception):
