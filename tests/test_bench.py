@@ -4,14 +4,17 @@ simulator, the table and the plot, and the NumPy baseline doing the same math as
 import io
 import json
 import os
+import re
 import subprocess
 import sys
+import textwrap
+import time
 
 import numpy as np
 import pytest
 
 import numbaccum as nba
-from numbaccum.bench import baselines, plot, runner, workloads
+from numbaccum.bench import baselines, peers, plot, runner, workloads
 
 ROW_KEYS = {"op", "impl", "median_s", "min_s", "max_s", "calls", "gbs", "floor_fraction"}
 RUN_KEYS = {"device", "workload", "n_params", "n_leaves", "per_call", "copy_floor_gbs", "rows"}
@@ -67,7 +70,7 @@ def test_quick_smoke_run_writes_the_json(tmp_path):
     assert many["copy_floor_gbs"] > 0
     # The table on stdout, the progress on stderr.
     assert "| MultiSteps mini-step | numbaccum |" in r.stdout and "median us" in r.stdout
-    assert "[1/" in r.stderr and "cpu tiny: ema, numbaccum (plain tree)" in r.stderr
+    assert "[1/" in r.stderr and "cpu tiny: ema: numbaccum, numbaccum (plain tree), numpy" in r.stderr
 
 
 def test_cuda_path_in_the_simulator(tmp_path):
@@ -169,8 +172,10 @@ def test_progress_bar_on_a_terminal_and_lines_otherwise():
         for i in range(4):
             bar.step(f"step {i}")
         bar.close()
-    assert tty.getvalue().count("\r") == 4 and "[" + "#" * 24 + "] 4/4 step 3" in tty.getvalue()
-    assert plain.getvalue().splitlines() == [f"  [{i + 1}/4] step {i}" for i in range(4)]
+    assert tty.getvalue().count("\r") == 4 and "[" + "#" * 24 + "] 4/4 " in tty.getvalue()
+    assert re.search(r"\] 4/4 \d+\.\d s step 3", tty.getvalue())
+    lines = plain.getvalue().splitlines()
+    assert [re.sub(r", \d+\.\d s\]", "]", x) for x in lines] == [f"  [{i + 1}/4] step {i}" for i in range(4)]
 
 
 @pytest.mark.parametrize("block", [None, 3])
@@ -225,8 +230,118 @@ def test_contenders_of_a_row_are_timed_alternately():
 
 
 def test_peer_selection():
-    names = [i.name for i in runner.implementations("cpu", "tiny", ())]
+    """numbaccum and NumPy run in this process; the peers are chosen by name among the installed
+    ones (they run in processes of their own)."""
+    names = [i.name for i in runner.implementations("cpu", "tiny")]
     assert names == ["numbaccum", "numbaccum (plain tree)", "numpy"]
-    with_optax = [i.name for i in runner.implementations("cpu", "tiny", ["optax"])]
-    assert "torch foreach" not in with_optax
-    assert ("optax jit" in with_optax) == runner.optax_available("cpu")
+    to_run, missing = runner.peers_to_run("cpu", ["optax"])
+    assert "torch" not in to_run and "torch" not in missing
+    assert ("optax" in to_run) == peers.PEERS["optax"].installed() == ("optax" not in missing)
+    assert runner.peers_to_run("cpu", False) == ({}, {})
+
+
+# --- issue 22 item 7: a peer cannot hold the run; the run says what it does from the start ------
+
+SLOW_PEER = """
+import time
+
+def available(device):
+    return True
+
+def steps(params, grads, k, max_norm, device, ops):
+    def slow():  # a compile that never ends, as optax's jit of 2000 leaves on a small machine
+        t = time.perf_counter()
+        while time.perf_counter() - t < 600:
+            pass
+    return {op: slow if op == "clip" else (lambda: None) for op in ops}
+
+def stuck(params, grads, k, max_norm, device, ops):
+    return {op: (lambda: time.sleep(600)) if op == "ema" else (lambda: None) for op in ops}
+
+def fast(params, grads, k, max_norm, device, ops):
+    return {op: (lambda: None) for op in ops}
+"""
+
+
+@pytest.fixture
+def fake_peers(tmp_path, monkeypatch):
+    """Peers in the registry, importable by their processes: "slow" (its clip's first call
+    computes for 600 s), "stuck" (its ema's first call sleeps for 600 s), "fast" (every call does
+    nothing), and "absent" (not installed)."""
+    (tmp_path / "fake_bench_peer.py").write_text(textwrap.dedent(SLOW_PEER))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    entries = {
+        "slow": peers.Peer("slow peer", (), "-", "fake_bench_peer:steps", "fake_bench_peer:available"),
+        "stuck": peers.Peer("stuck peer", (), "-", "fake_bench_peer:stuck", "fake_bench_peer:available"),
+        "fast": peers.Peer("fast peer", (), "-", "fake_bench_peer:fast", "fake_bench_peer:available"),
+        "absent": peers.Peer("absent peer", ("no_such_module_x",), "pip install absent-peer", "-", "-"),
+    }
+    for name, entry in entries.items():
+        monkeypatch.setitem(peers.PEERS, name, entry)
+    return list(entries)
+
+
+def test_a_peer_over_its_budget_is_skipped_with_a_note_and_the_run_completes(fake_peers):
+    t = time.perf_counter()
+    result = runner.run(
+        ("tiny",), ("cpu",), runner.OPS, fake_peers, {"tiny": 5}, progress=False, budget_s=1.0
+    )
+    assert time.perf_counter() - t < 300  # the slow calls take 600 s: they were not waited for
+    (run,) = result["runs"]
+    impls = {(r["op"], r["impl"]) for r in run["rows"]}
+    assert not any(impl == "slow peer" for _, impl in impls)
+    assert {op for op, impl in impls if impl == "stuck peer"} == set(OPS) - {"ema (debias)"}
+    for label in OPS:  # everyone else is timed on every row, alternately with the fast peer
+        assert {(label, "numbaccum"), (label, "numpy"), (label, "fast peer")} <= impls
+    # A peer's row says how long its build and first calls took; numbaccum's rows are as before.
+    assert all((r["impl"] in ("fast peer", "stuck peer")) == ("first_call_s" in r) for r in run["rows"])
+    notes = {(x["op"], x["impl"]): x["why"] for x in run["skipped"]}
+    assert set(notes) == {
+        ("clip", "slow peer"),
+        ("multisteps", "slow peer"),
+        ("ema", "slow peer"),
+        ("ema", "stuck peer"),
+    }
+    # Computing: over 1 s of CPU time (or 3 s of wall time on a machine too busy to give it 1 s).
+    assert re.fullmatch(
+        r"its build .* of clip ran over (1 s \(of CPU time\)|6 s)", notes[("clip", "slow peer")]
+    )
+    assert notes[("ema", "slow peer")].startswith("not run")
+    # Sleeping (no CPU time): over 6 s of wall time.
+    assert notes[("ema", "stuck peer")] == "its build and first call (compile included) of ema ran over 6 s"
+    table = runner.format_table(result)
+    assert (
+        "- stuck peer on ema: skipped: its build and first call (compile included) of ema ran over 6 s"
+        in table
+    )
+
+
+def test_the_run_says_what_will_run_and_shows_progress_before_any_slow_step(fake_peers, monkeypatch):
+    """The plan (workloads, contenders, missing peers and how to install them) is on stderr before
+    the copy floor is measured; a progress line names each phase before it begins."""
+    err = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", err)
+    seen: dict[str, str] = {}
+
+    def when(name, fn):
+        def wrapped(*args, **kwargs):
+            seen.setdefault(name, err.getvalue())
+            return fn(*args, **kwargs)
+
+        monkeypatch.setattr(runner, name, wrapped)
+
+    when("copy_floor", lambda *a: 1.0)
+    when("_trees", runner._trees)
+    when("measure_alternating", runner.measure_alternating)
+    runner.main(["--workload", "tiny", "--repeats", "3", "--peer", "fast", "--peer", "absent"])
+    plan = seen["copy_floor"]
+    assert "workloads: tiny (100 params in 10 leaves)" in plan
+    assert "cpu: numbaccum, numbaccum (plain tree), numpy, fast peer" in plan
+    assert "not installed: absent peer (absent): pip install absent-peer" in plan
+    assert "over 10 s of CPU time or 60 s (--peer-budget) is skipped" in plan
+    assert re.search(r"\[\d+\.\d s\] measuring the copy floor\n$", plan)
+    assert seen["_trees"].endswith("cpu tiny: making the trees, and the peers' own (fast peer)\n")
+    assert re.search(
+        r"\[1/3, \d+\.\d s\] cpu tiny: clip: numbaccum, numbaccum \(plain tree\), numpy, fast peer\n$",
+        seen["measure_alternating"],
+    )

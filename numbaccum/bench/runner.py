@@ -2,9 +2,10 @@
 installed, PyTorch's foreach ops and optax under ``jax.jit``, in one run, on the CPU and (when one
 works) on a CUDA device.
 
-Workloads (float32): GPT-2-small shapes (124M parameters in 148 leaves), 2000 small leaves of
+Workloads (float32): ResNet-50 shapes (25.6M parameters in 161 leaves), 2000 small leaves of
 100-5000 elements, and a tiny tree of 10 leaves of 10 elements, where what is measured is the
-per-call overhead (reported in microseconds). Operations: clip_by_global_norm (``max_norm`` far
+per-call overhead (reported in microseconds); on request, GPT-2-small shapes (124M parameters in
+148 leaves, about 10 GB with every peer). Operations: clip_by_global_norm (``max_norm`` far
 below the norm, so it always scales), a MultiSteps mini-step, ema with debias, and the emitting
 step of ``MultiSteps(chain(clip_by_global_norm(1.0), adam(1e-3)), 4)`` (the full step: accumulate,
 clip the mean, Adam, reset).
@@ -22,13 +23,21 @@ and writes the output (12).
 The copy floor is measured in the same run: on the CPU the faster of ``np.copyto`` and a parallel
 copy of a large buffer, on the GPU a device-to-device copy of the workload's size. On the GPU,
 calls are timed between CUDA events (optax: wall time, its step blocks until ready).
+
+A run first says what it will time, then a line as each phase and row begins. Each peer runs in a
+process of its own (`worker`), timed there call by call, in turn with the others: a row whose
+build and first call (compile included) run over the peer budget, or whose process grows past its
+memory bound, is abandoned (the process killed) and noted under the table. Each row builds only
+its own operation's states, so a run holds one operation's memory at a time.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import gc
+import importlib.metadata
 import json
 import os
 import platform
@@ -42,7 +51,8 @@ import numpy as np
 
 from . import workloads
 from .baselines import B1, B2, DECAY, EPS, LR, NumpyClipByGlobalNorm, NumpyEma, NumpyMultiStepsAdam
-from .peers import FULL_MAX_NORM, Steps, optax_available, optax_steps, torch_available, torch_steps
+from .peers import FULL_MAX_NORM, PEERS, Peer, Steps, torch_available
+from .worker import WALL_FACTOR, PeerProcess, PeerSkipped
 
 K = 4  # mini-steps per MultiSteps cycle
 CLIP_MAX_NORM = 1e-3  # far below the gradients' norm: the standalone clip always scales
@@ -51,6 +61,11 @@ OPS = ("clip", "multisteps", "ema")
 MINI = "MultiSteps mini-step"
 FULL = "full step: MultiSteps(chain(clip, adam)), emitting"
 LABELS = {"clip": ("clip_by_global_norm",), "multisteps": (MINI, FULL), "ema": ("ema (debias)",)}
+PLAN_LABELS = {
+    "clip": "clip_by_global_norm",
+    "multisteps": "MultiSteps(chain(clip, adam), 4): its mini-step and its emitting full step",
+    "ema": "ema (debias)",
+}
 BYTES_PER_PARAM = {
     "clip_by_global_norm": 12.0,
     MINI: (8 + 12 * (K - 2)) / (K - 1),  # the first mini-step of a cycle reads no acc
@@ -59,12 +74,24 @@ BYTES_PER_PARAM = {
 }
 
 DEVICES = ("cpu", "cuda")
-DEFAULT_WORKLOADS = ("gpt2_small", "many_small", "tiny")
+DEFAULT_WORKLOADS = ("resnet50", "many_small", "tiny")
 QUICK_WORKLOADS = ("many_small", "tiny")
 # Timed calls per operation (MultiSteps: calls of all positions of a cycle, after a warm-up cycle).
-REPEATS = {"gpt2_small": 12, "many_small": 40, "tiny": 2000}
-QUICK_REPEATS = {"gpt2_small": 4, "many_small": 4, "tiny": 200}
+REPEATS = {"gpt2_small": 12, "resnet50": 20, "many_small": 40, "tiny": 2000}
+QUICK_REPEATS = {"gpt2_small": 4, "resnet50": 4, "many_small": 4, "tiny": 200}
+# A peer's build and first calls of a row (its compile included) must finish within this many
+# seconds of CPU time (and WALL_FACTOR times as many of wall time), or the row is skipped with a
+# note: optax's jit of the 2000-leaf tree would otherwise hold a run for many minutes and gigabytes.
+PEER_BUDGET_S = 10.0
+QUICK_PEER_BUDGET_S = 5.0
+# The most resident memory a peer's process may hold: its trees and states (at most about 12
+# float32 copies of the parameters), plus this much for its library.
+PEER_MEMORY_BASE = 3 << 29  # 1.5 GiB
+PEER_MEMORY_COPIES = 12
 PER_CALL = {"tiny"}  # overhead-bound: reported in microseconds per call, no GB/s
+# The copy floor's buffers: 16 float32 copies of the largest workload, at most 2 x 128 MB (far
+# past any cache; 2 x 500 MB cost seconds of page faults on a busy 2-core machine).
+COPY_FLOOR_BYTES = 1 << 27
 
 Clock = Callable[[Callable[[], Any]], float]
 
@@ -98,160 +125,216 @@ def copy_floor(nbytes: int, repeats: int) -> float:
 # --- what is timed --------------------------------------------------------------------------
 
 
-def numbaccum_steps(params: Any, grads: Any, k: int = K) -> Steps:
-    """numbaccum's steps on ``params`` and ``grads`` as given: FlatTrees (host or device), plain
-    trees of NumPy arrays, or trees of PyTorch CUDA tensors."""
+def numbaccum_steps(params: Any, grads: Any, k: int = K, ops: Sequence[str] = OPS) -> Steps:
+    """numbaccum's steps of ``ops`` on ``params`` and ``grads`` as given: FlatTrees (host or
+    device), plain trees of NumPy arrays, or trees of PyTorch CUDA tensors."""
     import numbaccum as nba
 
-    full = nba.MultiSteps(nba.chain(nba.clip_by_global_norm(FULL_MAX_NORM), nba.adam(LR, B1, B2, EPS)), k)
-    clip, ema = nba.clip_by_global_norm(CLIP_MAX_NORM), nba.ema(DECAY)
-    box = {"ms": full.init(params), "clip": clip.init(params), "ema": ema.init(params)}
-
-    def multisteps() -> None:
-        _, box["ms"] = full.update(grads, box["ms"], params)
-
-    def ema_step() -> None:
-        _, box["ema"] = ema.update(grads, box["ema"])
-
-    def clip_step() -> None:
-        clip.update(grads, box["clip"])
-
-    return {"multisteps": multisteps, "ema": ema_step, "clip": clip_step}
-
-
-def numpy_steps(params: list[np.ndarray], grads: list[np.ndarray], k: int = K) -> Steps:
-    """The NumPy per-leaf baselines (`baselines`) of the same math."""
-    ms = NumpyMultiStepsAdam(params, k, max_norm=FULL_MAX_NORM)
-    ema, clip = NumpyEma(params), NumpyClipByGlobalNorm(params, CLIP_MAX_NORM)
-    return {
-        "multisteps": lambda: ms.update(grads),
-        "ema": lambda: ema.update(grads),
-        "clip": lambda: clip.update(grads),
+    txs = {
+        "multisteps": lambda: nba.MultiSteps(
+            nba.chain(nba.clip_by_global_norm(FULL_MAX_NORM), nba.adam(LR, B1, B2, EPS)), k
+        ),
+        "ema": lambda: nba.ema(DECAY),
+        "clip": lambda: nba.clip_by_global_norm(CLIP_MAX_NORM),
     }
+
+    def stepper(tx: Any) -> Callable[[], None]:
+        box = {"state": tx.init(params)}
+
+        def step() -> None:
+            _, box["state"] = tx.update(grads, box["state"], params)
+
+        return step
+
+    return {op: stepper(txs[op]()) for op in ops}
+
+
+def numpy_steps(
+    params: list[np.ndarray], grads: list[np.ndarray], k: int = K, ops: Sequence[str] = OPS
+) -> Steps:
+    """The NumPy per-leaf baselines (`baselines`) of the same math, for ``ops``."""
+    make: dict[str, Callable[[], Any]] = {
+        "multisteps": lambda: NumpyMultiStepsAdam(params, k, max_norm=FULL_MAX_NORM),
+        "ema": lambda: NumpyEma(params),
+        "clip": lambda: NumpyClipByGlobalNorm(params, CLIP_MAX_NORM),
+    }
+    return {op: functools.partial(make[op]().update, grads) for op in ops}
 
 
 class Impl:
-    """One implementation on one device: a name, how to build its steps from the workload's
-    trees, how to time a call."""
+    """One implementation timed in this process on one device: a name, how to build its steps
+    of some operations from the workload's trees, how to time a call."""
 
     def __init__(
-        self, name: str, build: Callable[[dict[str, Any]], Steps], clock: Callable[[], Clock]
+        self, name: str, build: Callable[[dict[str, Any], Sequence[str]], Steps], clock: Callable[[], Clock]
     ) -> None:
         self.name, self.build, self.clock = name, build, clock
 
 
 def _flat_pair(trees: dict[str, Any], device: bool) -> tuple[Any, Any]:
+    """numbaccum's own copies of the workload's trees (made once per workload and device)."""
     import numbaccum as nba
 
-    p, g = nba.FlatTree.from_tree(trees["params"]), nba.FlatTree.from_tree(trees["grads"])
-    return (nba.to_device(p), nba.to_device(g)) if device else (p, g)
+    key = "device flat" if device else "flat"
+    if key not in trees:
+        p, g = nba.FlatTree.from_tree(trees["params"]), nba.FlatTree.from_tree(trees["grads"])
+        trees[key] = (nba.to_device(p), nba.to_device(g)) if device else (p, g)
+    return trees[key]
 
 
-def _torch_views(trees: dict[str, Any]) -> Steps:
+def _torch_views(trees: dict[str, Any], ops: Sequence[str]) -> Steps:
     p, g = _flat_pair(trees, True)
-    return numbaccum_steps(p.tree_as("torch"), g.tree_as("torch"))
+    return numbaccum_steps(p.tree_as("torch"), g.tree_as("torch"), ops=ops)
 
 
-def _peer(build: Callable[..., Steps], device: str) -> Callable[[dict[str, Any]], Steps]:
-    return lambda t: build(t["p_leaves"], t["g_leaves"], K, CLIP_MAX_NORM, device)
-
-
-PEERS = ("torch", "optax")
-
-
-def implementations(device: str, workload: str, peers: bool | Sequence[str]) -> list[Impl]:
-    """What runs on ``device`` for ``workload`` (the peers named in ``peers``, or all of them for
-    True, when installed)."""
-    peers = PEERS if peers is True else () if peers is False else tuple(peers)
+def implementations(device: str, workload: str) -> list[Impl]:
+    """What runs in this process on ``device`` for ``workload``: numbaccum and the NumPy
+    baseline (the peers run in processes of their own: `peers_to_run`)."""
     wall = lambda: _wall  # noqa: E731
     if device == "cpu":
-        out = [Impl("numbaccum", lambda t: numbaccum_steps(*_flat_pair(t, False)), wall)]
+        flat = lambda t, ops: numbaccum_steps(*_flat_pair(t, False), ops=ops)  # noqa: E731
+        out = [Impl("numbaccum", flat, wall)]
         if workload in PER_CALL:  # the overhead of a plain tree (checked and packed every call)
-            plain = lambda t: numbaccum_steps(t["params"], t["grads"])  # noqa: E731
+            plain = lambda t, ops: numbaccum_steps(t["params"], t["grads"], ops=ops)  # noqa: E731
             out.append(Impl("numbaccum (plain tree)", plain, wall))
-        out.append(Impl("numpy", lambda t: numpy_steps(t["p_leaves"], t["g_leaves"]), wall))
-        if "torch" in peers and torch_available("cpu"):
-            out.append(Impl("torch foreach", _peer(torch_steps, "cpu"), wall))
-        if "optax" in peers and optax_available("cpu"):
-            out.append(Impl("optax jit", _peer(optax_steps, "cpu"), wall))
+        out.append(Impl("numpy", lambda t, ops: numpy_steps(t["p_leaves"], t["g_leaves"], ops=ops), wall))
         return out
     from . import gpu
 
-    out = [Impl("numbaccum", lambda t: numbaccum_steps(*_flat_pair(t, True)), gpu.Clock)]
-    if gpu.status()[1]:  # the simulator: numba's own arrays only (PyTorch and JAX need a real GPU)
-        return out
-    if torch_available("cuda"):  # the same device buffers seen as PyTorch tensors: torch in and out
+    device_flat = lambda t, ops: numbaccum_steps(*_flat_pair(t, True), ops=ops)  # noqa: E731
+    out = [Impl("numbaccum", device_flat, gpu.Clock)]
+    if not gpu.status()[1] and torch_available("cuda"):  # the same device buffers as PyTorch tensors
         out.append(Impl("numbaccum (torch tensors)", _torch_views, gpu.Clock))
-    if "torch" in peers and torch_available("cuda"):
-        out.append(Impl("torch foreach", _peer(torch_steps, "cuda"), gpu.Clock))
-    if "optax" in peers and optax_available("cuda"):  # its step blocks until ready: wall time
-        out.append(Impl("optax jit", _peer(optax_steps, "cuda"), lambda: gpu.Clock(wall=True)))
     return out
 
 
-# A row stops repeating once it has spent this long (with at least 3 samples): a slow peer (a
-# 2000-leaf tree converted leaf by leaf, say) would otherwise hold the whole run for minutes.
-ROW_SECONDS = 5.0
+def peers_to_run(device: str, peers: bool | Sequence[str]) -> tuple[dict[str, Peer], dict[str, Peer]]:
+    """``(to run, missing)``: the peers of `PEERS` named in ``peers`` (all for True) that are
+    installed, and those that are not. None runs on the CUDA simulator (PyTorch and JAX need a
+    real GPU)."""
+    names = list(PEERS) if peers is True else [] if peers is False else list(dict.fromkeys(peers))
+    if device == "cuda":
+        from . import gpu
+
+        if gpu.status()[1]:
+            return {}, {}
+    chosen = {name: PEERS[name] for name in names}
+    return (
+        {n: p for n, p in chosen.items() if p.installed()},
+        {n: p for n, p in chosen.items() if not p.installed()},
+    )
+
+
+# A row stops repeating once it has spent this long per contender (with at least 3 samples): a
+# slow peer (a 2000-leaf tree converted leaf by leaf, say) would otherwise hold the run for minutes.
+ROW_SECONDS = 3.0
+
+
+class _Local:
+    """A contender in this process: its step and clock."""
+
+    skipped: str | None = None
+
+    def __init__(self, step: Callable[[], Any], clock: Clock) -> None:
+        self.step, self.clock = step, clock
+
+    def calls(self, n: int) -> list[float]:
+        return [self.clock(self.step) for _ in range(n)]
+
+
+class _Remote:
+    """A contender in a peer's process (`worker.PeerProcess`), timed there call by call."""
+
+    skipped: str | None = None
+
+    def __init__(self, process: PeerProcess, op: str, first_s: float) -> None:
+        self.process, self.op, self.first_s = process, op, first_s
+
+    def calls(self, n: int) -> list[float]:
+        return self.process.calls(self.op, n)
 
 
 def measure(step: Callable[[], Any], op: str, clock: Clock, repeats: int, warmup: int) -> dict:
     """``{row label: per-call seconds}`` of one implementation (`measure_alternating`)."""
-    return measure_alternating([(step, clock)], op, repeats, warmup)[0]
+    (out,) = measure_alternating([(step, clock)], op, repeats, warmup)
+    assert out is not None  # only a peer's process drops out of a row
+    return out
 
 
-def measure_alternating(
-    contenders: list[tuple[Callable[[], Any], Clock]], op: str, repeats: int, warmup: int
-) -> list[dict]:
-    """``[{row label: per-call seconds}]``, one per ``(step, clock)`` contender, timed in turn:
-    call by call (A, B, C, A, B, C, ...); MultiSteps cycle by cycle (a warm-up cycle each, then
-    the mini-steps and the emitting (full) steps of ``max(2, repeats // K)`` cycles timed apart).
-    Each row takes ``repeats`` samples, or fewer (at least 3; 2 cycles) once ``ROW_SECONDS`` per
-    contender have passed."""
-    n = max(1, len(contenders))
+def measure_alternating(contenders: list[Any], op: str, repeats: int, warmup: int) -> list[dict | None]:
+    """``[{row label: per-call seconds}]``, one per contender (a ``(step, clock)`` pair, or any
+    object whose ``calls(n)`` makes and times ``n`` calls), timed in turn: call by call (A, B, C,
+    A, B, C, ...); MultiSteps cycle by cycle (a warm-up cycle each, then the mini-steps and the
+    emitting (full) steps of ``max(2, repeats // K)`` cycles timed apart). Each row takes
+    ``repeats`` samples, or fewer (at least 3; 2 cycles) once ``ROW_SECONDS`` per contender have
+    passed. A contender whose call raises `PeerSkipped` drops out of the row: its entry is None
+    and its ``skipped`` holds why."""
+    cs = [c if hasattr(c, "calls") else _Local(*c) for c in contenders]
+    live = list(range(len(cs)))
+    n = max(1, len(cs))
+
+    def call(i: int, k: int) -> list[float]:
+        try:
+            return cs[i].calls(k)
+        except PeerSkipped as e:
+            cs[i].skipped = str(e)
+            live.remove(i)
+            return []
 
     def more(samples: int, least: int) -> bool:
         return samples < least or time.perf_counter() - start < ROW_SECONDS * n
 
     start = time.perf_counter()
     if op == "multisteps":
-        minis: list[list[float]] = [[] for _ in contenders]
-        emits: list[list[float]] = [[] for _ in contenders]
+        minis: list[list[float]] = [[] for _ in cs]
+        emits: list[list[float]] = [[] for _ in cs]
         for cycle in range(max(2, repeats // K) + 1):
             if not more(cycle, 3):
                 break
-            for (step, clock), mini, emit in zip(contenders, minis, emits):
-                for position in range(K):
-                    t = clock(step)
-                    if cycle:
-                        (emit if position == K - 1 else mini).append(t)
-        return [{MINI: mini, FULL: emit} for mini, emit in zip(minis, emits)]
-    for step, _ in contenders:
-        for _ in range(warmup):
-            step()
+            for i in list(live):
+                ts = call(i, K)
+                if cycle and ts:
+                    minis[i] += ts[:-1]
+                    emits[i].append(ts[-1])
+        return [{MINI: minis[i], FULL: emits[i]} if i in live else None for i in range(len(cs))]
+    for i in list(live):
+        call(i, warmup)
     start = time.perf_counter()
-    times: list[list[float]] = [[] for _ in contenders]
-    while len(times[0]) < repeats and more(len(times[0]), 3):
-        for (step, clock), ts in zip(contenders, times):
-            ts.append(clock(step))
-    return [{LABELS[op][0]: ts} for ts in times]
+    times: list[list[float]] = [[] for _ in cs]
+    rounds = 0
+    while rounds < repeats and more(rounds, 3):
+        for i in list(live):
+            times[i] += call(i, 1)
+        rounds += 1
+    return [{LABELS[op][0]: times[i]} if i in live else None for i in range(len(cs))]
 
 
 class Progress:
-    """A progress bar on stderr (one line per step when stderr is not a terminal)."""
+    """Progress on stderr, each line with the seconds since the run began: a bar on a terminal,
+    one line per step otherwise; `note` adds a line (a phase begins, a row is skipped)."""
 
     def __init__(self, total: int, stream: Any = None) -> None:
         self.total, self.done = max(total, 1), 0
         self.stream = stream if stream is not None else sys.stderr
         self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.start = time.perf_counter()
+
+    def _elapsed(self) -> str:
+        return f"{time.perf_counter() - self.start:.1f} s"
 
     def step(self, label: str) -> None:
         self.done += 1
         if self.tty:
             filled = 24 * self.done // self.total
             bar = "#" * filled + "-" * (24 - filled)
-            self.stream.write(f"\r[{bar}] {self.done}/{self.total} {label[:70]:<70}")
+            self.stream.write(f"\r[{bar}] {self.done}/{self.total} {self._elapsed()} {label[:70]:<70}")
         else:
-            self.stream.write(f"  [{self.done}/{self.total}] {label}\n")
+            self.stream.write(f"  [{self.done}/{self.total}, {self._elapsed()}] {label}\n")
+        self.stream.flush()
+
+    def note(self, text: str) -> None:
+        lead = "\r" + " " * 110 + "\r" if self.tty else ""  # a line of its own above the bar
+        self.stream.write(f"{lead}  [{self._elapsed()}] {text}\n")
         self.stream.flush()
 
     def close(self) -> None:
@@ -264,15 +347,86 @@ class Progress:
 
 
 def _trees(workload: str) -> dict[str, Any]:
-    shapes = workloads.WORKLOADS[workload]()
-    params = workloads.make_tree(shapes, np.float32, seed=0)
-    grads = workloads.make_tree(shapes, np.float32, seed=1, scale=1e-2)
+    params, grads = workloads.bench_trees(workload)
     return {
         "params": params,
         "grads": grads,
         "p_leaves": workloads.leaves(params),
         "g_leaves": workloads.leaves(grads),
     }
+
+
+def _peer_memory(n_params: int) -> int:
+    return PEER_MEMORY_BASE + PEER_MEMORY_COPIES * 4 * n_params
+
+
+class _Peers:
+    """The peers' processes on one device: each started once (it imports its library while this
+    process works), given each workload in turn, dropped for the rest of a workload once it
+    fails or runs over its budget, and started again for the next workload if it was killed."""
+
+    def __init__(self, peers: dict[str, Peer], device: str, budget_s: float) -> None:
+        self.peers, self.device, self.budget_s = peers, device, budget_s
+        self.procs: dict[str, PeerProcess] = {}
+        self.gone: dict[str, str] = {}
+
+    def begin(self, workload: str, n_params: int) -> None:
+        """Has every peer build ``workload``'s trees (in its own process, while this one builds
+        its own)."""
+        self.gone = {}
+        for p in self.peers.values():
+            proc = self.procs.get(p.label)
+            if proc is None or not proc.alive:
+                if proc is not None:
+                    proc.close()
+                proc = self.procs[p.label] = PeerProcess(p, self.device, K, CLIP_MAX_NORM, self.budget_s)
+            proc.load(workload, _peer_memory(n_params))
+
+    def prepare(self, op: str, skipped: list[dict], progress: Progress | None) -> list[tuple[str, _Remote]]:
+        """The peers ready to be timed on ``op``: each built its step and made its first calls
+        (a MultiSteps cycle) within the budget; the others go to ``skipped`` with the reason."""
+        out = []
+        for label, proc in self.procs.items():
+            why = self.gone.get(label)
+            if why is None:
+                try:
+                    first = proc.prepare(op, K if op == "multisteps" else 1)
+                    out.append((label, _Remote(proc, op, first)))
+                    continue
+                except PeerSkipped as e:
+                    why = str(e)
+                    if e.dead:
+                        self.gone[label] = why
+            else:
+                why = f"not run: {why}"
+            skipped.append(dict(op=op, impl=label, why=why))
+            if progress is not None:
+                progress.note(f"{label} skipped on {op}: {why}")
+        return out
+
+    def dropped(self, label: str, why: str, op: str, skipped: list[dict]) -> None:
+        self.gone[label] = why
+        skipped.append(dict(op=op, impl=label, why=why))
+
+    def close(self) -> None:
+        for proc in self.procs.values():
+            proc.close()
+        self.procs = {}
+
+
+def _row(label: str, ts: list[float], impl: str, n_params: int, per_call: bool, floor: float | None) -> dict:
+    med = statistics.median(ts)
+    gbs = None if per_call else BYTES_PER_PARAM[label] * n_params / med / 1e9
+    return dict(
+        op=label,
+        impl=impl,
+        median_s=med,
+        min_s=min(ts),
+        max_s=max(ts),
+        calls=len(ts),
+        gbs=gbs,
+        floor_fraction=None if gbs is None or not floor else gbs / floor,
+    )
 
 
 def run_workload(
@@ -283,43 +437,54 @@ def run_workload(
     impls: list[Impl],
     floor: float | None,
     progress: Progress | None = None,
+    remote: _Peers | None = None,
 ) -> dict[str, Any]:
-    """Times every implementation and operation on one device and workload. ``floor``: the CPU
-    copy floor in GB/s (the GPU measures its own, of the workload's size)."""
+    """Times every implementation and operation on one device and workload: ``impls`` in this
+    process, the peers of ``remote`` each in a process of its own (`worker`), alternately.
+    ``floor``: the CPU copy floor in GB/s (the GPU measures its own, of the workload's size).
+    Each row builds only its operation's steps, so a row holds one operation's memory at a time."""
+    note = progress.note if progress is not None else lambda text: None
+    remote = remote if remote is not None else _Peers({}, device, PEER_BUDGET_S)
+    note(
+        f"{device} {workload}: making the trees"
+        + (
+            f", and the peers' own ({', '.join(p.label for p in remote.peers.values())})"
+            if remote.peers
+            else ""
+        )
+    )
+    shapes = workloads.WORKLOADS[workload]()
+    n_params = workloads.count_params(shapes)
+    remote.begin(workload, n_params)
     trees = _trees(workload)
-    n_params = sum(x.size for x in trees["g_leaves"])
     if device == "cuda":
         from . import gpu
 
         floor = gpu.copy_roof(n_params, 10)
     per_call = workload in PER_CALL
-    rows = []
-    # Every implementation is built first: a row's contenders are then timed alternately.
-    built = [(impl, impl.build(trees), impl.clock()) for impl in impls]
+    rows: list[dict] = []
+    skipped: list[dict] = []
     for op in ops:
-        here = [(impl, steps[op], clock) for impl, steps, clock in built if op in steps]
+        names = [impl.name for impl in impls] + [lb for lb in remote.procs if lb not in remote.gone]
         if progress is not None:
-            for impl, _, _ in built:
-                progress.step(f"{device} {workload}: {op}, {impl.name}")
-        warmup = 20 if per_call else 1
-        results = measure_alternating([(step, clock) for _, step, clock in here], op, repeats, warmup)
-        for (impl, _, _), result in zip(here, results):
+            progress.step(f"{device} {workload}: {op}: {', '.join(names)}")
+        here: list[tuple[str, _Local | _Remote]] = [
+            (impl.name, _Local(impl.build(trees, (op,))[op], impl.clock())) for impl in impls
+        ]
+        here += remote.prepare(op, skipped, progress)
+        results = measure_alternating([c for _, c in here], op, repeats, 20 if per_call else 1)
+        for (name, c), result in zip(here, results):
+            if result is None:
+                remote.dropped(name, c.skipped or "dropped", op, skipped)
+                note(f"{name} dropped on {op}: {c.skipped}")
+                continue
             for label, ts in result.items():
-                med = statistics.median(ts)
-                gbs = None if per_call else BYTES_PER_PARAM[label] * n_params / med / 1e9
-                rows.append(
-                    dict(
-                        op=label,
-                        impl=impl.name,
-                        median_s=med,
-                        min_s=min(ts),
-                        max_s=max(ts),
-                        calls=len(ts),
-                        gbs=gbs,
-                        floor_fraction=None if gbs is None or not floor else gbs / floor,
-                    )
-                )
-    del built
+                rows.append(_row(label, ts, name, n_params, per_call, floor))
+                if isinstance(c, _Remote):  # how long its build and first calls took (its budget's use)
+                    rows[-1]["first_call_s"] = c.first_s
+        del here, results
+        gc.collect()
+    del trees
     gc.collect()
     if device == "cuda":
         from . import gpu
@@ -329,10 +494,11 @@ def run_workload(
         "device": device,
         "workload": workload,
         "n_params": int(n_params),
-        "n_leaves": len(trees["g_leaves"]),
+        "n_leaves": workloads.count_leaves(shapes),
         "per_call": per_call,
         "copy_floor_gbs": floor,
         "rows": rows,
+        "skipped": skipped,
     }
 
 
@@ -356,14 +522,63 @@ def _threading_layer() -> str:
         return "not yet chosen"
 
 
-def _versions() -> dict[str, str]:
-    """Versions of the peers this run imported."""
+def _versions(peers: Sequence[Peer]) -> dict[str, str]:
+    """Versions of the peers' libraries (read from their metadata: this process never imports
+    them) and of matplotlib when this run imported it."""
     out = {}
-    for name in ("torch", "jax", "optax", "matplotlib"):
-        mod = sys.modules.get(name)
-        if mod is not None:
-            out[name] = str(getattr(mod, "__version__", "?"))
+    for peer in peers:
+        for module in peer.modules:
+            try:
+                out[module] = importlib.metadata.version(module)
+            except importlib.metadata.PackageNotFoundError:
+                out[module] = "?"
+    if "matplotlib" in sys.modules:
+        out["matplotlib"] = str(getattr(sys.modules["matplotlib"], "__version__", "?"))
     return out
+
+
+def describe_plan(
+    devices: Sequence[str],
+    workload_names: Sequence[str],
+    ops: Sequence[str],
+    plan: list[tuple[str, str, list[Impl], dict[str, Peer]]],
+    missing: dict[str, Peer],
+    budget_s: float,
+) -> str:
+    """What a run will do, said before it does anything slow: the workloads, the operations, the
+    contenders, the peers' budget, and how to install the peers that are missing."""
+    sizes = []
+    for w in workload_names:
+        shapes = workloads.WORKLOADS[w]()
+        sizes.append(
+            f"{w} ({workloads.count_params(shapes):,} params in {workloads.count_leaves(shapes)} leaves)"
+        )
+    lines = [
+        f"numbaccum bench: {', '.join(devices)} x {len(workload_names)} workloads x {len(ops)} operations",
+        f"  workloads: {'; '.join(sizes)}",
+        f"  operations: {'; '.join(PLAN_LABELS[op] for op in ops)}",
+    ]
+    for device in devices:
+        here = [(w, impls, peers) for d, w, impls, peers in plan if d == device]
+        names = {w: [i.name for i in impls] + [p.label for p in peers.values()] for w, impls, peers in here}
+        common = [n for n in names[here[0][0]] if all(n in v for v in names.values())]
+        extra = "; ".join(
+            f"{w} also {', '.join(n for n in v if n not in common)}"
+            for w, v in names.items()
+            if set(v) - set(common)
+        )
+        lines.append(f"  {device}: {', '.join(common)}" + (f" ({extra})" if extra else ""))
+    peers = {p.label: p for _, _, _, ps in plan for p in ps.values()}
+    if peers:
+        versions = "; ".join(v for v in (p.version() for p in peers.values()) if v)
+        lines.append(
+            f"  peers ({versions or ', '.join(peers)}) run in processes of their own: "
+            f"a row whose build and first call (compile included) take over {budget_s:g} s of CPU time "
+            f"or {WALL_FACTOR * budget_s:g} s (--peer-budget) is skipped with a note"
+        )
+    for name, peer in missing.items():
+        lines.append(f"  not installed: {peer.label} ({name}): {peer.install}")
+    return "\n".join(lines)
 
 
 def run(
@@ -373,8 +588,10 @@ def run(
     peers: bool | Sequence[str] = True,
     repeats: dict[str, int] | None = None,
     progress: bool = True,
+    budget_s: float = PEER_BUDGET_S,
 ) -> dict[str, Any]:
-    """Every device x workload, with the machine's description; the JSON that ``--json`` writes."""
+    """Every device x workload, with the machine's description; the JSON that ``--json`` writes.
+    What will run goes to stderr first, then (``progress``) a line as each phase and row begins."""
     import numba
 
     repeats = repeats or REPEATS
@@ -385,16 +602,30 @@ def run(
         works, _, gpu_name = gpu.status()
         if not works:
             raise SystemExit(f"numbaccum bench --device cuda: {gpu_name}")
-    # The implementations are decided before anything is timed: the progress bar knows its length.
-    plan = [(d, w, implementations(d, w, peers)) for d in devices for w in workload_names]
-    bar = Progress(sum(len(impls) * len(ops) for _, _, impls in plan)) if progress else None
+    # What runs is decided (without importing any peer) and said before anything is timed.
+    plan, missing = [], {}
+    for d in devices:
+        to_run, lacking = peers_to_run(d, peers)
+        missing.update(lacking)
+        plan += [(d, w, implementations(d, w), to_run) for w in workload_names]
+    print(describe_plan(devices, workload_names, ops, plan, missing, budget_s), file=sys.stderr, flush=True)
+    bar = Progress(len(plan) * len(ops)) if progress else None
     floor = None
     if "cpu" in devices:
+        if bar is not None:
+            bar.note("measuring the copy floor")
         biggest = max(workloads.count_params(workloads.WORKLOADS[w]()) for w in workload_names)
-        floor = copy_floor(min(500_000_000, max(64 * biggest, 1 << 22)), 5)
-    runs = [
-        run_workload(d, w, ops, repeats[w], impls, floor if d == "cpu" else None, bar) for d, w, impls in plan
-    ]
+        floor = copy_floor(min(COPY_FLOOR_BYTES, max(64 * biggest, 1 << 22)), 5)
+    runs = []
+    for device in devices:
+        remote = _Peers(next(ps for d, _, _, ps in plan if d == device), device, budget_s)
+        try:
+            for d, w, impls, _ in plan:
+                if d == device:
+                    cpu_floor = floor if d == "cpu" else None
+                    runs.append(run_workload(d, w, ops, repeats[w], impls, cpu_floor, bar, remote))
+        finally:
+            remote.close()
     if bar is not None:
         bar.close()
     return {
@@ -406,7 +637,7 @@ def run(
         "numba": numba.__version__,
         "numba_threads": numba.get_num_threads(),
         "threading_layer": _threading_layer(),
-        "peers": _versions(),
+        "peers": _versions([p for _, _, _, ps in plan for p in ps.values()]),
         "k": K,
         "runs": runs,
     }
@@ -469,6 +700,9 @@ def format_table(result: dict[str, Any]) -> str:
                 _ratio(t, by.get((r["op"], "numbaccum"))),
             ]
             lines.append("| " + " | ".join(cells) + " |")
+        if run.get("skipped"):
+            lines.append("")
+            lines += [f"- {x['impl']} on {x['op']}: skipped: {x['why']}" for x in run["skipped"]]
     return "\n".join(lines)
 
 
@@ -506,9 +740,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--peer",
         action="append",
-        choices=PEERS,
-        help="time only this peer (repeatable; default: every installed one). optax's jit of the "
-        "2000-leaf tree takes minutes and much memory on a small machine",
+        choices=sorted(PEERS),
+        help="time only this peer (repeatable; default: every installed one)",
+    )
+    parser.add_argument(
+        "--peer-budget",
+        type=float,
+        metavar="SECONDS",
+        help=f"the most CPU seconds (and {WALL_FACTOR:g} times as many seconds) a peer's build and first "
+        "call of a row (its compile included) may take before the row is skipped with a note "
+        f"(default {PEER_BUDGET_S:g}, with --quick {QUICK_PEER_BUDGET_S:g})",
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     parser.add_argument(
@@ -528,6 +769,9 @@ def main(argv: list[str] | None = None) -> int:
         return _report(saved, None, args.plot)
     if args.repeats is not None and args.repeats < 1:
         parser.error("--repeats must be >= 1")
+    if args.peer_budget is not None and not args.peer_budget > 0:
+        parser.error("--peer-budget must be > 0")
+    budget = args.peer_budget or (QUICK_PEER_BUDGET_S if args.quick else PEER_BUDGET_S)
     names = tuple(args.workload or (QUICK_WORKLOADS if args.quick else DEFAULT_WORKLOADS))
     base = QUICK_REPEATS if args.quick else REPEATS
     repeats = {w: args.repeats or base[w] for w in names}
@@ -538,13 +782,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         devices = _default_devices()
     ops = tuple(dict.fromkeys(args.op or OPS))
-    print(
-        f"numbaccum bench: {', '.join(devices)} x {', '.join(names)}; {', '.join(ops)} ...",
-        file=sys.stderr,
-        flush=True,
-    )
-    peers = () if args.no_peers else (args.peer or PEERS)
-    result = run(names, devices, ops, peers, repeats, not args.no_progress)
+    peers: bool | Sequence[str] = False if args.no_peers else (args.peer or True)
+    result = run(names, devices, ops, peers, repeats, not args.no_progress, budget)
     return _report(result, args.json, args.plot)
 
 
@@ -568,6 +807,7 @@ _RUN_KEYS: dict[str, tuple[type, ...]] = {
     "copy_floor_gbs": (int, float, type(None)),
     "rows": (list,),
 }
+_SKIP_KEYS: dict[str, tuple[type, ...]] = {"op": (str,), "impl": (str,), "why": (str,)}
 _ROW_KEYS: dict[str, tuple[type, ...]] = {
     "op": (str,),
     "impl": (str,),
@@ -601,6 +841,8 @@ def load_result(path: str) -> dict[str, Any]:
         raise ValueError(f"{shown}: 'gpu' is a {type(gpu).__name__}: not a numbaccum bench --json run")
     for i, run in enumerate(result["runs"]):
         _check_keys(run, _RUN_KEYS, f"runs[{i}]", shown)
+        for j, note in enumerate(run.get("skipped", [])):
+            _check_keys(note, _SKIP_KEYS, f"runs[{i}].skipped[{j}]", shown)
         for j, row in enumerate(run["rows"]):
             _check_keys(row, _ROW_KEYS, f"runs[{i}].rows[{j}]", shown)
             if not row["median_s"] > 0 or not row["min_s"] > 0 or not row["max_s"] > 0:

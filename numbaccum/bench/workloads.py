@@ -48,6 +48,35 @@ def gpt2_small_shapes(vocab: int = 50257, n_ctx: int = 1024, d: int = 768, n_lay
     return {"wte": (vocab, d), "wpe": (n_ctx, d), "h": blocks, "ln_f": ln()}
 
 
+def resnet50_shapes(classes: int = 1000) -> dict:
+    """ResNet-50 parameter shapes (torchvision's layout: conv weights ``(out, in, kh, kw)`` without
+    bias, each followed by a batch norm's weight and bias).
+
+    161 leaves, 25,557,032 parameters with the defaults.
+    """
+
+    def conv_bn(n_in: int, n_out: int, k: int) -> dict:
+        return {"conv": (n_out, n_in, k, k), "bn": {"b": (n_out,), "g": (n_out,)}}
+
+    def bottleneck(n_in: int, width: int, first: bool) -> dict:
+        block = {
+            "1": conv_bn(n_in, width, 1),
+            "2": conv_bn(width, width, 3),
+            "3": conv_bn(width, 4 * width, 1),
+        }
+        if first:  # the shortcut's projection to the block's output width
+            block["down"] = conv_bn(n_in, 4 * width, 1)
+        return block
+
+    layers, n_in = {}, 64
+    for i, (width, n_blocks) in enumerate([(64, 3), (128, 4), (256, 6), (512, 3)]):
+        layers[f"layer{i + 1}"] = {
+            f"{j}": bottleneck(n_in if j == 0 else 4 * width, width, j == 0) for j in range(n_blocks)
+        }
+        n_in = 4 * width
+    return {"stem": conv_bn(3, 64, 7), "layers": layers, "fc": {"w": (classes, n_in), "b": (classes,)}}
+
+
 def many_small_shapes(n: int = 2000, seed: int = 0) -> dict:
     """``n`` 1-D leaves with sizes drawn uniformly from [100, 5000] (about 5.1M params)."""
     rng = np.random.default_rng(seed)
@@ -149,8 +178,17 @@ def zeros_tree(shapes: Any, dtype: Any = np.float32) -> Any:
     return map_shapes(lambda s: np.zeros(s, dtype=dtype), shapes)
 
 
+def bench_trees(name: str) -> tuple[Any, Any]:
+    """``(params, grads)`` of the workload ``name`` as ``numbaccum bench`` times it: float32, params
+    ~ N(0, 1), grads ~ N(0, 1e-4); the same values in every process that asks (a peer's own
+    process builds its copy rather than receiving one)."""
+    shapes = WORKLOADS[name]()
+    return make_tree(shapes, np.float32, seed=0), make_tree(shapes, np.float32, seed=1, scale=1e-2)
+
+
 WORKLOADS: dict[str, Callable[[], dict]] = {
     "gpt2_small": gpt2_small_shapes,
+    "resnet50": resnet50_shapes,
     "many_small": many_small_shapes,
     "tiny": tiny_shapes,
 }
