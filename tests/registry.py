@@ -39,10 +39,31 @@ class Case(NamedTuple):
     cuda: bool = True
     per_example: bool = False
     note: str = ""
+    ref_state: bool = True  # the reference's state has numbaccum's field names (compare it)
 
 
 def _ndim_mask(tree: Any) -> Any:
     return nba.tree_map(lambda x: np.ndim(x) > 1, tree)
+
+
+def _stateless(fn: Callable[..., Any]) -> Callable[[], Any]:
+    """A reference Transformation from a tree function ``fn(updates, params)``."""
+
+    def make() -> Any:
+        return ref.Transformation(lambda params: ref.EmptyState(), lambda u, s, p=None, **e: (fn(u, p), s))
+
+    return make
+
+
+def _ref_clip(max_delta: float) -> Callable[[], Any]:
+    def clip(u: Any, p: Any) -> Any:
+        return ref.tree_map(lambda x: np.clip(x, -x.dtype.type(max_delta), x.dtype.type(max_delta)), u)
+
+    return _stateless(clip)
+
+
+def _ref_slices(**kw: Any) -> Callable[[], Any]:
+    return _stateless(lambda u, p: ref.scale_slices(u, **kw))
 
 
 CASES: dict[str, Case] = {}
@@ -107,7 +128,14 @@ _add(
     exact=True,
 )
 _add("apply_every", "apply_every", lambda: nba.apply_every(2), lambda: ref.apply_every(2), {}, fusable=False)
-_add("zero_nans", "zero_nans", nba.zero_nans, None, {})
+_add(
+    "zero_nans",
+    "zero_nans",
+    nba.zero_nans,
+    _stateless(lambda u, p: ref.tree_map(lambda x: np.where(np.isnan(x), x.dtype.type(0), x), u)),
+    {},
+    exact=True,
+)
 
 # --- Adam and optax's optimizer library ------------------------------------------------------
 _add("scale_by_adam", "scale_by_adam", nba.scale_by_adam, ref.scale_by_adam, {}, exact=True)
@@ -222,21 +250,86 @@ _add("adagrad", "adagrad", lambda: nba.adagrad(0.1), lambda: ref.adagrad(0.1), {
 _add("scale_by_rss", "scale_by_rss", nba.scale_by_rss, None, {})
 
 # --- clipping and the norm family ------------------------------------------------------------
-_add("clip", "clip", lambda: nba.clip(0.5), None, {"max_delta": 1.0})
-_add("clip_by_global_norm", "clip_by_global_norm", lambda: nba.clip_by_global_norm(1.0), None, {"max_norm": 1.0})
+_add("clip", "clip", lambda: nba.clip(0.5), _ref_clip(0.5), {"max_delta": 1.0}, exact=True)
+_add(
+    "clip_by_global_norm",
+    "clip_by_global_norm",
+    lambda: nba.clip_by_global_norm(1.0),
+    _ref_slices(dim="global", max_norm=1.0),
+    {"max_norm": 1.0},
+    note="the norm's sum runs in another order than the reference's",
+)
 _add("clip_by_block_rms", "clip_by_block_rms", lambda: nba.clip_by_block_rms(0.3), None, {"threshold": 1.0})
 _add("normalize_by_update_norm", "normalize_by_update_norm", lambda: nba.normalize_by_update_norm(2.0), None, {})
-_add("clip_norm_rows", "clip_norm", lambda: nba.clip_norm(1.0, dim=1), None, {"max_norm": 1.0})
-_add("clip_norm_p3", "clip_norm", lambda: nba.clip_norm(0.5, ord=3), None)
-_add("normalize_std_inverse", "normalize", lambda: nba.normalize(0.5, ord="std", dim=1, inverse_dims=True), None, {})
-_add("normalize_global_l1", "normalize", lambda: nba.normalize(2.0, ord=1, dim="global"), None)
-_add("centralize", "centralize", nba.centralize, None, {})
-_add("adaptive_grad_clip", "adaptive_grad_clip", lambda: nba.adaptive_grad_clip(0.05), None, {"clipping": 0.1})
-_add("clip_norm_by_ema", "clip_norm_by_ema", lambda: nba.clip_norm_by_ema(0.9), None, {})
-_add("normalize_by_ema", "normalize_by_ema", lambda: nba.normalize_by_ema(0.9), None, {})
-_add("clip_value_by_ema", "clip_value_by_ema", lambda: nba.clip_value_by_ema(0.9), None, {})
-_add("clip_norm_growth", "clip_norm_growth", lambda: nba.clip_norm_growth(), None, {})
-_add("clip_value_growth", "clip_value_growth", lambda: nba.clip_value_growth(add=0.5), None, {})
+_add(
+    "clip_norm_rows",
+    "clip_norm",
+    lambda: nba.clip_norm(1.0, dim=1),
+    _ref_slices(dim=1, max_norm=1.0),
+    {"max_norm": 1.0},
+)
+_add("clip_norm_p3", "clip_norm", lambda: nba.clip_norm(0.5, ord=3), _ref_slices(ord=3, max_norm=0.5))
+_add(
+    "normalize_std_inverse",
+    "normalize",
+    lambda: nba.normalize(0.5, ord="std", dim=1, inverse_dims=True),
+    _ref_slices(ord="std", dim=1, inverse_dims=True, norm_value=0.5),
+    {},
+)
+_add(
+    "normalize_global_l1",
+    "normalize",
+    lambda: nba.normalize(2.0, ord=1, dim="global"),
+    _ref_slices(ord=1, dim="global", norm_value=2.0),
+)
+_add("centralize", "centralize", nba.centralize, _stateless(lambda u, p: ref.centralize(u)), {})
+_add(
+    "adaptive_grad_clip",
+    "adaptive_grad_clip",
+    lambda: nba.adaptive_grad_clip(0.05),
+    _stateless(lambda u, p: ref.adaptive_grad_clip(u, p, 0.05)),
+    {"clipping": 0.1},
+)
+_add(
+    "clip_norm_by_ema",
+    "clip_norm_by_ema",
+    lambda: nba.clip_norm_by_ema(0.9),
+    lambda: ref.clip_norm_by_ema(0.9),
+    {},
+    ref_state=False,
+)
+_add(
+    "normalize_by_ema",
+    "normalize_by_ema",
+    lambda: nba.normalize_by_ema(0.9),
+    lambda: ref.clip_norm_by_ema(0.9, normalize=True),
+    {},
+    ref_state=False,
+)
+_add(
+    "clip_value_by_ema",
+    "clip_value_by_ema",
+    lambda: nba.clip_value_by_ema(0.9),
+    lambda: ref.clip_value_by_ema(0.9),
+    {},
+    ref_state=False,
+)
+_add(
+    "clip_norm_growth",
+    "clip_norm_growth",
+    nba.clip_norm_growth,
+    ref.clip_norm_growth,
+    {},
+    ref_state=False,
+)
+_add(
+    "clip_value_growth",
+    "clip_value_growth",
+    lambda: nba.clip_value_growth(add=0.5),
+    lambda: ref.clip_value_growth(add=0.5),
+    {},
+    ref_state=False,
+)
 
 # --- wrappers and combinators ----------------------------------------------------------------
 _add(

@@ -152,7 +152,8 @@ def test_updates_and_state_bit_for_bit(name, path):
     ref_outs, ref_state = run_reference(name)
     for k, (a, e) in enumerate(zip(outs, ref_outs)):
         assert_bits(a, e, f"{name} ({path}) step {k + 1} updates")
-    compare_states(state, ref_state, f"{name} ({path})", assert_bits)
+    if CASES[name].ref_state:
+        compare_states(state, ref_state, f"{name} ({path})", assert_bits)
 
 
 @pytest.mark.parametrize("name", EXACT)
@@ -206,4 +207,5 @@ def test_updates_and_state_close(name, path):
     ref_outs, ref_state = run_reference(name)
     for k, (a, e) in enumerate(zip(outs, ref_outs)):
         assert_close_elementwise(a, e, f"{name} ({path}) step {k + 1} updates")
-    compare_states(state, ref_state, f"{name} ({path})", assert_close_elementwise)
+    if CASES[name].ref_state:
+        compare_states(state, ref_state, f"{name} ({path})", assert_close_elementwise)
