@@ -21,6 +21,32 @@ INT32_MAX = ref.INT32_MAX
 RTOL = {np.dtype(np.float32): 1e-6, np.dtype(np.float64): 1e-12}
 
 
+# The thread counts whose results must have the same bits (conftest makes 2 available).
+THREAD_COUNTS = (1, 2)
+
+
+def thread_counts() -> tuple[int, ...]:
+    """`THREAD_COUNTS`, failing (not skipping) where numba cannot run them in this process."""
+    import numba
+
+    assert numba.config.NUMBA_NUM_THREADS >= max(THREAD_COUNTS), (
+        f"NUMBA_NUM_THREADS={numba.config.NUMBA_NUM_THREADS}: tests/conftest.py should have raised it"
+    )
+    return THREAD_COUNTS
+
+
+def require(module: str) -> Any:
+    """``module`` imported; skips without it, except under ``NUMBACCUM_CI``, where a missing
+    module fails the test (CI installs every test dependency: a skip would hide a lost test)."""
+    import importlib
+
+    import pytest
+
+    if os.environ.get("NUMBACCUM_CI"):
+        return importlib.import_module(module)
+    return pytest.importorskip(module)
+
+
 def as_tree(x: Any) -> Any:
     """The plain tree of a FlatTree (views into its buffers); plain trees as-is."""
     if isinstance(x, nba.FlatTree):

@@ -1,24 +1,98 @@
-"""Hypothesis draws new random trees on every run by hand (a bug hunt each time); under CI
-(``NUMBACCUM_CI=1``, exported by .ci/run) the draws are derandomized, so whether a change lands
-is decided by the code, not by the luck of the draw.
+"""The test session's settings: reproducible draws, a clean environment, a kernel cache of its own.
 
-One kernel cache for the session: the tests start many processes (the CLI, the benchmarks, MPI
-ranks, the README's examples), each of which would compile the same kernels again. Unless
-``NUMBACCUM_CACHE_DIR`` is set (``.ci/run`` sets it; ``off`` turns the cache off), this process
-and every process it starts share one directory in the temporary folder, kept between runs (its
-kernels are keyed by the package's sources, so an edit never loads a stale one). The tests of the
-cache itself give their processes directories of their own.
+Hypothesis: the default profile (``repro``) is derandomized, so the same code gives the same
+verdict on every machine and every run (the README's test command must not fail for a newcomer
+by the luck of the draw). ``NUMBACCUM_EXPLORE=1`` or ``--hypothesis-profile explore`` draws new
+random examples on every run instead (a bug hunt); ``NUMBACCUM_HYPOTHESIS_EXAMPLES`` raises the
+example count of the reference tests. ``ci`` is ``repro`` by its old name (.ci/run).
+
+Environment: every ``NUMBACCUM_*`` variable is cleared for the session (a ``NUMBACCUM_FUSE=0``
+left in a shell must not change what the suite tests), except those that configure the test run
+itself (`KEPT`). Tests that need a knob set it themselves (monkeypatch).
+
+Threads: ``NUMBA_NUM_THREADS`` is raised to 2 where it is lower, so that the thread-count tests
+compare 1 and 2 threads on every machine (`_testutil.THREAD_COUNTS`).
+
+Kernel cache: the session gets a fresh private directory (mode 0700) in the temporary folder,
+removed at the end; the processes the tests start inherit it. ``.ci/run`` passes one directory
+for all its passes through ``NUMBACCUM_CACHE_DIR`` with ``NUMBACCUM_CI=1``; a developer who wants
+warm kernels between runs names a private directory in ``NUMBACCUM_TEST_CACHE_DIR``.
 """
 
 import os
+import shutil
 import tempfile
 
+import pytest
 from hypothesis import settings
 
-settings.register_profile("ci", derandomize=True, print_blob=True)
-if os.environ.get("NUMBACCUM_CI"):
-    settings.load_profile("ci")
+# The variables that configure the test run (the CUDA simulator pass sets the thread knobs; they
+# are read when numbaccum is imported, after this file).
+KEPT = {
+    "NUMBACCUM_CI",
+    "NUMBACCUM_EXPLORE",
+    "NUMBACCUM_HYPOTHESIS_EXAMPLES",
+    "NUMBACCUM_CUDA_EXAMPLES",
+    "NUMBACCUM_CUDA_THREADS",
+    "NUMBACCUM_CUDA_MAX_BLOCKS",
+    "NUMBACCUM_TEST_CACHE_DIR",
+}
 
-if "NUMBACCUM_CACHE_DIR" not in os.environ:  # before numbaccum is imported (it reads it once)
-    user = os.getuid() if hasattr(os, "getuid") else os.environ.get("USERNAME", "user")
-    os.environ["NUMBACCUM_CACHE_DIR"] = os.path.join(tempfile.gettempdir(), f"numbaccum-tests-{user}")
+settings.register_profile("repro", derandomize=True, print_blob=True)
+settings.register_profile("ci", derandomize=True, print_blob=True)
+settings.register_profile("explore", derandomize=False, print_blob=True)
+settings.load_profile("explore" if os.environ.get("NUMBACCUM_EXPLORE", "") not in ("", "0") else "repro")
+
+
+def _session_cache_dir() -> tuple[str, bool]:
+    """(the kernel cache directory of this session, whether the session made it)."""
+    if os.environ.get("NUMBACCUM_CI") and os.environ.get("NUMBACCUM_CACHE_DIR"):
+        return os.environ["NUMBACCUM_CACHE_DIR"], False
+    if os.environ.get("NUMBACCUM_TEST_CACHE_DIR"):
+        return os.environ["NUMBACCUM_TEST_CACHE_DIR"], False
+    return tempfile.mkdtemp(prefix="numbaccum-tests-"), True  # mkdtemp: mode 0700, ours
+
+
+def _clean_environment() -> None:
+    cache = os.environ.get("NUMBACCUM_CACHE_DIR")
+    for name in [n for n in os.environ if n.startswith("NUMBACCUM_") and n not in KEPT]:
+        del os.environ[name]
+    if cache is not None:
+        os.environ["NUMBACCUM_CACHE_DIR"] = cache  # _session_cache_dir decides whether it is kept
+
+
+_clean_environment()
+# The thread-count tests compare 1 and 2 threads in this process: numba allows at most
+# NUMBA_NUM_THREADS, read when numba is imported (after this file), so make it at least 2.
+if int(os.environ.get("NUMBA_NUM_THREADS") or os.cpu_count() or 1) < 2:
+    os.environ["NUMBA_NUM_THREADS"] = "2"
+CACHE_DIR, _MADE = _session_cache_dir()
+os.environ["NUMBACCUM_CACHE_DIR"] = CACHE_DIR  # before numbaccum is imported (it reads it once)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _MADE:
+        shutil.rmtree(CACHE_DIR, ignore_errors=True)
+
+
+
+def _cuda_usable() -> bool:
+    if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
+        return True
+    try:
+        from numba import cuda
+
+        return cuda.is_available()
+    except Exception:
+        return False
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``cuda`` skip where there is neither a GPU nor the simulator (the marker is
+    registered in pyproject.toml; .ci/run's simulator pass selects them with ``-m cuda``)."""
+    gated = [item for item in items if item.get_closest_marker("cuda") is not None]
+    if not gated or _cuda_usable():
+        return
+    skip = pytest.mark.skip(reason="no CUDA device and not in the simulator (NUMBA_ENABLE_CUDASIM=1)")
+    for item in gated:
+        item.add_marker(skip)

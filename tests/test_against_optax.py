@@ -1,6 +1,7 @@
 """Differential tests against optax itself, when it is installed (``pip install optax``).
 
-CI does not install JAX; run these where it is (``pip install optax``). The float32 recipes of
+CI installs CPU JAX and optax (the ``parity`` extra, .ci/run); there (``NUMBACCUM_CI=1``) a
+missing JAX fails these tests instead of skipping them (`_testutil.require`). The float32 recipes of
 reference/optax.md are checked bit for bit in test_optax_vectors.py; optax itself is matched within
 DESIGN.md's rtol 1e-6: under ``jax.jit`` XLA contracts ``a * g + b * m`` into fused multiply-adds
 (1 ulp per step, carried in the state), and eager JAX computes ``decay ** count`` with a pow that
@@ -10,11 +11,12 @@ with the recipe's).
 
 import numpy as np
 import pytest
+from _testutil import require
 
 import numbaccum as nba
 
-optax = pytest.importorskip("optax")
-jax = pytest.importorskip("jax")
+optax = require("optax")
+jax = require("jax")
 
 
 def _grads(n_steps, shape, seed):

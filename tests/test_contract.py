@@ -163,7 +163,7 @@ def test_ops_for_picks_the_cpu_for_numpy_buffers():
     assert ops.driver is cpu_driver
 
 
-@pytest.mark.skipif(not SIM, reason="CUDA driver checked in the simulator (CI's CUDA pass) or on a GPU")
+@pytest.mark.cuda
 @pytest.mark.parametrize("f", FORMULAS, ids=lambda f: f.name)
 def test_cuda_driver_compiles_the_same_formula(f):
     from numba import cuda

@@ -24,16 +24,7 @@ from numbaccum.contract import ONE, Factor
 SIM = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
 
 
-def _cuda_usable():
-    try:
-        from numba import cuda
-
-        return SIM or cuda.is_available()
-    except Exception:
-        return False
-
-
-needs_cuda = pytest.mark.skipif(not _cuda_usable(), reason="no CUDA device and not in the simulator")
+needs_cuda = pytest.mark.cuda  # skipped without a GPU or the simulator (tests/conftest.py)
 
 
 def issue_tree():

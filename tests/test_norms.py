@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 import reference as ref
-from _testutil import assert_tree_close, snapshot
+from _testutil import assert_tree_close, snapshot, thread_counts
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from strategies import trees
@@ -407,7 +407,7 @@ def test_parallel_kernels_give_the_same_bits_for_any_thread_count(monkeypatch):
     monkeypatch.setattr(_config, "REDUCE_BLOCK", 1000)
     flat = nba.FlatTree.from_tree(tree)
     results = []
-    for threads in sorted({1, numba.config.NUMBA_NUM_THREADS}):
+    for threads in thread_counts():
         numba.set_num_threads(threads)
         try:
             results.append(

@@ -1,0 +1,459 @@
+"""One registry of numbaccum's public transformations, for every test that loops over them.
+
+Each `Case` builds one transformation with typical hyperparameters, the same transformation from
+`tests/reference.py` where the reference has it, the keyword arguments that make its required
+parameters valid (for the hostile-input test), and what the README claims about it:
+
+- ``exact``: float32 (and float64) results equal the reference bit for bit, step after step
+  (the README: "float32 results match optax's recipes bit for bit"); otherwise the comparison is
+  per leaf within `_testutil.RTOL`.
+- ``fusable``: a stage that `chain` may fuse with its neighbours (the fusion pool).
+- ``cuda``: runs on the CUDA backend (every transformation does; a Case says no only with a
+  reason in ``note``).
+- ``per_example``: its updates carry a leading batch dimension.
+
+`test_registry.py` checks that every name of ``numbaccum.__all__`` is either the ``public`` of
+some Case or listed in `EXEMPT` with the reason it is not a transformation, so a new public
+transformation cannot be forgotten by test_cuda, the fusion pool, the hostile constructors or
+the reference tests: they all read this list.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import numpy as np
+import reference as ref
+
+import numbaccum as nba
+
+
+class Case(NamedTuple):
+    public: str
+    make: Callable[[], Any]
+    reference: Callable[[], Any] | None = None
+    required: dict | None = None
+    exact: bool = False
+    fusable: bool = True
+    cuda: bool = True
+    per_example: bool = False
+    note: str = ""
+    ref_state: bool = True  # the reference's state has numbaccum's field names (compare it)
+
+
+def _ndim_mask(tree: Any) -> Any:
+    return nba.tree_map(lambda x: np.ndim(x) > 1, tree)
+
+
+def _stateless(fn: Callable[..., Any]) -> Callable[[], Any]:
+    """A reference Transformation from a tree function ``fn(updates, params)``."""
+
+    def make() -> Any:
+        return ref.Transformation(lambda params: ref.EmptyState(), lambda u, s, p=None, **e: (fn(u, p), s))
+
+    return make
+
+
+def _ref_clip(max_delta: float) -> Callable[[], Any]:
+    def clip(u: Any, p: Any) -> Any:
+        return ref.tree_map(lambda x: np.clip(x, -x.dtype.type(max_delta), x.dtype.type(max_delta)), u)
+
+    return _stateless(clip)
+
+
+def _ref_slices(**kw: Any) -> Callable[[], Any]:
+    return _stateless(lambda u, p: ref.scale_slices(u, **kw))
+
+
+CASES: dict[str, Case] = {}
+
+
+def _add(name: str, public: str, make, reference=None, required=None, **kw) -> None:
+    assert name not in CASES, name
+    CASES[name] = Case(public, make, reference, required, **kw)
+
+
+# --- accumulation and scaling ----------------------------------------------------------------
+_add("identity", "identity", nba.identity, ref.identity, {}, exact=True)
+_add("trace", "trace", lambda: nba.trace(0.9), lambda: ref.trace(0.9), {"decay": 0.9}, exact=True)
+_add(
+    "trace_nesterov",
+    "trace",
+    lambda: nba.trace(0.5, nesterov=True),
+    lambda: ref.trace(0.5, nesterov=True),
+    exact=True,
+)
+_add(
+    "trace_nesterov_f64acc",
+    "trace",
+    lambda: nba.trace(0.9, nesterov=True, accumulator_dtype=np.float64),
+    lambda: ref.trace(0.9, nesterov=True, accumulator_dtype=np.float64),
+    exact=True,
+)
+_add("ema", "ema", lambda: nba.ema(0.9), lambda: ref.ema(0.9), {"decay": 0.9}, exact=True)
+_add("ema_nodebias", "ema", lambda: nba.ema(0.75, debias=False), lambda: ref.ema(0.75, debias=False), exact=True)
+_add("scale", "scale", lambda: nba.scale(-0.3), lambda: ref.scale(-0.3), {"step_size": 0.5}, exact=True)
+_add(
+    "scale_by_learning_rate",
+    "scale_by_learning_rate",
+    lambda: nba.scale_by_learning_rate(lambda c: 0.1 / (1 + int(c))),
+    lambda: ref.scale_by_learning_rate(lambda c: 0.1 / (1 + int(c))),
+    {"learning_rate": 0.1},
+    exact=True,
+)
+_add(
+    "add_decayed_weights",
+    "add_decayed_weights",
+    lambda: nba.add_decayed_weights(0.1),
+    lambda: ref.add_decayed_weights(0.1),
+    {},
+    exact=True,
+)
+_add(
+    "add_decayed_weights_masked",
+    "add_decayed_weights",
+    lambda: nba.add_decayed_weights(0.1, _ndim_mask),
+    lambda: ref.add_decayed_weights_masked(0.1, _ndim_mask),
+    exact=True,
+)
+_add("scale_by_sign", "scale_by_sign", nba.scale_by_sign, ref.scale_by_sign, {}, exact=True)
+_add("sign_sgd", "sign_sgd", lambda: nba.sign_sgd(0.1), lambda: ref.sign_sgd(0.1), {"learning_rate": 1e-3}, exact=True)
+_add("sgd", "sgd", lambda: nba.sgd(0.1), lambda: ref.sgd(0.1), {"learning_rate": 0.1}, exact=True)
+_add(
+    "sgd_nesterov",
+    "sgd",
+    lambda: nba.sgd(0.1, momentum=0.9, nesterov=True),
+    lambda: ref.sgd(0.1, momentum=0.9, nesterov=True),
+    exact=True,
+)
+_add("apply_every", "apply_every", lambda: nba.apply_every(2), lambda: ref.apply_every(2), {}, fusable=False)
+_add(
+    "zero_nans",
+    "zero_nans",
+    nba.zero_nans,
+    _stateless(lambda u, p: ref.tree_map(lambda x: np.where(np.isnan(x), x.dtype.type(0), x), u)),
+    {},
+    exact=True,
+)
+
+# --- Adam and optax's optimizer library ------------------------------------------------------
+_add("scale_by_adam", "scale_by_adam", nba.scale_by_adam, ref.scale_by_adam, {}, exact=True)
+_add("adam", "adam", lambda: nba.adam(1e-2), lambda: ref.adam(1e-2), {"learning_rate": 1e-3}, exact=True)
+_add(
+    "adam_eps_root",
+    "adam",
+    lambda: nba.adam(1e-2, b1=0.5, b2=0.75, eps=1e-3, eps_root=1e-4),
+    lambda: ref.adam(1e-2, b1=0.5, b2=0.75, eps=1e-3, eps_root=1e-4),
+    exact=True,
+)
+_add(
+    "scale_by_nadam",
+    "scale_by_nadam",
+    nba.scale_by_nadam,
+    ref.scale_by_nadam,
+    {},
+    exact=True,
+)
+_add("nadam", "nadam", lambda: nba.nadam(1e-2), lambda: ref.nadam(1e-2), {"learning_rate": 1e-3}, exact=True)
+_add(
+    "adamw",
+    "adamw",
+    lambda: nba.adamw(1e-2, weight_decay=0.1),
+    lambda: ref.adamw(1e-2, weight_decay=0.1),
+    {"learning_rate": 1e-3},
+    exact=True,
+)
+_add(
+    "nadamw",
+    "nadamw",
+    lambda: nba.nadamw(1e-2, weight_decay=0.1),
+    lambda: ref.adamw(1e-2, weight_decay=0.1, nesterov=True),
+    {"learning_rate": 1e-3},
+    exact=True,
+)
+_add(
+    "amsgrad",
+    "amsgrad",
+    lambda: nba.amsgrad(1e-2),
+    lambda: ref.amsgrad(1e-2),
+    {"learning_rate": 1e-3},
+    exact=True,
+)
+_add("scale_by_amsgrad", "scale_by_amsgrad", nba.scale_by_amsgrad, None, {})
+_add("adamax", "adamax", lambda: nba.adamax(1e-2), lambda: ref.adamax(1e-2), {"learning_rate": 1e-3}, exact=True)
+_add("scale_by_adamax", "scale_by_adamax", nba.scale_by_adamax, None, {})
+_add(
+    "adabelief",
+    "adabelief",
+    lambda: nba.adabelief(1e-2),
+    lambda: ref.adabelief(1e-2),
+    {"learning_rate": 1e-3},
+    exact=True,
+)
+_add(
+    "adabelief_nesterov",
+    "adabelief",
+    lambda: nba.adabelief(1e-2, nesterov=True),
+    lambda: ref.adabelief(1e-2, nesterov=True),
+    exact=True,
+)
+_add("scale_by_belief", "scale_by_belief", nba.scale_by_belief, None, {})
+_add("lion", "lion", lambda: nba.lion(1e-2), lambda: ref.lion(1e-2), {"learning_rate": 1e-3}, exact=True)
+_add("scale_by_lion", "scale_by_lion", nba.scale_by_lion, ref.scale_by_lion, {}, exact=True)
+_add(
+    "scale_by_lion_smooth",
+    "scale_by_lion",
+    lambda: nba.scale_by_lion(mode="smooth", smooth_beta=2.0),
+    lambda: ref.scale_by_lion(mode="smooth", smooth_beta=2.0),
+    exact=False, note="tanh: NumPy's and the compiled libm's float32 tanh may differ in the last bit",
+)
+_add(
+    "scale_by_lion_refined",
+    "scale_by_lion",
+    lambda: nba.scale_by_lion(mode="refined"),
+    lambda: ref.scale_by_lion(mode="refined"),
+    exact=True,
+)
+_add(
+    "rmsprop",
+    "rmsprop",
+    lambda: nba.rmsprop(1e-2, eps_in_sqrt=False),
+    lambda: ref.rmsprop(1e-2, eps_in_sqrt=False),
+    {"learning_rate": 1e-3},
+    exact=False, note="1 / sqrt in float64 then rounded, as optax's rsqrt is not 1 / sqrt in float32 either",
+)
+_add(
+    "rmsprop_bias_correction",
+    "rmsprop",
+    lambda: nba.rmsprop(1e-2, bias_correction=True, initial_scale=0.5),
+    lambda: ref.rmsprop(1e-2, bias_correction=True, initial_scale=0.5),
+    exact=False, note="1 / sqrt in float64 then rounded, as optax's rsqrt is not 1 / sqrt in float32 either",
+)
+_add(
+    "rmsprop_centered_momentum",
+    "rmsprop",
+    lambda: nba.rmsprop(1e-2, centered=True, momentum=0.9, nesterov=True),
+    lambda: ref.rmsprop(1e-2, centered=True, momentum=0.9, nesterov=True),
+    exact=False, note="1 / sqrt in float64 then rounded, as optax's rsqrt is not 1 / sqrt in float32 either",
+)
+_add(
+    "rmsprop_centered_bc_eps_out",
+    "rmsprop",
+    lambda: nba.rmsprop(1e-2, centered=True, bias_correction=True, eps_in_sqrt=False, eps=1e-3),
+    lambda: ref.rmsprop(1e-2, centered=True, bias_correction=True, eps_in_sqrt=False, eps=1e-3),
+    exact=False, note="1 / sqrt in float64 then rounded, as optax's rsqrt is not 1 / sqrt in float32 either",
+)
+_add("scale_by_rms", "scale_by_rms", nba.scale_by_rms, None, {})
+_add("scale_by_stddev", "scale_by_stddev", nba.scale_by_stddev, None, {})
+_add("adagrad", "adagrad", lambda: nba.adagrad(0.1), lambda: ref.adagrad(0.1), {"learning_rate": 1e-3}, exact=False, note="1 / sqrt in float64 then rounded, as optax's rsqrt is not 1 / sqrt in float32 either")
+_add("scale_by_rss", "scale_by_rss", nba.scale_by_rss, None, {})
+
+# --- clipping and the norm family ------------------------------------------------------------
+_add("clip", "clip", lambda: nba.clip(0.5), _ref_clip(0.5), {"max_delta": 1.0}, exact=True)
+_add(
+    "clip_by_global_norm",
+    "clip_by_global_norm",
+    lambda: nba.clip_by_global_norm(1.0),
+    _ref_slices(dim="global", max_norm=1.0),
+    {"max_norm": 1.0},
+    note="the norm's sum runs in another order than the reference's",
+)
+_add("clip_by_block_rms", "clip_by_block_rms", lambda: nba.clip_by_block_rms(0.3), None, {"threshold": 1.0})
+_add("normalize_by_update_norm", "normalize_by_update_norm", lambda: nba.normalize_by_update_norm(2.0), None, {})
+_add(
+    "clip_norm_rows",
+    "clip_norm",
+    lambda: nba.clip_norm(1.0, dim=1),
+    _ref_slices(dim=1, max_norm=1.0),
+    {"max_norm": 1.0},
+)
+_add("clip_norm_p3", "clip_norm", lambda: nba.clip_norm(0.5, ord=3), _ref_slices(ord=3, max_norm=0.5))
+_add(
+    "normalize_std_inverse",
+    "normalize",
+    lambda: nba.normalize(0.5, ord="std", dim=1, inverse_dims=True),
+    _ref_slices(ord="std", dim=1, inverse_dims=True, norm_value=0.5),
+    {},
+)
+_add(
+    "normalize_global_l1",
+    "normalize",
+    lambda: nba.normalize(2.0, ord=1, dim="global"),
+    _ref_slices(ord=1, dim="global", norm_value=2.0),
+)
+_add("centralize", "centralize", nba.centralize, _stateless(lambda u, p: ref.centralize(u)), {})
+_add(
+    "adaptive_grad_clip",
+    "adaptive_grad_clip",
+    lambda: nba.adaptive_grad_clip(0.05),
+    _stateless(lambda u, p: ref.adaptive_grad_clip(u, p, 0.05)),
+    {"clipping": 0.1},
+)
+_add(
+    "clip_norm_by_ema",
+    "clip_norm_by_ema",
+    lambda: nba.clip_norm_by_ema(0.9),
+    lambda: ref.clip_norm_by_ema(0.9),
+    {},
+    ref_state=False,
+)
+_add(
+    "normalize_by_ema",
+    "normalize_by_ema",
+    lambda: nba.normalize_by_ema(0.9),
+    lambda: ref.clip_norm_by_ema(0.9, normalize=True),
+    {},
+    ref_state=False,
+)
+_add(
+    "clip_value_by_ema",
+    "clip_value_by_ema",
+    lambda: nba.clip_value_by_ema(0.9),
+    lambda: ref.clip_value_by_ema(0.9),
+    {},
+    ref_state=False,
+)
+_add(
+    "clip_norm_growth",
+    "clip_norm_growth",
+    nba.clip_norm_growth,
+    ref.clip_norm_growth,
+    {},
+    ref_state=False,
+)
+_add(
+    "clip_value_growth",
+    "clip_value_growth",
+    lambda: nba.clip_value_growth(add=0.5),
+    lambda: ref.clip_value_growth(add=0.5),
+    {},
+    ref_state=False,
+)
+
+# --- wrappers and combinators ----------------------------------------------------------------
+_add(
+    "chain_decay",
+    "chain",
+    lambda: nba.chain(nba.trace(0.5), nba.add_decayed_weights(1e-2), nba.scale(-0.1)),
+    lambda: ref.chain(ref.trace(0.5), ref.add_decayed_weights(1e-2), ref.scale(-0.1)),
+    exact=True,
+    fusable=False,
+)
+_add(
+    "named_chain",
+    "named_chain",
+    lambda: nba.named_chain(("clip", nba.clip_by_global_norm(1.0)), ("adam", nba.adam(1e-2))),
+    None,
+    fusable=False,
+)
+_add(
+    "masked_trace",
+    "masked",
+    lambda: nba.masked(nba.chain(nba.scale(2.0), nba.trace(0.9)), _ndim_mask),
+    lambda: ref.masked(ref.chain(ref.scale(2.0), ref.trace(0.9)), _ndim_mask),
+    exact=True,
+    fusable=False,
+)
+_add(
+    "multisteps_adam",
+    "MultiSteps",
+    lambda: nba.MultiSteps(nba.adam(1e-2), 2),
+    lambda: ref.MultiSteps(ref.adam(1e-2), 2).gradient_transformation(),
+    {"opt": nba.sgd(0.1), "every_k_schedule": 2},
+    fusable=False,
+)
+_add(
+    "apply_if_finite",
+    "apply_if_finite",
+    lambda: nba.apply_if_finite(nba.adam(1e-2), 2),
+    None,
+    {"inner": nba.sgd(0.1), "max_consecutive_errors": 2},
+    fusable=False,
+)
+_add(
+    "inject_hyperparams_adam",
+    "inject_hyperparams",
+    lambda: nba.inject_hyperparams(nba.adam)(learning_rate=1e-2),
+    None,
+    fusable=False,
+)
+_add(
+    "differentially_private_aggregate",
+    "differentially_private_aggregate",
+    lambda: nba.differentially_private_aggregate(1.0, 0.5, seed=0),
+    None,
+    {"l2_norm_clip": 1.0, "noise_multiplier": 0.5, "seed": 0},
+    fusable=False,
+    per_example=True,
+)
+_add(
+    "dpsgd",
+    "dpsgd",
+    lambda: nba.dpsgd(0.1, 1.0, 0.5, seed=0),
+    None,
+    {"learning_rate": 0.1, "l2_norm_clip": 1.0, "noise_multiplier": 0.5, "seed": 0},
+    fusable=False,
+    per_example=True,
+)
+
+# Names of numbaccum.__all__ that are not transformation constructors, with the reason.
+_STATES = "a state or node type"
+_FUNCTION = "a function of trees, not a transformation"
+_SCHEDULE = "a schedule"
+EXEMPT: dict[str, str] = {
+    **{n: _STATES for n in nba.__all__ if n.endswith("State") or n in ("MaskedNode", "ApplyEvery")},
+    "WeightDecaySchedule": _STATES,
+    "Explanation": "explain's result",
+    "FlatTree": "the flat buffer type",
+    "GradientTransformation": "the protocol type",
+    "GradientTransformationExtraArgs": "the protocol type",
+    "WrappedSchedule": _SCHEDULE,
+    "with_extra_args_support": "wraps a user's transformation (tests: test_semantics)",
+    **{
+        n: _FUNCTION
+        for n in (
+            "apply_updates",
+            "apply_updates_",
+            "clip_grad_norm_",
+            "clip_grad_value_",
+            "copy_state",
+            "explain",
+            "global_norm",
+            "load_state",
+            "save_state",
+            "normalize_grads_",
+            "per_example_clip_from_norms",
+            "per_example_clip_weights",
+            "per_example_global_norm_clip",
+            "per_example_layer_norm_clip",
+            "skip_large_updates",
+            "skip_not_finite",
+            "step_",
+            "to_device",
+            "to_host",
+            "tree_flatten",
+            "tree_map",
+            "tree_unflatten",
+            "unitwise_clip",
+            "unitwise_norm",
+            "warmup",
+            "stats",
+        )
+    },
+    **{n: _SCHEDULE for n in nba.__all__ if n.endswith("_schedule") or n == "exponential_decay"},
+}
+
+
+def cases(**flags: bool) -> list[str]:
+    """The names of the Cases whose flags equal ``flags`` (``exact=True``, ``cuda=True`` ...)."""
+    return sorted(n for n, c in CASES.items() if all(getattr(c, k) == v for k, v in flags.items()))
+
+
+def with_reference(**flags: bool) -> list[str]:
+    """The names of the Cases that have a reference (and the given flags)."""
+    return [n for n in cases(**flags) if CASES[n].reference is not None]
+
+
+def public_names() -> set[str]:
+    return {c.public for c in CASES.values()}
