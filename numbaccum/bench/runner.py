@@ -83,7 +83,6 @@ QUICK_REPEATS = {"gpt2_small": 4, "resnet50": 4, "many_small": 4, "tiny": 200}
 # seconds of CPU time (and WALL_FACTOR times as many of wall time), or the row is skipped with a
 # note: optax's jit of the 2000-leaf tree would otherwise hold a run for many minutes and gigabytes.
 PEER_BUDGET_S = 10.0
-QUICK_PEER_BUDGET_S = 5.0
 # The most resident memory a peer's process may hold: its trees and states (at most about 12
 # float32 copies of the parameters), plus this much for its library.
 PEER_MEMORY_BASE = 3 << 29  # 1.5 GiB
@@ -749,7 +748,7 @@ def main(argv: list[str] | None = None) -> int:
         metavar="SECONDS",
         help=f"the most CPU seconds (and {WALL_FACTOR:g} times as many seconds) a peer's build and first "
         "call of a row (its compile included) may take before the row is skipped with a note "
-        f"(default {PEER_BUDGET_S:g}, with --quick {QUICK_PEER_BUDGET_S:g})",
+        f"(default {PEER_BUDGET_S:g})",
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     parser.add_argument(
@@ -771,7 +770,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--repeats must be >= 1")
     if args.peer_budget is not None and not args.peer_budget > 0:
         parser.error("--peer-budget must be > 0")
-    budget = args.peer_budget or (QUICK_PEER_BUDGET_S if args.quick else PEER_BUDGET_S)
+    budget = args.peer_budget or PEER_BUDGET_S
     names = tuple(args.workload or (QUICK_WORKLOADS if args.quick else DEFAULT_WORKLOADS))
     base = QUICK_REPEATS if args.quick else REPEATS
     repeats = {w: args.repeats or base[w] for w in names}
