@@ -52,7 +52,7 @@ import numpy as np
 from . import workloads
 from .baselines import B1, B2, DECAY, EPS, LR, NumpyClipByGlobalNorm, NumpyEma, NumpyMultiStepsAdam
 from .peers import FULL_MAX_NORM, PEERS, Peer, Steps, torch_available
-from .worker import WALL_FACTOR, PeerProcess, PeerSkipped
+from .worker import WALL_FACTOR, PeerProcess, PeerSkipped, resident_bytes
 
 K = 4  # mini-steps per MultiSteps cycle
 CLIP_MAX_NORM = 1e-3  # far below the gradients' norm: the standalone clip always scales
@@ -92,6 +92,10 @@ PEER_BUDGET_S = 10.0
 # float32 copies of the parameters), plus this much for its library.
 PEER_MEMORY_BASE = 3 << 29  # 1.5 GiB
 PEER_MEMORY_COPIES = 12
+# The run's processes together: a peer's process is also abandoned when it would take the sum of
+# this process's and the peers' resident memory past this (--max-memory). numbaccum and NumPy
+# alone need 1.5 GB on ResNet-50; GPT-2 small with every peer needs about 10 GB.
+MAX_MEMORY_GB = 4.0
 PER_CALL = {"tiny"}  # overhead-bound: reported in microseconds per call, no GB/s
 # The copy floor's buffers: 16 float32 copies of the largest workload, at most 2 x 128 MB (far
 # past any cache; 2 x 500 MB cost seconds of page faults on a busy 2-core machine).
@@ -369,15 +373,26 @@ class _Peers:
     process works), given each workload in turn, dropped for the rest of a workload once it
     fails or runs over its budget, and started again for the next workload if it was killed."""
 
-    def __init__(self, peers: dict[str, Peer], device: str, budget_s: float) -> None:
+    def __init__(
+        self, peers: dict[str, Peer], device: str, budget_s: float, max_memory_gb: float = MAX_MEMORY_GB
+    ) -> None:
         self.peers, self.device, self.budget_s = peers, device, budget_s
+        self.max_memory = int(max_memory_gb * 1e9)
         self.procs: dict[str, PeerProcess] = {}
         self.gone: dict[str, str] = {}
+        self.n_params = 0
+
+    def _allowance(self, label: str) -> int:
+        """What peer ``label`` may hold: its own bound, and no more than the run's memory less what
+        this process and the other peers hold now."""
+        others = sum(p.rss() for lb, p in self.procs.items() if lb != label)
+        here = resident_bytes(os.getpid()) or 0
+        return min(_peer_memory(self.n_params), self.max_memory - here - others)
 
     def begin(self, workload: str, n_params: int) -> None:
         """Has every peer build ``workload``'s trees (in its own process, while this one builds
         its own)."""
-        self.gone = {}
+        self.gone, self.n_params = {}, n_params
         for p in self.peers.values():
             proc = self.procs.get(p.label)
             if proc is None or not proc.alive:
@@ -394,7 +409,7 @@ class _Peers:
             why = self.gone.get(label)
             if why is None:
                 try:
-                    first = proc.prepare(op, K if op == "multisteps" else 1)
+                    first = proc.prepare(op, K if op == "multisteps" else 1, self._allowance(label))
                     out.append((label, _Remote(proc, op, first)))
                     continue
                 except PeerSkipped as e:
@@ -551,6 +566,7 @@ def describe_plan(
     plan: list[tuple[str, str, list[Impl], dict[str, Peer]]],
     missing: dict[str, Peer],
     budget_s: float,
+    max_memory_gb: float = MAX_MEMORY_GB,
 ) -> str:
     """What a run will do, said before it does anything slow: the workloads, the operations, the
     contenders, the peers' budget, and how to install the peers that are missing."""
@@ -581,7 +597,8 @@ def describe_plan(
         lines.append(
             f"  peers ({versions or ', '.join(peers)}) run in processes of their own: "
             f"a row whose build and first call (compile included) take over {budget_s:g} s of CPU time "
-            f"or {WALL_FACTOR * budget_s:g} s (--peer-budget) is skipped with a note"
+            f"or {WALL_FACTOR * budget_s:g} s (--peer-budget), or that would take the run past "
+            f"{max_memory_gb:g} GB (--max-memory), is skipped with a note"
         )
     for name, peer in missing.items():
         lines.append(f"  not installed: {peer.label} ({name}): {peer.install}")
@@ -596,9 +613,12 @@ def run(
     repeats: dict[str, int] | None = None,
     progress: bool = True,
     budget_s: float = PEER_BUDGET_S,
+    max_memory_gb: float = MAX_MEMORY_GB,
 ) -> dict[str, Any]:
     """Every device x workload, with the machine's description; the JSON that ``--json`` writes.
-    What will run goes to stderr first, then (``progress``) a line as each phase and row begins."""
+    What will run goes to stderr first, then (``progress``) a line as each phase and row begins.
+    ``budget_s``: a peer's CPU seconds per row (`PEER_BUDGET_S`); ``max_memory_gb``: what the
+    run's processes may hold together before a peer is abandoned (`MAX_MEMORY_GB`)."""
     import numba
 
     repeats = repeats or REPEATS
@@ -615,7 +635,8 @@ def run(
         to_run, lacking = peers_to_run(d, peers)
         missing.update(lacking)
         plan += [(d, w, implementations(d, w), to_run) for w in workload_names]
-    print(describe_plan(devices, workload_names, ops, plan, missing, budget_s), file=sys.stderr, flush=True)
+    text = describe_plan(devices, workload_names, ops, plan, missing, budget_s, max_memory_gb)
+    print(text, file=sys.stderr, flush=True)
     bar = Progress(len(plan) * len(ops)) if progress else None
     floor = None
     if "cpu" in devices:
@@ -625,7 +646,7 @@ def run(
         floor = copy_floor(min(COPY_FLOOR_BYTES, max(64 * biggest, 1 << 22)), 5)
     runs = []
     for device in devices:
-        remote = _Peers(next(ps for d, _, _, ps in plan if d == device), device, budget_s)
+        remote = _Peers(next(ps for d, _, _, ps in plan if d == device), device, budget_s, max_memory_gb)
         try:
             for d, w, impls, _ in plan:
                 if d == device:
@@ -758,6 +779,14 @@ def main(argv: list[str] | None = None) -> int:
         "call of a row (its compile included) may take before the row is skipped with a note "
         f"(default {PEER_BUDGET_S:g})",
     )
+    parser.add_argument(
+        "--max-memory",
+        type=float,
+        metavar="GB",
+        default=MAX_MEMORY_GB,
+        help="abandon a peer's row when the run's processes would hold more than this together "
+        f"(default {MAX_MEMORY_GB:g}; GPT-2 small with every peer needs about 10)",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     parser.add_argument(
         "--from-json", metavar="FILE", help="time nothing: the table (and --plot) of an earlier --json run"
@@ -778,6 +807,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--repeats must be >= 1")
     if args.peer_budget is not None and not args.peer_budget > 0:
         parser.error("--peer-budget must be > 0")
+    if not args.max_memory > 0:
+        parser.error("--max-memory must be > 0")
     budget = args.peer_budget or PEER_BUDGET_S
     names = tuple(args.workload or (QUICK_WORKLOADS if args.quick else DEFAULT_WORKLOADS))
     base = QUICK_REPEATS if args.quick else REPEATS
@@ -790,7 +821,7 @@ def main(argv: list[str] | None = None) -> int:
         devices = _default_devices()
     ops = tuple(dict.fromkeys(args.op or OPS))
     peers: bool | Sequence[str] = False if args.no_peers else (args.peer or True)
-    result = run(names, devices, ops, peers, repeats, not args.no_progress, budget)
+    result = run(names, devices, ops, peers, repeats, not args.no_progress, budget, args.max_memory)
     return _report(result, args.json, args.plot)
 
 
