@@ -96,6 +96,7 @@ PEER_MEMORY_COPIES = 12
 # this process's and the peers' resident memory past this (--max-memory). numbaccum and NumPy
 # alone need 1.5 GB on ResNet-50; GPT-2 small with every peer needs about 10 GB.
 MAX_MEMORY_GB = 4.0
+MEMORY_SLACK = 0.05  # of it, kept for what a process can grow between two looks (0.1 s apart)
 PER_CALL = {"tiny"}  # overhead-bound: reported in microseconds per call, no GB/s
 # The copy floor's buffers: 16 float32 copies of the largest workload, at most 2 x 128 MB (far
 # past any cache; 2 x 500 MB cost seconds of page faults on a busy 2-core machine).
@@ -387,7 +388,8 @@ class _Peers:
         this process and the other peers hold now."""
         others = sum(p.rss() for lb, p in self.procs.items() if lb != label)
         here = resident_bytes(os.getpid()) or 0
-        return min(_peer_memory(self.n_params), self.max_memory - here - others)
+        room = int(self.max_memory * (1 - MEMORY_SLACK)) - here - others
+        return min(_peer_memory(self.n_params), room)
 
     def begin(self, workload: str, n_params: int) -> None:
         """Has every peer build ``workload``'s trees (in its own process, while this one builds
