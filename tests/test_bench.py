@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import numbaccum as nba
-from numbaccum.bench import baselines, peers, plot, runner, workloads
+from numbaccum.bench import baselines, peers, plot, runner, worker, workloads
 
 ROW_KEYS = {"op", "impl", "median_s", "min_s", "max_s", "calls", "gbs", "floor_fraction"}
 RUN_KEYS = {"device", "workload", "n_params", "n_leaves", "per_call", "copy_floor_gbs", "rows"}
@@ -245,6 +245,8 @@ def test_peer_selection():
 SLOW_PEER = """
 import time
 
+import numpy as np
+
 def available(device):
     return True
 
@@ -255,8 +257,14 @@ def steps(params, grads, k, max_norm, device, ops):
             pass
     return {op: slow if op == "clip" else (lambda: None) for op in ops}
 
+def hungry(params, grads, k, max_norm, device, ops):
+    def grab():  # 600 MB, then nothing
+        x = np.ones(150_000_000, np.float32)
+        time.sleep(600)
+    return {op: grab for op in ops}
+
 def stuck(params, grads, k, max_norm, device, ops):
-    return {op: (lambda: time.sleep(600)) if op == "ema" else (lambda: None) for op in ops}
+    return {op: (lambda: time.sleep(600)) if op == "multisteps" else (lambda: None) for op in ops}
 
 def fast(params, grads, k, max_norm, device, ops):
     return {op: (lambda: None) for op in ops}
@@ -266,13 +274,14 @@ def fast(params, grads, k, max_norm, device, ops):
 @pytest.fixture
 def fake_peers(tmp_path, monkeypatch):
     """Peers in the registry, importable by their processes: "slow" (its clip's first call
-    computes for 600 s), "stuck" (its ema's first call sleeps for 600 s), "fast" (every call does
-    nothing), and "absent" (not installed)."""
+    computes for 600 s), "stuck" (its MultiSteps' first call sleeps for 600 s), "hungry" (takes
+    600 MB), "fast" (every call does nothing), and "absent" (not installed)."""
     (tmp_path / "fake_bench_peer.py").write_text(textwrap.dedent(SLOW_PEER))
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
     entries = {
         "slow": peers.Peer("slow peer", (), "-", "fake_bench_peer:steps", "fake_bench_peer:available"),
         "stuck": peers.Peer("stuck peer", (), "-", "fake_bench_peer:stuck", "fake_bench_peer:available"),
+        "hungry": peers.Peer("hungry peer", (), "-", "fake_bench_peer:hungry", "fake_bench_peer:available"),
         "fast": peers.Peer("fast peer", (), "-", "fake_bench_peer:fast", "fake_bench_peer:available"),
         "absent": peers.Peer("absent peer", ("no_such_module_x",), "pip install absent-peer", "-", "-"),
     }
@@ -284,13 +293,20 @@ def fake_peers(tmp_path, monkeypatch):
 def test_a_peer_over_its_budget_is_skipped_with_a_note_and_the_run_completes(fake_peers):
     t = time.perf_counter()
     result = runner.run(
-        ("tiny",), ("cpu",), runner.OPS, fake_peers, {"tiny": 5}, progress=False, budget_s=1.0
+        ("tiny",),
+        ("cpu",),
+        runner.OPS,
+        ["slow", "stuck", "fast", "absent"],
+        {"tiny": 5},
+        progress=False,
+        budget_s=1.0,
     )
     assert time.perf_counter() - t < 300  # the slow calls take 600 s: they were not waited for
     (run,) = result["runs"]
     impls = {(r["op"], r["impl"]) for r in run["rows"]}
     assert not any(impl == "slow peer" for _, impl in impls)
-    assert {op for op, impl in impls if impl == "stuck peer"} == set(OPS) - {"ema (debias)"}
+    # The heaviest compile is timed last: a peer abandoned over it was timed on the others.
+    assert {op for op, impl in impls if impl == "stuck peer"} == {"clip_by_global_norm", "ema (debias)"}
     for label in OPS:  # everyone else is timed on every row, alternately with the fast peer
         assert {(label, "numbaccum"), (label, "numpy"), (label, "fast peer")} <= impls
     # A peer's row says how long its build and first calls took; numbaccum's rows are as before.
@@ -300,20 +316,36 @@ def test_a_peer_over_its_budget_is_skipped_with_a_note_and_the_run_completes(fak
         ("clip", "slow peer"),
         ("multisteps", "slow peer"),
         ("ema", "slow peer"),
-        ("ema", "stuck peer"),
+        ("multisteps", "stuck peer"),
     }
-    # Computing: over 1 s of CPU time (or 3 s of wall time on a machine too busy to give it 1 s).
+    # Computing: over 1 s of CPU time (or 6 s of wall time on a machine too busy to give it 1 s).
     assert re.fullmatch(
         r"its build .* of clip ran over (1 s \(of CPU time\)|6 s)", notes[("clip", "slow peer")]
     )
     assert notes[("ema", "slow peer")].startswith("not run")
     # Sleeping (no CPU time): over 6 s of wall time.
-    assert notes[("ema", "stuck peer")] == "its build and first call (compile included) of ema ran over 6 s"
-    table = runner.format_table(result)
-    assert (
-        "- stuck peer on ema: skipped: its build and first call (compile included) of ema ran over 6 s"
-        in table
+    why = "its build and first call (compile included) of multisteps ran over 6 s"
+    assert notes[("multisteps", "stuck peer")] == why
+    assert f"- stuck peer on multisteps: skipped: {why}" in runner.format_table(result)
+
+
+def test_a_peer_that_would_take_the_run_past_its_memory_is_skipped(fake_peers):
+    """The run's processes together stay under --max-memory: a peer that grows past what this
+    process and the other peers leave it is abandoned (its 600 MB never all arrive)."""
+    limit_gb = ((worker.resident_bytes(os.getpid()) or 0) + 300e6) / 1e9
+    result = runner.run(
+        ("tiny",),
+        ("cpu",),
+        ("ema",),
+        ["hungry"],
+        {"tiny": 3},
+        progress=False,
+        budget_s=30,
+        max_memory_gb=limit_gb,
     )
+    (run,) = result["runs"]
+    assert [x["impl"] for x in run["skipped"]] == ["hungry peer"]
+    assert re.fullmatch(r"its build .* of ema went over 0\.[1-3] GB", run["skipped"][0]["why"])
 
 
 def test_the_run_says_what_will_run_and_shows_progress_before_any_slow_step(fake_peers, monkeypatch):
@@ -338,7 +370,7 @@ def test_the_run_says_what_will_run_and_shows_progress_before_any_slow_step(fake
     assert "workloads: tiny (100 params in 10 leaves)" in plan
     assert "cpu: numbaccum, numbaccum (plain tree), numpy, fast peer" in plan
     assert "not installed: absent peer (absent): pip install absent-peer" in plan
-    assert "over 10 s of CPU time or 60 s (--peer-budget) is skipped" in plan
+    assert "over 10 s of CPU time or 60 s (--peer-budget), or that would take the run past 4 GB" in plan
     assert re.search(r"\[\d+\.\d s\] measuring the copy floor\n$", plan)
     assert seen["_trees"].endswith("cpu tiny: making the trees, and the peers' own (fast peer)\n")
     assert re.search(

@@ -52,12 +52,17 @@ import numpy as np
 from . import workloads
 from .baselines import B1, B2, DECAY, EPS, LR, NumpyClipByGlobalNorm, NumpyEma, NumpyMultiStepsAdam
 from .peers import FULL_MAX_NORM, PEERS, Peer, Steps, torch_available
-from .worker import WALL_FACTOR, PeerProcess, PeerSkipped
+from .worker import WALL_FACTOR, PeerProcess, PeerSkipped, resident_bytes
 
 K = 4  # mini-steps per MultiSteps cycle
 CLIP_MAX_NORM = 1e-3  # far below the gradients' norm: the standalone clip always scales
 
 OPS = ("clip", "multisteps", "ema")
+# The order the rows are timed in (the table keeps the order asked for): the heaviest compile
+# last, so that a peer abandoned over it (which sits out the rest of the workload) has been timed
+# on the others. optax's jit of MultiSteps(chain(clip, adam)) over ResNet-50's 161 leaves takes
+# 16 s of CPU time and 2.5 GB; of clip_by_global_norm, 1.6 s.
+TIME_ORDER = ("clip", "ema", "multisteps")
 MINI = "MultiSteps mini-step"
 FULL = "full step: MultiSteps(chain(clip, adam)), emitting"
 LABELS = {"clip": ("clip_by_global_norm",), "multisteps": (MINI, FULL), "ema": ("ema (debias)",)}
@@ -83,11 +88,15 @@ QUICK_REPEATS = {"gpt2_small": 4, "resnet50": 4, "many_small": 4, "tiny": 200}
 # seconds of CPU time (and WALL_FACTOR times as many of wall time), or the row is skipped with a
 # note: optax's jit of the 2000-leaf tree would otherwise hold a run for many minutes and gigabytes.
 PEER_BUDGET_S = 10.0
-QUICK_PEER_BUDGET_S = 5.0
 # The most resident memory a peer's process may hold: its trees and states (at most about 12
 # float32 copies of the parameters), plus this much for its library.
 PEER_MEMORY_BASE = 3 << 29  # 1.5 GiB
 PEER_MEMORY_COPIES = 12
+# The run's processes together: a peer's process is also abandoned when it would take the sum of
+# this process's and the peers' resident memory past this (--max-memory). numbaccum and NumPy
+# alone need 1.5 GB on ResNet-50; GPT-2 small with every peer needs about 10 GB.
+MAX_MEMORY_GB = 4.0
+MEMORY_SLACK = 0.05  # of it, kept for what a process can grow between two looks (0.1 s apart)
 PER_CALL = {"tiny"}  # overhead-bound: reported in microseconds per call, no GB/s
 # The copy floor's buffers: 16 float32 copies of the largest workload, at most 2 x 128 MB (far
 # past any cache; 2 x 500 MB cost seconds of page faults on a busy 2-core machine).
@@ -227,7 +236,7 @@ def peers_to_run(device: str, peers: bool | Sequence[str]) -> tuple[dict[str, Pe
 
 # A row stops repeating once it has spent this long per contender (with at least 3 samples): a
 # slow peer (a 2000-leaf tree converted leaf by leaf, say) would otherwise hold the run for minutes.
-ROW_SECONDS = 3.0
+ROW_SECONDS = 2.0
 
 
 class _Local:
@@ -365,15 +374,27 @@ class _Peers:
     process works), given each workload in turn, dropped for the rest of a workload once it
     fails or runs over its budget, and started again for the next workload if it was killed."""
 
-    def __init__(self, peers: dict[str, Peer], device: str, budget_s: float) -> None:
+    def __init__(
+        self, peers: dict[str, Peer], device: str, budget_s: float, max_memory_gb: float = MAX_MEMORY_GB
+    ) -> None:
         self.peers, self.device, self.budget_s = peers, device, budget_s
+        self.max_memory = int(max_memory_gb * 1e9)
         self.procs: dict[str, PeerProcess] = {}
         self.gone: dict[str, str] = {}
+        self.n_params = 0
+
+    def _allowance(self, label: str) -> int:
+        """What peer ``label`` may hold: its own bound, and no more than the run's memory less what
+        this process and the other peers hold now."""
+        others = sum(p.rss() for lb, p in self.procs.items() if lb != label)
+        here = resident_bytes(os.getpid()) or 0
+        room = int(self.max_memory * (1 - MEMORY_SLACK)) - here - others
+        return min(_peer_memory(self.n_params), room)
 
     def begin(self, workload: str, n_params: int) -> None:
         """Has every peer build ``workload``'s trees (in its own process, while this one builds
         its own)."""
-        self.gone = {}
+        self.gone, self.n_params = {}, n_params
         for p in self.peers.values():
             proc = self.procs.get(p.label)
             if proc is None or not proc.alive:
@@ -390,7 +411,7 @@ class _Peers:
             why = self.gone.get(label)
             if why is None:
                 try:
-                    first = proc.prepare(op, K if op == "multisteps" else 1)
+                    first = proc.prepare(op, K if op == "multisteps" else 1, self._allowance(label))
                     out.append((label, _Remote(proc, op, first)))
                     continue
                 except PeerSkipped as e:
@@ -464,7 +485,7 @@ def run_workload(
     per_call = workload in PER_CALL
     rows: list[dict] = []
     skipped: list[dict] = []
-    for op in ops:
+    for op in sorted(ops, key=TIME_ORDER.index):
         names = [impl.name for impl in impls] + [lb for lb in remote.procs if lb not in remote.gone]
         if progress is not None:
             progress.step(f"{device} {workload}: {op}: {', '.join(names)}")
@@ -490,6 +511,9 @@ def run_workload(
         from . import gpu
 
         gpu.free()
+    labels = [label for op in ops for label in LABELS[op]]
+    rows.sort(key=lambda r: labels.index(r["op"]))  # stable: contenders keep their order
+    skipped.sort(key=lambda x: ops.index(x["op"]))
     return {
         "device": device,
         "workload": workload,
@@ -544,6 +568,7 @@ def describe_plan(
     plan: list[tuple[str, str, list[Impl], dict[str, Peer]]],
     missing: dict[str, Peer],
     budget_s: float,
+    max_memory_gb: float = MAX_MEMORY_GB,
 ) -> str:
     """What a run will do, said before it does anything slow: the workloads, the operations, the
     contenders, the peers' budget, and how to install the peers that are missing."""
@@ -574,7 +599,8 @@ def describe_plan(
         lines.append(
             f"  peers ({versions or ', '.join(peers)}) run in processes of their own: "
             f"a row whose build and first call (compile included) take over {budget_s:g} s of CPU time "
-            f"or {WALL_FACTOR * budget_s:g} s (--peer-budget) is skipped with a note"
+            f"or {WALL_FACTOR * budget_s:g} s (--peer-budget), or that would take the run past "
+            f"{max_memory_gb:g} GB (--max-memory), is skipped with a note"
         )
     for name, peer in missing.items():
         lines.append(f"  not installed: {peer.label} ({name}): {peer.install}")
@@ -589,9 +615,12 @@ def run(
     repeats: dict[str, int] | None = None,
     progress: bool = True,
     budget_s: float = PEER_BUDGET_S,
+    max_memory_gb: float = MAX_MEMORY_GB,
 ) -> dict[str, Any]:
     """Every device x workload, with the machine's description; the JSON that ``--json`` writes.
-    What will run goes to stderr first, then (``progress``) a line as each phase and row begins."""
+    What will run goes to stderr first, then (``progress``) a line as each phase and row begins.
+    ``budget_s``: a peer's CPU seconds per row (`PEER_BUDGET_S`); ``max_memory_gb``: what the
+    run's processes may hold together before a peer is abandoned (`MAX_MEMORY_GB`)."""
     import numba
 
     repeats = repeats or REPEATS
@@ -608,7 +637,8 @@ def run(
         to_run, lacking = peers_to_run(d, peers)
         missing.update(lacking)
         plan += [(d, w, implementations(d, w), to_run) for w in workload_names]
-    print(describe_plan(devices, workload_names, ops, plan, missing, budget_s), file=sys.stderr, flush=True)
+    text = describe_plan(devices, workload_names, ops, plan, missing, budget_s, max_memory_gb)
+    print(text, file=sys.stderr, flush=True)
     bar = Progress(len(plan) * len(ops)) if progress else None
     floor = None
     if "cpu" in devices:
@@ -618,7 +648,7 @@ def run(
         floor = copy_floor(min(COPY_FLOOR_BYTES, max(64 * biggest, 1 << 22)), 5)
     runs = []
     for device in devices:
-        remote = _Peers(next(ps for d, _, _, ps in plan if d == device), device, budget_s)
+        remote = _Peers(next(ps for d, _, _, ps in plan if d == device), device, budget_s, max_memory_gb)
         try:
             for d, w, impls, _ in plan:
                 if d == device:
@@ -749,7 +779,15 @@ def main(argv: list[str] | None = None) -> int:
         metavar="SECONDS",
         help=f"the most CPU seconds (and {WALL_FACTOR:g} times as many seconds) a peer's build and first "
         "call of a row (its compile included) may take before the row is skipped with a note "
-        f"(default {PEER_BUDGET_S:g}, with --quick {QUICK_PEER_BUDGET_S:g})",
+        f"(default {PEER_BUDGET_S:g})",
+    )
+    parser.add_argument(
+        "--max-memory",
+        type=float,
+        metavar="GB",
+        default=MAX_MEMORY_GB,
+        help="abandon a peer's row when the run's processes would hold more than this together "
+        f"(default {MAX_MEMORY_GB:g}; GPT-2 small with every peer needs about 10)",
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     parser.add_argument(
@@ -771,7 +809,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--repeats must be >= 1")
     if args.peer_budget is not None and not args.peer_budget > 0:
         parser.error("--peer-budget must be > 0")
-    budget = args.peer_budget or (QUICK_PEER_BUDGET_S if args.quick else PEER_BUDGET_S)
+    if not args.max_memory > 0:
+        parser.error("--max-memory must be > 0")
+    budget = args.peer_budget or PEER_BUDGET_S
     names = tuple(args.workload or (QUICK_WORKLOADS if args.quick else DEFAULT_WORKLOADS))
     base = QUICK_REPEATS if args.quick else REPEATS
     repeats = {w: args.repeats or base[w] for w in names}
@@ -783,7 +823,7 @@ def main(argv: list[str] | None = None) -> int:
         devices = _default_devices()
     ops = tuple(dict.fromkeys(args.op or OPS))
     peers: bool | Sequence[str] = False if args.no_peers else (args.peer or True)
-    result = run(names, devices, ops, peers, repeats, not args.no_progress, budget)
+    result = run(names, devices, ops, peers, repeats, not args.no_progress, budget, args.max_memory)
     return _report(result, args.json, args.plot)
 
 

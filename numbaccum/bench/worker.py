@@ -46,7 +46,7 @@ class PeerSkipped(Exception):
         self.dead = dead
 
 
-def _rss(pid: int) -> int | None:
+def resident_bytes(pid: int) -> int | None:
     """Resident bytes of process ``pid`` (None where /proc cannot tell: no memory bound there)."""
     try:
         with open(f"/proc/{pid}/statm") as f:
@@ -105,6 +105,10 @@ class PeerProcess:
     def alive(self) -> bool:
         return self._dead is None
 
+    def rss(self) -> int:
+        """Its resident bytes now (0 once it is gone or where /proc cannot tell)."""
+        return (resident_bytes(self._proc.pid) or 0) if self.alive else 0
+
     def load(self, workload: str, memory_bytes: int) -> None:
         """Has the worker build ``workload``'s trees (dropping the last one's), in the background:
         the next `prepare` waits for it. ``memory_bytes``: its resident memory's bound from now."""
@@ -155,7 +159,7 @@ class PeerProcess:
             try:
                 kind, value = self._replies.get(timeout=_POLL_S)
             except queue.Empty:
-                rss = _rss(self._proc.pid)
+                rss = resident_bytes(self._proc.pid)
                 if rss is not None and rss > self.memory_bytes:
                     raise self._abandon(f"{what} went over {self.memory_bytes / 2**30:.1f} GB") from None
                 used = _cpu_seconds(self._proc.pid) if cpu0 is not None else None
@@ -181,10 +185,13 @@ class PeerProcess:
                 raise e if e.dead else self._abandon(str(e)) from None
             self._setup.pop(0)
 
-    def prepare(self, op: str, calls: int) -> float:
+    def prepare(self, op: str, calls: int, memory_bytes: int | None = None) -> float:
         """Builds ``op``'s step (dropping the previous one) and makes its first ``calls`` calls,
-        within the budget; the seconds they took."""
+        within the budget; the seconds they took. ``memory_bytes``: its memory's bound from now
+        (else the workload's)."""
         self.ready()
+        if memory_bytes is not None:
+            self.memory_bytes = memory_bytes
         self._send(("prepare", op, calls))
         return self._wait(f"its build and first call (compile included) of {op}", self.budget_s)
 
