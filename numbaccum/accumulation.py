@@ -19,6 +19,7 @@ from ._checks import INT32_MAX, flag, integer, real, transformation
 from .backend import ops_for, tree_sumsq_scaled
 from .base import (
     Chain,
+    Foreign,
     GradientTransformationExtraArgs,
     ParamsRef,
     SkipStep,
@@ -691,7 +692,8 @@ class MultiSteps(Stage):
             # The gradient is added to acc before the inner optimizer runs; foreign code in it
             # may raise (a transient failure): acc is then restored, so that the retry of this
             # step sees the state as it was.
-            run, apply = guarded(run, acc), guarded(apply, acc)
+            guard = (acc, state.inner_opt_state) if isinstance(self._inner, Foreign) else acc
+            run, apply = guarded(run, guard), guarded(apply, guard)
         return Step(run, apply=apply)
 
 

@@ -742,8 +742,13 @@ class Chain(Stage):
             return tuple(new_states) if names is None else dict(zip(names, new_states))
 
         # Foreign code runs its own checks while it runs: the states of the stages before the
-        # last foreign one are snapshot before the run and restored if it raises (`guarded`).
-        earlier = states[: self._last_foreign] if self._last_foreign > 0 else ()
+        # last foreign one (and its own, which may hold our buffers: a user's function around
+        # a numbaccum transformation) are snapshot before the run and restored if it raises
+        # (`guarded`). A combinator around foreign code guards its own state itself.
+        last = self._last_foreign
+        earlier = states[:last] if last >= 0 else ()
+        if last >= 0 and isinstance(self.stages[last], Foreign):
+            earlier = (*earlier, states[last])
         segs = fuse.segments(steps) if fuse.enabled() else None
         if segs is not None and all(r is None for _, _, r in segs):
             segs = None  # nothing to fuse

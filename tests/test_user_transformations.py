@@ -20,18 +20,22 @@ def identity_tx() -> nba.GradientTransformation:
 
 
 class Flaky:
-    """A user transformation that returns its input, and raises on the calls listed in
-    ``fail_on`` (counted from 1): a transient failure."""
+    """A user transformation that returns its input (or what the numbaccum transformation
+    ``inner`` it calls returns, after that one wrote its state), and raises on the calls listed
+    in ``fail_on`` (counted from 1): a transient failure."""
 
-    def __init__(self, fail_on: set[int]) -> None:
+    def __init__(self, fail_on: set[int], inner: Any = None) -> None:
         self.calls = 0
         self.fail_on = fail_on
+        self.inner = inner
 
-    def init(self, params: Any) -> nba.EmptyState:
-        return nba.EmptyState()
+    def init(self, params: Any) -> Any:
+        return nba.EmptyState() if self.inner is None else self.inner.init(params)
 
     def update(self, u: Any, s: Any, params: Any = None) -> tuple[Any, Any]:
         self.calls += 1
+        if self.inner is not None:
+            u, s = self.inner.update(u, s, params)
         if self.calls in self.fail_on:
             raise RuntimeError("transient failure")
         return u, s
@@ -114,6 +118,8 @@ def _flaky_setups() -> dict:
             ),
             2,
         ),
+        "wraps_adam_chain": (lambda f: nba.chain(nba.trace(0.9), f.tx()), 2),
+        "wraps_adam_multisteps": (lambda f: nba.MultiSteps(f.tx(), 2), 2),
         "masked": (lambda f: nba.chain(nba.trace(0.9), nba.masked(f.tx(), {"b": True, "w": False})), 2),
         "apply_if_finite": (lambda f: nba.chain(nba.adam(0.1), nba.apply_if_finite(f.tx(), 2)), 2),
         "inject": (
@@ -132,8 +138,9 @@ def test_user_transformation_failing_is_all_or_nothing(name, applied):
     accumulator (and earlier stages' states) changed: the retry returned zeros. Now the state
     is bitwise what it was, and the retry gives what a run without the failure gives."""
     make, fail_on = _flaky_setups()[name]
-    flaky = Flaky({fail_on})
-    tx, twin = make(flaky), make(Flaky(set()))
+    adam = name.startswith("wraps_adam")
+    flaky = Flaky({fail_on}, nba.adam(0.1) if adam else None)
+    tx, twin = make(flaky), make(Flaky(set(), nba.adam(0.1) if adam else None))
     params, twin_params = _params(), _params()
     state, twin_state = tx.init(params), twin.init(twin_params)
     failed = []
