@@ -28,6 +28,8 @@ from .base import (
     Updates,
     apply_updates_,
     as_stage,
+    current,
+    keep_states,
     step_applier,
     with_extra_args_support,
 )
@@ -107,7 +109,9 @@ def expect_state(
     state: Any, cls: type, field: str, layout: Layout | Spec, device: bool | None = None
 ) -> FlatTree:
     """The FlatTree field of a state, after checking the state's type, the field's layout and
-    (with a `Spec`, or ``device``) its device. Raises before anything is written."""
+    (with a `Spec`, or ``device``) its device, and that the state is current, renewed for the
+    new state (`numbaccum.base.current`: build the new state from it). Raises before anything
+    is written."""
     if isinstance(layout, Spec):
         layout, device = layout.layout, layout.device
     if not isinstance(state, cls):
@@ -118,7 +122,7 @@ def expect_state(
     if device is not None and flat.device != device:
         where = "a CUDA device" if flat.device else "the host"
         raise ValueError(f"state.{field}: it lives on {where}, the updates do not")
-    return flat
+    return current(flat, f"state.{field}")
 
 
 def field_owner(state: Any, cls: type, field: str) -> FlatTree | None:
@@ -654,6 +658,7 @@ class MultiSteps(Stage):
         def run(u: Updates) -> tuple[Updates, MultiStepsState]:
             skipped, skip_state = accumulate(u)
             if skipped:
+                keep_states(state)
                 return zeros_output(acc, layout), state._replace(skip_state=skip_state)
             if inner is None:
                 return zeros_output(acc, layout), waiting(skip_state)
@@ -674,6 +679,7 @@ class MultiSteps(Stage):
             (`numbaccum.step_`); a step that emits nothing leaves ``p`` as it is."""
             skipped, skip_state = accumulate(u)
             if skipped:
+                keep_states(state)
                 return state._replace(skip_state=skip_state)
             if inner is None:
                 return waiting(skip_state)

@@ -265,6 +265,14 @@ def check_params(params: Any, spec: Spec) -> list | None:
     elif spec.device and arrays.device_pointers(params, spec.layout) is not None:
         return None
     leaves = check_leaves(params, spec.layout, "params", spec.device)
+    for i, (x, d) in enumerate(zip(leaves, spec.layout.dtypes)):
+        # Params of another dtype than the state was made for: `update` would add float32
+        # updates to them and `step_` round them to the state's dtype. Neither is asked for.
+        if x.dtype != d:
+            raise TypeError(
+                f"{spec.layout.path(i, 'params')}: dtype {x.dtype} does not match {d}, the dtype "
+                "of the params the state was made for (init the state with these params)"
+            )
     return leaves if not spec.device and not isinstance(params, FlatTree) else None
 
 
@@ -428,21 +436,7 @@ class Stage(abc.ABC):
             # which are then not read (a stateful stage still says its state wants a tree).
             params = FlatTree.empty(layout_of(None, "params"))
         owner = self.owner(state)
-        if owner is not None:
-            # A state is not thread-safe: its update writes the state's buffers in place. Two
-            # updates of one state at once are caught here (a flag on the FlatTree that owns the
-            # state's workspaces, tens of nanoseconds; best effort, not a lock).
-            if owner._busy:
-                raise RuntimeError(
-                    "state: another update of this state is running (on another thread?); a state "
-                    "is not thread-safe: give each thread its own state (transformations may be shared)"
-                )
-            owner._busy = True
-        try:
-            return self._update(updates, state, params, owner, extra_args)
-        finally:
-            if owner is not None:
-                owner._busy = False
+        return guarded(owner, self._update, updates, state, params, owner, extra_args)
 
     def _update(
         self, updates: Any, state: Any, params: Any, owner: FlatTree | None, extra_args: dict
@@ -491,6 +485,111 @@ class Stage(abc.ABC):
         if u.returnable and not u.pending:
             return u.flat
         return u.into(self.workspace(new_state, spec, "output")())
+
+
+# --- one update at a time, and only of the current state -----------------------------------
+#
+# A state's buffers are updated in place: the state an update was given and the one it returns
+# share them. Each planned state buffer is therefore renewed (`current`): the new state holds
+# a new wrapper of the same storage, one generation on, and the storage's live generation moves
+# to it when the whole update has succeeded (`guarded`). A state kept from before (``best =
+# state``, yesterday's state to retry a step) then holds an older generation and is refused,
+# where it would otherwise compute with advanced buffers and old counters. A failed update
+# commits nothing: the state it was given stays current.
+
+
+class _Updating(threading.local):
+    """Per thread: the buffers renewed by the update running on this thread (None: none)."""
+
+    renewed: list | None = None
+
+
+_UPDATING = _Updating()
+
+_STALE = (
+    "{}: this state is stale: an update has already advanced its buffers in place (a state "
+    "is consumed by update). Use the state the last update returned; to keep one (best = state, "
+    "a step to retry), keep a snapshot: numbaccum.copy_state(state)"
+)
+
+_BUSY = (
+    "state: another update of this state is running (on another thread?); a state is not "
+    "thread-safe: give each thread its own state (transformations may be shared)"
+)
+
+
+def current(flat: FlatTree, name: str) -> FlatTree:
+    """``flat``, a buffer of the state being planned (``name`` in the error), renewed for the
+    state the update returns (`FlatTree.renewed`), after checking that it is current.
+
+    Raises:
+        ValueError: ``flat`` belongs to a stale state (an update has advanced it since).
+    """
+    g = flat._gen
+    if g != flat._live:
+        if g != flat._live + 1:
+            raise ValueError(_STALE.format(name))
+        # One generation ahead: returned by an update whose commit was not made (planned
+        # outside `guarded`): nothing newer exists, so it is the current one.
+        flat._live = g
+    new = flat.renewed()
+    pending = _UPDATING.renewed
+    if pending is not None:
+        pending.append(new)
+    return new
+
+
+def keep_states(old: Any) -> None:
+    """Says that the running update returns ``old`` (a state it was given, or part of one)
+    unchanged although it was planned (a skipped step): its buffers' renewals are not
+    committed, so that ``old`` stays current."""
+    pending = _UPDATING.renewed
+    if pending:
+        kept = {id(f.__dict__) for f in _flats(old)}
+        pending[:] = [r for r in pending if id(r.__dict__) not in kept]
+
+
+def _flats(state: Any) -> list[FlatTree]:
+    """The FlatTrees anywhere inside a state (tuples, lists, dicts)."""
+    if isinstance(state, FlatTree):
+        return [state]
+    if isinstance(state, dict):
+        state = list(state.values())
+    if isinstance(state, (tuple, list)):
+        return [f for x in state for f in _flats(x)]
+    return []
+
+
+def guarded(owner: FlatTree | None, fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)``: an update (`Stage.update`, `numbaccum.step_`) of the state whose buffers
+    ``owner`` owns (None: a stateless stage), run as one transaction.
+
+    A state is not thread-safe: its update writes its buffers in place. Two updates of one state
+    at once are caught here (a flag on the owner's storage, tens of nanoseconds; best effort,
+    not a lock): RuntimeError. The buffers the update renewed (`current`) become the current
+    ones only if it returns; an update inside another one (a transformation that calls
+    ``update`` itself) joins the outer one's transaction.
+    """
+    if owner is not None:
+        if owner._busy:
+            raise RuntimeError(_BUSY)
+        owner._busy = True
+    outer = _UPDATING.renewed
+    pending = _UPDATING.renewed = [] if outer is None else outer
+    start = len(pending)
+    try:
+        out = fn(*args)
+        if outer is None:
+            for r in pending:
+                r._live = r._gen
+        return out
+    except BaseException:
+        del pending[start:]
+        raise
+    finally:
+        _UPDATING.renewed = outer
+        if owner is not None:
+            owner._busy = False
 
 
 def stage_of(tx: Any) -> Stage | None:
@@ -651,6 +750,7 @@ class Chain(Stage):
                         u, new_states[i] = step_run(u)
                     except SkipStep as e:  # the stages after it keep their states
                         new_states[i] = e.new_state
+                        keep_states(states[i + 1 :])
                         raise SkipStep(pack(new_states)) from None
                 return u, pack(new_states)
 
@@ -671,6 +771,7 @@ class Chain(Stage):
                         u, new_states[start:stop] = run_parts(fr, u)
                 except SkipStep as e:  # a run's pre-pass (a clip) skipped: nothing of it ran
                     new_states[start] = e.new_state
+                    keep_states(states[start + 1 :])
                     raise SkipStep(pack(new_states)) from None
             return u, pack(new_states)
 
@@ -689,7 +790,9 @@ class Chain(Stage):
         its own: it may still read its input after an inner transformation wrote into the
         scratch. The last list is kept, for the same owner (or layout) the next time."""
         memo = self.__dict__.get("_scratch_memo")
-        if memo is not None and memo[0] is owner and memo[1] is spec.layout and memo[2] == spec.device:
+        # Keyed by the owner's workspaces, which its renewals share (`FlatTree.renewed`).
+        key = None if owner is None else owner._workspaces
+        if memo is not None and memo[0] is key and memo[1] is spec.layout and memo[2] == spec.device:
             return memo[3]
         if owner is not None:
             scratches = [_named_workspace(owner, f"chain{i}") for i in range(len(self.stages))]
@@ -697,7 +800,7 @@ class Chain(Stage):
             scratches = [stage.workspace(s, spec, "scratch") for stage, s in zip(self.stages, states)]
             if any(stage.owner(s) is not None for stage, s in zip(self.stages, states)):
                 return scratches  # bound to this state: not kept
-        self.__dict__["_scratch_memo"] = (owner, spec.layout, spec.device, scratches)
+        self.__dict__["_scratch_memo"] = (key, spec.layout, spec.device, scratches)
         return scratches
 
 

@@ -354,8 +354,9 @@ class _AllreduceMean(Stage):
 
     def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
         out = expect_state(state, AllreduceMeanState, "mean", spec)
+        new_state = AllreduceMeanState(out)
         if self.n == 1:
-            return Step(lambda u: (u, state))
+            return Step(lambda u: (u, new_state))
         comm, n = self.comm, self.n
         half = _F16 in spec.layout.group_dtypes
 
@@ -364,7 +365,7 @@ class _AllreduceMean(Stage):
             src = u.flat if u.factor.is_one else u.into(out)
             _reduce(comm, src, out, mean=half)
             # The division by n rides on the next kernel (float16 trees: divided on the host).
-            return Updates(out, owned=True, factor=ONE if half else Factor(float(n), 1.0)), state
+            return Updates(out, owned=True, factor=ONE if half else Factor(float(n), 1.0)), new_state
 
         return Step(run)
 
