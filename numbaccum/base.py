@@ -498,13 +498,22 @@ class Stage(abc.ABC):
 # commits nothing: the state it was given stays current.
 
 
-class _Updating(threading.local):
-    """Per thread: the buffers renewed by the update running on this thread (None: none)."""
+class _Renewals(list):
+    """The buffers renewed (`current`) by the update running on one thread, and ``depth``: how
+    many updates run there (an update inside another one's user transformation joins it)."""
 
-    renewed: list | None = None
+    __slots__ = ("depth",)
 
 
-_UPDATING = _Updating()
+class _PerThread(threading.local):
+    def __init__(self) -> None:
+        self.renewals = _Renewals()
+        self.renewals.depth = 0
+
+
+# One thread-local read per update and per renewed buffer; the rest are plain attributes.
+_THREAD = _PerThread()
+_NEW = object.__new__
 
 _STALE = (
     "{}: this state is stale: an update has already advanced its buffers in place (a state "
@@ -520,7 +529,9 @@ _BUSY = (
 
 def current(flat: FlatTree, name: str) -> FlatTree:
     """``flat``, a buffer of the state being planned (``name`` in the error), renewed for the
-    state the update returns (`FlatTree.renewed`), after checking that it is current.
+    state the update returns, after checking that it is current: a new FlatTree over the same
+    storage (it shares ``flat``'s ``__dict__``) one generation on, which becomes the current
+    one when the update returns (`guarded`).
 
     Raises:
         ValueError: ``flat`` belongs to a stale state (an update has advanced it since).
@@ -532,10 +543,12 @@ def current(flat: FlatTree, name: str) -> FlatTree:
         # One generation ahead: returned by an update whose commit was not made (planned
         # outside `guarded`): nothing newer exists, so it is the current one.
         flat._live = g
-    new = flat.renewed()
-    pending = _UPDATING.renewed
-    if pending is not None:
-        pending.append(new)
+    new = _NEW(FlatTree)  # inline, not a method: this runs for each state buffer of each update
+    new.__dict__ = flat.__dict__
+    new._gen = g + 1
+    renewals = _THREAD.renewals
+    if renewals.depth:  # planned by an update (not by `explain`): committed when it returns
+        renewals.append(new)
     return new
 
 
@@ -543,10 +556,10 @@ def keep_states(old: Any) -> None:
     """Says that the running update returns ``old`` (a state it was given, or part of one)
     unchanged although it was planned (a skipped step): its buffers' renewals are not
     committed, so that ``old`` stays current."""
-    pending = _UPDATING.renewed
-    if pending:
+    renewals = _THREAD.renewals
+    if renewals:
         kept = {id(f.__dict__) for f in _flats(old)}
-        pending[:] = [r for r in pending if id(r.__dict__) not in kept]
+        renewals[:] = [r for r in renewals if id(r.__dict__) not in kept]
 
 
 def _flats(state: Any) -> list[FlatTree]:
@@ -574,20 +587,21 @@ def guarded(owner: FlatTree | None, fn: Callable[..., Any], *args: Any) -> Any:
         if owner._busy:
             raise RuntimeError(_BUSY)
         owner._busy = True
-    outer = _UPDATING.renewed
-    pending = _UPDATING.renewed = [] if outer is None else outer
-    start = len(pending)
+    renewals = _THREAD.renewals
+    start = len(renewals)
+    renewals.depth += 1
     try:
         out = fn(*args)
-        if outer is None:
-            for r in pending:
+        if renewals.depth == 1 and renewals:  # the outermost update returns: commit
+            for r in renewals:
                 r._live = r._gen
+            renewals.clear()
         return out
     except BaseException:
-        del pending[start:]
+        del renewals[start:]
         raise
     finally:
-        _UPDATING.renewed = outer
+        renewals.depth -= 1
         if owner is not None:
             owner._busy = False
 
@@ -790,7 +804,7 @@ class Chain(Stage):
         its own: it may still read its input after an inner transformation wrote into the
         scratch. The last list is kept, for the same owner (or layout) the next time."""
         memo = self.__dict__.get("_scratch_memo")
-        # Keyed by the owner's workspaces, which its renewals share (`FlatTree.renewed`).
+        # Keyed by the owner's workspaces, which its renewals share (`current`).
         key = None if owner is None else owner._workspaces
         if memo is not None and memo[0] is key and memo[1] is spec.layout and memo[2] == spec.device:
             return memo[3]

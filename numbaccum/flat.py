@@ -85,8 +85,11 @@ class FlatTree:
     buffers: dict[np.dtype, Any]  # NumPy arrays, or numba device arrays on the GPU
     _busy = False  # an update of the state this FlatTree owns is running (`Stage.update`)
 
-    # ``_gen``: the generation of this wrapper of the storage; ``_live`` (an attribute, so in
-    # the shared ``__dict__``): the generation of the storage's current state. See `renewed`.
+    # A state's buffers are updated in place, so the state an update was given and the one it
+    # returns would hold the same FlatTree. The returned one holds a renewal instead: a new
+    # FlatTree sharing this one's ``__dict__`` (storage, views, workspaces, flags) with the
+    # next generation stamp ``_gen`` (a slot: each wrapper its own); ``_live``, in the shared
+    # dict, is the storage's current generation (`numbaccum.base.current`).
     __slots__ = ("_gen", "__dict__", "__weakref__")
 
     def __init__(
@@ -106,19 +109,6 @@ class FlatTree:
         self._workspaces: dict[str, FlatTree] = {}
         self._gen = 0
         self._live = 0
-
-    def renewed(self) -> FlatTree:
-        """This FlatTree one generation on: a new wrapper that shares everything with this one
-        (its ``__dict__``: storage, views, workspaces, flags) but its generation stamp.
-
-        A state's buffers are updated in place, so the state an update was given and the one
-        it returns would hold the same FlatTree; the returned one holds this renewal instead,
-        and the storage's live generation moves to it once the whole update has succeeded
-        (`numbaccum.base.current`): a state kept from before is then told apart (stale)."""
-        new = _NEW(FlatTree)
-        new.__dict__ = self.__dict__
-        new._gen = self._gen + 1
-        return new
 
     # --- construction -----------------------------------------------------------------------
 
@@ -322,9 +312,6 @@ class FlatTree:
         if ws is None:
             ws = self._workspaces[name] = FlatTree.empty(self.layout, dtypes, self.device)
         return ws
-
-
-_NEW = object.__new__
 
 
 def _unpickled_flat(layout: Layout, groups: list[np.ndarray], device: bool, readonly: bool) -> FlatTree:
