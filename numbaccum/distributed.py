@@ -33,7 +33,6 @@ import ctypes
 import hashlib
 import math
 import sys
-import weakref
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -99,13 +98,12 @@ def _allreduce_host(comm: Any, src: np.ndarray, dst: np.ndarray) -> None:
             comm.Allreduce(src[lo:hi], dst[lo:hi], op=MPI.SUM)
 
 
-_STAGING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # out -> host buffers per group
-
-
 def _staging(out: FlatTree, gi: int, dtype: np.dtype, what: str) -> np.ndarray:
     """A host buffer of group ``gi``'s size kept beside ``out`` (allocated once, pinned for a CUDA
     ``out`` so that copies run at full speed)."""
-    bufs = _STAGING.setdefault(out, {})
+    # Kept in the storage's attributes, which the renewals of a state's buffer share
+    # (`numbaccum.base.current`): allocated once per storage, not once per update.
+    bufs = out.__dict__.setdefault("_staging", {})
     key = (gi, dtype, what)
     h = bufs.get(key)
     if h is None:
