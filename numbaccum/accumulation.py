@@ -106,12 +106,14 @@ _COMPUTE: dict[tuple, np.dtype] = {}
 
 
 def expect_state(
-    state: Any, cls: type, field: str, layout: Layout | Spec, device: bool | None = None
+    state: Any, cls: type, field: str, layout: Layout | Spec, device: bool | None = None, renew: bool = True
 ) -> FlatTree:
     """The FlatTree field of a state, after checking the state's type, the field's layout and
-    (with a `Spec`, or ``device``) its device, and that the state is current, renewed for the
-    new state (`numbaccum.base.current`: build the new state from it). Raises before anything
-    is written."""
+    (with a `Spec`, or ``device``) its device. Raises before anything is written.
+
+    With ``renew`` (the field that owns the stage's workspaces: one per state is enough), the
+    state must be current and the field comes back renewed (`numbaccum.base.current`): build
+    the new state from it."""
     if isinstance(layout, Spec):
         layout, device = layout.layout, layout.device
     if not isinstance(state, cls):
@@ -122,7 +124,7 @@ def expect_state(
     if device is not None and flat.device != device:
         where = "a CUDA device" if flat.device else "the host"
         raise ValueError(f"state.{field}: it lives on {where}, the updates do not")
-    return current(flat, f"state.{field}")
+    return current(flat, field) if renew else flat
 
 
 def field_owner(state: Any, cls: type, field: str) -> FlatTree | None:

@@ -255,8 +255,10 @@ class ParamsRef:
 
 
 def check_params(params: Any, spec: Spec) -> list | None:
-    """ValueError/TypeError naming the leaf when ``params`` does not match ``spec`` (cheap for
-    a FlatTree of that layout and for a tree of CUDA arrays, read off their own attributes).
+    """ValueError/TypeError naming the leaf when ``params`` do not match ``spec``: structure,
+    shapes and dtypes (params of another dtype than the state was made for are refused by
+    `Stage.update` and `numbaccum.step_` alike). Cheap for a FlatTree of that layout and for a
+    tree of CUDA arrays, read off their own attributes.
     Returns the checked leaves of a plain host tree (so that packing it does not check them
     again), else None."""
     if isinstance(params, FlatTree):
@@ -264,6 +266,10 @@ def check_params(params: Any, spec: Spec) -> list | None:
             return None
     elif spec.device and arrays.device_pointers(params, spec.layout) is not None:
         return None
+    elif not spec.device:
+        fast = host_leaves(params, spec.layout)  # structure, shapes and dtypes: the common case
+        if fast is not None:
+            return fast
     leaves = check_leaves(params, spec.layout, "params", spec.device)
     for i, (x, d) in enumerate(zip(leaves, spec.layout.dtypes)):
         # Params of another dtype than the state was made for: `update` would add float32
@@ -527,8 +533,8 @@ _BUSY = (
 )
 
 
-def current(flat: FlatTree, name: str) -> FlatTree:
-    """``flat``, a buffer of the state being planned (``name`` in the error), renewed for the
+def current(flat: FlatTree, field: str) -> FlatTree:
+    """``flat``, the buffer ``state.<field>`` of the state being planned, renewed for the
     state the update returns, after checking that it is current: a new FlatTree over the same
     storage (it shares ``flat``'s ``__dict__``) one generation on, which becomes the current
     one when the update returns (`guarded`).
@@ -539,7 +545,7 @@ def current(flat: FlatTree, name: str) -> FlatTree:
     g = flat._gen
     if g != flat._live:
         if g != flat._live + 1:
-            raise ValueError(_STALE.format(name))
+            raise ValueError(_STALE.format(f"state.{field}"))
         # One generation ahead: returned by an update whose commit was not made (planned
         # outside `guarded`): nothing newer exists, so it is the current one.
         flat._live = g
