@@ -29,7 +29,9 @@ from .base import (
     Updates,
     apply_updates_,
     as_stage,
-    guarded,
+    current,
+    keep_states,
+    undoable,
     step_applier,
     with_extra_args_support,
 )
@@ -106,10 +108,14 @@ _COMPUTE: dict[tuple, np.dtype] = {}
 
 
 def expect_state(
-    state: Any, cls: type, field: str, layout: Layout | Spec, device: bool | None = None
+    state: Any, cls: type, field: str, layout: Layout | Spec, device: bool | None = None, renew: bool = True
 ) -> FlatTree:
     """The FlatTree field of a state, after checking the state's type, the field's layout and
-    (with a `Spec`, or ``device``) its device. Raises before anything is written."""
+    (with a `Spec`, or ``device``) its device. Raises before anything is written.
+
+    With ``renew`` (the field that owns the stage's workspaces: one per state is enough), the
+    state must be current and the field comes back renewed (`numbaccum.base.current`): build
+    the new state from it."""
     if isinstance(layout, Spec):
         layout, device = layout.layout, layout.device
     if not isinstance(state, cls):
@@ -120,7 +126,7 @@ def expect_state(
     if device is not None and flat.device != device:
         where = "a CUDA device" if flat.device else "the host"
         raise ValueError(f"state.{field}: it lives on {where}, the updates do not")
-    return flat
+    return current(flat, field) if renew else flat
 
 
 def field_owner(state: Any, cls: type, field: str) -> FlatTree | None:
@@ -655,6 +661,7 @@ class MultiSteps(Stage):
         def run(u: Updates) -> tuple[Updates, MultiStepsState]:
             skipped, skip_state = accumulate(u)
             if skipped:
+                keep_states(state)
                 return zeros_output(acc, layout), state._replace(skip_state=skip_state)
             if inner is None:
                 return zeros_output(acc, layout), waiting(skip_state)
@@ -675,6 +682,7 @@ class MultiSteps(Stage):
             (`numbaccum.step_`); a step that emits nothing leaves ``p`` as it is."""
             skipped, skip_state = accumulate(u)
             if skipped:
+                keep_states(state)
                 return state._replace(skip_state=skip_state)
             if inner is None:
                 return waiting(skip_state)
@@ -693,7 +701,7 @@ class MultiSteps(Stage):
             # may raise (a transient failure): acc is then restored, so that the retry of this
             # step sees the state as it was.
             guard = (acc, state.inner_opt_state) if isinstance(self._inner, Foreign) else acc
-            run, apply = guarded(run, guard), guarded(apply, guard)
+            run, apply = undoable(run, guard), undoable(apply, guard)
         return Step(run, apply=apply)
 
 

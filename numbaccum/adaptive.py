@@ -639,7 +639,7 @@ class _ValueGrowth(Stage):
         if not isinstance(state.started, (bool, np.bool_)):
             raise TypeError(f"state.started: expected a bool, got {type(state.started).__name__}")
         if self.identity:
-            return Step(lambda u: (u, state))
+            return Step(lambda u: (u, state._replace(prev=prev)))
         k = (self.k_add, self.k_mul, self.k_min, self.k_decay, not state.started)
 
         def run(u: Updates) -> tuple[Updates, ClipValueGrowthState]:

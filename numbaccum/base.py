@@ -255,8 +255,10 @@ class ParamsRef:
 
 
 def check_params(params: Any, spec: Spec) -> list | None:
-    """ValueError/TypeError naming the leaf when ``params`` does not match ``spec`` (cheap for
-    a FlatTree of that layout and for a tree of CUDA arrays, read off their own attributes).
+    """ValueError/TypeError naming the leaf when ``params`` do not match ``spec``: structure,
+    shapes and dtypes (params of another dtype than the state was made for are refused by
+    `Stage.update` and `numbaccum.step_` alike). Cheap for a FlatTree of that layout and for a
+    tree of CUDA arrays, read off their own attributes.
     Returns the checked leaves of a plain host tree (so that packing it does not check them
     again), else None."""
     if isinstance(params, FlatTree):
@@ -264,7 +266,19 @@ def check_params(params: Any, spec: Spec) -> list | None:
             return None
     elif spec.device and arrays.device_pointers(params, spec.layout) is not None:
         return None
+    elif not spec.device:
+        fast = host_leaves(params, spec.layout)  # structure, shapes and dtypes: the common case
+        if fast is not None:
+            return fast
     leaves = check_leaves(params, spec.layout, "params", spec.device)
+    for i, (x, d) in enumerate(zip(leaves, spec.layout.dtypes)):
+        # Params of another dtype than the state was made for: `update` would add float32
+        # updates to them and `step_` round them to the state's dtype. Neither is asked for.
+        if x.dtype != d:
+            raise TypeError(
+                f"{spec.layout.path(i, 'params')}: dtype {x.dtype} does not match {d}, the dtype "
+                "of the params the state was made for (init the state with these params)"
+            )
     return leaves if not spec.device and not isinstance(params, FlatTree) else None
 
 
@@ -336,7 +350,7 @@ class Stage(abc.ABC):
     def foreign(self) -> bool:
         """Whether this stage runs code that is not numbaccum's (a `Foreign` stage, or a
         combinator around one): such code runs its own checks, and may raise, while the step
-        runs, after earlier stages have written their states (see `guarded`)."""
+        runs, after earlier stages have written their states (see `undoable`)."""
         return False
 
     # --- workspaces -------------------------------------------------------------------------
@@ -434,21 +448,7 @@ class Stage(abc.ABC):
             # which are then not read (a stateful stage still says its state wants a tree).
             params = FlatTree.empty(layout_of(None, "params"))
         owner = self.owner(state)
-        if owner is not None:
-            # A state is not thread-safe: its update writes the state's buffers in place. Two
-            # updates of one state at once are caught here (a flag on the FlatTree that owns the
-            # state's workspaces, tens of nanoseconds; best effort, not a lock).
-            if owner._busy:
-                raise RuntimeError(
-                    "state: another update of this state is running (on another thread?); a state "
-                    "is not thread-safe: give each thread its own state (transformations may be shared)"
-                )
-            owner._busy = True
-        try:
-            return self._update(updates, state, params, owner, extra_args)
-        finally:
-            if owner is not None:
-                owner._busy = False
+        return guarded(owner, self._update, updates, state, params, owner, extra_args)
 
     def _update(
         self, updates: Any, state: Any, params: Any, owner: FlatTree | None, extra_args: dict
@@ -499,6 +499,116 @@ class Stage(abc.ABC):
         return u.into(self.workspace(new_state, spec, "output")())
 
 
+# --- one update at a time, and only of the current state -----------------------------------
+#
+# A state's buffers are updated in place: the state an update was given and the one it returns
+# share them. Each planned state buffer is therefore renewed (`current`): the new state holds
+# a new wrapper of the same storage, one generation on, and the storage's live generation moves
+# to it when the whole update has succeeded (`guarded`). A state kept from before (``best =
+# state``, yesterday's state to retry a step) then holds an older generation and is refused,
+# where it would otherwise compute with advanced buffers and old counters. A failed update
+# commits nothing: the state it was given stays current.
+
+
+class _Renewals(list):
+    """The buffers renewed (`current`) by the update running on one thread, and ``depth``: how
+    many updates run there (an update inside another one's user transformation joins it)."""
+
+    __slots__ = ("depth",)
+
+
+class _PerThread(threading.local):
+    def __init__(self) -> None:
+        self.renewals = _Renewals()
+        self.renewals.depth = 0
+
+
+# One thread-local read per update and per renewed buffer; the rest are plain attributes.
+_THREAD = _PerThread()
+_NEW = object.__new__
+
+_STALE = (
+    "{}: this state is stale: an update has already advanced its buffers in place (a state "
+    "is consumed by update). Use the state the last update returned; to keep one (best = state, "
+    "a step to retry), keep a snapshot: numbaccum.copy_state(state)"
+)
+
+_BUSY = (
+    "state: another update of this state is running (on another thread?); a state is not "
+    "thread-safe: give each thread its own state (transformations may be shared)"
+)
+
+
+def current(flat: FlatTree, field: str) -> FlatTree:
+    """``flat``, the buffer ``state.<field>`` of the state being planned, renewed for the
+    state the update returns, after checking that it is current: a new FlatTree over the same
+    storage (it shares ``flat``'s ``__dict__``) one generation on, which becomes the current
+    one when the update returns (`guarded`).
+
+    Raises:
+        ValueError: ``flat`` belongs to a stale state (an update has advanced it since).
+    """
+    g = flat._gen
+    if g != flat._live:
+        if g != flat._live + 1:
+            raise ValueError(_STALE.format(f"state.{field}"))
+        # One generation ahead: returned by an update whose commit was not made (planned
+        # outside `guarded`): nothing newer exists, so it is the current one.
+        flat._live = g
+    new = _NEW(FlatTree)  # inline, not a method: this runs for each state buffer of each update
+    new.__dict__ = flat.__dict__
+    new._gen = g + 1
+    renewals = _THREAD.renewals
+    if renewals.depth:  # planned by an update (not by `explain`): committed when it returns
+        renewals.append(new)
+    return new
+
+
+def keep_states(old: Any) -> None:
+    """Says that the running update returns ``old`` (a state it was given, or part of one)
+    unchanged although it was planned (a skipped step): its buffers' renewals are not
+    committed, so that ``old`` stays current."""
+    renewals = _THREAD.renewals
+    if renewals:
+        kept = {id(f.__dict__) for f in _state_flats(old, writable_only=False)}
+        renewals[:] = [r for r in renewals if id(r.__dict__) not in kept]
+
+
+
+
+def guarded(owner: FlatTree | None, fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)``: an update (`Stage.update`, `numbaccum.step_`) of the state whose buffers
+    ``owner`` owns (None: a stateless stage), run as one transaction.
+
+    A state is not thread-safe: its update writes its buffers in place. Two updates of one state
+    at once are caught here (a flag on the owner's storage, tens of nanoseconds; best effort,
+    not a lock): RuntimeError. The buffers the update renewed (`current`) become the current
+    ones only if it returns; an update inside another one (a transformation that calls
+    ``update`` itself) joins the outer one's transaction.
+    """
+    if owner is not None:
+        if owner._busy:
+            raise RuntimeError(_BUSY)
+        owner._busy = True
+    renewals = _THREAD.renewals
+    start = len(renewals)
+    renewals.depth += 1
+    try:
+        out = fn(*args)
+        if renewals.depth == 1 and renewals:  # the outermost update returns: commit
+            for r in renewals:
+                r._live = r._gen
+            renewals.clear()
+        return out
+    except BaseException:
+        del renewals[start:]
+        raise
+    finally:
+        renewals.depth -= 1
+        if owner is not None:
+            owner._busy = False
+
+
 def stage_of(tx: Any) -> Stage | None:
     """The `Stage` behind a transformation (its ``update`` is a stage's bound method), or None
     for a foreign transformation (any other ``(init, update)`` pair)."""
@@ -525,7 +635,7 @@ class Foreign(Stage):
     and what it returns is copied into this stage's scratch as soon as it returns, before
     anything it might alias changes. Its own checks run inside ``run``: an enclosing `Chain`
     or `MultiSteps` snapshots what it wrote before and restores it if the code raises
-    (`guarded`), so an update is all or nothing around it too.
+    (`undoable`), so an update is all or nothing around it too.
     """
 
     def __init__(self, tx: Any) -> None:
@@ -575,7 +685,7 @@ def _is_real_scalar(x: Any) -> bool:
     return isinstance(x, (float, int, np.floating, np.integer)) and not isinstance(x, (bool, np.bool_))
 
 
-def guarded(run: Callable[..., Any], states: Any) -> Callable[..., Any]:
+def undoable(run: Callable[..., Any], states: Any) -> Callable[..., Any]:
     """``run`` made all or nothing for the FlatTrees of ``states``: they are copied before it
     runs and copied back, bit for bit, if it raises (a `SkipStep` is an outcome, not a failure:
     it passes through). For the states a step writes before foreign code runs (`Foreign`): a
@@ -610,14 +720,14 @@ def _copy_groups(dst: FlatTree, src: FlatTree) -> None:
             np.copyto(d, s)  # bit for bit, NaN payloads included
 
 
-def _state_flats(state: Any) -> list[FlatTree]:
-    """The writable FlatTrees in a state (a nest of tuples, NamedTuples, lists and dicts), each
-    once."""
+def _state_flats(state: Any, writable_only: bool = True) -> list[FlatTree]:
+    """The FlatTrees in a state (a nest of tuples, NamedTuples, lists and dicts), each once: the
+    writable ones only unless ``writable_only`` is False."""
     found: dict[int, FlatTree] = {}
 
     def walk(x: Any) -> None:
         if isinstance(x, FlatTree):
-            if not x._readonly:
+            if not (writable_only and x._readonly):
                 found.setdefault(id(x), x)
         elif isinstance(x, dict):
             for v in x.values():
@@ -744,7 +854,7 @@ class Chain(Stage):
         # Foreign code runs its own checks while it runs: the states of the stages before the
         # last foreign one (and its own, which may hold our buffers: a user's function around
         # a numbaccum transformation) are snapshot before the run and restored if it raises
-        # (`guarded`). A combinator around foreign code guards its own state itself.
+        # (`undoable`). A combinator around foreign code guards its own state itself.
         last = self._last_foreign
         earlier = states[:last] if last >= 0 else ()
         if last >= 0 and isinstance(self.stages[last], Foreign):
@@ -762,10 +872,11 @@ class Chain(Stage):
                         u, new_states[i] = step_run(u)
                     except SkipStep as e:  # the stages after it keep their states
                         new_states[i] = e.new_state
+                        keep_states(states[i + 1 :])
                         raise SkipStep(pack(new_states)) from None
                 return u, pack(new_states)
 
-            return Step(guarded(run, earlier), out_spec, _chained(steps, names))
+            return Step(undoable(run, earlier), out_spec, _chained(steps, names))
 
         n = len(steps)
 
@@ -782,10 +893,11 @@ class Chain(Stage):
                         u, new_states[start:stop] = run_parts(fr, u)
                 except SkipStep as e:  # a run's pre-pass (a clip) skipped: nothing of it ran
                     new_states[start] = e.new_state
+                    keep_states(states[start + 1 :])
                     raise SkipStep(pack(new_states)) from None
             return u, pack(new_states)
 
-        run_fused = guarded(run_fused, earlier)
+        run_fused = undoable(run_fused, earlier)
         last_fused = segs[-1][2] is not None
         return Step(
             run_fused,
@@ -801,7 +913,9 @@ class Chain(Stage):
         its own: it may still read its input after an inner transformation wrote into the
         scratch. The last list is kept, for the same owner (or layout) the next time."""
         memo = self.__dict__.get("_scratch_memo")
-        if memo is not None and memo[0] is owner and memo[1] is spec.layout and memo[2] == spec.device:
+        # Keyed by the owner's workspaces, which its renewals share (`current`).
+        key = None if owner is None else owner._workspaces
+        if memo is not None and memo[0] is key and memo[1] is spec.layout and memo[2] == spec.device:
             return memo[3]
         if owner is not None:
             scratches = [_named_workspace(owner, f"chain{i}") for i in range(len(self.stages))]
@@ -809,7 +923,7 @@ class Chain(Stage):
             scratches = [stage.workspace(s, spec, "scratch") for stage, s in zip(self.stages, states)]
             if any(stage.owner(s) is not None for stage, s in zip(self.stages, states)):
                 return scratches  # bound to this state: not kept
-        self.__dict__["_scratch_memo"] = (owner, spec.layout, spec.device, scratches)
+        self.__dict__["_scratch_memo"] = (key, spec.layout, spec.device, scratches)
         return scratches
 
 

@@ -23,6 +23,7 @@ from .base import (
     Step,
     Updates,
     as_stage,
+    keep_states,
     with_extra_args_support,
 )
 from .contract import ONE, Factor, Ops
@@ -429,6 +430,7 @@ class _ApplyIfFinite(Stage):
                     return Updates(u.fresh().fill_(0.0), True), ApplyIfFiniteState(*flags, e.new_state)
                 return out, ApplyIfFiniteState(*flags, inner_state)
             zeros = u.fresh().fill_(0.0)
+            keep_states(state.inner_state)  # planned, not run: it stays the current one
             return Updates(zeros, True), ApplyIfFiniteState(*flags, state.inner_state)
 
         return Step(run)

@@ -33,7 +33,6 @@ import ctypes
 import hashlib
 import math
 import sys
-import weakref
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -99,13 +98,12 @@ def _allreduce_host(comm: Any, src: np.ndarray, dst: np.ndarray) -> None:
             comm.Allreduce(src[lo:hi], dst[lo:hi], op=MPI.SUM)
 
 
-_STAGING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # out -> host buffers per group
-
-
 def _staging(out: FlatTree, gi: int, dtype: np.dtype, what: str) -> np.ndarray:
     """A host buffer of group ``gi``'s size kept beside ``out`` (allocated once, pinned for a CUDA
     ``out`` so that copies run at full speed)."""
-    bufs = _STAGING.setdefault(out, {})
+    # Kept in the storage's attributes, which the renewals of a state's buffer share
+    # (`numbaccum.base.current`): allocated once per storage, not once per update.
+    bufs = out.__dict__.setdefault("_staging", {})
     key = (gi, dtype, what)
     h = bufs.get(key)
     if h is None:
@@ -354,8 +352,9 @@ class _AllreduceMean(Stage):
 
     def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
         out = expect_state(state, AllreduceMeanState, "mean", spec)
+        new_state = AllreduceMeanState(out)
         if self.n == 1:
-            return Step(lambda u: (u, state))
+            return Step(lambda u: (u, new_state))
         comm, n = self.comm, self.n
         half = _F16 in spec.layout.group_dtypes
 
@@ -364,7 +363,7 @@ class _AllreduceMean(Stage):
             src = u.flat if u.factor.is_one else u.into(out)
             _reduce(comm, src, out, mean=half)
             # The division by n rides on the next kernel (float16 trees: divided on the host).
-            return Updates(out, owned=True, factor=ONE if half else Factor(float(n), 1.0)), state
+            return Updates(out, owned=True, factor=ONE if half else Factor(float(n), 1.0)), new_state
 
         return Step(run)
 

@@ -85,6 +85,13 @@ class FlatTree:
     buffers: dict[np.dtype, Any]  # NumPy arrays, or numba device arrays on the GPU
     _busy = False  # an update of the state this FlatTree owns is running (`Stage.update`)
 
+    # A state's buffers are updated in place, so the state an update was given and the one it
+    # returns would hold the same FlatTree. The returned one holds a renewal instead: a new
+    # FlatTree sharing this one's ``__dict__`` (storage, views, workspaces, flags) with the
+    # next generation stamp ``_gen`` (a slot: each wrapper its own); ``_live``, in the shared
+    # dict, is the storage's current generation (`numbaccum.base.current`).
+    __slots__ = ("_gen", "__dict__", "__weakref__")
+
     def __init__(
         self,
         layout: Layout,
@@ -100,6 +107,8 @@ class FlatTree:
         self._readonly = readonly
         self._trees: dict[str, Any] = {}  # the tree of views, per array type it is shown as
         self._workspaces: dict[str, FlatTree] = {}
+        self._gen = 0
+        self._live = 0
 
     # --- construction -----------------------------------------------------------------------
 

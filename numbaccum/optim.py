@@ -325,8 +325,8 @@ class _ScaleByAdam(Stage):
     def plan_scaled(self, spec: Spec, state: Any, out_mul: float) -> Step:
         """The plan of one Adam pass over every group whose output is multiplied by ``out_mul``
         in the same pass (``direction * out_mul`` rounds as a separate scaling would)."""
-        mu = expect_state(state, ScaleByAdamState, "mu", spec)
-        nu = expect_state(state, ScaleByAdamState, "nu", spec)
+        mu = expect_state(state, ScaleByAdamState, "mu", spec, renew=False)
+        nu = expect_state(state, ScaleByAdamState, "nu", spec)  # the owner
         count = safe_increment(state.count)
         b1, b2 = self.b1, self.b2
         scalars = []
@@ -411,7 +411,8 @@ class _Direction(Stage):
         """The formula's scalars for a group computing in ``ct`` at the new ``count``."""
 
     def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
-        bufs = [expect_state(state, self.state_cls, f, spec) for f in self.fields]
+        owner = self.fields[-1]
+        bufs = [expect_state(state, self.state_cls, f, spec, renew=f == owner) for f in self.fields]
         count = safe_increment(state.count) if self.counted else None
         scalars = []
         for gi, gdt in enumerate(spec.layout.group_dtypes):

@@ -30,6 +30,7 @@ from .base import (
     apply_updates_,
     as_stage,
     check_params,
+    guarded,
     scatter_back,
     step_applier,
     with_extra_args_support,
@@ -66,6 +67,12 @@ def step_(tx: Any, grads: Any, state: Any, params: Any, **extra_args: Any) -> An
     if not fuse.enabled() or stage.reshapes:
         return _update_then_apply(stage, grads, state, params, extra_args)
     owner = stage.owner(state)
+    # The same guard as `update`: one update of a state at a time, only of the current state.
+    return guarded(owner, _step, stage, grads, state, params, owner, extra_args)
+
+
+def _step(stage: Stage, grads: Any, state: Any, params: Any, owner: Any, extra_args: dict) -> Any:
+    """`step_` of a stage whose last pass may add the updates to the params, inside `guarded`."""
     u, kind = stage.take(grads, state, params, owner)
     spec = Spec(u.flat.layout, u.flat.device)
     into = stage._workspace(owner, spec, "params")

@@ -208,10 +208,9 @@ def _count_kernels(monkeypatch):
 
 def test_a_fused_run_is_one_kernel_per_dtype_group(monkeypatch):
     tx = RECIPES["issue_chain"]()
-    state = tx.init(PARAMS)
-    tx.update(_grads(1)[0], state)
+    state = tx.update(_grads(1)[0], tx.init(PARAMS))[1]
     seen = _count_kernels(monkeypatch)
-    tx.update(_grads(1)[0], state)
+    state = tx.update(_grads(1)[0], state)[1]
     assert len(seen) == 2 and all(n.startswith("fused_") for n in seen), seen  # float32, float64
     monkeypatch.setenv("NUMBACCUM_FUSE", "0")
     seen.clear()

@@ -160,20 +160,22 @@ def test_item2_threads_state_used_by_two_threads_at_once_raises():
     # thread raises RuntimeError instead of giving wrong counts silently.
     tx = nba.ema(0.9)
     g = FlatTree.from_tree({"w": np.ones(200_000, np.float32)})
-    s = tx.init(g)
+    cur = [tx.init(g)]  # the current state, shared by the threads
     busy: list = []
 
     def work(i: int) -> None:
         for _ in range(30):
             try:
-                tx.update(g, s)
+                cur[0] = tx.update(g, cur[0])[1]
             except RuntimeError as e:
                 assert "another thread" in str(e)
                 busy.append(e)
+            except ValueError as e:  # another thread advanced the state it read: stale
+                assert "stale" in str(e)
 
     run_threads(work, 4)
     assert busy, "no concurrent use of one state was detected"
-    u, s2 = tx.update(g, s)  # the state is usable again once nobody runs it
+    u, s2 = tx.update(g, cur[0])  # the state is usable again once nobody runs it
 
 
 def test_item2_threads_busy_flag_is_cleared_after_an_error():
