@@ -91,11 +91,52 @@ def _resolve_class(name: Any, fields: Any, known: dict[str, type]) -> Any:
             "states load by name; register a class of your own with numbaccum.register_state_class "
             "before loading, or pass like="
         )
-    if list(cls._fields) != fields:
+    if list(cls._fields) != fields and fields not in _earlier_fields(cls):
         raise _Malformed(
             f"the class {short_repr(name)} has the fields {list(cls._fields)}, the file {fields}"
         )
     return cls
+
+
+# --- states whose fields changed since version 1 files were first written ------------------------
+
+
+def _earlier_fields(cls: type) -> list[list[str]]:
+    """The field lists an earlier numbaccum wrote for ``cls`` (a file keeps loading after a state
+    changed its fields; `_build` reads it)."""
+    nba = sys.modules["numbaccum"]  # loaded; a load imports nothing (not even our own modules)
+    if cls is nba.MultiStepsState:  # before optax's five fields: DP's example count was kept here
+        return [[*cls._fields, "examples"]]
+    if cls is nba.DifferentiallyPrivateAggregateState:  # before it counted DP accumulation's examples
+        return [["rng_key"]]
+    return []
+
+
+def _build(cls: type, values: dict[str, Any]) -> Any:
+    """``cls`` from a file's ``values`` by field: an earlier field list (`_earlier_fields`) gets
+    the defaults of the fields it lacks; MultiStepsState's old ``examples`` count moves to the DP
+    state inside its inner state, where it is kept now."""
+    examples = values.pop("examples", None) if "examples" not in cls._fields else None
+    if examples is not None and not isinstance(examples, (int, np.integer)):
+        raise _Malformed(f"MultiStepsState.examples: expected an integer, the file has {short_repr(examples)}")
+    state = cls(**values)
+    if examples is not None and int(examples) != 0:
+        state = state._replace(inner_opt_state=_with_examples(state.inner_opt_state, examples))
+    return state
+
+
+def _with_examples(tree: Any, examples: Any) -> Any:
+    """``tree`` with the ``examples`` of its DP aggregation state(s) set (a version 1 file kept
+    them in MultiStepsState)."""
+    if isinstance(tree, sys.modules["numbaccum"].DifferentiallyPrivateAggregateState):
+        return tree._replace(examples=np.int64(examples))
+    if isinstance(tree, dict):
+        return {k: _with_examples(v, examples) for k, v in tree.items()}
+    if isinstance(tree, tuple) and hasattr(type(tree), "_fields"):
+        return type(tree)(*(_with_examples(v, examples) for v in tree))
+    if isinstance(tree, (tuple, list)):
+        return type(tree)(_with_examples(v, examples) for v in tree)
+    return tree
 
 
 # --- the registry of NamedTuple classes a checkpoint may name ------------------------------------
@@ -611,9 +652,9 @@ class _Decoder:
         if tag == "nt" and len(args) == 3:
             cls = _resolve_class(args[0], args[1], self.known)
             kids = args[2]
-            if not isinstance(kids, list) or len(kids) != len(cls._fields):
+            if not isinstance(kids, list) or len(kids) != len(args[1]):
                 raise _Malformed(f"a malformed entry at {path}")
-            return cls(*(self.node(k, f"{path}.{f}") for f, k in zip(cls._fields, kids)))
+            return _build(cls, {f: self.node(k, f"{path}.{f}") for f, k in zip(args[1], kids)})
         if tag in ("tuple", "list") and len(args) == 1 and isinstance(args[0], list):
             items = [self.node(k, f"{path}[{i}]") for i, k in enumerate(args[0])]
             return tuple(items) if tag == "tuple" else items

@@ -119,3 +119,26 @@ def test_the_accumulator_is_float64_unless_asked():
     assert set(s.acc_grads.group_dtypes) == {np.dtype(np.float64)}
     s = nba.MultiSteps(MAKERS["dpsgd_momentum"](), 2, accumulator_dtype=np.float32).init(p)
     assert set(s.acc_grads.group_dtypes) == {np.dtype(np.float32)}
+
+
+def test_a_version_1_checkpoint_mid_cycle_loads_with_its_example_count():
+    """A file written by landed main 7d5d46e (MultiStepsState had a sixth field, ``examples``;
+    the DP state one field) mid-cycle: 2 of 3 mini-steps, 6 examples. It loads, the count moves
+    to the DP state, and the cycle ends with the bits of an uninterrupted run."""
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), "data", "checkpoint_v1_multisteps_dp.npz")
+    p = _params(0)
+    ms = nba.MultiSteps(MAKERS["aggregate_adam"](), 3)
+    s = ms.init(p)
+    batch = _batch(p, 9, 10)
+    minis = _split(batch, (2, 4, 3))
+    for mini in minis[:2]:
+        _, s = ms.update(mini, s, p)
+    loaded = nba.load_state(path)
+    assert type(loaded)._fields == nba.MultiStepsState._fields
+    assert _examples(loaded) == 6 and int(loaded.mini_step) == 2
+    u_loaded, _ = ms.update(minis[2], loaded, p)
+    u_loaded = nba.tree_map(np.copy, u_loaded)
+    u, _ = ms.update(minis[2], s, p)
+    assert_tree_equal(u_loaded, u)
