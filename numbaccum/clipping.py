@@ -117,7 +117,7 @@ _NONFINITE = ("pass", "skip", "raise")
 
 
 def _nonfinite_policy(value: Any) -> str:
-    if value not in _NONFINITE:
+    if not isinstance(value, str) or value not in _NONFINITE:  # an array has no truth value
         raise ValueError(f"nonfinite must be one of {list(_NONFINITE)}, got {value!r}")
     return value
 
@@ -317,7 +317,8 @@ class _NormalizeByUpdateNorm(_Stateless):
     def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
         def factor_of(flat: FlatTree) -> Factor:
             norm = tree_norm(flat)  # float64; the factor is scaled to fit float32 (`Factor`)
-            return Factor((norm + self.eps) / self.scale_factor, 1.0)
+            with np.errstate(divide="ignore", invalid="ignore"):  # scale_factor 0: inf, as in optax
+                return Factor(np.float64(norm + self.eps) / np.float64(self.scale_factor), 1.0)
 
         def run(u: Updates) -> tuple[Updates, Any]:
             u = u.settled()

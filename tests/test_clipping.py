@@ -229,3 +229,17 @@ def test_clip_by_block_rms_against_numpy(tree):
         np.testing.assert_allclose(
             x, y / y.dtype.type(max(1.0, rms / 0.5)), rtol=1e-6 if y.dtype == np.float32 else 1e-13
         )
+
+
+def test_normalize_by_update_norm_with_a_zero_scale_factor_gives_zeros_as_optax():
+    """optax divides by (norm + eps) / 0 = inf: zeros (a ZeroDivisionError here before)."""
+    g = {"a": np.array([1.0, 2.0, 3.0]), "b": np.ones(3, np.float32)}
+    for tx in (nba.normalize_by_update_norm(0.0), nba.chain(nba.normalize_by_update_norm(0.0), nba.scale(2.0))):
+        u, _ = tx.update(g, tx.init(None))
+        for k in g:
+            assert u[k].dtype == g[k].dtype and np.all(u[k] == 0)
+
+
+def test_clip_by_global_norm_names_a_nonfinite_policy_that_is_not_a_string():
+    with pytest.raises(ValueError, match="nonfinite must be one of"):
+        nba.clip_by_global_norm(1.0, nonfinite=np.zeros(3))
