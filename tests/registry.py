@@ -352,6 +352,7 @@ _add(
     "masked",
     lambda: nba.masked(nba.chain(nba.scale(2.0), nba.trace(0.9)), _ndim_mask),
     lambda: ref.masked(ref.chain(ref.scale(2.0), ref.trace(0.9)), _ndim_mask),
+    {"inner": nba.sgd(0.1), "mask": _ndim_mask},
     exact=True,
     fusable=False,
 )
@@ -441,7 +442,7 @@ EXEMPT: dict[str, str] = {
             "stats",
         )
     },
-    **{n: _SCHEDULE for n in nba.__all__ if n.endswith("_schedule") or n == "exponential_decay"},
+    **{n: _SCHEDULE for n in nba.__all__ if n.endswith("_schedule") or n in ("exponential_decay", "join_schedules")},
 }
 
 
