@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 import strategies as strat
 from hypothesis import HealthCheck, given, settings
-
 from registry import CASES, cases
 
 import numbaccum as nba
