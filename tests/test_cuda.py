@@ -821,3 +821,16 @@ def test_norm_factor_kernel_compiles_for_the_device():
     compile, types, cuda_reduce = _ptx_compiler("numbaccum.cuda.reduce")
     for x in (types.float16, types.float32, types.float64):
         assert "sqrt" in compile(cuda_reduce._pnorm_factors.py_func, _pnorm_sig(types, x))
+
+
+@needs_cuda
+def test_masked_with_every_leaf_masked_out_on_the_device():
+    """The inner state of no leaves lives nowhere: the device updates must not be refused as
+    "state.trace: it lives on the host" (found by the random trees of issue 22)."""
+    p = {"e": np.zeros(0, np.float32), "w": np.arange(3, dtype=np.float32)}
+    tx = nba.masked(nba.trace(0.9), {"e": False, "w": False})
+    s = tx.init(dev(p))
+    for _ in range(2):
+        u, s = tx.update(dev(p), s, dev(p))
+        assert_on_device(u, "masked")
+        np.testing.assert_array_equal(host(u)["w"], p["w"])
