@@ -123,7 +123,8 @@ def expect_state(
     flat = getattr(state, field)
     if not isinstance(flat, FlatTree) or flat.layout is not layout:
         raise ValueError(f"state.{field}: its layout does not match the updates ({layout})")
-    if device is not None and flat.device != device:
+    # A layout without leaves (``masked`` with every leaf masked out) holds nothing anywhere.
+    if device is not None and flat.device != device and layout.num_leaves:
         where = "a CUDA device" if flat.device else "the host"
         raise ValueError(f"state.{field}: it lives on {where}, the updates do not")
     return current(flat, field) if renew else flat

@@ -20,6 +20,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from . import _bounded
+from ._checks import flag, transformation
 from .backend import ops_for
 from .base import (
     GradientTransformationExtraArgs,
@@ -132,11 +133,11 @@ class _Masked(Stage):
     before anything is written), and runs it on a packed copy of the kept leaves."""
 
     def __init__(self, inner: Any, mask: Any, mask_compatible_extra_args: bool) -> None:
-        self.inner = as_stage(with_extra_args_support(inner))
+        self.inner = as_stage(with_extra_args_support(transformation(inner, "inner")))
         if self.inner.reshapes:
             raise TypeError("masked: the inner transformation must not change the updates' shape")
         self.mask = mask
-        self.mask_extra = bool(mask_compatible_extra_args)
+        self.mask_extra = flag(mask_compatible_extra_args, "mask_compatible_extra_args")
         self._plans = _bounded.Bounded()
 
     def foreign(self) -> bool:

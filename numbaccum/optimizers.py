@@ -410,6 +410,8 @@ def rmsprop(
     scale_by_learning_rate(learning_rate), trace(momentum, nesterov))`` (``identity()`` for no
     momentum), as optax: the learning rate is applied before the momentum."""
     direction = scale_by_stddev if flag(centered, "centered") else scale_by_rms
+    if momentum is not None:
+        check_decay(momentum, "momentum")  # named as the caller knows it (trace calls it decay)
     return chain(
         direction(decay, eps, initial_scale, eps_in_sqrt, bias_correction),
         scale_by_learning_rate(learning_rate),

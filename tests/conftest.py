@@ -75,7 +75,6 @@ def pytest_sessionfinish(session, exitstatus):
         shutil.rmtree(CACHE_DIR, ignore_errors=True)
 
 
-
 def _cuda_usable() -> bool:
     if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
         return True

@@ -92,7 +92,13 @@ _add(
     exact=True,
 )
 _add("ema", "ema", lambda: nba.ema(0.9), lambda: ref.ema(0.9), {"decay": 0.9}, exact=True)
-_add("ema_nodebias", "ema", lambda: nba.ema(0.75, debias=False), lambda: ref.ema(0.75, debias=False), exact=True)
+_add(
+    "ema_nodebias",
+    "ema",
+    lambda: nba.ema(0.75, debias=False),
+    lambda: ref.ema(0.75, debias=False),
+    exact=True,
+)
 _add("scale", "scale", lambda: nba.scale(-0.3), lambda: ref.scale(-0.3), {"step_size": 0.5}, exact=True)
 _add(
     "scale_by_learning_rate",
@@ -118,7 +124,14 @@ _add(
     exact=True,
 )
 _add("scale_by_sign", "scale_by_sign", nba.scale_by_sign, ref.scale_by_sign, {}, exact=True)
-_add("sign_sgd", "sign_sgd", lambda: nba.sign_sgd(0.1), lambda: ref.sign_sgd(0.1), {"learning_rate": 1e-3}, exact=True)
+_add(
+    "sign_sgd",
+    "sign_sgd",
+    lambda: nba.sign_sgd(0.1),
+    lambda: ref.sign_sgd(0.1),
+    {"learning_rate": 1e-3},
+    exact=True,
+)
 _add("sgd", "sgd", lambda: nba.sgd(0.1), lambda: ref.sgd(0.1), {"learning_rate": 0.1}, exact=True)
 _add(
     "sgd_nesterov",
@@ -181,7 +194,14 @@ _add(
     exact=True,
 )
 _add("scale_by_amsgrad", "scale_by_amsgrad", nba.scale_by_amsgrad, None, {})
-_add("adamax", "adamax", lambda: nba.adamax(1e-2), lambda: ref.adamax(1e-2), {"learning_rate": 1e-3}, exact=True)
+_add(
+    "adamax",
+    "adamax",
+    lambda: nba.adamax(1e-2),
+    lambda: ref.adamax(1e-2),
+    {"learning_rate": 1e-3},
+    exact=True,
+)
 _add("scale_by_adamax", "scale_by_adamax", nba.scale_by_adamax, None, {})
 _add(
     "adabelief",
@@ -206,7 +226,8 @@ _add(
     "scale_by_lion",
     lambda: nba.scale_by_lion(mode="smooth", smooth_beta=2.0),
     lambda: ref.scale_by_lion(mode="smooth", smooth_beta=2.0),
-    exact=False, note="tanh: NumPy's and the compiled libm's float32 tanh may differ in the last bit",
+    exact=False,
+    note="tanh: NumPy's and the compiled libm's float32 tanh may differ in the last bit",
 )
 _add(
     "scale_by_lion_refined",
@@ -221,32 +242,44 @@ _add(
     lambda: nba.rmsprop(1e-2, eps_in_sqrt=False),
     lambda: ref.rmsprop(1e-2, eps_in_sqrt=False),
     {"learning_rate": 1e-3},
-    exact=False, note="1 / sqrt in float64 then rounded, as optax's rsqrt is not 1 / sqrt in float32 either",
+    exact=False,
+    note="1 / sqrt in float64 then rounded, as optax's rsqrt is not 1 / sqrt in float32 either",
 )
 _add(
     "rmsprop_bias_correction",
     "rmsprop",
     lambda: nba.rmsprop(1e-2, bias_correction=True, initial_scale=0.5),
     lambda: ref.rmsprop(1e-2, bias_correction=True, initial_scale=0.5),
-    exact=False, note="1 / sqrt in float64 then rounded, as optax's rsqrt is not 1 / sqrt in float32 either",
+    exact=False,
+    note="1 / sqrt in float64 then rounded, as optax's rsqrt is not 1 / sqrt in float32 either",
 )
 _add(
     "rmsprop_centered_momentum",
     "rmsprop",
     lambda: nba.rmsprop(1e-2, centered=True, momentum=0.9, nesterov=True),
     lambda: ref.rmsprop(1e-2, centered=True, momentum=0.9, nesterov=True),
-    exact=False, note="1 / sqrt in float64 then rounded, as optax's rsqrt is not 1 / sqrt in float32 either",
+    exact=False,
+    note="1 / sqrt in float64 then rounded, as optax's rsqrt is not 1 / sqrt in float32 either",
 )
 _add(
     "rmsprop_centered_bc_eps_out",
     "rmsprop",
     lambda: nba.rmsprop(1e-2, centered=True, bias_correction=True, eps_in_sqrt=False, eps=1e-3),
     lambda: ref.rmsprop(1e-2, centered=True, bias_correction=True, eps_in_sqrt=False, eps=1e-3),
-    exact=False, note="1 / sqrt in float64 then rounded, as optax's rsqrt is not 1 / sqrt in float32 either",
+    exact=False,
+    note="1 / sqrt in float64 then rounded, as optax's rsqrt is not 1 / sqrt in float32 either",
 )
 _add("scale_by_rms", "scale_by_rms", nba.scale_by_rms, None, {})
 _add("scale_by_stddev", "scale_by_stddev", nba.scale_by_stddev, None, {})
-_add("adagrad", "adagrad", lambda: nba.adagrad(0.1), lambda: ref.adagrad(0.1), {"learning_rate": 1e-3}, exact=False, note="1 / sqrt in float64 then rounded, as optax's rsqrt is not 1 / sqrt in float32 either")
+_add(
+    "adagrad",
+    "adagrad",
+    lambda: nba.adagrad(0.1),
+    lambda: ref.adagrad(0.1),
+    {"learning_rate": 1e-3},
+    exact=False,
+    note="1 / sqrt in float64 then rounded, as optax's rsqrt is not 1 / sqrt in float32 either",
+)
 _add("scale_by_rss", "scale_by_rss", nba.scale_by_rss, None, {})
 
 # --- clipping and the norm family ------------------------------------------------------------
@@ -260,7 +293,13 @@ _add(
     note="the norm's sum runs in another order than the reference's",
 )
 _add("clip_by_block_rms", "clip_by_block_rms", lambda: nba.clip_by_block_rms(0.3), None, {"threshold": 1.0})
-_add("normalize_by_update_norm", "normalize_by_update_norm", lambda: nba.normalize_by_update_norm(2.0), None, {})
+_add(
+    "normalize_by_update_norm",
+    "normalize_by_update_norm",
+    lambda: nba.normalize_by_update_norm(2.0),
+    None,
+    {},
+)
 _add(
     "clip_norm_rows",
     "clip_norm",
@@ -352,6 +391,7 @@ _add(
     "masked",
     lambda: nba.masked(nba.chain(nba.scale(2.0), nba.trace(0.9)), _ndim_mask),
     lambda: ref.masked(ref.chain(ref.scale(2.0), ref.trace(0.9)), _ndim_mask),
+    {"inner": nba.sgd(0.1), "mask": _ndim_mask},
     exact=True,
     fusable=False,
 )
@@ -441,7 +481,11 @@ EXEMPT: dict[str, str] = {
             "stats",
         )
     },
-    **{n: _SCHEDULE for n in nba.__all__ if n.endswith("_schedule") or n == "exponential_decay"},
+    **{
+        n: _SCHEDULE
+        for n in nba.__all__
+        if n.endswith("_schedule") or n in ("exponential_decay", "join_schedules")
+    },
 }
 
 

@@ -137,7 +137,9 @@ def _generated(spec: LeafSpec, max_abs: float, seed: int, zero_share: float) -> 
 def leaf_arrays(spec: LeafSpec, max_abs: float = 10.0) -> st.SearchStrategy[np.ndarray]:
     if math.prod(spec.shape) > ELEMENTWISE_MAX:
         seeds = st.integers(0, 2**32 - 1)
-        return st.builds(_generated, st.just(spec), st.just(max_abs), seeds, st.sampled_from([0.0, 0.05, 0.5]))
+        return st.builds(
+            _generated, st.just(spec), st.just(max_abs), seeds, st.sampled_from([0.0, 0.05, 0.5])
+        )
     width = 32 if spec.dtype == F32 else 64
     nonzero = st.floats(
         -max_abs, max_abs, width=width, allow_nan=False, allow_infinity=False, allow_subnormal=False

@@ -37,7 +37,12 @@ def _values(rng: np.random.Generator, shape: tuple, dtype) -> np.ndarray:
     return np.asarray(x, dtype=dtype)
 
 
-SHAPES = {"w": ((23, 17), np.float32), "b": ((17,), np.float32), "s": ((), np.float32), "d": ((5, 31), np.float64)}
+SHAPES = {
+    "w": ((23, 17), np.float32),
+    "b": ((17,), np.float32),
+    "s": ((), np.float32),
+    "d": ((5, 31), np.float64),
+}
 SHAPES["e"] = ((0,), np.float32)
 
 
@@ -59,7 +64,9 @@ def assert_bits(actual, expected, msg: str) -> None:
     paths = ref.tree_paths(as_tree(expected))
     for p, a, e in zip(paths, leaves(actual), leaves(expected)):
         a, e = np.asarray(a), np.asarray(e)
-        assert a.dtype == e.dtype and a.shape == e.shape, f"{msg} {p}: {a.dtype}{a.shape} vs {e.dtype}{e.shape}"
+        assert a.dtype == e.dtype and a.shape == e.shape, (
+            f"{msg} {p}: {a.dtype}{a.shape} vs {e.dtype}{e.shape}"
+        )
         same = (a == e) & (np.signbit(a) == np.signbit(e)) | (np.isnan(a) & np.isnan(e))
         if not np.all(same):
             bad = np.flatnonzero(~same.reshape(-1))

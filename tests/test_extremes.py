@@ -5,7 +5,6 @@ growth clipping from zero."""
 from __future__ import annotations
 
 import math
-import os
 from fractions import Fraction
 
 import numpy as np

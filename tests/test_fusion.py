@@ -15,6 +15,7 @@ import pytest
 from _testutil import assert_tree_close, assert_tree_equal, ref, snapshot
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from registry import CASES, cases
 from strategies import tree_sequences
 
 import numbaccum as nb
@@ -62,6 +63,9 @@ POOL = {
     ),
 }
 
+# ... and every other stage of the registry (tests/registry.py) that a chain may fuse: the norm
+# family, the adaptive clippers, the optimizer library.
+POOL |= {n: (CASES[n].make, CASES[n].reference) for n in cases(fusable=True) if n not in POOL}
 
 WITH_REFERENCE = [n for n in sorted(POOL) if POOL[n][1] is not None]
 

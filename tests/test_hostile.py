@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from registry import CASES
 from test_all_or_nothing import assert_bitwise, snapshot
 
 import numbaccum as nba
@@ -137,6 +138,17 @@ _add(
     {"learning_rate": 0.1, "l2_norm_clip": 1.0, "noise_multiplier": 0.5, "seed": 0},
     per_example=True,
 )
+# Every other public transformation of the registry (tests/registry.py), but those whose
+# arguments are not hyperparameters.
+HOSTILE_EXEMPT = {
+    "chain": "its arguments are transformations (variadic)",
+    "named_chain": "its arguments are (name, transformation) pairs (variadic)",
+    "inject_hyperparams": "returns a constructor; its hyperparameters: test_inject.py",
+}
+for _case in CASES.values():
+    if _case.public not in CONSTRUCTORS and _case.public not in HOSTILE_EXEMPT and _case.required is not None:
+        _add(_case.public, getattr(nba, _case.public), _case.required, per_example=_case.per_example)
+
 _add("tz.ClipValue", tz.ClipValue, {"value": 1.0})
 _add("tz.ClipNorm", tz.ClipNorm, {"max_norm": 1.0})
 _add("dl.L2Clipping", dl.L2Clipping, {})

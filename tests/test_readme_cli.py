@@ -28,7 +28,7 @@ def test_readme_commands_are_the_ones_ci_and_users_run():
         'pip install ".[mpi]"\nmpiexec -n 2 python examples/data_parallel.py',
     ]
     ci = (ROOT / ".ci" / "run").read_text()
-    assert 'pip install -q -e ".[test,mpi]"' in ci and "python -m pytest -q" in ci
+    assert 'pip install -q -e ".[test,mpi,parity]"' in ci and "python -m pytest -q" in ci
     assert 'mpiexec -n 2 "${MPI_PYTEST[@]}"' in ci
 
 

@@ -66,8 +66,8 @@ def _assert_ema_match(actual, expected, msg=""):
     """float32 leaves bit for bit; float64 leaves within 1e-12."""
     assert_same_structure(actual, expected)
     el = leaves(expected)
-    scale = max([float(np.max(np.abs(e))) for e in el if np.size(e)] + [0.0])
     for p, a, e in zip(ref.tree_paths(as_tree(expected)), leaves(actual), el):
+        scale = float(np.max(np.abs(e))) if np.size(e) else 0.0  # this leaf's, not the tree's
         a = np.asarray(a)
         assert a.shape == e.shape and a.dtype == e.dtype, (
             f"{msg} {p}: {a.dtype}{a.shape} vs {e.dtype}{e.shape}"

@@ -26,7 +26,9 @@ def test_this_session_is_reproducible_and_clean(request):
     explore = explore or request.config.getoption("hypothesis_profile", None) == "explore"
     assert settings.default.derandomize is not explore, "the default profile must be derandomized"
     stray = sorted(
-        n for n in os.environ if n.startswith("NUMBACCUM_") and n not in conftest.KEPT | {"NUMBACCUM_CACHE_DIR"}
+        n
+        for n in os.environ
+        if n.startswith("NUMBACCUM_") and n not in conftest.KEPT | {"NUMBACCUM_CACHE_DIR"}
     )
     assert not stray, f"NUMBACCUM_* variables reach the tests: {stray}"
     cache = os.environ["NUMBACCUM_CACHE_DIR"]

@@ -17,7 +17,13 @@ from numbaccum import _config
 def _draws(strategy, n: int = 300) -> list:
     out = []
 
-    @settings(max_examples=n, derandomize=True, database=None, deadline=None, suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=n,
+        derandomize=True,
+        database=None,
+        deadline=None,
+        suppress_health_check=list(HealthCheck),
+    )
     @given(strategy)
     def collect(x):
         out.append(x)

@@ -75,7 +75,8 @@ MUTATIONS = [
         "adam_moment_order",
         F,
         "    m = one_minus_b1 * g + b1 * mu\n    v = one_minus_b2 * (g * g) + b2 * nu\n    return m, v, ((m",
-        "    m = mu + one_minus_b1 * (g - mu)\n    v = one_minus_b2 * (g * g) + b2 * nu\n    return m, v, ((m",
+        "    m = mu + one_minus_b1 * (g - mu)\n    v = one_minus_b2 * (g * g) + b2 * nu\n"
+        "    return m, v, ((m",
         "rounding",
     ),
     Mutation(
@@ -127,8 +128,20 @@ MUTATIONS = [
         "return t, t",
         "bug",
     ),
-    Mutation("clamp_bound", F, "    if v < -bound:\n        return -bound", "    if v < -bound:\n        return bound", "bug"),
-    Mutation("clamp_strict", F, "    if v > bound:\n        return bound", "    if v > 2 * bound:\n        return bound", "bug"),
+    Mutation(
+        "clamp_bound",
+        F,
+        "    if v < -bound:\n        return -bound",
+        "    if v < -bound:\n        return bound",
+        "bug",
+    ),
+    Mutation(
+        "clamp_strict",
+        F,
+        "    if v > bound:\n        return bound",
+        "    if v > 2 * bound:\n        return bound",
+        "bug",
+    ),
     Mutation("add_scaled_sign", F, "    return x + s * y\n", "    return x - s * y\n", "bug"),
     Mutation(
         "mean_accumulate_welford",
@@ -165,7 +178,9 @@ MUTATIONS = [
         "    return one_minus_b2 * c + b2 * mu, out",
         "bug",
     ),
-    Mutation("sign_of_zero", F, "    if x > 0:\n        return 1.0", "    if x >= 0:\n        return 1.0", "bug"),
+    Mutation(
+        "sign_of_zero", F, "    if x > 0:\n        return 1.0", "    if x >= 0:\n        return 1.0", "bug"
+    ),
     Mutation(
         "rms_eps_placement",
         F,
@@ -227,7 +242,9 @@ def run_one(m: Mutation, cache: str, timeout: float) -> tuple[bool, str, float]:
     """(killed, the first failing test or why it survived, seconds)."""
     with tempfile.TemporaryDirectory(prefix=f"mutant-{m.name}-") as tmp:
         for d in ("numbaccum", "tests"):
-            shutil.copytree(os.path.join(ROOT, d), os.path.join(tmp, d), ignore=shutil.ignore_patterns("__pycache__"))
+            shutil.copytree(
+                os.path.join(ROOT, d), os.path.join(tmp, d), ignore=shutil.ignore_patterns("__pycache__")
+            )
         shutil.copy(os.path.join(ROOT, "pyproject.toml"), tmp)
         apply(tmp, m)
         env = dict(os.environ, NUMBACCUM_TEST_CACHE_DIR=cache, PYTHONPATH=tmp, PYTHONDONTWRITEBYTECODE="1")
@@ -262,12 +279,18 @@ def main(argv: list[str]) -> int:
     try:
         for m in chosen:
             killed, why, dt = run_one(m, cache, timeout=1200)
-            print(f"{'killed ' if killed else 'SURVIVED'} {m.name:32s} {m.kind:8s} {dt:6.1f} s  {why}", flush=True)
+            print(
+                f"{'killed ' if killed else 'SURVIVED'} {m.name:32s} {m.kind:8s} {dt:6.1f} s  {why}",
+                flush=True,
+            )
             if not killed:
                 survivors.append(m.name)
     finally:
         shutil.rmtree(cache, ignore_errors=True)
-    print(f"{len(chosen) - len(survivors)}/{len(chosen)} killed" + (f"; survivors: {survivors}" if survivors else ""))
+    print(
+        f"{len(chosen) - len(survivors)}/{len(chosen)} killed"
+        + (f"; survivors: {survivors}" if survivors else "")
+    )
     return 1 if survivors else 0
 
 
