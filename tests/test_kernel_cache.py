@@ -427,3 +427,12 @@ def test_the_cache_makes_its_directories_private(tmp_path):
     dirs = [cache, *(p for p in cache.rglob("*") if p.is_dir())]
     assert len(dirs) > 3
     assert all(d.stat().st_mode & 0o077 == 0 for d in dirs), [oct(d.stat().st_mode) for d in dirs]
+
+
+def test_the_namespace_names_the_cache_format_so_an_older_cache_is_never_read():
+    """issue 22 item 1: kernels of format 1 (named by source location) could be confused; their
+    directories (``numba<version>-py<ver>-<hash>``) are never the namespace of this version."""
+    from numbaccum import _cache
+
+    assert _cache.FORMAT >= 2
+    assert _cache.tag().startswith(f"v{_cache.FORMAT}-numba")
