@@ -450,6 +450,7 @@ EXEMPT: dict[str, str] = {
     "GradientTransformationExtraArgs": "the protocol type",
     "WrappedSchedule": _SCHEDULE,
     "with_extra_args_support": "wraps a user's transformation (tests: test_semantics)",
+    "register_state_class": "names a user's state class for checkpoints (tests: test_checkpoint)",
     **{
         n: _FUNCTION
         for n in (
