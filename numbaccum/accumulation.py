@@ -31,8 +31,8 @@ from .base import (
     as_stage,
     current,
     keep_states,
-    undoable,
     step_applier,
+    undoable,
     with_extra_args_support,
 )
 from .contract import ONE
@@ -410,9 +410,8 @@ def _call_skip(fn: Callable, u: Updates, gradient_step: Any, params: ParamsRef |
     flat = FLAT_SKIP_PREDICATES.get(target)
     if flat is not None:
         return flat(u, gradient_step, params, **kwargs)
-    # Code that is not ours gets a buffer of its own, which it may keep or modify: never the
-    # caller's gradients, which are added to the accumulator after it returns.
-    tree = u.into(FlatTree.empty(u.flat.layout, device=u.flat.device)).tree
+    # Not the caller's gradients, which are added to the accumulator after it returns.
+    tree = u.handed_out().tree
     out = fn(tree, gradient_step, params.raw if params is not None else None)
     if not (isinstance(out, tuple) and len(out) == 2):
         raise TypeError(
@@ -606,7 +605,8 @@ class MultiSteps(Stage):
             for a in acc.groups:
                 ops_for(a).fill_(a, 0.0)
             inner_state = pack([dp_state, *rest_states])
-            new = MultiStepsState(np.int32(0), safe_increment(gradient_step), inner_state, acc, state.skip_state)
+            step = safe_increment(gradient_step)
+            new = MultiStepsState(np.int32(0), step, inner_state, acc, state.skip_state)
             return out, new
 
         return Step(run, spec=out_spec)

@@ -181,6 +181,11 @@ class Updates:
             ops_for(src).scale_(dst, src, factor)
         return out
 
+    def handed_out(self) -> FlatTree:
+        """The value in a new buffer of its own, for code that is not numbaccum's: it may keep,
+        return or modify it (never the caller's gradients or a state's accumulator)."""
+        return self.into(FlatTree.empty(self.flat.layout, device=self.flat.device))
+
 
 class SkipStep(Exception):
     """Raised inside a run by a stage that decided, from the data, that this step must not
@@ -574,8 +579,6 @@ def keep_states(old: Any) -> None:
         renewals[:] = [r for r in renewals if id(r.__dict__) not in kept]
 
 
-
-
 def guarded(owner: FlatTree | None, fn: Callable[..., Any], *args: Any) -> Any:
     """``fn(*args)``: an update (`Stage.update`, `numbaccum.step_`) of the state whose buffers
     ``owner`` owns (None: a stateless stage), run as one transaction.
@@ -652,8 +655,7 @@ class Foreign(Stage):
         raw = params.raw if params is not None else None
 
         def run(u: Updates) -> tuple[Updates, Any]:
-            given = u.into(FlatTree.empty(spec.layout, device=spec.device))  # its own, new each call
-            out, new_state = update(given.tree, state, raw, **extra)
+            out, new_state = update(u.handed_out().tree, state, raw, **extra)
             into = u.scratch or (lambda: self.kept("output", spec.layout, spec.device))
             return Updates(_read_foreign(out, spec, into), True), new_state
 
@@ -676,8 +678,7 @@ def _read_foreign(out: Any, spec: Spec, into: Callable[[], FlatTree]) -> FlatTre
     if copied:
         return flat
     dst = into()
-    for d, g in zip(dst.groups, flat.groups):
-        ops_for(g).scale_(d, g, ONE)  # a copy
+    _copy_groups(dst, flat)
     return dst
 
 

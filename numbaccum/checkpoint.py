@@ -118,7 +118,7 @@ def _build(cls: type, values: dict[str, Any]) -> Any:
     state inside its inner state, where it is kept now."""
     examples = values.pop("examples", None) if "examples" not in cls._fields else None
     if examples is not None and not isinstance(examples, (int, np.integer)):
-        raise _Malformed(f"MultiStepsState.examples: expected an integer, the file has {short_repr(examples)}")
+        raise _Malformed(f"MultiStepsState.examples: expected an integer, got {short_repr(examples)}")
     state = cls(**values)
     if examples is not None and int(examples) != 0:
         state = state._replace(inner_opt_state=_with_examples(state.inner_opt_state, examples))
