@@ -233,6 +233,19 @@ def register_state_class(cls: type) -> type:
     Raises:
         TypeError: ``cls`` is not a NamedTuple class, or is defined inside a function (its name
             would not find it again).
+
+    Example:
+        >>> import os, tempfile
+        >>> from typing import NamedTuple
+        >>> import numpy as np
+        >>> import numbaccum as nba
+        >>> @nba.register_state_class
+        ... class CountState(NamedTuple):
+        ...     count: np.int32
+        >>> path = os.path.join(tempfile.mkdtemp(), "state.npz")
+        >>> nba.save_state(path, CountState(np.int32(3)))
+        >>> nba.load_state(path)
+        CountState(count=np.int32(3))
     """
     if not (isinstance(cls, type) and issubclass(cls, tuple) and hasattr(cls, "_fields")):
         raise TypeError(f"cls: expected a NamedTuple class, got {short_repr(cls)}")
