@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from . import formulas as F
-from ._checks import INT32_MAX, flag, integer, real, transformation
+from ._checks import INT32_MAX, flag, integer, transformation
 from .backend import ops_for, tree_sumsq_scaled
 from .base import (
     Chain,
@@ -29,7 +29,6 @@ from .base import (
     Updates,
     apply_updates_,
     as_stage,
-    current,
     keep_states,
     step_applier,
     undoable,
@@ -37,7 +36,6 @@ from .base import (
 )
 from .contract import ONE
 from .flat import FlatTree, as_flat, layout_and_device, layout_of
-from .fuse import Kernel
 from .layout import Layout, check_float_dtype
 from .tree import short_repr
 
@@ -54,90 +52,18 @@ __all__ = [
     "trace",
 ]
 
-_INT32_MAX = np.iinfo(np.int32).max
-
-
-def safe_increment(count: Any) -> np.int32:
-    """count + 1, saturating at the int32 maximum instead of wrapping."""
-    c = int(count)
-    return np.int32(c + 1 if c < _INT32_MAX else c)
-
-
-def check_decay(decay: Any, name: str = "decay") -> float:
-    d = real(decay, name)
-    if not 0.0 <= d <= 1.0:
-        raise ValueError(f"{name} must be in [0, 1], got {decay!r}")
-    return d
-
-
-def acc_dtypes(layout: Layout, accumulator_dtype: Any) -> list[np.dtype]:
-    """Storage dtype of each group's accumulator: ``accumulator_dtype`` or the group's own."""
-    if accumulator_dtype is None:
-        return list(layout.group_dtypes)
-    dt = check_float_dtype(accumulator_dtype, "accumulator_dtype")
-    return [dt] * len(layout.groups)
-
-
-def bias_correction(decay: float, count: int, dtype: np.dtype) -> Any:
-    """``1 - decay ** count`` computed in ``dtype`` (float32 leaves: float32, like optax)."""
-    consts = _BC_CONSTS.get((decay, dtype))
-    if consts is None:  # once per decay and dtype: making NumPy scalars costs more than the power
-        if len(_BC_CONSTS) > 1024:
-            _BC_CONSTS.clear()
-        t = np.dtype(dtype).type
-        consts = _BC_CONSTS[(decay, dtype)] = (t(1), t(decay))
-    one, d = consts
-    return one - d ** int(count)
-
-
-_BC_CONSTS: dict[tuple[float, Any], tuple[Any, Any]] = {}
-
-
-def compute_dtype(*arrays: Any) -> np.dtype:
-    """The dtype a kernel computes in for these arrays (or dtypes): float16 computes in float32."""
-    dt = _COMPUTE.get(arrays)
-    if dt is None:
-        dt = np.result_type(*arrays)
-        dt = np.dtype(np.float32) if dt == np.float16 else np.dtype(dt)
-        if all(isinstance(a, np.dtype) for a in arrays):  # dtypes are hashable and few: keep them
-            _COMPUTE[arrays] = dt
-    return dt
-
-
-_COMPUTE: dict[tuple, np.dtype] = {}
-
-
-def expect_state(
-    state: Any, cls: type, field: str, layout: Layout | Spec, device: bool | None = None, renew: bool = True
-) -> FlatTree:
-    """The FlatTree field of a state, after checking the state's type, the field's layout and
-    (with a `Spec`, or ``device``) its device. Raises before anything is written.
-
-    With ``renew`` (the field that owns the stage's workspaces: one per state is enough), the
-    state must be current and the field comes back renewed (`numbaccum.base.current`): build
-    the new state from it."""
-    if isinstance(layout, Spec):
-        layout, device = layout.layout, layout.device
-    if not isinstance(state, cls):
-        raise TypeError(f"state: expected {cls.__name__}, got {type(state).__name__}")
-    flat = getattr(state, field)
-    if not isinstance(flat, FlatTree) or flat.layout is not layout:
-        raise ValueError(f"state.{field}: its layout does not match the updates ({layout})")
-    # A layout without leaves (``masked`` with every leaf masked out) holds nothing anywhere.
-    if device is not None and flat.device != device and layout.num_leaves:
-        where = "a CUDA device" if flat.device else "the host"
-        raise ValueError(f"state.{field}: it lives on {where}, the updates do not")
-    return current(flat, field) if renew else flat
-
-
-def field_owner(state: Any, cls: type, field: str) -> FlatTree | None:
-    """``state.<field>`` when ``state`` is a ``cls`` holding a FlatTree there (a stage's
-    declared workspace owner), else None."""
-    if isinstance(state, cls):
-        flat = getattr(state, field)
-        if isinstance(flat, FlatTree):
-            return flat
-    return None
+# The helpers every stateful stage validates and counts with live with the declarations; they
+# are imported here too, where the stages of this module (and older imports) find them.
+from .declared import (  # noqa: E402
+    _INT32_MAX,
+    Elementwise,
+    acc_dtypes,
+    bias_correction,
+    check_decay,
+    expect_state,
+    field_owner,
+    safe_increment,
+)
 
 
 def zeros_output(owner: FlatTree, layout: Layout) -> Updates:
@@ -161,8 +87,10 @@ class TraceState(NamedTuple):
     trace: FlatTree
 
 
-class _Trace(Stage):
-    """`trace` as a stage: its state's ``trace`` owns the workspaces."""
+class _Trace(Elementwise):
+    """`trace`, declared: ``trace = g + decay * trace`` over its state's ``trace`` buffer."""
+
+    formula, state_cls, fields, name = F.trace, TraceState, ("trace",), "trace"
 
     def __init__(self, decay: float, nesterov: bool, accumulator_dtype: Any) -> None:
         self.decay = check_decay(decay)
@@ -171,30 +99,11 @@ class _Trace(Stage):
             check_float_dtype(accumulator_dtype, "accumulator_dtype")
         self.accumulator_dtype = accumulator_dtype
 
-    def init(self, params: Any) -> TraceState:
-        layout, device = layout_and_device(params, "params")
-        return TraceState(FlatTree.zeros(layout, acc_dtypes(layout, self.accumulator_dtype), device))
+    def field_dtypes(self, field: str, layout: Layout) -> Any:
+        return acc_dtypes(layout, self.accumulator_dtype)
 
-    def owner(self, state: Any) -> FlatTree | None:
-        return field_owner(state, TraceState, "trace")
-
-    def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
-        tr = expect_state(state, TraceState, "trace", spec)
-        decay, nesterov = self.decay, self.nesterov
-
-        new_state = TraceState(tr)
-
-        def out() -> FlatTree:
-            return tr.workspace("out", spec.layout.group_dtypes)
-
-        def run(u: Updates) -> tuple[Updates, TraceState]:
-            o = out()
-            for t, g, og in zip(tr.groups, u.flat.groups, o.groups):
-                ops_for(g).trace_update_(t, g, u.factor, decay, nesterov, og)
-            return Updates(o, owned=True), new_state
-
-        scalars = [(decay, nesterov)] * len(tr.groups)
-        return Step(run, fuse=Kernel(F.trace, (tr,), scalars, new_state, out=out, name="trace"))
+    def scalars(self, count: Any, ct: np.dtype) -> tuple:
+        return (self.decay, self.nesterov)
 
 
 def trace(
@@ -224,8 +133,10 @@ class EmaState(NamedTuple):
     ema: FlatTree
 
 
-class _Ema(Stage):
-    """`ema` as a stage: the plan computes the count and each group's bias correction."""
+class _Ema(Elementwise):
+    """`ema`, declared: the count and each group's bias correction are its per-step scalars."""
+
+    formula, state_cls, fields, counted, name = F.ema, EmaState, ("ema",), True, "ema"
 
     def __init__(self, decay: float, debias: bool, accumulator_dtype: Any) -> None:
         self.decay = check_decay(decay)
@@ -235,40 +146,12 @@ class _Ema(Stage):
             check_float_dtype(accumulator_dtype, "accumulator_dtype")
         self.accumulator_dtype = accumulator_dtype
 
-    def init(self, params: Any) -> EmaState:
-        layout, device = layout_and_device(params, "params")
-        return EmaState(
-            np.int32(0), FlatTree.zeros(layout, acc_dtypes(layout, self.accumulator_dtype), device)
-        )
+    def field_dtypes(self, field: str, layout: Layout) -> Any:
+        return acc_dtypes(layout, self.accumulator_dtype)
 
-    def owner(self, state: Any) -> FlatTree | None:
-        return field_owner(state, EmaState, "ema")
-
-    def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
-        avg = expect_state(state, EmaState, "ema", spec)
-        count = safe_increment(state.count)
-        decay, one_minus = self.decay, self.one_minus
-        if self.debias:
-            bcs = [
-                bias_correction(decay, int(count), compute_dtype(e.dtype, gdt))
-                for e, gdt in zip(avg.groups, spec.layout.group_dtypes)
-            ]
-        else:
-            bcs = [1.0] * len(avg.groups)
-
-        new_state = EmaState(count, avg)
-
-        def out() -> FlatTree:
-            return avg.workspace("out", spec.layout.group_dtypes)
-
-        def run(u: Updates) -> tuple[Updates, EmaState]:
-            o = out()
-            for e, g, og, bc in zip(avg.groups, u.flat.groups, o.groups, bcs):
-                ops_for(g).ema_update_(e, g, u.factor, one_minus, decay, bc, og)
-            return Updates(o, owned=True), new_state
-
-        scalars = [(one_minus, decay, bc) for bc in bcs]
-        return Step(run, fuse=Kernel(F.ema, (avg,), scalars, new_state, out=out, name="ema"))
+    def scalars(self, count: Any, ct: np.dtype) -> tuple:
+        bc = bias_correction(self.decay, int(count), ct) if self.debias else 1.0
+        return (self.one_minus, self.decay, bc)
 
 
 def ema(decay: float, debias: bool = True, accumulator_dtype: Any = None) -> GradientTransformationExtraArgs:

@@ -325,6 +325,33 @@ class Step:
         self.final = final
 
 
+def planned(part: Any, state: Any, params: ParamsRef | None, extra: dict) -> Step:
+    """A declared part as the `Step` of one update: ticked with ``state``, run by `run_part`."""
+    if not part.tick(state, params, extra):
+        raise AssertionError(f"{part!r} was declared for another state")  # declared from this one
+    return Step(lambda u: run_part(part, u), fuse=part)
+
+
+def run_part(part: Any, u: Updates) -> tuple[Updates, Any]:
+    """Runs one ticked part on ``u``: ``(updates, new_state)``. A `Scale` is a pending factor; a
+    `Prepass` reduces the settled updates to the factor it leaves pending; a `Kernel` is one pass
+    (the same composite a fused run makes of it, `numbaccum.fuse.FusedRun`)."""
+    kind = type(part)
+    if kind is fuse.Scale:
+        return u.scaled(part.factor), part.new_state
+    if kind is fuse.Prepass:
+        u = u.settled()
+        factor = part.factor_of(u.flat)
+        new_state = part.new_state
+        if type(new_state) is fuse.Later:
+            new_state = new_state.make()
+        return Updates(u.flat, u.owned, factor, u.returnable, u.scratch), new_state
+    if kind is fuse.Kernel:
+        out, factor, (new_state,) = fuse.FusedRun([part]).run(u.flat, u.factor, u.fresh)
+        return Updates(out, True, factor, scratch=u.scratch), new_state
+    raise TypeError(f"run_part: {part!r} is not one part")
+
+
 class Stage(abc.ABC):
     """A numbaccum transformation: ``init``, ``plan`` (validate, compute scalars, write nothing)
     and the public optax ``update`` (plan, then run). ``transformation()`` is its
@@ -341,10 +368,27 @@ class Stage(abc.ABC):
     def init(self, params: Any) -> Any:
         """The initial state for ``params``."""
 
-    @abc.abstractmethod
+    def declare(self, spec: Spec, state: Any) -> Any:
+        """This stage's declaration for updates of ``spec`` and states holding ``state``'s
+        buffers: a part (`numbaccum.fuse.Kernel`, `Scale`, `Prepass`, `Chained`) whose ``tick``
+        computes each step's values, after checking ``state`` (TypeError/ValueError naming what
+        is wrong). The runner keeps it and replays it (`numbaccum.runner`). None: a stage
+        that is not declared plans each step itself (`plan`)."""
+        return None
+
     def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
         """Validates ``state`` (and ``params``, ``extra``) for updates of ``spec`` and computes
-        every per-step scalar; writes nothing. Raises TypeError/ValueError naming what is wrong."""
+        every per-step scalar; writes nothing. Raises TypeError/ValueError naming what is wrong.
+
+        A declared stage's plan is its declaration ticked for this one step."""
+        part = self.declare(spec, state)
+        if part is None:
+            raise TypeError(f"{type(self).__name__} neither declares nor plans")
+        return planned(part, state, params, extra)
+
+    def declarable(self) -> bool:
+        """Whether `declare` gives a part (then the runner keeps the plan and replays it)."""
+        return type(self).declare is not Stage.declare
 
     def owner(self, state: Any) -> FlatTree | None:
         """The FlatTree of ``state`` that owns this stage's workspaces, whose layout and device
@@ -444,55 +488,12 @@ class Stage(abc.ABC):
         return Updates(flat, copied), kind
 
     def update(self, updates: Any, state: Any, params: Any = None, **extra_args: Any) -> tuple[Any, Any]:
-        """optax's ``update``: plans the whole stage (every check, every schedule) before any
-        buffer is written, then runs it. Returns the updates in the caller's form (a plain tree
-        for a plain tree, a FlatTree for a FlatTree, the same CUDA array type) and the new state.
+        """optax's ``update``: checks everything (state, params, schedules) before any buffer
+        is written, then runs (`numbaccum.runner`). Returns the updates in the caller's form (a
+        plain tree for a plain tree, a FlatTree for a FlatTree, the same CUDA array type) and
+        the new state.
         """
-        if updates is None and params is not None:
-            # optax maps over the updates: None (an empty tree) gives None whatever the params,
-            # which are then not read (a stateful stage still says its state wants a tree).
-            params = FlatTree.empty(layout_of(None, "params"))
-        owner = self.owner(state)
-        return guarded(owner, self._update, updates, state, params, owner, extra_args)
-
-    def _update(
-        self, updates: Any, state: Any, params: Any, owner: FlatTree | None, extra_args: dict
-    ) -> tuple[Any, Any]:
-        u, kind = self.take(updates, state, params, owner)
-        flat = u.flat
-        spec = self.__dict__.get("_spec")  # the last one, kept: a small tree's update is microseconds
-        if spec is None or spec.layout is not flat.layout or spec.device != flat.device:
-            spec = self.__dict__["_spec"] = Spec(flat.layout, flat.device)
-        ref = None
-        if params is not None:
-            ref = ParamsRef(params, spec.layout, None, flat.device, self._workspace(owner, spec, "params"))
-            if not self.reshapes:
-                ref.checked = check_params(params, spec)
-        step = self.plan(spec, state, ref, extra_args)
-        out_spec = step.spec or spec
-        if ref is not None and self.reshapes:
-            ref.checked = check_params(params, out_spec)
-            ref._layout = out_spec.layout
-            ref._into = self._workspace(owner, out_spec, "params")
-        u.scratch = self._workspace(owner, spec, "output")
-        run = step.final or step.run
-        if kind in arrays.STREAM_KINDS:  # kernels go to the caller's current CUDA stream
-            with arrays.launch_context(kind):
-                out, new_state = self._run_or_zeros(run, u, out_spec)
-        else:
-            out, new_state = self._run_or_zeros(run, u, out_spec)
-        if kind == "flat":
-            return out, new_state
-        return out.tree_as(kind), new_state
-
-    def _run_or_zeros(self, run: Callable, u: Updates, spec: Spec) -> tuple[FlatTree, Any]:
-        """``run(u)`` and its output; zeros (and the skipping stage's state) for a skipped step."""
-        try:
-            u, new_state = run(u)
-        except SkipStep as e:
-            zeros = self.workspace(e.new_state, spec, "output")().fill_(0.0)
-            return zeros, e.new_state
-        return self._output(u, new_state, spec), new_state
+        return _runner.run(self, updates, state, params, extra_args, False)
 
     def _output(self, u: Updates, new_state: Any, spec: Spec) -> FlatTree:
         """The updates as a buffer the caller may keep until the next update: never an input,
@@ -759,6 +760,19 @@ class Chain(Stage):
         self.names = names
         # A reshaping first stage (per-example aggregation) converts the chain's input.
         self.reshapes = bool(stages) and stages[0].reshapes  # type: ignore[misc]
+        # Whether the whole chain is one declaration the runner can keep and replay.
+        self._declarable = all(s.declarable() and not s.reshapes for s in stages)
+        # The index of the last stage that runs foreign code, -1 if none.
+        self._last_foreign = max((i for i, s in enumerate(stages) if s.foreign()), default=-1)
+        # The stages that may own workspaces (their class declares `owner`), before the first
+        # reshaping one: the only ones `owner` asks.
+        may_own = []
+        for i, stage in enumerate(stages):
+            if stage.reshapes:
+                break
+            if type(stage).owner is not Stage.owner:
+                may_own.append(i)
+        self._may_own = tuple(may_own)
 
     def init(self, params: Any) -> Any:
         states = tuple(s.init(params) for s in self.stages)
@@ -775,15 +789,6 @@ class Chain(Stage):
     def foreign(self) -> bool:
         return self._last_foreign >= 0
 
-    @property
-    def _last_foreign(self) -> int:
-        """The index of the last stage that runs foreign code, -1 if none (found once)."""
-        found = self.__dict__.get("_last_foreign_")
-        if found is None:
-            found = max((i for i, s in enumerate(self.stages) if s.foreign()), default=-1)
-            self.__dict__["_last_foreign_"] = found
-        return found
-
     def owner(self, state: Any) -> FlatTree | None:
         """The first owner among the stages before any reshaping one (their layout is the
         chain's input layout)."""
@@ -798,21 +803,6 @@ class Chain(Stage):
                 return o
         return None
 
-    @property
-    def _may_own(self) -> tuple[int, ...]:
-        """The stages that may own workspaces (their class declares `owner`), before the
-        first reshaping one: the only ones `owner` asks."""
-        found = self.__dict__.get("_may_own_")
-        if found is None:
-            found = []
-            for i, stage in enumerate(self.stages):
-                if stage.reshapes:
-                    break
-                if type(stage).owner is not Stage.owner:
-                    found.append(i)
-            found = self.__dict__["_may_own_"] = tuple(found)
-        return found
-
     def take(self, updates: Any, state: Any, params: Any, owner: FlatTree | None) -> tuple[Updates, str]:
         if self.reshapes:
             states = self._states(state)
@@ -820,13 +810,43 @@ class Chain(Stage):
             return self.stages[0].take(updates, first, params, self.stages[0].owner(first))
         return super().take(updates, state, params, owner)
 
-    def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
+    def _expect_states(self, state: Any) -> tuple:
+        """The stages' states in order; ValueError when ``state`` is not this chain's."""
         states = self._states(state)
         if states is None:
             if self.names is not None:
                 raise ValueError(f"state: named_chain expects a dict with keys {self.names}")
             n = len(state) if isinstance(state, (tuple, list)) else type(state).__name__
             raise ValueError(f"state: chain of {len(self.stages)} transformations got a state of {n}")
+        return states
+
+    def declarable(self) -> bool:
+        return self._declarable
+
+    def declare(self, spec: Spec, state: Any) -> Any:
+        """The stages' parts as one `numbaccum.fuse.Chained` (None unless every stage declares
+        and none reshapes); its ``tick`` ticks each stage's part with its own state."""
+        if not self._declarable:
+            return None
+        states = self._expect_states(state)
+        parts = [stage.declare(spec, s) for stage, s in zip(self.stages, states)]
+        chained = fuse.Chained(parts, self.names)
+        split = self._states
+
+        def tick(state: Any, params: Any, extra: dict) -> bool:
+            states = split(state)
+            if states is None:
+                return False
+            for part, s in zip(parts, states):
+                if not part.tick(s, params, extra):
+                    return False
+            return True
+
+        chained.tick = tick
+        return chained
+
+    def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
+        states = self._expect_states(state)
         owner = self._owner_of(states)
         if owner is not None and (owner.layout is not spec.layout or owner.device != spec.device):
             owner = None
@@ -1078,3 +1098,7 @@ def copy_state(state: Any) -> Any:
     if isinstance(state, (tuple, list)):
         return type(state)(copy_state(v) for v in state)
     return state
+
+
+# The runner drives every update (`Stage.update`, `numbaccum.step_`); it imports this module.
+from . import runner as _runner  # noqa: E402

@@ -27,9 +27,10 @@ from .base import (
     with_extra_args_support,
 )
 from .contract import ONE, Factor, Ops
+from .declared import Elementwise
 from .flat import FlatTree, as_flat, layout_of
 from .formulas import clip_factor
-from .fuse import Kernel, Later, Prepass
+from .fuse import Later, Prepass
 from .layout import Layout
 from .tables import segments
 from .tables import sum_in_order as _sequential_sum
@@ -206,9 +207,9 @@ class _ClipByGlobalNorm(Stage):
     def init(self, params: Any) -> ClipByGlobalNormState:
         return ClipByGlobalNormState(np.float64(0.0), np.bool_(False), np.bool_(False))
 
-    def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
+    def declare(self, spec: Spec, state: Any) -> Prepass:
         # optax's EmptyState, or None (a stateless transformation's state is often passed so)
-        if state is not None and not isinstance(state, (ClipByGlobalNormState, EmptyState)):
+        if not _clip_state(state):
             raise TypeError(f"state: expected ClipByGlobalNormState, got {type(state).__name__}")
         max_norm, policy = self.max_norm, self.nonfinite
         seen: list = []  # the state this step records, once its pre-pass has run
@@ -249,13 +250,18 @@ class _ClipByGlobalNorm(Stage):
             seen.append(ClipByGlobalNormState(np.float64(norm), np.bool_(clipped), np.bool_(False)))
             return Factor(*clip_factor(norm, max_norm))  # fits float32 (`Factor`)
 
-        def run(u: Updates) -> tuple[Updates, Any]:
-            u = u.settled()
-            factor = factor_of(u.flat)
-            return Updates(u.flat, u.owned, factor, u.returnable, u.scratch), seen[-1]
+        def tick(state: Any, params: Any, extra: dict) -> bool:
+            seen.clear()  # a new step: nothing reduced yet
+            memo.clear()
+            return _clip_state(state)
 
         part = Prepass(factor_of, Later(lambda: seen[-1]), "clip_by_global_norm", finite_of=finite_of)
-        return Step(run, fuse=part)
+        part.tick = tick
+        return part
+
+
+def _clip_state(state: Any) -> bool:
+    return state is None or isinstance(state, (ClipByGlobalNormState, EmptyState))
 
 
 def _device_record(facs: dict) -> ClipByGlobalNormState:
@@ -284,21 +290,16 @@ def clip(max_delta: float) -> GradientTransformationExtraArgs:
     return _Clip(max_delta).transformation()
 
 
-class _Clip(_Stateless):
+class _Clip(Elementwise):
+    """``u = clip(g, -max_delta, max_delta)``, declared (stateless)."""
+
+    formula, name = F.clip, "clip"
+
     def __init__(self, max_delta: Any) -> None:
         self.max_delta = non_negative(max_delta, "max_delta")
 
-    def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
-        max_delta = self.max_delta
-
-        def run(u: Updates) -> tuple[Updates, Any]:
-            out = u.fresh()
-            for o, g in zip(out.groups, u.flat.groups):
-                ops_for(g).clip_(o, g, u.factor, max_delta)
-            return Updates(out, True), state
-
-        scalars = [(max_delta,)] * len(spec.layout.groups)
-        return Step(run, fuse=Kernel(F.clip, (), scalars, state, name="clip"))
+    def scalars(self, count: Any, ct: np.dtype) -> tuple:
+        return (self.max_delta,)
 
 
 def normalize_by_update_norm(scale_factor: float = 1.0, eps: float = 1e-6) -> GradientTransformationExtraArgs:
@@ -314,17 +315,22 @@ class _NormalizeByUpdateNorm(_Stateless):
     def __init__(self, scale_factor: Any, eps: Any) -> None:
         self.scale_factor, self.eps = real(scale_factor, "scale_factor"), non_negative(eps, "eps")
 
-    def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
+    def declare(self, spec: Spec, state: Any) -> Prepass:
+        scale_factor, eps = self.scale_factor, self.eps
+
         def factor_of(flat: FlatTree) -> Factor:
             norm = tree_norm(flat)  # float64; the factor is scaled to fit float32 (`Factor`)
             with np.errstate(divide="ignore", invalid="ignore"):  # scale_factor 0: inf, as in optax
-                return Factor(np.float64(norm + self.eps) / np.float64(self.scale_factor), 1.0)
+                return Factor(np.float64(norm + eps) / np.float64(scale_factor), 1.0)
 
-        def run(u: Updates) -> tuple[Updates, Any]:
-            u = u.settled()
-            return u.scaled(factor_of(u.flat)), state
+        part = Prepass(factor_of, None, "normalize_by_update_norm", "update norm")
 
-        return Step(run, fuse=Prepass(factor_of, state, "normalize_by_update_norm", "update norm"))
+        def tick(state: Any, params: Any, extra: dict) -> bool:
+            part.new_state = state
+            return True
+
+        part.tick = tick
+        return part
 
 
 class ZeroNansState(NamedTuple):

@@ -149,11 +149,10 @@ class Ops:
         bc2: Any,
         eps: float,
         eps_root: float,
-        out_mul: float,
         out: Any,
     ) -> None:
-        """Adam's moments in place; out = ((mu / bc1) / (sqrt(nu / bc2 + eps_root) + eps)) * out_mul."""
-        args = (b1, one_minus_b1, b2, one_minus_b2, bc1, bc2, eps, eps_root, out_mul)
+        """Adam's moments in place; out = (mu / bc1) / (sqrt(nu / bc2 + eps_root) + eps)."""
+        args = (b1, one_minus_b1, b2, one_minus_b2, bc1, bc2, eps, eps_root)
         self.driver.map_(F.adam, factor, (mu, nu, g, out), args)
 
     # optax's optimizer library (numbaccum.optimizers): states, g, factor, scalars, out.

@@ -184,6 +184,14 @@ class FlatTree:
             v.flags.writeable = False
         return v
 
+    def leaf_views(self) -> list[np.ndarray]:
+        """Views of the leaves in order, made once per storage (a workspace copied back to the
+        caller's arrays every step reads them so)."""
+        views = self.__dict__.get("_views")
+        if views is None:
+            views = self.__dict__["_views"] = [self.leaf(i) for i in range(self.layout.num_leaves)]
+        return views
+
     @property
     def leaves(self) -> list[np.ndarray]:
         """Views of the leaves, in tree order."""

@@ -209,15 +209,14 @@ def sum_accumulate(acc, g, fresh):
     states=("mu", "nu"),
     inputs=("g",),
     outputs=("out",),
-    scalars=("b1", "one_minus_b1", "b2", "one_minus_b2", "bc1", "bc2", "eps", "eps_root", "out_mul"),
+    scalars=("b1", "one_minus_b1", "b2", "one_minus_b2", "bc1", "bc2", "eps", "eps_root"),
 )
-def adam(mu, nu, g, b1, one_minus_b1, b2, one_minus_b2, bc1, bc2, eps, eps_root, out_mul):
+def adam(mu, nu, g, b1, one_minus_b1, b2, one_minus_b2, bc1, bc2, eps, eps_root):
     """mu = (1 - b1) g + b1 mu; nu = (1 - b2) g^2 + b2 nu;
-    out = ((mu / bc1) / (sqrt(nu / bc2 + eps_root) + eps)) * out_mul (``out_mul``: adam's -lr
-    fused into the pass; the product rounds as a separate scaling pass would)."""
+    out = (mu / bc1) / (sqrt(nu / bc2 + eps_root) + eps)."""
     m = one_minus_b1 * g + b1 * mu
     v = one_minus_b2 * (g * g) + b2 * nu
-    return m, v, ((m / bc1) / (math.sqrt(v / bc2 + eps_root) + eps)) * out_mul
+    return m, v, (m / bc1) / (math.sqrt(v / bc2 + eps_root) + eps)
 
 
 @formula(

@@ -59,61 +59,119 @@ _FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
 
 
 def enabled() -> bool:
-    """Whether chains fuse (read at each plan): ``NUMBACCUM_FUSE=0`` runs stage by stage."""
-    return os.environ.get("NUMBACCUM_FUSE", "1").strip() != "0"
+    """Whether chains fuse (read at each update): ``NUMBACCUM_FUSE=0`` runs stage by stage."""
+    raw = _ENV.get(_FUSE_KEY)  # the environment's own dict: os.environ.get costs a microsecond
+    return raw is None or _decode(raw).strip() != "0"
+
+
+# ``os.environ`` keeps the process environment in a dict of encoded keys and values (``_data``,
+# updated by every ``os.environ[...] =``, ``putenv`` aside); where it has none, the mapping.
+_ENV = getattr(os.environ, "_data", os.environ)
+_FUSE_KEY = os.environ.encodekey("NUMBACCUM_FUSE") if _ENV is not os.environ else "NUMBACCUM_FUSE"  # type: ignore[attr-defined]
+_decode = os.environ.decodevalue if _ENV is not os.environ else str  # type: ignore[attr-defined]
 
 
 # --- the parts a stage declares -------------------------------------------------------------
 
 
-class Kernel(NamedTuple):
+class _Part:
+    """A declared part: slots, and ``_replace`` (a copy with some slots changed).
+
+    Every part has ``tick``: ``tick(state, params, extra) -> bool``, set by the stage that
+    declares it, which computes this step's values into the part's slots (its scalars, its
+    factor, its new state) from the state it is given, before anything runs; False when that
+    state is not the one the part was declared for (other buffers: the runner declares again).
+    None: the part's values were given when it was made (a part built for one step).
+    """
+
+    __slots__ = ()
+
+    def _replace(self, **changes: Any) -> Any:
+        new = object.__new__(type(self))
+        for name in self.__slots__:
+            setattr(new, name, changes.pop(name, getattr(self, name)))
+        if changes:
+            raise TypeError(f"{type(self).__name__} has no slot {next(iter(changes))!r}")
+        return new
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({getattr(self, 'name', '')!r})"
+
+
+class Kernel(_Part):
     """A stage's elementwise formula over the updates.
 
     Attributes:
         formula: a `numbaccum.formulas.Formula` with exactly one output (the new updates);
             ``inputs[0]`` is the updates.
         states: the FlatTrees of its states, in the formula's order (read and written).
-        scalars: per dtype group, the formula's scalars.
+        scalars: per dtype group, the formula's scalars (this step's: see ``tick``).
         new_state: the stage's new state (its buffers are updated in place by the pass).
         inputs: made at run time, the FlatTrees of ``formula.inputs[1:]`` (params), or None.
         out: made at run time, where the stage writes its output; None: the updates' own buffer
             when it may be overwritten, else the running stage's scratch.
         name: the stage, as `numbaccum.explain` shows it.
+        tick: see `_Part`.
     """
 
-    formula: F.Formula
-    states: tuple
-    scalars: list
-    new_state: Any
-    inputs: Callable[[], tuple] | None = None
-    out: Callable[[], FlatTree] | None = None
-    name: str = ""
+    __slots__ = ("formula", "states", "scalars", "new_state", "inputs", "out", "name", "tick")
+
+    def __init__(
+        self,
+        formula: F.Formula,
+        states: tuple,
+        scalars: list,
+        new_state: Any = None,
+        inputs: Callable[[], tuple] | None = None,
+        out: Callable[[], FlatTree] | None = None,
+        name: str = "",
+        tick: Callable[..., bool] | None = None,
+    ) -> None:
+        self.formula, self.states, self.scalars, self.new_state = formula, states, scalars, new_state
+        self.inputs, self.out, self.name, self.tick = inputs, out, name, tick
 
 
-class Scale(NamedTuple):
+class Scale(_Part):
     """A pending factor on the updates (`Factor`; `ONE`: nothing at all)."""
 
-    factor: Factor
-    new_state: Any
-    name: str = "scale"
+    __slots__ = ("factor", "new_state", "name", "tick")
+
+    def __init__(
+        self,
+        factor: Factor,
+        new_state: Any = None,
+        name: str = "scale",
+        tick: Callable[..., bool] | None = None,
+    ) -> None:
+        self.factor, self.new_state, self.name, self.tick = factor, new_state, name, tick
 
 
-class Prepass(NamedTuple):
+class Prepass(_Part):
     """A reduction over the updates that gives the factor left pending on them.
 
     Attributes:
         factor_of: ``factor_of(flat) -> Factor`` over the settled updates (one reduction pass).
         new_state: the stage's state.
         name: the stage; ``reads``: what the reduction computes (for `numbaccum.explain`).
+        finite_of: ``finite_of(flat) -> True | None``: True when this pre-pass's own reduction
+            shows every element finite (then `apply_if_finite` needs no reduction of its own);
+            None: it cannot tell.
+        tick: see `_Part`.
     """
 
-    factor_of: Callable[[FlatTree], Factor]
-    new_state: Any
-    name: str = ""
-    reads: str = "global norm"
-    # ``finite_of(flat) -> True | None``: True when this pre-pass's own reduction shows every
-    # element finite (then `apply_if_finite` needs no reduction of its own); None: it cannot tell.
-    finite_of: Callable[[FlatTree], bool | None] | None = None
+    __slots__ = ("factor_of", "new_state", "name", "reads", "finite_of", "tick")
+
+    def __init__(
+        self,
+        factor_of: Callable[[FlatTree], Factor],
+        new_state: Any = None,
+        name: str = "",
+        reads: str = "global norm",
+        finite_of: Callable[[FlatTree], bool | None] | None = None,
+        tick: Callable[..., bool] | None = None,
+    ) -> None:
+        self.factor_of, self.new_state, self.name, self.reads = factor_of, new_state, name, reads
+        self.finite_of, self.tick = finite_of, tick
 
 
 class Later(NamedTuple):
@@ -123,13 +181,20 @@ class Later(NamedTuple):
     make: Callable[[], Any]
 
 
-class Chained(NamedTuple):
+class Chained(_Part):
     """A nested chain whose every step is fusable: its steps' parts, spliced into the enclosing
     chain's runs (``names``: a named_chain's, to rebuild its state dict)."""
 
-    parts: list
-    names: list | None = None
-    name: str = "chain"
+    __slots__ = ("parts", "names", "name", "tick")
+
+    def __init__(
+        self,
+        parts: list,
+        names: list | None = None,
+        name: str = "chain",
+        tick: Callable[..., bool] | None = None,
+    ) -> None:
+        self.parts, self.names, self.name, self.tick = parts, names, name, tick
 
 
 def leaves(part: Any) -> list:
@@ -157,6 +222,20 @@ def _pack(part: Any, states: list, i: int) -> tuple[Any, int]:
         st, i = _pack(p, states, i)
         out.append(st)
     return (tuple(out) if part.names is None else dict(zip(part.names, out))), i
+
+
+def pack(root: Any, states: list) -> Any:
+    """The new state of ``root`` (a part, or a `Chained` nest of them) from its leaves' new
+    states in order."""
+    return _pack(root, states, 0)[0]
+
+
+def split(root: Any, state: Any) -> list:
+    """The states of ``root``'s leaves in order, taken from ``state`` (the inverse of `pack`)."""
+    if not isinstance(root, Chained):
+        return [state]
+    subs = tuple(state) if root.names is None else [state[n] for n in root.names]
+    return [s for part, sub in zip(root.parts, subs) for s in split(part, sub)]
 
 
 # numba cannot inline a call of more than 30 arguments ("Calling a closure with *args"): a run
@@ -198,20 +277,49 @@ def segments(steps: list) -> list[tuple[int, int, FusedRun | None]]:
     return out
 
 
+def cut(parts: list) -> list[tuple[int, int, FusedRun | None]]:
+    """`segments` over the leaves of a declared plan (`numbaccum.runner.Plan`): ``(start, stop,
+    run)`` covering ``parts`` in order, a run holding at least one `Kernel`, a `Prepass` only
+    starting one, none longer than `MAX_ARGS` arguments; ``(i, i + 1, None)`` for a lone factor
+    or reduction."""
+    out: list[tuple[int, int, FusedRun | None]] = []
+    i, n = 0, len(parts)
+    while i < n:
+        j, cost = i, 1  # the updates' buffer
+        while j < n:
+            if j > i and type(parts[j]) is Prepass:
+                break
+            cost += _cost(parts[j])
+            if cost > MAX_ARGS:
+                break
+            j += 1
+        if any(type(p) is Kernel for p in parts[i:j]):
+            out.append((i, j, FusedRun(parts[i:j])))
+            i = j
+        else:
+            out.append((i, i + 1, None))
+            i += 1
+    return out
+
+
 class FusedRun:
     """A maximal run of fusable steps: at most one pre-pass, then one pass per dtype group.
 
     ``steps``: each step's part (a nested chain's `Chained`); ``parts``: their leaves in order."""
 
-    __slots__ = ("steps", "parts")
+    __slots__ = ("steps", "parts", "memo", "pre", "body", "kernels", "scales")
 
     def __init__(self, steps: list) -> None:
         self.steps = steps
         self.parts = [leaf for p in steps for leaf in leaves(p)]
-
-    @property
-    def kernels(self) -> list[Kernel]:
-        return [p for p in self.parts if isinstance(p, Kernel)]
+        self.memo: dict = {}  # the shapes of its groups' calls (`_run_group`), made once each
+        # What a run does, found once: the pre-pass, the parts of the pass after it, their
+        # kernels and factors.
+        first = self.parts[0]
+        self.pre = first if type(first) is Prepass else None
+        self.body = self.parts[1:] if self.pre is not None else self.parts
+        self.kernels = [p for p in self.body if type(p) is Kernel]
+        self.scales = [p for p in self.body if type(p) is Scale]
 
     def new_states(self) -> list:
         """One new state per step (nested chains' states rebuilt)."""
@@ -229,7 +337,8 @@ class FusedRun:
         fresh: Callable[[], FlatTree],
         apply: FlatTree | None = None,
         settle: bool = False,
-    ) -> tuple[FlatTree | None, Factor, list]:
+        with_states: bool = True,
+    ) -> Any:
         """Runs the parts on the updates ``factor(flat)``; ``fresh()`` gives the buffer a stage
         without an output of its own writes to. With ``apply`` (params of the same layout) the
         updates are added to it in the pass (``apply += updates``) and never written. With
@@ -237,18 +346,18 @@ class FusedRun:
         pass, as the caller would settle it right after (rounded the same way).
 
         Returns ``(out, factor, new_states)``: the updates are ``factor(out)`` (out None with
-        ``apply``), and one new state per part."""
-        parts = self.parts
-        if isinstance(parts[0], Prepass):
+        ``apply``), and one new state per part (``(out, factor)`` without ``with_states``: the
+        runner packs the new states itself)."""
+        pre = self.pre
+        if pre is not None:
             if factor is not ONE and not factor.is_one:  # the reduction reads settled updates
                 into = fresh()
                 for dst, src in zip(into.groups, flat.groups):
                     ops_for(src).scale_(dst, src, factor)
                 flat = into
                 fresh = lambda: into  # noqa: E731  # owned now
-            factor = parts[0].factor_of(flat)
-            parts = parts[1:]
-        kernels = [p for p in parts if isinstance(p, Kernel)]
+            factor = pre.factor_of(flat)
+        kernels = self.kernels
         out = None
         if apply is None:
             last = kernels[-1]
@@ -256,8 +365,9 @@ class FusedRun:
         extras = [k.inputs() if k.inputs is not None else () for k in kernels]
         pending = factor
         for gi in range(len(flat.groups)):
-            pending = _run_group(parts, extras, gi, flat, factor, out, apply, settle)
-        return out, (pending if apply is None else ONE), self.new_states()
+            pending = _run_group(self.body, extras, gi, flat, factor, out, apply, settle, self.memo, self.scales)
+        pending = pending if apply is None else ONE
+        return (out, pending, self.new_states()) if with_states else (out, pending)
 
 
 def _run_group(
@@ -269,93 +379,166 @@ def _run_group(
     out: FlatTree | None,
     apply: FlatTree | None,
     settle: bool = False,
+    memo: dict | None = None,
+    scales: list | None = None,
 ) -> Factor:
     """One dtype group of a run: one composite kernel (float32/float64), or the parts one formula
-    at a time (float16). Returns the factor left pending on the output."""
+    at a time (float16). Returns the factor left pending on the output.
+
+    What the call looks like (the composite, where each buffer and scalar goes) depends only on
+    the buffers' dtypes and aliasing and on which factors are pending: it is made once per such
+    shape and kept in ``memo`` (the run's), so a replayed step only gathers its arrays and
+    scalars."""
     x = flat.groups[gi]
-    d = np.dtype(flat.layout.group_dtypes[gi])
-    arrays_states: list = []
-    arrays_inputs: list = [x]
-    scalars: list = []
-    ops: list = []
-    kinds: list = []  # every buffer's dtype (float16 anywhere: the stage-by-stage fallback)
-    if factor is ONE or factor.is_one:
-        pend: str | None = None
-    elif factor.device is not None:
-        pend = "device"  # read by the driver on the device (no host round trip)
-    else:
-        pend = "host"
-    fac = factor
-    k = 0
-    for p in parts:
-        if isinstance(p, Scale):
-            if p.factor is ONE or p.factor.is_one:
-                continue  # Updates.scaled: nothing pending, nothing settled
+    og = out.groups[gi] if out is not None else None
+    pg = apply.groups[gi] if apply is not None else None
+    ins = [e.groups[gi] for ex in extras for e in ex]
+    mode = 0 if factor is ONE or factor.is_one else 2 if factor.device is not None else 1
+    key = (
+        gi,
+        mode,
+        settle,
+        x.dtype,
+        None if og is None else (og.dtype, og is x),
+        None if pg is None else (pg.dtype, tuple(a is pg for a in ins)),
+        tuple(a.dtype for a in ins),
+        tuple([p.factor is ONE or p.factor.is_one for p in scales]) if scales else (),
+    )
+    call = memo.get(key) if memo is not None else None
+    if call is None:
+        call = _GroupCall(parts, gi, x, mode, og, pg, ins, settle)
+        if memo is not None:
+            memo[key] = call
+    return call.run(parts, extras, flat, factor, out, apply, ins)
+
+
+class _GroupCall:
+    """The shape of one group's call in a run (`_run_group`): the composite formula, or None
+    for the one-formula-at-a-time fallback (float16); the state arrays (the parts' storage,
+    the same on every step), which inputs are passed (not the params themselves), and the
+    recipe of its scalars: ``(-1, None)`` the incoming factor's ``div, mul``, ``(k, None)`` part
+    ``k``'s factor's, ``(k, gi)`` part ``k``'s scalars of the group. ``final``: where the factor
+    left pending on the output comes from (None: nothing pending)."""
+
+    __slots__ = ("composite", "states", "keep", "copy_out", "recipe", "final", "gi", "settle", "direct")
+
+    def __init__(
+        self, parts: list, gi: int, x: Any, mode: int, og: Any, pg: Any, ins: list, settle: bool
+    ) -> None:
+        self.gi, self.settle = gi, settle
+        # One kernel alone (stage by stage, or a run of one): its own formula, the pending
+        # factor read by the driver, as the stage would run it (no composite to compile).
+        self.direct = pg is None and len(parts) == 1 and type(parts[0]) is Kernel
+        if self.direct:
+            self.states = tuple(s.groups[gi] for s in parts[0].states)
+            self.composite, self.recipe, self.final, self.keep, self.copy_out = None, (), None, (), True
+            return
+        d = x.dtype
+        states: list = []
+        recipe: list = []
+        ops: list = []
+        kinds: list = []  # every buffer's dtype (float16 anywhere: the stage-by-stage fallback)
+        pend = (None, "host", "device")[mode]
+        src: int | None = -1 if mode else None  # the pending factor: incoming (-1), part k's
+        n_in = 0
+        for k, p in enumerate(parts):
+            if type(p) is Scale:
+                if p.factor is ONE or p.factor.is_one:
+                    continue  # Updates.scaled: nothing pending, nothing settled
+                if pend == "host":
+                    ops.append(("settle",))
+                    recipe.append((src, None))
+                elif pend == "device":
+                    ops.append(("cast",))
+                pend, src = "host", k
+                continue
+            if type(p) is Prepass:
+                raise AssertionError("a pre-pass only starts a run")  # `cut` guarantees it
+            sts = [s.groups[gi] for s in p.states]
+            n = len(p.formula.inputs) - 1
+            its = ins[n_in : n_in + n]
+            n_in += n
+            c = np.result_type(*(a.dtype for a in sts), d, *(a.dtype for a in its), d)
+            bools = tuple(isinstance(v, (bool, np.bool_)) for v in p.scalars[gi])
+            ops.append(("kernel", p.formula.name, c.name, pend == "host", len(sts), n, bools))
+            if pend == "host":
+                recipe.append((src, None))
+            recipe.append((k, gi))
+            states += sts
+            kinds += [a.dtype for a in sts + its]
+            pend, src = None, None
+        if pg is None and settle and pend == "host":
+            ops.append(("settle",))
+            recipe.append((src, None))
+            pend, src = None, None
+        alias: tuple = ()
+        if pg is not None:
             if pend == "host":
                 ops.append(("settle",))
-                scalars += [fac.div, fac.mul]
+                recipe.append((src, None))
             elif pend == "device":
                 ops.append(("cast",))
-            pend, fac = "host", p.factor
-            continue
-        if isinstance(p, Prepass):
-            raise AssertionError("a pre-pass only starts a run")  # segments() guarantees it
-        states = [s.groups[gi] for s in p.states]
-        ins = [e.groups[gi] for e in extras[k]]
-        k += 1
-        c = np.result_type(*(a.dtype for a in states), d, *(a.dtype for a in ins), d)
-        sc = p.scalars[gi]
-        bools = tuple(isinstance(s, (bool, np.bool_)) for s in sc)
-        ops.append(("kernel", p.formula.name, c.name, pend == "host", len(states), len(ins), bools))
-        if pend == "host":
-            scalars += [fac.div, fac.mul]
-        scalars += list(sc)
-        arrays_states += states
-        arrays_inputs += ins
-        kinds += [a.dtype for a in states + ins]
-        pend, fac = None, ONE
-    if apply is None and settle and pend == "host":
-        ops.append(("settle",))
-        scalars += [fac.div, fac.mul]
-        pend, fac = None, ONE
-    if apply is not None:
-        pg = apply.groups[gi]
-        if pend == "host":
-            ops.append(("settle",))
-            scalars += [fac.div, fac.mul]
-        elif pend == "device":
-            ops.append(("cast",))
-        pend, fac = None, ONE
-        # An input that is the params themselves (weight decay in `step_`) is read through the
-        # apply's state argument instead of a second array argument: two arguments aliasing one
-        # buffer make LLVM add runtime overlap checks per pair of arrays, and past its limit it
-        # leaves the loop scalar (4x slower for adamw with its sqrt and division).
-        alias = tuple(i for i, a in enumerate(arrays_inputs) if i > 0 and a is pg)
-        arrays_inputs = [a for i, a in enumerate(arrays_inputs) if i not in alias]
-        ops.append(("apply", np.result_type(pg.dtype, d, pg.dtype).name, alias))
-        arrays_states.append(pg)
-        kinds.append(pg.dtype)
-    else:
-        kinds.append(out.groups[gi].dtype)  # type: ignore[union-attr]
-    ops_ = ops_for(x)
-    if d not in _FLOATS or any(t not in _FLOATS for t in kinds):
-        _one_by_one(ops_, parts, extras, gi, x, factor, out, apply, settle)
+            pend, src = None, None
+            # An input that is the params themselves (weight decay in `step_`) is read through
+            # the apply's state argument instead of a second array argument: two arguments
+            # aliasing one buffer make LLVM add runtime overlap checks per pair of arrays, and
+            # past its limit it leaves the loop scalar (4x slower for adamw's sqrt and division).
+            alias = tuple(i + 1 for i, a in enumerate(ins) if a is pg)
+            ops.append(("apply", np.result_type(pg.dtype, d, pg.dtype).name, alias))
+            states.append(pg)
+            kinds.append(pg.dtype)
+        else:
+            kinds.append(og.dtype)
+        self.recipe, self.final = tuple(recipe), src
+        self.keep = tuple(i for i in range(len(ins)) if i + 1 not in alias)
+        if d not in _FLOATS or any(t not in _FLOATS for t in kinds):
+            self.composite, self.states, self.copy_out = None, (), False
+            return
+        # Written in place (the output is the input buffer, an owned workspace): the input is
+        # then the composite's last state, read and written through one argument. As two
+        # arguments, LLVM cannot rule out their overlap and leaves the loop scalar (3x slower
+        # for Adam's sqrt and division). Not with a device factor, which the driver applies to
+        # the first input.
+        inplace = pg is None and og is x and mode != 2
+        self.composite = _composite((d.name, mode == 2, tuple(ops), pg is None, inplace))
+        self.states = tuple(states[:-1]) if pg is not None else tuple(states)
+        self.copy_out = pg is None and not inplace
+
+    def run(
+        self, parts: list, extras: list, flat: FlatTree, factor: Factor, out: Any, apply: Any, ins: list
+    ) -> Factor:
+        gi = self.gi
+        x = flat.groups[gi]
+        final = self.final
+        fac = ONE if final is None else factor if final < 0 else parts[final].factor
+        ops_ = ops_for(x)
+        if self.direct:
+            p = parts[0]
+            arrays = (*self.states, x, *ins, out.groups[gi])
+            ops_.driver.map_(p.formula, factor, arrays, tuple(p.scalars[gi]))
+            return fac
+        if self.composite is None:
+            _one_by_one(ops_, parts, extras, gi, x, factor, out, apply, self.settle)
+            return fac
+        scalars: list = []
+        for k, g in self.recipe:
+            if g is None:
+                f = factor if k < 0 else parts[k].factor
+                scalars.append(f.div)
+                scalars.append(f.mul)
+            else:
+                scalars += parts[k].scalars[g]
+        arrays = list(self.states)
+        if apply is not None:
+            arrays.append(apply.groups[gi])
+        arrays.append(x)
+        arrays += [ins[i] for i in self.keep]
+        if self.copy_out:
+            arrays.append(out.groups[gi])
+        ops_.driver.map_(
+            self.composite, factor if factor.device is not None else ONE, tuple(arrays), tuple(scalars)
+        )
         return fac
-    # Written in place (the output is the input buffer, an owned workspace): the input is then
-    # the composite's last state, read and written through one argument. As two arguments, LLVM
-    # cannot rule out their overlap and leaves the loop scalar (3x slower for Adam's sqrt and
-    # division). Not with a device factor, which the driver applies to the first input.
-    inplace = apply is None and out.groups[gi] is x and factor.device is None  # type: ignore[union-attr]
-    key = (d.name, factor.device is not None, tuple(ops), apply is None, inplace)
-    composite = _composite(key)
-    if inplace:
-        arrays = [*arrays_states, x, *arrays_inputs[1:]]
-    else:
-        arrays = [*arrays_states, *arrays_inputs]
-        if apply is None:
-            arrays.append(out.groups[gi])  # type: ignore[union-attr]
-    ops_.driver.map_(composite, factor if factor.device is not None else ONE, tuple(arrays), tuple(scalars))
-    return fac
 
 
 def _one_by_one(

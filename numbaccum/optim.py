@@ -6,9 +6,8 @@ the plan, before any buffer is written, so a schedule that raises leaves the sta
 
 from __future__ import annotations
 
-import abc
 from collections.abc import Callable
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -17,15 +16,11 @@ from ._checks import flag, real, real_or_schedule, scheduled
 from .accumulation import (
     bias_correction,
     check_decay,
-    compute_dtype,
-    expect_state,
-    field_owner,
     safe_increment,
     trace,
 )
 from .backend import ops_for
 from .base import (
-    Chain,
     EmptyState,
     GradientTransformationExtraArgs,
     ParamsRef,
@@ -36,9 +31,10 @@ from .base import (
     chain,
 )
 from .contract import ONE, Factor, Ops
-from .flat import FlatTree, layout_and_device
+from .declared import Elementwise
+from .flat import FlatTree
 from .fuse import Kernel, Scale
-from .layout import Layout, check_float_dtype
+from .layout import check_float_dtype
 from .masking import MaskedState, _Masked
 
 __all__ = [
@@ -64,8 +60,19 @@ class _Identity(Stage):
     def init(self, params: Any) -> EmptyState:
         return EmptyState()
 
-    def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
-        return Step(lambda u: (u, state), fuse=Scale(ONE, state, "identity"))
+    def declare(self, spec: Spec, state: Any) -> Scale:
+        return _passing(Scale(ONE, None, "identity"))
+
+
+def _passing(part: Scale) -> Scale:
+    """``part`` with the tick of a stateless factor: the state passes through."""
+
+    def tick(state: Any, params: Any, extra: dict) -> bool:
+        part.new_state = state
+        return True
+
+    part.tick = tick
+    return part
 
 
 def identity() -> GradientTransformationExtraArgs:
@@ -83,13 +90,8 @@ class _Scale(Stage):
     def init(self, params: Any) -> EmptyState:
         return EmptyState()
 
-    def step_factor(self, state: Any) -> tuple[float, Any]:
-        """The multiplier of this step and the new state (declared for `adam`'s fused step)."""
-        return self.step_size, state
-
-    def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
-        factor = self.factor
-        return Step(lambda u: (u.scaled(factor), state), fuse=Scale(factor, state))
+    def declare(self, spec: Spec, state: Any) -> Scale:
+        return _passing(Scale(self.factor, None, "scale"))
 
 
 def scale(step_size: float) -> GradientTransformationExtraArgs:
@@ -104,7 +106,7 @@ class ScaleByScheduleState(NamedTuple):
 
 
 class _ScaleBySchedule(Stage):
-    """``u = sign * schedule(count) * g``; the plan calls the schedule."""
+    """``u = sign * schedule(count) * g``; each step's tick calls the schedule."""
 
     def __init__(self, schedule: Callable[[Any], Any], sign: float) -> None:
         self.schedule = schedule
@@ -113,18 +115,21 @@ class _ScaleBySchedule(Stage):
     def init(self, params: Any) -> ScaleByScheduleState:
         return ScaleByScheduleState(np.int32(0))
 
-    def step_factor(self, state: Any) -> tuple[float, ScaleByScheduleState]:
-        """The multiplier of this step (the schedule's value, signed) and the new state."""
+    def declare(self, spec: Spec, state: Any) -> Scale:
         if not isinstance(state, ScaleByScheduleState):
             raise TypeError(f"state: expected ScaleByScheduleState, got {type(state).__name__}")
-        factor = self.sign * scheduled(self.schedule, state.count, "learning_rate")
-        return factor, ScaleByScheduleState(safe_increment(state.count))
+        part = Scale(ONE, None, "scale_by_schedule")
+        schedule, sign = self.schedule, self.sign
 
-    def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
-        mul, new_state = self.step_factor(state)
-        factor = Factor(1.0, mul)
-        part = Scale(factor, new_state, "scale_by_schedule")
-        return Step(lambda u: (u.scaled(factor), new_state), fuse=part)
+        def tick(state: Any, params: Any, extra: dict) -> bool:
+            if not isinstance(state, ScaleByScheduleState):
+                return False
+            part.factor = Factor(1.0, sign * scheduled(schedule, state.count, "learning_rate"))
+            part.new_state = ScaleByScheduleState(safe_increment(state.count))
+            return True
+
+        part.tick = tick
+        return part
 
 
 def scale_by_learning_rate(
@@ -175,28 +180,34 @@ class _AddDecayedWeights(Stage):
         wd = scheduled(self.weight_decay, state.count, "weight_decay")
         return wd, WeightDecaySchedule(safe_increment(state.count))
 
-    def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
-        wd, new_state = self.decay(state, params)
+    def declare(self, spec: Spec, state: Any) -> Any:
+        """A `Kernel` of ``g + wd * params`` (a `Scale` of one for a constant zero), whose tick
+        calls the schedule; the state is checked here (`decay` checks it again each step)."""
+        expected = WeightDecaySchedule if callable(self.weight_decay) else EmptyState
+        if not isinstance(state, expected):
+            if expected is EmptyState:
+                raise TypeError(f"state: add_decayed_weights expects EmptyState, got {type(state).__name__}")
+            raise TypeError(
+                f"state: a scheduled weight decay expects WeightDecaySchedule, got {type(state).__name__}"
+            )
+        groups = len(spec.layout.groups)
+        part: Any
         if self.skip:
-            return Step(lambda u: (u, new_state), fuse=Scale(ONE, new_state, "add_decayed_weights"))
+            part = Scale(ONE, None, "add_decayed_weights")
+        else:
+            part = Kernel(F.add_scaled, (), [], name="add_decayed_weights")
 
-        def run(u: Updates) -> tuple[Updates, Any]:
-            p = params.flat()  # type: ignore[union-attr]
-            out = u.fresh()
-            for o, g, pg in zip(out.groups, u.flat.groups, p.groups):
-                ops_for(g).add_scaled_(o, g, u.factor, pg, wd)
-            return Updates(out, owned=True), new_state
+        def tick(state: Any, params: ParamsRef | None, extra: dict) -> bool:
+            if not isinstance(state, expected):
+                return False
+            wd, part.new_state = self.decay(state, params)
+            if not self.skip:
+                part.scalars = [(wd,)] * groups
+                part.inputs = lambda: (params.flat(),)  # type: ignore[union-attr]
+            return True
 
-        scalars = [(wd,)] * len(spec.layout.groups)
-        part = Kernel(
-            F.add_scaled,
-            (),
-            scalars,
-            new_state,
-            inputs=lambda: (params.flat(),),  # type: ignore[union-attr]
-            name="add_decayed_weights",
-        )
-        return Step(run, fuse=part)
+        part.tick = tick
+        return part
 
 
 class _MaskedDecay(_Masked):
@@ -266,20 +277,13 @@ def sgd(
     return chain(first, scale_by_learning_rate(learning_rate))
 
 
-class _ScaleBySign(Stage):
+class _ScaleBySign(Elementwise):
     """``u = sign(g)`` per element (`numbaccum.formulas.sign`); stateless."""
 
-    def init(self, params: Any) -> EmptyState:
-        return EmptyState()
+    formula, name = F.sign, "scale_by_sign"
 
-    def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
-        def run(u: Updates) -> tuple[Updates, Any]:
-            out = u.fresh()  # the updates' own buffer when it may be overwritten
-            for o, g in zip(out.groups, u.flat.groups):
-                ops_for(g).sign_(o, g, u.factor)
-            return Updates(out, owned=True), state
-
-        return Step(run, fuse=Kernel(F.sign, (), [()] * len(spec.layout.groups), state, name="scale_by_sign"))
+    def scalars(self, count: Any, ct: np.dtype) -> tuple:
+        return ()
 
 
 def scale_by_sign() -> GradientTransformationExtraArgs:
@@ -302,51 +306,21 @@ class ScaleByAdamState(NamedTuple):
     nu: FlatTree
 
 
-class _ScaleByAdam(Stage):
-    """`scale_by_adam` as a stage; `plan_scaled` also multiplies the output inside the pass."""
+class _ScaleByAdam(Elementwise):
+    """`scale_by_adam`, declared: Adam's moments and direction in one formula."""
+
+    formula, state_cls, fields, counted, name = F.adam, ScaleByAdamState, ("mu", "nu"), True, "scale_by_adam"
 
     def __init__(self, b1: float, b2: float, eps: float, eps_root: float, mu_dtype: Any) -> None:
         self.b1 = check_decay(b1, "b1")
         self.b2 = check_decay(b2, "b2")
         self.eps, self.eps_root = real(eps, "eps"), real(eps_root, "eps_root")
-        self.mu_dtype = None if mu_dtype is None else check_float_dtype(mu_dtype, "mu_dtype")
+        self.mu_dtype = _mu_dtype(mu_dtype)
 
-    def init(self, params: Any) -> ScaleByAdamState:
-        layout, device = layout_and_device(params, "params")
-        mu = FlatTree.zeros(layout, self.mu_dtype, device)
-        return ScaleByAdamState(np.int32(0), mu, FlatTree.zeros(layout, None, device))
-
-    def owner(self, state: Any) -> FlatTree | None:
-        return field_owner(state, ScaleByAdamState, "nu")
-
-    def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
-        return self.plan_scaled(spec, state, 1.0)
-
-    def plan_scaled(self, spec: Spec, state: Any, out_mul: float) -> Step:
-        """The plan of one Adam pass over every group whose output is multiplied by ``out_mul``
-        in the same pass (``direction * out_mul`` rounds as a separate scaling would)."""
-        mu = expect_state(state, ScaleByAdamState, "mu", spec, renew=False)
-        nu = expect_state(state, ScaleByAdamState, "nu", spec)  # the owner
-        count = safe_increment(state.count)
-        b1, b2 = self.b1, self.b2
-        scalars = []
-        for m, v, gdt in zip(mu.groups, nu.groups, spec.layout.group_dtypes):
-            ct = compute_dtype(m.dtype, v.dtype, gdt)
-            bc1, bc2 = bias_correction(b1, int(count), ct), bias_correction(b2, int(count), ct)
-            scalars.append((b1, 1.0 - b1, b2, 1.0 - b2, bc1, bc2, self.eps, self.eps_root, out_mul))
-
-        new_state = ScaleByAdamState(count, mu, nu)
-
-        def out() -> FlatTree:
-            return nu.workspace("out", spec.layout.group_dtypes)
-
-        def run(u: Updates) -> tuple[Updates, ScaleByAdamState]:
-            o = out()
-            for m, v, g, og, args in zip(mu.groups, nu.groups, u.flat.groups, o.groups, scalars):
-                ops_for(g).adam_update_(m, v, g, u.factor, *args, og)
-            return Updates(o, owned=True), new_state
-
-        return Step(run, fuse=Kernel(F.adam, (mu, nu), scalars, new_state, out=out, name="scale_by_adam"))
+    def scalars(self, count: Any, ct: np.dtype) -> tuple:
+        b1, b2, t = self.b1, self.b2, int(count)
+        bc1, bc2 = bias_correction(b1, t, ct), bias_correction(b2, t, ct)
+        return (b1, 1.0 - b1, b2, 1.0 - b2, bc1, bc2, self.eps, self.eps_root)
 
 
 def scale_by_adam(
@@ -374,68 +348,11 @@ def scale_by_adam(
     return _ScaleByAdam(b1, b2, eps, eps_root, mu_dtype).transformation()
 
 
-class _Direction(Stage):
-    """A stage whose update is one formula over its moments and the updates, per dtype group.
+class _Direction(Elementwise):
+    """optax's ``scale_by_*`` directions with moments: declarations that count steps (for their
+    bias corrections) unless they say otherwise."""
 
-    Subclasses say which state class and FlatTree fields (in the formula's order), whether the
-    state counts steps, the `Ops` method of the formula, and the per-group scalars of a step
-    (`scalars`, from the new count and the group's compute dtype)."""
-
-    state_cls: ClassVar[type]
-    fields: ClassVar[tuple[str, ...]]
-    counted: ClassVar[bool] = True
-    formula: ClassVar[F.Formula]
-    op: ClassVar[Callable[..., None]]
-    name: ClassVar[str]
-    mu_dtype: np.dtype | None = None  # storage dtype of the first field (mu), where optax has one
-    initial: float = 0.0  # the value the last field starts at (rms, rss)
-
-    def init(self, params: Any) -> Any:
-        layout, device = layout_and_device(params, "params")
-        values = {f: self._buffer(f, layout, device) for f in self.fields}
-        if self.counted:
-            values["count"] = np.int32(0)
-        return self.state_cls(**values)
-
-    def _buffer(self, field: str, layout: Layout, device: bool) -> FlatTree:
-        if field == "mu":
-            return FlatTree.zeros(layout, self.mu_dtype, device)
-        buf = FlatTree.zeros(layout, None, device)
-        return buf.fill_(self.initial) if self.initial and field == self.fields[-1] else buf
-
-    def owner(self, state: Any) -> FlatTree | None:
-        return field_owner(state, self.state_cls, self.fields[-1])
-
-    @abc.abstractmethod
-    def scalars(self, count: Any, ct: np.dtype) -> tuple:
-        """The formula's scalars for a group computing in ``ct`` at the new ``count``."""
-
-    def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
-        owner = self.fields[-1]
-        bufs = [expect_state(state, self.state_cls, f, spec, renew=f == owner) for f in self.fields]
-        count = safe_increment(state.count) if self.counted else None
-        scalars = []
-        for gi, gdt in enumerate(spec.layout.group_dtypes):
-            ct = compute_dtype(*(b.groups[gi].dtype for b in bufs), gdt)
-            scalars.append(self.scalars(count, ct))
-        values = dict(zip(self.fields, bufs))
-        if self.counted:
-            values["count"] = count
-        new_state = self.state_cls(**values)
-        last = bufs[-1]
-        op = type(self).op
-
-        def out() -> FlatTree:
-            return last.workspace("out", spec.layout.group_dtypes)
-
-        def run(u: Updates) -> tuple[Updates, Any]:
-            o = out()
-            for gi, g in enumerate(u.flat.groups):
-                op(ops_for(g), *(b.groups[gi] for b in bufs), g, u.factor, *scalars[gi], out=o.groups[gi])
-            return Updates(o, owned=True), new_state
-
-        part = Kernel(self.formula, tuple(bufs), scalars, new_state, out=out, name=self.name)
-        return Step(run, fuse=part)
+    counted = True
 
 
 def _mu_dtype(mu_dtype: Any) -> np.dtype | None:
@@ -467,32 +384,6 @@ def scale_by_nadam(
     return _ScaleByNadam(b1, b2, eps, eps_root, mu_dtype).transformation()
 
 
-class _Adam(Chain):
-    """``chain(scale_by_adam, scale_by_learning_rate)`` whose plan folds the learning rate
-    (`step_factor`) into the Adam pass (`plan_scaled`): same state, same bits, one pass."""
-
-    def __init__(self, direction: _ScaleByAdam, lr: _Scale | _ScaleBySchedule) -> None:
-        super().__init__([direction, lr])
-        self.direction, self.lr = direction, lr
-
-    def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
-        if not isinstance(state, tuple) or len(state) != 2:
-            raise ValueError("state: adam expects the (ScaleByAdamState, learning-rate state) pair")
-        lr_state = state[1]
-        expected = ScaleByScheduleState if isinstance(self.lr, _ScaleBySchedule) else EmptyState
-        if not isinstance(lr_state, expected):
-            raise TypeError(f"state[1]: unexpected learning-rate state {type(lr_state).__name__}")
-        mul, new_lr_state = self.lr.step_factor(lr_state)
-        step = self.direction.plan_scaled(spec, state[0], mul)
-
-        def run(u: Updates) -> tuple[Updates, tuple]:
-            out, adam_state = step.run(u)
-            return out, (adam_state, new_lr_state)
-
-        part = step.fuse._replace(new_state=(step.fuse.new_state, new_lr_state), name="adam")
-        return Step(run, fuse=part)
-
-
 def adam(
     learning_rate: ScalarOrSchedule,
     b1: float = 0.9,
@@ -510,12 +401,5 @@ def adam(
     Adam kernel (``u = direction * -lr`` rounds exactly as a separate scaling pass would).
     ``nesterov=True`` is `nadam`.
     """
-    learning_rate = real_or_schedule(learning_rate, "learning_rate")
-    if flag(nesterov, "nesterov"):
-        return chain(scale_by_nadam(b1, b2, eps, eps_root, mu_dtype), scale_by_learning_rate(learning_rate))
-    direction = _ScaleByAdam(b1, b2, eps, eps_root, mu_dtype)
-    if callable(learning_rate):
-        lr: _Scale | _ScaleBySchedule = _ScaleBySchedule(learning_rate, -1.0)
-    else:
-        lr = _Scale(-learning_rate)
-    return _Adam(direction, lr).transformation()
+    direction = scale_by_adam(b1, b2, eps, eps_root, mu_dtype, nesterov=nesterov)
+    return chain(direction, scale_by_learning_rate(learning_rate))

@@ -17,26 +17,18 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import arrays, fuse
+from . import fuse, runner
 from ._checks import transformation
 from .accumulation import MultiSteps, MultiStepsState, skip_large_updates, skip_not_finite
 from .base import (
     Chain,
     ParamsRef,
-    SkipStep,
     Spec,
     Stage,
-    Updates,
-    apply_updates_,
     as_stage,
-    check_params,
-    guarded,
-    scatter_back,
-    step_applier,
     with_extra_args_support,
 )
-from .flat import FlatTree, as_flat, device_flat, layout_of
-from .tree import format_path, tree_flatten_with_path
+from .flat import FlatTree, layout_of
 
 __all__ = ["Explanation", "Pass", "explain", "step_"]
 
@@ -64,95 +56,7 @@ def step_(tx: Any, grads: Any, state: Any, params: Any, **extra_args: Any) -> An
         Nothing is written then.
     """
     stage = as_stage(with_extra_args_support(transformation(tx, "tx")))
-    if not fuse.enabled() or stage.reshapes:
-        return _update_then_apply(stage, grads, state, params, extra_args)
-    owner = stage.owner(state)
-    # The same guard as `update`: one update of a state at a time, only of the current state.
-    return guarded(owner, _step, stage, grads, state, params, owner, extra_args)
-
-
-def _step(stage: Stage, grads: Any, state: Any, params: Any, owner: Any, extra_args: dict) -> Any:
-    """`step_` of a stage whose last pass may add the updates to the params, inside `guarded`."""
-    u, kind = stage.take(grads, state, params, owner)
-    spec = Spec(u.flat.layout, u.flat.device)
-    into = stage._workspace(owner, spec, "params")
-    ref = ParamsRef(params, spec.layout, None, spec.device, into)
-    # Separate CUDA arrays: their addresses are read once here, for the check, the packing and
-    # the write-back (a microsecond a leaf each time otherwise).
-    found = (
-        None if isinstance(params, FlatTree) or not spec.device else arrays.device_leaves(params, spec.layout)
-    )
-    ref.checked = None if found is not None else check_params(params, spec)
-    step = stage.plan(spec, state, ref, extra_args)
-    apply = step_applier(step)
-    if apply is None:  # nothing fused at the end: the planned step, then apply_updates_
-        return _run_then_apply(stage, step, u, kind, params, spec, owner, found)
-    p, copied = _writable(params, spec, into, found)
-    if ref._flat is None:  # a stage that reads the params (weight decay) reads these: the
-        ref._flat = p  # fused pass then reads and writes one buffer (`fuse._run_group`)
-    u.scratch = stage._workspace(owner, spec, "output")
-    try:
-        if kind in arrays.STREAM_KINDS:
-            with arrays.launch_context(kind):
-                new_state = apply(u, p)
-        else:
-            new_state = apply(u, p)
-    except SkipStep as e:  # a clip skipped the step: the params are not touched
-        return e.new_state
-    if copied:
-        scatter_back(p, params, "params", found)
-    return new_state
-
-
-def _update_then_apply(stage: Stage, grads: Any, state: Any, params: Any, extra: dict) -> Any:
-    _writable_check(params)
-    updates, new_state = stage.update(grads, state, params, **extra)
-    apply_updates_(params, updates)
-    return new_state
-
-
-def _run_then_apply(
-    stage: Stage, step: Any, u: Updates, kind: str, params: Any, spec: Spec, owner: Any, found: Any
-) -> Any:
-    p, copied = _writable(params, spec, stage._workspace(owner, spec, "params"), found)
-    u.scratch = stage._workspace(owner, spec, "output")
-    try:
-        if kind in arrays.STREAM_KINDS:
-            with arrays.launch_context(kind):
-                u, new_state = step.run(u)
-                apply_updates_(p, stage._output(u, new_state, spec))
-        else:
-            u, new_state = step.run(u)
-            apply_updates_(p, stage._output(u, new_state, spec))
-    except SkipStep as e:  # a clip skipped the step: the params are not touched
-        return e.new_state
-    if copied:
-        scatter_back(p, params, "params", found)
-    return new_state
-
-
-def _writable_check(tree: Any) -> None:
-    if isinstance(tree, FlatTree):
-        return
-    raw, paths, _ = tree_flatten_with_path(tree)
-    for x, path in zip(raw, paths):
-        if isinstance(x, np.generic) or (isinstance(x, np.ndarray) and not x.flags.writeable):
-            where = format_path(path, "params")
-            raise TypeError(f"{where}: cannot be changed in place (not a writable array)")
-
-
-def _writable(params: Any, spec: Spec, into: Any, found: Any = None) -> tuple[FlatTree, bool]:
-    """params as a FlatTree of ``spec``'s layout whose changes reach the caller (``copied``: a
-    packed copy, in the workspace ``into`` gives, to scatter back); ``found``: the addresses of
-    separate CUDA arrays, already read (`arrays.device_leaves`)."""
-    if found is not None:
-        flat, copied, _ = device_flat(found, spec.layout, into)
-        return flat, copied
-    _writable_check(params)
-    if isinstance(params, FlatTree) and params.layout is spec.layout and params.device == spec.device:
-        return params, False
-    flat, copied, _ = as_flat(params, spec.layout, "params", pack_into=into, device=spec.device)
-    return flat, copied
+    return runner.run(stage, grads, state, params, extra_args, True)
 
 
 # --- explain --------------------------------------------------------------------------------
@@ -234,15 +138,7 @@ def explain(
     ref = ParamsRef(params, layout, None, device)
     if isinstance(stage, MultiSteps) and not stage.reshapes:  # (DP accumulation: opaque below)
         return _explain_multisteps(stage, params, state, apply, fused, layout)
-    if isinstance(stage, Chain) and type(stage).plan is Chain.plan:
-        states = stage._states(state)
-        if states is None:
-            raise ValueError("state: not this chain's state")
-        steps = [s.plan(spec, st, ref, {}) for s, st in zip(stage.stages, states)]
-        names = [type(s).__name__.lstrip("_") for s in stage.stages]
-    else:
-        steps = [stage.plan(spec, state, ref, {})]
-        names = [type(stage).__name__.lstrip("_")]
+    units, names, segs = _units(stage, spec, state, ref, apply, fused)
     sizes = np.array(layout.group_sizes, np.float64)
     n = float(sizes.sum()) or 1.0
     d = np.array([np.dtype(t).itemsize for t in layout.group_dtypes], np.float64)
@@ -257,14 +153,13 @@ def explain(
         extra = x * (len(part.formula.inputs) - 1)  # params: the updates' dtypes
         return st + extra, st
 
-    segs = fuse.segments(steps) if fused else [(i, i + 1, None) for i in range(len(steps))]
     passes: list[Pass] = []
     # The gradient read once, and the output written once (params read and written with apply);
     # each state and extra input below.
     minimum = x + (2 * x if apply else x)
     pending = False
     for start, stop, fr in segs:
-        parts = fr.parts if fr is not None else fuse.leaves(steps[start].fuse) if steps[start].fuse else None
+        parts = fr.parts if fr is not None else units[start]
         if parts is None:
             passes.append(Pass("opaque", (names[start],), None, None))
             pending = False
@@ -281,7 +176,7 @@ def explain(
                 passes.append(Pass("reduction", (f"{parts[0].name} ({parts[0].reads})",), x, 0.0))
             r = x + sum(buffers(p)[0] for p in parts if isinstance(p, fuse.Kernel))
             w = sum(buffers(p)[1] for p in parts if isinstance(p, fuse.Kernel))
-            last = stop == len(steps)
+            last = stop == len(units)
             if apply and last:
                 # The params a part reads (weight decay) are the ones the pass writes: read once.
                 shared = x * sum(len(p.formula.inputs) - 1 for p in parts if isinstance(p, fuse.Kernel))
@@ -312,6 +207,33 @@ def explain(
     if apply and not (fused and segs and segs[-1][2] is not None):
         passes.append(Pass("apply", ("apply_updates_",), 2 * x, x))
     return Explanation(tuple(passes), minimum, fused, apply, int(sum(layout.group_sizes)))
+
+
+def _units(stage: Stage, spec: Spec, state: Any, ref: ParamsRef, apply: bool, fused: bool) -> tuple:
+    """What `explain` describes: ``(units, names, runs)``, ``units[i]`` the parts of unit ``i``
+    (None: not described), ``runs`` the ``(start, stop, fused run or None)`` over them. A
+    declared transformation's units are its parts and its runs the runner's own `runner.Plan`
+    (the plan `step_` and ``update`` replay); another one is described stage by stage, as planned
+    for one step."""
+    if stage.declarable():
+        root = stage.declare(spec, state)
+        root.tick(state, ref, {})
+        plan = runner.Plan(root, spec, fused, apply, [])
+        units = [[p] for p in plan.leaves]
+        runs = plan.runs if fused else [(i, i + 1, None) for i in range(len(units))]
+        return units, [p.name for p in plan.leaves], runs
+    if isinstance(stage, Chain) and type(stage).plan is Chain.plan:
+        states = stage._states(state)
+        if states is None:
+            raise ValueError("state: not this chain's state")
+        steps = [s.plan(spec, st, ref, {}) for s, st in zip(stage.stages, states)]
+        names = [type(s).__name__.lstrip("_") for s in stage.stages]
+    else:
+        steps = [stage.plan(spec, state, ref, {})]
+        names = [type(stage).__name__.lstrip("_")]
+    units = [fuse.leaves(s.fuse) if s.fuse else None for s in steps]
+    runs = fuse.segments(steps) if fused else [(i, i + 1, None) for i in range(len(steps))]
+    return units, names, runs
 
 
 def _explain_multisteps(

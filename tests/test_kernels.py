@@ -105,11 +105,11 @@ def test_elementwise_kernels_match_numpy(n, dtype):
     bc1, bc2 = t(1) - t(0.9) ** 2, t(1) - t(0.999) ** 2
     m = t(0.1) * ge + t(0.9) * a
     v = t(1 - 0.999) * (ge * ge) + t(0.999) * np.abs(b)
-    OPS.adam_update_(mu, nu, g, F, 0.9, 0.1, 0.999, 1 - 0.999, bc1, bc2, 1e-8, 0.0, -0.5, out)
+    OPS.adam_update_(mu, nu, g, F, 0.9, 0.1, 0.999, 1 - 0.999, bc1, bc2, 1e-8, 0.0, out)
     np.testing.assert_array_equal(mu, m)
     np.testing.assert_array_equal(nu, v)
     direction = (m / bc1) / (np.sqrt(v / bc2 + t(0)) + t(1e-8))
-    np.testing.assert_allclose(out, direction * t(-0.5), rtol=2e-7 if t is np.float32 else 1e-15)
+    np.testing.assert_allclose(out, direction, rtol=2e-7 if t is np.float32 else 1e-15)
 
     OPS.fill_(out, 0.0)
     assert not out.any()

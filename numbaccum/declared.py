@@ -1,0 +1,257 @@
+"""Declared stages: an elementwise transformation is data, and the runner does the rest.
+
+An `Elementwise` stage says what optax's ``scale_by_*`` says in its code, as data: the formula
+(`numbaccum.formulas`), the state class with its buffer fields (in the formula's order) and
+whether it counts steps, the dtype and initial value of each buffer, the extra inputs the
+formula reads (the params), and how a step's scalars follow from the new count
+(``scalars(count, compute dtype)``). From that one declaration come its ``init``, its
+validation, its per-step values (``tick``), its kernel (the runner's, fused with its
+neighbours) and its line in `numbaccum.explain`. It has no ``run`` of its own.
+
+The part a stage declares (`numbaccum.fuse.Kernel`, `Scale`, `Prepass`) is made once per
+state and layout and kept in the runner's plan; each step only calls its ``tick``, which checks
+that the state is the one declared for (the same buffers, current) and computes the step's
+scalars and new state into the part's slots (see `numbaccum.runner`).
+
+The helpers below (``expect_state``, ``safe_increment``, ``bias_correction``, ...) are what
+every stateful stage validates and counts with.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import numpy as np
+
+from . import formulas as F
+from ._checks import real
+from .base import EmptyState, Spec, Stage, current
+from .flat import FlatTree, layout_and_device
+from .fuse import Kernel
+from .layout import Layout, check_float_dtype
+
+__all__ = [
+    "Elementwise",
+    "acc_dtypes",
+    "bias_correction",
+    "check_decay",
+    "compute_dtype",
+    "expect_state",
+    "field_owner",
+    "safe_increment",
+]
+
+_INT32_MAX = np.iinfo(np.int32).max
+
+
+def safe_increment(count: Any) -> np.int32:
+    """count + 1, saturating at the int32 maximum instead of wrapping."""
+    c = int(count)
+    return np.int32(c + 1 if c < _INT32_MAX else c)
+
+
+def check_decay(decay: Any, name: str = "decay") -> float:
+    d = real(decay, name)
+    if not 0.0 <= d <= 1.0:
+        raise ValueError(f"{name} must be in [0, 1], got {decay!r}")
+    return d
+
+
+def acc_dtypes(layout: Layout, accumulator_dtype: Any) -> list[np.dtype]:
+    """Storage dtype of each group's accumulator: ``accumulator_dtype`` or the group's own."""
+    if accumulator_dtype is None:
+        return list(layout.group_dtypes)
+    dt = check_float_dtype(accumulator_dtype, "accumulator_dtype")
+    return [dt] * len(layout.groups)
+
+
+def bias_correction(decay: float, count: int, dtype: np.dtype) -> Any:
+    """``1 - decay ** count`` computed in ``dtype`` (float32 leaves: float32, like optax)."""
+    consts = _BC_CONSTS.get((decay, dtype))
+    if consts is None:  # once per decay and dtype: making NumPy scalars costs more than the power
+        if len(_BC_CONSTS) > 1024:
+            _BC_CONSTS.clear()
+        t = np.dtype(dtype).type
+        consts = _BC_CONSTS[(decay, dtype)] = (t(1), t(decay))
+    one, d = consts
+    return one - d ** int(count)
+
+
+_BC_CONSTS: dict[tuple[float, Any], tuple[Any, Any]] = {}
+
+
+def compute_dtype(*arrays: Any) -> np.dtype:
+    """The dtype a kernel computes in for these arrays (or dtypes): float16 computes in float32."""
+    dt = _COMPUTE.get(arrays)
+    if dt is None:
+        dt = np.result_type(*arrays)
+        dt = np.dtype(np.float32) if dt == np.float16 else np.dtype(dt)
+        if all(isinstance(a, np.dtype) for a in arrays):  # dtypes are hashable and few: keep them
+            _COMPUTE[arrays] = dt
+    return dt
+
+
+_COMPUTE: dict[tuple, np.dtype] = {}
+
+
+def expect_state(
+    state: Any, cls: type, field: str, layout: Layout | Spec, device: bool | None = None, renew: bool = True
+) -> FlatTree:
+    """The FlatTree field of a state, after checking the state's type, the field's layout and
+    (with a `Spec`, or ``device``) its device. Raises before anything is written.
+
+    With ``renew`` (the field that owns the stage's workspaces: one per state is enough), the
+    state must be current and the field comes back renewed (`numbaccum.base.current`): build
+    the new state from it."""
+    if isinstance(layout, Spec):
+        layout, device = layout.layout, layout.device
+    if not isinstance(state, cls):
+        raise TypeError(f"state: expected {cls.__name__}, got {type(state).__name__}")
+    flat = getattr(state, field)
+    if not isinstance(flat, FlatTree) or flat.layout is not layout:
+        raise ValueError(f"state.{field}: its layout does not match the updates ({layout})")
+    # A layout without leaves (``masked`` with every leaf masked out) holds nothing anywhere.
+    if device is not None and flat.device != device and layout.num_leaves:
+        where = "a CUDA device" if flat.device else "the host"
+        raise ValueError(f"state.{field}: it lives on {where}, the updates do not")
+    return current(flat, field) if renew else flat
+
+
+def field_owner(state: Any, cls: type, field: str) -> FlatTree | None:
+    """``state.<field>`` when ``state`` is a ``cls`` holding a FlatTree there (a stage's
+    declared workspace owner), else None."""
+    if isinstance(state, cls):
+        flat = getattr(state, field)
+        if isinstance(flat, FlatTree):
+            return flat
+    return None
+
+
+class Elementwise(Stage):
+    """A stage whose update is one formula over its state buffers and the updates, per dtype
+    group, declared as data (see the module docstring).
+
+    Class attributes (a subclass may set some per instance in ``__init__``):
+        formula: the `numbaccum.formulas.Formula`, called as
+            ``formula(*buffers, g, *inputs, *scalars)``.
+        state_cls: the state class (a NamedTuple); None for a stateless stage (`EmptyState`).
+        fields: the state's buffer fields, in the formula's order; the last one owns the
+            stage's workspaces (its output buffer).
+        counted: whether the state has a ``count`` (int32, saturating), advanced every step.
+        inputs: what the formula reads after the updates: ``("params",)`` or nothing.
+        name: the stage as `numbaccum.explain` shows it.
+        mu_dtype: storage dtype of a field named ``mu`` (None: each leaf's).
+        initial: the value the last field starts at (RMSProp's ``initial_scale``, Adagrad's
+            ``initial_accumulator_value``); see `initial_of`.
+
+    Subclasses implement `scalars`.
+    """
+
+    formula: ClassVar[F.Formula]
+    state_cls: ClassVar[type | None] = None
+    fields: ClassVar[tuple[str, ...]] = ()
+    counted: ClassVar[bool] = False
+    inputs: ClassVar[tuple[str, ...]] = ()
+    name: ClassVar[str]
+    mu_dtype: np.dtype | None = None
+    initial: float = 0.0
+
+    def scalars(self, count: Any, ct: np.dtype) -> tuple:
+        """The formula's scalars for a group computing in ``ct`` at the new ``count`` (None for
+        a stage that does not count)."""
+        raise NotImplementedError(f"{type(self).__name__} declares no scalars")
+
+    def field_dtypes(self, field: str, layout: Layout) -> Any:
+        """The storage dtypes of buffer ``field`` (None: each group's own)."""
+        return self.mu_dtype if field == "mu" else None
+
+    def initial_of(self, field: str) -> float:
+        """The value buffer ``field`` starts at: `initial` for the last field, else 0."""
+        return self.initial if field == self.fields[-1] else 0.0
+
+    # --- what the declaration gives -------------------------------------------------------------
+
+    def init(self, params: Any) -> Any:
+        if self.state_cls is None:
+            return EmptyState()
+        layout, device = layout_and_device(params, "params")
+        values: dict[str, Any] = {}
+        for f in self.fields:
+            buf = FlatTree.zeros(layout, self.field_dtypes(f, layout), device)
+            start = self.initial_of(f)
+            values[f] = buf.fill_(start) if start else buf
+        if self.counted:
+            values["count"] = np.int32(0)
+        return self.state_cls(**values)
+
+    def owner(self, state: Any) -> FlatTree | None:
+        if not self.fields:
+            return None
+        return field_owner(state, self.state_cls, self.fields[-1])  # type: ignore[arg-type]
+
+    def declare(self, spec: Spec, state: Any) -> Kernel:
+        """The `Kernel` of this stage over ``state``'s buffers, after checking them (type,
+        layout, device); its ``tick`` computes a step's values."""
+        cls, fields = self.state_cls, self.fields
+        bufs = tuple(expect_state(state, cls, f, spec, renew=False) for f in fields)  # type: ignore[arg-type]
+        cts = [
+            compute_dtype(*(b.groups[gi].dtype for b in bufs), gdt)
+            for gi, gdt in enumerate(spec.layout.group_dtypes)
+        ]
+        out: Callable[[], FlatTree] | None = None
+        if bufs:
+            last, dtypes = bufs[-1], spec.layout.group_dtypes
+            out = lambda: last.workspace("out", dtypes)  # noqa: E731
+        part = Kernel(self.formula, bufs, [], None, out=out, name=self.name)
+        part.tick = self._ticker(part, bufs, cts)
+        return part
+
+    def _ticker(self, part: Kernel, bufs: tuple, cts: list) -> Callable[..., bool]:
+        """The part's ``tick``: this step's scalars and new state, from a state holding ``bufs``
+        (the same storage: else False, and the runner declares again)."""
+        cls, counted, scalars, name = self.state_cls, self.counted, self.scalars, self.name
+        reads_params = bool(self.inputs)
+        if not counted:  # the scalars follow from the count only: these never change
+            part.scalars = [scalars(None, ct) for ct in cts]
+        if cls is None:  # stateless: the state passes through
+
+            def tick(state: Any, params: Any, extra: dict) -> bool:
+                if reads_params:
+                    part.inputs = _params_input(params, name)
+                part.new_state = state
+                return True
+
+            return tick
+        # The state's fields by position: the buffers to check (by their storage, which their
+        # renewals share), the owner to renew, the count to advance; any other field passes.
+        order = cls._fields  # type: ignore[union-attr]
+        checks = tuple((order.index(f), b.__dict__) for f, b in zip(self.fields, bufs))
+        owner_field = self.fields[-1]
+        owner_at = order.index(owner_field)
+        count_at = order.index("count") if counted else -1
+
+        def tick(state: Any, params: Any, extra: dict) -> bool:
+            if not isinstance(state, cls):  # type: ignore[arg-type]
+                return False
+            values = list(state)
+            for i, storage in checks:
+                if getattr(values[i], "__dict__", None) is not storage:
+                    return False
+            if reads_params:
+                part.inputs = _params_input(params, name)
+            values[owner_at] = current(values[owner_at], owner_field)
+            if counted:
+                count = values[count_at] = safe_increment(values[count_at])
+                part.scalars = [scalars(count, ct) for ct in cts]
+            part.new_state = cls(*values)  # type: ignore[misc]
+            return True
+
+        return tick
+
+
+def _params_input(params: Any, name: str) -> Callable[[], tuple]:
+    """The extra input of a formula that reads the params (packed once, when first read)."""
+    if params is None:
+        raise ValueError(f"{name} needs params: call update(updates, state, params)")
+    return lambda: (params.flat(),)

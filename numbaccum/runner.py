@@ -1,0 +1,342 @@
+"""The one runner: every update goes through here, planned once and replayed.
+
+`Stage.update` (optax's ``update``) and `numbaccum.step_` (the update added to the params in
+its last pass) are one function, `run`, in two modes. A call:
+
+1. checks the state is free and current (`base.guarded`: one update of a state at a time, a
+   stale state refused) and converts the user's updates once (`Stage.take`) and checks the
+   params against their layout;
+2. finds the `Plan` of the transformation for that layout and device, made once and kept with
+   the state (in its owning buffer's storage: a plan lives and dies with the state it was made
+   for) or, for a transformation without buffers, with the stage per thread;
+3. **ticks** it: each declared part computes this step's values (counts, bias corrections,
+   schedules, learning rates) into its slots, after checking that the state holds the buffers
+   the plan was made for -- anything else (a state from ``init`` again, a checkpoint loaded,
+   a state of another transformation) makes a new plan, whose declaration raises the clear
+   error when the state is wrong. Nothing has been written yet;
+4. runs the plan's passes: each maximal run of parts is one kernel per dtype group
+   (`numbaccum.fuse.FusedRun`, whose calls are shaped once and replayed), a clip's reduction
+   before it; with ``step_`` the last pass adds the update to the params.
+
+A transformation that does not declare itself (a combinator that plans its inner stages each
+step: MultiSteps, masked, apply_if_finite; user code; the reshaping per-example aggregation)
+runs through the same entry with its own `Stage.plan` each call.
+
+`numbaccum.explain` describes `plan_of`, the very plan `run` replays.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any
+
+import numpy as np
+
+from . import _config, arrays, fuse
+from .base import (
+    ParamsRef,
+    SkipStep,
+    Spec,
+    Stage,
+    Updates,
+    _apply,
+    check_params,
+    guarded,
+    keep_states,
+    run_part,
+    scatter_back,
+    step_applier,
+)
+from .flat import FlatTree, as_flat, device_flat, layout_of
+from .tree import format_path, tree_flatten_with_path
+
+__all__ = ["Plan", "plan_of", "run"]
+
+
+class Plan:
+    """A declared transformation planned for one layout, device and mode.
+
+    Attributes:
+        root: the stage's declared part (a `numbaccum.fuse.Chained` for a chain).
+        leaves: its `Kernel`, `Scale` and `Prepass` parts in order.
+        runs: ``(start, stop, fused)`` over ``leaves``: a `numbaccum.fuse.FusedRun` of
+            ``leaves[start:stop]`` (one pass per dtype group), or None for a lone factor or
+            reduction (`base.run_part`).
+        scratch: per run, where it writes when its input may not be overwritten.
+        fused: whether the runs are fused (``NUMBACCUM_FUSE``), and ``apply``: whether the last
+            run adds the updates to the params (`numbaccum.step_`).
+    """
+
+    __slots__ = ("root", "leaves", "runs", "scratch", "spec", "fused", "apply")
+
+    def __init__(self, root: Any, spec: Spec, fused: bool, apply: bool, scratch: list) -> None:
+        self.root, self.spec, self.fused = root, spec, fused
+        self.leaves = fuse.leaves(root)
+        self.runs = fuse.cut(self.leaves) if fused else _one_by_one(self.leaves)
+        self.apply = apply and fused and self.runs[-1][2] is not None
+        self.scratch = scratch[: len(self.runs)]
+
+
+def _one_by_one(leaves: list) -> list:
+    """Stage by stage (``NUMBACCUM_FUSE=0``): each kernel its own pass."""
+    return [(i, i + 1, fuse.FusedRun([p]) if type(p) is fuse.Kernel else None) for i, p in enumerate(leaves)]
+
+
+# --- finding the plan -----------------------------------------------------------------------
+
+
+def plan_of(stage: Stage, spec: Spec, state: Any, owner: FlatTree | None, apply: bool) -> Plan | None:
+    """The kept plan of ``stage`` for ``spec`` and ``state``'s buffers (made now if none is
+    kept), not yet ticked; None for a stage that does not declare itself."""
+    if not stage.declarable():
+        return None
+    fused = fuse.enabled()
+    plans = _plans(stage, owner)
+    key = (stage, spec.layout, spec.device, apply, fused)
+    plan = plans.get(key)
+    if plan is None:
+        root = stage.declare(spec, state)  # checks the state: raises naming what is wrong
+        scratch = [stage._workspace(owner, spec, f"run{i}") for i in range(len(fuse.leaves(root)))]
+        plan = Plan(root, spec, fused, apply, scratch)
+        if len(plans) >= max(_config.KEPT_LAYOUTS, 2):
+            del plans[next(iter(plans))]  # the oldest: bounded for ever new tree shapes
+        plans[key] = plan
+    return plan
+
+
+_LOCAL = threading.local()
+
+
+def _plans(stage: Stage, owner: FlatTree | None) -> dict:
+    """Where the plans of ``stage`` are kept: with the state's owning storage (shared by its
+    renewals, gone with it), else, for a stage whose state holds no buffers, per thread."""
+    if owner is not None:
+        plans = owner.__dict__.get("_plans")
+        if plans is None:
+            plans = owner.__dict__["_plans"] = {}
+        return plans
+    per_thread = _LOCAL.__dict__.get("plans")
+    if per_thread is None:
+        per_thread = _LOCAL.plans = weakref.WeakKeyDictionary()
+    plans = per_thread.get(stage)
+    if plans is None:
+        plans = per_thread[stage] = {}
+    return plans
+
+
+def _ticked(stage: Stage, spec: Spec, state: Any, owner: Any, ref: Any, extra: dict, apply: bool) -> Any:
+    """The plan, ticked for this step: declared anew when the state is not the one it was made
+    for (the new declaration checks it, and raises what is wrong)."""
+    plan = plan_of(stage, spec, state, owner, apply)
+    if plan is None:
+        return None
+    if not plan.root.tick(state, ref, extra):
+        _plans(stage, owner).pop((stage, spec.layout, spec.device, apply, plan.fused), None)
+        plan = plan_of(stage, spec, state, owner, apply)
+        if not plan.root.tick(state, ref, extra):  # type: ignore[union-attr]
+            raise AssertionError(f"{type(stage).__name__}: a new declaration refused its own state")
+    return plan
+
+
+# --- running it -----------------------------------------------------------------------------
+
+
+def replay(plan: Plan, state: Any, u: Updates, apply: FlatTree | None, settle: bool) -> tuple[Any, Any]:
+    """Runs a ticked plan on ``u``: ``(updates, new_state)``, the updates None when the last
+    pass added them to ``apply``. A clip that skips the step raises `SkipStep` with the new
+    state (the parts before it advanced, the ones after as they were)."""
+    leaves, runs = plan.leaves, plan.runs
+    last = len(runs) - 1
+    for i, (start, _, fr) in enumerate(runs):
+        u.scratch = plan.scratch[i]
+        try:
+            if fr is None:
+                u = run_part(leaves[start], u)[0]
+            elif i == last:
+                out, factor = fr.run(u.flat, u.factor, u.fresh, apply if plan.apply else None, settle, False)
+                if out is None:
+                    return None, _new_state(plan)
+                u = Updates(out, True, factor, scratch=u.scratch)
+            else:
+                out, factor = fr.run(u.flat, u.factor, u.fresh, None, False, False)
+                u = Updates(out, True, factor, scratch=u.scratch)
+        except SkipStep as e:
+            raise SkipStep(_skipped(plan, state, start, e.new_state)) from None
+    return u, _new_state(plan)
+
+
+def _new_state(plan: Plan) -> Any:
+    states = [p.new_state.make() if type(p.new_state) is fuse.Later else p.new_state for p in plan.leaves]
+    return fuse.pack(plan.root, states)
+
+
+def _skipped(plan: Plan, state: Any, at: int, skipped: Any) -> Any:
+    """The new state of a step that part ``at`` skipped: the parts before it advanced, its own
+    new state, the ones after it as they were (their renewals not committed)."""
+    old = fuse.split(plan.root, state)
+    new = [p.new_state.make() if type(p.new_state) is fuse.Later else p.new_state for p in plan.leaves[:at]]
+    keep_states(old[at + 1 :])
+    return fuse.pack(plan.root, [*new, skipped, *old[at + 1 :]])
+
+
+def run(stage: Stage, grads: Any, state: Any, params: Any, extra: dict, apply: bool) -> Any:
+    """``stage.update(grads, state, params, **extra)`` (``apply`` False: returns ``(updates,
+    new_state)``), or `numbaccum.step_` (``apply`` True: the updates added to ``params`` in
+    place, returns the new state). The one entry of every update."""
+    if not apply and grads is None and params is not None:
+        # optax maps over the updates: None (an empty tree) gives None whatever the params,
+        # which are then not read (a stateful stage still says its state wants a tree).
+        params = FlatTree.empty(layout_of(None, "params"))
+    owner = stage.owner(state)
+    if apply:
+        if stage.reshapes or not fuse.enabled():
+            return _update_then_apply(stage, grads, state, params, extra)
+        return guarded(owner, _step, stage, grads, state, params, owner, extra)
+    return guarded(owner, _update, stage, grads, state, params, owner, extra)
+
+
+def _spec(stage: Stage, flat: FlatTree) -> Spec:
+    spec = stage.__dict__.get("_spec")  # the last one, kept: a small tree's update is microseconds
+    if spec is None or spec.layout is not flat.layout or spec.device != flat.device:
+        spec = stage.__dict__["_spec"] = Spec(flat.layout, flat.device)
+    return spec
+
+
+def _update(stage: Stage, updates: Any, state: Any, params: Any, owner: Any, extra: dict) -> tuple[Any, Any]:
+    u, kind = stage.take(updates, state, params, owner)
+    spec = _spec(stage, u.flat)
+    ref = None
+    if params is not None:
+        ref = ParamsRef(params, spec.layout, None, spec.device, stage._workspace(owner, spec, "params"))
+        if not stage.reshapes:
+            ref.checked = check_params(params, spec)
+    plan = _ticked(stage, spec, state, owner, ref, extra, False)
+    if plan is not None:
+        run_it: Any = lambda u: replay(plan, state, u, None, True)  # noqa: E731
+        out_spec = spec
+    else:
+        step = stage.plan(spec, state, ref, extra)
+        out_spec = step.spec or spec
+        if ref is not None and stage.reshapes:
+            ref.checked = check_params(params, out_spec)
+            ref._layout = out_spec.layout
+            ref._into = stage._workspace(owner, out_spec, "params")
+        run_it = step.final or step.run
+    u.scratch = stage._workspace(owner, spec, "output")
+    if kind in arrays.STREAM_KINDS:  # kernels go to the caller's current CUDA stream
+        with arrays.launch_context(kind):
+            out, new_state = _run_or_zeros(stage, run_it, u, out_spec)
+    else:
+        out, new_state = _run_or_zeros(stage, run_it, u, out_spec)
+    if kind == "flat":
+        return out, new_state
+    return out.tree_as(kind), new_state
+
+
+def _run_or_zeros(stage: Stage, run_it: Any, u: Updates, spec: Spec) -> tuple[FlatTree, Any]:
+    """``run_it(u)`` and its output; zeros (and the skipping stage's state) for a skipped step."""
+    try:
+        u, new_state = run_it(u)
+    except SkipStep as e:
+        zeros = stage.workspace(e.new_state, spec, "output")().fill_(0.0)
+        return zeros, e.new_state
+    return stage._output(u, new_state, spec), new_state
+
+
+def _step(stage: Stage, grads: Any, state: Any, params: Any, owner: Any, extra: dict) -> Any:
+    """`numbaccum.step_`, inside `guarded`: the update added to the params in its last pass."""
+    u, kind = stage.take(grads, state, params, owner)
+    spec = _spec(stage, u.flat)
+    into = stage._workspace(owner, spec, "params")
+    ref = ParamsRef(params, spec.layout, None, spec.device, into)
+    # Separate CUDA arrays: their addresses are read once here, for the check, the packing and
+    # the write-back (a microsecond a leaf each time otherwise).
+    found = (
+        None if isinstance(params, FlatTree) or not spec.device else arrays.device_leaves(params, spec.layout)
+    )
+    ref.checked = None if found is not None else check_params(params, spec)
+    plan = _ticked(stage, spec, state, owner, ref, extra, True)
+    if plan is not None:
+        apply_it: Any = (lambda u, p: replay(plan, state, u, p, False)) if plan.apply else None
+        run_it: Any = lambda u: replay(plan, state, u, None, False)  # noqa: E731
+    else:
+        step = stage.plan(spec, state, ref, extra)
+        apply_it = step_applier(step)
+        if apply_it is not None:
+            apply_it = _states_only(apply_it)
+        run_it = step.run
+    p, copied = _writable(params, spec, into, found, ref.checked)
+    if ref._flat is None:  # a stage that reads the params (weight decay) reads these: the
+        ref._flat = p  # fused pass then reads and writes one buffer (`fuse._run_group`)
+    u.scratch = stage._workspace(owner, spec, "output")
+    try:
+        if kind in arrays.STREAM_KINDS:
+            with arrays.launch_context(kind):
+                new_state = _apply_step(stage, run_it, apply_it, u, p, spec)
+        else:
+            new_state = _apply_step(stage, run_it, apply_it, u, p, spec)
+    except SkipStep as e:  # a clip skipped the step: the params are not touched
+        return e.new_state
+    if copied:
+        if ref.checked is not None:  # the caller's NumPy arrays, checked above: copy back
+            for dst, src in zip(ref.checked, p.leaf_views()):
+                np.copyto(dst, src)
+        else:
+            scatter_back(p, params, "params", found)
+    return new_state
+
+
+def _states_only(apply_it: Any) -> Any:
+    return lambda u, p: (None, apply_it(u, p))
+
+
+def _apply_step(stage: Stage, run_it: Any, apply_it: Any, u: Updates, p: FlatTree, spec: Spec) -> Any:
+    """Runs the step: its last pass adds the updates to ``p`` (``apply_it``), or (nothing fused
+    at the end) it runs, then the updates are added."""
+    if apply_it is not None:
+        return apply_it(u, p)[1]
+    u, new_state = run_it(u)
+    _apply(p, stage._output(u, new_state, spec), p)
+    return new_state
+
+
+def _update_then_apply(stage: Stage, grads: Any, state: Any, params: Any, extra: dict) -> Any:
+    """`numbaccum.step_` as ``update`` then ``apply_updates_`` (stage by stage, or a reshaping
+    stage whose updates have the params' layout, not the gradients')."""
+    from .base import apply_updates_
+
+    _writable_check(params)
+    updates, new_state = stage.update(grads, state, params, **extra)
+    apply_updates_(params, updates)
+    return new_state
+
+
+def _writable_check(tree: Any) -> None:
+    if isinstance(tree, FlatTree):
+        return
+    raw, paths, _ = tree_flatten_with_path(tree)
+    for x, path in zip(raw, paths):
+        if isinstance(x, np.generic) or (isinstance(x, np.ndarray) and not x.flags.writeable):
+            where = format_path(path, "params")
+            raise TypeError(f"{where}: cannot be changed in place (not a writable array)")
+
+
+def _writable(
+    params: Any, spec: Spec, into: Any, found: Any = None, checked: list | None = None
+) -> tuple[FlatTree, bool]:
+    """params as a FlatTree of ``spec``'s layout whose changes reach the caller (``copied``: a
+    packed copy, in the workspace ``into`` gives, to scatter back); ``found``: the addresses of
+    separate CUDA arrays, already read (`arrays.device_leaves`); ``checked``: the leaves of a
+    plain host tree, already checked against the layout (`base.check_params`)."""
+    if found is not None:
+        flat, copied, _ = device_flat(found, spec.layout, into)
+        return flat, copied
+    if checked is None or not all(x.flags.writeable for x in checked):
+        _writable_check(params)  # names the leaf that cannot change
+    if isinstance(params, FlatTree) and params.layout is spec.layout and params.device == spec.device:
+        return params, False
+    flat, copied, _ = as_flat(
+        params, spec.layout, "params", pack_into=into, device=spec.device, checked=checked
+    )
+    return flat, copied
