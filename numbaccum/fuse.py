@@ -365,7 +365,9 @@ class FusedRun:
         extras = [k.inputs() if k.inputs is not None else () for k in kernels]
         pending = factor
         for gi in range(len(flat.groups)):
-            pending = _run_group(self.body, extras, gi, flat, factor, out, apply, settle, self.memo, self.scales)
+            pending = _run_group(
+                self.body, extras, gi, flat, factor, out, apply, settle, self.memo, self.scales
+            )
         pending = pending if apply is None else ONE
         return (out, pending, self.new_states()) if with_states else (out, pending)
 

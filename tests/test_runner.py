@@ -1,0 +1,223 @@
+"""The one runner (`numbaccum.runner`): plans made once, kept with their state, replayed.
+
+A kept plan is a cache, and a cache is where wrong answers hide: each test here feeds the runner
+what a user does between two steps (another state of the same transformation, a state made
+again by ``init``, a loaded checkpoint, another tree shape, a stale state, a schedule that
+raises, ``NUMBACCUM_FUSE`` changed, threads) and compares with a fresh transformation and state,
+which cannot have a kept plan.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+import numbaccum as nba
+from numbaccum import runner
+from numbaccum.base import stage_of
+
+
+def _tree(seed: int, shapes=((3, 4), (5,))) -> dict:
+    rng = np.random.default_rng(seed)
+    return {f"l{i}": rng.standard_normal(s).astype(np.float32) for i, s in enumerate(shapes)}
+
+
+def _chain() -> object:
+    return nba.chain(nba.clip_by_global_norm(1.0), nba.adamw(1e-2, weight_decay=0.1))
+
+
+def _run(tx, params, grads_list, state=None):
+    """The params after ``step_`` over ``grads_list`` from ``state`` (``tx.init`` if None)."""
+    p = {k: v.copy() for k, v in params.items()}
+    s = tx.init(p) if state is None else state
+    for g in grads_list:
+        s = nba.step_(tx, g, s, p)
+    return p, s
+
+
+def _fresh(params, grads_list):
+    return _run(_chain(), params, grads_list)[0]
+
+
+def _same(a: dict, b: dict) -> None:
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k])
+
+
+def test_a_replayed_step_declares_nothing(monkeypatch):
+    tx, params = _chain(), _tree(0)
+    p = {k: v.copy() for k, v in params.items()}
+    s = tx.init(p)
+    s = nba.step_(tx, _tree(1), s, p)
+    made = []
+    real = runner.Plan.__init__
+
+    def counting(self, *a, **k):
+        made.append(1)
+        real(self, *a, **k)
+
+    monkeypatch.setattr(runner.Plan, "__init__", counting)
+    for i in range(3):
+        s = nba.step_(tx, _tree(2 + i), s, p)
+    assert not made  # replayed: ticked, never declared again
+    tx.update(_tree(9), tx.init(p), p)  # another state, and update's own plan: one more
+    assert len(made) == 1
+
+
+def test_two_states_of_one_transformation_alternated_match_separate_runs():
+    tx, params = _chain(), _tree(0)
+    grads = [_tree(10 + i) for i in range(4)]
+    pa = {k: v.copy() for k, v in params.items()}
+    pb = {k: (v * 2).copy() for k, v in params.items()}
+    sa, sb = tx.init(pa), tx.init(pb)
+    for g in grads:  # A, B, A, B: each state's plan is its own
+        sa = nba.step_(tx, g, sa, pa)
+        sb = nba.step_(tx, g, sb, pb)
+    _same(pa, _fresh(params, grads))
+    _same(pb, _fresh({k: v * 2 for k, v in params.items()}, grads))
+
+
+def test_a_state_made_again_by_init_or_loaded_from_a_checkpoint_gets_a_new_plan(tmp_path):
+    tx, params = _chain(), _tree(0)
+    grads = [_tree(20 + i) for i in range(3)]
+    p, s = _run(tx, params, grads[:2])
+    nba.save_state(tmp_path / "s.npz", s)
+    loaded = nba.load_state(tmp_path / "s.npz")
+    p2 = {k: v.copy() for k, v in p.items()}
+    nba.step_(tx, grads[2], loaded, p2)
+    _same(p2, _fresh(params, grads))
+    again = {k: v.copy() for k, v in params.items()}
+    s0 = tx.init(again)  # new buffers for the same transformation
+    for g in grads:
+        s0 = nba.step_(tx, g, s0, again)
+    _same(again, _fresh(params, grads))
+
+
+def test_a_stateless_chain_fed_two_tree_shapes_alternately():
+    tx = nba.chain(nba.clip_by_global_norm(0.5), nba.scale(-0.1))
+    a, b = _tree(1), _tree(2, shapes=((7,), (2, 2), (3,)))
+    for _ in range(2):
+        for g in (a, b):
+            u, _ = tx.update(g, tx.init(g))
+            fresh = nba.chain(nba.clip_by_global_norm(0.5), nba.scale(-0.1))
+            v, _ = fresh.update(g, fresh.init(g))
+            _same(u, v)
+
+
+def test_changing_fuse_between_steps_keeps_the_bits(monkeypatch):
+    tx, params = _chain(), _tree(0)
+    grads = [_tree(30 + i) for i in range(4)]
+    p = {k: v.copy() for k, v in params.items()}
+    s = tx.init(p)
+    for i, g in enumerate(grads):
+        monkeypatch.setenv("NUMBACCUM_FUSE", "0" if i % 2 else "1")
+        s = nba.step_(tx, g, s, p)
+    monkeypatch.delenv("NUMBACCUM_FUSE")
+    _same(p, _fresh(params, grads))
+
+
+def test_a_stale_state_is_refused_on_a_replayed_plan():
+    tx, params = _chain(), _tree(0)
+    p = {k: v.copy() for k, v in params.items()}
+    s0 = tx.init(p)
+    s1 = nba.step_(tx, _tree(1), s0, p)
+    nba.step_(tx, _tree(2), s1, p)
+    with pytest.raises(ValueError, match="stale"):
+        nba.step_(tx, _tree(3), s1, p)
+
+
+def test_a_wrong_state_after_a_kept_plan_gets_the_clear_error():
+    tx, params = _chain(), _tree(0)
+    p = {k: v.copy() for k, v in params.items()}
+    s = nba.step_(tx, _tree(1), tx.init(p), p)
+    sgdw = nba.chain(nba.trace(0.9), nba.add_decayed_weights(0.1), nba.scale(-0.01))
+    other = nba.chain(nba.clip_by_global_norm(1.0), sgdw).init(p)  # the same shape of states
+    before = {k: v.copy() for k, v in p.items()}
+    with pytest.raises(TypeError, match="expected ScaleByAdamState, got TraceState"):
+        nba.step_(tx, _tree(2), other, p)
+    _same(p, before)
+    nba.step_(tx, _tree(2), s, p)  # the right state still runs
+
+
+def test_a_schedule_that_raises_on_a_replayed_step_writes_nothing():
+    calls = []
+
+    def lr(count):
+        calls.append(int(count))
+        if int(count) == 2:
+            raise RuntimeError("schedule broke")
+        return 0.1
+
+    tx = nba.chain(nba.trace(0.9), nba.scale_by_learning_rate(lr))
+    params = _tree(0)
+    p = {k: v.copy() for k, v in params.items()}
+    s = tx.init(p)
+    for i in range(2):
+        s = nba.step_(tx, _tree(i), s, p)
+    kept_p = {k: v.copy() for k, v in p.items()}
+    kept_trace = s[0].trace.copy()
+    with pytest.raises(RuntimeError, match="schedule broke"):
+        nba.step_(tx, _tree(5), s, p)
+    _same(p, kept_p)
+    for a, b in zip(s[0].trace.groups, kept_trace.groups):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_a_skipped_step_keeps_the_later_states_and_the_params():
+    tx = nba.chain(nba.clip_by_global_norm(1.0, nonfinite="skip"), nba.adam(1e-2))
+    params = _tree(0)
+    p = {k: v.copy() for k, v in params.items()}
+    s = nba.step_(tx, _tree(1), tx.init(p), p)
+    bad = _tree(2)
+    bad["l0"][0, 0] = np.nan
+    before = {k: v.copy() for k, v in p.items()}
+    s2 = nba.step_(tx, bad, s, p)
+    _same(p, before)
+    assert bool(s2[0].skipped) and int(s2[1][0].count) == 1
+    s3 = nba.step_(tx, _tree(3), s2, p)  # the kept state is current: it goes on
+    assert int(s3[1][0].count) == 2
+
+
+def test_plans_of_a_stateless_chain_are_bounded_and_per_thread():
+    tx = nba.chain(nba.clip(0.5), nba.scale(2.0))
+    stage = stage_of(tx)
+    for n in range(1, 40):
+        g = {"a": np.ones(n, np.float32)}
+        tx.update(g, tx.init(g))
+    assert len(runner._plans(stage, None)) <= max(nba._config.KEPT_LAYOUTS, 2)
+    errors = []
+
+    def worker(seed: int) -> None:
+        try:
+            for i in range(30):
+                g = _tree(seed + i, shapes=((seed % 5 + 1,), (3,)))
+                u, _ = tx.update(g, tx.init(g))
+                expect = {k: np.clip(v, -0.5, 0.5) * np.float32(2.0) for k, v in g.items()}
+                _same(u, expect)
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(s,)) for s in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]
+
+
+def test_explain_shows_the_plan_the_runner_replays(monkeypatch):
+    """One kernel per fused pass: the passes `explain` lists are the kernels a step launches."""
+    from numbaccum.cpu import driver
+
+    tx, params = _chain(), _tree(0)
+    p = {k: v.copy() for k, v in params.items()}
+    s = nba.step_(tx, _tree(1), tx.init(p), p)
+    launched = []
+    real = driver.map_
+    monkeypatch.setattr(driver, "map_", lambda f, *a: (launched.append(f.name), real(f, *a))[1])
+    nba.step_(tx, _tree(2), s, p)
+    assert len(launched) == 1 and launched[0].startswith("fused_")  # (the reduction: the engine)
+    shown = nba.explain(tx, p, apply=True)
+    assert [x.kind for x in shown.passes] == ["reduction", "fused"]
