@@ -37,6 +37,7 @@ from .backend import ops_for
 from .contract import ONE, Factor
 from .flat import FlatTree, as_flat, check_leaves, host_leaves, layout_of, scatter_leaves_
 from .layout import Layout
+from .protocol import EmptyState, GradientTransformation, GradientTransformationExtraArgs
 from .tree import format_path, leaves_if_structure, tree_flatten, tree_flatten_with_path, tree_unflatten
 
 __all__ = [
@@ -50,22 +51,6 @@ __all__ = [
     "named_chain",
     "with_extra_args_support",
 ]
-
-
-class GradientTransformation(NamedTuple):
-    """A pair of pure-looking functions ``init(params) -> state`` and
-    ``update(updates, state, params=None) -> (updates, state)``."""
-
-    init: Callable[..., Any]
-    update: Callable[..., Any]
-
-
-class GradientTransformationExtraArgs(GradientTransformation):
-    """A GradientTransformation whose ``update`` accepts (and may ignore) ``**extra_args``."""
-
-
-class EmptyState(NamedTuple):
-    """The state of a stateless transformation."""
 
 
 def with_extra_args_support(tx: Any) -> GradientTransformationExtraArgs:
@@ -837,7 +822,7 @@ class Chain(Stage):
             states = split(state)
             if states is None:
                 return False
-            for part, s in zip(parts, states):
+            for part, s in zip(parts, states):  # noqa: SIM110 (a plain loop: no generator per step)
                 if not part.tick(s, params, extra):
                     return False
             return True

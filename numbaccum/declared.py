@@ -213,7 +213,7 @@ class Elementwise(Stage):
         cls, counted, scalars, name = self.state_cls, self.counted, self.scalars, self.name
         reads_params = bool(self.inputs)
         if not counted:  # the scalars follow from the count only: these never change
-            part.scalars = [scalars(None, ct) for ct in cts]
+            part.scalars = [_cast(scalars(None, ct), ct) for ct in cts]
         if cls is None:  # stateless: the state passes through
 
             def tick(state: Any, params: Any, extra: dict) -> bool:
@@ -243,11 +243,18 @@ class Elementwise(Stage):
             values[owner_at] = current(values[owner_at], owner_field)
             if counted:
                 count = values[count_at] = safe_increment(values[count_at])
-                part.scalars = [scalars(count, ct) for ct in cts]
+                part.scalars = [_cast(scalars(count, ct), ct) for ct in cts]
             part.new_state = cls(*values)  # type: ignore[misc]
             return True
 
         return tick
+
+
+def _cast(values: tuple, ct: np.dtype) -> tuple:
+    """A formula's scalars as the compute dtype's own scalars (bools kept), as the driver would
+    cast them for the call: the kernels see the same values, and a replayed step casts nothing."""
+    t = ct.type
+    return tuple(v if isinstance(v, (bool, np.bool_)) or type(v) is t else t(v) for v in values)
 
 
 def _params_input(params: Any, name: str) -> Callable[[], tuple]:
