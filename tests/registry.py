@@ -219,6 +219,25 @@ _add(
 )
 _add("scale_by_adamax", "scale_by_adamax", nba.scale_by_adamax, None, {})
 _add(
+    "yogi",
+    "yogi",
+    lambda: nba.yogi(1e-2),
+    lambda: ref.yogi(1e-2),
+    {"learning_rate": 1e-3},
+    exact=True,
+    optax=lambda o: o.yogi(1e-2),
+)
+_YOGI = {"b1": 0.5, "b2": 0.75, "eps": 1e-4, "eps_root": 1e-5, "initial_accumulator_value": 0.5}
+_add(
+    "scale_by_yogi",
+    "scale_by_yogi",
+    lambda: nba.scale_by_yogi(**_YOGI),
+    lambda: ref.scale_by_yogi(**_YOGI),
+    {},
+    exact=True,
+    optax=lambda o: o.scale_by_yogi(**_YOGI),
+)
+_add(
     "adabelief",
     "adabelief",
     lambda: nba.adabelief(1e-2),
