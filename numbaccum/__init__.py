@@ -113,6 +113,8 @@ from .optimizers import (
     scale_by_rms,
     scale_by_rss,
     scale_by_stddev,
+    scale_by_yogi,
+    yogi,
 )
 from .passes import Explanation, explain, step_
 from .privacy import (
@@ -265,5 +267,7 @@ __all__ = [
     "scale_by_rms",
     "scale_by_rss",
     "scale_by_stddev",
+    "scale_by_yogi",
+    "yogi",
     "stats",
 ]

@@ -11,19 +11,29 @@ The CPU driver (`numbaccum.cpu.driver`) compiles a formula with ``numba.njit(inl
 into a parallel loop, the CUDA driver (`numbaccum.cuda.driver`) with ``cuda.jit(device=True)``
 into a grid-stride kernel: one formula, two drivers, the same order of operations (optax's), in
 the buffer dtype. Comparisons are written so that NaN goes the documented way.
+
+Where a formula lives: the general ones (each reached by an `numbaccum.contract.Ops` method) are
+here; a formula that only one declared stage runs (`numbaccum.declared.Elementwise`) may sit next
+to that declaration, in any module. The `formula` decorator registers every formula by its name
+(`registered`), which must be unique: a fused chain's composite calls formulas by name
+(`numbaccum.fuse`), and both drivers compile each one with the helpers of this module. A formula
+declared elsewhere calls those helpers imported by name (``from .formulas import maximum``): it
+compiles with its own module's globals, where the helpers and formulas of this module become
+their compiled selves.
 """
 
 from __future__ import annotations
 
 import inspect
 import math
+import threading
 import types
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import numpy as np
 
-__all__ = ["Formula", "compile_formula"]
+__all__ = ["Formula", "compile_formula", "formula", "registered"]
 
 
 class Formula(NamedTuple):
@@ -61,27 +71,81 @@ class Formula(NamedTuple):
         )
 
 
+_REGISTRY: dict[str, Formula] = {}
+_REGISTRY_LOCK = threading.Lock()
+
+
 def formula(states: tuple = (), inputs: tuple = (), outputs: tuple = (), scalars: tuple = ()) -> Callable:
-    """Declares ``fn`` as a `Formula` (the module attribute becomes the declaration)."""
+    """Declares ``fn`` as a `Formula` (the module attribute becomes the declaration) and
+    registers it under ``fn.__name__`` (see `registered`).
+
+    Raises:
+        ValueError: another function (of another module or qualified name) already declared a
+            formula of that name. Declaring the same function again (a reloaded module)
+            replaces its formula.
+    """
 
     def declare(fn: Callable) -> Formula:
-        return Formula(fn, tuple(states), tuple(inputs), tuple(outputs), tuple(scalars))
+        f = Formula(fn, tuple(states), tuple(inputs), tuple(outputs), tuple(scalars))
+        with _REGISTRY_LOCK:
+            old = _REGISTRY.get(f.name)
+            if old is not None and _origin(old.fn) != _origin(fn):
+                where = ".".join(_origin(old.fn))
+                raise ValueError(f"a formula named {f.name!r} is already declared ({where})")
+            _REGISTRY[f.name] = f
+        return f
 
     return declare
 
 
+def _origin(fn: Callable) -> tuple[str, str]:
+    return (fn.__module__, fn.__qualname__)
+
+
+def registered() -> dict[str, Formula]:
+    """Every formula declared so far, by name: this module's, and those declared beside their
+    stages in other modules (``import numbaccum`` declares all of numbaccum's)."""
+    with _REGISTRY_LOCK:
+        return dict(_REGISTRY)
+
+
 def compile_formula(fn: Callable, jit: Callable[[Callable], Any]) -> Any:
     """``fn`` compiled by ``jit`` (a driver's decorator), with every plain helper of this module
-    it may call compiled by the same ``jit``: the helpers stay plain Python here, so both drivers
-    compile the one copy."""
-    glb = dict(globals())
+    and every registered formula it may call compiled by the same ``jit``: they stay plain
+    Python, so both drivers compile the one copy.
+
+    A formula declared in another module compiles with its module's globals, where a name bound
+    to a helper or a formula (under any name) becomes its compiled self; every other name keeps
+    its meaning, so the plain-Python formula and the compiled one read the same names, and
+    `numbaccum._cache.code_digest` hashes what they hold. A composite (`numbaccum.fuse`, exec'd
+    without a module) compiles with this module's globals."""
+    plain = globals()
+    glb = dict(plain)
     for name, helper in _helpers().items():
         glb[name] = jit(_rebind(helper, glb))
     # A fused chain's composite (`numbaccum.fuse`) calls formulas by their names: each one is
-    # compiled there as a function too (numba compiles a dispatcher on its first typed call).
-    for name, decl in _formulas().items():
-        glb[name] = jit(_rebind(decl.fn, glb))
-    return jit(_rebind(fn, glb))
+    # compiled there as a function too (numba compiles a dispatcher on its first typed call, so
+    # a scope may be filled after the functions that read it are made).
+    scopes: list[tuple[dict, dict]] = []
+
+    def scoped(f: Callable) -> Callable:
+        own = f.__globals__
+        if own is plain or "__name__" not in own:  # this module, or a composite (exec'd)
+            return _rebind(f, glb)
+        scope: dict = {}
+        scopes.append((scope, own))
+        return _rebind(f, scope)
+
+    decls = registered()
+    for name, decl in decls.items():
+        glb[name] = jit(scoped(decl.fn))
+    out = jit(scoped(fn))
+    if scopes:
+        swap = {id(helper): glb[name] for name, helper in _helpers().items()}
+        swap.update({id(decl): glb[name] for name, decl in decls.items()})
+        for scope, own in scopes:
+            scope.update({name: swap.get(id(v), v) for name, v in own.items()})
+    return out
 
 
 def _rebind(fn: Callable, glb: dict) -> Callable:
@@ -91,17 +155,12 @@ def _rebind(fn: Callable, glb: dict) -> Callable:
 
 def _helpers() -> dict[str, Callable]:
     """The plain scalar functions of this module that formulas call (not its machinery)."""
-    machinery = {"formula", "compile_formula", "_rebind", "_helpers", "_formulas"}
+    machinery = {"formula", "compile_formula", "registered", "_origin", "_rebind", "_helpers"}
     return {
         name: v
         for name, v in globals().items()
         if inspect.isfunction(v) and v.__module__ == __name__ and name not in machinery
     }
-
-
-def _formulas() -> dict[str, Formula]:
-    """The formulas declared in this module, by name."""
-    return {name: v for name, v in globals().items() if isinstance(v, Formula)}
 
 
 # --- helpers (compiled with the formulas that call them) -------------------------------------

@@ -23,6 +23,7 @@ from .accumulation import bias_correction, check_decay, safe_increment, trace
 from .base import GradientTransformationExtraArgs, chain
 from .contract import Ops
 from .flat import FlatTree
+from .formulas import formula, sqrt
 from .optim import (
     ScalarOrSchedule,
     ScaleByAdamState,
@@ -60,6 +61,8 @@ __all__ = [
     "scale_by_rms",
     "scale_by_rss",
     "scale_by_stddev",
+    "scale_by_yogi",
+    "yogi",
 ]
 
 
@@ -338,6 +341,82 @@ def lion(
         add_decayed_weights(weight_decay, mask),
         scale_by_learning_rate(learning_rate),
     )
+
+
+# --- Yogi: its formula declared here, beside its stage ---------------------------------------
+
+
+@formula(
+    states=("mu", "nu"),
+    inputs=("g",),
+    outputs=("out",),
+    scalars=("b1", "one_minus_b1", "one_minus_b2", "bc1", "bc2", "eps", "eps_root"),
+)
+def yogi_direction(mu, nu, g, b1, one_minus_b1, one_minus_b2, bc1, bc2, eps, eps_root):
+    """Yogi: ``mu`` as Adam's; ``nu = nu - (1 - b2) sign(nu - g^2) g^2``;
+    out = (mu / bc1) / (sqrt(nu / bc2 + eps_root) + eps) (NaN for a negative ``nu``).
+
+    optax's ``((1 - b2) * sign(d)) * g^2`` with ``d = nu - g^2``, case by case and in the
+    buffer's dtype (a literal 1.0 would make a float32 step float64): ``t = (1 - b2) g^2`` for
+    d > 0, ``-t`` for d < 0 (``nu - (-t)`` is ``nu + t`` exactly), and for d = +-0 or NaN, where
+    ``sign(d)`` is d, ``((1 - b2) d) g^2``: optax's bits in every case."""
+    m = one_minus_b1 * g + b1 * mu
+    g2 = g * g
+    d = nu - g2
+    if d > 0:
+        v = nu - one_minus_b2 * g2
+    elif d < 0:
+        v = nu + one_minus_b2 * g2
+    else:
+        v = nu - (one_minus_b2 * d) * g2
+    return m, v, (m / bc1) / (sqrt(v / bc2 + eps_root) + eps)
+
+
+class _ScaleByYogi(_Direction):
+    state_cls, fields, formula, name = ScaleByAdamState, ("mu", "nu"), yogi_direction, "scale_by_yogi"
+
+    def __init__(
+        self, b1: float, b2: float, eps: float, eps_root: float, initial_accumulator_value: float
+    ) -> None:
+        self.b1, self.b2 = check_decay(b1, "b1"), check_decay(b2, "b2")
+        self.eps, self.eps_root = real(eps, "eps"), real(eps_root, "eps_root")
+        self.initial = real(initial_accumulator_value, "initial_accumulator_value")
+
+    def initial_of(self, field: str) -> float:
+        return self.initial  # both moments, as in optax
+
+    def scalars(self, count: Any, ct: np.dtype) -> tuple:
+        b1, b2, t = self.b1, self.b2, int(count)
+        bc1, bc2 = bias_correction(b1, t, ct), bias_correction(b2, t, ct)
+        return (b1, 1.0 - b1, 1.0 - b2, bc1, bc2, self.eps, self.eps_root)
+
+
+def scale_by_yogi(
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-3,
+    eps_root: float = 0.0,
+    initial_accumulator_value: float = 1e-6,
+) -> GradientTransformationExtraArgs:
+    """Yogi's direction (state `ScaleByAdamState`, as in optax): ``mu = (1 - b1) g + b1 mu``,
+    ``nu = nu - (1 - b2) sign(nu - g^2) g^2``,
+    ``u = (mu / (1 - b1^t)) / (sqrt(nu / (1 - b2^t) + eps_root) + eps)``, one fused pass.
+
+    Args:
+        b1, b2: decay rates of the moments, in [0, 1].
+        eps, eps_root: added outside and inside the square root.
+        initial_accumulator_value: where both moments start (optax allows positive values only;
+            a negative ``nu`` gives NaN updates).
+    """
+    return _ScaleByYogi(b1, b2, eps, eps_root, initial_accumulator_value).transformation()
+
+
+def yogi(
+    learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-3
+) -> GradientTransformationExtraArgs:
+    """Yogi: ``chain(scale_by_yogi(b1, b2, eps), scale_by_learning_rate(learning_rate))``:
+    ``u = -lr scale_by_yogi(g)``."""
+    return chain(scale_by_yogi(b1, b2, eps), scale_by_learning_rate(learning_rate))
 
 
 # --- RMSProp and Adagrad --------------------------------------------------------------------

@@ -34,7 +34,7 @@ from numbaccum.cpu import driver  # noqa: E402
 from numbaccum.cpu import reduce as engine  # noqa: E402
 
 PARALLEL_KINDS = ("sumsq", "sumpow", "sumabs")  # the parallel drivers are slow to compile: a few
-FORMULAS = {v.name: v for v in vars(formulas).values() if isinstance(v, formulas.Formula)}
+FORMULAS = formulas.registered()  # every formula numbaccum declares, in any module
 BOOLS = {"nesterov", "fresh"}
 
 

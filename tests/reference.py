@@ -1223,6 +1223,29 @@ def adamax(learning_rate, b1=0.9, b2=0.999, eps=1e-8):
     return chain(_direction(ScaleByAdamState, ("mu", "nu"), step), scale_by_learning_rate(learning_rate))
 
 
+def scale_by_yogi(b1=0.9, b2=0.999, eps=1e-3, eps_root=0.0, initial_accumulator_value=1e-6):
+    """optax's ``scale_by_yogi``: both moments start at ``initial_accumulator_value``;
+    ``nu = nu - ((1 - b2) * sign(nu - g^2)) * g^2`` with ``jnp.sign`` (+-0 and NaN kept)."""
+
+    def step(count, dt, g, mu, nu):
+        m = _moment(g, mu, b1, dt)
+        g2 = g * g
+        with np.errstate(invalid="ignore"):  # inf - inf: NaN, as in optax
+            d = nu - g2
+            sign = np.where(d == 0, d, np.sign(d)).astype(dt)
+            v = nu - (_c(1 - b2, dt) * sign) * g2
+            m_hat = m / bias_correction_denominator(b1, count, dt)
+            v_hat = v / bias_correction_denominator(b2, count, dt)
+            return m_hat / (np.sqrt(v_hat + _c(eps_root, dt)) + _c(eps, dt)), m, v
+
+    initial = {"mu": initial_accumulator_value, "nu": initial_accumulator_value}
+    return _direction(ScaleByAdamState, ("mu", "nu"), step, initial=initial)
+
+
+def yogi(learning_rate, b1=0.9, b2=0.999, eps=1e-3):
+    return chain(scale_by_yogi(b1, b2, eps), scale_by_learning_rate(learning_rate))
+
+
 class ScaleByBeliefState(NamedTuple):
     count: int
     mu: Any

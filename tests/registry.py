@@ -11,6 +11,8 @@ parameters valid (for the hostile-input test), and what the README claims about 
 - ``cuda``: runs on the CUDA backend (every transformation does; a Case says no only with a
   reason in ``note``).
 - ``per_example``: its updates carry a leading batch dimension.
+- ``optax``: optax's own construction of the same transformation, from the optax module
+  (``lambda optax: optax.amsgrad(1e-2)``); test_against_optax.py runs both where it is set.
 
 `test_registry.py` checks that every name of ``numbaccum.__all__`` is either the ``public`` of
 some Case or listed in `EXEMPT` with the reason it is not a transformation, so a new public
@@ -40,6 +42,7 @@ class Case(NamedTuple):
     per_example: bool = False
     note: str = ""
     ref_state: bool = True  # the reference's state has numbaccum's field names (compare it)
+    optax: Callable[[Any], Any] | None = None
 
 
 def _ndim_mask(tree: Any) -> Any:
@@ -168,7 +171,15 @@ _add(
     {},
     exact=True,
 )
-_add("nadam", "nadam", lambda: nba.nadam(1e-2), lambda: ref.nadam(1e-2), {"learning_rate": 1e-3}, exact=True)
+_add(
+    "nadam",
+    "nadam",
+    lambda: nba.nadam(1e-2),
+    lambda: ref.nadam(1e-2),
+    {"learning_rate": 1e-3},
+    exact=True,
+    optax=lambda o: o.nadam(1e-2),
+)
 _add(
     "adamw",
     "adamw",
@@ -176,6 +187,7 @@ _add(
     lambda: ref.adamw(1e-2, weight_decay=0.1),
     {"learning_rate": 1e-3},
     exact=True,
+    optax=lambda o: o.adamw(1e-2, weight_decay=0.1),
 )
 _add(
     "nadamw",
@@ -184,6 +196,7 @@ _add(
     lambda: ref.adamw(1e-2, weight_decay=0.1, nesterov=True),
     {"learning_rate": 1e-3},
     exact=True,
+    optax=lambda o: o.nadamw(1e-2, weight_decay=0.1),
 )
 _add(
     "amsgrad",
@@ -192,6 +205,7 @@ _add(
     lambda: ref.amsgrad(1e-2),
     {"learning_rate": 1e-3},
     exact=True,
+    optax=lambda o: o.amsgrad(1e-2),
 )
 _add("scale_by_amsgrad", "scale_by_amsgrad", nba.scale_by_amsgrad, None, {})
 _add(
@@ -201,8 +215,28 @@ _add(
     lambda: ref.adamax(1e-2),
     {"learning_rate": 1e-3},
     exact=True,
+    optax=lambda o: o.adamax(1e-2),
 )
 _add("scale_by_adamax", "scale_by_adamax", nba.scale_by_adamax, None, {})
+_add(
+    "yogi",
+    "yogi",
+    lambda: nba.yogi(1e-2),
+    lambda: ref.yogi(1e-2),
+    {"learning_rate": 1e-3},
+    exact=True,
+    optax=lambda o: o.yogi(1e-2),
+)
+_YOGI = {"b1": 0.5, "b2": 0.75, "eps": 1e-4, "eps_root": 1e-5, "initial_accumulator_value": 0.5}
+_add(
+    "scale_by_yogi",
+    "scale_by_yogi",
+    lambda: nba.scale_by_yogi(**_YOGI),
+    lambda: ref.scale_by_yogi(**_YOGI),
+    {},
+    exact=True,
+    optax=lambda o: o.scale_by_yogi(**_YOGI),
+)
 _add(
     "adabelief",
     "adabelief",
@@ -210,6 +244,7 @@ _add(
     lambda: ref.adabelief(1e-2),
     {"learning_rate": 1e-3},
     exact=True,
+    optax=lambda o: o.adabelief(1e-2),
 )
 _add(
     "adabelief_nesterov",
@@ -217,9 +252,18 @@ _add(
     lambda: nba.adabelief(1e-2, nesterov=True),
     lambda: ref.adabelief(1e-2, nesterov=True),
     exact=True,
+    optax=lambda o: o.adabelief(1e-2, nesterov=True),
 )
 _add("scale_by_belief", "scale_by_belief", nba.scale_by_belief, None, {})
-_add("lion", "lion", lambda: nba.lion(1e-2), lambda: ref.lion(1e-2), {"learning_rate": 1e-3}, exact=True)
+_add(
+    "lion",
+    "lion",
+    lambda: nba.lion(1e-2),
+    lambda: ref.lion(1e-2),
+    {"learning_rate": 1e-3},
+    exact=True,
+    optax=lambda o: o.lion(1e-2),
+)
 _add("scale_by_lion", "scale_by_lion", nba.scale_by_lion, ref.scale_by_lion, {}, exact=True)
 _add(
     "scale_by_lion_smooth",
@@ -279,6 +323,7 @@ _add(
     {"learning_rate": 1e-3},
     exact=False,
     note="1 / sqrt in float64 then rounded, as optax's rsqrt is not 1 / sqrt in float32 either",
+    optax=lambda o: o.adagrad(0.1),
 )
 _add("scale_by_rss", "scale_by_rss", nba.scale_by_rss, None, {})
 

@@ -12,6 +12,7 @@ with the recipe's).
 import numpy as np
 import pytest
 from _testutil import require
+from registry import CASES
 
 import numbaccum as nba
 
@@ -169,16 +170,10 @@ def test_none_updates_as_optax():
     assert nba.apply_updates(None, params) is None and optax.apply_updates(None, params) is None
 
 
+# optax's optimizer library: the registry's Cases that name optax's construction (Case.optax),
+# and these variants of them.
 OPTIMIZERS = {
-    "adamw": lambda L: L.adamw(1e-2, weight_decay=0.1),
     "adamw_nesterov_mask": lambda L: L.adamw(1e-2, nesterov=True, mask={"dense": True, "norm": False}),
-    "nadam": lambda L: L.nadam(1e-2),
-    "nadamw": lambda L: L.nadamw(1e-2, weight_decay=0.05),
-    "amsgrad": lambda L: L.amsgrad(1e-2),
-    "adamax": lambda L: L.adamax(1e-2),
-    "adabelief": lambda L: L.adabelief(1e-2),
-    "adabelief_nesterov": lambda L: L.adabelief(1e-2, nesterov=True),
-    "lion": lambda L: L.lion(1e-2),
     "lion_smooth": lambda L: L.chain(L.scale_by_lion(mode="smooth", smooth_beta=2.0), L.scale(-1e-2)),
     "rmsprop": lambda L: L.rmsprop(1e-2),
     "rmsprop_every_option": lambda L: L.rmsprop(
@@ -192,22 +187,40 @@ OPTIMIZERS = {
         nesterov=True,
         bias_correction=True,
     ),
-    "adagrad": lambda L: L.adagrad(0.1),
 }
+REGISTERED = sorted(name for name, case in CASES.items() if case.optax is not None)
 
 
-@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
-def test_optimizer_library_matches_optax(name):
+def _parts(state):
+    """A chain's states (a plain tuple), or the one state of a transformation."""
+    return list(state) if type(state) is tuple else [state]
+
+
+def _matches_optax(ours, theirs):
     """Six steps on a float32 tree, optax under jit: the same updates within float32 rounding
     (XLA fuses multiply-adds), the same state classes and fields."""
     params = _mlp(0)
-    ours, theirs = OPTIMIZERS[name](nba), OPTIMIZERS[name](optax)
     s, t = ours.init(params), theirs.init(params)
-    assert [type(x).__name__ for x in s] == [type(x).__name__ for x in t]
-    assert [getattr(x, "_fields", ()) for x in s] == [getattr(x, "_fields", ()) for x in t]
+    assert [type(x).__name__ for x in _parts(s)] == [type(x).__name__ for x in _parts(t)]
+    assert [getattr(x, "_fields", ()) for x in _parts(s)] == [getattr(x, "_fields", ()) for x in _parts(t)]
     update = jax.jit(theirs.update)
     for i in range(6):
         g = _mlp(40 + i)
         u, s = ours.update(g, s, params)
         v, t = update(g, t, params)
         _tree_close(u, v, 2e-6)
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_optimizer_library_matches_optax(name):
+    _matches_optax(OPTIMIZERS[name](nba), OPTIMIZERS[name](optax))
+
+
+@pytest.mark.parametrize("name", REGISTERED)
+def test_registered_transformation_matches_optax(name):
+    """Every registry Case that names optax's construction of it (tests/registry.py)."""
+    _matches_optax(CASES[name].make(), CASES[name].optax(optax))
+
+
+def test_the_registry_names_optax_for_the_optimizer_library():
+    assert {"adamw", "nadam", "amsgrad", "adamax", "adabelief", "lion", "adagrad"} <= set(REGISTERED)

@@ -3,6 +3,10 @@
 The reference for a formula is the formula itself, run as plain Python on NumPy scalars of the
 buffer dtype, element by element: the drivers must compile exactly that. (Plain Python evaluates
 ``math.sqrt`` and ``math.copysign`` in float64, so float32 results may differ in the last place.)
+
+Every registered formula is checked, wherever it is declared: those of `numbaccum.formulas`, those
+declared beside their stages (`numbaccum.optimizers`), and this module's own (`decayed_peak`, a
+stage declared outside the package, as a user would).
 """
 
 from __future__ import annotations
@@ -11,16 +15,47 @@ import ast
 import inspect
 import os
 import pathlib
+from typing import Any, NamedTuple
 
 import numpy as np
 import pytest
 
+import numbaccum as nba
 from numbaccum import contract, formulas
 from numbaccum.backend import ops_for
 from numbaccum.contract import ONE, Factor, Ops
 from numbaccum.cpu import driver as cpu_driver
+from numbaccum.declared import Elementwise
+from numbaccum.flat import FlatTree
+from numbaccum.formulas import formula
+from numbaccum.formulas import maximum as larger  # a helper under a name formulas.py lacks
 
-FORMULAS = [v for v in vars(formulas).values() if isinstance(v, formulas.Formula)]
+
+@formula(states=("peak",), inputs=("g",), outputs=("out",), scalars=("decay",))
+def contract_decayed_peak(peak, g, decay):
+    """peak = max(decay * peak, g) (NaN if either is: `formulas.maximum`, imported under a name
+    of this module's); out = g - peak."""
+    p = larger(decay * peak, g)
+    return p, g - p
+
+
+class DecayedPeakState(NamedTuple):
+    peak: FlatTree
+
+
+class _DecayedPeak(Elementwise):
+    """A stage declared outside numbaccum, with its formula beside it."""
+
+    formula, state_cls, fields, name = contract_decayed_peak, DecayedPeakState, ("peak",), "decayed_peak"
+
+    def __init__(self, decay: float) -> None:
+        self.decay = decay
+
+    def scalars(self, count: Any, ct: np.dtype) -> tuple:
+        return (self.decay,)
+
+
+FORMULAS = list(formulas.registered().values())  # after `import numbaccum`: all of them
 BOOLS = {"nesterov", "fresh"}
 SIM = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
 
@@ -109,15 +144,83 @@ def test_float16_buffers_are_staged_and_written_back(f):
         np.testing.assert_array_equal(a16[i].astype(np.float32), a32[i])
 
 
-def test_every_formula_is_reached_by_exactly_one_ops_method():
+HOME = [f for f in FORMULAS if f.fn.__module__ == formulas.__name__]
+BESIDE = [f for f in FORMULAS if f.fn.__module__ != formulas.__name__]
+
+
+def test_every_formula_of_the_formulas_module_is_reached_by_exactly_one_ops_method():
     used = {}
     for name, method in inspect.getmembers(Ops, inspect.isfunction):
         src = inspect.getsource(method)
         for f in FORMULAS:
             if f"F.{f.name}," in src:
                 used.setdefault(f.name, []).append(name)
-    assert sorted(used) == sorted(f.name for f in FORMULAS)
+    assert sorted(used) == sorted(f.name for f in HOME)
     assert all(len(v) == 1 for v in used.values()), used
+
+
+def _declarations(cls: type) -> set:
+    """The formulas that ``cls`` and its subclasses declare (class attributes)."""
+    out = {vars(cls)["formula"]} if "formula" in vars(cls) else set()
+    for sub in cls.__subclasses__():
+        out |= _declarations(sub)
+    return out
+
+
+def test_a_formula_declared_beside_its_stage_is_run_by_a_declaration():
+    """Outside `numbaccum.formulas` a formula needs no Ops method: the runner runs declarations,
+    so each one is some `Elementwise` stage's formula (none is left behind, unreachable)."""
+    assert {f.name for f in BESIDE} >= {"contract_decayed_peak"}
+    declared = _declarations(Elementwise)
+    assert [f.name for f in BESIDE if f not in declared] == []
+
+
+def test_formula_names_are_unique():
+    assert len({f.name for f in FORMULAS}) == len(FORMULAS)
+    with pytest.raises(ValueError, match="'adam' is already declared .numbaccum.formulas.adam"):
+
+        @formula(inputs=("x",), outputs=("out",))
+        def adam(x):
+            return x
+
+    assert formulas.registered()["adam"] is formulas.adam
+    # The same function declared again (a reloaded module) replaces its formula.
+    again = formula(states=("peak",), inputs=("g",), outputs=("out",), scalars=("decay",))
+    redeclared = again(contract_decayed_peak.fn)
+    try:
+        assert formulas.registered()["contract_decayed_peak"] is redeclared
+    finally:
+        formulas._REGISTRY["contract_decayed_peak"] = contract_decayed_peak
+
+
+def test_a_formula_declared_beside_its_stage_runs_fused_and_stage_by_stage(monkeypatch):
+    """The composite of a fused chain calls the formula by its name; stage by stage, the driver
+    runs it alone: the same bits, those of the plain-Python formula."""
+    rng = np.random.default_rng(0)
+    params = {"a": rng.standard_normal(11).astype(np.float32), "b": rng.standard_normal(5)}
+    grads = [nba.tree_map(lambda x, k=k: x * (k + 1.5) - k, params) for k in range(3)]
+    seen: list[str] = []
+    real = cpu_driver.map_
+    monkeypatch.setattr(cpu_driver, "map_", lambda f, *a: (seen.append(f.name), real(f, *a))[1])
+    results = []
+    for fused in ("1", "0"):
+        monkeypatch.setenv("NUMBACCUM_FUSE", fused)
+        tx = nba.chain(_DecayedPeak(0.5).transformation(), nba.scale(-2.0))
+        state, outs = tx.init(params), []
+        for g in grads:
+            u, state = tx.update(g, state, params)
+            outs.append(nba.tree_map(np.copy, u))
+        results.append(outs)
+    assert "contract_decayed_peak" in seen and any(n.startswith("fused_") for n in seen), seen
+    peak = {k: np.zeros_like(v) for k, v in params.items()}
+    for step, g in enumerate(grads):
+        for k, x in g.items():
+            d = x.dtype.type
+            new = np.array([contract_decayed_peak.fn(d(p), d(v), d(0.5)) for p, v in zip(peak[k], x)])
+            peak[k] = new[:, 0].astype(x.dtype)
+            want = (new[:, 1].astype(x.dtype) * d(-2.0)).astype(x.dtype)
+            for got in results:
+                np.testing.assert_array_equal(got[step][k], want)
 
 
 def _functions(path):

@@ -211,6 +211,25 @@ def test_the_key_of_a_formula_is_its_code_and_declaration_not_its_name_or_identi
     assert _cache.code_digest(_formula(read, K=object())) is None
 
 
+def _module_formula(module: str, src: str, **glb: object) -> Formula:
+    """A formula ``f`` declared in a module of its own (as beside a stage, outside formulas.py)."""
+    mod = types.ModuleType(module)
+    vars(mod).update(glb)
+    exec(src, vars(mod))
+    return Formula(mod.f, (), ("x",), ("out",), ())
+
+
+def test_a_formula_declared_in_another_module_has_an_identity_of_its_own():
+    """A formula declared outside `numbaccum.formulas` is keyed by its module and name as well as
+    its code, and by the helpers it imports by name (what its compiled self calls)."""
+    src = "from numbaccum.formulas import maximum\ndef f(x):\n    return maximum(x, x)\n"
+    a, a2, b = _module_formula("user_a", src), _module_formula("user_a", src), _module_formula("user_b", src)
+    assert _cache.code_digest(a) == _cache.code_digest(a2)
+    assert _cache.code_digest(a) != _cache.code_digest(b)
+    other = _module_formula("user_a", "def f(x):\n    return maximum(x, x)\n", maximum=lambda x, y: x)
+    assert _cache.code_digest(other) not in (None, _cache.code_digest(a))
+
+
 # --- identities: one name, one code (issue 22, item 1) ------------------------------------------
 
 
@@ -229,9 +248,8 @@ def _reachable_dispatchers() -> list:
     for m in pkgutil.walk_packages(numbaccum.__path__, "numbaccum."):
         if not m.name.endswith("__main__"):  # the command line runs on import
             importlib.import_module(m.name)
-    for f in vars(formulas).values():
-        if isinstance(f, formulas.Formula):
-            driver.compiled(f)  # generated and jitted, not compiled
+    for f in formulas.registered().values():  # declared in formulas.py or beside their stages
+        driver.compiled(f)  # generated and jitted, not compiled
     found, seen = [], set()
 
     def names(code: types.CodeType):
