@@ -9,6 +9,9 @@ A stage that may be fused says so in its plan: its `Step` carries a *part* (``St
   the global norm; ``normalize_by_update_norm``). It can only start a run, since it must read
   the run's input, not a value inside the fused pass.
 
+A combinator declares its inner steps' parts: a nested chain as `Chained`, a wrapper whose state
+holds its inner stage's (`inject_hyperparams`) as `Wrapped`.
+
 `segments` cuts a chain's planned steps into maximal runs of parts (a step without a part runs
 as it is). `FusedRun.run` runs one: at most one pre-pass over its input, then, per dtype group,
 **one** kernel: a *composite formula* generated here, a plain-Python function that calls each
@@ -53,7 +56,7 @@ from .backend import ops_for
 from .contract import ONE, Factor
 from .flat import FlatTree
 
-__all__ = ["Chained", "FusedRun", "Kernel", "Later", "Prepass", "Scale", "enabled", "segments"]
+__all__ = ["Chained", "FusedRun", "Kernel", "Later", "Prepass", "Scale", "Wrapped", "enabled", "segments"]
 
 _FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
 
@@ -197,10 +200,24 @@ class Chained(_Part):
         self.parts, self.names, self.name, self.tick = parts, names, name, tick
 
 
+class Wrapped(NamedTuple):
+    """A wrapper stage's part: its inner step's ``part``, run as it is, and the wrapper's new
+    state ``wrap(inner_new_state)`` (`numbaccum.inject_hyperparams`: the inner state inside the
+    hyperparameters' state). The inner part's new state may be known only after the pass (a
+    `Later`, a `Chained` one's): ``wrap`` is called with it once it is."""
+
+    part: Any
+    wrap: Callable[[Any], Any]
+    name: str = ""
+
+
 def leaves(part: Any) -> list:
-    """The `Kernel`, `Scale` and `Prepass` parts of a part, nested chains spliced in order."""
+    """The `Kernel`, `Scale` and `Prepass` parts of a part, nested chains and wrapped parts
+    spliced in order."""
     if isinstance(part, Chained):
         return [leaf for p in part.parts for leaf in leaves(p)]
+    if isinstance(part, Wrapped):
+        return leaves(part.part)
     return [part]
 
 
@@ -208,13 +225,16 @@ def _fusable(part: Any) -> bool:
     """Whether a step's part can join a run: a pre-pass may only be its first leaf."""
     if part is None:
         return False
-    if not isinstance(part, Chained):
+    if not isinstance(part, (Chained, Wrapped)):
         return True
     return not any(isinstance(p, Prepass) for p in leaves(part)[1:])
 
 
 def _pack(part: Any, states: list, i: int) -> tuple[Any, int]:
     """The new state of ``part`` from the leaves' new states from ``i``; and the next index."""
+    if isinstance(part, Wrapped):
+        inner, i = _pack(part.part, states, i)
+        return part.wrap(inner), i
     if not isinstance(part, Chained):
         return states[i], i + 1
     out = []
@@ -248,7 +268,7 @@ def _cost(part: Any) -> int:
     if isinstance(part, Kernel):
         f = part.formula
         return len(f.states) + len(f.inputs) - 1 + len(f.scalars) + 2
-    return sum(_cost(p) for p in leaves(part)) if isinstance(part, Chained) else 2
+    return sum(_cost(p) for p in leaves(part)) if isinstance(part, (Chained, Wrapped)) else 2
 
 
 def segments(steps: list) -> list[tuple[int, int, FusedRun | None]]:

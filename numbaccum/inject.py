@@ -4,24 +4,28 @@ optax's wrapper, with its state (`InjectStatefulHyperparamsState`): the numeric 
 factory are kept in ``state.hyperparams`` (a dict the caller may change between steps), the
 callable ones are schedules of the step, and each update builds the inner transformation from
 the current values. Building one is Python work only (the kernels take their scalars as
-arguments; nothing is compiled again), and the last one built is kept for the next update while
-the values do not change.
+arguments; nothing is compiled again), and the ones built last are kept while the values repeat.
+
+It is a `Stage` like any other: its plan checks the state, calls the schedules, checks and
+converts the values, builds the inner transformation and plans it, all before anything is
+written; its step is the inner step with the new state wrapped, so inside a `chain` the inner
+stages fuse with their neighbours (`numbaccum.fuse.Wrapped`) and `numbaccum.explain` shows them.
 """
 
 from __future__ import annotations
 
 import inspect
 import numbers
-import threading
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
 import numpy as np
 
+from . import _bounded, base, fuse
 from .accumulation import safe_increment
-from .base import GradientTransformationExtraArgs, with_extra_args_support
+from .base import GradientTransformationExtraArgs, ParamsRef, Spec, Stage, Step, Updates
 from .flat import FlatTree
-from .layout import check_float_dtype
+from .layout import Layout, check_float_dtype
 from .tree import tree_flatten
 
 __all__ = [
@@ -107,10 +111,11 @@ def _convert_floats(value: Any, dtype: np.dtype | None) -> Any:
     return value
 
 
-def _scalar(value: Any, what: str) -> Any:
-    """``value``, or ValueError naming ``what`` when it is an array that is not a scalar: a
-    hyperparameter is one number (every factory reads it as one), and the key of the kept
-    transformation reads it with ``.item()``."""
+def _scalar(value: Any, what: str, name: str) -> Any:
+    """``value``, or ValueError naming ``what.format(name)`` when it is an array that is not a
+    scalar: a hyperparameter is one number (every factory reads it as one), and the key of the
+    kept transformations reads it with ``.item()``. (The message is formatted only when raised:
+    this runs for every hyperparameter of every update.)"""
     shape = getattr(value, "shape", None)
     if shape is None or isinstance(value, type):
         return value
@@ -120,22 +125,196 @@ def _scalar(value: Any, what: str) -> Any:
         return value
     if shape != ():
         raise ValueError(
-            f"{what}: an array of shape {shape}, expected a scalar (shape ()); name an argument that "
-            "takes an array in static_args"
+            f"{what.format(name)}: an array of shape {shape}, expected a scalar (shape ()); name an "
+            "argument that takes an array in static_args"
         )
     return value
 
 
 def _key(hparams: dict) -> tuple | None:
-    """A hashable key of the values (None when one is not hashable: then nothing is kept)."""
+    """A hashable key of the values, their types included (1, 1.0 and True are equal but make
+    different transformations); None when one is not hashable: then nothing is kept. The names
+    in the dict's order: `_InjectHyperparams._values` makes them in the same order every step."""
+    values = tuple(hparams.values())
+    key = (tuple(hparams), values, tuple(map(type, values)))
     try:
-        key = tuple(
-            sorted((k, type(v), v if not isinstance(v, np.ndarray) else v.item()) for k, v in hparams.items())
-        )
         hash(key)
-    except TypeError:
-        return None
+    except TypeError:  # a 0-d array (an int one: float ones are converted): by its value
+        values = tuple(v.item() if isinstance(v, np.ndarray) else v for v in values)
+        key = (key[0], values, key[2])
+        try:
+            hash(key)
+        except TypeError:
+            return None
     return key
+
+
+def _widest(layout: Layout) -> np.dtype | None:
+    """The widest floating dtype of a layout's leaves (`_highest_float` of a tree of it)."""
+    best = None
+    for d in layout.group_dtypes:  # one or two groups: a loop, not max() with a key
+        if d.kind == "f" and (best is None or d.itemsize > best.itemsize):
+            best = d
+    return best
+
+
+# How many inner transformations one `inject_hyperparams` keeps, by their values: a loop that
+# alternates a few settings, or threads with values of their own, reuse theirs. Few, because a
+# stateless inner stage keeps workspaces of its own (per thread), and a schedule that changes
+# every step makes a new one at every step anyway.
+_BUILT_KEPT = 4
+
+
+class _InjectHyperparams(Stage):
+    """`inject_hyperparams` as a stage: plans the inner transformation built from this step's
+    hyperparameters, and wraps its step (`run`, the fused part, ``apply`` and ``final``) so
+    that the new state is an `InjectStatefulHyperparamsState` around the inner one.
+
+    Whether the factory's transformations run foreign code or reshape their updates is what a
+    chain must know before it plans (`Stage.foreign`, ``reshapes``): it is read, once, from the
+    transformation built with the initial values (the factory and the schedules are called at
+    construction for it); unknown when that raises (then foreign, which costs an enclosing
+    chain snapshot copies, never correctness). A factory whose kind of transformation changes
+    with the values is refused at the plan that builds the other kind.
+    """
+
+    def __init__(
+        self,
+        factory: Callable[..., Any],
+        other: dict,
+        numeric: dict,
+        schedules: dict,
+        fixed_dtype: np.dtype | None,
+    ) -> None:
+        self.factory, self.other, self.numeric, self.schedules = factory, other, numeric, schedules
+        self.fixed_dtype = fixed_dtype
+        self.names = frozenset(numeric)
+        self.built = _bounded.Bounded(_BUILT_KEPT)  # key of the values -> the inner stage
+        try:
+            states = {k: f.init() for k, f in schedules.items()}
+            probe: Stage | None = self._make({**numeric, **self._values({}, states, fixed_dtype, {})})
+        except Exception:  # noqa: BLE001 - raised again, named, by init or the plan
+            probe = None
+        self.probe = probe  # what `owner` and `take` ask about the inner states
+        self._foreign = True if probe is None else probe.foreign()
+        self.reshapes = False if probe is None else probe.reshapes  # type: ignore[misc]
+
+    def _make(self, hparams: dict) -> Stage:
+        return base.as_stage(base.with_extra_args_support(self.factory(**self.other, **hparams)))
+
+    def _build(self, hparams: dict) -> Stage:
+        """The inner stage of these values: kept while they repeat (`_BUILT_KEPT`)."""
+        key = _key(hparams)
+        got = self.built.get(key) if key is not None else None
+        if got is not None:
+            return got
+        stage = self._make(hparams)
+        if stage.reshapes != self.reshapes or (stage.foreign() and not self._foreign):
+            raise TypeError(
+                "inject_hyperparams: inner_factory returned another kind of transformation for "
+                f"{hparams} than for the initial values (one that "
+                f"{'reshapes its updates' if stage.reshapes != self.reshapes else 'runs foreign code'})"
+            )
+        return stage if key is None else self.built.put(key, stage)
+
+    def _values(self, state_hparams: dict, states: dict, dtype: np.dtype | None, extra: dict) -> dict:
+        """This step's values: the state's, then each schedule's (checked, floats converted)."""
+        schedules = self.schedules
+        done = None if dtype is None else dtype.type  # a value of it is checked and converted
+        hparams = {}
+        for k, v in state_hparams.items():
+            if k not in schedules:
+                same = type(v) is done
+                hparams[k] = v if same else _convert_floats(_scalar(v, "state.hyperparams[{!r}]", k), dtype)
+        for k, f in schedules.items():
+            value = _scalar(f(states[k], **extra), "{} (the schedule's value)", k)
+            hparams[k] = _convert_floats(value, dtype)
+        return hparams
+
+    def foreign(self) -> bool:
+        return self._foreign
+
+    def owner(self, state: Any) -> FlatTree | None:
+        if self.probe is None or not isinstance(state, InjectStatefulHyperparamsState):
+            return None
+        return self.probe.owner(state.inner_state)
+
+    def take(self, updates: Any, state: Any, params: Any, owner: FlatTree | None) -> tuple[Updates, str]:
+        if self.reshapes:  # per-example updates, converted as the inner stage converts them
+            inner = state.inner_state if isinstance(state, InjectStatefulHyperparamsState) else None
+            return self.probe.take(updates, inner, params, self.probe.owner(inner))  # type: ignore[union-attr]
+        return super().take(updates, state, params, owner)
+
+    def init(self, params: Any) -> InjectStatefulHyperparamsState:
+        dtype = self.fixed_dtype or _highest_float(params)
+        states = {k: f.init() for k, f in self.schedules.items()}
+        hparams = {k: _convert_floats(v, dtype) for k, v in self.numeric.items()}
+        hparams.update(self._values({}, states, dtype, {}))
+        inner_state = self._build(hparams).init(params)
+        return InjectStatefulHyperparamsState(np.int32(0), hparams, states, inner_state)
+
+    def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
+        if not isinstance(state, InjectStatefulHyperparamsState):
+            raise TypeError(f"state: expected InjectStatefulHyperparamsState, got {type(state).__name__}")
+        if not self.names <= state.hyperparams.keys():
+            raise ValueError(f"state.hyperparams: missing {sorted(self.names - set(state.hyperparams))}")
+        dtype = self.fixed_dtype
+        if dtype is None:  # the params' (checked against the updates' layout), as optax
+            reshaped = self.reshapes and params is not None
+            dtype = _highest_float(params.raw) if reshaped else _widest(spec.layout)  # type: ignore[union-attr]
+        hparams = self._values(state.hyperparams, state.hyperparams_states, dtype, extra)
+        inner = self._build(hparams)  # a bad value raises here, before anything is written
+        new_states = {k: f.update(state.hyperparams_states[k], **extra) for k, f in self.schedules.items()}
+        count = safe_increment(state.count)
+        step = inner.plan(spec, state.inner_state, params, extra)
+
+        def wrap(inner_state: Any) -> InjectStatefulHyperparamsState:
+            return InjectStatefulHyperparamsState(count, hparams, new_states, inner_state)
+
+        # Foreign code checks its input while it runs: its state (which may hold our buffers) is
+        # restored if it raises, as a chain restores a foreign stage's (`undoable`).
+        guard = state.inner_state if isinstance(inner, base.Foreign) else None
+        return _wrapped(step, wrap, guard)
+
+
+def _wrapped(step: Step, wrap: Callable[[Any], Any], guard: Any) -> Step:
+    """``step`` whose new state (also the one a `SkipStep` carries) is ``wrap(new_state)``."""
+    run = _wrap_run(step.run, wrap)
+    if guard is not None:
+        run = base.undoable(run, guard)
+    final = None if step.final is None else _wrap_run(step.final, wrap)
+    apply = None
+    if step.apply is not None:
+        inner_apply = step.apply
+
+        def apply(u: Updates, p: FlatTree) -> Any:
+            try:
+                return wrap(inner_apply(u, p))
+            except base.SkipStep as e:
+                raise base.SkipStep(wrap(e.new_state)) from None
+
+    part = step.fuse
+    # A part that starts with a pre-pass is not offered to an enclosing chain: a clip that
+    # skips the step there raises its own state, not ours (the inner chain's runs, which fuse
+    # it, rebuild ours). It still fuses inside the inner transformation.
+    if part is not None and not isinstance(fuse.leaves(part)[0], fuse.Prepass):
+        part = fuse.Wrapped(part, wrap, "inject_hyperparams")
+    else:
+        part = None
+    return Step(run, step.spec, part, apply, final)
+
+
+def _wrap_run(inner: Callable[[Updates], tuple[Updates, Any]], wrap: Callable[[Any], Any]) -> Callable:
+    """``inner`` (a step's ``run`` or ``final``) returning ``wrap(new_state)``."""
+
+    def run(u: Updates) -> tuple[Updates, Any]:
+        try:
+            out, new_state = inner(u)
+        except base.SkipStep as e:
+            raise base.SkipStep(wrap(e.new_state)) from None
+        return out, wrap(new_state)
+
+    return run
 
 
 def inject_hyperparams(
@@ -152,7 +331,10 @@ def inject_hyperparams(
     update uses it. A callable argument is a schedule: ``f(count)`` (or an optax stateful
     schedule), called before each update, its value stored in ``hyperparams`` (setting a
     scheduled entry has no effect). Each update builds ``inner_factory(**hyperparams)`` (Python
-    only: kernels are not compiled again), so a bad value raises before anything is written.
+    only: kernels are not compiled again; the few built last are kept while the values repeat)
+    and plans it, so a bad value raises before anything is written, in a `chain` before any of
+    its stages runs; the inner stages fuse with the chain's others. The returned function calls
+    ``inner_factory`` (and the schedules) once, to know the kind of transformation it makes.
 
     Args:
         inner_factory: a function returning a transformation (``numbaccum.adam``, ...).
@@ -195,62 +377,9 @@ def inject_hyperparams(
             elif callable(value):
                 schedules[name] = WrappedSchedule(value)
             elif isinstance(value, (numbers.Number, np.ndarray)) or hasattr(value, "__float__"):
-                numeric[name] = _scalar(value, name)
+                numeric[name] = _scalar(value, "{}", name)
             else:
                 other[name] = value
-        # The inner transformation of the last values, kept while they do not change (its
-        # kept buffers and layout memos with it); per thread, like a transformation's buffers.
-        last = threading.local()
-
-        def build(hparams: dict) -> GradientTransformationExtraArgs:
-            key = _key(hparams)
-            got = getattr(last, "entry", None)
-            if key is not None and got is not None and got[0] == key:
-                return got[1]
-            tx = with_extra_args_support(inner_factory(**other, **hparams))
-            if key is not None:
-                last.entry = (key, tx)
-            return tx
-
-        def values(state_hparams: dict, states: dict, dtype: np.dtype | None, extra: dict) -> dict:
-            hparams = {
-                k: _convert_floats(_scalar(v, f"state.hyperparams[{k!r}]"), dtype)
-                for k, v in state_hparams.items()
-                if k not in schedules
-            }
-            for k, f in schedules.items():
-                hparams[k] = _convert_floats(
-                    _scalar(f(states[k], **extra), f"{k} (the schedule's value)"), dtype
-                )
-            return hparams
-
-        def init(params: Any) -> InjectStatefulHyperparamsState:
-            dtype = fixed_dtype or _highest_float(params)
-            states = {k: f.init() for k, f in schedules.items()}
-            hparams = {k: _convert_floats(v, dtype) for k, v in numeric.items()}
-            hparams.update(values({}, states, dtype, {}))
-            inner_state = build(hparams).init(params)
-            return InjectStatefulHyperparamsState(np.int32(0), hparams, states, inner_state)
-
-        def update(
-            updates: Any, state: Any, params: Any = None, **extra_args: Any
-        ) -> tuple[Any, InjectStatefulHyperparamsState]:
-            if not isinstance(state, InjectStatefulHyperparamsState):
-                raise TypeError(f"state: expected InjectStatefulHyperparamsState, got {type(state).__name__}")
-            missing = set(numeric) - set(state.hyperparams)
-            if missing:
-                raise ValueError(f"state.hyperparams: missing {sorted(missing)}")
-            dtype = fixed_dtype or _highest_float(params if params is not None else updates)
-            hparams = values(state.hyperparams, state.hyperparams_states, dtype, extra_args)
-            tx = build(hparams)  # a bad value raises here, before anything is written
-            new_states = {
-                k: f.update(state.hyperparams_states[k], **extra_args) for k, f in schedules.items()
-            }
-            updates, inner_state = tx.update(updates, state.inner_state, params, **extra_args)
-            return updates, InjectStatefulHyperparamsState(
-                safe_increment(state.count), hparams, new_states, inner_state
-            )
-
-        return GradientTransformationExtraArgs(init, update)
+        return _InjectHyperparams(inner_factory, other, numeric, schedules, fixed_dtype).transformation()
 
     return wrapped

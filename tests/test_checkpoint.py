@@ -544,6 +544,7 @@ NOT_STATE_CLASSES = {
     "numbaccum.fuse:Later",
     "numbaccum.fuse:Prepass",
     "numbaccum.fuse:Scale",
+    "numbaccum.fuse:Wrapped",
     "numbaccum.masking:_Plan",
     "numbaccum.norms:_GroupSlices",
     "numbaccum.norms:_Slicing",

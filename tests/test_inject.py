@@ -177,3 +177,170 @@ def test_a_hyperparameter_of_the_wrong_shape_is_named_and_the_state_kept():
     with pytest.raises(ValueError, match=r"learning_rate \(the schedule's value\): an array of shape \(2,\)"):
         late.update(_grads(1), s, p)
     assert_tree_equal(_frozen(s), before)
+
+
+# --- issue 23: inject_hyperparams is a stage: it fuses, and plans before anything is written ---
+
+
+def _bits(tree):
+    """Every array of a tree (a state: its FlatTrees' buffers too) as raw bytes."""
+    return [np.asarray(x).tobytes() for x in nba.tree_flatten(tree)[0]]
+
+
+def test_in_a_chain_the_inner_stages_fuse_with_the_clip_and_give_adamws_bits():
+    """One fused run: the clip's reduction, then one pass with adamw's stages in it, the plan
+    `explain` shows being exactly that of the chain with a plain adamw; and the same bits, with
+    update and with step_, as that chain (adamw built from the state's float32 values)."""
+    p = _params()
+    tx = nba.chain(nba.clip_by_global_norm(5.0), nba.inject_hyperparams(nba.adamw)(learning_rate=1e-3))
+    s = tx.init(p)
+    plain = nba.chain(nba.clip_by_global_norm(5.0), nba.adamw(**s[1].hyperparams))
+    plan = nba.explain(tx, p)
+    assert str(plan) == str(nba.explain(plain, p))
+    assert [q.kind for q in plan.passes] == ["reduction", "fused"]
+    assert plan.passes[1].stages[:2] == ("clip_by_global_norm", "scale_by_adam")
+    applied = nba.explain(tx, p, apply=True)
+    assert [q.kind for q in applied.passes] == ["reduction", "fused"]
+    assert applied.passes[1].stages[-1] == "apply to params"
+    ps = plain.init(p)
+    for i in range(4):
+        g = nba.tree_map(lambda x: 3.0 * x, _grads(i)) if i == 2 else _grads(i)  # step 2 clips
+        u, s = tx.update(g, s, p)
+        v, ps = plain.update(g, ps, p)
+        assert _bits(u) == _bits(v) and _bits(s[1].inner_state) == _bits(ps[1])
+        assert int(s[1].count) == i + 1
+    q, pq = _params(), _params()
+    s, ps = tx.init(q), plain.init(pq)
+    for i in range(4):
+        s = nba.step_(tx, _grads(i), s, q)
+        ps = nba.step_(plain, _grads(i), ps, pq)
+        assert _bits(q) == _bits(pq) and _bits(s[1].inner_state) == _bits(ps[1])
+
+
+class _Spy:
+    """A user transformation that counts its updates (it is planned without being called)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def tx(self):
+        def update(u, s, params=None):
+            self.calls += 1
+            return u, s
+
+        return nba.GradientTransformation(lambda p: nba.EmptyState(), update)
+
+
+def _raising_after(n):
+    def schedule(count):
+        if int(count) >= n:
+            raise ArithmeticError("the schedule's own error")
+        return 0.1
+
+    return schedule
+
+
+@pytest.mark.parametrize(
+    "bad",
+    ["a string", "wrong shape", "schedule raises"],
+)
+def test_a_bad_hyperparameter_raises_before_an_earlier_stage_writes(bad):
+    """chain(trace, inject(sgd)): the bad value raises while the chain plans, before the trace
+    runs (a user transformation ahead of it is not even called), the trace's buffers as they
+    were bit for bit, and the state goes on once the value is fixed (not stale)."""
+    p = _params()
+    lr = _raising_after(2) if bad == "schedule raises" else 0.1
+    spy = _Spy()
+    tx = nba.chain(spy.tx(), nba.trace(0.9), nba.inject_hyperparams(nba.sgd)(learning_rate=lr))
+    twin = nba.chain(nba.trace(0.9), nba.sgd(0.1))
+    s, ts = tx.init(p), twin.init(p)
+    for i in range(2):
+        _, s = tx.update(_grads(i), s, p)
+        _, ts = twin.update(_grads(i), ts, p)
+    if bad == "a string":
+        s[2].hyperparams["learning_rate"] = "0.1"
+        error = TypeError
+    elif bad == "wrong shape":
+        s[2].hyperparams["learning_rate"] = np.full(2, 0.1, np.float32)
+        error = ValueError
+    else:
+        error = ArithmeticError
+    before, calls = _bits(s), spy.calls
+    with pytest.raises(error):
+        tx.update(_grads(2), s, p)
+    with pytest.raises(error):
+        nba.step_(tx, _grads(2), s, _params())
+    assert spy.calls == calls  # planned, never run
+    assert _bits(s) == before
+    if bad == "schedule raises":
+        return  # it raises at every later step: nothing to go on with
+    s[2].hyperparams["learning_rate"] = 0.1
+    u, s = tx.update(_grads(2), s, p)  # the same state: still current
+    v, ts = twin.update(_grads(2), ts, p)
+    assert _bits(u) == _bits(v) and _bits(s[1]) == _bits(ts[0])
+
+
+def test_a_skipping_clip_inside_keeps_the_states_whole():
+    """A clip that skips the step inside the inner transformation: zeros, the inner state it
+    says (the clip's record, the rest as it was), wrapped in the inject state; in a chain the
+    stages after it keep theirs; and the next step goes on."""
+    p = _params()
+
+    def factory(learning_rate):
+        return nba.chain(nba.clip_by_global_norm(1.0, nonfinite="skip"), nba.sgd(learning_rate, momentum=0.9))
+
+    nan = nba.tree_map(lambda x: np.full_like(x, np.nan), p)
+    for tx in (
+        nba.inject_hyperparams(factory)(learning_rate=0.1),
+        nba.chain(nba.trace(0.5), nba.inject_hyperparams(factory)(learning_rate=0.1), nba.trace(0.5)),
+    ):
+        for step in (False, True):
+            s = tx.init(p)
+            _, s = tx.update(_grads(0), s, p)
+            before = _bits(s)
+            if step:
+                s2 = nba.step_(tx, nan, s, _params())
+            else:
+                u, s2 = tx.update(nan, s, p)
+                assert all(not np.any(x) for x in nba.tree_flatten(u)[0])
+            inj = s2 if isinstance(s2, nba.InjectStatefulHyperparamsState) else s2[1]
+            assert isinstance(inj, nba.InjectStatefulHyperparamsState) and int(inj.count) == 2
+            assert bool(inj.inner_state[0].skipped)
+            if not isinstance(s2, nba.InjectStatefulHyperparamsState):
+                assert _bits(s2[2]) == _bits(s[2])  # the stage after it kept its state
+            assert len(_bits(s2)) == len(before)
+            tx.update(_grads(1), s2, p)  # goes on
+
+
+def test_threads_share_one_transformation_and_its_kept_inner_ones():
+    """Threads with a state each and learning rates of their own, on one transformation: each
+    gets the bits of adam built with its values; the inner transformations kept stay few."""
+    import threading
+
+    from numbaccum.base import stage_of
+
+    tx = nba.inject_hyperparams(nba.adam)(learning_rate=0.1)
+    rates = [0.1, 0.01, 0.2, 0.05, 0.3, 0.001]
+    errors: list = []
+
+    def work(lr):
+        try:
+            p = _params()
+            s = tx.init(p)
+            s.hyperparams["learning_rate"] = lr
+            plain = nba.adam(**{k: np.float32(v) for k, v in s.hyperparams.items()})
+            ps = plain.init(p)
+            for i in range(15):
+                u, s = tx.update(_grads(i), s, p)
+                v, ps = plain.update(_grads(i), ps, p)
+                assert _bits(u) == _bits(v), f"lr {lr} step {i}"
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(lr,)) for lr in rates]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert 1 <= len(stage_of(tx).built) <= 4  # bounded, however many values were seen
