@@ -898,7 +898,15 @@ class Chain(Stage):
                     else:
                         u, new_states[start:stop] = run_parts(fr, u)
                 except SkipStep as e:  # a run's pre-pass (a clip) skipped: nothing of it ran
-                    new_states[start] = e.new_state
+                    part = steps[start].fuse
+                    if fr is not None and isinstance(part, fuse.Chained):
+                        # The pre-pass is a nested chain's first part: that chain's state holds
+                        # its new state, and its later stages' states as they were.
+                        later = fuse.split(part, states[start])[1:]
+                        keep_states(later)
+                        new_states[start] = fuse.pack(part, [e.new_state, *later])
+                    else:
+                        new_states[start] = e.new_state
                     keep_states(states[start + 1 :])
                     raise SkipStep(pack(new_states)) from None
             return u, pack(new_states)

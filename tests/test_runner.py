@@ -221,3 +221,23 @@ def test_explain_shows_the_plan_the_runner_replays(monkeypatch):
     assert len(launched) == 1 and launched[0].startswith("fused_")  # (the reduction: the engine)
     shown = nba.explain(tx, p, apply=True)
     assert [x.kind for x in shown.passes] == ["reduction", "fused"]
+
+
+@pytest.mark.parametrize("declared", [True, False])
+def test_a_nested_chain_skipped_by_its_clip_keeps_its_state_shape(declared):
+    """A clip that skips from inside a nested chain: the nested chain's state keeps its shape
+    (the clip's new state, the later stages' as they were), declared or planned each step."""
+    inner = nba.chain(nba.clip_by_global_norm(1.0, nonfinite="skip"), nba.adam(1e-2))
+    last = nba.scale(1.0) if declared else nba.masked(nba.scale(1.0), {"l0": True, "l1": False})
+    tx = nba.chain(inner, last)
+    params = _tree(0)
+    p = {k: v.copy() for k, v in params.items()}
+    s = nba.step_(tx, _tree(1), tx.init(p), p)
+    bad = _tree(2)
+    bad["l1"][0] = np.inf
+    u, s2 = tx.update(bad, s, p)
+    assert all(np.all(v == 0) for v in u.values())
+    assert len(s2) == 2 and len(s2[0]) == 2 and bool(s2[0][0].skipped)
+    assert int(s2[0][1][0].count) == 1  # adam's count: the skipped step did not advance it
+    s3 = nba.step_(tx, _tree(3), s2, p)  # and the next step takes it
+    assert int(s3[0][1][0].count) == 2
