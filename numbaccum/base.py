@@ -451,6 +451,8 @@ class Stage(abc.ABC):
         last = self.__dict__.get("_last")
         if owner is not None:
             layout = owner.layout
+            if not owner.device and not isinstance(updates, FlatTree):
+                checked = host_leaves(updates, layout)  # the common case, checked in one walk
         elif params is None and isinstance(updates, FlatTree):
             layout = updates.layout
         elif params is None and last is not None and (checked := host_leaves(updates, last)):

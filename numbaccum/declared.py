@@ -252,9 +252,27 @@ class Elementwise(Stage):
 
 def _cast(values: tuple, ct: np.dtype) -> tuple:
     """A formula's scalars as the compute dtype's own scalars (bools kept), as the driver would
-    cast them for the call: the kernels see the same values, and a replayed step casts nothing."""
+    cast them for the call: the kernels see the same values, and the driver casts nothing.
+    A Python float's cast is kept (a step's constants are cast once, not every step)."""
     t = ct.type
-    return tuple(v if isinstance(v, (bool, np.bool_)) or type(v) is t else t(v) for v in values)
+    memo = _CASTS.get(t)
+    if memo is None or len(memo) > 4096:  # bounded: a schedule may give a new value every step
+        memo = _CASTS[t] = {}
+    out = []
+    for v in values:
+        if type(v) is float and v:  # (not +-0, which compare equal: each keeps its sign)
+            c = memo.get(v)
+            if c is None:
+                c = memo[v] = t(v)
+            out.append(c)
+        elif type(v) is t or isinstance(v, (bool, np.bool_)):
+            out.append(v)
+        else:
+            out.append(t(v))
+    return tuple(out)
+
+
+_CASTS: dict[type, dict[float, Any]] = {}
 
 
 def _params_input(params: Any, name: str) -> Callable[[], tuple]:
