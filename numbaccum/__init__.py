@@ -28,17 +28,7 @@ from .adaptive import (
     clip_value_growth,
     normalize_by_ema,
 )
-from .base import (
-    EmptyState,
-    GradientTransformation,
-    GradientTransformationExtraArgs,
-    apply_updates,
-    apply_updates_,
-    chain,
-    copy_state,
-    named_chain,
-    with_extra_args_support,
-)
+from .base import apply_updates, apply_updates_, chain, copy_state, named_chain, with_extra_args_support
 from .checkpoint import load_state, register_state_class, save_state
 from .clipping import (
     ApplyIfFiniteState,
@@ -126,6 +116,7 @@ from .privacy import (
     per_example_global_norm_clip,
     per_example_layer_norm_clip,
 )
+from .protocol import EmptyState, GradientTransformation, GradientTransformationExtraArgs
 from .schedules import (
     constant_schedule,
     cosine_decay_schedule,

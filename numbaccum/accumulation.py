@@ -17,27 +17,24 @@ import numpy as np
 from . import formulas as F
 from ._checks import INT32_MAX, flag, integer, transformation
 from .backend import ops_for, tree_sumsq_scaled
-from .base import (
-    Chain,
-    Foreign,
-    GradientTransformationExtraArgs,
-    ParamsRef,
-    SkipStep,
-    Spec,
-    Stage,
-    Step,
-    Updates,
-    apply_updates_,
-    as_stage,
-    keep_states,
-    step_applier,
-    undoable,
-    with_extra_args_support,
-)
+from .base import Chain, Foreign, Stage, Step, apply_updates_, as_stage, undoable, with_extra_args_support
 from .contract import ONE
+from .declared import (
+    Elementwise,
+    acc_dtypes,
+    bias_correction,
+    check_decay,
+    expect_state,
+    field_owner,
+    safe_increment,
+)
 from .flat import FlatTree, as_flat, layout_and_device, layout_of
+from .fuse import step_applier
 from .layout import Layout, check_float_dtype
+from .protocol import GradientTransformationExtraArgs
+from .transaction import keep_states
 from .tree import short_repr
+from .updates import ParamsRef, SkipStep, Spec, Updates
 
 __all__ = [
     "ApplyEvery",
@@ -51,20 +48,6 @@ __all__ = [
     "skip_not_finite",
     "trace",
 ]
-
-# The helpers every stateful stage validates and counts with live with the declarations; they
-# are imported here too, where the stages of this module (and older imports) find them.
-from .declared import (  # noqa: E402
-    _INT32_MAX,
-    Elementwise,
-    acc_dtypes,
-    bias_correction,
-    check_decay,
-    expect_state,
-    field_owner,
-    safe_increment,
-)
-
 
 def zeros_output(owner: FlatTree, layout: Layout) -> Updates:
     """A read-only zero tree kept by ``owner``: returned on steps that emit nothing."""
@@ -243,7 +226,7 @@ def _skip_not_finite_flat(u: Updates, gradient_step: Any, params: Any) -> tuple[
     u = u.settled()
     n = sum(ops_for(g).count_nonfinite(g) for g in u.flat.groups)
     skip = np.bool_(n > 0)
-    return skip, {"should_skip": skip, "num_not_finite": np.int32(min(n, _INT32_MAX))}
+    return skip, {"should_skip": skip, "num_not_finite": np.int32(min(n, INT32_MAX))}
 
 
 def skip_not_finite(updates: Any, gradient_step: Any, params: Any) -> tuple[np.bool_, dict]:

@@ -27,23 +27,16 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ._checks import flag, non_negative, real
-from .accumulation import check_decay, expect_state, field_owner, safe_increment
 from .backend import ops_for
-from .base import (
-    GradientTransformationExtraArgs,
-    ParamsRef,
-    Spec,
-    Stage,
-    Step,
-    Updates,
-    as_stage,
-    with_extra_args_support,
-)
+from .base import Stage, Step, as_stage, with_extra_args_support
 from .clipping import divide_leaves
 from .contract import ONE, Factor
+from .declared import check_decay, expect_state, field_owner, safe_increment
 from .flat import FlatTree, layout_and_device
 from .layout import Layout
 from .norms import TINY, check_ord, leaf_norms, tree_norm
+from .protocol import GradientTransformationExtraArgs
+from .updates import ParamsRef, Spec, Updates
 
 __all__ = [
     "ClipNormByEmaState",

@@ -27,18 +27,21 @@ from __future__ import annotations
 import abc
 import threading
 from collections.abc import Callable
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, ClassVar
 
 import numpy as np
 
 from . import _config, arrays, fuse
 from ._checks import transformation
 from .backend import ops_for
-from .contract import ONE, Factor
+from .contract import ONE
 from .flat import FlatTree, as_flat, check_leaves, host_leaves, layout_of, scatter_leaves_
+from .fuse import run_part, run_parts
 from .layout import Layout
 from .protocol import EmptyState, GradientTransformation, GradientTransformationExtraArgs
+from .transaction import keep_states, state_flats
 from .tree import format_path, leaves_if_structure, tree_flatten, tree_flatten_with_path, tree_unflatten
+from .updates import ParamsRef, SkipStep, Spec, Updates
 
 __all__ = [
     "EmptyState",
@@ -73,203 +76,6 @@ def with_extra_args_support(tx: Any) -> GradientTransformationExtraArgs:
         return tx.update(updates, state, params)
 
     return GradientTransformationExtraArgs(tx.init, update)
-
-
-# --- the values passed between stages -------------------------------------------------------
-
-
-class Spec(NamedTuple):
-    """What a stage is fed: the updates' layout and whether they live on a CUDA device."""
-
-    layout: Layout
-    device: bool
-
-
-class Updates:
-    """Updates between two stages: the value is ``factor(flat)``, group by group.
-
-    Attributes:
-        flat: the buffer.
-        owned: a workspace this update may overwrite (never the caller's input, never a
-            state's accumulator).
-        factor: the pending `Factor` ``(x / div) * mul``, applied by the next kernel that reads
-            ``flat`` (`ONE`: none).
-        returnable: may be handed to the user as is (default: ``owned``).
-        scratch: where a stage writes a new value when ``flat`` is not ``owned`` (see `fresh`);
-            the runner (`Stage.update`, `chain`) sets it to the running stage's workspace.
-    """
-
-    # A plain class with slots, not a dataclass: a few are made per update, and a small tree's
-    # whole update costs microseconds.
-    __slots__ = ("flat", "owned", "factor", "returnable", "scratch")
-
-    def __init__(
-        self,
-        flat: FlatTree,
-        owned: bool,
-        factor: Factor = ONE,
-        returnable: bool | None = None,
-        scratch: Callable[[], FlatTree] | None = None,
-    ) -> None:
-        self.flat = flat
-        self.owned = owned
-        self.factor = factor
-        self.returnable = owned if returnable is None else returnable
-        self.scratch = scratch
-
-    def __repr__(self) -> str:
-        return f"Updates({self.flat!r}, owned={self.owned}, factor={self.factor!r})"
-
-    @property
-    def pending(self) -> bool:
-        """Whether a factor waits to be applied."""
-        return self.factor is not ONE and not self.factor.is_one
-
-    def scaled(self, factor: Factor) -> Updates:
-        """``factor(self)``: the same buffer with ``factor`` pending, which rides on the next kernel.
-
-        A factor already pending is never dropped: it is applied first (one pass), so the result
-        is ``factor(pending(x))`` rounded exactly as two separate scalings would be.
-        """
-        if factor is ONE or factor.is_one:
-            return self
-        u = self.settled() if self.pending else self
-        return Updates(u.flat, u.owned, factor, u.returnable, u.scratch)
-
-    def view(self) -> Updates:
-        """The same value, read-only: a stage that runs an inner transformation on it and reads
-        it again afterwards passes this, so the inner one writes into ``scratch`` instead."""
-        return Updates(self.flat, False, self.factor, False, self.scratch)
-
-    def fresh(self) -> FlatTree:
-        """A buffer for this update's next value: its own if it may be overwritten, else the
-        running stage's scratch (a workspace of its state, or the stateless stage's own)."""
-        if self.owned:
-            return self.flat
-        if self.scratch is not None:
-            return self.scratch()
-        return FlatTree.empty(self.flat.layout, device=self.flat.device)
-
-    def settled(self, into: FlatTree | None = None) -> Updates:
-        """This update with the pending factor applied (in place when owned, else into ``into``
-        or `fresh`)."""
-        if not self.pending:
-            return self
-        out = into if into is not None and not self.owned else self.fresh()
-        self.into(out)
-        return Updates(out, True, scratch=self.scratch)
-
-    def into(self, out: FlatTree) -> FlatTree:
-        """Writes the value into ``out`` (same layout; any storage dtypes) and returns it."""
-        factor = self.factor
-        for dst, src in zip(out.groups, self.flat.groups):
-            ops_for(src).scale_(dst, src, factor)
-        return out
-
-    def handed_out(self) -> FlatTree:
-        """The value in a new buffer of its own, for code that is not numbaccum's: it may keep,
-        return or modify it (never the caller's gradients or a state's accumulator)."""
-        return self.into(FlatTree.empty(self.flat.layout, device=self.flat.device))
-
-
-class SkipStep(Exception):
-    """Raised inside a run by a stage that decided, from the data, that this step must not
-    happen (a clip with ``nonfinite="skip"`` that saw a NaN or inf): the enclosing chain keeps the
-    states of the stages after it as they were and passes the exception on, and the outermost
-    stage returns zero updates (`Stage.update`, `numbaccum.step_`: params untouched).
-
-    Attributes:
-        new_state: the new state of what raised it (a chain: every stage's, the stages after the
-            skipping one unchanged).
-    """
-
-    def __init__(self, new_state: Any) -> None:
-        super().__init__("step skipped")
-        self.new_state = new_state
-
-
-class ParamsRef:
-    """The ``params`` argument: checked against the updates' layout before anything runs
-    (`Stage.update`), flattened only when a stage asks for it (then once, into a workspace).
-
-    A wrapper that hands an inner transformation part of the params (`numbaccum.masking`) gives
-    ``fill`` (makes the flat params) and ``raw_of`` (makes the tree, for a foreign inner
-    transformation) instead of ``raw``: both are called only if asked for."""
-
-    __slots__ = ("_raw", "_raw_of", "_layout", "_into", "_device", "_flat", "_fill", "checked")
-
-    def __init__(
-        self,
-        raw: Any,
-        layout: Layout,
-        owner: FlatTree | None = None,
-        device: bool | None = None,
-        into: Callable[[], FlatTree] | None = None,
-        *,
-        fill: Callable[[], FlatTree] | None = None,
-        raw_of: Callable[[], Any] | None = None,
-    ) -> None:
-        self._raw = raw
-        self._raw_of = raw_of
-        self._layout = layout
-        self._device = device
-        self._flat: FlatTree | None = None
-        self._fill = fill
-        self.checked: list | None = None  # host leaves already checked against the layout
-        if into is None and owner is not None:
-            into = lambda: owner.workspace("params")  # noqa: E731
-        self._into = into
-
-    @property
-    def raw(self) -> Any:
-        """The params as the caller gave them."""
-        if self._raw_of is not None:
-            self._raw, self._raw_of = self._raw_of(), None
-        return self._raw
-
-    def flat(self) -> FlatTree:
-        """The params as a FlatTree of the updates' layout (packed on first use)."""
-        if self._flat is None:
-            if self._fill is not None:
-                self._flat = self._fill()
-            else:
-                self._flat = as_flat(
-                    self.raw,
-                    self._layout,
-                    "params",
-                    self._into,
-                    self._device,
-                    self.checked if not self._device else None,
-                )[0]
-        return self._flat
-
-
-def check_params(params: Any, spec: Spec) -> list | None:
-    """ValueError/TypeError naming the leaf when ``params`` do not match ``spec``: structure,
-    shapes and dtypes (params of another dtype than the state was made for are refused by
-    `Stage.update` and `numbaccum.step_` alike). Cheap for a FlatTree of that layout and for a
-    tree of CUDA arrays, read off their own attributes.
-    Returns the checked leaves of a plain host tree (so that packing it does not check them
-    again), else None."""
-    if isinstance(params, FlatTree):
-        if params.layout is spec.layout and params.device == spec.device:
-            return None
-    elif spec.device and arrays.device_pointers(params, spec.layout) is not None:
-        return None
-    elif not spec.device:
-        fast = host_leaves(params, spec.layout)  # structure, shapes and dtypes: the common case
-        if fast is not None:
-            return fast
-    leaves = check_leaves(params, spec.layout, "params", spec.device)
-    for i, (x, d) in enumerate(zip(leaves, spec.layout.dtypes)):
-        # Params of another dtype than the state was made for: `update` would add float32
-        # updates to them and `step_` round them to the state's dtype. Neither is asked for.
-        if x.dtype != d:
-            raise TypeError(
-                f"{spec.layout.path(i, 'params')}: dtype {x.dtype} does not match {d}, the dtype "
-                "of the params the state was made for (init the state with these params)"
-            )
-    return leaves if not spec.device and not isinstance(params, FlatTree) else None
 
 
 # --- the stage protocol ---------------------------------------------------------------------
@@ -315,26 +121,6 @@ def planned(part: Any, state: Any, params: ParamsRef | None, extra: dict) -> Ste
     if not part.tick(state, params, extra):
         raise AssertionError(f"{part!r} was declared for another state")  # declared from this one
     return Step(lambda u: run_part(part, u), fuse=part)
-
-
-def run_part(part: Any, u: Updates) -> tuple[Updates, Any]:
-    """Runs one ticked part on ``u``: ``(updates, new_state)``. A `Scale` is a pending factor; a
-    `Prepass` reduces the settled updates to the factor it leaves pending; a `Kernel` is one pass
-    (the same composite a fused run makes of it, `numbaccum.fuse.FusedRun`)."""
-    kind = type(part)
-    if kind is fuse.Scale:
-        return u.scaled(part.factor), part.new_state
-    if kind is fuse.Prepass:
-        u = u.settled()
-        factor = part.factor_of(u.flat)
-        new_state = part.new_state
-        if type(new_state) is fuse.Later:
-            new_state = new_state.make()
-        return Updates(u.flat, u.owned, factor, u.returnable, u.scratch), new_state
-    if kind is fuse.Kernel:
-        out, factor, (new_state,) = fuse.FusedRun([part]).run(u.flat, u.factor, u.fresh)
-        return Updates(out, True, factor, scratch=u.scratch), new_state
-    raise TypeError(f"run_part: {part!r} is not one part")
 
 
 class Stage(abc.ABC):
@@ -492,114 +278,6 @@ class Stage(abc.ABC):
         return u.into(self.workspace(new_state, spec, "output")())
 
 
-# --- one update at a time, and only of the current state -----------------------------------
-#
-# A state's buffers are updated in place: the state an update was given and the one it returns
-# share them. Each planned state buffer is therefore renewed (`current`): the new state holds
-# a new wrapper of the same storage, one generation on, and the storage's live generation moves
-# to it when the whole update has succeeded (`guarded`). A state kept from before (``best =
-# state``, yesterday's state to retry a step) then holds an older generation and is refused,
-# where it would otherwise compute with advanced buffers and old counters. A failed update
-# commits nothing: the state it was given stays current.
-
-
-class _Renewals(list):
-    """The buffers renewed (`current`) by the update running on one thread, and ``depth``: how
-    many updates run there (an update inside another one's user transformation joins it)."""
-
-    __slots__ = ("depth",)
-
-
-class _PerThread(threading.local):
-    def __init__(self) -> None:
-        self.renewals = _Renewals()
-        self.renewals.depth = 0
-
-
-# One thread-local read per update and per renewed buffer; the rest are plain attributes.
-_THREAD = _PerThread()
-_NEW = object.__new__
-
-_STALE = (
-    "{}: this state is stale: an update has already advanced its buffers in place (a state "
-    "is consumed by update). Use the state the last update returned; to keep one (best = state, "
-    "a step to retry), keep a snapshot: numbaccum.copy_state(state)"
-)
-
-_BUSY = (
-    "state: another update of this state is running (on another thread?); a state is not "
-    "thread-safe: give each thread its own state (transformations may be shared)"
-)
-
-
-def current(flat: FlatTree, field: str) -> FlatTree:
-    """``flat``, the buffer ``state.<field>`` of the state being planned, renewed for the
-    state the update returns, after checking that it is current: a new FlatTree over the same
-    storage (it shares ``flat``'s ``__dict__``) one generation on, which becomes the current
-    one when the update returns (`guarded`).
-
-    Raises:
-        ValueError: ``flat`` belongs to a stale state (an update has advanced it since).
-    """
-    g = flat._gen
-    if g != flat._live:
-        if g != flat._live + 1:
-            raise ValueError(_STALE.format(f"state.{field}"))
-        # One generation ahead: returned by an update whose commit was not made (planned
-        # outside `guarded`): nothing newer exists, so it is the current one.
-        flat._live = g
-    new = _NEW(FlatTree)  # inline, not a method: this runs for each state buffer of each update
-    new.__dict__ = flat.__dict__
-    new._gen = g + 1
-    renewals = _THREAD.renewals
-    if renewals.depth:  # planned by an update (not by `explain`): committed when it returns
-        renewals.append(new)
-    return new
-
-
-def keep_states(old: Any) -> None:
-    """Says that the running update returns ``old`` (a state it was given, or part of one)
-    unchanged although it was planned (a skipped step): its buffers' renewals are not
-    committed, so that ``old`` stays current."""
-    renewals = _THREAD.renewals
-    if renewals:
-        kept = {id(f.__dict__) for f in _state_flats(old, writable_only=False)}
-        renewals[:] = [r for r in renewals if id(r.__dict__) not in kept]
-
-
-def guarded(owner: FlatTree | None, fn: Callable[..., Any], *args: Any) -> Any:
-    """``fn(*args)``: an update (`Stage.update`, `numbaccum.step_`) of the state whose buffers
-    ``owner`` owns (None: a stateless stage), run as one transaction.
-
-    A state is not thread-safe: its update writes its buffers in place. Two updates of one state
-    at once are caught here (a flag on the owner's storage, tens of nanoseconds; best effort,
-    not a lock): RuntimeError. The buffers the update renewed (`current`) become the current
-    ones only if it returns; an update inside another one (a transformation that calls
-    ``update`` itself) joins the outer one's transaction.
-    """
-    if owner is not None:
-        if owner._busy:
-            raise RuntimeError(_BUSY)
-        owner._busy = True
-    renewals = _THREAD.renewals
-    start = len(renewals)
-    renewals.depth += 1
-    try:
-        out = fn(*args)
-        if renewals.depth == 1 and renewals:  # the outermost update returns: commit
-            for r in renewals:
-                r._live = r._gen
-            renewals.clear()
-        return out
-    except BaseException:
-        del renewals[start:]
-        raise
-    finally:
-        renewals.depth -= 1
-        if owner is not None:
-            owner._busy = False
-
-
 def stage_of(tx: Any) -> Stage | None:
     """The `Stage` behind a transformation (its ``update`` is a stage's bound method), or None
     for a foreign transformation (any other ``(init, update)`` pair)."""
@@ -681,7 +359,7 @@ def undoable(run: Callable[..., Any], states: Any) -> Callable[..., Any]:
     numbaccum stage cannot know in its plan what that code will do, so this restores what was
     written instead of committing nothing. The copies are workspaces of each FlatTree
     (``undo``), made once."""
-    flats = _state_flats(states)
+    flats = state_flats(states)
     if not flats:
         return run
 
@@ -707,26 +385,6 @@ def _copy_groups(dst: FlatTree, src: FlatTree) -> None:
             ops_for(s).scale_(d, s, ONE)
         else:
             np.copyto(d, s)  # bit for bit, NaN payloads included
-
-
-def _state_flats(state: Any, writable_only: bool = True) -> list[FlatTree]:
-    """The FlatTrees in a state (a nest of tuples, NamedTuples, lists and dicts), each once: the
-    writable ones only unless ``writable_only`` is False."""
-    found: dict[int, FlatTree] = {}
-
-    def walk(x: Any) -> None:
-        if isinstance(x, FlatTree):
-            if not (writable_only and x._readonly):
-                found.setdefault(id(x), x)
-        elif isinstance(x, dict):
-            for v in x.values():
-                walk(v)
-        elif isinstance(x, (tuple, list)):
-            for v in x:
-                walk(v)
-
-    walk(state)
-    return list(found.values())
 
 
 def as_stage(tx: Any) -> Stage:
@@ -941,30 +599,6 @@ class Chain(Stage):
                 return scratches  # bound to this state: not kept
         self.__dict__["_scratch_memo"] = (key, spec.layout, spec.device, scratches)
         return scratches
-
-
-def run_parts(
-    fr: fuse.FusedRun, u: Updates, apply: FlatTree | None = None, settle: bool = False
-) -> tuple[Any, list]:
-    """Runs a fused run on ``u`` (`numbaccum.fuse.FusedRun.run`): ``(updates, new_states)``, the
-    updates None when they were added to ``apply`` instead of written."""
-    out, factor, new_states = fr.run(u.flat, u.factor, u.fresh, apply, settle)
-    if out is None:
-        return None, new_states
-    return Updates(out, True, factor, scratch=u.scratch), new_states
-
-
-def step_applier(step: Step) -> Callable[[Updates, FlatTree], Any] | None:
-    """``apply(updates, params) -> new_state`` for a planned step: its own `Step.apply`, or, for
-    a step that is one fusable run, that run with the params added in its pass; None when the
-    step cannot apply its updates in its last pass (then: run it, then add the updates)."""
-    if step.apply is not None:
-        return step.apply
-    if step.spec is None and fuse._fusable(step.fuse):
-        (_, _, fr), *rest = fuse.segments([step])
-        if fr is not None and not rest:
-            return lambda u, p: run_parts(fr, u, p)[1][0]
-    return None
 
 
 def _chained(steps: list, names: list[str] | None) -> Any:

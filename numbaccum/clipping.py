@@ -13,28 +13,19 @@ from . import fuse
 from ._bounded import Bounded
 from ._checks import integer, non_negative, real, transformation
 from .backend import leaf_tables, ops_for, slice_sumsq, tree_norm, tree_sumsq_scaled
-from .base import (
-    EmptyState,
-    GradientTransformationExtraArgs,
-    ParamsRef,
-    SkipStep,
-    Spec,
-    Stage,
-    Step,
-    Updates,
-    as_stage,
-    keep_states,
-    with_extra_args_support,
-)
+from .base import Stage, Step, as_stage, with_extra_args_support
 from .contract import ONE, Factor, Ops
 from .declared import Elementwise
 from .flat import FlatTree, as_flat, layout_of
 from .formulas import clip_factor
 from .fuse import Later, Prepass
 from .layout import Layout
+from .protocol import EmptyState, GradientTransformationExtraArgs
 from .tables import segments
 from .tables import sum_in_order as _sequential_sum
+from .transaction import keep_states
 from .tree import tree_unflatten
+from .updates import ParamsRef, SkipStep, Spec, Updates
 
 __all__ = [
     "ApplyIfFiniteState",

@@ -26,10 +26,13 @@ import numpy as np
 
 from . import formulas as F
 from ._checks import real
-from .base import EmptyState, Spec, Stage, current
+from .base import Stage
 from .flat import FlatTree, layout_and_device
 from .fuse import Kernel
 from .layout import Layout, check_float_dtype
+from .protocol import EmptyState
+from .transaction import current
+from .updates import Spec
 
 __all__ = [
     "Elementwise",

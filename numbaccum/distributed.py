@@ -39,14 +39,16 @@ import numpy as np
 
 from . import _config
 from ._checks import non_negative
-from .accumulation import expect_state, field_owner
 from .backend import ops_for
-from .base import EmptyState, GradientTransformationExtraArgs, ParamsRef, Spec, Stage, Step, Updates
+from .base import Stage, Step
 from .clipping import global_norm as _local_norm
 from .contract import ONE, Factor
+from .declared import expect_state, field_owner
 from .flat import FlatTree, layout_and_device
 from .layout import Layout
+from .protocol import EmptyState, GradientTransformationExtraArgs
 from .tables import sum_in_order
+from .updates import ParamsRef, Spec, Updates
 
 __all__ = [
     "AllreduceMeanState",

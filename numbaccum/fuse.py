@@ -55,8 +55,25 @@ from . import formulas as F
 from .backend import ops_for
 from .contract import ONE, Factor
 from .flat import FlatTree
+from .updates import Updates
 
-__all__ = ["Chained", "FusedRun", "Kernel", "Later", "Prepass", "Scale", "Wrapped", "enabled", "segments"]
+__all__ = [
+    "Chained",
+    "FusedRun",
+    "Kernel",
+    "Later",
+    "Prepass",
+    "Scale",
+    "Wrapped",
+    "cut",
+    "enabled",
+    "pack",
+    "run_part",
+    "run_parts",
+    "segments",
+    "split",
+    "step_applier",
+]
 
 _FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
 
@@ -707,3 +724,52 @@ def _make_composite(key: tuple) -> F.Formula:
 def cached_composites() -> int:
     """How many composite formulas exist (each compiled once per driver)."""
     return len(_COMPOSITES)
+
+
+# --- running parts outside a kept plan ------------------------------------------------------
+
+
+def run_part(part: Any, u: Updates) -> tuple[Updates, Any]:
+    """Runs one ticked part on ``u``: ``(updates, new_state)``. A `Scale` is a pending factor; a
+    `Prepass` reduces the settled updates to the factor it leaves pending; a `Kernel` is one pass
+    (the same composite a fused run makes of it, `numbaccum.FusedRun`)."""
+    kind = type(part)
+    if kind is Scale:
+        return u.scaled(part.factor), part.new_state
+    if kind is Prepass:
+        u = u.settled()
+        factor = part.factor_of(u.flat)
+        new_state = part.new_state
+        if type(new_state) is Later:
+            new_state = new_state.make()
+        return Updates(u.flat, u.owned, factor, u.returnable, u.scratch), new_state
+    if kind is Kernel:
+        out, factor, (new_state,) = FusedRun([part]).run(u.flat, u.factor, u.fresh)
+        return Updates(out, True, factor, scratch=u.scratch), new_state
+    raise TypeError(f"run_part: {part!r} is not one part")
+
+
+def run_parts(
+    fr: FusedRun, u: Updates, apply: FlatTree | None = None, settle: bool = False
+) -> tuple[Any, list]:
+    """Runs a fused run on ``u`` (`numbaccum.FusedRun.run`): ``(updates, new_states)``, the
+    updates None when they were added to ``apply`` instead of written."""
+    out, factor, new_states = fr.run(u.flat, u.factor, u.fresh, apply, settle)
+    if out is None:
+        return None, new_states
+    return Updates(out, True, factor, scratch=u.scratch), new_states
+
+
+def step_applier(step: Any) -> Callable[[Updates, FlatTree], Any] | None:
+    """``apply(updates, params) -> new_state`` for a planned step: its own `Step.apply`, or, for
+    a step that is one fusable run, that run with the params added in its pass; None when the
+    step cannot apply its updates in its last pass (then: run it, then add the updates)."""
+    if step.apply is not None:
+        return step.apply
+    if step.spec is None and _fusable(step.fuse):
+        (_, _, fr), *rest = segments([step])
+        if fr is not None and not rest:
+            return lambda u, p: run_parts(fr, u, p)[1][0]
+    return None
+
+

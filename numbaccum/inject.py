@@ -22,11 +22,13 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from . import _bounded, base, fuse
-from .accumulation import safe_increment
-from .base import GradientTransformationExtraArgs, ParamsRef, Spec, Stage, Step, Updates
+from .base import Stage, Step
+from .declared import safe_increment
 from .flat import FlatTree
 from .layout import Layout, check_float_dtype
+from .protocol import GradientTransformationExtraArgs
 from .tree import tree_flatten
+from .updates import ParamsRef, Spec, Updates
 
 __all__ = [
     "InjectHyperparamsState",

@@ -22,20 +22,13 @@ import numpy as np
 from . import _bounded
 from ._checks import flag, transformation
 from .backend import ops_for
-from .base import (
-    GradientTransformationExtraArgs,
-    ParamsRef,
-    Spec,
-    Stage,
-    Step,
-    Updates,
-    as_stage,
-    with_extra_args_support,
-)
+from .base import Stage, Step, as_stage, with_extra_args_support
 from .contract import ONE
 from .flat import FlatTree, layout_of
 from .layout import Layout
+from .protocol import GradientTransformationExtraArgs
 from .tree import broadcast_prefix, tree_flatten, tree_unflatten
+from .updates import ParamsRef, Spec, Updates
 
 __all__ = ["MaskedNode", "MaskedState", "masked"]
 

@@ -35,22 +35,14 @@ from . import _cache
 from ._bounded import Bounded
 from ._checks import flag, non_negative, real
 from .backend import ops_for, slice_sumsq, tree_sumsq_scaled
-from .base import (
-    EmptyState,
-    GradientTransformationExtraArgs,
-    ParamsRef,
-    Spec,
-    Stage,
-    Step,
-    Updates,
-    scatter_back,
-    writable_flat,
-)
+from .base import Stage, Step, scatter_back, writable_flat
 from .clipping import _Clip
 from .contract import ONE, Factor, Ops
 from .flat import FlatTree, as_flat, layout_of
 from .layout import Layout
+from .protocol import EmptyState, GradientTransformationExtraArgs
 from .tables import ACTIVE, METRIC_TINY, NSLICES, SLEN, norm_pair, sum_in_order
+from .updates import ParamsRef, Spec, Updates
 
 __all__ = [
     "adaptive_grad_clip",

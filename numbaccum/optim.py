@@ -13,29 +13,17 @@ import numpy as np
 
 from . import formulas as F
 from ._checks import flag, real, real_or_schedule, scheduled
-from .accumulation import (
-    bias_correction,
-    check_decay,
-    safe_increment,
-    trace,
-)
+from .accumulation import trace
 from .backend import ops_for
-from .base import (
-    EmptyState,
-    GradientTransformationExtraArgs,
-    ParamsRef,
-    Spec,
-    Stage,
-    Step,
-    Updates,
-    chain,
-)
+from .base import Stage, Step, chain
 from .contract import ONE, Factor, Ops
-from .declared import Elementwise
+from .declared import Elementwise, bias_correction, check_decay, safe_increment
 from .flat import FlatTree
 from .fuse import Kernel, Scale
 from .layout import check_float_dtype
 from .masking import MaskedState, _Masked
+from .protocol import EmptyState, GradientTransformationExtraArgs
+from .updates import ParamsRef, Spec, Updates
 
 __all__ = [
     "ScaleByAdamState",

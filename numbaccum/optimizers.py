@@ -19,9 +19,10 @@ import numpy as np
 
 from . import formulas as F
 from ._checks import flag, real
-from .accumulation import bias_correction, check_decay, safe_increment, trace
-from .base import GradientTransformationExtraArgs, chain
+from .accumulation import trace
+from .base import chain
 from .contract import Ops
+from .declared import bias_correction, check_decay, safe_increment
 from .flat import FlatTree
 from .formulas import formula, sqrt
 from .optim import (
@@ -35,6 +36,7 @@ from .optim import (
     scale_by_learning_rate,
     scale_by_nadam,
 )
+from .protocol import GradientTransformationExtraArgs
 
 __all__ = [
     "ScaleByAmsgradState",

@@ -20,15 +20,9 @@ import numpy as np
 from . import fuse, runner
 from ._checks import transformation
 from .accumulation import MultiSteps, MultiStepsState, skip_large_updates, skip_not_finite
-from .base import (
-    Chain,
-    ParamsRef,
-    Spec,
-    Stage,
-    as_stage,
-    with_extra_args_support,
-)
+from .base import Chain, Stage, as_stage, with_extra_args_support
 from .flat import FlatTree, layout_of
+from .updates import ParamsRef, Spec
 
 __all__ = ["Explanation", "Pass", "explain", "step_"]
 

@@ -27,14 +27,17 @@ import numpy as np
 from . import arrays
 from ._bounded import Bounded
 from ._checks import flag, non_negative, real
-from .accumulation import check_decay, trace
+from .accumulation import trace
 from .backend import ops_for, slice_sumsq
-from .base import GradientTransformationExtraArgs, ParamsRef, Spec, Stage, Step, Updates, chain
+from .base import Stage, Step, chain
+from .declared import check_decay
 from .flat import FlatTree, as_flat, layout_of
 from .layout import Layout
 from .optim import identity, scale_by_learning_rate
+from .protocol import GradientTransformationExtraArgs
 from .tables import segments
 from .tree import short_repr, tree_unflatten
+from .updates import ParamsRef, Spec, Updates
 
 __all__ = [
     "DifferentiallyPrivateAggregateState",

@@ -34,22 +34,12 @@ from typing import Any
 import numpy as np
 
 from . import _config, arrays, fuse
-from .base import (
-    ParamsRef,
-    SkipStep,
-    Spec,
-    Stage,
-    Updates,
-    _apply,
-    check_params,
-    guarded,
-    keep_states,
-    run_part,
-    scatter_back,
-    step_applier,
-)
+from .base import _apply, scatter_back
 from .flat import FlatTree, as_flat, device_flat, layout_of
+from .fuse import run_part, step_applier
+from .transaction import guarded, keep_states
 from .tree import format_path, tree_flatten_with_path
+from .updates import ParamsRef, SkipStep, Spec, Updates, check_params
 
 __all__ = ["Plan", "plan_of", "run"]
 
@@ -86,7 +76,7 @@ def _one_by_one(leaves: list) -> list:
 # --- finding the plan -----------------------------------------------------------------------
 
 
-def plan_of(stage: Stage, spec: Spec, state: Any, owner: FlatTree | None, apply: bool) -> Plan | None:
+def plan_of(stage: Any, spec: Spec, state: Any, owner: FlatTree | None, apply: bool) -> Plan | None:
     """The kept plan of ``stage`` for ``spec`` and ``state``'s buffers (made now if none is
     kept), not yet ticked; None for a stage that does not declare itself."""
     if not stage.declarable():
@@ -108,7 +98,7 @@ def plan_of(stage: Stage, spec: Spec, state: Any, owner: FlatTree | None, apply:
 _LOCAL = threading.local()
 
 
-def _plans(stage: Stage, owner: FlatTree | None) -> dict:
+def _plans(stage: Any, owner: FlatTree | None) -> dict:
     """Where the plans of ``stage`` are kept: with the state's owning storage (shared by its
     renewals, gone with it), else, for a stage whose state holds no buffers, per thread."""
     if owner is not None:
@@ -125,7 +115,7 @@ def _plans(stage: Stage, owner: FlatTree | None) -> dict:
     return plans
 
 
-def _ticked(stage: Stage, spec: Spec, state: Any, owner: Any, ref: Any, extra: dict, apply: bool) -> Any:
+def _ticked(stage: Any, spec: Spec, state: Any, owner: Any, ref: Any, extra: dict, apply: bool) -> Any:
     """The plan, ticked for this step: declared anew when the state is not the one it was made
     for (the new declaration checks it, and raises what is wrong)."""
     plan = plan_of(stage, spec, state, owner, apply)
@@ -180,7 +170,7 @@ def _skipped(plan: Plan, state: Any, at: int, skipped: Any) -> Any:
     return fuse.pack(plan.root, [*new, skipped, *old[at + 1 :]])
 
 
-def run(stage: Stage, grads: Any, state: Any, params: Any, extra: dict, apply: bool) -> Any:
+def run(stage: Any, grads: Any, state: Any, params: Any, extra: dict, apply: bool) -> Any:
     """``stage.update(grads, state, params, **extra)`` (``apply`` False: returns ``(updates,
     new_state)``), or `numbaccum.step_` (``apply`` True: the updates added to ``params`` in
     place, returns the new state). The one entry of every update."""
@@ -196,14 +186,14 @@ def run(stage: Stage, grads: Any, state: Any, params: Any, extra: dict, apply: b
     return guarded(owner, _update, stage, grads, state, params, owner, extra)
 
 
-def _spec(stage: Stage, flat: FlatTree) -> Spec:
+def _spec(stage: Any, flat: FlatTree) -> Spec:
     spec = stage.__dict__.get("_spec")  # the last one, kept: a small tree's update is microseconds
     if spec is None or spec.layout is not flat.layout or spec.device != flat.device:
         spec = stage.__dict__["_spec"] = Spec(flat.layout, flat.device)
     return spec
 
 
-def _update(stage: Stage, updates: Any, state: Any, params: Any, owner: Any, extra: dict) -> tuple[Any, Any]:
+def _update(stage: Any, updates: Any, state: Any, params: Any, owner: Any, extra: dict) -> tuple[Any, Any]:
     u, kind = stage.take(updates, state, params, owner)
     spec = _spec(stage, u.flat)
     ref = None
@@ -234,7 +224,7 @@ def _update(stage: Stage, updates: Any, state: Any, params: Any, owner: Any, ext
     return out.tree_as(kind), new_state
 
 
-def _run_or_zeros(stage: Stage, run_it: Any, u: Updates, spec: Spec) -> tuple[FlatTree, Any]:
+def _run_or_zeros(stage: Any, run_it: Any, u: Updates, spec: Spec) -> tuple[FlatTree, Any]:
     """``run_it(u)`` and its output; zeros (and the skipping stage's state) for a skipped step."""
     try:
         u, new_state = run_it(u)
@@ -244,7 +234,7 @@ def _run_or_zeros(stage: Stage, run_it: Any, u: Updates, spec: Spec) -> tuple[Fl
     return stage._output(u, new_state, spec), new_state
 
 
-def _step(stage: Stage, grads: Any, state: Any, params: Any, owner: Any, extra: dict) -> Any:
+def _step(stage: Any, grads: Any, state: Any, params: Any, owner: Any, extra: dict) -> Any:
     """`numbaccum.step_`, inside `guarded`: the update added to the params in its last pass."""
     u, kind = stage.take(grads, state, params, owner)
     spec = _spec(stage, u.flat)
@@ -291,7 +281,7 @@ def _states_only(apply_it: Any) -> Any:
     return lambda u, p: (None, apply_it(u, p))
 
 
-def _apply_step(stage: Stage, run_it: Any, apply_it: Any, u: Updates, p: FlatTree, spec: Spec) -> Any:
+def _apply_step(stage: Any, run_it: Any, apply_it: Any, u: Updates, p: FlatTree, spec: Spec) -> Any:
     """Runs the step: its last pass adds the updates to ``p`` (``apply_it``), or (nothing fused
     at the end) it runs, then the updates are added."""
     if apply_it is not None:
@@ -301,7 +291,7 @@ def _apply_step(stage: Stage, run_it: Any, apply_it: Any, u: Updates, p: FlatTre
     return new_state
 
 
-def _update_then_apply(stage: Stage, grads: Any, state: Any, params: Any, extra: dict) -> Any:
+def _update_then_apply(stage: Any, grads: Any, state: Any, params: Any, extra: dict) -> Any:
     """`numbaccum.step_` as ``update`` then ``apply_updates_`` (stage by stage, or a reshaping
     stage whose updates have the params' layout, not the gradients')."""
     from .base import apply_updates_

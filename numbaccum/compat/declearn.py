@@ -41,22 +41,12 @@ from ..accumulation import ema, trace
 from ..adaptive import _divide_leaves
 from ..arrays import on_device
 from ..backend import leaf_norms, ops_for
-from ..base import (
-    Chain,
-    EmptyState,
-    Foreign,
-    GradientTransformation,
-    GradientTransformationExtraArgs,
-    ParamsRef,
-    Spec,
-    Stage,
-    Step,
-    Updates,
-    stage_of,
-)
+from ..base import Chain, Foreign, Stage, Step, stage_of
 from ..clipping import clip_by_global_norm
 from ..contract import ONE
 from ..flat import FlatTree, as_flat, layout_and_device, to_device
+from ..protocol import EmptyState, GradientTransformation, GradientTransformationExtraArgs
+from ..updates import ParamsRef, Spec, Updates
 from ._state import load_plain, to_plain
 
 __all__ = [

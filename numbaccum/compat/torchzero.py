@@ -30,9 +30,9 @@ from ..adaptive import (
     clip_norm_growth,
     clip_value_growth,
 )
-from ..base import GradientTransformationExtraArgs
 from ..clipping import clip
 from ..norms import centralize, clip_grad_norm_, clip_grad_value_, clip_norm, normalize, normalize_grads_
+from ..protocol import GradientTransformationExtraArgs
 from ._state import load_plain, to_plain
 
 __all__ = [
