@@ -309,6 +309,16 @@ def clip_factor(norm, max_norm):
     return balanced(norm, max_norm)
 
 
+def clip_finish(norm, scalars):
+    """clip_by_global_norm's finish of a global norm kept on the device
+    (`numbaccum.contract.Ops.global_norm_finish_`), ``scalars = (max_norm,)``: ``(div, mul,
+    norm, clipped)``, its pending factor (`clip_factor`), then its state's record: the norm and
+    whether it clipped (1.0 for ``norm >= max_norm`` or a NaN norm, else 0.0)."""
+    max_norm = scalars[0]
+    div, mul = clip_factor(norm, max_norm)
+    return div, mul, norm, 0.0 if norm < max_norm else 1.0
+
+
 # --- the per-example (DP-SGD) weighted sum, element by element --------------------------------
 # out[j] = clamp((init[j] + sum_b m_b * g[b, j] + std * noise[j]) / div, +-limit), in float64
 # from the first addition to the division. The drivers (`numbaccum.cpu.per_example`,
