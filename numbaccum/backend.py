@@ -163,7 +163,7 @@ def tree_sumsq_scaled(flat: Any) -> tuple[float, float]:
     ``sqrt(s) / f`` (`tree_norm`).
 
     The one definition: `numbaccum.global_norm`, ``norms.tree_norm(t, 2)``, ``clip_norm(...,
-    dim='global')``, clip_by_global_norm (and its device twin, `Ops.clip_factors_`),
+    dim='global')``, clip_by_global_norm (and its device twin, `Ops.global_norm_finish_`),
     normalize_by_update_norm and skip_large_updates all take it, so they agree bit for bit.
     ``f`` is 1 and ``s`` the plain `tree_sumsq` unless that `needs_scaling`; then each float64
     group whose own plain total needs it is summed again, its leaves scaled by one power of two
@@ -185,7 +185,7 @@ def tree_sumsq_scaled(flat: Any) -> tuple[float, float]:
 
 def _rescued(flat: Any, sums: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Per leaf ``(s_k, f_k)``: the plain sums, except in float64 groups whose total
-    `needs_scaling` (the host twin of the device kernel's rescue in `Ops.clip_factors_`)."""
+    `needs_scaling` (the host twin of the device kernel's rescue in `Ops.global_norm_finish_`)."""
     lay = flat.layout
     scaled, scale = sums.copy(), np.ones_like(sums)
     for members, table, g in zip(lay.group_index, leaf_tables(lay), flat.groups):

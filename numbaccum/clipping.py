@@ -17,7 +17,7 @@ from .base import Stage, Step, as_stage, with_extra_args_support
 from .contract import ONE, Factor, Ops
 from .declared import Elementwise
 from .flat import FlatTree, as_flat, layout_of
-from .formulas import clip_factor
+from .formulas import clip_factor, clip_finish
 from .fuse import Later, Prepass
 from .layout import Layout
 from .protocol import EmptyState, GradientTransformationExtraArgs
@@ -127,8 +127,10 @@ _FACTOR_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
 def _device_factors(flat: FlatTree, max_norm: float) -> dict[np.dtype, Any] | None:
     """clip_by_global_norm's ``[div, mul]`` on the device, for float32 and float64 kernels: one
-    launch per dtype group (its sum of squares; the last also the factor). Nothing comes to the
-    host. None for a tree with other dtypes (float16), which takes the host path."""
+    launch per dtype group (its sum of squares; the last also finishes the norm with
+    `numbaccum.formulas.clip_finish`: the factor, and in float64 the state's norm and clipped
+    flag after it). Nothing comes to the host. None for a tree with other dtypes (float16),
+    which takes the host path."""
     if any(d not in _FACTOR_DTYPES for d in flat.group_dtypes):
         return None
     from .arrays import empty
@@ -138,16 +140,21 @@ def _device_factors(flat: FlatTree, max_norm: float) -> dict[np.dtype, Any] | No
         cache = _SCRATCH.by_layout = Bounded()
     scratch = cache.get(flat.layout)
     if scratch is None:
-        # per leaf, tree order: [plain | rescued | scale] (see `Ops.clip_factors_`)
+        # per leaf, tree order: [plain | rescued | scale] (see `Ops.global_norm_finish_`)
         sums = empty(3 * flat.layout.num_leaves, np.dtype(np.float64))
-        # [div, mul] per dtype; the float64 one also [norm, clipped] for the state
-        scratch = cache.put(flat.layout, (sums, {d: empty(4, d) for d in _FACTOR_DTYPES}))
+        # clip_finish's values, as many as each holds: [div, mul] in float32; [div, mul, norm,
+        # clipped] in float64 (the state's record)
+        f32, f64 = _FACTOR_DTYPES
+        scratch = cache.put(flat.layout, (sums, {f32: empty(2, f32), f64: empty(4, f64)}))
     sums, facs = scratch
     fac32, fac64 = (facs[d] for d in _FACTOR_DTYPES)
     lay, last = flat.layout, len(flat.groups) - 1
     for i, g in enumerate(flat.groups):
         table = segments(lay.offsets[i])
-        ops_for(g).clip_factors_(sums, g, table, lay.group_index[i], i == last, max_norm, fac32, fac64)
+        members, finishes = lay.group_index[i], i == last
+        ops_for(g).global_norm_finish_(
+            sums, g, table, members, finishes, clip_finish, (max_norm,), fac32, fac64
+        )
     return facs
 
 

@@ -29,7 +29,7 @@ __all__ = ["BACKEND", "ONE", "Factor", "Ops"]
 # numbaccum.cpu and numbaccum.cuda both define every primitive, with the same parameters).
 BACKEND: dict[str, tuple[str, ...]] = {
     "driver": ("map_",),
-    "reduce": ("reduce", "apply_", "divide_", "ema_update_", "clip_factors_", "rescale_"),
+    "reduce": ("reduce", "apply_", "divide_", "ema_update_", "global_norm_finish_", "rescale_"),
     "per_example": ("batch_weighted_sum_",),
 }
 
@@ -78,9 +78,8 @@ class Ops:
 
     def __init__(self, driver: Any, reduce: Any, per_example: Any) -> None:
         self.driver = driver  # compiles and runs the formulas: map_
-        self.reduce = (
-            reduce  # the reduction engine: reduce, apply_, divide_, ema_update_, clip_factors_, rescale_
-        )
+        # the reduction engine: reduce, apply_, divide_, ema_update_, global_norm_finish_, rescale_
+        self.reduce = reduce
         self.per_example = per_example  # batch_weighted_sum_
 
     def __repr__(self) -> str:
@@ -311,25 +310,33 @@ class Ops:
         the other slices are left as they are (`numbaccum.formulas.ema`)."""
         self.reduce.ema_update_(ema, g, factor, as_table(table), active, one_minus_decay, decay)
 
-    def clip_factors_(
+    def global_norm_finish_(
         self,
         leaf_sums: Any,
         x: Any,
         table: Any,
         members: Any,
         last: bool,
-        max_norm: float,
-        fac32: Any,
-        fac64: Any,
+        finish: Any,
+        scalars: tuple,
+        out32: Any,
+        out64: Any,
     ) -> None:
         """``leaf_sums`` holds 3 float64 per leaf, ``[plain | rescued | scale]``: sum(x ** 2) per
         slice of ``table`` (the group's leaves) at ``members``, and the group's rescued sums and
         scale where a float64 group's plain total `numbaccum.tables.needs_scaling` (else the
-        plain sums and 1); when ``last``, ``fac = [div, mul]`` (float32 and float64) of
-        clip_by_global_norm (`numbaccum.formulas.clip_factor`) of
-        `numbaccum.tables.rescued_norm`: the bits of `numbaccum.backend.tree_norm`. On CUDA one
-        launch per group and no synchronisation (device arrays)."""
-        self.reduce.clip_factors_(leaf_sums, x, as_table(table), members, last, max_norm, fac32, fac64)
+        plain sums and 1). Called once per dtype group, the last with ``last``: then the global
+        L2 norm `numbaccum.tables.rescued_norm` (the bits of `numbaccum.backend.tree_norm`) goes
+        to ``finish(norm, scalars)`` (``scalars`` the tuple given, as float64), a plain function
+        returning a tuple of floats (`numbaccum.formulas`' kind, compiled by the backend; a
+        tuple, not ``*scalars``: CUDA inlines no call with ``*args``; clip_by_global_norm's is
+        `numbaccum.formulas.clip_finish`), whose values are written to ``out32`` and ``out64``
+        (float32 and float64, as many as each holds). On CUDA one launch per group and no
+        synchronisation (device arrays): the norm never leaves the device."""
+        f64 = tuple(np.float64(v) for v in scalars)
+        self.reduce.global_norm_finish_(
+            leaf_sums, x, as_table(table), members, last, finish, f64, out32, out64
+        )
 
     def slice_rescale_(
         self,

@@ -367,6 +367,50 @@ def clip_factor(norm, max_norm):
     return balanced(norm, max_norm)
 
 
+def clip_finish(norm, scalars):
+    """clip_by_global_norm's finish of a global norm kept on the device
+    (`numbaccum.contract.Ops.global_norm_finish_`), ``scalars = (max_norm,)``: ``(div, mul,
+    norm, clipped)``, its pending factor (`clip_factor`), then its state's record: the norm and
+    whether it clipped (1.0 for ``norm >= max_norm`` or a NaN norm, else 0.0)."""
+    max_norm = scalars[0]
+    div, mul = clip_factor(norm, max_norm)
+    return div, mul, norm, 0.0 if norm < max_norm else 1.0
+
+
+# --- the per-example (DP-SGD) weighted sum, element by element --------------------------------
+# out[j] = clamp((init[j] + sum_b m_b * g[b, j] + std * noise[j]) / div, +-limit), in float64
+# from the first addition to the division. The drivers (`numbaccum.cpu.per_example`,
+# `numbaccum.cuda.per_example`) only walk the batch, each its own way (the CPU sweeps the rows of
+# four examples over a run of the output, CUDA gives each thread an element and the whole
+# batch); both add an element's examples in example order through these helpers, so an element
+# has the same bits on both.
+
+
+def example_counts(m):
+    """Whether an example of multiplier ``m`` enters the sum: a dropped one (``m == 0``) is
+    skipped, not multiplied (0 * NaN is NaN)."""
+    return m != 0.0
+
+
+def sum_start(init, i, has_init):
+    """Where element ``i``'s sum starts: ``init[i]`` in float64 when ``has_init`` (an earlier sum
+    continued, DP accumulation: the same additions in the same order), else 0."""
+    return np.float64(init[i]) if has_init else 0.0
+
+
+def add_example(acc, m, v):
+    """``acc + m * v``, ``v`` read in float64: one example's term (``m`` float64)."""
+    return acc + m * np.float64(v)
+
+
+def noised_output(acc, noise, i, std, div, limit):
+    """``clamp((acc + std * noise[i]) / div, +-limit)`` (NaN stays NaN); ``noise`` is read only
+    when ``std != 0`` (it may be a placeholder then)."""
+    if std != 0.0:
+        acc += std * noise[i]
+    return clamp(acc / div, limit)
+
+
 @formula(inputs=("x",), outputs=("out",))
 def sign(x):
     """out = sign(x): 1 for x > 0, -1 for x < 0, x itself for +-0 and NaN (as ``jnp.sign``)."""

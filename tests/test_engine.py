@@ -20,6 +20,7 @@ import numbaccum as nba
 from numbaccum import norms, tables
 from numbaccum.backend import leaf_sumsq, ops_for, tree_sumsq
 from numbaccum.contract import ONE, Factor
+from numbaccum.formulas import clip_finish
 
 SIM = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
 
@@ -105,17 +106,49 @@ def test_clip_factor_contract_on_cpu():
     norm = nba.global_norm(tree)
     last = len(flat.groups) - 1
     for i, g in enumerate(flat.groups):
-        ops_for(g).clip_factors_(
-            sums, g, tables.segments(lay.offsets[i]), lay.group_index[i], i == last, 1.0, fac32, fac64
-        )
+        table, members = tables.segments(lay.offsets[i]), lay.group_index[i]
+        finish = (clip_finish, (1.0,))
+        ops_for(g).global_norm_finish_(sums, g, table, members, i == last, *finish, fac32, fac64)
     np.testing.assert_array_equal(sums[: lay.num_leaves], leaf_sumsq(flat))
     assert tuple(fac64) == (norm, 1.0)
     assert tuple(fac32) == (np.float32(norm), 1.0)
     for i, g in enumerate(flat.groups):
-        ops_for(g).clip_factors_(
-            sums, g, tables.segments(lay.offsets[i]), lay.group_index[i], i == last, 2 * norm, fac32, fac64
-        )
+        table, members = tables.segments(lay.offsets[i]), lay.group_index[i]
+        finish = (clip_finish, (2 * norm,))
+        ops_for(g).global_norm_finish_(sums, g, table, members, i == last, *finish, fac32, fac64)
     assert tuple(fac64) == (1.0, 1.0)
+
+
+def _norm_and_scaled(norm, scalars):  # pragma: no cover - compiled by the backend
+    """A finish of the caller's own: the norm, and ``scalars[0]`` times its square."""
+    return norm, scalars[0] * (norm * norm)
+
+
+def _finish_anything(tree, device):
+    """`Ops.global_norm_finish_` of ``tree`` with a finish that is no transformation's: the
+    engine runs what it is given. Returns the float64 and float32 values it wrote (host)."""
+    from numbaccum.arrays import to_device, to_host
+
+    flat = nba.FlatTree.from_tree(dev(tree) if device else tree)
+    lay = flat.layout
+    arrays = [np.zeros(3 * lay.num_leaves), np.zeros(1, np.float32), np.zeros(3)]
+    sums, out32, out64 = [to_device(a) for a in arrays] if device else arrays
+    last = len(flat.groups) - 1
+    for i, g in enumerate(flat.groups):
+        table, members = tables.segments(lay.offsets[i]), lay.group_index[i]
+        ops_for(g).global_norm_finish_(
+            sums, g, table, members, i == last, _norm_and_scaled, (3,), out32, out64
+        )
+    return (to_host(out64), to_host(out32)) if device else (out64, out32)
+
+
+def test_global_norm_finish_runs_any_finish_on_cpu():
+    tree = mixed_tree(4)
+    norm = nba.global_norm(tree)
+    out64, out32 = _finish_anything(tree, False)
+    assert out64[0] == norm and out64[1] == 3.0 * (norm * norm)
+    assert out64[2] == 0.0  # only as many values as the finish returns
+    assert out32[0] == np.float32(norm)  # as many as the array holds
 
 
 def test_same_elements_same_bits_in_any_table():
@@ -245,6 +278,15 @@ def dev(tree):
     from numba import cuda
 
     return {k: cuda.to_device(np.asarray(v)) for k, v in tree.items()}
+
+
+@needs_cuda
+def test_cuda_global_norm_finish_runs_any_finish():
+    tree = mixed_tree(4, big=300)
+    out64, out32 = _finish_anything(tree, True)
+    norm = nba.global_norm(dev(tree))
+    assert out64[0] == norm and out64[1] == 3.0 * (norm * norm) and out64[2] == 0.0
+    assert out32[0] == np.float32(norm)
 
 
 @needs_cuda

@@ -9,6 +9,8 @@ up:
     tree -> layout -> arrays -> flat -> (contract, backend) -> transformations -> __init__
                                            backend -> cpu/, cuda/ (loaded lazily)
 
+And ``compat/`` is written as a user would write it: only public names of numbaccum (rule e).
+
 Each rule is checked per importing module, so a new offender fails even while a known one is
 marked as expected to fail.
 """
@@ -334,3 +336,107 @@ def test_import_numbaccum_does_not_import_numba_cuda():
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert r.stdout.strip() == "[]", r.stdout
+
+
+# --- (e) compat/ is a user of the public API ----------------------------------------------------
+
+# The faces of other libraries are written as a user would write them: from numbaccum they import
+# only public names (what a module's ``__all__`` lists, from a module whose dotted name has no
+# ``_`` part; a package's public submodules too) and read no other attribute of a module they
+# imported. Their own modules (``numbaccum.compat.*``) are theirs to share.
+COMPAT = "numbaccum.compat"
+PENDING[("compat", "numbaccum.compat.torchzero")] = (
+    "torchzero's inner and exp_avg_tfm (ClipNormByEMA, NormalizeByEMA, ClipValueByEMA) scale another "
+    "transformation's output by the statistics of the module's input: the public clip_norm_by_ema, "
+    "normalize_by_ema and clip_value_by_ema have no such argument (adaptive._ema_norm_transformation, "
+    "adaptive._value_ema_transformation)"
+)
+
+
+def _exports(mod: str) -> set[str]:
+    """The public names of a package module, read from its source: its ``__all__`` and, for a
+    package, its submodules whose names do not start with ``_``."""
+    path, is_pkg = SOURCES[mod]
+    names: set[str] = set()
+    for node in ast.parse(path.read_text()).body:
+        targets = node.targets if isinstance(node, ast.Assign) else []
+        if any(isinstance(t, ast.Name) and t.id == "__all__" for t in targets):
+            names |= set(ast.literal_eval(node.value))
+    if is_pkg:
+        names |= {m.rpartition(".")[2] for m in SOURCES if m.rpartition(".")[0] == mod}
+    return {n for n in names if not n.startswith("_")}
+
+
+def _private(mod: str) -> bool:
+    return any(part.startswith("_") for part in mod.split("."))
+
+
+def _public_use(mod: str, source: str) -> list[str]:
+    """What module ``mod`` (its ``source``) uses of numbaccum beyond its public names: imports of
+    a private module or of a name its module does not export, and attributes read off an imported
+    numbaccum module that it does not export. ``numbaccum.compat``'s own modules are free."""
+    here = mod if SOURCES.get(mod, (None, False))[1] else mod.rpartition(".")[0]
+    tree = ast.parse(source)
+    bad: list[str] = []
+    modules: dict[str, str] = {}  # local name -> numbaccum module it holds
+
+    def check(target: str, names: list[ast.alias], line: int) -> None:
+        if not _within(target, PACKAGE) or _within(target, COMPAT):
+            return
+        if _private(target) or target not in SOURCES:
+            bad.append(f"{mod}:{line} imports from {target}, which is not public")
+            return
+        public = _exports(target)
+        for a in names:
+            sub = f"{target}.{a.name}"
+            if a.name not in public:
+                bad.append(f"{mod}:{line} imports {a.name} from {target}, which does not export it")
+            elif sub in SOURCES:
+                modules[a.asname or a.name] = sub
+
+    for node, _ in _imports(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if _within(a.name, PACKAGE) and not _within(a.name, COMPAT):
+                    if _private(a.name):
+                        bad.append(f"{mod}:{node.lineno} imports {a.name}, which is not public")
+                    elif a.asname:
+                        modules[a.asname] = a.name
+                    else:
+                        modules[a.name.split(".")[0]] = PACKAGE
+            continue
+        base = here.split(".")[: len(here.split(".")) - (node.level - 1)] if node.level else []
+        target = ".".join(base + ([node.module] if node.module else [])) if node.level else node.module or ""
+        check(target, node.names, node.lineno)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in modules:
+            held, name = modules[node.value.id], f"{node.value.id}.{node.attr}"
+            if node.attr not in _exports(held):
+                bad.append(f"{mod}:{node.lineno} reads {name}, which {held} does not export")
+    return bad
+
+
+@pytest.mark.parametrize("mod", _params("compat", [m for m in MODULES if _within(m, COMPAT)]))
+def test_compat_uses_only_public_names(mod):
+    bad = _public_use(mod, SOURCES[mod][0].read_text())
+    assert not bad, "; ".join(bad)
+
+
+def test_public_use_detector_sees_private_names():
+    """The detector itself, on a module that reaches past the public names in each way it can."""
+    source = (
+        "import numbaccum as nba\n"
+        "from .. import chain, backend\n"
+        "from ..base import Stage\n"
+        "from .._checks import real\n"
+        "from ..adaptive import _divide_leaves\n"
+        "from ._state import to_plain\n"
+        "def f():\n"
+        "    from ..flat import layout_and_device\n"
+        "    return nba._config, backend.ops_for, backend._gpu_ops, nba.adam\n"
+    )
+    bad = _public_use("numbaccum.compat.declearn", source)
+    assert len(bad) == 6, bad
+    wanted = ("Stage", "numbaccum._checks", "_divide_leaves", "layout_and_device", "nba._config", "_gpu_ops")
+    for what in wanted:
+        assert any(what in b for b in bad), (what, bad)

@@ -14,9 +14,9 @@ from typing import Any
 
 import numpy as np
 
-from ..flat import FlatTree, check_leaves, to_device, to_host
+from .. import FlatTree, to_device, to_host, tree_map
+from ..flat import as_flat
 from ..layout import Layout
-from ..tree import tree_map
 
 
 def _is_namedtuple(x: Any) -> bool:
@@ -65,15 +65,12 @@ def _load(template: Any, plain: Any, path: str, write: bool) -> Any:
             )
         return template
     if isinstance(template, FlatTree):
-        leaves = check_leaves(plain, template.layout, path, device=False)
-        for i, (x, dt) in enumerate(zip(leaves, template.layout.dtypes)):
-            if not np.can_cast(x.dtype, dt, "same_kind"):
-                raise TypeError(f"{template.layout.path(i, path)}: dtype {x.dtype} does not fit {dt}")
+        # The structure, the leaves (float arrays on the host: any float dtype casts to the
+        # template's) and the shapes, checked naming the path; the values cast to the template's
+        # dtypes in a FlatTree of its layout, copied in only when writing.
+        checked = as_flat(plain, template.layout, path, device=False)[0]
         if write:
-            if template.device:
-                template.assign_(to_device(FlatTree.from_tree(plain)))
-            else:
-                template.assign_(plain)
+            template.assign_(to_device(checked) if template.device else checked)
         return template
     if _is_namedtuple(template):
         if not isinstance(plain, dict) or set(plain) != set(template._fields):

@@ -35,18 +35,22 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from .. import arrays
-from .._checks import flag, non_negative, real
-from ..accumulation import ema, trace
-from ..adaptive import _divide_leaves
-from ..arrays import on_device
+from .. import (
+    EmptyState,
+    FlatTree,
+    GradientTransformation,
+    chain,
+    clip_by_global_norm,
+    ema,
+    to_device,
+    trace,
+)
+from ..arrays import kind_of, on_device
 from ..backend import leaf_norms, ops_for
-from ..base import Chain, Foreign, Stage, Step, stage_of
-from ..clipping import clip_by_global_norm
 from ..contract import ONE
-from ..flat import FlatTree, as_flat, layout_and_device, to_device
-from ..protocol import EmptyState, GradientTransformation, GradientTransformationExtraArgs
-from ..updates import ParamsRef, Spec, Updates
+from ..flat import as_flat, layout_of
+from ..tables import segments
+from ._args import non_negative, real
 from ._state import load_plain, to_plain
 
 __all__ = [
@@ -76,7 +80,7 @@ def _check_gradients(gradients: Any) -> dict[str, Any]:
 def _fresh_copy(out: dict[str, Any], order: list[str]) -> dict[str, Any]:
     """A new dict (in ``order``) of new arrays holding the values of ``out``: one buffer per
     dtype, of the caller's array type."""
-    kind = arrays.kind_of(next(iter(out.values())))
+    kind = kind_of(next(iter(out.values())))
     copied = FlatTree.from_tree(out).tree_as(kind)
     return {k: copied[k] for k in order}
 
@@ -150,7 +154,7 @@ class _TxModule(OptiModule, register=False):
 
     _state_key: ClassVar[str] = ""  # the get_state key of a stateful module
 
-    def __init__(self, tx: GradientTransformationExtraArgs) -> None:
+    def __init__(self, tx: GradientTransformation) -> None:
         self._tx = tx
         self._state: Any = None
         self._pending: Any = None  # a set_state value waiting for the first gradients
@@ -204,29 +208,40 @@ class L2Clipping(_TxModule):
         return {"max_norm": self.max_norm}
 
 
-def _l2_clipping(max_norm: float) -> GradientTransformationExtraArgs:
-    """Per-leaf L2 clipping: ``u = g / max(|g| / max_norm, 1)`` (1 for a zero or non-finite norm)."""
-    return _L2Clipping(max_norm).transformation()
+def _l2_clipping(max_norm: float) -> GradientTransformation:
+    """Per-leaf L2 clipping, ``u = g / max(|g| / max_norm, 1)`` (1 for a zero or non-finite
+    norm), as a plain pair over the public kernels: the norms in float64 (rescued past 1e154),
+    the division in each leaf's dtype."""
+    m = non_negative(max_norm, "max_norm")
+
+    def update(updates: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
+        flat, _, kind = as_flat(updates, layout_of(updates, "updates"), "updates")
+        norms = leaf_norms(flat)  # scaled: finite for float64 leaves past 1e154
+        with np.errstate(divide="ignore", invalid="ignore"):
+            factors = np.where((norms > 0) & np.isfinite(norms), np.maximum(norms / m, 1.0), 1.0)
+        if np.all(factors == 1.0):
+            return updates, state
+        out = _divided(flat, factors)
+        return (out if kind == "flat" else out.tree_as(kind)), state
+
+    return GradientTransformation(lambda params: EmptyState(), update)
 
 
-class _L2Clipping(Stage):
-    def __init__(self, max_norm: Any) -> None:
-        self.max_norm = non_negative(max_norm, "max_norm")
-
-    def init(self, params: Any) -> EmptyState:
-        return EmptyState()
-
-    def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
-        m = self.max_norm
-
-        def run(u: Updates) -> tuple[Updates, Any]:
-            u = u.settled()
-            norms = leaf_norms(u.flat)  # scaled: finite for float64 leaves past 1e154
-            with np.errstate(divide="ignore", invalid="ignore"):
-                factors = np.where((norms > 0) & np.isfinite(norms), np.maximum(norms / m, 1.0), 1.0)
-            return _divide_leaves(u, factors), state
-
-        return Step(run)
+def _divided(flat: FlatTree, factors: np.ndarray) -> FlatTree:
+    """A new FlatTree: each leaf of ``flat`` divided by its float64 factor (>= 1), in the leaf's
+    dtype with the factor cast to it, as the core's per-leaf clippers divide; where a factor is
+    past the range of the dtype the kernel computes in (a float32 leaf with a norm past 3.4e38
+    would be divided by inf), ``x * (1 / factor)`` in float64, rounded once, as they do too."""
+    lay = flat.layout
+    out = FlatTree.empty(lay, device=flat.device)
+    for gi, (o, g) in enumerate(zip(out.groups, flat.groups)):
+        f = factors[lay.group_index[gi]]
+        big = np.finfo(np.float32 if g.dtype == np.float16 else g.dtype).max  # float16 runs in float32
+        if np.all((f <= big) | (f == np.inf)):  # inf (max_norm 0): exact zeros either way
+            ops_for(g).segment_divide_(o, g, ONE, lay.offsets[gi], f.astype(g.dtype))
+        else:
+            ops_for(g).slice_apply_(o, g, segments(lay.offsets[gi]), None, 1.0 / f)
+    return out
 
 
 class L2GlobalClipping(_TxModule):
@@ -256,7 +271,7 @@ class _Stateful(_TxModule, register=False):
 
     _field: ClassVar[str] = ""  # the field of the numbaccum state holding that tree
 
-    def __init__(self, tx: GradientTransformationExtraArgs, round_reset: bool) -> None:
+    def __init__(self, tx: GradientTransformation, round_reset: bool) -> None:
         super().__init__(tx)
         self.round_reset = bool(round_reset)
         self._keys: list[str] = []
@@ -349,8 +364,9 @@ class MomentumModule(_Stateful):
 
     def __init__(self, beta: float = 0.9, nesterov: bool = False, round_reset: bool = False) -> None:
         self.beta = _check_beta(beta)
-        self.nesterov = flag(nesterov, "nesterov")
-        super().__init__(trace(beta, nesterov=self.nesterov), round_reset)
+        tx = trace(beta, nesterov=nesterov)  # checks nesterov: a bool, or 0 or 1
+        self.nesterov = bool(nesterov)
+        super().__init__(tx, round_reset)
 
     def get_config(self) -> dict[str, Any]:
         return {"beta": self.beta, "nesterov": self.nesterov, "round_reset": self.round_reset}
@@ -387,10 +403,8 @@ class GaussianNoiseModule(OptiModule):
         grads = _check_gradients(gradients)
         if not grads:
             return {}
-        layout, device = layout_and_device(grads, "gradients")
-        flat = as_flat(grads, layout, "gradients")[0]
-        out = self._add_noise(flat, list(grads), FlatTree.empty(layout, device=device))
-        kind = arrays.kind_of(next(iter(grads.values())))
+        flat, _, kind = as_flat(grads, layout_of(grads, "gradients"), "gradients")
+        out = self._add_noise(flat, list(grads), FlatTree.empty(flat.layout, device=flat.device))
         tree = out.tree_as(kind)
         return {k: tree[k] for k in grads}
 
@@ -418,32 +432,28 @@ class GaussianNoiseModule(OptiModule):
         return out
 
 
-class _GaussianNoise(Stage):
-    """A `GaussianNoiseModule` as a stage of a `Pipeline`: the noise is drawn when it runs (after
-    every module of the pipeline was planned), in the pipeline's key order."""
+def _noise_in(module: GaussianNoiseModule, order: list[str]) -> GradientTransformation:
+    """A `GaussianNoiseModule` as a plain pair for a `Pipeline`'s chain: foreign code to numbaccum,
+    it runs in its turn, after the chain planned every module of the pipeline, and draws its
+    noise then, in the pipeline's key order ``order``."""
 
-    def __init__(self, module: GaussianNoiseModule, order: list[str]) -> None:
-        self.module, self.order = module, order
+    def update(updates: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
+        flat, _, kind = as_flat(updates, layout_of(updates, "updates"), "updates")
+        out = module._add_noise(flat, order, FlatTree.empty(flat.layout, device=flat.device))
+        return (out if kind == "flat" else out.tree_as(kind)), state
 
-    def init(self, params: Any) -> EmptyState:
-        return EmptyState()
-
-    def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
-        def run(u: Updates) -> tuple[Updates, Any]:
-            out = self.kept("noisy", spec.layout, spec.device)  # never the buffer of u
-            return Updates(self.module._add_noise(u.settled().flat, self.order, out), True), state
-
-        return Step(run)
+    return GradientTransformation(lambda params: EmptyState(), update)
 
 
-def _foreign_module(module: OptiModule) -> Stage:
-    """Another OptiModule as a stage of a `Pipeline`: its ``run`` on a dict of arrays, with its
-    own checks (which run only when it runs: see `numbaccum.base.Foreign`)."""
+def _foreign_module(module: OptiModule) -> GradientTransformation:
+    """Another OptiModule as a plain pair for a `Pipeline`'s chain: its ``run`` on a dict of
+    arrays, with its own checks (which run only when it runs: numbaccum's chain runs foreign
+    code in its turn)."""
 
     def update(updates: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
         return module.run(updates), state
 
-    return Foreign(GradientTransformation(lambda params: EmptyState(), update))
+    return GradientTransformation(lambda params: EmptyState(), update)
 
 
 def _saturate(out: Any, g: Any) -> None:
@@ -484,23 +494,21 @@ class Pipeline:
         if not grads:
             return {}
         order = list(grads)
-        stages: list[Stage] = []
+        txs: list[GradientTransformation] = []
         states: list[Any] = []
         for m in self.modules:
             if isinstance(m, _TxModule):
-                stage = stage_of(m._tx)
-                assert stage is not None  # every module's transformation is a numbaccum stage
-                stages.append(stage)
+                txs.append(m._tx)
                 states.append(m._current_state(grads))
             elif isinstance(m, GaussianNoiseModule):
-                stages.append(_GaussianNoise(m, order))
+                txs.append(_noise_in(m, order))
                 states.append(EmptyState())
             else:
-                stages.append(_foreign_module(m))
+                txs.append(_foreign_module(m))
                 states.append(EmptyState())
-        # Between two modules the values stay in the stages' workspaces (no copy); one copy at
-        # the end.
-        out, new_states = Chain(stages).update(grads, tuple(states))
+        # Between two numbaccum modules the values stay in their workspaces (no copy); one copy
+        # at the end.
+        out, new_states = chain(*txs).update(grads, tuple(states))
         for m, state in zip(self.modules, new_states):
             if isinstance(m, _TxModule):
                 m._commit(state, order)

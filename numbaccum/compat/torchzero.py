@@ -23,16 +23,25 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from .._checks import non_negative
-from ..adaptive import (
-    _ema_norm_transformation,
-    _value_ema_transformation,
+from .. import (
+    GradientTransformationExtraArgs,
+    centralize,
+    clip,
+    clip_grad_norm_,
+    clip_grad_value_,
+    clip_norm,
     clip_norm_growth,
     clip_value_growth,
+    normalize,
+    normalize_grads_,
 )
-from ..clipping import clip
-from ..norms import centralize, clip_grad_norm_, clip_grad_value_, clip_norm, normalize, normalize_grads_
-from ..protocol import GradientTransformationExtraArgs
+
+# torchzero's ``inner`` (and ClipValueByEMA's ``exp_avg_tfm``): another transformation whose
+# output is scaled by the statistics of this module's input. The core's public clip_norm_by_ema,
+# normalize_by_ema and clip_value_by_ema take no such argument and no public combinator expresses
+# it, so these two builders are the one use of the core's internals here (tests/test_imports.py).
+from ..adaptive import _ema_norm_transformation, _value_ema_transformation
+from ._args import non_negative
 from ._state import load_plain, to_plain
 
 __all__ = [

@@ -5,7 +5,9 @@ A per-example leaf of shape ``(B, *s)`` sits in its group as ``B`` contiguous ru
 norm of every (leaf, example) run is a reduction of the one engine over the per-example table
 (`numbaccum.tables.examples`: one slice per example of each leaf; one pass over the batch); this
 module holds the second pass, which reads the batch once more and writes one ``D``-element sum
-per leaf.
+per leaf. It says only how the pass walks the buffers: the arithmetic of an element (which
+examples count, where a sum starts, a term, the noise and clamp) is `numbaccum.formulas`'
+(`example_counts`, `sum_start`, `add_example`, `noised_output`), compiled here and by CUDA.
 """
 
 from __future__ import annotations
@@ -13,8 +15,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .. import _cache, _config
-from ..formulas import clamp
+from .. import _cache, _config, formulas
 from ..tables import segments
 from .driver import guard_for
 
@@ -28,8 +29,12 @@ __all__ = ["batch_weighted_sum_"]
 # 6.4 ms (the same bits: each element still adds its examples in order).
 BATCH_CHUNK = 1 << 16
 
-_clamp = njit(inline="always", error_model="numpy")(clamp)
-_F16 = np.dtype(np.float16)
+# The arithmetic of an element (`numbaccum.formulas`, shared with CUDA); this module only walks.
+_jit = njit(inline="always", error_model="numpy")
+_counts = formulas.compile_formula(formulas.example_counts, _jit)
+_start = formulas.compile_formula(formulas.sum_start, _jit)
+_add = formulas.compile_formula(formulas.add_example, _jit)
+_output = formulas.compile_formula(formulas.noised_output, _jit)
 
 
 def _weighted_sum(parallel):
@@ -46,17 +51,15 @@ def _weighted_sum(parallel):
             size = out_offsets[k + 1] - out_offsets[k]
             first = offsets[k] + (lo - out_offsets[k])
             w = hi - lo
-            # The examples that count: a dropped one is skipped, not multiplied (0 * NaN is NaN).
-            active = np.empty(batch, np.int64)
+            active = np.empty(batch, np.int64)  # the examples that count, in order
             na = 0
             for b in range(batch):
-                if mult[k, b] != 0.0:
+                if _counts(mult[k, b]):
                     active[na] = b
                     na += 1
-            acc = np.zeros(w, np.float64)
-            if has_init:  # an earlier sum continued: the same additions, in the same order
-                for j in range(w):
-                    acc[j] = init[lo + j]
+            acc = np.empty(w, np.float64)
+            for j in range(w):
+                acc[j] = _start(init, lo + j, has_init)
             q = 0
             while q + 4 <= na:  # four rows per sweep of the accumulator, added in example order
                 b0, b1, b2, b3 = active[q], active[q + 1], active[q + 2], active[q + 3]
@@ -66,26 +69,21 @@ def _weighted_sum(parallel):
                 r2 = g[first + b2 * size : first + b2 * size + w]
                 r3 = g[first + b3 * size : first + b3 * size + w]
                 for j in range(w):
-                    a = acc[j]
-                    a += m0 * np.float64(r0[j])
-                    a += m1 * np.float64(r1[j])
-                    a += m2 * np.float64(r2[j])
-                    a += m3 * np.float64(r3[j])
-                    acc[j] = a
+                    a = _add(acc[j], m0, r0[j])
+                    a = _add(a, m1, r1[j])
+                    a = _add(a, m2, r2[j])
+                    acc[j] = _add(a, m3, r3[j])
                 q += 4
             while q < na:
                 b = active[q]
                 m = mult[k, b]
                 r = g[first + b * size : first + b * size + w]
                 for j in range(w):
-                    acc[j] += m * np.float64(r[j])
+                    acc[j] = _add(acc[j], m, r[j])
                 q += 1
             o = out[lo:hi]
             for j in range(w):
-                v = acc[j]
-                if std != 0.0:
-                    v += std * noise[lo + j]
-                o[j] = _clamp(v / div, limit)
+                o[j] = _output(acc[j], noise, lo + j, std, div, limit)
 
     return run
 

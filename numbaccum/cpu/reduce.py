@@ -51,9 +51,9 @@ from .driver import guard_for
 __all__ = [
     "KINDS",
     "apply_",
-    "clip_factors_",
     "divide_",
     "ema_update_",
+    "global_norm_finish_",
     "reduce",
     "rescale_",
 ]
@@ -61,7 +61,6 @@ __all__ = [
 _slice_start = njit(inline="always", error_model="numpy")(slice_start)
 _element_offset = njit(inline="always", error_model="numpy")(element_offset)
 _jit = njit(inline="always", error_model="numpy")
-_clip_factor = formulas.compile_formula(formulas.clip_factor, _jit)
 _ema = formulas.compile_formula(formulas.ema.fn, _jit)
 _rescued_norm = njit(error_model="numpy")(rescued_norm)
 _pnorm_factor = compiled(pnorm_factor, _jit)
@@ -530,16 +529,18 @@ def ema_update_(ema, g, factor, table: Table, active, one_minus_decay, decay):
     _run_scaler(_EMA, g.size, table, False, ema, g, c, act)
 
 
-# --- clip_by_global_norm's factor -------------------------------------------------------------
+# --- a global norm, finished by the caller's formula --------------------------------------------
+
+_FINISHES: dict = {}  # finish -> compiled
 
 
-def clip_factors_(leaf_sums, x, table: Table, members, last, max_norm, fac32, fac64):
+def global_norm_finish_(leaf_sums, x, table: Table, members, last, finish, scalars, out32, out64):
     """``leaf_sums = [plain | rescued | scale]`` (3 per leaf): the per-slice sums of squares of
     ``x`` (its leaves) at ``members``, and for a float64 group whose total `needs_scaling` its
-    rescued sums and scale (else the plain sums and 1); when ``last``, ``fac = [div, mul]`` of
-    clip_by_global_norm (`numbaccum.formulas.clip_factor`) from
-    `numbaccum.tables.rescued_norm`, in float32 and float64. The host twin of the CUDA kernel
-    that keeps the factor on the device."""
+    rescued sums and scale (else the plain sums and 1); when ``last``, the values of
+    ``finish(norm, scalars)`` (compiled here) for the global norm `numbaccum.tables.rescued_norm`,
+    written to ``out32`` and ``out64`` (as many as each holds). The host twin of the CUDA kernel
+    that keeps the norm on the device."""
     members = np.asarray(members)
     nl = leaf_sums.size // 3
     plain = reduce("sumsq", x, table)
@@ -554,9 +555,10 @@ def clip_factors_(leaf_sums, x, table: Table, members, last, max_norm, fac32, fa
     leaf_sums[nl + members] = scaled
     leaf_sums[2 * nl + members] = scale
     if last:
-        norm = _rescued_norm(leaf_sums)
-        div, mul = _clip_factor(norm, np.float64(max_norm))
-        fac32[0], fac32[1] = div, mul
-        fac64[0], fac64[1] = div, mul
-        if fac64.size >= 4:  # the clip's state: the norm and whether it clipped
-            fac64[2], fac64[3] = norm, 0.0 if norm < max_norm else 1.0
+        fin = _FINISHES.get(finish)
+        if fin is None:
+            fin = _FINISHES[finish] = formulas.compile_formula(finish, _jit)
+        values = fin(_rescued_norm(leaf_sums), scalars)
+        for out in (out32, out64):
+            n = min(len(values), out.size)
+            out[:n] = values[:n]

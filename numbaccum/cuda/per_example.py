@@ -2,7 +2,9 @@
 
 One CUDA block covers a fixed run of one leaf's output elements; each thread sums its elements
 over the batch in example order (float64, no atomics: the same bits on every run), reading
-consecutive addresses across the threads of a warp for each example.
+consecutive addresses across the threads of a warp for each example. The arithmetic of an
+element is `numbaccum.formulas`' (`example_counts`, `sum_start`, `add_example`,
+`noised_output`), the one the CPU compiles too.
 """
 
 from __future__ import annotations
@@ -12,9 +14,8 @@ from typing import Any
 import numpy as np
 from numba import cuda
 
-from .. import _config
+from .. import _config, formulas
 from ..arrays import stream
-from ..formulas import clamp
 from ..tables import segments
 from . import driver
 from .cache import cached
@@ -22,7 +23,11 @@ from .cache import cached
 __all__ = ["batch_weighted_sum_"]
 
 
-_clamp = cuda.jit(device=True, inline=True)(clamp)
+_dev = cuda.jit(device=True, inline=True)
+_counts = formulas.compile_formula(formulas.example_counts, _dev)
+_start = formulas.compile_formula(formulas.sum_start, _dev)
+_add = formulas.compile_formula(formulas.add_example, _dev)
+_output = formulas.compile_formula(formulas.noised_output, _dev)
 
 
 @cached
@@ -37,14 +42,12 @@ def _weighted_sum(
     stop = out_offsets[k] + items[blk, 4]
     while i < stop:
         src = offsets[k] + (i - out_offsets[k])
-        acc = np.float64(init[i]) if has_init else 0.0  # an earlier sum continued (DP accumulation)
+        acc = _start(init, i, has_init)
         for b in range(mult.shape[1]):
             m = mult[k, b]
-            if m != 0.0:  # a dropped example is skipped, not multiplied: 0 * NaN is NaN
-                acc += m * np.float64(g[src + b * size])
-        if std != 0.0:
-            acc += std * noise[i]
-        out[i] = _clamp(acc / div, limit)
+            if _counts(m):
+                acc = _add(acc, m, g[src + b * size])
+        out[i] = _output(acc, noise, i, std, div, limit)
         i += cuda.blockDim.x
 
 

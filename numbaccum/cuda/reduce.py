@@ -8,16 +8,19 @@ atomics: the partials come to the host, where `numbaccum.tables.combine` folds e
 item order, so a norm has the same bits on every run. A scaling is one launch, one block per
 item.
 
-clip_by_global_norm keeps its factor on the device (`clip_factors_`): the same partials kernel,
-and the last block to finish (an integer ticket) folds each leaf's partials in item order into a
-per-leaf array in tree order, exactly as the host would; the kernel of the last dtype group adds
-that array in order and writes the factor (`numbaccum.formulas.clip_factor`). One launch per
-group, no synchronisation, and the same norm bits as `global_norm` of the same device tree. The
-scaled norm (`numbaccum.backend.tree_sumsq_scaled`) rides on the same launch: in a float64 group
-whose plain total `needs_scaling` (float64 elements past ~1e154 or below ~1e-154, rare), the last
-block alone runs the group's max and scaled partials over the same items with the same pairing
-(slow, but the same bits as the host's rescue), and the factor comes from
-`numbaccum.tables.rescued_norm`.
+A global L2 norm can stay on the device and be finished there (`global_norm_finish_`): the same
+partials kernel, and the last block to finish (an integer ticket) folds each leaf's partials in
+item order into a per-leaf array in tree order, exactly as the host would; the kernel of the last
+dtype group adds that array in order (`numbaccum.tables.rescued_norm`) and hands the norm to the
+caller's *finish*: a plain function ``finish(norm, scalars)`` returning a tuple of floats (one of
+`numbaccum.formulas`, compiled here as a device function; a kernel per finish), whose values it
+writes to the caller's float32 and float64 device arrays. The kernel names no transformation:
+clip_by_global_norm brings `numbaccum.formulas.clip_finish` (its factor and its state's record).
+One launch per group, no synchronisation, and the same norm bits as `global_norm` of the same
+device tree. The scaled norm (`numbaccum.backend.tree_sumsq_scaled`) rides on the same launch: in
+a float64 group whose plain total `needs_scaling` (float64 elements past ~1e154 or below
+~1e-154, rare), the last block alone runs the group's max and scaled partials over the same items
+with the same pairing (slow, but the same bits as the host's rescue).
 """
 
 from __future__ import annotations
@@ -52,12 +55,11 @@ from ..tables import (
 from . import driver
 from .cache import cached
 
-__all__ = ["KINDS", "apply_", "clip_factors_", "divide_", "ema_update_", "reduce", "rescale_"]
+__all__ = ["KINDS", "apply_", "divide_", "ema_update_", "global_norm_finish_", "reduce", "rescale_"]
 
 _dev_inline = cuda.jit(device=True, inline=True)
 _slice_start = cuda.jit(device=True)(slice_start)
 _element_offset = cuda.jit(device=True)(element_offset)
-_clip_factor = formulas.compile_formula(formulas.clip_factor, _dev_inline)
 _needs_scaling = cuda.jit(device=True)(needs_scaling)
 _norm_scale = cuda.jit(device=True)(norm_scale)
 _rescued_norm = cuda.jit(device=True)(rescued_norm)
@@ -123,15 +125,24 @@ _KERNELS: dict[tuple, Any] = {}
 _KERNELS_LOCK = threading.Lock()
 
 
-def _partials_kernel(kind: int, tpb: int, finish: bool, rescue: bool = False) -> Any:
+def _norm_only(norm, scalars):  # pragma: no cover - compiled
+    """The finish of a kernel without one: it types the tail, which never runs there."""
+    return (norm,)
+
+
+def _partials_kernel(kind: int, tpb: int, finish: Any = None, rescue: bool = False) -> Any:
     """The partials kernel of reduction ``kind`` for ``tpb`` threads (shared memory is sized at
-    compile time); with ``finish``, clip_by_global_norm's tail (see the module docstring), and
-    with ``rescue`` (a float64 group) the tail's scaled second pass when the group's plain sum of
-    squares `needs_scaling`."""
+    compile time). With a ``finish`` (a plain function, see the module docstring), the global
+    norm's tail, which calls it on the device, and with ``rescue`` (a float64 group) the tail's
+    scaled second pass when the group's plain sum of squares `needs_scaling`. One kernel per
+    ``(kind, tpb, finish, rescue)``: the compiled finish is a closure cell of the kernel, so its
+    code is in the kernel's identity (`numbaccum._cache.identify`)."""
     key = (kind, tpb, finish, rescue)
     hit = _KERNELS.get(key)
     if hit is not None:
         return hit
+    finishing = finish is not None
+    fin = formulas.compile_formula(finish if finishing else _norm_only, _dev_inline)
 
     @cached
     @cuda.jit
@@ -149,9 +160,9 @@ def _partials_kernel(kind: int, tpb: int, finish: bool, rescue: bool = False) ->
         leaf_sums,
         ticket,
         last_group,
-        max_norm,
-        fac32,
-        fac64,
+        scalars,
+        out32,
+        out64,
     ):  # pragma: no cover - compiled
         shared = cuda.shared.array(tpb, np.float64)
         b = cuda.blockIdx.x
@@ -180,7 +191,7 @@ def _partials_kernel(kind: int, tpb: int, finish: bool, rescue: bool = False) ->
                 if t == 0:
                     part[pstart[b] + s - s0] = shared[0]
                 cuda.syncthreads()  # shared[0] is read before the next slice overwrites it
-        if finish:
+        if finishing:
             last = cuda.shared.array(1, np.int32)
             scale = cuda.shared.array(1, np.float64)
             if t == 0:  # this block's partials are out: take a ticket
@@ -276,14 +287,12 @@ def _partials_kernel(kind: int, tpb: int, finish: bool, rescue: bool = False) ->
                 cuda.syncthreads()
                 if t == 0:
                     ticket[0] = 0
-                    if last_group:
-                        norm = _rescued_norm(leaf_sums)
-                        div, mul = _clip_factor(norm, max_norm)
-                        fac32[0], fac32[1] = div, mul
-                        fac64[0], fac64[1] = div, mul
-                        if fac64.size >= 4:  # the clip's state: the norm and whether it clipped
-                            fac64[2] = norm
-                            fac64[3] = 0.0 if norm < max_norm else 1.0
+                    if last_group:  # the caller's finish of the global norm, never on the host
+                        values = fin(_rescued_norm(leaf_sums), scalars)
+                        for n in range(min(len(values), out64.size)):
+                            out64[n] = values[n]
+                        for n in range(min(len(values), out32.size)):
+                            out32[n] = values[n]
 
     with _KERNELS_LOCK:
         _KERNELS[key] = kernel
@@ -362,11 +371,11 @@ def reduce(kind: str, x: Any, table: Table, centers: Any = None, p: float = 0.0)
             d,
             _dummy(np.int32),
             False,
-            np.float64(0),
+            (),
             _dummy(np.float32),
             d,
         )
-        _launch(_partials_kernel(code, _config.CUDA_THREADS, False), work.items.shape[0], args)
+        _launch(_partials_kernel(code, _config.CUDA_THREADS), work.items.shape[0], args)
         part = part_d.copy_to_host(stream=stream())
     return combine(part, work.pslice, op)
 
@@ -375,8 +384,8 @@ _TICKETS: dict[tuple, Any] = {}
 
 
 def _ticket() -> Any:
-    """The zeroed ticket counter, per host thread and stream: two clips in flight on different
-    streams never share one (the last block resets it)."""
+    """The zeroed ticket counter, per host thread and stream: two finishing launches in flight on
+    different streams never share one (the last block resets it)."""
     key = (threading.get_ident(), stream_handle(stream()))
     hit = _TICKETS.get(key)
     if hit is None:
@@ -401,12 +410,13 @@ def _scratch(n: int, tag: str = "partials") -> Any:
 _MEMBERS: dict[bytes, Any] = {}
 
 
-def clip_factors_(leaf_sums, x, table: Table, members, last, max_norm, fac32, fac64):
+def global_norm_finish_(leaf_sums, x, table: Table, members, last, finish, scalars, out32, out64):
     """``leaf_sums = [plain | rescued | scale]`` (3 per leaf): the group's plain per-leaf sums
     of squares (folded as the host folds them), and for a float64 group whose total
-    `needs_scaling` its rescued sums and scale (else the plain sums and 1); when ``last``, ``fac
-    = [div, mul]`` of clip_by_global_norm from `numbaccum.tables.rescued_norm`, in float32 and
-    float64. One launch, nothing comes to the host."""
+    `needs_scaling` its rescued sums and scale (else the plain sums and 1); when ``last``, the
+    values of ``finish(norm, scalars)`` (``scalars`` a tuple of float64) for the global norm
+    `numbaccum.tables.rescued_norm`, written to ``out32`` and ``out64`` (as many as each holds).
+    One launch, nothing comes to the host."""
     work, rows, items, pstart, pslice = _work(table)
     members = np.ascontiguousarray(members, np.int64)
     key = members.tobytes()
@@ -429,13 +439,14 @@ def clip_factors_(leaf_sums, x, table: Table, members, last, max_norm, fac32, fa
         leaf_sums,
         _ticket(),
         bool(last),
-        np.float64(max_norm),
-        fac32,
-        fac64,
+        tuple(scalars),
+        out32,
+        out64,
     )
-    # At least one block, so that a group without elements still writes its zeros (and the factor).
+    # At least one block, so that a group without elements still writes its zeros (and finishes).
     rescue = np.dtype(x.dtype) == np.float64  # float32/16 squares never leave float64's range
-    _launch(_partials_kernel(0, _config.CUDA_THREADS, True, rescue), max(1, work.items.shape[0]), args)
+    kernel = _partials_kernel(0, _config.CUDA_THREADS, finish, rescue)
+    _launch(kernel, max(1, work.items.shape[0]), args)
 
 
 # --- the norm family's per-slice scaling: factors computed on the device ----------------------
@@ -478,9 +489,9 @@ def rescale_(out, x, table: Table, p, may_rescue, max_norm, min_norm, norm_value
     part = _scratch(work.nparts)
     if work.items.shape[0]:
         d, i8 = _dummy(), _dummy(np.int64)
-        unused = (i8, d, _dummy(np.int32), False, np.float64(0), _dummy(np.float32), d)  # the clip's tail
+        unused = (i8, d, _dummy(np.int32), False, (), _dummy(np.float32), d)  # the finishing tail's
         args = (x, rows, items, pstart, d, False, np.float64(p), part, pslice, *unused)
-        _launch(_partials_kernel(code, _config.CUDA_THREADS, False), work.items.shape[0], args)
+        _launch(_partials_kernel(code, _config.CUDA_THREADS), work.items.shape[0], args)
     factors = _scratch(table.nslices, "factors")
     if table.nslices:
         scalars = (
