@@ -28,12 +28,11 @@ from .adaptive import (
     clip_value_growth,
     normalize_by_ema,
 )
+from .apply import apply_updates, apply_updates_
 from .base import (
     EmptyState,
     GradientTransformation,
     GradientTransformationExtraArgs,
-    apply_updates,
-    apply_updates_,
     chain,
     copy_state,
     named_chain,

@@ -16,6 +16,7 @@ import numpy as np
 
 from . import formulas as F
 from ._checks import INT32_MAX, flag, integer, real, transformation
+from .apply import apply_updates_
 from .backend import ops_for, tree_sumsq_scaled
 from .base import (
     Chain,
@@ -27,7 +28,6 @@ from .base import (
     Stage,
     Step,
     Updates,
-    apply_updates_,
     as_stage,
     current,
     keep_states,

@@ -34,6 +34,7 @@ from numba import njit
 from . import _cache
 from ._bounded import Bounded
 from ._checks import flag, non_negative, real
+from .apply import scatter_back, writable_flat
 from .backend import ops_for, slice_sumsq, tree_sumsq_scaled
 from .base import (
     EmptyState,
@@ -43,8 +44,6 @@ from .base import (
     Stage,
     Step,
     Updates,
-    scatter_back,
-    writable_flat,
 )
 from .clipping import _Clip
 from .contract import ONE, Factor, Ops

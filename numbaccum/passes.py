@@ -20,6 +20,7 @@ import numpy as np
 from . import arrays, fuse
 from ._checks import transformation
 from .accumulation import MultiSteps, MultiStepsState, skip_large_updates, skip_not_finite
+from .apply import apply_updates_, scatter_back
 from .base import (
     Chain,
     ParamsRef,
@@ -27,11 +28,9 @@ from .base import (
     Spec,
     Stage,
     Updates,
-    apply_updates_,
     as_stage,
     check_params,
     guarded,
-    scatter_back,
     step_applier,
     with_extra_args_support,
 )
