@@ -48,24 +48,40 @@ print(json.dumps(out))
 """
 
 
-def run(root: str) -> dict:
+def run(root: str, child: str = CHILD) -> dict:
+    """The JSON a ``child`` process prints, run with ``root``'s numbaccum: in ``root`` itself, as
+    ``python -c`` puts the working directory before PYTHONPATH on sys.path (a child started inside
+    another checkout would import that one)."""
     env = dict(os.environ, PYTHONPATH=root)
-    res = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, check=True)
-    return json.loads(res.stdout.strip().splitlines()[-1])
+    code = child + "\nimport numbaccum as _nba, os as _os; print(_os.path.realpath(_nba.__file__))\n"
+    res = subprocess.run(
+        [sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, check=True
+    )
+    *_, line, where = res.stdout.strip().splitlines()
+    if not where.startswith(os.path.realpath(root) + os.sep):
+        raise RuntimeError(f"the child for {root} imported {where}")
+    return json.loads(line)
+
+
+def compare(old: str, new: str, rounds: int, child: str = CHILD) -> None:
+    """Runs ``child`` in one process per checkout per round, alternated, and prints a table of
+    the median over rounds of each case."""
+    got: dict[str, dict[str, list]] = {"old": {}, "new": {}}
+    for _ in range(rounds):
+        for label, root in (("old", old), ("new", new)):
+            for k, v in run(root, child).items():
+                got[label].setdefault(k, []).append(v)
+    print(f"| {'case':32} | {'old us':>8} | {'new us':>8} | {'new-old':>8} | {'new/old':>7} |")
+    print(f"| {'-' * 32} | {'-' * 8} | {'-' * 8} | {'-' * 8} | {'-' * 7} |")
+    for k in got["old"]:
+        a, b = statistics.median(got["old"][k]), statistics.median(got["new"][k])
+        print(f"| {k:32} | {a:8.2f} | {b:8.2f} | {b - a:+8.2f} | {b / a:7.2f} |")
 
 
 def main() -> None:
     old, new = sys.argv[1], sys.argv[2]
     rounds = int(sys.argv[sys.argv.index("--rounds") + 1]) if "--rounds" in sys.argv else 8
-    got: dict[str, dict[str, list]] = {"old": {}, "new": {}}
-    for _ in range(rounds):
-        for label, root in (("old", old), ("new", new)):
-            for k, v in run(root).items():
-                got[label].setdefault(k, []).append(v)
-    print(f"{'case':32} {'old us':>8} {'new us':>8} {'new-old':>8}")
-    for k in got["old"]:
-        a, b = statistics.median(got["old"][k]), statistics.median(got["new"][k])
-        print(f"{k:32} {a:8.2f} {b:8.2f} {b - a:+8.2f}")
+    compare(old, new, rounds)
 
 
 if __name__ == "__main__":

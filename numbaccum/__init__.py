@@ -28,7 +28,8 @@ from .adaptive import (
     clip_value_growth,
     normalize_by_ema,
 )
-from .base import apply_updates, apply_updates_, chain, copy_state, named_chain, with_extra_args_support
+from .apply import apply_updates, apply_updates_
+from .base import chain, copy_state, named_chain, with_extra_args_support
 from .checkpoint import load_state, register_state_class, save_state
 from .clipping import (
     ApplyIfFiniteState,

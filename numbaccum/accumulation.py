@@ -16,8 +16,9 @@ import numpy as np
 
 from . import formulas as F
 from ._checks import INT32_MAX, flag, integer, transformation
+from .apply import apply_updates_
 from .backend import ops_for, tree_sumsq_scaled
-from .base import Chain, Foreign, Stage, Step, apply_updates_, as_stage, undoable, with_extra_args_support
+from .base import Chain, Foreign, Stage, Step, as_stage, undoable, with_extra_args_support
 from .contract import ONE
 from .declared import (
     Elementwise,

@@ -1,4 +1,4 @@
-"""The optax protocol over flat buffers: GradientTransformation, stages, chain, apply_updates.
+"""The optax protocol over flat buffers: GradientTransformation, stages, chain.
 
 Every numbaccum transformation is an optax-style ``(init, update)`` pair whose ``update`` is the
 bound method of a `Stage`. A stage updates in two phases, so that a failed call changes nothing:
@@ -32,23 +32,19 @@ from typing import Any, ClassVar
 import numpy as np
 
 from . import _config, arrays, fuse
+from . import runner as _runner
 from ._checks import transformation
 from .backend import ops_for
 from .contract import ONE
-from .flat import FlatTree, as_flat, check_leaves, host_leaves, layout_of, scatter_leaves_
+from .flat import FlatTree, as_flat, host_leaves, layout_of
 from .fuse import run_part, run_parts
 from .layout import Layout
-from .protocol import EmptyState, GradientTransformation, GradientTransformationExtraArgs
+from .protocol import GradientTransformationExtraArgs
 from .transaction import keep_states, state_flats
-from .tree import format_path, leaves_if_structure, tree_flatten, tree_flatten_with_path, tree_unflatten
+from .tree import leaves_if_structure, tree_flatten, tree_unflatten
 from .updates import ParamsRef, SkipStep, Spec, Updates
 
 __all__ = [
-    "EmptyState",
-    "GradientTransformation",
-    "GradientTransformationExtraArgs",
-    "apply_updates",
-    "apply_updates_",
     "chain",
     "copy_state",
     "named_chain",
@@ -643,75 +639,7 @@ def named_chain(*transforms: tuple[str, Any]) -> GradientTransformationExtraArgs
     return Chain(stages, names).transformation()
 
 
-# --- applying updates and copying states ----------------------------------------------------
-
-
-def _apply(p: FlatTree, updates: Any, out: FlatTree) -> FlatTree:
-    u = as_flat(updates, p.layout, "updates", device=p.device)[0]
-    for dst, pg, ug in zip(out.groups, p.groups, u.groups):
-        ops_for(pg).add_scaled_(dst, pg, ONE, ug, 1.0)
-    return out
-
-
-def apply_updates(params: Any, updates: Any) -> Any:
-    """Returns ``params + updates`` as a new tree; each leaf keeps its params dtype.
-
-    A FlatTree in gives a FlatTree out; CUDA arrays in give the same array type out.
-    """
-    if params is None:  # an empty tree, as in optax
-        return None
-    layout = params.layout if isinstance(params, FlatTree) else layout_of(params, "params")
-    p, _, kind = as_flat(params, layout, "params")
-    out = _apply(p, updates, FlatTree.empty(layout, list(p.group_dtypes), p.device))
-    return out if kind == "flat" else out.tree_as(kind)
-
-
-def apply_updates_(params: Any, updates: Any) -> Any:
-    """``params += updates`` in place (a FlatTree, or a tree of writable arrays); returns params.
-
-    Raises:
-        TypeError: a leaf is a NumPy scalar or a read-only array (it cannot change in place).
-    """
-    if params is None:  # an empty tree: nothing to change
-        return None
-    p, copied = writable_flat(params, "params")
-    _apply(p, updates, p)
-    if copied:
-        scatter_back(p, params, "params")
-    return params
-
-
-def writable_flat(tree: Any, name: str) -> tuple[FlatTree, bool]:
-    """``(flat, copied)``: ``tree`` as a FlatTree whose changes reach the caller's arrays -- the
-    FlatTree itself, the buffers behind a FlatTree's ``.tree``, or (``copied``) a packed copy that
-    `scatter_back` writes back. TypeError names a leaf that cannot change in place, before
-    anything is written."""
-    if isinstance(tree, FlatTree):
-        return tree, False
-    layout = layout_of(tree, name)
-    raw, paths, _ = tree_flatten_with_path(tree)
-    for x, path in zip(raw, paths):
-        if isinstance(x, np.generic) or (isinstance(x, np.ndarray) and not x.flags.writeable):
-            raise TypeError(f"{format_path(path, name)}: cannot be changed in place (not a writable array)")
-    flat, copied, _ = as_flat(tree, layout, name)
-    return flat, copied
-
-
-def scatter_back(flat: FlatTree, tree: Any, name: str, found: Any = None) -> None:
-    """Copies each leaf of ``flat`` into the matching array of ``tree``: separate NumPy arrays
-    one by one, separate CUDA arrays with one launch per dtype group (over their addresses,
-    ``found`` if the caller has read them: `arrays.device_leaves`)."""
-    if found is None and flat.device:
-        found = arrays.device_leaves(tree, flat.layout)
-    if found is not None:
-        scatter_leaves_(flat, found[0], arrays.kind_of(found[1][0]))
-        return
-    for i, leaf in enumerate(check_leaves(tree, flat.layout, name)):
-        if flat.device:
-            src = flat.leaf(i).reshape(leaf.size)
-            ops_for(src).scale_(leaf.reshape(leaf.size), src, ONE)
-        else:
-            np.copyto(leaf, flat.leaf(i))
+# --- copying states ------------------------------------------------------------------------
 
 
 def copy_state(state: Any) -> Any:
@@ -727,7 +655,3 @@ def copy_state(state: Any) -> Any:
     if isinstance(state, (tuple, list)):
         return type(state)(copy_state(v) for v in state)
     return state
-
-
-# The runner drives every update (`Stage.update`, `numbaccum.step_`); it imports this module.
-from . import runner as _runner  # noqa: E402

@@ -34,8 +34,9 @@ from numba import njit
 from . import _cache
 from ._bounded import Bounded
 from ._checks import flag, non_negative, real
+from .apply import scatter_back, writable_flat
 from .backend import ops_for, slice_sumsq, tree_sumsq_scaled
-from .base import Stage, Step, scatter_back, writable_flat
+from .base import Stage, Step
 from .clipping import _Clip
 from .contract import ONE, Factor, Ops
 from .flat import FlatTree, as_flat, layout_of

@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from . import _config, arrays, fuse
-from .base import _apply, scatter_back
+from .apply import _apply, apply_updates_, scatter_back
 from .flat import FlatTree, as_flat, device_flat, layout_of
 from .fuse import run_part, step_applier
 from .transaction import guarded, keep_states
@@ -294,8 +294,6 @@ def _apply_step(stage: Any, run_it: Any, apply_it: Any, u: Updates, p: FlatTree,
 def _update_then_apply(stage: Any, grads: Any, state: Any, params: Any, extra: dict) -> Any:
     """`numbaccum.step_` as ``update`` then ``apply_updates_`` (stage by stage, or a reshaping
     stage whose updates have the params' layout, not the gradients')."""
-    from .base import apply_updates_
-
     _writable_check(params)
     updates, new_state = stage.update(grads, state, params, **extra)
     apply_updates_(params, updates)

@@ -739,7 +739,7 @@ def test_separate_leaves_of_several_dtypes_in_one_stored_group():
     assert _launches() - before == 2  # the float16 leaves, then the float64 leaf
     for k in new:
         np.testing.assert_array_equal(host(flat.tree)[k], new[k].astype(np.float32))
-    from numbaccum.base import scatter_back
+    from numbaccum.apply import scatter_back
 
     out = dev(nba.tree_map(np.zeros_like, p))
     scatter_back(flat, out, "params")
