@@ -152,7 +152,6 @@ def _library_state_classes() -> tuple[type, ...]:
     from . import (
         accumulation,
         adaptive,
-        base,
         clipping,
         distributed,
         inject,
@@ -160,10 +159,11 @@ def _library_state_classes() -> tuple[type, ...]:
         optim,
         optimizers,
         privacy,
+        protocol,
     )
 
     return (
-        base.EmptyState,
+        protocol.EmptyState,
         accumulation.TraceState,
         accumulation.EmaState,
         accumulation.ApplyEvery,

@@ -105,7 +105,7 @@ def expect_state(
     (with a `Spec`, or ``device``) its device. Raises before anything is written.
 
     With ``renew`` (the field that owns the stage's workspaces: one per state is enough), the
-    state must be current and the field comes back renewed (`numbaccum.base.current`): build
+    state must be current and the field comes back renewed (`numbaccum.transaction.current`): build
     the new state from it."""
     if isinstance(layout, Spec):
         layout, device = layout.layout, layout.device

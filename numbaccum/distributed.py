@@ -104,7 +104,7 @@ def _staging(out: FlatTree, gi: int, dtype: np.dtype, what: str) -> np.ndarray:
     """A host buffer of group ``gi``'s size kept beside ``out`` (allocated once, pinned for a CUDA
     ``out`` so that copies run at full speed)."""
     # Kept in the storage's attributes, which the renewals of a state's buffer share
-    # (`numbaccum.base.current`): allocated once per storage, not once per update.
+    # (`numbaccum.transaction.current`): allocated once per storage, not once per update.
     bufs = out.__dict__.setdefault("_staging", {})
     key = (gi, dtype, what)
     h = bufs.get(key)

@@ -89,7 +89,7 @@ class FlatTree:
     # returns would hold the same FlatTree. The returned one holds a renewal instead: a new
     # FlatTree sharing this one's ``__dict__`` (storage, views, workspaces, flags) with the
     # next generation stamp ``_gen`` (a slot: each wrapper its own); ``_live``, in the shared
-    # dict, is the storage's current generation (`numbaccum.base.current`).
+    # dict, is the storage's current generation (`numbaccum.transaction.current`).
     __slots__ = ("_gen", "__dict__", "__weakref__")
 
     def __init__(

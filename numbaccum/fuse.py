@@ -29,7 +29,7 @@ one gives the same bits on the CPU, because the composite rounds as the separate
   dtype of its buffers) with its scalars cast to that dtype, and its output is rounded to the
   group's storage dtype before the next part reads it (``as_float32``: the intermediate buffer);
 * a pending factor is read by the next formula in that formula's dtype, and a second factor
-  settles the first (``(v / div) * mul`` rounded), as `numbaccum.base.Updates.scaled` does;
+  settles the first (``(v / div) * mul`` rounded), as `numbaccum.updates.Updates.scaled` does;
 * float16 groups (the CPU driver stages them through float32, and an intermediate float16
   rounding has no numba cast) run their parts one formula at a time: the stage-by-stage bits.
 

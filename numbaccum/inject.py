@@ -28,7 +28,7 @@ from .flat import FlatTree
 from .layout import Layout, check_float_dtype
 from .protocol import GradientTransformationExtraArgs
 from .tree import tree_flatten
-from .updates import ParamsRef, Spec, Updates
+from .updates import ParamsRef, SkipStep, Spec, Updates
 
 __all__ = [
     "InjectHyperparamsState",
@@ -292,8 +292,8 @@ def _wrapped(step: Step, wrap: Callable[[Any], Any], guard: Any) -> Step:
         def apply(u: Updates, p: FlatTree) -> Any:
             try:
                 return wrap(inner_apply(u, p))
-            except base.SkipStep as e:
-                raise base.SkipStep(wrap(e.new_state)) from None
+            except SkipStep as e:
+                raise SkipStep(wrap(e.new_state)) from None
 
     part = step.fuse
     # A part that starts with a pre-pass is not offered to an enclosing chain: a clip that
@@ -312,8 +312,8 @@ def _wrap_run(inner: Callable[[Updates], tuple[Updates, Any]], wrap: Callable[[A
     def run(u: Updates) -> tuple[Updates, Any]:
         try:
             out, new_state = inner(u)
-        except base.SkipStep as e:
-            raise base.SkipStep(wrap(e.new_state)) from None
+        except SkipStep as e:
+            raise SkipStep(wrap(e.new_state)) from None
         return out, wrap(new_state)
 
     return run

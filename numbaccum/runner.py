@@ -3,7 +3,7 @@
 `Stage.update` (optax's ``update``) and `numbaccum.step_` (the update added to the params in
 its last pass) are one function, `run`, in two modes. A call:
 
-1. checks the state is free and current (`base.guarded`: one update of a state at a time, a
+1. checks the state is free and current (`transaction.guarded`: one update of a state at a time, a
    stale state refused) and converts the user's updates once (`Stage.take`) and checks the
    params against their layout;
 2. finds the `Plan` of the transformation for that layout and device, made once and kept with
@@ -52,7 +52,7 @@ class Plan:
         leaves: its `Kernel`, `Scale` and `Prepass` parts in order.
         runs: ``(start, stop, fused)`` over ``leaves``: a `numbaccum.fuse.FusedRun` of
             ``leaves[start:stop]`` (one pass per dtype group), or None for a lone factor or
-            reduction (`base.run_part`).
+            reduction (`fuse.run_part`).
         scratch: per run, where it writes when its input may not be overwritten.
         fused: whether the runs are fused (``NUMBACCUM_FUSE``), and ``apply``: whether the last
             run adds the updates to the params (`numbaccum.step_`).
