@@ -24,6 +24,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 
 SETUP = r"""
 import json, time, numpy as np
@@ -100,10 +101,14 @@ print(json.dumps({"optax jit(update + apply_updates)": best(run)}))
 
 
 def child(code: str, root: str | None) -> dict:
+    """Runs ``code`` in a new process importing numbaccum from ``root``: started in ``root``
+    (``python -c`` puts the working directory before ``PYTHONPATH``), checked by the child."""
     env = dict(os.environ)
+    cwd = tempfile.gettempdir()
     if root is not None:
-        env["PYTHONPATH"] = root
-    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+        env["PYTHONPATH"] = cwd = root
+        code = f"import numbaccum; assert numbaccum.__file__.startswith({root!r}), numbaccum.__file__\n" + code
+    res = subprocess.run([sys.executable, "-c", code], env=env, cwd=cwd, capture_output=True, text=True)
     if res.returncode != 0:
         print(res.stderr[-2000:], file=sys.stderr)
         return {}
@@ -117,7 +122,7 @@ def main() -> None:
         i = args.index("--rounds")
         rounds = int(args[i + 1])
         del args[i : i + 2]
-    roots = args or [os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
+    roots = [os.path.abspath(r) for r in args] or [os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
     got: dict[str, dict[str, list]] = {}
     for _ in range(rounds):
         for root in roots:

@@ -14,7 +14,7 @@ import pytest
 
 import numbaccum as nba
 from _testutil import assert_tree_equal, snapshot
-from numbaccum.base import GradientTransformation
+from numbaccum.protocol import GradientTransformation
 
 P = {"w": np.linspace(-1.0, 1.0, 6, dtype=np.float32).reshape(2, 3), "b": np.ones(4, np.float32)}
 
