@@ -28,7 +28,6 @@ runs through the same entry with its own `Stage.plan` each call.
 from __future__ import annotations
 
 import threading
-import weakref
 from typing import Any
 
 import numpy as np
@@ -95,23 +94,21 @@ def plan_of(stage: Any, spec: Spec, state: Any, owner: FlatTree | None, apply: b
     return plan
 
 
-_LOCAL = threading.local()
-
-
 def _plans(stage: Any, owner: FlatTree | None) -> dict:
     """Where the plans of ``stage`` are kept: with the state's owning storage (shared by its
-    renewals, gone with it), else, for a stage whose state holds no buffers, per thread."""
+    renewals, gone with it), else, for a stage whose state holds no buffers, per thread beside
+    the buffers the stage keeps for itself (`Stage.kept`: gone with the stage)."""
     if owner is not None:
         plans = owner.__dict__.get("_plans")
         if plans is None:
             plans = owner.__dict__["_plans"] = {}
         return plans
-    per_thread = _LOCAL.__dict__.get("plans")
-    if per_thread is None:
-        per_thread = _LOCAL.plans = weakref.WeakKeyDictionary()
-    plans = per_thread.get(stage)
+    local = stage.__dict__.get("_kept")
+    if local is None:
+        local = stage.__dict__.setdefault("_kept", threading.local())
+    plans = local.__dict__.get("plans")
     if plans is None:
-        plans = per_thread[stage] = {}
+        plans = local.plans = {}
     return plans
 
 
