@@ -28,7 +28,6 @@ runs through the same entry with its own `Stage.plan` each call.
 from __future__ import annotations
 
 import threading
-import weakref
 from typing import Any
 
 import numpy as np
@@ -58,7 +57,7 @@ class Plan:
             run adds the updates to the params (`numbaccum.step_`).
     """
 
-    __slots__ = ("root", "leaves", "runs", "scratch", "spec", "fused", "apply")
+    __slots__ = ("root", "leaves", "runs", "scratch", "spec", "fused", "apply", "pack")
 
     def __init__(self, root: Any, spec: Spec, fused: bool, apply: bool, scratch: list) -> None:
         self.root, self.spec, self.fused = root, spec, fused
@@ -66,6 +65,7 @@ class Plan:
         self.runs = fuse.cut(self.leaves) if fused else _one_by_one(self.leaves)
         self.apply = apply and fused and self.runs[-1][2] is not None
         self.scratch = scratch[: len(self.runs)]
+        self.pack = fuse.packer(root)  # the new state from the leaves' (`fuse.pack`, made once)
 
 
 def _one_by_one(leaves: list) -> list:
@@ -95,23 +95,21 @@ def plan_of(stage: Any, spec: Spec, state: Any, owner: FlatTree | None, apply: b
     return plan
 
 
-_LOCAL = threading.local()
-
-
 def _plans(stage: Any, owner: FlatTree | None) -> dict:
     """Where the plans of ``stage`` are kept: with the state's owning storage (shared by its
-    renewals, gone with it), else, for a stage whose state holds no buffers, per thread."""
+    renewals, gone with it), else, for a stage whose state holds no buffers, per thread beside
+    the buffers the stage keeps for itself (`Stage.kept`: gone with the stage)."""
     if owner is not None:
         plans = owner.__dict__.get("_plans")
         if plans is None:
             plans = owner.__dict__["_plans"] = {}
         return plans
-    per_thread = _LOCAL.__dict__.get("plans")
-    if per_thread is None:
-        per_thread = _LOCAL.plans = weakref.WeakKeyDictionary()
-    plans = per_thread.get(stage)
+    local = stage.__dict__.get("_kept")
+    if local is None:
+        local = stage.__dict__.setdefault("_kept", threading.local())
+    plans = local.__dict__.get("plans")
     if plans is None:
-        plans = per_thread[stage] = {}
+        plans = local.plans = {}
     return plans
 
 
@@ -158,7 +156,7 @@ def replay(plan: Plan, state: Any, u: Updates, apply: FlatTree | None, settle: b
 
 def _new_state(plan: Plan) -> Any:
     states = [p.new_state.make() if type(p.new_state) is fuse.Later else p.new_state for p in plan.leaves]
-    return fuse.pack(plan.root, states)
+    return plan.pack(iter(states))
 
 
 def _skipped(plan: Plan, state: Any, at: int, skipped: Any) -> Any:
