@@ -68,6 +68,7 @@ __all__ = [
     "cut",
     "enabled",
     "pack",
+    "packer",
     "run_part",
     "run_parts",
     "segments",
@@ -265,6 +266,21 @@ def pack(root: Any, states: list) -> Any:
     """The new state of ``root`` (a part, or a `Chained` nest of them) from its leaves' new
     states in order."""
     return _pack(root, states, 0)[0]
+
+
+def packer(root: Any) -> Callable[[Any], Any]:
+    """`pack` made once for ``root``: ``packer(root)(states)`` takes the leaves' new states from
+    the iterator ``states`` (a kept plan builds its new state so on every step)."""
+    if isinstance(root, Chained):
+        subs = [packer(p) for p in root.parts]
+        names = root.names
+        if names is None:
+            return lambda it: tuple([f(it) for f in subs])
+        return lambda it: dict(zip(names, [f(it) for f in subs]))
+    if isinstance(root, Wrapped):
+        inner, wrap = packer(root.part), root.wrap
+        return lambda it: wrap(inner(it))
+    return next
 
 
 def split(root: Any, state: Any) -> list:

@@ -57,7 +57,7 @@ class Plan:
             run adds the updates to the params (`numbaccum.step_`).
     """
 
-    __slots__ = ("root", "leaves", "runs", "scratch", "spec", "fused", "apply")
+    __slots__ = ("root", "leaves", "runs", "scratch", "spec", "fused", "apply", "pack")
 
     def __init__(self, root: Any, spec: Spec, fused: bool, apply: bool, scratch: list) -> None:
         self.root, self.spec, self.fused = root, spec, fused
@@ -65,6 +65,7 @@ class Plan:
         self.runs = fuse.cut(self.leaves) if fused else _one_by_one(self.leaves)
         self.apply = apply and fused and self.runs[-1][2] is not None
         self.scratch = scratch[: len(self.runs)]
+        self.pack = fuse.packer(root)  # the new state from the leaves' (`fuse.pack`, made once)
 
 
 def _one_by_one(leaves: list) -> list:
@@ -155,7 +156,7 @@ def replay(plan: Plan, state: Any, u: Updates, apply: FlatTree | None, settle: b
 
 def _new_state(plan: Plan) -> Any:
     states = [p.new_state.make() if type(p.new_state) is fuse.Later else p.new_state for p in plan.leaves]
-    return fuse.pack(plan.root, states)
+    return plan.pack(iter(states))
 
 
 def _skipped(plan: Plan, state: Any, at: int, skipped: Any) -> Any:
