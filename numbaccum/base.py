@@ -147,11 +147,34 @@ class Stage(abc.ABC):
         """Validates ``state`` (and ``params``, ``extra``) for updates of ``spec`` and computes
         every per-step scalar; writes nothing. Raises TypeError/ValueError naming what is wrong.
 
-        A declared stage's plan is its declaration ticked for this one step."""
+        A declared stage's plan is the runner's plan kept with its state, ticked for this step
+        (`kept_step`); for a state without buffers, its declaration made for this one step."""
+        step = self.kept_step(spec, state, params, extra)
+        if step is not None:
+            return step
         part = self.declare(spec, state)
         if part is None:
             raise TypeError(f"{type(self).__name__} neither declares nor plans")
         return planned(part, state, params, extra)
+
+    def kept_step(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step | None:
+        """The `Step` of a declared stage whose state owns buffers of ``spec``: the runner's
+        plan kept in that storage (made once), ticked now, replayed by the step; None otherwise.
+        A combinator that plans its inner transformation every step (MultiSteps, masked)
+        replays it so instead of declaring it again."""
+        if not self.declarable():
+            return None
+        owner = self.owner(state)
+        if owner is None or owner.layout is not spec.layout or owner.device != spec.device:
+            return None
+        plan = _runner.ticked(self, spec, state, owner, params, extra)
+        replay = _runner.replay
+        return Step(
+            lambda u: replay(plan, state, u, None, False),
+            fuse=plan.root,
+            apply=(lambda u, p: replay(plan, state, u, p, False)[1]) if plan.apply else None,
+            final=lambda u: replay(plan, state, u, None, True),
+        )
 
     def declarable(self) -> bool:
         """Whether `declare` gives a part (then the runner keeps the plan and replays it)."""
@@ -487,6 +510,9 @@ class Chain(Stage):
         return chained
 
     def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
+        step = self.kept_step(spec, state, params, extra)  # a declared chain with buffers
+        if step is not None:
+            return step
         states = self._expect_states(state)
         owner = self._owner_of(states)
         if owner is not None and (owner.layout is not spec.layout or owner.device != spec.device):

@@ -212,7 +212,7 @@ def _units(stage: Stage, spec: Spec, state: Any, ref: ParamsRef, apply: bool, fu
     if stage.declarable():
         root = stage.declare(spec, state)
         root.tick(state, ref, {})
-        plan = runner.Plan(root, spec, fused, apply, [])
+        plan = runner.Plan(root, spec, fused, [])
         units = [[p] for p in plan.leaves]
         runs = plan.runs if fused else [(i, i + 1, None) for i in range(len(units))]
         return units, [p.name for p in plan.leaves], runs

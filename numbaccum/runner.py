@@ -40,7 +40,7 @@ from .transaction import guarded, keep_states
 from .tree import format_path, tree_flatten_with_path
 from .updates import ParamsRef, SkipStep, Spec, Updates, check_params
 
-__all__ = ["Plan", "plan_of", "run"]
+__all__ = ["Plan", "plan_of", "replay", "run", "ticked"]
 
 
 class Plan:
@@ -54,16 +54,16 @@ class Plan:
             reduction (`fuse.run_part`).
         scratch: per run, where it writes when its input may not be overwritten.
         fused: whether the runs are fused (``NUMBACCUM_FUSE``), and ``apply``: whether the last
-            run adds the updates to the params (`numbaccum.step_`).
+            run can add the updates to the params (`numbaccum.step_`).
     """
 
     __slots__ = ("root", "leaves", "runs", "scratch", "spec", "fused", "apply", "pack")
 
-    def __init__(self, root: Any, spec: Spec, fused: bool, apply: bool, scratch: list) -> None:
+    def __init__(self, root: Any, spec: Spec, fused: bool, scratch: list) -> None:
         self.root, self.spec, self.fused = root, spec, fused
         self.leaves = fuse.leaves(root)
         self.runs = fuse.cut(self.leaves) if fused else _one_by_one(self.leaves)
-        self.apply = apply and fused and self.runs[-1][2] is not None
+        self.apply = fused and self.runs[-1][2] is not None  # its last pass can add to params
         self.scratch = scratch[: len(self.runs)]
         self.pack = fuse.packer(root)  # the new state from the leaves' (`fuse.pack`, made once)
 
@@ -76,19 +76,19 @@ def _one_by_one(leaves: list) -> list:
 # --- finding the plan -----------------------------------------------------------------------
 
 
-def plan_of(stage: Any, spec: Spec, state: Any, owner: FlatTree | None, apply: bool) -> Plan | None:
+def plan_of(stage: Any, spec: Spec, state: Any, owner: FlatTree | None) -> Plan | None:
     """The kept plan of ``stage`` for ``spec`` and ``state``'s buffers (made now if none is
     kept), not yet ticked; None for a stage that does not declare itself."""
     if not stage.declarable():
         return None
     fused = fuse.enabled()
     plans = _plans(stage, owner)
-    key = (stage, spec.layout, spec.device, apply, fused)
+    key = (stage, spec.layout, spec.device, fused)
     plan = plans.get(key)
     if plan is None:
         root = stage.declare(spec, state)  # checks the state: raises naming what is wrong
         scratch = [stage._workspace(owner, spec, f"run{i}") for i in range(len(fuse.leaves(root)))]
-        plan = Plan(root, spec, fused, apply, scratch)
+        plan = Plan(root, spec, fused, scratch)
         if len(plans) >= max(_config.KEPT_LAYOUTS, 2):
             del plans[next(iter(plans))]  # the oldest: bounded for ever new tree shapes
         plans[key] = plan
@@ -113,15 +113,15 @@ def _plans(stage: Any, owner: FlatTree | None) -> dict:
     return plans
 
 
-def _ticked(stage: Any, spec: Spec, state: Any, owner: Any, ref: Any, extra: dict, apply: bool) -> Any:
+def ticked(stage: Any, spec: Spec, state: Any, owner: Any, ref: Any, extra: dict) -> Any:
     """The plan, ticked for this step: declared anew when the state is not the one it was made
     for (the new declaration checks it, and raises what is wrong)."""
-    plan = plan_of(stage, spec, state, owner, apply)
+    plan = plan_of(stage, spec, state, owner)
     if plan is None:
         return None
     if not plan.root.tick(state, ref, extra):
-        _plans(stage, owner).pop((stage, spec.layout, spec.device, apply, plan.fused), None)
-        plan = plan_of(stage, spec, state, owner, apply)
+        _plans(stage, owner).pop((stage, spec.layout, spec.device, plan.fused), None)
+        plan = plan_of(stage, spec, state, owner)
         if not plan.root.tick(state, ref, extra):  # type: ignore[union-attr]
             raise AssertionError(f"{type(stage).__name__}: a new declaration refused its own state")
     return plan
@@ -132,8 +132,9 @@ def _ticked(stage: Any, spec: Spec, state: Any, owner: Any, ref: Any, extra: dic
 
 def replay(plan: Plan, state: Any, u: Updates, apply: FlatTree | None, settle: bool) -> tuple[Any, Any]:
     """Runs a ticked plan on ``u``: ``(updates, new_state)``, the updates None when the last
-    pass added them to ``apply``. A clip that skips the step raises `SkipStep` with the new
-    state (the parts before it advanced, the ones after as they were)."""
+    pass added them to ``apply`` (given only when the plan's last run is fused: `Plan.apply`).
+    A clip that skips the step raises `SkipStep` with the new state (the parts before it
+    advanced, the ones after as they were)."""
     leaves, runs = plan.leaves, plan.runs
     last = len(runs) - 1
     for i, (start, _, fr) in enumerate(runs):
@@ -142,7 +143,7 @@ def replay(plan: Plan, state: Any, u: Updates, apply: FlatTree | None, settle: b
             if fr is None:
                 u = run_part(leaves[start], u)[0]
             elif i == last:
-                out, factor = fr.run(u.flat, u.factor, u.fresh, apply if plan.apply else None, settle, False)
+                out, factor = fr.run(u.flat, u.factor, u.fresh, apply, settle, False)
                 if out is None:
                     return None, _new_state(plan)
                 u = Updates(out, True, factor, scratch=u.scratch)
@@ -199,7 +200,7 @@ def _update(stage: Any, updates: Any, state: Any, params: Any, owner: Any, extra
         ref = ParamsRef(params, spec.layout, None, spec.device, stage._workspace(owner, spec, "params"))
         if not stage.reshapes:
             ref.checked = check_params(params, spec)
-    plan = _ticked(stage, spec, state, owner, ref, extra, False)
+    plan = ticked(stage, spec, state, owner, ref, extra)
     if plan is not None:
         run_it: Any = lambda u: replay(plan, state, u, None, True)  # noqa: E731
         out_spec = spec
@@ -244,7 +245,7 @@ def _step(stage: Any, grads: Any, state: Any, params: Any, owner: Any, extra: di
         None if isinstance(params, FlatTree) or not spec.device else arrays.device_leaves(params, spec.layout)
     )
     ref.checked = None if found is not None else check_params(params, spec)
-    plan = _ticked(stage, spec, state, owner, ref, extra, True)
+    plan = ticked(stage, spec, state, owner, ref, extra)
     if plan is not None:
         apply_it: Any = (lambda u, p: replay(plan, state, u, p, False)) if plan.apply else None
         run_it: Any = lambda u: replay(plan, state, u, None, False)  # noqa: E731

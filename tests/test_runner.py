@@ -63,7 +63,7 @@ def test_a_replayed_step_declares_nothing(monkeypatch):
         s = nba.step_(tx, _tree(2 + i), s, p)
     assert not made  # replayed: ticked, never declared again
     tx.update(_tree(9), tx.init(p), p)  # another state, and update's own plan: one more
-    assert len(made) == 1
+    assert len(made) == 1  # (update and step_ share a state's plan)
 
 
 def test_two_states_of_one_transformation_alternated_match_separate_runs():
