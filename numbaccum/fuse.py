@@ -416,6 +416,14 @@ class FusedRun:
             last = kernels[-1]
             out = last.out() if last.out is not None else fresh()
         extras = [k.inputs() if k.inputs is not None else () for k in kernels]
+        if apply is None and len(self.body) == 1:  # one kernel alone: its own formula, per group
+            k = kernels[0]
+            ins = extras[0]
+            for gi, x in enumerate(flat.groups):
+                states = [st.groups[gi] for st in k.states]
+                arrays = (*states, x, *(e.groups[gi] for e in ins), out.groups[gi])
+                ops_for(x).driver.map_(k.formula, factor, arrays, k.scalars[gi])
+            return (out, ONE, self.new_states()) if with_states else (out, ONE)
         pending = factor
         for gi in range(len(flat.groups)):
             pending = _run_group(
@@ -475,19 +483,12 @@ class _GroupCall:
     ``k``'s factor's, ``(k, gi)`` part ``k``'s scalars of the group. ``final``: where the factor
     left pending on the output comes from (None: nothing pending)."""
 
-    __slots__ = ("composite", "states", "keep", "copy_out", "recipe", "final", "gi", "settle", "direct")
+    __slots__ = ("composite", "states", "keep", "copy_out", "recipe", "final", "gi", "settle")
 
     def __init__(
         self, parts: list, gi: int, x: Any, mode: int, og: Any, pg: Any, ins: list, settle: bool
     ) -> None:
         self.gi, self.settle = gi, settle
-        # One kernel alone (stage by stage, or a run of one): its own formula, the pending
-        # factor read by the driver, as the stage would run it (no composite to compile).
-        self.direct = pg is None and len(parts) == 1 and type(parts[0]) is Kernel
-        if self.direct:
-            self.states = tuple(s.groups[gi] for s in parts[0].states)
-            self.composite, self.recipe, self.final, self.keep, self.copy_out = None, (), None, (), True
-            return
         d = x.dtype
         states: list = []
         recipe: list = []
@@ -567,11 +568,6 @@ class _GroupCall:
         final = self.final
         fac = ONE if final is None else factor if final < 0 else parts[final].factor
         ops_ = ops_for(x)
-        if self.direct:
-            p = parts[0]
-            arrays = (*self.states, x, *ins, out.groups[gi])
-            ops_.driver.map_(p.formula, factor, arrays, tuple(p.scalars[gi]))
-            return fac
         if self.composite is None:
             _one_by_one(ops_, parts, extras, gi, x, factor, out, apply, self.settle)
             return fac

@@ -156,8 +156,13 @@ def replay(plan: Plan, state: Any, u: Updates, apply: FlatTree | None, settle: b
 
 
 def _new_state(plan: Plan) -> Any:
-    states = [p.new_state.make() if type(p.new_state) is fuse.Later else p.new_state for p in plan.leaves]
-    return plan.pack(iter(states))
+    leaves = plan.leaves
+    if len(leaves) == 1:  # one stage: its part's new state
+        new = leaves[0].new_state
+        return new.make() if type(new) is fuse.Later else new
+    return plan.pack(
+        iter([p.new_state.make() if type(p.new_state) is fuse.Later else p.new_state for p in leaves])
+    )
 
 
 def _skipped(plan: Plan, state: Any, at: int, skipped: Any) -> Any:
@@ -202,8 +207,13 @@ def _update(stage: Any, updates: Any, state: Any, params: Any, owner: Any, extra
             ref.checked = check_params(params, spec)
     plan = ticked(stage, spec, state, owner, ref, extra)
     if plan is not None:
-        run_it: Any = lambda u: replay(plan, state, u, None, True)  # noqa: E731
-        out_spec = spec
+        u.scratch = stage._workspace(owner, spec, "output")
+        if kind in arrays.STREAM_KINDS:  # kernels go to the caller's current CUDA stream
+            with arrays.launch_context(kind):
+                out, new_state = _replayed(stage, plan, state, u, spec)
+        else:
+            out, new_state = _replayed(stage, plan, state, u, spec)
+        return (out, new_state) if kind == "flat" else (out.tree_as(kind), new_state)
     else:
         step = stage.plan(spec, state, ref, extra)
         out_spec = step.spec or spec
@@ -213,7 +223,7 @@ def _update(stage: Any, updates: Any, state: Any, params: Any, owner: Any, extra
             ref._into = stage._workspace(owner, out_spec, "params")
         run_it = step.final or step.run
     u.scratch = stage._workspace(owner, spec, "output")
-    if kind in arrays.STREAM_KINDS:  # kernels go to the caller's current CUDA stream
+    if kind in arrays.STREAM_KINDS:
         with arrays.launch_context(kind):
             out, new_state = _run_or_zeros(stage, run_it, u, out_spec)
     else:
@@ -221,6 +231,16 @@ def _update(stage: Any, updates: Any, state: Any, params: Any, owner: Any, extra
     if kind == "flat":
         return out, new_state
     return out.tree_as(kind), new_state
+
+
+def _replayed(stage: Any, plan: Plan, state: Any, u: Updates, spec: Spec) -> tuple[FlatTree, Any]:
+    """`_run_or_zeros` of a kept plan: its output settled (the last pass settles a trailing
+    factor), zeros for a skipped step."""
+    try:
+        u, new_state = replay(plan, state, u, None, True)
+    except SkipStep as e:
+        return stage.workspace(e.new_state, spec, "output")().fill_(0.0), e.new_state
+    return stage._output(u, new_state, spec), new_state
 
 
 def _run_or_zeros(stage: Any, run_it: Any, u: Updates, spec: Spec) -> tuple[FlatTree, Any]:
