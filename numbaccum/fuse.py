@@ -475,6 +475,47 @@ def _run_group(
     return call.run(parts, extras, flat, factor, out, apply, ins)
 
 
+def _walk(parts: list, gi: int, d: np.dtype, ins: list, mode: int) -> tuple:
+    """The parts of one group's call in order (`_GroupCall`): the composite's ops, the recipe of
+    its scalars, the state arrays, every buffer's dtype (float16 anywhere: the one-by-one
+    fallback), and the factor left pending after them (``pend``, and ``src``: the incoming
+    factor (-1), part k's, or None)."""
+    states: list = []
+    recipe: list = []
+    ops: list = []
+    kinds: list = []
+    pend = (None, "host", "device")[mode]
+    src: int | None = -1 if mode else None
+    n_in = 0
+    for k, p in enumerate(parts):
+        if type(p) is Scale:
+            if p.factor is ONE or p.factor.is_one:
+                continue  # Updates.scaled: nothing pending, nothing settled
+            if pend == "host":
+                ops.append(("settle",))
+                recipe.append((src, None))
+            elif pend == "device":
+                ops.append(("cast",))
+            pend, src = "host", k
+            continue
+        if type(p) is Prepass:
+            raise AssertionError("a pre-pass only starts a run")  # `cut` guarantees it
+        sts = [s.groups[gi] for s in p.states]
+        n = len(p.formula.inputs) - 1
+        its = ins[n_in : n_in + n]
+        n_in += n
+        c = np.result_type(*(a.dtype for a in sts), d, *(a.dtype for a in its), d)
+        bools = tuple(isinstance(v, (bool, np.bool_)) for v in p.scalars[gi])
+        ops.append(("kernel", p.formula.name, c.name, pend == "host", len(sts), n, bools))
+        if pend == "host":
+            recipe.append((src, None))
+        recipe.append((k, gi))
+        states += sts
+        kinds += [a.dtype for a in sts + its]
+        pend, src = None, None
+    return ops, recipe, states, kinds, pend, src
+
+
 class _GroupCall:
     """The shape of one group's call in a run (`_run_group`): the composite formula, or None
     for the one-formula-at-a-time fallback (float16); the state arrays (the parts' storage,
@@ -490,39 +531,7 @@ class _GroupCall:
     ) -> None:
         self.gi, self.settle = gi, settle
         d = x.dtype
-        states: list = []
-        recipe: list = []
-        ops: list = []
-        kinds: list = []  # every buffer's dtype (float16 anywhere: the stage-by-stage fallback)
-        pend = (None, "host", "device")[mode]
-        src: int | None = -1 if mode else None  # the pending factor: incoming (-1), part k's
-        n_in = 0
-        for k, p in enumerate(parts):
-            if type(p) is Scale:
-                if p.factor is ONE or p.factor.is_one:
-                    continue  # Updates.scaled: nothing pending, nothing settled
-                if pend == "host":
-                    ops.append(("settle",))
-                    recipe.append((src, None))
-                elif pend == "device":
-                    ops.append(("cast",))
-                pend, src = "host", k
-                continue
-            if type(p) is Prepass:
-                raise AssertionError("a pre-pass only starts a run")  # `cut` guarantees it
-            sts = [s.groups[gi] for s in p.states]
-            n = len(p.formula.inputs) - 1
-            its = ins[n_in : n_in + n]
-            n_in += n
-            c = np.result_type(*(a.dtype for a in sts), d, *(a.dtype for a in its), d)
-            bools = tuple(isinstance(v, (bool, np.bool_)) for v in p.scalars[gi])
-            ops.append(("kernel", p.formula.name, c.name, pend == "host", len(sts), n, bools))
-            if pend == "host":
-                recipe.append((src, None))
-            recipe.append((k, gi))
-            states += sts
-            kinds += [a.dtype for a in sts + its]
-            pend, src = None, None
+        ops, recipe, states, kinds, pend, src = _walk(parts, gi, d, ins, mode)
         if pg is None and settle and pend == "host":
             ops.append(("settle",))
             recipe.append((src, None))
@@ -783,5 +792,3 @@ def step_applier(step: Any) -> Callable[[Updates, FlatTree], Any] | None:
         if fr is not None and not rest:
             return lambda u, p: run_parts(fr, u, p)[1][0]
     return None
-
-

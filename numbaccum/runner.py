@@ -157,7 +157,7 @@ def replay(plan: Plan, state: Any, u: Updates, apply: FlatTree | None, settle: b
 
 def _new_state(plan: Plan) -> Any:
     leaves = plan.leaves
-    if len(leaves) == 1:  # one stage: its part's new state
+    if plan.root is leaves[0]:  # one stage (not a chain of one): its part's new state
         new = leaves[0].new_state
         return new.make() if type(new) is fuse.Later else new
     return plan.pack(

@@ -241,3 +241,13 @@ def test_a_nested_chain_skipped_by_its_clip_keeps_its_state_shape(declared):
     assert int(s2[0][1][0].count) == 1  # adam's count: the skipped step did not advance it
     s3 = nba.step_(tx, _tree(3), s2, p)  # and the next step takes it
     assert int(s3[0][1][0].count) == 2
+
+
+def test_a_chain_of_one_keeps_its_tuple_state():
+    """A chain of one stage returns a state of one (not the stage's state), step after step."""
+    p = {"w": np.ones(3, np.float32)}
+    tx = nba.chain(nba.ema(0.9))
+    s = tx.init(p)
+    for _ in range(3):
+        _, s = tx.update(p, s, p)
+        assert isinstance(s, tuple) and len(s) == 1 and isinstance(s[0], nba.EmaState)
