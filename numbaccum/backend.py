@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from . import _config
 from ._bounded import Bounded
 from .arrays import is_cuda_array
 from .contract import Ops
@@ -127,9 +128,23 @@ def leaf_sumsq(flat: Any) -> np.ndarray:
     engine call per dtype group, each leaf one slice): the plain sums, the fast path."""
     lay = flat.layout
     out = np.empty(lay.num_leaves, np.float64)
+    if not flat.device:  # the host engine's calls, laid out once per layout (and block size)
+        key = (lay, _config.REDUCE_BLOCK)
+        runs = _HOST_SUMSQ.get(key)
+        if runs is None:
+            tables = leaf_tables(lay)
+            runs = _HOST_SUMSQ.put(
+                key, [ops_for(g).reduce.prepared("sumsq", t) for g, t in zip(flat.groups, tables)]
+            )
+        for members, run, g in zip(lay.group_index, runs, flat.groups):
+            out[members] = run(g)
+        return out
     for members, table, g in zip(lay.group_index, leaf_tables(lay), flat.groups):
         out[members] = ops_for(g).slice_sumsq(g, table)
     return out
+
+
+_HOST_SUMSQ = Bounded()  # (layout, block) -> per group, the engine's sumsq prepared (cpu.reduce)
 
 
 def leaf_tables(lay: Any) -> list:

@@ -385,9 +385,9 @@ def adam(
     """Adam: ``chain(scale_by_adam(b1, b2, eps, eps_root, mu_dtype, nesterov=nesterov),
     scale_by_learning_rate(lr))``.
 
-    Same state and same bits as that chain, in one pass: the ``-lr`` step is applied inside the
-    Adam kernel (``u = direction * -lr`` rounds exactly as a separate scaling pass would).
-    ``nesterov=True`` is `nadam`.
+    It is that chain, declared like any other: fused, the ``-lr`` step is applied inside the
+    Adam pass (``u = direction * -lr`` rounds exactly as a separate scaling pass would); with
+    ``NUMBACCUM_FUSE=0`` it is the chain's two passes. ``nesterov=True`` is `nadam`.
     """
     direction = scale_by_adam(b1, b2, eps, eps_root, mu_dtype, nesterov=nesterov)
     return chain(direction, scale_by_learning_rate(learning_rate))

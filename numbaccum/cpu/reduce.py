@@ -310,6 +310,26 @@ def partials(kind, x, table: Table, centers=None, p=0.0):
     return work, part, op
 
 
+def prepared(kind, table: Table):
+    """``reduce(kind, x, table)`` for one table, its work laid out once: ``run(x)`` -> per slice,
+    float64 (the same kernel, the same partition, the same bits). What a kept plan's global norm
+    calls every step (`numbaccum.backend.leaf_sumsq`); for kinds without centres."""
+    (pair, op) = KINDS[kind]
+    work = table.work(_config.REDUCE_BLOCK, True)
+    rows, items, pstart, pslice, nparts = table.rows, work.items, work.pstart, work.pslice, work.nparts
+    busy = items.shape[0] > 0
+    zero = np.float64(0.0)
+
+    def run(x):
+        part = np.empty(nparts, np.float64)
+        x = _f16(x)
+        if busy:
+            _guarded(x.size, _pick(pair, x.size), x, rows, items, pstart, _NONE, zero, part)
+        return combine(part, pslice, op)
+
+    return run
+
+
 def reduce(kind, x, table: Table, centers=None, p=0.0):
     """Per slice of ``table``: the reduction ``kind`` (a key of `KINDS`) of ``x``, float64.
 
