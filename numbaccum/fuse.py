@@ -463,8 +463,8 @@ def _run_group(
         settle,
         x.dtype,
         None if og is None else (og.dtype, og is x),
-        None if pg is None else (pg.dtype, tuple(a is pg for a in ins)),
-        tuple(a.dtype for a in ins),
+        None if pg is None else (pg.dtype, tuple([a is pg for a in ins]) if ins else ()),
+        tuple([a.dtype for a in ins]) if ins else (),
         tuple([p.factor is ONE or p.factor.is_one for p in scales]) if scales else (),
     )
     call = memo.get(key) if memo is not None else None
