@@ -38,7 +38,7 @@ from .flat import FlatTree, as_flat, check_leaves, host_leaves, layout_of, scatt
 from .layout import FLOATS, Layout
 from .tree import format_path, leaves_if_structure, tree_flatten_with_path
 
-__all__ = ["apply_updates", "apply_updates_", "scatter_back", "writable_flat"]
+__all__ = ["apply_updates", "apply_updates_", "check_writable", "scatter_back", "writable_flat"]
 
 # Dtypes whose NumPy addition is the kernel's, bit for bit: float16 is computed by the kernel in a
 # float32 copy that is rounded (and may warn) as it is copied back.
@@ -290,17 +290,24 @@ def writable_flat(tree: Any, name: str) -> tuple[FlatTree, bool]:
         TypeError: a leaf cannot change in place (a NumPy scalar or a read-only array; names
             the leaf), or ``tree`` is a read-only FlatTree; before anything is written.
     """
+    check_writable(tree, name)
+    if isinstance(tree, FlatTree):
+        return tree, False
+    flat, copied, _ = as_flat(tree, layout_of(tree, name), name)
+    return flat, copied
+
+
+def check_writable(tree: Any, name: str) -> None:
+    """TypeError naming the leaf of ``tree`` that cannot change in place (a NumPy scalar or a
+    read-only array), or for a read-only FlatTree; nothing is written."""
     if isinstance(tree, FlatTree):
         if tree._readonly:
             raise TypeError(f"{name}: a read-only FlatTree cannot be changed in place")
-        return tree, False
-    layout = layout_of(tree, name)
+        return
     raw, paths, _ = tree_flatten_with_path(tree)
     for x, path in zip(raw, paths):
         if isinstance(x, np.generic) or (isinstance(x, np.ndarray) and not x.flags.writeable):
             raise TypeError(f"{format_path(path, name)}: cannot be changed in place (not a writable array)")
-    flat, copied, _ = as_flat(tree, layout, name)
-    return flat, copied
 
 
 def scatter_back(flat: FlatTree, tree: Any, name: str, found: Any = None) -> None:

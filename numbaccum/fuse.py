@@ -248,29 +248,15 @@ def _fusable(part: Any) -> bool:
     return not any(isinstance(p, Prepass) for p in leaves(part)[1:])
 
 
-def _pack(part: Any, states: list, i: int) -> tuple[Any, int]:
-    """The new state of ``part`` from the leaves' new states from ``i``; and the next index."""
-    if isinstance(part, Wrapped):
-        inner, i = _pack(part.part, states, i)
-        return part.wrap(inner), i
-    if not isinstance(part, Chained):
-        return states[i], i + 1
-    out = []
-    for p in part.parts:
-        st, i = _pack(p, states, i)
-        out.append(st)
-    return (tuple(out) if part.names is None else dict(zip(part.names, out))), i
-
-
 def pack(root: Any, states: list) -> Any:
     """The new state of ``root`` (a part, or a `Chained` nest of them) from its leaves' new
     states in order."""
-    return _pack(root, states, 0)[0]
+    return packer(root)(iter(states))
 
 
 def packer(root: Any) -> Callable[[Any], Any]:
     """`pack` made once for ``root``: ``packer(root)(states)`` takes the leaves' new states from
-    the iterator ``states`` (a kept plan builds its new state so on every step)."""
+    the iterator ``states`` (a kept plan and a fused run build their new states so every step)."""
     if isinstance(root, Chained):
         subs = [packer(p) for p in root.parts]
         names = root.names
@@ -305,51 +291,33 @@ def _cost(part: Any) -> int:
 
 
 def segments(steps: list) -> list[tuple[int, int, FusedRun | None]]:
-    """``(start, stop, run)`` covering ``steps`` in order: a `FusedRun` of ``steps[start:stop]``,
-    or ``(i, i + 1, None)`` for a step that runs as it is. A run holds at least one `Kernel`
-    (else fusing saves nothing); a `Prepass` only starts one; a run is cut where its composite
-    would take more than `MAX_ARGS` arguments."""
-    out: list[tuple[int, int, FusedRun | None]] = []
-    i, n = 0, len(steps)
-    while i < n:
-        j, cost = i, 1  # the updates' buffer
-        while j < n and steps[j].spec is None and _fusable(steps[j].fuse):
-            if j > i and isinstance(leaves(steps[j].fuse)[0], Prepass):
-                break
-            cost += _cost(steps[j].fuse)
-            if cost > MAX_ARGS:
-                break
-            j += 1
-        parts = [s.fuse for s in steps[i:j]]
-        if any(isinstance(p, Kernel) for part in parts for p in leaves(part)):
-            out.append((i, j, FusedRun(parts)))
-            i = j
-        else:  # nothing to fuse: the step runs as it is
-            out.append((i, i + 1, None))
-            i += 1
-    return out
+    """`cut` over a chain's planned steps: a step that declares no fusable part (or changes the
+    updates' layout) runs as it is."""
+    return cut([s.fuse if s.spec is None and _fusable(s.fuse) else None for s in steps])
 
 
 def cut(parts: list) -> list[tuple[int, int, FusedRun | None]]:
-    """`segments` over the leaves of a declared plan (`numbaccum.runner.Plan`): ``(start, stop,
-    run)`` covering ``parts`` in order, a run holding at least one `Kernel`, a `Prepass` only
-    starting one, none longer than `MAX_ARGS` arguments; ``(i, i + 1, None)`` for a lone factor
-    or reduction."""
+    """``(start, stop, run)`` covering ``parts`` in order (parts, nested chains of them, or None
+    for a unit that runs as it is): a `FusedRun` of ``parts[start:stop]``, or ``(i, i + 1,
+    None)`` for a unit that runs alone. A run holds at least one `Kernel` (else fusing saves
+    nothing); a `Prepass` only starts one; a run is cut where its composite would take more
+    than `MAX_ARGS` arguments. A declared plan's runs (`numbaccum.runner.Plan`) and a chain's
+    planned steps (`segments`) are cut so."""
     out: list[tuple[int, int, FusedRun | None]] = []
     i, n = 0, len(parts)
     while i < n:
         j, cost = i, 1  # the updates' buffer
-        while j < n:
-            if j > i and type(parts[j]) is Prepass:
+        while j < n and parts[j] is not None:
+            if j > i and type(leaves(parts[j])[0]) is Prepass:
                 break
             cost += _cost(parts[j])
             if cost > MAX_ARGS:
                 break
             j += 1
-        if any(type(p) is Kernel for p in parts[i:j]):
+        if any(type(p) is Kernel for part in parts[i:j] for p in leaves(part)):
             out.append((i, j, FusedRun(parts[i:j])))
             i = j
-        else:
+        else:  # nothing to fuse: the unit runs as it is
             out.append((i, i + 1, None))
             i += 1
     return out
@@ -360,7 +328,7 @@ class FusedRun:
 
     ``steps``: each step's part (a nested chain's `Chained`); ``parts``: their leaves in order."""
 
-    __slots__ = ("steps", "parts", "memo", "pre", "body", "kernels", "scales")
+    __slots__ = ("steps", "parts", "memo", "pre", "body", "kernels", "scales", "packers")
 
     def __init__(self, steps: list) -> None:
         self.steps = steps
@@ -373,15 +341,12 @@ class FusedRun:
         self.body = self.parts[1:] if self.pre is not None else self.parts
         self.kernels = [p for p in self.body if type(p) is Kernel]
         self.scales = [p for p in self.body if type(p) is Scale]
+        self.packers = [packer(p) for p in steps]  # each step's new state from its leaves'
 
     def new_states(self) -> list:
         """One new state per step (nested chains' states rebuilt)."""
-        flat = [p.new_state.make() if isinstance(p.new_state, Later) else p.new_state for p in self.parts]
-        out, i = [], 0
-        for part in self.steps:
-            st, i = _pack(part, flat, i)
-            out.append(st)
-        return out
+        it = iter([p.new_state.make() if isinstance(p.new_state, Later) else p.new_state for p in self.parts])
+        return [f(it) for f in self.packers]
 
     def run(
         self,

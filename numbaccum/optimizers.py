@@ -409,6 +409,20 @@ def scale_by_yogi(
         eps, eps_root: added outside and inside the square root.
         initial_accumulator_value: where both moments start (optax allows positive values only;
             a negative ``nu`` gives NaN updates).
+
+    Returns:
+        A transformation with state `ScaleByAdamState`. Updates keep each leaf's dtype.
+
+    References:
+        Zaheer et al., "Adaptive Methods for Nonconvex Optimization", NeurIPS 2018.
+
+    Example:
+        >>> import numpy as np, numbaccum as nba
+        >>> tx = nba.scale_by_yogi()
+        >>> g = {"w": np.array([0.5, -2.0], np.float32)}
+        >>> u, state = tx.update(g, tx.init(g))
+        >>> [round(float(x), 3) for x in u["w"]], int(state.count)
+        ([0.996, -0.999], 1)
     """
     return _ScaleByYogi(b1, b2, eps, eps_root, initial_accumulator_value).transformation()
 
@@ -417,7 +431,26 @@ def yogi(
     learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-3
 ) -> GradientTransformationExtraArgs:
     """Yogi: ``chain(scale_by_yogi(b1, b2, eps), scale_by_learning_rate(learning_rate))``:
-    ``u = -lr scale_by_yogi(g)``."""
+    ``u = -lr scale_by_yogi(g)``.
+
+    Args:
+        learning_rate: a float, or a schedule of the step count.
+        b1, b2, eps: as `scale_by_yogi`.
+
+    Returns:
+        A transformation with state ``(ScaleByAdamState, learning-rate state)``.
+
+    References:
+        Zaheer et al., "Adaptive Methods for Nonconvex Optimization", NeurIPS 2018.
+
+    Example:
+        >>> import numpy as np, numbaccum as nba
+        >>> params = {"w": np.array([1.0, 1.0], np.float32)}
+        >>> tx = nba.yogi(0.1)
+        >>> state = nba.step_(tx, {"w": np.array([0.5, -2.0], np.float32)}, tx.init(params), params)
+        >>> [round(float(x), 3) for x in params["w"]]
+        [0.9, 1.1]
+    """
     return chain(scale_by_yogi(b1, b2, eps), scale_by_learning_rate(learning_rate))
 
 

@@ -33,11 +33,10 @@ from typing import Any
 import numpy as np
 
 from . import _config, arrays, fuse
-from .apply import _apply, apply_updates_, scatter_back
+from .apply import _apply, apply_updates_, check_writable, scatter_back
 from .flat import FlatTree, as_flat, device_flat, layout_of
 from .fuse import run_part, step_applier
 from .transaction import guarded, keep_states
-from .tree import format_path, tree_flatten_with_path
 from .updates import ParamsRef, SkipStep, Spec, Updates, check_params
 
 __all__ = ["Plan", "plan_of", "replay", "run", "ticked"]
@@ -313,20 +312,10 @@ def _apply_step(stage: Any, run_it: Any, apply_it: Any, u: Updates, p: FlatTree,
 def _update_then_apply(stage: Any, grads: Any, state: Any, params: Any, extra: dict) -> Any:
     """`numbaccum.step_` as ``update`` then ``apply_updates_`` (stage by stage, or a reshaping
     stage whose updates have the params' layout, not the gradients')."""
-    _writable_check(params)
+    check_writable(params, "params")
     updates, new_state = stage.update(grads, state, params, **extra)
     apply_updates_(params, updates)
     return new_state
-
-
-def _writable_check(tree: Any) -> None:
-    if isinstance(tree, FlatTree):
-        return
-    raw, paths, _ = tree_flatten_with_path(tree)
-    for x, path in zip(raw, paths):
-        if isinstance(x, np.generic) or (isinstance(x, np.ndarray) and not x.flags.writeable):
-            where = format_path(path, "params")
-            raise TypeError(f"{where}: cannot be changed in place (not a writable array)")
 
 
 def _writable(
@@ -340,7 +329,7 @@ def _writable(
         flat, copied, _ = device_flat(found, spec.layout, into)
         return flat, copied
     if checked is None or not all(x.flags.writeable for x in checked):
-        _writable_check(params)  # names the leaf that cannot change
+        check_writable(params, "params")  # names the leaf that cannot change
     if isinstance(params, FlatTree) and params.layout is spec.layout and params.device == spec.device:
         return params, False
     flat, copied, _ = as_flat(
