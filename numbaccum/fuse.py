@@ -615,13 +615,17 @@ _LOCK = threading.Lock()
 
 
 def _composite(key: tuple) -> F.Formula:
-    """The composite formula of ``key`` (made once per key)."""
-    f = _COMPOSITES.get(key)
+    """The composite formula of ``key`` (made once per key and declarations of the formulas it
+    calls: a formula declared again, by a reloaded module, gets a composite of its own)."""
+    registry = F.registered()
+    callees = tuple(registry[op[1]] for op in key[2] if op[0] == "kernel")
+    memo = (key, callees)
+    f = _COMPOSITES.get(memo)
     if f is None:
         with _LOCK:
-            f = _COMPOSITES.get(key)
+            f = _COMPOSITES.get(memo)
             if f is None:
-                f = _COMPOSITES[key] = _make_composite(key)
+                f = _COMPOSITES[memo] = _make_composite(key, callees)
     return f
 
 
@@ -698,9 +702,13 @@ def composite_source(key: tuple) -> tuple[str, str, tuple, tuple, tuple, tuple]:
     return name, src, tuple(states), tuple(inputs), outputs, tuple(scalars)
 
 
-def _make_composite(key: tuple) -> F.Formula:
+def _make_composite(key: tuple, callees: tuple[F.Formula, ...]) -> F.Formula:
     name, src, states, inputs, outputs, scalars = composite_source(key)
-    ns: dict[str, Any] = {}
+    # The formulas it calls, in its globals: not for running (`numbaccum.formulas.compile_formula`
+    # binds their compiled selves) but for its `code_digest`, the key of its kernels on disk,
+    # which then covers their code: a formula declared outside the package (whose edits the
+    # cache's package hash does not see) changes the digest of every composite calling it.
+    ns: dict[str, Any] = {f.name: f.fn for f in callees}
     exec(compile(src, f"<numbaccum.fuse {name}>", "exec"), ns)
     fn = ns[name]
     fn.__doc__ = src  # the generated source, readable where a driver names the kernel

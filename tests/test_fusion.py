@@ -241,11 +241,13 @@ def test_composites_are_cached_by_formulas_not_objects():
     n = fuse.cached_composites()
     b.update(g, b.init(PARAMS))
     assert fuse.cached_composites() == n
-    keys = [k for k in fuse._COMPOSITES if k[2] and k[2][0][0] == "kernel" and k[2][0][1] == "ema"]
-    names = {fuse._COMPOSITES[k].name for k in keys}
-    assert len(names) == len(keys) and all(n.startswith("fused_") for n in names)
+    memos = [m for m in fuse._COMPOSITES if m[0][2] and m[0][2][0][0] == "kernel" and m[0][2][0][1] == "ema"]
+    names = {fuse._COMPOSITES[m].name for m in memos}
+    assert len(names) == len(memos) and all(n.startswith("fused_") for n in names)
     # the name is derived from the key only: the same in any process
-    assert fuse.composite_source(keys[0])[0] == fuse._COMPOSITES[keys[0]].name
+    key, callees = memos[0]
+    assert fuse.composite_source(key)[0] == fuse._COMPOSITES[key, callees].name
+    assert [f.name for f in callees] == [op[1] for op in key[2] if op[0] == "kernel"]
 
 
 def test_a_failing_plan_leaves_a_fused_chain_unchanged():

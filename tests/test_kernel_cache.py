@@ -461,3 +461,58 @@ def test_the_namespace_names_the_cache_format_so_an_older_cache_is_never_read():
 
     assert _cache.FORMAT >= 2
     assert _cache.tag().startswith(f"v{_cache.FORMAT}-numba")
+
+
+# --- a fused chain's composite calls formulas declared outside the package ----------------------
+
+USER_MODULE = """
+from numbaccum import formulas as F
+from numbaccum.declared import Elementwise
+
+
+@F.formula(inputs=("x",), outputs=("out",))
+def user_cache_scaler(x):
+    return x * {k}
+
+
+class Scaler(Elementwise):
+    formula, name = user_cache_scaler, "user_cache_scaler"
+
+    def scalars(self, count, ct):
+        return ()
+"""
+
+USER_CHILD = r"""
+import json
+import numpy as np
+import numbaccum as nba
+from user_cache_module import Scaler
+
+g = {"w": np.arange(4, dtype=np.float32)}
+tx = nba.chain(Scaler().transformation(), nba.scale(2.0))  # one fused pass: a composite
+u, _ = tx.update(g, tx.init(g))
+print(json.dumps({"u": u["w"].tolist()}))
+"""
+
+
+def test_a_composite_of_a_formula_edited_between_processes_runs_the_new_code(tmp_path):
+    """The package hash in the cache's namespace sees numbaccum's own formulas, not a user's: the
+    composite's key covers the code of every formula it calls, so the second process, whose
+    formula was edited (same module, same name), compiles it again instead of loading the first
+    process's kernel, which inlined the old code."""
+    cache, src = tmp_path / "cache", tmp_path / "src"
+    src.mkdir()
+    results = []
+    for k in (3.0, 5.0):
+        (src / "user_cache_module.py").write_text(USER_MODULE.format(k=k))
+        proc = subprocess.run(
+            [sys.executable, "-c", USER_CHILD],
+            env={**_env(str(cache)), "PYTHONPATH": f"{src}{os.pathsep}{ROOT}"},
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert proc.returncode == 0, proc.stderr
+        results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    assert results[0]["u"] == [0.0, 6.0, 12.0, 18.0]
+    assert results[1]["u"] == [0.0, 10.0, 20.0, 30.0]
