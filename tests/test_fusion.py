@@ -224,8 +224,8 @@ def test_a_fused_run_is_one_kernel_per_dtype_group(monkeypatch):
 
 def test_a_long_run_is_cut_below_numbas_argument_limit():
     make = lambda: nb.chain(*(nb.adam(1e-2) for _ in range(4)), nb.trace(0.5))  # noqa: E731
-    from numbaccum.updates import Spec
     from numbaccum.flat import layout_of
+    from numbaccum.updates import Spec
 
     spec = Spec(layout_of(PARAMS, "params"), False)
     steps = [s.plan(spec, s.init(PARAMS), None, {}) for s in make().update.__self__.stages]
