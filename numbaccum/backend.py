@@ -127,7 +127,6 @@ def leaf_sumsq(flat: Any) -> np.ndarray:
     """sum(x ** 2) of every leaf of a `numbaccum.flat.FlatTree`, float64 in leaf order (one
     engine call per dtype group, each leaf one slice): the plain sums, the fast path."""
     lay = flat.layout
-    out = np.empty(lay.num_leaves, np.float64)
     if not flat.device:  # the host engine's calls, laid out once per layout (and block size)
         key = (lay, _config.REDUCE_BLOCK)
         runs = _HOST_SUMSQ.get(key)
@@ -136,9 +135,13 @@ def leaf_sumsq(flat: Any) -> np.ndarray:
             runs = _HOST_SUMSQ.put(
                 key, [ops_for(g).reduce.prepared("sumsq", t) for g, t in zip(flat.groups, tables)]
             )
+        if len(runs) == 1:  # one dtype: its slices are the leaves, in order
+            return runs[0](flat.groups[0])
+        out = np.empty(lay.num_leaves, np.float64)
         for members, run, g in zip(lay.group_index, runs, flat.groups):
             out[members] = run(g)
         return out
+    out = np.empty(lay.num_leaves, np.float64)
     for members, table, g in zip(lay.group_index, leaf_tables(lay), flat.groups):
         out[members] = ops_for(g).slice_sumsq(g, table)
     return out

@@ -44,6 +44,7 @@ driver's device factor (mode 2), so a fused update is one pre-pass plus one pass
 from __future__ import annotations
 
 import hashlib
+import operator
 import os
 import threading
 from collections.abc import Callable
@@ -328,12 +329,13 @@ class FusedRun:
 
     ``steps``: each step's part (a nested chain's `Chained`); ``parts``: their leaves in order."""
 
-    __slots__ = ("steps", "parts", "memo", "pre", "body", "kernels", "scales", "packers")
+    __slots__ = ("steps", "parts", "memo", "recent", "pre", "body", "kernels", "scales", "packers")
 
     def __init__(self, steps: list) -> None:
         self.steps = steps
         self.parts = [leaf for p in steps for leaf in leaves(p)]
         self.memo: dict = {}  # the shapes of its groups' calls (`_run_group`), made once each
+        self.recent: dict = {}  # the last of them per group, with the buffers it was given
         # What a run does, found once: the pre-pass, the parts of the pass after it, their
         # kernels and factors.
         first = self.parts[0]
@@ -392,7 +394,7 @@ class FusedRun:
         pending = factor
         for gi in range(len(flat.groups)):
             pending = _run_group(
-                self.body, extras, gi, flat, factor, out, apply, settle, self.memo, self.scales
+                self.body, extras, gi, flat, factor, out, apply, settle, self.memo, self.scales, self.recent
             )
         pending = pending if apply is None else ONE
         return (out, pending, self.new_states()) if with_states else (out, pending)
@@ -406,22 +408,29 @@ def _run_group(
     factor: Factor,
     out: FlatTree | None,
     apply: FlatTree | None,
-    settle: bool = False,
-    memo: dict | None = None,
-    scales: list | None = None,
+    settle: bool,
+    memo: dict,
+    scales: list,
+    recent: dict,
 ) -> Factor:
     """One dtype group of a run: one composite kernel (float32/float64), or the parts one formula
     at a time (float16). Returns the factor left pending on the output.
 
     What the call looks like (the composite, where each buffer and scalar goes) depends only on
     the buffers' dtypes and aliasing and on which factors are pending: it is made once per such
-    shape and kept in ``memo`` (the run's), so a replayed step only gathers its arrays and
-    scalars."""
+    shape and kept in ``memo`` (the run's). ``recent`` keeps, per group and pending factors, the
+    last call with the very buffers it was given: a replayed step, on the same buffers, only
+    gathers its scalars."""
     x = flat.groups[gi]
     og = out.groups[gi] if out is not None else None
     pg = apply.groups[gi] if apply is not None else None
     ins = [e.groups[gi] for ex in extras for e in ex]
     mode = 0 if factor is ONE or factor.is_one else 2 if factor.device is not None else 1
+    flags = tuple([p.factor is ONE or p.factor.is_one for p in scales]) if scales else ()
+    shape = (gi, mode, settle, flags)
+    last = recent.get(shape)
+    if last is not None and last[0] is x and last[1] is og and last[2] is pg and _same(last[3], ins):
+        return last[4].run(parts, extras, flat, factor, out, apply, ins)
     key = (
         gi,
         mode,
@@ -430,14 +439,18 @@ def _run_group(
         None if og is None else (og.dtype, og is x),
         None if pg is None else (pg.dtype, tuple([a is pg for a in ins]) if ins else ()),
         tuple([a.dtype for a in ins]) if ins else (),
-        tuple([p.factor is ONE or p.factor.is_one for p in scales]) if scales else (),
+        flags,
     )
-    call = memo.get(key) if memo is not None else None
+    call = memo.get(key)
     if call is None:
-        call = _GroupCall(parts, gi, x, mode, og, pg, ins, settle)
-        if memo is not None:
-            memo[key] = call
+        call = memo[key] = _GroupCall(parts, gi, x, mode, og, pg, ins, settle)
+    recent[shape] = (x, og, pg, ins, call)
     return call.run(parts, extras, flat, factor, out, apply, ins)
+
+
+def _same(a: list, b: list) -> bool:
+    """Whether two lists hold the very same objects."""
+    return len(a) == len(b) and all(map(operator.is_, a, b))
 
 
 def _walk(parts: list, gi: int, d: np.dtype, ins: list, mode: int) -> tuple:
@@ -489,12 +502,13 @@ class _GroupCall:
     ``k``'s factor's, ``(k, gi)`` part ``k``'s scalars of the group. ``final``: where the factor
     left pending on the output comes from (None: nothing pending)."""
 
-    __slots__ = ("composite", "states", "keep", "copy_out", "recipe", "final", "gi", "settle")
+    __slots__ = ("composite", "states", "keep", "copy_out", "recipe", "final", "gi", "settle", "bound")
 
     def __init__(
         self, parts: list, gi: int, x: Any, mode: int, og: Any, pg: Any, ins: list, settle: bool
     ) -> None:
         self.gi, self.settle = gi, settle
+        self.bound: tuple | None = None  # (the buffers it was last given, its prepared launch)
         d = x.dtype
         ops, recipe, states, kinds, pend, src = _walk(parts, gi, d, ins, mode)
         if pg is None and settle and pend == "host":
@@ -553,16 +567,15 @@ class _GroupCall:
                 scalars.append(f.mul)
             else:
                 scalars += parts[k].scalars[g]
-        arrays = list(self.states)
-        if apply is not None:
-            arrays.append(apply.groups[gi])
+        arrays = [] if apply is None else [apply.groups[gi]]
         arrays.append(x)
         arrays += [ins[i] for i in self.keep]
         if self.copy_out:
             arrays.append(out.groups[gi])
-        ops_.driver.map_(
-            self.composite, factor if factor.device is not None else ONE, tuple(arrays), tuple(scalars)
-        )
+        bound = self.bound
+        if bound is None or not _same(bound[0], arrays):  # prepared once for these buffers
+            bound = self.bound = (arrays, ops_.driver.prepare(self.composite, (*self.states, *arrays)))
+        bound[1](factor if factor.device is not None else ONE, scalars)
         return fac
 
 

@@ -215,8 +215,7 @@ def test_explain_shows_the_plan_the_runner_replays(monkeypatch):
     p = {k: v.copy() for k, v in params.items()}
     s = nba.step_(tx, _tree(1), tx.init(p), p)
     launched = []
-    real = driver.map_
-    monkeypatch.setattr(driver, "map_", lambda f, *a: (launched.append(f.name), real(f, *a))[1])
+    monkeypatch.setattr(driver, "observers", [lambda f: launched.append(f.name)])
     nba.step_(tx, _tree(2), s, p)
     assert len(launched) == 1 and launched[0].startswith("fused_")  # (the reduction: the engine)
     shown = nba.explain(tx, p, apply=True)

@@ -310,22 +310,32 @@ def partials(kind, x, table: Table, centers=None, p=0.0):
     return work, part, op
 
 
+_NON_NEGATIVE = frozenset(("sumsq", "sumabs", "nnz", "nancount", "nonfinite"))
+
+
 def prepared(kind, table: Table):
     """``reduce(kind, x, table)`` for one table, its work laid out once: ``run(x)`` -> per slice,
     float64 (the same kernel, the same partition, the same bits). What a kept plan's global norm
     calls every step (`numbaccum.backend.leaf_sumsq`); for kinds without centres."""
-    (pair, op) = KINDS[kind]
+    ((parallel, serial), op) = KINDS[kind]
     work = table.work(_config.REDUCE_BLOCK, True)
     rows, items, pstart, pslice, nparts = table.rows, work.items, work.pstart, work.pslice, work.nparts
     busy = items.shape[0] > 0
     zero = np.float64(0.0)
+    # One partial per slice of a kind whose partials are never -0.0 (sums of squares, of |x|,
+    # counts): the partials are the fold from 0.0, bit for bit.
+    folded = kind in _NON_NEGATIVE and nparts == pslice.size - 1 and bool(np.all(np.diff(pslice) == 1))
 
-    def run(x):
+    def run(x):  # `partials` and `combine`, inline: this is a small tree's every step
         part = np.empty(nparts, np.float64)
-        x = _f16(x)
+        if x.dtype.type is np.float16:
+            x = x.astype(np.float32)
         if busy:
-            _guarded(x.size, _pick(pair, x.size), x, rows, items, pstart, _NONE, zero, part)
-        return combine(part, pslice, op)
+            n = x.size
+            kernel = serial if n < _config.SERIAL_BELOW else parallel
+            with guard_for(n):
+                kernel(x, rows, items, pstart, _NONE, zero, part)
+        return part if folded else combine(part, pslice, op)
 
     return run
 

@@ -218,3 +218,9 @@ def map_(f: Formula, factor: Factor, arrays: tuple, scalars: tuple) -> None:
     kernel = _family(f).kernel(mode, pairs)
     n = arrays[0].size
     launch(kernel, (n + 1) // 2 if pairs else n, (n, *arrays, div, mul, fac, *run_scalars))
+
+
+def prepare(f: Formula, arrays: tuple) -> Any:
+    """`map_` of formula ``f`` over these very device ``arrays``, as ``launch(factor, scalars)``
+    (the CPU driver's twin; a launch here is derived from its arguments each time)."""
+    return lambda factor, scalars: map_(f, factor, arrays, scalars)
