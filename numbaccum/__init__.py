@@ -64,22 +64,8 @@ from .norms import (
     unitwise_clip,
     unitwise_norm,
 )
-from .optim import (
-    ScaleByAdamState,
-    ScaleByScheduleState,
-    WeightDecaySchedule,
-    adam,
-    add_decayed_weights,
-    identity,
-    scale,
-    scale_by_adam,
-    scale_by_learning_rate,
-    scale_by_nadam,
-    scale_by_sign,
-    sgd,
-    sign_sgd,
-)
 from .optimizers import (
+    ScaleByAdamState,
     ScaleByAmsgradState,
     ScaleByBeliefState,
     ScaleByLionState,
@@ -90,6 +76,7 @@ from .optimizers import (
     ScaleByRStdDevWithCountState,
     adabelief,
     adagrad,
+    adam,
     adamax,
     adamw,
     amsgrad,
@@ -97,14 +84,19 @@ from .optimizers import (
     nadam,
     nadamw,
     rmsprop,
+    scale_by_adam,
     scale_by_adamax,
     scale_by_amsgrad,
     scale_by_belief,
     scale_by_lion,
+    scale_by_nadam,
     scale_by_rms,
     scale_by_rss,
+    scale_by_sign,
     scale_by_stddev,
     scale_by_yogi,
+    sgd,
+    sign_sgd,
     yogi,
 )
 from .passes import Explanation, explain, step_
@@ -118,6 +110,14 @@ from .privacy import (
     per_example_layer_norm_clip,
 )
 from .protocol import EmptyState, GradientTransformation, GradientTransformationExtraArgs
+from .scaling import (
+    ScaleByScheduleState,
+    WeightDecaySchedule,
+    add_decayed_weights,
+    identity,
+    scale,
+    scale_by_learning_rate,
+)
 from .schedules import (
     constant_schedule,
     cosine_decay_schedule,

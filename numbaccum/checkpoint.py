@@ -156,10 +156,10 @@ def _library_state_classes() -> tuple[type, ...]:
         distributed,
         inject,
         masking,
-        optim,
         optimizers,
         privacy,
         protocol,
+        scaling,
     )
 
     return (
@@ -180,9 +180,9 @@ def _library_state_classes() -> tuple[type, ...]:
         inject.WrappedScheduleState,
         masking.MaskedNode,
         masking.MaskedState,
-        optim.ScaleByScheduleState,
-        optim.WeightDecaySchedule,
-        optim.ScaleByAdamState,
+        scaling.ScaleByScheduleState,
+        scaling.WeightDecaySchedule,
+        optimizers.ScaleByAdamState,
         optimizers.ScaleByAmsgradState,
         optimizers.ScaleByBeliefState,
         optimizers.ScaleByLionState,

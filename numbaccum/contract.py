@@ -107,12 +107,6 @@ class Ops:
         """out = 0 where factor(x) is NaN, else that value (inf is kept)."""
         self.driver.map_(F.zero_nans, factor, (x, out), ())
 
-    def trace_update_(
-        self, trace: Any, g: Any, factor: Factor, decay: float, nesterov: bool, out: Any
-    ) -> None:
-        """trace = g + decay * trace; out = trace, or g + decay * trace if nesterov."""
-        self.driver.map_(F.trace, factor, (trace, g, out), (decay, nesterov))
-
     def ema_update_(
         self,
         ema: Any,
@@ -133,69 +127,6 @@ class Ops:
     def sum_accumulate_(self, acc: Any, g: Any, factor: Factor, fresh: bool) -> None:
         """acc = g + acc, with acc read as 0 if ``fresh``."""
         self.driver.map_(F.sum_accumulate, factor, (acc, g), (fresh,))
-
-    def adam_update_(
-        self,
-        mu: Any,
-        nu: Any,
-        g: Any,
-        factor: Factor,
-        b1: float,
-        one_minus_b1: float,
-        b2: float,
-        one_minus_b2: float,
-        bc1: Any,
-        bc2: Any,
-        eps: float,
-        eps_root: float,
-        out: Any,
-    ) -> None:
-        """Adam's moments in place; out = (mu / bc1) / (sqrt(nu / bc2 + eps_root) + eps)."""
-        args = (b1, one_minus_b1, b2, one_minus_b2, bc1, bc2, eps, eps_root)
-        self.driver.map_(F.adam, factor, (mu, nu, g, out), args)
-
-    # optax's optimizer library (numbaccum.optimizers): states, g, factor, scalars, out.
-
-    def nadam_update_(self, mu: Any, nu: Any, g: Any, factor: Factor, *scalars: Any, out: Any) -> None:
-        """Adam's moments in place; out = NAdam's direction (`formulas.nadam`); ``scalars``:
-        b1, 1 - b1, b2, 1 - b2, bc1, bc1_next, bc2, eps, eps_root."""
-        self.driver.map_(F.nadam, factor, (mu, nu, g, out), scalars)
-
-    def amsgrad_update_(
-        self, mu: Any, nu: Any, nu_max: Any, g: Any, factor: Factor, *scalars: Any, out: Any
-    ) -> None:
-        """AMSGrad's moments and running max in place; out = its direction (`formulas.amsgrad`);
-        ``scalars``: b1, 1 - b1, b2, 1 - b2, bc1, bc2, eps, eps_root."""
-        self.driver.map_(F.amsgrad, factor, (mu, nu, nu_max, g, out), scalars)
-
-    def adamax_update_(self, mu: Any, nu: Any, g: Any, factor: Factor, *scalars: Any, out: Any) -> None:
-        """Adamax's moment and infinity moment in place; out = (mu / bc1) / nu; ``scalars``:
-        b1, 1 - b1, b2, bc1, eps."""
-        self.driver.map_(F.adamax, factor, (mu, nu, g, out), scalars)
-
-    def belief_update_(self, mu: Any, nu: Any, g: Any, factor: Factor, *scalars: Any, out: Any) -> None:
-        """AdaBelief's moments in place; out = its direction (`formulas.belief`); ``scalars``:
-        b1, 1 - b1, b2, 1 - b2, bc1, bc1_next, bc2, eps, eps_root, nesterov."""
-        self.driver.map_(F.belief, factor, (mu, nu, g, out), scalars)
-
-    def lion_update_(self, mu: Any, g: Any, factor: Factor, *scalars: Any, out: Any) -> None:
-        """out = sign((1 - b1) g + b1 mu) (or its smooth or refined mode); mu = (1 - b2) g + b2 mu;
-        ``scalars``: 1 - b1, b1, 1 - b2, b2, smooth_beta, smooth, refined."""
-        self.driver.map_(F.lion, factor, (mu, g, out), scalars)
-
-    def rms_update_(self, nu: Any, g: Any, factor: Factor, *scalars: Any, out: Any) -> None:
-        """nu = (1 - decay) g^2 + decay nu; out = g scaled by RMSProp's (`formulas.rms`);
-        ``scalars``: 1 - decay, decay, bc, eps, eps_in_sqrt."""
-        self.driver.map_(F.rms, factor, (nu, g, out), scalars)
-
-    def stddev_update_(self, mu: Any, nu: Any, g: Any, factor: Factor, *scalars: Any, out: Any) -> None:
-        """mu, nu = the EMAs of g and g^2; out = g scaled by centred RMSProp's (`formulas.stddev`);
-        ``scalars``: 1 - decay, decay, bc, eps, eps_in_sqrt."""
-        self.driver.map_(F.stddev, factor, (mu, nu, g, out), scalars)
-
-    def rss_update_(self, sum_of_squares: Any, g: Any, factor: Factor, eps: float, out: Any) -> None:
-        """sum_of_squares += g^2; out = g / sqrt(sum_of_squares + eps) where positive, else 0."""
-        self.driver.map_(F.rss, factor, (sum_of_squares, g, out), (eps,))
 
     def abs_ema_clip_(
         self,

@@ -1,5 +1,6 @@
-"""optax's optimizer library beyond SGD and Adam: each direction is one formula
-(`numbaccum.formulas`), each optimizer optax's chain of it with weight decay and the learning rate.
+"""optax's optimizers: SGD, sign-SGD, Adam and the rest of its library. Each direction is one
+formula (`numbaccum.formulas`, or beside its declaration here), each optimizer optax's chain of it
+with weight decay (`numbaccum.scaling`) and the learning rate.
 
 A direction is a `_Direction` stage: its state holds its moments as FlatTrees (plus the step
 count where the formula needs bias corrections), and its update is one kernel per dtype group
@@ -21,24 +22,15 @@ from . import formulas as F
 from ._checks import flag, real
 from .accumulation import trace
 from .base import chain
-from .contract import Ops
-from .declared import bias_correction, check_decay, safe_increment
+from .declared import Elementwise, bias_correction, check_decay, safe_increment
 from .flat import FlatTree
 from .formulas import formula, sqrt
-from .optim import (
-    ScalarOrSchedule,
-    ScaleByAdamState,
-    _Direction,
-    _mu_dtype,
-    add_decayed_weights,
-    identity,
-    scale_by_adam,
-    scale_by_learning_rate,
-    scale_by_nadam,
-)
+from .layout import check_float_dtype
 from .protocol import GradientTransformationExtraArgs
+from .scaling import ScalarOrSchedule, add_decayed_weights, identity, scale_by_learning_rate
 
 __all__ = [
+    "ScaleByAdamState",
     "ScaleByAmsgradState",
     "ScaleByBeliefState",
     "ScaleByLionState",
@@ -49,6 +41,7 @@ __all__ = [
     "ScaleByRssState",
     "adabelief",
     "adagrad",
+    "adam",
     "adamax",
     "adamw",
     "amsgrad",
@@ -56,16 +49,162 @@ __all__ = [
     "nadam",
     "nadamw",
     "rmsprop",
+    "scale_by_adam",
     "scale_by_adamax",
     "scale_by_amsgrad",
     "scale_by_belief",
     "scale_by_lion",
+    "scale_by_nadam",
     "scale_by_rms",
     "scale_by_rss",
+    "scale_by_sign",
     "scale_by_stddev",
     "scale_by_yogi",
+    "sgd",
+    "sign_sgd",
     "yogi",
 ]
+
+
+def sgd(
+    learning_rate: ScalarOrSchedule,
+    momentum: float | None = None,
+    nesterov: bool = False,
+    accumulator_dtype: Any = None,
+) -> GradientTransformationExtraArgs:
+    """Stochastic gradient descent: ``chain(trace(momentum, nesterov), scale_by_learning_rate)``
+    (no trace when ``momentum`` is None): ``u = -lr * trace``."""
+    if momentum is not None:
+        check_decay(momentum, "momentum")  # named as the caller knows it (trace calls it decay)
+    first = trace(momentum, nesterov, accumulator_dtype) if momentum is not None else identity()
+    return chain(first, scale_by_learning_rate(learning_rate))
+
+
+class _ScaleBySign(Elementwise):
+    """``u = sign(g)`` per element (`numbaccum.formulas.sign`); stateless."""
+
+    formula, name = F.sign, "scale_by_sign"
+
+    def scalars(self, count: Any, ct: np.dtype) -> tuple:
+        return ()
+
+
+def scale_by_sign() -> GradientTransformationExtraArgs:
+    """The sign of each element: ``u = sign(g)`` (1, -1, and +-0 and NaN as they are, like
+    ``jnp.sign``). Stateless."""
+    return _ScaleBySign().transformation()
+
+
+def sign_sgd(learning_rate: ScalarOrSchedule) -> GradientTransformationExtraArgs:
+    """signSGD: ``u = -learning_rate * sign(g)``, i.e. ``chain(scale_by_sign(),
+    scale_by_learning_rate(learning_rate))``; ``learning_rate`` is a float or a schedule."""
+    return chain(scale_by_sign(), scale_by_learning_rate(learning_rate))
+
+
+class ScaleByAdamState(NamedTuple):
+    """Adam's step count and first and second moments."""
+
+    count: np.int32  # type: ignore[assignment]  # shadows tuple.count, as in optax
+    mu: FlatTree
+    nu: FlatTree
+
+
+class _ScaleByAdam(Elementwise):
+    """`scale_by_adam`, declared: Adam's moments and direction in one formula."""
+
+    formula, state_cls, fields, counted, name = F.adam, ScaleByAdamState, ("mu", "nu"), True, "scale_by_adam"
+
+    def __init__(self, b1: float, b2: float, eps: float, eps_root: float, mu_dtype: Any) -> None:
+        self.b1 = check_decay(b1, "b1")
+        self.b2 = check_decay(b2, "b2")
+        self.eps, self.eps_root = real(eps, "eps"), real(eps_root, "eps_root")
+        self.mu_dtype = _mu_dtype(mu_dtype)
+
+    def scalars(self, count: Any, ct: np.dtype) -> tuple:
+        b1, b2, t = self.b1, self.b2, int(count)
+        bc1, bc2 = bias_correction(b1, t, ct), bias_correction(b2, t, ct)
+        return (b1, 1.0 - b1, b2, 1.0 - b2, bc1, bc2, self.eps, self.eps_root)
+
+
+def scale_by_adam(
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    eps_root: float = 0.0,
+    mu_dtype: Any = None,
+    *,
+    nesterov: bool = False,
+) -> GradientTransformationExtraArgs:
+    """Adam's direction, as optax computes it:
+
+    ``mu = (1 - b1) g + b1 mu``, ``nu = (1 - b2) g^2 + b2 nu``,
+    ``u = (mu / (1 - b1^t)) / (sqrt(nu / (1 - b2^t) + eps_root) + eps)``, one fused pass.
+
+    Args:
+        b1, b2: decay rates of the moments, in [0, 1].
+        eps, eps_root: added outside and inside the square root.
+        mu_dtype: storage dtype of ``mu``; None keeps each leaf's dtype.
+        nesterov: NAdam's direction instead (`scale_by_nadam`).
+    """
+    if flag(nesterov, "nesterov"):
+        return scale_by_nadam(b1, b2, eps, eps_root, mu_dtype)
+    return _ScaleByAdam(b1, b2, eps, eps_root, mu_dtype).transformation()
+
+
+class _Direction(Elementwise):
+    """optax's ``scale_by_*`` directions with moments: declarations that count steps (for their
+    bias corrections) unless they say otherwise."""
+
+    counted = True
+
+
+def _mu_dtype(mu_dtype: Any) -> np.dtype | None:
+    return None if mu_dtype is None else check_float_dtype(mu_dtype, "mu_dtype")
+
+
+class _ScaleByNadam(_Direction):
+    state_cls, fields, formula, name = ScaleByAdamState, ("mu", "nu"), F.nadam, "scale_by_adam(nesterov)"
+
+    def __init__(self, b1: float, b2: float, eps: float, eps_root: float, mu_dtype: Any) -> None:
+        self.b1, self.b2 = check_decay(b1, "b1"), check_decay(b2, "b2")
+        self.eps, self.eps_root = real(eps, "eps"), real(eps_root, "eps_root")
+        self.mu_dtype = _mu_dtype(mu_dtype)
+
+    def scalars(self, count: Any, ct: np.dtype) -> tuple:
+        b1, b2, t = self.b1, self.b2, int(count)
+        bc1, bc1_next = bias_correction(b1, t, ct), bias_correction(b1, int(safe_increment(count)), ct)
+        bc2 = bias_correction(b2, t, ct)
+        return (b1, 1.0 - b1, b2, 1.0 - b2, bc1, bc1_next, bc2, self.eps, self.eps_root)
+
+
+def scale_by_nadam(
+    b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, eps_root: float = 0.0, mu_dtype: Any = None
+) -> GradientTransformationExtraArgs:
+    """``scale_by_adam(..., nesterov=True)``: Adam's moments, the first one corrected with
+    Nesterov's look-ahead, ``mu_hat = b1 mu / (1 - b1^(t+1)) + (1 - b1) g / (1 - b1^t)``,
+    ``u = mu_hat / (sqrt(nu / (1 - b2^t) + eps_root) + eps)`` (state `ScaleByAdamState`)."""
+    return _ScaleByNadam(b1, b2, eps, eps_root, mu_dtype).transformation()
+
+
+def adam(
+    learning_rate: ScalarOrSchedule,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    eps_root: float = 0.0,
+    mu_dtype: Any = None,
+    *,
+    nesterov: bool = False,
+) -> GradientTransformationExtraArgs:
+    """Adam: ``chain(scale_by_adam(b1, b2, eps, eps_root, mu_dtype, nesterov=nesterov),
+    scale_by_learning_rate(lr))``.
+
+    It is that chain, declared like any other: fused, the ``-lr`` step is applied inside the
+    Adam pass (``u = direction * -lr`` rounds exactly as a separate scaling pass would); with
+    ``NUMBACCUM_FUSE=0`` it is the chain's two passes. ``nesterov=True`` is `nadam`.
+    """
+    direction = scale_by_adam(b1, b2, eps, eps_root, mu_dtype, nesterov=nesterov)
+    return chain(direction, scale_by_learning_rate(learning_rate))
 
 
 class ScaleByAmsgradState(NamedTuple):
@@ -185,7 +324,6 @@ class _ScaleByAmsgrad(_Direction):
         F.amsgrad,
         "scale_by_amsgrad",
     )
-    op = Ops.amsgrad_update_
 
     def __init__(
         self, b1: float, b2: float, eps: float, eps_root: float, mu_dtype: Any, bc_mu: bool, bc_nu: bool
@@ -237,7 +375,6 @@ def amsgrad(
 
 class _ScaleByAdamax(_Direction):
     state_cls, fields, formula, name = ScaleByAdamState, ("mu", "nu"), F.adamax, "scale_by_adamax"
-    op = Ops.adamax_update_
 
     def __init__(self, b1: float, b2: float, eps: float) -> None:
         self.b1, self.b2, self.eps = check_decay(b1, "b1"), check_decay(b2, "b2"), real(eps, "eps")
@@ -261,7 +398,6 @@ def adamax(
 
 class _ScaleByBelief(_Direction):
     state_cls, fields, formula, name = ScaleByBeliefState, ("mu", "nu"), F.belief, "scale_by_belief"
-    op = Ops.belief_update_
 
     def __init__(self, b1: float, b2: float, eps: float, eps_root: float, nesterov: bool) -> None:
         self.b1, self.b2 = check_decay(b1, "b1"), check_decay(b2, "b2")
@@ -306,7 +442,6 @@ _LION_MODES = ("hard", "smooth", "refined")
 
 class _ScaleByLion(_Direction):
     state_cls, fields, formula, name = ScaleByLionState, ("mu",), F.lion, "scale_by_lion"
-    op = Ops.lion_update_
 
     def __init__(self, b1: float, b2: float, mu_dtype: Any, mode: str, smooth_beta: float) -> None:
         self.b1, self.b2 = check_decay(b1, "b1"), check_decay(b2, "b2")
@@ -458,7 +593,7 @@ def yogi(
 
 
 class _ScaleByRms(_Direction):
-    formula, name, op = F.rms, "scale_by_rms", Ops.rms_update_
+    formula, name = F.rms, "scale_by_rms"
     fields = ("nu",)
 
     def __init__(self, decay: float, eps: float, initial_scale: float, eps_in_sqrt: bool, bc: bool) -> None:
@@ -488,7 +623,7 @@ def scale_by_rms(
 
 
 class _ScaleByStddev(_ScaleByRms):
-    formula, name, op = F.stddev, "scale_by_stddev", Ops.stddev_update_
+    formula, name = F.stddev, "scale_by_stddev"
     fields = ("mu", "nu")
 
     def __init__(self, decay: float, eps: float, initial_scale: float, eps_in_sqrt: bool, bc: bool) -> None:
@@ -535,7 +670,6 @@ def rmsprop(
 
 class _ScaleByRss(_Direction):
     state_cls, fields, formula, name = ScaleByRssState, ("sum_of_squares",), F.rss, "scale_by_rss"
-    op = Ops.rss_update_
     counted = False
 
     def __init__(self, initial_accumulator_value: float, eps: float) -> None:

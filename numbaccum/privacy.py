@@ -33,8 +33,8 @@ from .base import Stage, Step, chain
 from .declared import check_decay
 from .flat import FlatTree, as_flat, layout_of
 from .layout import Layout
-from .optim import identity, scale_by_learning_rate
 from .protocol import GradientTransformationExtraArgs
+from .scaling import identity, scale_by_learning_rate
 from .tables import segments
 from .tree import short_repr, tree_unflatten
 from .updates import ParamsRef, Spec, Updates

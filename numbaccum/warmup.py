@@ -12,7 +12,7 @@ from .layout import check_float_dtype
 
 
 def _transformations() -> list[Any]:
-    from . import accumulation, clipping, optim
+    from . import accumulation, clipping, optimizers, scaling
     from .base import chain
 
     return [
@@ -20,14 +20,16 @@ def _transformations() -> list[Any]:
         accumulation.trace(0.9),
         accumulation.ema(0.9),
         accumulation.apply_every(2),
-        accumulation.MultiSteps(chain(clipping.clip_by_global_norm(1.0), optim.adam(1e-3)), 2),
+        accumulation.MultiSteps(chain(clipping.clip_by_global_norm(1.0), optimizers.adam(1e-3)), 2),
         accumulation.MultiSteps(
-            optim.sgd(0.1), 2, use_grad_mean=False, should_skip_update_fn=accumulation.skip_not_finite
+            optimizers.sgd(0.1), 2, use_grad_mean=False, should_skip_update_fn=accumulation.skip_not_finite
         ),
-        chain(clipping.clip(1.0), clipping.zero_nans(), optim.add_decayed_weights(1e-4), optim.scale(-1.0)),
+        chain(
+            clipping.clip(1.0), clipping.zero_nans(), scaling.add_decayed_weights(1e-4), scaling.scale(-1.0)
+        ),
         clipping.clip_by_block_rms(1.0),
         clipping.normalize_by_update_norm(),
-        clipping.apply_if_finite(optim.sgd(0.1), 1),
+        clipping.apply_if_finite(optimizers.sgd(0.1), 1),
     ]
 
 

@@ -216,3 +216,18 @@ def test_updates_and_state_close(name, path):
         assert_close_elementwise(a, e, f"{name} ({path}) step {k + 1} updates")
     if CASES[name].ref_state:
         compare_states(state, ref_state, f"{name} ({path})", assert_close_elementwise)
+
+
+def test_every_mutation_of_the_mutation_tool_still_finds_its_line():
+    """``tests/tools/mutate.py`` (run by hand) mutates lines by their text: one that moved would
+    stop the tool, so each line must still occur exactly once where it says."""
+    import importlib.util
+    from pathlib import Path
+
+    tool = Path(__file__).resolve().parent / "tools" / "mutate.py"
+    spec = importlib.util.spec_from_file_location("_mutate_tool", tool)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    root = tool.parent.parent.parent
+    moved = [m.name for m in mod.MUTATIONS if (root / m.path).read_text().count(m.old) != 1]
+    assert not moved, moved

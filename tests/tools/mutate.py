@@ -204,21 +204,23 @@ MUTATIONS = [
     # the declarations: the scalars the formulas get
     Mutation(
         "adam_bc2_from_b1",
-        "numbaccum/optim.py",
-        "bc1, bc2 = bias_correction(b1, int(count), ct), bias_correction(b2, int(count), ct)",
-        "bc1, bc2 = bias_correction(b1, int(count), ct), bias_correction(b2, int(count) + 1, ct)",
+        "numbaccum/optimizers.py",
+        "        bc1, bc2 = bias_correction(b1, t, ct), bias_correction(b2, t, ct)\n        return (b1, 1.0 - b1, b2, 1.0 - b2, bc1, bc2, self.eps, self.eps_root)",
+        "        bc1, bc2 = bias_correction(b1, t, ct), bias_correction(b1, t, ct)\n        return (b1, 1.0 - b1, b2, 1.0 - b2, bc1, bc2, self.eps, self.eps_root)",
         "bug",
     ),
     Mutation(
         "nadam_bc1_next_same",
-        "numbaccum/optim.py",
-        "bc1, bc1_next = bias_correction(b1, t, ct), bias_correction(b1, int(safe_increment(count)), ct)",
-        "bc1, bc1_next = bias_correction(b1, t, ct), bias_correction(b1, t, ct)",
+        "numbaccum/optimizers.py",
+        "bias_correction(b1, int(safe_increment(count)), ct)\n        bc2 = bias_correction(b2, t, ct)\n"
+        "        return (b1, 1.0 - b1, b2, 1.0 - b2, bc1, bc1_next, bc2, self.eps, self.eps_root)\n",
+        "bias_correction(b1, t, ct)\n        bc2 = bias_correction(b2, t, ct)\n"
+        "        return (b1, 1.0 - b1, b2, 1.0 - b2, bc1, bc1_next, bc2, self.eps, self.eps_root)\n",
         "bug",
     ),
     Mutation(
         "bias_correction_in_float64",
-        "numbaccum/accumulation.py",
+        "numbaccum/declared.py",
         "    return one - d ** int(count)\n",
         "    return type(one)(1.0 - float(d) ** int(count))\n",
         "rounding",

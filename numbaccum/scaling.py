@@ -1,7 +1,10 @@
-"""Inner optimizers, so that MultiSteps is usable on its own: scale, sgd, adam and friends.
+"""Factors on the updates: `identity`, `scale`, learning rates (`scale_by_learning_rate`, a
+constant or a schedule) and decoupled weight decay (`add_decayed_weights`).
 
-Each is a `Stage`. A learning rate is planned like any per-step scalar: a schedule is called by
-the plan, before any buffer is written, so a schedule that raises leaves the state as it was.
+Each declares a part of the plan (`numbaccum.fuse`): a factor (`Scale`) that rides on the next
+kernel instead of a pass of its own, or weight decay's kernel that reads the params. A schedule
+is called by the part's tick, before any buffer is written, so a schedule that raises leaves the
+state as it was.
 """
 
 from __future__ import annotations
@@ -13,32 +16,22 @@ import numpy as np
 
 from . import formulas as F
 from ._checks import flag, real, real_or_schedule, scheduled
-from .accumulation import trace
 from .backend import ops_for
-from .base import Stage, Step, chain
-from .contract import ONE, Factor, Ops
-from .declared import Elementwise, bias_correction, check_decay, safe_increment
-from .flat import FlatTree
+from .base import Stage, Step
+from .contract import ONE, Factor
+from .declared import safe_increment
 from .fuse import Kernel, Scale
-from .layout import check_float_dtype
 from .masking import MaskedState, _Masked
 from .protocol import EmptyState, GradientTransformationExtraArgs
 from .updates import ParamsRef, Spec, Updates
 
 __all__ = [
-    "ScaleByAdamState",
     "ScaleByScheduleState",
     "WeightDecaySchedule",
-    "adam",
     "add_decayed_weights",
     "identity",
     "scale",
-    "scale_by_adam",
     "scale_by_learning_rate",
-    "scale_by_nadam",
-    "scale_by_sign",
-    "sgd",
-    "sign_sgd",
 ]
 
 ScalarOrSchedule = float | Callable[[Any], Any]
@@ -249,145 +242,3 @@ def add_decayed_weights(
     if mask is None:
         return _AddDecayedWeights(weight_decay).transformation()
     return _MaskedDecay(weight_decay, mask).transformation()
-
-
-def sgd(
-    learning_rate: ScalarOrSchedule,
-    momentum: float | None = None,
-    nesterov: bool = False,
-    accumulator_dtype: Any = None,
-) -> GradientTransformationExtraArgs:
-    """Stochastic gradient descent: ``chain(trace(momentum, nesterov), scale_by_learning_rate)``
-    (no trace when ``momentum`` is None): ``u = -lr * trace``."""
-    if momentum is not None:
-        check_decay(momentum, "momentum")  # named as the caller knows it (trace calls it decay)
-    first = trace(momentum, nesterov, accumulator_dtype) if momentum is not None else identity()
-    return chain(first, scale_by_learning_rate(learning_rate))
-
-
-class _ScaleBySign(Elementwise):
-    """``u = sign(g)`` per element (`numbaccum.formulas.sign`); stateless."""
-
-    formula, name = F.sign, "scale_by_sign"
-
-    def scalars(self, count: Any, ct: np.dtype) -> tuple:
-        return ()
-
-
-def scale_by_sign() -> GradientTransformationExtraArgs:
-    """The sign of each element: ``u = sign(g)`` (1, -1, and +-0 and NaN as they are, like
-    ``jnp.sign``). Stateless."""
-    return _ScaleBySign().transformation()
-
-
-def sign_sgd(learning_rate: ScalarOrSchedule) -> GradientTransformationExtraArgs:
-    """signSGD: ``u = -learning_rate * sign(g)``, i.e. ``chain(scale_by_sign(),
-    scale_by_learning_rate(learning_rate))``; ``learning_rate`` is a float or a schedule."""
-    return chain(scale_by_sign(), scale_by_learning_rate(learning_rate))
-
-
-class ScaleByAdamState(NamedTuple):
-    """Adam's step count and first and second moments."""
-
-    count: np.int32  # type: ignore[assignment]  # shadows tuple.count, as in optax
-    mu: FlatTree
-    nu: FlatTree
-
-
-class _ScaleByAdam(Elementwise):
-    """`scale_by_adam`, declared: Adam's moments and direction in one formula."""
-
-    formula, state_cls, fields, counted, name = F.adam, ScaleByAdamState, ("mu", "nu"), True, "scale_by_adam"
-
-    def __init__(self, b1: float, b2: float, eps: float, eps_root: float, mu_dtype: Any) -> None:
-        self.b1 = check_decay(b1, "b1")
-        self.b2 = check_decay(b2, "b2")
-        self.eps, self.eps_root = real(eps, "eps"), real(eps_root, "eps_root")
-        self.mu_dtype = _mu_dtype(mu_dtype)
-
-    def scalars(self, count: Any, ct: np.dtype) -> tuple:
-        b1, b2, t = self.b1, self.b2, int(count)
-        bc1, bc2 = bias_correction(b1, t, ct), bias_correction(b2, t, ct)
-        return (b1, 1.0 - b1, b2, 1.0 - b2, bc1, bc2, self.eps, self.eps_root)
-
-
-def scale_by_adam(
-    b1: float = 0.9,
-    b2: float = 0.999,
-    eps: float = 1e-8,
-    eps_root: float = 0.0,
-    mu_dtype: Any = None,
-    *,
-    nesterov: bool = False,
-) -> GradientTransformationExtraArgs:
-    """Adam's direction, as optax computes it:
-
-    ``mu = (1 - b1) g + b1 mu``, ``nu = (1 - b2) g^2 + b2 nu``,
-    ``u = (mu / (1 - b1^t)) / (sqrt(nu / (1 - b2^t) + eps_root) + eps)``, one fused pass.
-
-    Args:
-        b1, b2: decay rates of the moments, in [0, 1].
-        eps, eps_root: added outside and inside the square root.
-        mu_dtype: storage dtype of ``mu``; None keeps each leaf's dtype.
-        nesterov: NAdam's direction instead (`scale_by_nadam`).
-    """
-    if flag(nesterov, "nesterov"):
-        return scale_by_nadam(b1, b2, eps, eps_root, mu_dtype)
-    return _ScaleByAdam(b1, b2, eps, eps_root, mu_dtype).transformation()
-
-
-class _Direction(Elementwise):
-    """optax's ``scale_by_*`` directions with moments: declarations that count steps (for their
-    bias corrections) unless they say otherwise."""
-
-    counted = True
-
-
-def _mu_dtype(mu_dtype: Any) -> np.dtype | None:
-    return None if mu_dtype is None else check_float_dtype(mu_dtype, "mu_dtype")
-
-
-class _ScaleByNadam(_Direction):
-    state_cls, fields, formula, name = ScaleByAdamState, ("mu", "nu"), F.nadam, "scale_by_adam(nesterov)"
-    op = Ops.nadam_update_
-
-    def __init__(self, b1: float, b2: float, eps: float, eps_root: float, mu_dtype: Any) -> None:
-        self.b1, self.b2 = check_decay(b1, "b1"), check_decay(b2, "b2")
-        self.eps, self.eps_root = real(eps, "eps"), real(eps_root, "eps_root")
-        self.mu_dtype = _mu_dtype(mu_dtype)
-
-    def scalars(self, count: Any, ct: np.dtype) -> tuple:
-        b1, b2, t = self.b1, self.b2, int(count)
-        bc1, bc1_next = bias_correction(b1, t, ct), bias_correction(b1, int(safe_increment(count)), ct)
-        bc2 = bias_correction(b2, t, ct)
-        return (b1, 1.0 - b1, b2, 1.0 - b2, bc1, bc1_next, bc2, self.eps, self.eps_root)
-
-
-def scale_by_nadam(
-    b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, eps_root: float = 0.0, mu_dtype: Any = None
-) -> GradientTransformationExtraArgs:
-    """``scale_by_adam(..., nesterov=True)``: Adam's moments, the first one corrected with
-    Nesterov's look-ahead, ``mu_hat = b1 mu / (1 - b1^(t+1)) + (1 - b1) g / (1 - b1^t)``,
-    ``u = mu_hat / (sqrt(nu / (1 - b2^t) + eps_root) + eps)`` (state `ScaleByAdamState`)."""
-    return _ScaleByNadam(b1, b2, eps, eps_root, mu_dtype).transformation()
-
-
-def adam(
-    learning_rate: ScalarOrSchedule,
-    b1: float = 0.9,
-    b2: float = 0.999,
-    eps: float = 1e-8,
-    eps_root: float = 0.0,
-    mu_dtype: Any = None,
-    *,
-    nesterov: bool = False,
-) -> GradientTransformationExtraArgs:
-    """Adam: ``chain(scale_by_adam(b1, b2, eps, eps_root, mu_dtype, nesterov=nesterov),
-    scale_by_learning_rate(lr))``.
-
-    It is that chain, declared like any other: fused, the ``-lr`` step is applied inside the
-    Adam pass (``u = direction * -lr`` rounds exactly as a separate scaling pass would); with
-    ``NUMBACCUM_FUSE=0`` it is the chain's two passes. ``nesterov=True`` is `nadam`.
-    """
-    direction = scale_by_adam(b1, b2, eps, eps_root, mu_dtype, nesterov=nesterov)
-    return chain(direction, scale_by_learning_rate(learning_rate))
