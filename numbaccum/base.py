@@ -194,12 +194,20 @@ class Stage(abc.ABC):
 
     # --- workspaces -------------------------------------------------------------------------
 
+    def local(self) -> threading.local:
+        """What this stage remembers, per thread: the buffers it keeps (`kept`), its kept plans
+        (`numbaccum.runner`), the last layout and spec it saw. Made once, on first use
+        (subclasses need not call an ``__init__`` of ours); nothing else of a stage changes after
+        construction, and threads sharing a transformation share none of this."""
+        local = self.__dict__.get("_kept")
+        if local is None:
+            local = self.__dict__.setdefault("_kept", threading.local())
+        return local
+
     def kept(self, name: str, layout: Layout, device: bool) -> FlatTree:
         """A buffer this stage keeps for itself, per name, layout and device (and thread): the
         workspaces of a stateless stage, whose updates are valid until its own next update."""
-        local = self.__dict__.get("_kept")
-        if local is None:  # made on first use: subclasses need not call an __init__ of ours
-            local = self.__dict__.setdefault("_kept", threading.local())
+        local = self.local()
         cache = local.__dict__.get("buffers")
         if cache is None:
             cache = local.buffers = {}
@@ -239,10 +247,7 @@ class Stage(abc.ABC):
 
     def transformation(self) -> GradientTransformationExtraArgs:
         """This stage as ``GradientTransformationExtraArgs(self.init, self.update)``."""
-        tx = self.__dict__.get("_transformation")
-        if tx is None:
-            tx = self.__dict__["_transformation"] = GradientTransformationExtraArgs(self.init, self.update)
-        return tx
+        return GradientTransformationExtraArgs(self.init, self.update)
 
     def take(self, updates: Any, state: Any, params: Any, owner: FlatTree | None) -> tuple[Updates, str]:
         """The user's updates as `Updates` (validated; packed into the ``input`` workspace when
@@ -253,7 +258,8 @@ class Stage(abc.ABC):
         tree is checked cheaply next time). A reshaping stage overrides this."""
         side: bool | None = None  # the updates' side, when known here
         checked = None  # the updates' leaves, when checked here
-        last = self.__dict__.get("_last")
+        local = self.local()
+        last = local.__dict__.get("last")  # the layout of the last plain tree taken (this thread)
         if owner is not None:
             layout = owner.layout
             if not owner.device and not isinstance(updates, FlatTree):
@@ -269,7 +275,7 @@ class Stage(abc.ABC):
                 params if params is not None else updates, "params" if params is not None else "updates"
             )
             if params is None:
-                self.__dict__["_last"] = layout
+                local.last = layout
         if owner is not None:
             device: bool | None = owner.device
             inbox: Callable[[], FlatTree] = lambda: owner.workspace("input")  # noqa: E731
@@ -551,48 +557,12 @@ class Chain(Stage):
         if segs is not None and all(r is None for _, _, r in segs):
             segs = None  # nothing to fuse
         if segs is None:
-
-            def run(u: Updates) -> tuple[Updates, Any]:
-                new_states = list(states)
-                for i, (step_run, scratch) in enumerate(zip(runs, scratches)):
-                    u.scratch = scratch
-                    try:
-                        u, new_states[i] = step_run(u)
-                    except SkipStep as e:  # the stages after it keep their states
-                        new_states[i] = e.new_state
-                        keep_states(states[i + 1 :])
-                        raise SkipStep(pack(new_states)) from None
-                return u, pack(new_states)
-
-            return Step(undoable(run, earlier), out_spec, _chained(steps, names))
-
-        n = len(steps)
-
-        def run_fused(u: Updates, apply: FlatTree | None = None, settle: bool = False) -> tuple[Any, Any]:
-            new_states: list = list(states)
-            for start, stop, fr in segs:
-                u.scratch = scratches[stop - 1]
-                try:
-                    if fr is None:
-                        u, new_states[start] = runs[start](u)
-                    elif stop == n:
-                        u, new_states[start:stop] = run_parts(fr, u, apply, settle)
-                    else:
-                        u, new_states[start:stop] = run_parts(fr, u)
-                except SkipStep as e:  # a run's pre-pass (a clip) skipped: nothing of it ran
-                    part = steps[start].fuse
-                    if fr is not None and isinstance(part, fuse.Chained):
-                        # The pre-pass is a nested chain's first part: that chain's state holds
-                        # its new state, and its later stages' states as they were.
-                        later = fuse.split(part, states[start])[1:]
-                        keep_states(later)
-                        new_states[start] = fuse.pack(part, [e.new_state, *later])
-                    else:
-                        new_states[start] = e.new_state
-                    keep_states(states[start + 1 :])
-                    raise SkipStep(pack(new_states)) from None
-            return u, pack(new_states)
-
+            return Step(
+                undoable(_stage_by_stage(states, runs, scratches, pack), earlier),
+                out_spec,
+                _chained(steps, names),
+            )
+        run_fused = _fused_runs(states, steps, runs, scratches, segs, pack)
         run_fused = undoable(run_fused, earlier)
         last_fused = segs[-1][2] is not None
         return Step(
@@ -608,7 +578,8 @@ class Chain(Stage):
         stage's own (`Stage.workspace`). A stage writes its new values into a scratch buffer of
         its own: it may still read its input after an inner transformation wrote into the
         scratch. The last list is kept, for the same owner (or layout) the next time."""
-        memo = self.__dict__.get("_scratch_memo")
+        local = self.local()
+        memo = local.__dict__.get("scratch")
         # Keyed by the owner's workspaces, which its renewals share (`current`).
         key = None if owner is None else owner._workspaces
         if memo is not None and memo[0] is key and memo[1] is spec.layout and memo[2] == spec.device:
@@ -619,8 +590,63 @@ class Chain(Stage):
             scratches = [stage.workspace(s, spec, "scratch") for stage, s in zip(self.stages, states)]
             if any(stage.owner(s) is not None for stage, s in zip(self.stages, states)):
                 return scratches  # bound to this state: not kept
-        self.__dict__["_scratch_memo"] = (key, spec.layout, spec.device, scratches)
+        local.scratch = (key, spec.layout, spec.device, scratches)
         return scratches
+
+
+def _stage_by_stage(states: tuple, runs: list, scratches: list, pack: Callable) -> Callable:
+    """A chain's run, one stage after the other: a stage that skips the step (a clip) keeps the
+    states of the stages after it as they were."""
+
+    def run(u: Updates) -> tuple[Updates, Any]:
+        new_states = list(states)
+        for i, (step_run, scratch) in enumerate(zip(runs, scratches)):
+            u.scratch = scratch
+            try:
+                u, new_states[i] = step_run(u)
+            except SkipStep as e:  # the stages after it keep their states
+                new_states[i] = e.new_state
+                keep_states(states[i + 1 :])
+                raise SkipStep(pack(new_states)) from None
+        return u, pack(new_states)
+
+    return run
+
+
+def _fused_runs(
+    states: tuple, steps: list, runs: list, scratches: list, segs: list, pack: Callable
+) -> Callable:
+    """A chain's run over the runs of ``segs`` (`numbaccum.fuse.segments`): a fused run of
+    several stages is one pass, its last one may add the updates to ``apply`` and settle a
+    trailing factor. A run whose pre-pass skips the step keeps the states after it."""
+    n = len(steps)
+
+    def run_fused(u: Updates, apply: FlatTree | None = None, settle: bool = False) -> tuple[Any, Any]:
+        new_states: list = list(states)
+        for start, stop, fr in segs:
+            u.scratch = scratches[stop - 1]
+            try:
+                if fr is None:
+                    u, new_states[start] = runs[start](u)
+                elif stop == n:
+                    u, new_states[start:stop] = run_parts(fr, u, apply, settle)
+                else:
+                    u, new_states[start:stop] = run_parts(fr, u)
+            except SkipStep as e:  # a run's pre-pass (a clip) skipped: nothing of it ran
+                part = steps[start].fuse
+                if fr is not None and isinstance(part, fuse.Chained):
+                    # The pre-pass is a nested chain's first part: that chain's state holds
+                    # its new state, and its later stages' states as they were.
+                    later = fuse.split(part, states[start])[1:]
+                    keep_states(later)
+                    new_states[start] = fuse.pack(part, [e.new_state, *later])
+                else:
+                    new_states[start] = e.new_state
+                keep_states(states[start + 1 :])
+                raise SkipStep(pack(new_states)) from None
+        return u, pack(new_states)
+
+    return run_fused
 
 
 def _chained(steps: list, names: list[str] | None) -> Any:

@@ -133,20 +133,8 @@ def explain(
     if isinstance(stage, MultiSteps) and not stage.reshapes:  # (DP accumulation: opaque below)
         return _explain_multisteps(stage, params, state, apply, fused, layout)
     units, names, segs = _units(stage, spec, state, ref, apply, fused)
-    sizes = np.array(layout.group_sizes, np.float64)
-    n = float(sizes.sum()) or 1.0
-    d = np.array([np.dtype(t).itemsize for t in layout.group_dtypes], np.float64)
-
-    def per_param(itemsizes: Any) -> float:
-        return float(np.dot(sizes, itemsizes) / n)
-
-    x = per_param(d)
-
-    def buffers(part: fuse.Kernel) -> tuple[float, float]:
-        st = sum(per_param([g.dtype.itemsize for g in s.groups]) for s in part.states)
-        extra = x * (len(part.formula.inputs) - 1)  # params: the updates' dtypes
-        return st + extra, st
-
+    b = _Bytes(layout)
+    x = b.x
     passes: list[Pass] = []
     # The gradient read once, and the output written once (params read and written with apply);
     # each state and extra input below.
@@ -158,49 +146,88 @@ def explain(
             passes.append(Pass("opaque", (names[start],), None, None))
             pending = False
             continue
-        for p in parts:
-            if isinstance(p, fuse.Kernel):
-                r, w = buffers(p)
-                minimum += r + w
-            elif isinstance(p, fuse.Prepass):
-                minimum += x
+        minimum += sum(b.both(p) if isinstance(p, fuse.Kernel) else x for p in parts if _moves(p))
         if fr is not None:
-            label = tuple(_part_name(p) for p in parts if not (isinstance(p, fuse.Scale) and p.factor.is_one))
-            if isinstance(parts[0], fuse.Prepass):
-                passes.append(Pass("reduction", (f"{parts[0].name} ({parts[0].reads})",), x, 0.0))
-            r = x + sum(buffers(p)[0] for p in parts if isinstance(p, fuse.Kernel))
-            w = sum(buffers(p)[1] for p in parts if isinstance(p, fuse.Kernel))
-            last = stop == len(units)
-            if apply and last:
-                # The params a part reads (weight decay) are the ones the pass writes: read once.
-                shared = x * sum(len(p.formula.inputs) - 1 for p in parts if isinstance(p, fuse.Kernel))
-                minimum -= shared
-                passes.append(Pass("fused", (*label, "apply to params"), r + x - shared, w + x))
-            else:
-                passes.append(Pass("fused", label, r, w + x))
+            shown, shared = _fused_passes(b, parts, apply and stop == len(units))
+            passes += shown
+            minimum -= shared
             pending = False
-            continue
-        for p in parts:  # stage by stage
-            if isinstance(p, fuse.Prepass):
-                if pending:
-                    passes.append(Pass("settle", ("pending factor",), x, x))
-                passes.append(Pass("reduction", (f"{p.name} ({p.reads})",), x, 0.0))
-                pending = True
-            elif isinstance(p, fuse.Scale):
-                if p.factor.is_one:
-                    continue
-                if pending:
-                    passes.append(Pass("settle", ("pending factor",), x, x))
-                pending = True
-            else:
-                r, w = buffers(p)
-                passes.append(Pass("kernel", (_part_name(p),), x + r, w + x))
-                pending = False
+        else:
+            pending = _one_by_one_passes(b, parts, pending, passes)
     if pending:  # a factor left on the output: `Stage.update` settles it
         passes.append(Pass("settle", ("pending factor",), x, x))
     if apply and not (fused and segs and segs[-1][2] is not None):
         passes.append(Pass("apply", ("apply_updates_",), 2 * x, x))
     return Explanation(tuple(passes), minimum, fused, apply, int(sum(layout.group_sizes)))
+
+
+class _Bytes:
+    """Bytes per parameter of a layout's buffers: ``x`` for one buffer of the updates' dtypes."""
+
+    def __init__(self, layout: Any) -> None:
+        self.sizes = np.array(layout.group_sizes, np.float64)
+        self.n = float(self.sizes.sum()) or 1.0
+        self.x = self.per_param([np.dtype(t).itemsize for t in layout.group_dtypes])
+
+    def per_param(self, itemsizes: Any) -> float:
+        return float(np.dot(self.sizes, np.asarray(itemsizes, np.float64)) / self.n)
+
+    def buffers(self, part: fuse.Kernel) -> tuple[float, float]:
+        """What a kernel reads and writes besides the updates: its states (read and written)
+        and its extra inputs (params: the updates' dtypes, read)."""
+        st = sum(self.per_param([g.dtype.itemsize for g in s.groups]) for s in part.states)
+        return st + self.x * (len(part.formula.inputs) - 1), st
+
+    def both(self, part: fuse.Kernel) -> float:
+        r, w = self.buffers(part)
+        return r + w
+
+
+def _moves(part: Any) -> bool:
+    """Whether a part moves memory of its own (a kernel's buffers, a reduction's read)."""
+    return isinstance(part, (fuse.Kernel, fuse.Prepass))
+
+
+def _fused_passes(b: _Bytes, parts: list, apply: bool) -> tuple[list[Pass], float]:
+    """The passes of one fused run: its reduction, if it starts with one, then one pass (adding
+    the updates to the params with ``apply``); and the bytes the params a part reads save (they
+    are the ones the pass writes: read once)."""
+    x = b.x
+    kernels = [p for p in parts if isinstance(p, fuse.Kernel)]
+    label = tuple(_part_name(p) for p in parts if not (isinstance(p, fuse.Scale) and p.factor.is_one))
+    out = []
+    if isinstance(parts[0], fuse.Prepass):
+        out.append(Pass("reduction", (f"{parts[0].name} ({parts[0].reads})",), x, 0.0))
+    r = x + sum(b.buffers(p)[0] for p in kernels)
+    w = sum(b.buffers(p)[1] for p in kernels)
+    if not apply:
+        return [*out, Pass("fused", label, r, w + x)], 0.0
+    shared = x * sum(len(p.formula.inputs) - 1 for p in kernels)
+    return [*out, Pass("fused", (*label, "apply to params"), r + x - shared, w + x)], shared
+
+
+def _one_by_one_passes(b: _Bytes, parts: list, pending: bool, passes: list) -> bool:
+    """Appends the passes of ``parts`` run stage by stage: a factor stays pending until a kernel
+    reads it, and is settled in a pass of its own before a reduction or another factor.
+    Returns whether a factor is pending after them."""
+    x = b.x
+    for p in parts:
+        if isinstance(p, fuse.Prepass):
+            if pending:
+                passes.append(Pass("settle", ("pending factor",), x, x))
+            passes.append(Pass("reduction", (f"{p.name} ({p.reads})",), x, 0.0))
+            pending = True
+        elif isinstance(p, fuse.Scale):
+            if p.factor.is_one:
+                continue
+            if pending:
+                passes.append(Pass("settle", ("pending factor",), x, x))
+            pending = True
+        else:
+            r, w = b.buffers(p)
+            passes.append(Pass("kernel", (_part_name(p),), x + r, w + x))
+            pending = False
+    return pending
 
 
 def _units(stage: Stage, spec: Spec, state: Any, ref: ParamsRef, apply: bool, fused: bool) -> tuple:

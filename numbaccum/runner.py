@@ -27,7 +27,6 @@ runs through the same entry with its own `Stage.plan` each call.
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import numpy as np
@@ -103,9 +102,7 @@ def _plans(stage: Any, owner: FlatTree | None) -> dict:
         if plans is None:
             plans = owner.__dict__["_plans"] = {}
         return plans
-    local = stage.__dict__.get("_kept")
-    if local is None:
-        local = stage.__dict__.setdefault("_kept", threading.local())
+    local = stage.local()
     plans = local.__dict__.get("plans")
     if plans is None:
         plans = local.plans = {}
@@ -190,9 +187,10 @@ def run(stage: Any, grads: Any, state: Any, params: Any, extra: dict, apply: boo
 
 
 def _spec(stage: Any, flat: FlatTree) -> Spec:
-    spec = stage.__dict__.get("_spec")  # the last one, kept: a small tree's update is microseconds
+    local = stage.local()  # the last one, kept (per thread): a small tree's update is microseconds
+    spec = local.__dict__.get("spec")
     if spec is None or spec.layout is not flat.layout or spec.device != flat.device:
-        spec = stage.__dict__["_spec"] = Spec(flat.layout, flat.device)
+        spec = local.spec = Spec(flat.layout, flat.device)
     return spec
 
 

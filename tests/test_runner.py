@@ -250,3 +250,53 @@ def test_a_chain_of_one_keeps_its_tuple_state():
     for _ in range(3):
         _, s = tx.update(p, s, p)
         assert isinstance(s, tuple) and len(s) == 1 and isinstance(s[0], nba.EmaState)
+
+
+def _stages(obj: object, seen: set | None = None) -> list:
+    """Every `Stage` reachable from ``obj`` through attributes, lists, tuples and dicts."""
+    from numbaccum.base import Stage
+
+    seen = set() if seen is None else seen
+    if id(obj) in seen:
+        return []
+    seen.add(id(obj))
+    if isinstance(obj, (list, tuple)):
+        return [s for x in obj for s in _stages(x, seen)]
+    if isinstance(obj, dict):
+        return [s for x in obj.values() for s in _stages(x, seen)]
+    if not isinstance(obj, Stage):
+        return []
+    return [obj] + [s for k, v in vars(obj).items() if k != "_kept" for s in _stages(v, seen)]
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        _chain,
+        lambda: nba.scale(2.0),
+        lambda: nba.ema(0.9),
+        lambda: nba.MultiSteps(nba.adam(1e-2), 2).gradient_transformation(),
+        lambda: nba.chain(nba.masked(nba.trace(0.9), {"l0": True, "l1": False}), nba.sgd(0.1)),
+        lambda: nba.inject_hyperparams(nba.adamw)(learning_rate=1e-2),
+    ],
+    ids=["clip-adamw", "scale", "ema", "multisteps", "masked", "inject"],
+)
+def test_a_transformation_does_not_change_after_construction(make):
+    """Transformations may be shared by threads: what a stage remembers between calls (kept
+    buffers and plans, the last layout and spec) lives per thread (`Stage.local`); every other
+    attribute of every stage stays what construction made it, through update, step_ and explain
+    on two tree shapes."""
+    tx = make()
+    stages = _stages(stage_of(tx))
+    before = [{k: v for k, v in vars(s).items() if k != "_kept"} for s in stages]
+    for shapes in (((3, 4), (5,)), ((2, 2), (7,))):
+        p, g = _tree(0, shapes), _tree(1, shapes)
+        s = tx.init(p)
+        u, s = tx.update(g, s, p)
+        s = nba.step_(tx, g, s, p)
+        nba.explain(tx, p)
+        nba.step_(tx, nba.FlatTree.from_tree(g), s, nba.FlatTree.from_tree(p))
+    after = [{k: v for k, v in vars(s).items() if k != "_kept"} for s in stages]
+    assert len(after) == len(before)
+    for b, a in zip(before, after):
+        assert a.keys() == b.keys() and all(a[k] is b[k] for k in b), (sorted(a), sorted(b))
