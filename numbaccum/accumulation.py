@@ -30,6 +30,7 @@ from .declared import (
     safe_increment,
 )
 from .flat import FlatTree, as_flat, layout_and_device, layout_of
+from .formulas import formula
 from .fuse import step_applier
 from .layout import Layout, check_float_dtype
 from .protocol import GradientTransformationExtraArgs
@@ -49,6 +50,7 @@ __all__ = [
     "skip_not_finite",
     "trace",
 ]
+
 
 def zeros_output(owner: FlatTree, layout: Layout) -> Updates:
     """A read-only zero tree kept by ``owner``: returned on steps that emit nothing."""
@@ -71,10 +73,17 @@ class TraceState(NamedTuple):
     trace: FlatTree
 
 
+@formula(states=("trace",), inputs=("g",), outputs=("out",), scalars=("decay", "nesterov"))
+def trace_update(trace, g, decay, nesterov):
+    """t = g + decay * trace; trace = t; out = g + decay * t if nesterov else t."""
+    t = g + decay * trace
+    return t, (g + decay * t if nesterov else t)
+
+
 class _Trace(Elementwise):
     """`trace`, declared: ``trace = g + decay * trace`` over its state's ``trace`` buffer."""
 
-    formula, state_cls, fields, name = F.trace, TraceState, ("trace",), "trace"
+    formula, state_cls, fields, name = trace_update, TraceState, ("trace",), "trace"
 
     def __init__(self, decay: float, nesterov: bool, accumulator_dtype: Any) -> None:
         self.decay = check_decay(decay)

@@ -235,13 +235,6 @@ def zero_nans(x):
     return x if x == x else 0.0  # stored in the buffer's dtype: exact
 
 
-@formula(states=("trace",), inputs=("g",), outputs=("out",), scalars=("decay", "nesterov"))
-def trace(trace, g, decay, nesterov):
-    """t = g + decay * trace; trace = t; out = g + decay * t if nesterov else t."""
-    t = g + decay * trace
-    return t, (g + decay * t if nesterov else t)
-
-
 @formula(
     states=("ema",), inputs=("g",), outputs=("out",), scalars=("one_minus_decay", "decay", "bias_correction")
 )
@@ -262,20 +255,6 @@ def mean_accumulate(acc, g, count, fresh):
 def sum_accumulate(acc, g, fresh):
     """acc = g + acc; g + 0 when fresh (acc == 0)."""
     return g + 0 if fresh else g + acc
-
-
-@formula(
-    states=("mu", "nu"),
-    inputs=("g",),
-    outputs=("out",),
-    scalars=("b1", "one_minus_b1", "b2", "one_minus_b2", "bc1", "bc2", "eps", "eps_root"),
-)
-def adam(mu, nu, g, b1, one_minus_b1, b2, one_minus_b2, bc1, bc2, eps, eps_root):
-    """mu = (1 - b1) g + b1 mu; nu = (1 - b2) g^2 + b2 nu;
-    out = (mu / bc1) / (sqrt(nu / bc2 + eps_root) + eps)."""
-    m = one_minus_b1 * g + b1 * mu
-    v = one_minus_b2 * (g * g) + b2 * nu
-    return m, v, (m / bc1) / (math.sqrt(v / bc2 + eps_root) + eps)
 
 
 @formula(
@@ -421,10 +400,11 @@ def sign(x):
     return x
 
 
-# --- optax's optimizer library (numbaccum.optimizers): each direction one formula ------------
-# The moments update as optax's ``update_moment``: ``(1 - decay) * g**order + decay * moment``,
-# with ``1 - decay`` computed on the host in float64 and cast like every scalar; bias corrections
-# ``1 - decay**count`` arrive computed in the buffer's dtype (`accumulation.bias_correction`).
+# --- helpers of optax's optimizer library ---------------------------------------------------------
+# Each direction's formula is declared beside its stage (`numbaccum.optimizers`). The moments update
+# as optax's ``update_moment``: ``(1 - decay) * g**order + decay * moment``, with ``1 - decay``
+# computed on the host in float64 and cast like every scalar; bias corrections ``1 - decay**count``
+# arrive computed in the buffer's dtype (`numbaccum.declared.bias_correction`).
 
 
 def sqrt(x):
@@ -440,133 +420,3 @@ def maximum(a, b):
     if a != a or a > b:
         return a
     return b
-
-
-@formula(
-    states=("mu", "nu"),
-    inputs=("g",),
-    outputs=("out",),
-    scalars=("b1", "one_minus_b1", "b2", "one_minus_b2", "bc1", "bc1_next", "bc2", "eps", "eps_root"),
-)
-def nadam(mu, nu, g, b1, one_minus_b1, b2, one_minus_b2, bc1, bc1_next, bc2, eps, eps_root):
-    """Adam with Nesterov momentum (optax's ``scale_by_adam(nesterov=True)``): the moments as
-    Adam's; ``mu_hat = b1 (mu / (1 - b1^(t+1))) + (1 - b1) (g / (1 - b1^t))``;
-    out = mu_hat / (sqrt(nu / bc2 + eps_root) + eps)."""
-    m = one_minus_b1 * g + b1 * mu
-    v = one_minus_b2 * (g * g) + b2 * nu
-    m_hat = b1 * (m / bc1_next) + one_minus_b1 * (g / bc1)
-    return m, v, m_hat / (math.sqrt(v / bc2 + eps_root) + eps)
-
-
-@formula(
-    states=("mu", "nu", "nu_max"),
-    inputs=("g",),
-    outputs=("out",),
-    scalars=("b1", "one_minus_b1", "b2", "one_minus_b2", "bc1", "bc2", "eps", "eps_root"),
-)
-def amsgrad(mu, nu, nu_max, g, b1, one_minus_b1, b2, one_minus_b2, bc1, bc2, eps, eps_root):
-    """AMSGrad: the moments as Adam's; ``nu_max = max(nu_max, nu / bc2)``;
-    out = (mu / bc1) / (sqrt(nu_max + eps_root) + eps) (a correction of 1 when disabled)."""
-    m = one_minus_b1 * g + b1 * mu
-    v = one_minus_b2 * (g * g) + b2 * nu
-    vm = maximum(nu_max, v / bc2)
-    return m, v, vm, (m / bc1) / (math.sqrt(vm + eps_root) + eps)
-
-
-@formula(
-    states=("mu", "nu"),
-    inputs=("g",),
-    outputs=("out",),
-    scalars=("b1", "one_minus_b1", "b2", "bc1", "eps"),
-)
-def adamax(mu, nu, g, b1, one_minus_b1, b2, bc1, eps):
-    """Adamax: mu as Adam's; ``nu = max(|g| + eps, b2 nu)`` (the infinity moment);
-    out = (mu / bc1) / nu."""
-    m = one_minus_b1 * g + b1 * mu
-    v = maximum(abs(g) + eps, b2 * nu)
-    return m, v, (m / bc1) / v
-
-
-@formula(
-    states=("mu", "nu"),
-    inputs=("g",),
-    outputs=("out",),
-    scalars=(
-        "b1",
-        "one_minus_b1",
-        "b2",
-        "one_minus_b2",
-        "bc1",
-        "bc1_next",
-        "bc2",
-        "eps",
-        "eps_root",
-        "nesterov",
-    ),
-)
-def belief(mu, nu, g, b1, one_minus_b1, b2, one_minus_b2, bc1, bc1_next, bc2, eps, eps_root, nesterov):
-    """AdaBelief: ``mu`` as Adam's; ``nu = (1 - b2) (g - mu)^2 + b2 nu + eps_root`` (stored so);
-    out = mu_hat / (sqrt(nu / bc2) + eps), ``mu_hat`` as Adam's or NAdam's (``nesterov``)."""
-    m = one_minus_b1 * g + b1 * mu
-    e = g - m
-    v = (one_minus_b2 * (e * e) + b2 * nu) + eps_root
-    m_hat = b1 * (m / bc1_next) + one_minus_b1 * (g / bc1) if nesterov else m / bc1
-    return m, v, m_hat / (math.sqrt(v / bc2) + eps)
-
-
-@formula(
-    states=("mu",),
-    inputs=("g",),
-    outputs=("out",),
-    scalars=("one_minus_b1", "b1", "one_minus_b2", "b2", "smooth_beta", "smooth", "refined"),
-)
-def lion(mu, g, one_minus_b1, b1, one_minus_b2, b2, smooth_beta, smooth, refined):
-    """Lion: ``c = (1 - b1) g + b1 mu``; out = sign(c) ('hard'), tanh(smooth_beta c)
-    ('smooth'), or c where |c| < 1 else sign(c) ('refined'); then ``mu = (1 - b2) g + b2 mu``."""
-    c = one_minus_b1 * g + b1 * mu
-    if smooth:
-        out = math.tanh(smooth_beta * c)
-    elif refined and abs(c) < 1.0:
-        out = c
-    else:
-        out = 1.0 if c > 0 else (-1.0 if c < 0 else c)  # jnp.sign: +-0 and NaN as they are
-    return one_minus_b2 * g + b2 * mu, out
-
-
-@formula(
-    states=("nu",),
-    inputs=("g",),
-    outputs=("out",),
-    scalars=("one_minus_decay", "decay", "bc", "eps", "eps_in_sqrt"),
-)
-def rms(nu, g, one_minus_decay, decay, bc, eps, eps_in_sqrt):
-    """RMSProp's scaling: ``nu = (1 - decay) g^2 + decay nu``; out = g / sqrt(nu / bc + eps)
-    (``eps_in_sqrt``) or g / (sqrt(nu / bc) + eps); ``bc`` 1 without bias correction."""
-    v = one_minus_decay * (g * g) + decay * nu
-    n = v / bc
-    s = 1.0 / math.sqrt(n + eps) if eps_in_sqrt else 1.0 / (math.sqrt(n) + eps)
-    return v, s * g
-
-
-@formula(
-    states=("mu", "nu"),
-    inputs=("g",),
-    outputs=("out",),
-    scalars=("one_minus_decay", "decay", "bc", "eps", "eps_in_sqrt"),
-)
-def stddev(mu, nu, g, one_minus_decay, decay, bc, eps, eps_in_sqrt):
-    """Centred RMSProp's scaling: mu, nu the EMAs of g and g^2; ``var = nu / bc - (mu / bc)^2``;
-    out = g / sqrt(var + eps) (``eps_in_sqrt``) or g / (sqrt(var) + eps)."""
-    m = one_minus_decay * g + decay * mu
-    v = one_minus_decay * (g * g) + decay * nu
-    mh = m / bc
-    var = v / bc - mh * mh  # may round below zero: NaN then, as in optax
-    s = 1.0 / sqrt(var + eps) if eps_in_sqrt else 1.0 / (sqrt(var) + eps)
-    return m, v, s * g
-
-
-@formula(states=("sum_of_squares",), inputs=("g",), outputs=("out",), scalars=("eps",))
-def rss(sum_of_squares, g, eps):
-    """Adagrad's scaling: ``s = g^2 + s``; out = g / sqrt(s + eps) where s > 0, else 0."""
-    s = g * g + sum_of_squares
-    return s, (1.0 / math.sqrt(s + eps) if s > 0 else 0.0) * g

@@ -14,6 +14,7 @@ the floating-point operations (the formulas' docstrings give them).
 
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -24,7 +25,7 @@ from .accumulation import trace
 from .base import chain
 from .declared import Elementwise, bias_correction, check_decay, safe_increment
 from .flat import FlatTree
-from .formulas import formula, sqrt
+from .formulas import formula, maximum, sqrt
 from .layout import check_float_dtype
 from .protocol import GradientTransformationExtraArgs
 from .scaling import ScalarOrSchedule, add_decayed_weights, identity, scale_by_learning_rate
@@ -109,10 +110,30 @@ class ScaleByAdamState(NamedTuple):
     nu: FlatTree
 
 
+@formula(
+    states=("mu", "nu"),
+    inputs=("g",),
+    outputs=("out",),
+    scalars=("b1", "one_minus_b1", "b2", "one_minus_b2", "bc1", "bc2", "eps", "eps_root"),
+)
+def adam_direction(mu, nu, g, b1, one_minus_b1, b2, one_minus_b2, bc1, bc2, eps, eps_root):
+    """mu = (1 - b1) g + b1 mu; nu = (1 - b2) g^2 + b2 nu;
+    out = (mu / bc1) / (sqrt(nu / bc2 + eps_root) + eps)."""
+    m = one_minus_b1 * g + b1 * mu
+    v = one_minus_b2 * (g * g) + b2 * nu
+    return m, v, (m / bc1) / (math.sqrt(v / bc2 + eps_root) + eps)
+
+
 class _ScaleByAdam(Elementwise):
     """`scale_by_adam`, declared: Adam's moments and direction in one formula."""
 
-    formula, state_cls, fields, counted, name = F.adam, ScaleByAdamState, ("mu", "nu"), True, "scale_by_adam"
+    formula, state_cls, fields, counted, name = (
+        adam_direction,
+        ScaleByAdamState,
+        ("mu", "nu"),
+        True,
+        "scale_by_adam",
+    )
 
     def __init__(self, b1: float, b2: float, eps: float, eps_root: float, mu_dtype: Any) -> None:
         self.b1 = check_decay(b1, "b1")
@@ -162,8 +183,29 @@ def _mu_dtype(mu_dtype: Any) -> np.dtype | None:
     return None if mu_dtype is None else check_float_dtype(mu_dtype, "mu_dtype")
 
 
+@formula(
+    states=("mu", "nu"),
+    inputs=("g",),
+    outputs=("out",),
+    scalars=("b1", "one_minus_b1", "b2", "one_minus_b2", "bc1", "bc1_next", "bc2", "eps", "eps_root"),
+)
+def nadam_direction(mu, nu, g, b1, one_minus_b1, b2, one_minus_b2, bc1, bc1_next, bc2, eps, eps_root):
+    """Adam with Nesterov momentum (optax's ``scale_by_adam(nesterov=True)``): the moments as
+    Adam's; ``mu_hat = b1 (mu / (1 - b1^(t+1))) + (1 - b1) (g / (1 - b1^t))``;
+    out = mu_hat / (sqrt(nu / bc2 + eps_root) + eps)."""
+    m = one_minus_b1 * g + b1 * mu
+    v = one_minus_b2 * (g * g) + b2 * nu
+    m_hat = b1 * (m / bc1_next) + one_minus_b1 * (g / bc1)
+    return m, v, m_hat / (math.sqrt(v / bc2 + eps_root) + eps)
+
+
 class _ScaleByNadam(_Direction):
-    state_cls, fields, formula, name = ScaleByAdamState, ("mu", "nu"), F.nadam, "scale_by_adam(nesterov)"
+    state_cls, fields, formula, name = (
+        ScaleByAdamState,
+        ("mu", "nu"),
+        nadam_direction,
+        "scale_by_adam(nesterov)",
+    )
 
     def __init__(self, b1: float, b2: float, eps: float, eps_root: float, mu_dtype: Any) -> None:
         self.b1, self.b2 = check_decay(b1, "b1"), check_decay(b2, "b2")
@@ -317,11 +359,26 @@ def nadamw(
     return adamw(learning_rate, b1, b2, eps, eps_root, mu_dtype, weight_decay, mask, nesterov=True)
 
 
+@formula(
+    states=("mu", "nu", "nu_max"),
+    inputs=("g",),
+    outputs=("out",),
+    scalars=("b1", "one_minus_b1", "b2", "one_minus_b2", "bc1", "bc2", "eps", "eps_root"),
+)
+def amsgrad_direction(mu, nu, nu_max, g, b1, one_minus_b1, b2, one_minus_b2, bc1, bc2, eps, eps_root):
+    """AMSGrad: the moments as Adam's; ``nu_max = max(nu_max, nu / bc2)``;
+    out = (mu / bc1) / (sqrt(nu_max + eps_root) + eps) (a correction of 1 when disabled)."""
+    m = one_minus_b1 * g + b1 * mu
+    v = one_minus_b2 * (g * g) + b2 * nu
+    vm = maximum(nu_max, v / bc2)
+    return m, v, vm, (m / bc1) / (math.sqrt(vm + eps_root) + eps)
+
+
 class _ScaleByAmsgrad(_Direction):
     state_cls, fields, formula, name = (
         ScaleByAmsgradState,
         ("mu", "nu", "nu_max"),
-        F.amsgrad,
+        amsgrad_direction,
         "scale_by_amsgrad",
     )
 
@@ -373,8 +430,22 @@ def amsgrad(
     )
 
 
+@formula(
+    states=("mu", "nu"),
+    inputs=("g",),
+    outputs=("out",),
+    scalars=("b1", "one_minus_b1", "b2", "bc1", "eps"),
+)
+def adamax_direction(mu, nu, g, b1, one_minus_b1, b2, bc1, eps):
+    """Adamax: mu as Adam's; ``nu = max(|g| + eps, b2 nu)`` (the infinity moment);
+    out = (mu / bc1) / nu."""
+    m = one_minus_b1 * g + b1 * mu
+    v = maximum(abs(g) + eps, b2 * nu)
+    return m, v, (m / bc1) / v
+
+
 class _ScaleByAdamax(_Direction):
-    state_cls, fields, formula, name = ScaleByAdamState, ("mu", "nu"), F.adamax, "scale_by_adamax"
+    state_cls, fields, formula, name = ScaleByAdamState, ("mu", "nu"), adamax_direction, "scale_by_adamax"
 
     def __init__(self, b1: float, b2: float, eps: float) -> None:
         self.b1, self.b2, self.eps = check_decay(b1, "b1"), check_decay(b2, "b2"), real(eps, "eps")
@@ -396,8 +467,37 @@ def adamax(
     return chain(scale_by_adamax(b1, b2, eps), scale_by_learning_rate(learning_rate))
 
 
+@formula(
+    states=("mu", "nu"),
+    inputs=("g",),
+    outputs=("out",),
+    scalars=(
+        "b1",
+        "one_minus_b1",
+        "b2",
+        "one_minus_b2",
+        "bc1",
+        "bc1_next",
+        "bc2",
+        "eps",
+        "eps_root",
+        "nesterov",
+    ),
+)
+def belief_direction(
+    mu, nu, g, b1, one_minus_b1, b2, one_minus_b2, bc1, bc1_next, bc2, eps, eps_root, nesterov
+):
+    """AdaBelief: ``mu`` as Adam's; ``nu = (1 - b2) (g - mu)^2 + b2 nu + eps_root`` (stored so);
+    out = mu_hat / (sqrt(nu / bc2) + eps), ``mu_hat`` as Adam's or NAdam's (``nesterov``)."""
+    m = one_minus_b1 * g + b1 * mu
+    e = g - m
+    v = (one_minus_b2 * (e * e) + b2 * nu) + eps_root
+    m_hat = b1 * (m / bc1_next) + one_minus_b1 * (g / bc1) if nesterov else m / bc1
+    return m, v, m_hat / (math.sqrt(v / bc2) + eps)
+
+
 class _ScaleByBelief(_Direction):
-    state_cls, fields, formula, name = ScaleByBeliefState, ("mu", "nu"), F.belief, "scale_by_belief"
+    state_cls, fields, formula, name = ScaleByBeliefState, ("mu", "nu"), belief_direction, "scale_by_belief"
 
     def __init__(self, b1: float, b2: float, eps: float, eps_root: float, nesterov: bool) -> None:
         self.b1, self.b2 = check_decay(b1, "b1"), check_decay(b2, "b2")
@@ -440,8 +540,27 @@ def adabelief(
 _LION_MODES = ("hard", "smooth", "refined")
 
 
+@formula(
+    states=("mu",),
+    inputs=("g",),
+    outputs=("out",),
+    scalars=("one_minus_b1", "b1", "one_minus_b2", "b2", "smooth_beta", "smooth", "refined"),
+)
+def lion_direction(mu, g, one_minus_b1, b1, one_minus_b2, b2, smooth_beta, smooth, refined):
+    """Lion: ``c = (1 - b1) g + b1 mu``; out = sign(c) ('hard'), tanh(smooth_beta c)
+    ('smooth'), or c where |c| < 1 else sign(c) ('refined'); then ``mu = (1 - b2) g + b2 mu``."""
+    c = one_minus_b1 * g + b1 * mu
+    if smooth:
+        out = math.tanh(smooth_beta * c)
+    elif refined and abs(c) < 1.0:
+        out = c
+    else:
+        out = 1.0 if c > 0 else (-1.0 if c < 0 else c)  # jnp.sign: +-0 and NaN as they are
+    return one_minus_b2 * g + b2 * mu, out
+
+
 class _ScaleByLion(_Direction):
-    state_cls, fields, formula, name = ScaleByLionState, ("mu",), F.lion, "scale_by_lion"
+    state_cls, fields, formula, name = ScaleByLionState, ("mu",), lion_direction, "scale_by_lion"
 
     def __init__(self, b1: float, b2: float, mu_dtype: Any, mode: str, smooth_beta: float) -> None:
         self.b1, self.b2 = check_decay(b1, "b1"), check_decay(b2, "b2")
@@ -592,8 +711,23 @@ def yogi(
 # --- RMSProp and Adagrad --------------------------------------------------------------------
 
 
+@formula(
+    states=("nu",),
+    inputs=("g",),
+    outputs=("out",),
+    scalars=("one_minus_decay", "decay", "bc", "eps", "eps_in_sqrt"),
+)
+def rms_direction(nu, g, one_minus_decay, decay, bc, eps, eps_in_sqrt):
+    """RMSProp's scaling: ``nu = (1 - decay) g^2 + decay nu``; out = g / sqrt(nu / bc + eps)
+    (``eps_in_sqrt``) or g / (sqrt(nu / bc) + eps); ``bc`` 1 without bias correction."""
+    v = one_minus_decay * (g * g) + decay * nu
+    n = v / bc
+    s = 1.0 / math.sqrt(n + eps) if eps_in_sqrt else 1.0 / (math.sqrt(n) + eps)
+    return v, s * g
+
+
 class _ScaleByRms(_Direction):
-    formula, name = F.rms, "scale_by_rms"
+    formula, name = rms_direction, "scale_by_rms"
     fields = ("nu",)
 
     def __init__(self, decay: float, eps: float, initial_scale: float, eps_in_sqrt: bool, bc: bool) -> None:
@@ -622,8 +756,25 @@ def scale_by_rms(
     return _ScaleByRms(decay, eps, initial_scale, eps_in_sqrt, bias_correction).transformation()
 
 
+@formula(
+    states=("mu", "nu"),
+    inputs=("g",),
+    outputs=("out",),
+    scalars=("one_minus_decay", "decay", "bc", "eps", "eps_in_sqrt"),
+)
+def stddev_direction(mu, nu, g, one_minus_decay, decay, bc, eps, eps_in_sqrt):
+    """Centred RMSProp's scaling: mu, nu the EMAs of g and g^2; ``var = nu / bc - (mu / bc)^2``;
+    out = g / sqrt(var + eps) (``eps_in_sqrt``) or g / (sqrt(var) + eps)."""
+    m = one_minus_decay * g + decay * mu
+    v = one_minus_decay * (g * g) + decay * nu
+    mh = m / bc
+    var = v / bc - mh * mh  # may round below zero: NaN then, as in optax
+    s = 1.0 / sqrt(var + eps) if eps_in_sqrt else 1.0 / (sqrt(var) + eps)
+    return m, v, s * g
+
+
 class _ScaleByStddev(_ScaleByRms):
-    formula, name = F.stddev, "scale_by_stddev"
+    formula, name = stddev_direction, "scale_by_stddev"
     fields = ("mu", "nu")
 
     def __init__(self, decay: float, eps: float, initial_scale: float, eps_in_sqrt: bool, bc: bool) -> None:
@@ -668,8 +819,15 @@ def rmsprop(
     )
 
 
+@formula(states=("sum_of_squares",), inputs=("g",), outputs=("out",), scalars=("eps",))
+def rss_direction(sum_of_squares, g, eps):
+    """Adagrad's scaling: ``s = g^2 + s``; out = g / sqrt(s + eps) where s > 0, else 0."""
+    s = g * g + sum_of_squares
+    return s, (1.0 / math.sqrt(s + eps) if s > 0 else 0.0) * g
+
+
 class _ScaleByRss(_Direction):
-    state_cls, fields, formula, name = ScaleByRssState, ("sum_of_squares",), F.rss, "scale_by_rss"
+    state_cls, fields, formula, name = ScaleByRssState, ("sum_of_squares",), rss_direction, "scale_by_rss"
     counted = False
 
     def __init__(self, initial_accumulator_value: float, eps: float) -> None:

@@ -174,9 +174,10 @@ class _Bytes:
 
     def buffers(self, part: fuse.Kernel) -> tuple[float, float]:
         """What a kernel reads and writes besides the updates: its states (read and written)
-        and its extra inputs (params: the updates' dtypes, read)."""
+        and its extra inputs (read: the params, a masked decay's mask)."""
         st = sum(self.per_param([g.dtype.itemsize for g in s.groups]) for s in part.states)
-        return st + self.x * (len(part.formula.inputs) - 1), st
+        ins = part.inputs() if part.inputs is not None else ()
+        return st + sum(self.per_param([g.dtype.itemsize for g in f.groups]) for f in ins), st
 
     def both(self, part: fuse.Kernel) -> float:
         r, w = self.buffers(part)
@@ -202,7 +203,7 @@ def _fused_passes(b: _Bytes, parts: list, apply: bool) -> tuple[list[Pass], floa
     w = sum(b.buffers(p)[1] for p in kernels)
     if not apply:
         return [*out, Pass("fused", label, r, w + x)], 0.0
-    shared = x * sum(len(p.formula.inputs) - 1 for p in kernels)
+    shared = x * sum(1 for p in kernels if len(p.formula.inputs) > 1)  # inputs[1]: the params
     return [*out, Pass("fused", (*label, "apply to params"), r + x - shared, w + x)], shared
 
 

@@ -14,16 +14,17 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from . import _bounded
 from . import formulas as F
 from ._checks import flag, real, real_or_schedule, scheduled
-from .backend import ops_for
-from .base import Stage, Step
+from .base import Stage
 from .contract import ONE, Factor
 from .declared import safe_increment
+from .flat import FlatTree, to_device
 from .fuse import Kernel, Scale
 from .masking import MaskedState, _Masked
 from .protocol import EmptyState, GradientTransformationExtraArgs
-from .updates import ParamsRef, Spec, Updates
+from .updates import ParamsRef, Spec
 
 __all__ = [
     "ScaleByScheduleState",
@@ -191,38 +192,60 @@ class _AddDecayedWeights(Stage):
         return part
 
 
+@F.formula(inputs=("x", "y", "keep"), outputs=("out",), scalars=("s",))
+def masked_add_scaled(x, y, keep, s):
+    """out = x + s * y where ``keep`` is not 0, x itself elsewhere (whatever y holds there)."""
+    if keep != 0:
+        return x + s * y
+    return x
+
+
 class _MaskedDecay(_Masked):
-    """``masked(add_decayed_weights(weight_decay), mask)`` without packing: the decay runs on
-    each run of consecutive kept leaves of the flat buffers in place, the other leaves pass
-    through (copied only when the output is a new buffer or a factor is pending)."""
+    """``masked(add_decayed_weights(weight_decay), mask)`` declared as one kernel: ``g + wd *
+    params`` on the kept leaves, ``g`` on the others (`masked_add_scaled`, which reads a float32
+    buffer of ones on the kept leaves, made once per layout). It fuses into the chain's pass
+    like the unmasked decay; its state is optax's ``MaskedState(inner state)``."""
+
+    formula = masked_add_scaled
 
     def __init__(self, weight_decay: ScalarOrSchedule, mask: Any) -> None:
         super().__init__(_AddDecayedWeights(weight_decay), mask, False)
+        self._keeps = _bounded.Bounded()  # (layout, device) -> the float32 mask buffer
 
-    def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
+    def keep(self, spec: Spec) -> FlatTree:
+        """1.0 on the kept leaves of ``spec``'s layout, 0.0 elsewhere (read-only, shared)."""
+        key = (spec.layout, spec.device)
+        found = self._keeps.get(key)
+        if found is not None:
+            return found
+        keep = FlatTree.zeros(spec.layout, np.float32)
+        for g, a, b, _, _ in self.resolve(spec.layout).runs:
+            keep.groups[g][a:b] = 1.0
+        keep = to_device(keep) if spec.device else keep
+        keep._mark_readonly()
+        return self._keeps.put(key, keep)
+
+    def declare(self, spec: Spec, state: Any) -> Any:
         if not isinstance(state, MaskedState):
             raise TypeError(
                 f"state: add_decayed_weights with a mask expects a MaskedState, got {type(state).__name__}"
             )
-        inner: _AddDecayedWeights = self.inner  # type: ignore[assignment]
-        wd, inner_state = inner.decay(state.inner_state, params)
-        new_state = MaskedState(inner_state)
-        m = self.resolve(spec.layout)
-        if inner.skip:
-            return Step(lambda u: (u, new_state))
+        part = self.inner.declare(spec, state.inner_state)  # checks the inner state
+        inner_tick = part.tick
+        keep = None
+        if type(part) is Kernel:
+            part.formula, part.name, keep = self.formula, "add_decayed_weights (masked)", self.keep(spec)
 
-        def run(u: Updates) -> tuple[Updates, Any]:
-            p = params.flat()  # type: ignore[union-attr]
-            out = u.fresh()
-            x, o = u.flat.groups, out.groups
-            if out is not u.flat or u.pending:
-                for g, a, b in m.gaps:
-                    ops_for(x[g]).scale_(o[g][a:b], x[g][a:b], u.factor)
-            for g, a, b, _, _ in m.runs:
-                ops_for(x[g]).add_scaled_(o[g][a:b], x[g][a:b], u.factor, p.groups[g][a:b], wd)
-            return Updates(out, owned=True), new_state
+        def tick(state: Any, params: ParamsRef | None, extra: dict) -> bool:
+            if not isinstance(state, MaskedState) or not inner_tick(state.inner_state, params, extra):
+                return False
+            part.new_state = MaskedState(part.new_state)
+            if keep is not None:
+                part.inputs = lambda: (params.flat(), keep)  # type: ignore[union-attr]
+            return True
 
-        return Step(run)
+        part.tick = tick
+        return part
 
 
 def add_decayed_weights(

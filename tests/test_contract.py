@@ -21,8 +21,9 @@ import numpy as np
 import pytest
 
 import numbaccum as nba
-from numbaccum import contract, formulas
+from numbaccum import contract, formulas, optimizers
 from numbaccum.backend import ops_for
+from numbaccum.base import Stage
 from numbaccum.contract import ONE, Factor, Ops
 from numbaccum.cpu import driver as cpu_driver
 from numbaccum.declared import Elementwise
@@ -169,21 +170,31 @@ def _declarations(cls: type) -> set:
 
 def test_a_formula_declared_beside_its_stage_is_run_by_a_declaration():
     """Outside `numbaccum.formulas` a formula needs no Ops method: the runner runs declarations,
-    so each one is some `Elementwise` stage's formula (none is left behind, unreachable)."""
-    assert {f.name for f in BESIDE} >= {"contract_decayed_peak"}
-    declared = _declarations(Elementwise)
+    so each one is some declared stage's formula (an `Elementwise` one, or a stage whose
+    ``declare`` makes its kernel, like a masked weight decay), none left behind, unreachable."""
+    assert {f.name for f in BESIDE} >= {"contract_decayed_peak", "adam_direction", "masked_add_scaled"}
+    declared = _declarations(Stage)
     assert [f.name for f in BESIDE if f not in declared] == []
 
 
 def test_formula_names_are_unique():
     assert len({f.name for f in FORMULAS}) == len(FORMULAS)
-    with pytest.raises(ValueError, match="'adam' is already declared .numbaccum.formulas.adam"):
+    with pytest.raises(ValueError, match="'ema' is already declared .numbaccum.formulas.ema"):
 
         @formula(inputs=("x",), outputs=("out",))
-        def adam(x):
+        def ema(x):
             return x
 
-    assert formulas.registered()["adam"] is formulas.adam
+    assert formulas.registered()["ema"] is formulas.ema
+    with pytest.raises(
+        ValueError, match="'adam_direction' is already declared .numbaccum.optimizers.adam_direction"
+    ):
+
+        @formula(inputs=("x",), outputs=("out",))
+        def adam_direction(x):
+            return x
+
+    assert formulas.registered()["adam_direction"] is optimizers.adam_direction
     # The same function declared again (a reloaded module) replaces its formula.
     again = formula(states=("peak",), inputs=("g",), outputs=("out",), scalars=("decay",))
     redeclared = again(contract_decayed_peak.fn)
@@ -253,7 +264,7 @@ def test_every_ops_method_reaches_a_backend_primitive():
 
 
 def test_writes_are_derived_from_the_declaration():
-    assert formulas.adam.writes == (0, 1, 3)  # mu, nu, out (g is read only)
+    assert optimizers.adam_direction.writes == (0, 1, 3)  # mu, nu, out (g is read only)
     assert formulas.clip_by.writes == (2,)
     assert formulas.fill.writes == (0,)
     assert formulas.mean_accumulate.writes == (0,)

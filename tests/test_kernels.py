@@ -9,7 +9,7 @@ import textwrap
 import numpy as np
 import pytest
 
-from numbaccum import _config, formulas
+from numbaccum import _config, accumulation, optimizers
 from numbaccum.backend import ops_for
 from numbaccum.contract import Factor
 
@@ -80,7 +80,7 @@ def test_elementwise_kernels_match_numpy(n, dtype):
     np.testing.assert_array_equal(out, ge + t(0.25) * a)
 
     tr = a.copy()
-    OPS.driver.map_(formulas.trace, F, (tr, g, out), (0.9, True))
+    OPS.driver.map_(accumulation.trace_update, F, (tr, g, out), (0.9, True))
     expect_t = ge + t(0.9) * a
     np.testing.assert_array_equal(tr, expect_t)
     np.testing.assert_array_equal(out, ge + t(0.9) * expect_t)
@@ -105,7 +105,9 @@ def test_elementwise_kernels_match_numpy(n, dtype):
     bc1, bc2 = t(1) - t(0.9) ** 2, t(1) - t(0.999) ** 2
     m = t(0.1) * ge + t(0.9) * a
     v = t(1 - 0.999) * (ge * ge) + t(0.999) * np.abs(b)
-    OPS.driver.map_(formulas.adam, F, (mu, nu, g, out), (0.9, 0.1, 0.999, 1 - 0.999, bc1, bc2, 1e-8, 0.0))
+    OPS.driver.map_(
+        optimizers.adam_direction, F, (mu, nu, g, out), (0.9, 0.1, 0.999, 1 - 0.999, bc1, bc2, 1e-8, 0.0)
+    )
     np.testing.assert_array_equal(mu, m)
     np.testing.assert_array_equal(nu, v)
     direction = (m / bc1) / (np.sqrt(v / bc2 + t(0)) + t(1e-8))

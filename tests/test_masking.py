@@ -281,3 +281,40 @@ def test_none_updates_give_none_as_in_optax():
         adam.update(None, adam.init(p), p)  # a state of a tree wants that tree
     assert nba.apply_updates(None, _grads(1)[0]) is None
     assert nba.apply_updates_(None, _grads(1)[0]) is None
+
+
+def test_a_masked_weight_decay_fuses_into_the_optimizers_pass(monkeypatch):
+    """adamw with a mask (no decay on biases: the usual setup) is one fused pass per dtype group,
+    like adamw without one, and gives optax's ``masked(add_decayed_weights)`` bit for bit: the
+    masked-out leaves pass unchanged, whatever their params hold (inf, NaN)."""
+    from numbaccum.cpu import driver
+
+    rng = np.random.default_rng(3)
+    params = {
+        "w": rng.standard_normal((4, 3)).astype(np.float32),
+        "b": np.array([np.inf, np.nan, 1.0], np.float32),  # masked out: never read
+        "v": rng.standard_normal(5),  # float64, kept
+    }
+    mask = {"w": True, "b": False, "v": True}
+    grads = [
+        nba.tree_map(lambda x: (rng.standard_normal(x.shape) * 0.01).astype(x.dtype), params)
+        for _ in range(3)
+    ]
+    # (a norm below 1: the clip changes nothing, and the reference needs none)
+    tx = nba.chain(nba.clip_by_global_norm(1.0), nba.adamw(1e-2, weight_decay=0.1, mask=mask))
+    rtx = ref.adamw(1e-2, weight_decay=0.1, mask=mask)
+    shown = nba.explain(tx, params, apply=True)
+    assert [p.kind for p in shown.passes] == ["reduction", "fused"], shown
+    assert "add_decayed_weights (masked)" in shown.passes[1].stages
+    p, rp = snapshot(params), snapshot(params)
+    s, rs = tx.init(p), rtx.init(rp)
+    launched: list[str] = []
+    for i, g in enumerate(grads):
+        if i == len(grads) - 1:
+            monkeypatch.setattr(driver, "observers", [lambda f: launched.append(f.name)])
+        s = nba.step_(tx, g, s, p)
+        ru, rs = rtx.update(g, rs, rp)
+        rp = ref.apply_updates(rp, ru)
+    assert len(launched) == 2 and all(n.startswith("fused_") for n in launched), launched  # f32, f64
+    assert_tree_equal(p, rp)
+    assert np.isinf(p["b"][0]) and np.isnan(p["b"][1])

@@ -48,53 +48,55 @@ class Mutation(NamedTuple):
 
 
 F = "numbaccum/formulas.py"
+O = "numbaccum/optimizers.py"  # the optimizers' formulas, beside their declarations
+A = "numbaccum/accumulation.py"
 MUTATIONS = [
     # the issue's: the same value, rounded differently in about a third of float32 results
     Mutation(
         "adam_bc1_inside",
-        F,
+        O,
         "return m, v, (m / bc1) / (math.sqrt(v / bc2 + eps_root) + eps)",
         "return m, v, m / (bc1 * (math.sqrt(v / bc2 + eps_root) + eps))",
         "rounding",
     ),
     Mutation(
         "adam_eps_in_sqrt",
-        F,
+        O,
         "return m, v, (m / bc1) / (math.sqrt(v / bc2 + eps_root) + eps)",
         "return m, v, ((m / bc1) / math.sqrt(v / bc2 + eps_root + eps))",
         "bug",
     ),
     Mutation(
         "adam_nu_not_squared",
-        F,
+        O,
         "    v = one_minus_b2 * (g * g) + b2 * nu\n    return m, v, (m / bc1)",
         "    v = one_minus_b2 * abs(g) + b2 * nu\n    return m, v, (m / bc1)",
         "bug",
     ),
     Mutation(
         "adam_moment_order",
-        F,
+        O,
         "    m = one_minus_b1 * g + b1 * mu\n    v = one_minus_b2 * (g * g) + b2 * nu\n    return m, v, (m",
         "    m = mu + one_minus_b1 * (g - mu)\n    v = one_minus_b2 * (g * g) + b2 * nu\n    return m, v, (m",
         "rounding",
     ),
     Mutation(
         "adam_bias_correction_order",
-        F,
+        O,
         "return m, v, (m / bc1) / (math.sqrt(v / bc2 + eps_root) + eps)",
         "return m, v, ((m / (math.sqrt(v / bc2 + eps_root) + eps)) / bc1)",
         "rounding",
     ),
     Mutation(
         "nadam_bc_swapped",
-        F,
+        O,
         "    m_hat = b1 * (m / bc1_next) + one_minus_b1 * (g / bc1)\n    return m, v, m_hat",
         "    m_hat = b1 * (m / bc1) + one_minus_b1 * (g / bc1_next)\n    return m, v, m_hat",
         "bug",
     ),
     Mutation(
         "nadam_factored",
-        F,
+        O,
         "    m_hat = b1 * (m / bc1_next) + one_minus_b1 * (g / bc1)\n    return m, v, m_hat",
         "    m_hat = (b1 * m) / bc1_next + one_minus_b1 * (g / bc1)\n    return m, v, m_hat",
         "rounding",
@@ -115,14 +117,14 @@ MUTATIONS = [
     ),
     Mutation(
         "trace_nesterov_uses_old_trace",
-        F,
+        A,
         "return t, (g + decay * t if nesterov else t)",
         "return t, (g + decay * trace if nesterov else t)",
         "bug",
     ),
     Mutation(
         "trace_nesterov_ignored",
-        F,
+        A,
         "return t, (g + decay * t if nesterov else t)",
         "return t, t",
         "bug",
@@ -151,28 +153,28 @@ MUTATIONS = [
     ),
     Mutation(
         "amsgrad_max_before_debias",
-        F,
+        O,
         "    vm = maximum(nu_max, v / bc2)\n",
         "    vm = maximum(nu_max, v) / bc2\n",
         "bug",
     ),
     Mutation(
         "adamax_eps_outside",
-        F,
+        O,
         "    v = maximum(abs(g) + eps, b2 * nu)\n",
         "    v = maximum(abs(g), b2 * nu) + eps\n",
         "bug",
     ),
     Mutation(
         "belief_eps_root_outside",
-        F,
+        O,
         "    v = (one_minus_b2 * (e * e) + b2 * nu) + eps_root\n",
         "    v = one_minus_b2 * (e * e) + (b2 * nu + eps_root)\n",
         "rounding",
     ),
     Mutation(
         "lion_mu_from_c",
-        F,
+        O,
         "    return one_minus_b2 * g + b2 * mu, out",
         "    return one_minus_b2 * c + b2 * mu, out",
         "bug",
@@ -182,21 +184,21 @@ MUTATIONS = [
     ),
     Mutation(
         "rms_eps_placement",
-        F,
+        O,
         "    s = 1.0 / math.sqrt(n + eps) if eps_in_sqrt else 1.0 / (math.sqrt(n) + eps)",
         "    s = 1.0 / math.sqrt(n + eps) if eps_in_sqrt else 1.0 / math.sqrt(n + eps)",
         "bug",
     ),
     Mutation(
         "stddev_variance_sign",
-        F,
+        O,
         "    var = v / bc - mh * mh",
         "    var = v / bc + mh * mh",
         "bug",
     ),
     Mutation(
         "rss_order",
-        F,
+        O,
         "    s = g * g + sum_of_squares\n",
         "    s = g * abs(g) + sum_of_squares\n",
         "bug",
@@ -205,8 +207,10 @@ MUTATIONS = [
     Mutation(
         "adam_bc2_from_b1",
         "numbaccum/optimizers.py",
-        "        bc1, bc2 = bias_correction(b1, t, ct), bias_correction(b2, t, ct)\n        return (b1, 1.0 - b1, b2, 1.0 - b2, bc1, bc2, self.eps, self.eps_root)",
-        "        bc1, bc2 = bias_correction(b1, t, ct), bias_correction(b1, t, ct)\n        return (b1, 1.0 - b1, b2, 1.0 - b2, bc1, bc2, self.eps, self.eps_root)",
+        "        bc1, bc2 = bias_correction(b1, t, ct), bias_correction(b2, t, ct)\n"
+        "        return (b1, 1.0 - b1, b2, 1.0 - b2, bc1, bc2, self.eps, self.eps_root)",
+        "        bc1, bc2 = bias_correction(b1, t, ct), bias_correction(b1, t, ct)\n"
+        "        return (b1, 1.0 - b1, b2, 1.0 - b2, bc1, bc2, self.eps, self.eps_root)",
         "bug",
     ),
     Mutation(
