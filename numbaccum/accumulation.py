@@ -493,86 +493,11 @@ class MultiSteps(Stage):
         if self._dp is not None:
             return self._plan_dp(spec, state, params, extra)
         acc = expect_state(state, MultiStepsState, "acc_grads", spec)
-        layout = spec.layout
         k = self._schedule(state.gradient_step)
-        mini = int(state.mini_step)
-        gradient_step = state.gradient_step
-        emits = mini >= k - 1
+        emits = int(state.mini_step) >= k - 1
         inner = self._inner.plan(spec, state.inner_opt_state, params, extra) if emits else None
-        next_gradient_step = safe_increment(gradient_step) if emits else gradient_step
-        skip_fn, mean, fresh = self._skip, self._mean, mini == 0
-        inner_apply = step_applier(inner) if inner is not None else None
-
-        def accumulate(u: Updates) -> tuple[bool, Any]:
-            """Adds ``u`` to the accumulator unless the skip function says not to: ``(skipped,
-            skip_state)``."""
-            skip_state = state.skip_state
-            if skip_fn is not None:
-                skip, skip_state = _call_skip(skip_fn, u, gradient_step, params)
-                if np.ndim(skip) != 0 or np.asarray(skip).dtype != np.bool_:
-                    raise ValueError(f"should_skip_update_fn must return a bool scalar, got {skip!r}")
-                if bool(skip):
-                    return True, skip_state
-            for a, g in zip(acc.groups, u.flat.groups):
-                if mean:
-                    ops_for(g).mean_accumulate_(a, g, u.factor, mini + 1, fresh)
-                else:
-                    ops_for(g).sum_accumulate_(a, g, u.factor, fresh)
-            return False, skip_state
-
-        def inner_updates() -> Updates:
-            # The inner optimizer reads acc in the updates' dtypes and writes its result to a
-            # buffer of its own: not into acc, which would then be copied out before the reset.
-            inner_in = _as_update_dtypes(acc, layout)
-            scratch = lambda: acc.workspace("emit", list(layout.group_dtypes))  # noqa: E731
-            return Updates(inner_in, owned=False, scratch=scratch)
-
-        def emitted(inner_state: Any, skip_state: Any) -> MultiStepsState:
-            for a in acc.groups:
-                ops_for(a).fill_(a, 0.0)
-            return MultiStepsState(np.int32(0), next_gradient_step, inner_state, acc, skip_state)
-
-        def waiting(skip_state: Any) -> MultiStepsState:
-            return MultiStepsState(np.int32(mini + 1), gradient_step, state.inner_opt_state, acc, skip_state)
-
-        def run(u: Updates) -> tuple[Updates, MultiStepsState]:
-            skipped, skip_state = accumulate(u)
-            if skipped:
-                keep_states(state)
-                return zeros_output(acc, layout), state._replace(skip_state=skip_state)
-            if inner is None:
-                return zeros_output(acc, layout), waiting(skip_state)
-            inner_in = inner_updates()
-            # `final`: a factor left pending at the end (the learning rate) is applied in the
-            # last pass, not in a pass of its own when the caller settles the updates.
-            try:
-                out, inner_state = (inner.final or inner.run)(inner_in)
-            except SkipStep as e:  # the inner optimizer skipped (a clip saw NaN): zeros, cycle over
-                return zeros_output(acc, layout), emitted(e.new_state, skip_state)
-            # The result is moved out of acc first if it still lives there.
-            if out.flat is acc or out.flat is inner_in.flat:
-                out = Updates(out.into(acc.workspace("emit", list(layout.group_dtypes))), owned=True)
-            return out, emitted(inner_state, skip_state)
-
-        def apply(u: Updates, p: FlatTree) -> MultiStepsState:
-            """`run`, the emitted update added to ``p`` in the inner optimizer's last pass
-            (`numbaccum.step_`); a step that emits nothing leaves ``p`` as it is."""
-            skipped, skip_state = accumulate(u)
-            if skipped:
-                keep_states(state)
-                return state._replace(skip_state=skip_state)
-            if inner is None:
-                return waiting(skip_state)
-            try:
-                if inner_apply is not None:
-                    inner_state = inner_apply(inner_updates(), p)
-                else:
-                    out, inner_state = inner.run(inner_updates())
-                    apply_updates_(p, out.settled().flat)
-            except SkipStep as e:  # the inner optimizer skipped: params untouched, cycle over
-                inner_state = e.new_state
-            return emitted(inner_state, skip_state)
-
+        cycle = _Cycle(state, acc, spec.layout, params, inner, self._skip, self._mean)
+        run, apply = cycle.run, cycle.apply
         if emits and self._foreign:
             # The gradient is added to acc before the inner optimizer runs; foreign code in it
             # may raise (a transient failure): acc is then restored, so that the retry of this
@@ -580,6 +505,109 @@ class MultiSteps(Stage):
             guard = (acc, state.inner_opt_state) if isinstance(self._inner, Foreign) else acc
             run, apply = undoable(run, guard), undoable(apply, guard)
         return Step(run, apply=apply)
+
+
+class _Cycle:
+    """One mini-step of `MultiSteps`, planned: the gradient is added to the accumulator (unless
+    the skip function says not to); when the cycle ends (``inner`` planned), the inner optimizer
+    runs on the accumulator, which is then reset."""
+
+    def __init__(
+        self,
+        state: MultiStepsState,
+        acc: FlatTree,
+        layout: Layout,
+        params: ParamsRef | None,
+        inner: Step | None,
+        skip_fn: Callable | None,
+        mean: bool,
+    ) -> None:
+        self.state, self.acc, self.layout, self.params = state, acc, layout, params
+        self.inner, self.skip_fn, self.mean = inner, skip_fn, mean
+        self.inner_apply = step_applier(inner) if inner is not None else None
+        self.mini = int(state.mini_step)
+        self.gradient_step = state.gradient_step
+        self.next_gradient_step = (
+            safe_increment(state.gradient_step) if inner is not None else state.gradient_step
+        )
+
+    def accumulate(self, u: Updates) -> tuple[bool, Any]:
+        """Adds ``u`` to the accumulator unless the skip function says not to: ``(skipped,
+        skip_state)``."""
+        skip_state = self.state.skip_state
+        if self.skip_fn is not None:
+            skip, skip_state = _call_skip(self.skip_fn, u, self.gradient_step, self.params)
+            if np.ndim(skip) != 0 or np.asarray(skip).dtype != np.bool_:
+                raise ValueError(f"should_skip_update_fn must return a bool scalar, got {skip!r}")
+            if bool(skip):
+                return True, skip_state
+        mini, fresh = self.mini, self.mini == 0
+        for a, g in zip(self.acc.groups, u.flat.groups):
+            if self.mean:
+                ops_for(g).mean_accumulate_(a, g, u.factor, mini + 1, fresh)
+            else:
+                ops_for(g).sum_accumulate_(a, g, u.factor, fresh)
+        return False, skip_state
+
+    def inner_updates(self) -> Updates:
+        """The accumulator as the inner optimizer's input, in the updates' dtypes; it writes its
+        result to a buffer of its own: not into acc, which would then be copied out before the
+        reset."""
+        acc, dtypes = self.acc, list(self.layout.group_dtypes)
+        return Updates(
+            _as_update_dtypes(acc, self.layout), owned=False, scratch=lambda: acc.workspace("emit", dtypes)
+        )
+
+    def emitted(self, inner_state: Any, skip_state: Any) -> MultiStepsState:
+        for a in self.acc.groups:
+            ops_for(a).fill_(a, 0.0)
+        return MultiStepsState(np.int32(0), self.next_gradient_step, inner_state, self.acc, skip_state)
+
+    def waiting(self, skip_state: Any) -> MultiStepsState:
+        state = self.state
+        return MultiStepsState(
+            np.int32(self.mini + 1), self.gradient_step, state.inner_opt_state, self.acc, skip_state
+        )
+
+    def run(self, u: Updates) -> tuple[Updates, MultiStepsState]:
+        acc, layout, inner = self.acc, self.layout, self.inner
+        skipped, skip_state = self.accumulate(u)
+        if skipped:
+            keep_states(self.state)
+            return zeros_output(acc, layout), self.state._replace(skip_state=skip_state)
+        if inner is None:
+            return zeros_output(acc, layout), self.waiting(skip_state)
+        inner_in = self.inner_updates()
+        # `final`: a factor left pending at the end (the learning rate) is applied in the last
+        # pass, not in a pass of its own when the caller settles the updates.
+        try:
+            out, inner_state = (inner.final or inner.run)(inner_in)
+        except SkipStep as e:  # the inner optimizer skipped (a clip saw NaN): zeros, cycle over
+            return zeros_output(acc, layout), self.emitted(e.new_state, skip_state)
+        # The result is moved out of acc first if it still lives there.
+        if out.flat is acc or out.flat is inner_in.flat:
+            out = Updates(out.into(acc.workspace("emit", list(layout.group_dtypes))), owned=True)
+        return out, self.emitted(inner_state, skip_state)
+
+    def apply(self, u: Updates, p: FlatTree) -> MultiStepsState:
+        """`run`, the emitted update added to ``p`` in the inner optimizer's last pass
+        (`numbaccum.step_`); a step that emits nothing leaves ``p`` as it is."""
+        skipped, skip_state = self.accumulate(u)
+        if skipped:
+            keep_states(self.state)
+            return self.state._replace(skip_state=skip_state)
+        inner = self.inner
+        if inner is None:
+            return self.waiting(skip_state)
+        try:
+            if self.inner_apply is not None:
+                inner_state = self.inner_apply(self.inner_updates(), p)
+            else:
+                out, inner_state = inner.run(self.inner_updates())
+                apply_updates_(p, out.settled().flat)
+        except SkipStep as e:  # the inner optimizer skipped: params untouched, cycle over
+            inner_state = e.new_state
+        return self.emitted(inner_state, skip_state)
 
 
 def _as_update_dtypes(acc: FlatTree, layout: Layout) -> FlatTree:
