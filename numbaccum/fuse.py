@@ -681,31 +681,7 @@ def composite_source(key: tuple) -> tuple[str, str, tuple, tuple, tuple, tuple]:
             new_states.append(f"n{len(new_states)}")
             body.append(f"    {new_states[-1]} = {st} + as_{c}(1.0) * as_{c}(v)")
         else:
-            _, fname, c, factored, n_states, n_inputs, bools = op
-            if factored:
-                div, mul = scalar(), scalar()
-                body.append(f"    g = (as_{c}(v) / as_{c}({div})) * as_{c}({mul})")
-            else:
-                body.append(f"    g = as_{c}(v)")
-            sts = [f"s{len(states) + i}" for i in range(n_states)]
-            states += sts
-            ins = []
-            for _ in range(n_inputs):
-                if n_in in aliased:
-                    ins.append("sp")
-                else:
-                    ins.append(f"x{len(inputs)}")
-                    inputs.append(ins[-1])
-                n_in += 1
-            scs = [scalar() if b else f"as_{c}({scalar()})" for b in bools]
-            body.append(f"    r = {fname}({', '.join(sts + ['g'] + ins + scs)})")
-            if n_states == 0:
-                body.append(f"    v = as_{d}(r)")
-            else:
-                for i in range(n_states):
-                    new_states.append(f"n{len(new_states)}")
-                    body.append(f"    {new_states[-1]} = r[{i}]")
-                body.append(f"    v = as_{d}(r[{n_states}])")
+            n_in = _call_formula(op, d, n_in, aliased, states, inputs, new_states, body, scalar)
     returns = new_states + (["v"] if has_output else [])
     if inplace:  # x is the last state: its new value is the output
         states, inputs = [*states, "x"], inputs[1:]
@@ -713,6 +689,50 @@ def composite_source(key: tuple) -> tuple[str, str, tuple, tuple, tuple, tuple]:
     src = f"def {name}({', '.join(params)}):\n" + "\n".join(body) + f"\n    return {', '.join(returns)}\n"
     outputs = ("out",) if has_output and not inplace else ()
     return name, src, tuple(states), tuple(inputs), outputs, tuple(scalars)
+
+
+def _call_formula(
+    op: tuple,
+    d: str,
+    n_in: int,
+    aliased: tuple,
+    states: list,
+    inputs: list,
+    new_states: list,
+    body: list,
+    scalar: Callable[[], str],
+) -> int:
+    """Appends to a composite's ``body`` the call of one formula (a ``("kernel", ...)`` op of
+    `composite_source`): its input ``g`` (the running value, through a pending factor), its
+    states, extra inputs (the params read through the apply's state when ``aliased``) and
+    scalars as new arguments; its new states and the new running value ``v``. Returns the
+    number of inputs seen so far."""
+    _, fname, c, factored, n_states, n_inputs, bools = op
+    if factored:
+        div, mul = scalar(), scalar()
+        body.append(f"    g = (as_{c}(v) / as_{c}({div})) * as_{c}({mul})")
+    else:
+        body.append(f"    g = as_{c}(v)")
+    sts = [f"s{len(states) + i}" for i in range(n_states)]
+    states += sts
+    ins = []
+    for _ in range(n_inputs):
+        if n_in in aliased:
+            ins.append("sp")
+        else:
+            ins.append(f"x{len(inputs)}")
+            inputs.append(ins[-1])
+        n_in += 1
+    scs = [scalar() if b else f"as_{c}({scalar()})" for b in bools]
+    body.append(f"    r = {fname}({', '.join(sts + ['g'] + ins + scs)})")
+    if n_states == 0:
+        body.append(f"    v = as_{d}(r)")
+    else:
+        for i in range(n_states):
+            new_states.append(f"n{len(new_states)}")
+            body.append(f"    {new_states[-1]} = r[{i}]")
+        body.append(f"    v = as_{d}(r[{n_states}])")
+    return n_in
 
 
 def _make_composite(key: tuple, callees: tuple[F.Formula, ...]) -> F.Formula:
