@@ -6,7 +6,9 @@ A model with 4 float32 leaves and 4,712 parameters (an MLP 32-64-40), one
 * ``step_`` with FlatTree gradients and params, and with plain dicts;
 * ``update`` then ``apply_updates_`` on plain dicts; ``apply_updates_`` alone; a NumPy ``+=``
   loop over the dict (the floor of the last);
-* optax, ``jax.jit(update + apply_updates)`` (when JAX and optax are installed).
+* optax, ``jax.jit(update + apply_updates)`` (when JAX and optax are installed);
+* two variants with ``step_`` on FlatTrees: AdamW with a mask (no decay on the biases), and the
+  chain in ``MultiSteps(..., 4)`` (the mean cost of a call over its cycle).
 
 Usage: python benchmarks/small_model.py [ROOT ...] [--rounds 6]
 
@@ -73,6 +75,17 @@ def numpy_loop():
     for k in p:
         p[k] += zero[k]
 res["NumPy += loop (dict)"] = best(numpy_loop)
+# Two common variants, step_ on FlatTrees: no weight decay on the biases, and accumulation.
+mask = {"w1": True, "b1": False, "w2": True, "b2": False}
+variants = {
+    "masked adamw, step_ (FlatTree)": nba.chain(nba.clip_by_global_norm(1.0), nba.adamw(1e-3, mask=mask)),
+    "MultiSteps(.., 4), step_ (FlatTree)": nba.MultiSteps(tx, 4).gradient_transformation(),
+}
+for name, vtx in variants.items():
+    sv = [vtx.init(fp)]
+    def step_variant():
+        sv[0] = nba.step_(vtx, fg, sv[0], fp)
+    res[name] = best(step_variant)
 print(json.dumps(res))
 """
 )
@@ -107,7 +120,9 @@ def child(code: str, root: str | None) -> dict:
     cwd = tempfile.gettempdir()
     if root is not None:
         env["PYTHONPATH"] = cwd = root
-        code = f"import numbaccum; assert numbaccum.__file__.startswith({root!r}), numbaccum.__file__\n" + code
+        code = (
+            f"import numbaccum; assert numbaccum.__file__.startswith({root!r}), numbaccum.__file__\n" + code
+        )
     res = subprocess.run([sys.executable, "-c", code], env=env, cwd=cwd, capture_output=True, text=True)
     if res.returncode != 0:
         print(res.stderr[-2000:], file=sys.stderr)
@@ -122,7 +137,9 @@ def main() -> None:
         i = args.index("--rounds")
         rounds = int(args[i + 1])
         del args[i : i + 2]
-    roots = [os.path.abspath(r) for r in args] or [os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
+    roots = [os.path.abspath(r) for r in args] or [
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    ]
     got: dict[str, dict[str, list]] = {}
     for _ in range(rounds):
         for root in roots:
@@ -131,11 +148,11 @@ def main() -> None:
         for k, v in child(OPTAX, None).items():
             got.setdefault("optax", {}).setdefault(k, []).append(v)
     names = [r if r == "optax" else os.path.basename(r.rstrip("/")) for r in got]
-    print(f"{'case':34}" + "".join(f"{n[:14]:>16}" for n in names))
+    print(f"{'case':38}" + "".join(f"{n[:14]:>16}" for n in names))
     cases = [k for r in got for k in got[r]]
     for case in dict.fromkeys(cases):
         row = [f"{statistics.median(got[r][case]):14.1f}us" if case in got[r] else f"{'':16}" for r in got]
-        print(f"{case:34}" + "".join(row))
+        print(f"{case:38}" + "".join(row))
 
 
 if __name__ == "__main__":
