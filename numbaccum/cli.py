@@ -50,8 +50,15 @@ def _cuda_status() -> str:
     return f"available: {name.decode() if isinstance(name, bytes) else name}"
 
 
+def _version() -> str:
+    import numbaccum
+
+    return numbaccum.__version__
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="numbaccum")
+    parser.add_argument("--version", action="version", version=f"numbaccum {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="versions, threads and backends")
     sub.add_parser("bench", help="time numbaccum against NumPy and its peers here", add_help=False)

@@ -61,3 +61,29 @@ def test_cli_bench_tiny_smoke(tmp_path):
         check=True,
     )
     assert "MultiSteps mini-step" in r.stdout and out.exists()
+
+
+def test_cli_version_is_the_packages_one_source():
+    """``numbaccum --version`` prints ``numbaccum.__version__``, which is also the version the
+    package is built with (pyproject's ``dynamic``), so the two cannot drift apart."""
+    import numbaccum
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    r = subprocess.run(
+        [sys.executable, "-m", "numbaccum", "--version"], capture_output=True, text=True, check=True
+    )
+    assert r.stdout.strip() == f"numbaccum {numbaccum.__version__}"
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert "version" not in project["project"] and "version" in project["project"]["dynamic"]
+    assert project["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "numbaccum.__version__"}
+    assert (ROOT / "numbaccum" / "py.typed").exists()
+    assert project["tool"]["setuptools"]["package-data"]["numbaccum"] == ["py.typed"]
+
+
+@pytest.mark.parametrize("args", [["--help"], ["info", "--help"], ["bench", "--help"]])
+def test_cli_help_names_only_files_that_exist(args):
+    """A help text that points to a document points to one the repository has."""
+    r = subprocess.run([sys.executable, "-m", "numbaccum", *args], capture_output=True, text=True, check=True)
+    named = set(re.findall(r"\b([\w./-]+\.md)\b", r.stdout))
+    assert all((ROOT / n).exists() for n in named), named
