@@ -100,3 +100,17 @@ def transformation(tx: Any, name: str) -> Any:
 def real_or_schedule(value: Any, name: str) -> Any:
     """A callable (a schedule of the step count) as it is, else ``value`` as a real number."""
     return value if callable(value) else real(value, name)
+
+
+def wrong_state(expected: str, state: Any, error: type[Exception] = TypeError) -> Exception:
+    """The error for a ``state`` that is not the one a transformation made: names what was
+    expected and what came, and says what probably happened: no ``init`` at all (``None``), or
+    the state of another transformation (raise it: ``raise wrong_state(...)``)."""
+    got = type(state).__name__
+    if state is None:
+        hint = "; did you call init? (state = tx.init(params), then pass the state each update returns)"
+    elif isinstance(state, (tuple, dict)) or hasattr(state, "_fields"):
+        hint = "; is it another transformation's state? (each transformation's init makes its own)"
+    else:
+        hint = ""
+    return error(f"state: expected {expected}, got {got}{hint}")

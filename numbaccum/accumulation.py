@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from . import formulas as F
-from ._checks import INT32_MAX, flag, integer, transformation
+from ._checks import INT32_MAX, flag, integer, transformation, wrong_state
 from .apply import apply_updates_
 from .backend import ops_for, tree_sumsq_scaled
 from .base import Chain, Foreign, Stage, Step, as_stage, undoable, with_extra_args_support
@@ -446,7 +446,7 @@ class MultiSteps(Stage):
         emitting one noises and averages them (`privacy._Aggregate.plan_accumulation`) and runs
         the rest of the inner chain on the result."""
         if not isinstance(state, MultiStepsState) or not isinstance(state.acc_grads, FlatTree):
-            raise TypeError(f"state: expected MultiStepsState, got {type(state).__name__}")
+            raise wrong_state("MultiStepsState", state)
         acc, inner = state.acc_grads, self._inner
         k = self._schedule(state.gradient_step)
         mini, gradient_step = int(state.mini_step), state.gradient_step

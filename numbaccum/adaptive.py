@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from ._checks import flag, non_negative, real
+from ._checks import flag, non_negative, real, wrong_state
 from .backend import ops_for
 from .base import Stage, Step, as_stage, with_extra_args_support
 from .clipping import divide_leaves
@@ -517,7 +517,7 @@ class _NormGrowth(Stage):
 
     def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
         if not isinstance(state, ClipNormGrowthState):
-            raise TypeError(f"state: expected ClipNormGrowthState, got {type(state).__name__}")
+            raise wrong_state("ClipNormGrowthState", state)
         if state.layout is not spec.layout:  # as many leaves is not enough: the same tree
             raise ValueError(
                 f"state: it was built for another tree ({state.layout!r}) than the updates ({spec.layout!r})"

@@ -33,7 +33,7 @@ import numpy as np
 
 from . import _config, arrays, fuse
 from . import runner as _runner
-from ._checks import transformation
+from ._checks import transformation, wrong_state
 from .backend import ops_for
 from .contract import ONE
 from .flat import FlatTree, as_flat, host_leaves, layout_of
@@ -450,8 +450,10 @@ class Chain(Stage):
 
     def _states(self, state: Any) -> tuple | None:
         """The stages' states in order, or None if ``state`` is not this chain's."""
-        if self.names is None:
-            return state if isinstance(state, tuple) and len(state) == len(self.stages) else None
+        if self.names is None:  # a plain tuple (a NamedTuple is one stage's state)
+            if isinstance(state, tuple) and len(state) == len(self.stages) and not hasattr(state, "_fields"):
+                return state
+            return None
         if isinstance(state, dict) and len(state) == len(self.names) and all(n in state for n in self.names):
             return tuple(state[n] for n in self.names)
         return None
@@ -485,9 +487,13 @@ class Chain(Stage):
         states = self._states(state)
         if states is None:
             if self.names is not None:
-                raise ValueError(f"state: named_chain expects a dict with keys {self.names}")
-            n = len(state) if isinstance(state, (tuple, list)) else type(state).__name__
-            raise ValueError(f"state: chain of {len(self.stages)} transformations got a state of {n}")
+                raise wrong_state(f"a dict with keys {self.names} (named_chain)", state, ValueError)
+            n = len(self.stages)
+            if isinstance(state, tuple) and not hasattr(state, "_fields"):
+                raise wrong_state(
+                    f"a tuple of {n} states (a chain of {n}; this one has {len(state)})", state, ValueError
+                )
+            raise wrong_state(f"a tuple of {n} states (a chain of {n})", state, ValueError)
         return states
 
     def declarable(self) -> bool:

@@ -11,7 +11,7 @@ import numpy as np
 from . import formulas as F
 from . import fuse
 from ._bounded import Bounded
-from ._checks import integer, non_negative, real, transformation
+from ._checks import integer, non_negative, real, transformation, wrong_state
 from .backend import leaf_tables, ops_for, slice_sumsq, tree_norm, tree_sumsq_scaled
 from .base import Stage, Step, as_stage, with_extra_args_support
 from .contract import ONE, Factor, Ops
@@ -208,7 +208,7 @@ class _ClipByGlobalNorm(Stage):
     def declare(self, spec: Spec, state: Any) -> Prepass:
         # optax's EmptyState, or None (a stateless transformation's state is often passed so)
         if not _clip_state(state):
-            raise TypeError(f"state: expected ClipByGlobalNormState, got {type(state).__name__}")
+            raise wrong_state("ClipByGlobalNormState", state)
         max_norm, policy = self.max_norm, self.nonfinite
         seen: list = []  # the state this step records, once its pre-pass has run
         memo: list = []  # (flat, factor): asked twice for one buffer (apply_if_finite), reduce once
@@ -351,7 +351,7 @@ class _ZeroNans(Stage):
 
     def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
         if not isinstance(state, ZeroNansState):
-            raise TypeError(f"state: expected ZeroNansState, got {type(state).__name__}")
+            raise wrong_state("ZeroNansState", state)
         treedef = spec.layout.treedef
 
         def run(u: Updates) -> tuple[Updates, ZeroNansState]:
@@ -411,7 +411,7 @@ class _ApplyIfFinite(Stage):
 
     def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
         if not isinstance(state, ApplyIfFiniteState):
-            raise TypeError(f"state: expected ApplyIfFiniteState, got {type(state).__name__}")
+            raise wrong_state("ApplyIfFiniteState", state)
         inner = self.stage.plan(spec, state.inner_state, params, extra)
         streak, total = int(state.notfinite_count), int(state.total_notfinite)
         max_errors = self.max_errors

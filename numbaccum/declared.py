@@ -25,7 +25,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from . import formulas as F
-from ._checks import real
+from ._checks import real, wrong_state
 from .base import Stage
 from .flat import FlatTree, layout_and_device
 from .fuse import Kernel
@@ -110,7 +110,7 @@ def expect_state(
     if isinstance(layout, Spec):
         layout, device = layout.layout, layout.device
     if not isinstance(state, cls):
-        raise TypeError(f"state: expected {cls.__name__}, got {type(state).__name__}")
+        raise wrong_state(cls.__name__, state)
     flat = getattr(state, field)
     if not isinstance(flat, FlatTree) or flat.layout is not layout:
         raise ValueError(f"state.{field}: its layout does not match the updates ({layout})")

@@ -22,6 +22,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from . import _bounded, base, fuse
+from ._checks import wrong_state
 from .base import Stage, Step
 from .declared import safe_increment
 from .flat import FlatTree
@@ -257,7 +258,7 @@ class _InjectHyperparams(Stage):
 
     def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
         if not isinstance(state, InjectStatefulHyperparamsState):
-            raise TypeError(f"state: expected InjectStatefulHyperparamsState, got {type(state).__name__}")
+            raise wrong_state("InjectStatefulHyperparamsState", state)
         if not self.names <= state.hyperparams.keys():
             raise ValueError(f"state.hyperparams: missing {sorted(self.names - set(state.hyperparams))}")
         dtype = self.fixed_dtype

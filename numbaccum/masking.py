@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from . import _bounded
-from ._checks import flag, transformation
+from ._checks import flag, transformation, wrong_state
 from .backend import ops_for
 from .base import Stage, Step, as_stage, with_extra_args_support
 from .contract import ONE
@@ -173,7 +173,7 @@ class _Masked(Stage):
 
     def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
         if not isinstance(state, MaskedState):
-            raise TypeError(f"state: masked expects a MaskedState, got {type(state).__name__}")
+            raise wrong_state("MaskedState (masked)", state)
         m = self.resolve(spec.layout)
         sub_spec = Spec(m.sub, spec.device)
         sub_params = None

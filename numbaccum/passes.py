@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from . import fuse, runner
-from ._checks import transformation
+from ._checks import transformation, wrong_state
 from .accumulation import MultiSteps, MultiStepsState, skip_large_updates, skip_not_finite
 from .base import Chain, Stage, as_stage, with_extra_args_support
 from .flat import FlatTree, layout_of
@@ -264,7 +264,7 @@ def _explain_multisteps(
     """The passes of `MultiSteps`' next step (as its state says): the accumulation, the skip
     function's check, and on an emitting step the inner optimizer's passes and the reset."""
     if not isinstance(state, MultiStepsState):
-        raise TypeError(f"state: expected MultiStepsState, got {type(state).__name__}")
+        raise wrong_state("MultiStepsState", state)
     sizes = np.array(layout.group_sizes, np.float64)
     n = float(sizes.sum()) or 1.0
     x = float(np.dot(sizes, [np.dtype(t).itemsize for t in layout.group_dtypes]) / n)

@@ -16,7 +16,7 @@ import numpy as np
 
 from . import _bounded
 from . import formulas as F
-from ._checks import flag, real, real_or_schedule, scheduled
+from ._checks import flag, real, real_or_schedule, scheduled, wrong_state
 from .base import Stage
 from .contract import ONE, Factor
 from .declared import safe_increment
@@ -99,7 +99,7 @@ class _ScaleBySchedule(Stage):
 
     def declare(self, spec: Spec, state: Any) -> Scale:
         if not isinstance(state, ScaleByScheduleState):
-            raise TypeError(f"state: expected ScaleByScheduleState, got {type(state).__name__}")
+            raise wrong_state("ScaleByScheduleState", state)
         part = Scale(ONE, None, "scale_by_schedule")
         schedule, sign = self.schedule, self.sign
 
@@ -153,12 +153,10 @@ class _AddDecayedWeights(Stage):
             raise ValueError("add_decayed_weights needs params: call update(updates, state, params)")
         if not callable(self.weight_decay):
             if not isinstance(state, EmptyState):
-                raise TypeError(f"state: add_decayed_weights expects EmptyState, got {type(state).__name__}")
+                raise wrong_state("EmptyState (add_decayed_weights)", state)
             return self.weight_decay, state
         if not isinstance(state, WeightDecaySchedule):
-            raise TypeError(
-                f"state: a scheduled weight decay expects WeightDecaySchedule, got {type(state).__name__}"
-            )
+            raise wrong_state("WeightDecaySchedule (a scheduled weight decay)", state)
         wd = scheduled(self.weight_decay, state.count, "weight_decay")
         return wd, WeightDecaySchedule(safe_increment(state.count))
 
@@ -168,10 +166,8 @@ class _AddDecayedWeights(Stage):
         expected = WeightDecaySchedule if callable(self.weight_decay) else EmptyState
         if not isinstance(state, expected):
             if expected is EmptyState:
-                raise TypeError(f"state: add_decayed_weights expects EmptyState, got {type(state).__name__}")
-            raise TypeError(
-                f"state: a scheduled weight decay expects WeightDecaySchedule, got {type(state).__name__}"
-            )
+                raise wrong_state("EmptyState (add_decayed_weights)", state)
+            raise wrong_state("WeightDecaySchedule (a scheduled weight decay)", state)
         groups = len(spec.layout.groups)
         part: Any
         if self.skip:
@@ -227,9 +223,7 @@ class _MaskedDecay(_Masked):
 
     def declare(self, spec: Spec, state: Any) -> Any:
         if not isinstance(state, MaskedState):
-            raise TypeError(
-                f"state: add_decayed_weights with a mask expects a MaskedState, got {type(state).__name__}"
-            )
+            raise wrong_state("MaskedState (add_decayed_weights with a mask)", state)
         part = self.inner.declare(spec, state.inner_state)  # checks the inner state
         inner_tick = part.tick
         keep = None

@@ -117,7 +117,6 @@ def guarded(owner: FlatTree | None, fn: Callable[..., Any], *args: Any) -> Any:
             owner._busy = False
 
 
-
 def state_flats(state: Any, writable_only: bool = True) -> list[FlatTree]:
     """The FlatTrees in a state (a nest of tuples, NamedTuples, lists and dicts), each once: the
     writable ones only unless ``writable_only`` is False."""
@@ -136,5 +135,3 @@ def state_flats(state: Any, writable_only: bool = True) -> list[FlatTree]:
 
     walk(state)
     return list(found.values())
-
-

@@ -208,5 +208,3 @@ def check_params(params: Any, spec: Spec) -> list | None:
                 "of the params the state was made for (init the state with these params)"
             )
     return leaves if not spec.device and not isinstance(params, FlatTree) else None
-
-

@@ -511,3 +511,33 @@ def test_hostile_dtype_arguments_raise_naming_the_argument(case, value):
 @pytest.mark.parametrize("value", [np.float16, "float32", np.dtype(np.float64), "d", "half"])
 def test_float_dtype_arguments_are_accepted(case, value):
     DTYPE_ARGUMENTS[case](value)
+
+
+# --- a state that is not the transformation's (issue 24, item 4) ----------------------------------
+
+# The stateless ones (EmptyState) take any state, as optax's do; clip_by_global_norm keeps
+# statistics but takes None or optax's EmptyState (a stateless transformation's state is often
+# passed so).
+_STATEFUL = sorted(
+    n
+    for n, make in TRANSFORMATIONS.items()
+    if n != "clip_by_global_norm" and not isinstance(make().init(_tree()), nba.EmptyState)
+)
+
+
+@pytest.mark.parametrize("name", _STATEFUL)
+@pytest.mark.parametrize("given", ["None", "another transformation's"])
+def test_a_missing_or_foreign_state_asks_whether_init_was_called(name, given):
+    """``update`` with ``state=None`` says "did you call init?"; with another transformation's
+    state, that it may be one; neither touches anything."""
+    tx = TRANSFORMATIONS[name]()
+    params = _tree()
+    other = nba.trace(0.5) if name != "trace" else nba.ema(0.5)
+    state = None if given == "None" else other.init(params)
+    before = snapshot(params)
+    hint = "did you call init" if given == "None" else "another transformation's state"
+    with pytest.raises((TypeError, ValueError), match=hint):
+        tx.update(_tree(), state, params)
+    with pytest.raises((TypeError, ValueError), match=hint):
+        nba.step_(tx, _tree(), state, params)
+    assert_bitwise(snapshot(params), before)

@@ -15,11 +15,11 @@ implementations of a row alternately (A, B, C, A, B, C, ...; MultiSteps: a whole
 turn), so that a shared machine's changing load falls on all of them alike (timed in blocks, the
 ratio against PyTorch moved between 0.64x and 1.37x in back-to-back runs; alternated, by less than
 0.2x): median, min and max of each. GB/s counts the minimal bytes per float32 parameter (what
-`numbaccum.explain` calls the arithmetic minimum): a mini-step reads g and reads and writes acc (12), except the first of a cycle, which
-only writes acc (8); the full step reads g and acc for the norm, reads them again beside mu and
-nu, writes mu, nu, the update and the zeroed acc (40); ema with debias reads g, reads and writes
-ema, writes the update (16); clip_by_global_norm reads g for the norm and again for the output,
-and writes the output (12).
+`numbaccum.explain` calls the arithmetic minimum): a mini-step reads g and reads and writes acc
+(12), except the first of a cycle, which only writes acc (8); the full step reads g and acc for
+the norm, reads them again beside mu and nu, writes mu, nu, the update and the zeroed acc (40);
+ema with debias reads g, reads and writes ema, writes the update (16); clip_by_global_norm reads
+g for the norm and again for the output, and writes the output (12).
 The copy floor is measured in the same run: on the CPU the faster of ``np.copyto`` and a parallel
 copy of a large buffer, on the GPU a device-to-device copy of the workload's size. On the GPU,
 calls are timed between CUDA events (optax: wall time, its step blocks until ready).
