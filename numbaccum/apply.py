@@ -306,8 +306,18 @@ def check_writable(tree: Any, name: str) -> None:
         return
     raw, paths, _ = tree_flatten_with_path(tree)
     for x, path in zip(raw, paths):
-        if isinstance(x, np.generic) or (isinstance(x, np.ndarray) and not x.flags.writeable):
-            raise TypeError(f"{format_path(path, name)}: cannot be changed in place (not a writable array)")
+        if isinstance(x, np.ndarray):
+            if x.flags.writeable:
+                continue
+            why = "a read-only array"
+        elif arrays.is_cuda_array(x):
+            continue
+        else:  # a scalar, a JAX array, ...: what is written would not reach it
+            why = f"{type(x).__name__} is not a writable array"
+        raise TypeError(
+            f"{format_path(path, name)}: cannot be changed in place ({why}); "
+            "numbaccum.apply_updates(params, updates) returns new arrays instead"
+        )
 
 
 def scatter_back(flat: FlatTree, tree: Any, name: str, found: Any = None) -> None:

@@ -87,7 +87,10 @@ def on_device(x: Any) -> bool:
 
 
 def kind_of(x: Any) -> str:
-    """Which array type the caller uses: 'numpy', 'numba', 'cupy' or 'torch'."""
+    """Which array type the caller uses: 'numba', 'cupy' or 'torch' for a CUDA array, 'numpy' for
+    anything on the host (NumPy, and what NumPy reads: scalars, JAX CPU arrays, CPU tensors)."""
+    if not is_cuda_array(x):
+        return "numpy"
     mod = type(x).__module__
     if mod.startswith("torch"):
         return "torch"

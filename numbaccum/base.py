@@ -317,7 +317,7 @@ def _side(tree: Any) -> bool:
     if isinstance(tree, FlatTree):
         return tree.device
     leaves = tree_flatten(tree)[0]
-    return bool(leaves) and not isinstance(leaves[0], (np.ndarray, np.generic))
+    return bool(leaves) and arrays.is_cuda_array(leaves[0])
 
 
 class Foreign(Stage):

@@ -29,22 +29,44 @@ __all__ = ["FlatTree", "as_flat", "layout_of", "to_device", "to_host"]
 
 def _as_leaf(x: Any, where: tuple, name: str) -> Any:
     """A NumPy float array, or a numba view of a CUDA float array, for a leaf; TypeError naming
-    its path (``name`` + key path ``where``, formatted only for the message) otherwise."""
+    its path (``name`` + key path ``where``, formatted only for the message) otherwise.
+
+    As optax takes them: NumPy and Python scalars are 0-d leaves, and an array NumPy reads without
+    a copy (a JAX array on the CPU, a CPU tensor, anything with ``__array__`` or ``__dlpack__``)
+    is read through a NumPy view. Such a leaf comes back read-only: it is not the caller's array,
+    so nothing may write into it believing it changes theirs (`numbaccum.step_` on such params
+    says so, and points to `numbaccum.apply_updates`)."""
     if type(x) is np.ndarray and x.dtype in FLOATS:  # the common case, first and cheap
         return x
     path = format_path(where, name)
     if isinstance(x, np.ndarray):
         arr = x
-    elif isinstance(x, np.generic):
-        arr = np.asarray(x)
+    elif isinstance(x, (np.generic, float, int)) and not isinstance(x, bool):
+        arr = _read_only(np.asarray(x))  # a 0-d leaf
     elif is_cuda_array(x):
         arr = as_device_array(x)
         if arr.dtype in FLOATS and arr.size and not is_contiguous(arr):
             raise ValueError(f"{path}: a non-contiguous CUDA array cannot be packed; pass a contiguous copy")
+    elif hasattr(x, "__array__") or hasattr(x, "__dlpack__"):
+        try:
+            arr = _read_only(np.asarray(x) if hasattr(x, "__array__") else np.from_dlpack(x))
+        except Exception as e:  # e.g. an array on a device NumPy cannot read
+            raise TypeError(f"{path}: NumPy cannot read this {type(x).__name__} ({e})") from None
     else:
-        raise TypeError(f"{path}: expected a NumPy or CUDA array, got {type(x).__name__}")
+        raise TypeError(
+            f"{path}: expected an array (NumPy, CUDA, or one NumPy can read: JAX on the CPU, a CPU "
+            f"tensor) or a float, got {type(x).__name__}"
+        )
     if arr.dtype not in FLOATS:
         raise TypeError(f"{path}: dtype {arr.dtype} is not float16, float32 or float64")
+    return arr
+
+
+def _read_only(arr: np.ndarray) -> np.ndarray:
+    """A read-only view of ``arr`` (a leaf read from something that is not a NumPy array)."""
+    if arr.flags.writeable:
+        arr = arr.view()
+        arr.flags.writeable = False
     return arr
 
 

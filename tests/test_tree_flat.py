@@ -79,7 +79,12 @@ def test_single_leaf_flattree_is_array_like():
 @pytest.mark.parametrize(
     "tree, match, exc",
     [
-        ({"a": [1.0, 2.0]}, r"tree\['a'\]\[0\]: expected a NumPy or CUDA array", TypeError),
+        ({"a": [1, 2]}, r"tree\['a'\]\[0\]: dtype int64", TypeError),  # Python ints: integers
+        (
+            {"a": {"b": object()}},
+            r"tree\['a'\]\['b'\]: expected an array .* or a float, got object",
+            TypeError,
+        ),
         ({"a": np.arange(3)}, r"tree\['a'\]: dtype int64", TypeError),
         ({"a": "x"}, r"tree\['a'\]", TypeError),
     ],
@@ -97,3 +102,60 @@ def test_float16_leaves_compute_in_float32_and_round_once():
     assert u["h"].dtype == np.float16
     np.testing.assert_array_equal(u["h"], [2.0, 4.0])
     np.testing.assert_array_equal(s.ema["h"], [2.0, 4.0])
+
+
+# --- leaves people have (issue 24, item 4) --------------------------------------------------------
+
+
+def _host_leaves_people_have() -> dict:
+    """Gradients as they come: Python and NumPy scalars, and arrays NumPy reads without a copy."""
+    out = {"python float": 0.25, "numpy scalar": np.float32(0.25)}
+    try:
+        import jax.numpy as jnp
+
+        out["jax array"] = jnp.full((3,), 0.25, jnp.float32)
+    except ImportError:
+        pass
+    try:
+        import torch
+
+        out["torch cpu tensor"] = torch.full((3,), 0.25)
+    except ImportError:
+        pass
+    return out
+
+
+@pytest.mark.parametrize("kind", sorted(_host_leaves_people_have()))
+def test_gradients_may_be_any_leaf_numpy_reads(kind):
+    """What optax takes as a gradient leaf, update and step_ take: the same numbers as the NumPy
+    array of it gives, and NumPy arrays back."""
+    g = _host_leaves_people_have()[kind]
+    as_numpy = np.asarray(g)
+    params = {"x": np.ones(as_numpy.shape, as_numpy.dtype)}
+    tx = nba.chain(nba.clip_by_global_norm(1.0), nba.adam(1e-2))
+    u, _ = tx.update({"x": g}, tx.init(params), params)
+    want, _ = tx.update({"x": as_numpy}, tx.init(params), params)
+    assert type(u["x"]) is np.ndarray
+    np.testing.assert_array_equal(u["x"], want["x"])
+    p = {"x": params["x"].copy()}
+    nba.step_(tx, {"x": g}, tx.init(p), p)
+    np.testing.assert_array_equal(p["x"], params["x"] + want["x"])
+
+
+@pytest.mark.parametrize("kind", sorted(_host_leaves_people_have()))
+def test_params_that_cannot_change_in_place_point_to_apply_updates(kind):
+    """step_ and apply_updates_ write the params in place: a scalar or a JAX array cannot be, so
+    they refuse it (naming the leaf, pointing to apply_updates) before anything is written, where
+    writing into a converted copy would change nothing without a word."""
+    leaf = _host_leaves_people_have()[kind]
+    params = {"x": leaf, "w": np.ones(2, np.float32)}
+    grads = {"x": np.asarray(leaf) * 0 + 1, "w": np.ones(2, np.float32)}
+    tx = nba.sgd(0.1)
+    state = tx.init(params)
+    with pytest.raises(TypeError, match=r"params\['x'\]: cannot be changed in place.*apply_updates"):
+        nba.step_(tx, grads, state, params)
+    with pytest.raises(TypeError, match=r"params\['x'\]: cannot be changed in place.*apply_updates"):
+        nba.apply_updates_(params, grads)
+    np.testing.assert_array_equal(params["w"], np.ones(2, np.float32))  # nothing written
+    new = nba.apply_updates(params, tx.update(grads, state, params)[0])
+    np.testing.assert_allclose(np.asarray(new["x"]), np.asarray(leaf) - 0.1, rtol=1e-6)
