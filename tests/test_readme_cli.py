@@ -61,6 +61,7 @@ def test_cli_bench_tiny_smoke(tmp_path):
         check=True,
     )
     assert "MultiSteps mini-step" in r.stdout and out.exists()
+    assert f"raw numbers: {out}" in r.stderr  # where it wrote them
 
 
 def test_cli_version_is_the_packages_one_source():

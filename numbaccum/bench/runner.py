@@ -726,14 +726,28 @@ def format_table(result: dict[str, Any]) -> str:
                 f"{_num(r['min_s'] * scale)}-{_num(r['max_s'] * scale)}",
                 "-" if r["gbs"] is None else f"{r['gbs']:.1f}",
                 "-" if r["floor_fraction"] is None else f"{r['floor_fraction']:.2f}",
-                _ratio(by.get((r["op"], "numpy")), t),
-                _ratio(t, by.get((r["op"], "numbaccum"))),
+                "-" if r["impl"] == "numpy" else _ratio(by.get((r["op"], "numpy")), t),
+                "-" if r["impl"] == "numbaccum" else _ratio(t, by.get((r["op"], "numbaccum"))),
             ]
             lines.append("| " + " | ".join(cells) + " |")
+        lines += ["", _LEGEND_PER_CALL if per_call else _LEGEND]
         if run.get("skipped"):
             lines.append("")
             lines += [f"- {x['impl']} on {x['op']}: skipped: {x['why']}" for x in run["skipped"]]
     return "\n".join(lines)
+
+
+_RATIOS = (
+    "vs numpy: the NumPy per-leaf version's median over this row's (above 1.00x: faster than "
+    "NumPy); numbaccum speed-up: this row's median over numbaccum's on a FlatTree (above 1.00x: "
+    "numbaccum is that much faster)."
+)
+_LEGEND = (
+    "GB/s: the operation's minimal bytes (see --help) per second of the median; of copy floor: "
+    "those GB/s over the copy floor above (above 1.00: faster than a copy through memory, as a "
+    "workload that fits in the CPU's caches can be). " + _RATIOS
+)
+_LEGEND_PER_CALL = "The tree is tiny: the times are per-call overheads (no GB/s). " + _RATIOS
 
 
 def _default_devices() -> tuple[str, ...]:
@@ -921,6 +935,7 @@ def _report(result: dict[str, Any], json_path: str | None, plot_path: str | None
     if json_path:
         with open(json_path, "w") as f:
             json.dump(result, f, indent=2)
+        print(f"raw numbers: {os.path.abspath(json_path)}", file=sys.stderr)
     if plot_path:
         from .plot import plot
 
