@@ -33,21 +33,54 @@ def _transformations() -> list[Any]:
     ]
 
 
-def warmup(dtypes: Sequence[Any] = ("float32", "float64"), backend: str = "auto") -> list[str]:
-    """Compiles the kernels behind the common transformations for ``dtypes``, so the first real
-    step does not pay numba's compile time (about 2 s per kernel family on a small machine).
+def warmup(
+    tx: Any = None,
+    params: Any = None,
+    *,
+    dtypes: Sequence[Any] = ("float32", "float64"),
+    backend: str = "auto",
+) -> list[str]:
+    """Compiles kernels ahead of the first training step, so that no step stalls on numba's
+    compiler (about 2 s per kernel family on a small machine; with an empty kernel cache, the
+    first emitting step of a ``MultiSteps`` loop would otherwise take seconds).
 
-    Each transformation runs two steps on a small tree (the serial kernels) and on a tree above
-    the parallel threshold (the parallel ones), on the CPU and, with ``backend`` "cuda" or "auto"
-    on a machine with a working CUDA device, on the GPU.
+    ``warmup(tx, params)`` compiles exactly what ``tx`` runs on a tree like ``params``: its
+    plan, through ``update`` then ``apply_updates_`` and through ``step_``, a whole cycle of every
+    accumulation in it (the emitting step included), with gradients a clip leaves alone and
+    gradients it scales. It runs on copies: nothing of the caller's changes.
+
+    ``warmup(dtypes=..., backend=...)`` (no transformation) compiles the kernels behind the common
+    transformations for ``dtypes``: each runs two steps on a small tree (the serial kernels) and
+    on a tree above the parallel threshold (the parallel ones), on the CPU and, with ``backend``
+    "cuda" or "auto" on a machine with a working CUDA device, on the GPU.
+
+    Args:
+        tx: the transformation the loop will run (or None).
+        params: the parameters it will run on (their tree, shapes and dtypes; host or CUDA).
+        dtypes: without ``tx``, the dtypes to compile for.
+        backend: without ``tx``, "auto", "cpu" or "cuda".
 
     Returns:
-        The backends that were warmed up (``["cpu"]`` or ``["cpu", "cuda"]``).
+        The backends that were warmed up (``["cpu"]``, ``["cuda"]`` or ``["cpu", "cuda"]``).
 
     Raises:
         ValueError: ``backend`` is not "auto", "cpu" or "cuda".
-        TypeError: a dtype is not float16, float32 or float64.
+        TypeError: a dtype is not float16, float32 or float64; ``tx`` without ``params``; or
+            what ``tx.init``/``tx.update`` raise on ``params``.
+
+    Example:
+        >>> import numpy as np, numbaccum as nba
+        >>> params = {"w": np.zeros((3, 2), np.float32), "b": np.zeros(2, np.float32)}
+        >>> tx = nba.MultiSteps(nba.chain(nba.clip_by_global_norm(1.0), nba.adam(1e-3)), 4)
+        >>> nba.warmup(tx, params)
+        ['cpu']
     """
+    if tx is not None and not (hasattr(tx, "init") and hasattr(tx, "update")):
+        dtypes, tx = tx, None  # warmup(dtypes): the first argument was once the dtypes
+    if tx is not None:
+        if params is None:
+            raise TypeError("warmup(tx, params): params is needed (the tree the loop runs on)")
+        return _warm_plan(tx, params)
     if backend not in ("auto", "cpu", "cuda"):
         raise ValueError(f"backend must be 'auto', 'cpu' or 'cuda', got {backend!r}")
     dts = [check_float_dtype(d, "dtypes") for d in dtypes]
@@ -69,3 +102,49 @@ def warmup(dtypes: Sequence[Any] = ("float32", "float64"), backend: str = "auto"
                     for _ in range(2):
                         _, state = tx.update(tree, state, tree)
     return done
+
+
+def _warm_plan(tx: Any, params: Any) -> list[str]:
+    """`warmup` of ``tx`` on copies of ``params``: update + apply_updates_ and step_, a whole
+    accumulation cycle (twice the longest in it) with small gradients, then with large ones."""
+    from .apply import apply_updates_
+    from .flat import FlatTree, layout_and_device
+    from .passes import step_
+
+    layout, device = layout_and_device(params, "params")
+    tx = tx.gradient_transformation() if hasattr(tx, "gradient_transformation") else tx
+    steps = 2 * _longest_cycle(tx)
+    for value in (1e-3, 1e3):  # a clip that leaves the updates alone, and one that scales them
+        grads = FlatTree.zeros(layout, None, device).fill_(value).tree
+        p_update, p_step = (FlatTree.zeros(layout, None, device).fill_(0.5) for _ in range(2))
+        s_update, s_step = tx.init(p_update), tx.init(p_step)
+        for _ in range(steps):
+            u, s_update = tx.update(grads, s_update, p_update)
+            apply_updates_(p_update, u)
+            s_step = step_(tx, grads, s_step, p_step)
+    return ["cuda" if device else "cpu"]
+
+
+def _longest_cycle(tx: Any) -> int:
+    """The longest accumulation cycle in ``tx`` (MultiSteps' ``every_k_schedule`` at step 0,
+    apply_every's ``k``), 1 if none."""
+    from .base import Stage, stage_of
+
+    longest, seen, todo = 1, set(), [stage_of(tx)]
+    while todo:
+        obj = todo.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, (list, tuple)):
+            todo += list(obj)
+            continue
+        if not isinstance(obj, Stage):
+            continue
+        k = getattr(obj, "_k", None) if hasattr(obj, "inner_opt") else getattr(obj, "k", None)
+        if callable(k):
+            k = k(np.int32(0))
+        if isinstance(k, (int, np.integer)) and not isinstance(k, bool):
+            longest = max(longest, int(k))
+        todo += [v for name, v in vars(obj).items() if name != "_kept"]
+    return longest

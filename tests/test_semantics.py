@@ -299,3 +299,33 @@ def test_warmup_compiles_ahead_and_checks_its_arguments():
         nba.warmup(backend="tpu")
     with pytest.raises(TypeError, match="dtypes"):
         nba.warmup(dtypes=("int32",), backend="cpu")
+
+
+def test_warmup_of_a_transformation_leaves_nothing_to_compile_in_the_loop():
+    """``warmup(tx, params)`` compiles what the loop will run (issue 24, item 5): in a fresh
+    process without a kernel cache, a MultiSteps loop of masked AdamW with a clip, through
+    ``update`` + ``apply_updates_`` and ``step_``, emitting steps and clipped and unclipped
+    gradients included, compiles nothing after it (without warmup, its first steps compile a
+    dozen kernels: 2 s each on a small machine)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    child = Path(__file__).resolve().parent / "_warmup_child.py"
+    root = Path(nba.__file__).resolve().parent.parent
+    env = dict(os.environ, NUMBACCUM_CACHE_DIR="off", PYTHONPATH=str(root))
+    out = subprocess.run([sys.executable, str(child)], env=env, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert res["compiled_after_warmup"] == []
+
+
+def test_warmup_takes_a_transformation_or_the_dtypes():
+    params = {"w": np.zeros(3, np.float32)}
+    assert nba.warmup(nba.ema(0.9), params) == ["cpu"]
+    assert nba.warmup(["float32"], backend="cpu") == ["cpu"]  # the first argument was the dtypes
+    with pytest.raises(TypeError, match="params"):
+        nba.warmup(nba.ema(0.9))
+    assert params["w"].tolist() == [0.0, 0.0, 0.0]  # nothing of the caller's changed
