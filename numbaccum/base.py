@@ -668,12 +668,32 @@ def _named_workspace(owner: FlatTree, name: str) -> Callable[[], FlatTree]:
 
 
 def chain(*transforms: Any) -> GradientTransformationExtraArgs:
-    """Applies ``transforms`` in order: ``u = t_n(...t_2(t_1(g)))``; state is a tuple.
+    """Applies ``transforms`` in order: ``u = t_n(...t_2(t_1(g)))``; the state is the tuple of
+    their states.
 
     ``params`` and extra keyword arguments are passed to every transformation. Every stage is
     planned (its state, params and schedules checked) before any runs, so an error leaves every
     state as it was; a foreign (non-numbaccum) transformation runs its own checks when it runs
-    (see `Foreign`).
+    (see `Foreign`). Consecutive elementwise stages fuse into one pass per dtype group
+    (`numbaccum.explain` shows the passes).
+
+    Args:
+        *transforms: transformations (numbaccum's, optax-style ``(init, update)`` pairs of your
+            own, or optax's own).
+
+    Returns:
+        A `GradientTransformationExtraArgs` whose state is ``tuple(t.init(params) for t in
+        transforms)``.
+
+    References:
+        optax.chain; torchzero's and declearn's module chains.
+
+    Example:
+        >>> import numpy as np, numbaccum as nba
+        >>> tx = nba.chain(nba.clip_by_global_norm(1.0), nba.scale(-0.5))
+        >>> u, state = tx.update({"g": np.array([3.0, 4.0])}, tx.init({"g": np.zeros(2)}))
+        >>> u["g"]  # clipped to norm 1, then scaled
+        array([-0.3, -0.4])
     """
     txs = [
         with_extra_args_support(transformation(t, f"chain: transforms[{i}]"))

@@ -73,8 +73,38 @@ def sgd(
     nesterov: bool = False,
     accumulator_dtype: Any = None,
 ) -> GradientTransformationExtraArgs:
-    """Stochastic gradient descent: ``chain(trace(momentum, nesterov), scale_by_learning_rate)``
-    (no trace when ``momentum`` is None): ``u = -lr * trace``."""
+    """Stochastic gradient descent, with optional (Nesterov) momentum:
+    ``trace = g + momentum * trace``, ``u = -lr * trace`` (``-lr * (g + momentum * trace)``
+    with ``nesterov``; ``u = -lr * g`` without momentum).
+
+    It is ``chain(trace(momentum, nesterov, accumulator_dtype), scale_by_learning_rate(
+    learning_rate))`` (no trace when ``momentum`` is None), one fused pass.
+
+    Args:
+        learning_rate: a float, or a schedule of the step count.
+        momentum: the trace's decay, in [0, 1]; None: plain SGD (no state buffer).
+        nesterov: Nesterov's momentum.
+        accumulator_dtype: storage dtype of the trace; None keeps each leaf's dtype.
+
+    Returns:
+        A `GradientTransformationExtraArgs`; its state is ``(TraceState(trace), EmptyState())``
+        (``EmptyState()`` first without momentum).
+
+    References:
+        Polyak, "Some methods of speeding up the convergence of iteration methods", 1964;
+        Sutskever et al., "On the importance of initialization and momentum in deep learning",
+        ICML 2013. optax.sgd; torch.optim.SGD (the same trace, without dampening).
+
+    Example:
+        >>> import numpy as np, numbaccum as nba
+        >>> params = {"w": np.zeros(2)}
+        >>> tx = nba.sgd(0.1, momentum=0.9)
+        >>> state = tx.init(params)
+        >>> for _ in range(2):
+        ...     state = nba.step_(tx, {"w": np.ones(2)}, state, params)
+        >>> params["w"]  # -0.1 * 1, then -0.1 * (1 + 0.9)
+        array([-0.29, -0.29])
+    """
     if momentum is not None:
         check_decay(momentum, "momentum")  # named as the caller knows it (trace calls it decay)
     first = trace(momentum, nesterov, accumulator_dtype) if momentum is not None else identity()
@@ -238,12 +268,39 @@ def adam(
     *,
     nesterov: bool = False,
 ) -> GradientTransformationExtraArgs:
-    """Adam: ``chain(scale_by_adam(b1, b2, eps, eps_root, mu_dtype, nesterov=nesterov),
-    scale_by_learning_rate(lr))``.
+    """Adam, as optax computes it:
 
-    It is that chain, declared like any other: fused, the ``-lr`` step is applied inside the
-    Adam pass (``u = direction * -lr`` rounds exactly as a separate scaling pass would); with
-    ``NUMBACCUM_FUSE=0`` it is the chain's two passes. ``nesterov=True`` is `nadam`.
+    ``mu = b1 mu + (1 - b1) g``, ``nu = b2 nu + (1 - b2) g^2``,
+    ``u = -lr (mu / (1 - b1^t)) / (sqrt(nu / (1 - b2^t) + eps_root) + eps)``.
+
+    It is ``chain(scale_by_adam(b1, b2, eps, eps_root, mu_dtype, nesterov=nesterov),
+    scale_by_learning_rate(learning_rate))``, declared like any other chain: fused, the ``-lr``
+    step is applied inside the Adam pass (``u = direction * -lr`` rounds exactly as a separate
+    scaling pass would); with ``NUMBACCUM_FUSE=0`` it is the chain's two passes.
+
+    Args:
+        learning_rate: a float, or a schedule of the step count (``fn(count) -> float``).
+        b1, b2: decay rates of the first and second moments, in [0, 1].
+        eps, eps_root: added to the denominator outside and inside the square root.
+        mu_dtype: storage dtype of the first moment (``mu``); None keeps each leaf's dtype.
+        nesterov: NAdam's direction instead (`nadam`).
+
+    Returns:
+        A `GradientTransformationExtraArgs`; its state is ``(ScaleByAdamState(count, mu, nu),
+        EmptyState())`` (or ``ScaleByScheduleState`` last, with a schedule).
+
+    References:
+        Kingma and Ba, "Adam: A Method for Stochastic Optimization", ICLR 2015
+        (arXiv:1412.6980). optax.adam; torch.optim.Adam.
+
+    Example:
+        >>> import numpy as np, numbaccum as nba
+        >>> params = {"w": np.ones(3, np.float32)}
+        >>> tx = nba.adam(0.1)
+        >>> state = tx.init(params)
+        >>> state = nba.step_(tx, {"w": np.array([1.0, -2.0, 0.0], np.float32)}, state, params)
+        >>> params["w"].round(4)  # each moved by lr against its gradient's sign (eps aside)
+        array([0.9, 1.1, 1. ], dtype=float32)
     """
     direction = scale_by_adam(b1, b2, eps, eps_root, mu_dtype, nesterov=nesterov)
     return chain(direction, scale_by_learning_rate(learning_rate))
@@ -319,12 +376,41 @@ def adamw(
     *,
     nesterov: bool = False,
 ) -> GradientTransformationExtraArgs:
-    """AdamW: ``chain(scale_by_adam(b1, b2, eps, eps_root, mu_dtype, nesterov=nesterov),
-    add_decayed_weights(weight_decay, mask), scale_by_learning_rate(learning_rate))``:
-    ``u = -lr (adam_direction(g) + weight_decay * params)``, one fused pass. Needs ``params``.
+    """AdamW, Adam with decoupled weight decay:
+    ``u = -lr (adam_direction(g) + weight_decay * params)`` (`adam` gives the direction).
 
-    ``weight_decay`` multiplies the learning rate (as in optax and PyTorch); ``mask`` keeps
-    leaves out of the decay (a tree of bools, a prefix of one, or a callable of the params).
+    It is ``chain(scale_by_adam(b1, b2, eps, eps_root, mu_dtype, nesterov=nesterov),
+    add_decayed_weights(weight_decay, mask), scale_by_learning_rate(learning_rate))``, one
+    fused pass (the mask too). ``weight_decay`` multiplies the learning rate, as in optax and
+    PyTorch. Needs ``params``.
+
+    Args:
+        learning_rate: a float, or a schedule of the step count.
+        b1, b2, eps, eps_root, mu_dtype, nesterov: as in `adam`.
+        weight_decay: the decay rate (a float or a schedule).
+        mask: None (decay every leaf), or a tree of bools of the params' structure (or a prefix
+            of it), or a callable of the params giving one: only the leaves where it is True
+            are decayed (the usual way to keep biases and norm scales out).
+
+    Returns:
+        A `GradientTransformationExtraArgs`; its state is ``(ScaleByAdamState, EmptyState(),
+        EmptyState())`` (``MaskedState(EmptyState())`` in the middle with a mask).
+
+    Raises:
+        ValueError: ``update`` without ``params``.
+
+    References:
+        Loshchilov and Hutter, "Decoupled Weight Decay Regularization", ICLR 2019
+        (arXiv:1711.05101). optax.adamw; torch.optim.AdamW.
+
+    Example:
+        >>> import numpy as np, numbaccum as nba
+        >>> params = {"w": np.ones(2, np.float32), "b": np.ones(2, np.float32)}
+        >>> tx = nba.adamw(0.1, weight_decay=0.5, mask={"w": True, "b": False})
+        >>> grads = {"w": np.zeros(2, np.float32), "b": np.zeros(2, np.float32)}
+        >>> state = nba.step_(tx, grads, tx.init(params), params)
+        >>> params["w"], params["b"]  # only w decays: 1 - 0.1 * 0.5 * 1
+        (array([0.95, 0.95], dtype=float32), array([1., 1.], dtype=float32))
     """
     return chain(
         scale_by_adam(b1, b2, eps, eps_root, mu_dtype, nesterov=nesterov),
