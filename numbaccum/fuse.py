@@ -419,8 +419,8 @@ def _run_group(
     What the call looks like (the composite, where each buffer and scalar goes) depends only on
     the buffers' dtypes and aliasing and on which factors are pending: it is made once per such
     shape and kept in ``memo`` (the run's). ``recent`` keeps, per group and pending factors, the
-    last call with the very buffers it was given: a replayed step, on the same buffers, only
-    gathers its scalars."""
+    last call with the very buffers it was given and its launch prepared for them: a replayed
+    step, on the same buffers, only gathers its scalars."""
     x = flat.groups[gi]
     og = out.groups[gi] if out is not None else None
     pg = apply.groups[gi] if apply is not None else None
@@ -430,7 +430,7 @@ def _run_group(
     shape = (gi, mode, settle, flags)
     last = recent.get(shape)
     if last is not None and last[0] is x and last[1] is og and last[2] is pg and _same(last[3], ins):
-        return last[4].run(parts, extras, flat, factor, out, apply, ins)
+        return last[4].run(parts, extras, flat, factor, out, apply, last[5])
     key = (
         gi,
         mode,
@@ -444,8 +444,9 @@ def _run_group(
     call = memo.get(key)
     if call is None:
         call = memo[key] = _GroupCall(parts, gi, x, mode, og, pg, ins, settle)
-    recent[shape] = (x, og, pg, ins, call)
-    return call.run(parts, extras, flat, factor, out, apply, ins)
+    launch = call.prepare(x, og, pg, ins)
+    recent[shape] = (x, og, pg, ins, call, launch)
+    return call.run(parts, extras, flat, factor, out, apply, launch)
 
 
 def _same(a: list, b: list) -> bool:
@@ -502,13 +503,12 @@ class _GroupCall:
     ``k``'s factor's, ``(k, gi)`` part ``k``'s scalars of the group. ``final``: where the factor
     left pending on the output comes from (None: nothing pending)."""
 
-    __slots__ = ("composite", "states", "keep", "copy_out", "recipe", "final", "gi", "settle", "bound")
+    __slots__ = ("composite", "states", "keep", "copy_out", "recipe", "final", "gi", "settle")
 
     def __init__(
         self, parts: list, gi: int, x: Any, mode: int, og: Any, pg: Any, ins: list, settle: bool
     ) -> None:
         self.gi, self.settle = gi, settle
-        self.bound: tuple | None = None  # (the buffers it was last given, its prepared launch)
         d = x.dtype
         ops, recipe, states, kinds, pend, src = _walk(parts, gi, d, ins, mode)
         if pg is None and settle and pend == "host":
@@ -548,16 +548,28 @@ class _GroupCall:
         self.states = tuple(states[:-1]) if pg is not None else tuple(states)
         self.copy_out = pg is None and not inplace
 
+    def prepare(self, x: Any, og: Any, pg: Any, ins: list) -> Any:
+        """The composite's launch over these buffers (the driver's `prepare`), None for the
+        one-formula-at-a-time fallback."""
+        if self.composite is None:
+            return None
+        arrays = [*self.states] if pg is None else [*self.states, pg]
+        arrays.append(x)
+        arrays += [ins[i] for i in self.keep]
+        if self.copy_out:
+            arrays.append(og)
+        return ops_for(x).driver.prepare(self.composite, tuple(arrays))
+
     def run(
-        self, parts: list, extras: list, flat: FlatTree, factor: Factor, out: Any, apply: Any, ins: list
+        self, parts: list, extras: list, flat: FlatTree, factor: Factor, out: Any, apply: Any, launch: Any
     ) -> Factor:
+        """Runs the group with ``launch``, `prepare`'s for its buffers."""
         gi = self.gi
-        x = flat.groups[gi]
         final = self.final
         fac = ONE if final is None else factor if final < 0 else parts[final].factor
-        ops_ = ops_for(x)
-        if self.composite is None:
-            _one_by_one(ops_, parts, extras, gi, x, factor, out, apply, self.settle)
+        if launch is None:
+            x = flat.groups[gi]
+            _one_by_one(ops_for(x), parts, extras, gi, x, factor, out, apply, self.settle)
             return fac
         scalars: list = []
         for k, g in self.recipe:
@@ -567,15 +579,7 @@ class _GroupCall:
                 scalars.append(f.mul)
             else:
                 scalars += parts[k].scalars[g]
-        arrays = [] if apply is None else [apply.groups[gi]]
-        arrays.append(x)
-        arrays += [ins[i] for i in self.keep]
-        if self.copy_out:
-            arrays.append(out.groups[gi])
-        bound = self.bound
-        if bound is None or not _same(bound[0], arrays):  # prepared once for these buffers
-            bound = self.bound = (arrays, ops_.driver.prepare(self.composite, (*self.states, *arrays)))
-        bound[1](factor if factor.device is not None else ONE, scalars)
+        launch(factor if factor.device is not None else ONE, scalars)
         return fac
 
 

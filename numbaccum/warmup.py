@@ -128,6 +128,7 @@ def _warm_plan(tx: Any, params: Any) -> list[str]:
 def _longest_cycle(tx: Any) -> int:
     """The longest accumulation cycle in ``tx`` (MultiSteps' ``every_k_schedule`` at step 0,
     apply_every's ``k``), 1 if none."""
+    from .accumulation import MultiSteps, _ApplyEvery
     from .base import Stage, stage_of
 
     longest, seen, todo = 1, set(), [stage_of(tx)]
@@ -141,10 +142,9 @@ def _longest_cycle(tx: Any) -> int:
             continue
         if not isinstance(obj, Stage):
             continue
-        k = getattr(obj, "_k", None) if hasattr(obj, "inner_opt") else getattr(obj, "k", None)
-        if callable(k):
-            k = k(np.int32(0))
-        if isinstance(k, (int, np.integer)) and not isinstance(k, bool):
-            longest = max(longest, int(k))
+        if isinstance(obj, MultiSteps):
+            longest = max(longest, obj._schedule(np.int32(0)))  # (a schedule's value at step 0)
+        elif isinstance(obj, _ApplyEvery):
+            longest = max(longest, obj.k)
         todo += [v for name, v in vars(obj).items() if name != "_kept"]
     return longest

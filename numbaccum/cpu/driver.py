@@ -165,61 +165,60 @@ def map_(f: Formula, factor: Factor, arrays: tuple, scalars: tuple) -> None:
         ctype = np.result_type(*arrays)
     elif ctype.type is np.float16:
         return _staged(f, factor, arrays, scalars)
-    if observers:  # (a float16 call is observed in the float32 call it stages)
-        for o in observers:
-            o(f)
     cast = ctype.type
+    _run(f, compiled(f), arrays, cast, _uncast(cast), factor, scalars)
+
+
+def prepare(f: Formula, arrays: tuple) -> Callable[[Factor, tuple], None]:
+    """`map_` of formula ``f`` over these very ``arrays``, returned as ``launch(factor,
+    scalars)``: what `map_` derives from the arrays (the compute dtype, the drivers) is derived
+    once. What a kept plan's group call replays every step (`numbaccum.fuse`): a small tree's
+    step costs microseconds, and these are some of them."""
+    if _F16 in {a.dtype for a in arrays}:
+        return lambda factor, scalars: map_(f, factor, arrays, scalars)
+    cast = np.result_type(*arrays).type
+    pair, ok = compiled(f), _uncast(cast)
+    return lambda factor, scalars: _run(f, pair, arrays, cast, ok, factor, scalars)
+
+
+def _uncast(cast: type) -> frozenset:
+    """The argument types that need no cast to the compute type ``cast``."""
     ok = _UNCAST.get(cast)
     if ok is None:
         ok = _UNCAST[cast] = frozenset((bool, np.bool_, cast))
+    return ok
+
+
+def _run(
+    f: Formula, pair: tuple, arrays: tuple, cast: type, ok: frozenset, factor: Factor, scalars: tuple
+) -> None:
+    """The call of `map_` and of a prepared launch: the scalars cast, the serial or parallel
+    driver of ``pair`` called under the guard (a float16 call is observed in the float32 call it
+    stages)."""
+    if observers:
+        for o in observers:
+            o(f)
     # Python floats first: most scalars are, and they always need the cast.
     run_scalars = [cast(s) if type(s) is float else s if type(s) in ok else cast(s) for s in scalars]
     div, mul = factor.div, factor.mul
-    scaled = not (div == 1.0 and mul == 1.0)
     n = arrays[0].size
-    pair = compiled(f)
     kernel = pair[1] if n < _config.SERIAL_BELOW else pair[0]
-    guard = guard_for(n)
     # A formula without scalars still gets one argument: the generated signature needs a name.
-    args = (n, _config.CHUNK, *arrays, cast(div), cast(mul), scaled, *(run_scalars or [False]))
+    args = (
+        n,
+        _config.CHUNK,
+        *arrays,
+        cast(div),
+        cast(mul),
+        not (div == 1.0 and mul == 1.0),
+        *(run_scalars or [False]),
+    )
+    guard = guard_for(n)
     if guard is _NO_GUARD:
         kernel(*args)
     else:
         with guard:
             kernel(*args)
-
-
-def prepare(f: Formula, arrays: tuple) -> Callable[[Factor, tuple], None]:
-    """`map_` of formula ``f`` over these very ``arrays``, returned as ``launch(factor,
-    scalars)``: what `map_` derives from the arrays (the compute dtype, the drivers, the leading
-    arguments) is derived once. What a kept plan's group call replays every step
-    (`numbaccum.fuse`): a small tree's step costs microseconds, and these are some of them."""
-    if _F16 in {a.dtype for a in arrays}:
-        return lambda factor, scalars: map_(f, factor, arrays, scalars)
-    ctype = np.result_type(*arrays)
-    cast = ctype.type
-    ok = _UNCAST.get(cast)
-    if ok is None:
-        ok = _UNCAST[cast] = frozenset((bool, np.bool_, cast))
-    n = arrays[0].size
-    parallel, serial = compiled(f)
-
-    def launch(factor: Factor, scalars: tuple) -> None:
-        if observers:
-            for o in observers:
-                o(f)
-        run_scalars = [cast(s) if type(s) is float else s if type(s) in ok else cast(s) for s in scalars]
-        div, mul = factor.div, factor.mul
-        kernel = serial if n < _config.SERIAL_BELOW else parallel
-        args = (n, _config.CHUNK, *arrays, cast(div), cast(mul), not (div == 1.0 and mul == 1.0))
-        guard = guard_for(n)
-        if guard is _NO_GUARD:
-            kernel(*args, *(run_scalars or [False]))
-        else:
-            with guard:
-                kernel(*args, *(run_scalars or [False]))
-
-    return launch
 
 
 def _staged(f: Formula, factor: Factor, arrays: tuple, scalars: tuple) -> None:
