@@ -276,14 +276,20 @@ class Stage(abc.ABC):
             )
             if params is None:
                 local.last = layout
-        if owner is not None:
-            device: bool | None = owner.device
-            inbox: Callable[[], FlatTree] = lambda: owner.workspace("input")  # noqa: E731
-        else:
-            device = None
-            inbox = lambda: self.kept("input", layout, _side(updates) if side is None else side)  # noqa: E731
+        device = owner.device if owner is not None else None
+        inbox = self._inbox(owner, layout, (lambda: _side(updates)) if side is None else side)
         flat, copied, kind = as_flat(updates, layout, "updates", inbox, device, checked)
         return Updates(flat, copied), kind
+
+    def _inbox(
+        self, owner: FlatTree | None, layout: Layout, side: bool | Callable[[], bool]
+    ) -> Callable[[], FlatTree]:
+        """Where updates that are not one flat buffer per dtype are packed: the ``input``
+        workspace of the state's ``owner``, else this stage's kept one on ``side`` (a callable:
+        asked only when packing)."""
+        if owner is not None:
+            return lambda: owner.workspace("input")
+        return lambda: self.kept("input", layout, side() if callable(side) else side)
 
     def update(self, updates: Any, state: Any, params: Any = None, **extra_args: Any) -> tuple[Any, Any]:
         """optax's ``update``: checks everything (state, params, schedules) before any buffer

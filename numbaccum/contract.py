@@ -16,6 +16,7 @@ mul``: a clip factor that rides on the next pass instead of costing a pass of it
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -23,7 +24,7 @@ import numpy as np
 from . import formulas as F
 from .tables import as_table, segments, whole
 
-__all__ = ["BACKEND", "ONE", "Factor", "Ops"]
+__all__ = ["BACKEND", "ONE", "Factor", "Ops", "cast_scalars"]
 
 # What each backend package provides, module by module (tests/test_contract.py checks that
 # numbaccum.cpu and numbaccum.cuda both define every primitive, with the same parameters).
@@ -67,6 +68,32 @@ class Factor:
 
 _LO, _HI = 2.0**-99, 2.0**99  # inside: `balanced` changes nothing (the common case, one test)
 ONE = Factor()
+
+
+def cast_scalars(values: Any, t: type) -> list:
+    """``values`` as scalars of the compute type ``t`` (bools kept), as a kernel call takes
+    them. A Python float's cast is remembered (a step's constants are cast once, not every
+    step: a small tree's step costs microseconds); +-0 are kept apart (they compare equal)."""
+    memo = _CASTS.get(t)
+    if memo is None or len(memo) > 4096:  # bounded: a schedule may give a new value every step
+        memo = _CASTS[t] = {}
+    out = []
+    for v in values:
+        tv = type(v)
+        if tv is float:
+            key = v if v else "-0" if math.copysign(1.0, v) < 0 else "+0"
+            c = memo.get(key)
+            if c is None:
+                c = memo[key] = t(v)
+            out.append(c)
+        elif tv is t or tv is bool or tv is np.bool_:
+            out.append(v)
+        else:
+            out.append(t(v))
+    return out
+
+
+_CASTS: dict[type, dict[Any, Any]] = {}  # per type, float (or "+0", "-0") -> its cast
 
 
 class Ops:

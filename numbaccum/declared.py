@@ -27,6 +27,7 @@ import numpy as np
 from . import formulas as F
 from ._checks import real, wrong_state
 from .base import Stage
+from .contract import cast_scalars
 from .flat import FlatTree, layout_and_device
 from .fuse import Kernel
 from .layout import Layout, check_float_dtype
@@ -46,10 +47,13 @@ __all__ = [
 ]
 
 _INT32_MAX = np.iinfo(np.int32).max
+_ONE = np.int32(1)
 
 
 def safe_increment(count: Any) -> np.int32:
     """count + 1, saturating at the int32 maximum instead of wrapping."""
+    if type(count) is np.int32 and count != _INT32_MAX:  # the common case: NumPy's own add
+        return count + _ONE
     c = int(count)
     return np.int32(c + 1 if c < _INT32_MAX else c)
 
@@ -234,48 +238,35 @@ class Elementwise(Stage):
         owner_at = order.index(owner_field)
         count_at = order.index("count") if counted else -1
 
+        # One cast of the scalars per distinct compute dtype (one, unless groups differ).
+        where = [cts.index(ct) for ct in cts]
+        distinct = [ct for i, ct in enumerate(cts) if where[i] == i]
+        new = tuple.__new__  # the NamedTuple made from its values, without its keyword __new__
+
         def tick(state: Any, params: Any, extra: dict) -> bool:
-            if not isinstance(state, cls):  # type: ignore[arg-type]
+            if type(state) is not cls and not isinstance(state, cls):  # type: ignore[arg-type]
                 return False
-            values = list(state)
             for i, storage in checks:
-                if getattr(values[i], "__dict__", None) is not storage:
+                if getattr(state[i], "__dict__", None) is not storage:
                     return False
             if reads_params:
                 part.inputs = _params_input(params, name)
+            values = list(state)
             values[owner_at] = current(values[owner_at], owner_field)
             if counted:
                 count = values[count_at] = safe_increment(values[count_at])
-                part.scalars = [_cast(scalars(count, ct), ct) for ct in cts]
-            part.new_state = cls(*values)  # type: ignore[misc]
+                cast = [_cast(scalars(count, ct), ct) for ct in distinct]
+                part.scalars = cast if len(cast) == len(cts) else [cast[i] for i in where]
+            part.new_state = new(cls, values)
             return True
 
         return tick
 
 
 def _cast(values: tuple, ct: np.dtype) -> tuple:
-    """A formula's scalars as the compute dtype's own scalars (bools kept), as the driver would
-    cast them for the call: the kernels see the same values, and the driver casts nothing.
-    A Python float's cast is kept (a step's constants are cast once, not every step)."""
-    t = ct.type
-    memo = _CASTS.get(t)
-    if memo is None or len(memo) > 4096:  # bounded: a schedule may give a new value every step
-        memo = _CASTS[t] = {}
-    out = []
-    for v in values:
-        if type(v) is float and v:  # (not +-0, which compare equal: each keeps its sign)
-            c = memo.get(v)
-            if c is None:
-                c = memo[v] = t(v)
-            out.append(c)
-        elif type(v) is t or isinstance(v, (bool, np.bool_)):
-            out.append(v)
-        else:
-            out.append(t(v))
-    return tuple(out)
-
-
-_CASTS: dict[type, dict[float, Any]] = {}
+    """A formula's scalars as the compute dtype's own scalars, as the driver would cast them for
+    the call (`numbaccum.contract.cast_scalars`): the kernels see the same values."""
+    return tuple(cast_scalars(values, ct.type))
 
 
 def _params_input(params: Any, name: str) -> Callable[[], tuple]:

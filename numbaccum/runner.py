@@ -27,13 +27,14 @@ runs through the same entry with its own `Stage.plan` each call.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import numpy as np
 
 from . import _config, arrays, fuse
 from .apply import _apply, apply_updates_, check_writable, scatter_back
-from .flat import FlatTree, as_flat, device_flat, layout_of
+from .flat import FlatTree, as_flat, device_flat, host_leaves, layout_of
 from .fuse import run_part, step_applier
 from .transaction import guarded, keep_states
 from .updates import ParamsRef, SkipStep, Spec, Updates, check_params
@@ -51,11 +52,17 @@ class Plan:
             ``leaves[start:stop]`` (one pass per dtype group), or None for a lone factor or
             reduction (`fuse.run_part`).
         scratch: per run, where it writes when its input may not be overwritten.
+        owner: the state's buffer that owns the workspaces (None for a stage without buffers);
+            ``inbox``, ``into``, ``output``: its workspaces for the packed updates, the packed
+            params and the returned updates (`Stage._workspace`).
         fused: whether the runs are fused (``NUMBACCUM_FUSE``), and ``apply``: whether the last
             run can add the updates to the params (`numbaccum.step_`).
     """
 
-    __slots__ = ("root", "leaves", "runs", "scratch", "spec", "fused", "apply", "pack")
+    __slots__ = (
+        "root", "leaves", "runs", "scratch", "spec", "fused", "apply", "pack", "owner", "inbox", "into",
+        "output", "__weakref__",
+    )  # fmt: skip
 
     def __init__(self, root: Any, spec: Spec, fused: bool, scratch: list) -> None:
         self.root, self.spec, self.fused = root, spec, fused
@@ -87,6 +94,10 @@ def plan_of(stage: Any, spec: Spec, state: Any, owner: FlatTree | None) -> Plan 
         root = stage.declare(spec, state)  # checks the state: raises naming what is wrong
         scratch = [stage._workspace(owner, spec, f"run{i}") for i in range(len(fuse.leaves(root)))]
         plan = Plan(root, spec, fused, scratch)
+        plan.owner = owner
+        plan.inbox = stage._inbox(owner, spec.layout, spec.device)
+        plan.into = stage._workspace(owner, spec, "params")
+        plan.output = stage._workspace(owner, spec, "output")
         if len(plans) >= max(_config.KEPT_LAYOUTS, 2):
             del plans[next(iter(plans))]  # the oldest: bounded for ever new tree shapes
         plans[key] = plan
@@ -174,6 +185,18 @@ def run(stage: Any, grads: Any, state: Any, params: Any, extra: dict, apply: boo
     """``stage.update(grads, state, params, **extra)`` (``apply`` False: returns ``(updates,
     new_state)``), or `numbaccum.step_` (``apply`` True: the updates added to ``params`` in
     place, returns the new state). The one entry of every update."""
+    local = stage.__dict__.get("_kept")
+    last = getattr(local, "last_step", None) if local is not None else None
+    if last is not None and last.state == id(state) and last.apply is apply:
+        plan = last.plan()
+        if plan is not None:
+            try:
+                out = guarded(plan.owner, _again, stage, plan, grads, state, params, extra, apply)
+            except _Miss:
+                pass
+            else:
+                last.state = id(out if apply else out[1])
+                return out
     if not apply and grads is None and params is not None:
         # optax maps over the updates: None (an empty tree) gives None whatever the params,
         # which are then not read (a stateful stage still says its state wants a tree).
@@ -184,6 +207,91 @@ def run(stage: Any, grads: Any, state: Any, params: Any, extra: dict, apply: boo
             return _update_then_apply(stage, grads, state, params, extra)
         return guarded(owner, _step, stage, grads, state, params, owner, extra)
     return guarded(owner, _update, stage, grads, state, params, owner, extra)
+
+
+# --- the same step again ----------------------------------------------------------------------
+
+
+class _LastStep:
+    """The last planned update of a stage on one thread (`run`): its plan (weakly: a plan lives
+    with the state's buffers), the mode (``apply``: `numbaccum.step_`) and the identity of the
+    state it returned. A call given that state, with updates and params of the plan's layout in
+    the same form (FlatTrees, or plain trees of NumPy arrays), goes straight to the plan's tick
+    (`_again`): the tick checks the state as on every step (type, buffers, current), and what
+    the full entry derives from the arguments (owner, spec, workspaces) is the plan's."""
+
+    __slots__ = ("plan", "apply", "state")
+
+    def __init__(self, plan: Plan, apply: bool, new_state: Any) -> None:
+        self.plan, self.apply, self.state = weakref.ref(plan), apply, id(new_state)
+
+
+def _keep_last(stage: Any, plan: Plan, apply: bool, kind: str, new_state: Any) -> None:
+    if kind == "flat" or kind == "numpy":  # CUDA array types take the full entry (their stream)
+        stage.local().last_step = _LastStep(plan, apply, new_state)
+
+
+class _Miss(Exception):
+    """The arguments are not in the form of the last step's (`_again`): the full entry runs."""
+
+
+_MISS = _Miss()
+
+
+def _again(stage: Any, plan: Plan, grads: Any, state: Any, params: Any, extra: dict, apply: bool) -> Any:
+    """`_update` or `_step` of the last step's plan, inside `guarded`; raises `_Miss` (nothing
+    written, the renewals of the tick undone by `guarded`) when the arguments or the state do
+    not fit it."""
+    spec = plan.spec
+    layout, device = spec.layout, spec.device
+    if plan.fused is not fuse.enabled():
+        raise _MISS
+    if type(grads) is FlatTree:
+        if grads.layout is not layout or grads.device != device:
+            raise _MISS
+        u, kind = Updates(grads, False), "flat"
+    else:
+        checked = None if device else host_leaves(grads, layout)
+        if checked is None:
+            raise _MISS
+        flat, copied, kind = as_flat(grads, layout, "updates", plan.inbox, False, checked)
+        u = Updates(flat, copied)
+    ref, copied = _params_again(plan, params, apply)
+    if not plan.root.tick(state, ref, extra):
+        raise _MISS
+    u.scratch = plan.output
+    if not apply:
+        out, new_state = _replayed(stage, plan, state, u, spec)
+        return (out, new_state) if kind == "flat" else (out.tree_as(kind), new_state)
+    run_it, apply_it = _plan_runs(plan, state)
+    return _run_step(stage, run_it, apply_it, u, ref._flat, copied, spec, kind, ref.checked, params, None)
+
+
+def _params_again(plan: Plan, params: Any, apply: bool) -> tuple[ParamsRef | None, bool]:
+    """The params of `_again` and whether they were packed (raises `_Miss` for any other form
+    than the full entry's fast ones): a FlatTree of the plan's layout and device, or a plain
+    tree of NumPy arrays of it (writable ones for ``step_``, packed into the plan's workspace)."""
+    spec = plan.spec
+    if params is None:
+        if apply:
+            raise _MISS
+        return None, False
+    ref = ParamsRef(params, spec.layout, None, spec.device, plan.into)
+    if type(params) is FlatTree:
+        if params.layout is not spec.layout or params.device != spec.device or (apply and params._readonly):
+            raise _MISS
+        ref._flat = params
+        return ref, False
+    checked = None if spec.device else host_leaves(params, spec.layout)
+    if checked is None:
+        raise _MISS
+    ref.checked = checked
+    if not apply:
+        return ref, False
+    if not all(x.flags.writeable for x in checked):
+        raise _MISS  # the full entry names the leaf
+    ref._flat, copied, _ = as_flat(params, spec.layout, "params", plan.into, False, checked)
+    return ref, copied
 
 
 def _spec(stage: Any, flat: FlatTree) -> Spec:
@@ -210,6 +318,7 @@ def _update(stage: Any, updates: Any, state: Any, params: Any, owner: Any, extra
                 out, new_state = _replayed(stage, plan, state, u, spec)
         else:
             out, new_state = _replayed(stage, plan, state, u, spec)
+        _keep_last(stage, plan, False, kind, new_state)
         return (out, new_state) if kind == "flat" else (out.tree_as(kind), new_state)
     else:
         step = stage.plan(spec, state, ref, extra)
@@ -264,8 +373,7 @@ def _step(stage: Any, grads: Any, state: Any, params: Any, owner: Any, extra: di
     ref.checked = None if found is not None else check_params(params, spec)
     plan = ticked(stage, spec, state, owner, ref, extra)
     if plan is not None:
-        apply_it: Any = (lambda u, p: replay(plan, state, u, p, False)) if plan.apply else None
-        run_it: Any = lambda u: replay(plan, state, u, None, False)  # noqa: E731
+        run_it, apply_it = _plan_runs(plan, state)
     else:
         step = stage.plan(spec, state, ref, extra)
         apply_it = step_applier(step)
@@ -276,6 +384,34 @@ def _step(stage: Any, grads: Any, state: Any, params: Any, owner: Any, extra: di
     if ref._flat is None:  # a stage that reads the params (weight decay) reads these: the
         ref._flat = p  # fused pass then reads and writes one buffer (`fuse._run_group`)
     u.scratch = stage._workspace(owner, spec, "output")
+    new_state = _run_step(stage, run_it, apply_it, u, p, copied, spec, kind, ref.checked, params, found)
+    if plan is not None:
+        _keep_last(stage, plan, True, kind, new_state)
+    return new_state
+
+
+def _plan_runs(plan: Plan, state: Any) -> tuple[Any, Any]:
+    """``(run_it, apply_it)`` of a ticked plan for `_run_step`."""
+    apply_it: Any = (lambda u, p: replay(plan, state, u, p, False)) if plan.apply else None
+    return (lambda u: replay(plan, state, u, None, False)), apply_it
+
+
+def _run_step(
+    stage: Any,
+    run_it: Any,
+    apply_it: Any,
+    u: Updates,
+    p: FlatTree,
+    copied: bool,
+    spec: Spec,
+    kind: str,
+    checked: list | None,
+    params: Any,
+    found: Any,
+) -> Any:
+    """The step on the writable params ``p``, on the caller's CUDA stream; when ``p`` is a
+    packed copy of ``params`` (``copied``), copied back (into ``checked``, its NumPy leaves, or
+    by `scatter_back`). Returns the new state."""
     try:
         if kind in arrays.STREAM_KINDS:
             with arrays.launch_context(kind):
@@ -285,8 +421,8 @@ def _step(stage: Any, grads: Any, state: Any, params: Any, owner: Any, extra: di
     except SkipStep as e:  # a clip skipped the step: the params are not touched
         return e.new_state
     if copied:
-        if ref.checked is not None:  # the caller's NumPy arrays, checked above: copy back
-            for dst, src in zip(ref.checked, p.leaf_views()):
+        if checked is not None:  # the caller's NumPy arrays, checked before: copy back
+            for dst, src in zip(checked, p.leaf_views()):
                 np.copyto(dst, src)
         else:
             scatter_back(p, params, "params", found)

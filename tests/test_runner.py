@@ -79,6 +79,98 @@ def test_two_states_of_one_transformation_alternated_match_separate_runs():
     _same(pb, _fresh({k: v * 2 for k, v in params.items()}, grads))
 
 
+def test_the_same_step_again_skips_the_full_entry(monkeypatch):
+    tx, params = _chain(), _tree(0)
+    grads = [_tree(40 + i) for i in range(4)]
+    p = {k: v.copy() for k, v in params.items()}
+    s = nba.step_(tx, grads[0], tx.init(p), p)
+    entered = []
+    real = runner._step
+    monkeypatch.setattr(runner, "_step", lambda *a: entered.append(1) or real(*a))
+    for g in grads[1:]:
+        s = nba.step_(tx, g, s, p)
+    assert not entered  # the plan's tick checked the state; the entry was not run again
+    _same(p, _fresh(params, grads))
+
+
+def _as(form: str, tree: dict) -> object:
+    return nba.FlatTree.from_tree(tree) if form == "flat" else {k: v.copy() for k, v in tree.items()}
+
+
+@pytest.mark.parametrize("order", ["flat-dict", "dict-flat"])
+def test_the_fast_entry_gives_the_full_entrys_bits_whatever_the_arguments_form(order):
+    """Gradients and params switching between FlatTrees and dicts, ``update`` and ``step_``
+    interleaved, on one transformation: the same bits as a new transformation at every call (no
+    kept step to reuse)."""
+    params, forms = _tree(0), order.split("-")
+    grads = [_tree(50 + i) for i in range(8)]
+    tx = _chain()
+    p_kept, p_new = nba.FlatTree.from_tree(params), nba.FlatTree.from_tree(params)
+    s_kept, s_new = tx.init(p_kept), tx.init(p_new)
+    for i, g in enumerate(grads):
+        gform, pform, how = forms[i % 2], forms[(i // 2) % 2], ("step", "update")[(i // 4) % 2]
+        results = []
+        for t, p, s in ((tx, p_kept, s_kept), (_chain(), p_new, s_new)):
+            pp = p if pform == "flat" else p.tree
+            gg = _as(gform, g)
+            if how == "step":
+                s = nba.step_(t, gg, s, pp)
+            else:
+                u, s = t.update(gg, s, pp)
+                nba.apply_updates_(pp, u)
+            results.append(s)
+        s_kept, s_new = results
+        for a, b in zip(p_kept.groups, p_new.groups):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_wrong_arguments_after_replayed_steps_get_the_full_entrys_errors():
+    tx, params = _chain(), _tree(0)
+    p = nba.FlatTree.from_tree(params)
+    s = tx.init(p)
+    for i in range(2):
+        s = nba.step_(tx, nba.FlatTree.from_tree(_tree(60 + i)), s, p)
+    before = p.copy()
+    bad_shape = _tree(7, shapes=((3, 4), (6,)))
+    with pytest.raises(ValueError, match="shape"):
+        nba.step_(tx, bad_shape, s, p)
+    with pytest.raises(TypeError, match="dtype float64 does not match"):
+        nba.step_(tx, _tree(8), s, {k: v.astype(np.float64) for k, v in p.tree.items()})
+    frozen = p.tree
+    frozen["l1"] = frozen["l1"].copy()
+    frozen["l1"].flags.writeable = False
+    with pytest.raises(TypeError, match="l1"):
+        nba.step_(tx, _tree(9), s, frozen)
+    for a, b in zip(p.groups, before.groups):
+        np.testing.assert_array_equal(a, b)
+    s = nba.step_(tx, _tree(10), s, p)  # the state is still current and runs
+    fresh = nba.FlatTree.from_tree(params)
+    t2 = _chain()
+    s2 = t2.init(fresh)
+    for g in (_tree(60), _tree(61), _tree(10)):
+        s2 = nba.step_(t2, nba.FlatTree.from_tree(g), s2, fresh)
+    for a, b in zip(p.groups, fresh.groups):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_a_named_chain_state_edited_between_replayed_steps_is_checked():
+    def make():
+        return nba.named_chain(("clip", nba.clip_by_global_norm(1.0)), ("adam", nba.adam(1e-2)))
+
+    tx, params = make(), _tree(0)
+    p = {k: v.copy() for k, v in params.items()}
+    s = tx.init(p)
+    for i in range(2):
+        s = nba.step_(tx, _tree(70 + i), s, p)
+    other = make().init(p)
+    s["adam"] = other["adam"]  # the dict the last step returned, edited: the same object
+    q = {k: v.copy() for k, v in p.items()}
+    s = nba.step_(tx, _tree(72), s, p)
+    fresh = make()
+    nba.step_(fresh, _tree(72), {"clip": other["clip"], "adam": fresh.init(q)["adam"]}, q)
+    _same(p, q)  # the edited state's own buffers, not the kept plan's
+
+
 def test_a_state_made_again_by_init_or_loaded_from_a_checkpoint_gets_a_new_plan(tmp_path):
     tx, params = _chain(), _tree(0)
     grads = [_tree(20 + i) for i in range(3)]

@@ -24,7 +24,7 @@ import numpy as np
 from numba import njit, prange
 
 from .. import _cache, _config
-from ..contract import Factor
+from ..contract import Factor, cast_scalars
 from ..formulas import Formula, compile_formula
 
 __all__ = ["NAME", "map_", "parallel_guard"]
@@ -35,8 +35,6 @@ _workqueue_lock = threading.Lock()
 _NO_GUARD = contextlib.nullcontext()
 _guard: Any = None  # decided after the first parallel call
 _F16 = np.dtype(np.float16)
-_AS_IS = (np.ndarray, bool, np.bool_)  # arguments passed through uncast
-_UNCAST: dict[type, frozenset] = {}  # per compute type: argument types that need no cast
 # Called with each formula before it runs (`map_` and prepared launches alike): how tests count
 # the kernels a step launches. Empty: nothing is called.
 observers: list[Callable[[Formula], Any]] = []
@@ -166,59 +164,78 @@ def map_(f: Formula, factor: Factor, arrays: tuple, scalars: tuple) -> None:
     elif ctype.type is np.float16:
         return _staged(f, factor, arrays, scalars)
     cast = ctype.type
-    _run(f, compiled(f), arrays, cast, _uncast(cast), factor, scalars)
+    n = arrays[0].size
+    _run(f, _kernel_for(f, n), (n, _config.CHUNK, *arrays), cast, factor, scalars)
 
 
 def prepare(f: Formula, arrays: tuple) -> Callable[[Factor, tuple], None]:
     """`map_` of formula ``f`` over these very ``arrays``, returned as ``launch(factor,
-    scalars)``: what `map_` derives from the arrays (the compute dtype, the drivers) is derived
-    once. What a kept plan's group call replays every step (`numbaccum.fuse`): a small tree's
-    step costs microseconds, and these are some of them."""
+    scalars)``: what `map_` derives from the arrays (the compute dtype, the driver, the leading
+    arguments) is derived once, and after the first call the serial driver's compiled function
+    is called without numba's dispatch (`entry_point`). What a kept plan's group call replays
+    every step (`numbaccum.fuse`): a small tree's step costs microseconds, and these are some
+    of them."""
     if _F16 in {a.dtype for a in arrays}:
         return lambda factor, scalars: map_(f, factor, arrays, scalars)
     cast = np.result_type(*arrays).type
-    pair, ok = compiled(f), _uncast(cast)
-    return lambda factor, scalars: _run(f, pair, arrays, cast, ok, factor, scalars)
+    n = arrays[0].size
+    head, kernel = (n, _config.CHUNK, *arrays), _kernel_for(f, n)
+    found: list = []
+
+    def launch(factor: Factor, scalars: tuple) -> None:
+        if found:
+            _run(f, found[0], head, cast, factor, scalars)
+            return
+        args = _run(f, kernel, head, cast, factor, scalars)
+        if n < _config.SERIAL_BELOW:
+            found.append(entry_point(kernel, args))
+
+    return launch
 
 
-def _uncast(cast: type) -> frozenset:
-    """The argument types that need no cast to the compute type ``cast``."""
-    ok = _UNCAST.get(cast)
-    if ok is None:
-        ok = _UNCAST[cast] = frozenset((bool, np.bool_, cast))
-    return ok
+def entry_point(kernel: Any, args: tuple) -> Any:
+    """The compiled function a numba dispatcher ``kernel`` runs for ``args`` (the signature of
+    these very arguments), to be called with arguments of the same types without the
+    dispatcher's type matching (a microsecond for twenty arguments); the dispatcher if none."""
+    try:
+        return kernel.overloads[tuple(map(kernel.typeof_pyval, args))].entry_point
+    except (AttributeError, KeyError):
+        return kernel
 
 
-def _run(
-    f: Formula, pair: tuple, arrays: tuple, cast: type, ok: frozenset, factor: Factor, scalars: tuple
-) -> None:
-    """The call of `map_` and of a prepared launch: the scalars cast, the serial or parallel
-    driver of ``pair`` called under the guard (a float16 call is observed in the float32 call it
-    stages)."""
+def _kernel_for(f: Formula, n: int) -> Any:
+    """The driver of ``f`` for ``n`` elements: the serial one below `_config.SERIAL_BELOW`
+    (which never enters a parallel region, so needs no guard), else the parallel one behind
+    its guard (`guard_for`)."""
+    parallel, serial = compiled(f)
+    if n < _config.SERIAL_BELOW:
+        return serial
+    guard = guard_for(n)
+    if guard is _NO_GUARD:
+        return parallel
+
+    def guarded(*args: Any) -> None:
+        with guard_for(n):  # asked again: the layer is known after the first parallel call
+            parallel(*args)
+
+    return guarded
+
+
+def _run(f: Formula, kernel: Any, head: tuple, cast: type, factor: Factor, scalars: tuple) -> tuple:
+    """The call of `map_` and of a prepared launch: ``kernel`` (`_kernel_for`) called with the
+    leading arguments ``head`` (the size, the chunk, the arrays), the factor and the scalars cast
+    (a float16 call is observed in the float32 call it stages). Returns the arguments."""
     if observers:
         for o in observers:
             o(f)
-    # Python floats first: most scalars are, and they always need the cast.
-    run_scalars = [cast(s) if type(s) is float else s if type(s) in ok else cast(s) for s in scalars]
     div, mul = factor.div, factor.mul
-    n = arrays[0].size
-    kernel = pair[1] if n < _config.SERIAL_BELOW else pair[0]
-    # A formula without scalars still gets one argument: the generated signature needs a name.
-    args = (
-        n,
-        _config.CHUNK,
-        *arrays,
-        cast(div),
-        cast(mul),
-        not (div == 1.0 and mul == 1.0),
-        *(run_scalars or [False]),
-    )
-    guard = guard_for(n)
-    if guard is _NO_GUARD:
-        kernel(*args)
-    else:
-        with guard:
-            kernel(*args)
+    values = cast_scalars((div, mul, *scalars), cast)
+    values.insert(2, not (div == 1.0 and mul == 1.0))
+    if len(values) == 3:  # a formula without scalars still gets one: the signature needs a name
+        values.append(False)
+    args = (*head, *values)
+    kernel(*args)
+    return args
 
 
 def _staged(f: Formula, factor: Factor, arrays: tuple, scalars: tuple) -> None:

@@ -46,7 +46,7 @@ from ..tables import (
     slice_start,
     sum_in_order,
 )
-from .driver import guard_for
+from .driver import entry_point, guard_for
 
 __all__ = [
     "KINDS",
@@ -326,15 +326,25 @@ def prepared(kind, table: Table):
     # counts): the partials are the fold from 0.0, bit for bit.
     folded = kind in _NON_NEGATIVE and nparts == pslice.size - 1 and bool(np.all(np.diff(pslice) == 1))
 
+    found = {}  # per dtype, the serial driver's compiled function (`driver.entry_point`)
+
     def run(x):  # `partials` and `combine`, inline: this is a small tree's every step
         part = np.empty(nparts, np.float64)
         if x.dtype.type is np.float16:
             x = x.astype(np.float32)
         if busy:
             n = x.size
-            kernel = serial if n < _config.SERIAL_BELOW else parallel
-            with guard_for(n):
-                kernel(x, rows, items, pstart, _NONE, zero, part)
+            if n < _config.SERIAL_BELOW:  # never enters a parallel region: no guard
+                kernel = found.get(x.dtype)
+                if kernel is not None and x.flags.c_contiguous:
+                    kernel(x, rows, items, pstart, _NONE, zero, part)
+                else:
+                    args = (x, rows, items, pstart, _NONE, zero, part)
+                    serial(*args)
+                    found[x.dtype] = entry_point(serial, args)
+            else:
+                with guard_for(n):
+                    parallel(x, rows, items, pstart, _NONE, zero, part)
         return part if folded else combine(part, pslice, op)
 
     return run
