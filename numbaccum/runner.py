@@ -186,7 +186,7 @@ def run(stage: Any, grads: Any, state: Any, params: Any, extra: dict, apply: boo
     new_state)``), or `numbaccum.step_` (``apply`` True: the updates added to ``params`` in
     place, returns the new state). The one entry of every update."""
     local = stage.__dict__.get("_kept")
-    last = getattr(local, "last_step", None) if local is not None else None
+    last = local.__dict__.get("last_step") if local is not None else None
     if last is not None and last.state == id(state) and last.apply is apply:
         plan = last.plan()
         if plan is not None:
