@@ -73,7 +73,7 @@ def apply_updates(params: Any, updates: Any) -> Any:
         ValueError: the structures or a leaf's shape differ (names the leaf).
         TypeError: a leaf is not a float array, or the two trees live on different sides.
 
-    Example:
+    Examples:
         >>> import numpy as np, numbaccum as nba
         >>> p = {"w": np.ones(2, np.float32)}
         >>> nba.apply_updates(p, {"w": np.array([0.5, -1.0], np.float32)})["w"]
@@ -113,7 +113,7 @@ def apply_updates_(params: Any, updates: Any) -> Any:
             or the trees live on different sides.
         ValueError: the structures or a leaf's shape differ (names the leaf).
 
-    Example:
+    Examples:
         >>> import numpy as np, numbaccum as nba
         >>> p = {"w": np.ones(2, np.float32)}
         >>> _ = nba.apply_updates_(p, {"w": np.array([0.5, -1.0], np.float32)})

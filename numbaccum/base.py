@@ -694,7 +694,7 @@ def chain(*transforms: Any) -> GradientTransformationExtraArgs:
     References:
         optax.chain; torchzero's and declearn's module chains.
 
-    Example:
+    Examples:
         >>> import numpy as np, numbaccum as nba
         >>> tx = nba.chain(nba.clip_by_global_norm(1.0), nba.scale(-0.5))
         >>> u, state = tx.update({"g": np.array([3.0, 4.0])}, tx.init({"g": np.zeros(2)}))

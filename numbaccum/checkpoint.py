@@ -234,7 +234,7 @@ def register_state_class(cls: type) -> type:
         TypeError: ``cls`` is not a NamedTuple class, or is defined inside a function (its name
             would not find it again).
 
-    Example:
+    Examples:
         >>> import os, tempfile
         >>> from typing import NamedTuple
         >>> import numpy as np

@@ -95,7 +95,7 @@ def sgd(
         Sutskever et al., "On the importance of initialization and momentum in deep learning",
         ICML 2013. optax.sgd; torch.optim.SGD (the same trace, without dampening).
 
-    Example:
+    Examples:
         >>> import numpy as np, numbaccum as nba
         >>> params = {"w": np.zeros(2)}
         >>> tx = nba.sgd(0.1, momentum=0.9)
@@ -192,8 +192,10 @@ def scale_by_adam(
     ``u = (mu / (1 - b1^t)) / (sqrt(nu / (1 - b2^t) + eps_root) + eps)``, one fused pass.
 
     Args:
-        b1, b2: decay rates of the moments, in [0, 1].
-        eps, eps_root: added outside and inside the square root.
+        b1: decay rate of the first moment, in [0, 1].
+        b2: decay rate of the second moment, in [0, 1].
+        eps: added outside the square root.
+        eps_root: added inside the square root.
         mu_dtype: storage dtype of ``mu``; None keeps each leaf's dtype.
         nesterov: NAdam's direction instead (`scale_by_nadam`).
     """
@@ -280,8 +282,10 @@ def adam(
 
     Args:
         learning_rate: a float, or a schedule of the step count (``fn(count) -> float``).
-        b1, b2: decay rates of the first and second moments, in [0, 1].
-        eps, eps_root: added to the denominator outside and inside the square root.
+        b1: decay rate of the first moment, in [0, 1].
+        b2: decay rate of the second moment, in [0, 1].
+        eps: added to the denominator outside the square root.
+        eps_root: added to the denominator inside the square root.
         mu_dtype: storage dtype of the first moment (``mu``); None keeps each leaf's dtype.
         nesterov: NAdam's direction instead (`nadam`).
 
@@ -293,7 +297,7 @@ def adam(
         Kingma and Ba, "Adam: A Method for Stochastic Optimization", ICLR 2015
         (arXiv:1412.6980). optax.adam; torch.optim.Adam.
 
-    Example:
+    Examples:
         >>> import numpy as np, numbaccum as nba
         >>> params = {"w": np.ones(3, np.float32)}
         >>> tx = nba.adam(0.1)
@@ -386,7 +390,12 @@ def adamw(
 
     Args:
         learning_rate: a float, or a schedule of the step count.
-        b1, b2, eps, eps_root, mu_dtype, nesterov: as in `adam`.
+        b1: as in `adam`.
+        b2: as in `adam`.
+        eps: as in `adam`.
+        eps_root: as in `adam`.
+        mu_dtype: as in `adam`.
+        nesterov: as in `adam`.
         weight_decay: the decay rate (a float or a schedule).
         mask: None (decay every leaf), or a tree of bools of the params' structure (or a prefix
             of it), or a callable of the params giving one: only the leaves where it is True
@@ -403,7 +412,7 @@ def adamw(
         Loshchilov and Hutter, "Decoupled Weight Decay Regularization", ICLR 2019
         (arXiv:1711.05101). optax.adamw; torch.optim.AdamW.
 
-    Example:
+    Examples:
         >>> import numpy as np, numbaccum as nba
         >>> params = {"w": np.ones(2, np.float32), "b": np.ones(2, np.float32)}
         >>> tx = nba.adamw(0.1, weight_decay=0.5, mask={"w": True, "b": False})
@@ -745,8 +754,10 @@ def scale_by_yogi(
     ``u = (mu / (1 - b1^t)) / (sqrt(nu / (1 - b2^t) + eps_root) + eps)``, one fused pass.
 
     Args:
-        b1, b2: decay rates of the moments, in [0, 1].
-        eps, eps_root: added outside and inside the square root.
+        b1: decay rate of the first moment, in [0, 1].
+        b2: decay rate of the second moment, in [0, 1].
+        eps: added outside the square root.
+        eps_root: added inside the square root.
         initial_accumulator_value: where both moments start (optax allows positive values only;
             a negative ``nu`` gives NaN updates).
 
@@ -756,7 +767,7 @@ def scale_by_yogi(
     References:
         Zaheer et al., "Adaptive Methods for Nonconvex Optimization", NeurIPS 2018.
 
-    Example:
+    Examples:
         >>> import numpy as np, numbaccum as nba
         >>> tx = nba.scale_by_yogi()
         >>> g = {"w": np.array([0.5, -2.0], np.float32)}
@@ -775,7 +786,9 @@ def yogi(
 
     Args:
         learning_rate: a float, or a schedule of the step count.
-        b1, b2, eps: as `scale_by_yogi`.
+        b1: as in `scale_by_yogi`.
+        b2: as in `scale_by_yogi`.
+        eps: as in `scale_by_yogi`.
 
     Returns:
         A transformation with state ``(ScaleByAdamState, learning-rate state)``.
@@ -783,7 +796,7 @@ def yogi(
     References:
         Zaheer et al., "Adaptive Methods for Nonconvex Optimization", NeurIPS 2018.
 
-    Example:
+    Examples:
         >>> import numpy as np, numbaccum as nba
         >>> params = {"w": np.array([1.0, 1.0], np.float32)}
         >>> tx = nba.yogi(0.1)

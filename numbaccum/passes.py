@@ -46,8 +46,8 @@ def step_(tx: Any, grads: Any, state: Any, params: Any, **extra_args: Any) -> An
         params: a FlatTree, or a tree of writable arrays, changed in place.
 
     Raises:
-        TypeError: a leaf of ``params`` cannot change in place; or what ``tx.update`` raises.
-        Nothing is written then.
+        TypeError: a leaf of ``params`` cannot change in place (nothing is written then); and
+            whatever ``tx.update`` raises, also before anything is written.
     """
     stage = as_stage(with_extra_args_support(transformation(tx, "tx")))
     return runner.run(stage, grads, state, params, extra_args, True)

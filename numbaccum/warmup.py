@@ -68,7 +68,7 @@ def warmup(
         TypeError: a dtype is not float16, float32 or float64; ``tx`` without ``params``; or
             what ``tx.init``/``tx.update`` raise on ``params``.
 
-    Example:
+    Examples:
         >>> import numpy as np, numbaccum as nba
         >>> params = {"w": np.zeros((3, 2), np.float32), "b": np.zeros(2, np.float32)}
         >>> tx = nba.MultiSteps(nba.chain(nba.clip_by_global_norm(1.0), nba.adam(1e-3)), 4)

@@ -11,10 +11,16 @@ from numbaccum import _cache
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
+DOCS = sorted((ROOT / "docs").rglob("*.md"))
+BLOCKS = [
+    pytest.param(block, id=f"{path.relative_to(ROOT)}:{i}")
+    for path in [ROOT / "README.md", *DOCS]
+    for i, block in enumerate(re.findall(r"```python\n(.*?)```", path.read_text(), re.S))
+]
 
 
-@pytest.mark.parametrize("block", re.findall(r"```python\n(.*?)```", README, re.S))
-def test_readme_python_blocks_run(block):
+@pytest.mark.parametrize("block", BLOCKS)
+def test_python_blocks_of_the_readme_and_the_docs_run(block):
     if "numbaccum.distributed" in block:  # runs as one rank (COMM_WORLD of this process)
         pytest.importorskip("mpi4py", reason='the "Many machines" block needs numbaccum[mpi]')
     exec(compile(block, "README.md", "exec"), {})
@@ -25,11 +31,23 @@ def test_readme_commands_are_the_ones_ci_and_users_run():
     assert [b.strip() for b in bash] == [
         "pip install . && numbaccum bench",
         'pip install -e ".[test]" && python -m pytest -q',
-        'pip install ".[mpi]"\nmpiexec -n 2 python examples/data_parallel.py',
     ]
     ci = (ROOT / ".ci" / "run").read_text()
-    assert 'pip install -q -e ".[test,mpi,parity]"' in ci and "python -m pytest -q" in ci
+    assert 'pip install -q -e ".[test,mpi,parity,docs]"' in ci and "python -m pytest -q" in ci
     assert 'mpiexec -n 2 "${MPI_PYTEST[@]}"' in ci
+    assert "mkdocs build --strict" in ci
+    mpi = (ROOT / "docs" / "guides" / "mpi.md").read_text()
+    assert 'pip install ".[mpi]"\nmpiexec -n 2 python examples/data_parallel.py' in mpi
+
+
+def test_every_docs_page_is_in_the_site_and_every_readme_link_resolves():
+    nav = (ROOT / "mkdocs.yml").read_text()
+    for page in DOCS:
+        assert str(page.relative_to(ROOT / "docs")) in nav, f"{page} is not in mkdocs.yml's nav"
+    for target in re.findall(r"\]\(([^)#]+)\)", README):
+        if "://" not in target:
+            assert (ROOT / target).is_file(), f"README links to {target}, which does not exist"
+    assert len(README.splitlines()) <= 250  # the front page; the manual is the site
 
 
 def test_cli_info():
