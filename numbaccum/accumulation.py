@@ -68,7 +68,12 @@ def zeros_output(owner: FlatTree, layout: Layout) -> Updates:
 
 
 class TraceState(NamedTuple):
-    """Holds the trace of past updates."""
+    """The state of `trace`: the momentum buffer.
+
+    Attributes:
+        trace: the decaying sum of past updates, ``t = g + decay * t`` (a `FlatTree` of the
+            params' leaves, in ``accumulator_dtype`` or each leaf's dtype); zeros after ``init``.
+    """
 
     trace: FlatTree
 
@@ -102,16 +107,41 @@ class _Trace(Elementwise):
 def trace(
     decay: float, nesterov: bool = False, accumulator_dtype: Any = None
 ) -> GradientTransformationExtraArgs:
-    """Momentum: ``trace = g + decay * trace``; update ``trace`` (or ``g + decay * trace`` with
-    nesterov).
+    """Momentum: accumulates the updates into a decaying trace.
+
+    Each update computes ``t = g + decay * t`` element by element and returns ``u = t``, or with
+    ``nesterov`` ``u = g + decay * t`` (with the new ``t``). The trace is stored in
+    ``accumulator_dtype``; the updates keep each leaf's dtype. One fused pass.
 
     Args:
-        decay: decay rate of the trace, in [0, 1].
-        nesterov: whether to return the Nesterov update.
-        accumulator_dtype: storage dtype of the trace; None keeps each leaf's dtype.
+        decay: decay rate of the trace, from 0 to 1 (both included).
+        nesterov: return Nesterov's update ``g + decay * t`` instead of ``t``.
+        accumulator_dtype: storage dtype of the trace (float16, float32 or float64); None keeps
+            each leaf's dtype.
 
     Returns:
-        A transformation with state `TraceState`. Updates keep each leaf's dtype.
+        A `GradientTransformationExtraArgs`; its state is ``TraceState(trace)``, the trace
+            starting at zeros.
+
+    Raises:
+        ValueError: ``decay`` is outside the closed interval from 0 to 1, or NaN.
+        TypeError: ``decay`` is not a real number, ``nesterov`` not a bool, or
+            ``accumulator_dtype`` not float16, float32 or float64.
+
+    References:
+        Polyak, "Some methods of speeding up the convergence of iteration methods", 1964;
+        Sutskever et al., "On the importance of initialization and momentum in deep learning",
+        ICML 2013 (Nesterov's momentum in this form). optax.trace.
+
+    Examples:
+        >>> import numpy as np, numbaccum as nba
+        >>> tx = nba.trace(0.9)
+        >>> state = tx.init({"w": np.zeros(2, np.float32)})
+        >>> g = {"w": np.array([1.0, 2.0], np.float32)}
+        >>> u, state = tx.update(g, state)
+        >>> u, state = tx.update(g, state)
+        >>> [round(float(x), 4) for x in u["w"]]  # g + 0.9 * g
+        [1.9, 3.8]
     """
     return _Trace(decay, nesterov, accumulator_dtype).transformation()
 
@@ -120,7 +150,15 @@ def trace(
 
 
 class EmaState(NamedTuple):
-    """Holds an exponential moving average of past updates (never debiased) and its count."""
+    """The state of `ema`: the step count and the moving average.
+
+    Attributes:
+        count: updates so far (int32, saturating at the int32 maximum); the debiased update
+            divides by ``1 - decay ** count``.
+        ema: the moving average ``e = (1 - decay) * g + decay * e``, never debiased (a
+            `FlatTree` of the params' leaves, in ``accumulator_dtype`` or each leaf's dtype);
+            zeros after ``init``.
+    """
 
     count: np.int32  # type: ignore[assignment]  # shadows tuple.count, as in optax
     ema: FlatTree
@@ -148,20 +186,44 @@ class _Ema(Elementwise):
 
 
 def ema(decay: float, debias: bool = True, accumulator_dtype: Any = None) -> GradientTransformationExtraArgs:
-    """Exponential moving average: ``ema = (1 - decay) * g + decay * ema``; update ``ema``, or
-    ``ema / (1 - decay ** count)`` with debias.
+    """Exponential moving average of the updates, optionally debiased.
+
+    Each update computes ``count = count + 1``, ``e = (1 - decay) * g + decay * e`` element by
+    element and returns ``u = e / (1 - decay ** count)`` with ``debias``, ``u = e`` without.
 
     The float32 result equals optax's recipe bit for bit: both products and the sum are rounded
     in the accumulator's dtype and the debias is a true division by ``f32(1) - f32(d) ** count``.
     ``count`` saturates at the int32 maximum; ``decay = 1`` with debias gives NaN, as in optax.
 
     Args:
-        decay: decay rate, in [0, 1].
+        decay: decay rate, from 0 to 1 (both included).
         debias: whether to divide by ``1 - decay ** count``.
-        accumulator_dtype: storage dtype of the average; None keeps each leaf's dtype.
+        accumulator_dtype: storage dtype of the average (float16, float32 or float64); None
+            keeps each leaf's dtype.
 
     Returns:
-        A transformation with state `EmaState`. Updates keep each leaf's dtype.
+        A `GradientTransformationExtraArgs`; its state is ``EmaState(count, ema)``, the average
+            starting at zeros. The updates keep each leaf's dtype.
+
+    Raises:
+        ValueError: ``decay`` is outside the closed interval from 0 to 1, or NaN.
+        TypeError: ``decay`` is not a real number, ``debias`` not a bool, or
+            ``accumulator_dtype`` not float16, float32 or float64.
+
+    References:
+        Kingma and Ba, "Adam: A Method for Stochastic Optimization", ICLR 2015 (the bias
+        correction). optax.ema.
+
+    Examples:
+        >>> import numpy as np, numbaccum as nba
+        >>> tx = nba.ema(0.9)
+        >>> state = tx.init({"w": np.zeros(2, np.float32)})
+        >>> u, state = tx.update({"w": np.array([1.0, 2.0], np.float32)}, state)
+        >>> [round(float(x), 4) for x in u["w"]]  # (0.1 * g) / (1 - 0.9)
+        [1.0, 2.0]
+        >>> u, state = tx.update({"w": np.array([3.0, 4.0], np.float32)}, state)
+        >>> [round(float(x), 4) for x in u["w"]]  # (0.1 * 3 + 0.9 * 0.1) / (1 - 0.81), ...
+        [2.0526, 3.0526]
     """
     return _Ema(decay, debias, accumulator_dtype).transformation()
 
@@ -170,7 +232,14 @@ def ema(decay: float, debias: bool = True, accumulator_dtype: Any = None) -> Gra
 
 
 class ApplyEvery(NamedTuple):
-    """Counts steps and holds the sum of the gradients of the current cycle."""
+    """The state of `apply_every`: the step within the cycle and the cycle's sum.
+
+    Attributes:
+        count: steps taken in the current cycle, from 0 to ``k - 1`` (int32).
+        grad_acc: the sum of this cycle's updates (a `FlatTree` of the params' leaves, in their
+            dtypes); zeros after ``init``. After an emitting step it still holds the emitted sum,
+            which the next step overwrites.
+    """
 
     count: np.int32  # type: ignore[assignment]  # shadows tuple.count, as in optax
     grad_acc: FlatTree
@@ -210,9 +279,34 @@ class _ApplyEvery(Stage):
 def apply_every(k: int = 1) -> GradientTransformationExtraArgs:
     """Sums ``k`` steps of updates and emits the sum every ``k``-th step, zeros otherwise.
 
-    ``grad_acc = g + (grad_acc if count % k else 0)``; update ``grad_acc`` when
-    ``count % k == k - 1``. Unlike optax, a step that emits nothing returns exact zeros and a new
-    cycle starts from exact zeros, so a NaN does not survive into the next cycle.
+    With ``c = count % k``, each update computes ``grad_acc = g + grad_acc`` (``grad_acc = g + 0``
+    when ``c == 0``), returns ``u = grad_acc`` when ``c == k - 1`` and ``u = 0`` otherwise, and
+    sets ``count = (count + 1) % k``. Unlike optax, a step that emits nothing returns exact zeros
+    and a new cycle starts from exact zeros, so a NaN does not survive into the next cycle.
+
+    Args:
+        k: the number of steps summed per emitted update, from 1 to the int32 maximum.
+
+    Returns:
+        A `GradientTransformationExtraArgs`; its state is ``ApplyEvery(count, grad_acc)``.
+
+    Raises:
+        TypeError: ``k`` is not an int (a bool, a float or a string).
+        ValueError: ``k`` is below 1 or above the int32 maximum.
+
+    References:
+        optax.apply_every.
+
+    Examples:
+        >>> import numpy as np, numbaccum as nba
+        >>> tx = nba.apply_every(2)
+        >>> state = tx.init({"w": np.zeros(2, np.float32)})
+        >>> u, state = tx.update({"w": np.array([1.0, 2.0], np.float32)}, state)
+        >>> [round(float(x), 4) for x in u["w"]]  # the first of two steps: zeros
+        [0.0, 0.0]
+        >>> u, state = tx.update({"w": np.array([3.0, 4.0], np.float32)}, state)
+        >>> [round(float(x), 4) for x in u["w"]]  # the sum of the two steps
+        [4.0, 6.0]
     """
     return _ApplyEvery(k).transformation()
 
@@ -240,10 +334,30 @@ def _skip_not_finite_flat(u: Updates, gradient_step: Any, params: Any) -> tuple[
 
 
 def skip_not_finite(updates: Any, gradient_step: Any, params: Any) -> tuple[np.bool_, dict]:
-    """Skip predicate for `MultiSteps`: skip when any element is NaN or +-inf.
+    """Skip predicate for `MultiSteps`: skip when any element of the updates is NaN or +-inf.
+
+    It computes ``num_not_finite = sum(not isfinite(g))`` over every element of every leaf and
+    ``should_skip = num_not_finite > 0``. Pass it as ``MultiSteps(...,
+    should_skip_update_fn=skip_not_finite)``; `MultiSteps` evaluates it on its flat buffers.
+
+    Args:
+        updates: the updates (a tree of arrays, or a `FlatTree`).
+        gradient_step: the `MultiSteps` gradient step (unused, part of the protocol).
+        params: the params (unused, part of the protocol).
 
     Returns:
-        ``(should_skip, {"should_skip", "num_not_finite"})``.
+        The pair ``(should_skip, info)``, ``should_skip`` a NumPy bool and ``info`` the dict
+            ``{"should_skip": should_skip, "num_not_finite": n}``, ``n`` an int32 (saturating
+            at the int32 maximum); `MultiSteps` keeps ``info`` in ``MultiStepsState.skip_state``.
+
+    References:
+        optax.skip_not_finite.
+
+    Examples:
+        >>> import numpy as np, numbaccum as nba
+        >>> should_skip, info = nba.skip_not_finite({"w": np.array([1.0, np.nan, np.inf])}, 0, None)
+        >>> bool(should_skip), int(info["num_not_finite"])
+        (True, 2)
     """
     return _skip_not_finite_flat(_updates_of(updates), gradient_step, params)
 
@@ -261,11 +375,34 @@ def _skip_large_flat(
 def skip_large_updates(
     updates: Any, gradient_step: Any, params: Any, max_squared_norm: float
 ) -> tuple[np.bool_, dict]:
-    """Skip predicate for `MultiSteps`: skip unless ``sum(g ** 2) < max_squared_norm`` (so NaN
-    and equality skip). Bind ``max_squared_norm`` with ``functools.partial``.
+    """Skip predicate for `MultiSteps`: skip when the updates' squared global norm is too large.
+
+    It computes ``norm_squared = sum(g ** 2)`` over every element of every leaf and
+    ``should_skip = not norm_squared < max_squared_norm``, so a NaN norm and equality skip too.
+    Bind ``max_squared_norm`` with ``functools.partial`` (by keyword: `MultiSteps` then evaluates
+    it on its flat buffers).
+
+    Args:
+        updates: the updates (a tree of arrays, or a `FlatTree`).
+        gradient_step: the `MultiSteps` gradient step (unused, part of the protocol).
+        params: the params (unused, part of the protocol).
+        max_squared_norm: the bound on the squared global norm.
 
     Returns:
-        ``(should_skip, {"should_skip", "norm_squared"})``; the squared norm is float64.
+        The pair ``(should_skip, info)``, ``should_skip`` a NumPy bool and ``info`` the dict
+            ``{"should_skip": should_skip, "norm_squared": norm_squared}``, the squared norm a
+            float64; `MultiSteps` keeps ``info`` in ``MultiStepsState.skip_state``.
+
+    References:
+        optax.skip_large_updates.
+
+    Examples:
+        >>> import functools
+        >>> import numpy as np, numbaccum as nba
+        >>> skip = functools.partial(nba.skip_large_updates, max_squared_norm=25.0)
+        >>> should_skip, info = skip({"w": np.array([3.0, 4.0])}, 0, None)
+        >>> bool(should_skip), float(info["norm_squared"])  # 9 + 16 is not below 25
+        (True, 25.0)
     """
     return _skip_large_flat(_updates_of(updates), gradient_step, params, max_squared_norm)
 
@@ -343,14 +480,41 @@ class MultiSteps(Stage):
     A ``should_skip_update_fn`` of your own runs on the updates just before they are added; if
     it raises, nothing of this state has changed.
 
+    Its ``init`` returns ``MultiStepsState(mini_step, gradient_step, inner_opt_state, acc_grads,
+    skip_state)``; ``has_updated(state)`` says whether the last step emitted an update.
+
     Args:
         opt: the inner transformation.
         every_k_schedule: ``k`` (an int, NumPy ints too) or a callable of ``gradient_step``.
         use_grad_mean: accumulate the mean (True) or the sum (False).
         should_skip_update_fn: ``fn(updates, gradient_step, params) -> (bool, info)``; a skipped
             mini-step leaves the state unchanged except ``skip_state`` and returns zeros.
-        accumulator_dtype: dtype of ``acc_grads``; default float32 for float16/float32 leaves,
-            float64 for float64 leaves.
+        accumulator_dtype: dtype of ``acc_grads``; default float32 for float16 and float32
+            leaves, float64 for float64 leaves.
+
+    Raises:
+        TypeError: ``opt`` is not a transformation, or one that reshapes its updates (other than
+            a leading `differentially_private_aggregate`); ``every_k_schedule`` is neither an int
+            nor a callable; ``use_grad_mean`` is not a bool; ``should_skip_update_fn`` is neither
+            callable nor None; ``accumulator_dtype`` is not float16, float32 or float64.
+        ValueError: ``every_k_schedule`` is below 1 or above the int32 maximum (a schedule's value
+            is checked the same way at the update); ``should_skip_update_fn`` is given with DP
+            accumulation.
+
+    References:
+        optax.MultiSteps.
+
+    Examples:
+        >>> import numpy as np, numbaccum as nba
+        >>> params = {"w": np.zeros(2, np.float32)}
+        >>> opt = nba.MultiSteps(nba.sgd(1.0), every_k_schedule=2)
+        >>> state = opt.init(params)
+        >>> state = nba.step_(opt, {"w": np.array([1.0, 2.0], np.float32)}, state, params)
+        >>> [round(float(x), 4) for x in params["w"]], opt.has_updated(state)
+        ([0.0, 0.0], False)
+        >>> state = nba.step_(opt, {"w": np.array([3.0, 6.0], np.float32)}, state, params)
+        >>> [round(float(x), 4) for x in params["w"]], opt.has_updated(state)  # -1.0 * the mean
+        ([-2.0, -4.0], True)
     """
 
     def __init__(

@@ -265,10 +265,11 @@ def clip_norm_by_ema(
     init: float = 0.0,
     min_norm: float = 1e-6,
 ) -> GradientTransformationExtraArgs:
-    """Clips each update's norm to the norm of an EMA of past updates (torchzero's ClipNormByEMA):
+    """Clips each update's norm to the norm of an EMA of past updates (torchzero's ClipNormByEMA).
 
     ``e = beta * e + (1 - beta) * g``; ``u = g / max(1, |g| / |e|)``, per leaf (``tensorwise``)
-    or over the whole tree.
+    or over the whole tree, with ``|.|`` the norm ``ord`` and ``e`` the EMA after this step's
+    update (and after the growth limit below).
 
     With ``max_ema_growth`` the EMA's norm may grow by at most that factor per step: when
     ``|e| > max(prev * max_ema_growth, min_norm)`` the EMA itself is scaled down to that bound,
@@ -281,7 +282,7 @@ def clip_norm_by_ema(
     (or, in global mode, update) does not enter the EMA.
 
     Args:
-        beta: EMA decay, in [0, 1].
+        beta: EMA decay, in 0 .. 1.
         ord: norm order: a number (``inf`` too) or a name (``'l1'``, ``'mad'``, ``'std'``, ...;
             see `numbaccum.clip_norm`), per leaf and global alike.
         tensorwise: a norm per leaf (True) or one over the whole tree.
@@ -290,7 +291,30 @@ def clip_norm_by_ema(
         min_norm: the smallest norm the growth limit allows.
 
     Returns:
-        A transformation with state `ClipNormByEmaState`.
+        A `GradientTransformationExtraArgs`; its state is ``ClipNormByEmaState(exp_avg,
+            prev_ema_norm, inner_state=None)``.
+
+    Raises:
+        ValueError: ``beta`` outside 0 .. 1, an unknown ``ord``, ``max_ema_growth <= 0``, a
+            negative ``min_norm``, or a non-finite ``init``.
+        TypeError: a hyperparameter that is not a real number, or ``tensorwise`` not a bool.
+
+    References:
+        torchzero's ``ClipNormByEMA``.
+
+    Examples:
+        >>> import numpy as np, numbaccum as nba
+        >>> params = {"w": np.zeros(2)}
+        >>> tx = nba.clip_norm_by_ema(beta=0.5)
+        >>> state = tx.init(params)
+        >>> for g in ([3.0, 4.0], [6.0, 8.0]):
+        ...     updates, state = tx.update({"w": np.array(g)}, state)
+        ...     print([round(float(x), 4) for x in updates["w"]], float(state.prev_ema_norm[0]))
+        [1.5, 2.0] 2.5
+        [2.25, 3.0] 3.75
+
+        The first EMA is ``(1.5, 2)`` (norm 2.5); the second would have norm 6.25, above
+        ``2.5 * 1.5 = 3.75``, so it is scaled down to norm 3.75 and the update of norm 10 with it.
     """
     return _ema_norm_transformation(beta, ord, tensorwise, max_ema_growth, init, min_norm, False)
 
@@ -303,15 +327,47 @@ def normalize_by_ema(
     init: float = 0.0,
     min_norm: float = 1e-6,
 ) -> GradientTransformationExtraArgs:
-    """Scales each update to the norm of an EMA of past updates (torchzero's NormalizeByEMA):
+    """Scales each update to the norm of an EMA of past updates (torchzero's NormalizeByEMA).
 
-    ``e = beta * e + (1 - beta) * g``; ``u = g / (|g| / |e|)``, per leaf or over the whole tree.
+    ``e = beta * e + (1 - beta) * g``; ``u = g / (|g| / |e|)``, per leaf or over the whole tree,
+    with ``|.|`` the norm ``ord`` and ``e`` the EMA after this step's update (and after the
+    growth limit).
 
     The EMA, its growth limit and the edge cases are those of `clip_norm_by_ema`; unlike it,
     updates smaller than the EMA are scaled up. A zero update stays zero.
 
+    Args:
+        beta: EMA decay, in 0 .. 1.
+        ord: norm order: a number or a name, as in `clip_norm_by_ema`.
+        tensorwise: a norm per leaf (True) or one over the whole tree.
+        max_ema_growth: the largest growth factor of the EMA's norm per step; None: unlimited.
+        init: the EMA's initial value (every element).
+        min_norm: the smallest norm the growth limit allows.
+
     Returns:
-        A transformation with state `NormalizeByEmaState`.
+        A `GradientTransformationExtraArgs`; its state is ``NormalizeByEmaState(exp_avg,
+            prev_ema_norm, inner_state=None)`` (the same class as `ClipNormByEmaState`).
+
+    Raises:
+        ValueError: ``beta`` outside 0 .. 1, an unknown ``ord``, ``max_ema_growth <= 0``, a
+            negative ``min_norm``, or a non-finite ``init``.
+        TypeError: a hyperparameter that is not a real number, or ``tensorwise`` not a bool.
+
+    References:
+        torchzero's ``NormalizeByEMA``.
+
+    Examples:
+        >>> import numpy as np, numbaccum as nba
+        >>> params = {"w": np.zeros(2)}
+        >>> tx = nba.normalize_by_ema(beta=0.5)
+        >>> state = tx.init(params)
+        >>> for g in ([3.0, 4.0], [0.3, 0.4]):
+        ...     updates, state = tx.update({"w": np.array(g)}, state)
+        ...     print([round(float(x), 4) for x in updates["w"]])
+        [1.5, 2.0]
+        [0.9, 1.2]
+
+        The second EMA is ``(0.9, 1.2)``, of norm 1.5: the small update is scaled up to it.
     """
     return _ema_norm_transformation(beta, ord, tensorwise, max_ema_growth, init, min_norm, True)
 
@@ -401,20 +457,43 @@ class _ValueEma(Stage):
 
 
 def clip_value_by_ema(beta: float = 0.99, init: float = 0.0) -> GradientTransformationExtraArgs:
-    """Clips each element to the EMA of its past magnitudes (torchzero's ClipValueByEMA):
+    """Clips each element to the EMA of its past magnitudes (torchzero's ClipValueByEMA).
 
-    ``e = beta * e + (1 - beta) * |g|``; ``u = clip(g, -e, e)``; the EMA includes this step.
+    ``e = beta * e + (1 - beta) * |g|``; ``u = clip(g, -e, e)``, element by element; the EMA
+    includes this step.
 
     ``init`` is a multiplier, as in torchzero: the EMA starts at ``|g_1| * init`` (``init=1``
     leaves the first update unchanged). A non-finite element does not enter the EMA; it is
     clipped (an inf to ``+-e``; a NaN stays NaN). One fused pass over the buffer.
 
     Args:
-        beta: EMA decay, in [0, 1].
+        beta: EMA decay, in 0 .. 1.
         init: the EMA's start, as a multiple of the first update's magnitudes.
 
     Returns:
-        A transformation with state `ClipValueByEmaState`.
+        A `GradientTransformationExtraArgs`; its state is ``ClipValueByEmaState(count, exp_avg,
+            inner_state=None, exp_avg_tfm_state=None)``.
+
+    Raises:
+        ValueError: ``beta`` outside 0 .. 1, or a non-finite ``init``.
+        TypeError: ``beta`` or ``init`` is not a real number.
+
+    References:
+        torchzero's ``ClipValueByEMA``.
+
+    Examples:
+        >>> import numpy as np, numbaccum as nba
+        >>> params = {"w": np.zeros(2)}
+        >>> tx = nba.clip_value_by_ema(beta=0.5, init=1.0)
+        >>> state = tx.init(params)
+        >>> for g in ([1.0, -2.0], [4.0, -1.0]):
+        ...     updates, state = tx.update({"w": np.array(g)}, state)
+        ...     print([round(float(x), 4) for x in updates["w"]])
+        [1.0, -2.0]
+        [2.5, -1.0]
+
+        The EMA starts at ``(1, 2)``, then becomes ``0.5 * (4, 1) + 0.5 * (1, 2) = (2.5, 1.5)``:
+        4 is clipped to 2.5, -1 is kept.
     """
     return _value_ema_transformation(beta, init)
 
@@ -459,7 +538,7 @@ def clip_norm_growth(
     ord: Any = 2,
     tensorwise: bool = True,
 ) -> GradientTransformationExtraArgs:
-    """Limits how fast the update's norm grows (torchzero's ClipNormGrowth):
+    """Limits how fast the update's norm grows (torchzero's ClipNormGrowth).
 
     ``u = g / max(1, |g| / allowed)`` with ``allowed = min(p + add, mul * p)``,
     ``p = max(prev, min_value)``, per leaf (``tensorwise``) or over the whole tree.
@@ -487,7 +566,29 @@ def clip_norm_growth(
         tensorwise: a norm per leaf (True) or one over the whole tree.
 
     Returns:
-        A transformation with state `ClipNormGrowthState`.
+        A `GradientTransformationExtraArgs`; its state is ``ClipNormGrowthState(prev_norm,
+            started, layout)``.
+
+    Raises:
+        ValueError: a negative ``add`` or ``min_value``, ``mul <= 0``, ``max_decay < 1``, an
+            unknown ``ord``; at ``update``, a state built for another tree.
+        TypeError: a hyperparameter that is not a real number, or ``tensorwise`` not a bool.
+
+    References:
+        torchzero's ``ClipNormGrowth``.
+
+    Examples:
+        >>> import numpy as np, numbaccum as nba
+        >>> params = {"w": np.zeros(2)}
+        >>> tx = nba.clip_norm_growth(mul=2.0)
+        >>> state = tx.init(params)
+        >>> for g in ([3.0, 4.0], [30.0, 40.0]):
+        ...     updates, state = tx.update({"w": np.array(g)}, state)
+        ...     print([round(float(x), 4) for x in updates["w"]], float(state.prev_norm[0]))
+        [3.0, 4.0] 5.0
+        [6.0, 8.0] 10.0
+
+        The first update passes (norm 5); the second, of norm 50, is clipped to ``2 * 5``.
     """
     add, mul, min_value, max_decay = _growth_args(add, mul, min_value, max_decay)
     ord = check_ord(ord)
@@ -580,9 +681,10 @@ def clip_value_growth(
     min_value: float | None = 1e-4,
     max_decay: float | None = 2.0,
 ) -> GradientTransformationExtraArgs:
-    """Limits how fast each element's magnitude grows (torchzero's ClipValueGrowth):
+    """Limits how fast each element's magnitude grows (torchzero's ClipValueGrowth).
 
-    ``|u| <= min(|prev| + add, mul * max(|prev|, min_value))``, with g's sign.
+    ``|u| = min(|g|, |prev| + add, mul * max(|prev|, min_value))``, with g's sign, element by
+    element (a limit that is None is not applied).
 
     The history ``prev`` becomes ``u``, or ``prev / max_decay`` when the element's growth was
     below ``1 / max_decay``. The first update has no history (a flag in the state): it passes
@@ -602,7 +704,29 @@ def clip_value_growth(
             the update.
 
     Returns:
-        A transformation with state `ClipValueGrowthState`.
+        A `GradientTransformationExtraArgs`; its state is ``ClipValueGrowthState(prev,
+            started)``.
+
+    Raises:
+        ValueError: a negative ``add`` or ``min_value``, ``mul <= 0``, or ``max_decay < 1``.
+        TypeError: a hyperparameter that is not a real number.
+
+    References:
+        torchzero's ``ClipValueGrowth``.
+
+    Examples:
+        >>> import numpy as np, numbaccum as nba
+        >>> params = {"w": np.zeros(2)}
+        >>> tx = nba.clip_value_growth(mul=2.0)
+        >>> state = tx.init(params)
+        >>> for g in ([1.0, -2.0], [5.0, -3.0]):
+        ...     updates, state = tx.update({"w": np.array(g)}, state)
+        ...     print([round(float(x), 4) for x in updates["w"]])
+        [1.0, -2.0]
+        [2.0, -3.0]
+
+        The first update passes; then 5 may grow to at most ``2 * 1``, and -3 (1.5 times -2) is
+        kept.
     """
     return _ValueGrowth(*_growth_args(add, mul, min_value, max_decay)).transformation()
 

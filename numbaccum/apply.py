@@ -73,6 +73,11 @@ def apply_updates(params: Any, updates: Any) -> Any:
         ValueError: the structures or a leaf's shape differ (names the leaf).
         TypeError: a leaf is not a float array, or the two trees live on different sides.
 
+    References:
+        optax.apply_updates (which, for updates of a wider dtype than the params, adds in the
+        wider dtype and then casts the sum, where this casts first: one unit in the last place
+        can differ).
+
     Examples:
         >>> import numpy as np, numbaccum as nba
         >>> p = {"w": np.ones(2, np.float32)}
@@ -112,6 +117,10 @@ def apply_updates_(params: Any, updates: Any) -> Any:
             names the leaf), or ``params`` is a read-only FlatTree; a leaf is not a float array,
             or the trees live on different sides.
         ValueError: the structures or a leaf's shape differ (names the leaf).
+
+    References:
+        optax.apply_updates (which returns new arrays); PyTorch's in-place ``param.add_(update)``
+        (``torch._foreach_add_`` over a list of tensors).
 
     Examples:
         >>> import numpy as np, numbaccum as nba

@@ -55,8 +55,35 @@ __all__ = [
 def with_extra_args_support(tx: Any) -> GradientTransformationExtraArgs:
     """Wraps ``tx`` so that its ``update`` accepts and drops unknown keyword arguments.
 
-    Returns ``tx`` itself when it already is a GradientTransformationExtraArgs (and a `Stage`'s
-    own transformation for a stage, e.g. a `MultiSteps`).
+    The wrapped ``update(updates, state, params=None, **extra_args)`` calls ``tx.update(updates,
+    state, params)``, the extra keyword arguments dropped; ``init`` and the state are ``tx``'s.
+    ``tx`` itself comes back when it already is a `GradientTransformationExtraArgs`, and a
+    numbaccum stage (e.g. a `MultiSteps`, or a ``GradientTransformation`` of a stage's ``init``
+    and ``update``) comes back as its own transformation, which takes extra arguments already.
+
+    Args:
+        tx: a transformation: an object with callable ``init`` and ``update`` (optax's, one of
+            your own, or numbaccum's).
+
+    Returns:
+        A `GradientTransformationExtraArgs` with ``tx``'s ``init``, state and results.
+
+    Raises:
+        TypeError: ``tx`` has no callable ``init`` or ``update``.
+
+    References:
+        optax.with_extra_args_support.
+
+    Examples:
+        >>> import numpy as np, numbaccum as nba
+        >>> def init(params):
+        ...     return nba.EmptyState()
+        >>> def update(updates, state, params=None):
+        ...     return {k: 2.0 * v for k, v in updates.items()}, state
+        >>> tx = nba.with_extra_args_support(nba.GradientTransformation(init, update))
+        >>> u, _ = tx.update({"w": np.ones(2)}, tx.init(None), loss=0.5)  # loss is dropped
+        >>> [round(float(x), 4) for x in u["w"]]
+        [2.0, 2.0]
     """
     if isinstance(tx, GradientTransformationExtraArgs):
         return tx
@@ -119,7 +146,21 @@ def planned(part: Any, state: Any, params: ParamsRef | None, extra: dict) -> Ste
     return Step(lambda u: run_part(part, u), fuse=part)
 
 
-class Stage(abc.ABC):
+# The runner's protocol of a stage (`numbaccum.runner`): methods a public stage class
+# (`numbaccum.MultiSteps`) has but its users never call, kept out of its ``dir()`` and so out of
+# ``help()`` (mkdocs.yml's API filter hides the same names).
+PROTOCOL = frozenset(
+    ("declarable", "declare", "foreign", "kept", "kept_step", "local", "owner", "plan", "reshapes",
+     "take", "transformation", "workspace")
+)  # fmt: skip
+
+
+class _StageType(abc.ABCMeta):
+    def __dir__(cls) -> list[str]:
+        return [name for name in super().__dir__() if name not in PROTOCOL]
+
+
+class Stage(metaclass=_StageType):
     """A numbaccum transformation: ``init``, ``plan`` (validate, compute scalars, write nothing)
     and the public optax ``update`` (plan, then run). ``transformation()`` is its
     GradientTransformationExtraArgs; `stage_of` finds the stage back from one.
@@ -691,6 +732,9 @@ def chain(*transforms: Any) -> GradientTransformationExtraArgs:
         A `GradientTransformationExtraArgs` whose state is ``tuple(t.init(params) for t in
         transforms)``.
 
+    Raises:
+        TypeError: a transformation has no callable ``init`` or ``update`` (names its index).
+
     References:
         optax.chain; torchzero's and declearn's module chains.
 
@@ -709,7 +753,38 @@ def chain(*transforms: Any) -> GradientTransformationExtraArgs:
 
 
 def named_chain(*transforms: tuple[str, Any]) -> GradientTransformationExtraArgs:
-    """Like `chain`, with a state dict keyed by the given names."""
+    """Like `chain`, with a state dict keyed by the given names.
+
+    Applies the transformations in the order given, ``u = t_n(...t_2(t_1(g)))`` for the pairs
+    ``(name_1, t_1), ..., (name_n, t_n)``; the state is ``{name_i: t_i.init(params)}``, so that a
+    stage's state is found by its name (``state["clip"]``) rather than its position. Planning,
+    fusion and errors are `chain`'s: an update checks every stage before any runs.
+
+    Args:
+        *transforms: ``(name, transformation)`` pairs, the names unique strings.
+
+    Returns:
+        A `GradientTransformationExtraArgs` whose state is the dict ``{name: t.init(params)}``,
+            in the order of ``transforms``.
+
+    Raises:
+        TypeError: an entry is not a ``(str, transformation)`` pair, or its transformation has
+            no callable ``init`` or ``update``.
+        ValueError: two entries have the same name.
+
+    References:
+        optax.named_chain.
+
+    Examples:
+        >>> import numpy as np, numbaccum as nba
+        >>> tx = nba.named_chain(("clip", nba.clip_by_global_norm(1.0)), ("sgd", nba.sgd(0.5)))
+        >>> state = tx.init({"w": np.zeros(2)})
+        >>> u, state = tx.update({"w": np.array([3.0, 4.0])}, state)
+        >>> [round(float(x), 4) for x in u["w"]]  # clipped to norm 1, then -0.5 times that
+        [-0.3, -0.4]
+        >>> list(state), float(state["clip"].norm)
+        (['clip', 'sgd'], 5.0)
+    """
     for i, entry in enumerate(transforms):
         if not (isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[0], str)):
             raise TypeError(
@@ -727,7 +802,38 @@ def named_chain(*transforms: tuple[str, Any]) -> GradientTransformationExtraArgs
 
 
 def copy_state(state: Any) -> Any:
-    """An independent deep copy of a state (FlatTrees and arrays copied, structure kept)."""
+    """An independent deep copy of a state (FlatTrees and arrays copied, structure kept).
+
+    ``update`` writes a state's buffers in place and consumes the state it is given (passing
+    that state again raises ValueError: it is stale), so a state to keep (the best so far, a
+    step to retry) is kept as a copy: the same nest (tuples, NamedTuples of the same class,
+    lists, dicts) with every `FlatTree` and NumPy array replaced by a copy with storage of its
+    own (same layout, dtypes and device); scalars, None and other leaves are returned as they
+    are. The copy is a state of its own, which any later ``update`` accepts.
+
+    Args:
+        state: a state from ``init``/``update``, or any nest of tuples, lists, dicts and
+            NamedTuples.
+
+    Returns:
+        The copy; no later ``update`` of ``state`` changes it, nor it ``state``.
+
+    References:
+        copy.deepcopy (which also keeps a read-only FlatTree read-only); an optax state needs no
+        copy (JAX arrays are immutable); PyTorch: ``copy.deepcopy(optimizer.state_dict())``.
+
+    Examples:
+        >>> import numpy as np, numbaccum as nba
+        >>> tx = nba.sgd(0.1, momentum=0.9)
+        >>> state = tx.init({"w": np.zeros(2)})
+        >>> _, state = tx.update({"w": np.ones(2)}, state)
+        >>> saved = nba.copy_state(state)
+        >>> _, state = tx.update({"w": np.ones(2)}, state)
+        >>> [round(float(x), 4) for x in state[0].trace["w"]]  # 1 + 0.9 * 1
+        [1.9, 1.9]
+        >>> [round(float(x), 4) for x in saved[0].trace["w"]]  # as it was after the first step
+        [1.0, 1.0]
+    """
     if isinstance(state, FlatTree):
         return state.copy()
     if isinstance(state, np.ndarray):

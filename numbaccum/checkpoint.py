@@ -234,6 +234,11 @@ def register_state_class(cls: type) -> type:
         TypeError: ``cls`` is not a NamedTuple class, or is defined inside a function (its name
             would not find it again).
 
+    References:
+        PyTorch's ``torch.serialization.add_safe_globals`` (the classes a ``weights_only`` load
+        may rebuild); orbax restores a JAX state into the structure of a target instead (as
+        ``like=`` does here).
+
     Examples:
         >>> import os, tempfile
         >>> from typing import NamedTuple
@@ -242,9 +247,11 @@ def register_state_class(cls: type) -> type:
         >>> @nba.register_state_class
         ... class CountState(NamedTuple):
         ...     count: np.int32
-        >>> path = os.path.join(tempfile.mkdtemp(), "state.npz")
-        >>> nba.save_state(path, CountState(np.int32(3)))
-        >>> nba.load_state(path)
+        >>> with tempfile.TemporaryDirectory() as d:
+        ...     path = os.path.join(d, "state.npz")
+        ...     nba.save_state(path, CountState(np.int32(3)))
+        ...     loaded = nba.load_state(path)
+        >>> loaded
         CountState(count=np.int32(3))
     """
     if not (isinstance(cls, type) and issubclass(cls, tuple) and hasattr(cls, "_fields")):
@@ -392,8 +399,31 @@ def save_state(path: str | os.PathLike, state: Any) -> None:
             tuples, lists, dicts and NamedTuples of FlatTrees, NumPy arrays and scalars, Python
             numbers, strings and None).
 
+    Returns:
+        None; the file at ``path`` holds the state (any previous file there is replaced).
+
     Raises:
-        TypeError: the state holds something a checkpoint cannot hold (names its path).
+        TypeError: the state holds something a checkpoint cannot hold (names its path); nothing
+            is written then.
+        OSError: the file cannot be written (the previous file at ``path``, if any, is left as
+            it was).
+
+    References:
+        orbax.checkpoint, which saves optax states in JAX; PyTorch's
+        ``torch.save(optimizer.state_dict(), path)``.
+
+    Examples:
+        >>> import os, tempfile
+        >>> import numpy as np, numbaccum as nba
+        >>> params = {"w": np.zeros(2, np.float32)}
+        >>> tx = nba.adam(0.1)
+        >>> state = nba.step_(tx, {"w": np.ones(2, np.float32)}, tx.init(params), params)
+        >>> with tempfile.TemporaryDirectory() as d:
+        ...     path = os.path.join(d, "opt.npz")
+        ...     nba.save_state(path, state)
+        ...     loaded = nba.load_state(path)
+        >>> int(loaded[0].count), [round(float(x), 4) for x in loaded[0].mu["w"]]
+        (1, [0.1, 0.1])
     """
     path = os.fspath(path)
     enc = _Encoder()
@@ -468,6 +498,25 @@ def load_state(path: str | os.PathLike, like: Any = None) -> Any:
             version, names a NamedTuple class that is neither numbaccum's nor registered (see
             `register_state_class`) nor in ``like``, or (with ``like``) is of another structure,
             shape or dtype; the reason is in the message.
+        OSError: the file cannot be opened (FileNotFoundError where there is none).
+
+    References:
+        orbax.checkpoint (restoring into the structure of a target state, as ``like`` does);
+        PyTorch's ``optimizer.load_state_dict(torch.load(path))``.
+
+    Examples:
+        >>> import os, tempfile
+        >>> import numpy as np, numbaccum as nba
+        >>> params = {"w": np.zeros(2, np.float32)}
+        >>> tx = nba.sgd(0.1, momentum=0.9)
+        >>> state = nba.step_(tx, {"w": np.ones(2, np.float32)}, tx.init(params), params)
+        >>> with tempfile.TemporaryDirectory() as d:
+        ...     path = os.path.join(d, "opt.npz")
+        ...     nba.save_state(path, state)
+        ...     state = nba.load_state(path, like=tx.init(params))
+        >>> state = nba.step_(tx, {"w": np.ones(2, np.float32)}, state, params)  # continue
+        >>> [round(float(x), 4) for x in params["w"]]  # -0.1 * 1, then -0.1 * (1 + 0.9)
+        [-0.29, -0.29]
     """
     name = os.fspath(path)
     try:

@@ -67,9 +67,32 @@ def global_norm(tree: Any, ord: Any = 2, squared: bool = False) -> float:
     """The norm of a whole tree, like ``optax.tree.norm``, accumulated in float64.
 
     ``ord=2``: ``sqrt(sum g^2)``; ``ord=1``: ``sum |g|``; ``ord=inf``: ``max |g|`` (NaN if any
-    element is NaN). With ``squared=True`` the result is squared (``sum g^2`` for ``ord=2``).
-    Each leaf is reduced over fixed blocks and the leaves are combined in tree order, so a plain
-    tree and its FlatTree give the same bits for any thread count.
+    element is NaN), each over every element of every leaf. With ``squared=True`` the result is
+    squared (``sum g^2`` for ``ord=2``). Each leaf is reduced over fixed blocks and the leaves are
+    combined in tree order, so a plain tree and its FlatTree give the same bits for any thread
+    count. The L2 norm is computed from scaled squares: float64 entries past 1e154 still give a
+    finite norm. An empty tree has norm 0.
+
+    Args:
+        tree: a tree of float arrays (NumPy or CUDA), or a `FlatTree`.
+        ord: ``2`` (or None), ``1``, or ``inf`` (``math.inf``, ``np.inf`` or the string ``"inf"``).
+        squared: return the square of the norm.
+
+    Returns:
+        The norm (or its square), a Python float. On the GPU it is brought to the host (one
+            synchronisation).
+
+    Raises:
+        ValueError: ``ord`` is not 1, 2, inf or None.
+
+    References:
+        optax.tree.norm (formerly optax.global_norm); torch.nn.utils.get_total_norm.
+
+    Examples:
+        >>> import numpy as np, numbaccum as nba
+        >>> tree = {"a": np.array([3.0, -4.0]), "b": np.array([12.0])}
+        >>> nba.global_norm(tree), nba.global_norm(tree, ord=1), nba.global_norm(tree, ord=np.inf)
+        (13.0, 19.0, 12.0)
     """
     key = math.inf if ord in (math.inf, "inf") else ord
     if ord is None:
@@ -181,8 +204,27 @@ def clip_by_global_norm(max_norm: float, *, nonfinite: str = "pass") -> Gradient
             leaf holding a NaN or inf; nothing after the stages before it has run). Both check
             on the host: on the GPU that is a synchronisation, which ``"pass"`` never makes.
 
+    Returns:
+        A `GradientTransformationExtraArgs`; its state is ``ClipByGlobalNormState(norm, clipped,
+            skipped)`` (all zero and False after ``init``).
+
     Raises:
-        ValueError: ``max_norm`` is negative, or ``nonfinite`` is not one of the three.
+        ValueError: ``max_norm`` is negative or NaN, or ``nonfinite`` is not one of the three.
+        TypeError: ``max_norm`` is not a real number.
+        FloatingPointError: at ``update``, with ``nonfinite="raise"``, when the norm is NaN or inf.
+
+    References:
+        Pascanu, Mikolov and Bengio, "On the difficulty of training recurrent neural networks",
+        ICML 2013 (arXiv:1211.5063). optax.clip_by_global_norm; torch.nn.utils.clip_grad_norm_
+        (which multiplies by ``max_norm / (norm + 1e-6)`` whenever that is below 1).
+
+    Examples:
+        >>> import numpy as np, numbaccum as nba
+        >>> grads = {"w": np.array([3.0, 4.0])}
+        >>> tx = nba.clip_by_global_norm(1.0)
+        >>> updates, state = tx.update(grads, tx.init(grads))
+        >>> [round(float(x), 4) for x in updates["w"]], float(state.norm), bool(state.clipped)
+        ([0.6, 0.8], 5.0, True)
     """
     return _ClipByGlobalNorm(max_norm, nonfinite).transformation()
 
@@ -278,12 +320,33 @@ ClipState = EmptyState
 
 
 def clip(max_delta: float) -> GradientTransformationExtraArgs:
-    """Clips every element to ``[-max_delta, max_delta]``: ``u = clip(g, -max_delta, max_delta)``.
+    """Clips every element to at most ``max_delta`` in magnitude (optax's ``clip``).
 
-    NaN stays NaN, as with ``jnp.clip``. Stateless.
+    ``u = clip(g, -max_delta, max_delta)``, element by element. NaN stays NaN, as with
+    ``jnp.clip``. Stateless.
+
+    Args:
+        max_delta: the largest magnitude an element keeps (``>= 0``).
+
+    Returns:
+        A `GradientTransformationExtraArgs`; its state is ``EmptyState()`` (``ClipState``).
 
     Raises:
-        ValueError: ``max_delta`` is negative.
+        ValueError: ``max_delta`` is negative or NaN.
+        TypeError: ``max_delta`` is not a real number.
+
+    References:
+        Mikolov, "Statistical Language Models Based on Neural Networks", PhD thesis, 2012
+        (element-wise clipping, as discussed by Pascanu et al. 2013). optax.clip;
+        torch.nn.utils.clip_grad_value_ (in place: `clip_grad_value_`).
+
+    Examples:
+        >>> import numpy as np, numbaccum as nba
+        >>> grads = {"w": np.array([-2.0, 0.5, 3.0])}
+        >>> tx = nba.clip(1.0)
+        >>> updates, _ = tx.update(grads, tx.init(grads))
+        >>> [round(float(x), 4) for x in updates["w"]]
+        [-1.0, 0.5, 1.0]
     """
     return _Clip(max_delta).transformation()
 
@@ -301,10 +364,37 @@ class _Clip(Elementwise):
 
 
 def normalize_by_update_norm(scale_factor: float = 1.0, eps: float = 1e-6) -> GradientTransformationExtraArgs:
-    """Scales the updates to a global L2 norm of ``scale_factor``: ``u = g / ((norm + eps) / scale_factor)``.
+    """Scales the updates to a global L2 norm of ``scale_factor`` (optax's ``normalize_by_update_norm``).
+
+    ``u = g / ((norm + eps) / scale_factor)``, with ``norm = sqrt(sum g^2)`` over every leaf.
 
     The norm accumulates in float64; the division rides on the next kernel. On the GPU the norm
-    comes back to the host (one synchronisation per call). Stateless.
+    comes back to the host (one synchronisation per call). A negative ``scale_factor`` flips the
+    direction (``-1``: a normalized descent step); ``scale_factor = 0`` gives zeros (a division
+    by inf). Stateless.
+
+    Args:
+        scale_factor: the norm of the output (up to ``eps``); any real number.
+        eps: added to the norm before the division (``>= 0``).
+
+    Returns:
+        A `GradientTransformationExtraArgs`; its state is ``EmptyState()``.
+
+    Raises:
+        ValueError: ``eps`` is negative or NaN.
+        TypeError: ``scale_factor`` or ``eps`` is not a real number.
+
+    References:
+        Hazan, Levy and Shalev-Shwartz, "Beyond Convexity: Stochastic Quasi-Convex
+        Optimization", NeurIPS 2015 (normalized gradient descent). optax.normalize_by_update_norm.
+
+    Examples:
+        >>> import numpy as np, numbaccum as nba
+        >>> grads = {"w": np.array([3.0, 4.0])}
+        >>> tx = nba.normalize_by_update_norm()
+        >>> updates, _ = tx.update(grads, tx.init(grads))
+        >>> [round(float(x), 4) for x in updates["w"]]  # (3, 4) / (5 + 1e-6)
+        [0.6, 0.8]
     """
     return _NormalizeByUpdateNorm(scale_factor, eps).transformation()
 
@@ -332,14 +422,39 @@ class _NormalizeByUpdateNorm(_Stateless):
 
 
 class ZeroNansState(NamedTuple):
-    """Whether each leaf held a NaN at the last update (a tree of bools shaped like params)."""
+    """State of `zero_nans`: whether each leaf held a NaN at the last update (optax's field).
+
+    Attributes:
+        found_nan: a tree of the params' structure with one ``np.bool_`` per leaf: True where
+            the last update's leaf held at least one NaN (all False after ``init``).
+    """
 
     found_nan: Any
 
 
 def zero_nans() -> GradientTransformationExtraArgs:
-    """Replaces NaN by 0: ``u = where(isnan(g), 0, g)``; inf is kept. The state records, per leaf,
-    whether the last update held a NaN (on the GPU that flag comes back to the host)."""
+    """Replaces every NaN by 0 (optax's ``zero_nans``).
+
+    ``u = where(isnan(g), 0, g)``, element by element; inf and -inf are kept. The state records,
+    per leaf, whether the last update held a NaN (on the GPU that flag comes back to the host).
+
+    Returns:
+        A `GradientTransformationExtraArgs`; its state is ``ZeroNansState(found_nan)``, a tree of
+            one bool per leaf.
+
+    References:
+        optax.zero_nans; torch.nan_to_num (with ``nan=0.0``, which also maps infs to finite values).
+
+    Examples:
+        >>> import numpy as np, numbaccum as nba
+        >>> grads = {"a": np.array([np.nan, 1.0]), "b": np.array([np.inf])}
+        >>> tx = nba.zero_nans()
+        >>> updates, state = tx.update(grads, tx.init(grads))
+        >>> updates["a"].tolist(), updates["b"].tolist()
+        ([0.0, 1.0], [inf])
+        >>> {k: bool(v) for k, v in state.found_nan.items()}
+        {'a': True, 'b': False}
+    """
 
     return _ZeroNans().transformation()
 
@@ -383,13 +498,41 @@ class ApplyIfFiniteState(NamedTuple):
 
 
 def apply_if_finite(inner: Any, max_consecutive_errors: int) -> GradientTransformationExtraArgs:
-    """Runs ``inner`` only on finite updates: a NaN or inf anywhere returns zeros and keeps the
-    inner state, until more than ``max_consecutive_errors`` such updates in a row, after which the
-    inner update is applied anyway (optax's semantics; the streak counter is not reset then).
+    """Runs ``inner`` only on finite updates (optax's ``apply_if_finite``).
+
+    ``u = inner(g)`` when every element of ``g`` is finite, or when ``notfinite_count >
+    max_consecutive_errors`` (``notfinite_count`` counting this update); else ``u = 0`` and the
+    inner state is kept. So a NaN or inf anywhere returns zeros until more than
+    ``max_consecutive_errors`` such updates in a row, after which the inner update is applied
+    anyway (optax's semantics; the streak counter is not reset then).
 
     The finiteness check is a reduction whose result the host needs (one synchronisation on the
     GPU). All or nothing: the inner transformation is planned (its state, params and schedules
     checked) on every call, finite or not, before anything is written.
+
+    Args:
+        inner: the transformation to run on finite updates.
+        max_consecutive_errors: how many non-finite updates in a row are zeroed (``>= 0``) before
+            ``inner`` runs on them anyway.
+
+    Returns:
+        A `GradientTransformationExtraArgs`; its state is ``ApplyIfFiniteState(notfinite_count,
+            last_finite, total_notfinite, inner_state)``.
+
+    Raises:
+        TypeError: ``inner`` is not a transformation, or ``max_consecutive_errors`` is not an int.
+        ValueError: ``max_consecutive_errors`` is negative.
+
+    References:
+        optax.apply_if_finite.
+
+    Examples:
+        >>> import numpy as np, numbaccum as nba
+        >>> params = {"w": np.ones(2)}
+        >>> tx = nba.apply_if_finite(nba.sgd(0.1), max_consecutive_errors=2)
+        >>> updates, state = tx.update({"w": np.array([np.nan, 1.0])}, tx.init(params), params)
+        >>> updates["w"].tolist(), int(state.notfinite_count), bool(state.last_finite)
+        ([0.0, 0.0], 1, False)
     """
     return _ApplyIfFinite(inner, max_consecutive_errors).transformation()
 
@@ -442,12 +585,38 @@ class _ApplyIfFinite(Stage):
 
 
 def clip_by_block_rms(threshold: float) -> GradientTransformationExtraArgs:
-    """Clips each leaf to a root-mean-square of at most ``threshold``:
-    ``u = g / max(1, rms(g) / threshold)``, ``rms(g) = sqrt(mean(g^2))`` per leaf.
+    """Clips each leaf to a root-mean-square of at most ``threshold`` (optax's ``clip_by_block_rms``).
+
+    ``u = g / max(1, rms(g) / threshold)``, ``rms(g) = sqrt(mean(g^2))`` per leaf (float64).
 
     All leaves' squares come from one segmented pass and the division from a second (per-leaf
     divisors), not a Python loop over leaves. As in optax, ``threshold = 0`` on a zero leaf gives
     NaN (0 / 0). On the GPU the per-leaf divisors are computed on the host (one synchronisation).
+    Stateless.
+
+    Args:
+        threshold: the largest RMS a leaf keeps (``>= 0``).
+
+    Returns:
+        A `GradientTransformationExtraArgs`; its state is ``EmptyState()``.
+
+    Raises:
+        ValueError: ``threshold`` is negative or NaN.
+        TypeError: ``threshold`` is not a real number.
+
+    References:
+        Shazeer and Stern, "Adafactor: Adaptive Learning Rates with Sublinear Memory Cost", ICML
+        2018 (update clipping by RMS). optax.clip_by_block_rms.
+
+    Examples:
+        >>> import numpy as np, numbaccum as nba
+        >>> grads = {"a": np.array([3.0, 4.0]), "b": np.array([0.1, 0.2])}
+        >>> tx = nba.clip_by_block_rms(1.0)
+        >>> updates, _ = tx.update(grads, tx.init(grads))
+        >>> [round(float(x), 4) for x in updates["a"]]  # rms 3.5355: divided by it
+        [0.8485, 1.1314]
+        >>> [round(float(x), 4) for x in updates["b"]]  # rms below 1: unchanged
+        [0.1, 0.2]
     """
     return _ClipByBlockRms(threshold).transformation()
 

@@ -98,7 +98,40 @@ class FlatTree:
     """A tree stored in contiguous buffers, one per dtype; ``.tree`` holds views into them.
 
     Index it like the tree (``flat['dense']['w']``), take ``.tree`` for the plain tree, or pass
-    it to any transformation: a FlatTree with the state's layout is used without a copy.
+    it to any transformation: a FlatTree with the state's layout is used without a copy. The
+    leaves of a dtype lie back to back in one 1-D buffer, in `tree_flatten` order, so a kernel
+    runs over all of them in one launch; writing a leaf view writes the buffer.
+
+    Make one with `FlatTree.from_tree` (a copy of a tree's leaves, optionally in one storage
+    dtype), or of a layout with ``FlatTree.zeros(layout)`` and ``FlatTree.empty(layout)``;
+    ``flat.copy()`` and ``flat.zeros_like()`` make one like another. States hold their
+    buffers (moments, accumulators) as FlatTrees of the params' layout. The constructor takes
+    storage already laid out for ``layout`` and is internal.
+
+    Attributes:
+        layout: the tree's `numbaccum.layout.Layout`: structure, shapes, dtypes, and where each
+            leaf lives (its dtype group and its segment of the group's run of a buffer).
+        groups: a 1-D view of each dtype group's run of its buffer, in group order.
+        group_dtypes: the storage dtype of each group (a float32 accumulator may mirror float16
+            params).
+        buffers: the storage, one 1-D array per storage dtype (NumPy arrays, or numba device
+            arrays for a FlatTree on the GPU).
+        device: whether the storage lives on a CUDA device.
+        tree: the plain tree whose leaves are views into the buffers (built once, then cached).
+        leaves: views of the leaves, in tree order.
+        treedef: the tree's structure, as `tree_flatten` gives it.
+
+    Examples:
+        >>> import numpy as np, numbaccum as nba
+        >>> params = {"b": np.zeros(2, np.float32), "w": np.ones((2, 2), np.float32)}
+        >>> flat = nba.FlatTree.from_tree(params)
+        >>> flat
+        FlatTree(2 leaves, {float32: 6})
+        >>> flat["w"][0, 1] = 5.0  # a view: writes the buffer
+        >>> flat.groups[0]
+        array([0., 0., 1., 5., 1., 1.], dtype=float32)
+        >>> [round(float(x), 4) for x in params["w"].ravel()]  # a copy was made: unchanged
+        [1.0, 1.0, 1.0, 1.0]
     """
 
     layout: Layout
@@ -535,11 +568,65 @@ def to_device(tree: Any) -> Any:
     """Copies a tree to the GPU with one transfer per dtype buffer (not one per leaf).
 
     A FlatTree gives a FlatTree on the device; a plain tree gives the same tree of numba device
-    arrays (views into one buffer per dtype).
+    arrays (views into one buffer per dtype). The leaves are packed into a `FlatTree` on the
+    host first (one contiguous buffer per dtype), then each buffer is copied in one transfer.
+    A tree already on the GPU is returned as it is.
+
+    Args:
+        tree: a FlatTree, or a tree of float arrays (float16, float32, float64).
+
+    Returns:
+        A FlatTree on the device for a FlatTree; for a plain tree, the tree of numba device
+            arrays. ``tree`` itself when it already lives on the GPU.
+
+    Raises:
+        TypeError: a leaf is not a float array, or the leaves do not all live on one side.
+        ImportError: no CUDA driver or device (numba's ``CudaSupportError``).
+
+    References:
+        jax.device_put; PyTorch's ``tensor.to("cuda")`` (one transfer per tensor).
+
+    Examples:
+        >>> import numpy as np, numbaccum as nba
+        >>> params = {"b": np.zeros(2, np.float32), "w": np.ones(3, np.float32)}
+        >>> on_gpu = nba.to_device(params)  # doctest: +SKIP
+        >>> nba.to_host(on_gpu)["w"]  # doctest: +SKIP
+        array([1., 1., 1.], dtype=float32)
+        >>> nba.to_device(nba.FlatTree.from_tree(params))  # doctest: +SKIP
+        FlatTree(2 leaves, {float32: 5})
+        >>> nba.to_host(params) is params  # already on the host: returned as it is
+        True
     """
     return _moved(tree, True)
 
 
 def to_host(tree: Any) -> Any:
-    """Copies a tree from the GPU to NumPy with one transfer per dtype buffer."""
+    """Copies a tree from the GPU to NumPy with one transfer per dtype buffer.
+
+    The inverse of `to_device`: the device buffers are copied to the host in one transfer
+    each, and the result is views into the host buffers. A tree already on the host is
+    returned as it is (no copy).
+
+    Args:
+        tree: a FlatTree, or a tree of CUDA float arrays (numba, CuPy, PyTorch; or NumPy).
+
+    Returns:
+        A host FlatTree for a FlatTree; for a plain tree, the same tree of NumPy arrays (views
+            into one buffer per dtype). ``tree`` itself when it already lives on the host.
+
+    Raises:
+        TypeError: a leaf is not a float array, or the leaves do not all live on one side.
+
+    References:
+        jax.device_get; PyTorch's ``tensor.cpu()``.
+
+    Examples:
+        >>> import numpy as np, numbaccum as nba
+        >>> params = {"w": np.ones(3, np.float32)}
+        >>> nba.to_host(nba.to_device(params))["w"]  # doctest: +SKIP
+        array([1., 1., 1.], dtype=float32)
+        >>> flat = nba.FlatTree.from_tree(params)
+        >>> nba.to_host(flat) is flat  # already on the host: returned as it is
+        True
+    """
     return _moved(tree, False)

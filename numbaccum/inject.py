@@ -41,8 +41,18 @@ __all__ = [
 
 
 class InjectStatefulHyperparamsState(NamedTuple):
-    """The step count, the hyperparameters of the last step (by name), the schedules' states
-    (by name) and the inner transformation's state."""
+    """The state of `inject_hyperparams`: the hyperparameters, their schedules' states and the
+    inner state (also exported as ``InjectHyperparamsState``, optax's older name).
+
+    Attributes:
+        count: updates so far (int32, saturating at the int32 maximum).
+        hyperparams: a dict from argument name to the value the last update used (the initial
+            values after ``init``), floats as NumPy scalars of the hyperparameters' dtype; the
+            caller may set an entry between updates (a scheduled entry is overwritten).
+        hyperparams_states: a dict from the name of each scheduled argument to its schedule's
+            state (a `WrappedScheduleState` for a plain function of the step count).
+        inner_state: the state of the inner transformation.
+    """
 
     count: np.int32  # type: ignore[assignment]  # shadows tuple.count, as in optax
     hyperparams: dict[str, Any]
@@ -55,26 +65,54 @@ InjectHyperparamsState = InjectStatefulHyperparamsState
 
 
 class WrappedScheduleState(NamedTuple):
-    """The state of a plain schedule: the step count."""
+    """The state of a `WrappedSchedule`: the step count.
+
+    Attributes:
+        count: updates so far, the argument of the schedule function (int32, saturating at the
+            int32 maximum); 0 after ``init``.
+    """
 
     count: np.int32  # type: ignore[assignment]
 
 
 class WrappedSchedule:
-    """A schedule of the step count (``f(count) -> value``) as a stateful schedule (optax's
-    protocol: ``init() -> state``, ``update(state, **extra_args) -> state``,
-    ``__call__(state, **extra_args) -> value``)."""
+    """A schedule of the step count as a stateful schedule.
+
+    It follows optax's protocol: ``init() -> state``, ``update(state, **extra_args) -> state``,
+    ``__call__(state, **extra_args) -> value``. The value is ``schedule_fn(state.count)``;
+    ``update`` sets ``count = count + 1`` (saturating at the int32 maximum); the extra arguments
+    are ignored. `inject_hyperparams` wraps each plain callable hyperparameter in one.
+
+    Args:
+        schedule_fn: the schedule, a function of the step count (``fn(count) -> value``).
+
+    References:
+        optax.WrappedSchedule.
+
+    Examples:
+        >>> import numbaccum as nba
+        >>> sched = nba.WrappedSchedule(nba.linear_schedule(0.0, 1.0, 10))
+        >>> state = sched.init()
+        >>> round(float(sched(state)), 4)
+        0.0
+        >>> state = sched.update(state)
+        >>> round(float(sched(state)), 4)
+        0.1
+    """
 
     def __init__(self, schedule_fn: Callable[[Any], Any]) -> None:
         self.schedule_fn = schedule_fn
 
     def init(self) -> WrappedScheduleState:
+        """The initial state, ``WrappedScheduleState(count=0)``."""
         return WrappedScheduleState(np.int32(0))
 
     def update(self, state: WrappedScheduleState, **extra_args: Any) -> WrappedScheduleState:
+        """The next state: ``count + 1``, saturating at the int32 maximum."""
         return WrappedScheduleState(safe_increment(state.count))
 
     def __call__(self, state: WrappedScheduleState, **extra_args: Any) -> Any:
+        """The schedule's value at ``state.count``: ``schedule_fn(state.count)``."""
         return self.schedule_fn(state.count)
 
 
@@ -325,8 +363,14 @@ def inject_hyperparams(
     static_args: str | Iterable[str] = (),
     hyperparam_dtype: Any = None,
 ) -> Callable[..., GradientTransformationExtraArgs]:
-    """Wraps a factory of transformations so that its numeric arguments are state, and any of
-    them may be a schedule of the step.
+    """Wraps a factory of transformations so that its numeric arguments are state or schedules.
+
+    At each update, for each scheduled argument ``name`` (schedule ``f``, state ``s``) it sets
+    ``hyperparams[name] = f(s)`` and ``s = f.update(s)``, then computes ``u, inner_state =
+    inner_factory(**fixed, **hyperparams).update(g, inner_state, params)`` and
+    ``count = count + 1``; float hyperparameters are cast to the hyperparameters' dtype. Numeric
+    arguments are numbers (bools excepted), 0-d arrays and objects with ``__float__``; bools,
+    ``static_args`` and anything else are the ``fixed`` arguments, passed as they are.
 
     ``inject_hyperparams(adam)(learning_rate=0.1)`` behaves as ``adam(0.1)``, with the state
     ``InjectStatefulHyperparamsState(count, hyperparams, hyperparams_states, inner_state)``;
@@ -346,7 +390,9 @@ def inject_hyperparams(
             the params (of the updates when no params are given), as optax does.
 
     Returns:
-        A function with ``inner_factory``'s signature returning the wrapped transformation.
+        A function with ``inner_factory``'s signature returning the wrapped transformation (a
+            `GradientTransformationExtraArgs`); its state is ``InjectStatefulHyperparamsState(count,
+            hyperparams, hyperparams_states, inner_state)``.
 
     Raises:
         ValueError: ``static_args`` names an argument ``inner_factory`` does not have; (from
@@ -354,6 +400,20 @@ def inject_hyperparams(
             for a value set in ``state.hyperparams`` or returned by a schedule, at the update,
             the state unchanged).
         TypeError: ``hyperparam_dtype`` is not float16, float32 or float64.
+
+    References:
+        optax.inject_hyperparams.
+
+    Examples:
+        >>> import numpy as np, numbaccum as nba
+        >>> params = {"w": np.zeros(2, np.float32)}
+        >>> tx = nba.inject_hyperparams(nba.sgd)(learning_rate=0.1)
+        >>> state = tx.init(params)
+        >>> state = nba.step_(tx, {"w": np.ones(2, np.float32)}, state, params)
+        >>> state.hyperparams["learning_rate"] = 0.5  # used by the next update
+        >>> state = nba.step_(tx, {"w": np.ones(2, np.float32)}, state, params)
+        >>> [round(float(x), 4) for x in params["w"]]  # -0.1 * 1, then -0.5 * 1
+        [-0.6, -0.6]
     """
     static = {static_args} if isinstance(static_args, str) else set(static_args)
     signature = inspect.signature(inner_factory)

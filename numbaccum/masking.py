@@ -34,11 +34,20 @@ __all__ = ["MaskedNode", "MaskedState", "masked"]
 
 
 class MaskedNode(NamedTuple):
-    """A masked-out leaf, as the inner transformation of `masked` sees it: an empty node."""
+    """A masked-out subtree, as the inner transformation of `masked` sees it: an empty node.
+
+    It has no fields and no leaves, so the inner transformation's state holds nothing for the
+    subtree it replaces (optax's ``MaskedNode``).
+    """
 
 
 class MaskedState(NamedTuple):
-    """The state of `masked`: the inner transformation's state, over the kept leaves only."""
+    """The state of `masked`: the inner transformation's state, over the kept leaves only.
+
+    Attributes:
+        inner_state: the inner transformation's state, initialised on the params with each
+            masked-out subtree replaced by a `MaskedNode`.
+    """
 
     inner_state: Any
 
@@ -247,9 +256,10 @@ def masked(
 ) -> GradientTransformationExtraArgs:
     """Applies ``inner`` to the leaves selected by ``mask``; the others pass through unchanged.
 
-    ``u_i = inner(g)_i`` where ``mask_i`` is True, ``u_i = g_i`` where it is False. The inner
-    transformation sees the tree with each masked-out subtree (under a False leaf of the mask)
-    replaced by one `MaskedNode`, so its state covers the kept leaves only (optax's ``masked``).
+    Each update returns ``u_i = inner(g)_i`` for the leaves where ``mask_i`` is True and
+    ``u_i = g_i`` where it is False. The inner transformation sees the tree with each masked-out
+    subtree (under a False leaf of the mask) replaced by one `MaskedNode`, so its state covers the
+    kept leaves only (optax's ``masked``), and its ``params`` are the kept leaves too.
 
     Args:
         inner: the transformation to apply to the kept leaves.
@@ -262,6 +272,27 @@ def masked(
             the updates' structure.
 
     Returns:
-        The masked transformation; its state is ``MaskedState(inner_state)``.
+        The masked transformation (a `GradientTransformationExtraArgs`); its state is
+            ``MaskedState(inner_state)``.
+
+    Raises:
+        TypeError: ``inner`` is not a transformation, or one that changes the updates' shape;
+            ``mask_compatible_extra_args`` is not a bool; at ``init`` or an update, a mask leaf
+            is not a bool.
+        ValueError: at ``init`` or an update, the mask is not a prefix of the tree's structure.
+
+    References:
+        optax.masked.
+
+    Examples:
+        >>> import numpy as np, numbaccum as nba
+        >>> params = {"b": np.ones(2, np.float32), "w": np.ones(2, np.float32)}
+        >>> tx = nba.masked(nba.trace(0.9), {"b": False, "w": True})
+        >>> state = tx.init(params)
+        >>> g = {"b": np.array([1.0, 2.0], np.float32), "w": np.array([1.0, 2.0], np.float32)}
+        >>> u, state = tx.update(g, state)
+        >>> u, state = tx.update(g, state)
+        >>> [round(float(x), 4) for x in u["w"]], [round(float(x), 4) for x in u["b"]]
+        ([1.9, 3.8], [1.0, 2.0])
     """
     return _Masked(inner, mask, mask_compatible_extra_args).transformation()

@@ -589,7 +589,17 @@ def clip_norm(
     max_norm: float, ord: Any = 2, dim: Any = None, inverse_dims: bool = False, min_size: int = 1
 ) -> GradientTransformationExtraArgs:
     """Clips the norm of each leaf (or of each slice of it, or of the whole tree) to at most
-    ``max_norm`` (torchzero's ``ClipNorm``): ``u = g * min(1, max_norm / ||g||_ord)``.
+    ``max_norm`` (torchzero's ``ClipNorm``).
+
+    ``u = g * min(1, max_norm / ||g||_ord)`` per slice, computed as ``(g / ||g||_ord) * max_norm``
+    where ``||g||_ord > max_norm`` (``u = g`` otherwise).
+
+    A slice whose metric is ``<= 1e-12`` or not finite is left unchanged (also for
+    ``'global'``). The norms are reduced in float64 by segmented kernels, one pass per dtype
+    group (two for ``'std'``/``'var'``), and a second pass scales every slice. On the GPU a
+    p-norm's factors (p > 0, per slice) stay on the device: no synchronisation; the statistics,
+    p <= 0 and ``'global'`` bring their metrics to the host (one synchronisation per update).
+    Stateless.
 
     Args:
         max_norm: the largest norm a slice keeps (>= 0).
@@ -603,15 +613,25 @@ def clip_norm(
         min_size: leaves whose slices have fewer elements are left unchanged (ignored for
             ``'global'``). A 0-d leaf counts as one element.
 
-    A slice whose metric is ``<= 1e-12`` or not finite is left unchanged (also for
-    ``'global'``). The norms are reduced in float64 by segmented kernels, one pass per dtype
-    group (two for ``'std'``/``'var'``), and a second pass scales every slice. On the GPU a
-    p-norm's factors (p > 0, per slice) stay on the device: no synchronisation; the statistics,
-    p <= 0 and ``'global'`` bring their metrics to the host (one synchronisation per update).
-    Stateless.
+    Returns:
+        A `GradientTransformationExtraArgs`; its state is ``EmptyState()``.
 
     Raises:
         ValueError: negative ``max_norm``, unknown ``ord``, a bad ``dim`` or ``min_size``.
+        TypeError: ``max_norm`` is not a real number, or ``inverse_dims`` is not a bool.
+
+    References:
+        Pascanu, Mikolov and Bengio, "On the difficulty of training recurrent neural networks",
+        ICML 2013 (arXiv:1211.5063). torchzero's ``ClipNorm``; with ``dim='global'``,
+        optax.clip_by_global_norm and torch.nn.utils.clip_grad_norm_.
+
+    Examples:
+        >>> import numpy as np, numbaccum as nba
+        >>> grads = {"w": np.array([[3.0, 4.0], [0.3, 0.4]])}
+        >>> tx = nba.clip_norm(1.0, dim=1)  # each row's L2 norm to at most 1
+        >>> updates, _ = tx.update(grads, tx.init(grads))
+        >>> updates["w"].round(4).tolist()
+        [[0.6, 0.8], [0.3, 0.4]]
     """
     max_norm = _check_max(max_norm, "max_norm")
     key, _, choose = _norm_spec(ord, dim, inverse_dims, min_size)
@@ -622,13 +642,40 @@ def normalize(
     norm_value: float = 1.0, ord: Any = 2, dim: Any = None, inverse_dims: bool = False, min_size: int = 1
 ) -> GradientTransformationExtraArgs:
     """Scales each leaf (or slice, or the whole tree) to the norm ``norm_value`` (torchzero's
-    ``Normalize``): ``u = g * norm_value / ||g||_ord``.
+    ``Normalize``).
+
+    ``u = (g / ||g||_ord) * norm_value`` per slice.
 
     Arguments as in `clip_norm`. A slice whose metric is ``<= 1e-12`` or not finite is left
     unchanged, so zeros stay zeros (torchzero's global mode gives NaN there). Stateless.
 
+    Args:
+        norm_value: the norm every slice is scaled to (any real number; a negative one flips
+            the sign).
+        ord: the norm or statistic, as in `clip_norm`.
+        dim: the dimensions the norm is taken over, or ``'global'``, as in `clip_norm`.
+        inverse_dims: take the norm over every dimension *not* in ``dim``.
+        min_size: leaves whose slices have fewer elements are left unchanged, as in `clip_norm`.
+
+    Returns:
+        A `GradientTransformationExtraArgs`; its state is ``EmptyState()``.
+
     Raises:
         ValueError: unknown ``ord``, a bad ``dim`` or ``min_size``.
+        TypeError: ``norm_value`` is not a real number, or ``inverse_dims`` is not a bool.
+
+    References:
+        Hazan, Levy and Shalev-Shwartz, "Beyond Convexity: Stochastic Quasi-Convex
+        Optimization", NeurIPS 2015 (normalized gradient descent). torchzero's ``Normalize``;
+        with ``dim='global'``, optax.normalize_by_update_norm (which adds ``eps`` to the norm).
+
+    Examples:
+        >>> import numpy as np, numbaccum as nba
+        >>> grads = {"w": np.array([[3.0, 4.0], [0.3, 0.4]])}
+        >>> tx = nba.normalize(1.0, dim=1)  # each row to L2 norm 1
+        >>> updates, _ = tx.update(grads, tx.init(grads))
+        >>> updates["w"].round(4).tolist()
+        [[0.6, 0.8], [0.6, 0.8]]
     """
     norm_value = real(norm_value, "norm_value")
     key, _, choose = _norm_spec(ord, dim, inverse_dims, min_size)
@@ -677,7 +724,10 @@ def _centre(u: Updates, slicing: _Slicing | None) -> Updates:
 
 
 def centralize(dim: Any = 0, inverse_dims: bool = True, min_size: int = 2) -> GradientTransformationExtraArgs:
-    """Subtracts the mean of each slice: ``u = g - mean(g, over dim)``.
+    """Subtracts the mean of each slice (gradient centralization; optax's and torchzero's
+    ``centralize``).
+
+    ``u = g - mean(g, over dim)`` per slice, the mean computed in float64.
 
     The defaults are optax's ``centralize()`` (gradient centralization: a leaf of rank >= 2
     loses its mean over every axis but the first; vectors and scalars are unchanged);
@@ -687,8 +737,32 @@ def centralize(dim: Any = 0, inverse_dims: bool = True, min_size: int = 2) -> Gr
     centred over its last axis, to zeros, as optax does). The means are float64 sums of one
     segmented pass; a second pass subtracts them. Stateless.
 
+    Args:
+        dim: the dimensions kept (with ``inverse_dims``) or reduced (without): an int, a tuple,
+            None (every dimension of the leaf) or ``'global'`` (the whole tree's mean).
+        inverse_dims: reduce every dimension *not* in ``dim`` (the default: the mean over every
+            axis but the first).
+        min_size: leaves with fewer elements are left unchanged (``>= 0``).
+
+    Returns:
+        A `GradientTransformationExtraArgs`; its state is ``EmptyState()``.
+
     Raises:
         ValueError: a bad ``dim`` or ``min_size``.
+        TypeError: ``inverse_dims`` is not a bool.
+
+    References:
+        Yong, Huang, Hua and Zhang, "Gradient Centralization: A New Optimization Technique for
+        Deep Neural Networks", ECCV 2020 (arXiv:2004.01461). optax.centralize; torchzero's
+        ``Centralize``.
+
+    Examples:
+        >>> import numpy as np, numbaccum as nba
+        >>> grads = {"w": np.array([[1.0, 3.0], [2.0, 6.0]]), "b": np.array([1.0, 2.0])}
+        >>> tx = nba.centralize()  # each row of w loses its mean; the vector b is unchanged
+        >>> updates, _ = tx.update(grads, tx.init(grads))
+        >>> updates["w"].tolist(), updates["b"].tolist()
+        ([[-1.0, 1.0], [-2.0, 2.0]], [1.0, 2.0])
     """
     _, choose = _dims_spec("center", dim, inverse_dims, min_size)
     return _Centre(choose).transformation()
@@ -705,15 +779,35 @@ def _check_axis(axis: Any) -> tuple[int, ...] | None:
 
 
 def unitwise_norm(x: Any, axis: Any = None) -> np.ndarray:
-    """The L2 norm of each output unit of ``x``, broadcast back to ``x.shape`` (optax):
-    ``sqrt(sum(x ** 2, axes, keepdims=True))``.
+    """The L2 norm of each output unit of ``x``, broadcast back to ``x.shape`` (optax).
+
+    ``sqrt(sum(x ** 2, axes, keepdims=True))``, broadcast to ``x.shape``.
 
     The axes are ``axis`` if given, else by rank (optax's code, not its docstring): all of them
     for a leaf whose squeezed rank is at most 1, axis 0 for rank 2 and 3, (0, 1, 2) for rank 4,
     (0, 1, 2, 3) for rank 5. Accumulated in float64; the result has ``x``'s dtype.
 
+    Args:
+        x: an array (or anything ``np.asarray`` takes).
+        axis: an int or a tuple of ints, the axes reduced (negative ones count from the end);
+            None: the rank rule above.
+
+    Returns:
+        A new NumPy array of ``x``'s shape and dtype (float64 for a non-float ``x``), each
+            element the norm of its unit.
+
     Raises:
-        ValueError: rank 6 or more without ``axis``, or an axis ``x`` lacks.
+        ValueError: rank 6 or more without ``axis``, an axis ``x`` lacks, or an ``axis`` that is
+            not an int or a tuple of ints.
+
+    References:
+        Brock, De, Smith and Simonyan, "High-Performance Large-Scale Image Recognition Without
+        Normalization", ICML 2021 (arXiv:2102.06171). optax.unitwise_norm.
+
+    Examples:
+        >>> import numpy as np, numbaccum as nba
+        >>> nba.unitwise_norm(np.array([[3.0, 1.0], [4.0, 0.0]])).tolist()  # column norms
+        [[5.0, 1.0], [5.0, 1.0]]
     """
     axes = _check_axis(axis)
     a = np.asarray(x)
@@ -723,11 +817,32 @@ def unitwise_norm(x: Any, axis: Any = None) -> np.ndarray:
 
 
 def unitwise_clip(g_norm: Any, max_norm: Any, grad: Any, div_eps: float = 1e-6) -> np.ndarray:
-    """optax's unit-wise clip of arrays of one shape:
-    ``where(g_norm < max_norm, grad, grad * (max_norm / max(g_norm, div_eps)))``.
+    """optax's unit-wise clip of arrays of one shape.
+
+    ``where(g_norm < max_norm, grad, grad * (max_norm / max(g_norm, div_eps)))``, element by
+    element.
+
+    Args:
+        g_norm: the norm of each element's unit (`unitwise_norm` of ``grad``).
+        max_norm: the largest norm each element's unit may keep.
+        grad: the gradient to clip.
+        div_eps: the smallest divisor (it only guards against a division by zero).
+
+    Returns:
+        A NumPy array of ``grad``'s shape and dtype.
 
     Raises:
         ValueError: the three arrays differ in shape.
+
+    References:
+        Brock, De, Smith and Simonyan, "High-Performance Large-Scale Image Recognition Without
+        Normalization", ICML 2021 (arXiv:2102.06171). optax.unitwise_clip.
+
+    Examples:
+        >>> import numpy as np, numbaccum as nba
+        >>> g_norm, max_norm = np.array([5.0, 1.0]), np.array([1.0, 2.0])
+        >>> nba.unitwise_clip(g_norm, max_norm, np.array([3.0, 1.0])).round(4).tolist()  # 3 * 1 / 5; kept
+        [0.6, 1.0]
     """
     g_norm, max_norm, grad = np.asarray(g_norm), np.asarray(max_norm), np.asarray(grad)
     if not g_norm.shape == max_norm.shape == grad.shape:
@@ -746,16 +861,44 @@ AdaptiveGradClipState = EmptyState
 def adaptive_grad_clip(
     clipping: float, eps: float = 1e-3, axis: Any = None
 ) -> GradientTransformationExtraArgs:
-    """Clips each output unit of the updates relative to the same unit of the params (optax;
-    Brock et al. 2021): ``u = unitwise_clip(||g||_unit, clipping * max(||p||_unit, eps), g)``,
-    that is ``g`` where ``||g|| < max_norm``, else ``g * max_norm / max(||g||, 1e-6)``.
+    """Clips each output unit of the updates relative to the same unit of the params (optax's
+    ``adaptive_grad_clip``; Brock et al. 2021).
+
+    ``u = unitwise_clip(||g||_unit, clipping * max(||p||_unit, eps), g)``, that is ``g`` where
+    ``||g|| < max_norm``, else ``g * max_norm / max(||g||, 1e-6)``, with
+    ``max_norm = clipping * max(||p||_unit, eps)``.
 
     Units are `unitwise_norm`'s slices (``axis`` or the rank rule). The norms of updates and
     params come from segmented kernels (one pass each per dtype group), the factors are float64
-    on the host, and one more pass scales the units. Stateless.
+    on the host, and one more pass scales the units. Stateless; ``update`` needs ``params``.
+
+    Args:
+        clipping: the largest ratio of a unit's update norm to its parameter norm (``>= 0``).
+        eps: the smallest parameter norm used (so zero-initialised units can still move).
+        axis: the axes of a unit's norm, for every leaf (an int or a tuple of ints); None: the
+            rank rule of `unitwise_norm`.
+
+    Returns:
+        A `GradientTransformationExtraArgs`; its state is ``EmptyState()``.
 
     Raises:
-        ValueError: ``params`` not given; a leaf of rank 6 or more without ``axis`` (naming it).
+        ValueError: ``params`` not given; a leaf of rank 6 or more without ``axis`` (naming it);
+            a negative ``clipping`` or ``eps``, or an ``axis`` that is not an int or a tuple of
+            ints.
+        TypeError: ``clipping`` or ``eps`` is not a real number.
+
+    References:
+        Brock, De, Smith and Simonyan, "High-Performance Large-Scale Image Recognition Without
+        Normalization", ICML 2021 (arXiv:2102.06171). optax.adaptive_grad_clip.
+
+    Examples:
+        >>> import numpy as np, numbaccum as nba
+        >>> params = {"w": np.array([[1.0, 0.1], [0.0, 0.0]])}
+        >>> grads = {"w": np.array([[0.3, 1.0], [0.4, 0.0]])}
+        >>> tx = nba.adaptive_grad_clip(0.5)  # column norms: g (0.5, 1), p (1, 0.1)
+        >>> updates, _ = tx.update(grads, tx.init(params), params)
+        >>> updates["w"].round(4).tolist()  # the second column clipped to 0.5 * 0.1
+        [[0.3, 0.05], [0.4, 0.0]]
     """
     return _AdaptiveGradClip(clipping, eps, _check_axis(axis)).transformation()
 
@@ -817,15 +960,42 @@ def clip_grad_norm_(
 ) -> Any:
     """Clips, in place, the norm of each array of ``grads`` (a list or tree of arrays; slices
     and ``'global'`` as in `clip_norm`) into ``[min_norm, max_norm]``:
-    ``g *= max(1, min_norm / n) * min(1, max_norm / n)`` (a bound that is None is not applied).
+
+    ``g *= max(1, min_norm / n) * min(1, max_norm / n)`` with ``n = ||g||_ord`` per slice (a
+    bound that is None is not applied; a slice whose ``n`` is ``<= 1e-12`` or not finite is left
+    as it is).
 
     ``min_size=2`` (torchzero's default) leaves shape-(1,) and 0-d arrays alone. Returns
     ``grads``.
+
+    Args:
+        grads: a list or tree of writable float arrays (or a `FlatTree`), changed in place.
+        max_norm: the largest norm a slice keeps (``>= 0``); None: no upper bound.
+        ord: the norm or statistic, as in `clip_norm`.
+        dim: the dimensions the norm is taken over, or ``'global'``, as in `clip_norm`.
+        inverse_dims: take the norm over every dimension *not* in ``dim``.
+        min_size: arrays whose slices have fewer elements are left unchanged.
+        min_norm: the smallest norm a slice is scaled up to (``>= 0``); None: no lower bound.
+
+    Returns:
+        ``grads`` itself, its arrays changed in place.
 
     Raises:
         ValueError: a negative bound, unknown ``ord``, a bad ``dim`` or ``min_size`` (before any
             array is changed).
         TypeError: a leaf that cannot change in place (NumPy scalar, read-only array).
+
+    References:
+        Pascanu, Mikolov and Bengio, "On the difficulty of training recurrent neural networks",
+        ICML 2013 (arXiv:1211.5063). torchzero's ``clip_grad_norm_``; with ``dim='global'``,
+        torch.nn.utils.clip_grad_norm_ (which adds 1e-6 to the norm and returns it).
+
+    Examples:
+        >>> import numpy as np, numbaccum as nba
+        >>> grads = [np.array([3.0, 4.0]), np.array([0.3, 0.4])]
+        >>> _ = nba.clip_grad_norm_(grads, 2.0, min_norm=1.0)  # norms 5 and 0.5 into 1 .. 2
+        >>> [g.round(4).tolist() for g in grads]
+        [[1.2, 1.6], [0.6, 0.8]]
     """
     hi = None if max_norm is None else _check_max(max_norm, "max_norm")
     lo = None if min_norm is None else _check_max(min_norm, "min_norm")
@@ -844,9 +1014,35 @@ def normalize_grads_(
     """Scales, in place, each array of ``grads`` (or slice, or the whole tree) to the norm
     ``norm_value``, as `normalize` does. Returns ``grads``.
 
+    ``g *= norm_value / ||g||_ord`` per slice (a slice whose norm is ``<= 1e-12`` or not finite
+    is left as it is).
+
+    Args:
+        grads: a list or tree of writable float arrays (or a `FlatTree`), changed in place.
+        norm_value: the norm every slice is scaled to.
+        ord: the norm or statistic, as in `clip_norm`.
+        dim: the dimensions the norm is taken over, or ``'global'``, as in `clip_norm`.
+        inverse_dims: take the norm over every dimension *not* in ``dim``.
+        min_size: arrays whose slices have fewer elements are left unchanged.
+
+    Returns:
+        ``grads`` itself, its arrays changed in place.
+
     Raises:
         ValueError: unknown ``ord``, a bad ``dim`` or ``min_size`` (before any array is changed).
-        TypeError: a leaf that cannot change in place.
+        TypeError: a leaf that cannot change in place, or ``norm_value`` is not a real number.
+
+    References:
+        Hazan, Levy and Shalev-Shwartz, "Beyond Convexity: Stochastic Quasi-Convex
+        Optimization", NeurIPS 2015 (normalized gradient descent). torchzero's
+        ``normalize_grads_``.
+
+    Examples:
+        >>> import numpy as np, numbaccum as nba
+        >>> grads = [np.array([3.0, 4.0]), np.array([0.3, 0.4])]
+        >>> _ = nba.normalize_grads_(grads, 1.0)
+        >>> [g.round(4).tolist() for g in grads]
+        [[0.6, 0.8], [0.6, 0.8]]
     """
     norm_value = real(norm_value, "norm_value")
     key, _, choose = _norm_spec(ord, dim, inverse_dims, min_size)
@@ -857,8 +1053,28 @@ def clip_grad_value_(grads: Any, value: float) -> Any:
     """Clips every element of ``grads`` (a list or tree of arrays) in place into
     ``[-value, value]``; NaN stays NaN. Returns ``grads``.
 
+    ``g = clip(g, -value, value)``, element by element (`clip`'s stage, run in place).
+
+    Args:
+        grads: a list or tree of writable float arrays (or a `FlatTree`), changed in place.
+        value: the largest magnitude an element keeps (``>= 0``).
+
+    Returns:
+        ``grads`` itself, its arrays changed in place.
+
     Raises:
         ValueError: a negative ``value`` (torchzero maps every element to it instead).
-        TypeError: a leaf that cannot change in place.
+        TypeError: a leaf that cannot change in place, or ``value`` is not a real number.
+
+    References:
+        torch.nn.utils.clip_grad_value_; torchzero's ``clip_grad_value_``; optax.clip (not in
+        place).
+
+    Examples:
+        >>> import numpy as np, numbaccum as nba
+        >>> grads = {"w": np.array([3.0, -4.0, 0.5])}
+        >>> _ = nba.clip_grad_value_(grads, 1.0)
+        >>> grads["w"].tolist()
+        [1.0, -1.0, 0.5]
     """
     return _in_place(grads, _Clip(_check_max(value, "value")))  # optax.clip's stage

@@ -88,7 +88,13 @@ def sgd(
 
     Returns:
         A `GradientTransformationExtraArgs`; its state is ``(TraceState(trace), EmptyState())``
-        (``EmptyState()`` first without momentum).
+            (``EmptyState()`` first without momentum).
+
+    Raises:
+        TypeError: ``learning_rate`` is neither a real number nor a callable, ``momentum`` is
+            not a real number, or (with ``momentum``) ``nesterov`` is not a bool or
+            ``accumulator_dtype`` is not a float dtype.
+        ValueError: ``momentum`` is not between 0 and 1.
 
     References:
         Polyak, "Some methods of speeding up the convergence of iteration methods", 1964;
@@ -121,19 +127,76 @@ class _ScaleBySign(Elementwise):
 
 
 def scale_by_sign() -> GradientTransformationExtraArgs:
-    """The sign of each element: ``u = sign(g)`` (1, -1, and +-0 and NaN as they are, like
-    ``jnp.sign``). Stateless."""
+    """Replaces each element of the updates by its sign.
+
+    ``u = sign(g)``: 1 where ``g > 0``, -1 where ``g < 0``, and ``g`` itself where it is +-0 or
+    NaN (as ``jnp.sign``). Stateless; the direction of `sign_sgd`.
+
+    Returns:
+        A `GradientTransformationExtraArgs`; its state is ``EmptyState()``. Updates keep each
+            leaf's dtype.
+
+    References:
+        Bernstein et al., "signSGD: Compressed Optimisation for Non-Convex Problems", ICML 2018
+        (arXiv:1802.04434). optax.scale_by_sign.
+
+    Examples:
+        >>> import numpy as np, numbaccum as nba
+        >>> tx = nba.scale_by_sign()
+        >>> g = {"w": np.array([0.5, -2.0, 0.0], np.float32)}
+        >>> u, state = tx.update(g, tx.init(g))
+        >>> [float(x) for x in u["w"]]
+        [1.0, -1.0, 0.0]
+    """
     return _ScaleBySign().transformation()
 
 
 def sign_sgd(learning_rate: ScalarOrSchedule) -> GradientTransformationExtraArgs:
-    """signSGD: ``u = -learning_rate * sign(g)``, i.e. ``chain(scale_by_sign(),
-    scale_by_learning_rate(learning_rate))``; ``learning_rate`` is a float or a schedule."""
+    """signSGD: gradient descent on the signs of the gradients.
+
+    ``u = -lr sign(g)`` (``sign`` as in `scale_by_sign`: +-0 and NaN stay as they are).
+
+    It is ``chain(scale_by_sign(), scale_by_learning_rate(learning_rate))``, one fused pass.
+
+    Args:
+        learning_rate: a float, or a schedule of the step count.
+
+    Returns:
+        A `GradientTransformationExtraArgs`; its state is ``(EmptyState(), EmptyState())``
+            (``ScaleByScheduleState`` last, with a schedule).
+
+    Raises:
+        TypeError: ``learning_rate`` is neither a real number nor a callable.
+
+    References:
+        Bernstein et al., "signSGD: Compressed Optimisation for Non-Convex Problems", ICML 2018
+        (arXiv:1802.04434); Balles et al., "The Geometry of Sign Gradient Descent", 2020
+        (arXiv:2002.08056). optax.sign_sgd; no torch.optim counterpart.
+
+    Examples:
+        >>> import numpy as np, numbaccum as nba
+        >>> params = {"w": np.ones(3, np.float32)}
+        >>> tx = nba.sign_sgd(0.1)
+        >>> grads = {"w": np.array([0.5, -2.0, 0.0], np.float32)}
+        >>> state = nba.step_(tx, grads, tx.init(params), params)
+        >>> [round(float(x), 4) for x in params["w"]]  # 1 - 0.1 * sign(g)
+        [0.9, 1.1, 1.0]
+    """
     return chain(scale_by_sign(), scale_by_learning_rate(learning_rate))
 
 
 class ScaleByAdamState(NamedTuple):
-    """Adam's step count and first and second moments."""
+    """Adam's step count and first and second moments (also NAdam's, Adamax's and Yogi's state).
+
+    Attributes:
+        count: the number of updates so far, an int32 scalar saturating at the int32 maximum
+            (the ``t`` of the bias corrections).
+        mu: the first moment, the exponential moving average of the gradients: a FlatTree of
+            the params' layout, in ``mu_dtype`` or each leaf's dtype.
+        nu: the second moment, the exponential moving average of the squared gradients, a
+            FlatTree in each leaf's dtype (Adamax: the infinity norm ``max(|g| + eps, b2 nu)``;
+            Yogi: its additive estimate).
+    """
 
     count: np.int32  # type: ignore[assignment]  # shadows tuple.count, as in optax
     mu: FlatTree
@@ -186,18 +249,45 @@ def scale_by_adam(
     *,
     nesterov: bool = False,
 ) -> GradientTransformationExtraArgs:
-    """Adam's direction, as optax computes it:
+    """Rescales the updates by Adam's bias-corrected moments: `adam` without the learning rate.
 
     ``mu = (1 - b1) g + b1 mu``, ``nu = (1 - b2) g^2 + b2 nu``,
-    ``u = (mu / (1 - b1^t)) / (sqrt(nu / (1 - b2^t) + eps_root) + eps)``, one fused pass.
+    ``u = (mu / (1 - b1^t)) / (sqrt(nu / (1 - b2^t) + eps_root) + eps)``, as optax computes it,
+    with ``t`` the new step count (1 at the first update) and the bias corrections computed in
+    the leaves' compute dtype (float32 for float32 leaves, like optax); one fused pass.
 
     Args:
-        b1: decay rate of the first moment, in [0, 1].
-        b2: decay rate of the second moment, in [0, 1].
+        b1: decay rate of the first moment, between 0 and 1.
+        b2: decay rate of the second moment, between 0 and 1.
         eps: added outside the square root.
         eps_root: added inside the square root.
-        mu_dtype: storage dtype of ``mu``; None keeps each leaf's dtype.
+        mu_dtype: storage dtype of ``mu`` (float16, float32 or float64); None keeps each leaf's
+            dtype.
         nesterov: NAdam's direction instead (`scale_by_nadam`).
+
+    Returns:
+        A `GradientTransformationExtraArgs`; its state is ``ScaleByAdamState(count, mu, nu)``.
+            Updates keep each leaf's dtype.
+
+    Raises:
+        TypeError: ``b1``, ``b2``, ``eps`` or ``eps_root`` is not a real number, ``mu_dtype`` is
+            not a float dtype, or ``nesterov`` is not a bool.
+        ValueError: ``b1`` or ``b2`` is not between 0 and 1.
+
+    References:
+        Kingma and Ba, "Adam: A Method for Stochastic Optimization", ICLR 2015
+        (arXiv:1412.6980). optax.scale_by_adam; the direction of torch.optim.Adam.
+
+    Examples:
+        >>> import numpy as np, numbaccum as nba
+        >>> tx = nba.scale_by_adam()
+        >>> g = {"w": np.array([0.5, -2.0], np.float32)}
+        >>> u, state = tx.update(g, tx.init(g))
+        >>> [round(float(x), 4) for x in u["w"]], int(state.count)  # sign(g) at the first step
+        ([1.0, -1.0], 1)
+        >>> u, state = tx.update({"w": np.array([0.1, -1.0], np.float32)}, state)
+        >>> [round(float(x), 4) for x in u["w"]]
+        [0.803, -0.9322]
     """
     if flag(nesterov, "nesterov"):
         return scale_by_nadam(b1, b2, eps, eps_root, mu_dtype)
@@ -254,9 +344,43 @@ class _ScaleByNadam(_Direction):
 def scale_by_nadam(
     b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, eps_root: float = 0.0, mu_dtype: Any = None
 ) -> GradientTransformationExtraArgs:
-    """``scale_by_adam(..., nesterov=True)``: Adam's moments, the first one corrected with
-    Nesterov's look-ahead, ``mu_hat = b1 mu / (1 - b1^(t+1)) + (1 - b1) g / (1 - b1^t)``,
-    ``u = mu_hat / (sqrt(nu / (1 - b2^t) + eps_root) + eps)`` (state `ScaleByAdamState`)."""
+    """Rescales the updates by NAdam's moments: ``scale_by_adam(..., nesterov=True)``.
+
+    Adam's moments ``mu = (1 - b1) g + b1 mu``, ``nu = (1 - b2) g^2 + b2 nu``; the first one
+    bias-corrected with Nesterov's look-ahead,
+    ``mu_hat = b1 (mu / (1 - b1^(t+1))) + (1 - b1) (g / (1 - b1^t))``;
+    ``u = mu_hat / (sqrt(nu / (1 - b2^t) + eps_root) + eps)``, with ``t`` the new step count;
+    one fused pass.
+
+    Args:
+        b1: decay rate of the first moment, between 0 and 1.
+        b2: decay rate of the second moment, between 0 and 1.
+        eps: added outside the square root.
+        eps_root: added inside the square root.
+        mu_dtype: storage dtype of ``mu`` (float16, float32 or float64); None keeps each leaf's
+            dtype.
+
+    Returns:
+        A `GradientTransformationExtraArgs`; its state is ``ScaleByAdamState(count, mu, nu)``,
+            as in optax. Updates keep each leaf's dtype.
+
+    Raises:
+        TypeError: ``b1``, ``b2``, ``eps`` or ``eps_root`` is not a real number, or ``mu_dtype``
+            is not a float dtype.
+        ValueError: ``b1`` or ``b2`` is not between 0 and 1.
+
+    References:
+        Dozat, "Incorporating Nesterov Momentum into Adam", ICLR 2016 workshop track.
+        optax.scale_by_adam with ``nesterov=True``.
+
+    Examples:
+        >>> import numpy as np, numbaccum as nba
+        >>> tx = nba.scale_by_nadam()
+        >>> g = {"w": np.array([0.5, -2.0], np.float32)}
+        >>> u, state = tx.update(g, tx.init(g))
+        >>> [round(float(x), 4) for x in u["w"]]  # (0.9 * 0.1 / 0.19 + 1) * sign(g) at t = 1
+        [1.4737, -1.4737]
+    """
     return _ScaleByNadam(b1, b2, eps, eps_root, mu_dtype).transformation()
 
 
@@ -291,7 +415,13 @@ def adam(
 
     Returns:
         A `GradientTransformationExtraArgs`; its state is ``(ScaleByAdamState(count, mu, nu),
-        EmptyState())`` (or ``ScaleByScheduleState`` last, with a schedule).
+            EmptyState())`` (or ``ScaleByScheduleState`` last, with a schedule).
+
+    Raises:
+        TypeError: ``learning_rate`` is neither a real number nor a callable, ``b1``, ``b2``,
+            ``eps`` or ``eps_root`` is not a real number, ``mu_dtype`` is not a float dtype, or
+            ``nesterov`` is not a bool.
+        ValueError: ``b1`` or ``b2`` is not between 0 and 1.
 
     References:
         Kingma and Ba, "Adam: A Method for Stochastic Optimization", ICLR 2015
@@ -311,7 +441,19 @@ def adam(
 
 
 class ScaleByAmsgradState(NamedTuple):
-    """AMSGrad's step count, moments and running maximum of the corrected second moment."""
+    """AMSGrad's step count, moments and running maximum of the corrected second moment.
+
+    Attributes:
+        count: the number of updates so far, an int32 scalar saturating at the int32 maximum
+            (the ``t`` of the bias corrections).
+        mu: the first moment, the exponential moving average of the gradients: a FlatTree of
+            the params' layout, in ``mu_dtype`` or each leaf's dtype.
+        nu: the second moment, the exponential moving average of the squared gradients (not
+            bias-corrected), a FlatTree in each leaf's dtype.
+        nu_max: the running elementwise maximum of the bias-corrected second moment
+            ``nu / (1 - b2^t)`` (of ``nu`` itself with ``bias_correction_nu=False``), which the
+            updates divide by; a FlatTree in each leaf's dtype.
+    """
 
     count: np.int32  # type: ignore[assignment]  # shadows tuple.count, as in optax
     mu: FlatTree
@@ -320,7 +462,16 @@ class ScaleByAmsgradState(NamedTuple):
 
 
 class ScaleByBeliefState(NamedTuple):
-    """AdaBelief's step count, first moment and second central moment."""
+    """AdaBelief's step count, first moment and second central moment.
+
+    Attributes:
+        count: the number of updates so far, an int32 scalar saturating at the int32 maximum
+            (the ``t`` of the bias corrections).
+        mu: the first moment, the exponential moving average of the gradients: a FlatTree of
+            the params' layout, in each leaf's dtype.
+        nu: the second central moment, the exponential moving average of the squared prediction
+            error ``(g - mu)^2`` plus ``eps_root`` at each step, a FlatTree in each leaf's dtype.
+    """
 
     count: np.int32  # type: ignore[assignment]
     mu: FlatTree
@@ -328,34 +479,70 @@ class ScaleByBeliefState(NamedTuple):
 
 
 class ScaleByLionState(NamedTuple):
-    """Lion's step count and momentum."""
+    """Lion's step count and momentum.
+
+    Attributes:
+        count: the number of updates so far, an int32 scalar saturating at the int32 maximum
+            (Lion's formula does not read it; optax's state has it).
+        mu: the momentum, the exponential moving average of the gradients with decay ``b2``: a
+            FlatTree of the params' layout, in ``mu_dtype`` or each leaf's dtype.
+    """
 
     count: np.int32  # type: ignore[assignment]
     mu: FlatTree
 
 
 class ScaleByRmsState(NamedTuple):
-    """RMSProp's second moment."""
+    """RMSProp's second moment (without bias correction).
+
+    Attributes:
+        nu: the exponential moving average of the squared gradients, starting at
+            ``initial_scale``: a FlatTree of the params' layout, in each leaf's dtype.
+    """
 
     nu: FlatTree
 
 
 class ScaleByRmsWithCountState(NamedTuple):
-    """RMSProp's step count and second moment (with bias correction)."""
+    """RMSProp's step count and second moment (with bias correction).
+
+    Attributes:
+        count: the number of updates so far, an int32 scalar saturating at the int32 maximum
+            (the ``t`` of the bias correction).
+        nu: the exponential moving average of the squared gradients (not bias-corrected),
+            starting at ``initial_scale``: a FlatTree of the params' layout, in each leaf's
+            dtype.
+    """
 
     count: np.int32  # type: ignore[assignment]
     nu: FlatTree
 
 
 class ScaleByRStdDevState(NamedTuple):
-    """Centred RMSProp's first and second moments."""
+    """Centred RMSProp's first and second moments (without bias correction).
+
+    Attributes:
+        mu: the exponential moving average of the gradients, starting at 0: a FlatTree of the
+            params' layout, in each leaf's dtype.
+        nu: the exponential moving average of the squared gradients, starting at
+            ``initial_scale``: a FlatTree in each leaf's dtype.
+    """
 
     mu: FlatTree
     nu: FlatTree
 
 
 class ScaleByRStdDevWithCountState(NamedTuple):
-    """Centred RMSProp's step count and moments (with bias correction)."""
+    """Centred RMSProp's step count and moments (with bias correction).
+
+    Attributes:
+        count: the number of updates so far, an int32 scalar saturating at the int32 maximum
+            (the ``t`` of the bias corrections).
+        mu: the exponential moving average of the gradients (not bias-corrected), starting at
+            0: a FlatTree of the params' layout, in each leaf's dtype.
+        nu: the exponential moving average of the squared gradients (not bias-corrected),
+            starting at ``initial_scale``: a FlatTree in each leaf's dtype.
+    """
 
     count: np.int32  # type: ignore[assignment]
     mu: FlatTree
@@ -363,7 +550,12 @@ class ScaleByRStdDevWithCountState(NamedTuple):
 
 
 class ScaleByRssState(NamedTuple):
-    """Adagrad's sum of squared gradients."""
+    """Adagrad's sum of squared gradients.
+
+    Attributes:
+        sum_of_squares: the sum of the squared gradients so far, starting at
+            ``initial_accumulator_value``: a FlatTree of the params' layout, in each leaf's dtype.
+    """
 
     sum_of_squares: FlatTree
 
@@ -403,10 +595,15 @@ def adamw(
 
     Returns:
         A `GradientTransformationExtraArgs`; its state is ``(ScaleByAdamState, EmptyState(),
-        EmptyState())`` (``MaskedState(EmptyState())`` in the middle with a mask).
+            EmptyState())`` (``MaskedState(EmptyState())`` in the middle with a mask).
 
     Raises:
-        ValueError: ``update`` without ``params``.
+        TypeError: ``learning_rate`` or ``weight_decay`` is neither a real number nor a
+            callable, ``b1``, ``b2``, ``eps`` or ``eps_root`` is not a real number, ``mu_dtype``
+            is not a float dtype, or ``nesterov`` is not a bool; at ``init``, a mask leaf that
+            is not a bool.
+        ValueError: ``b1`` or ``b2`` is not between 0 and 1; at ``init``, a mask whose
+            structure is not the params' (or a prefix of it); ``update`` without ``params``.
 
     References:
         Loshchilov and Hutter, "Decoupled Weight Decay Regularization", ICLR 2019
@@ -436,7 +633,45 @@ def nadam(
     eps_root: float = 0.0,
     mu_dtype: Any = None,
 ) -> GradientTransformationExtraArgs:
-    """NAdam: ``adam(..., nesterov=True)`` (see `scale_by_nadam`)."""
+    """NAdam: Adam with Nesterov momentum, optax's ``adam(..., nesterov=True)``.
+
+    ``mu = (1 - b1) g + b1 mu``, ``nu = (1 - b2) g^2 + b2 nu``,
+    ``mu_hat = b1 (mu / (1 - b1^(t+1))) + (1 - b1) (g / (1 - b1^t))``,
+    ``u = -lr mu_hat / (sqrt(nu / (1 - b2^t) + eps_root) + eps)``.
+
+    It is ``chain(scale_by_nadam(b1, b2, eps, eps_root, mu_dtype),
+    scale_by_learning_rate(learning_rate))``, one fused pass.
+
+    Args:
+        learning_rate: a float, or a schedule of the step count.
+        b1: as in `adam`.
+        b2: as in `adam`.
+        eps: as in `adam`.
+        eps_root: as in `adam`.
+        mu_dtype: as in `adam`.
+
+    Returns:
+        A `GradientTransformationExtraArgs`; its state is ``(ScaleByAdamState(count, mu, nu),
+            EmptyState())`` (``ScaleByScheduleState`` last, with a schedule).
+
+    Raises:
+        TypeError: ``learning_rate`` is neither a real number nor a callable, ``b1``, ``b2``,
+            ``eps`` or ``eps_root`` is not a real number, or ``mu_dtype`` is not a float dtype.
+        ValueError: ``b1`` or ``b2`` is not between 0 and 1.
+
+    References:
+        Dozat, "Incorporating Nesterov Momentum into Adam", ICLR 2016 workshop track.
+        optax.nadam; torch.optim.NAdam (with its own momentum-decay schedule: other steps).
+
+    Examples:
+        >>> import numpy as np, numbaccum as nba
+        >>> params = {"w": np.ones(2, np.float32)}
+        >>> tx = nba.nadam(0.1)
+        >>> grads = {"w": np.array([0.5, -2.0], np.float32)}
+        >>> state = nba.step_(tx, grads, tx.init(params), params)
+        >>> [round(float(x), 4) for x in params["w"]]  # 1 - 0.1 * 1.4737 * sign(g)
+        [0.8526, 1.1474]
+    """
     return chain(scale_by_nadam(b1, b2, eps, eps_root, mu_dtype), scale_by_learning_rate(learning_rate))
 
 
@@ -450,7 +685,53 @@ def nadamw(
     weight_decay: ScalarOrSchedule = 1e-4,
     mask: Any = None,
 ) -> GradientTransformationExtraArgs:
-    """NAdamW: ``adamw(..., nesterov=True)``."""
+    """NAdamW: NAdam with decoupled weight decay, optax's ``adamw(..., nesterov=True)``.
+
+    ``u = -lr (mu_hat / (sqrt(nu / (1 - b2^t) + eps_root) + eps) + weight_decay * params)``,
+    with Adam's moments and NAdam's ``mu_hat`` (`nadam` gives them).
+
+    It is ``chain(scale_by_nadam(b1, b2, eps, eps_root, mu_dtype), add_decayed_weights(
+    weight_decay, mask), scale_by_learning_rate(learning_rate))``, one fused pass (the mask
+    too). ``weight_decay`` multiplies the learning rate, as in optax and PyTorch. Needs
+    ``params``.
+
+    Args:
+        learning_rate: a float, or a schedule of the step count.
+        b1: as in `adam`.
+        b2: as in `adam`.
+        eps: as in `adam`.
+        eps_root: as in `adam`.
+        mu_dtype: as in `adam`.
+        weight_decay: the decay rate (a float or a schedule).
+        mask: as in `adamw`: None (decay every leaf), or a tree of bools of the params'
+            structure (or a prefix of it), or a callable of the params giving one.
+
+    Returns:
+        A `GradientTransformationExtraArgs`; its state is ``(ScaleByAdamState, EmptyState(),
+            EmptyState())`` (``MaskedState(EmptyState())`` in the middle with a mask).
+
+    Raises:
+        TypeError: ``learning_rate`` or ``weight_decay`` is neither a real number nor a
+            callable, ``b1``, ``b2``, ``eps`` or ``eps_root`` is not a real number, or
+            ``mu_dtype`` is not a float dtype; at ``init``, a mask leaf that is not a bool.
+        ValueError: ``b1`` or ``b2`` is not between 0 and 1; at ``init``, a mask whose
+            structure is not the params' (or a prefix of it); ``update`` without ``params``.
+
+    References:
+        Loshchilov and Hutter, "Decoupled Weight Decay Regularization", ICLR 2019
+        (arXiv:1711.05101); Dozat, "Incorporating Nesterov Momentum into Adam", ICLR 2016
+        workshop track. optax.nadamw; torch.optim.NAdam with ``decoupled_weight_decay=True``
+        (with its own momentum-decay schedule: other steps).
+
+    Examples:
+        >>> import numpy as np, numbaccum as nba
+        >>> params = {"w": np.ones(2, np.float32)}
+        >>> tx = nba.nadamw(0.1, weight_decay=0.5)
+        >>> grads = {"w": np.array([0.5, -2.0], np.float32)}
+        >>> state = nba.step_(tx, grads, tx.init(params), params)
+        >>> [round(float(x), 4) for x in params["w"]]  # 1 - 0.1 * (1.4737 * sign(g) + 0.5 * 1)
+        [0.8026, 1.0974]
+    """
     return adamw(learning_rate, b1, b2, eps, eps_root, mu_dtype, weight_decay, mask, nesterov=True)
 
 
@@ -501,8 +782,50 @@ def scale_by_amsgrad(
     bias_correction_mu: bool = True,
     bias_correction_nu: bool = True,
 ) -> GradientTransformationExtraArgs:
-    """AMSGrad's direction: Adam's moments, ``nu_max = max(nu_max, nu / (1 - b2^t))``,
-    ``u = (mu / (1 - b1^t)) / (sqrt(nu_max + eps_root) + eps)`` (each correction optional)."""
+    """Rescales the updates by AMSGrad's moments: Adam's, dividing by the largest second moment.
+
+    ``mu = (1 - b1) g + b1 mu``, ``nu = (1 - b2) g^2 + b2 nu``,
+    ``nu_max = max(nu_max, nu / (1 - b2^t))``,
+    ``u = (mu / (1 - b1^t)) / (sqrt(nu_max + eps_root) + eps)``, with ``t`` the new step count;
+    a correction switched off divides by 1 (``bias_correction_mu``, ``bias_correction_nu``).
+    One fused pass.
+
+    Args:
+        b1: decay rate of the first moment, between 0 and 1.
+        b2: decay rate of the second moment, between 0 and 1.
+        eps: added outside the square root.
+        eps_root: added inside the square root.
+        mu_dtype: storage dtype of ``mu`` (float16, float32 or float64); None keeps each leaf's
+            dtype.
+        bias_correction_mu: whether to divide ``mu`` by ``1 - b1^t`` (False: the paper's
+            AMSGrad).
+        bias_correction_nu: whether to divide ``nu`` by ``1 - b2^t`` before the maximum (False:
+            the paper's AMSGrad).
+
+    Returns:
+        A `GradientTransformationExtraArgs`; its state is ``ScaleByAmsgradState(count, mu, nu,
+            nu_max)``. Updates keep each leaf's dtype.
+
+    Raises:
+        TypeError: ``b1``, ``b2``, ``eps`` or ``eps_root`` is not a real number, ``mu_dtype`` is
+            not a float dtype, or ``bias_correction_mu`` or ``bias_correction_nu`` is not a bool.
+        ValueError: ``b1`` or ``b2`` is not between 0 and 1.
+
+    References:
+        Reddi, Kale and Kumar, "On the Convergence of Adam and Beyond", ICLR 2018
+        (arXiv:1904.09237). optax.scale_by_amsgrad.
+
+    Examples:
+        >>> import numpy as np, numbaccum as nba
+        >>> tx = nba.scale_by_amsgrad()
+        >>> g = {"w": np.array([0.5, -2.0], np.float32)}
+        >>> u, state = tx.update(g, tx.init(g))
+        >>> u, state = tx.update({"w": np.array([0.1, -1.0], np.float32)}, state)
+        >>> [round(float(x), 4) for x in u["w"]]  # scale_by_adam gives [0.803, -0.9322]
+        [0.5789, -0.7368]
+        >>> [round(float(x), 3) for x in state.nu_max.tree["w"]]  # about the first g^2
+        [0.25, 4.0]
+    """
     return _ScaleByAmsgrad(
         b1, b2, eps, eps_root, mu_dtype, bias_correction_mu, bias_correction_nu
     ).transformation()
@@ -518,7 +841,48 @@ def amsgrad(
     bias_correction_mu: bool = True,
     bias_correction_nu: bool = True,
 ) -> GradientTransformationExtraArgs:
-    """AMSGrad: ``chain(scale_by_amsgrad(...), scale_by_learning_rate(learning_rate))``."""
+    """AMSGrad: Adam dividing by the running maximum of its second moment.
+
+    ``mu = (1 - b1) g + b1 mu``, ``nu = (1 - b2) g^2 + b2 nu``,
+    ``nu_max = max(nu_max, nu / (1 - b2^t))``,
+    ``u = -lr (mu / (1 - b1^t)) / (sqrt(nu_max + eps_root) + eps)`` (each correction optional).
+
+    It is ``chain(scale_by_amsgrad(b1, b2, eps, eps_root, mu_dtype, bias_correction_mu,
+    bias_correction_nu), scale_by_learning_rate(learning_rate))``, one fused pass.
+
+    Args:
+        learning_rate: a float, or a schedule of the step count.
+        b1: as in `scale_by_amsgrad`.
+        b2: as in `scale_by_amsgrad`.
+        eps: as in `scale_by_amsgrad`.
+        eps_root: as in `scale_by_amsgrad`.
+        mu_dtype: as in `scale_by_amsgrad`.
+        bias_correction_mu: as in `scale_by_amsgrad`.
+        bias_correction_nu: as in `scale_by_amsgrad`.
+
+    Returns:
+        A `GradientTransformationExtraArgs`; its state is ``(ScaleByAmsgradState(count, mu, nu,
+            nu_max), EmptyState())`` (``ScaleByScheduleState`` last, with a schedule).
+
+    Raises:
+        TypeError: ``learning_rate`` is neither a real number nor a callable, or another
+            argument has the wrong type (as in `scale_by_amsgrad`).
+        ValueError: ``b1`` or ``b2`` is not between 0 and 1.
+
+    References:
+        Reddi, Kale and Kumar, "On the Convergence of Adam and Beyond", ICLR 2018
+        (arXiv:1904.09237). optax.amsgrad; torch.optim.Adam with ``amsgrad=True`` (which keeps
+        the maximum of the uncorrected ``nu``: other steps).
+
+    Examples:
+        >>> import numpy as np, numbaccum as nba
+        >>> params = {"w": np.ones(2, np.float32)}
+        >>> tx = nba.amsgrad(0.1)
+        >>> grads = {"w": np.array([0.5, -2.0], np.float32)}
+        >>> state = nba.step_(tx, grads, tx.init(params), params)
+        >>> [round(float(x), 4) for x in params["w"]]  # 1 - 0.1 * sign(g) at the first step
+        [0.9, 1.1]
+    """
     return chain(
         scale_by_amsgrad(b1, b2, eps, eps_root, mu_dtype, bias_correction_mu, bias_correction_nu),
         scale_by_learning_rate(learning_rate),
@@ -550,15 +914,82 @@ class _ScaleByAdamax(_Direction):
 
 
 def scale_by_adamax(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> GradientTransformationExtraArgs:
-    """Adamax's direction: ``mu`` as Adam's, ``nu = max(|g| + eps, b2 nu)``,
-    ``u = (mu / (1 - b1^t)) / nu`` (state `ScaleByAdamState`, as in optax)."""
+    """Rescales the updates by Adamax's moments: Adam's, with an infinity norm for the second.
+
+    ``mu = (1 - b1) g + b1 mu``, ``nu = max(|g| + eps, b2 nu)``, ``u = (mu / (1 - b1^t)) / nu``,
+    with ``t`` the new step count (``nu`` needs no bias correction); one fused pass.
+
+    Args:
+        b1: decay rate of the first moment, between 0 and 1.
+        b2: decay rate of the infinity norm, between 0 and 1.
+        eps: added to ``|g|`` inside the maximum (so ``nu`` is never 0).
+
+    Returns:
+        A `GradientTransformationExtraArgs`; its state is ``ScaleByAdamState(count, mu, nu)``,
+            as in optax. Updates keep each leaf's dtype.
+
+    Raises:
+        TypeError: ``b1``, ``b2`` or ``eps`` is not a real number.
+        ValueError: ``b1`` or ``b2`` is not between 0 and 1.
+
+    References:
+        Kingma and Ba, "Adam: A Method for Stochastic Optimization", ICLR 2015
+        (arXiv:1412.6980), section 7.1. optax.scale_by_adamax; the direction of
+        torch.optim.Adamax.
+
+    Examples:
+        >>> import numpy as np, numbaccum as nba
+        >>> tx = nba.scale_by_adamax()
+        >>> g = {"w": np.array([0.5, -2.0], np.float32)}
+        >>> u, state = tx.update(g, tx.init(g))
+        >>> u, state = tx.update({"w": np.array([0.1, -1.0], np.float32)}, state)
+        >>> [round(float(x), 4) for x in state.nu.tree["w"]]  # max(|g| + eps, 0.999 * 0.5)
+        [0.4995, 1.998]
+        >>> [round(float(x), 4) for x in u["w"]]  # (0.055 / 0.19) / 0.4995 for the first
+        [0.5795, -0.7376]
+    """
     return _ScaleByAdamax(b1, b2, eps).transformation()
 
 
 def adamax(
     learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8
 ) -> GradientTransformationExtraArgs:
-    """Adamax: ``chain(scale_by_adamax(b1, b2, eps), scale_by_learning_rate(learning_rate))``."""
+    """Adamax: Adam with the infinity norm of the gradients for its second moment.
+
+    ``mu = (1 - b1) g + b1 mu``, ``nu = max(|g| + eps, b2 nu)``,
+    ``u = -lr (mu / (1 - b1^t)) / nu``.
+
+    It is ``chain(scale_by_adamax(b1, b2, eps), scale_by_learning_rate(learning_rate))``, one
+    fused pass.
+
+    Args:
+        learning_rate: a float, or a schedule of the step count.
+        b1: as in `scale_by_adamax`.
+        b2: as in `scale_by_adamax`.
+        eps: as in `scale_by_adamax`.
+
+    Returns:
+        A `GradientTransformationExtraArgs`; its state is ``(ScaleByAdamState(count, mu, nu),
+            EmptyState())`` (``ScaleByScheduleState`` last, with a schedule).
+
+    Raises:
+        TypeError: ``learning_rate`` is neither a real number nor a callable, or ``b1``, ``b2``
+            or ``eps`` is not a real number.
+        ValueError: ``b1`` or ``b2`` is not between 0 and 1.
+
+    References:
+        Kingma and Ba, "Adam: A Method for Stochastic Optimization", ICLR 2015
+        (arXiv:1412.6980), section 7.1. optax.adamax; torch.optim.Adamax.
+
+    Examples:
+        >>> import numpy as np, numbaccum as nba
+        >>> params = {"w": np.ones(2, np.float32)}
+        >>> tx = nba.adamax(0.1)
+        >>> grads = {"w": np.array([0.5, -2.0], np.float32)}
+        >>> state = nba.step_(tx, grads, tx.init(params), params)
+        >>> [round(float(x), 4) for x in params["w"]]  # 1 - 0.1 * g / |g| at the first step
+        [0.9, 1.1]
+    """
     return chain(scale_by_adamax(b1, b2, eps), scale_by_learning_rate(learning_rate))
 
 
@@ -609,8 +1040,41 @@ class _ScaleByBelief(_Direction):
 def scale_by_belief(
     b1: float = 0.9, b2: float = 0.999, eps: float = 1e-16, eps_root: float = 1e-16, *, nesterov: bool = False
 ) -> GradientTransformationExtraArgs:
-    """AdaBelief's direction: ``mu`` as Adam's, ``nu = (1 - b2) (g - mu)^2 + b2 nu + eps_root``,
-    ``u = mu_hat / (sqrt(nu / (1 - b2^t)) + eps)`` (``mu_hat`` as Adam's, or NAdam's)."""
+    """Rescales the updates by AdaBelief's moments: Adam's, with the variance of the prediction.
+
+    ``mu = (1 - b1) g + b1 mu``, ``nu = ((1 - b2) (g - mu)^2 + b2 nu) + eps_root`` (with the new
+    ``mu``; ``eps_root`` is stored in ``nu``), ``u = mu_hat / (sqrt(nu / (1 - b2^t)) + eps)``,
+    with ``t`` the new step count and Adam's ``mu_hat = mu / (1 - b1^t)``, or with ``nesterov``
+    NAdam's ``mu_hat = b1 (mu / (1 - b1^(t+1))) + (1 - b1) (g / (1 - b1^t))``; one fused pass.
+
+    Args:
+        b1: decay rate of the first moment, between 0 and 1.
+        b2: decay rate of the second central moment, between 0 and 1.
+        eps: added outside the square root.
+        eps_root: added to the second central moment at each step.
+        nesterov: NAdam's ``mu_hat`` instead of Adam's.
+
+    Returns:
+        A `GradientTransformationExtraArgs`; its state is ``ScaleByBeliefState(count, mu,
+            nu)``. Updates keep each leaf's dtype.
+
+    Raises:
+        TypeError: ``b1``, ``b2``, ``eps`` or ``eps_root`` is not a real number, or ``nesterov``
+            is not a bool.
+        ValueError: ``b1`` or ``b2`` is not between 0 and 1.
+
+    References:
+        Zhuang et al., "AdaBelief Optimizer: Adapting Stepsizes by the Belief in Observed
+        Gradients", NeurIPS 2020 (arXiv:2010.07468). optax.scale_by_belief.
+
+    Examples:
+        >>> import numpy as np, numbaccum as nba
+        >>> tx = nba.scale_by_belief()
+        >>> g = {"w": np.array([0.5, -2.0], np.float32)}
+        >>> u, state = tx.update(g, tx.init(g))
+        >>> [round(float(x), 4) for x in u["w"]]  # g / sqrt((0.9 g)^2) at the first step
+        [1.1111, -1.1111]
+    """
     return _ScaleByBelief(b1, b2, eps, eps_root, nesterov).transformation()
 
 
@@ -623,7 +1087,46 @@ def adabelief(
     *,
     nesterov: bool = False,
 ) -> GradientTransformationExtraArgs:
-    """AdaBelief: ``chain(scale_by_belief(...), scale_by_learning_rate(learning_rate))``."""
+    """AdaBelief: Adam dividing by the variance of the gradients around their prediction.
+
+    ``mu = (1 - b1) g + b1 mu``, ``nu = ((1 - b2) (g - mu)^2 + b2 nu) + eps_root``,
+    ``u = -lr mu_hat / (sqrt(nu / (1 - b2^t)) + eps)``, ``mu_hat`` Adam's ``mu / (1 - b1^t)``
+    (NAdam's with ``nesterov``; see `scale_by_belief`).
+
+    It is ``chain(scale_by_belief(b1, b2, eps, eps_root, nesterov=nesterov),
+    scale_by_learning_rate(learning_rate))``, one fused pass.
+
+    Args:
+        learning_rate: a float, or a schedule of the step count.
+        b1: as in `scale_by_belief`.
+        b2: as in `scale_by_belief`.
+        eps: as in `scale_by_belief`.
+        eps_root: as in `scale_by_belief`.
+        nesterov: as in `scale_by_belief`.
+
+    Returns:
+        A `GradientTransformationExtraArgs`; its state is ``(ScaleByBeliefState(count, mu, nu),
+            EmptyState())`` (``ScaleByScheduleState`` last, with a schedule).
+
+    Raises:
+        TypeError: ``learning_rate`` is neither a real number nor a callable, ``b1``, ``b2``,
+            ``eps`` or ``eps_root`` is not a real number, or ``nesterov`` is not a bool.
+        ValueError: ``b1`` or ``b2`` is not between 0 and 1.
+
+    References:
+        Zhuang et al., "AdaBelief Optimizer: Adapting Stepsizes by the Belief in Observed
+        Gradients", NeurIPS 2020 (arXiv:2010.07468). optax.adabelief; no torch.optim
+        counterpart.
+
+    Examples:
+        >>> import numpy as np, numbaccum as nba
+        >>> params = {"w": np.ones(2, np.float32)}
+        >>> tx = nba.adabelief(0.1)
+        >>> grads = {"w": np.array([0.5, -2.0], np.float32)}
+        >>> state = nba.step_(tx, grads, tx.init(params), params)
+        >>> [round(float(x), 4) for x in params["w"]]  # 1 - 0.1 * sign(g) / 0.9
+        [0.8889, 1.1111]
+    """
     return chain(
         scale_by_belief(b1, b2, eps, eps_root, nesterov=nesterov), scale_by_learning_rate(learning_rate)
     )
@@ -672,8 +1175,46 @@ class _ScaleByLion(_Direction):
 def scale_by_lion(
     b1: float = 0.9, b2: float = 0.99, mu_dtype: Any = None, *, mode: str = "hard", smooth_beta: float = 1.0
 ) -> GradientTransformationExtraArgs:
-    """Lion's direction: ``u = sign((1 - b1) g + b1 mu)`` (``mode='smooth'``: ``tanh(smooth_beta
-    c)``; ``'refined'``: ``c`` where ``|c| < 1``), then ``mu = (1 - b2) g + b2 mu``."""
+    """Rescales the updates by Lion's direction: the sign of an interpolated momentum.
+
+    ``c = (1 - b1) g + b1 mu`` (with the previous ``mu``), ``u = sign(c)`` (+-0 and NaN as they
+    are), then ``mu = (1 - b2) g + b2 mu``. With ``mode='smooth'``, ``u = tanh(smooth_beta c)``;
+    with ``mode='refined'``, ``u = c`` where ``|c| < 1``, else ``sign(c)``. One fused pass.
+
+    Args:
+        b1: weight of the momentum in ``c``, between 0 and 1.
+        b2: decay rate of the momentum, between 0 and 1.
+        mu_dtype: storage dtype of ``mu`` (float16, float32 or float64); None keeps each leaf's
+            dtype.
+        mode: ``'hard'`` (the sign), ``'smooth'`` (tanh) or ``'refined'`` (linear near 0).
+        smooth_beta: the slope of the tanh with ``mode='smooth'``.
+
+    Returns:
+        A `GradientTransformationExtraArgs`; its state is ``ScaleByLionState(count, mu)``.
+            Updates keep each leaf's dtype.
+
+    Raises:
+        TypeError: ``b1``, ``b2`` or ``smooth_beta`` is not a real number, or ``mu_dtype`` is
+            not a float dtype.
+        ValueError: ``b1`` or ``b2`` is not between 0 and 1, or ``mode`` is not one of
+            ``'hard'``, ``'smooth'`` and ``'refined'``.
+
+    References:
+        Chen et al., "Symbolic Discovery of Optimization Algorithms", NeurIPS 2023
+        (arXiv:2302.06675). optax.scale_by_lion.
+
+    Examples:
+        >>> import numpy as np, numbaccum as nba
+        >>> g = {"w": np.array([0.5, -2.0], np.float32)}
+        >>> tx = nba.scale_by_lion()
+        >>> u, state = tx.update(g, tx.init(g))
+        >>> [round(float(x), 4) for x in u["w"]]  # sign(0.1 g)
+        [1.0, -1.0]
+        >>> tx = nba.scale_by_lion(mode="refined")
+        >>> u, state = tx.update(g, tx.init(g))
+        >>> [round(float(x), 4) for x in u["w"]]  # 0.1 g, below 1 in magnitude
+        [0.05, -0.2]
+    """
     return _ScaleByLion(b1, b2, mu_dtype, mode, smooth_beta).transformation()
 
 
@@ -685,8 +1226,49 @@ def lion(
     weight_decay: ScalarOrSchedule = 1e-3,
     mask: Any = None,
 ) -> GradientTransformationExtraArgs:
-    """Lion: ``chain(scale_by_lion(b1, b2, mu_dtype), add_decayed_weights(weight_decay, mask),
-    scale_by_learning_rate(learning_rate))``, one fused pass. Needs ``params``."""
+    """Lion: the sign of an interpolated momentum, with decoupled weight decay.
+
+    ``c = (1 - b1) g + b1 mu`` (with the previous ``mu``),
+    ``u = -lr (sign(c) + weight_decay * params)``, then ``mu = (1 - b2) g + b2 mu``.
+
+    It is ``chain(scale_by_lion(b1, b2, mu_dtype), add_decayed_weights(weight_decay, mask),
+    scale_by_learning_rate(learning_rate))``, one fused pass (the mask too). ``weight_decay``
+    multiplies the learning rate, as in optax. Needs ``params``.
+
+    Args:
+        learning_rate: a float, or a schedule of the step count.
+        b1: as in `scale_by_lion`.
+        b2: as in `scale_by_lion`.
+        mu_dtype: as in `scale_by_lion`.
+        weight_decay: the decay rate (a float or a schedule).
+        mask: as in `adamw`: None (decay every leaf), or a tree of bools of the params'
+            structure (or a prefix of it), or a callable of the params giving one.
+
+    Returns:
+        A `GradientTransformationExtraArgs`; its state is ``(ScaleByLionState(count, mu),
+            EmptyState(), EmptyState())`` (``MaskedState(EmptyState())`` in the middle with a
+            mask).
+
+    Raises:
+        TypeError: ``learning_rate`` or ``weight_decay`` is neither a real number nor a
+            callable, ``b1`` or ``b2`` is not a real number, or ``mu_dtype`` is not a float
+            dtype; at ``init``, a mask leaf that is not a bool.
+        ValueError: ``b1`` or ``b2`` is not between 0 and 1; at ``init``, a mask whose
+            structure is not the params' (or a prefix of it); ``update`` without ``params``.
+
+    References:
+        Chen et al., "Symbolic Discovery of Optimization Algorithms", NeurIPS 2023
+        (arXiv:2302.06675). optax.lion; no torch.optim counterpart.
+
+    Examples:
+        >>> import numpy as np, numbaccum as nba
+        >>> params = {"w": np.ones(2, np.float32)}
+        >>> tx = nba.lion(0.1, weight_decay=0.5)
+        >>> grads = {"w": np.array([0.5, -2.0], np.float32)}
+        >>> state = nba.step_(tx, grads, tx.init(params), params)
+        >>> [round(float(x), 4) for x in params["w"]]  # 1 - 0.1 * (sign(g) + 0.5 * 1)
+        [0.85, 1.05]
+    """
     return chain(
         scale_by_lion(b1, b2, mu_dtype),
         add_decayed_weights(weight_decay, mask),
@@ -764,8 +1346,14 @@ def scale_by_yogi(
     Returns:
         A transformation with state `ScaleByAdamState`. Updates keep each leaf's dtype.
 
+    Raises:
+        TypeError: ``b1``, ``b2``, ``eps``, ``eps_root`` or ``initial_accumulator_value`` is
+            not a real number.
+        ValueError: ``b1`` or ``b2`` is not between 0 and 1.
+
     References:
         Zaheer et al., "Adaptive Methods for Nonconvex Optimization", NeurIPS 2018.
+        optax.scale_by_yogi.
 
     Examples:
         >>> import numpy as np, numbaccum as nba
@@ -793,8 +1381,14 @@ def yogi(
     Returns:
         A transformation with state ``(ScaleByAdamState, learning-rate state)``.
 
+    Raises:
+        TypeError: ``learning_rate`` is neither a real number nor a callable, or ``b1``, ``b2``
+            or ``eps`` is not a real number.
+        ValueError: ``b1`` or ``b2`` is not between 0 and 1.
+
     References:
         Zaheer et al., "Adaptive Methods for Nonconvex Optimization", NeurIPS 2018.
+        optax.yogi; no torch.optim counterpart.
 
     Examples:
         >>> import numpy as np, numbaccum as nba
@@ -848,10 +1442,49 @@ def scale_by_rms(
     eps_in_sqrt: bool = True,
     bias_correction: bool = False,
 ) -> GradientTransformationExtraArgs:
-    """RMSProp's scaling: ``nu = (1 - decay) g^2 + decay nu`` (from ``initial_scale``),
-    ``u = g / sqrt(nu_hat + eps)`` (``eps_in_sqrt``) or ``g / (sqrt(nu_hat) + eps)``,
-    ``nu_hat = nu / (1 - decay^t)`` with ``bias_correction`` (state `ScaleByRmsWithCountState`),
-    else ``nu`` (state `ScaleByRmsState`)."""
+    """Rescales the updates by the root of the moving average of their squares (RMSProp's).
+
+    ``nu = (1 - decay) g^2 + decay nu`` (starting at ``initial_scale``),
+    ``u = (1 / sqrt(nu_hat + eps)) g`` with ``eps_in_sqrt``, else ``u = (1 / (sqrt(nu_hat) +
+    eps)) g``, where ``nu_hat = nu / (1 - decay^t)`` (``t`` the new step count) with
+    ``bias_correction``, else ``nu``; one fused pass.
+
+    Args:
+        decay: decay rate of the moving average, between 0 and 1.
+        eps: added inside or outside the square root (see ``eps_in_sqrt``).
+        initial_scale: the value ``nu`` starts at (PyTorch: 0; TF1: 1).
+        eps_in_sqrt: whether ``eps`` is added inside the square root (optax's default) or
+            outside it (PyTorch's).
+        bias_correction: whether to divide ``nu`` by ``1 - decay^t`` (the state then counts
+            steps).
+
+    Returns:
+        A `GradientTransformationExtraArgs`; its state is ``ScaleByRmsState(nu)``, or
+            ``ScaleByRmsWithCountState(count, nu)`` with ``bias_correction``. Updates keep each
+            leaf's dtype.
+
+    Raises:
+        TypeError: ``decay``, ``eps`` or ``initial_scale`` is not a real number, or
+            ``eps_in_sqrt`` or ``bias_correction`` is not a bool.
+        ValueError: ``decay`` is not between 0 and 1.
+
+    References:
+        Tieleman and Hinton, "Lecture 6.5, RMSProp: Divide the gradient by a running average
+        of its recent magnitude", COURSERA: Neural Networks for Machine Learning, 2012.
+        optax.scale_by_rms; the scaling of torch.optim.RMSprop (with ``eps_in_sqrt=False``).
+
+    Examples:
+        >>> import numpy as np, numbaccum as nba
+        >>> g = {"w": np.array([0.5, -2.0], np.float32)}
+        >>> tx = nba.scale_by_rms()
+        >>> u, state = tx.update(g, tx.init(g))
+        >>> [round(float(x), 4) for x in u["w"]]  # g / sqrt(0.1 g^2)
+        [3.1623, -3.1623]
+        >>> tx = nba.scale_by_rms(bias_correction=True)
+        >>> u, state = tx.update(g, tx.init(g))
+        >>> [round(float(x), 4) for x in u["w"]], int(state.count)  # g / sqrt(g^2)
+        ([1.0, -1.0], 1)
+    """
     return _ScaleByRms(decay, eps, initial_scale, eps_in_sqrt, bias_correction).transformation()
 
 
@@ -888,9 +1521,46 @@ def scale_by_stddev(
     eps_in_sqrt: bool = True,
     bias_correction: bool = False,
 ) -> GradientTransformationExtraArgs:
-    """Centred RMSProp's scaling: ``mu``, ``nu`` the EMAs of ``g`` and ``g^2`` (``nu`` from
-    ``initial_scale``), ``u = g / sqrt(nu_hat - mu_hat^2 + eps)`` (or ``g / (sqrt(nu_hat -
-    mu_hat^2) + eps)``), hats bias-corrected with ``bias_correction``."""
+    """Rescales the updates by the root of the moving variance of the gradients (centred RMSProp).
+
+    ``mu = (1 - decay) g + decay mu``, ``nu = (1 - decay) g^2 + decay nu`` (``mu`` starting at 0,
+    ``nu`` at ``initial_scale``), ``var = nu_hat - mu_hat^2``,
+    ``u = (1 / sqrt(var + eps)) g`` with ``eps_in_sqrt``, else ``u = (1 / (sqrt(var) + eps)) g``,
+    where ``mu_hat = mu / (1 - decay^t)`` and ``nu_hat = nu / (1 - decay^t)`` (``t`` the new
+    step count) with ``bias_correction``, else ``mu`` and ``nu``. A ``var`` that rounds below
+    zero (below ``-eps`` with ``eps_in_sqrt``) gives NaN, as in optax. One fused pass.
+
+    Args:
+        decay: decay rate of both moving averages, between 0 and 1.
+        eps: added inside or outside the square root (see ``eps_in_sqrt``).
+        initial_scale: the value ``nu`` starts at.
+        eps_in_sqrt: whether ``eps`` is added inside the square root (optax's default) or
+            outside it (PyTorch's).
+        bias_correction: whether to divide ``mu`` and ``nu`` by ``1 - decay^t`` (the state then
+            counts steps).
+
+    Returns:
+        A `GradientTransformationExtraArgs`; its state is ``ScaleByRStdDevState(mu, nu)``, or
+            ``ScaleByRStdDevWithCountState(count, mu, nu)`` with ``bias_correction``. Updates keep
+            each leaf's dtype.
+
+    Raises:
+        TypeError: ``decay``, ``eps`` or ``initial_scale`` is not a real number, or
+            ``eps_in_sqrt`` or ``bias_correction`` is not a bool.
+        ValueError: ``decay`` is not between 0 and 1.
+
+    References:
+        Graves, "Generating Sequences With Recurrent Neural Networks", 2013 (arXiv:1308.0850).
+        optax.scale_by_stddev; the scaling of torch.optim.RMSprop with ``centered=True``.
+
+    Examples:
+        >>> import numpy as np, numbaccum as nba
+        >>> g = {"w": np.array([0.5, -2.0], np.float32)}
+        >>> tx = nba.scale_by_stddev()
+        >>> u, state = tx.update(g, tx.init(g))
+        >>> [round(float(x), 4) for x in u["w"]]  # g / sqrt(0.1 g^2 - (0.1 g)^2)
+        [3.3333, -3.3333]
+    """
     return _ScaleByStddev(decay, eps, initial_scale, eps_in_sqrt, bias_correction).transformation()
 
 
@@ -905,9 +1575,60 @@ def rmsprop(
     nesterov: bool = False,
     bias_correction: bool = False,
 ) -> GradientTransformationExtraArgs:
-    """RMSProp: ``chain(scale_by_rms(...)`` (``scale_by_stddev`` when ``centered``)``,
-    scale_by_learning_rate(learning_rate), trace(momentum, nesterov))`` (``identity()`` for no
-    momentum), as optax: the learning rate is applied before the momentum."""
+    """RMSProp, optax's flexible one: plain or centred, with optional (Nesterov) momentum.
+
+    ``nu = (1 - decay) g^2 + decay nu``, ``u = -lr (1 / sqrt(nu_hat + eps)) g`` (``eps`` outside
+    the root without ``eps_in_sqrt``; ``nu_hat`` as in `scale_by_rms`, or the variance
+    ``nu_hat - mu_hat^2`` of `scale_by_stddev` when ``centered``); then with ``momentum``,
+    ``trace = u + momentum trace`` and ``u = trace`` (``u + momentum trace`` with ``nesterov``).
+
+    It is ``chain(direction, scale_by_learning_rate(learning_rate), trace(momentum, nesterov))``
+    with ``direction = scale_by_rms(decay, eps, initial_scale, eps_in_sqrt, bias_correction)``
+    (`scale_by_stddev` when ``centered``) and ``identity()`` for the trace without momentum,
+    one fused pass. As in optax, the learning rate is applied before the momentum.
+
+    Args:
+        learning_rate: a float, or a schedule of the step count.
+        decay: as in `scale_by_rms`.
+        eps: as in `scale_by_rms`.
+        initial_scale: as in `scale_by_rms`.
+        eps_in_sqrt: as in `scale_by_rms`.
+        centered: whether to divide by the root of the variance (`scale_by_stddev`) instead of
+            the second moment.
+        momentum: decay rate of the momentum's trace, between 0 and 1; None: no momentum.
+        nesterov: Nesterov's momentum (used only with ``momentum``).
+        bias_correction: as in `scale_by_rms` (both moments when ``centered``).
+
+    Returns:
+        A `GradientTransformationExtraArgs`; its state is ``(ScaleByRmsState(nu), EmptyState(),
+            EmptyState())``: first the direction's (``ScaleByRmsWithCountState`` with
+            ``bias_correction``; ``ScaleByRStdDevState`` or ``ScaleByRStdDevWithCountState`` when
+            ``centered``), then the learning rate's (``ScaleByScheduleState`` with a schedule), then
+            ``TraceState(trace)`` with ``momentum``.
+
+    Raises:
+        TypeError: ``learning_rate`` is neither a real number nor a callable, ``decay``,
+            ``eps``, ``initial_scale`` or ``momentum`` is not a real number, or
+            ``eps_in_sqrt``, ``centered``, ``bias_correction`` or (with ``momentum``)
+            ``nesterov`` is not a bool.
+        ValueError: ``decay`` or ``momentum`` is not between 0 and 1.
+
+    References:
+        Tieleman and Hinton, "Lecture 6.5, RMSProp: Divide the gradient by a running average
+        of its recent magnitude", COURSERA: Neural Networks for Machine Learning, 2012; Graves,
+        "Generating Sequences With Recurrent Neural Networks", 2013 (arXiv:1308.0850).
+        optax.rmsprop; torch.optim.RMSprop (``alpha`` is ``decay``; it adds ``eps`` outside the
+        root, as ``eps_in_sqrt=False``, and applies the learning rate after the momentum).
+
+    Examples:
+        >>> import numpy as np, numbaccum as nba
+        >>> params = {"w": np.ones(2, np.float32)}
+        >>> tx = nba.rmsprop(0.1)
+        >>> grads = {"w": np.array([0.5, -2.0], np.float32)}
+        >>> state = nba.step_(tx, grads, tx.init(params), params)
+        >>> [round(float(x), 4) for x in params["w"]]  # 1 - 0.1 * g / sqrt(0.1 g^2)
+        [0.6838, 1.3162]
+    """
     direction = scale_by_stddev if flag(centered, "centered") else scale_by_rms
     if momentum is not None:
         check_decay(momentum, "momentum")  # named as the caller knows it (trace calls it decay)
@@ -940,14 +1661,76 @@ class _ScaleByRss(_Direction):
 def scale_by_rss(
     initial_accumulator_value: float = 0.1, eps: float = 1e-7
 ) -> GradientTransformationExtraArgs:
-    """Adagrad's scaling: ``s = g^2 + s`` (from ``initial_accumulator_value``),
-    ``u = g / sqrt(s + eps)`` where ``s > 0``, else 0."""
+    """Rescales the updates by the root of the sum of all squared gradients so far (Adagrad's).
+
+    ``s = g^2 + s`` (starting at ``initial_accumulator_value``),
+    ``u = r g`` with ``r = 1 / sqrt(s + eps)`` where ``s > 0``, else ``r = 0``; one fused pass.
+
+    Args:
+        initial_accumulator_value: the value ``s`` starts at (optax asks for a value of 0 or
+            more).
+        eps: added inside the square root.
+
+    Returns:
+        A `GradientTransformationExtraArgs`; its state is ``ScaleByRssState(sum_of_squares)``.
+            Updates keep each leaf's dtype.
+
+    Raises:
+        TypeError: ``initial_accumulator_value`` or ``eps`` is not a real number.
+
+    References:
+        Duchi, Hazan and Singer, "Adaptive Subgradient Methods for Online Learning and
+        Stochastic Optimization", JMLR 12, 2011. optax.scale_by_rss.
+
+    Examples:
+        >>> import numpy as np, numbaccum as nba
+        >>> g = {"w": np.array([0.5, -2.0], np.float32)}
+        >>> tx = nba.scale_by_rss()
+        >>> u, state = tx.update(g, tx.init(g))
+        >>> [round(float(x), 4) for x in state.sum_of_squares.tree["w"]]  # 0.1 + g^2
+        [0.35, 4.1]
+        >>> [round(float(x), 4) for x in u["w"]]  # g / sqrt(0.1 + g^2)
+        [0.8452, -0.9877]
+    """
     return _ScaleByRss(initial_accumulator_value, eps).transformation()
 
 
 def adagrad(
     learning_rate: ScalarOrSchedule, initial_accumulator_value: float = 0.1, eps: float = 1e-7
 ) -> GradientTransformationExtraArgs:
-    """Adagrad: ``chain(scale_by_rss(initial_accumulator_value, eps),
-    scale_by_learning_rate(learning_rate))``."""
+    """Adagrad: each element's step divided by the root of the sum of its squared gradients.
+
+    ``s = g^2 + s`` (starting at ``initial_accumulator_value``),
+    ``u = -lr (r g)`` with ``r = 1 / sqrt(s + eps)`` where ``s > 0``, else ``r = 0``.
+
+    It is ``chain(scale_by_rss(initial_accumulator_value, eps),
+    scale_by_learning_rate(learning_rate))``, one fused pass.
+
+    Args:
+        learning_rate: a float, or a schedule of the step count.
+        initial_accumulator_value: as in `scale_by_rss`.
+        eps: as in `scale_by_rss`.
+
+    Returns:
+        A `GradientTransformationExtraArgs`; its state is ``(ScaleByRssState(sum_of_squares),
+            EmptyState())`` (``ScaleByScheduleState`` last, with a schedule).
+
+    Raises:
+        TypeError: ``learning_rate`` is neither a real number nor a callable, or
+            ``initial_accumulator_value`` or ``eps`` is not a real number.
+
+    References:
+        Duchi, Hazan and Singer, "Adaptive Subgradient Methods for Online Learning and
+        Stochastic Optimization", JMLR 12, 2011. optax.adagrad; torch.optim.Adagrad (which
+        adds ``eps`` outside the root, and starts at 0 by default).
+
+    Examples:
+        >>> import numpy as np, numbaccum as nba
+        >>> params = {"w": np.ones(2, np.float32)}
+        >>> tx = nba.adagrad(0.1)
+        >>> grads = {"w": np.array([0.5, -2.0], np.float32)}
+        >>> state = nba.step_(tx, grads, tx.init(params), params)
+        >>> [round(float(x), 4) for x in params["w"]]  # 1 - 0.1 * g / sqrt(0.1 + g^2)
+        [0.9155, 1.0988]
+    """
     return chain(scale_by_rss(initial_accumulator_value, eps), scale_by_learning_rate(learning_rate))

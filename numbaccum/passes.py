@@ -35,19 +35,40 @@ def step_(tx: Any, grads: Any, state: Any, params: Any, **extra_args: Any) -> An
     pass (the update is never written to a buffer); returns the new state.
 
     Same results as ``updates, state = tx.update(grads, state, params)`` then
-    ``apply_updates_(params, updates)`` (the same bits on the CPU). A transformation whose last
-    stages do not fuse (a foreign one, `MultiSteps`, ``NUMBACCUM_FUSE=0``) runs exactly those two
-    calls.
+    ``apply_updates_(params, updates)`` (the same bits on the CPU), with one pass less over
+    memory: each parameter becomes ``p + u`` in its own dtype as the last kernel computes ``u``.
+    A transformation whose last stages do not fuse (a foreign one, `MultiSteps`,
+    ``NUMBACCUM_FUSE=0``) runs exactly those two calls. `explain` with ``apply=True`` shows the
+    passes.
 
     Args:
         tx: a transformation.
         grads: the gradients (a tree, or a FlatTree).
         state: ``tx``'s state (consumed, like ``update``'s).
         params: a FlatTree, or a tree of writable arrays, changed in place.
+        **extra_args: passed to ``tx.update`` (as ``update``'s own extra keyword arguments).
+
+    Returns:
+        The new state, as ``tx.update`` would have returned it.
 
     Raises:
-        TypeError: a leaf of ``params`` cannot change in place (nothing is written then); and
-            whatever ``tx.update`` raises, also before anything is written.
+        TypeError: ``tx`` has no callable ``init`` or ``update``; a leaf of ``params`` cannot
+            change in place (nothing is written then); and whatever ``tx.update`` raises, also
+            before anything is written.
+
+    References:
+        optax: ``updates, state = tx.update(grads, state, params)`` then
+        ``optax.apply_updates(params, updates)``; PyTorch's ``optimizer.step()`` (in place, with
+        ``foreach``/``fused`` kernels).
+
+    Examples:
+        >>> import numpy as np, numbaccum as nba
+        >>> params = {"w": np.ones(2, np.float32)}
+        >>> tx = nba.sgd(0.5)
+        >>> state = tx.init(params)
+        >>> state = nba.step_(tx, {"w": np.array([1.0, -2.0], np.float32)}, state, params)
+        >>> [round(float(x), 4) for x in params["w"]]  # 1 - 0.5 * g
+        [0.5, 2.0]
     """
     stage = as_stage(with_extra_args_support(transformation(tx, "tx")))
     return runner.run(stage, grads, state, params, extra_args, True)
@@ -72,7 +93,22 @@ class Pass(NamedTuple):
 
 
 class Explanation(NamedTuple):
-    """The passes of an update (`explain`); ``print`` shows them as a table."""
+    """The passes over memory of an update, as `explain` gives them; ``print`` shows a table.
+
+    Attributes:
+        passes: the passes in the order they run, each a ``Pass(kind, stages, read, written)``:
+            its kind ("reduction", "fused", "kernel", "settle", "apply" or "opaque"), the stages
+            it runs, and the bytes per parameter it reads and writes (None where not known).
+        minimum: the arithmetic minimum, in bytes per parameter: each input read once, each
+            state read and written once, the output written once, one more read of the input
+            per reduction.
+        fused: whether the fused path was explained (else stage by stage).
+        applied: whether `step_` was explained (the update added to the params) rather than
+            ``update``.
+        num_params: the number of parameters (elements of all leaves).
+        total: the bytes per parameter of all passes, ``sum(read + written)`` (None where a
+            pass is not described); ``total / minimum`` is what the table shows as ``1.00x``.
+    """
 
     passes: tuple[Pass, ...]
     minimum: float
@@ -112,7 +148,9 @@ def explain(
 
     Plans ``tx`` for updates shaped like ``params`` (nothing is run or written): which stages
     each pass fuses, the bytes per parameter each moves (reads and writes of inputs, states and
-    outputs, by their dtypes), and the total against the arithmetic minimum.
+    outputs, by their dtypes), and the total, ``sum(read + written)`` over the passes, against
+    the arithmetic minimum (each input read once, each state read and written once, the output
+    written once). For a `MultiSteps`, the passes of its next step, as its state says.
 
     Args:
         tx: a transformation.
@@ -121,6 +159,29 @@ def explain(
         apply: explain `step_` (the update added to params) instead of ``update``.
         fused: explain the fused (True) or stage-by-stage (False) path; None: what
             ``NUMBACCUM_FUSE`` selects now.
+
+    Returns:
+        An `Explanation`: its ``passes``, ``total`` and ``minimum`` in bytes per parameter;
+            ``print`` shows it as a table.
+
+    Raises:
+        TypeError: ``tx`` has no callable ``init`` or ``update``; a leaf of ``params`` is not a
+            float array; or ``state`` is not of ``tx``'s state class (as ``update`` checks it).
+        ValueError: ``state`` is not a state of the chain ``tx`` (not a tuple of one state per
+            stage, or for a `named_chain` not a dict of its names).
+
+    References:
+        No optax counterpart; in JAX, ``jax.jit(f).lower(*args).compile().cost_analysis()``
+        gives the bytes a compiled step accesses.
+
+    Examples:
+        >>> import numpy as np, numbaccum as nba
+        >>> tx = nba.chain(nba.clip_by_global_norm(1.0), nba.adam(1e-3))
+        >>> print(nba.explain(tx, {"w": np.zeros(4, np.float32)}, fused=True))
+        update (fused), 4 parameters: 2 passes
+          1. reduction   4.0 B/param (read 4.0, write 0.0)  clip_by_global_norm (global norm)
+          2. fused      24.0 B/param (read 12.0, write 12.0)  clip_by_global_norm + scale_by_adam + scale
+          total 28.0 B/param (1.00x); arithmetic minimum 28.0 B/param
     """
     stage = as_stage(with_extra_args_support(transformation(tx, "tx")))
     fused = fuse.enabled() if fused is None else bool(fused)

@@ -207,7 +207,7 @@ def _as_kind(out: FlatTree, kind: str) -> Any:
 
 def per_example_global_norm_clip(grads: Any, l2_norm_clip: float, *, return_norms: bool = False) -> tuple:
     """Clips each example's gradient to a global L2 norm and sums over the batch (optax's
-    ``per_example_global_norm_clip``):
+    ``per_example_global_norm_clip``).
 
     ``sum_b g[b] * min(1, l2_norm_clip / ||g[b]||)``, with ``||g[b]||`` over every leaf of
     example ``b``; ``num_clipped = #{b : multiplier < 1}``.
@@ -232,14 +232,26 @@ def per_example_global_norm_clip(grads: Any, l2_norm_clip: float, *, return_norm
 
     Returns:
         ``(sums, num_clipped)``: the tree of sums over the batch (leaf shapes without the batch
-        axis, leaf dtypes kept; a FlatTree for a FlatTree, CUDA arrays for CUDA arrays) and the
-        number of clipped examples as an ``np.int32``. With ``return_norms``,
-        ``(sums, num_clipped, norms)``: ``norms`` is a float64 host array of shape ``(B,)``.
+            axis, leaf dtypes kept; a FlatTree for a FlatTree, CUDA arrays for CUDA arrays) and the
+            number of clipped examples as an ``np.int32``. With ``return_norms``,
+            ``(sums, num_clipped, norms)``: ``norms`` is a float64 host array of shape ``(B,)``.
 
     Raises:
         ValueError: a leaf without a batch dimension (0-d) or with another batch size (the
             message names the leaf), or a negative ``l2_norm_clip``.
-        TypeError: a leaf that is not a float array.
+        TypeError: a leaf that is not a float array, ``l2_norm_clip`` not a real number, or
+            ``return_norms`` not a bool.
+
+    References:
+        Abadi et al., "Deep Learning with Differential Privacy", ACM CCS 2016
+        (arXiv:1607.00133). optax.per_example_global_norm_clip.
+
+    Examples:
+        >>> import numpy as np, numbaccum as nba
+        >>> grads = {"w": np.array([[3.0, 4.0], [0.3, 0.4]])}  # two examples, norms 5 and 0.5
+        >>> sums, num_clipped, norms = nba.per_example_global_norm_clip(grads, 1.0, return_norms=True)
+        >>> [round(float(x), 4) for x in sums["w"]], int(num_clipped), norms.tolist()
+        ([0.9, 1.2], 1, [5.0, 0.5])
     """
     clip = _check_clip(l2_norm_clip, "l2_norm_clip")
     want_norms = flag(return_norms, "return_norms")
@@ -267,16 +279,34 @@ def per_example_clip_weights(norms: Any, l2_norm_clip: float) -> np.ndarray:
 
     Returns:
         ``w``, float64 of shape ``(B,)``.
+
+    Raises:
+        ValueError: a negative ``l2_norm_clip``; ``norms`` not 1-d, or holding a negative norm.
+        TypeError: ``norms`` is not an array of real numbers, or ``l2_norm_clip`` not a real
+            number.
+
+    References:
+        Abadi et al., "Deep Learning with Differential Privacy", ACM CCS 2016
+        (arXiv:1607.00133); Goodfellow, "Efficient Per-Example Gradient Computations", 2015
+        (arXiv:1510.01799), for per-example norms without per-example gradients. The multipliers
+        of optax.per_example_global_norm_clip.
+
+    Examples:
+        >>> import numpy as np, numbaccum as nba
+        >>> nba.per_example_clip_weights(np.array([5.0, 0.5, np.nan]), 1.0).tolist()
+        [0.2, 1.0, 0.0]
     """
     clip = _check_clip(l2_norm_clip, "l2_norm_clip")
     return _multipliers(_check_norms(norms, None), clip)
 
 
 def per_example_clip_from_norms(grads: Any, norms: Any, l2_norm_clip: float) -> tuple[Any, np.int32]:
-    """`per_example_global_norm_clip` with the norms given: ``sum_b g[b] * w[b]`` with
-    ``w = per_example_clip_weights(norms, l2_norm_clip)``, in one pass over the batch (the norm
-    pass is skipped). With the norms `per_example_global_norm_clip` returned for the same
-    ``grads``, the result is the same, bit for bit.
+    """`per_example_global_norm_clip` with the norms given, in one pass over the batch.
+
+    ``sum_b g[b] * w[b]`` with ``w = per_example_clip_weights(norms, l2_norm_clip)`` (the norm
+    pass is skipped); ``num_clipped = #{b : w[b] < 1}``. With the norms
+    `per_example_global_norm_clip` returned for the same ``grads``, the result is the same, bit
+    for bit.
 
     Args:
         grads: per-example gradients (batch on axis 0 of every leaf), as in
@@ -291,7 +321,19 @@ def per_example_clip_from_norms(grads: Any, norms: Any, l2_norm_clip: float) -> 
     Raises:
         ValueError: norms of another length than the batch, negative norms or clip, or leaves
             without a common batch dimension (naming the leaf).
-        TypeError: norms that are not a 1-d array of real numbers.
+        TypeError: norms that are not a 1-d array of real numbers, a leaf that is not a float
+            array, or ``l2_norm_clip`` not a real number.
+
+    References:
+        Abadi et al., "Deep Learning with Differential Privacy", ACM CCS 2016
+        (arXiv:1607.00133). optax.per_example_global_norm_clip (which computes the norms itself).
+
+    Examples:
+        >>> import numpy as np, numbaccum as nba
+        >>> grads = {"w": np.array([[3.0, 4.0], [0.3, 0.4]])}
+        >>> sums, num_clipped = nba.per_example_clip_from_norms(grads, np.array([5.0, 0.5]), 1.0)
+        >>> [round(float(x), 4) for x in sums["w"]], int(num_clipped)
+        ([0.9, 1.2], 1)
     """
     clip = _check_clip(l2_norm_clip, "l2_norm_clip")
     flat, plan, kind = _per_example(grads, "grads")
@@ -330,7 +372,7 @@ def per_example_layer_norm_clip(
     grads: Any, global_l2_norm_clip: float, uniform: bool = True, *, return_norms: bool = False
 ) -> tuple:
     """Clips each leaf ("layer") of each example to its own L2 norm and sums over the batch
-    (optax's ``per_example_layer_norm_clip``):
+    (optax's ``per_example_layer_norm_clip``).
 
     ``sums[k] = sum_b g[k][b] * min(1, C_k / ||g[k][b]||)``, with ``C_k = C / sqrt(K)`` if
     ``uniform``, else ``C_k = C * sqrt(D_k / D)`` (``D_k`` elements per example in leaf ``k`` of
@@ -349,13 +391,30 @@ def per_example_layer_norm_clip(
 
     Returns:
         ``(sums, counts)``: the tree of sums (as in `per_example_global_norm_clip`) and a tree of
-        the same structure holding each leaf's number of clipped examples (``np.int32``). With
-        ``return_norms``, ``(sums, counts, norms)``: a tree of the same structure whose leaves
-        are float64 host arrays of shape ``(B,)``.
+            the same structure holding each leaf's number of clipped examples (``np.int32``). With
+            ``return_norms``, ``(sums, counts, norms)``: a tree of the same structure whose leaves
+            are float64 host arrays of shape ``(B,)``.
 
     Raises:
         ValueError: missing or unequal batch dimensions (naming the leaf), negative clip.
-        TypeError: a leaf that is not a float array.
+        TypeError: a leaf that is not a float array, a clip that is not a real number, or
+            ``uniform`` or ``return_norms`` not a bool.
+
+    References:
+        McMahan, Ramage, Talwar and Zhang, "Learning Differentially Private Recurrent Language
+        Models", ICLR 2018 (arXiv:1710.06963). optax.per_example_layer_norm_clip.
+
+    Examples:
+        >>> import numpy as np, numbaccum as nba
+        >>> grads = {"a": np.array([[3.0, 4.0], [0.3, 0.4]]), "b": np.array([[1.0], [2.0]])}
+        >>> sums, counts = nba.per_example_layer_norm_clip(grads, 2.0)
+        >>> [round(float(x), 4) for x in sums["a"]], [round(float(x), 4) for x in sums["b"]]
+        ([1.1485, 1.5314], [2.4142])
+        >>> {k: int(v) for k, v in counts.items()}
+        {'a': 1, 'b': 1}
+
+        Each leaf's clip is ``C_k = 2 / sqrt(2) = 1.4142``: in ``a`` the first example (norm 5) is
+        scaled down to it, in ``b`` the second (norm 2).
     """
     clip = _check_clip(global_l2_norm_clip, "global_l2_norm_clip")
     uniform = flag(uniform, "uniform")
@@ -381,8 +440,9 @@ def per_example_layer_norm_clip(
 
 
 class DifferentiallyPrivateAggregateState(NamedTuple):
-    """The key of the next noise draw (optax's field), and the examples of the current
-    accumulation cycle.
+    """State of `differentially_private_aggregate`: the key of the next noise draw (optax's field).
+
+    It also counts the examples of the current accumulation cycle.
 
     Attributes:
         rng_key: ``[seed, step]`` as two uint64 (read-only): the 128-bit key of the Philox
@@ -532,7 +592,7 @@ def differentially_private_aggregate(
     l2_norm_clip: float, noise_multiplier: float, seed: int
 ) -> GradientTransformationExtraArgs:
     """Aggregates per-example gradients with Gaussian noise (optax's
-    ``differentially_private_aggregate``, the first stage of DP-SGD):
+    ``differentially_private_aggregate``, the first stage of DP-SGD).
 
     ``u = (sum_b clip(g[b], l2_norm_clip) + l2_norm_clip * noise_multiplier * z) / B``,
     ``z ~ N(0, I)``, with ``clip`` as in `per_example_global_norm_clip` (non-finite examples
@@ -573,9 +633,29 @@ def differentially_private_aggregate(
         noise_multiplier: the noise's standard deviation in units of ``C`` (``>= 0``, finite).
         seed: a non-negative int below ``2**64``; the state starts at ``[seed, 0]``.
 
+    Returns:
+        A `GradientTransformationExtraArgs`; its state is
+            ``DifferentiallyPrivateAggregateState(rng_key, examples)``, ``rng_key`` the two uint64
+            ``(seed, step)``.
+
     Raises:
-        ValueError: a bad hyperparameter (negative, or a non-finite noise scale), a leaf without
-            a batch dimension or with another batch size, an empty batch.
+        ValueError: a bad hyperparameter (negative, or a non-finite noise scale), a seed outside
+            0 .. 2**64 - 1; at ``update``, a leaf without a batch dimension or with another
+            batch size, an empty batch.
+        TypeError: ``seed`` not an int, a clip or noise multiplier that is not a real number.
+
+    References:
+        Abadi et al., "Deep Learning with Differential Privacy", ACM CCS 2016
+        (arXiv:1607.00133). optax.contrib.differentially_private_aggregate.
+
+    Examples:
+        >>> import numpy as np, numbaccum as nba
+        >>> params = {"w": np.zeros(2)}
+        >>> tx = nba.differentially_private_aggregate(1.0, noise_multiplier=0.0, seed=0)
+        >>> grads = {"w": np.array([[3.0, 4.0], [0.3, 0.4]])}  # two examples, norms 5 and 0.5
+        >>> updates, state = tx.update(grads, tx.init(params))
+        >>> [round(float(x), 4) for x in updates["w"]], state.rng_key.tolist()  # (0.6 + 0.3) / 2
+        ([0.45, 0.6], [0, 1])
     """
     return _Aggregate(l2_norm_clip, noise_multiplier, seed).transformation()
 
@@ -588,7 +668,7 @@ def dpsgd(
     momentum: float | None = None,
     nesterov: bool = False,
 ) -> GradientTransformationExtraArgs:
-    """DP-SGD (optax's ``contrib.dpsgd``): `differentially_private_aggregate` then `sgd`:
+    """DP-SGD (optax's ``contrib.dpsgd``): `differentially_private_aggregate` then `sgd`.
 
     ``u = -learning_rate * trace(dp_aggregate(g))`` (no trace when ``momentum`` is None).
 
@@ -603,6 +683,30 @@ def dpsgd(
         seed: a non-negative int below ``2**64``.
         momentum: the trace decay, or None for plain SGD.
         nesterov: Nesterov momentum.
+
+    Returns:
+        A `GradientTransformationExtraArgs`; its state is
+            ``(DifferentiallyPrivateAggregateState(rng_key, examples), TraceState(trace) or
+            EmptyState(), EmptyState())`` (``ScaleByScheduleState`` last, with a schedule).
+
+    Raises:
+        ValueError: ``momentum`` outside 0 .. 1, or a bad hyperparameter of
+            `differentially_private_aggregate`.
+        TypeError: a hyperparameter of the wrong type (as in `differentially_private_aggregate`
+            and `sgd`).
+
+    References:
+        Abadi et al., "Deep Learning with Differential Privacy", ACM CCS 2016
+        (arXiv:1607.00133). optax.contrib.dpsgd; Opacus' ``DPOptimizer`` over torch.optim.SGD.
+
+    Examples:
+        >>> import numpy as np, numbaccum as nba
+        >>> params = {"w": np.zeros(2)}
+        >>> tx = nba.dpsgd(0.1, l2_norm_clip=1.0, noise_multiplier=0.0, seed=0)
+        >>> grads = {"w": np.array([[3.0, 4.0], [0.3, 0.4]])}
+        >>> updates, state = tx.update(grads, tx.init(params))
+        >>> [round(float(x), 4) for x in updates["w"]]  # -0.1 * (0.45, 0.6)
+        [-0.045, -0.06]
     """
     if momentum is not None:
         check_decay(momentum, "momentum")  # named as the caller knows it (trace calls it decay)

@@ -15,16 +15,39 @@ __all__ = ["EmptyState", "GradientTransformation", "GradientTransformationExtraA
 
 
 class GradientTransformation(NamedTuple):
-    """A pair of pure-looking functions ``init(params) -> state`` and
-    ``update(updates, state, params=None) -> (updates, state)``."""
+    """optax's transformation: a pair of functions, ``init`` and ``update``.
+
+    ``state = init(params)`` makes the initial state; ``updates, state = update(updates, state,
+    params)`` transforms one step's updates. Any object with callable ``init`` and ``update`` can
+    be chained with numbaccum's transformations; this NamedTuple is the plain way to make one of
+    two functions (`chain` passes its ``update`` the params, but no extra keyword arguments).
+
+    Attributes:
+        init: ``init(params) -> state``, the initial state for a tree of params.
+        update: ``update(updates, state, params=None) -> (updates, state)``, one step.
+    """
 
     init: Callable[..., Any]
     update: Callable[..., Any]
 
 
 class GradientTransformationExtraArgs(GradientTransformation):
-    """A GradientTransformation whose ``update`` accepts (and may ignore) ``**extra_args``."""
+    """A `GradientTransformation` whose ``update`` also accepts ``**extra_args`` (and may ignore them).
+
+    Every numbaccum transformation is one; `with_extra_args_support` makes one of any pair.
+
+    Attributes:
+        init: ``init(params) -> state``, the initial state for a tree of params.
+        update: ``update(updates, state, params=None, **extra_args) -> (updates, state)``, one step;
+            the keyword arguments (e.g. ``value=loss`` for optax's ``reduce_on_plateau``, or what a
+            stateful schedule of `inject_hyperparams` reads) reach every stage of a chain.
+    """
 
 
 class EmptyState(NamedTuple):
-    """The state of a stateless transformation."""
+    """The state of a stateless transformation: a NamedTuple with no fields (also named ClipState).
+
+    ``EmptyState()`` is what ``init`` of a transformation that keeps nothing returns (`scale`,
+    `clip`, ``scale_by_learning_rate`` with a constant rate, ...); ``ClipState`` is the same class,
+    as in optax. It has no fields, hence no attributes.
+    """

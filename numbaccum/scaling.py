@@ -58,7 +58,25 @@ def _passing(part: Scale) -> Scale:
 
 
 def identity() -> GradientTransformationExtraArgs:
-    """Returns the updates unchanged: ``u = g``."""
+    """Returns the updates unchanged.
+
+    Each update returns ``u = g`` (the same values; no pass of its own inside a chain). It is
+    stateless.
+
+    Returns:
+        A `GradientTransformationExtraArgs`; its state is ``EmptyState()``.
+
+    References:
+        optax.identity.
+
+    Examples:
+        >>> import numpy as np, numbaccum as nba
+        >>> tx = nba.identity()
+        >>> state = tx.init({"w": np.zeros(2, np.float32)})
+        >>> u, state = tx.update({"w": np.array([1.0, -2.0], np.float32)}, state)
+        >>> [round(float(x), 4) for x in u["w"]]
+        [1.0, -2.0]
+    """
     return _Identity().transformation()
 
 
@@ -77,12 +95,42 @@ class _Scale(Stage):
 
 
 def scale(step_size: float) -> GradientTransformationExtraArgs:
-    """Scales the updates: ``u = step_size * g``. Stateless."""
+    """Scales the updates by a constant factor.
+
+    Each update returns ``u = step_size * g``. It is stateless, and inside a chain the factor
+    rides on the next kernel instead of a pass of its own.
+
+    Args:
+        step_size: the factor (a real number).
+
+    Returns:
+        A `GradientTransformationExtraArgs`; its state is ``EmptyState()``.
+
+    Raises:
+        TypeError: ``step_size`` is not a real number (a bool, a string, None, an array of
+            several values).
+
+    References:
+        optax.scale.
+
+    Examples:
+        >>> import numpy as np, numbaccum as nba
+        >>> tx = nba.scale(0.5)
+        >>> state = tx.init({"w": np.zeros(2, np.float32)})
+        >>> u, state = tx.update({"w": np.array([1.0, -2.0], np.float32)}, state)
+        >>> [round(float(x), 4) for x in u["w"]]
+        [0.5, -1.0]
+    """
     return _Scale(step_size).transformation()
 
 
 class ScaleByScheduleState(NamedTuple):
-    """Step count of a schedule (int32, saturating)."""
+    """The state of `scale_by_learning_rate` with a schedule: its step count.
+
+    Attributes:
+        count: updates so far, the argument of the schedule at the next update (int32,
+            saturating at the int32 maximum); 0 after ``init``.
+    """
 
     count: np.int32  # type: ignore[assignment]  # shadows tuple.count, as in optax
 
@@ -117,8 +165,39 @@ class _ScaleBySchedule(Stage):
 def scale_by_learning_rate(
     learning_rate: ScalarOrSchedule, *, flip_sign: bool = True
 ) -> GradientTransformationExtraArgs:
-    """``u = -learning_rate * g`` (``+`` with ``flip_sign=False``); ``learning_rate`` is a float
-    or a callable of the step count (then the state is `ScaleByScheduleState`)."""
+    """Scales the updates by the learning rate, a constant or a schedule of the step count.
+
+    Each update returns ``u = -learning_rate * g``, or ``u = learning_rate * g`` with
+    ``flip_sign=False``. With a schedule, ``learning_rate`` is ``learning_rate(count)`` with the
+    state's ``count`` (0 at the first update), then ``count = count + 1``.
+
+    Args:
+        learning_rate: a real number, or a schedule of the step count (``fn(count) -> float``).
+        flip_sign: negate the learning rate (descent), as optimizers do.
+
+    Returns:
+        A `GradientTransformationExtraArgs`; its state is ``EmptyState()`` for a constant (it is
+            ``scale(-learning_rate)``), ``ScaleByScheduleState(count)`` for a schedule.
+
+    Raises:
+        TypeError: ``learning_rate`` is neither a real number nor callable, or ``flip_sign`` is
+            not a bool; at an update, a schedule returned something other than a real number.
+
+    References:
+        optax.scale_by_learning_rate.
+
+    Examples:
+        >>> import numpy as np, numbaccum as nba
+        >>> tx = nba.scale_by_learning_rate(lambda count: 0.1 / (1 + count))
+        >>> state = tx.init({"w": np.zeros(2, np.float32)})
+        >>> g = {"w": np.array([1.0, -2.0], np.float32)}
+        >>> u, state = tx.update(g, state)
+        >>> [round(float(x), 4) for x in u["w"]]  # -0.1 * g
+        [-0.1, 0.2]
+        >>> u, state = tx.update(g, state)
+        >>> [round(float(x), 4) for x in u["w"]]  # -0.05 * g
+        [-0.05, 0.1]
+    """
     sign = -1.0 if flag(flip_sign, "flip_sign") else 1.0
     learning_rate = real_or_schedule(learning_rate, "learning_rate")
     if not callable(learning_rate):
@@ -127,7 +206,12 @@ def scale_by_learning_rate(
 
 
 class WeightDecaySchedule(NamedTuple):
-    """The step count of a scheduled weight decay."""
+    """The state of `add_decayed_weights` with a scheduled weight decay: its step count.
+
+    Attributes:
+        count: updates so far, the argument of the schedule at the next update (int32,
+            saturating at the int32 maximum); 0 after ``init``.
+    """
 
     count: np.int32  # type: ignore[assignment]  # shadows tuple.count, as in optax
 
@@ -245,16 +329,47 @@ class _MaskedDecay(_Masked):
 def add_decayed_weights(
     weight_decay: ScalarOrSchedule = 0.0, mask: Any = None
 ) -> GradientTransformationExtraArgs:
-    """Weight decay: ``u = g + weight_decay * params``. Needs ``params``.
+    """Decoupled weight decay: adds the params, scaled, to the updates.
+
+    Each update returns ``u = g + weight_decay * params`` (on the leaves the mask keeps; ``u = g``
+    on the others). With a schedule, ``weight_decay`` is ``weight_decay(count)`` with the state's
+    ``count`` (0 at the first update), then ``count = count + 1``. It needs ``params``. Placed
+    before the learning rate in a chain, it is AdamW's decay.
 
     Args:
-        weight_decay: the decay rate, or a schedule of the step (state `WeightDecaySchedule`);
-            a constant 0 passes the updates through unchanged, as in optax.
+        weight_decay: the decay rate, or a schedule of the step count (state
+            `WeightDecaySchedule`); a constant 0 passes the updates through unchanged, as in optax.
         mask: None (every leaf), or a tree of bools of the params' structure (or a prefix of
             it), or a callable of the params returning one: only the leaves where it is True
             are decayed, the others pass through (optax's ``masked(add_decayed_weights(...),
             mask)``, with its state ``MaskedState(EmptyState())``; the usual way to keep biases
             and norm scales out of weight decay). See `numbaccum.masked`.
+
+    Returns:
+        A `GradientTransformationExtraArgs`; its state is ``EmptyState()`` for a constant decay,
+            ``WeightDecaySchedule(count)`` for a schedule, either wrapped in ``MaskedState(...)``
+            with a mask.
+
+    Raises:
+        TypeError: ``weight_decay`` is neither a real number nor callable; at an update, a
+            schedule returned something other than a real number; at ``init`` or an update, a
+            mask leaf is not a bool.
+        ValueError: at an update, ``params`` is not given; at ``init`` or an update, the mask is
+            not a prefix of the params' structure.
+
+    References:
+        Loshchilov and Hutter, "Decoupled Weight Decay Regularization", ICLR 2019
+        (arXiv:1711.05101). optax.add_decayed_weights.
+
+    Examples:
+        >>> import numpy as np, numbaccum as nba
+        >>> params = {"b": np.ones(2, np.float32), "w": np.array([1.0, 2.0], np.float32)}
+        >>> tx = nba.add_decayed_weights(0.1, mask={"b": False, "w": True})
+        >>> state = tx.init(params)
+        >>> g = {"b": np.ones(2, np.float32), "w": np.ones(2, np.float32)}
+        >>> u, state = tx.update(g, state, params)
+        >>> [round(float(x), 4) for x in u["w"]], [round(float(x), 4) for x in u["b"]]
+        ([1.1, 1.2], [1.0, 1.0])
     """
     if mask is None:
         return _AddDecayedWeights(weight_decay).transformation()

@@ -56,7 +56,29 @@ def _bound(value: float, end: float, lower: bool) -> float:
 
 
 def constant_schedule(value: Any) -> Schedule:
-    """``value`` at every step."""
+    """A constant schedule: the same value at every step.
+
+    The schedule returns ``value`` for every ``count`` (as a float).
+
+    Args:
+        value: the value (a real number).
+
+    Returns:
+        A function ``schedule(count) -> float`` of an integer step count (a Python or NumPy
+            integer; TypeError for anything else).
+
+    Raises:
+        TypeError: ``value`` is not a real number.
+
+    References:
+        optax.constant_schedule.
+
+    Examples:
+        >>> import numbaccum as nba
+        >>> sched = nba.constant_schedule(0.1)
+        >>> [round(float(sched(i)), 4) for i in (0, 5, 10)]
+        [0.1, 0.1, 0.1]
+    """
     value = real(value, "value")
 
     def schedule(count: Any) -> float:
@@ -69,11 +91,39 @@ def constant_schedule(value: Any) -> Schedule:
 def polynomial_schedule(
     init_value: Any, end_value: Any, power: Any, transition_steps: Any, transition_begin: Any = 0
 ) -> Schedule:
-    """``(init - end) * (1 - t / transition_steps) ** power + end``, with
-    ``t = clip(count - transition_begin, 0, transition_steps)``.
+    """A polynomial transition from ``init_value`` to ``end_value``.
+
+    The value is ``(init_value - end_value) * (1 - t / transition_steps) ** power + end_value``,
+    with ``t = clip(count - transition_begin, 0, transition_steps)``: ``init_value`` until
+    ``transition_begin``, ``end_value`` from ``transition_begin + transition_steps`` on. The
+    power follows IEEE arithmetic (inf on overflow, NaN for a negative base and a fractional
+    exponent), as ``jnp.power``.
 
     As in optax, ``transition_steps <= 0`` gives the constant ``init_value`` and a negative
     ``transition_begin`` counts as 0.
+
+    Args:
+        init_value: the value before the transition.
+        end_value: the value after the transition.
+        power: the exponent of the polynomial (1 is linear).
+        transition_steps: the length of the transition in steps.
+        transition_begin: the step at which the transition starts.
+
+    Returns:
+        A function ``schedule(count) -> float`` of an integer step count, computed in float64.
+
+    Raises:
+        TypeError: ``init_value``, ``end_value`` or ``power`` is not a real number, or
+            ``transition_steps`` or ``transition_begin`` not an integer.
+
+    References:
+        optax.polynomial_schedule.
+
+    Examples:
+        >>> import numbaccum as nba
+        >>> sched = nba.polynomial_schedule(1.0, 0.1, power=2, transition_steps=10)
+        >>> [round(float(sched(i)), 4) for i in (0, 5, 10)]  # 0.9 * 0.5 ** 2 + 0.1 at 5
+        [1.0, 0.325, 0.1]
     """
     init_value = real(init_value, "init_value")
     end_value = real(end_value, "end_value")
@@ -94,19 +144,74 @@ def polynomial_schedule(
 def linear_schedule(
     init_value: Any, end_value: Any, transition_steps: Any, transition_begin: Any = 0
 ) -> Schedule:
-    """From ``init_value`` to ``end_value`` linearly over ``transition_steps`` steps starting at
-    ``transition_begin``: ``polynomial_schedule(..., power=1)``."""
+    """A linear transition from ``init_value`` to ``end_value`` (the usual learning-rate warmup).
+
+    The value is ``init_value + (end_value - init_value) * t / transition_steps`` (computed as
+    ``(init_value - end_value) * (1 - t / transition_steps) + end_value``), with
+    ``t = clip(count - transition_begin, 0, transition_steps)``: it is
+    ``polynomial_schedule(init_value, end_value, 1, transition_steps, transition_begin)``. As in
+    optax, ``transition_steps <= 0`` gives the constant ``init_value`` and a negative
+    ``transition_begin`` counts as 0.
+
+    Args:
+        init_value: the value before the transition.
+        end_value: the value after the transition.
+        transition_steps: the length of the transition in steps.
+        transition_begin: the step at which the transition starts.
+
+    Returns:
+        A function ``schedule(count) -> float`` of an integer step count, computed in float64.
+
+    Raises:
+        TypeError: ``init_value`` or ``end_value`` is not a real number, or ``transition_steps``
+            or ``transition_begin`` not an integer.
+
+    References:
+        Goyal et al., "Accurate, Large Minibatch SGD: Training ImageNet in 1 Hour", 2017
+        (arXiv:1706.02677; linear warmup). optax.linear_schedule.
+
+    Examples:
+        >>> import numbaccum as nba
+        >>> sched = nba.linear_schedule(0.0, 1.0, transition_steps=10)
+        >>> [round(float(sched(i)), 4) for i in (0, 5, 10)]
+        [0.0, 0.5, 1.0]
+    """
     return polynomial_schedule(init_value, end_value, 1, transition_steps, transition_begin)
 
 
 def cosine_decay_schedule(
     init_value: Any, decay_steps: Any, alpha: Any = 0.0, exponent: Any = 1.0
 ) -> Schedule:
-    """``init_value * ((1 - alpha) * c ** exponent + alpha)``, with
-    ``c = (1 + cos(pi * min(count, decay_steps) / decay_steps)) / 2``.
+    """A cosine decay from ``init_value`` to ``alpha * init_value`` over ``decay_steps`` steps.
+
+    The value is ``init_value * ((1 - alpha) * c ** exponent + alpha)``, with
+    ``c = (1 + cos(pi * min(count, decay_steps) / decay_steps)) / 2``: ``init_value`` at step 0,
+    ``alpha * init_value`` from ``decay_steps`` on (a negative ``count`` is not clipped, as in
+    optax).
+
+    Args:
+        init_value: the value at step 0.
+        decay_steps: the number of steps of the decay.
+        alpha: the final value as a fraction of ``init_value``.
+        exponent: the power of the cosine factor ``c``.
+
+    Returns:
+        A function ``schedule(count) -> float`` of an integer step count, computed in float64.
 
     Raises:
         ValueError: ``decay_steps <= 0`` (as optax).
+        TypeError: ``init_value``, ``alpha`` or ``exponent`` is not a real number, or
+            ``decay_steps`` not an integer.
+
+    References:
+        Loshchilov and Hutter, "SGDR: Stochastic Gradient Descent with Warm Restarts",
+        ICLR 2017 (arXiv:1608.03983). optax.cosine_decay_schedule.
+
+    Examples:
+        >>> import numbaccum as nba
+        >>> sched = nba.cosine_decay_schedule(1.0, decay_steps=10, alpha=0.1)
+        >>> [round(float(sched(i)), 4) for i in (0, 5, 10)]  # 0.9 * 0.5 + 0.1 at 5
+        [1.0, 0.55, 0.1]
     """
     init_value = real(init_value, "init_value")
     decay_steps = _steps(decay_steps, "decay_steps")
@@ -124,12 +229,35 @@ def cosine_decay_schedule(
 
 
 def join_schedules(schedules: Sequence[Schedule], boundaries: Sequence[Any]) -> Schedule:
-    """``schedules[i](count - boundaries[i-1])`` for ``boundaries[i-1] <= count < boundaries[i]``
-    (``schedules[0](count)`` before the first boundary).
+    """Joins schedules one after the other, each restarted at its boundary.
+
+    The value is ``schedules[0](count)`` before the first boundary and
+    ``schedules[i](count - boundaries[i - 1])`` from ``boundaries[i - 1]`` on; where the
+    boundaries are not increasing, the last schedule whose boundary ``count`` has reached wins,
+    as in optax. A schedule is called only from its boundary on (optax calls every one).
+
+    Args:
+        schedules: the schedules, in order (callables of the step count).
+        boundaries: the steps at which each schedule after the first starts, one fewer than
+            ``schedules``.
+
+    Returns:
+        A function ``schedule(count) -> float`` of an integer step count.
 
     Raises:
-        ValueError: ``len(boundaries) != len(schedules) - 1``.
+        ValueError: ``schedules`` is empty, or ``len(boundaries) != len(schedules) - 1``.
         TypeError: a schedule is not callable, or a boundary not an integer.
+
+    References:
+        optax.join_schedules.
+
+    Examples:
+        >>> import numbaccum as nba
+        >>> sched = nba.join_schedules(
+        ...     [nba.constant_schedule(1.0), nba.linear_schedule(1.0, 0.0, 10)], boundaries=[5]
+        ... )
+        >>> [round(float(sched(i)), 4) for i in (0, 5, 10)]  # the linear one at 0, then at 5
+        [1.0, 1.0, 0.5]
     """
     schedules = list(schedules)
     bounds = [_steps(b, f"boundaries[{i}]") for i, b in enumerate(boundaries)]
@@ -162,10 +290,42 @@ def warmup_cosine_decay_schedule(
     end_value: Any = 0.0,
     exponent: Any = 1.0,
 ) -> Schedule:
-    """Linear warmup from ``init_value`` to ``peak_value`` over ``warmup_steps``, then a cosine
-    decay to ``end_value`` reached at ``decay_steps`` (which counts the warmup): as optax,
-    ``join_schedules([linear, cosine_decay(peak, decay_steps - warmup_steps, end/peak)],
-    [warmup_steps])``.
+    """Linear warmup to ``peak_value``, then a cosine decay to ``end_value``.
+
+    The value rises linearly from ``init_value`` to ``peak_value`` over ``warmup_steps``, then
+    decays as a cosine to ``end_value``, reached at ``decay_steps`` (which counts the warmup):
+    as optax, ``join_schedules([linear_schedule(init_value, peak_value, warmup_steps),
+    cosine_decay_schedule(peak_value, decay_steps - warmup_steps, end_value / peak_value,
+    exponent)], [warmup_steps])`` (``alpha = 0`` when ``peak_value == 0``).
+
+    Args:
+        init_value: the value at step 0.
+        peak_value: the value at the end of the warmup.
+        warmup_steps: the number of warmup steps.
+        decay_steps: the step at which ``end_value`` is reached, warmup included.
+        end_value: the final value.
+        exponent: the power of the cosine factor (see `cosine_decay_schedule`).
+
+    Returns:
+        A function ``schedule(count) -> float`` of an integer step count, computed in float64.
+
+    Raises:
+        ValueError: ``decay_steps <= warmup_steps``.
+        TypeError: a value is not a real number, or ``warmup_steps`` or ``decay_steps`` not an
+            integer.
+
+    References:
+        Goyal et al., "Accurate, Large Minibatch SGD: Training ImageNet in 1 Hour", 2017
+        (linear warmup); Loshchilov and Hutter, "SGDR: Stochastic Gradient Descent with Warm
+        Restarts", ICLR 2017 (cosine decay). optax.warmup_cosine_decay_schedule.
+
+    Examples:
+        >>> import numbaccum as nba
+        >>> sched = nba.warmup_cosine_decay_schedule(
+        ...     0.0, peak_value=1.0, warmup_steps=5, decay_steps=15, end_value=0.1
+        ... )
+        >>> [round(float(sched(i)), 4) for i in (0, 5, 10, 15)]
+        [0.0, 1.0, 0.55, 0.1]
     """
     init_value = real(init_value, "init_value")
     peak_value = real(peak_value, "peak_value")
@@ -196,13 +356,42 @@ def exponential_decay(
     staircase: bool = False,
     end_value: Any = None,
 ) -> Schedule:
-    """``init_value * decay_rate ** p``, ``p = (count - transition_begin) / transition_steps``
-    (floored when ``staircase``); ``init_value`` until ``transition_begin``; every value, those
-    before ``transition_begin`` too, bounded by ``end_value`` (a floor when ``decay_rate < 1``, a
-    ceiling otherwise), as optax: a growth that overflows gives ``end_value``.
+    """An exponential decay (or growth) of ``init_value`` by ``decay_rate`` per ``transition_steps``.
+
+    The value is ``init_value * decay_rate ** p``, ``p = (count - transition_begin) /
+    transition_steps`` (floored when ``staircase``); ``init_value`` until ``transition_begin``;
+    every value, those before ``transition_begin`` too, bounded by ``end_value`` (a floor when
+    ``decay_rate < 1``, a ceiling otherwise), as optax: a growth that overflows gives
+    ``end_value``.
 
     As optax, ``transition_steps <= 0`` or ``decay_rate == 0`` give the constant ``init_value``
     and a negative ``transition_begin`` counts as 0.
+
+    Args:
+        init_value: the value until ``transition_begin``.
+        transition_steps: the number of steps over which the value is multiplied by
+            ``decay_rate``.
+        decay_rate: the factor per ``transition_steps`` steps.
+        transition_begin: the step at which the decay starts.
+        staircase: decay in steps (``p`` floored) instead of continuously.
+        end_value: a bound on the value (None: unbounded).
+
+    Returns:
+        A function ``schedule(count) -> float`` of an integer step count, computed in float64.
+
+    Raises:
+        TypeError: ``init_value``, ``decay_rate`` or ``end_value`` is not a real number,
+            ``transition_steps`` or ``transition_begin`` not an integer, or ``staircase`` not a
+            bool.
+
+    References:
+        optax.exponential_decay.
+
+    Examples:
+        >>> import numbaccum as nba
+        >>> sched = nba.exponential_decay(1.0, transition_steps=5, decay_rate=0.5)
+        >>> [round(float(sched(i)), 4) for i in (0, 5, 10)]
+        [1.0, 0.5, 0.25]
     """
     init_value = real(init_value, "init_value")
     transition_steps = _steps(transition_steps, "transition_steps")
@@ -231,10 +420,31 @@ def exponential_decay(
 def piecewise_constant_schedule(
     init_value: Any, boundaries_and_scales: Mapping[Any, Any] | None = None
 ) -> Schedule:
-    """``init_value`` times every ``scale`` whose boundary ``count`` has reached.
+    """A piecewise constant schedule: ``init_value`` scaled at each boundary.
+
+    The value is ``init_value`` times the product of every ``scale`` whose boundary ``count``
+    has reached (``count >= boundary``).
+
+    Args:
+        init_value: the value before the first boundary.
+        boundaries_and_scales: a mapping from step (an integer) to the factor applied from that
+            step on; None or empty: the constant ``init_value``.
+
+    Returns:
+        A function ``schedule(count) -> float`` of an integer step count, computed in float64.
 
     Raises:
         ValueError: a negative scale (as optax).
+        TypeError: ``init_value`` or a scale is not a real number, or a boundary not an integer.
+
+    References:
+        optax.piecewise_constant_schedule.
+
+    Examples:
+        >>> import numbaccum as nba
+        >>> sched = nba.piecewise_constant_schedule(1.0, {5: 0.5, 10: 0.1})
+        >>> [round(float(sched(i)), 4) for i in (0, 5, 10)]  # 1.0 * 0.5 * 0.1 at 10
+        [1.0, 0.5, 0.05]
     """
     init_value = real(init_value, "init_value")
     pairs = []

@@ -92,15 +92,34 @@ def _walk(state: Any) -> list[tuple[tuple, Any]]:
 def stats(state: Any) -> dict[str, Any]:
     """The loggable numbers of a state, as ``{"name/field": value}``.
 
-    Names come from the state classes (``clip_by_global_norm``, ``multisteps``, ``scale_by_adam``,
-    ...) and the names of a `named_chain`, joined by ``/``; where a chain holds two states that
-    would give the same name, each is prefixed with its index in the chain. Values are Python
-    scalars; a CUDA clip's norm stays a `DeviceScalar` (no synchronisation here: ``float(v)``
-    reads it).
+    Reads what the state already holds, computing nothing: every scalar field of every state
+    class in the nest (a step count, a clip's norm and flags, MultiSteps' counters, the
+    hyperparameters `inject_hyperparams` used). Names come from the state classes
+    (``clip_by_global_norm``, ``multisteps``, ``scale_by_adam``, ...) and the names of a
+    `named_chain`, joined by ``/``; where a chain holds two states that would give the same name,
+    each is prefixed with its index in the chain. Buffers (FlatTrees) and arrays of more than
+    one element are left out.
 
-    Example::
+    Args:
+        state: a state from ``init``/``update`` of any transformation (chains, named chains and
+            wrappers are walked); anything else gives an empty dict.
 
-        updates, state = opt.update(grads, state, params)
-        logger.log(numbaccum.stats(state))  # {"clip_by_global_norm/norm": 3.2, ...}
+    Returns:
+        A flat dict from ``/``-joined names to Python scalars (bool, int, float), ready for a
+            logger. A CUDA clip's norm stays a `DeviceScalar` (no synchronisation here: ``float(v)``
+            reads it).
+
+    References:
+        optax.tree_utils.tree_get (reads one value of an optax state by name).
+
+    Examples:
+        >>> import numpy as np, numbaccum as nba
+        >>> tx = nba.chain(nba.clip_by_global_norm(1.0), nba.adam(1e-3))
+        >>> params = {"w": np.zeros(2, np.float32)}
+        >>> state = tx.init(params)
+        >>> _, state = tx.update({"w": np.array([3.0, 4.0], np.float32)}, state, params)
+        >>> nba.stats(state)
+        {'clip_by_global_norm/norm': 5.0, 'clip_by_global_norm/clipped': True,
+         'clip_by_global_norm/skipped': False, 'scale_by_adam/count': 1}
     """
     return {"/".join(k): v for k, v in _walk(state)}

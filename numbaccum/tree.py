@@ -135,11 +135,31 @@ def _flatten(node: Any, path: tuple, leaves: list, paths: list | None) -> TreeDe
 def tree_flatten(tree: Any) -> tuple[list[Any], TreeDef]:
     """Flattens a tree into its leaves (depth first, dict keys sorted) and its structure.
 
+    Walks the nest depth first: a dict's values in the order of its sorted keys (as JAX does),
+    a list's, tuple's or NamedTuple's items in order; None is an empty subtree (no leaf), and
+    anything else (an array, a number) is a leaf. A `FlatTree` flattens as its ``.tree`` (views
+    of its buffers). ``tree_unflatten(treedef, leaves)`` is the inverse.
+
     Args:
         tree: a nest of dict, list, tuple, NamedTuple and None; anything else is a leaf.
 
     Returns:
-        ``(leaves, treedef)`` with ``tree_unflatten(treedef, leaves)`` rebuilding the tree.
+        ``(leaves, treedef)`` with ``tree_unflatten(treedef, leaves)`` rebuilding the tree; the
+            treedef is hashable and compares equal for trees of the same structure.
+
+    Raises:
+        TypeError: a dict's keys cannot be sorted (e.g. int and str keys mixed).
+
+    References:
+        jax.tree_util.tree_flatten (without custom node types or ``is_leaf``).
+
+    Examples:
+        >>> import numpy as np, numbaccum as nba
+        >>> leaves, treedef = nba.tree_flatten({"w": np.ones(2), "b": (np.zeros(1), None)})
+        >>> [x.tolist() for x in leaves]  # "b" before "w"; None holds no leaf
+        [[0.0], [1.0, 1.0]]
+        >>> treedef
+        TreeDef({'b': (*, None), 'w': *}, num_leaves=2)
     """
     leaves: list[Any] = []
     return leaves, _flatten(tree, (), leaves, None)
@@ -227,7 +247,31 @@ def leaf_paths(treedef: TreeDef) -> list[tuple]:
 
 
 def tree_unflatten(treedef: TreeDef, leaves: Sequence[Any]) -> Any:
-    """Rebuilds a tree of structure ``treedef`` from ``leaves`` (in `tree_flatten` order)."""
+    """Rebuilds a tree of structure ``treedef`` from ``leaves`` (in `tree_flatten` order).
+
+    The inverse of `tree_flatten`: ``tree_unflatten(treedef, leaves)`` puts the ``i``-th leaf
+    where the ``i``-th leaf of the flattened tree was, rebuilding dicts (keys in sorted order),
+    lists, tuples, NamedTuples (of their class) and None. The leaves can be anything.
+
+    Args:
+        treedef: a structure, as `tree_flatten` returns it.
+        leaves: one value per leaf of ``treedef``, in `tree_flatten` order.
+
+    Returns:
+        The tree of structure ``treedef`` holding ``leaves``.
+
+    Raises:
+        ValueError: ``leaves`` has not ``treedef.num_leaves`` values.
+
+    References:
+        jax.tree_util.tree_unflatten.
+
+    Examples:
+        >>> import numpy as np, numbaccum as nba
+        >>> leaves, treedef = nba.tree_flatten({"w": np.ones(2), "b": (np.zeros(1), None)})
+        >>> nba.tree_unflatten(treedef, [1.0, 2.0])
+        {'b': (1.0, None), 'w': 2.0}
+    """
     leaves = list(leaves)
     if len(leaves) != treedef.num_leaves:
         raise ValueError(f"treedef has {treedef.num_leaves} leaves, got {len(leaves)}")
@@ -300,8 +344,32 @@ def check_same_structure(expected: TreeDef, got: TreeDef, name: str) -> None:
 def tree_map(f: Callable[..., Any], tree: Any, *rest: Any) -> Any:
     """Applies ``f`` leaf by leaf to ``tree`` and trees of the same structure in ``rest``.
 
+    ``out_i = f(x_i, r1_i, r2_i, ...)`` for the ``i``-th leaf ``x_i`` of ``tree`` and the
+    ``i``-th leaves of the trees in ``rest``, rebuilt with the structure of ``tree``
+    (`tree_flatten`, then `tree_unflatten`).
+
+    Args:
+        f: a function of ``1 + len(rest)`` leaves.
+        tree: the tree whose structure the result has.
+        *rest: trees of the same structure as ``tree``.
+
+    Returns:
+        A new tree of ``tree``'s structure holding ``f``'s results.
+
     Raises:
         ValueError: a tree in ``rest`` has another structure (names the first differing path).
+        TypeError: a dict's keys cannot be sorted.
+
+    References:
+        jax.tree_util.tree_map (without ``is_leaf``).
+
+    Examples:
+        >>> import numpy as np, numbaccum as nba
+        >>> params = {"w": np.array([1.0, 2.0]), "b": np.array([0.5])}
+        >>> grads = {"w": np.array([1.0, -1.0]), "b": np.array([2.0])}
+        >>> new = nba.tree_map(lambda p, g: p - 0.1 * g, params, grads)
+        >>> [round(float(x), 4) for x in new["w"]], [round(float(x), 4) for x in new["b"]]
+        ([0.9, 2.1], [0.3])
     """
     leaves, td = tree_flatten(tree)
     others = []

@@ -68,6 +68,10 @@ def warmup(
         TypeError: a dtype is not float16, float32 or float64; ``tx`` without ``params``; or
             what ``tx.init``/``tx.update`` raise on ``params``.
 
+    References:
+        JAX's ahead-of-time compilation, ``jax.jit(f).lower(*args).compile()``; numba's eager
+        compilation (explicit signatures) and on-disk cache (``cache=True``).
+
     Examples:
         >>> import numpy as np, numbaccum as nba
         >>> params = {"w": np.zeros((3, 2), np.float32), "b": np.zeros(2, np.float32)}

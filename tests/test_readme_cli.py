@@ -23,6 +23,8 @@ BLOCKS = [
 def test_python_blocks_of_the_readme_and_the_docs_run(block):
     if "numbaccum.distributed" in block:  # runs as one rank (COMM_WORLD of this process)
         pytest.importorskip("mpi4py", reason='the "Many machines" block needs numbaccum[mpi]')
+    if "import optax" in block:  # side by side with optax: the parity extra
+        pytest.importorskip("optax", reason="this block compares with optax (numbaccum[parity])")
     exec(compile(block, "README.md", "exec"), {})
 
 
