@@ -9,15 +9,19 @@ them too. This is the last step of a training loop, not part of the stage protoc
 kernels (`numbaccum.flat`, `numbaccum.backend`), so the stage protocol and the passes built on it
 can both import it.
 
-Two paths give the same bits. The general one packs the tree into a FlatTree (updates cast to
-the params' dtypes as they are packed) and runs the ``add_scaled_`` kernel per dtype group (in the
-params' dtype; float16 through float32). The NumPy path serves the common host cases, where a
+As optax (``p + u``, then cast to the params' dtype), the sum is computed in the promoted dtype of
+the two leaves and rounded once: float64 updates of float32 params are added in float64, float32
+updates of float16 params in float32 (on the GPU, updates are cast to the params' dtypes first).
+
+Two paths give the same bits. The general one packs the tree into a FlatTree (keeping updates
+wider than the params in their own dtype) and runs the ``add_scaled_`` kernel per dtype group (in
+the promoted dtype; float16 through float32). The NumPy path serves the common host cases, where a
 small tree's update would otherwise cost more in packing than in adding: a plain tree of float32
 and float64 params whose structure, shapes and dtypes are those of one of the last few trees seen
 (separate writable arrays, or the ``.tree`` of a FlatTree), or a FlatTree with updates of its
 layout. There NumPy's ``add``, one call per leaf or per group, makes exactly the kernel's
-operations: the same cast of the updates first, then one IEEE addition rounded once in the same
-dtype, with no floating-point warning (float16 params, whose kernel stages through float32 and
+operations: one IEEE addition in the promoted dtype, rounded once to the params' dtype, with no
+floating-point warning (float16 params, whose kernel stages through float32 and
 warns as it copies back, take the general path). CUDA arrays and FlatTrees on a device always
 take the general path. One thing IEEE 754 leaves open differs: where both operands are NaN, the
 result is a NaN either way, but which operand's payload it carries is the compiler's choice (the
@@ -56,8 +60,9 @@ _recent: tuple[tuple[Layout, bool], ...] = ()  # (layout, float32/float64 only)
 def apply_updates(params: Any, updates: Any) -> Any:
     """Returns ``params + updates`` as a new tree; each leaf keeps its params dtype.
 
-    ``out = params + updates``, leaf by leaf, in the params' dtype: updates of another dtype are
-    cast to it first, and the sum is rounded once (float16 is computed in float32).
+    ``out = params + updates``, leaf by leaf, computed in the promoted dtype of the two leaves and
+    rounded once to the params' dtype, as optax does (float16 is computed in float32; on the GPU,
+    updates are cast to the params' dtype first).
 
     Args:
         params: a tree of NumPy or CUDA float arrays, a FlatTree, or None (an empty tree).
@@ -74,9 +79,7 @@ def apply_updates(params: Any, updates: Any) -> Any:
         TypeError: a leaf is not a float array, or the two trees live on different sides.
 
     References:
-        optax.apply_updates (which, for updates of a wider dtype than the params, adds in the
-        wider dtype and then casts the sum, where this casts first: one unit in the last place
-        can differ).
+        optax.apply_updates (the same bits on the host).
 
     Examples:
         >>> import numpy as np, numbaccum as nba
@@ -144,10 +147,26 @@ def apply_updates_(params: Any, updates: Any) -> Any:
 
 def _apply(p: FlatTree, updates: Any, out: FlatTree) -> FlatTree:
     """The general path: ``out = p + updates`` by the kernel, one launch per dtype group."""
-    u = as_flat(updates, p.layout, "updates", device=p.device)[0]
+    u = as_flat(updates, p.layout, "updates", None if p.device else _inbox(p, updates), p.device)[0]
     for dst, pg, ug in zip(out.groups, p.groups, u.groups):
         ops_for(pg).add_scaled_(dst, pg, ONE, ug, 1.0)
     return out
+
+
+def _inbox(p: FlatTree, updates: Any) -> Any:
+    """Where a host tree of updates is packed (asked only after `as_flat` has checked it): a
+    buffer of the params' layout whose groups take the promoted dtype of the params and their
+    updates, so that the kernel adds in it and rounds once, as optax does."""
+
+    def make() -> FlatTree:
+        raw = leaves_if_structure(updates, p.layout.treedef) or []
+        dtypes = [
+            np.result_type(d, *(raw[i].dtype for i in members)) if raw else d
+            for d, members in zip(p.group_dtypes, p.layout.groups)
+        ]
+        return FlatTree.empty(p.layout, dtypes)
+
+    return make
 
 
 # --- the NumPy path -------------------------------------------------------------------------
@@ -171,10 +190,10 @@ def _known(tree: Any) -> tuple[Layout, list[np.ndarray]] | None:
 
 
 def _update_leaves(updates: Any, params: list[np.ndarray], layout: Layout) -> list[np.ndarray] | None:
-    """The leaves of ``updates`` (a plain host tree or a host FlatTree) cast to the dtypes of
-    ``params`` when they have the structure and shapes of ``layout`` and float dtypes, else None
-    (the general path then names what differs). The cast is the one the general path makes as it
-    packs them (NumPy's, under the caller's error state)."""
+    """The leaves of ``updates`` (a plain host tree or a host FlatTree) when they have the
+    structure and shapes of ``layout`` and float dtypes, else None (the general path then names
+    what differs): a leaf narrower than its param cast to the param's dtype (exact), a wider one
+    kept (NumPy then adds in it and rounds once, as the kernel does)."""
     if isinstance(updates, FlatTree):
         if updates.device:
             return None
@@ -190,7 +209,7 @@ def _update_leaves(updates: Any, params: list[np.ndarray], layout: Layout) -> li
         or not all(x.dtype in FLOATS for x in raw)
     ):
         return None
-    return [u if u.dtype == p.dtype else u.astype(p.dtype) for p, u in zip(params, raw)]
+    return [u if u.dtype.itemsize >= p.dtype.itemsize else u.astype(p.dtype) for p, u in zip(params, raw)]
 
 
 def _apart(params: list[np.ndarray], updates: list[np.ndarray], layout: Layout) -> bool:

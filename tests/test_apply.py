@@ -71,18 +71,15 @@ def _like(rng, tree, dtypes) -> dict:
     return nba.tree_map(lambda x: _values(rng, x.shape, next(dts)), tree)
 
 
-def _old_apply(params, updates) -> list[np.ndarray]:
-    """The leaves of ``params + updates`` as `apply_updates_` computed them before the NumPy path:
-    params packed (a FlatTree: as it is), updates packed into the params' layout (cast to its
-    dtypes), then ``add_scaled_(dst, pg, ONE, ug, 1.0)`` per group. Writes nothing of the inputs."""
-    p = params.copy() if isinstance(params, FlatTree) else FlatTree.from_tree(params)
+def _optax_apply(params, updates) -> list[np.ndarray]:
+    """The leaves of ``params + updates`` as optax defines them: each leaf added in the promoted
+    dtype of the two, then cast to the param's dtype (one rounding). Writes nothing."""
+    out = []
     with np.errstate(all="ignore"):
-        u = as_flat(updates, p.layout, "updates")[0]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # float16's copy back warns on overflow
-        for g, ug in zip(p.groups, u.groups):
-            ops_for(g).add_scaled_(g, g, ONE, ug, 1.0)
-    return [p.leaf(i).copy() for i in range(p.layout.num_leaves)]
+        for p, u in zip(_leaves(params), _leaves(updates)):
+            wide = np.result_type(p.dtype, u.dtype)
+            out.append(np.add(u.astype(wide), p.astype(wide)).astype(p.dtype))
+    return out
 
 
 def _leaves(tree) -> list[np.ndarray]:
@@ -127,7 +124,7 @@ def test_plain_trees_give_the_general_paths_bits(pdt, udt, kernels):
     pdt, udt = (pdt if isinstance(pdt, tuple) else (pdt,)), (udt if isinstance(udt, tuple) else (udt,))
     params = _tree(rng, pdt)
     updates = _like(rng, params, udt)
-    want = _old_apply(params, updates)
+    want = _optax_apply(params, updates)
     _remember(params, updates)
     kernels.clear()
     numpy_path = F16 not in pdt
@@ -157,7 +154,7 @@ def test_flat_trees_of_one_layout_give_the_general_paths_bits(pstore, ustore, ke
     with np.errstate(all="ignore"):
         params.assign_(_like(rng, params.tree, (pstore,)))
         updates.assign_(_like(rng, updates.tree, (ustore,)))
-    want = _old_apply(params, updates)
+    want = _optax_apply(params, updates)
     before = [x.copy() for x in _leaves(params)]
     kernels.clear()
     with warnings.catch_warnings():
@@ -174,7 +171,7 @@ def test_updates_as_a_flat_tree_or_its_views_for_plain_params(kernels):
     rng = np.random.default_rng(11)
     params = _tree(rng, (F32, F64))
     updates = FlatTree.from_tree(_like(rng, params, (F64, F32)))  # another layout: cast as packed
-    want = _old_apply(params, updates)
+    want = _optax_apply(params, updates)
     _remember(params, updates)
     kernels.clear()
     for given in (updates, updates.tree):
@@ -192,8 +189,8 @@ def test_the_tree_of_a_flat_tree_is_added_in_place(kernels):
     flat = FlatTree.from_tree(_tree(rng, (F32, F64)))
     params = flat.tree
     updates = _like(rng, params, (F32, F64))
-    once = _old_apply(params, updates)
-    twice = _old_apply(nba.tree_unflatten(nba.tree_flatten(params)[1], once), updates)
+    once = _optax_apply(params, updates)
+    twice = _optax_apply(nba.tree_unflatten(nba.tree_flatten(params)[1], once), updates)
     before = [x.copy() for x in _leaves(params)]
     _remember(params, updates)
     kernels.clear()
@@ -235,7 +232,7 @@ def test_aliased_leaves_read_every_update_before_writing_any(kernels):
         params, updates = make()
         updates = params if updates is None else updates
         _remember(_copy(params), _copy(updates))
-        want = _old_apply(params, updates)
+        want = _optax_apply(params, updates)
         snap = {k: v.copy() for k, v in params.items()}
         nba.apply_updates_(params, updates)
         if params["a"] is params["b"]:
@@ -322,19 +319,35 @@ def test_a_read_only_flat_tree_is_refused_before_anything_is_written():
     assert isinstance(out, FlatTree) and not out._readonly
 
 
-def test_a_cast_that_overflows_under_raise_changes_nothing():
-    """The general path casts float64 updates to float32 params as it packs them, under the
-    caller's NumPy error state: before anything is written. So does the NumPy path."""
-    params = {"a": np.ones(3, np.float32), "b": np.ones(2, np.float32)}
-    updates = {"a": np.ones(3), "b": np.array([1.0, 1e300])}
-    for remembered in (False, True):
-        if remembered:
-            _remember(params, updates)
-        else:
-            apply_module._recent = ()
-        with np.errstate(over="raise"), pytest.raises(FloatingPointError):
-            nba.apply_updates_(params, updates)
-        assert (params["a"] == 1).all() and (params["b"] == 1).all()
+def test_updates_wider_than_the_params_are_added_in_their_dtype_and_rounded_once():
+    """optax's ``p + u`` then cast: float64 updates of float32 params are not cast first (no
+    double rounding; an overflow is inf, under any error state, as the kernel's), on both paths,
+    in place and not, for plain trees and FlatTrees."""
+    cases = [
+        (np.float16, np.float32, 1.0, 2.0**-11 + 2.0**-23),  # casting first would round to 1.0
+        (np.float32, np.float64, 1.0, 2.0**-24 + 2.0**-50),
+        (np.float16, np.float64, 1.0, 2.0**-11 + 2.0**-40),
+        (np.float32, np.float64, 1.0, 1e300),  # overflows in the cast of the sum: inf
+    ]
+    for pdt, udt, p0, u0 in cases:
+        params = {"a": np.full(3, p0, pdt), "b": np.full(2, p0, pdt)}
+        updates = {"a": np.full(3, u0, udt), "b": np.full(2, u0, udt)}
+        want = _optax_apply(params, updates)
+        if u0 < 1e38:  # the point: casting the update first would round twice, to another value
+            assert want[0][0] != np.asarray(u0, udt).astype(pdt) + np.asarray(p0, pdt)
+        for remembered in (False, True):
+            if remembered:
+                _remember(params, updates)
+            else:
+                apply_module._recent = ()
+            for form in ("dict", "flat"):
+                p = _copy(params) if form == "dict" else FlatTree.from_tree(params)
+                with np.errstate(all="raise"), warnings.catch_warnings():
+                    warnings.simplefilter("ignore", RuntimeWarning)  # float16's copy back
+                    out = nba.apply_updates(p, updates)
+                    nba.apply_updates_(p, updates)
+                _assert_bits(_leaves(out), want, _leaves(params), _leaves(updates))
+                _assert_bits(_leaves(p), want, _leaves(params), _leaves(updates))
 
 
 def test_additions_neither_raise_nor_warn_like_the_kernel():
@@ -397,7 +410,7 @@ def test_device_trees_keep_the_kernel_path():
     rng = np.random.default_rng(8)
     params = {"a": rng.standard_normal((3, 5)).astype(np.float32), "b": rng.standard_normal(4)}
     updates = {"a": rng.standard_normal((3, 5)).astype(np.float32), "b": rng.standard_normal(4)}
-    want = _old_apply(params, updates)
+    want = _optax_apply(params, updates)
     flat, uflat = nba.to_device(FlatTree.from_tree(params)), nba.to_device(FlatTree.from_tree(updates))
     out = nba.apply_updates(flat, uflat)
     assert isinstance(out, FlatTree) and out.device

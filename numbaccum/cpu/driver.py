@@ -239,12 +239,14 @@ def _run(f: Formula, kernel: Any, head: tuple, cast: type, factor: Factor, scala
 
 
 def _staged(f: Formula, factor: Factor, arrays: tuple, scalars: tuple) -> None:
-    """`map_` with float16 buffers: each computed through a float32 copy; the buffers the formula
-    writes are copied back once."""
-    staged: dict[int, np.ndarray] = {}  # id(float16 buffer) -> its float32 copy
+    """`map_` with float16 buffers: each computed through a copy in the call's compute dtype
+    (float32, or float64 beside a float64 buffer: a float16 result is then rounded once, from
+    the promoted dtype); the buffers the formula writes are copied back once."""
+    wide = np.result_type(np.float32, *(a.dtype for a in arrays))
+    staged: dict[int, np.ndarray] = {}  # id(float16 buffer) -> its copy
     for a in arrays:
         if a.dtype == _F16 and id(a) not in staged:
-            staged[id(a)] = a.astype(np.float32)
+            staged[id(a)] = a.astype(wide)
     run_arrays = tuple(staged.get(id(a), a) for a in arrays)
     map_(f, factor, run_arrays, scalars)
     for i in f.writes:
