@@ -572,8 +572,8 @@ def _dims_spec(kind: str, dim: Any, inverse_dims: bool, min_size: Any) -> tuple:
     (``kind='norm'``) or of centralize (``'center'``), None for ``dim='global'``."""
     dims = _check_dim(dim)
     size = _check_min_size(min_size)
+    inverse = flag(inverse_dims, "inverse_dims")  # checked for 'global' too, which ignores it
     if dims is None or isinstance(dims, tuple):
-        inverse = flag(inverse_dims, "inverse_dims")
         make = _norm_chooser if kind == "norm" else _center_chooser
         return dims, ((kind, dims, inverse, size), make(dims, inverse, size))
     return dims, None
@@ -661,7 +661,8 @@ def normalize(
         A `GradientTransformationExtraArgs`; its state is ``EmptyState()``.
 
     Raises:
-        ValueError: unknown ``ord``, a bad ``dim`` or ``min_size``.
+        ValueError: unknown ``ord``, a bad ``dim`` or ``min_size``, or ``norm_value`` is NaN
+            or infinite.
         TypeError: ``norm_value`` is not a real number, or ``inverse_dims`` is not a bool.
 
     References:
@@ -677,9 +678,19 @@ def normalize(
         >>> updates["w"].round(4).tolist()
         [[0.6, 0.8], [0.6, 0.8]]
     """
-    norm_value = real(norm_value, "norm_value")
+    norm_value = _check_norm_value(norm_value)
     key, _, choose = _norm_spec(ord, dim, inverse_dims, min_size)
     return _Rescale(key, choose, _normalize_target(norm_value)).transformation()
+
+
+def _check_norm_value(value: Any) -> float:
+    """A finite real ``norm_value``: NaN is the normalize target's "unset" (a clip without
+    bounds, which would leave the updates unchanged without a word), and inf has no norm to
+    scale to."""
+    v = real(value, "norm_value")
+    if not math.isfinite(v):
+        raise ValueError(f"norm_value must be a finite real number, got {value!r}")
+    return v
 
 
 class _Centre(_Sliced):
@@ -1029,7 +1040,8 @@ def normalize_grads_(
         ``grads`` itself, its arrays changed in place.
 
     Raises:
-        ValueError: unknown ``ord``, a bad ``dim`` or ``min_size`` (before any array is changed).
+        ValueError: unknown ``ord``, a bad ``dim`` or ``min_size``, or ``norm_value`` is NaN or
+            infinite (before any array is changed).
         TypeError: a leaf that cannot change in place, or ``norm_value`` is not a real number.
 
     References:
@@ -1044,7 +1056,7 @@ def normalize_grads_(
         >>> [g.round(4).tolist() for g in grads]
         [[0.6, 0.8], [0.6, 0.8]]
     """
-    norm_value = real(norm_value, "norm_value")
+    norm_value = _check_norm_value(norm_value)
     key, _, choose = _norm_spec(ord, dim, inverse_dims, min_size)
     return _in_place(grads, _Rescale(key, choose, _normalize_target(norm_value)))
 

@@ -467,3 +467,22 @@ def test_float16_and_mixed_dtype_leaves_keep_their_dtype():
     nba.normalize_grads_(g, 1.0)
     assert g[0].dtype == np.float16
     np.testing.assert_allclose(g[0], [0.6, 0.8], rtol=1e-3)
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
+def test_a_norm_value_that_is_not_finite_is_refused(value):
+    """NaN was taken as normalize's "no target" and left the updates unchanged without a word."""
+    grads = {"w": np.array([3.0, 4.0])}
+    with pytest.raises(ValueError, match="norm_value"):
+        nba.normalize(value)
+    with pytest.raises(ValueError, match="norm_value"):
+        nba.normalize_grads_(grads, value)
+    assert grads["w"].tolist() == [3.0, 4.0]
+
+
+@pytest.mark.parametrize("make", [nba.clip_norm, nba.normalize])
+def test_inverse_dims_is_checked_with_a_global_norm_too(make):
+    with pytest.raises(TypeError, match="inverse_dims"):
+        make(1.0, dim="global", inverse_dims="yes")
+    with pytest.raises(TypeError, match="inverse_dims"):
+        nba.centralize(dim="global", inverse_dims="yes")
