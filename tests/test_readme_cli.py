@@ -12,8 +12,10 @@ from numbaccum import _cache
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
 DOCS = sorted((ROOT / "docs").rglob("*.md"))
-BLOCKS = [
-    pytest.param(block, id=f"{path.relative_to(ROOT)}:{i}")
+BLOCKS = [  # a block on CUDA arrays runs where the cuda tests do (a GPU, or the simulator pass)
+    pytest.param(
+        block, id=f"{path.relative_to(ROOT)}:{i}", marks=[pytest.mark.cuda] if "cuda" in block else []
+    )
     for path in [ROOT / "README.md", *DOCS]
     for i, block in enumerate(re.findall(r"```python\n(.*?)```", path.read_text(), re.S))
 ]
