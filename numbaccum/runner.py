@@ -18,6 +18,11 @@ its last pass) are one function, `run`, in two modes. A call:
    (`numbaccum.fuse.FusedRun`, whose calls are shaped once and replayed), a clip's reduction
    before it; with ``step_`` the last pass adds the update to the params.
 
+Most calls repeat the last one: the state the last step returned, updates and params of the same
+layout and form. A stage keeps its last planned step per thread (`_LastStep`: the plan, weakly,
+and the identity of the state it returned), and such a call goes from 3 straight to the plan's
+tick (`_again`), which checks the state as every step does; anything else takes 1-2.
+
 A transformation that does not declare itself (a combinator that plans its inner stages each
 step: MultiSteps, masked, apply_if_finite; user code; the reshaping per-example aggregation)
 runs through the same entry with its own `Stage.plan` each call.
