@@ -80,14 +80,14 @@ def cast_scalars(values: Any, t: type) -> list:
     out = []
     for v in values:
         tv = type(v)
-        if tv is float:
+        if tv is t or tv is bool or tv is np.bool_:  # a kept plan's tick cast most already
+            out.append(v)
+        elif tv is float:
             key = v if v else "-0" if math.copysign(1.0, v) < 0 else "+0"
             c = memo.get(key)
             if c is None:
                 c = memo[key] = t(v)
             out.append(c)
-        elif tv is t or tv is bool or tv is np.bool_:
-            out.append(v)
         else:
             out.append(t(v))
     return out
