@@ -341,3 +341,25 @@ def test_cuda_engine_matches_numpy_and_is_deterministic():
     want = np.concatenate([a.ravel()[p:q] / d for p, q, d in zip(offsets[:-1], offsets[1:], div)])
     np.testing.assert_array_equal(out.copy_to_host(), want)
     assert ops.count_nonfinite(x) == 0
+
+
+def test_a_prepared_sum_of_squares_reads_any_buffer_as_numbas_dispatch_would():
+    """`cpu.reduce.prepared` calls the compiled function directly once it has run for a dtype:
+    a buffer of another layout (strided, unaligned) or flags (read-only) than the first must
+    still give the dispatcher's sums."""
+    from numbaccum.cpu import reduce as cpu_reduce
+
+    n = 1000
+    table = tables.segments(np.array([0, 300, 1000]))
+    run = cpu_reduce.prepared("sumsq", table)
+    rng = np.random.default_rng(0)
+    values = rng.standard_normal(n).astype(np.float32)
+    strided = np.zeros(2 * n, np.float32)[::2]
+    strided[:] = values
+    unaligned = np.zeros(4 * n + 1, np.uint8)[1:].view(np.float32)
+    unaligned[:] = values
+    read_only = values.copy()
+    read_only.flags.writeable = False
+    want = cpu_reduce.reduce("sumsq", values, table)
+    for x in (values, strided, unaligned, read_only, values):
+        np.testing.assert_array_equal(run(x), want)

@@ -335,8 +335,9 @@ def prepared(kind, table: Table):
         if busy:
             n = x.size
             if n < _config.SERIAL_BELOW:  # never enters a parallel region: no guard
-                kernel = found.get(x.dtype)
-                if kernel is not None and x.flags.c_contiguous:
+                kernel = found.get(x.dtype)  # by dtype: byte order included
+                flags = x.flags
+                if kernel is not None and flags.c_contiguous and flags.aligned:
                     kernel(x, rows, items, pstart, _NONE, zero, part)
                 else:
                     args = (x, rows, items, pstart, _NONE, zero, part)
