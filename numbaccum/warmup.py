@@ -65,8 +65,9 @@ def warmup(
 
     Raises:
         ValueError: ``backend`` is not "auto", "cpu" or "cuda".
-        TypeError: a dtype is not float16, float32 or float64; ``tx`` without ``params``; or
-            what ``tx.init``/``tx.update`` raise on ``params``.
+        TypeError: a dtype is not float16, float32 or float64; ``tx`` without ``params``;
+            ``params`` with a ``tx`` that is not a transformation; or what
+            ``tx.init``/``tx.update`` raise on ``params``.
 
     References:
         JAX's ahead-of-time compilation, ``jax.jit(f).lower(*args).compile()``; numba's eager
@@ -80,6 +81,11 @@ def warmup(
         ['cpu']
     """
     if tx is not None and not (hasattr(tx, "init") and hasattr(tx, "update")):
+        if params is not None:  # warmup(x, params) with an x that is not a transformation
+            raise TypeError(
+                f"warmup(tx, params): tx must be a transformation (with init and update), got "
+                f"{type(tx).__name__}"
+            )
         dtypes, tx = tx, None  # warmup(dtypes): the first argument was once the dtypes
     if tx is not None:
         if params is None:

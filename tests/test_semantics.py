@@ -328,4 +328,6 @@ def test_warmup_takes_a_transformation_or_the_dtypes():
     assert nba.warmup(["float32"], backend="cpu") == ["cpu"]  # the first argument was the dtypes
     with pytest.raises(TypeError, match="params"):
         nba.warmup(nba.ema(0.9))
+    with pytest.raises(TypeError, match="tx must be a transformation"):  # not silently the dtypes
+        nba.warmup(nba.ema, params)
     assert params["w"].tolist() == [0.0, 0.0, 0.0]  # nothing of the caller's changed
