@@ -273,29 +273,21 @@ def _again(stage: Any, plan: Plan, grads: Any, state: Any, params: Any, extra: d
 
 
 def _params_again(plan: Plan, params: Any, apply: bool) -> tuple[ParamsRef | None, bool]:
-    """The params of `_again` and whether they were packed (raises `_Miss` for any other form
-    than the full entry's fast ones): a FlatTree of the plan's layout and device, or a plain
-    tree of NumPy arrays of it (writable ones for ``step_``, packed into the plan's workspace)."""
+    """The params of `_again` and whether they were packed: checked and made writable as the
+    full entry does (`check_params`, `_writable`: the same errors); separate CUDA arrays, whose
+    addresses the full entry reads once for the whole step, raise `_Miss`."""
     spec = plan.spec
     if params is None:
         if apply:
             raise _MISS
         return None, False
-    ref = ParamsRef(params, spec.layout, None, spec.device, plan.into)
-    if type(params) is FlatTree:
-        if params.layout is not spec.layout or params.device != spec.device or (apply and params._readonly):
-            raise _MISS
-        ref._flat = params
-        return ref, False
-    checked = None if spec.device else host_leaves(params, spec.layout)
-    if checked is None:
+    if spec.device and type(params) is not FlatTree:
         raise _MISS
-    ref.checked = checked
+    ref = ParamsRef(params, spec.layout, None, spec.device, plan.into)
+    ref.checked = check_params(params, spec)
     if not apply:
         return ref, False
-    if not all(x.flags.writeable for x in checked):
-        raise _MISS  # the full entry names the leaf
-    ref._flat, copied, _ = as_flat(params, spec.layout, "params", plan.into, False, checked)
+    ref._flat, copied = _writable(params, spec, plan.into, None, ref.checked)
     return ref, copied
 
 
