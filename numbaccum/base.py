@@ -353,10 +353,10 @@ class Stage(metaclass=_StageType):
 def stage_of(tx: Any) -> Stage | None:
     """The `Stage` behind a transformation (its ``update`` is a stage's bound method), or None
     for a foreign transformation (any other ``(init, update)`` pair)."""
-    if isinstance(tx, Stage):
+    if Stage in type(tx).__mro__:  # isinstance without the ABC machinery: every update asks
         return tx
     owner = getattr(getattr(tx, "update", None), "__self__", None)
-    return owner if isinstance(owner, Stage) else None
+    return owner if Stage in type(owner).__mro__ else None
 
 
 def _side(tree: Any) -> bool:
@@ -498,6 +498,8 @@ class Chain(Stage):
     def _states(self, state: Any) -> tuple | None:
         """The stages' states in order, or None if ``state`` is not this chain's."""
         if self.names is None:  # a plain tuple (a NamedTuple is one stage's state)
+            if type(state) is tuple:  # the common case, without the subclass checks
+                return state if len(state) == len(self.stages) else None
             if isinstance(state, tuple) and len(state) == len(self.stages) and not hasattr(state, "_fields"):
                 return state
             return None
@@ -565,7 +567,7 @@ class Chain(Stage):
                     return False
             return True
 
-        chained.tick = tick
+        chained.tick, chained.split = tick, split
         return chained
 
     def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:

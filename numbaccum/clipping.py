@@ -287,8 +287,8 @@ class _ClipByGlobalNorm(Stage):
                         f"clip_by_global_norm: the global norm is {norm}: {where} is not finite"
                     )
                 raise SkipStep(seen[-1])
-            seen.append(ClipByGlobalNormState(np.float64(norm), np.bool_(clipped), np.bool_(False)))
-            return Factor(*clip_factor(norm, max_norm))  # fits float32 (`Factor`)
+            seen.append(_new_record(_CLIP_STATE, (np.float64(norm), _BOOLS[clipped], _BOOLS[False])))
+            return Factor(*clip_factor(norm, max_norm)) if clipped else ONE  # fits float32 (`Factor`)
 
         def tick(state: Any, params: Any, extra: dict) -> bool:
             seen.clear()  # a new step: nothing reduced yet
@@ -298,6 +298,10 @@ class _ClipByGlobalNorm(Stage):
         part = Prepass(factor_of, Later(lambda: seen[-1]), "clip_by_global_norm", finite_of=finite_of)
         part.tick = tick
         return part
+
+
+_new_record, _CLIP_STATE = tuple.__new__, ClipByGlobalNormState  # made every step: no keywords
+_BOOLS = {False: np.False_, True: np.True_}
 
 
 def _clip_state(state: Any) -> bool:

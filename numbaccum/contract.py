@@ -42,9 +42,10 @@ class Factor:
         div, mul: host floats (``1.0, 1.0`` is no scale at all, and costs no division).
         device: on CUDA, a factor that never left the GPU: a dict compute dtype -> device array
             ``[div, mul]`` (then ``div`` and ``mul`` are unused).
+        is_one: True when the factor changes nothing (reads need no division).
     """
 
-    __slots__ = ("div", "mul", "device")
+    __slots__ = ("div", "mul", "device", "is_one")
 
     def __init__(self, div: float = 1.0, mul: float = 1.0, device: dict | None = None) -> None:
         # Computed in float64 and cast to the buffer dtype by the kernels: a pair outside
@@ -54,11 +55,8 @@ class Factor:
         self.div = div
         self.mul = mul
         self.device = device
-
-    @property
-    def is_one(self) -> bool:
-        """True when the factor changes nothing (reads need no division)."""
-        return self.device is None and self.div == 1.0 and self.mul == 1.0
+        # True when the factor changes nothing (reads need no division); asked every step.
+        self.is_one = device is None and div == 1.0 and mul == 1.0
 
     def __repr__(self) -> str:
         if self.device is not None:

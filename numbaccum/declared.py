@@ -27,7 +27,6 @@ import numpy as np
 from . import formulas as F
 from ._checks import real, wrong_state
 from .base import Stage
-from .contract import cast_scalars
 from .flat import FlatTree, layout_and_device
 from .fuse import Kernel
 from .layout import Layout, check_float_dtype
@@ -220,7 +219,7 @@ class Elementwise(Stage):
         cls, counted, scalars, name = self.state_cls, self.counted, self.scalars, self.name
         reads_params = bool(self.inputs)
         if not counted:  # the scalars follow from the count only: these never change
-            part.scalars = [_cast(scalars(None, ct), ct) for ct in cts]
+            part.scalars = [scalars(None, ct) for ct in cts]
         if cls is None:  # stateless: the state passes through
 
             def tick(state: Any, params: Any, extra: dict) -> bool:
@@ -238,7 +237,8 @@ class Elementwise(Stage):
         owner_at = order.index(owner_field)
         count_at = order.index("count") if counted else -1
 
-        # One cast of the scalars per distinct compute dtype (one, unless groups differ).
+        # The scalars once per distinct compute dtype (one, unless groups differ), as they come:
+        # the drivers cast them for the call and the kernels to each formula's compute dtype.
         where = [cts.index(ct) for ct in cts]
         distinct = [ct for i, ct in enumerate(cts) if where[i] == i]
         new = tuple.__new__  # the NamedTuple made from its values, without its keyword __new__
@@ -255,18 +255,12 @@ class Elementwise(Stage):
             values[owner_at] = current(values[owner_at], owner_field)
             if counted:
                 count = values[count_at] = safe_increment(values[count_at])
-                cast = [_cast(scalars(count, ct), ct) for ct in distinct]
-                part.scalars = cast if len(cast) == len(cts) else [cast[i] for i in where]
+                each = [scalars(count, ct) for ct in distinct]
+                part.scalars = each if len(each) == len(cts) else [each[i] for i in where]
             part.new_state = new(cls, values)
             return True
 
         return tick
-
-
-def _cast(values: tuple, ct: np.dtype) -> tuple:
-    """A formula's scalars as the compute dtype's own scalars, as the driver would cast them for
-    the call (`numbaccum.contract.cast_scalars`): the kernels see the same values."""
-    return tuple(cast_scalars(values, ct.type))
 
 
 def _params_input(params: Any, name: str) -> Callable[[], tuple]:

@@ -205,9 +205,10 @@ class Later(NamedTuple):
 
 class Chained(_Part):
     """A nested chain whose every step is fusable: its steps' parts, spliced into the enclosing
-    chain's runs (``names``: a named_chain's, to rebuild its state dict)."""
+    chain's runs (``names``: a named_chain's, to rebuild its state dict). ``split(state)``: the
+    steps' states in order, None when ``state`` is not the chain's (set with ``tick``)."""
 
-    __slots__ = ("parts", "names", "name", "tick")
+    __slots__ = ("parts", "names", "name", "tick", "split")
 
     def __init__(
         self,
@@ -215,8 +216,9 @@ class Chained(_Part):
         names: list | None = None,
         name: str = "chain",
         tick: Callable[..., bool] | None = None,
+        split: Callable[[Any], tuple | None] | None = None,
     ) -> None:
-        self.parts, self.names, self.name, self.tick = parts, names, name, tick
+        self.parts, self.names, self.name, self.tick, self.split = parts, names, name, tick, split
 
 
 class Wrapped(NamedTuple):
@@ -268,6 +270,84 @@ def packer(root: Any) -> Callable[[Any], Any]:
         inner, wrap = packer(root.part), root.wrap
         return lambda it: wrap(inner(it))
     return next
+
+
+def flat_tick(root: Any) -> Callable[[Any, Any, dict], bool]:
+    """``root.tick`` with its nested chains unrolled: one function that splits the state with
+    each chain's ``split`` and ticks the leaves in order (a kept plan ticks every step: a
+    small tree's step costs microseconds, and each nested call is some of them). The same
+    checks in the same order as the chains' own ticks."""
+    nest = _nest(root)
+    if not isinstance(root, Chained) or any(
+        isinstance(p, Wrapped) or (isinstance(p, Chained) and p.split is None) for p in nest
+    ):
+        return root.tick
+    env: dict[str, Any] = {}
+    lines: list[str] = []
+
+    def walk(part: Any, var: str) -> None:
+        if isinstance(part, Chained):
+            env[f"split_{var}"] = part.split
+            subs = [f"{var}_{i}" for i in range(len(part.parts))]
+            lines.append(f"    t = split_{var}({var})")
+            lines.append("    if t is None:")
+            lines.append("        return False")
+            if subs:
+                lines.append(f"    {', '.join(subs)}, = t")
+            for p, sub in zip(part.parts, subs):
+                walk(p, sub)
+        else:
+            env[f"tick_{var}"] = part.tick
+            lines.append(f"    if not tick_{var}({var}, params, extra):")
+            lines.append("        return False")
+
+    walk(root, "s")
+    source = "def tick(s, params, extra):\n" + "\n".join(lines) + "\n    return True\n"
+    exec(compile(source, "<numbaccum plan tick>", "exec"), env)
+    return env["tick"]
+
+
+def new_state_maker(root: Any) -> Callable[[], Any]:
+    """``new_state()``: the new state of ``root`` from its leaves' new states after a pass
+    (`pack` of them, a `Later` made), as one function for a kept plan."""
+    env: dict[str, Any] = {"Later": Later}
+    lines: list[str] = []
+    count = [0]
+
+    def walk(part: Any) -> str:
+        if isinstance(part, Chained):
+            items = [walk(p) for p in part.parts]
+            tup = f"({', '.join(items)},)" if items else "()"
+            if part.names is None:
+                return tup
+            k = len(env)
+            env[f"names_{k}"] = part.names
+            return f"dict(zip(names_{k}, {tup}))"
+        if isinstance(part, Wrapped):
+            k = len(env)
+            env[f"wrap_{k}"] = part.wrap
+            return f"wrap_{k}({walk(part.part)})"
+        i = count[0]
+        count[0] += 1
+        env[f"leaf_{i}"] = part
+        lines.append(f"    n{i} = leaf_{i}.new_state")
+        lines.append(f"    if type(n{i}) is Later:")
+        lines.append(f"        n{i} = n{i}.make()")
+        return f"n{i}"
+
+    result = walk(root)
+    source = "def new_state():\n" + "\n".join(lines) + f"\n    return {result}\n"
+    exec(compile(source, "<numbaccum plan new state>", "exec"), env)
+    return env["new_state"]
+
+
+def _nest(part: Any) -> list:
+    """``part`` and every part nested in it."""
+    if isinstance(part, Chained):
+        return [part, *(q for p in part.parts for q in _nest(p))]
+    if isinstance(part, Wrapped):
+        return [part, *_nest(part.part)]
+    return [part]
 
 
 def split(root: Any, state: Any) -> list:
@@ -392,9 +472,21 @@ class FusedRun:
                 ops_for(x).driver.map_(k.formula, factor, arrays, k.scalars[gi])
             return (out, ONE, self.new_states()) if with_states else (out, ONE)
         pending = factor
+        # The shape of the calls, the same for every group: the pending factors.
+        mode = 0 if factor.is_one else 2 if factor.device is not None else 1
+        flags = tuple([p.factor.is_one for p in self.scales]) if self.scales else ()
         for gi in range(len(flat.groups)):
             pending = _run_group(
-                self.body, extras, gi, flat, factor, out, apply, settle, self.memo, self.scales, self.recent
+                self.body,
+                extras,
+                gi,
+                flat,
+                factor,
+                out,
+                apply,
+                (gi, mode, settle, flags),
+                self.memo,
+                self.recent,
             )
         pending = pending if apply is None else ONE
         return (out, pending, self.new_states()) if with_states else (out, pending)
@@ -408,29 +500,28 @@ def _run_group(
     factor: Factor,
     out: FlatTree | None,
     apply: FlatTree | None,
-    settle: bool,
+    shape: tuple,
     memo: dict,
-    scales: list,
     recent: dict,
 ) -> Factor:
     """One dtype group of a run: one composite kernel (float32/float64), or the parts one formula
     at a time (float16). Returns the factor left pending on the output.
 
     What the call looks like (the composite, where each buffer and scalar goes) depends only on
-    the buffers' dtypes and aliasing and on which factors are pending: it is made once per such
-    shape and kept in ``memo`` (the run's). ``recent`` keeps, per group and pending factors, the
-    last call with the very buffers it was given and its launch prepared for them: a replayed
-    step, on the same buffers, only gathers its scalars."""
+    the buffers' dtypes and aliasing and on which factors are pending (``shape``: the group,
+    the incoming factor's mode (0 none, 1 on the host, 2 on the device), whether a trailing
+    factor is settled, which scales are pending): it is made once per such shape and kept in
+    ``memo`` (the run's). ``recent`` keeps, per shape, the last call with the very buffers it
+    was given and its launch prepared for them: a replayed step, on the same buffers, only
+    gathers its scalars."""
     x = flat.groups[gi]
     og = out.groups[gi] if out is not None else None
     pg = apply.groups[gi] if apply is not None else None
     ins = [e.groups[gi] for ex in extras for e in ex]
-    mode = 0 if factor is ONE or factor.is_one else 2 if factor.device is not None else 1
-    flags = tuple([p.factor is ONE or p.factor.is_one for p in scales]) if scales else ()
-    shape = (gi, mode, settle, flags)
     last = recent.get(shape)
     if last is not None and last[0] is x and last[1] is og and last[2] is pg and _same(last[3], ins):
         return last[4].run(parts, extras, flat, factor, out, apply, last[5])
+    _, mode, settle, flags = shape
     key = (
         gi,
         mode,

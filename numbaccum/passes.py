@@ -20,7 +20,7 @@ import numpy as np
 from . import fuse, runner
 from ._checks import transformation, wrong_state
 from .accumulation import MultiSteps, MultiStepsState, skip_large_updates, skip_not_finite
-from .base import Chain, Stage, as_stage, with_extra_args_support
+from .base import Chain, Stage, as_stage, stage_of, with_extra_args_support
 from .flat import FlatTree, layout_of
 from .updates import ParamsRef, Spec
 
@@ -70,7 +70,9 @@ def step_(tx: Any, grads: Any, state: Any, params: Any, **extra_args: Any) -> An
         >>> [round(float(x), 4) for x in params["w"]]  # 1 - 0.5 * g
         [0.5, 2.0]
     """
-    stage = as_stage(with_extra_args_support(transformation(tx, "tx")))
+    stage = stage_of(tx)
+    if stage is None or not callable(getattr(tx, "init", None)):
+        stage = as_stage(with_extra_args_support(transformation(tx, "tx")))
     return runner.run(stage, grads, state, params, extra_args, True)
 
 

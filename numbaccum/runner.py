@@ -65,8 +65,8 @@ class Plan:
     """
 
     __slots__ = (
-        "root", "leaves", "runs", "scratch", "spec", "fused", "apply", "pack", "owner", "inbox", "into",
-        "output", "__weakref__",
+        "root", "leaves", "runs", "scratch", "spec", "fused", "apply", "tick", "new_state", "owner",
+        "inbox", "into", "output", "__weakref__",
     )  # fmt: skip
 
     def __init__(self, root: Any, spec: Spec, fused: bool, scratch: list) -> None:
@@ -75,7 +75,8 @@ class Plan:
         self.runs = fuse.cut(self.leaves) if fused else _one_by_one(self.leaves)
         self.apply = fused and self.runs[-1][2] is not None  # its last pass can add to params
         self.scratch = scratch[: len(self.runs)]
-        self.pack = fuse.packer(root)  # the new state from the leaves' (`fuse.pack`, made once)
+        self.tick = fuse.flat_tick(root)  # root.tick, nested chains unrolled
+        self.new_state = fuse.new_state_maker(root)  # the new state from the leaves' after a pass
 
 
 def _one_by_one(leaves: list) -> list:
@@ -131,10 +132,10 @@ def ticked(stage: Any, spec: Spec, state: Any, owner: Any, ref: Any, extra: dict
     plan = plan_of(stage, spec, state, owner)
     if plan is None:
         return None
-    if not plan.root.tick(state, ref, extra):
+    if not plan.tick(state, ref, extra):
         _plans(stage, owner).pop((stage, spec.layout, spec.device, plan.fused), None)
         plan = plan_of(stage, spec, state, owner)
-        if not plan.root.tick(state, ref, extra):  # type: ignore[union-attr]
+        if not plan.tick(state, ref, extra):  # type: ignore[union-attr]
             raise AssertionError(f"{type(stage).__name__}: a new declaration refused its own state")
     return plan
 
@@ -157,24 +158,14 @@ def replay(plan: Plan, state: Any, u: Updates, apply: FlatTree | None, settle: b
             elif i == last:
                 out, factor = fr.run(u.flat, u.factor, u.fresh, apply, settle, False)
                 if out is None:
-                    return None, _new_state(plan)
+                    return None, plan.new_state()
                 u = Updates(out, True, factor, scratch=u.scratch)
             else:
                 out, factor = fr.run(u.flat, u.factor, u.fresh, None, False, False)
                 u = Updates(out, True, factor, scratch=u.scratch)
         except SkipStep as e:
             raise SkipStep(_skipped(plan, state, start, e.new_state)) from None
-    return u, _new_state(plan)
-
-
-def _new_state(plan: Plan) -> Any:
-    leaves = plan.leaves
-    if plan.root is leaves[0]:  # one stage (not a chain of one): its part's new state
-        new = leaves[0].new_state
-        return new.make() if type(new) is fuse.Later else new
-    return plan.pack(
-        iter([p.new_state.make() if type(p.new_state) is fuse.Later else p.new_state for p in leaves])
-    )
+    return u, plan.new_state()
 
 
 def _skipped(plan: Plan, state: Any, at: int, skipped: Any) -> Any:
@@ -262,14 +253,13 @@ def _again(stage: Any, plan: Plan, grads: Any, state: Any, params: Any, extra: d
         flat, copied, kind = as_flat(grads, layout, "updates", plan.inbox, False, checked)
         u = Updates(flat, copied)
     ref, copied = _params_again(plan, params, apply)
-    if not plan.root.tick(state, ref, extra):
+    if not plan.tick(state, ref, extra):
         raise _MISS
     u.scratch = plan.output
     if not apply:
         out, new_state = _replayed(stage, plan, state, u, spec)
         return (out, new_state) if kind == "flat" else (out.tree_as(kind), new_state)
-    run_it, apply_it = _plan_runs(plan, state)
-    return _run_step(stage, run_it, apply_it, u, ref._flat, copied, spec, kind, ref.checked, params, None)
+    return _run_step(stage, plan, state, u, ref._flat, copied, spec, kind, ref.checked, params, None)
 
 
 def _params_again(plan: Plan, params: Any, apply: bool) -> tuple[ParamsRef | None, bool]:
@@ -281,9 +271,15 @@ def _params_again(plan: Plan, params: Any, apply: bool) -> tuple[ParamsRef | Non
         if apply:
             raise _MISS
         return None, False
-    if spec.device and type(params) is not FlatTree:
-        raise _MISS
     ref = ParamsRef(params, spec.layout, None, spec.device, plan.into)
+    if type(params) is FlatTree and params.layout is spec.layout and params.device == spec.device:
+        if apply:  # what `check_params` and `_writable` find for them, without the calls
+            if params._readonly:
+                check_writable(params, "params")  # raises, naming them
+            ref._flat = params
+        return ref, False
+    if spec.device:
+        raise _MISS
     ref.checked = check_params(params, spec)
     if not apply:
         return ref, False
@@ -369,34 +365,24 @@ def _step(stage: Any, grads: Any, state: Any, params: Any, owner: Any, extra: di
     )
     ref.checked = None if found is not None else check_params(params, spec)
     plan = ticked(stage, spec, state, owner, ref, extra)
-    if plan is not None:
-        run_it, apply_it = _plan_runs(plan, state)
-    else:
+    how: Any = plan
+    if plan is None:
         step = stage.plan(spec, state, ref, extra)
-        apply_it = step_applier(step)
-        if apply_it is not None:
-            apply_it = _states_only(apply_it)
-        run_it = step.run
+        how = (step.run, step_applier(step))
     p, copied = _writable(params, spec, into, found, ref.checked)
     if ref._flat is None:  # a stage that reads the params (weight decay) reads these: the
         ref._flat = p  # fused pass then reads and writes one buffer (`fuse._run_group`)
     u.scratch = stage._workspace(owner, spec, "output")
-    new_state = _run_step(stage, run_it, apply_it, u, p, copied, spec, kind, ref.checked, params, found)
+    new_state = _run_step(stage, how, state, u, p, copied, spec, kind, ref.checked, params, found)
     if plan is not None:
         _keep_last(stage, plan, True, kind, new_state)
     return new_state
 
 
-def _plan_runs(plan: Plan, state: Any) -> tuple[Any, Any]:
-    """``(run_it, apply_it)`` of a ticked plan for `_run_step`."""
-    apply_it: Any = (lambda u, p: replay(plan, state, u, p, False)) if plan.apply else None
-    return (lambda u: replay(plan, state, u, None, False)), apply_it
-
-
 def _run_step(
     stage: Any,
-    run_it: Any,
-    apply_it: Any,
+    how: Any,
+    state: Any,
     u: Updates,
     p: FlatTree,
     copied: bool,
@@ -408,13 +394,14 @@ def _run_step(
 ) -> Any:
     """The step on the writable params ``p``, on the caller's CUDA stream; when ``p`` is a
     packed copy of ``params`` (``copied``), copied back (into ``checked``, its NumPy leaves, or
-    by `scatter_back`). Returns the new state."""
+    by `scatter_back`). ``how``: a ticked `Plan`, or a planned step's ``(run, apply)`` (see
+    `_apply_step`). Returns the new state."""
     try:
         if kind in arrays.STREAM_KINDS:
             with arrays.launch_context(kind):
-                new_state = _apply_step(stage, run_it, apply_it, u, p, spec)
+                new_state = _apply_step(stage, how, state, u, p, spec)
         else:
-            new_state = _apply_step(stage, run_it, apply_it, u, p, spec)
+            new_state = _apply_step(stage, how, state, u, p, spec)
     except SkipStep as e:  # a clip skipped the step: the params are not touched
         return e.new_state
     if copied:
@@ -426,16 +413,19 @@ def _run_step(
     return new_state
 
 
-def _states_only(apply_it: Any) -> Any:
-    return lambda u, p: (None, apply_it(u, p))
-
-
-def _apply_step(stage: Any, run_it: Any, apply_it: Any, u: Updates, p: FlatTree, spec: Spec) -> Any:
-    """Runs the step: its last pass adds the updates to ``p`` (``apply_it``), or (nothing fused
-    at the end) it runs, then the updates are added."""
-    if apply_it is not None:
-        return apply_it(u, p)[1]
-    u, new_state = run_it(u)
+def _apply_step(stage: Any, how: Any, state: Any, u: Updates, p: FlatTree, spec: Spec) -> Any:
+    """Runs the step: its last pass adds the updates to ``p`` (a plan whose last run is fused,
+    or a step's ``apply``), or (nothing fused at the end) it runs, then the updates are added.
+    ``how``: a ticked `Plan`, or a step's ``(run, apply)`` (`numbaccum.fuse.step_applier`)."""
+    if type(how) is Plan:
+        if how.apply:
+            return replay(how, state, u, p, False)[1]
+        u, new_state = replay(how, state, u, None, False)
+    else:
+        run_it, apply_it = how
+        if apply_it is not None:
+            return apply_it(u, p)
+        u, new_state = run_it(u)
     _apply(p, stage._output(u, new_state, spec), p)
     return new_state
 

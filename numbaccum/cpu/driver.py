@@ -183,14 +183,23 @@ def prepare(f: Formula, arrays: tuple) -> Callable[[Factor, tuple], None]:
     found: list = []
 
     def launch(factor: Factor, scalars: tuple) -> None:
-        if found:
-            _run(f, found[0], head, cast, factor, scalars)
+        if found and found[0] is not kernel:
+            # The compiled function converts each scalar to its argument's type as the first
+            # call's cast did (a float rounded once to float32; a bool by its truth): no cast.
+            if observers:
+                for o in observers:
+                    o(f)
+            div, mul = factor.div, factor.mul
+            found[0](*head, div, mul, not (div == 1.0 and mul == 1.0), *(scalars or _NO_SCALARS))
             return
         args = _run(f, kernel, head, cast, factor, scalars)
-        if n < _config.SERIAL_BELOW:
-            found.append(entry_point(kernel, args))
+        if n < _config.SERIAL_BELOW and not found:
+            found.append(entry_point(kernel, args))  # the dispatcher itself if none is found
 
     return launch
+
+
+_NO_SCALARS = (False,)  # a formula without scalars still gets one: the signature needs a name
 
 
 def entry_point(kernel: Any, args: tuple) -> Any:
