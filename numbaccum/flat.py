@@ -424,8 +424,18 @@ def host_leaves(tree: Any, layout: Layout) -> list[np.ndarray] | None:
     """The leaves of ``tree`` when it is a plain tree of NumPy arrays with exactly the structure,
     shapes and dtypes of ``layout``, else None (then `check_leaves` finds and names what differs).
 
-    The check an update makes on every step with a plain tree: one walk beside the treedef,
-    then whole-list comparisons, no per-leaf Python calls."""
+    The check an update makes on every step with a plain tree: for the common trees (one
+    array; one dict, list or tuple of arrays) a function written for the layout, which reads
+    each leaf, its type, shape and dtype once; else one walk beside the treedef, then
+    whole-list comparisons, no per-leaf Python calls."""
+    check = layout.__dict__.get("_host_check")
+    if check is None:
+        check = layout.__dict__["_host_check"] = _host_check(layout)
+    return check(tree)
+
+
+def _walked_leaves(tree: Any, layout: Layout) -> list[np.ndarray] | None:
+    """`host_leaves` for any treedef."""
     raw = _tree.leaves_if_structure(tree, layout.treedef)
     if (
         raw is None
@@ -437,6 +447,46 @@ def host_leaves(tree: Any, layout: Layout) -> list[np.ndarray] | None:
 
 
 _SHAPE_DTYPE = operator.attrgetter("shape", "dtype")
+
+
+def _host_check(layout: Layout) -> Callable[[Any], list[np.ndarray] | None]:
+    """`host_leaves` for ``layout``: written out for a tree that is one array, or one dict, list
+    or tuple of arrays (of exactly that type: a subclass takes `_walked_leaves`, as does any
+    other tree), else `_walked_leaves` itself. The same answers: the structure (a dict's keys,
+    a sequence's length), every leaf a NumPy array of the layout's shape and dtype."""
+    td = layout.treedef
+    kind, n = td.kind, layout.num_leaves
+    flat_node = kind in (_tree._DICT, _tree._LIST, _tree._TUPLE) and all(
+        c is _tree._LEAF_DEF for c in td.children
+    )
+    if not (kind == _tree._LEAF or flat_node) or n == 0:
+        return lambda tree: _walked_leaves(tree, layout)
+    env: dict[str, Any] = {"ndarray": np.ndarray, "walked": _walked_leaves, "layout": layout}
+    xs = [f"x{i}" for i in range(n)]
+    lines = ["def check(tree):"]
+    if kind == _tree._LEAF:
+        lines += ["    if type(tree) is not ndarray:", "        return walked(tree, layout)", "    x0 = tree"]
+    else:
+        cls = {"dict": dict, "list": list, "tuple": tuple}[kind]
+        env["cls"] = cls
+        lines += ["    if type(tree) is not cls:", "        return walked(tree, layout)"]
+        lines += [f"    if len(tree) != {n}:", "        return None"]
+        if kind == _tree._DICT:
+            for i, key in enumerate(td.meta):
+                env[f"k{i}"] = key
+                lines.append(f"    x{i} = tree.get(k{i})")  # get: a defaultdict does not grow
+        else:
+            lines.append(f"    {', '.join(xs)}, = tree")
+    types = " or ".join(f"type({x}) is not ndarray" for x in xs)
+    lines += [f"    if {types}:", "        return None"]
+    for i, (shape, dtype) in enumerate(zip(layout.shapes, layout.dtypes)):
+        env[f"s{i}"], env[f"d{i}"] = shape, dtype
+    shapes = " or ".join(f"x{i}.shape != s{i}" for i in range(n))
+    dtypes = " or ".join(f"(x{i}.dtype is not d{i} and x{i}.dtype != d{i})" for i in range(n))
+    lines += [f"    if {shapes}:", "        return None", f"    if {dtypes}:", "        return None"]
+    lines.append(f"    return [{', '.join(xs)}]")
+    exec(compile("\n".join(lines) + "\n", "<numbaccum host_leaves>", "exec"), env)
+    return env["check"]
 
 
 def as_flat(
@@ -483,7 +533,13 @@ def as_flat(
         out = FlatTree.empty(layout, device=on_gpu)
     else:
         out = pack_into if isinstance(pack_into, FlatTree) else pack_into()
-    out._copy_leaves_in(leaves)
+    if checked is not None and not out.device:
+        # The layout's very shapes and dtypes: each leaf copied into its view of the buffers
+        # (kept per storage), faster for small leaves than a concatenate.
+        for view, x in zip(out.leaf_views(), leaves):
+            view[...] = x
+    else:
+        out._copy_leaves_in(leaves)
     return out, True, kind
 
 

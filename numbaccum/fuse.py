@@ -594,7 +594,7 @@ class _GroupCall:
     ``k``'s factor's, ``(k, gi)`` part ``k``'s scalars of the group. ``final``: where the factor
     left pending on the output comes from (None: nothing pending)."""
 
-    __slots__ = ("composite", "states", "keep", "copy_out", "recipe", "final", "gi", "settle")
+    __slots__ = ("composite", "states", "keep", "copy_out", "recipe", "gather", "final", "gi", "settle")
 
     def __init__(
         self, parts: list, gi: int, x: Any, mode: int, og: Any, pg: Any, ins: list, settle: bool
@@ -625,6 +625,7 @@ class _GroupCall:
         else:
             kinds.append(og.dtype)
         self.recipe, self.final = tuple(recipe), src
+        self.gather = _gatherer(self.recipe)
         self.keep = tuple(i for i in range(len(ins)) if i + 1 not in alias)
         if d not in _FLOATS or any(t not in _FLOATS for t in kinds):
             self.composite, self.states, self.copy_out = None, (), False
@@ -662,16 +663,26 @@ class _GroupCall:
             x = flat.groups[gi]
             _one_by_one(ops_for(x), parts, extras, gi, x, factor, out, apply, self.settle)
             return fac
-        scalars: list = []
-        for k, g in self.recipe:
-            if g is None:
-                f = factor if k < 0 else parts[k].factor
-                scalars.append(f.div)
-                scalars.append(f.mul)
-            else:
-                scalars += parts[k].scalars[g]
-        launch(factor if factor.device is not None else ONE, scalars)
+        launch(factor if factor.device is not None else ONE, self.gather(parts, factor))
         return fac
+
+
+def _gatherer(recipe: tuple) -> Callable[[list, Factor], list]:
+    """``gather(parts, factor)``: a group call's scalars in the composite's order, from its
+    ``recipe`` (`_GroupCall`): ``(-1, None)`` the incoming factor's ``div, mul``, ``(k, None)``
+    part ``k``'s factor's, ``(k, g)`` part ``k``'s scalars of group ``g``; written out once, as
+    every replayed step gathers them."""
+    items = []
+    for k, g in recipe:
+        if g is None:
+            f = "factor" if k < 0 else f"parts[{k}].factor"
+            items += [f"{f}.div", f"{f}.mul"]
+        else:
+            items.append(f"*parts[{k}].scalars[{g}]")
+    env: dict[str, Any] = {}
+    source = f"def gather(parts, factor):\n    return [{', '.join(items)}]\n"
+    exec(compile(source, "<numbaccum scalars>", "exec"), env)
+    return env["gather"]
 
 
 def _one_by_one(

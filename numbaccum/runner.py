@@ -35,8 +35,6 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
-import numpy as np
-
 from . import _config, arrays, fuse
 from .apply import _apply, apply_updates_, check_writable, scatter_back
 from .flat import FlatTree, as_flat, device_flat, host_leaves, layout_of
@@ -273,9 +271,10 @@ def _params_again(plan: Plan, params: Any, apply: bool) -> tuple[ParamsRef | Non
         return None, False
     ref = ParamsRef(params, spec.layout, None, spec.device, plan.into)
     if type(params) is FlatTree and params.layout is spec.layout and params.device == spec.device:
-        if apply:  # what `check_params` and `_writable` find for them, without the calls
-            if params._readonly:
-                check_writable(params, "params")  # raises, naming them
+        # The plan's own layout: `check_params` has nothing to check and `_writable` returns
+        # them once `check_writable` has passed.
+        if apply:
+            check_writable(params, "params")
             ref._flat = params
         return ref, False
     if spec.device:
@@ -407,7 +406,7 @@ def _run_step(
     if copied:
         if checked is not None:  # the caller's NumPy arrays, checked before: copy back
             for dst, src in zip(checked, p.leaf_views()):
-                np.copyto(dst, src)
+                dst[...] = src  # the same shapes and dtypes (checked): np.copyto's work, sooner
         else:
             scatter_back(p, params, "params", found)
     return new_state
@@ -449,7 +448,7 @@ def _writable(
     if found is not None:
         flat, copied, _ = device_flat(found, spec.layout, into)
         return flat, copied
-    if checked is None or not all(x.flags.writeable for x in checked):
+    if checked is None or not all([x.flags.writeable for x in checked]):
         check_writable(params, "params")  # names the leaf that cannot change
     if isinstance(params, FlatTree) and params.layout is spec.layout and params.device == spec.device:
         return params, False

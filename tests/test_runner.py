@@ -13,6 +13,7 @@ import threading
 
 import numpy as np
 import pytest
+import reference as ref
 
 import numbaccum as nba
 from numbaccum import runner
@@ -392,3 +393,69 @@ def test_a_transformation_does_not_change_after_construction(make):
     assert len(after) == len(before)
     for b, a in zip(before, after):
         assert a.keys() == b.keys() and all(a[k] is b[k] for k in b), (sorted(a), sorted(b))
+
+
+def _nested():
+    inner = nba.named_chain(
+        ("trace", nba.trace(0.9)), ("adam", nba.chain(nba.scale_by_adam(), nba.scale(-1e-2)))
+    )
+    return nba.chain(nba.identity(), inner, nba.chain())
+
+
+def test_a_kept_plan_of_nested_chains_ticks_and_rebuilds_their_states():
+    """The kept plan's tick and new state are written out once for the nest (`fuse.flat_tick`,
+    `fuse.new_state_maker`): nested tuples, a named chain's dict and an empty chain come back
+    as the chains build them, and the params get the leaf-by-leaf reference's bits, step
+    after step."""
+    params, grads = _tree(0), [_tree(80 + i) for i in range(4)]
+    p, s = _run(_nested(), params, grads)
+    expected = ref.chain(ref.identity(), ref.trace(0.9), ref.scale_by_adam(), ref.scale(-1e-2))
+    q = {k: v.copy() for k, v in params.items()}
+    t = expected.init(q)
+    for g in grads:
+        u, t = expected.update(g, t, q)
+        q = ref.apply_updates(q, u)
+    _same(p, q)
+    assert type(s) is tuple and len(s) == 3 and s[2] == ()
+    assert isinstance(s[1], dict) and list(s[1]) == ["trace", "adam"]
+    assert type(s[1]["adam"]) is tuple and len(s[1]["adam"]) == 2
+    assert int(s[1]["adam"][0].count) == len(grads)
+
+
+@pytest.mark.parametrize("edit", ["tuple for dict", "short tuple", "named tuple", "other keys"])
+def test_a_nested_state_of_the_wrong_shape_after_kept_steps_gets_the_full_entrys_error(edit):
+    tx, params = _nested(), _tree(0)
+    p = {k: v.copy() for k, v in params.items()}
+    s = tx.init(p)
+    for i in range(2):
+        s = nba.step_(tx, _tree(90 + i), s, p)
+    inner = s[1]
+    wrong = {
+        "tuple for dict": (inner["trace"], inner["adam"]),
+        "short tuple": {"trace": inner["trace"], "adam": inner["adam"][:1]},
+        "named tuple": {"trace": inner["trace"], "adam": nba.EmptyState()},
+        "other keys": {"trace": inner["trace"], "adamw": inner["adam"]},
+    }[edit]
+    before = {k: v.copy() for k, v in p.items()}
+    with pytest.raises((TypeError, ValueError)):
+        nba.step_(tx, _tree(92), (s[0], wrong, s[2]), p)
+    _same(p, before)  # nothing written
+    s = nba.step_(tx, _tree(92), s, p)  # the state itself still steps
+
+
+@pytest.mark.parametrize("lr", [1e-2, 0.1 + 1e-9])
+def test_scalars_reach_a_replayed_launch_as_the_first_call_cast_them(lr):
+    """After its first call a prepared launch passes the scalars as the ticks give them (Python
+    floats, float32 bias corrections) and the compiled function converts them: in a group whose
+    call computes in float64 (a float64 accumulator) beside float32 Adam, each value must still
+    be rounded once to its formula's dtype, as the leaf-by-leaf reference rounds it."""
+    tx = nba.chain(nba.trace(0.9, accumulator_dtype=np.float64), nba.scale_by_adam(), nba.scale(-lr))
+    expected = ref.chain(ref.trace(0.9, accumulator_dtype=np.float64), ref.scale_by_adam(), ref.scale(-lr))
+    params, grads = _tree(3), [_tree(100 + i) for i in range(5)]
+    p, _ = _run(tx, params, grads)
+    q = {k: v.copy() for k, v in params.items()}
+    t = expected.init(q)
+    for g in grads:
+        u, t = expected.update(g, t, q)
+        q = ref.apply_updates(q, u)
+    _same(p, q)

@@ -159,3 +159,56 @@ def test_params_that_cannot_change_in_place_point_to_apply_updates(kind):
     np.testing.assert_array_equal(params["w"], np.ones(2, np.float32))  # nothing written
     new = nba.apply_updates(params, tx.update(grads, state, params)[0])
     np.testing.assert_allclose(np.asarray(new["x"]), np.asarray(leaf) - 0.1, rtol=1e-6)
+
+
+class _Sub(np.ndarray):
+    pass
+
+
+def _host_trees():
+    """Trees against the layout of ``{"a": (2, 3) float32, "b": (4,) float32}``, and the same
+    for a list, a tuple and a lone array: each kind of difference `host_leaves` must see."""
+    import collections
+
+    a, b = np.ones((2, 3), np.float32), np.zeros(4, np.float32)
+    base = {"a": a, "b": b}
+    yield base, base, True
+    yield base, collections.OrderedDict(base), True  # a dict subclass: the walk decides
+    yield base, collections.defaultdict(lambda: a, {"a": a}), False
+    yield base, {"a": a}, False
+    yield base, {"a": a, "c": b}, False
+    yield base, {"a": a, "b": b, "c": b}, False
+    yield base, {"a": a.T.copy(), "b": b}, False  # same size, other shape
+    yield base, {"a": a.astype(np.float64), "b": b}, False
+    yield base, {"a": a.astype(">f4"), "b": b}, False  # float32 in the other byte order
+    yield base, {"a": a.view(_Sub), "b": b}, False  # a subclass of ndarray
+    yield base, {"a": a, "b": list(b)}, False
+    yield base, {"a": a, "b": {"c": b}}, False
+    yield base, [a, b], False
+    yield [a, b], [a, b], True
+    yield [a, b], (a, b), False
+    yield [a, b], [a], False
+    yield [a, b], [b, a], False
+    yield (a, b), (a, b), True
+    yield (a, b), [a, b], False
+    yield a, a, True
+    yield a, a.T.copy(), False
+    yield a, np.float32(1.0), False
+    yield {"x": [a, {"y": b}]}, {"x": [a, {"y": b}]}, True  # nested: the walk itself
+    yield {"x": [a, {"y": b}]}, {"x": [a, {"y": a}]}, False
+
+
+@pytest.mark.parametrize("case", list(range(len(list(_host_trees())))))
+def test_host_leaves_written_for_the_layout_answers_as_the_walk(case):
+    """`host_leaves` runs a function written for the layout (one dict, list or tuple of arrays,
+    or one array): its answer is the general walk's on every kind of difference."""
+    from numbaccum.flat import _walked_leaves, host_leaves
+
+    like, tree, ok = list(_host_trees())[case]
+    layout = nba.FlatTree.from_tree(like).layout
+    fast, walked = host_leaves(tree, layout), _walked_leaves(tree, layout)
+    assert (fast is not None) is ok
+    assert (walked is not None) is ok
+    if ok:
+        assert all(x is y for x, y in zip(fast, walked))
+        assert len(fast) == layout.num_leaves
