@@ -395,6 +395,16 @@ def test_a_transformation_does_not_change_after_construction(make):
         assert a.keys() == b.keys() and all(a[k] is b[k] for k in b), (sorted(a), sorted(b))
 
 
+def _reference(expected, params, grads):
+    """The params after ``expected`` (a `tests/reference.py` transformation) over ``grads``."""
+    q = {k: v.copy() for k, v in params.items()}
+    t = expected.init(q)
+    for g in grads:
+        u, t = expected.update(g, t, q)
+        q = ref.apply_updates(q, u)
+    return q
+
+
 def _nested():
     inner = nba.named_chain(
         ("trace", nba.trace(0.9)), ("adam", nba.chain(nba.scale_by_adam(), nba.scale(-1e-2)))
@@ -410,12 +420,7 @@ def test_a_kept_plan_of_nested_chains_ticks_and_rebuilds_their_states():
     params, grads = _tree(0), [_tree(80 + i) for i in range(4)]
     p, s = _run(_nested(), params, grads)
     expected = ref.chain(ref.identity(), ref.trace(0.9), ref.scale_by_adam(), ref.scale(-1e-2))
-    q = {k: v.copy() for k, v in params.items()}
-    t = expected.init(q)
-    for g in grads:
-        u, t = expected.update(g, t, q)
-        q = ref.apply_updates(q, u)
-    _same(p, q)
+    _same(p, _reference(expected, params, grads))
     assert type(s) is tuple and len(s) == 3 and s[2] == ()
     assert isinstance(s[1], dict) and list(s[1]) == ["trace", "adam"]
     assert type(s[1]["adam"]) is tuple and len(s[1]["adam"]) == 2
@@ -453,9 +458,4 @@ def test_scalars_reach_a_replayed_launch_as_the_first_call_cast_them(lr):
     expected = ref.chain(ref.trace(0.9, accumulator_dtype=np.float64), ref.scale_by_adam(), ref.scale(-lr))
     params, grads = _tree(3), [_tree(100 + i) for i in range(5)]
     p, _ = _run(tx, params, grads)
-    q = {k: v.copy() for k, v in params.items()}
-    t = expected.init(q)
-    for g in grads:
-        u, t = expected.update(g, t, q)
-        q = ref.apply_updates(q, u)
-    _same(p, q)
+    _same(p, _reference(expected, params, grads))
