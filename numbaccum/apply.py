@@ -31,6 +31,8 @@ in the last few elements of an array, which its unrolled tail computes the other
 
 from __future__ import annotations
 
+import itertools
+import operator
 from typing import Any
 
 import numpy as np
@@ -222,22 +224,37 @@ def _apart(params: list[np.ndarray], updates: list[np.ndarray], layout: Layout) 
     NumPy gives a base to every view it makes and to every array over another object's buffer.
     Params that share an owner are apart when they are the ``.tree`` of a FlatTree: each
     group's leaves back to back in one buffer of the group's dtype (`arrays.run_view`)."""
-    owners = [p if p.base is None else p.base for p in params]
+    n = len(params)
+    bases = list(map(_BASE, params))
+    # The common case, read in whole lists (an update of a small model asks every step): each
+    # param owns its memory.
+    owns = all(map(operator.is_, bases, itertools.repeat(None)))  # not list.count: it compares
+    owners = params if owns else [p if b is None else b for p, b in zip(params, bases)]
     ids = set(map(id, owners))
-    if len(ids) != len(params) and any(
-        arrays.run_view(params, layout, g) is None for g in range(len(layout.groups))
-    ):
+    if len(ids) != n and any(arrays.run_view(params, layout, g) is None for g in range(len(layout.groups))):
         return False  # one array twice, or overlapping views: the general path packs them
-    for p, owner, u in zip(params, owners, updates):
-        if not p.flags.writeable:
-            return False  # the general path names it
-        if owner is not p and (type(owner) is not np.ndarray or owner.base is not None):
-            return False  # memory whose owner we cannot see
+    if not all(map(_WRITEABLE, params)):
+        return False  # the general path names it
+    if owners is not params:
+        for p, owner in zip(params, owners):
+            if owner is not p and (type(owner) is not np.ndarray or owner.base is not None):
+                return False  # memory whose owner we cannot see
+    held = list(map(_BASE, updates))
+    first = held[0] if held else None
+    if first is not None and len(set(map(id, held))) == 1:
+        # Every update a view of one buffer (what `update` returns): that buffer is apart from
+        # the params' owners, or the general path decides.
+        return id(first) not in ids and type(first) is np.ndarray and first.base is None
+    for p, u, h in zip(params, updates, held):
         if u is not p:
-            held = u if u.base is None else u.base
-            if id(held) in ids or (held is not u and (type(held) is not np.ndarray or held.base is not None)):
+            h = u if h is None else h
+            if id(h) in ids or (h is not u and (type(h) is not np.ndarray or h.base is not None)):
                 return False
     return True
+
+
+_BASE = operator.attrgetter("base")
+_WRITEABLE = operator.attrgetter("flags.writeable")
 
 
 def _flat_groups(p: FlatTree, updates: Any, in_place: bool) -> tuple[np.ndarray, ...] | None:

@@ -241,6 +241,7 @@ class Elementwise(Stage):
         # the drivers cast them for the call and the kernels to each formula's compute dtype.
         where = [cts.index(ct) for ct in cts]
         distinct = [ct for i, ct in enumerate(cts) if where[i] == i]
+        one_ct, ct0, n_groups = len(distinct) == 1, distinct[0] if distinct else None, len(cts)
         new = tuple.__new__  # the NamedTuple made from its values, without its keyword __new__
 
         def tick(state: Any, params: Any, extra: dict) -> bool:
@@ -255,8 +256,11 @@ class Elementwise(Stage):
             values[owner_at] = current(values[owner_at], owner_field)
             if counted:
                 count = values[count_at] = safe_increment(values[count_at])
-                each = [scalars(count, ct) for ct in distinct]
-                part.scalars = each if len(each) == len(cts) else [each[i] for i in where]
+                if one_ct:  # every group computes in one dtype: no comprehension per step
+                    part.scalars = [scalars(count, ct0)] * n_groups
+                else:
+                    each = [scalars(count, ct) for ct in distinct]
+                    part.scalars = each if len(each) == len(cts) else [each[i] for i in where]
             part.new_state = new(cls, values)
             return True
 

@@ -507,40 +507,61 @@ def as_flat(
     Raises TypeError/ValueError naming the leaf when the tree does not match ``layout`` or lives
     on the other side (host or GPU) than ``device``; nothing has been written then.
     """
-    if isinstance(tree, FlatTree) and tree.layout is layout and device in (None, tree.device):
-        return tree, False, "flat"
+    if isinstance(tree, FlatTree):
+        if tree.layout is layout and device in (None, tree.device):
+            return tree, False, "flat"
+    elif checked is not None and device is not True:
+        return _host_flat(checked, layout, pack_into)
     if device is not False and checked is None and not isinstance(tree, FlatTree):
         found = arrays.device_leaves(tree, layout)
         if found is not None:  # separate CUDA arrays, read off their own attributes
             return device_flat(found, layout, pack_into)
     kinds: list[str] = []
-    if checked is not None and device is not True and not isinstance(tree, FlatTree):
-        leaves, kinds = checked, ["numpy"]
-    else:
-        leaves = check_leaves(tree, layout, name, device, kinds)
+    leaves = check_leaves(tree, layout, name, device, kinds)
     kind = "flat" if isinstance(tree, FlatTree) else (kinds[0] if kinds else "numpy")
     on_gpu = bool(leaves) and on_device(leaves[0])
-    if layout.num_leaves and all(layout.groups):
-        views = []
-        for g in range(len(layout.groups)):
-            v = run_view(leaves, layout, g)
-            if v is None:
-                break
-            views.append(v)
-        else:
-            return FlatTree(layout, views, {np.dtype(v.dtype): v for v in views}), False, kind
+    viewed = _viewed(leaves, layout)
+    if viewed is not None:
+        return viewed, False, kind
     if pack_into is None:
         out = FlatTree.empty(layout, device=on_gpu)
     else:
         out = pack_into if isinstance(pack_into, FlatTree) else pack_into()
-    if checked is not None and not out.device:
-        # The layout's very shapes and dtypes: each leaf copied into its view of the buffers
-        # (kept per storage), faster for small leaves than a concatenate.
-        for view, x in zip(out.leaf_views(), leaves):
-            view[...] = x
-    else:
-        out._copy_leaves_in(leaves)
+    out._copy_leaves_in(leaves)
     return out, True, kind
+
+
+def _viewed(leaves: list, layout: Layout) -> FlatTree | None:
+    """A FlatTree over the leaves' own memory when each group's leaves are one buffer back to
+    back (the ``.tree`` of a FlatTree: `run_view`), else None."""
+    if not (leaves and all(layout.groups)):
+        return None
+    views = []
+    for g in range(len(layout.groups)):
+        v = run_view(leaves, layout, g)
+        if v is None:
+            return None
+        views.append(v)
+    return FlatTree(layout, views, {np.dtype(v.dtype): v for v in views})
+
+
+def _host_flat(
+    leaves: list[np.ndarray], layout: Layout, pack_into: FlatTree | Callable[[], FlatTree] | None
+) -> tuple[FlatTree, bool, str]:
+    """`as_flat` of a plain tree whose NumPy leaves `host_leaves` checked against ``layout``:
+    views of their memory when each group's leaves are one buffer back to back (the ``.tree``
+    of a FlatTree), else each leaf copied into its view of ``pack_into`` (the same shapes and
+    dtypes: faster than a concatenate for small leaves)."""
+    viewed = _viewed(leaves, layout)
+    if viewed is not None:
+        return viewed, False, "numpy"
+    if pack_into is None:
+        out = FlatTree.empty(layout)
+    else:
+        out = pack_into if isinstance(pack_into, FlatTree) else pack_into()
+    for view, x in zip(out.leaf_views(), leaves):
+        view[...] = x
+    return out, True, "numpy"
 
 
 def device_flat(

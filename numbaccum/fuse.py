@@ -462,7 +462,9 @@ class FusedRun:
         if apply is None:
             last = kernels[-1]
             out = last.out() if last.out is not None else fresh()
-        extras = [k.inputs() if k.inputs is not None else () for k in kernels]
+        extras = []  # a loop, not a comprehension: this runs every step
+        for k in kernels:
+            extras.append(k.inputs() if k.inputs is not None else ())
         if apply is None and len(self.body) == 1:  # one kernel alone: its own formula, per group
             k = kernels[0]
             ins = extras[0]
@@ -474,7 +476,7 @@ class FusedRun:
         pending = factor
         # The shape of the calls, the same for every group: the pending factors.
         mode = 0 if factor.is_one else 2 if factor.device is not None else 1
-        flags = tuple([p.factor.is_one for p in self.scales]) if self.scales else ()
+        flags = tuple(map(_IS_ONE, self.scales)) if self.scales else ()
         for gi in range(len(flat.groups)):
             pending = _run_group(
                 self.body,
@@ -490,6 +492,9 @@ class FusedRun:
             )
         pending = pending if apply is None else ONE
         return (out, pending, self.new_states()) if with_states else (out, pending)
+
+
+_IS_ONE = operator.attrgetter("factor.is_one")
 
 
 def _run_group(
@@ -517,7 +522,10 @@ def _run_group(
     x = flat.groups[gi]
     og = out.groups[gi] if out is not None else None
     pg = apply.groups[gi] if apply is not None else None
-    ins = [e.groups[gi] for ex in extras for e in ex]
+    ins = []  # the extra inputs' buffers of the group (a loop: every step)
+    for ex in extras:
+        for e in ex:
+            ins.append(e.groups[gi])
     last = recent.get(shape)
     if last is not None and last[0] is x and last[1] is og and last[2] is pg and _same(last[3], ins):
         return last[4].run(parts, extras, flat, factor, out, apply, last[5])

@@ -448,8 +448,12 @@ def _writable(
     if found is not None:
         flat, copied, _ = device_flat(found, spec.layout, into)
         return flat, copied
-    if checked is None or not all([x.flags.writeable for x in checked]):
+    if checked is None:
         check_writable(params, "params")  # names the leaf that cannot change
+    else:
+        for x in checked:  # a loop, not a comprehension: a small tree's every step
+            if not x.flags.writeable:
+                check_writable(params, "params")
     if isinstance(params, FlatTree) and params.layout is spec.layout and params.device == spec.device:
         return params, False
     flat, copied, _ = as_flat(

@@ -226,7 +226,12 @@ def test_aliased_leaves_read_every_update_before_writing_any(kernels):
         lambda: ({"a": big[:6], "b": big[6:]}, {"a": big[6:], "b": big[:6]}),  # views of one array
         lambda: ({"a": big, "b": x}, {"a": z.repeat(2), "b": big[3:9]}),  # an update viewing a param
         lambda: (tree, {"a": tree["b"], "b": tree["a"]}),  # a FlatTree's .tree, its leaves swapped
+        lambda: ({"a": x, "b": y}, {"a": other[:6], "b": other[6:]}),  # views of one other buffer
+        lambda: ({"a": x, "b": y}, {"a": raw[:6], "b": raw[6:]}),  # ... whose owner is not an array
+        lambda: ({"a": x, "b": big[:6]}, {"a": big[6:], "b": big[:6]}),  # ... a param's own buffer
     ]
+    other = _values(rng, (12,), F32)
+    raw = np.frombuffer(bytearray(other.tobytes()), F32)
     tree = FlatTree.from_tree({"a": x.copy(), "b": y.copy()}).tree
     for make in cases:
         params, updates = make()
