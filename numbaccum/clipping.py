@@ -253,13 +253,13 @@ class _ClipByGlobalNorm(Stage):
             raise wrong_state("ClipByGlobalNormState", state)
         max_norm, policy = self.max_norm, self.nonfinite
         seen: list = []  # the state this step records, once its pre-pass has run
-        memo: list = []  # (flat, factor): asked twice for one buffer (apply_if_finite), reduce once
+        memo: list = [None, None]  # flat, factor: asked twice for one buffer (apply_if_finite)
 
         def factor_of(flat: FlatTree) -> Factor:
-            if memo and memo[0][0] is flat:
-                return memo[0][1]
+            if memo[0] is flat:
+                return memo[1]
             factor = reduce_to_factor(flat)
-            memo[:] = [(flat, factor)]
+            memo[0], memo[1] = flat, factor
             return factor
 
         def finite_of(flat: FlatTree) -> bool | None:
@@ -292,7 +292,7 @@ class _ClipByGlobalNorm(Stage):
 
         def tick(state: Any, params: Any, extra: dict) -> bool:
             seen.clear()  # a new step: nothing reduced yet
-            memo.clear()
+            memo[0] = memo[1] = None
             return _clip_state(state)
 
         part = Prepass(factor_of, Later(lambda: seen[-1]), "clip_by_global_norm", finite_of=finite_of)

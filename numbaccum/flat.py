@@ -536,6 +536,9 @@ def _viewed(leaves: list, layout: Layout) -> FlatTree | None:
     back (the ``.tree`` of a FlatTree: `run_view`), else None."""
     if not (leaves and all(layout.groups)):
         return None
+    first = leaves[0]  # the first leaf of the first group
+    if type(first) is np.ndarray and first.base is None and first.size:
+        return None  # it owns its memory: a plain tree's leaf (`run_view`'s first test, sooner)
     views = []
     for g in range(len(layout.groups)):
         v = run_view(leaves, layout, g)

@@ -289,7 +289,13 @@ def flat_tick(root: Any) -> Callable[[Any, Any, dict], bool]:
         if isinstance(part, Chained):
             env[f"split_{var}"] = part.split
             subs = [f"{var}_{i}" for i in range(len(part.parts))]
-            lines.append(f"    t = split_{var}({var})")
+            if part.names is None:  # a plain tuple, the split's own first test, inline
+                lines.append(f"    if type({var}) is tuple and len({var}) == {len(subs)}:")
+                lines.append(f"        t = {var}")
+                lines.append("    else:")
+                lines.append(f"        t = split_{var}({var})")
+            else:
+                lines.append(f"    t = split_{var}({var})")
             lines.append("    if t is None:")
             lines.append("        return False")
             if subs:
