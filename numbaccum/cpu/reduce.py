@@ -334,13 +334,15 @@ def prepared(kind, table: Table):
     found = {}  # per dtype, the serial driver's compiled function (`driver.entry_point`)
     # The last buffer it called the compiled function for (weakly: the run is kept per layout
     # and must not keep a tree alive), its dtype, the function: a kept plan's step passes the
-    # same buffer again, whose layout flags cannot have changed.
-    last = [_dead, None, None]
+    # same buffer again, whose contiguity and alignment cannot have changed. One tuple in one
+    # slot: threads sharing the layout read and replace it whole.
+    last = [(_dead, None, None)]
 
     def run(x):  # `partials` and `combine`, inline: this is a small tree's every step
         part = np.empty(nparts, np.float64)
-        if last[0]() is x and x.dtype is last[1]:
-            last[2](x, rows, items, pstart, _NONE, zero, part)
+        held, dtype, direct = last[0]
+        if held() is x and x.dtype is dtype:
+            direct(x, rows, items, pstart, _NONE, zero, part)
             return part if folded else combine(part, pslice, op)
         if x.dtype.type is np.float16:
             x = x.astype(np.float32)
@@ -351,7 +353,7 @@ def prepared(kind, table: Table):
                 flags = x.flags
                 if kernel is not None and flags.c_contiguous and flags.aligned:
                     kernel(x, rows, items, pstart, _NONE, zero, part)
-                    last[:] = weakref.ref(x), x.dtype, kernel
+                    last[0] = (weakref.ref(x), x.dtype, kernel)
                 else:
                     args = (x, rows, items, pstart, _NONE, zero, part)
                     serial(*args)
