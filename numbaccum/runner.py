@@ -60,6 +60,9 @@ class Plan:
             params and the returned updates (`Stage._workspace`).
         fused: whether the runs are fused (``NUMBACCUM_FUSE``), and ``apply``: whether the last
             run can add the updates to the params (`numbaccum.step_`).
+        tick: ``root.tick`` with the nested chains unrolled (`numbaccum.fuse.flat_tick`);
+            ``new_state()``: the new state from the leaves' after a pass
+            (`numbaccum.fuse.new_state_maker`).
     """
 
     __slots__ = (
