@@ -185,3 +185,21 @@ def test_item2_threads_busy_flag_is_cleared_after_an_error():
     with pytest.raises(ValueError):
         tx.update({"w": np.ones(4, np.float32)}, s)
     tx.update(g, s)  # not left marked busy
+
+
+def test_threads_norms_of_one_layout_each_get_their_own_trees_norm():
+    """The host sum of squares is prepared once per layout and remembers the buffer it last ran
+    on (`cpu.reduce.prepared`): threads taking norms of different trees of one layout, over and
+    over, each get their own tree's norm, never another's."""
+    trees = [
+        FlatTree.from_tree({"a": np.full((3, 4), i + 1, np.float32), "b": np.full(5, -i, np.float32)})
+        for i in range(THREADS)
+    ]
+    want = [nba.global_norm(t) for t in trees]
+    assert len(set(want)) == THREADS
+
+    def work(i):
+        return [nba.global_norm(trees[i]) for _ in range(200)]
+
+    for i, got in enumerate(run_threads(work)):
+        assert got == [want[i]] * 200
