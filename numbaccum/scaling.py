@@ -264,13 +264,9 @@ class _AddDecayedWeights(Stage):
                 return False
             wd, part.new_state = self.decay(state, params)
             if not self.skip:
-                if wd is not last[0]:  # a schedule's new value (a constant: the same object)
-                    part.scalars = [(wd,)] * groups
-                    last[0] = wd
+                part.scalars = [(wd,)] * groups
                 part.inputs = lambda: (params.flat(),)  # type: ignore[union-attr]
             return True
-
-        last: list = [None]
 
         part.tick = tick
         return part
