@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from .layout import is_float
 from .tree import short_repr
 
 INT32_MAX = int(np.iinfo(np.int32).max)
@@ -37,7 +38,7 @@ def _real_0d(value: Any) -> bool:
         arr = np.asarray(value)
     except Exception:  # e.g. a CUDA tensor: not a host number
         return False
-    return arr.ndim == 0 and arr.dtype.kind in "iuf"
+    return arr.ndim == 0 and (arr.dtype.kind in "iuf" or is_float(arr.dtype))  # bfloat16 too
 
 
 def non_negative(value: Any, name: str) -> float:

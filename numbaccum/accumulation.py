@@ -116,7 +116,7 @@ def trace(
     Args:
         decay: decay rate of the trace, from 0 to 1 (both included).
         nesterov: return Nesterov's update ``g + decay * t`` instead of ``t``.
-        accumulator_dtype: storage dtype of the trace (float16, float32 or float64); None keeps
+        accumulator_dtype: storage dtype of the trace (float16, bfloat16, float32 or float64); None keeps
             each leaf's dtype.
 
     Returns:
@@ -126,7 +126,7 @@ def trace(
     Raises:
         ValueError: ``decay`` is outside the closed interval from 0 to 1, or NaN.
         TypeError: ``decay`` is not a real number, ``nesterov`` not a bool, or
-            ``accumulator_dtype`` not float16, float32 or float64.
+            ``accumulator_dtype`` not float16, bfloat16, float32 or float64.
 
     References:
         Polyak, "Some methods of speeding up the convergence of iteration methods", 1964;
@@ -198,7 +198,7 @@ def ema(decay: float, debias: bool = True, accumulator_dtype: Any = None) -> Gra
     Args:
         decay: decay rate, from 0 to 1 (both included).
         debias: whether to divide by ``1 - decay ** count``.
-        accumulator_dtype: storage dtype of the average (float16, float32 or float64); None
+        accumulator_dtype: storage dtype of the average (float16, bfloat16, float32 or float64); None
             keeps each leaf's dtype.
 
     Returns:
@@ -208,7 +208,7 @@ def ema(decay: float, debias: bool = True, accumulator_dtype: Any = None) -> Gra
     Raises:
         ValueError: ``decay`` is outside the closed interval from 0 to 1, or NaN.
         TypeError: ``decay`` is not a real number, ``debias`` not a bool, or
-            ``accumulator_dtype`` not float16, float32 or float64.
+            ``accumulator_dtype`` not float16, bfloat16, float32 or float64.
 
     References:
         Kingma and Ba, "Adam: A Method for Stochastic Optimization", ICLR 2015 (the bias
@@ -496,7 +496,7 @@ class MultiSteps(Stage):
         TypeError: ``opt`` is not a transformation, or one that reshapes its updates (other than
             a leading `differentially_private_aggregate`); ``every_k_schedule`` is neither an int
             nor a callable; ``use_grad_mean`` is not a bool; ``should_skip_update_fn`` is neither
-            callable nor None; ``accumulator_dtype`` is not float16, float32 or float64.
+            callable nor None; ``accumulator_dtype`` is not float16, bfloat16, float32 or float64.
         ValueError: ``every_k_schedule`` is below 1 or above the int32 maximum (a schedule's value
             is checked the same way at the update); ``should_skip_update_fn`` is given with DP
             accumulation.

@@ -33,7 +33,7 @@ from .clipping import divide_leaves
 from .contract import ONE, Factor
 from .declared import check_decay, expect_state, field_owner, safe_increment
 from .flat import FlatTree, layout_and_device
-from .layout import Layout
+from .layout import Layout, compute_dtype
 from .norms import TINY, check_ord, leaf_norms, tree_norm
 from .protocol import GradientTransformationExtraArgs
 from .updates import ParamsRef, Spec, Updates
@@ -82,7 +82,7 @@ def _group_factors(flat: FlatTree, gi: int, per_leaf: np.ndarray) -> np.ndarray:
     """The per-leaf values of group ``gi``, in the group's compute dtype (no float64 variant of a
     float32 kernel is compiled by accident)."""
     dt = flat.groups[gi].dtype
-    return per_leaf[flat.layout.group_index[gi]].astype(np.float32 if dt == np.float16 else dt)
+    return per_leaf[flat.layout.group_index[gi]].astype(compute_dtype(dt))
 
 
 def _divide_leaves(u: Updates, factors: np.ndarray) -> Updates:

@@ -177,7 +177,7 @@ def _inbox(p: FlatTree, updates: Any) -> Any:
 def _remember(layout: Layout) -> None:
     global _recent
     if all(lay is not layout for lay, _ in _recent):
-        entry = (layout, _F16 not in layout.group_dtypes)
+        entry = (layout, all(d in _NUMPY_ADDS for d in layout.group_dtypes))
         _recent = (entry, *_recent[: _RECENT_LAYOUTS - 1])
 
 

@@ -71,8 +71,13 @@ _state = threading.local()  # the stream of the update running on this thread
 
 
 def is_cuda_array(x: Any) -> bool:
-    """True for arrays that live on a CUDA device (without importing numba.cuda)."""
-    return hasattr(x, "__cuda_array_interface__") or type(x).__module__.startswith("numba.cuda")
+    """True for arrays that live on a CUDA device (without importing numba.cuda). An interface
+    that raises (PyTorch's, for a bfloat16 CUDA tensor: the interface has no such dtype) counts:
+    the array is on a device, and reading it then says why it cannot be read."""
+    try:
+        return hasattr(x, "__cuda_array_interface__") or type(x).__module__.startswith("numba.cuda")
+    except Exception:
+        return True
 
 
 def is_device_array(x: Any) -> bool:
@@ -394,9 +399,10 @@ def _leaf_reader(x: Any) -> Any:
         return _cupy_leaf
     if is_device_array(x):
         return _numba_leaf
-    if hasattr(x, "__cuda_array_interface__"):
-        return _interface_leaf
-    return None
+    try:
+        return _interface_leaf if hasattr(x, "__cuda_array_interface__") else None
+    except Exception:  # an interface that fails: the general path says why (`flat._as_leaf`)
+        return None
 
 
 def device_pointers(tree: Any, layout: Layout) -> list[int] | None:

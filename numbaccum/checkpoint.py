@@ -44,7 +44,7 @@ import numpy as np
 
 from .arrays import DeviceScalar
 from .flat import FlatTree, to_device, to_host
-from .layout import FLOATS, Layout
+from .layout import FLOATS, Layout, check_float_dtype, is_float
 from .tree import TreeDef, first_difference, format_path, short_repr, tree_flatten
 
 __all__ = ["load_state", "register_state_class", "save_state"]
@@ -276,12 +276,18 @@ class _Encoder:
 
     def __init__(self) -> None:
         self.arrays: list[np.ndarray] = []
+        self.bf16: set[int] = set()  # the numbers of the bfloat16 arrays (stored as uint16)
         self.layouts: list[dict] = []
         self._layout_ids: dict[int, int] = {}
         self._seen: dict[int, int] = {}  # id of a FlatTree or array -> its object number
         self._objects: list[Any] = []  # keeps them alive, so that ids stay unique
 
     def array(self, a: np.ndarray) -> int:
+        """The number of array ``a`` in the file: a bfloat16 one is kept as its raw bits (.npy
+        has no bfloat16: NumPy would write two opaque bytes, ``V2``) and named in the header."""
+        if a.dtype.kind == "V":
+            self.bf16.add(len(self.arrays))
+            a = np.ascontiguousarray(a).view(np.uint16)
         self.arrays.append(a)
         return len(self.arrays) - 1
 
@@ -340,14 +346,14 @@ class _Encoder:
     @staticmethod
     def _scalar(x: np.generic, path: str) -> list:
         dt = x.dtype
-        if dt.kind not in _ARRAY_KINDS:
+        if dt.kind not in _ARRAY_KINDS and not is_float(dt):
             raise TypeError(f"{path}: cannot save a NumPy scalar of dtype {dt}")
-        if dt.kind in "fc":  # the bytes, so that every bit (NaN payloads too) comes back
-            return [dt.str, x.tobytes().hex()]
+        if dt.kind in "fcV":  # the bytes, so that every bit (NaN payloads too) comes back
+            return [_dtype_name(dt), x.tobytes().hex()]
         return [dt.str, x.item()]
 
     def _ndarray(self, a: np.ndarray, path: str) -> list:
-        if a.dtype.kind not in _ARRAY_KINDS:
+        if a.dtype.kind not in _ARRAY_KINDS and not is_float(a.dtype):
             raise TypeError(f"{path}: cannot save an array of dtype {a.dtype} (no pickle in a checkpoint)")
         return ["array", self.array(a), bool(a.flags.writeable)]
 
@@ -364,8 +370,8 @@ class _Encoder:
                 {
                     "treedef": self._treedef(layout.treedef, path),
                     "shapes": [list(s) for s in layout.shapes],
-                    "dtypes": [d.str for d in layout.dtypes],
-                    "keys": [layout.group_dtypes[g].str for g in layout.leaf_group],
+                    "dtypes": [_dtype_name(d) for d in layout.dtypes],
+                    "keys": [_dtype_name(layout.group_dtypes[g]) for g in layout.leaf_group],
                 }
             )
         return i
@@ -432,7 +438,9 @@ def save_state(path: str | os.PathLike, state: Any) -> None:
         "format": FORMAT,
         "version": VERSION,
         "numbaccum": _version(),
-        "arrays": [[a.dtype.str, list(a.shape)] for a in enc.arrays],
+        "arrays": [
+            ["bfloat16" if i in enc.bf16 else a.dtype.str, list(a.shape)] for i, a in enumerate(enc.arrays)
+        ],
         "layouts": enc.layouts,
         "state": node,
     }
@@ -584,6 +592,8 @@ def _read(f: Any) -> tuple[dict, list[np.ndarray]]:
             if npz.zip.getinfo(f"{key}.npy").file_size < expected:  # type: ignore[union-attr]  # before reading
                 raise _Malformed(f"truncated or corrupt: the array {key} is shorter than its header says")
             a = _member(npz, key)
+            if dtype.kind == "V":  # bfloat16, kept as its raw bits (`_Encoder._flat_group`)
+                a = a.view(dtype) if a.dtype == np.uint16 and a.ndim == 1 else a
             if a.dtype != dtype or a.shape != shape:
                 raise _Malformed(
                     f"truncated or corrupt: the array {key} is {a.dtype} {a.shape}, the header says "
@@ -591,6 +601,27 @@ def _read(f: Any) -> tuple[dict, list[np.ndarray]]:
                 )
             arrays.append(a)
     return header, arrays
+
+
+def _dtype_name(dt: np.dtype) -> str:
+    """A dtype as the header writes it: NumPy's string, or ``"bfloat16"`` (whose NumPy string,
+    ``"<V2"``, says only "two bytes")."""
+    return "bfloat16" if dt.kind == "V" and is_float(dt) else dt.str
+
+
+def _dtype_of(name: Any) -> np.dtype:
+    """The dtype a header names (`_dtype_name`): ``"bfloat16"`` is ml_dtypes' (imported by this
+    one fixed name: a header never names a module); a name NumPy does not know, or a void dtype
+    of any other spelling, is malformed."""
+    if name == "bfloat16":
+        try:
+            return check_float_dtype(name, "bfloat16")
+        except TypeError as e:
+            raise _Malformed(f"a bfloat16 array, which needs ml_dtypes ({e})") from None
+    dt = np.dtype(name)
+    if dt.kind == "V":
+        raise ValueError(f"a void dtype {name!r}")
+    return dt
 
 
 def _member(npz: Any, key: str) -> np.ndarray:
@@ -603,8 +634,10 @@ def _member(npz: Any, key: str) -> np.ndarray:
 def _array_spec(spec: Any, i: int) -> tuple[np.dtype, tuple[int, ...]]:
     try:
         dtype_str, shape = spec
-        dtype = np.dtype(dtype_str)
-        ok = dtype.kind in _ARRAY_KINDS and all(type(d) is int and d >= 0 for d in shape)
+        dtype = _dtype_of(dtype_str)
+        ok = (dtype.kind in _ARRAY_KINDS or dtype.kind == "V") and all(
+            type(d) is int and d >= 0 for d in shape
+        )
     except (TypeError, ValueError):
         ok = False
     if not ok:
@@ -757,15 +790,17 @@ class _Decoder:
             raw = self.layouts_raw[i]
             treedef = self.treedef(raw["treedef"], path)
             shapes = [tuple(s) for s in raw["shapes"]]
-            dtypes = [np.dtype(d) for d in raw["dtypes"]]
-            keys = [np.dtype(d) for d in raw["keys"]]
+            dtypes = [_dtype_of(d) for d in raw["dtypes"]]
+            keys = [_dtype_of(d) for d in raw["keys"]]
             n = treedef.num_leaves
             if not (len(shapes) == len(dtypes) == len(keys) == n):
                 raise _Malformed(f"{path}: a layout of {n} leaves with {len(shapes)} shapes")
             if not all(type(d) is int and d >= 0 for s in shapes for d in s):
                 raise _Malformed(f"{path}: a layout with a bad shape")
             if not all(d in FLOATS for d in (*dtypes, *keys)):
-                raise _Malformed(f"{path}: a layout with a dtype that is not float16, float32 or float64")
+                raise _Malformed(
+                    f"{path}: a layout with a dtype that is not float16, bfloat16, float32 or float64"
+                )
             lay = self.layouts[i] = Layout.get(treedef, shapes, dtypes, keys)
         return lay
 
@@ -800,10 +835,10 @@ class _Decoder:
 
 
 def _scalar(dtype_str: Any, value: Any) -> np.generic:
-    dt = np.dtype(dtype_str)
-    if dt.kind not in _ARRAY_KINDS:
+    dt = _dtype_of(dtype_str)
+    if dt.kind not in _ARRAY_KINDS and dt.kind != "V":
         raise _Malformed(f"a NumPy scalar of dtype {dt}")
-    if dt.kind in "fc":
+    if dt.kind in "fcV":  # V: bfloat16 (`_dtype_of` refuses every other void dtype)
         raw = bytes.fromhex(value)
         if len(raw) != dt.itemsize:
             raise _Malformed(f"a {dt} scalar of {len(raw)} bytes")

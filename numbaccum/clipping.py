@@ -19,7 +19,7 @@ from .declared import Elementwise
 from .flat import FlatTree, as_flat, layout_of
 from .formulas import clip_factor, clip_finish
 from .fuse import Later, Prepass
-from .layout import Layout
+from .layout import Layout, compute_dtype
 from .protocol import EmptyState, GradientTransformationExtraArgs
 from .tables import segments
 from .tables import sum_in_order as _sequential_sum
@@ -651,8 +651,8 @@ _RANGE: dict[np.dtype, tuple[float, float]] = {}
 
 
 def _range(ctype: np.dtype) -> tuple[float, float]:
-    """The normal range of a compute dtype (float16 runs in float32)."""
-    info = np.finfo(np.float32 if ctype == np.float16 else ctype)
+    """The normal range of a compute dtype."""
+    info = np.finfo(ctype)
     out = _RANGE[ctype] = (float(info.tiny), float(info.max))
     return out
 
@@ -671,7 +671,7 @@ def divide_leaves(u: Updates, factors: np.ndarray, always: bool = False) -> Upda
     lay = u.flat.layout
     for gi, (o, g) in enumerate(zip(out.groups, u.flat.groups)):
         f = factors[lay.group_index[gi]]
-        ctype = np.result_type(g.dtype, o.dtype)
+        ctype = compute_dtype(g.dtype, o.dtype)
         tiny, big = _RANGE.get(ctype) or _range(ctype)
         with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
             a = np.abs(f)  # NaN fits (optax's NaN), 0 and inf too (the division by them is exact)

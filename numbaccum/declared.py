@@ -30,6 +30,7 @@ from .base import Stage
 from .flat import FlatTree, layout_and_device
 from .fuse import Kernel
 from .layout import Layout, check_float_dtype
+from .layout import compute_dtype as _layout_compute
 from .protocol import EmptyState
 from .transaction import current
 from .updates import Spec
@@ -88,11 +89,11 @@ _BC_CONSTS: dict[tuple[float, Any], tuple[Any, Any]] = {}
 
 
 def compute_dtype(*arrays: Any) -> np.dtype:
-    """The dtype a kernel computes in for these arrays (or dtypes): float16 computes in float32."""
+    """The dtype a kernel computes in for these arrays (or dtypes): float16 and bfloat16 compute
+    in float32 (`numbaccum.layout.compute_dtype`)."""
     dt = _COMPUTE.get(arrays)
     if dt is None:
-        dt = np.result_type(*arrays)
-        dt = np.dtype(np.float32) if dt == np.float16 else np.dtype(dt)
+        dt = _layout_compute(*(a if isinstance(a, np.dtype) else np.asarray(a).dtype for a in arrays))
         if all(isinstance(a, np.dtype) for a in arrays):  # dtypes are hashable and few: keep them
             _COMPUTE[arrays] = dt
     return dt

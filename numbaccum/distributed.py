@@ -133,9 +133,9 @@ def _sync_stream() -> Any:
 def _reduce(comm: Any, src: FlatTree, out: FlatTree, mean: bool) -> None:
     """``out = sum (or mean) over ranks of src``, one Allreduce per dtype group (chunked).
 
-    float16 groups are summed in float32 (MPI has no float16 sum, and a float16 sum overflows
-    where the mean does not) and their mean is rounded once; so a tree with a float16 group takes
-    ``mean=True``. CUDA groups are staged through host memory, one copy each way, unless the MPI
+    float16 and bfloat16 groups are summed in float32 (MPI has no sum of either, and a float16 sum
+    overflows where the mean does not) and their mean is rounded once; so a tree with such a
+    group takes ``mean=True``. CUDA groups are staged through host memory, one copy each way, unless the MPI
     library is CUDA-aware (`cuda_aware`), which reads and writes device memory itself."""
     n = comm.Get_size()
     direct = out.device and cuda_aware()
@@ -144,16 +144,17 @@ def _reduce(comm: Any, src: FlatTree, out: FlatTree, mean: bool) -> None:
         if y.size == 0:
             continue  # every rank has the same layout (checked at init): all skip it
         dt = np.dtype(y.dtype)
-        if dt != _F16 and not out.device:
+        half = dt.itemsize == 2  # float16 or bfloat16: MPI has no sum of either
+        if not half and not out.device:
             _allreduce_host(comm, x, y)
             if mean:
                 ops_for(y).scale_(y, y, Factor(float(n), 1.0))
-        elif dt != _F16 and direct:
+        elif not half and direct:
             for lo, hi in _chunks(y.size):  # device pointers straight to MPI
                 comm.Allreduce(x[lo:hi], y[lo:hi], op=_mpi().SUM)
             if mean:
                 ops_for(y).scale_(y, y, Factor(float(n), 1.0))
-        elif dt != _F16:  # CUDA through the host: one copy down, one up
+        elif not half:  # CUDA through the host: one copy down, one up
             h = _staging(out, gi, dt, "sum")
             x.copy_to_host(h, stream=s)
             if s != 0:
@@ -171,11 +172,12 @@ def _reduce(comm: Any, src: FlatTree, out: FlatTree, mean: bool) -> None:
                     s.synchronize()
                 np.copyto(h32, h16)
             else:
-                np.copyto(h32, x)
+                h32[...] = x  # exact (float16 and bfloat16 are float32 values)
             _allreduce_host(comm, h32, h32)
             # the mean in float32, rounded once; dividing after rounding the sum could overflow
-            dst = h16 if out.device else y
-            np.divide(h32, np.float32(n) if mean else np.float32(1), out=dst, casting="same_kind")
+            if mean:
+                np.divide(h32, np.float32(n), out=h32)
+            (h16 if out.device else y)[...] = h32
             if out.device:
                 y.copy_to_device(h16, stream=s)
 
@@ -358,13 +360,14 @@ class _AllreduceMean(Stage):
         if self.n == 1:
             return Step(lambda u: (u, new_state))
         comm, n = self.comm, self.n
-        half = _F16 in spec.layout.group_dtypes
+        half = any(d.itemsize == 2 for d in spec.layout.group_dtypes)
 
         def run(u: Updates) -> tuple[Updates, AllreduceMeanState]:
             # A pending factor is applied on the way into our buffer: no pass of its own.
             src = u.flat if u.factor.is_one else u.into(out)
             _reduce(comm, src, out, mean=half)
-            # The division by n rides on the next kernel (float16 trees: divided on the host).
+            # The division by n rides on the next kernel (float16 and bfloat16 trees: divided on
+            # the host).
             return Updates(out, owned=True, factor=ONE if half else Factor(float(n), 1.0)), new_state
 
         return Step(run)

@@ -21,7 +21,7 @@ from . import tree as _tree
 from .arrays import as_device_array, is_contiguous, is_cuda_array, on_device, run_view
 from .backend import device_leaf_copies, ops_for
 from .contract import ONE
-from .layout import FLOATS, Layout, check_float_dtype, layout_of_leaves
+from .layout import FLOATS, NAMES, Layout, check_float_dtype, is_float, layout_of_leaves
 from .tree import TreeDef, format_path
 
 __all__ = ["FlatTree", "as_flat", "layout_of", "to_device", "to_host"]
@@ -44,22 +44,46 @@ def _as_leaf(x: Any, where: tuple, name: str) -> Any:
     elif isinstance(x, (np.generic, float, int)) and not isinstance(x, bool):
         arr = _read_only(np.asarray(x))  # a 0-d leaf
     elif is_cuda_array(x):
-        arr = as_device_array(x)
-        if arr.dtype in FLOATS and arr.size and not is_contiguous(arr):
+        try:
+            arr = as_device_array(x)
+        except Exception as e:  # e.g. a bfloat16 tensor: no such dtype in the CUDA interface
+            raise TypeError(
+                f"{path}: cannot read this CUDA {type(x).__name__} ({type(e).__name__}: {e}); CUDA "
+                "arrays of float16, float32 or float64 are read (bfloat16 ones only on the host so far)"
+            ) from None
+        if is_float(arr.dtype) and arr.size and not is_contiguous(arr):
             raise ValueError(f"{path}: a non-contiguous CUDA array cannot be packed; pass a contiguous copy")
     elif hasattr(x, "__array__") or hasattr(x, "__dlpack__"):
         try:
             arr = _read_only(np.asarray(x) if hasattr(x, "__array__") else np.from_dlpack(x))
         except Exception as e:  # e.g. an array on a device NumPy cannot read
-            raise TypeError(f"{path}: NumPy cannot read this {type(x).__name__} ({e})") from None
+            arr = _torch_bfloat16(x)
+            if arr is None:
+                raise TypeError(f"{path}: NumPy cannot read this {type(x).__name__} ({e})") from None
     else:
         raise TypeError(
             f"{path}: expected an array (NumPy, CUDA, or one NumPy can read: JAX on the CPU, a CPU "
             f"tensor) or a float, got {type(x).__name__}"
         )
-    if arr.dtype not in FLOATS:
-        raise TypeError(f"{path}: dtype {arr.dtype} is not float16, float32 or float64")
+    if not is_float(arr.dtype):
+        raise TypeError(f"{path}: dtype {arr.dtype} is not {NAMES}")
     return arr
+
+
+def _torch_bfloat16(x: Any) -> np.ndarray | None:
+    """A read-only bfloat16 view of a CPU ``torch.bfloat16`` tensor (NumPy reads no such tensor:
+    its bits are read as int16 and viewed as ml_dtypes' bfloat16), else None."""
+    dtype = getattr(x, "dtype", None)
+    if (
+        type(x).__module__.split(".")[0] != "torch"
+        or str(dtype) != "torch.bfloat16"
+        or x.device.type != "cpu"
+    ):
+        return None
+    import ml_dtypes
+    import torch
+
+    return _read_only(x.detach().view(torch.int16).numpy().view(ml_dtypes.bfloat16))
 
 
 def _read_only(arr: np.ndarray) -> np.ndarray:
@@ -653,7 +677,7 @@ def to_device(tree: Any) -> Any:
     A tree already on the GPU is returned as it is.
 
     Args:
-        tree: a FlatTree, or a tree of float arrays (float16, float32, float64).
+        tree: a FlatTree, or a tree of float arrays (float16, bfloat16, float32, float64).
 
     Returns:
         A FlatTree on the device for a FlatTree; for a plain tree, the tree of numba device

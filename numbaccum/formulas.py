@@ -177,6 +177,52 @@ def as_float64(v):
     return np.float64(v)
 
 
+# bfloat16 has no type in numba: a bfloat16 buffer reaches a kernel as its raw 16 bits (uint16),
+# each element widened to float32 when read (exact: bfloat16 is float32's upper half) and rounded
+# once, to nearest even, when stored. Written with scalar ``view``s, which numba compiles to a
+# bitcast and NumPy runs as is: one copy for both drivers and for reading.
+
+
+def from_bf16(h):
+    """The float32 value of bfloat16 bits ``h`` (exact)."""
+    return np.uint32(np.uint32(h) << np.uint32(16)).view(np.float32)
+
+
+def to_bf16(v):
+    """float32 ``v`` rounded to the nearest bfloat16, ties to even, as bits (uint16): carrying
+    the rounding into the exponent overflows to inf as it should; NaN stays a quiet NaN of its
+    sign (ml_dtypes' bits)."""
+    b = np.float32(v).view(np.uint32)
+    if v != v:
+        return np.uint16((b >> np.uint32(16)) | np.uint32(0x40))
+    return np.uint16((b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
+
+
+def to_bf16_from64(v):
+    """float64 ``v`` rounded once to the nearest bfloat16 (ties to even), as bits: through a
+    float32 rounded to odd (truncated, its last bit set when inexact), which then rounds to
+    bfloat16 as ``v`` itself would (float32 keeps 16 more bits than bfloat16: more than the 2
+    that rounding to odd needs); a plain float32 rounding first would round twice."""
+    y = np.float32(v)
+    if v != v or np.float64(y) == v:
+        return to_bf16(y)
+    b = y.view(np.uint32)
+    if abs(np.float64(y)) > abs(v):  # rounded away from zero (to inf, too): truncate instead
+        b = np.uint32(b - np.uint32(1))
+    return to_bf16(np.uint32(b | np.uint32(1)).view(np.float32))
+
+
+def as_bfloat16(v):
+    """float32 ``v`` rounded to bfloat16 and widened again (a fused chain's value between two
+    formulas, as a bfloat16 buffer would hold it)."""
+    return from_bf16(to_bf16(v))
+
+
+def as_bfloat16_from64(v):
+    """float64 ``v`` rounded once to bfloat16, widened to float32 (`as_bfloat16`)."""
+    return from_bf16(to_bf16_from64(v))
+
+
 def finite(v):
     """True for every finite value (``v - v`` is NaN for NaN and +-inf, 0 otherwise)."""
     return v - v == 0

@@ -56,6 +56,7 @@ from . import formulas as F
 from .backend import ops_for
 from .contract import ONE, Factor
 from .flat import FlatTree
+from .layout import compute_dtype
 from .updates import Updates
 
 __all__ = [
@@ -78,6 +79,12 @@ __all__ = [
 ]
 
 _FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
+
+
+def _fusable_dtype(dt: np.dtype) -> bool:
+    """Whether a composite may hold buffers of dtype ``dt``: float32, float64 and bfloat16 (whose
+    raw bits the drivers widen and round); not float16 (see the module's docstring)."""
+    return dt in _FLOATS or dt.kind == "V"
 
 
 def enabled() -> bool:
@@ -588,7 +595,7 @@ def _walk(parts: list, gi: int, d: np.dtype, ins: list, mode: int) -> tuple:
         n = len(p.formula.inputs) - 1
         its = ins[n_in : n_in + n]
         n_in += n
-        c = np.result_type(*(a.dtype for a in sts), d, *(a.dtype for a in its), d)
+        c = compute_dtype(*(a.dtype for a in sts), d, *(a.dtype for a in its), d)
         bools = tuple(isinstance(v, (bool, np.bool_)) for v in p.scalars[gi])
         ops.append(("kernel", p.formula.name, c.name, pend == "host", len(sts), n, bools))
         if pend == "host":
@@ -633,7 +640,7 @@ class _GroupCall:
             # aliasing one buffer make LLVM add runtime overlap checks per pair of arrays, and
             # past its limit it leaves the loop scalar (4x slower for adamw's sqrt and division).
             alias = tuple(i + 1 for i, a in enumerate(ins) if a is pg)
-            ops.append(("apply", np.result_type(pg.dtype, d, pg.dtype).name, alias))
+            ops.append(("apply", compute_dtype(pg.dtype, d, pg.dtype).name, alias))
             states.append(pg)
             kinds.append(pg.dtype)
         else:
@@ -641,7 +648,7 @@ class _GroupCall:
         self.recipe, self.final = tuple(recipe), src
         self.gather = _gatherer(self.recipe)
         self.keep = tuple(i for i in range(len(ins)) if i + 1 not in alias)
-        if d not in _FLOATS or any(t not in _FLOATS for t in kinds):
+        if not _fusable_dtype(d) or any(not _fusable_dtype(t) for t in kinds):
             self.composite, self.states, self.copy_out = None, (), False
             return
         # Written in place (the output is the input buffer, an owned workspace): the input is
@@ -774,13 +781,18 @@ def composite_source(key: tuple) -> tuple[str, str, tuple, tuple, tuple, tuple]:
     factor's value rounded) or ``("apply", compute dtype)`` (``params += value``)."""
     d, raw_input, ops, has_output, inplace = key
     name = "fused_" + hashlib.sha1(repr(key).encode()).hexdigest()[:16]
+    # The group's values are rounded to its storage dtype ``d`` between parts, and its settled
+    # factors computed in its compute dtype ``cd``: bfloat16 values are float32 ones rounded to
+    # bfloat16 (`numbaccum.formulas.as_bfloat16`), computed in float32.
+    cd = "float32" if d == "bfloat16" else d
     # Inputs (by index among all inputs, x first) that are the apply's target: read as its state.
     aliased = next((op[2] for op in ops if op[0] == "apply"), ())
     n_in = 1  # inputs seen so far, x included
     states: list[str] = []
     inputs: list[str] = ["x"]
     scalars: list[str] = []
-    body = ["    v = x" if raw_input else f"    v = as_{d}(x)"]
+    # A bfloat16 buffer's element reaches the composite widened, exactly: nothing to round.
+    body = ["    v = x" if raw_input or d == "bfloat16" else f"    v = as_{d}(x)"]
     new_states: list[str] = []
 
     def scalar() -> str:
@@ -791,9 +803,9 @@ def composite_source(key: tuple) -> tuple[str, str, tuple, tuple, tuple, tuple]:
     for op in ops:
         if op[0] == "settle":
             div, mul = scalar(), scalar()
-            body.append(f"    v = as_{d}((as_{d}(v) / as_{d}({div})) * as_{d}({mul}))")
+            body.append(f"    v = as_{d}((as_{cd}(v) / as_{cd}({div})) * as_{cd}({mul}))")
         elif op[0] == "cast":
-            body.append(f"    v = as_{d}(v)")
+            body.append(f"    v = {_rounding(d, cd)}(v)")
         elif op[0] == "apply":
             c = op[1]
             st = "sp"  # the params (also what an aliased input reads)
@@ -846,13 +858,19 @@ def _call_formula(
     scs = [scalar() if b else f"as_{c}({scalar()})" for b in bools]
     body.append(f"    r = {fname}({', '.join(sts + ['g'] + ins + scs)})")
     if n_states == 0:
-        body.append(f"    v = as_{d}(r)")
+        body.append(f"    v = {_rounding(d, c)}(r)")
     else:
         for i in range(n_states):
             new_states.append(f"n{len(new_states)}")
             body.append(f"    {new_states[-1]} = r[{i}]")
-        body.append(f"    v = as_{d}(r[{n_states}])")
+        body.append(f"    v = {_rounding(d, c)}(r[{n_states}])")
     return n_in
+
+
+def _rounding(d: str, c: str) -> str:
+    """The helper that rounds a value computed in dtype ``c`` to storage dtype ``d`` once (a
+    float64 value goes to bfloat16 directly, not through float32)."""
+    return "as_bfloat16_from64" if d == "bfloat16" and c == "float64" else f"as_{d}"
 
 
 def _make_composite(key: tuple, callees: tuple[F.Formula, ...]) -> F.Formula:

@@ -399,7 +399,7 @@ def inject_hyperparams(
             the returned function) a numeric argument is an array that is not a scalar (the same
             for a value set in ``state.hyperparams`` or returned by a schedule, at the update,
             the state unchanged).
-        TypeError: ``hyperparam_dtype`` is not float16, float32 or float64.
+        TypeError: ``hyperparam_dtype`` is not float16, bfloat16, float32 or float64.
 
     References:
         optax.inject_hyperparams.

@@ -19,20 +19,68 @@ import numpy as np
 from . import tree as _tree
 from .tree import TreeDef, format_path, short_repr
 
-__all__ = ["FLOATS", "Layout", "check_float_dtype", "layout_of_leaves"]
+__all__ = ["FLOATS", "Layout", "check_float_dtype", "compute_dtype", "finfo", "is_float", "layout_of_leaves"]
 
-FLOATS = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))  # the dtypes we store
+# The dtypes we store. ml_dtypes' bfloat16 joins them when it is first seen (`is_float`): the
+# package is imported only by a user who holds such arrays (it is an optional dependency). A
+# list, so that every module's ``dt in FLOATS`` sees it once it has joined.
+FLOATS = [np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64)]
+F32 = FLOATS[1]
+NAMES = "float16, bfloat16, float32 or float64"  # what an error says we store
+
+
+def is_float(dt: np.dtype) -> bool:
+    """Whether we store arrays of dtype ``dt`` (a NumPy dtype): float16, float32, float64, and
+    ml_dtypes' bfloat16 (added to `FLOATS` here, the first time one is seen)."""
+    if dt in FLOATS:
+        return True
+    if dt.kind != "V" or dt.name != "bfloat16" or getattr(dt.type, "__module__", "") != "ml_dtypes":
+        return False
+    with _BF16_LOCK:
+        if dt not in FLOATS:
+            FLOATS.append(dt)
+    return True
+
+
+_BF16_LOCK = threading.Lock()
 
 
 def check_float_dtype(dtype: Any, what: str) -> np.dtype:
-    """The canonical float dtype for ``dtype``, or TypeError naming ``what``."""
+    """The canonical float dtype for ``dtype``, or TypeError naming ``what``. The name
+    ``"bfloat16"`` imports ml_dtypes (whose import teaches NumPy the name)."""
+    if isinstance(dtype, str) and dtype == "bfloat16":
+        try:
+            import ml_dtypes
+        except ImportError:
+            raise TypeError(f"{what}: bfloat16 needs ml_dtypes (pip install 'numbaccum[bfloat16]')") from None
+        dtype = ml_dtypes.bfloat16
     try:
         dt = np.dtype(dtype)
     except Exception as e:  # NumPy's own words name no argument: "format number 1 of '0:' ..."
         raise TypeError(f"{what}: {short_repr(dtype)} is not a dtype") from e
-    if dt not in FLOATS:
-        raise TypeError(f"{what}: dtype {dt} is not float16, float32 or float64")
+    if not is_float(dt):
+        raise TypeError(f"{what}: dtype {dt} is not {NAMES}")
     return dt
+
+
+def finfo(dt: np.dtype) -> Any:
+    """`numpy.finfo` of a float dtype we store (NumPy's own refuses bfloat16: ml_dtypes')."""
+    if dt.kind == "V":
+        import ml_dtypes
+
+        return ml_dtypes.finfo(dt)
+    return np.finfo(dt)
+
+
+def compute_dtype(*dtypes: np.dtype) -> np.dtype:
+    """The dtype a kernel computes in for buffers of these dtypes: their promoted dtype, with
+    float16 and bfloat16 computed in float32 (numba has neither; NumPy cannot even promote
+    the two together)."""
+    out = F32 if dtypes[0].itemsize == 2 else dtypes[0]
+    for dt in dtypes[1:]:
+        if dt is not out:
+            out = np.promote_types(out, F32 if dt.itemsize == 2 else dt)
+    return out
 
 
 class Layout:

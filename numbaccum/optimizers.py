@@ -261,7 +261,7 @@ def scale_by_adam(
         b2: decay rate of the second moment, between 0 and 1.
         eps: added outside the square root.
         eps_root: added inside the square root.
-        mu_dtype: storage dtype of ``mu`` (float16, float32 or float64); None keeps each leaf's
+        mu_dtype: storage dtype of ``mu`` (float16, bfloat16, float32 or float64); None keeps each leaf's
             dtype.
         nesterov: NAdam's direction instead (`scale_by_nadam`).
 
@@ -357,7 +357,7 @@ def scale_by_nadam(
         b2: decay rate of the second moment, between 0 and 1.
         eps: added outside the square root.
         eps_root: added inside the square root.
-        mu_dtype: storage dtype of ``mu`` (float16, float32 or float64); None keeps each leaf's
+        mu_dtype: storage dtype of ``mu`` (float16, bfloat16, float32 or float64); None keeps each leaf's
             dtype.
 
     Returns:
@@ -795,7 +795,7 @@ def scale_by_amsgrad(
         b2: decay rate of the second moment, between 0 and 1.
         eps: added outside the square root.
         eps_root: added inside the square root.
-        mu_dtype: storage dtype of ``mu`` (float16, float32 or float64); None keeps each leaf's
+        mu_dtype: storage dtype of ``mu`` (float16, bfloat16, float32 or float64); None keeps each leaf's
             dtype.
         bias_correction_mu: whether to divide ``mu`` by ``1 - b1^t`` (False: the paper's
             AMSGrad).
@@ -1184,7 +1184,7 @@ def scale_by_lion(
     Args:
         b1: weight of the momentum in ``c``, between 0 and 1.
         b2: decay rate of the momentum, between 0 and 1.
-        mu_dtype: storage dtype of ``mu`` (float16, float32 or float64); None keeps each leaf's
+        mu_dtype: storage dtype of ``mu`` (float16, bfloat16, float32 or float64); None keeps each leaf's
             dtype.
         mode: ``'hard'`` (the sign), ``'smooth'`` (tanh) or ``'refined'`` (linear near 0).
         smooth_beta: the slope of the tanh with ``mode='smooth'``.

@@ -32,7 +32,7 @@ from .backend import ops_for, slice_sumsq
 from .base import Stage, Step, chain
 from .declared import check_decay
 from .flat import FlatTree, as_flat, layout_of
-from .layout import Layout
+from .layout import Layout, finfo
 from .protocol import GradientTransformationExtraArgs
 from .scaling import identity, scale_by_learning_rate
 from .tables import segments
@@ -183,7 +183,7 @@ def _weighted_sums(
     lay = flat.layout
     mult = np.broadcast_to(mult, (lay.num_leaves, plan.batch))  # one multiplier per example: every leaf
     for gi, (members, g, o) in enumerate(zip(lay.group_index, flat.groups, out.groups)):
-        limit = float(np.finfo(o.dtype).max) if noise is not None else math.inf
+        limit = float(finfo(o.dtype).max) if noise is not None else math.inf
         z = noise[gi] if noise is not None else _NO_NOISE
         m = np.ascontiguousarray(mult[members])
         args = (lay.offsets[gi], plan.out_layout.offsets[gi], m, z, std, div, limit)

@@ -65,7 +65,7 @@ def warmup(
 
     Raises:
         ValueError: ``backend`` is not "auto", "cpu" or "cuda".
-        TypeError: a dtype is not float16, float32 or float64; ``tx`` without ``params``;
+        TypeError: a dtype is not float16, bfloat16, float32 or float64; ``tx`` without ``params``;
             ``params`` with a ``tx`` that is not a transformation; or what
             ``tx.init``/``tx.update`` raise on ``params``.
 

@@ -159,3 +159,23 @@ def no_shared_memory(a_tree: Any, b_tree: Any) -> bool:
             if y.size and np.shares_memory(x, y):
                 return False
     return True
+
+
+def state_arrays(state, path: str = "state") -> dict:
+    """The arrays of a (nested) state by path (NamedTuple fields by name), leaf by leaf (how the
+    reference's state and numbaccum's are compared: numbaccum may keep more, such as workspaces)."""
+    if isinstance(state, nba.FlatTree):
+        return state_arrays(state.tree, path)
+    if isinstance(state, np.ndarray | np.generic):
+        return {path: np.array(state)}
+    out: dict = {}
+    if isinstance(state, tuple) and hasattr(state, "_fields"):
+        for f in state._fields:
+            out.update(state_arrays(getattr(state, f), f"{path}.{f}"))
+    elif isinstance(state, tuple | list):
+        for i, s in enumerate(state):
+            out.update(state_arrays(s, f"{path}[{i}]"))
+    elif isinstance(state, dict):
+        for k in sorted(state):
+            out.update(state_arrays(state[k], f"{path}[{k!r}]"))
+    return out

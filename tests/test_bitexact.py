@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import reference as ref
-from _testutil import as_tree, assert_same_structure, leaves, snapshot
+from _testutil import as_tree, assert_same_structure, leaves, snapshot, state_arrays
 from registry import CASES, with_reference
 
 import numbaccum as nba
@@ -77,25 +77,6 @@ def assert_bits(actual, expected, msg: str) -> None:
             )
 
 
-def _state_trees(state, path: str = "state") -> dict:
-    """The arrays of a (nested) state by path (NamedTuple fields by name), leaf by leaf."""
-    if isinstance(state, nba.FlatTree):
-        return _state_trees(state.tree, path)
-    if isinstance(state, np.ndarray | np.generic):
-        return {path: np.array(state)}
-    out: dict = {}
-    if isinstance(state, tuple) and hasattr(state, "_fields"):
-        for f in state._fields:
-            out.update(_state_trees(getattr(state, f), f"{path}.{f}"))
-    elif isinstance(state, tuple | list):
-        for i, s in enumerate(state):
-            out.update(_state_trees(s, f"{path}[{i}]"))
-    elif isinstance(state, dict):
-        for k in sorted(state):
-            out.update(_state_trees(state[k], f"{path}[{k!r}]"))
-    return out
-
-
 def compare_states(actual: dict, expected: dict, name: str, compare) -> None:
     """Every array of the reference's state against numbaccum's at the same path (counters
     exactly; numbaccum may keep more, such as its workspaces)."""
@@ -122,7 +103,7 @@ def run(name: str, via_step: bool = False):
         else:
             u, state = tx.update(g, state, params)
             outs.append(snapshot(u))
-    return outs, _state_trees(state)
+    return outs, state_arrays(state)
 
 
 def run_reference(name: str, via_step: bool = False):
@@ -137,7 +118,7 @@ def run_reference(name: str, via_step: bool = False):
             outs.append(params)
         else:
             outs.append(u)
-    return outs, _state_trees(state)
+    return outs, state_arrays(state)
 
 
 EXACT = with_reference(exact=True)

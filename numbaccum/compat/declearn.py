@@ -49,6 +49,7 @@ from ..arrays import kind_of, on_device
 from ..backend import leaf_norms, ops_for
 from ..contract import ONE
 from ..flat import as_flat, layout_of
+from ..layout import compute_dtype, finfo
 from ..tables import segments
 from ._args import non_negative, real
 from ._state import load_plain, to_plain
@@ -236,7 +237,7 @@ def _divided(flat: FlatTree, factors: np.ndarray) -> FlatTree:
     out = FlatTree.empty(lay, device=flat.device)
     for gi, (o, g) in enumerate(zip(out.groups, flat.groups)):
         f = factors[lay.group_index[gi]]
-        big = np.finfo(np.float32 if g.dtype == np.float16 else g.dtype).max  # float16 runs in float32
+        big = np.finfo(compute_dtype(g.dtype)).max  # float16 and bfloat16 run in float32
         if np.all((f <= big) | (f == np.inf)):  # inf (max_norm 0): exact zeros either way
             ops_for(g).segment_divide_(o, g, ONE, lay.offsets[gi], f.astype(g.dtype))
         else:
@@ -419,7 +420,7 @@ class GaussianNoiseModule(OptiModule):
             i = leaf_of[k]
             shape, dt = layout.shapes[i], layout.dtypes[i]
             z = rng.normal(scale=float(self.std), size=shape)
-            big = float(np.finfo(dt).max)
+            big = float(finfo(dt).max)
             np.clip(z, -big, big, out=z)  # a huge std must not cast to inf
             noise.leaf(i)[...] = z.astype(dt)
         if flat.device:
@@ -462,7 +463,7 @@ def _saturate(out: Any, g: Any) -> None:
     host_o = out if not on_device(out) else out.copy_to_host()
     host_g = g if not on_device(g) else g.copy_to_host()
     bad = np.isfinite(host_g) & ~np.isfinite(host_o)
-    big = np.finfo(host_o.dtype).max
+    big = finfo(host_o.dtype).max
     host_o[bad] = np.where(host_o[bad] > 0, big, -big)
     if on_device(out):
         out.copy_to_device(host_o)

@@ -9,8 +9,10 @@ NumPy (optax's ``ema`` with ``decay = 1`` is NaN), never an exception.
 
 `map` is the one entry point of elementwise work: it casts the scalars to the compute dtype of
 the call, stages float16 buffers through float32 copies (numba has no float16 arithmetic on the
-CPU; the buffers the formula writes are copied back, rounded once), and never lets two threads
-into numba's ``workqueue`` layer at once (it aborts the process, numba#9288).
+CPU; the buffers the formula writes are copied back, rounded once), runs bfloat16 buffers through
+a variant of the loop that reads their raw bits, widened to float32, and rounds each stored value
+once (two bytes an element moved, not six), and never lets two threads into numba's
+``workqueue`` layer at once (it aborts the process, numba#9288).
 """
 
 from __future__ import annotations
@@ -23,9 +25,10 @@ from typing import Any
 import numpy as np
 from numba import njit, prange
 
-from .. import _cache, _config
+from .. import _cache, _config, formulas
 from ..contract import Factor, cast_scalars
 from ..formulas import Formula, compile_formula
+from ..layout import compute_dtype
 
 __all__ = ["NAME", "map_", "parallel_guard"]
 
@@ -35,6 +38,7 @@ _workqueue_lock = threading.Lock()
 _NO_GUARD = contextlib.nullcontext()
 _guard: Any = None  # decided after the first parallel call
 _F16 = np.dtype(np.float16)
+_F32 = np.dtype(np.float32)
 # Called with each formula before it runs (`map_` and prepared launches alike): how tests count
 # the kernels a step launches. Empty: nothing is called.
 observers: list[Callable[[Formula], Any]] = []
@@ -91,53 +95,64 @@ def serial(n, chunk, {arrays}, div, mul, scaled, {scalars}):
 """
 
 
-def _source(f: Formula) -> tuple[str, str]:
-    """The generated loop body and drivers of formula ``f`` (Python source)."""
+def _source(f: Formula, wide: tuple | None = None) -> tuple[str, str]:
+    """The generated loop body and drivers of formula ``f`` (Python source). ``wide``: for a
+    call with bfloat16 buffers (passed as their raw bits, uint16), which arrays are bfloat16 and
+    the compute dtype's name: their elements are widened when read (`formulas.from_bf16`) and
+    rounded once when stored (`formulas.to_bf16`, or `to_bf16_from64` from float64)."""
     arrays = [f"a{i}" for i in range(len(f.arrays))]
     scalars = [f"p{i}" for i in range(len(f.scalars))] or ["_unused"]
     ns, ni = len(f.states), len(f.inputs)
+    bf16, ctype = wide if wide is not None else ((False,) * len(arrays), "")
     slices = "\n".join(f"    v{i} = {a}[lo:hi]" for i, a in enumerate(arrays))
-    reads = [f"v{i}[k]" for i in range(ns)]
-    reads += [f"read(v{ns}[k], div, mul, scaled)" if j == 0 else f"v{ns + j}[k]" for j in range(ni)]
+    reads = [f"from_bf16(v{i}[k])" if bf16[i] else f"v{i}[k]" for i in range(ns + ni)]
+    if ni:
+        reads[ns] = f"read({reads[ns]}, div, mul, scaled)"
     args = ", ".join(reads + [f"p{i}" for i in range(len(f.scalars))])
+    narrow = "to_bf16_from64" if ctype == "float64" else "to_bf16"
     written = list(f.writes)
-    if len(written) == 1:
-        stores = f"        v{written[0]}[k] = r"
-    else:
-        stores = "\n".join(f"        v{w}[k] = r[{j}]" for j, w in enumerate(written))
+    values = ["r"] if len(written) == 1 else [f"r[{j}]" for j in range(len(written))]
+    stores = "\n".join(
+        f"        v{w}[k] = {narrow}({r})" if bf16[w] else f"        v{w}[k] = {r}"
+        for w, r in zip(written, values)
+    )
     fmt = {"arrays": ", ".join(arrays), "scalars": ", ".join(scalars)}
     body = _BODY.format(slices=slices, args=args, stores=stores, **fmt)
     return body, _DRIVERS.format(**fmt)
 
 
-_COMPILED: dict[Formula, tuple[Any, Any]] = {}
+_COMPILED: dict[tuple, tuple[Any, Any]] = {}
 _COMPILE_LOCK = threading.Lock()
 
 
-def compiled(f: Formula) -> tuple[Any, Any]:
-    """The (parallel, serial) drivers of formula ``f``, generated once per formula (keyed by the
-    declaration, so two formulas of one name never share drivers)."""
-    pair = _COMPILED.get(f)
+def compiled(f: Formula, wide: tuple | None = None) -> tuple[Any, Any]:
+    """The (parallel, serial) drivers of formula ``f`` (for bfloat16 buffers: of its variant
+    ``wide``, see `_source`), generated once per formula and variant (keyed by the declaration,
+    so two formulas of one name never share drivers)."""
+    key = (f, wide)
+    pair = _COMPILED.get(key)
     if pair is None:
         with _COMPILE_LOCK:
-            pair = _COMPILED.get(f)
+            pair = _COMPILED.get(key)
             if pair is None:
-                pair = _COMPILED[f] = _compile(f)
+                pair = _COMPILED[key] = _compile(f, wide)
     return pair
 
 
-def _compile(f: Formula) -> tuple[Any, Any]:
+def _compile(f: Formula, wide: tuple | None) -> tuple[Any, Any]:
     """Generates the module of ``f``'s drivers and jits them. With the kernel cache on, the
     module is a file in the cache named by a hash of its source and of ``f`` (numba caches only
     functions with a source file), so a later process loads the compiled drivers."""
-    body_src, drivers_src = _source(f)
+    body_src, drivers_src = _source(f, wide)
     source = f"# numbaccum.cpu.driver: the drivers of formula {f.name}\n{body_src}{drivers_src}"
     digest = _cache.code_digest(f)
     path = _cache.source_file(source, f"cpu_{f.name}", f"cpu\0{digest}") if digest else None
     ns = _cache.namespace(path, f"<numbaccum.cpu.driver {f.name}>")
-    ns["fn"] = compile_formula(f.fn, njit(inline="always", error_model="numpy"))
+    ns["fn"] = compile_formula(f.fn, _inline)
     ns["read"] = read
     ns["prange"] = prange
+    if wide is not None:
+        ns.update(_bf16_conversions())
     exec(compile(source, ns["__file__"], "exec"), ns)
     # Globals are resolved when a function compiles: `parallel` and `serial` call the jitted body.
     ns["body"] = njit(error_model="numpy")(_cache.identify(ns["body"], f.name))
@@ -146,6 +161,19 @@ def _compile(f: Formula) -> tuple[Any, Any]:
     if path:
         parallel, serial = _cache.cached(parallel), _cache.cached(serial)
     return parallel, serial
+
+
+_inline = njit(inline="always", error_model="numpy")
+_BF16: dict[str, Any] = {}
+
+
+def _bf16_conversions() -> dict[str, Any]:
+    """The bfloat16 conversions a variant's loop calls (plain functions of `numbaccum.formulas`,
+    compiled once, when the first bfloat16 call comes)."""
+    if not _BF16:
+        names = ("from_bf16", "to_bf16", "to_bf16_from64")
+        _BF16.update({name: compile_formula(getattr(formulas, name), _inline) for name in names})
+    return _BF16
 
 
 # --- the entry point --------------------------------------------------------------------------
@@ -158,14 +186,34 @@ def map_(f: Formula, factor: Factor, arrays: tuple, scalars: tuple) -> None:
     dtypes = [a.dtype for a in arrays]
     ctype = dtypes[0]
     if dtypes.count(ctype) != len(dtypes):
-        if _F16 in set(dtypes):  # hashing first: == between dtypes is slow
+        kinds = set(dtypes)  # hashing first: == between dtypes is slow
+        if _F16 in kinds:
             return _staged(f, factor, arrays, scalars)
-        ctype = np.result_type(*arrays)
+        ctype = compute_dtype(*kinds)
+        if any(d.kind == "V" for d in kinds):
+            return _run_wide(f, factor, arrays, scalars, ctype)
     elif ctype.type is np.float16:
         return _staged(f, factor, arrays, scalars)
+    elif ctype.kind == "V":  # bfloat16
+        return _run_wide(f, factor, arrays, scalars, _F32)
     cast = ctype.type
     n = arrays[0].size
     _run(f, _kernel_for(f, n), (n, _config.CHUNK, *arrays), cast, factor, scalars)
+
+
+def _bits(arrays: tuple, ctype: np.dtype) -> tuple[tuple, tuple]:
+    """A call with bfloat16 buffers: the arrays as the kernel takes them (bfloat16 ones as their
+    raw bits, uint16 views) and its variant (`_source`)."""
+    bf16 = tuple(a.dtype.kind == "V" for a in arrays)
+    raw = tuple(a.view(np.uint16) if b else a for a, b in zip(arrays, bf16))
+    return raw, (bf16, ctype.name)
+
+
+def _run_wide(f: Formula, factor: Factor, arrays: tuple, scalars: tuple, ctype: np.dtype) -> None:
+    """`map_` of a call with bfloat16 buffers: its variant's kernel over their raw bits."""
+    raw, wide = _bits(arrays, ctype)
+    n = arrays[0].size
+    _run(f, _kernel_for(f, n, wide), (n, _config.CHUNK, *raw), ctype.type, factor, scalars)
 
 
 def prepare(f: Formula, arrays: tuple) -> Callable[[Factor, tuple], None]:
@@ -175,11 +223,16 @@ def prepare(f: Formula, arrays: tuple) -> Callable[[Factor, tuple], None]:
     is called without numba's dispatch (`entry_point`). What a kept plan's group call replays
     every step (`numbaccum.fuse`): a small tree's step costs microseconds, and these are some
     of them."""
-    if _F16 in {a.dtype for a in arrays}:
+    kinds = {a.dtype for a in arrays}
+    if _F16 in kinds:
         return lambda factor, scalars: map_(f, factor, arrays, scalars)
-    cast = np.result_type(*arrays).type
+    ctype = compute_dtype(*kinds)
+    wide = None
+    if any(d.kind == "V" for d in kinds):  # bfloat16: the variant over the raw bits
+        arrays, wide = _bits(arrays, ctype)
+    cast = ctype.type
     n = arrays[0].size
-    head, kernel = (n, _config.CHUNK, *arrays), _kernel_for(f, n)
+    head, kernel = (n, _config.CHUNK, *arrays), _kernel_for(f, n, wide)
     found: list = []
 
     def launch(factor: Factor, scalars: tuple) -> None:
@@ -212,11 +265,11 @@ def entry_point(kernel: Any, args: tuple) -> Any:
         return kernel
 
 
-def _kernel_for(f: Formula, n: int) -> Any:
-    """The driver of ``f`` for ``n`` elements: the serial one below `_config.SERIAL_BELOW`
-    (which never enters a parallel region, so needs no guard), else the parallel one behind
-    its guard (`guard_for`)."""
-    parallel, serial = compiled(f)
+def _kernel_for(f: Formula, n: int, wide: tuple | None = None) -> Any:
+    """The driver of ``f`` (its variant ``wide``) for ``n`` elements: the serial one below
+    `_config.SERIAL_BELOW` (which never enters a parallel region, so needs no guard), else the
+    parallel one behind its guard (`guard_for`)."""
+    parallel, serial = compiled(f, wide)
     if n < _config.SERIAL_BELOW:
         return serial
     guard = guard_for(n)
@@ -251,7 +304,7 @@ def _staged(f: Formula, factor: Factor, arrays: tuple, scalars: tuple) -> None:
     """`map_` with float16 buffers: each computed through a copy in the call's compute dtype
     (float32, or float64 beside a float64 buffer: a float16 result is then rounded once, from
     the promoted dtype); the buffers the formula writes are copied back once."""
-    wide = np.result_type(np.float32, *(a.dtype for a in arrays))
+    wide = compute_dtype(_F32, *(a.dtype for a in arrays))
     staged: dict[int, np.ndarray] = {}  # id(float16 buffer) -> its copy
     for a in arrays:
         if a.dtype == _F16 and id(a) not in staged:

@@ -19,8 +19,6 @@ from .. import _cache, _config, formulas
 from ..tables import segments
 from .driver import guard_for
 
-_F16 = np.dtype(np.float16)
-
 __all__ = ["batch_weighted_sum_"]
 
 # Output elements per work item: each example's row of a chunk is read as one 256 KiB run (the
@@ -99,8 +97,9 @@ def batch_weighted_sum_(out, g, offsets, out_offsets, mult, noise, std, div, lim
     ``B`` times smaller); ``mult`` is float64 ``(leaves, B)``; ``noise`` is read only when
     ``std != 0``. Sums run in float64 in example order; examples with ``mult == 0`` are skipped.
     """
-    if out.dtype == _F16 or g.dtype == _F16 or noise.dtype == _F16:
-        # numba has no float16 on the CPU: read through float32 copies (exact), round once.
+    if out.dtype.itemsize == 2 or g.dtype.itemsize == 2 or noise.dtype.itemsize == 2:
+        # numba has neither float16 nor bfloat16 on the CPU: read through float32 copies
+        # (exact), round once.
         out32 = out.astype(np.float32)
         batch_weighted_sum_(
             out32,
@@ -112,10 +111,10 @@ def batch_weighted_sum_(out, g, offsets, out_offsets, mult, noise, std, div, lim
             std,
             div,
             limit,
-            init.astype(np.float32) if init.dtype == _F16 else init,
+            init.astype(np.float32) if init.dtype.itemsize == 2 else init,
             has_init,
         )
-        np.copyto(out, out32, casting="same_kind")
+        out[...] = out32
         return
     run = _WEIGHTED_SUM[1] if g.size < _config.SERIAL_BELOW else _WEIGHTED_SUM[0]
     # The output's leaves cut into fixed items of BATCH_CHUNK elements (a segments table's work).

@@ -18,6 +18,7 @@ walk their digits run by run. ``error_model="numpy"``: no exception on a divisio
 from __future__ import annotations
 
 import math
+import threading
 import weakref
 
 import numpy as np
@@ -62,6 +63,7 @@ __all__ = [
 _slice_start = njit(inline="always", error_model="numpy")(slice_start)
 _element_offset = njit(inline="always", error_model="numpy")(element_offset)
 _jit = njit(inline="always", error_model="numpy")
+_from_bf16 = _jit(formulas.from_bf16)  # calls no helper: compiled as it is
 _ema = formulas.compile_formula(formulas.ema.fn, _jit)
 _rescued_norm = njit(error_model="numpy")(rescued_norm)
 _pnorm_factor = compiled(pnorm_factor, _jit)
@@ -120,9 +122,20 @@ def _t_nonfinite(v, c, p):  # pragma: no cover - compiled
     return 1.0 if v - v != 0 else 0.0  # NaN for NaN and +-inf, 0 for every finite value
 
 
-def _lane_sum(term):
+@_jit
+def _f64(v):  # pragma: no cover - compiled
+    return np.float64(v)
+
+
+@_jit
+def _bf16_f64(h):  # pragma: no cover - compiled
+    return np.float64(_from_bf16(h))
+
+
+def _lane_sum(term, load=_f64):
     """``total(v, c, p) = sum(term(v[i], c, p))`` in float64 over a (possibly strided) view:
-    `_LANES` accumulators for a long view, 8 for a short one, combined in a fixed order."""
+    `_LANES` accumulators for a long view, 8 for a short one, combined in a fixed order.
+    ``load`` reads an element as float64 (`_bf16_f64`: a bfloat16 buffer's raw bits)."""
 
     @_jit
     def total(v, c, p):  # pragma: no cover - compiled
@@ -132,40 +145,40 @@ def _lane_sum(term):
             stop = n // _LANES * _LANES
             for i in range(0, stop, _LANES):
                 for j in range(_LANES):
-                    acc[j] += term(np.float64(v[i + j]), c, p)
+                    acc[j] += term(load(v[i + j]), c, p)
             s = 0.0
             for i in range(stop, n):
-                s += term(np.float64(v[i]), c, p)
+                s += term(load(v[i]), c, p)
             for j in range(_LANES):
                 s += acc[j]
             return s
         s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = 0.0
         stop = n // 8 * 8
         for i in range(0, stop, 8):
-            s0 += term(np.float64(v[i]), c, p)
-            s1 += term(np.float64(v[i + 1]), c, p)
-            s2 += term(np.float64(v[i + 2]), c, p)
-            s3 += term(np.float64(v[i + 3]), c, p)
-            s4 += term(np.float64(v[i + 4]), c, p)
-            s5 += term(np.float64(v[i + 5]), c, p)
-            s6 += term(np.float64(v[i + 6]), c, p)
-            s7 += term(np.float64(v[i + 7]), c, p)
+            s0 += term(load(v[i]), c, p)
+            s1 += term(load(v[i + 1]), c, p)
+            s2 += term(load(v[i + 2]), c, p)
+            s3 += term(load(v[i + 3]), c, p)
+            s4 += term(load(v[i + 4]), c, p)
+            s5 += term(load(v[i + 5]), c, p)
+            s6 += term(load(v[i + 6]), c, p)
+            s7 += term(load(v[i + 7]), c, p)
         t = 0.0
         for i in range(stop, n):
-            t += term(np.float64(v[i]), c, p)
+            t += term(load(v[i]), c, p)
         return (((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7))) + t
 
     return total
 
 
-def _extreme(take_max):
-    """``total(v, c, p)``: the NaN-propagating max (or min) of |v|."""
+def _extreme(take_max, load=_f64):
+    """``total(v, c, p)``: the NaN-propagating max (or min) of |v| (``load``: `_lane_sum`)."""
 
     @_jit
     def total(v, c, p):  # pragma: no cover - compiled
         m = 0.0 if take_max else np.inf
         for i in range(v.size):
-            a = abs(np.float64(v[i]))
+            a = abs(load(v[i]))
             if a != a:
                 return a
             if (a > m) if take_max else (a < m):
@@ -260,23 +273,41 @@ def _reducer(kind, total, op):
     return (parallel, serial), op
 
 
-# What each reduction kind adds up (or keeps), and how its values fold.
-_TOTALS = {
-    "sumsq": (_lane_sum(_t_sq), SUM),
-    "csumsq": (_lane_sum(_t_csq), SUM),  # centred: sum((x - c) ** 2)
-    "ssumsq": (_lane_sum(_t_ssq), SUM),  # scaled: sum((x * c) ** 2), c per slice
-    "sumabs": (_lane_sum(_t_abs), SUM),
-    "sumpow": (_lane_sum(_t_pow), SUM),
-    "sum": (_lane_sum(_t_signed), SUM),
-    "nnz": (_lane_sum(_t_nonzero), SUM),
-    "nancount": (_lane_sum(_t_nan), SUM),
-    "nonfinite": (_lane_sum(_t_nonfinite), SUM),
-    "maxabs": (_extreme(True), MAX),
-    "minabs": (_extreme(False), MIN),
-}
+def _totals(load):
+    """What each reduction kind adds up (or keeps), reading elements with ``load``, and how its
+    values fold."""
+    return {
+        "sumsq": (_lane_sum(_t_sq, load), SUM),
+        "csumsq": (_lane_sum(_t_csq, load), SUM),  # centred: sum((x - c) ** 2)
+        "ssumsq": (_lane_sum(_t_ssq, load), SUM),  # scaled: sum((x * c) ** 2), c per slice
+        "sumabs": (_lane_sum(_t_abs, load), SUM),
+        "sumpow": (_lane_sum(_t_pow, load), SUM),
+        "sum": (_lane_sum(_t_signed, load), SUM),
+        "nnz": (_lane_sum(_t_nonzero, load), SUM),
+        "nancount": (_lane_sum(_t_nan, load), SUM),
+        "nonfinite": (_lane_sum(_t_nonfinite, load), SUM),
+        "maxabs": (_extreme(True, load), MAX),
+        "minabs": (_extreme(False, load), MIN),
+    }
+
 
 # The reduction kinds of the engine: name -> (drivers, fold).
-KINDS = {kind: _reducer(kind, total, op) for kind, (total, op) in _TOTALS.items()}
+KINDS = {kind: _reducer(kind, total, op) for kind, (total, op) in _totals(_f64).items()}
+_BF16_KINDS: dict = {}  # the same over bfloat16 buffers' raw bits, made when first needed
+_BF16_LOCK = threading.Lock()
+
+
+def _kinds_for(x):
+    """``(kinds, x)``: the engine's kinds for buffer ``x`` and the buffer they read: a
+    bfloat16 buffer's kinds read its raw bits (a uint16 view) and widen each element."""
+    if x.dtype.kind != "V":
+        return KINDS, x
+    if not _BF16_KINDS:
+        with _BF16_LOCK:
+            if not _BF16_KINDS:
+                made = {k: _reducer(f"{k}_bf16", t, op) for k, (t, op) in _totals(_bf16_f64).items()}
+                _BF16_KINDS.update(made)
+    return _BF16_KINDS, x.view(np.uint16)
 
 
 def _pick(pair, n):
@@ -294,16 +325,19 @@ _NONE = np.zeros(0, np.float64)
 
 
 def _f16(x):
-    """numba has no float16 on the CPU: a float32 copy of a float16 buffer (exact), else x."""
-    return x.astype(np.float32) if x.dtype == np.float16 else x
+    """numba has neither float16 nor bfloat16 on the CPU: a float32 copy of such a buffer (exact),
+    else x."""
+    return x.astype(np.float32) if x.dtype.itemsize == 2 else x
 
 
 def partials(kind, x, table: Table, centers=None, p=0.0):
     """The work of ``table`` (``REDUCE_BLOCK`` items) and its partials of reduction ``kind``."""
-    (pair, op) = KINDS[kind]
+    if x.dtype.type is np.float16:
+        x = x.astype(np.float32)
+    kinds, x = _kinds_for(x)
+    (pair, op) = kinds[kind]
     work = table.work(_config.REDUCE_BLOCK, True)
     part = np.empty(work.nparts, np.float64)
-    x = _f16(x)
     c = _NONE if centers is None else np.ascontiguousarray(centers, np.float64)
     args = (x, table.rows, work.items, work.pstart, c, np.float64(p), part)
     if work.items.shape[0]:
@@ -323,6 +357,7 @@ def prepared(kind, table: Table):
     float64 (the same kernel, the same partition, the same bits). What a kept plan's global norm
     calls every step (`numbaccum.backend.leaf_sumsq`); for kinds without centres."""
     ((parallel, serial), op) = KINDS[kind]
+    bf16 = None  # the bfloat16 drivers, made when a bfloat16 buffer first comes
     work = table.work(_config.REDUCE_BLOCK, True)
     rows, items, pstart, pslice, nparts = table.rows, work.items, work.pstart, work.pslice, work.nparts
     busy = items.shape[0] > 0
@@ -344,23 +379,30 @@ def prepared(kind, table: Table):
         if held() is x and x.dtype is dtype:
             direct(x, rows, items, pstart, _NONE, zero, part)
             return part if folded else combine(part, pslice, op)
-        if x.dtype.type is np.float16:
+        nonlocal bf16
+        dtype, owner = x.dtype, x
+        if dtype.type is np.float16:
             x = x.astype(np.float32)
+        pair = (parallel, serial)
+        if dtype.kind == "V":  # bfloat16: its raw bits
+            kinds, x = _kinds_for(x)
+            pair = bf16 = bf16 or kinds[kind][0]
         if busy:
             n = x.size
             if n < _config.SERIAL_BELOW:  # never enters a parallel region: no guard
-                kernel = found.get(x.dtype)  # by dtype: byte order included
+                kernel = found.get(dtype)  # by dtype: byte order included
                 flags = x.flags
                 if kernel is not None and flags.c_contiguous and flags.aligned:
                     kernel(x, rows, items, pstart, _NONE, zero, part)
-                    last[0] = (weakref.ref(x), x.dtype, kernel)
+                    if x is owner:  # not a copy or a view made here, which dies with the call
+                        last[0] = (weakref.ref(x), dtype, kernel)
                 else:
                     args = (x, rows, items, pstart, _NONE, zero, part)
-                    serial(*args)
-                    found[x.dtype] = entry_point(serial, args)
+                    pair[1](*args)
+                    found[dtype] = entry_point(pair[1], args)
             else:
                 with guard_for(n):
-                    parallel(x, rows, items, pstart, _NONE, zero, part)
+                    pair[0](x, rows, items, pstart, _NONE, zero, part)
         return part if folded else combine(part, pslice, op)
 
     return run
@@ -522,19 +564,21 @@ def _run_scaler(pair, n, table, active_only, out, x, c, values):
 
 
 def _staged(fn, write, *args):
-    """``fn(*args)`` with float16 buffers computed through float32 copies; the buffers at
+    """``fn(*args)`` with float16 and bfloat16 buffers computed through float32 copies (the
+    per-slice scalings are rarer than the reductions: no variant of their own); the buffers at
     positions ``write`` are copied back (rounded once)."""
     staged = [
-        a.astype(np.float32) if isinstance(a, np.ndarray) and a.dtype == np.float16 else a for a in args
+        a.astype(np.float32) if isinstance(a, np.ndarray) and a.dtype.itemsize == 2 else a for a in args
     ]
     fn(*staged)
     for i in write:
         if staged[i] is not args[i]:
-            np.copyto(args[i], staged[i], casting="same_kind")
+            args[i][...] = staged[i]
 
 
 def _has_f16(*arrays):
-    return any(a.dtype == np.float16 for a in arrays)
+    """Whether any of the buffers is float16 or bfloat16 (the two-byte floats)."""
+    return any(a.dtype.itemsize == 2 for a in arrays)
 
 
 def apply_(out, x, table: Table, centers, factors):
