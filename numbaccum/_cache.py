@@ -328,6 +328,9 @@ def _digest(v: Any, h: Any, seen: set[int]) -> None:
     elif hasattr(v, "py_func") and isinstance(v.py_func, types.FunctionType):  # a numba dispatcher
         h.update(b"jit:")
         _digest(v.py_func, h, seen)
+    elif type(v).__name__ == "_Intrinsic" and isinstance(getattr(v, "_defn", None), types.FunctionType):
+        h.update(b"intrinsic:")  # numba's @intrinsic: its typing function holds its code generator
+        _digest(v._defn, h, seen)
     elif isinstance(v, types.FunctionType):
         if id(v) in seen:
             h.update(f"seen:{v.__qualname__};".encode())

@@ -41,6 +41,12 @@ CHUNK = 1 << 15
 # more than a small tree's whole update.
 SERIAL_BELOW = 1 << 16
 
+# A parallel elementwise call writes a float output of at least this many bytes with streaming
+# stores (x86-64, `numbaccum.cpu.streaming`): no read of each line before it is written, no
+# eviction of what the caches hold. Meant for outputs larger than the last-level cache, which
+# are not read again from it (this VM's L3: 32 MiB).
+STREAM_BYTES = _env_int("NUMBACCUM_STREAM_BYTES", 32 << 20)
+
 # CUDA: threads per block of every kernel (a power of two). CI's simulator run sets 4 through
 # NUMBACCUM_CUDA_THREADS, so that small inputs span many blocks.
 CUDA_THREADS = _env_int("NUMBACCUM_CUDA_THREADS", 256, power_of_two=True, maximum=1024)  # CUDA's limit

@@ -41,7 +41,7 @@ from . import arrays
 from .backend import ops_for
 from .contract import ONE
 from .flat import FlatTree, as_flat, check_leaves, host_leaves, layout_of, scatter_leaves_
-from .layout import FLOATS, Layout
+from .layout import FLOATS, Layout, compute_dtype
 from .tree import format_path, leaves_if_structure, tree_flatten_with_path
 
 __all__ = ["apply_updates", "apply_updates_", "check_writable", "scatter_back", "writable_flat"]
@@ -163,12 +163,21 @@ def _inbox(p: FlatTree, updates: Any) -> Any:
     def make() -> FlatTree:
         raw = leaves_if_structure(updates, p.layout.treedef) or []
         dtypes = [
-            np.result_type(d, *(raw[i].dtype for i in members)) if raw else d
+            _promoted(d, *(raw[i].dtype for i in members)) if raw else d
             for d, members in zip(p.group_dtypes, p.layout.groups)
         ]
         return FlatTree.empty(p.layout, dtypes)
 
     return make
+
+
+def _promoted(*dtypes: np.dtype) -> np.dtype:
+    """NumPy's promoted dtype, or float32 (the compute dtype) for float16 beside bfloat16, which
+    NumPy cannot promote together."""
+    try:
+        return np.result_type(*dtypes)
+    except TypeError:  # numpy.exceptions.DTypePromotionError is a TypeError
+        return compute_dtype(*dtypes)
 
 
 # --- the NumPy path -------------------------------------------------------------------------

@@ -391,6 +391,19 @@ def _c_strides(shape: tuple, itemsize: int) -> tuple:
     return tuple(reversed(out))
 
 
+def host_bfloat16(x: Any) -> np.ndarray | None:
+    """A bfloat16 NumPy view of a CPU ``torch.bfloat16`` tensor (NumPy reads no such tensor: its
+    bits are read as int16 and viewed as ml_dtypes' bfloat16), else None."""
+    if type(x).__module__.split(".")[0] != "torch" or str(getattr(x, "dtype", "")) != "torch.bfloat16":
+        return None
+    if x.device.type != "cpu":
+        return None
+    import ml_dtypes
+    import torch
+
+    return x.detach().view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+
+
 def _leaf_reader(x: Any) -> Any:
     mod = type(x).__module__
     if mod.startswith("torch"):

@@ -57,9 +57,10 @@ def _as_leaf(x: Any, where: tuple, name: str) -> Any:
         try:
             arr = _read_only(np.asarray(x) if hasattr(x, "__array__") else np.from_dlpack(x))
         except Exception as e:  # e.g. an array on a device NumPy cannot read
-            arr = _torch_bfloat16(x)
+            arr = arrays.host_bfloat16(x)
             if arr is None:
                 raise TypeError(f"{path}: NumPy cannot read this {type(x).__name__} ({e})") from None
+            arr = _read_only(arr)
     else:
         raise TypeError(
             f"{path}: expected an array (NumPy, CUDA, or one NumPy can read: JAX on the CPU, a CPU "
@@ -68,22 +69,6 @@ def _as_leaf(x: Any, where: tuple, name: str) -> Any:
     if not is_float(arr.dtype):
         raise TypeError(f"{path}: dtype {arr.dtype} is not {NAMES}")
     return arr
-
-
-def _torch_bfloat16(x: Any) -> np.ndarray | None:
-    """A read-only bfloat16 view of a CPU ``torch.bfloat16`` tensor (NumPy reads no such tensor:
-    its bits are read as int16 and viewed as ml_dtypes' bfloat16), else None."""
-    dtype = getattr(x, "dtype", None)
-    if (
-        type(x).__module__.split(".")[0] != "torch"
-        or str(dtype) != "torch.bfloat16"
-        or x.device.type != "cpu"
-    ):
-        return None
-    import ml_dtypes
-    import torch
-
-    return _read_only(x.detach().view(torch.int16).numpy().view(ml_dtypes.bfloat16))
 
 
 def _read_only(arr: np.ndarray) -> np.ndarray:

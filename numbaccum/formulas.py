@@ -214,8 +214,14 @@ def to_bf16_from64(v):
 
 def as_bfloat16(v):
     """float32 ``v`` rounded to bfloat16 and widened again (a fused chain's value between two
-    formulas, as a bfloat16 buffer would hold it)."""
-    return from_bf16(to_bf16(v))
+    formulas, as a bfloat16 buffer would hold it): ``from_bf16(to_bf16(v))`` on the 32 bits,
+    without narrowing them to 16 and back (two fewer operations a value: a bfloat16 Adam step
+    rounds three times per element)."""
+    b = np.float32(v).view(np.uint32)
+    if v != v:
+        return np.uint32((b | np.uint32(0x400000)) & np.uint32(0xFFFF0000)).view(np.float32)
+    r = b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1))
+    return np.uint32(r & np.uint32(0xFFFF0000)).view(np.float32)
 
 
 def as_bfloat16_from64(v):

@@ -6,7 +6,8 @@ trees whose values span many magnitudes (so that ``eps`` and every rounding step
 last bits), and its updates, state and ``step_``'s params are compared with the reference's bit
 for bit: float32 and float64 leaves alike (the reference does each operation in the leaf's
 dtype, in optax's order, as the formulas do). The same runs go through the parallel kernels
-(``_config.SERIAL_BELOW`` lowered, so that small trees take that path) and stage by stage
+(``_config.SERIAL_BELOW`` lowered, so that small trees take that path), through the streaming
+stores of large outputs (``_config.STREAM_BYTES`` lowered too) and stage by stage
 (``NUMBACCUM_FUSE=0``).
 
 A one-line change of a formula's rounding (``m / (bc1 * d)`` for ``(m / bc1) / d``) moves the
@@ -124,13 +125,16 @@ def run_reference(name: str, via_step: bool = False):
 EXACT = with_reference(exact=True)
 
 
-@pytest.fixture(params=["serial", "parallel"])
+@pytest.fixture(params=["serial", "parallel", "streaming"])
 def path(request, monkeypatch):
     """Which CPU kernels run: the serial ones, or the parallel ones on the same small trees
-    (``SERIAL_BELOW`` and ``CHUNK`` lowered; ``raising=True``: a renamed knob fails here)."""
-    if request.param == "parallel":
+    (``SERIAL_BELOW`` and ``CHUNK`` lowered; ``raising=True``: a renamed knob fails here), or
+    the parallel ones writing every output with streaming stores (``STREAM_BYTES`` lowered)."""
+    if request.param != "serial":
         monkeypatch.setattr(_config, "SERIAL_BELOW", 1, raising=True)
         monkeypatch.setattr(_config, "CHUNK", 64, raising=True)
+    if request.param == "streaming":
+        monkeypatch.setattr(_config, "STREAM_BYTES", 1, raising=True)
     return request.param
 
 

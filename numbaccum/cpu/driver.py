@@ -29,6 +29,7 @@ from .. import _cache, _config, formulas
 from ..contract import Factor, cast_scalars
 from ..formulas import Formula, compile_formula
 from ..layout import compute_dtype
+from . import streaming
 
 __all__ = ["NAME", "map_", "parallel_guard"]
 
@@ -85,6 +86,22 @@ def body(lo, hi, {arrays}, div, mul, scaled, {scalars}):
 {stores}
 """
 
+# The streaming variant (`numbaccum.cpu.streaming`): blocks of the output computed into scratch
+# by the usual loop (vectorised), each then written out with streaming stores.
+_STREAM_BODY = """
+def body(lo, hi, {arrays}, div, mul, scaled, {scalars}):
+{slices}
+{scratch}
+    for b in range(0, hi - lo, BLOCK):
+        m = min(BLOCK, hi - lo - b)
+{blocks}
+        for k in range(m):
+            r = fn({args})
+{stores}
+{copies}
+    sfence()
+"""
+
 _DRIVERS = """
 def parallel(n, chunk, {arrays}, div, mul, scaled, {scalars}):
     for c in prange((n + chunk - 1) // chunk):
@@ -95,29 +112,50 @@ def serial(n, chunk, {arrays}, div, mul, scaled, {scalars}):
 """
 
 
-def _source(f: Formula, wide: tuple | None = None) -> tuple[str, str]:
-    """The generated loop body and drivers of formula ``f`` (Python source). ``wide``: for a
-    call with bfloat16 buffers (passed as their raw bits, uint16), which arrays are bfloat16 and
-    the compute dtype's name: their elements are widened when read (`formulas.from_bf16`) and
-    rounded once when stored (`formulas.to_bf16`, or `to_bf16_from64` from float64)."""
+def _source(f: Formula, variant: tuple | None = None) -> tuple[str, str]:
+    """The generated loop body and drivers of formula ``f`` (Python source). ``variant``
+    (`_variant`): ``(bf16, ctype, stream)``, which arrays are bfloat16 (passed as their raw bits,
+    uint16), the compute dtype's name, and whether the float outputs are written with streaming
+    stores (`numbaccum.cpu.streaming`). A bfloat16 array's elements are widened when read
+    (`formulas.from_bf16`) and rounded once when stored (`formulas.to_bf16`, or
+    `to_bf16_from64` from float64)."""
     arrays = [f"a{i}" for i in range(len(f.arrays))]
     scalars = [f"p{i}" for i in range(len(f.scalars))] or ["_unused"]
     ns, ni = len(f.states), len(f.inputs)
-    bf16, ctype = wide if wide is not None else ((False,) * len(arrays), "")
-    slices = "\n".join(f"    v{i} = {a}[lo:hi]" for i, a in enumerate(arrays))
-    reads = [f"from_bf16(v{i}[k])" if bf16[i] else f"v{i}[k]" for i in range(ns + ni)]
+    bf16, ctype, stream = variant if variant is not None else ((False,) * len(arrays), "", False)
+    written = list(f.writes)
+    streamed = [w for w in written if stream and w >= ns + ni]
+    view = "u" if streamed else "v"  # the streaming variant reads and writes each block's views
+    reads = [f"from_bf16({view}{i}[k])" if bf16[i] else f"{view}{i}[k]" for i in range(ns + ni)]
     if ni:
         reads[ns] = f"read({reads[ns]}, div, mul, scaled)"
     args = ", ".join(reads + [f"p{i}" for i in range(len(f.scalars))])
     narrow = "to_bf16_from64" if ctype == "float64" else "to_bf16"
-    written = list(f.writes)
     values = ["r"] if len(written) == 1 else [f"r[{j}]" for j in range(len(written))]
-    stores = "\n".join(
-        f"        v{w}[k] = {narrow}({r})" if bf16[w] else f"        v{w}[k] = {r}"
-        for w, r in zip(written, values)
-    )
+    indent = " " * (12 if streamed else 8)
+    stores = []
+    for w, r in zip(written, values):
+        if w in streamed:
+            stores.append(f"{indent}s{w}[k] = {narrow}({r})" if bf16[w] else f"{indent}s{w}[k] = {r}")
+        elif bf16[w]:
+            stores.append(f"{indent}{view}{w}[k] = {narrow}({r})")
+        else:
+            stores.append(f"{indent}{view}{w}[k] = {r}")
     fmt = {"arrays": ", ".join(arrays), "scalars": ", ".join(scalars)}
-    body = _BODY.format(slices=slices, args=args, stores=stores, **fmt)
+    kept = [i for i in range(len(arrays)) if i not in streamed]
+    if not streamed:
+        slices = "\n".join(f"    v{i} = a{i}[lo:hi]" for i in kept)
+        body = _BODY.format(slices=slices, args=args, stores="\n".join(stores), **fmt)
+    else:
+        body = _STREAM_BODY.format(
+            slices="\n".join(f"    v{i} = a{i}[lo:hi]" for i in kept),
+            scratch="\n".join(f"    s{w} = np.empty(BLOCK, a{w}.dtype)" for w in streamed),
+            blocks="\n".join(f"        u{i} = v{i}[b : b + m]" for i in kept),
+            args=args,
+            stores="\n".join(stores),
+            copies="\n".join(f"        stream_copy(a{w}, lo + b, s{w}, m)" for w in streamed),
+            **fmt,
+        )
     return body, _DRIVERS.format(**fmt)
 
 
@@ -125,25 +163,25 @@ _COMPILED: dict[tuple, tuple[Any, Any]] = {}
 _COMPILE_LOCK = threading.Lock()
 
 
-def compiled(f: Formula, wide: tuple | None = None) -> tuple[Any, Any]:
-    """The (parallel, serial) drivers of formula ``f`` (for bfloat16 buffers: of its variant
-    ``wide``, see `_source`), generated once per formula and variant (keyed by the declaration,
-    so two formulas of one name never share drivers)."""
-    key = (f, wide)
+def compiled(f: Formula, variant: tuple | None = None) -> tuple[Any, Any]:
+    """The (parallel, serial) drivers of formula ``f`` (of its ``variant``, see `_source`),
+    generated once per formula and variant (keyed by the declaration, so two formulas of one
+    name never share drivers)."""
+    key = (f, variant)
     pair = _COMPILED.get(key)
     if pair is None:
         with _COMPILE_LOCK:
             pair = _COMPILED.get(key)
             if pair is None:
-                pair = _COMPILED[key] = _compile(f, wide)
+                pair = _COMPILED[key] = _compile(f, variant)
     return pair
 
 
-def _compile(f: Formula, wide: tuple | None) -> tuple[Any, Any]:
+def _compile(f: Formula, variant: tuple | None) -> tuple[Any, Any]:
     """Generates the module of ``f``'s drivers and jits them. With the kernel cache on, the
     module is a file in the cache named by a hash of its source and of ``f`` (numba caches only
     functions with a source file), so a later process loads the compiled drivers."""
-    body_src, drivers_src = _source(f, wide)
+    body_src, drivers_src = _source(f, variant)
     source = f"# numbaccum.cpu.driver: the drivers of formula {f.name}\n{body_src}{drivers_src}"
     digest = _cache.code_digest(f)
     path = _cache.source_file(source, f"cpu_{f.name}", f"cpu\0{digest}") if digest else None
@@ -151,8 +189,9 @@ def _compile(f: Formula, wide: tuple | None) -> tuple[Any, Any]:
     ns["fn"] = compile_formula(f.fn, _inline)
     ns["read"] = read
     ns["prange"] = prange
-    if wide is not None:
+    if variant is not None:
         ns.update(_bf16_conversions())
+        ns.update(np=np, BLOCK=streaming.BLOCK, stream_copy=streaming.stream_copy, sfence=streaming.sfence)
     exec(compile(source, ns["__file__"], "exec"), ns)
     # Globals are resolved when a function compiles: `parallel` and `serial` call the jitted body.
     ns["body"] = njit(error_model="numpy")(_cache.identify(ns["body"], f.name))
@@ -185,54 +224,59 @@ def map_(f: Formula, factor: Factor, arrays: tuple, scalars: tuple) -> None:
     dtype (bools stay bools)."""
     dtypes = [a.dtype for a in arrays]
     ctype = dtypes[0]
+    bf16 = False
     if dtypes.count(ctype) != len(dtypes):
         kinds = set(dtypes)  # hashing first: == between dtypes is slow
         if _F16 in kinds:
             return _staged(f, factor, arrays, scalars)
         ctype = compute_dtype(*kinds)
-        if any(d.kind == "V" for d in kinds):
-            return _run_wide(f, factor, arrays, scalars, ctype)
+        bf16 = any(d.kind == "V" for d in kinds)
     elif ctype.type is np.float16:
         return _staged(f, factor, arrays, scalars)
-    elif ctype.kind == "V":  # bfloat16
-        return _run_wide(f, factor, arrays, scalars, _F32)
-    cast = ctype.type
+    elif ctype.kind == "V":  # bfloat16: computed in float32
+        ctype, bf16 = _F32, True
     n = arrays[0].size
-    _run(f, _kernel_for(f, n), (n, _config.CHUNK, *arrays), cast, factor, scalars)
+    variant = None
+    if bf16 or n >= _config.STREAM_BYTES // 8:  # else no output can reach STREAM_BYTES
+        arrays, variant = _variant(f, arrays, ctype, bf16)
+    _run(f, _kernel_for(f, n, variant), (n, _config.CHUNK, *arrays), ctype.type, factor, scalars)
 
 
-def _bits(arrays: tuple, ctype: np.dtype) -> tuple[tuple, tuple]:
-    """A call with bfloat16 buffers: the arrays as the kernel takes them (bfloat16 ones as their
-    raw bits, uint16 views) and its variant (`_source`)."""
-    bf16 = tuple(a.dtype.kind == "V" for a in arrays)
-    raw = tuple(a.view(np.uint16) if b else a for a, b in zip(arrays, bf16))
-    return raw, (bf16, ctype.name)
-
-
-def _run_wide(f: Formula, factor: Factor, arrays: tuple, scalars: tuple, ctype: np.dtype) -> None:
-    """`map_` of a call with bfloat16 buffers: its variant's kernel over their raw bits."""
-    raw, wide = _bits(arrays, ctype)
-    n = arrays[0].size
-    _run(f, _kernel_for(f, n, wide), (n, _config.CHUNK, *raw), ctype.type, factor, scalars)
+def _variant(f: Formula, arrays: tuple, ctype: np.dtype, bf16: bool) -> tuple[tuple, tuple | None]:
+    """The arrays as the kernel takes them (bfloat16 ones as their raw bits, uint16 views) and
+    the variant of the drivers that runs them (`_source`), None for the plain drivers. Streaming
+    stores write the outputs when one of at least `_config.STREAM_BYTES` is not an input or a
+    state, on a parallel call (x86-64 only)."""
+    n, first_out = arrays[0].size, len(f.states) + len(f.inputs)
+    stream = n >= max(_config.SERIAL_BELOW, 1) and streaming.available()
+    stream = stream and any(
+        a.dtype.kind in "fV"
+        and n * a.dtype.itemsize >= _config.STREAM_BYTES
+        and all(a is not b for b in arrays[:first_out])
+        for a in arrays[first_out:]
+    )
+    if not bf16 and not stream:
+        return arrays, None
+    marks = tuple(a.dtype.kind == "V" for a in arrays)
+    raw = tuple(a.view(np.uint16) if b else a for a, b in zip(arrays, marks))
+    return raw, (marks, ctype.name, stream)
 
 
 def prepare(f: Formula, arrays: tuple) -> Callable[[Factor, tuple], None]:
     """`map_` of formula ``f`` over these very ``arrays``, returned as ``launch(factor,
-    scalars)``: what `map_` derives from the arrays (the compute dtype, the driver, the leading
-    arguments) is derived once, and after the first call the serial driver's compiled function
-    is called without numba's dispatch (`entry_point`). What a kept plan's group call replays
-    every step (`numbaccum.fuse`): a small tree's step costs microseconds, and these are some
-    of them."""
+    scalars)``: what `map_` derives from the arrays (the compute dtype, the driver and its
+    variant, the leading arguments) is derived once, and after the first call the serial
+    driver's compiled function is called without numba's dispatch (`entry_point`). What a kept
+    plan's group call replays every step (`numbaccum.fuse`): a small tree's step costs
+    microseconds, and these are some of them."""
     kinds = {a.dtype for a in arrays}
     if _F16 in kinds:
         return lambda factor, scalars: map_(f, factor, arrays, scalars)
     ctype = compute_dtype(*kinds)
-    wide = None
-    if any(d.kind == "V" for d in kinds):  # bfloat16: the variant over the raw bits
-        arrays, wide = _bits(arrays, ctype)
+    arrays, variant = _variant(f, arrays, ctype, any(d.kind == "V" for d in kinds))
     cast = ctype.type
     n = arrays[0].size
-    head, kernel = (n, _config.CHUNK, *arrays), _kernel_for(f, n, wide)
+    head, kernel = (n, _config.CHUNK, *arrays), _kernel_for(f, n, variant)
     found: list = []
 
     def launch(factor: Factor, scalars: tuple) -> None:
@@ -265,11 +309,11 @@ def entry_point(kernel: Any, args: tuple) -> Any:
         return kernel
 
 
-def _kernel_for(f: Formula, n: int, wide: tuple | None = None) -> Any:
-    """The driver of ``f`` (its variant ``wide``) for ``n`` elements: the serial one below
+def _kernel_for(f: Formula, n: int, variant: tuple | None = None) -> Any:
+    """The driver of ``f`` (its ``variant``) for ``n`` elements: the serial one below
     `_config.SERIAL_BELOW` (which never enters a parallel region, so needs no guard), else the
     parallel one behind its guard (`guard_for`)."""
-    parallel, serial = compiled(f, wide)
+    parallel, serial = compiled(f, variant)
     if n < _config.SERIAL_BELOW:
         return serial
     guard = guard_for(n)
