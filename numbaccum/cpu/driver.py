@@ -159,7 +159,7 @@ def _source(f: Formula, variant: tuple | None = None) -> tuple[str, str]:
     return body, _DRIVERS.format(**fmt)
 
 
-_COMPILED: dict[tuple, tuple[Any, Any]] = {}
+_COMPILED: dict[Any, tuple[Any, Any]] = {}
 _COMPILE_LOCK = threading.Lock()
 
 
@@ -167,7 +167,7 @@ def compiled(f: Formula, variant: tuple | None = None) -> tuple[Any, Any]:
     """The (parallel, serial) drivers of formula ``f`` (of its ``variant``, see `_source`),
     generated once per formula and variant (keyed by the declaration, so two formulas of one
     name never share drivers)."""
-    key = (f, variant)
+    key = f if variant is None else (f, variant)  # the plain drivers by the formula alone: hashed every call
     pair = _COMPILED.get(key)
     if pair is None:
         with _COMPILE_LOCK:
@@ -272,10 +272,17 @@ def prepare(f: Formula, arrays: tuple) -> Callable[[Factor, tuple], None]:
     kinds = {a.dtype for a in arrays}
     if _F16 in kinds:
         return lambda factor, scalars: map_(f, factor, arrays, scalars)
-    ctype = compute_dtype(*kinds)
-    arrays, variant = _variant(f, arrays, ctype, any(d.kind == "V" for d in kinds))
-    cast = ctype.type
+    if len(kinds) == 1:  # the common case, asked by every plan made for one step
+        (ctype,) = kinds
+        bf16 = ctype.kind == "V"
+        ctype = _F32 if bf16 else ctype
+    else:
+        ctype, bf16 = compute_dtype(*kinds), any(d.kind == "V" for d in kinds)
     n = arrays[0].size
+    variant = None
+    if bf16 or n >= _config.STREAM_BYTES // 8:  # else no output can reach STREAM_BYTES
+        arrays, variant = _variant(f, arrays, ctype, bf16)
+    cast = ctype.type
     head, kernel = (n, _config.CHUNK, *arrays), _kernel_for(f, n, variant)
     found: list = []
 

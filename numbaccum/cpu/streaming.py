@@ -34,7 +34,10 @@ _VECTOR = 32  # bytes per streaming store (an AVX register; a cache line is two 
 
 def available() -> bool:
     """Whether this machine's kernels may use streaming stores (x86-64)."""
-    return platform.machine().lower() in ("x86_64", "amd64")
+    return _X86_64
+
+
+_X86_64 = platform.machine().lower() in ("x86_64", "amd64")
 
 
 @intrinsic
