@@ -1,7 +1,9 @@
 """numbaccum: optax-style gradient accumulation, averaging and clipping over flat buffers.
 
 A parameter tree is flattened once into contiguous buffers (`FlatTree`); transformations with
-optax's names and semantics drive parallel numba kernels over those buffers.
+optax's names and semantics drive parallel numba kernels over those buffers. Leaves are float16,
+bfloat16 (ml_dtypes'), float32 or float64 arrays, each kept in its dtype (float16 and bfloat16
+compute in float32 and round once when stored).
 """
 
 from .accumulation import (

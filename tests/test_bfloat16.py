@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import reference as ref
 from _testutil import as_tree, leaves, require, snapshot, state_arrays
-from registry import CASES, with_reference
+from registry import CASES, cases, with_reference
 
 import numbaccum as nba
 from numbaccum import _config, formulas
@@ -308,8 +308,13 @@ def _same_bits(a_tree, b_tree, msg):
         assert np.array_equal(_bits(a), _bits(b)), f"{msg} {p}: bits differ"
 
 
-@pytest.mark.parametrize("parallel", [False, True])
-@pytest.mark.parametrize("name", FUSABLE)
+# The parallel drivers run the same loop body over chunks: a few stages of each kind (a moment, a
+# clip with its pre-pass, a float64 accumulator beside bfloat16, a per-leaf reduction) check them.
+PARALLEL = ["adamw", "clip_by_global_norm", "trace_nesterov_f64acc", "clip_norm_rows", "lion"]
+FUSED_RUNS = [(n, False) for n in FUSABLE] + [(n, True) for n in PARALLEL]
+
+
+@pytest.mark.parametrize(("name", "parallel"), FUSED_RUNS)
 def test_fused_stage_by_stage_and_step_give_the_same_bits(name, parallel, monkeypatch):
     """Four steps of each fusable stage (chained with a scale) on bfloat16: the fused kernel
     rounds between its parts as the separate passes store (`formulas.as_bfloat16`), and
@@ -453,3 +458,59 @@ def test_apply_updates_of_float16_to_bfloat16_and_back():
     assert np.all(_bits(out["a"]) == _bits(want_a)) and np.all(out["b"] == np.float16(1.25))
     nba.apply_updates_(params, updates)
     assert np.array_equal(_bits(params["a"]), _bits(out["a"])) and np.array_equal(params["b"], out["b"])
+
+
+# --- optax's own bfloat16 cases, for every transformation ------------------------------------
+# optax 0.2.8's alias_test runs these per optimizer in bfloat16 (and float32): the updates keep
+# the gradients' dtype (test_preserve_dtype), MultiSteps' first update is exactly zero
+# (test_gradient_accumulation), two steps keep every dtype of the params and the state
+# (test_state_shape_dtype_shard_stability), and an explicit state dtype is the state's
+# (test_explicit_dtype). Here for every transformation of the registry.
+
+EVERY = cases(per_example=False)
+
+
+@pytest.mark.parametrize("name", EVERY)
+def test_updates_keep_the_gradients_dtype(name):
+    tx = CASES[name].make()
+    params = np.array([1.0, 2.0], BF)
+    grads = (2 * params.astype(np.float32)).astype(BF)  # the gradient of sum(x ** 2)
+    updates, _ = tx.update(grads, tx.init(params), params)
+    assert np.asarray(updates).dtype == BF
+
+
+@pytest.mark.parametrize("name", EVERY)
+def test_multisteps_first_update_is_exactly_zero(name):
+    tx = nba.MultiSteps(CASES[name].make(), every_k_schedule=4)
+    params = np.array([1.0, 2.0], BF)
+    grads = (2 * params.astype(np.float32)).astype(BF)
+    updates, _ = tx.update(grads, tx.init(params), params)
+    assert np.asarray(updates).dtype == BF and not np.any(_bits(updates))  # +0.0 bits
+
+
+@pytest.mark.parametrize("name", EVERY)
+def test_two_steps_keep_every_dtype(name):
+    tx = CASES[name].make()
+    params = {"w": np.array([0.5, -1.5, 2.0], BF)}
+    state = tx.init(params)
+    dtypes = {p: a.dtype for p, a in state_arrays(state).items()}
+    for _ in range(2):
+        grads = {"w": (2 * params["w"].astype(np.float32)).astype(BF)}
+        state = nba.step_(tx, grads, state, params)
+        assert params["w"].dtype == BF
+        assert {p: a.dtype for p, a in state_arrays(state).items()} == dtypes
+
+
+@pytest.mark.parametrize("state_dtype", ["bfloat16", "float32", None])
+@pytest.mark.parametrize("params_dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("opt", ["sgd_mom", "adam", "adamw"])
+def test_explicit_state_dtype(opt, params_dtype, state_dtype):
+    if opt == "sgd_mom":
+        tx, field = nba.sgd(0.1, momentum=0.9, accumulator_dtype=state_dtype), "trace"
+    else:
+        tx, field = getattr(nba, opt)(0.1, mu_dtype=state_dtype), "mu"
+    params = np.zeros(2, BF if params_dtype == "bfloat16" else params_dtype)
+    state = tx.init(params)
+    found = [a for p, a in state_arrays(state).items() if p.endswith(f".{field}")]
+    want = params.dtype if state_dtype is None else (BF if state_dtype == "bfloat16" else np.dtype(state_dtype))
+    assert found and all(a.dtype == want for a in found)
