@@ -512,5 +512,6 @@ def test_explicit_state_dtype(opt, params_dtype, state_dtype):
     params = np.zeros(2, BF if params_dtype == "bfloat16" else params_dtype)
     state = tx.init(params)
     found = [a for p, a in state_arrays(state).items() if p.endswith(f".{field}")]
-    want = params.dtype if state_dtype is None else (BF if state_dtype == "bfloat16" else np.dtype(state_dtype))
+    named = BF if state_dtype == "bfloat16" else np.dtype(state_dtype or params.dtype)
+    want = params.dtype if state_dtype is None else named
     assert found and all(a.dtype == want for a in found)
