@@ -188,12 +188,21 @@ def view_from_pointer(ptr: int, n: int, dtype: np.dtype, owner: Any) -> Any:
 
 def empty(n: int, dtype: np.dtype) -> Any:
     """An uninitialised 1-D device array, allocated in the order of the current stream."""
+    _on_device_ok(np.dtype(dtype))
     return cuda_api().device_array(n, dtype, stream=stream())
 
 
 def to_device(x: np.ndarray) -> Any:
     """A device copy of the host array ``x``, on the current stream."""
+    _on_device_ok(x.dtype)
     return cuda_api().to_device(np.ascontiguousarray(x), stream=stream())
+
+
+def _on_device_ok(dtype: np.dtype) -> None:
+    """TypeError for bfloat16, which the CUDA driver does not compute yet (numba would see two
+    opaque bytes an element): it stays on the host."""
+    if dtype.kind == "V":
+        raise TypeError(f"{dtype} buffers are not supported on CUDA yet: keep bfloat16 trees on the host")
 
 
 def to_host(x: Any) -> np.ndarray:

@@ -662,14 +662,16 @@ def to_device(tree: Any) -> Any:
     A tree already on the GPU is returned as it is.
 
     Args:
-        tree: a FlatTree, or a tree of float arrays (float16, bfloat16, float32, float64).
+        tree: a FlatTree, or a tree of float arrays (float16, float32, float64; bfloat16 trees
+            stay on the host for now).
 
     Returns:
         A FlatTree on the device for a FlatTree; for a plain tree, the tree of numba device
             arrays. ``tree`` itself when it already lives on the GPU.
 
     Raises:
-        TypeError: a leaf is not a float array, or the leaves do not all live on one side.
+        TypeError: a leaf is not a float array, is bfloat16, or the leaves do not all live on
+            one side.
         ImportError: no CUDA driver or device (numba's ``CudaSupportError``).
 
     References:

@@ -515,3 +515,12 @@ def test_explicit_state_dtype(opt, params_dtype, state_dtype):
     named = BF if state_dtype == "bfloat16" else np.dtype(state_dtype or params.dtype)
     want = params.dtype if state_dtype is None else named
     assert found and all(a.dtype == want for a in found)
+
+
+@pytest.mark.cuda
+def test_bfloat16_stays_on_the_host():
+    """The CUDA driver has no bfloat16 variant yet: moving such a tree to the device is refused
+    (on a GPU numba would see two opaque bytes an element; the simulator would run NumPy's)."""
+    flat = nba.FlatTree.from_tree({"w": np.ones(5, BF), "f": np.ones(2, np.float32)})
+    with pytest.raises(TypeError, match="bfloat16 buffers are not supported on CUDA yet"):
+        nba.to_device(flat)
