@@ -115,8 +115,8 @@ def serial(n, chunk, {arrays}, div, mul, scaled, {scalars}):
 def _source(f: Formula, variant: tuple | None = None) -> tuple[str, str]:
     """The generated loop body and drivers of formula ``f`` (Python source). ``variant``
     (`_variant`): ``(bf16, ctype, stream)``, which arrays are bfloat16 (passed as their raw bits,
-    uint16), the compute dtype's name, and whether the float outputs are written with streaming
-    stores (`numbaccum.cpu.streaming`). A bfloat16 array's elements are widened when read
+    uint16), the compute dtype's name, and whether the outputs are written with streaming stores
+    (`numbaccum.cpu.streaming`). A bfloat16 array's elements are widened when read
     (`formulas.from_bf16`) and rounded once when stored (`formulas.to_bf16`, or
     `to_bf16_from64` from float64)."""
     arrays = [f"a{i}" for i in range(len(f.arrays))]
