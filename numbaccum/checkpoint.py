@@ -592,7 +592,7 @@ def _read(f: Any) -> tuple[dict, list[np.ndarray]]:
             if npz.zip.getinfo(f"{key}.npy").file_size < expected:  # type: ignore[union-attr]  # before reading
                 raise _Malformed(f"truncated or corrupt: the array {key} is shorter than its header says")
             a = _member(npz, key)
-            if dtype.kind == "V":  # bfloat16, kept as its raw bits (`_Encoder._flat_group`)
+            if dtype.kind == "V":  # bfloat16, kept as its raw bits (`_Encoder.array`)
                 a = a.view(dtype) if a.dtype == np.uint16 and a.ndim == 1 else a
             if a.dtype != dtype or a.shape != shape:
                 raise _Malformed(

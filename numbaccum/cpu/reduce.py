@@ -357,7 +357,6 @@ def prepared(kind, table: Table):
     float64 (the same kernel, the same partition, the same bits). What a kept plan's global norm
     calls every step (`numbaccum.backend.leaf_sumsq`); for kinds without centres."""
     ((parallel, serial), op) = KINDS[kind]
-    bf16 = None  # the bfloat16 drivers, made when a bfloat16 buffer first comes
     work = table.work(_config.REDUCE_BLOCK, True)
     rows, items, pstart, pslice, nparts = table.rows, work.items, work.pstart, work.pslice, work.nparts
     busy = items.shape[0] > 0
@@ -379,14 +378,13 @@ def prepared(kind, table: Table):
         if held() is x and x.dtype is dtype:
             direct(x, rows, items, pstart, _NONE, zero, part)
             return part if folded else combine(part, pslice, op)
-        nonlocal bf16
         dtype, owner = x.dtype, x
+        pair = (parallel, serial)
         if dtype.type is np.float16:
             x = x.astype(np.float32)
-        pair = (parallel, serial)
-        if dtype.kind == "V":  # bfloat16: its raw bits
+        elif dtype.kind == "V":  # bfloat16: its kinds, over its raw bits
             kinds, x = _kinds_for(x)
-            pair = bf16 = bf16 or kinds[kind][0]
+            pair = kinds[kind][0]
         if busy:
             n = x.size
             if n < _config.SERIAL_BELOW:  # never enters a parallel region: no guard
