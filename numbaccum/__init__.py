@@ -3,7 +3,8 @@
 A parameter tree is flattened once into contiguous buffers (`FlatTree`); transformations with
 optax's names and semantics drive parallel numba kernels over those buffers. Leaves are float16,
 bfloat16 (ml_dtypes'), float32 or float64 arrays, each kept in its dtype (float16 and bfloat16
-compute in float32 and round once when stored).
+compute in float32 and round once when stored), or complex64/complex128 arrays in the
+transformations optax defines on them (norms and second moments of ``|z|^2``).
 """
 
 from .accumulation import (

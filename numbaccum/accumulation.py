@@ -32,7 +32,7 @@ from .declared import (
 from .flat import FlatTree, as_flat, layout_and_device, layout_of
 from .formulas import formula
 from .fuse import step_applier
-from .layout import Layout, check_float_dtype
+from .layout import Layout, check_float_dtype, check_storage
 from .protocol import GradientTransformationExtraArgs
 from .transaction import keep_states
 from .tree import short_repr
@@ -88,13 +88,15 @@ def trace_update(trace, g, decay, nesterov):
 class _Trace(Elementwise):
     """`trace`, declared: ``trace = g + decay * trace`` over its state's ``trace`` buffer."""
 
+    complex_leaves = True  # optax defines it on complex leaves
+
     formula, state_cls, fields, name = trace_update, TraceState, ("trace",), "trace"
 
     def __init__(self, decay: float, nesterov: bool, accumulator_dtype: Any) -> None:
         self.decay = check_decay(decay)
         self.nesterov = flag(nesterov, "nesterov")
         if accumulator_dtype is not None:
-            check_float_dtype(accumulator_dtype, "accumulator_dtype")
+            check_float_dtype(accumulator_dtype, "accumulator_dtype", complex=True)
         self.accumulator_dtype = accumulator_dtype
 
     def field_dtypes(self, field: str, layout: Layout) -> Any:
@@ -167,6 +169,8 @@ class EmaState(NamedTuple):
 class _Ema(Elementwise):
     """`ema`, declared: the count and each group's bias correction are its per-step scalars."""
 
+    complex_leaves = True  # optax defines it on complex leaves
+
     formula, state_cls, fields, counted, name = F.ema, EmaState, ("ema",), True, "ema"
 
     def __init__(self, decay: float, debias: bool, accumulator_dtype: Any) -> None:
@@ -174,7 +178,7 @@ class _Ema(Elementwise):
         self.one_minus = 1.0 - self.decay
         self.debias = flag(debias, "debias")
         if accumulator_dtype is not None:
-            check_float_dtype(accumulator_dtype, "accumulator_dtype")
+            check_float_dtype(accumulator_dtype, "accumulator_dtype", complex=True)
         self.accumulator_dtype = accumulator_dtype
 
     def field_dtypes(self, field: str, layout: Layout) -> Any:
@@ -247,6 +251,8 @@ class ApplyEvery(NamedTuple):
 
 class _ApplyEvery(Stage):
     """`apply_every` as a stage: the plan decides whether this step emits."""
+
+    complex_leaves = True  # optax defines it on complex leaves
 
     def __init__(self, k: int) -> None:
         self.k = _check_k(k, "k")
@@ -459,7 +465,9 @@ class MultiStepsState(NamedTuple):
 
 
 def _default_acc_dtype(dt: np.dtype) -> np.dtype:
-    return np.dtype(np.float64) if dt == np.float64 else np.dtype(np.float32)
+    """float64 and complex leaves accumulate in their own dtype (optax's float32 default drops
+    the imaginary parts), the others in float32."""
+    return dt if dt == np.float64 or dt.kind == "c" else np.dtype(np.float32)
 
 
 class MultiSteps(Stage):
@@ -550,7 +558,9 @@ class MultiSteps(Stage):
         self._mean = flag(use_grad_mean, "use_grad_mean")
         self._skip = should_skip_update_fn
         self._acc_dtype = (
-            None if accumulator_dtype is None else check_float_dtype(accumulator_dtype, "accumulator_dtype")
+            None
+            if accumulator_dtype is None
+            else check_float_dtype(accumulator_dtype, "accumulator_dtype", complex=True)
         )
 
     @property
@@ -562,6 +572,7 @@ class MultiSteps(Stage):
         """Zero accumulator, the inner state, and the skip function's info for zero updates."""
         layout, device = layout_and_device(params, "params")
         dts = [self._acc_dtype or _default_acc_dtype(d) for d in layout.group_dtypes]
+        check_storage(dts, layout, "accumulator_dtype")
         if self._dp is not None:  # the sums of clipped examples: float64 unless asked otherwise
             dts = [self._acc_dtype or np.dtype(np.float64)] * len(layout.group_dtypes)
         acc = FlatTree.zeros(layout, dts, device)
@@ -579,6 +590,9 @@ class MultiSteps(Stage):
     def gradient_transformation(self) -> GradientTransformationExtraArgs:
         """This MultiSteps as a GradientTransformation ``(init, update)``."""
         return self.transformation()
+
+    def refuses_complex(self) -> Stage | None:
+        return self._inner.refuses_complex()
 
     def owner(self, state: Any) -> FlatTree | None:
         return field_owner(state, MultiStepsState, "acc_grads")

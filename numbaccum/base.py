@@ -171,10 +171,18 @@ class Stage(metaclass=_StageType):
     """
 
     reshapes: ClassVar[bool] = False
+    # Whether the stage takes complex leaves, with optax's semantics (a transformation optax
+    # defines on them); the others refuse them with a TypeError before anything runs.
+    complex_leaves: ClassVar[bool] = False
 
     @abc.abstractmethod
     def init(self, params: Any) -> Any:
         """The initial state for ``params``."""
+
+    def refuses_complex(self) -> Stage | None:
+        """The first stage (this one, or one it runs) that does not take complex leaves; None
+        when all do. A combinator asks the stages it runs."""
+        return None if self.complex_leaves else self
 
     def declare(self, spec: Spec, state: Any) -> Any:
         """This stage's declaration for updates of ``spec`` and states holding ``state``'s
@@ -385,6 +393,8 @@ class Foreign(Stage):
     def init(self, params: Any) -> Any:
         return self.tx.init(params)
 
+    complex_leaves = True  # user code: what it does with them is its own
+
     def foreign(self) -> bool:
         return True
 
@@ -509,6 +519,9 @@ class Chain(Stage):
 
     def foreign(self) -> bool:
         return self._last_foreign >= 0
+
+    def refuses_complex(self) -> Stage | None:
+        return next((r for r in (s.refuses_complex() for s in self.stages) if r is not None), None)
 
     def owner(self, state: Any) -> FlatTree | None:
         """The first owner among the stages before any reshaping one (their layout is the

@@ -44,7 +44,7 @@ import numpy as np
 
 from .arrays import DeviceScalar
 from .flat import FlatTree, to_device, to_host
-from .layout import FLOATS, Layout, check_float_dtype, is_float
+from .layout import NAMES, STORED, Layout, check_float_dtype, is_float
 from .tree import TreeDef, first_difference, format_path, short_repr, tree_flatten
 
 __all__ = ["load_state", "register_state_class", "save_state"]
@@ -774,7 +774,7 @@ class _Decoder:
             raise _Malformed(f"{path}: {short_repr(groups)} does not give one array per group of {layout}")
         data = [self.array(i) for i in groups]
         for a, n in zip(data, layout.group_sizes):
-            if a.shape != (n,) or a.dtype not in FLOATS:
+            if a.shape != (n,) or a.dtype not in STORED:
                 raise _Malformed(f"{path}: a group of {a.dtype} {a.shape} does not fit {layout}")
         out = FlatTree.empty(layout, [a.dtype for a in data])
         for dst, src in zip(out.groups, data):
@@ -797,10 +797,8 @@ class _Decoder:
                 raise _Malformed(f"{path}: a layout of {n} leaves with {len(shapes)} shapes")
             if not all(type(d) is int and d >= 0 for s in shapes for d in s):
                 raise _Malformed(f"{path}: a layout with a bad shape")
-            if not all(d in FLOATS for d in (*dtypes, *keys)):
-                raise _Malformed(
-                    f"{path}: a layout with a dtype that is not float16, bfloat16, float32 or float64"
-                )
+            if not all(d in STORED for d in (*dtypes, *keys)):
+                raise _Malformed(f"{path}: a layout with a dtype that is not {NAMES}")
             lay = self.layouts[i] = Layout.get(treedef, shapes, dtypes, keys)
         return lay
 

@@ -240,6 +240,8 @@ class _ClipByGlobalNorm(Stage):
     """`clip_by_global_norm`: the factor ``(g / norm) * max_norm`` is left pending on the
     updates; the norm it saw goes into the new state (`fuse.Later`: known once the pre-pass ran)."""
 
+    complex_leaves = True  # optax defines it on complex leaves
+
     def __init__(self, max_norm: Any, nonfinite: str = "pass") -> None:
         self.max_norm = non_negative(max_norm, "max_norm")
         self.nonfinite = _nonfinite_policy(nonfinite)
@@ -404,6 +406,8 @@ def normalize_by_update_norm(scale_factor: float = 1.0, eps: float = 1e-6) -> Gr
 
 
 class _NormalizeByUpdateNorm(_Stateless):
+    complex_leaves = True  # optax defines it on complex leaves
+
     def __init__(self, scale_factor: Any, eps: Any) -> None:
         self.scale_factor, self.eps = real(scale_factor, "scale_factor"), non_negative(eps, "eps")
 
@@ -464,6 +468,8 @@ def zero_nans() -> GradientTransformationExtraArgs:
 
 
 class _ZeroNans(Stage):
+    complex_leaves = True  # optax defines it on complex leaves
+
     def init(self, params: Any) -> ZeroNansState:
         layout = layout_of(params, "params")
         return ZeroNansState(tree_unflatten(layout.treedef, [np.bool_(False)] * layout.num_leaves))
@@ -547,6 +553,9 @@ class _ApplyIfFinite(Stage):
         self.stage = as_stage(self.inner)
         self.max_errors = integer(max_errors, "max_consecutive_errors")
 
+    def refuses_complex(self) -> Stage | None:
+        return self.stage.refuses_complex()
+
     def init(self, params: Any) -> ApplyIfFiniteState:
         return ApplyIfFiniteState(np.int32(0), np.bool_(True), np.int32(0), self.inner.init(params))
 
@@ -626,6 +635,8 @@ def clip_by_block_rms(threshold: float) -> GradientTransformationExtraArgs:
 
 
 class _ClipByBlockRms(_Stateless):
+    complex_leaves = True  # optax defines it on complex leaves
+
     def __init__(self, threshold: Any) -> None:
         # A negative threshold never clipped and NaN gave NaN updates: both refused. 0 is allowed
         # (optax's 0 / 0 = NaN on a zero leaf, documented above).

@@ -227,7 +227,10 @@ class Ops:
         return self.reduce.reduce("sumpow", x, as_table(table), None, p)
 
     def slice_sum(self, x: Any, table: Any) -> np.ndarray:
-        """Per slice: sum(x) (signed)."""
+        """Per slice: sum(x) (signed; complex128 for a complex x, its parts summed apart)."""
+        if x.dtype.kind == "c":
+            t = as_table(table)
+            return self.reduce.reduce("sum", x.real, t) + 1j * self.reduce.reduce("sum", x.imag, t)
         return self.reduce.reduce("sum", x, as_table(table))
 
     def slice_nnz(self, x: Any, table: Any) -> np.ndarray:

@@ -29,7 +29,7 @@ from ._checks import real, wrong_state
 from .base import Stage
 from .flat import FlatTree, layout_and_device
 from .fuse import Kernel
-from .layout import Layout, check_float_dtype
+from .layout import Layout, check_float_dtype, check_storage, real_dtype
 from .layout import compute_dtype as _layout_compute
 from .protocol import EmptyState
 from .transaction import current
@@ -69,17 +69,18 @@ def acc_dtypes(layout: Layout, accumulator_dtype: Any) -> list[np.dtype]:
     """Storage dtype of each group's accumulator: ``accumulator_dtype`` or the group's own."""
     if accumulator_dtype is None:
         return list(layout.group_dtypes)
-    dt = check_float_dtype(accumulator_dtype, "accumulator_dtype")
+    dt = check_float_dtype(accumulator_dtype, "accumulator_dtype", complex=True)
     return [dt] * len(layout.groups)
 
 
 def bias_correction(decay: float, count: int, dtype: np.dtype) -> Any:
-    """``1 - decay ** count`` computed in ``dtype`` (float32 leaves: float32, like optax)."""
+    """``1 - decay ** count`` computed in ``dtype`` (float32 leaves: float32, like optax; complex64
+    leaves: float32 too, as optax computes it before the cast)."""
     consts = _BC_CONSTS.get((decay, dtype))
     if consts is None:  # once per decay and dtype: making NumPy scalars costs more than the power
         if len(_BC_CONSTS) > 1024:
             _BC_CONSTS.clear()
-        t = np.dtype(dtype).type
+        t = real_dtype(np.dtype(dtype)).type
         consts = _BC_CONSTS[(decay, dtype)] = (t(1), t(decay))
     one, d = consts
     return one - d ** int(count)
@@ -185,7 +186,11 @@ class Elementwise(Stage):
         layout, device = layout_and_device(params, "params")
         values: dict[str, Any] = {}
         for f in self.fields:
-            buf = FlatTree.zeros(layout, self.field_dtypes(f, layout), device)
+            dts = self.field_dtypes(f, layout)
+            if dts is not None:  # an explicit mu_dtype or accumulator_dtype: complex where the leaves are
+                per = dts if isinstance(dts, list) else [np.dtype(dts)] * len(layout.groups)
+                check_storage(per, layout, "mu_dtype" if f == "mu" else "accumulator_dtype")
+            buf = FlatTree.zeros(layout, dts, device)
             start = self.initial_of(f)
             values[f] = buf.fill_(start) if start else buf
         if self.counted:
@@ -202,8 +207,8 @@ class Elementwise(Stage):
         layout, device); its ``tick`` computes a step's values."""
         cls, fields = self.state_cls, self.fields
         bufs = tuple(expect_state(state, cls, f, spec, renew=False) for f in fields)  # type: ignore[arg-type]
-        cts = [
-            compute_dtype(*(b.groups[gi].dtype for b in bufs), gdt)
+        cts = [  # the dtype of each group's scalars: a complex group's are real
+            real_dtype(compute_dtype(*(b.groups[gi].dtype for b in bufs), gdt))
             for gi, gdt in enumerate(spec.layout.group_dtypes)
         ]
         out: Callable[[], FlatTree] | None = None

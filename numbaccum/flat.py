@@ -21,7 +21,7 @@ from . import tree as _tree
 from .arrays import as_device_array, is_contiguous, is_cuda_array, on_device, run_view
 from .backend import device_leaf_copies, ops_for
 from .contract import ONE
-from .layout import FLOATS, NAMES, Layout, check_float_dtype, is_float, layout_of_leaves
+from .layout import FLOATS, NAMES, STORED, Layout, check_float_dtype, is_stored, layout_of_leaves
 from .tree import TreeDef, format_path
 
 __all__ = ["FlatTree", "as_flat", "layout_of", "to_device", "to_host"]
@@ -36,7 +36,7 @@ def _as_leaf(x: Any, where: tuple, name: str) -> Any:
     is read through a NumPy view. Such a leaf comes back read-only: it is not the caller's array,
     so nothing may write into it believing it changes theirs (`numbaccum.step_` on such params
     says so, and points to `numbaccum.apply_updates`)."""
-    if type(x) is np.ndarray and x.dtype in FLOATS:  # the common case, first and cheap
+    if type(x) is np.ndarray and x.dtype in STORED:  # the common case, first and cheap
         return x
     path = format_path(where, name)
     if isinstance(x, np.ndarray):
@@ -51,7 +51,11 @@ def _as_leaf(x: Any, where: tuple, name: str) -> Any:
                 f"{path}: cannot read this CUDA {type(x).__name__} ({type(e).__name__}: {e}); CUDA "
                 "arrays of float16, float32 or float64 are read (bfloat16 ones only on the host so far)"
             ) from None
-        if is_float(arr.dtype) and arr.size and not is_contiguous(arr):
+        if arr.dtype.kind == "c":  # the CUDA driver has no complex kernels yet
+            raise TypeError(
+                f"{path}: complex CUDA arrays are not supported yet: keep complex trees on the host"
+            )
+        if is_stored(arr.dtype) and arr.size and not is_contiguous(arr):
             raise ValueError(f"{path}: a non-contiguous CUDA array cannot be packed; pass a contiguous copy")
     elif hasattr(x, "__array__") or hasattr(x, "__dlpack__"):
         try:
@@ -66,7 +70,7 @@ def _as_leaf(x: Any, where: tuple, name: str) -> Any:
             f"{path}: expected an array (NumPy, CUDA, or one NumPy can read: JAX on the CPU, a CPU "
             f"tensor) or a float, got {type(x).__name__}"
         )
-    if not is_float(arr.dtype):
+    if not is_stored(arr.dtype):
         raise TypeError(f"{path}: dtype {arr.dtype} is not {NAMES}")
     return arr
 
@@ -184,11 +188,11 @@ class FlatTree:
         if dtypes is None:
             gdt = list(layout.group_dtypes)
         elif isinstance(dtypes, (list, tuple)):
-            gdt = [check_float_dtype(d, "dtypes") for d in dtypes]
+            gdt = [check_float_dtype(d, "dtypes", complex=True) for d in dtypes]
             if len(gdt) != len(layout.groups):
                 raise ValueError(f"dtypes: {len(gdt)} dtypes for the {len(layout.groups)} groups of {layout}")
         else:
-            gdt = [check_float_dtype(dtypes, "dtypes")] * len(layout.groups)
+            gdt = [check_float_dtype(dtypes, "dtypes", complex=True)] * len(layout.groups)
         totals: dict[np.dtype, int] = {}
         starts = []
         for d, n in zip(gdt, layout.group_sizes):
@@ -223,7 +227,7 @@ class FlatTree:
             dtype: store every leaf in this dtype (one buffer); None keeps each leaf's dtype.
         """
         if dtype is not None:
-            dtype = check_float_dtype(dtype, "dtype")
+            dtype = check_float_dtype(dtype, "dtype", complex=True)
         if isinstance(tree, FlatTree):
             tree = tree.tree
         found = _device_layout(tree, dtype)
@@ -331,7 +335,7 @@ class FlatTree:
     def zeros_like(self, dtype: Any = None) -> FlatTree:
         """A zero FlatTree of the same layout (storage dtype ``dtype`` if given)."""
         if dtype is not None:
-            dtype = check_float_dtype(dtype, "dtype")
+            dtype = check_float_dtype(dtype, "dtype", complex=True)
         return FlatTree.zeros(
             self.layout, dtype if dtype is not None else list(self.group_dtypes), self.device
         )

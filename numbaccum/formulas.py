@@ -109,10 +109,11 @@ def registered() -> dict[str, Formula]:
         return dict(_REGISTRY)
 
 
-def compile_formula(fn: Callable, jit: Callable[[Callable], Any]) -> Any:
+def compile_formula(fn: Callable, jit: Callable[[Callable], Any], complex: bool = False) -> Any:
     """``fn`` compiled by ``jit`` (a driver's decorator), with every plain helper of this module
     and every registered formula it may call compiled by the same ``jit``: they stay plain
-    Python, so both drivers compile the one copy.
+    Python, so both drivers compile the one copy. With ``complex`` (a kernel over complex
+    buffers), the `COMPLEX_HELPERS` are compiled in place of the helpers of their names.
 
     A formula declared in another module compiles with its module's globals, where a name bound
     to a helper or a formula (under any name) becomes its compiled self; every other name keeps
@@ -122,7 +123,7 @@ def compile_formula(fn: Callable, jit: Callable[[Callable], Any]) -> Any:
     plain = globals()
     glb = dict(plain)
     for name, helper in _helpers().items():
-        glb[name] = jit(_rebind(helper, glb))
+        glb[name] = jit(_rebind(COMPLEX_HELPERS.get(name, helper) if complex else helper, glb))
     # A fused chain's composite (`numbaccum.fuse`) calls formulas by their names: each one is
     # compiled there as a function too (numba compiles a dispatcher on its first typed call, so
     # a scope may be filled after the functions that read it are made).
@@ -177,6 +178,16 @@ def as_float64(v):
     return np.float64(v)
 
 
+def as_complex64(v):
+    """v rounded to complex64 (a real v: its imaginary part +0), as such a buffer holds it."""
+    return np.complex64(v)
+
+
+def as_complex128(v):
+    """v as complex128."""
+    return np.complex128(v)
+
+
 # bfloat16 has no type in numba: a bfloat16 buffer reaches a kernel as its raw 16 bits (uint16),
 # each element widened to float32 when read (exact: bfloat16 is float32's upper half) and rounded
 # once, to nearest even, when stored. Written with scalar ``view``s, which numba compiles to a
@@ -227,6 +238,67 @@ def as_bfloat16(v):
 def as_bfloat16_from64(v):
     """float64 ``v`` rounded once to bfloat16, widened to float32 (`as_bfloat16`)."""
     return from_bf16(to_bf16_from64(v))
+
+
+# --- real and complex ------------------------------------------------------------------------
+# A formula is written once for real and complex buffers (optax's semantics on complex leaves):
+# second moments and norms take |g|^2 (`abs_sq`), a moment optax keeps real-valued in a complex
+# buffer (``nu``, imaginary part +0) is read through `re`, and `signum` and `tanh` are jnp's. On a
+# real buffer each helper below is what the formula wrote before (the same bits); a complex
+# kernel compiles the `COMPLEX_HELPERS` in their place (`compile_formula`). A complex group's
+# scalars are real (its parts' dtype), so ``s * g`` and ``g / s`` keep g's dtype.
+
+
+def abs_sq(x):
+    """|x|^2: ``x * x`` for a real x (``re^2 + im^2`` in a complex kernel, `complex_abs_sq`)."""
+    return x * x
+
+
+def re(x):
+    """The real part of a moment kept real-valued in a complex buffer; x itself for a real x."""
+    return x
+
+
+def signum(x):
+    """``jnp.sign``: 1 for x > 0, -1 for x < 0, x itself for +-0 and NaN (`complex_signum`: x / |x|
+    for a complex x)."""
+    if x > 0:
+        return 1.0
+    if x < 0:
+        return -1.0
+    return x
+
+
+def tanh(x):
+    """``math.tanh`` (``np.tanh`` of a complex x in a complex kernel)."""
+    return math.tanh(x)
+
+
+def complex_abs_sq(x):
+    """|x|^2 of a complex x: ``re^2 + im^2`` (real, in x's parts' dtype; optax's ``abs_sq``)."""
+    return x.real * x.real + x.imag * x.imag
+
+
+def complex_re(x):
+    """The real part of x."""
+    return x.real
+
+
+def complex_signum(x):
+    """``jnp.sign`` of a complex x: x where |x| is 0, else each part divided by |x|."""
+    a = abs(x)
+    if a == 0:
+        return x
+    return complex(x.real / a, x.imag / a)
+
+
+def complex_tanh(x):
+    """The complex tanh (``np.tanh``)."""
+    return np.tanh(x)
+
+
+# What a complex kernel compiles in place of each helper of that name (`compile_formula`).
+COMPLEX_HELPERS = {"abs_sq": complex_abs_sq, "re": complex_re, "signum": complex_signum, "tanh": complex_tanh}
 
 
 def finite(v):
@@ -444,12 +516,9 @@ def noised_output(acc, noise, i, std, div, limit):
 
 @formula(inputs=("x",), outputs=("out",))
 def sign(x):
-    """out = sign(x): 1 for x > 0, -1 for x < 0, x itself for +-0 and NaN (as ``jnp.sign``)."""
-    if x > 0:
-        return 1.0  # stored in the buffer's dtype: exact
-    if x < 0:
-        return -1.0
-    return x
+    """out = sign(x): 1 for x > 0, -1 for x < 0, x itself for +-0 and NaN (as ``jnp.sign``);
+    x / |x| for a complex x (`signum`). Stored in the buffer's dtype: exact."""
+    return signum(x)
 
 
 # --- helpers of optax's optimizer library ---------------------------------------------------------

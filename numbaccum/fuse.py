@@ -82,9 +82,10 @@ _FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
 
 
 def _fusable_dtype(dt: np.dtype) -> bool:
-    """Whether a composite may hold buffers of dtype ``dt``: float32, float64 and bfloat16 (whose
-    raw bits the drivers widen and round); not float16 (see the module's docstring)."""
-    return dt in _FLOATS or dt.kind == "V"
+    """Whether a composite may hold buffers of dtype ``dt``: float32, float64, bfloat16 (whose
+    raw bits the drivers widen and round) and complex64/complex128; not float16 (see the
+    module's docstring)."""
+    return dt in _FLOATS or dt.kind == "V" or dt.kind == "c"
 
 
 def enabled() -> bool:
@@ -785,6 +786,7 @@ def composite_source(key: tuple) -> tuple[str, str, tuple, tuple, tuple, tuple]:
     # factors computed in its compute dtype ``cd``: bfloat16 values are float32 ones rounded to
     # bfloat16 (`numbaccum.formulas.as_bfloat16`), computed in float32.
     cd = "float32" if d == "bfloat16" else d
+    rcd = _REAL.get(cd, cd)  # the dtype of its scalars: a complex group's are real
     # Inputs (by index among all inputs, x first) that are the apply's target: read as its state.
     aliased = next((op[2] for op in ops if op[0] == "apply"), ())
     n_in = 1  # inputs seen so far, x included
@@ -803,7 +805,7 @@ def composite_source(key: tuple) -> tuple[str, str, tuple, tuple, tuple, tuple]:
     for op in ops:
         if op[0] == "settle":
             div, mul = scalar(), scalar()
-            body.append(f"    v = as_{d}((as_{cd}(v) / as_{cd}({div})) * as_{cd}({mul}))")
+            body.append(f"    v = as_{d}((as_{cd}(v) / as_{rcd}({div})) * as_{rcd}({mul}))")
         elif op[0] == "cast":
             body.append(f"    v = {_rounding(d, cd)}(v)")
         elif op[0] == "apply":
@@ -811,7 +813,7 @@ def composite_source(key: tuple) -> tuple[str, str, tuple, tuple, tuple, tuple]:
             st = "sp"  # the params (also what an aliased input reads)
             states.append(st)
             new_states.append(f"n{len(new_states)}")
-            body.append(f"    {new_states[-1]} = {st} + as_{c}(1.0) * as_{c}(v)")
+            body.append(f"    {new_states[-1]} = {st} + as_{_REAL.get(c, c)}(1.0) * as_{c}(v)")
         else:
             n_in = _call_formula(op, d, n_in, aliased, states, inputs, new_states, body, scalar)
     returns = new_states + (["v"] if has_output else [])
@@ -840,9 +842,10 @@ def _call_formula(
     scalars as new arguments; its new states and the new running value ``v``. Returns the
     number of inputs seen so far."""
     _, fname, c, factored, n_states, n_inputs, bools = op
+    rc = _REAL.get(c, c)  # the scalars' dtype: real for a complex group (optax's real * complex)
     if factored:
         div, mul = scalar(), scalar()
-        body.append(f"    g = (as_{c}(v) / as_{c}({div})) * as_{c}({mul})")
+        body.append(f"    g = (as_{c}(v) / as_{rc}({div})) * as_{rc}({mul})")
     else:
         body.append(f"    g = as_{c}(v)")
     sts = [f"s{len(states) + i}" for i in range(n_states)]
@@ -855,7 +858,7 @@ def _call_formula(
             ins.append(f"x{len(inputs)}")
             inputs.append(ins[-1])
         n_in += 1
-    scs = [scalar() if b else f"as_{c}({scalar()})" for b in bools]
+    scs = [scalar() if b else f"as_{rc}({scalar()})" for b in bools]
     body.append(f"    r = {fname}({', '.join(sts + ['g'] + ins + scs)})")
     if n_states == 0:
         body.append(f"    v = {_rounding(d, c)}(r)")
@@ -865,6 +868,9 @@ def _call_formula(
             body.append(f"    {new_states[-1]} = r[{i}]")
         body.append(f"    v = {_rounding(d, c)}(r[{n_states}])")
     return n_in
+
+
+_REAL = {"complex64": "float32", "complex128": "float64"}
 
 
 def _rounding(d: str, c: str) -> str:

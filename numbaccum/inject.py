@@ -26,7 +26,7 @@ from ._checks import wrong_state
 from .base import Stage, Step
 from .declared import safe_increment
 from .flat import FlatTree
-from .layout import Layout, check_float_dtype
+from .layout import Layout, check_float_dtype, real_dtype
 from .protocol import GradientTransformationExtraArgs
 from .tree import tree_flatten
 from .updates import ParamsRef, SkipStep, Spec, Updates
@@ -127,12 +127,13 @@ def _stateful(value: Any) -> bool:
 
 def _highest_float(tree: Any) -> np.dtype | None:
     """The widest floating dtype among the leaves of ``tree`` (optax's ``tree.dtype(tree,
-    'highest')`` for float trees); None for a tree with no float leaf."""
+    'highest')`` for float trees); a complex leaf counts as its parts' dtype (optax would make
+    the hyperparameters complex: they are real numbers); None for a tree with no such leaf."""
     if isinstance(tree, FlatTree):
         dtypes = list(tree.layout.dtypes)
     else:
         dtypes = [np.dtype(x.dtype) for x in tree_flatten(tree)[0] if hasattr(x, "dtype")]
-    floats = [d for d in dtypes if d.kind == "f"]
+    floats = [real_dtype(d) for d in dtypes if d.kind in "fc"]
     return max(floats, key=lambda d: d.itemsize) if floats else None
 
 
@@ -274,6 +275,9 @@ class _InjectHyperparams(Stage):
 
     def foreign(self) -> bool:
         return self._foreign
+
+    def refuses_complex(self) -> Stage | None:
+        return None if self.probe is None else self.probe.refuses_complex()
 
     def owner(self, state: Any) -> FlatTree | None:
         if self.probe is None or not isinstance(state, InjectStatefulHyperparamsState):

@@ -19,14 +19,32 @@ import numpy as np
 from . import tree as _tree
 from .tree import TreeDef, format_path, short_repr
 
-__all__ = ["FLOATS", "Layout", "check_float_dtype", "compute_dtype", "finfo", "is_float", "layout_of_leaves"]
+__all__ = [
+    "COMPLEX",
+    "FLOATS",
+    "STORED",
+    "Layout",
+    "check_float_dtype",
+    "compute_dtype",
+    "finfo",
+    "is_float",
+    "is_stored",
+    "layout_of_leaves",
+    "real_dtype",
+]
 
 # The dtypes we store. ml_dtypes' bfloat16 joins them when it is first seen (`is_float`): the
 # package is imported only by a user who holds such arrays (it is an optional dependency). A
 # list, so that every module's ``dt in FLOATS`` sees it once it has joined.
 FLOATS = [np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64)]
 F32 = FLOATS[1]
-NAMES = "float16, bfloat16, float32 or float64"  # what an error says we store
+FLOAT_NAMES = "float16, bfloat16, float32 or float64"
+# Complex leaves (optax's semantics: norms and second moments of |z|^2) are stored as they are;
+# only the transformations optax defines on them take them (`numbaccum.base.Stage.complex_leaves`).
+COMPLEX = (np.dtype(np.complex64), np.dtype(np.complex128))
+# Every dtype a leaf may have: the floats, then the complex dtypes (bfloat16 joins on first sight).
+STORED = [*FLOATS, *COMPLEX]
+NAMES = "float16, bfloat16, float32, float64, complex64 or complex128"  # what an error says we store
 
 
 def is_float(dt: np.dtype) -> bool:
@@ -39,15 +57,31 @@ def is_float(dt: np.dtype) -> bool:
     with _BF16_LOCK:
         if dt not in FLOATS:
             FLOATS.append(dt)
+            STORED.append(dt)
     return True
+
+
+def is_stored(dt: np.dtype) -> bool:
+    """Whether a leaf of dtype ``dt`` is stored: a float (`is_float`) or complex64/complex128."""
+    return dt in STORED or is_float(dt)
+
+
+def real_dtype(dt: np.dtype) -> np.dtype:
+    """The real dtype of ``dt``'s parts (complex64: float32; a float: itself): the dtype of a
+    complex group's scalars, norms and second moments."""
+    return _REAL.get(dt, dt)
+
+
+_REAL = {COMPLEX[0]: F32, COMPLEX[1]: FLOATS[2]}
 
 
 _BF16_LOCK = threading.Lock()
 
 
-def check_float_dtype(dtype: Any, what: str) -> np.dtype:
-    """The canonical float dtype for ``dtype``, or TypeError naming ``what``. The name
-    ``"bfloat16"`` imports ml_dtypes (whose import teaches NumPy the name)."""
+def check_float_dtype(dtype: Any, what: str, complex: bool = False) -> np.dtype:
+    """The canonical float dtype for ``dtype`` (or complex64/complex128 with ``complex``), or
+    TypeError naming ``what``. The name ``"bfloat16"`` imports ml_dtypes (whose import teaches
+    NumPy the name)."""
     if isinstance(dtype, str) and dtype == "bfloat16":
         try:
             import ml_dtypes
@@ -58,9 +92,22 @@ def check_float_dtype(dtype: Any, what: str) -> np.dtype:
         dt = np.dtype(dtype)
     except Exception as e:  # NumPy's own words name no argument: "format number 1 of '0:' ..."
         raise TypeError(f"{what}: {short_repr(dtype)} is not a dtype") from e
-    if not is_float(dt):
-        raise TypeError(f"{what}: dtype {dt} is not {NAMES}")
+    if not (is_stored(dt) if complex else is_float(dt)):
+        raise TypeError(f"{what}: dtype {dt} is not {NAMES if complex else FLOAT_NAMES}")
     return dt
+
+
+def check_storage(dtypes: Sequence[np.dtype | None], layout: Layout, what: str) -> None:
+    """TypeError unless each group's storage dtype (None: the group's own) is complex exactly
+    where the group is: a real buffer for complex leaves would drop their imaginary parts (optax
+    drops them without a word), a complex one for real leaves would make their updates complex."""
+    for dt, gdt in zip(dtypes, layout.group_dtypes):
+        if dt is not None and (dt.kind == "c") != (gdt.kind == "c"):
+            if gdt.kind == "c":
+                lost, use = "drop the imaginary parts of", "complex"
+            else:
+                lost, use = "make complex the updates of", "real"
+            raise TypeError(f"{what}: {dt} would {lost} the {gdt} leaves; use a {use} dtype")
 
 
 def finfo(dt: np.dtype) -> Any:
@@ -106,6 +153,7 @@ class Layout:
     leaf_start: tuple[int, ...]  # start of each leaf within its group
     offsets: tuple[np.ndarray, ...]  # per group: int64 leaf boundaries, len = n_leaves + 1
     group_sizes: tuple[int, ...]
+    complex: bool
     shapes_dtypes: list[tuple[tuple[int, ...], np.dtype]]
 
     @classmethod
@@ -158,6 +206,8 @@ class Layout:
         self.offsets = tuple(offsets)
         self.group_index = tuple(np.array(m, np.int64) for m in self.groups)  # for fancy indexing
         self.group_sizes = tuple(int(o[-1]) for o in offsets)
+        # Whether any leaf is complex: the runner then asks each stage whether it takes them.
+        self.complex = any(d.kind == "c" for d in dtypes)
         self._paths: list[tuple] | None = None
         # A list, as `host_leaves` compares it with the list it builds from a tree's leaves.
         self.shapes_dtypes = list(zip(shapes, dtypes))

@@ -142,6 +142,9 @@ class _Masked(Stage):
         self.mask_extra = flag(mask_compatible_extra_args, "mask_compatible_extra_args")
         self._plans = _bounded.Bounded()
 
+    def refuses_complex(self) -> Any:
+        return self.inner.refuses_complex()
+
     def foreign(self) -> bool:
         return self.inner.foreign()
 

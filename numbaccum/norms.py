@@ -698,6 +698,12 @@ class _Centre(_Sliced):
 
     def __init__(self, choose: tuple | None) -> None:
         self.choose = choose
+        self.public_name = "centralize" if choose is not None else "centralize(dim='global')"
+
+    def refuses_complex(self) -> Any:
+        # optax's centralize takes complex leaves (a complex mean per slice); the whole tree's
+        # mean (``dim='global'``, numbaccum's) is a float64 total: not of complex leaves.
+        return self if self.choose is None else None
 
     def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
         slicing = self.slicing(spec)
@@ -915,6 +921,8 @@ def adaptive_grad_clip(
 
 
 class _AdaptiveGradClip(_Sliced):
+    complex_leaves = True  # optax defines it on complex leaves: unitwise norms of |z|
+
     def __init__(self, clipping: Any, eps: Any, axes: tuple[int, ...] | None) -> None:
         # A negative clipping flipped the sign of every clipped unit; NaN gave NaN.
         self.clipping, self.eps = non_negative(clipping, "clipping"), non_negative(eps, "eps")

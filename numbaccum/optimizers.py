@@ -25,7 +25,7 @@ from .accumulation import trace
 from .base import chain
 from .declared import Elementwise, bias_correction, check_decay, safe_increment
 from .flat import FlatTree
-from .formulas import formula, maximum, sqrt
+from .formulas import abs_sq, formula, maximum, re, signum, sqrt, tanh
 from .layout import check_float_dtype
 from .protocol import GradientTransformationExtraArgs
 from .scaling import ScalarOrSchedule, add_decayed_weights, identity, scale_by_learning_rate
@@ -120,6 +120,8 @@ def sgd(
 class _ScaleBySign(Elementwise):
     """``u = sign(g)`` per element (`numbaccum.formulas.sign`); stateless."""
 
+    complex_leaves = True  # optax defines it on complex leaves
+
     formula, name = F.sign, "scale_by_sign"
 
     def scalars(self, count: Any, ct: np.dtype) -> tuple:
@@ -213,12 +215,14 @@ def adam_direction(mu, nu, g, b1, one_minus_b1, b2, one_minus_b2, bc1, bc2, eps,
     """mu = (1 - b1) g + b1 mu; nu = (1 - b2) g^2 + b2 nu;
     out = (mu / bc1) / (sqrt(nu / bc2 + eps_root) + eps)."""
     m = one_minus_b1 * g + b1 * mu
-    v = one_minus_b2 * (g * g) + b2 * nu
+    v = one_minus_b2 * abs_sq(g) + b2 * re(nu)
     return m, v, (m / bc1) / (math.sqrt(v / bc2 + eps_root) + eps)
 
 
 class _ScaleByAdam(Elementwise):
     """`scale_by_adam`, declared: Adam's moments and direction in one formula."""
+
+    complex_leaves = True  # optax defines it on complex leaves
 
     formula, state_cls, fields, counted, name = (
         adam_direction,
@@ -298,11 +302,13 @@ class _Direction(Elementwise):
     """optax's ``scale_by_*`` directions with moments: declarations that count steps (for their
     bias corrections) unless they say otherwise."""
 
+    complex_leaves = True  # optax defines it on complex leaves
+
     counted = True
 
 
 def _mu_dtype(mu_dtype: Any) -> np.dtype | None:
-    return None if mu_dtype is None else check_float_dtype(mu_dtype, "mu_dtype")
+    return None if mu_dtype is None else check_float_dtype(mu_dtype, "mu_dtype", complex=True)
 
 
 @formula(
@@ -316,7 +322,7 @@ def nadam_direction(mu, nu, g, b1, one_minus_b1, b2, one_minus_b2, bc1, bc1_next
     Adam's; ``mu_hat = b1 (mu / (1 - b1^(t+1))) + (1 - b1) (g / (1 - b1^t))``;
     out = mu_hat / (sqrt(nu / bc2 + eps_root) + eps)."""
     m = one_minus_b1 * g + b1 * mu
-    v = one_minus_b2 * (g * g) + b2 * nu
+    v = one_minus_b2 * abs_sq(g) + b2 * re(nu)
     m_hat = b1 * (m / bc1_next) + one_minus_b1 * (g / bc1)
     return m, v, m_hat / (math.sqrt(v / bc2 + eps_root) + eps)
 
@@ -745,8 +751,8 @@ def amsgrad_direction(mu, nu, nu_max, g, b1, one_minus_b1, b2, one_minus_b2, bc1
     """AMSGrad: the moments as Adam's; ``nu_max = max(nu_max, nu / bc2)``;
     out = (mu / bc1) / (sqrt(nu_max + eps_root) + eps) (a correction of 1 when disabled)."""
     m = one_minus_b1 * g + b1 * mu
-    v = one_minus_b2 * (g * g) + b2 * nu
-    vm = maximum(nu_max, v / bc2)
+    v = one_minus_b2 * abs_sq(g) + b2 * re(nu)
+    vm = maximum(re(nu_max), v / bc2)
     return m, v, vm, (m / bc1) / (math.sqrt(vm + eps_root) + eps)
 
 
@@ -899,7 +905,7 @@ def adamax_direction(mu, nu, g, b1, one_minus_b1, b2, bc1, eps):
     """Adamax: mu as Adam's; ``nu = max(|g| + eps, b2 nu)`` (the infinity moment);
     out = (mu / bc1) / nu."""
     m = one_minus_b1 * g + b1 * mu
-    v = maximum(abs(g) + eps, b2 * nu)
+    v = maximum(abs(g) + eps, b2 * re(nu))
     return m, v, (m / bc1) / v
 
 
@@ -1017,7 +1023,7 @@ def belief_direction(
     out = mu_hat / (sqrt(nu / bc2) + eps), ``mu_hat`` as Adam's or NAdam's (``nesterov``)."""
     m = one_minus_b1 * g + b1 * mu
     e = g - m
-    v = (one_minus_b2 * (e * e) + b2 * nu) + eps_root
+    v = (one_minus_b2 * abs_sq(e) + b2 * re(nu)) + eps_root
     m_hat = b1 * (m / bc1_next) + one_minus_b1 * (g / bc1) if nesterov else m / bc1
     return m, v, m_hat / (math.sqrt(v / bc2) + eps)
 
@@ -1149,11 +1155,11 @@ def lion_direction(mu, g, one_minus_b1, b1, one_minus_b2, b2, smooth_beta, smoot
     ('smooth'), or c where |c| < 1 else sign(c) ('refined'); then ``mu = (1 - b2) g + b2 mu``."""
     c = one_minus_b1 * g + b1 * mu
     if smooth:
-        out = math.tanh(smooth_beta * c)
+        out = tanh(smooth_beta * c)
     elif refined and abs(c) < 1.0:
         out = c
     else:
-        out = 1.0 if c > 0 else (-1.0 if c < 0 else c)  # jnp.sign: +-0 and NaN as they are
+        out = signum(c)  # jnp.sign: +-0 and NaN as they are
     return one_minus_b2 * g + b2 * mu, out
 
 
@@ -1294,14 +1300,15 @@ def yogi_direction(mu, nu, g, b1, one_minus_b1, one_minus_b2, bc1, bc2, eps, eps
     d > 0, ``-t`` for d < 0 (``nu - (-t)`` is ``nu + t`` exactly), and for d = +-0 or NaN, where
     ``sign(d)`` is d, ``((1 - b2) d) g^2``: optax's bits in every case."""
     m = one_minus_b1 * g + b1 * mu
-    g2 = g * g
-    d = nu - g2
+    g2 = abs_sq(g)
+    n = re(nu)
+    d = n - g2
     if d > 0:
-        v = nu - one_minus_b2 * g2
+        v = n - one_minus_b2 * g2
     elif d < 0:
-        v = nu + one_minus_b2 * g2
+        v = n + one_minus_b2 * g2
     else:
-        v = nu - (one_minus_b2 * d) * g2
+        v = n - (one_minus_b2 * d) * g2
     return m, v, (m / bc1) / (sqrt(v / bc2 + eps_root) + eps)
 
 
@@ -1413,7 +1420,7 @@ def yogi(
 def rms_direction(nu, g, one_minus_decay, decay, bc, eps, eps_in_sqrt):
     """RMSProp's scaling: ``nu = (1 - decay) g^2 + decay nu``; out = g / sqrt(nu / bc + eps)
     (``eps_in_sqrt``) or g / (sqrt(nu / bc) + eps); ``bc`` 1 without bias correction."""
-    v = one_minus_decay * (g * g) + decay * nu
+    v = one_minus_decay * abs_sq(g) + decay * re(nu)
     n = v / bc
     s = 1.0 / math.sqrt(n + eps) if eps_in_sqrt else 1.0 / (math.sqrt(n) + eps)
     return v, s * g
@@ -1498,9 +1505,9 @@ def stddev_direction(mu, nu, g, one_minus_decay, decay, bc, eps, eps_in_sqrt):
     """Centred RMSProp's scaling: mu, nu the EMAs of g and g^2; ``var = nu / bc - (mu / bc)^2``;
     out = g / sqrt(var + eps) (``eps_in_sqrt``) or g / (sqrt(var) + eps)."""
     m = one_minus_decay * g + decay * mu
-    v = one_minus_decay * (g * g) + decay * nu
+    v = one_minus_decay * abs_sq(g) + decay * re(nu)
     mh = m / bc
-    var = v / bc - mh * mh  # may round below zero: NaN then, as in optax
+    var = v / bc - abs_sq(mh)  # may round below zero: NaN then, as in optax
     s = 1.0 / sqrt(var + eps) if eps_in_sqrt else 1.0 / (sqrt(var) + eps)
     return m, v, s * g
 
@@ -1642,7 +1649,7 @@ def rmsprop(
 @formula(states=("sum_of_squares",), inputs=("g",), outputs=("out",), scalars=("eps",))
 def rss_direction(sum_of_squares, g, eps):
     """Adagrad's scaling: ``s = g^2 + s``; out = g / sqrt(s + eps) where s > 0, else 0."""
-    s = g * g + sum_of_squares
+    s = abs_sq(g) + re(sum_of_squares)
     return s, (1.0 / math.sqrt(s + eps) if s > 0 else 0.0) * g
 
 

@@ -42,7 +42,7 @@ from .fuse import run_part, step_applier
 from .transaction import guarded, keep_states
 from .updates import ParamsRef, SkipStep, Spec, Updates, check_params
 
-__all__ = ["Plan", "plan_of", "replay", "run", "ticked"]
+__all__ = ["Plan", "check_complex", "plan_of", "replay", "run", "stage_name", "ticked"]
 
 
 class Plan:
@@ -83,6 +83,31 @@ class Plan:
 def _one_by_one(leaves: list) -> list:
     """Stage by stage (``NUMBACCUM_FUSE=0``): each kernel its own pass."""
     return [(i, i + 1, fuse.FusedRun([p]) if type(p) is fuse.Kernel else None) for i, p in enumerate(leaves)]
+
+
+def check_complex(stage: Any, layout: Any) -> None:
+    """TypeError when ``layout`` has complex leaves and ``stage`` (or a stage it runs) does not
+    take them (`numbaccum.base.Stage.complex_leaves`): named, with the first complex leaf."""
+    refusing = stage.refuses_complex()
+    if refusing is None:
+        return
+    leaf = next(i for i, d in enumerate(layout.dtypes) if d.kind == "c")
+    raise TypeError(
+        f"{stage_name(refusing)} does not take complex leaves ({layout.path(leaf, 'updates')} is "
+        f"{layout.dtypes[leaf]}); the dtypes guide lists the transformations that do"
+    )
+
+
+def stage_name(stage: Any) -> str:
+    """A stage's public name, for errors: its declared ``name``, else its class's
+    (``_ClipByGlobalNorm`` -> ``clip_by_global_norm``; a public class as it is)."""
+    name = getattr(stage, "public_name", None) or getattr(stage, "name", None)
+    if isinstance(name, str):
+        return name
+    cls = type(stage).__name__
+    if not cls.startswith("_"):
+        return cls
+    return "".join("_" + c.lower() if c.isupper() and i else c.lower() for i, c in enumerate(cls[1:]))
 
 
 # --- finding the plan -----------------------------------------------------------------------
@@ -293,6 +318,8 @@ def _spec(stage: Any, flat: FlatTree) -> Spec:
     local = stage.local()  # the last one, kept (per thread): a small tree's update is microseconds
     spec = local.__dict__.get("spec")
     if spec is None or spec.layout is not flat.layout or spec.device != flat.device:
+        if flat.layout.complex:  # once per layout: a stage that does not take them says so now
+            check_complex(stage, flat.layout)
         spec = local.spec = Spec(flat.layout, flat.device)
     return spec
 

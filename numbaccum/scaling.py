@@ -39,6 +39,8 @@ ScalarOrSchedule = float | Callable[[Any], Any]
 
 
 class _Identity(Stage):
+    complex_leaves = True  # optax defines it on complex leaves
+
     def init(self, params: Any) -> EmptyState:
         return EmptyState()
 
@@ -82,6 +84,8 @@ def identity() -> GradientTransformationExtraArgs:
 
 class _Scale(Stage):
     """``u = step_size * g``: a pending factor that rides on the next kernel (no pass of its own)."""
+
+    complex_leaves = True  # optax defines it on complex leaves
 
     def __init__(self, step_size: float) -> None:
         self.step_size = real(step_size, "step_size")
@@ -137,6 +141,8 @@ class ScaleByScheduleState(NamedTuple):
 
 class _ScaleBySchedule(Stage):
     """``u = sign * schedule(count) * g``; each step's tick calls the schedule."""
+
+    complex_leaves = True  # optax defines it on complex leaves
 
     def __init__(self, schedule: Callable[[Any], Any], sign: float) -> None:
         self.schedule = schedule
@@ -217,6 +223,8 @@ class WeightDecaySchedule(NamedTuple):
 
 
 class _AddDecayedWeights(Stage):
+    complex_leaves = True  # optax defines it on complex leaves
+
     def __init__(self, weight_decay: ScalarOrSchedule) -> None:
         # optax skips a constant zero (a Python int or float): the updates pass unchanged (+-0
         # kept, inf params ignored).

@@ -28,7 +28,7 @@ from numba import njit, prange
 from .. import _cache, _config, formulas
 from ..contract import Factor, cast_scalars
 from ..formulas import Formula, compile_formula
-from ..layout import compute_dtype
+from ..layout import compute_dtype, real_dtype
 from . import streaming
 
 __all__ = ["NAME", "map_", "parallel_guard"]
@@ -186,7 +186,9 @@ def _compile(f: Formula, variant: tuple | None) -> tuple[Any, Any]:
     digest = _cache.code_digest(f)
     path = _cache.source_file(source, f"cpu_{f.name}", f"cpu\0{digest}") if digest else None
     ns = _cache.namespace(path, f"<numbaccum.cpu.driver {f.name}>")
-    ns["fn"] = compile_formula(f.fn, _inline)
+    ns["fn"] = compile_formula(
+        f.fn, _inline, complex=variant is not None and variant[1].startswith("complex")
+    )
     ns["read"] = read
     ns["prange"] = prange
     if variant is not None:
@@ -237,9 +239,9 @@ def map_(f: Formula, factor: Factor, arrays: tuple, scalars: tuple) -> None:
         ctype, bf16 = _F32, True
     n = arrays[0].size
     variant = None
-    if bf16 or n >= _config.STREAM_BYTES // 8:  # else no output can reach STREAM_BYTES
+    if bf16 or ctype.kind == "c" or n >= _config.STREAM_BYTES // 8:  # else no output can reach STREAM_BYTES
         arrays, variant = _variant(f, arrays, ctype, bf16)
-    _run(f, _kernel_for(f, n, variant), (n, _config.CHUNK, *arrays), ctype.type, factor, scalars)
+    _run(f, _kernel_for(f, n, variant), (n, _config.CHUNK, *arrays), real_dtype(ctype).type, factor, scalars)
 
 
 def _variant(f: Formula, arrays: tuple, ctype: np.dtype, bf16: bool) -> tuple[tuple, tuple | None]:
@@ -248,14 +250,14 @@ def _variant(f: Formula, arrays: tuple, ctype: np.dtype, bf16: bool) -> tuple[tu
     stores write the outputs when one of at least `_config.STREAM_BYTES` is not an input or a
     state, on a parallel call (x86-64 only)."""
     n, first_out = arrays[0].size, len(f.states) + len(f.inputs)
-    stream = n >= max(_config.SERIAL_BELOW, 1) and streaming.available()
+    stream = n >= max(_config.SERIAL_BELOW, 1) and ctype.kind != "c" and streaming.available()
     stream = stream and any(
         a.dtype.kind in "fV"
         and n * a.dtype.itemsize >= _config.STREAM_BYTES
         and all(a is not b for b in arrays[:first_out])
         for a in arrays[first_out:]
     )
-    if not bf16 and not stream:
+    if not bf16 and not stream and ctype.kind != "c":
         return arrays, None
     marks = tuple(a.dtype.kind == "V" for a in arrays)
     raw = tuple(a.view(np.uint16) if b else a for a, b in zip(arrays, marks))
@@ -280,9 +282,9 @@ def prepare(f: Formula, arrays: tuple) -> Callable[[Factor, tuple], None]:
         ctype, bf16 = compute_dtype(*kinds), any(d.kind == "V" for d in kinds)
     n = arrays[0].size
     variant = None
-    if bf16 or n >= _config.STREAM_BYTES // 8:  # else no output can reach STREAM_BYTES
+    if bf16 or ctype.kind == "c" or n >= _config.STREAM_BYTES // 8:  # else no output can reach STREAM_BYTES
         arrays, variant = _variant(f, arrays, ctype, bf16)
-    cast = ctype.type
+    cast = real_dtype(ctype).type  # a complex call's scalars are real
     head, kernel = (n, _config.CHUNK, *arrays), _kernel_for(f, n, variant)
     found: list = []
 

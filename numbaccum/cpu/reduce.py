@@ -22,7 +22,8 @@ import threading
 import weakref
 
 import numpy as np
-from numba import njit, prange
+from numba import njit, prange, types
+from numba.extending import overload
 
 from .. import _cache, _config, formulas
 from ..tables import (
@@ -130,6 +131,26 @@ def _f64(v):  # pragma: no cover - compiled
 @_jit
 def _bf16_f64(h):  # pragma: no cover - compiled
     return np.float64(_from_bf16(h))
+
+
+# Complex buffers (optax's norms: |z|^2 = re^2 + im^2): each element read as complex128.
+
+
+@_jit
+def _c128(v):  # pragma: no cover - compiled
+    return np.complex128(v)
+
+
+@_jit
+def _t_sq_complex(v, c, p):  # pragma: no cover - compiled
+    return v.real * v.real + v.imag * v.imag
+
+
+@_jit
+def _t_ssq_complex(v, c, p):  # pragma: no cover - compiled
+    a = v.real * c  # c a power of two: exact
+    b = v.imag * c
+    return a * a + b * b
 
 
 def _lane_sum(term, load=_f64):
@@ -291,23 +312,61 @@ def _totals(load):
     }
 
 
+def _complex_totals():
+    """The kinds defined on complex buffers, over |z| (a signed or centred sum has no real
+    value: `_kinds_for` refuses those)."""
+    return {
+        "sumsq": (_lane_sum(_t_sq_complex, _c128), SUM),
+        "ssumsq": (_lane_sum(_t_ssq_complex, _c128), SUM),
+        "sumabs": (_lane_sum(_t_abs, _c128), SUM),
+        "sumpow": (_lane_sum(_t_pow, _c128), SUM),
+        "nnz": (_lane_sum(_t_nonzero, _c128), SUM),
+        "nancount": (_lane_sum(_t_nan, _c128), SUM),
+        "nonfinite": (_lane_sum(_t_nonfinite, _c128), SUM),
+        "maxabs": (_extreme(True, _c128), MAX),
+        "minabs": (_extreme(False, _c128), MIN),
+    }
+
+
 # The reduction kinds of the engine: name -> (drivers, fold).
 KINDS = {kind: _reducer(kind, total, op) for kind, (total, op) in _totals(_f64).items()}
-_BF16_KINDS: dict = {}  # the same over bfloat16 buffers' raw bits, made when first needed
-_BF16_LOCK = threading.Lock()
+
+
+# The same over bfloat16 buffers' raw bits, and over complex buffers, made when first needed.
+class _ComplexKinds(dict):
+    """The complex kinds: a kind without a complex meaning is a TypeError, not a KeyError."""
+
+    def __missing__(self, kind):
+        raise TypeError(f"the reduction {kind!r} is not defined on complex buffers")
+
+
+_BF16_KINDS: dict = {}
+_COMPLEX_KINDS = _ComplexKinds()
+_MADE_LOCK = threading.Lock()
 
 
 def _kinds_for(x):
     """``(kinds, x)``: the engine's kinds for buffer ``x`` and the buffer they read: a
-    bfloat16 buffer's kinds read its raw bits (a uint16 view) and widen each element."""
-    if x.dtype.kind != "V":
+    bfloat16 buffer's kinds read its raw bits (a uint16 view) and widen each element; a
+    complex buffer's reduce |z|."""
+    kind = x.dtype.kind
+    if kind != "V" and kind != "c":
         return KINDS, x
-    if not _BF16_KINDS:
-        with _BF16_LOCK:
-            if not _BF16_KINDS:
-                made = {k: _reducer(f"{k}_bf16", t, op) for k, (t, op) in _totals(_bf16_f64).items()}
-                _BF16_KINDS.update(made)
-    return _BF16_KINDS, x.view(np.uint16)
+    made = _BF16_KINDS if kind == "V" else _COMPLEX_KINDS
+    if not made:
+        with _MADE_LOCK:
+            if not made:
+                if kind == "V":
+                    made.update(
+                        {k: _reducer(f"{k}_bf16", t, op) for k, (t, op) in _totals(_bf16_f64).items()}
+                    )
+                else:
+                    made.update(
+                        {k: _reducer(f"{k}_complex", t, op) for k, (t, op) in _complex_totals().items()}
+                    )
+    if kind == "V":
+        return _BF16_KINDS, x.view(np.uint16)
+    return _COMPLEX_KINDS, x
 
 
 def _pick(pair, n):
@@ -382,7 +441,7 @@ def prepared(kind, table: Table):
         pair = (parallel, serial)
         if dtype.type is np.float16:
             x = x.astype(np.float32)
-        elif dtype.kind == "V":  # bfloat16: its kinds, over its raw bits
+        elif dtype.kind == "V" or dtype.kind == "c":  # bfloat16 (its raw bits) or complex
             kinds, x = _kinds_for(x)
             pair = kinds[kind][0]
         if busy:
@@ -458,17 +517,30 @@ def rescale_(out, x, table: Table, p, may_rescue, max_norm, min_norm, norm_value
 # --- per-slice scalings ----------------------------------------------------------------------
 
 
+def _wide(v):
+    """``v`` in float64, or complex128 for a complex ``v`` (compiled per type below)."""
+    return np.complex128(v) if np.iscomplexobj(v) else np.float64(v)
+
+
+@overload(_wide, jit_options={"error_model": "numpy"})
+def _wide_typed(v):
+    if isinstance(v, types.Complex):
+        return lambda v: np.complex128(v)
+    return lambda v: np.float64(v)
+
+
 @_jit
 def _apply_run(x, out, a, n, st, c, f):  # pragma: no cover - compiled
-    """out = (x - c) * f over a run (float64 arithmetic, one rounding on the store)."""
+    """out = (x - c) * f over a run (float64 arithmetic, complex128 for a complex x; one
+    rounding on the store)."""
     if st == 1:
         o, v = out[a : a + n], x[a : a + n]
         for i in range(n):
-            o[i] = (np.float64(v[i]) - c) * f
+            o[i] = (_wide(v[i]) - c) * f
     else:
         for i in range(n):
             k = a + i * st
-            out[k] = (np.float64(x[k]) - c) * f
+            out[k] = (_wide(x[k]) - c) * f
     return 0.0
 
 
@@ -593,7 +665,8 @@ def apply_(out, x, table: Table, centers, factors):
             return _staged(run, (0,), out)
         return _staged(lambda o, v: apply_(o, v, table, centers, factors), (0,), out, x)
     in_place = out.ctypes.data == x.ctypes.data
-    values = (np.ascontiguousarray(centers, np.float64), np.ascontiguousarray(factors, np.float64))
+    ct = np.complex128 if np.iscomplexobj(centers) else np.float64  # a complex slice's mean
+    values = (np.ascontiguousarray(centers, ct), np.ascontiguousarray(factors, np.float64))
     _run_scaler(_APPLY, x.size, table, in_place, out, x, 0.0, values)
 
 

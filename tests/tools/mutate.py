@@ -69,15 +69,17 @@ MUTATIONS = [
     Mutation(
         "adam_nu_not_squared",
         O,
-        "    v = one_minus_b2 * (g * g) + b2 * nu\n    return m, v, (m / bc1)",
-        "    v = one_minus_b2 * abs(g) + b2 * nu\n    return m, v, (m / bc1)",
+        "    v = one_minus_b2 * abs_sq(g) + b2 * re(nu)\n    return m, v, (m / bc1)",
+        "    v = one_minus_b2 * abs(g) + b2 * re(nu)\n    return m, v, (m / bc1)",
         "bug",
     ),
     Mutation(
         "adam_moment_order",
         O,
-        "    m = one_minus_b1 * g + b1 * mu\n    v = one_minus_b2 * (g * g) + b2 * nu\n    return m, v, (m",
-        "    m = mu + one_minus_b1 * (g - mu)\n    v = one_minus_b2 * (g * g) + b2 * nu\n    return m, v, (m",
+        "    m = one_minus_b1 * g + b1 * mu\n"
+        "    v = one_minus_b2 * abs_sq(g) + b2 * re(nu)\n    return m, v, (m /",
+        "    m = mu + one_minus_b1 * (g - mu)\n"
+        "    v = one_minus_b2 * abs_sq(g) + b2 * re(nu)\n    return m, v, (m /",
         "rounding",
     ),
     Mutation(
@@ -154,22 +156,22 @@ MUTATIONS = [
     Mutation(
         "amsgrad_max_before_debias",
         O,
-        "    vm = maximum(nu_max, v / bc2)\n",
-        "    vm = maximum(nu_max, v) / bc2\n",
+        "    vm = maximum(re(nu_max), v / bc2)\n",
+        "    vm = maximum(re(nu_max), v) / bc2\n",
         "bug",
     ),
     Mutation(
         "adamax_eps_outside",
         O,
-        "    v = maximum(abs(g) + eps, b2 * nu)\n",
-        "    v = maximum(abs(g), b2 * nu) + eps\n",
+        "    v = maximum(abs(g) + eps, b2 * re(nu))\n",
+        "    v = maximum(abs(g), b2 * re(nu)) + eps\n",
         "bug",
     ),
     Mutation(
         "belief_eps_root_outside",
         O,
-        "    v = (one_minus_b2 * (e * e) + b2 * nu) + eps_root\n",
-        "    v = one_minus_b2 * (e * e) + (b2 * nu + eps_root)\n",
+        "    v = (one_minus_b2 * abs_sq(e) + b2 * re(nu)) + eps_root\n",
+        "    v = one_minus_b2 * abs_sq(e) + (b2 * re(nu) + eps_root)\n",
         "rounding",
     ),
     Mutation(
@@ -192,15 +194,15 @@ MUTATIONS = [
     Mutation(
         "stddev_variance_sign",
         O,
-        "    var = v / bc - mh * mh",
-        "    var = v / bc + mh * mh",
+        "    var = v / bc - abs_sq(mh)",
+        "    var = v / bc + abs_sq(mh)",
         "bug",
     ),
     Mutation(
         "rss_order",
         O,
-        "    s = g * g + sum_of_squares\n",
-        "    s = g * abs(g) + sum_of_squares\n",
+        "    s = abs_sq(g) + re(sum_of_squares)\n",
+        "    s = g * abs(g) + re(sum_of_squares)\n",
         "bug",
     ),
     # the declarations: the scalars the formulas get

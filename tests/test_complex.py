@@ -1,0 +1,402 @@
+"""Complex leaves (complex64, complex128) with optax's semantics.
+
+optax 0.2.8 takes complex parameters in most of its transformations: first moments stay complex,
+second moments and norms use ``|z|^2`` (its ``numerics.abs_sq``; the moment is stored in the
+leaf's complex dtype with a zero imaginary part), ``sign`` is ``z / |z|``, and the scalars
+(learning rates, decays, bias corrections) are real. Each test here compares with optax itself
+(eager, where complex division is the IEEE one: jitted XLA contracts multiply-adds), or checks
+what numbaccum decides on purpose (README "Differences from optax"): a real accumulator or
+``mu_dtype`` for complex leaves is refused (optax drops the imaginary parts without a word),
+MultiSteps accumulates complex leaves in their own dtype, complex updates are not added to real
+params, and the transformations optax does not define on complex leaves (``clip``, and
+numbaccum's own clippers) refuse them by name.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+from _testutil import require, state_arrays
+from registry import CASES, cases
+
+import numbaccum as nba
+
+C64, C128 = np.dtype(np.complex64), np.dtype(np.complex128)
+
+
+def _complex(rng, shape, dtype) -> np.ndarray:
+    return np.asarray(rng.standard_normal(shape) + 1j * rng.standard_normal(shape)).astype(dtype)
+
+
+def tree(seed: int, dtype=C64) -> dict:
+    rng = np.random.default_rng(seed)
+    return {"w": _complex(rng, (7, 5), dtype), "b": _complex(rng, (5,), dtype), "s": _complex(rng, (), dtype)}
+
+
+# Built from the module given: numbaccum's and optax's constructions read the same.
+SAME = {
+    "identity": lambda L: L.identity(),
+    "scale": lambda L: L.scale(0.5),
+    "add_decayed_weights": lambda L: L.add_decayed_weights(0.1),
+    "trace": lambda L: L.trace(0.9),
+    "trace_nesterov": lambda L: L.trace(0.9, nesterov=True),
+    "ema": lambda L: L.ema(0.9),
+    "sgd": lambda L: L.sgd(0.1, momentum=0.9),
+    "sign_sgd": lambda L: L.sign_sgd(0.1),
+    "apply_every": lambda L: L.apply_every(3),
+    "zero_nans": lambda L: L.zero_nans(),
+    "adam": lambda L: L.adam(0.1),
+    "adamw": lambda L: L.adamw(0.1, weight_decay=0.1),
+    "nadam": lambda L: L.nadam(0.1),
+    "nadamw": lambda L: L.nadamw(0.1),
+    "amsgrad": lambda L: L.amsgrad(0.1),
+    "adamax": lambda L: L.adamax(0.1),
+    "yogi": lambda L: L.yogi(0.1),
+    "adabelief": lambda L: L.adabelief(0.1),
+    "adabelief_nesterov": lambda L: L.adabelief(0.1, nesterov=True),
+    "lion": lambda L: L.lion(0.1),
+    "lion_smooth": lambda L: L.chain(L.scale_by_lion(mode="smooth", smooth_beta=2.0), L.scale(-1e-2)),
+    "rmsprop": lambda L: L.rmsprop(0.1),
+    "rmsprop_centered": lambda L: L.rmsprop(0.1, centered=True, momentum=0.9),
+    "scale_by_rms_bc": lambda L: L.scale_by_rms(bias_correction=True, eps_in_sqrt=False),
+    "adagrad": lambda L: L.adagrad(0.1),
+    "clip_by_global_norm": lambda L: L.clip_by_global_norm(1.0),
+    "clip_by_block_rms": lambda L: L.clip_by_block_rms(0.5),
+    "normalize_by_update_norm": lambda L: L.normalize_by_update_norm(),
+    "centralize": lambda L: L.centralize(),
+    "adaptive_grad_clip": lambda L: L.adaptive_grad_clip(0.1),
+    "clip_then_adamw": lambda L: L.chain(L.clip_by_global_norm(1.0), L.adamw(0.1, weight_decay=0.1)),
+    "multisteps": lambda L: L.MultiSteps(L.adam(0.1), 2, accumulator_dtype=np.complex64),
+    "apply_if_finite": lambda L: L.apply_if_finite(L.adam(0.1), 3),
+    "inject_hyperparams": lambda L: L.inject_hyperparams(L.adam)(learning_rate=0.1),
+    "masked": lambda L: L.masked(L.adam(0.1), {"w": True, "b": False, "s": True}),
+}
+# lion's smooth mode: XLA's complex tanh is less accurate than NumPy's (8e-6 near its poles).
+RTOL = {"lion_smooth": 2e-5}
+
+
+def _close(ours, theirs, rtol, msg):
+    for k in ours:
+        a, b = np.asarray(ours[k]), np.asarray(theirs[k])
+        assert a.dtype == b.dtype, f"{msg} {k}: {a.dtype} vs {b.dtype}"
+        scale = float(np.max(np.abs(b))) if b.size else 0.0
+        np.testing.assert_allclose(a, b, rtol=rtol, atol=rtol * scale, err_msg=f"{msg} {k}")
+
+
+def _against_optax(name, dtype, steps=4):
+    optax = require("optax")
+    ours, theirs = SAME[name](nba), SAME[name](optax)
+    params = tree(0, dtype)
+    s, t = ours.init(params), theirs.init(params)
+    rtol = RTOL.get(name, 2e-6 if dtype == C64 else 1e-12)
+    for i in range(steps):
+        g = tree(10 + i, dtype)
+        u, s = ours.update(g, s, params)
+        v, t = theirs.update(g, t, params)
+        _close(u, v, rtol, f"{name} {dtype} step {i + 1}")
+    return s, t
+
+
+@pytest.mark.parametrize("name", sorted(SAME))
+def test_complex64_matches_optax(name):
+    _against_optax(name, C64)
+
+
+@pytest.mark.parametrize("name", ["adam", "sgd", "clip_then_adamw", "rmsprop_centered", "yogi", "lion"])
+def test_complex128_matches_optax(name):
+    jax = require("jax")
+    with jax.enable_x64(True):
+        _against_optax(name, C128)
+
+
+def test_second_moments_are_complex_with_zero_imaginary_parts_as_optax_keeps_them():
+    state, theirs = _against_optax("adam", C64)
+    nu, their_nu = state[0].nu, theirs[0].nu
+    assert nu.group_dtypes == (C64,)
+    for k, x in nu.tree.items():
+        assert x.dtype == np.asarray(their_nu[k]).dtype == C64
+        assert not np.any(x.imag) and np.all(x.real > 0)
+    assert state[0].mu.group_dtypes == (C64,) and np.any(state[0].mu.groups[0].imag)
+
+
+# --- fused, stage by stage and step_ ------------------------------------------------------------
+
+CHAINS = {
+    "clip_adamw": lambda: nba.chain(nba.clip_by_global_norm(1.0), nba.adamw(0.1, weight_decay=0.1)),
+    "sgd_nesterov": lambda: nba.sgd(0.1, 0.9, nesterov=True),
+    "zero_nans_lion": lambda: nba.chain(nba.zero_nans(), nba.lion(0.1)),
+    "rmsprop_centered": lambda: nba.rmsprop(0.1, centered=True, momentum=0.9),
+    "normalize_yogi": lambda: nba.chain(nba.normalize_by_update_norm(), nba.yogi(0.1)),
+    "every_moment": lambda: nba.chain(
+        nba.adabelief(0.1),
+        nba.amsgrad(0.1),
+        nba.adamax(0.1),
+        nba.adagrad(0.1),
+        nba.scale_by_sign(),
+        nba.ema(0.9),
+    ),
+}
+
+
+def _params_after(name, dtype, mode):
+    tx = CHAINS[name]()
+    params = tree(1, dtype)
+    state = tx.init(params)
+    seen = []
+    for i in range(4):
+        g = tree(20 + i, dtype)
+        if mode == "step_":
+            state = nba.step_(tx, g, state, params)
+        else:
+            u, state = tx.update(g, state, params)
+            params = nba.apply_updates(params, u)
+        seen.append({k: v.copy() for k, v in params.items()})
+    return seen
+
+
+@pytest.mark.parametrize("dtype", [C64, C128])
+@pytest.mark.parametrize("name", sorted(CHAINS))
+def test_fused_stage_by_stage_and_step_give_the_same_bits(name, dtype, monkeypatch):
+    fused = _params_after(name, dtype, "update")
+    stepped = _params_after(name, dtype, "step_")
+    monkeypatch.setenv("NUMBACCUM_FUSE", "0")
+    staged = _params_after(name, dtype, "update")
+    for k, (f, s, t) in enumerate(zip(fused, staged, stepped)):
+        for leaf in f:
+            bits = np.ravel(f[leaf]).view(np.uint8)
+            assert np.array_equal(bits, np.ravel(s[leaf]).view(np.uint8)), (
+                f"{name} step {k + 1} {leaf}: staged"
+            )
+            assert np.array_equal(bits, np.ravel(t[leaf]).view(np.uint8)), (
+                f"{name} step {k + 1} {leaf}: step_"
+            )
+
+
+def test_explain_fuses_a_complex_chain_into_one_pass():
+    text = str(nba.explain(CHAINS["clip_adamw"](), tree(0)))
+    assert "2 passes" in text and "clip_by_global_norm + scale_by_adam" in text
+
+
+# --- optax's alias test: every covered optimizer converges on a complex parabola -------------
+# optax 0.2.8 alias_test.test_optimization runs these (with their learning rates) on complex64
+# params for 10,000 steps; the gradient of sum(|p - target|^2) as optax's test takes it (the
+# conjugate of JAX's) is 2 (p - target).
+
+CONVERGING = {
+    "adabelief": lambda: nba.adabelief(1e-2),
+    "adagrad": lambda: nba.adagrad(1.0),
+    "adam": lambda: nba.adam(1e-1),
+    "adamax": lambda: nba.adamax(1e-1),
+    "adamw": lambda: nba.adamw(1e-1),
+    "amsgrad": lambda: nba.amsgrad(1e-1),
+    "nadam": lambda: nba.nadam(1e-2),
+    "nadamw": lambda: nba.nadamw(1e-2),
+    "rmsprop": lambda: nba.rmsprop(5e-3),
+    "rmsprop_momentum": lambda: nba.rmsprop(5e-3, momentum=0.9),
+    "sgd": lambda: nba.sgd(1e-3, 0.9),
+    "yogi": lambda: nba.yogi(1e-1),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CONVERGING))
+def test_optimizers_reach_the_minimum_of_a_complex_parabola(name):
+    target = np.array([1.0, -1.0, 1.0]) * (1 + 1j)
+    params = nba.FlatTree.from_tree({"p": (np.array([-1.0, 10.0, 1.0]) * (1 + 1j)).astype(np.complex64)})
+    tx = CONVERGING[name]()
+    state = tx.init(params)
+    grads = params.zeros_like()
+    p, g = params.tree["p"], grads.tree["p"]
+    for _ in range(10_000):
+        np.multiply(p - target, 2, out=g, casting="same_kind")
+        state = nba.step_(tx, grads, state, params)
+    np.testing.assert_allclose(p, target, rtol=3e-2, atol=3e-2)
+
+
+# --- what every transformation does with complex leaves ------------------------------------
+# Those optax defines on complex leaves take them; the others refuse them by name before
+# anything runs (numba could not even compile a comparison of complex numbers).
+
+TAKES_COMPLEX = {
+    "MultiSteps", "adabelief", "adagrad", "adam", "adamax", "adamw", "adaptive_grad_clip",
+    "add_decayed_weights", "amsgrad", "apply_every", "apply_if_finite", "centralize", "chain",
+    "clip_by_block_rms", "clip_by_global_norm", "ema", "identity", "inject_hyperparams", "lion",
+    "masked", "nadam", "nadamw", "named_chain", "normalize_by_update_norm", "rmsprop", "scale",
+    "scale_by_adam", "scale_by_adamax", "scale_by_amsgrad", "scale_by_belief",
+    "scale_by_learning_rate", "scale_by_lion", "scale_by_nadam", "scale_by_rms", "scale_by_rss",
+    "scale_by_sign", "scale_by_stddev", "scale_by_yogi", "sgd", "sign_sgd", "trace", "yogi",
+    "zero_nans",
+}  # fmt: skip
+# Registry cases whose hyperparameters fix a real state dtype (refused: see below).
+REAL_STATE = {"trace_nesterov_f64acc"}
+
+
+@pytest.mark.parametrize("name", [n for n in cases(per_example=False) if n not in REAL_STATE])
+def test_each_transformation_takes_complex_leaves_or_refuses_them_by_name(name):
+    case = CASES[name]
+    params = tree(2)
+    tx = case.make()
+    state = tx.init(params)
+    before = {p: a.copy() for p, a in state_arrays(state).items()}
+    grads = tree(3)
+    if case.public not in TAKES_COMPLEX:
+        with pytest.raises(TypeError, match=r"does not take complex leaves \(updates\['b'\] is complex64\)"):
+            tx.update(grads, state, params)
+        after = state_arrays(state)
+        assert all(np.array_equal(before[p], a, equal_nan=True) for p, a in after.items())
+        return
+    for _ in range(2):
+        updates, state = tx.update(grads, state, params)
+    for k, u in updates.items():
+        assert u.dtype == C64 and np.all(np.isfinite(u)), f"{name} {k}"
+
+
+def test_the_transformations_taking_complex_leaves_are_the_registrys():
+    assert {CASES[n].public for n in cases(per_example=False)} >= TAKES_COMPLEX
+
+
+def test_a_user_transformation_in_a_chain_gets_the_complex_leaves():
+    seen = []
+
+    def update(updates, state, params=None):
+        seen.append({k: v.dtype for k, v in updates.items()})
+        return {k: np.conj(v) for k, v in updates.items()}, state
+
+    tx = nba.chain(nba.GradientTransformation(lambda p: nba.EmptyState(), update), nba.scale(2.0))
+    g = tree(4)
+    u, _ = tx.update(g, tx.init(g))
+    assert seen == [{k: C64 for k in g}]
+    for k in g:
+        np.testing.assert_array_equal(u[k], 2 * np.conj(g[k]))
+
+
+# --- deliberate differences from optax -------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "make, field",
+    [
+        (lambda dt: nba.adam(0.1, mu_dtype=dt), "mu_dtype"),
+        (lambda dt: nba.sgd(0.1, momentum=0.9, accumulator_dtype=dt), "accumulator_dtype"),
+        (lambda dt: nba.MultiSteps(nba.sgd(0.1), 2, accumulator_dtype=dt), "accumulator_dtype"),
+    ],
+)
+def test_a_state_dtype_that_drops_or_adds_imaginary_parts_is_refused(make, field):
+    """optax keeps a float32 ``mu`` or accumulator of complex64 params (and so loses their
+    imaginary parts), and a complex one of real params (complex updates): both refused here."""
+    with pytest.raises(TypeError, match=rf"{field}: float32 would drop the imaginary parts of the complex64"):
+        make(np.float32).init(tree(0))
+    with pytest.raises(TypeError, match=rf"{field}: complex64 would make complex the updates of the float32"):
+        make(np.complex64).init({"w": np.ones(3, np.float32)})
+    state = make(np.complex128).init(tree(0))  # another complex dtype: as float64 for float32
+    assert C128 in {a.dtype for a in state_arrays(state).values()}
+
+
+def test_multisteps_accumulates_complex_leaves_in_their_own_dtype():
+    """optax's default float32 accumulator keeps only the last gradient's imaginary part
+    (``-1 - 0.5j`` here); numbaccum averages the complex gradients."""
+    tx = nba.MultiSteps(nba.sgd(1.0), 2)
+    params = {"w": np.zeros(3, np.complex64)}
+    state = tx.init(params)
+    assert state.acc_grads.group_dtypes == (C64,)
+    g = {"w": np.full(3, 1 + 1j, np.complex64)}
+    u, state = tx.update(g, state, params)
+    assert not np.any(u["w"].view(np.uint32))  # exact +0 zeros between emissions
+    u, state = tx.update(g, state, params)
+    np.testing.assert_array_equal(u["w"], np.full(3, -1 - 1j, np.complex64))
+
+
+def test_complex_updates_are_not_added_to_real_params():
+    params = {"w": np.ones(3, np.float32), "v": np.ones(2, np.complex64)}
+    updates = {"w": np.array([1 + 2j, 3, 4], np.complex64), "v": np.ones(2, np.complex64)}
+    for apply in (nba.apply_updates, nba.apply_updates_):
+        with pytest.raises(TypeError, match=r"params\['w'\] \(float32\) would lose their imaginary parts"):
+            apply(params, updates)
+    np.testing.assert_array_equal(params["w"], np.ones(3, np.float32))
+    np.testing.assert_array_equal(params["v"], np.ones(2, np.complex64))
+    out = nba.apply_updates(params, {"w": np.ones(3, np.float32), "v": np.full(2, 1j, np.complex64)})
+    assert out["v"].dtype == C64 and out["v"][0] == 1 + 1j
+
+
+def test_inject_hyperparams_keeps_real_hyperparameters_for_complex_params():
+    """optax stores them in the params' highest dtype (complex64): real numbers made complex.
+    numbaccum keeps them in the real dtype of the parts, optax's ``hyperparam_dtype=float32``."""
+    tx = nba.inject_hyperparams(nba.adam)(learning_rate=0.1)
+    state = tx.init(tree(0))
+    assert np.asarray(state.hyperparams["learning_rate"]).dtype == np.float32
+    jax = require("jax")
+    with jax.enable_x64(True):
+        assert np.asarray(tx.init(tree(0, C128)).hyperparams["b1"]).dtype == np.float64
+
+
+# --- norms, non-finite values, checkpoints -------------------------------------------------------
+
+
+def test_global_norms_of_complex_leaves():
+    t = {"a": np.array([3 + 4j, -1j, 2], np.complex64), "b": np.array(2 - 2j, np.complex128)}
+    mags = np.abs(np.concatenate([np.ravel(x).astype(np.complex128) for x in t.values()]))
+    assert nba.global_norm(t) == pytest.approx(np.sqrt(np.sum(mags**2)), rel=1e-15)
+    assert nba.global_norm(t, ord=1) == pytest.approx(np.sum(mags), rel=1e-15)
+    assert nba.global_norm(t, ord=np.inf) == pytest.approx(np.max(mags), rel=1e-15)
+
+
+def test_a_non_finite_part_counts_and_a_nan_part_zeroes_the_element():
+    g = {"w": np.array([complex(1, np.nan), complex(np.nan, 1), complex(np.inf, 2), 3 - 1j], np.complex64)}
+    tx = nba.zero_nans()
+    u, state = tx.update(g, tx.init(g))
+    np.testing.assert_array_equal(u["w"], np.array([0, 0, complex(np.inf, 2), 3 - 1j], np.complex64))
+    assert bool(state.found_nan["w"])
+    tx = nba.MultiSteps(nba.sgd(1.0), 1, should_skip_update_fn=nba.skip_not_finite)
+    params = {"w": np.zeros(4, np.complex64)}
+    _, state = tx.update(g, tx.init(params), params)
+    assert state.skip_state["num_not_finite"] == 3 and state.skip_state["should_skip"]
+    tx = nba.apply_if_finite(nba.adam(0.1), 2)
+    _, state = tx.update(
+        {"w": np.array([1, complex(0, np.inf), 2, 0], np.complex64)}, tx.init(params), params
+    )
+    assert state.notfinite_count == 1 and not state.last_finite
+
+
+def test_skip_large_updates_takes_the_squared_magnitudes():
+    """optax sums ``p ** 2`` (a complex square: ``(10j) ** 2 = -100`` never skips); numbaccum
+    the squared magnitudes, as every other norm."""
+    skip = lambda u, s, p: nba.skip_large_updates(u, s, p, max_squared_norm=50.0)  # noqa: E731
+    tx = nba.MultiSteps(nba.sgd(1.0), 1, should_skip_update_fn=skip)
+    params = {"w": np.zeros(2, np.complex64)}
+    _, state = tx.update({"w": np.array([10j, 0], np.complex64)}, tx.init(params), params)
+    assert state.skip_state["norm_squared"] == 100.0 and state.skip_state["should_skip"]
+
+
+def test_checkpoint_keeps_complex_states_bit_for_bit(tmp_path):
+    tx = nba.chain(nba.clip_by_global_norm(1.0), nba.adam(0.1))
+    params = {"w": tree(0)["w"], "d": tree(1, C128)["b"]}
+    state = tx.init(params)
+    _, state = tx.update(params, state, params)
+    path = os.fspath(tmp_path / "complex.npz")
+    nba.save_state(path, state)
+    back = nba.load_state(path)
+    for (p, a), (q, b) in zip(state_arrays(state).items(), state_arrays(back).items()):
+        assert (
+            p == q
+            and a.dtype == b.dtype
+            and np.array_equal(np.ravel(a).view(np.uint8), np.ravel(b).view(np.uint8))
+        )
+    u, _ = tx.update(params, state, params)
+    v, _ = tx.update(params, back, params)
+    assert all(np.array_equal(u[k], v[k]) for k in u)
+
+
+def test_integer_leaves_are_still_refused():
+    for bad in (np.ones(3, np.int32), np.ones(3, np.bool_)):
+        with pytest.raises(
+            TypeError, match=r"\['x'\]: dtype .* is not float16, bfloat16, float32, float64, complex64"
+        ):
+            nba.FlatTree.from_tree({"x": bad})
+
+
+@pytest.mark.cuda
+def test_complex_stays_on_the_host():
+    """The CUDA reductions have no complex kinds yet: moving such a tree to the device is refused."""
+    with pytest.raises(TypeError, match="complex64 buffers are not supported on CUDA yet"):
+        nba.to_device(nba.FlatTree.from_tree(tree(0)))
