@@ -124,12 +124,18 @@ from .scaling import (
 from .schedules import (
     constant_schedule,
     cosine_decay_schedule,
+    cosine_onecycle_schedule,
     exponential_decay,
     join_schedules,
+    linear_onecycle_schedule,
     linear_schedule,
     piecewise_constant_schedule,
+    piecewise_interpolate_schedule,
     polynomial_schedule,
+    sgdr_schedule,
+    warmup_constant_schedule,
     warmup_cosine_decay_schedule,
+    warmup_exponential_decay_schedule,
 )
 from .stats import stats
 from .tree import tree_flatten, tree_map, tree_unflatten
@@ -224,6 +230,12 @@ __all__ = [
     "join_schedules",
     "linear_schedule",
     "piecewise_constant_schedule",
+    "piecewise_interpolate_schedule",
+    "cosine_onecycle_schedule",
+    "linear_onecycle_schedule",
+    "sgdr_schedule",
+    "warmup_constant_schedule",
+    "warmup_exponential_decay_schedule",
     "polynomial_schedule",
     "warmup_cosine_decay_schedule",
     # hyperparameters in the state, and masking (optax's inject_hyperparams and masked)

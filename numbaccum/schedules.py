@@ -417,6 +417,20 @@ def exponential_decay(
     return schedule
 
 
+def _boundaries_and_scales(mapping: Mapping[Any, Any] | None, name: str) -> list[tuple[int, float]]:
+    """``(boundary, scale)`` pairs of a piecewise schedule's mapping, sorted by boundary; a
+    negative scale is a ValueError (as optax), a scale that is not a real number or a boundary
+    that is not an integer a TypeError."""
+    pairs = []
+    for b, s in (mapping or {}).items():
+        scale = real(s, f"boundaries_and_scales[{b!r}]")
+        if scale < 0:
+            raise ValueError(f"{name} expects non-negative scales, got {scale} at {b!r}")
+        pairs.append((_steps(b, "boundaries_and_scales key"), scale))
+    pairs.sort()
+    return pairs
+
+
 def piecewise_constant_schedule(
     init_value: Any, boundaries_and_scales: Mapping[Any, Any] | None = None
 ) -> Schedule:
@@ -447,13 +461,7 @@ def piecewise_constant_schedule(
         [1.0, 0.5, 0.05]
     """
     init_value = real(init_value, "init_value")
-    pairs = []
-    for b, s in (boundaries_and_scales or {}).items():
-        scale = real(s, f"boundaries_and_scales[{b!r}]")
-        if scale < 0:
-            raise ValueError(f"piecewise_constant_schedule expects non-negative scales, got {scale} at {b!r}")
-        pairs.append((_steps(b, "boundaries_and_scales key"), scale))
-    pairs.sort()
+    pairs = _boundaries_and_scales(boundaries_and_scales, "piecewise_constant_schedule")
 
     def schedule(count: Any) -> float:
         n = _count(count)
@@ -464,3 +472,297 @@ def piecewise_constant_schedule(
         return value
 
     return schedule
+
+
+def _interpolate_linear(start: float, end: float, pct: float) -> float:
+    return (end - start) * pct + start
+
+
+def _interpolate_cosine(start: float, end: float, pct: float) -> float:
+    return end + (start - end) / 2.0 * (math.cos(math.pi * pct) + 1.0)
+
+
+_INTERPOLATE = {"linear": _interpolate_linear, "cosine": _interpolate_cosine}
+
+
+def piecewise_interpolate_schedule(
+    interpolate_type: str, init_value: Any, boundaries_and_scales: Mapping[Any, Any] | None = None
+) -> Schedule:
+    """A schedule that interpolates, linearly or along a cosine, between values scaled at
+    boundaries.
+
+    The values ``v_0 = init_value``, ``v_i = v_{i-1} * scale_i`` (the boundaries ``b_i`` sorted,
+    ``b_0 = 0``) are joined: between ``b_{i-1}`` and ``b_i`` the value goes from ``v_{i-1}`` to
+    ``v_i`` with ``pct = (count - b_{i-1}) / max(b_i - b_{i-1}, 1)``, as ``v_{i-1} + (v_i -
+    v_{i-1}) pct`` (``'linear'``) or ``v_i + (v_{i-1} - v_i) (cos(pi pct) + 1) / 2``
+    (``'cosine'``); from the last boundary on it is the last value, and before step 0 it is 0,
+    as in optax (which sums the interpolation of every segment times whether ``count`` is in it:
+    an inf value anywhere makes every step NaN, here too).
+
+    Args:
+        interpolate_type: ``'linear'`` or ``'cosine'``.
+        init_value: the value at step 0.
+        boundaries_and_scales: a mapping from step (an integer) to the factor that scales the
+            value reached at that step; None or empty: ``init_value`` from step 0 on.
+
+    Returns:
+        A function ``schedule(count) -> float`` of an integer step count, computed in float64.
+
+    Raises:
+        ValueError: ``interpolate_type`` is neither ``'linear'`` nor ``'cosine'``; a negative
+            scale (as optax).
+        TypeError: ``init_value`` or a scale is not a real number, or a boundary not an integer.
+
+    References:
+        optax.piecewise_interpolate_schedule.
+
+    Examples:
+        >>> import numbaccum as nba
+        >>> sched = nba.piecewise_interpolate_schedule("linear", 1.0, {4: 0.1, 8: 0.01})
+        >>> [round(float(sched(i)), 6) for i in range(0, 11, 2)]  # optax's docstring example
+        [1.0, 0.55, 0.1, 0.0505, 0.001, 0.001]
+    """
+    interpolate = _INTERPOLATE.get(interpolate_type) if isinstance(interpolate_type, str) else None
+    if interpolate is None:
+        raise ValueError(f"interpolate_type must be 'linear' or 'cosine', got {interpolate_type!r}")
+    init_value = real(init_value, "init_value")
+    pairs = _boundaries_and_scales(boundaries_and_scales, "piecewise_interpolate_schedule")
+    bounds = [0] + [b for b, _ in pairs]
+    values = [init_value]
+    for _, scale in pairs:
+        values.append(values[-1] * scale)
+    segments = [
+        (bounds[i], bounds[i + 1], max(bounds[i + 1] - bounds[i], 1), values[i], values[i + 1])
+        for i in range(len(pairs))
+    ]
+    last_bound, last_value = bounds[-1], values[-1]
+
+    def schedule(count: Any) -> float:
+        n = _count(count)
+        total = 0.0
+        for lo, hi, size, start, end in segments:
+            inside = 1.0 if lo <= n < hi else 0.0
+            total += inside * interpolate(start, end, (n - lo) / size)
+        return total + (1.0 if last_bound <= n else 0.0) * last_value
+
+    return schedule
+
+
+def _check_onecycle(transition_steps: Any) -> int:
+    steps = _steps(transition_steps, "transition_steps")
+    if steps <= 0:
+        raise ValueError(f"a onecycle schedule needs transition_steps > 0, got {steps}")
+    return steps
+
+
+def linear_onecycle_schedule(
+    transition_steps: Any,
+    peak_value: Any,
+    pct_start: Any = 0.3,
+    pct_final: Any = 0.85,
+    div_factor: Any = 25.0,
+    final_div_factor: Any = 1e4,
+) -> Schedule:
+    """The one-cycle schedule in three linear phases (Smith's super-convergence).
+
+    From ``peak_value / div_factor`` up to ``peak_value`` at step ``int(pct_start *
+    transition_steps)``, back down to ``peak_value / div_factor`` at ``int(pct_final *
+    transition_steps)``, then to ``peak_value / div_factor / final_div_factor`` at
+    ``transition_steps``, where it stays: optax's `piecewise_interpolate_schedule` (``'linear'``)
+    of those boundaries and scales (two boundaries that coincide keep the later scale, as
+    optax's dictionary does).
+
+    Args:
+        transition_steps: the length of the cycle, in steps.
+        peak_value: the largest value, reached at ``pct_start`` of the cycle.
+        pct_start: the fraction of the cycle spent rising.
+        pct_final: the fraction of the cycle after which the last phase starts.
+        div_factor: the initial value is ``peak_value / div_factor``.
+        final_div_factor: the final value is the initial one divided by this.
+
+    Returns:
+        A function ``schedule(count) -> float`` of an integer step count, computed in float64.
+
+    Raises:
+        ValueError: ``transition_steps <= 0`` (as optax).
+        TypeError: a value is not a real number, or ``transition_steps`` not an integer.
+
+    References:
+        Smith and Topin, "Super-Convergence: Very Fast Training of Neural Networks Using Large
+        Learning Rates", 2017 (arXiv:1708.07120). optax.linear_onecycle_schedule.
+
+    Examples:
+        >>> import numbaccum as nba
+        >>> sched = nba.linear_onecycle_schedule(100, peak_value=1.0)
+        >>> [round(float(sched(i)), 4) for i in (0, 30, 85, 100)]
+        [0.04, 1.0, 0.04, 0.0]
+    """
+    steps = _check_onecycle(transition_steps)
+    peak, div = real(peak_value, "peak_value"), real(div_factor, "div_factor")
+    start, final = real(pct_start, "pct_start"), real(pct_final, "pct_final")
+    final_div = real(final_div_factor, "final_div_factor")
+    scales = {int(start * steps): div, int(final * steps): 1.0 / div, steps: 1.0 / final_div}
+    return piecewise_interpolate_schedule("linear", peak / div, scales)
+
+
+def cosine_onecycle_schedule(
+    transition_steps: Any,
+    peak_value: Any,
+    pct_start: Any = 0.3,
+    div_factor: Any = 25.0,
+    final_div_factor: Any = 1e4,
+) -> Schedule:
+    """The one-cycle schedule along cosines: up from ``peak_value / div_factor`` to
+    ``peak_value`` at step ``int(pct_start * transition_steps)``, then down to ``peak_value /
+    (div_factor * final_div_factor)`` at ``transition_steps``, where it stays (optax's
+    `piecewise_interpolate_schedule` with ``'cosine'``).
+
+    Args:
+        transition_steps: the length of the cycle, in steps.
+        peak_value: the largest value, reached at ``pct_start`` of the cycle.
+        pct_start: the fraction of the cycle spent rising.
+        div_factor: the initial value is ``peak_value / div_factor``.
+        final_div_factor: the final value is the initial one divided by this.
+
+    Returns:
+        A function ``schedule(count) -> float`` of an integer step count, computed in float64.
+
+    Raises:
+        ValueError: ``transition_steps <= 0`` (as optax).
+        TypeError: a value is not a real number, or ``transition_steps`` not an integer.
+
+    References:
+        Smith and Topin, "Super-Convergence: Very Fast Training of Neural Networks Using Large
+        Learning Rates", 2017 (arXiv:1708.07120). optax.cosine_onecycle_schedule.
+
+    Examples:
+        >>> import numbaccum as nba
+        >>> sched = nba.cosine_onecycle_schedule(100, peak_value=1.0)
+        >>> [round(float(sched(i)), 4) for i in (0, 15, 30, 100)]
+        [0.04, 0.52, 1.0, 0.0]
+    """
+    steps = _check_onecycle(transition_steps)
+    peak, div = real(peak_value, "peak_value"), real(div_factor, "div_factor")
+    start, final_div = real(pct_start, "pct_start"), real(final_div_factor, "final_div_factor")
+    scales = {int(start * steps): div, steps: 1.0 / (div * final_div)}
+    return piecewise_interpolate_schedule("cosine", peak / div, scales)
+
+
+def warmup_constant_schedule(init_value: Any, peak_value: Any, warmup_steps: Any) -> Schedule:
+    """A linear warmup from ``init_value`` to ``peak_value`` over ``warmup_steps``, then
+    ``peak_value`` for good (optax's: `linear_schedule` to the peak).
+
+    Args:
+        init_value: the value at step 0.
+        peak_value: the value from the end of the warmup on.
+        warmup_steps: the length of the warmup. ``<= 0`` gives ``init_value`` for good, as
+            `linear_schedule` (and optax's) falls back to it.
+
+    Returns:
+        A function ``schedule(count) -> float`` of an integer step count, computed in float64.
+
+    Raises:
+        TypeError: a value is not a real number, or ``warmup_steps`` not an integer.
+
+    References:
+        optax.warmup_constant_schedule.
+
+    Examples:
+        >>> import numbaccum as nba
+        >>> sched = nba.warmup_constant_schedule(0.0, peak_value=1.0, warmup_steps=4)
+        >>> [round(float(sched(i)), 4) for i in (0, 2, 4, 100)]
+        [0.0, 0.5, 1.0, 1.0]
+    """
+    return linear_schedule(init_value, peak_value, warmup_steps)
+
+
+def warmup_exponential_decay_schedule(
+    init_value: Any,
+    peak_value: Any,
+    warmup_steps: Any,
+    transition_steps: Any,
+    decay_rate: Any,
+    transition_begin: Any = 0,
+    staircase: bool = False,
+    end_value: Any = None,
+) -> Schedule:
+    """A linear warmup from ``init_value`` to ``peak_value`` over ``warmup_steps``, then
+    `exponential_decay` from ``peak_value`` (counted from the end of the warmup).
+
+    Args:
+        init_value: the value at step 0.
+        peak_value: the value at the end of the warmup, where the decay starts.
+        warmup_steps: the length of the warmup.
+        transition_steps: as in `exponential_decay`.
+        decay_rate: as in `exponential_decay`.
+        transition_begin: as in `exponential_decay`, after the warmup.
+        staircase: as in `exponential_decay`.
+        end_value: as in `exponential_decay`.
+
+    Returns:
+        A function ``schedule(count) -> float`` of an integer step count, computed in float64.
+
+    Raises:
+        TypeError: a value is not a real number, or a step count not an integer.
+        ValueError: as `exponential_decay`.
+
+    References:
+        optax.warmup_exponential_decay_schedule.
+
+    Examples:
+        >>> import numbaccum as nba
+        >>> sched = nba.warmup_exponential_decay_schedule(0.0, 1.0, 5, transition_steps=10, decay_rate=0.5)
+        >>> [round(float(sched(i)), 4) for i in (0, 5, 15, 25)]
+        [0.0, 1.0, 0.5, 0.25]
+    """
+    return join_schedules(
+        [
+            linear_schedule(init_value, peak_value, warmup_steps),
+            exponential_decay(
+                peak_value, transition_steps, decay_rate, transition_begin, staircase, end_value
+            ),
+        ],
+        [warmup_steps],
+    )
+
+
+def sgdr_schedule(cosine_kwargs: Any) -> Schedule:
+    """SGD with warm restarts: `warmup_cosine_decay_schedule` cycles one after the other, each
+    lasting its ``decay_steps``.
+
+    Args:
+        cosine_kwargs: the keyword arguments of each cycle's `warmup_cosine_decay_schedule`
+            (an iterable of mappings, each with ``decay_steps``).
+
+    Returns:
+        A function ``schedule(count) -> float`` of an integer step count, computed in float64.
+
+    Raises:
+        TypeError: a cycle is not a mapping, or its arguments are not
+            `warmup_cosine_decay_schedule`'s.
+        ValueError: no cycle, or a cycle's own error.
+
+    References:
+        Loshchilov and Hutter, "SGDR: Stochastic Gradient Descent with Warm Restarts",
+        ICLR 2017 (arXiv:1608.03983). optax.sgdr_schedule.
+
+    Examples:
+        >>> import numbaccum as nba
+        >>> cycle = dict(init_value=0.0, peak_value=1.0, warmup_steps=2, decay_steps=10)
+        >>> sched = nba.sgdr_schedule([cycle, cycle])
+        >>> [round(float(sched(i)), 4) for i in (0, 2, 10, 12)]  # restarted at 10
+        [0.0, 1.0, 0.0, 1.0]
+    """
+    schedules, boundaries, step = [], [], 0
+    for i, kwargs in enumerate(cosine_kwargs):
+        if not isinstance(kwargs, Mapping):
+            raise TypeError(f"cosine_kwargs[{i}] must be a mapping of arguments, got {type(kwargs).__name__}")
+        try:
+            schedules.append(warmup_cosine_decay_schedule(**kwargs))
+        except TypeError as e:
+            raise TypeError(f"cosine_kwargs[{i}]: {e}") from None
+        step += _steps(kwargs["decay_steps"], f"cosine_kwargs[{i}]['decay_steps']")
+        boundaries.append(step)
+    if not schedules:
+        raise ValueError("sgdr_schedule needs at least one cycle")
+    return join_schedules(schedules, boundaries[:-1])

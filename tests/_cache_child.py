@@ -194,12 +194,74 @@ def _composites() -> dict:
     return jobs
 
 
+# --- complex buffers: the kernels of the complex helpers, beside the real ones of the same text --
+
+
+def complex_kind_job(kind: str):
+    """Reduction ``kind`` of a complex128 buffer against NumPy's of ``|z|``."""
+
+    def run() -> str | None:
+        rng = np.random.default_rng(len(kind))
+        z = rng.standard_normal(40) + 1j * rng.standard_normal(40)
+        z[::7] = 0.0
+        if kind in ("nancount", "nonfinite"):
+            z[3], z[11] = complex(1.0, np.nan), complex(np.inf, 0.0)
+        offsets = np.array([0, 5, 5, 13, 40], np.int64)
+        p = 3.0 if kind == "sumpow" else 0.0
+        got = engine.reduce(kind, z, tables.segments(offsets), None, p)
+        want = []
+        for a, b in zip(offsets[:-1], offsets[1:]):
+            seg = np.abs(z[a:b])
+            want.append(_kind_reference(kind, seg, 0.0, p) if kind not in ("nancount", "nonfinite") else 0.0)
+            if kind == "nancount":
+                want[-1] = np.count_nonzero(np.isnan(z[a:b]))
+            elif kind == "nonfinite":
+                want[-1] = np.count_nonzero(~np.isfinite(z[a:b]))
+        return _close(got, want)
+
+    return run
+
+
+def complex_adam_job(fused: bool):
+    """Two steps of ``chain(clip_by_global_norm(1), adam(0.1))`` on complex128 leaves against
+    NumPy: ``nu`` of ``|g|^2``, real bias corrections."""
+
+    def run() -> str | None:
+        import os
+
+        os.environ["NUMBACCUM_FUSE"] = "1" if fused else "0"
+        rng = np.random.default_rng(5)
+        params = {"z": rng.standard_normal(30) + 1j * rng.standard_normal(30)}
+        tx = nba.chain(nba.clip_by_global_norm(1.0), nba.adam(0.1))
+        state = tx.init(params)
+        mu, nu = np.zeros(30, complex), np.zeros(30)
+        try:
+            for t in (1, 2):
+                g = rng.standard_normal(30) * 3 + 1j * rng.standard_normal(30)
+                u, state = tx.update({"z": g}, state, params)
+                norm = np.sqrt(np.sum(np.abs(g) ** 2))
+                g = g / norm if norm > 1.0 else g
+                mu = 0.1 * g + 0.9 * mu
+                nu = 0.001 * np.abs(g) ** 2 + 0.999 * nu
+                want = -0.1 * (mu / (1 - 0.9**t)) / (np.sqrt(nu / (1 - 0.999**t)) + 1e-8)
+                wrong = _close(u["z"].real, want.real, 1e-12) or _close(u["z"].imag, want.imag, 1e-12)
+                if wrong:
+                    return f"step {t}: {wrong}"
+        finally:
+            os.environ.pop("NUMBACCUM_FUSE", None)
+        return None
+
+    return run
+
+
 def jobs() -> dict:
     """Every job by name (the test picks names and orders)."""
     out = {f"kind {k}": kind_job(k, 40) for k in engine.KINDS}
     out.update({f"kind {k} parallel": kind_job(k, (1 << 16) + 37) for k in PARALLEL_KINDS})
     out.update({f"formula {name}": formula_job(f) for name, f in FORMULAS.items()})
     out.update(_composites())
+    out.update({f"complex kind {k}": complex_kind_job(k) for k in engine._complex_totals()})
+    out.update({f"complex adam fused={f}": complex_adam_job(f) for f in (True, False)})
     return out
 
 

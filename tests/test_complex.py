@@ -179,10 +179,26 @@ def test_explain_fuses_a_complex_chain_into_one_pass():
     assert "2 passes" in text and "clip_by_global_norm + scale_by_adam" in text
 
 
-# --- optax's alias test: every covered optimizer converges on a complex parabola -------------
+# --- optax's alias test: every covered optimizer converges on complex targets ----------------
 # optax 0.2.8 alias_test.test_optimization runs these (with their learning rates) on complex64
-# params for 10,000 steps; the gradient of sum(|p - target|^2) as optax's test takes it (the
-# conjugate of JAX's) is 2 (p - target).
+# params for 10,000 steps, on a parabola and on Rosenbrock's function, and checks the minimum
+# within 3e-2. The gradients as optax's test takes them (the conjugates of JAX's): for the
+# parabola sum(|p - t|^2), 2 (p - t); for Rosenbrock's |a - p0|^2 + b |p1 - p0^2|^2, with
+# w = p1 - p0^2: (2 (p0 - a) - 4 b conj(p0) w, 2 b w).
+
+
+def _parabola(p, g):
+    target = np.array([1.0, -1.0, 1.0]) * (1 + 1j)
+    np.multiply(p - target, 2, out=g, casting="same_kind")
+    return np.array([-1.0, 10.0, 1.0]), target
+
+
+def _rosenbrock(p, g, a=1 + 1j, b=100.0):
+    w = p[1] - p[0] ** 2
+    g[0] = 2 * (p[0] - a) - 4 * b * np.conj(p[0]) * w
+    g[1] = 2 * b * w
+    return np.zeros(2), np.array([a, a**2])
+
 
 CONVERGING = {
     "adabelief": lambda: nba.adabelief(1e-2),
@@ -200,18 +216,20 @@ CONVERGING = {
 }
 
 
+@pytest.mark.parametrize("target", [_parabola, _rosenbrock])
 @pytest.mark.parametrize("name", sorted(CONVERGING))
-def test_optimizers_reach_the_minimum_of_a_complex_parabola(name):
-    target = np.array([1.0, -1.0, 1.0]) * (1 + 1j)
-    params = nba.FlatTree.from_tree({"p": (np.array([-1.0, 10.0, 1.0]) * (1 + 1j)).astype(np.complex64)})
+def test_optimizers_reach_the_minimum_of_complex_targets(name, target):
+    start, final = target(np.zeros(3, np.complex64), np.zeros(3, np.complex64))
+    # optax's test starts from the real initial params cast to complex64, as here.
+    params = nba.FlatTree.from_tree({"p": start.astype(np.complex64)})
     tx = CONVERGING[name]()
     state = tx.init(params)
     grads = params.zeros_like()
     p, g = params.tree["p"], grads.tree["p"]
     for _ in range(10_000):
-        np.multiply(p - target, 2, out=g, casting="same_kind")
+        target(p, g)
         state = nba.step_(tx, grads, state, params)
-    np.testing.assert_allclose(p, target, rtol=3e-2, atol=3e-2)
+    np.testing.assert_allclose(p, final, rtol=3e-2, atol=3e-2)
 
 
 # --- what every transformation does with complex leaves ------------------------------------
@@ -232,24 +250,29 @@ TAKES_COMPLEX = {
 REAL_STATE = {"trace_nesterov_f64acc"}
 
 
+@pytest.mark.parametrize("dtype", [C64, C128])
 @pytest.mark.parametrize("name", [n for n in cases(per_example=False) if n not in REAL_STATE])
-def test_each_transformation_takes_complex_leaves_or_refuses_them_by_name(name):
+def test_each_transformation_takes_complex_leaves_or_refuses_them_by_name(name, dtype):
+    """Taken: two steps keep the updates' and every state buffer's dtype (optax's
+    test_state_shape_dtype_shard_stability); refused: nothing written."""
     case = CASES[name]
-    params = tree(2)
+    params = tree(2, dtype)
     tx = case.make()
     state = tx.init(params)
     before = {p: a.copy() for p, a in state_arrays(state).items()}
-    grads = tree(3)
+    grads = tree(3, dtype)
     if case.public not in TAKES_COMPLEX:
-        with pytest.raises(TypeError, match=r"does not take complex leaves \(updates\['b'\] is complex64\)"):
+        with pytest.raises(TypeError, match=rf"does not take complex leaves \(updates\['b'\] is {dtype}\)"):
             tx.update(grads, state, params)
         after = state_arrays(state)
         assert all(np.array_equal(before[p], a, equal_nan=True) for p, a in after.items())
         return
-    for _ in range(2):
-        updates, state = tx.update(grads, state, params)
+    for i in range(2):  # new gradients each step: the same twice has a centred variance of 0
+        state = nba.step_(tx, tree(4 + i, dtype), state, params)
+        assert {p: a.dtype for p, a in state_arrays(state).items()} == {p: a.dtype for p, a in before.items()}
+    updates, state = tx.update(grads, state, params)
     for k, u in updates.items():
-        assert u.dtype == C64 and np.all(np.isfinite(u)), f"{name} {k}"
+        assert u.dtype == params[k].dtype == dtype and np.all(np.isfinite(u)), f"{name} {k}"
 
 
 def test_the_transformations_taking_complex_leaves_are_the_registrys():

@@ -88,6 +88,21 @@ def test_join_schedules_values():
         (lambda: na.linear_schedule(1, 0, 2.5), TypeError, "transition_steps"),
         (lambda: na.linear_schedule(1, 0, 2, transition_begin=1.5), TypeError, "transition_begin"),
         (lambda: na.exponential_decay(1, 2, 0.5, staircase=1), TypeError, "staircase"),
+        (lambda: na.piecewise_interpolate_schedule("cubic", 1.0), ValueError, "interpolate_type"),
+        (lambda: na.piecewise_interpolate_schedule("linear", 1.0, {3: -0.5}), ValueError, "non-negative"),
+        (lambda: na.piecewise_interpolate_schedule("linear", 1.0, {2.5: 0.5}), TypeError, "key"),
+        (lambda: na.linear_onecycle_schedule(0, 1.0), ValueError, "transition_steps > 0"),
+        (lambda: na.cosine_onecycle_schedule(-5, 1.0), ValueError, "transition_steps > 0"),
+        (lambda: na.cosine_onecycle_schedule(10, "peak"), TypeError, "peak_value"),
+        (lambda: na.warmup_constant_schedule(0.0, 1.0, 2.5), TypeError, "transition_steps"),
+        (lambda: na.sgdr_schedule([]), ValueError, "at least one cycle"),
+        (lambda: na.sgdr_schedule([(0.0, 1.0, 2, 10)]), TypeError, r"cosine_kwargs\[0\] must be a mapping"),
+        (lambda: na.sgdr_schedule([{"init_value": 0.0, "peak": 1.0}]), TypeError, r"cosine_kwargs\[0\]"),
+        (
+            lambda: na.warmup_exponential_decay_schedule(0.0, 1.0, 5, 10, 0.5, staircase="yes"),
+            TypeError,
+            "staircase",
+        ),
     ],
 )
 def test_bad_arguments(make, err, match):
@@ -169,6 +184,47 @@ OPTAX_CASES = {
         ((2.0,), {}),
         ((1.0, {0: 0.0, 10: 3.0}), {}),
     ],
+    "piecewise_interpolate_schedule": [
+        (("linear", 1.0, {4: 0.1, 8: 0.01}), {}),  # optax's docstring example
+        (("cosine", 2.0, {10: 0.5, 3: 4.0, 5000: 0.0}), {}),  # unsorted; a zero scale
+        (("linear", 1.0), {}),
+        (("cosine", 1.0, {0: 3.0, 5: 2.0}), {}),  # a boundary at 0: an empty first segment
+        (("linear", 0.5, {-4: 2.0, 7: 0.5}), {}),  # a boundary before 0
+    ],
+    "linear_onecycle_schedule": [
+        ((1000, 1.0), {}),
+        ((7, 0.5, 0.5, 0.6, 10.0, 100.0), {}),  # int(0.5 * 7) and int(0.6 * 7) coincide
+        ((9973, 3e-3, 0.25, 0.9), {}),
+    ],
+    "cosine_onecycle_schedule": [
+        ((1000, 1.0), {}),
+        ((1, 3.0, 0.3), {}),
+        ((9973, 3e-3, 0.1, 10.0, 1e3), {}),
+    ],
+    "warmup_constant_schedule": [((0.0, 1.0, 400), {}), ((0.5, 1.0, 0), {}), ((1e-4, 2e-3, 7919), {})],
+    "warmup_exponential_decay_schedule": [
+        ((0.0, 1.0, 5, 10, 0.5), {}),
+        ((1e-3, 1.0, 100, 7, 0.9), {"transition_begin": 3, "staircase": True, "end_value": 0.1}),
+        ((0.0, 1e-2, 1000, 100, 0.99), {"end_value": 1e-3}),
+    ],
+    "sgdr_schedule": [
+        (
+            (
+                [
+                    {"init_value": 0.0, "peak_value": 1.0, "warmup_steps": 20, "decay_steps": 1000},
+                    {"init_value": 0.1, "peak_value": 0.5, "warmup_steps": 0, "decay_steps": 2000},
+                    {
+                        "init_value": 0.0,
+                        "peak_value": 0.2,
+                        "warmup_steps": 5,
+                        "decay_steps": 7919,
+                        "end_value": 1e-3,
+                    },
+                ],
+            ),
+            {},
+        ),
+    ],
 }
 OPTAX_IDS = [(name, i) for name, cases in OPTAX_CASES.items() for i in range(len(cases))]
 # Cases where optax's own float32 arithmetic is off by more than 1e-6 (XLA divides by a
@@ -194,9 +250,16 @@ def _ours(name, i):
     return np.array([schedule(int(c)) for c in COUNTS], np.float64)
 
 
+# optax's interpolated schedules take one count at a time (their segments broadcast against it).
+ONE_COUNT = {"piecewise_interpolate_schedule", "linear_onecycle_schedule", "cosine_onecycle_schedule"}
+
+
 def _theirs(optax, name, i, count_dtype):
+    import jax
+
     args, kwargs = OPTAX_CASES[name][i]
-    got = getattr(optax, name)(*args, **kwargs)(np.asarray(COUNTS, count_dtype))
+    schedule = getattr(optax, name)(*args, **kwargs)
+    got = (jax.vmap(schedule) if name in ONE_COUNT else schedule)(np.asarray(COUNTS, count_dtype))
     return np.broadcast_to(np.asarray(got, np.float64), COUNTS.shape)
 
 

@@ -182,13 +182,15 @@ def _compile(f: Formula, variant: tuple | None) -> tuple[Any, Any]:
     module is a file in the cache named by a hash of its source and of ``f`` (numba caches only
     functions with a source file), so a later process loads the compiled drivers."""
     body_src, drivers_src = _source(f, variant)
-    source = f"# numbaccum.cpu.driver: the drivers of formula {f.name}\n{body_src}{drivers_src}"
+    complex_ = variant is not None and variant[1].startswith("complex")
+    # A complex kernel's source says so: its helpers differ (`formulas.COMPLEX_HELPERS`), so its
+    # cache file must not be the real kernel's of the same text.
+    kind = " (complex helpers)" if complex_ else ""
+    source = f"# numbaccum.cpu.driver: the drivers of formula {f.name}{kind}\n{body_src}{drivers_src}"
     digest = _cache.code_digest(f)
     path = _cache.source_file(source, f"cpu_{f.name}", f"cpu\0{digest}") if digest else None
     ns = _cache.namespace(path, f"<numbaccum.cpu.driver {f.name}>")
-    ns["fn"] = compile_formula(
-        f.fn, _inline, complex=variant is not None and variant[1].startswith("complex")
-    )
+    ns["fn"] = compile_formula(f.fn, _inline, complex=complex_)
     ns["read"] = read
     ns["prange"] = prange
     if variant is not None:
