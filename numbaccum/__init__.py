@@ -32,7 +32,7 @@ from .adaptive import (
     normalize_by_ema,
 )
 from .apply import apply_updates, apply_updates_
-from .base import chain, copy_state, named_chain, with_extra_args_support
+from .base import chain, copy_state, named_chain, stateless, stateless_with_tree_map, with_extra_args_support
 from .checkpoint import load_state, register_state_class, save_state
 from .clipping import (
     ApplyIfFiniteState,
@@ -44,6 +44,7 @@ from .clipping import (
     clip_by_block_rms,
     clip_by_global_norm,
     global_norm,
+    keep_params_nonnegative,
     normalize_by_update_norm,
     zero_nans,
 )
@@ -55,7 +56,17 @@ from .inject import (
     WrappedScheduleState,
     inject_hyperparams,
 )
-from .masking import MaskedNode, MaskedState, masked
+from .masking import (
+    MaskedNode,
+    MaskedState,
+    MultiTransformState,
+    PartitionState,
+    freeze,
+    masked,
+    multi_transform,
+    partition,
+    selective_transform,
+)
 from .norms import (
     adaptive_grad_clip,
     centralize,
@@ -120,6 +131,8 @@ from .scaling import (
     identity,
     scale,
     scale_by_learning_rate,
+    scale_by_schedule,
+    set_to_zero,
 )
 from .schedules import (
     constant_schedule,
@@ -161,6 +174,8 @@ __all__ = [
     "GradientTransformationExtraArgs",
     "MultiSteps",
     "MultiStepsState",
+    "MultiTransformState",
+    "PartitionState",
     "NormalizeByEmaState",
     "ScaleByAdamState",
     "ScaleByScheduleState",
@@ -186,6 +201,15 @@ __all__ = [
     "clip_value_by_ema",
     "clip_value_growth",
     "copy_state",
+    "freeze",
+    "keep_params_nonnegative",
+    "multi_transform",
+    "partition",
+    "selective_transform",
+    "set_to_zero",
+    "stateless",
+    "stateless_with_tree_map",
+    "scale_by_schedule",
     "differentially_private_aggregate",
     "dpsgd",
     "ema",

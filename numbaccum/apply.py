@@ -150,13 +150,6 @@ def apply_updates_(params: Any, updates: Any) -> Any:
 def _apply(p: FlatTree, updates: Any, out: FlatTree) -> FlatTree:
     """The general path: ``out = p + updates`` by the kernel, one launch per dtype group."""
     u = as_flat(updates, p.layout, "updates", None if p.device else _inbox(p, updates), p.device)[0]
-    for gi, (pg, ug) in enumerate(zip(p.groups, u.groups)):
-        if ug.dtype.kind == "c" and pg.dtype.kind != "c":  # checked before anything is written
-            leaf = p.layout.groups[gi][0]
-            raise TypeError(
-                f"updates: complex updates for the real params {p.layout.path(leaf, 'params')} "
-                f"({p.layout.dtypes[leaf]}) would lose their imaginary parts"
-            )
     for dst, pg, ug in zip(out.groups, p.groups, u.groups):
         ops_for(pg).add_scaled_(dst, pg, ONE, ug, 1.0)
     return out

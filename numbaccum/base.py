@@ -39,15 +39,17 @@ from .contract import ONE
 from .flat import FlatTree, as_flat, host_leaves, layout_of
 from .fuse import run_part, run_parts
 from .layout import Layout
-from .protocol import GradientTransformationExtraArgs
+from .protocol import EmptyState, GradientTransformation, GradientTransformationExtraArgs
 from .transaction import keep_states, state_flats
-from .tree import leaves_if_structure, tree_flatten, tree_unflatten
+from .tree import leaves_if_structure, tree_flatten, tree_map, tree_unflatten
 from .updates import ParamsRef, SkipStep, Spec, Updates
 
 __all__ = [
     "chain",
     "copy_state",
     "named_chain",
+    "stateless",
+    "stateless_with_tree_map",
     "with_extra_args_support",
 ]
 
@@ -99,6 +101,82 @@ def with_extra_args_support(tx: Any) -> GradientTransformationExtraArgs:
         return tx.update(updates, state, params)
 
     return GradientTransformationExtraArgs(tx.init, update)
+
+
+def stateless(f: Callable[[Any, Any], Any]) -> GradientTransformation:
+    """A transformation of your own without state: ``u = f(updates, params)``.
+
+    ``f`` gets the updates and the params (None when ``update`` is given none) as the caller
+    passed them (in a chain, a plain tree of NumPy arrays: numbaccum copies what it returns),
+    and returns the new updates of the same structure.
+
+    Args:
+        f: ``f(updates, params) -> updates``.
+
+    Returns:
+        A `GradientTransformation`; its state is ``EmptyState()``.
+
+    Raises:
+        TypeError: ``f`` is not callable.
+
+    References:
+        optax.stateless.
+
+    Examples:
+        >>> import numpy as np, numbaccum as nba
+        >>> def halve_where_positive(updates, params):
+        ...     return {k: np.where(v > 0, v / 2, v) for k, v in updates.items()}
+        >>> tx = nba.chain(nba.stateless(halve_where_positive), nba.scale(-1.0))
+        >>> g = {"w": np.array([2.0, -2.0])}
+        >>> u, _ = tx.update(g, tx.init(g))
+        >>> u["w"].tolist()
+        [-1.0, 2.0]
+    """
+    if not callable(f):
+        raise TypeError(f"f must be callable, got {type(f).__name__}")
+
+    def update(updates: Any, state: Any, params: Any = None) -> tuple[Any, EmptyState]:
+        del state
+        return f(updates, params), EmptyState()
+
+    return GradientTransformation(lambda params: EmptyState(), update)
+
+
+def stateless_with_tree_map(f: Callable[[Any, Any], Any]) -> GradientTransformation:
+    """A transformation of your own without state, leaf by leaf: ``u_i = f(g_i, p_i)``.
+
+    ``f`` gets each leaf of the updates with the params' leaf at the same place (None for each
+    when ``update`` is given no params), as `stateless` with `tree_map`.
+
+    Args:
+        f: ``f(update_leaf, param_leaf) -> new update leaf``.
+
+    Returns:
+        A `GradientTransformation`; its state is ``EmptyState()``.
+
+    Raises:
+        TypeError: ``f`` is not callable.
+
+    References:
+        optax.stateless_with_tree_map.
+
+    Examples:
+        >>> import numpy as np, numbaccum as nba
+        >>> tx = nba.stateless_with_tree_map(lambda g, p: g - 0.1 * p)
+        >>> params = {"w": np.array([10.0, 20.0])}
+        >>> u, _ = tx.update({"w": np.array([1.0, 1.0])}, tx.init(params), params)
+        >>> u["w"].tolist()
+        [0.0, -1.0]
+    """
+    if not callable(f):
+        raise TypeError(f"f must be callable, got {type(f).__name__}")
+
+    def per_leaf(updates: Any, params: Any) -> Any:
+        if params is None:
+            return tree_map(lambda g: f(g, None), updates)
+        return tree_map(f, updates, params)
+
+    return stateless(per_leaf)
 
 
 # --- the stage protocol ---------------------------------------------------------------------

@@ -180,6 +180,7 @@ def _library_state_classes() -> tuple[type, ...]:
         inject.WrappedScheduleState,
         masking.MaskedNode,
         masking.MaskedState,
+        masking.PartitionState,
         scaling.ScaleByScheduleState,
         scaling.WeightDecaySchedule,
         optimizers.ScaleByAdamState,

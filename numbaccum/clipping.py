@@ -37,6 +37,7 @@ __all__ = [
     "clip_by_block_rms",
     "clip_by_global_norm",
     "global_norm",
+    "keep_params_nonnegative",
     "normalize_by_update_norm",
     "zero_nans",
 ]
@@ -367,6 +368,50 @@ class _Clip(Elementwise):
 
     def scalars(self, count: Any, ct: np.dtype) -> tuple:
         return (self.max_delta,)
+
+
+@F.formula(inputs=("g", "p"), outputs=("out",))
+def nonnegative_step(g, p):
+    """out = -p where p + g < 0 (the step that lands on 0), else g (NaN passes: optax's
+    ``where(p + u < 0, -p, u)``)."""
+    return -p if p + g < 0 else g
+
+
+class _KeepParamsNonnegative(Elementwise):
+    """``u = -p`` where ``p + g < 0``, else ``g``, declared (stateless, reads the params)."""
+
+    formula, name, inputs = nonnegative_step, "keep_params_nonnegative", ("params",)
+
+    def scalars(self, count: Any, ct: np.dtype) -> tuple:
+        return ()
+
+
+def keep_params_nonnegative() -> GradientTransformationExtraArgs:
+    """Keeps the params non-negative: an update that would take a param below zero takes it to
+    zero instead.
+
+    ``u = -p`` where ``p + g < 0``, else ``u = g`` (a NaN passes as it is). Put it last in a
+    chain, on the final updates: the params stay ``>= 0`` if they start so. Needs ``params``
+    at each update. Stateless.
+
+    Returns:
+        A `GradientTransformationExtraArgs`; its state is ``EmptyState()``.
+
+    Raises:
+        ValueError: at an update, no ``params``.
+
+    References:
+        optax.keep_params_nonnegative.
+
+    Examples:
+        >>> import numpy as np, numbaccum as nba
+        >>> params = {"w": np.array([1.0, 0.5, 2.0])}
+        >>> tx = nba.keep_params_nonnegative()
+        >>> u, _ = tx.update({"w": np.array([-2.0, 0.25, -1.0])}, tx.init(params), params)
+        >>> u["w"].tolist()  # -1 stops at 0; the others pass
+        [-1.0, 0.25, -1.0]
+    """
+    return _KeepParamsNonnegative().transformation()
 
 
 def normalize_by_update_norm(scale_factor: float = 1.0, eps: float = 1e-6) -> GradientTransformationExtraArgs:

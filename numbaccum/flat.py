@@ -430,6 +430,11 @@ def check_leaves(
     for i, (x, shape) in enumerate(zip(leaves, layout.shapes)):
         if x.shape != shape:
             raise ValueError(f"{layout.path(i, name)}: shape {x.shape} does not match {shape}")
+        if x.dtype.kind == "c" and layout.group_keys[i].kind != "c":  # read into a real buffer
+            raise TypeError(
+                f"{layout.path(i, name)}: {x.dtype} values for a {layout.dtypes[i]} leaf would lose "
+                "their imaginary parts"
+            )
     return leaves
 
 

@@ -14,7 +14,7 @@ not per leaf.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -22,15 +22,25 @@ import numpy as np
 from . import _bounded
 from ._checks import flag, transformation, wrong_state
 from .backend import ops_for
-from .base import Stage, Step, as_stage, with_extra_args_support
+from .base import Chain, Stage, Step, as_stage, with_extra_args_support
 from .contract import ONE
 from .flat import FlatTree, layout_of
 from .layout import Layout
 from .protocol import GradientTransformationExtraArgs
-from .tree import broadcast_prefix, tree_flatten, tree_unflatten
+from .tree import broadcast_prefix, short_repr, tree_flatten, tree_map, tree_unflatten
 from .updates import ParamsRef, Spec, Updates
 
-__all__ = ["MaskedNode", "MaskedState", "masked"]
+__all__ = [
+    "MaskedNode",
+    "MaskedState",
+    "MultiTransformState",
+    "PartitionState",
+    "freeze",
+    "masked",
+    "multi_transform",
+    "partition",
+    "selective_transform",
+]
 
 
 class MaskedNode(NamedTuple):
@@ -299,3 +309,221 @@ def masked(
         ([1.9, 3.8], [1.0, 2.0])
     """
     return _Masked(inner, mask, mask_compatible_extra_args).transformation()
+
+
+# --- partition: a transformation per label ----------------------------------------------------
+
+
+class PartitionState(NamedTuple):
+    """The state of `partition`: each label's `masked` state.
+
+    Attributes:
+        inner_states: a dict from each label of ``transforms`` to the `MaskedState` of its
+            transformation over the leaves of that label.
+    """
+
+    inner_states: Any
+
+
+MultiTransformState = PartitionState  # optax's older name, kept as optax keeps it
+
+
+def _labels(param_labels: Any, tree: Any) -> Any:
+    return param_labels(tree) if callable(param_labels) else param_labels
+
+
+class _Partition(Stage):
+    """`partition` as a stage: the chain of each label's `masked` transformation (disjoint
+    masks, so their order does not matter), planned as one chain (all or nothing)."""
+
+    def __init__(
+        self, transforms: Any, param_labels: Any, mask_compatible_extra_args: bool, what: str = "param_labels"
+    ) -> None:
+        if not isinstance(transforms, Mapping) or not transforms:
+            raise TypeError(
+                "transforms must be a non-empty mapping of labels to transformations, got "
+                + short_repr(transforms)
+            )
+        self.param_labels, self.what = param_labels, what
+        self.labels = list(transforms)
+
+        def mask_of(label: Any) -> Callable[[Any], Any]:
+            return lambda tree: tree_map(lambda leaf: leaf == label, _labels(param_labels, tree))
+
+        stages = [
+            _Masked(transformation(tx, f"transforms[{label!r}]"), mask_of(label), mask_compatible_extra_args)
+            for label, tx in transforms.items()
+        ]
+        self.chain = Chain(stages, [str(k) for k in self.labels])
+        self.keys = dict(zip(self.chain.names, self.labels))  # type: ignore[arg-type]
+
+    def refuses_complex(self) -> Any:
+        return self.chain.refuses_complex()
+
+    def foreign(self) -> bool:
+        return self.chain.foreign()
+
+    def init(self, params: Any) -> PartitionState:
+        labels = _labels(self.param_labels, params)
+        layout = params.layout if isinstance(params, FlatTree) else layout_of(params, "params")
+        known = set(self.labels)
+        for i, label in enumerate(broadcast_prefix(labels, layout.treedef, self.what)):
+            try:
+                ok = label in known
+            except TypeError:  # unhashable: no transformation has it
+                ok = False
+            if not ok:
+                raise ValueError(
+                    f"{self.what}: no transformation for the label {short_repr(label)} of "
+                    f"{layout.path(i, 'params')} (transforms has {sorted(map(repr, self.labels))})"
+                )
+        states = self.chain.init(params)
+        return PartitionState({self.keys[k]: v for k, v in states.items()})
+
+    def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
+        if not isinstance(state, PartitionState) or not isinstance(state.inner_states, Mapping):
+            raise wrong_state("PartitionState (partition)", state)
+        if set(state.inner_states) != set(self.labels):
+            raise ValueError(
+                f"state.inner_states: labels {sorted(map(repr, state.inner_states))}, not the "
+                f"transforms' {sorted(map(repr, self.labels))}"
+            )
+        inner = {k: state.inner_states[label] for k, label in self.keys.items()}
+        step = self.chain.plan(spec, inner, params, extra)
+        chain_run, keys = step.run, self.keys
+
+        def run(u: Updates) -> tuple[Updates, PartitionState]:
+            out, states = chain_run(u)
+            return out, PartitionState({keys[k]: v for k, v in states.items()})
+
+        return Step(run)
+
+
+def partition(
+    transforms: Mapping[Any, Any],
+    param_labels: Any | Callable[[Any], Any],
+    *,
+    mask_compatible_extra_args: bool = False,
+) -> GradientTransformationExtraArgs:
+    """Applies a different transformation to each labelled subset of the params.
+
+    ``u_i = transforms[label_i](g)_i``: each leaf gets the transformation of its label, run (as
+    `masked`) on the leaves of that label only, so each transformation's state covers its
+    leaves. ``multi_transform`` is the same function (optax's older name).
+
+    Args:
+        transforms: a mapping from each label to a transformation.
+        param_labels: a tree of labels with the structure of the params or a prefix of it (a
+            label at a subtree applies to all its leaves), or a callable of the params returning
+            one (called, as `masked`'s mask, once per tree layout with stand-in arrays: labels may
+            depend on shapes, dtypes and paths, not on values).
+        mask_compatible_extra_args: also mask the extra keyword arguments of ``update`` that have
+            the updates' structure (as `masked`).
+
+    Returns:
+        A `GradientTransformationExtraArgs`; its state is ``PartitionState(inner_states)``, a
+            dict from each label to its `MaskedState`.
+
+    Raises:
+        TypeError: ``transforms`` is not a non-empty mapping, or holds something that is not a
+            transformation.
+        ValueError: at ``init``, a label without a transformation; at an update, a state of
+            other labels.
+
+    References:
+        optax.partition (``optax.multi_transform``).
+
+    Examples:
+        >>> import numpy as np, numbaccum as nba
+        >>> params = {"w": np.ones((2, 2)), "b": np.ones(2)}
+        >>> tx = nba.partition(
+        ...     {"decay": nba.adamw(0.1), "plain": nba.sgd(0.1)},
+        ...     lambda p: {"w": "decay", "b": "plain"},
+        ... )
+        >>> state = tx.init(params)
+        >>> sorted(state.inner_states)
+        ['decay', 'plain']
+        >>> u, state = tx.update({"w": np.ones((2, 2)), "b": np.ones(2)}, state, params)
+        >>> u["b"].tolist()  # sgd: -0.1 * g
+        [-0.1, -0.1]
+    """
+    return _Partition(transforms, param_labels, mask_compatible_extra_args).transformation()
+
+
+multi_transform = partition
+
+
+def freeze(mask: Any) -> GradientTransformationExtraArgs:
+    """Zeroes the updates of the leaves ``mask`` selects: those params stay as they are.
+
+    ``masked(set_to_zero(), mask)``: ``u_i = 0`` where ``mask_i`` is True, ``g_i`` elsewhere.
+
+    Args:
+        mask: a bool (every leaf, or none), a tree of bools with the params' structure or a
+            prefix of it, or a callable of the params returning one (as `masked`).
+
+    Returns:
+        A `GradientTransformationExtraArgs`; its state is ``MaskedState(EmptyState())``.
+
+    Raises:
+        TypeError: at ``init`` or an update, a mask leaf is not a bool.
+
+    References:
+        optax.freeze.
+
+    Examples:
+        >>> import numpy as np, numbaccum as nba
+        >>> g = {"a": np.ones(1), "b": np.ones(2)}
+        >>> tx = nba.freeze({"a": True, "b": False})
+        >>> u, _ = tx.update(g, tx.init(g))
+        >>> u["a"].tolist(), u["b"].tolist()
+        ([0.0], [1.0, 1.0])
+    """
+    from .scaling import set_to_zero
+
+    return masked(set_to_zero(), mask)
+
+
+def selective_transform(optimizer: Any, *, freeze_mask: Any) -> GradientTransformationExtraArgs:
+    """Runs ``optimizer`` on the leaves not frozen by ``freeze_mask``; the frozen ones get zero
+    updates.
+
+    ``partition({"train": optimizer, "freeze": set_to_zero()}, labels)`` with the label
+    ``"freeze"`` where ``freeze_mask`` is True and ``"train"`` elsewhere: the optimizer's state
+    covers the trained leaves only.
+
+    Args:
+        optimizer: the transformation of the trained leaves.
+        freeze_mask: a bool (every leaf, or none) or a tree of bools with the params' structure
+            or a prefix of it; True freezes.
+
+    Returns:
+        A `GradientTransformationExtraArgs`; its state is a `PartitionState` with the labels
+            ``"train"`` and ``"freeze"``.
+
+    Raises:
+        TypeError: ``optimizer`` is not a transformation; at ``init`` or an update, a mask leaf
+            is not a bool.
+
+    References:
+        optax.selective_transform.
+
+    Examples:
+        >>> import numpy as np, numbaccum as nba
+        >>> params = {"a": np.zeros(1), "b": np.zeros(2)}
+        >>> tx = nba.selective_transform(nba.sgd(1.0), freeze_mask={"a": True, "b": False})
+        >>> u, _ = tx.update({"a": np.ones(1), "b": np.ones(2)}, tx.init(params), params)
+        >>> u["a"].tolist(), u["b"].tolist()
+        ([0.0], [-1.0, -1.0])
+    """
+    from .scaling import set_to_zero
+
+    def label(m: Any) -> str:
+        return "freeze" if _mask_leaf(m, "freeze_mask") else "train"
+
+    transformation(optimizer, "optimizer")
+    if freeze_mask is None:
+        raise TypeError("freeze_mask: a bool or a tree of bools, got None")
+    labels = tree_map(label, freeze_mask)
+    stages = {"train": optimizer, "freeze": set_to_zero()}
+    return _Partition(stages, labels, False, "freeze_mask").transformation()

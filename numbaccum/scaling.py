@@ -19,8 +19,9 @@ from . import formulas as F
 from ._checks import flag, real, real_or_schedule, scheduled, wrong_state
 from .base import Stage
 from .contract import ONE, Factor
-from .declared import safe_increment
+from .declared import Elementwise, safe_increment
 from .flat import FlatTree, to_device
+from .formulas import formula
 from .fuse import Kernel, Scale
 from .masking import MaskedState, _Masked
 from .protocol import EmptyState, GradientTransformationExtraArgs
@@ -33,6 +34,8 @@ __all__ = [
     "identity",
     "scale",
     "scale_by_learning_rate",
+    "scale_by_schedule",
+    "set_to_zero",
 ]
 
 ScalarOrSchedule = float | Callable[[Any], Any]
@@ -144,9 +147,10 @@ class _ScaleBySchedule(Stage):
 
     complex_leaves = True  # optax defines it on complex leaves
 
-    def __init__(self, schedule: Callable[[Any], Any], sign: float) -> None:
+    def __init__(self, schedule: Callable[[Any], Any], sign: float, what: str = "learning_rate") -> None:
         self.schedule = schedule
         self.sign = sign
+        self.what = what  # the argument an error about the schedule's value names
 
     def init(self, params: Any) -> ScaleByScheduleState:
         return ScaleByScheduleState(np.int32(0))
@@ -155,12 +159,12 @@ class _ScaleBySchedule(Stage):
         if not isinstance(state, ScaleByScheduleState):
             raise wrong_state("ScaleByScheduleState", state)
         part = Scale(ONE, None, "scale_by_schedule")
-        schedule, sign = self.schedule, self.sign
+        schedule, sign, what = self.schedule, self.sign, self.what
 
         def tick(state: Any, params: Any, extra: dict) -> bool:
             if not isinstance(state, ScaleByScheduleState):
                 return False
-            part.factor = Factor(1.0, sign * scheduled(schedule, state.count, "learning_rate"))
+            part.factor = Factor(1.0, sign * scheduled(schedule, state.count, what))
             part.new_state = ScaleByScheduleState(safe_increment(state.count))
             return True
 
@@ -209,6 +213,81 @@ def scale_by_learning_rate(
     if not callable(learning_rate):
         return scale(sign * learning_rate)
     return _ScaleBySchedule(learning_rate, sign).transformation()
+
+
+def scale_by_schedule(step_size_fn: Callable[[Any], Any]) -> GradientTransformationExtraArgs:
+    """Scales the updates by a schedule of the step count.
+
+    Each update returns ``u = step_size_fn(count) * g`` with the state's ``count`` (0 at the
+    first update), then ``count = count + 1`` (no sign flip: `scale_by_learning_rate` is the
+    descent step).
+
+    Args:
+        step_size_fn: a schedule: ``fn(count) -> float`` of the integer step count.
+
+    Returns:
+        A `GradientTransformationExtraArgs`; its state is ``ScaleByScheduleState(count)``.
+
+    Raises:
+        TypeError: ``step_size_fn`` is not callable; at an update, it returned something other
+            than a real number.
+
+    References:
+        optax.scale_by_schedule.
+
+    Examples:
+        >>> import numpy as np, numbaccum as nba
+        >>> tx = nba.scale_by_schedule(nba.linear_schedule(1.0, 0.0, transition_steps=4))
+        >>> g = {"w": np.array([2.0, -4.0], np.float32)}
+        >>> state = tx.init(g)
+        >>> for _ in range(3):
+        ...     u, state = tx.update(g, state)
+        >>> [float(x) for x in u["w"]], int(state.count)  # 0.5 * g at count 2
+        ([1.0, -2.0], 3)
+    """
+    if not callable(step_size_fn):
+        raise TypeError(f"step_size_fn must be a schedule (callable), got {type(step_size_fn).__name__}")
+    return _ScaleBySchedule(step_size_fn, 1.0, "step_size_fn").transformation()
+
+
+@formula(inputs=("x",), outputs=("out",))
+def zero(x):
+    """out = +0 (x is not used: the updates of `set_to_zero`)."""
+    return 0.0  # stored in the buffer's dtype: exact
+
+
+class _SetToZero(Elementwise):
+    """``u = 0``, declared (stateless): fused, it costs its neighbours' pass nothing more."""
+
+    complex_leaves = True  # optax defines it on complex leaves
+    formula, name = zero, "set_to_zero"
+
+    def scalars(self, count: Any, ct: np.dtype) -> tuple:
+        return ()
+
+
+def set_to_zero() -> GradientTransformationExtraArgs:
+    """Replaces the updates by zeros.
+
+    ``u = 0`` (+0.0, whatever ``g`` holds, NaN and inf included). Stateless; with `masked`, it
+    freezes the leaves the mask selects (`freeze`).
+
+    Returns:
+        A `GradientTransformationExtraArgs`; its state is ``EmptyState()``. Updates keep each
+            leaf's dtype.
+
+    References:
+        optax.set_to_zero.
+
+    Examples:
+        >>> import numpy as np, numbaccum as nba
+        >>> tx = nba.set_to_zero()
+        >>> g = {"w": np.array([1.0, np.nan, -np.inf], np.float32)}
+        >>> u, _ = tx.update(g, tx.init(g))
+        >>> [float(x) for x in u["w"]]
+        [0.0, 0.0, 0.0]
+    """
+    return _SetToZero().transformation()
 
 
 class WeightDecaySchedule(NamedTuple):

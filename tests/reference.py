@@ -533,6 +533,65 @@ def scale_by_sign() -> Transformation:
     return Transformation(lambda params: EmptyState(), update)
 
 
+def set_to_zero() -> Transformation:
+    """``u = +0`` (optax's ``set_to_zero``: ``zeros_like``)."""
+
+    def update(updates, state, params=None, **extra):
+        return tree_map(lambda g: np.zeros_like(g), updates), state
+
+    return Transformation(lambda params: EmptyState(), update)
+
+
+def keep_params_nonnegative() -> Transformation:
+    """optax's ``where(p + u < 0, -p, u)``."""
+
+    def update(updates, state, params=None, **extra):
+        if params is None:
+            raise ValueError("keep_params_nonnegative needs params")
+        return tree_map(lambda g, p: _arr(np.where(p + g < 0, -p, g), g.dtype), updates, params), state
+
+    return Transformation(lambda params: EmptyState(), update)
+
+
+def scale_by_schedule(step_size_fn) -> Transformation:
+    """``u = step_size_fn(count) * g`` (the step size cast to g's dtype), then ``count + 1``."""
+
+    def update(updates, state, params=None, **extra):
+        step = float(step_size_fn(np.int32(state.count)))
+        u = tree_map(lambda g: _arr(_c(step, g.dtype) * g, g.dtype), updates)
+        return u, ScaleByScheduleState(safe_increment(state.count))
+
+    return Transformation(lambda params: ScaleByScheduleState(np.int32(0)), update)
+
+
+class PartitionState(NamedTuple):
+    inner_states: Any
+
+
+def partition(transforms: dict, labels) -> Transformation:
+    """optax's ``partition``: each label's transformation `masked` to the leaves of that label
+    (``labels`` a full tree of labels, or a callable of the params giving one)."""
+
+    def masked_of(label):
+        return masked(
+            transforms[label],
+            lambda t: tree_map(lambda x: x == label, labels(t) if callable(labels) else labels),
+        )
+
+    parts = {label: masked_of(label) for label in transforms}
+
+    def init(params):
+        return PartitionState({k: tx.init(params) for k, tx in parts.items()})
+
+    def update(updates, state, params=None, **extra):
+        new = {}
+        for k, tx in parts.items():
+            updates, new[k] = tx.update(updates, state.inner_states[k], params)
+        return updates, PartitionState(new)
+
+    return Transformation(init, update)
+
+
 def sign_sgd(learning_rate) -> Transformation:
     return chain(scale_by_sign(), scale_by_learning_rate(learning_rate))
 

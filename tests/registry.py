@@ -153,6 +153,49 @@ _add(
     exact=True,
 )
 
+_add("set_to_zero", "set_to_zero", nba.set_to_zero, ref.set_to_zero, {}, exact=True)
+_add(
+    "keep_params_nonnegative",
+    "keep_params_nonnegative",
+    nba.keep_params_nonnegative,
+    ref.keep_params_nonnegative,
+    {},
+    exact=True,
+    optax=lambda o: o.keep_params_nonnegative(),
+)
+_add(
+    "scale_by_schedule",
+    "scale_by_schedule",
+    lambda: nba.scale_by_schedule(lambda c: 0.5 / (1 + int(c))),
+    lambda: ref.scale_by_schedule(lambda c: 0.5 / (1 + int(c))),
+    {"step_size_fn": lambda c: 0.1},
+    exact=True,
+)
+_add(
+    "stateless",
+    "stateless",
+    lambda: nba.stateless(lambda u, p: nba.tree_map(lambda g: g * g.dtype.type(2), u)),
+    lambda: ref.scale(2.0),
+    None,  # its argument is user code (tests: test_user_transformations)
+    exact=True,
+    fusable=False,
+)
+_add(
+    "stateless_with_tree_map",
+    "stateless_with_tree_map",
+    lambda: nba.stateless_with_tree_map(lambda g, p: g * g.dtype.type(2)),
+    lambda: ref.scale(2.0),
+    None,
+    exact=True,
+    fusable=False,
+)
+
+
+def _by_rank(tree: Any) -> Any:
+    """A label per leaf: ``"matrix"`` for rank >= 2, ``"vector"`` otherwise."""
+    return nba.tree_map(lambda x: "matrix" if np.ndim(x) > 1 else "vector", tree)
+
+
 # --- Adam and optax's optimizer library ------------------------------------------------------
 _add("scale_by_adam", "scale_by_adam", nba.scale_by_adam, ref.scale_by_adam, {}, exact=True)
 _add("adam", "adam", lambda: nba.adam(1e-2), lambda: ref.adam(1e-2), {"learning_rate": 1e-3}, exact=True)
@@ -441,6 +484,42 @@ _add(
     fusable=False,
 )
 _add(
+    "partition",
+    "partition",
+    lambda: nba.partition({"matrix": nba.adam(1e-2), "vector": nba.sgd(0.1, momentum=0.9)}, _by_rank),
+    lambda: ref.partition({"matrix": ref.adam(1e-2), "vector": ref.sgd(0.1, momentum=0.9)}, _by_rank),
+    {"transforms": {"a": nba.sgd(0.1)}, "param_labels": "a"},
+    fusable=False,
+)
+_add(
+    "multi_transform",
+    "multi_transform",
+    lambda: nba.multi_transform({"matrix": nba.trace(0.9), "vector": nba.scale(-1.0)}, _by_rank),
+    lambda: ref.partition({"matrix": ref.trace(0.9), "vector": ref.scale(-1.0)}, _by_rank),
+    {"transforms": {"a": nba.sgd(0.1)}, "param_labels": "a"},
+    exact=True,
+    fusable=False,
+)
+_add(
+    "freeze",
+    "freeze",
+    lambda: nba.freeze(_ndim_mask),
+    lambda: ref.masked(ref.set_to_zero(), _ndim_mask),
+    {"mask": _ndim_mask},
+    exact=True,
+    fusable=False,
+)
+_add(
+    "selective_transform",
+    "selective_transform",
+    lambda: nba.selective_transform(nba.adam(1e-2), freeze_mask=True),
+    lambda: ref.set_to_zero(),
+    {"optimizer": nba.sgd(0.1), "freeze_mask": False},
+    exact=True,
+    fusable=False,
+    ref_state=False,
+)
+_add(
     "multisteps_adam",
     "MultiSteps",
     lambda: nba.MultiSteps(nba.adam(1e-2), 2),
@@ -530,7 +609,8 @@ EXEMPT: dict[str, str] = {
     **{
         n: _SCHEDULE
         for n in nba.__all__
-        if n.endswith("_schedule") or n in ("exponential_decay", "join_schedules")
+        if (n.endswith("_schedule") and n != "scale_by_schedule")
+        or n in ("exponential_decay", "join_schedules")
     },
 }
 

@@ -110,11 +110,16 @@ def _flaky_setups() -> dict:
     failure always lands on a step where earlier stages have written their states."""
     return {
         "multisteps": (lambda f: nba.MultiSteps(f.tx(), 2), 2),
-        "multisteps_chain": (lambda f: nba.MultiSteps(nba.chain(nba.adam(0.1), f.tx(), nba.scale(2.0)), 2), 2),
+        "multisteps_chain": (
+            lambda f: nba.MultiSteps(nba.chain(nba.adam(0.1), f.tx(), nba.scale(2.0)), 2),
+            2,
+        ),
         "chain": (lambda f: nba.chain(nba.trace(0.9), nba.adam(0.1), f.tx(), nba.scale(0.5)), 3),
         "nested": (
             lambda f: nba.chain(
-                nba.ema(0.9), nba.MultiSteps(nba.chain(nba.trace(0.5), f.tx()), 2), nba.clip_by_global_norm(1.0)
+                nba.ema(0.9),
+                nba.MultiSteps(nba.chain(nba.trace(0.5), f.tx()), 2),
+                nba.clip_by_global_norm(1.0),
             ),
             2,
         ),
@@ -235,3 +240,49 @@ def test_user_transformation_may_return_python_scalars_and_a_list():
     u, _ = tx.update({"a": np.float32(1.5), "v": np.ones(2, np.float32)}, tx.init(params), params)
     assert u["a"].dtype == np.float32 and float(u["a"]) == 9.0
     np.testing.assert_array_equal(u["v"], [2.0, 2.0])
+
+
+# --- optax's stateless and stateless_with_tree_map --------------------------------------------
+
+
+def test_stateless_hands_f_the_updates_and_params_as_given():
+    seen = []
+
+    def f(updates, params):
+        seen.append((updates, params))
+        return {k: v * 3 for k, v in updates.items()}
+
+    tx = nba.stateless(f)
+    g, p = {"w": np.ones(2, np.float32)}, {"w": np.zeros(2, np.float32)}
+    u, state = tx.update(g, tx.init(p), p)
+    assert state == nba.EmptyState() and seen[0][0] is g and seen[0][1] is p
+    np.testing.assert_array_equal(u["w"], np.full(2, 3, np.float32))
+    tx.update(g, state)
+    assert seen[1][1] is None
+
+
+def test_stateless_with_tree_map_passes_none_for_each_leaf_without_params():
+    got = []
+    tx = nba.stateless_with_tree_map(lambda g, p: got.append(p) or g - (0 if p is None else p))
+    g = {"a": np.ones(2), "b": np.ones(3)}
+    u, _ = tx.update(g, tx.init(g))
+    assert got == [None, None]
+    u, _ = tx.update(g, tx.init(g), {"a": np.ones(2), "b": np.zeros(3)})
+    assert u["a"].tolist() == [0.0, 0.0] and u["b"].tolist() == [1.0, 1.0, 1.0]
+
+
+def test_stateless_in_a_chain_is_user_code_whose_output_is_copied():
+    kept = []
+
+    def f(updates, params):
+        kept.append(updates)  # keeps the buffer it was handed
+        return updates
+
+    tx = nba.chain(nba.stateless(f), nba.adam(0.1))
+    params = {"w": np.ones(3, np.float32)}
+    state = tx.init(params)
+    for i in range(2):
+        state = step_(tx, {"w": np.full(3, i + 1.0, np.float32)}, state, params)
+    assert [k["w"].tolist() for k in kept] == [[1.0, 1.0, 1.0], [2.0, 2.0, 2.0]]
+    with pytest.raises(TypeError, match="f must be callable"):
+        nba.stateless(3)
