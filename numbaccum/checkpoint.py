@@ -183,6 +183,7 @@ def _library_state_classes() -> tuple[type, ...]:
         masking.PartitionState,
         scaling.ScaleByScheduleState,
         scaling.WeightDecaySchedule,
+        optimizers.ScaleByAdaDeltaState,
         optimizers.ScaleByAdamState,
         optimizers.ScaleByAmsgradState,
         optimizers.ScaleByBeliefState,

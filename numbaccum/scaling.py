@@ -182,7 +182,8 @@ def scale_by_learning_rate(
     state's ``count`` (0 at the first update), then ``count = count + 1``.
 
     Args:
-        learning_rate: a real number, or a schedule of the step count (``fn(count) -> float``).
+        learning_rate: a real number, or a schedule of the step count (``fn(count) -> float``);
+            None: no scaling at all (`identity`, not even the sign flip), as in optax.
         flip_sign: negate the learning rate (descent), as optimizers do.
 
     Returns:
@@ -209,6 +210,8 @@ def scale_by_learning_rate(
         [-0.05, 0.1]
     """
     sign = -1.0 if flag(flip_sign, "flip_sign") else 1.0
+    if learning_rate is None:  # optax's "no scaling"
+        return identity()
     learning_rate = real_or_schedule(learning_rate, "learning_rate")
     if not callable(learning_rate):
         return scale(sign * learning_rate)

@@ -1424,3 +1424,64 @@ def adagrad(learning_rate, initial_accumulator_value=0.1, eps=1e-7):
         ScaleByRssState, ("sum_of_squares",), step, False, {"sum_of_squares": initial_accumulator_value}
     )
     return chain(direction, scale_by_learning_rate(learning_rate))
+
+
+# --- issue 26: AdamaxW, RAdam, Adadelta -----------------------------------------------------------
+
+
+def adamaxw(learning_rate, b1=0.9, b2=0.999, eps=1e-8, weight_decay=1e-4):
+    def step(count, dt, g, mu, nu):
+        m = _moment(g, mu, b1, dt)
+        v = np.maximum(np.abs(g) + _c(eps, dt), _c(b2, dt) * nu)
+        return (m / bias_correction_denominator(b1, count, dt)) / v, m, v
+
+    direction = _direction(ScaleByAdamState, ("mu", "nu"), step)
+    return chain(direction, add_decayed_weights(weight_decay), scale_by_learning_rate(learning_rate))
+
+
+def scale_by_radam(b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0, threshold=5.0, nesterov=False):
+    """optax's ``scale_by_radam``: ``rho_t`` and ``r_t`` in the leaves' dtype (``b2 ** t`` as a
+    power of that dtype), the rectified Adam step once ``rho_t >= threshold``, ``mu_hat`` before."""
+    rho_inf = 2.0 / (1.0 - b2) - 1.0
+
+    def step(count, dt, g, mu, nu):
+        m, v = _moment(g, mu, b1, dt), _moment(g, nu, b2, dt, 2)
+        m_hat = (
+            _nesterov_hat(m, g, b1, count, dt) if nesterov else m / bias_correction_denominator(b1, count, dt)
+        )
+        t = np.dtype(dt).type
+        b2t = t(b2) ** int(count)
+        ri = t(rho_inf)
+        rho = ri - t(2) * t(int(count)) * b2t / (t(1) - b2t)
+        if not rho >= threshold:
+            return m_hat, m, v
+        r = np.sqrt((rho - t(4)) * (rho - t(2)) * ri / ((ri - t(4)) * (ri - t(2)) * rho))
+        v_hat = v / bias_correction_denominator(b2, count, dt)
+        return (r * m_hat) / (np.sqrt(v_hat + _c(eps_root, dt)) + _c(eps, dt)), m, v
+
+    return _direction(ScaleByAdamState, ("mu", "nu"), step)
+
+
+def radam(learning_rate, b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0, threshold=5.0, nesterov=False):
+    return chain(
+        scale_by_radam(b1, b2, eps, eps_root, threshold, nesterov), scale_by_learning_rate(learning_rate)
+    )
+
+
+class ScaleByAdaDeltaState(NamedTuple):
+    e_g: Any
+    e_x: Any
+
+
+def scale_by_adadelta(rho=0.9, eps=1e-6):
+    def step(count, dt, g, e_g, e_x):
+        eg = _moment(g, e_g, rho, dt, 2)
+        u = (np.sqrt(e_x + _c(eps, dt)) / np.sqrt(eg + _c(eps, dt))) * g
+        return u, eg, _moment(u, e_x, rho, dt, 2)
+
+    return _direction(ScaleByAdaDeltaState, ("e_g", "e_x"), step, counted=False)
+
+
+def adadelta(learning_rate=None, rho=0.9, eps=1e-6, weight_decay=0.0):
+    last = identity() if learning_rate is None else scale_by_learning_rate(learning_rate)
+    return chain(add_decayed_weights(weight_decay), scale_by_adadelta(rho, eps), last)

@@ -179,6 +179,8 @@ _add(
     None,  # its argument is user code (tests: test_user_transformations)
     exact=True,
     fusable=False,
+    cuda=False,
+    note="user code: what it does with CUDA arrays is its own (no numbaccum kernel runs)",
 )
 _add(
     "stateless_with_tree_map",
@@ -188,6 +190,8 @@ _add(
     None,
     exact=True,
     fusable=False,
+    cuda=False,
+    note="user code: what it does with CUDA arrays is its own (no numbaccum kernel runs)",
 )
 
 
@@ -483,6 +487,43 @@ _add(
     exact=True,
     fusable=False,
 )
+_add(
+    "adamaxw",
+    "adamaxw",
+    lambda: nba.adamaxw(1e-2, weight_decay=0.1),
+    lambda: ref.adamaxw(1e-2, weight_decay=0.1),
+    {"learning_rate": 1e-3},
+    exact=True,
+    optax=lambda o: o.adamaxw(1e-2, weight_decay=0.1),
+)
+_add(
+    "radam",
+    "radam",
+    lambda: nba.radam(1e-2),
+    lambda: ref.radam(1e-2),
+    {"learning_rate": 1e-3},
+    exact=True,
+    optax=lambda o: o.radam(1e-2),
+)
+_add(
+    "scale_by_radam_nesterov",
+    "scale_by_radam",
+    lambda: nba.scale_by_radam(threshold=3.0, nesterov=True),
+    lambda: ref.scale_by_radam(threshold=3.0, nesterov=True),
+    {},
+    exact=True,
+    optax=lambda o: o.scale_by_radam(threshold=3.0, nesterov=True),
+)
+_add(
+    "adadelta",
+    "adadelta",
+    lambda: nba.adadelta(0.5, weight_decay=0.01),
+    lambda: ref.adadelta(0.5, weight_decay=0.01),
+    {},
+    exact=True,
+    optax=lambda o: o.adadelta(0.5, weight_decay=0.01),
+)
+_add("scale_by_adadelta", "scale_by_adadelta", nba.scale_by_adadelta, ref.scale_by_adadelta, {}, exact=True)
 _add(
     "partition",
     "partition",

@@ -245,7 +245,8 @@ TAKES_COMPLEX = {
     "scale_by_learning_rate", "scale_by_lion", "scale_by_nadam", "scale_by_rms", "scale_by_rss",
     "scale_by_sign", "scale_by_stddev", "scale_by_yogi", "sgd", "sign_sgd", "trace", "yogi",
     "zero_nans", "set_to_zero", "scale_by_schedule", "partition", "multi_transform", "freeze",
-    "selective_transform", "stateless", "stateless_with_tree_map",
+    "selective_transform", "stateless", "stateless_with_tree_map", "adamaxw", "radam",
+    "scale_by_radam",
 }  # fmt: skip
 # Registry cases whose hyperparameters fix a real state dtype (refused: see below).
 REAL_STATE = {"trace_nesterov_f64acc"}
@@ -335,7 +336,9 @@ def test_complex_updates_are_not_added_to_real_params():
     params = {"w": np.ones(3, np.float32), "v": np.ones(2, np.complex64)}
     updates = {"w": np.array([1 + 2j, 3, 4], np.complex64), "v": np.ones(2, np.complex64)}
     for apply in (nba.apply_updates, nba.apply_updates_):
-        with pytest.raises(TypeError, match=r"updates\['w'\]: complex64 values for a float32 leaf would lose"):
+        with pytest.raises(
+            TypeError, match=r"updates\['w'\]: complex64 values for a float32 leaf would lose"
+        ):
             apply(params, updates)
     np.testing.assert_array_equal(params["w"], np.ones(3, np.float32))
     np.testing.assert_array_equal(params["v"], np.ones(2, np.complex64))

@@ -66,7 +66,7 @@ def _inputs(f, n, dtype, seed):
     arrays = []
     for name in f.arrays:
         a = rng.standard_normal(n).astype(dtype)
-        if name == "nu":
+        if name in ("nu", "e_g", "e_x"):
             a = np.abs(a)  # a second moment is never negative
         if name in f.states:
             a[::5] = 0  # growth_clip's "no history" and exact zeros
@@ -99,10 +99,17 @@ def _reference(f, factor, arrays, scalars):
     return out
 
 
-def _assert_same(got, ref, dtype):
+def _assert_same(got, ref, dtype, maxulp=1):
     assert np.array_equal(np.isnan(got), np.isnan(ref))
     ok = ~np.isnan(ref)
-    np.testing.assert_array_max_ulp(got[ok], ref[ok].astype(got.dtype), maxulp=1)
+    np.testing.assert_array_max_ulp(got[ok], ref[ok].astype(got.dtype), maxulp=maxulp)
+
+
+# Formulas that square an intermediate result into a state: plain Python (the reference here, and
+# the CUDA simulator) runs ``math.sqrt`` in float64, where compiled code computes float32 in
+# float32, so the state is a few roundings apart (float32 bit for bit against optax's recipe:
+# test_bitexact.py).
+PYTHON_SQRT = {"adadelta_direction": "u = (sqrt(e_x + eps) / sqrt(e_g + eps)) g, then e_x of u^2"}
 
 
 @pytest.mark.parametrize("f", FORMULAS, ids=lambda f: f.name)
@@ -115,8 +122,9 @@ def test_cpu_driver_compiles_the_formula(f, dtype, factor):
         pytest.skip("a formula without inputs reads no factor")
     ref = _reference(f, factor, arrays, scalars)
     cpu_driver.map_(f, factor, tuple(arrays), tuple(scalars))
+    maxulp = 4 if dtype == np.float32 and f.name in PYTHON_SQRT else 1
     for w in f.writes:
-        _assert_same(arrays[w], ref[w], dtype)
+        _assert_same(arrays[w], ref[w], dtype, maxulp)
 
 
 @pytest.mark.parametrize("f", FORMULAS, ids=lambda f: f.name)
@@ -290,5 +298,6 @@ def test_cuda_driver_compiles_the_same_formula(f):
         factor = Factor(2.0, 0.5) if f.inputs else ONE
         cpu_driver.map_(f, factor, tuple(host), tuple(scalars))
         cuda_driver.map_(f, factor, tuple(dev), tuple(scalars))
+        maxulp = 4 if SIM and f.name in PYTHON_SQRT else 1
         for w in f.writes:
-            _assert_same(dev[w].copy_to_host(), host[w], np.float32)
+            _assert_same(dev[w].copy_to_host(), host[w], np.float32, maxulp)

@@ -195,7 +195,11 @@ def _init_update(tx: Any, per_example: bool) -> Any:
 
 def _names(arg: str) -> tuple[str, ...]:
     """What an error about ``arg`` may call it: its own name, or the optax name it stands for."""
-    aliases = {"opt": ("opt", "inner"), "every_k_schedule": ("every_k_schedule", "k")}
+    aliases = {
+        "opt": ("opt", "inner"),
+        "every_k_schedule": ("every_k_schedule", "k"),
+        "weight_decay_mask": ("weight_decay_mask", "mask"),  # adadelta's: add_decayed_weights' mask
+    }
     return aliases.get(arg, (arg,))
 
 
