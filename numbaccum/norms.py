@@ -55,6 +55,7 @@ __all__ = [
     "leaf_norms",
     "normalize",
     "normalize_grads_",
+    "scale_by_trust_ratio",
     "tree_norm",
     "unitwise_clip",
     "unitwise_norm",
@@ -1098,3 +1099,86 @@ def clip_grad_value_(grads: Any, value: float) -> Any:
         [1.0, -1.0, 0.5]
     """
     return _in_place(grads, _Clip(_check_max(value, "value")))  # optax.clip's stage
+
+
+# --- the trust ratio of LARS and LAMB -----------------------------------------------------------
+
+
+class _ScaleByTrustRatio(Stage):
+    """Each leaf's update scaled by ``trust_coefficient * ||p|| / (||u|| + eps)``: two per-leaf
+    norms (one segmented reduction each per dtype group), then one per-leaf scaling pass."""
+
+    complex_leaves = True  # optax defines it on complex leaves (norms of |z|)
+    public_name = "scale_by_trust_ratio"
+
+    def __init__(self, min_norm: Any, trust_coefficient: Any, eps: Any) -> None:
+        self.min_norm = non_negative(min_norm, "min_norm")
+        self.trust = real(trust_coefficient, "trust_coefficient")
+        self.eps = non_negative(eps, "eps")
+
+    def init(self, params: Any) -> EmptyState:
+        return EmptyState()
+
+    def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
+        if params is None:
+            raise ValueError(NO_PARAMS_MSG)
+        leaves = _whole(spec.layout)
+        min_norm, trust, eps = self.min_norm, self.trust, self.eps
+
+        def safe(norm: np.ndarray) -> np.ndarray:  # optax's safe_norm: min_norm at or below it
+            return np.where(norm <= min_norm, min_norm, norm)
+
+        def run(u: Updates) -> tuple[Updates, Any]:
+            u = u.settled()
+            pf = params.flat()
+            out = u.fresh()
+            for o, g, p, gs in zip(out.groups, u.flat.groups, pf.groups, leaves.groups):
+                p_norm, u_norm = safe(_slice_metric(p, gs, 2.0)), safe(_slice_metric(g, gs, 2.0))
+                with np.errstate(all="ignore"):
+                    ratio = trust * p_norm / (u_norm + eps)
+                # A zero norm would never move the leaf (or move it by inf): ratio 1 there.
+                ratio = np.where((p_norm == 0.0) | (u_norm == 0.0), 1.0, ratio)
+                ops_for(g).slice_apply_(o, g, gs.rows, _EMPTY, ratio)
+            return Updates(out, True), state
+
+        return Step(run)
+
+
+def scale_by_trust_ratio(
+    min_norm: float = 0.0, trust_coefficient: float = 1.0, eps: float = 0.0
+) -> GradientTransformationExtraArgs:
+    """Scales each leaf's update by its trust ratio, the ratio of the param's norm to the
+    update's (LARS, LAMB).
+
+    ``u = g * trust_coefficient * ||p|| / (||g|| + eps)`` per leaf, with each L2 norm raised to
+    ``min_norm`` where it is at or below it (optax's ``safe_norm``) and a ratio of 1 where either
+    norm is 0 (the leaf would never move, or move by inf). The norms accumulate in float64 (one
+    segmented reduction per dtype group for each); the scaling is one pass. Needs ``params``.
+    Stateless.
+
+    Args:
+        min_norm: the smallest norm either is taken to have (``>= 0``).
+        trust_coefficient: multiplies the ratio.
+        eps: added to the update's norm (``>= 0``).
+
+    Returns:
+        A `GradientTransformationExtraArgs`; its state is ``EmptyState()``.
+
+    Raises:
+        TypeError: a hyperparameter is not a real number.
+        ValueError: ``min_norm`` or ``eps`` is negative or NaN; at an update, no ``params``.
+
+    References:
+        You et al., "Large Batch Training of Convolutional Networks", 2017 (arXiv:1708.03888);
+        You et al., "Large Batch Optimization for Deep Learning: Training BERT in 76 minutes",
+        ICLR 2020 (arXiv:1904.00962). optax.scale_by_trust_ratio.
+
+    Examples:
+        >>> import numpy as np, numbaccum as nba
+        >>> params = {"w": np.array([3.0, 4.0]), "b": np.zeros(2)}
+        >>> tx = nba.scale_by_trust_ratio()
+        >>> u, _ = tx.update({"w": np.array([0.6, 0.8]), "b": np.ones(2)}, tx.init(params), params)
+        >>> u["w"].round(6).tolist(), u["b"].tolist()  # ||p|| / ||g|| = 5; b: ||p|| = 0, ratio 1
+        ([3.0, 4.0], [1.0, 1.0])
+    """
+    return _ScaleByTrustRatio(min_norm, trust_coefficient, eps).transformation()

@@ -27,6 +27,8 @@ from .declared import Elementwise, bias_correction, check_decay, safe_increment
 from .flat import FlatTree
 from .formulas import abs_sq, formula, maximum, re, signum, sqrt, tanh
 from .layout import check_float_dtype
+from .masking import masked
+from .norms import scale_by_trust_ratio
 from .protocol import GradientTransformationExtraArgs
 from .scaling import ScalarOrSchedule, add_decayed_weights, identity, scale_by_learning_rate
 
@@ -49,6 +51,8 @@ __all__ = [
     "adamaxw",
     "adamw",
     "amsgrad",
+    "lamb",
+    "lars",
     "lion",
     "nadam",
     "nadamw",
@@ -2097,4 +2101,119 @@ def adadelta(
         add_decayed_weights(weight_decay, weight_decay_mask),
         scale_by_adadelta(rho, eps),
         scale_by_learning_rate(learning_rate),
+    )
+
+
+# --- LAMB and LARS (issue 26) -------------------------------------------------------------------
+
+
+def lamb(
+    learning_rate: ScalarOrSchedule,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-6,
+    eps_root: float = 0.0,
+    weight_decay: ScalarOrSchedule = 0.0,
+    mask: Any = None,
+) -> GradientTransformationExtraArgs:
+    """LAMB: Adam's direction with decoupled weight decay, each leaf's step scaled by its trust
+    ratio ``||p|| / ||u||``.
+
+    It is ``chain(scale_by_adam(b1, b2, eps, eps_root), add_decayed_weights(weight_decay, mask),
+    scale_by_trust_ratio(), scale_by_learning_rate(learning_rate))``: one fused pass for the
+    direction and the decay, the per-leaf norms (float64), then one scaling pass.
+
+    Args:
+        learning_rate: a float, or a schedule of the step count.
+        b1: as in `scale_by_adam`.
+        b2: as in `scale_by_adam`.
+        eps: as in `scale_by_adam` (LAMB's default is 1e-6).
+        eps_root: as in `scale_by_adam`.
+        weight_decay: the decay rate, or a schedule of it.
+        mask: which leaves decay (as `add_decayed_weights`).
+
+    Returns:
+        A `GradientTransformationExtraArgs`; its state is ``(ScaleByAdamState(count, mu, nu),
+            EmptyState(), EmptyState(), EmptyState())`` (``MaskedState`` for a masked decay,
+            ``ScaleByScheduleState`` last with a schedule).
+
+    Raises:
+        TypeError: a hyperparameter is not a real number (or a schedule where one may be).
+        ValueError: ``b1`` or ``b2`` is not between 0 and 1; at an update, no ``params``.
+
+    References:
+        You et al., "Large Batch Optimization for Deep Learning: Training BERT in 76 minutes",
+        ICLR 2020 (arXiv:1904.00962). optax.lamb.
+
+    Examples:
+        >>> import numpy as np, numbaccum as nba
+        >>> params = {"w": np.array([3.0, 4.0])}
+        >>> tx = nba.lamb(0.1)
+        >>> state = nba.step_(tx, {"w": np.array([1.0, 1.0])}, tx.init(params), params)
+        >>> params["w"].round(4).tolist()  # Adam's first step (1, 1), times ||p|| / sqrt(2)
+        [2.6464, 3.6464]
+    """
+    return chain(
+        scale_by_adam(b1, b2, eps, eps_root),
+        add_decayed_weights(weight_decay, mask),
+        scale_by_trust_ratio(),
+        scale_by_learning_rate(learning_rate),
+    )
+
+
+def lars(
+    learning_rate: ScalarOrSchedule,
+    weight_decay: ScalarOrSchedule = 0.0,
+    weight_decay_mask: Any = True,
+    trust_coefficient: float = 0.001,
+    eps: float = 0.0,
+    trust_ratio_mask: Any = True,
+    momentum: float = 0.9,
+    nesterov: bool = False,
+) -> GradientTransformationExtraArgs:
+    """LARS: SGD with momentum on each leaf's gradient (plus weight decay) scaled by its trust
+    ratio ``trust_coefficient ||p|| / (||g|| + eps)``.
+
+    It is ``chain(add_decayed_weights(weight_decay, weight_decay_mask),
+    masked(scale_by_trust_ratio(trust_coefficient=trust_coefficient, eps=eps),
+    trust_ratio_mask), scale_by_learning_rate(learning_rate), trace(momentum, nesterov))``, as
+    optax's (the momentum after the learning rate).
+
+    Args:
+        learning_rate: a float, or a schedule of the step count.
+        weight_decay: the L2 coefficient added to the gradients, or a schedule of it.
+        weight_decay_mask: which leaves decay: True (all), or a mask as `add_decayed_weights`'.
+        trust_coefficient: multiplies the trust ratio.
+        eps: added to the update's norm.
+        trust_ratio_mask: which leaves are scaled by their trust ratio (True: all; a mask as
+            `masked`'s).
+        momentum: the momentum's decay, between 0 and 1.
+        nesterov: Nesterov's momentum.
+
+    Returns:
+        A `GradientTransformationExtraArgs`; its state is the chain's tuple, ending with
+            ``TraceState(trace)``.
+
+    Raises:
+        TypeError: a hyperparameter is not a real number (or a schedule where one may be).
+        ValueError: ``momentum`` is not between 0 and 1; at an update, no ``params``.
+
+    References:
+        You, Gitman and Ginsburg, "Large Batch Training of Convolutional Networks", 2017
+        (arXiv:1708.03888). optax.lars.
+
+    Examples:
+        >>> import numpy as np, numbaccum as nba
+        >>> params = {"w": np.array([3.0, 4.0])}
+        >>> tx = nba.lars(1.0, trust_coefficient=0.1)
+        >>> state = nba.step_(tx, {"w": np.array([0.6, 0.8])}, tx.init(params), params)
+        >>> params["w"].round(4).tolist()  # g * 0.1 * 5 / 1
+        [2.7, 3.6]
+    """
+    check_decay(momentum, "momentum")  # named as the caller knows it (trace calls it decay)
+    return chain(
+        add_decayed_weights(weight_decay, weight_decay_mask),
+        masked(scale_by_trust_ratio(trust_coefficient=trust_coefficient, eps=eps), trust_ratio_mask),
+        scale_by_learning_rate(learning_rate),
+        trace(momentum, nesterov),
     )

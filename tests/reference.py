@@ -1485,3 +1485,42 @@ def scale_by_adadelta(rho=0.9, eps=1e-6):
 def adadelta(learning_rate=None, rho=0.9, eps=1e-6, weight_decay=0.0):
     last = identity() if learning_rate is None else scale_by_learning_rate(learning_rate)
     return chain(add_decayed_weights(weight_decay), scale_by_adadelta(rho, eps), last)
+
+
+def scale_by_trust_ratio(min_norm=0.0, trust_coefficient=1.0, eps=0.0):
+    """optax's ``scale_by_trust_ratio``, the norms in float64: ``u * trust ||p|| / (||u|| +
+    eps)`` per leaf (each norm at least ``min_norm``; ratio 1 where either norm is 0)."""
+
+    def leaf(g, p):
+        def norm(x):
+            n = np.sqrt(np.sum(np.abs(x.astype(np.complex128 if np.iscomplexobj(x) else np.float64)) ** 2))
+            return min_norm if n <= min_norm else n
+
+        pn, un = norm(p), norm(g)
+        ratio = 1.0 if pn == 0.0 or un == 0.0 else trust_coefficient * pn / (un + eps)
+        return _arr(g.astype(np.result_type(g.dtype, np.float64)) * ratio, g.dtype)
+
+    def update(updates, state, params=None, **extra):
+        if params is None:
+            raise ValueError("scale_by_trust_ratio needs params")
+        return tree_map(leaf, updates, params), state
+
+    return Transformation(lambda params: EmptyState(), update)
+
+
+def lamb(learning_rate, b1=0.9, b2=0.999, eps=1e-6, eps_root=0.0, weight_decay=0.0):
+    return chain(
+        scale_by_adam(b1, b2, eps, eps_root),
+        add_decayed_weights(weight_decay),
+        scale_by_trust_ratio(),
+        scale_by_learning_rate(learning_rate),
+    )
+
+
+def lars(learning_rate, weight_decay=0.0, trust_coefficient=0.001, eps=0.0, momentum=0.9, nesterov=False):
+    return chain(
+        add_decayed_weights(weight_decay),
+        scale_by_trust_ratio(trust_coefficient=trust_coefficient, eps=eps),
+        scale_by_learning_rate(learning_rate),
+        trace(momentum, nesterov),
+    )

@@ -525,6 +525,36 @@ _add(
 )
 _add("scale_by_adadelta", "scale_by_adadelta", nba.scale_by_adadelta, ref.scale_by_adadelta, {}, exact=True)
 _add(
+    "lamb",
+    "lamb",
+    lambda: nba.lamb(1e-2, weight_decay=0.1),
+    lambda: ref.lamb(1e-2, weight_decay=0.1),
+    {"learning_rate": 1e-3},
+    fusable=False,
+    note="per-leaf norms in float64 (summed in the engine's order): within rounding of the reference",
+    optax=lambda o: o.lamb(1e-2, weight_decay=0.1),
+)
+_add(
+    "lars",
+    "lars",
+    lambda: nba.lars(0.5, weight_decay=0.01, trust_coefficient=0.01),
+    lambda: ref.lars(0.5, weight_decay=0.01, trust_coefficient=0.01),
+    {"learning_rate": 1e-3},
+    fusable=False,
+    note="per-leaf norms in float64 (summed in the engine's order): within rounding of the reference",
+    optax=lambda o: o.lars(0.5, weight_decay=0.01, trust_coefficient=0.01),
+)
+_add(
+    "scale_by_trust_ratio",
+    "scale_by_trust_ratio",
+    lambda: nba.scale_by_trust_ratio(min_norm=0.1, trust_coefficient=0.5, eps=1e-3),
+    lambda: ref.scale_by_trust_ratio(min_norm=0.1, trust_coefficient=0.5, eps=1e-3),
+    {},
+    fusable=False,
+    note="per-leaf norms in float64 (summed in the engine's order): within rounding of the reference",
+    optax=lambda o: o.scale_by_trust_ratio(min_norm=0.1, trust_coefficient=0.5, eps=1e-3),
+)
+_add(
     "partition",
     "partition",
     lambda: nba.partition({"matrix": nba.adam(1e-2), "vector": nba.sgd(0.1, momentum=0.9)}, _by_rank),

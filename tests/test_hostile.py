@@ -199,6 +199,7 @@ def _names(arg: str) -> tuple[str, ...]:
         "opt": ("opt", "inner"),
         "every_k_schedule": ("every_k_schedule", "k"),
         "weight_decay_mask": ("weight_decay_mask", "mask"),  # adadelta's: add_decayed_weights' mask
+        "trust_ratio_mask": ("trust_ratio_mask", "mask"),  # lars': masked's mask
     }
     return aliases.get(arg, (arg,))
 
