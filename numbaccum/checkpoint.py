@@ -192,6 +192,7 @@ def _library_state_classes() -> tuple[type, ...]:
         optimizers.ScaleByRmsWithCountState,
         optimizers.ScaleByRStdDevState,
         optimizers.ScaleByRStdDevWithCountState,
+        optimizers.ScaleByRpropState,
         optimizers.ScaleByRssState,
         privacy.DifferentiallyPrivateAggregateState,
     )

@@ -21,16 +21,17 @@ import numpy as np
 
 from . import formulas as F
 from ._checks import flag, real
-from .accumulation import trace
+from .accumulation import ema, trace
 from .base import chain
 from .declared import Elementwise, bias_correction, check_decay, safe_increment
 from .flat import FlatTree
-from .formulas import abs_sq, formula, maximum, re, signum, sqrt, tanh
+from .formulas import abs_sq, formula, maximum, re, sqrt, tanh
+from .formulas import signum as sign_of  # (``signum`` is the public optimizer below)
 from .layout import check_float_dtype
 from .masking import masked
 from .norms import scale_by_trust_ratio
 from .protocol import GradientTransformationExtraArgs
-from .scaling import ScalarOrSchedule, add_decayed_weights, identity, scale_by_learning_rate
+from .scaling import ScalarOrSchedule, add_decayed_weights, identity, scale, scale_by_learning_rate
 
 __all__ = [
     "ScaleByAdaDeltaState",
@@ -42,6 +43,7 @@ __all__ = [
     "ScaleByRStdDevWithCountState",
     "ScaleByRmsState",
     "ScaleByRmsWithCountState",
+    "ScaleByRpropState",
     "ScaleByRssState",
     "adabelief",
     "adagrad",
@@ -58,6 +60,7 @@ __all__ = [
     "nadamw",
     "radam",
     "rmsprop",
+    "rprop",
     "scale_by_adadelta",
     "scale_by_adam",
     "scale_by_adamax",
@@ -67,12 +70,14 @@ __all__ = [
     "scale_by_nadam",
     "scale_by_radam",
     "scale_by_rms",
+    "scale_by_rprop",
     "scale_by_rss",
     "scale_by_sign",
     "scale_by_stddev",
     "scale_by_yogi",
     "sgd",
     "sign_sgd",
+    "signum",
     "yogi",
 ]
 
@@ -1169,7 +1174,7 @@ def lion_direction(mu, g, one_minus_b1, b1, one_minus_b2, b2, smooth_beta, smoot
     elif refined and abs(c) < 1.0:
         out = c
     else:
-        out = signum(c)  # jnp.sign: +-0 and NaN as they are
+        out = sign_of(c)  # jnp.sign: +-0 and NaN as they are
     return one_minus_b2 * g + b2 * mu, out
 
 
@@ -2216,4 +2221,198 @@ def lars(
         masked(scale_by_trust_ratio(trust_coefficient=trust_coefficient, eps=eps), trust_ratio_mask),
         scale_by_learning_rate(learning_rate),
         trace(momentum, nesterov),
+    )
+
+
+# --- signum and Rprop (issue 26) -----------------------------------------------------------------
+
+
+def signum(
+    learning_rate: ScalarOrSchedule, beta: float = 0.9, accumulator_dtype: Any = None
+) -> GradientTransformationExtraArgs:
+    """Signum: SGD on the signs of an EMA of the gradients (signSGD with momentum).
+
+    ``m = (1 - beta) g + beta m``; ``u = -lr sign(m)`` (no debiasing: a sign does not need it).
+    It is ``chain(ema(beta, debias=False, accumulator_dtype=accumulator_dtype),
+    scale_by_sign(), scale_by_learning_rate(learning_rate))``, one fused pass.
+
+    Args:
+        learning_rate: a float, or a schedule of the step count.
+        beta: the EMA's decay, between 0 and 1.
+        accumulator_dtype: the EMA's storage dtype (None: each leaf's).
+
+    Returns:
+        A `GradientTransformationExtraArgs`; its state is ``(EmaState(count, ema), EmptyState(),
+            EmptyState())`` (``ScaleByScheduleState`` last, with a schedule).
+
+    Raises:
+        TypeError: a hyperparameter is not a real number (or a schedule where one may be), or
+            ``accumulator_dtype`` is not a dtype we store.
+        ValueError: ``beta`` is not between 0 and 1.
+
+    References:
+        Bernstein et al., "signSGD: Compressed Optimisation for Non-Convex Problems", ICML 2018
+        (arXiv:1802.04434). optax.signum.
+
+    Examples:
+        >>> import numpy as np, numbaccum as nba
+        >>> params = {"w": np.zeros(2, np.float32)}
+        >>> tx = nba.signum(0.1)
+        >>> state = nba.step_(tx, {"w": np.array([0.5, -2.0], np.float32)}, tx.init(params), params)
+        >>> [round(float(x), 4) for x in params["w"]]
+        [-0.1, 0.1]
+    """
+    check_decay(beta, "beta")  # named as the caller knows it (ema calls it decay)
+    return chain(
+        ema(beta, debias=False, accumulator_dtype=accumulator_dtype),
+        scale_by_sign(),
+        scale_by_learning_rate(learning_rate),
+    )
+
+
+class ScaleByRpropState(NamedTuple):
+    """Rprop's state.
+
+    Attributes:
+        step_sizes: each element's step size, a FlatTree of the params' layout (starting at the
+            learning rate).
+        prev_updates: the previous update of each element (``step_size * sign(g)``, or 0 after a
+            sign change).
+    """
+
+    step_sizes: FlatTree
+    prev_updates: FlatTree
+
+
+@formula(
+    states=("step_sizes", "prev_updates"),
+    inputs=("g",),
+    outputs=("out",),
+    scalars=("eta_plus", "eta_minus", "min_step_size", "max_step_size"),
+)
+def rprop_direction(step_sizes, prev_updates, g, eta_plus, eta_minus, min_step_size, max_step_size):
+    """Rprop: ``s = g * prev``; the step grows by ``eta_plus`` where ``s > 0``, shrinks by
+    ``eta_minus`` where ``s < 0`` (then clipped to ``[min_step_size, max_step_size]``), stays where
+    ``s == 0``; out = prev = 0 where ``s < 0``, else ``step * sign(g)`` (optax's ``jnp.where``s: a
+    NaN ``s`` shrinks the step, NaN stays NaN)."""
+    s = g * prev_updates
+    step = step_sizes
+    if s != 0:  # (NaN too: optax clips a NaN s's step)
+        step = maximum(step_sizes * (eta_plus if s > 0 else eta_minus), min_step_size)
+        if step > max_step_size:
+            step = max_step_size
+    u = 0.0 if s < 0 else step * sign_of(g)  # +0 after a sign change (optax's zeros_like)
+    return step, u, u
+
+
+class _ScaleByRprop(Elementwise):
+    state_cls, fields, formula, name = (
+        ScaleByRpropState,
+        ("step_sizes", "prev_updates"),
+        rprop_direction,
+        "scale_by_rprop",
+    )
+
+    def __init__(self, learning_rate: Any, eta_minus: Any, eta_plus: Any, lo: Any, hi: Any) -> None:
+        self.learning_rate = real(learning_rate, "learning_rate")
+        self.eta_minus, self.eta_plus = real(eta_minus, "eta_minus"), real(eta_plus, "eta_plus")
+        self.lo, self.hi = real(lo, "min_step_size"), real(hi, "max_step_size")
+
+    def initial_of(self, field: str) -> float:
+        return self.learning_rate if field == "step_sizes" else 0.0
+
+    def scalars(self, count: Any, ct: np.dtype) -> tuple:
+        return (self.eta_plus, self.eta_minus, self.lo, self.hi)
+
+
+def scale_by_rprop(
+    learning_rate: float,
+    eta_minus: float = 0.5,
+    eta_plus: float = 1.2,
+    min_step_size: float = 1e-6,
+    max_step_size: float = 50.0,
+) -> GradientTransformationExtraArgs:
+    """Rprop's direction: a step size per element that grows while the gradient keeps its sign
+    and shrinks when it flips.
+
+    With ``s = g * prev`` (``prev`` the last update): ``step = clip(step * eta_plus, min, max)``
+    where ``s > 0``, ``clip(step * eta_minus, min, max)`` where ``s < 0`` (and the update is 0
+    there), ``step`` where ``s == 0``; ``u = step * sign(g)``. One fused pass. Real leaves only
+    (optax's tests skip complex ones).
+
+    Args:
+        learning_rate: the initial step size of every element.
+        eta_minus: the factor of a step after a sign change (usually below 1).
+        eta_plus: the factor of a step while the sign holds (usually above 1).
+        min_step_size: the smallest step.
+        max_step_size: the largest step.
+
+    Returns:
+        A `GradientTransformationExtraArgs`; its state is ``ScaleByRpropState(step_sizes,
+            prev_updates)``, as in optax.
+
+    Raises:
+        TypeError: a hyperparameter is not a real number.
+
+    References:
+        Riedmiller and Braun, "A Direct Adaptive Method for Faster Backpropagation Learning:
+        The RPROP Algorithm", ICNN 1993. optax.scale_by_rprop.
+
+    Examples:
+        >>> import numpy as np, numbaccum as nba
+        >>> tx = nba.scale_by_rprop(0.1)
+        >>> g = {"w": np.array([1.0, -1.0])}
+        >>> state = tx.init(g)
+        >>> for grads in ([1.0, -1.0], [2.0, 1.0]):  # the second element flips its sign
+        ...     u, state = tx.update({"w": np.array(grads)}, state)
+        >>> u["w"].tolist(), state.step_sizes.tree["w"].tolist()
+        ([0.12, 0.0], [0.12, 0.05])
+    """
+    return _ScaleByRprop(learning_rate, eta_minus, eta_plus, min_step_size, max_step_size).transformation()
+
+
+def rprop(
+    learning_rate: float,
+    eta_minus: float = 0.5,
+    eta_plus: float = 1.2,
+    min_step_size: float = 1e-6,
+    max_step_size: float = 50.0,
+) -> GradientTransformationExtraArgs:
+    """Rprop (resilient backpropagation): descent by per-element step sizes that adapt to the
+    gradient's sign (`scale_by_rprop`), not its size.
+
+    It is ``chain(scale_by_rprop(learning_rate, eta_minus, eta_plus, min_step_size,
+    max_step_size), scale(-1.0))``, one fused pass.
+
+    Args:
+        learning_rate: the initial step size of every element.
+        eta_minus: as in `scale_by_rprop`.
+        eta_plus: as in `scale_by_rprop`.
+        min_step_size: as in `scale_by_rprop`.
+        max_step_size: as in `scale_by_rprop`.
+
+    Returns:
+        A `GradientTransformationExtraArgs`; its state is ``(ScaleByRpropState(step_sizes,
+            prev_updates), EmptyState())``.
+
+    Raises:
+        TypeError: a hyperparameter is not a real number.
+
+    References:
+        Riedmiller and Braun, "A Direct Adaptive Method for Faster Backpropagation Learning:
+        The RPROP Algorithm", ICNN 1993. optax.rprop; torch.optim.Rprop.
+
+    Examples:
+        >>> import numpy as np, numbaccum as nba
+        >>> params = {"w": np.zeros(2)}
+        >>> tx = nba.rprop(0.1)
+        >>> state = tx.init(params)
+        >>> for _ in range(2):
+        ...     state = nba.step_(tx, {"w": np.array([1.0, -1.0])}, state, params)
+        >>> params["w"].round(4).tolist()  # -0.1, then -0.12 (the sign held)
+        [-0.22, 0.22]
+    """
+    return chain(
+        scale_by_rprop(learning_rate, eta_minus, eta_plus, min_step_size, max_step_size),
+        scale(-1.0),
     )

@@ -1524,3 +1524,36 @@ def lars(learning_rate, weight_decay=0.0, trust_coefficient=0.001, eps=0.0, mome
         scale_by_learning_rate(learning_rate),
         trace(momentum, nesterov),
     )
+
+
+def signum(learning_rate, beta=0.9):
+    return chain(ema(beta, debias=False), scale_by_sign(), scale_by_learning_rate(learning_rate))
+
+
+class ScaleByRpropState(NamedTuple):
+    step_sizes: Any
+    prev_updates: Any
+
+
+def scale_by_rprop(learning_rate, eta_minus=0.5, eta_plus=1.2, min_step_size=1e-6, max_step_size=50.0):
+    """Rprop as torch.optim.Rprop and the paper (optax 0.2.8 emits the previous step's update:
+    its PR #1725): the step grows or shrinks with the sign of ``g * prev``; 0 after a flip."""
+
+    def step(count, dt, g, step_sizes, prev):
+        with np.errstate(invalid="ignore"):
+            s = g * prev
+            factor = np.where(s > 0, _c(eta_plus, dt), _c(eta_minus, dt))
+            grown = np.minimum(np.maximum(step_sizes * factor, _c(min_step_size, dt)), _c(max_step_size, dt))
+            new_step = np.where(s == 0, step_sizes, grown)
+            sign = np.where(g == 0, g, np.sign(g))
+            u = np.where(s < 0, np.zeros_like(g), new_step * sign)
+        return u, new_step, u
+
+    initial = {"step_sizes": learning_rate}
+    return _direction(ScaleByRpropState, ("step_sizes", "prev_updates"), step, counted=False, initial=initial)
+
+
+def rprop(learning_rate, eta_minus=0.5, eta_plus=1.2, min_step_size=1e-6, max_step_size=50.0):
+    return chain(
+        scale_by_rprop(learning_rate, eta_minus, eta_plus, min_step_size, max_step_size), scale(-1.0)
+    )

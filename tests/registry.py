@@ -555,6 +555,32 @@ _add(
     optax=lambda o: o.scale_by_trust_ratio(min_norm=0.1, trust_coefficient=0.5, eps=1e-3),
 )
 _add(
+    "signum",
+    "signum",
+    lambda: nba.signum(1e-2),
+    lambda: ref.signum(1e-2),
+    {"learning_rate": 1e-3},
+    exact=True,
+    optax=lambda o: o.signum(1e-2),
+)
+_add(
+    "rprop",
+    "rprop",
+    lambda: nba.rprop(1e-2),
+    lambda: ref.rprop(1e-2),
+    {"learning_rate": 1e-3},
+    exact=True,
+    note="the current step, as torch.optim.Rprop: optax 0.2.8 emits the previous one (its PR #1725)",
+)
+_add(
+    "scale_by_rprop",
+    "scale_by_rprop",
+    lambda: nba.scale_by_rprop(0.05, 0.3, 1.5, 1e-3, 0.07),
+    lambda: ref.scale_by_rprop(0.05, 0.3, 1.5, 1e-3, 0.07),
+    {"learning_rate": 1e-3},
+    exact=True,
+)
+_add(
     "partition",
     "partition",
     lambda: nba.partition({"matrix": nba.adam(1e-2), "vector": nba.sgd(0.1, momentum=0.9)}, _by_rank),

@@ -232,3 +232,17 @@ def test_step_applies_in_the_fused_pass_with_the_same_bits(name):
         assert_tree_equal(a, b)
     plan = nba.explain(PAIRS[name][0](), {"w": np.ones((3, 4), np.float32)}, apply=True)
     assert [x.kind for x in plan.passes] == ["fused"] and plan.total == plan.minimum
+
+
+def test_rprop_takes_the_current_step_as_torch_does():
+    """The vector of optax PR #1725 (gradients 1, 1, 1, -1, 1; lr 0.1): the step grows by 1.2
+    while the sign holds, the update is 0 at a flip and the halved step follows. optax 0.2.8
+    emits each update one step late (0, 0.1, 0.12, 0, 0): a bug that PR fixes."""
+    tx = nba.scale_by_rprop(learning_rate=0.1, eta_minus=0.5, eta_plus=1.2)
+    params = np.zeros(1)
+    state = tx.init(params)
+    got = []
+    for g in (1.0, 1.0, 1.0, -1.0, 1.0):
+        u, state = tx.update(np.array([g]), state, params)
+        got.append(float(u[0]))
+    np.testing.assert_allclose(got, [0.1, 0.12, 0.144, 0.0, 0.072], rtol=1e-15)
