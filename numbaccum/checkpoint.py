@@ -185,6 +185,7 @@ def _library_state_classes() -> tuple[type, ...]:
         scaling.WeightDecaySchedule,
         optimizers.ScaleByAdaDeltaState,
         optimizers.ScaleByAdamState,
+        optimizers.ScaleByAdanState,
         optimizers.ScaleByAmsgradState,
         optimizers.ScaleByBeliefState,
         optimizers.ScaleByLionState,

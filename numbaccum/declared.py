@@ -146,7 +146,8 @@ class Elementwise(Stage):
         state_cls: the state class (a NamedTuple); None for a stateless stage (`EmptyState`).
         fields: the state's buffer fields, in the formula's order; the last one owns the
             stage's workspaces (its output buffer).
-        counted: whether the state has a ``count`` (int32, saturating), advanced every step.
+        counted: whether the state has a ``count`` (int32, saturating), advanced every step;
+            ``count_field`` names that field (``"count"``).
         inputs: what the formula reads after the updates: ``("params",)`` or nothing.
         name: the stage as `numbaccum.explain` shows it.
         mu_dtype: storage dtype of a field named ``mu`` (None: each leaf's).
@@ -160,6 +161,7 @@ class Elementwise(Stage):
     state_cls: ClassVar[type | None] = None
     fields: ClassVar[tuple[str, ...]] = ()
     counted: ClassVar[bool] = False
+    count_field: ClassVar[str] = "count"  # the state's field of the count (Adan's is ``t``)
     inputs: ClassVar[tuple[str, ...]] = ()
     name: ClassVar[str]
     mu_dtype: np.dtype | None = None
@@ -194,7 +196,7 @@ class Elementwise(Stage):
             start = self.initial_of(f)
             values[f] = buf.fill_(start) if start else buf
         if self.counted:
-            values["count"] = np.int32(0)
+            values[self.count_field] = np.int32(0)
         return self.state_cls(**values)
 
     def owner(self, state: Any) -> FlatTree | None:
@@ -241,7 +243,7 @@ class Elementwise(Stage):
         checks = tuple((order.index(f), b.__dict__) for f, b in zip(self.fields, bufs))
         owner_field = self.fields[-1]
         owner_at = order.index(owner_field)
-        count_at = order.index("count") if counted else -1
+        count_at = order.index(self.count_field) if counted else -1
 
         # The scalars once per distinct compute dtype (one, unless groups differ), as they come:
         # the drivers cast them for the call and the kernels to each formula's compute dtype.

@@ -36,6 +36,7 @@ from .scaling import ScalarOrSchedule, add_decayed_weights, identity, scale, sca
 __all__ = [
     "ScaleByAdaDeltaState",
     "ScaleByAdamState",
+    "ScaleByAdanState",
     "ScaleByAmsgradState",
     "ScaleByBeliefState",
     "ScaleByLionState",
@@ -52,6 +53,7 @@ __all__ = [
     "adamax",
     "adamaxw",
     "adamw",
+    "adan",
     "amsgrad",
     "lamb",
     "lars",
@@ -64,6 +66,7 @@ __all__ = [
     "scale_by_adadelta",
     "scale_by_adam",
     "scale_by_adamax",
+    "scale_by_adan",
     "scale_by_amsgrad",
     "scale_by_belief",
     "scale_by_lion",
@@ -2415,4 +2418,184 @@ def rprop(
     return chain(
         scale_by_rprop(learning_rate, eta_minus, eta_plus, min_step_size, max_step_size),
         scale(-1.0),
+    )
+
+
+# --- Adan (issue 26) ----------------------------------------------------------------------------
+
+
+class ScaleByAdanState(NamedTuple):
+    """Adan's state (optax's field names).
+
+    Attributes:
+        m: the EMA of the gradients, a FlatTree of the params' layout.
+        v: the EMA of the gradients' differences ``g - g_prev``.
+        n: the EMA of ``|g + (1 - b2) (g - g_prev)|^2``.
+        g: the last gradients.
+        t: the number of updates so far (int32, saturating), the bias corrections' step.
+    """
+
+    m: FlatTree
+    v: FlatTree
+    n: FlatTree
+    g: FlatTree
+    t: np.int32
+
+
+@formula(
+    states=("m", "v", "n", "g_prev"),
+    inputs=("g",),
+    outputs=("out",),
+    scalars=(
+        "b1",
+        "one_minus_b1",
+        "b2",
+        "one_minus_b2",
+        "b3",
+        "one_minus_b3",
+        "bc1",
+        "bc2",
+        "bc3",
+        "eps",
+        "eps_root",
+        "zero",
+        "first",
+    ),
+)
+def adan_direction(
+    m,
+    v,
+    n,
+    g_prev,
+    g,
+    b1,
+    one_minus_b1,
+    b2,
+    one_minus_b2,
+    b3,
+    one_minus_b3,
+    bc1,
+    bc2,
+    bc3,
+    eps,
+    eps_root,
+    zero,
+    first,
+):
+    """Adan: ``d = g - g_prev`` (0 at the first step); ``m = (1 - b1) g + b1 m``, ``v = (1 - b2) d
+    + b2 v``, ``n = (1 - b3) |g + (1 - b2) d|^2 + b3 n``; out = (m_hat + (1 - b2) v_hat) /
+    (sqrt(n_hat + eps_root) + eps), each hat bias-corrected; g_prev = g."""
+    d = zero if first else g - g_prev  # ``zero``: a 0 of the compute dtype (a literal is float64)
+    mm = one_minus_b1 * g + b1 * m
+    vv = one_minus_b2 * d + b2 * v
+    nn = one_minus_b3 * abs_sq(g + one_minus_b2 * d) + b3 * re(n)
+    out = ((mm / bc1) + one_minus_b2 * (vv / bc2)) / (math.sqrt(nn / bc3 + eps_root) + eps)
+    return mm, vv, nn, g, out
+
+
+class _ScaleByAdan(Elementwise):
+    state_cls, fields, formula, name = ScaleByAdanState, ("m", "v", "n", "g"), adan_direction, "scale_by_adan"
+    counted, count_field = True, "t"
+
+    def __init__(self, b1: Any, b2: Any, b3: Any, eps: Any, eps_root: Any) -> None:
+        self.b1, self.b2, self.b3 = check_decay(b1, "b1"), check_decay(b2, "b2"), check_decay(b3, "b3")
+        self.eps, self.eps_root = real(eps, "eps"), real(eps_root, "eps_root")
+
+    def scalars(self, count: Any, ct: np.dtype) -> tuple:
+        b1, b2, b3, t = self.b1, self.b2, self.b3, int(count)
+        bcs = (bias_correction(b1, t, ct), bias_correction(b2, t, ct), bias_correction(b3, t, ct))
+        return (b1, 1.0 - b1, b2, 1.0 - b2, b3, 1.0 - b3, *bcs, self.eps, self.eps_root, 0.0, t == 1)
+
+
+def scale_by_adan(
+    b1: float = 0.98, b2: float = 0.92, b3: float = 0.99, eps: float = 1e-8, eps_root: float = 0.0
+) -> GradientTransformationExtraArgs:
+    """Rescales the updates by Adan's three moments (adaptive Nesterov momentum).
+
+    With ``d = g - g_prev`` (0 at the first step): ``m = (1 - b1) g + b1 m``, ``v = (1 - b2) d + b2
+    v``, ``n = (1 - b3) (g + (1 - b2) d)^2 + b3 n``, and ``u = (m_hat + (1 - b2) v_hat) /
+    (sqrt(n_hat + eps_root) + eps)``, each hat divided by its ``1 - b^t``. One fused pass. Real
+    leaves only (optax's tests skip complex ones).
+
+    Args:
+        b1: decay of the gradients' EMA, between 0 and 1.
+        b2: decay of the differences' EMA, between 0 and 1.
+        b3: decay of the second moment, between 0 and 1.
+        eps: added to the square root.
+        eps_root: added inside the square root.
+
+    Returns:
+        A `GradientTransformationExtraArgs`; its state is ``ScaleByAdanState(m, v, n, g, t)``, as
+            in optax.
+
+    Raises:
+        TypeError: a hyperparameter is not a real number.
+        ValueError: ``b1``, ``b2`` or ``b3`` is not between 0 and 1.
+
+    References:
+        Xie et al., "Adan: Adaptive Nesterov Momentum Algorithm for Faster Optimizing Deep
+        Models", 2022 (arXiv:2208.06677). optax.scale_by_adan.
+
+    Examples:
+        >>> import numpy as np, numbaccum as nba
+        >>> tx = nba.scale_by_adan()
+        >>> g = {"w": np.array([0.5, -2.0])}
+        >>> u, state = tx.update(g, tx.init(g))
+        >>> [round(float(x), 4) for x in u["w"]]  # g / |g| at the first step
+        [1.0, -1.0]
+    """
+    return _ScaleByAdan(b1, b2, b3, eps, eps_root).transformation()
+
+
+def adan(
+    learning_rate: ScalarOrSchedule,
+    b1: float = 0.98,
+    b2: float = 0.92,
+    b3: float = 0.99,
+    eps: float = 1e-8,
+    eps_root: float = 1e-8,
+    weight_decay: ScalarOrSchedule = 0.0,
+    mask: Any = None,
+) -> GradientTransformationExtraArgs:
+    """Adan: the adaptive Nesterov momentum optimizer (`scale_by_adan`), with decoupled weight
+    decay.
+
+    It is ``chain(scale_by_adan(b1, b2, b3, eps, eps_root), add_decayed_weights(weight_decay,
+    mask), scale_by_learning_rate(learning_rate))``, one fused pass.
+
+    Args:
+        learning_rate: a float, or a schedule of the step count.
+        b1: as in `scale_by_adan`.
+        b2: as in `scale_by_adan`.
+        b3: as in `scale_by_adan`.
+        eps: as in `scale_by_adan`.
+        eps_root: as in `scale_by_adan` (Adan's default here is 1e-8, as optax's).
+        weight_decay: the decay rate, or a schedule of it.
+        mask: which leaves decay (as `add_decayed_weights`).
+
+    Returns:
+        A `GradientTransformationExtraArgs`; its state is ``(ScaleByAdanState(m, v, n, g, t),
+            EmptyState(), EmptyState())`` (``MaskedState`` for a masked decay,
+            ``ScaleByScheduleState`` last with a schedule).
+
+    Raises:
+        TypeError: a hyperparameter is not a real number (or a schedule where one may be).
+        ValueError: ``b1``, ``b2`` or ``b3`` is not between 0 and 1.
+
+    References:
+        Xie et al., "Adan: Adaptive Nesterov Momentum Algorithm for Faster Optimizing Deep
+        Models", 2022 (arXiv:2208.06677). optax.adan.
+
+    Examples:
+        >>> import numpy as np, numbaccum as nba
+        >>> params = {"w": np.zeros(2)}
+        >>> tx = nba.adan(0.1)
+        >>> state = nba.step_(tx, {"w": np.array([0.5, -2.0])}, tx.init(params), params)
+        >>> [round(float(x), 4) for x in params["w"]]
+        [-0.1, 0.1]
+    """
+    return chain(
+        scale_by_adan(b1, b2, b3, eps, eps_root),
+        add_decayed_weights(weight_decay, mask),
+        scale_by_learning_rate(learning_rate),
     )

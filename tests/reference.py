@@ -1557,3 +1557,51 @@ def rprop(learning_rate, eta_minus=0.5, eta_plus=1.2, min_step_size=1e-6, max_st
     return chain(
         scale_by_rprop(learning_rate, eta_minus, eta_plus, min_step_size, max_step_size), scale(-1.0)
     )
+
+
+class ScaleByAdanState(NamedTuple):
+    m: Any
+    v: Any
+    n: Any
+    g: Any
+    t: Any
+
+
+def scale_by_adan(b1=0.98, b2=0.92, b3=0.99, eps=1e-8, eps_root=0.0):
+    """optax's ``scale_by_adan`` leaf by leaf (its count is ``t``)."""
+
+    def init(params):
+        z = [zeros_like(params) for _ in range(4)]
+        return ScaleByAdanState(*z, np.int32(0))
+
+    def update(updates, state, params=None, **extra):
+        t = safe_increment(state.t)
+        gl, tdef = tree_flatten(updates)
+        old = [tree_flatten(getattr(state, f))[0] for f in ("m", "v", "n", "g")]
+        out, new = [], [[], [], [], []]
+        for i, g in enumerate(gl):
+            dt = g.dtype
+            m, v, n, gp = (o[i] for o in old)
+            d = np.zeros_like(g) if state.t == 0 else g - gp
+            m = _moment(g, m, b1, dt)
+            v = _moment(d, v, b2, dt)
+            n = _moment(g + _c(1 - b2, dt) * d, n, b3, dt, 2)
+            m_hat = m / bias_correction_denominator(b1, t, dt)
+            v_hat = v / bias_correction_denominator(b2, t, dt)
+            n_hat = n / bias_correction_denominator(b3, t, dt)
+            u = (m_hat + _c(1 - b2, dt) * v_hat) / (np.sqrt(n_hat + _c(eps_root, dt)) + _c(eps, dt))
+            out.append(_arr(u, dt))
+            for k, x in enumerate((m, v, n, g)):
+                new[k].append(_arr(x, dt))
+        trees = [tree_unflatten(tdef, x) for x in new]
+        return tree_unflatten(tdef, out), ScaleByAdanState(*trees, t)
+
+    return Transformation(init, update)
+
+
+def adan(learning_rate, b1=0.98, b2=0.92, b3=0.99, eps=1e-8, eps_root=1e-8, weight_decay=0.0):
+    return chain(
+        scale_by_adan(b1, b2, b3, eps, eps_root),
+        add_decayed_weights(weight_decay),
+        scale_by_learning_rate(learning_rate),
+    )

@@ -581,6 +581,23 @@ _add(
     exact=True,
 )
 _add(
+    "adan",
+    "adan",
+    lambda: nba.adan(1e-2, weight_decay=0.01),
+    lambda: ref.adan(1e-2, weight_decay=0.01),
+    {"learning_rate": 1e-3},
+    exact=True,
+    optax=lambda o: o.adan(1e-2, weight_decay=0.01),
+)
+_add(
+    "scale_by_adan",
+    "scale_by_adan",
+    lambda: nba.scale_by_adan(eps_root=1e-8),
+    lambda: ref.scale_by_adan(eps_root=1e-8),
+    {},
+    exact=True,
+)
+_add(
     "partition",
     "partition",
     lambda: nba.partition({"matrix": nba.adam(1e-2), "vector": nba.sgd(0.1, momentum=0.9)}, _by_rank),
