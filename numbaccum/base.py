@@ -228,8 +228,8 @@ def planned(part: Any, state: Any, params: ParamsRef | None, extra: dict) -> Ste
 # (`numbaccum.MultiSteps`) has but its users never call, kept out of its ``dir()`` and so out of
 # ``help()`` (mkdocs.yml's API filter hides the same names).
 PROTOCOL = frozenset(
-    ("declarable", "declare", "foreign", "kept", "kept_step", "local", "owner", "plan", "reshapes",
-     "take", "transformation", "workspace")
+    ("complex_leaves", "declarable", "declare", "foreign", "kept", "kept_step", "local", "owner",
+     "plan", "refuses_complex", "reshapes", "take", "transformation", "workspace")
 )  # fmt: skip
 
 
