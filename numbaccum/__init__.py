@@ -61,11 +61,9 @@ from .masking import (
     MaskedState,
     MultiTransformState,
     PartitionState,
-    freeze,
     masked,
     multi_transform,
     partition,
-    selective_transform,
 )
 from .norms import (
     adaptive_grad_clip,
@@ -144,10 +142,12 @@ from .scaling import (
     ScaleByScheduleState,
     WeightDecaySchedule,
     add_decayed_weights,
+    freeze,
     identity,
     scale,
     scale_by_learning_rate,
     scale_by_schedule,
+    selective_transform,
     set_to_zero,
 )
 from .schedules import (

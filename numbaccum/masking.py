@@ -35,11 +35,9 @@ __all__ = [
     "MaskedState",
     "MultiTransformState",
     "PartitionState",
-    "freeze",
     "masked",
     "multi_transform",
     "partition",
-    "selective_transform",
 ]
 
 
@@ -451,79 +449,3 @@ def partition(
 
 
 multi_transform = partition
-
-
-def freeze(mask: Any) -> GradientTransformationExtraArgs:
-    """Zeroes the updates of the leaves ``mask`` selects: those params stay as they are.
-
-    ``masked(set_to_zero(), mask)``: ``u_i = 0`` where ``mask_i`` is True, ``g_i`` elsewhere.
-
-    Args:
-        mask: a bool (every leaf, or none), a tree of bools with the params' structure or a
-            prefix of it, or a callable of the params returning one (as `masked`).
-
-    Returns:
-        A `GradientTransformationExtraArgs`; its state is ``MaskedState(EmptyState())``.
-
-    Raises:
-        TypeError: at ``init`` or an update, a mask leaf is not a bool.
-
-    References:
-        optax.freeze.
-
-    Examples:
-        >>> import numpy as np, numbaccum as nba
-        >>> g = {"a": np.ones(1), "b": np.ones(2)}
-        >>> tx = nba.freeze({"a": True, "b": False})
-        >>> u, _ = tx.update(g, tx.init(g))
-        >>> u["a"].tolist(), u["b"].tolist()
-        ([0.0], [1.0, 1.0])
-    """
-    from .scaling import set_to_zero
-
-    return masked(set_to_zero(), mask)
-
-
-def selective_transform(optimizer: Any, *, freeze_mask: Any) -> GradientTransformationExtraArgs:
-    """Runs ``optimizer`` on the leaves not frozen by ``freeze_mask``; the frozen ones get zero
-    updates.
-
-    ``partition({"train": optimizer, "freeze": set_to_zero()}, labels)`` with the label
-    ``"freeze"`` where ``freeze_mask`` is True and ``"train"`` elsewhere: the optimizer's state
-    covers the trained leaves only.
-
-    Args:
-        optimizer: the transformation of the trained leaves.
-        freeze_mask: a bool (every leaf, or none) or a tree of bools with the params' structure
-            or a prefix of it; True freezes.
-
-    Returns:
-        A `GradientTransformationExtraArgs`; its state is a `PartitionState` with the labels
-            ``"train"`` and ``"freeze"``.
-
-    Raises:
-        TypeError: ``optimizer`` is not a transformation; at ``init`` or an update, a mask leaf
-            is not a bool.
-
-    References:
-        optax.selective_transform.
-
-    Examples:
-        >>> import numpy as np, numbaccum as nba
-        >>> params = {"a": np.zeros(1), "b": np.zeros(2)}
-        >>> tx = nba.selective_transform(nba.sgd(1.0), freeze_mask={"a": True, "b": False})
-        >>> u, _ = tx.update({"a": np.ones(1), "b": np.ones(2)}, tx.init(params), params)
-        >>> u["a"].tolist(), u["b"].tolist()
-        ([0.0], [-1.0, -1.0])
-    """
-    from .scaling import set_to_zero
-
-    def label(m: Any) -> str:
-        return "freeze" if _mask_leaf(m, "freeze_mask") else "train"
-
-    transformation(optimizer, "optimizer")
-    if freeze_mask is None:
-        raise TypeError("freeze_mask: a bool or a tree of bools, got None")
-    labels = tree_map(label, freeze_mask)
-    stages = {"train": optimizer, "freeze": set_to_zero()}
-    return _Partition(stages, labels, False, "freeze_mask").transformation()

@@ -2074,8 +2074,8 @@ def adadelta(
 
     It is ``chain(add_decayed_weights(weight_decay, weight_decay_mask), scale_by_adadelta(rho,
     eps), scale_by_learning_rate(learning_rate))``, one fused pass. ``learning_rate=None``, optax's
-    default, scales by nothing (`scale_by_learning_rate` of None is `identity`, as in optax): the
-    updates are then the scaled gradients themselves, not their negation.
+    default, scales by nothing (`identity` in its place, as optax's): the updates are then the
+    scaled gradients themselves, not their negation.
 
     Args:
         learning_rate: a float, or a schedule of the step count; None: no scaling.
@@ -2108,7 +2108,7 @@ def adadelta(
     return chain(
         add_decayed_weights(weight_decay, weight_decay_mask),
         scale_by_adadelta(rho, eps),
-        scale_by_learning_rate(learning_rate),
+        identity() if learning_rate is None else scale_by_learning_rate(learning_rate),
     )
 
 

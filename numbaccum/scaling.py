@@ -16,25 +16,28 @@ import numpy as np
 
 from . import _bounded
 from . import formulas as F
-from ._checks import flag, real, real_or_schedule, scheduled, wrong_state
+from ._checks import flag, real, real_or_schedule, scheduled, transformation, wrong_state
 from .base import Stage
 from .contract import ONE, Factor
 from .declared import Elementwise, safe_increment
 from .flat import FlatTree, to_device
 from .formulas import formula
 from .fuse import Kernel, Scale
-from .masking import MaskedState, _Masked
+from .masking import MaskedState, _mask_leaf, _Masked, _Partition, masked
 from .protocol import EmptyState, GradientTransformationExtraArgs
+from .tree import tree_map
 from .updates import ParamsRef, Spec
 
 __all__ = [
     "ScaleByScheduleState",
     "WeightDecaySchedule",
     "add_decayed_weights",
+    "freeze",
     "identity",
     "scale",
     "scale_by_learning_rate",
     "scale_by_schedule",
+    "selective_transform",
     "set_to_zero",
 ]
 
@@ -182,8 +185,9 @@ def scale_by_learning_rate(
     state's ``count`` (0 at the first update), then ``count = count + 1``.
 
     Args:
-        learning_rate: a real number, or a schedule of the step count (``fn(count) -> float``);
-            None: no scaling at all (`identity`, not even the sign flip), as in optax.
+        learning_rate: a real number, or a schedule of the step count (``fn(count) -> float``).
+            (optax also takes None, for no scaling at all: refused here, where it is more often
+            a missing value than a wish; `adadelta` keeps optax's None.)
         flip_sign: negate the learning rate (descent), as optimizers do.
 
     Returns:
@@ -210,8 +214,6 @@ def scale_by_learning_rate(
         [-0.05, 0.1]
     """
     sign = -1.0 if flag(flip_sign, "flip_sign") else 1.0
-    if learning_rate is None:  # optax's "no scaling"
-        return identity()
     learning_rate = real_or_schedule(learning_rate, "learning_rate")
     if not callable(learning_rate):
         return scale(sign * learning_rate)
@@ -464,3 +466,79 @@ def add_decayed_weights(
     if mask is None:
         return _AddDecayedWeights(weight_decay).transformation()
     return _MaskedDecay(weight_decay, mask).transformation()
+
+
+# --- freezing leaves (optax's freeze and selective_transform) ---------------------------------
+
+
+def freeze(mask: Any) -> GradientTransformationExtraArgs:
+    """Zeroes the updates of the leaves ``mask`` selects: those params stay as they are.
+
+    ``masked(set_to_zero(), mask)``: ``u_i = 0`` where ``mask_i`` is True, ``g_i`` elsewhere.
+
+    Args:
+        mask: a bool (every leaf, or none), a tree of bools with the params' structure or a
+            prefix of it, or a callable of the params returning one (as `masked`).
+
+    Returns:
+        A `GradientTransformationExtraArgs`; its state is ``MaskedState(EmptyState())``.
+
+    Raises:
+        TypeError: at ``init`` or an update, a mask leaf is not a bool.
+
+    References:
+        optax.freeze.
+
+    Examples:
+        >>> import numpy as np, numbaccum as nba
+        >>> g = {"a": np.ones(1), "b": np.ones(2)}
+        >>> tx = nba.freeze({"a": True, "b": False})
+        >>> u, _ = tx.update(g, tx.init(g))
+        >>> u["a"].tolist(), u["b"].tolist()
+        ([0.0], [1.0, 1.0])
+    """
+    return masked(set_to_zero(), mask)
+
+
+def selective_transform(optimizer: Any, *, freeze_mask: Any) -> GradientTransformationExtraArgs:
+    """Runs ``optimizer`` on the leaves not frozen by ``freeze_mask``; the frozen ones get zero
+    updates.
+
+    ``partition({"train": optimizer, "freeze": set_to_zero()}, labels)`` with the label
+    ``"freeze"`` where ``freeze_mask`` is True and ``"train"`` elsewhere: the optimizer's state
+    covers the trained leaves only.
+
+    Args:
+        optimizer: the transformation of the trained leaves.
+        freeze_mask: a bool (every leaf, or none) or a tree of bools with the params' structure
+            or a prefix of it; True freezes.
+
+    Returns:
+        A `GradientTransformationExtraArgs`; its state is a `PartitionState` with the labels
+            ``"train"`` and ``"freeze"``.
+
+    Raises:
+        TypeError: ``optimizer`` is not a transformation; at ``init`` or an update, a mask leaf
+            is not a bool.
+
+    References:
+        optax.selective_transform.
+
+    Examples:
+        >>> import numpy as np, numbaccum as nba
+        >>> params = {"a": np.zeros(1), "b": np.zeros(2)}
+        >>> tx = nba.selective_transform(nba.sgd(1.0), freeze_mask={"a": True, "b": False})
+        >>> u, _ = tx.update({"a": np.ones(1), "b": np.ones(2)}, tx.init(params), params)
+        >>> u["a"].tolist(), u["b"].tolist()
+        ([0.0], [-1.0, -1.0])
+    """
+
+    def label(m: Any) -> str:
+        return "freeze" if _mask_leaf(m, "freeze_mask") else "train"
+
+    transformation(optimizer, "optimizer")
+    if freeze_mask is None:
+        raise TypeError("freeze_mask: a bool or a tree of bools, got None")
+    labels = tree_map(label, freeze_mask)
+    stages = {"train": optimizer, "freeze": set_to_zero()}
+    return _Partition(stages, labels, False, "freeze_mask").transformation()

@@ -436,6 +436,7 @@ DTYPE_ARGUMENTS: dict[str, Any] = {
     "lion.mu_dtype": _mu_dtype(nba.lion, learning_rate=1e-3),
     "nadam.mu_dtype": _mu_dtype(nba.nadam, learning_rate=1e-3),
     "nadamw.mu_dtype": _mu_dtype(nba.nadamw, learning_rate=1e-3),
+    "signum.accumulator_dtype": lambda v: nba.signum(0.1, accumulator_dtype=v),
     "warmup.dtypes": lambda v: nba.warmup([v]),
     "inject_hyperparams.hyperparam_dtype": lambda v: nba.inject_hyperparams(nba.adam, hyperparam_dtype=v),
 }
