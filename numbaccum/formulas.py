@@ -274,6 +274,11 @@ def tanh(x):
     return math.tanh(x)
 
 
+def quot(x, d):
+    """``x / d`` for a real ``d`` (`complex_quot` divides a complex x part by part)."""
+    return x / d
+
+
 def complex_abs_sq(x):
     """|x|^2 of a complex x: ``re^2 + im^2`` (real, in x's parts' dtype; optax's ``abs_sq``)."""
     return x.real * x.real + x.imag * x.imag
@@ -297,8 +302,21 @@ def complex_tanh(x):
     return np.tanh(x)
 
 
+def complex_quot(x, d):
+    """A complex x divided by a real d, part by part: the bits of the complex division by
+    ``d + 0j`` for finite values, and a loop LLVM vectorises (numba's complex division, with its
+    branches, keeps an Adam step four times slower)."""
+    return complex(x.real / d, x.imag / d)
+
+
 # What a complex kernel compiles in place of each helper of that name (`compile_formula`).
-COMPLEX_HELPERS = {"abs_sq": complex_abs_sq, "re": complex_re, "signum": complex_signum, "tanh": complex_tanh}
+COMPLEX_HELPERS = {
+    "abs_sq": complex_abs_sq,
+    "re": complex_re,
+    "signum": complex_signum,
+    "tanh": complex_tanh,
+    "quot": complex_quot,
+}
 
 
 def finite(v):
@@ -365,14 +383,14 @@ def zero_nans(x):
 def ema(ema, g, one_minus_decay, decay, bias_correction):
     """e = (1 - decay) * g + decay * ema; ema = e; out = e / bias_correction (optax's rounding)."""
     e = one_minus_decay * g + decay * ema
-    return e, e / bias_correction
+    return e, quot(e, bias_correction)
 
 
 @formula(states=("acc",), inputs=("g",), scalars=("count", "fresh"))
 def mean_accumulate(acc, g, count, fresh):
     """acc = acc + (g - acc) / count (Welford); g + 0 when fresh (then acc == 0 and count == 1:
     0 + (g - 0) / 1 == g + 0 exactly, -0 becomes +0, and acc need not be read)."""
-    return g + 0 if fresh else acc + (g - acc) / count
+    return g + 0 if fresh else acc + quot(g - acc, count)
 
 
 @formula(states=("acc",), inputs=("g",), scalars=("fresh",))

@@ -805,7 +805,9 @@ def composite_source(key: tuple) -> tuple[str, str, tuple, tuple, tuple, tuple]:
     for op in ops:
         if op[0] == "settle":
             div, mul = scalar(), scalar()
-            body.append(f"    v = as_{d}((as_{cd}(v) / as_{rcd}({div})) * as_{rcd}({mul}))")
+            body.append(
+                f"    v = as_{d}({_quotient(f'as_{cd}(v)', f'as_{rcd}({div})', cd)} * as_{rcd}({mul}))"
+            )
         elif op[0] == "cast":
             body.append(f"    v = {_rounding(d, cd)}(v)")
         elif op[0] == "apply":
@@ -845,7 +847,7 @@ def _call_formula(
     rc = _REAL.get(c, c)  # the scalars' dtype: real for a complex group (optax's real * complex)
     if factored:
         div, mul = scalar(), scalar()
-        body.append(f"    g = (as_{c}(v) / as_{rc}({div})) * as_{rc}({mul})")
+        body.append(f"    g = {_quotient(f'as_{c}(v)', f'as_{rc}({div})', c)} * as_{rc}({mul})")
     else:
         body.append(f"    g = as_{c}(v)")
     sts = [f"s{len(states) + i}" for i in range(n_states)]
@@ -871,6 +873,13 @@ def _call_formula(
 
 
 _REAL = {"complex64": "float32", "complex128": "float64"}
+
+
+def _quotient(x: str, d: str, c: str) -> str:
+    """The source of ``x / d`` (``d`` real) in compute dtype ``c``: ``quot`` for a complex ``x``
+    (`numbaccum.formulas.complex_quot`, part by part), else the plain division (the same text
+    as ever for real groups)."""
+    return f"quot({x}, {d})" if c in _REAL else f"({x} / {d})"
 
 
 def _rounding(d: str, c: str) -> str:

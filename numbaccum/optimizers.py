@@ -25,7 +25,7 @@ from .accumulation import ema, trace
 from .base import chain
 from .declared import Elementwise, bias_correction, check_decay, safe_increment
 from .flat import FlatTree
-from .formulas import abs_sq, formula, maximum, re, sqrt, tanh
+from .formulas import abs_sq, formula, maximum, quot, re, sqrt, tanh
 from .formulas import signum as sign_of  # (``signum`` is the public optimizer below)
 from .layout import check_float_dtype
 from .masking import masked
@@ -234,7 +234,7 @@ def adam_direction(mu, nu, g, b1, one_minus_b1, b2, one_minus_b2, bc1, bc2, eps,
     out = (mu / bc1) / (sqrt(nu / bc2 + eps_root) + eps)."""
     m = one_minus_b1 * g + b1 * mu
     v = one_minus_b2 * abs_sq(g) + b2 * re(nu)
-    return m, v, (m / bc1) / (math.sqrt(v / bc2 + eps_root) + eps)
+    return m, v, quot(quot(m, bc1), math.sqrt(v / bc2 + eps_root) + eps)
 
 
 class _ScaleByAdam(Elementwise):
@@ -341,8 +341,8 @@ def nadam_direction(mu, nu, g, b1, one_minus_b1, b2, one_minus_b2, bc1, bc1_next
     out = mu_hat / (sqrt(nu / bc2 + eps_root) + eps)."""
     m = one_minus_b1 * g + b1 * mu
     v = one_minus_b2 * abs_sq(g) + b2 * re(nu)
-    m_hat = b1 * (m / bc1_next) + one_minus_b1 * (g / bc1)
-    return m, v, m_hat / (math.sqrt(v / bc2 + eps_root) + eps)
+    m_hat = b1 * quot(m, bc1_next) + one_minus_b1 * quot(g, bc1)
+    return m, v, quot(m_hat, math.sqrt(v / bc2 + eps_root) + eps)
 
 
 class _ScaleByNadam(_Direction):
@@ -771,7 +771,7 @@ def amsgrad_direction(mu, nu, nu_max, g, b1, one_minus_b1, b2, one_minus_b2, bc1
     m = one_minus_b1 * g + b1 * mu
     v = one_minus_b2 * abs_sq(g) + b2 * re(nu)
     vm = maximum(re(nu_max), v / bc2)
-    return m, v, vm, (m / bc1) / (math.sqrt(vm + eps_root) + eps)
+    return m, v, vm, quot(quot(m, bc1), math.sqrt(vm + eps_root) + eps)
 
 
 class _ScaleByAmsgrad(_Direction):
@@ -924,7 +924,7 @@ def adamax_direction(mu, nu, g, b1, one_minus_b1, b2, bc1, eps):
     out = (mu / bc1) / nu."""
     m = one_minus_b1 * g + b1 * mu
     v = maximum(abs(g) + eps, b2 * re(nu))
-    return m, v, (m / bc1) / v
+    return m, v, quot(quot(m, bc1), v)
 
 
 class _ScaleByAdamax(_Direction):
@@ -1042,8 +1042,8 @@ def belief_direction(
     m = one_minus_b1 * g + b1 * mu
     e = g - m
     v = (one_minus_b2 * abs_sq(e) + b2 * re(nu)) + eps_root
-    m_hat = b1 * (m / bc1_next) + one_minus_b1 * (g / bc1) if nesterov else m / bc1
-    return m, v, m_hat / (math.sqrt(v / bc2) + eps)
+    m_hat = b1 * quot(m, bc1_next) + one_minus_b1 * quot(g, bc1) if nesterov else quot(m, bc1)
+    return m, v, quot(m_hat, math.sqrt(v / bc2) + eps)
 
 
 class _ScaleByBelief(_Direction):
@@ -1327,7 +1327,7 @@ def yogi_direction(mu, nu, g, b1, one_minus_b1, one_minus_b2, bc1, bc2, eps, eps
         v = n + one_minus_b2 * g2
     else:
         v = n - (one_minus_b2 * d) * g2
-    return m, v, (m / bc1) / (sqrt(v / bc2 + eps_root) + eps)
+    return m, v, quot(quot(m, bc1), sqrt(v / bc2 + eps_root) + eps)
 
 
 class _ScaleByYogi(_Direction):
@@ -1524,7 +1524,7 @@ def stddev_direction(mu, nu, g, one_minus_decay, decay, bc, eps, eps_in_sqrt):
     out = g / sqrt(var + eps) (``eps_in_sqrt``) or g / (sqrt(var) + eps)."""
     m = one_minus_decay * g + decay * mu
     v = one_minus_decay * abs_sq(g) + decay * re(nu)
-    mh = m / bc
+    mh = quot(m, bc)
     var = v / bc - abs_sq(mh)  # may round below zero: NaN then, as in optax
     s = 1.0 / sqrt(var + eps) if eps_in_sqrt else 1.0 / (sqrt(var) + eps)
     return m, v, s * g
@@ -1842,9 +1842,9 @@ def radam_direction(
     (``rectified``: rho_t >= threshold), else mu_hat (momentum alone)."""
     m = one_minus_b1 * g + b1 * mu
     v = one_minus_b2 * abs_sq(g) + b2 * re(nu)
-    m_hat = b1 * (m / bc1_next) + one_minus_b1 * (g / bc1) if nesterov else m / bc1
+    m_hat = b1 * quot(m, bc1_next) + one_minus_b1 * quot(g, bc1) if nesterov else quot(m, bc1)
     if rectified:
-        return m, v, (r * m_hat) / (math.sqrt(v / bc2 + eps_root) + eps)
+        return m, v, quot(r * m_hat, math.sqrt(v / bc2 + eps_root) + eps)
     return m, v, m_hat
 
 

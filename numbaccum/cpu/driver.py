@@ -76,6 +76,12 @@ def read(v, div, mul, scaled):  # pragma: no cover - compiled
     return (v / div) * mul if scaled else v
 
 
+@njit(inline="always", error_model="numpy")
+def read_complex(v, div, mul, scaled):  # pragma: no cover - compiled
+    """`read` of a complex v: divided by the real div part by part (`formulas.complex_quot`)."""
+    return complex(v.real / div, v.imag / div) * mul if scaled else v
+
+
 # --- code generation --------------------------------------------------------------------------
 
 _BODY = """
@@ -191,7 +197,7 @@ def _compile(f: Formula, variant: tuple | None) -> tuple[Any, Any]:
     path = _cache.source_file(source, f"cpu_{f.name}", f"cpu\0{digest}") if digest else None
     ns = _cache.namespace(path, f"<numbaccum.cpu.driver {f.name}>")
     ns["fn"] = compile_formula(f.fn, _inline, complex=complex_)
-    ns["read"] = read
+    ns["read"] = read_complex if complex_ else read
     ns["prange"] = prange
     if variant is not None:
         ns.update(_bf16_conversions())
