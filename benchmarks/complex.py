@@ -23,7 +23,7 @@ import platform
 import time
 
 import numpy as np
-from vs_torch import _shrink, _time  # this directory's: the same shrinking and alternated timer
+from vs_torch import _ours_step, _shrink, _time  # this directory's: shrinking, the timer, our step
 
 import numbaccum as nb
 from numbaccum.bench import workloads
@@ -42,13 +42,9 @@ def _clip(grads: nb.FlatTree):
 
 
 def _step(params: nb.FlatTree, grads: nb.FlatTree):
+    """`step_` of clip + AdamW on a copy of ``params`` (vs_torch's ``_ours_step``)."""
     tx = nb.chain(nb.clip_by_global_norm(MAX_NORM), nb.adamw(LR, weight_decay=WD))
-    box = [tx.init(params)]
-
-    def call() -> None:
-        box[0] = nb.step_(tx, grads, box[0], params)
-
-    return call
+    return _ours_step(tx, params, grads)
 
 
 def _complex(tree: dict, other: dict) -> dict:
