@@ -938,3 +938,45 @@ def copy_state(state: Any) -> Any:
     if isinstance(state, (tuple, list)):
         return type(state)(copy_state(v) for v in state)
     return state
+
+
+def wrapped_step(step: Step, wrap: Callable[[Any], Any], guard: Any, name: str) -> Step:
+    """``step`` of a wrapper stage (``name``): its new state, and the one a `SkipStep` carries, is
+    ``wrap(new_state)``; ``guard``: the inner state a foreign inner stage may hold our buffers in
+    (restored if it raises), or None."""
+    run = _wrap_run(step.run, wrap)
+    if guard is not None:
+        run = undoable(run, guard)
+    final = None if step.final is None else _wrap_run(step.final, wrap)
+    apply = None
+    if step.apply is not None:
+        inner_apply = step.apply
+
+        def apply(u: Updates, p: FlatTree) -> Any:
+            try:
+                return wrap(inner_apply(u, p))
+            except SkipStep as e:
+                raise SkipStep(wrap(e.new_state)) from None
+
+    part = step.fuse
+    # A part that starts with a pre-pass is not offered to an enclosing chain: a clip that
+    # skips the step there raises its own state, not ours (the inner chain's runs, which fuse
+    # it, rebuild ours). It still fuses inside the inner transformation.
+    if part is not None and not isinstance(fuse.leaves(part)[0], fuse.Prepass):
+        part = fuse.Wrapped(part, wrap, name)
+    else:
+        part = None
+    return Step(run, step.spec, part, apply, final)
+
+
+def _wrap_run(inner: Callable[[Updates], tuple[Updates, Any]], wrap: Callable[[Any], Any]) -> Callable:
+    """``inner`` (a step's ``run`` or ``final``) returning ``wrap(new_state)``."""
+
+    def run(u: Updates) -> tuple[Updates, Any]:
+        try:
+            out, new_state = inner(u)
+        except SkipStep as e:
+            raise SkipStep(wrap(e.new_state)) from None
+        return out, wrap(new_state)
+
+    return run

@@ -39,6 +39,7 @@ __all__ = [
     "global_norm",
     "keep_params_nonnegative",
     "normalize_by_update_norm",
+    "scale_by_polyak",
     "zero_nans",
 ]
 
@@ -472,6 +473,101 @@ class _NormalizeByUpdateNorm(_Stateless):
 
         part.tick = tick
         return part
+
+
+def scale_by_polyak(
+    f_min: float = 0.0, max_learning_rate: float = 1.0, eps: float = 0.0, variant: str = "sps"
+) -> GradientTransformationExtraArgs:
+    """Scales the updates by Polyak's step size, from the objective's value (``update(...,
+    value=f(params))``).
+
+    ``u = g * min((f - f_min) / (||g||^2 + eps), max_learning_rate)``, and ``u = 0`` where
+    ``||g||^2 + eps`` is at most float64's machine epsilon (optax's guard against 0 / 0). With
+    ``variant='sps+'`` the gap ``f - f_min`` is clipped at 0 first (a value below the bound does not
+    step back). The squared norm accumulates in float64 (one reduction pass), the step is computed
+    on the host and rides on the next kernel. Stateless.
+
+    Args:
+        f_min: a lower bound on the objective (0 for models that interpolate the data).
+        max_learning_rate: the largest step size.
+        eps: added to the squared norm (``>= 0``).
+        variant: ``'sps'`` or ``'sps+'``.
+
+    Returns:
+        A `GradientTransformationExtraArgs` whose ``update`` needs the keyword ``value`` (the
+            objective at the params the updates were taken at); its state is ``EmptyState()``.
+
+    Raises:
+        TypeError: a hyperparameter is not a real number; at ``update``, ``value`` is missing or
+            not a real scalar.
+        ValueError: ``eps`` is negative or NaN, or ``variant`` is neither ``'sps'`` nor
+            ``'sps+'`` (optax raises at the first update; here at construction).
+
+    References:
+        Loizou et al., "Stochastic Polyak Step-size for SGD: An Adaptive Learning Rate for Fast
+        Convergence", AISTATS 2021 (arXiv:2002.10542); Berrada et al., "Training Neural Networks
+        for and by Interpolation", ICML 2020. optax.scale_by_polyak.
+
+    Examples:
+        >>> import numpy as np, numbaccum as nba
+        >>> tx = nba.scale_by_polyak()
+        >>> x = np.array([1.0, 2.0, 3.0])  # f(x) = sum x^2 = 14, g = 2x, |g|^2 = 56
+        >>> u, _ = tx.update({"x": 2 * x}, tx.init({"x": x}), value=float(np.sum(x**2)))
+        >>> u["x"]  # g * 14 / 56: half of x, the exact step to the minimum of f along g
+        array([0.5, 1. , 1.5])
+    """
+    return _ScaleByPolyak(f_min, max_learning_rate, eps, variant).transformation()
+
+
+class _ScaleByPolyak(_Stateless):
+    complex_leaves = True  # optax's norm of complex leaves is |z|^2: the step is real
+
+    def __init__(self, f_min: Any, max_learning_rate: Any, eps: Any, variant: Any) -> None:
+        self.f_min, self.max_lr = real(f_min, "f_min"), real(max_learning_rate, "max_learning_rate")
+        self.eps = non_negative(eps, "eps")
+        if variant not in ("sps", "sps+"):
+            raise ValueError(f"variant must be 'sps' or 'sps+', got {variant!r}")
+        self.plus = variant == "sps+"
+
+    def declare(self, spec: Spec, state: Any) -> Prepass:
+        f_min, max_lr, eps, plus = self.f_min, self.max_lr, self.eps, self.plus
+        gap = [0.0]  # this step's f - f_min (set by ``tick``, before the pass)
+
+        def factor_of(flat: FlatTree) -> Factor:
+            s, f = tree_sumsq_scaled(flat)
+            with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+                sq = np.float64(s) / np.float64(f) ** 2 + eps
+                if sq <= _FLOAT64_EPS:  # (a NaN norm goes on: NaN updates, as optax's)
+                    return Factor(1.0, 0.0)
+                return Factor(1.0, float(np.minimum(np.float64(gap[0]) / sq, max_lr)))
+
+        part = Prepass(factor_of, None, "scale_by_polyak", "squared global norm")
+
+        def tick(state: Any, params: Any, extra: dict) -> bool:
+            value = _objective_value(extra)
+            g = value - f_min
+            gap[0] = max(g, 0.0) if plus and not math.isnan(g) else g
+            part.new_state = state
+            return True
+
+        part.tick = tick
+        return part
+
+
+_FLOAT64_EPS = float(np.finfo(np.float64).eps)
+
+
+def _objective_value(extra: dict) -> float:
+    """The ``value`` extra argument of an update, as a float (checked before anything runs)."""
+    if "value" not in extra:
+        raise TypeError(
+            "scale_by_polyak needs the objective: call update(updates, state, params, value=f(params))"
+        )
+    value = extra["value"]
+    arr = np.asarray(value)
+    if arr.shape != () or arr.dtype.kind not in "fiu" or arr.dtype == np.bool_:
+        raise TypeError(f"value must be a real scalar (the objective at the params), got {value!r}")
+    return float(arr)
 
 
 class ZeroNansState(NamedTuple):

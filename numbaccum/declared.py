@@ -147,7 +147,9 @@ class Elementwise(Stage):
         fields: the state's buffer fields, in the formula's order; the last one owns the
             stage's workspaces (its output buffer).
         counted: whether the state has a ``count`` (int32, saturating), advanced every step;
-            ``count_field`` names that field (``"count"``).
+            ``count_field`` names that field (``"count"``). A stage whose step field is not a
+            count (optimistic gradients' ``is_initial_step``) overrides `count_start` and
+            `advance`.
         inputs: what the formula reads after the updates: ``("params",)`` or nothing.
         name: the stage as `numbaccum.explain` shows it.
         mu_dtype: storage dtype of a field named ``mu`` (None: each leaf's).
@@ -180,6 +182,16 @@ class Elementwise(Stage):
         """The value buffer ``field`` starts at: `initial` for the last field, else 0."""
         return self.initial if field == self.fields[-1] else 0.0
 
+    def count_start(self) -> Any:
+        """The value ``count_field`` starts at (int32 0)."""
+        return np.int32(0)
+
+    def advance(self, count: Any) -> tuple[Any, Any]:
+        """The ``count_field`` of the new state and what `scalars` gets, from the old value:
+        the count + 1 (saturating) for both."""
+        new = safe_increment(count)
+        return new, new
+
     # --- what the declaration gives -------------------------------------------------------------
 
     def init(self, params: Any) -> Any:
@@ -196,7 +208,7 @@ class Elementwise(Stage):
             start = self.initial_of(f)
             values[f] = buf.fill_(start) if start else buf
         if self.counted:
-            values[self.count_field] = np.int32(0)
+            values[self.count_field] = self.count_start()
         return self.state_cls(**values)
 
     def owner(self, state: Any) -> FlatTree | None:
@@ -251,6 +263,7 @@ class Elementwise(Stage):
         distinct = [ct for i, ct in enumerate(cts) if where[i] == i]
         one_ct, ct0, n_groups = len(distinct) == 1, distinct[0] if distinct else None, len(cts)
         new = tuple.__new__  # the NamedTuple made from its values, without its keyword __new__
+        advance = None if type(self).advance is Elementwise.advance else self.advance
 
         def tick(state: Any, params: Any, extra: dict) -> bool:
             if type(state) is not cls and not isinstance(state, cls):  # type: ignore[arg-type]
@@ -263,7 +276,10 @@ class Elementwise(Stage):
             values = list(state)
             values[owner_at] = current(values[owner_at], owner_field)
             if counted:
-                count = values[count_at] = safe_increment(values[count_at])
+                if advance is None:  # a count: inline, the common case
+                    count = values[count_at] = safe_increment(values[count_at])
+                else:
+                    values[count_at], count = advance(values[count_at])
                 if one_ct:  # every group computes in one dtype: no comprehension per step
                     part.scalars = [scalars(count, ct0)] * n_groups
                 else:

@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import _bounded, base, fuse
+from . import _bounded, base
 from ._checks import wrong_state
 from .base import Stage, Step
 from .declared import safe_increment
@@ -29,7 +29,7 @@ from .flat import FlatTree
 from .layout import Layout, check_float_dtype, real_dtype
 from .protocol import GradientTransformationExtraArgs
 from .tree import tree_flatten
-from .updates import ParamsRef, SkipStep, Spec, Updates
+from .updates import ParamsRef, Spec, Updates
 
 __all__ = [
     "InjectHyperparamsState",
@@ -319,47 +319,7 @@ class _InjectHyperparams(Stage):
         # Foreign code checks its input while it runs: its state (which may hold our buffers) is
         # restored if it raises, as a chain restores a foreign stage's (`undoable`).
         guard = state.inner_state if isinstance(inner, base.Foreign) else None
-        return _wrapped(step, wrap, guard)
-
-
-def _wrapped(step: Step, wrap: Callable[[Any], Any], guard: Any) -> Step:
-    """``step`` whose new state (also the one a `SkipStep` carries) is ``wrap(new_state)``."""
-    run = _wrap_run(step.run, wrap)
-    if guard is not None:
-        run = base.undoable(run, guard)
-    final = None if step.final is None else _wrap_run(step.final, wrap)
-    apply = None
-    if step.apply is not None:
-        inner_apply = step.apply
-
-        def apply(u: Updates, p: FlatTree) -> Any:
-            try:
-                return wrap(inner_apply(u, p))
-            except SkipStep as e:
-                raise SkipStep(wrap(e.new_state)) from None
-
-    part = step.fuse
-    # A part that starts with a pre-pass is not offered to an enclosing chain: a clip that
-    # skips the step there raises its own state, not ours (the inner chain's runs, which fuse
-    # it, rebuild ours). It still fuses inside the inner transformation.
-    if part is not None and not isinstance(fuse.leaves(part)[0], fuse.Prepass):
-        part = fuse.Wrapped(part, wrap, "inject_hyperparams")
-    else:
-        part = None
-    return Step(run, step.spec, part, apply, final)
-
-
-def _wrap_run(inner: Callable[[Updates], tuple[Updates, Any]], wrap: Callable[[Any], Any]) -> Callable:
-    """``inner`` (a step's ``run`` or ``final``) returning ``wrap(new_state)``."""
-
-    def run(u: Updates) -> tuple[Updates, Any]:
-        try:
-            out, new_state = inner(u)
-        except SkipStep as e:
-            raise SkipStep(wrap(e.new_state)) from None
-        return out, wrap(new_state)
-
-    return run
+        return base.wrapped_step(step, wrap, guard, "inject_hyperparams")
 
 
 def inject_hyperparams(

@@ -10,6 +10,10 @@ state holds only the kept leaves. The mask is resolved once per tree layout into
 keeps; a run of consecutive kept leaves of one dtype is one contiguous range of the flat
 buffers, so moving the kept leaves in and out of the inner transformation is one copy per range,
 not per leaf.
+
+`partition` (optax's ``multi_transform``) runs one transformation per label on the leaves that
+carry it; `conditionally_transform` and `conditionally_mask` mask in time: the inner
+transformation runs at the steps a condition allows.
 """
 
 from __future__ import annotations
@@ -22,8 +26,9 @@ import numpy as np
 from . import _bounded
 from ._checks import flag, transformation, wrong_state
 from .backend import ops_for
-from .base import Chain, Stage, Step, as_stage, with_extra_args_support
+from .base import Chain, Stage, Step, as_stage, with_extra_args_support, wrapped_step
 from .contract import ONE
+from .declared import safe_increment
 from .flat import FlatTree, layout_of
 from .layout import Layout
 from .protocol import GradientTransformationExtraArgs
@@ -31,10 +36,14 @@ from .tree import broadcast_prefix, short_repr, tree_flatten, tree_map, tree_unf
 from .updates import ParamsRef, Spec, Updates
 
 __all__ = [
+    "ConditionallyMaskState",
+    "ConditionallyTransformState",
     "MaskedNode",
     "MaskedState",
     "MultiTransformState",
     "PartitionState",
+    "conditionally_mask",
+    "conditionally_transform",
     "masked",
     "multi_transform",
     "partition",
@@ -449,3 +458,170 @@ def partition(
 
 
 multi_transform = partition
+
+
+# --- masks in time: the inner transformation at some steps only -----------------------------
+
+
+class ConditionallyTransformState(NamedTuple):
+    """The state of `conditionally_transform` (optax's fields).
+
+    Attributes:
+        inner_state: the inner transformation's state (unchanged at the steps it does not run).
+        step: the number of updates so far (int32, saturating), the condition's argument.
+    """
+
+    inner_state: Any
+    step: np.int32
+
+
+class ConditionallyMaskState(NamedTuple):
+    """The state of `conditionally_mask` (optax's fields, in optax's order).
+
+    Attributes:
+        step: the number of updates so far (int32, saturating), the condition's argument.
+        inner_state: the inner transformation's state (unchanged at the steps it does not run).
+    """
+
+    step: np.int32
+    inner_state: Any
+
+
+class _Conditionally(Stage):
+    """`conditionally_transform` (``zeros=False``) and `conditionally_mask` (``zeros=True``): the
+    condition is asked at plan time, so a step that runs the inner transformation is the inner's
+    own plan (fused with its neighbours, `numbaccum.step_`'s last pass) inside this state."""
+
+    def __init__(self, inner: Any, should_transform_fn: Any, forward_extra_args: Any, zeros: bool) -> None:
+        self.inner = with_extra_args_support(transformation(inner, "inner"))
+        self.stage = as_stage(self.inner)
+        if not callable(should_transform_fn):
+            raise TypeError(f"should_transform_fn must be callable, got {type(should_transform_fn).__name__}")
+        self.condition = should_transform_fn
+        self.forward = flag(forward_extra_args, "forward_extra_args")
+        self.zeros = zeros
+        self.state_cls = ConditionallyMaskState if zeros else ConditionallyTransformState
+        self.reshapes = self.stage.reshapes
+
+    @property
+    def name(self) -> str:
+        return "conditionally_mask" if self.zeros else "conditionally_transform"
+
+    def refuses_complex(self) -> Any:
+        return self.stage.refuses_complex()
+
+    def foreign(self) -> bool:
+        return self.stage.foreign()
+
+    def _state(self, inner_state: Any, step: Any) -> Any:
+        if self.zeros:
+            return ConditionallyMaskState(step, inner_state)
+        return ConditionallyTransformState(inner_state, step)
+
+    def init(self, params: Any) -> Any:
+        return self._state(self.inner.init(params), np.int32(0))
+
+    def owner(self, state: Any) -> FlatTree | None:
+        return self.stage.owner(state.inner_state) if isinstance(state, self.state_cls) else None
+
+    def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
+        if not isinstance(state, self.state_cls):
+            raise wrong_state(f"{self.state_cls.__name__} ({self.name})", state)
+        step = state.step
+        answer = self.condition(step, **extra) if self.forward else self.condition(step)
+        new_step = safe_increment(step)
+        try:
+            run_inner = bool(np.asarray(answer))  # a NumPy, JAX or Python bool (optax's: an array)
+        except (TypeError, ValueError):
+            raise TypeError(
+                f"should_transform_fn must return a bool, got {type(answer).__name__} {answer!r:.40}"
+            ) from None
+        if run_inner:
+            inner = self.stage.plan(spec, state.inner_state, params, extra)
+            guard = state.inner_state if self.stage.foreign() else None
+            return wrapped_step(inner, lambda s: self._state(s, new_step), guard, self.name)
+        new_state = self._state(state.inner_state, new_step)
+        if self.zeros:  # optax's zeros_like: the updates' shape, whatever the inner would make
+            return Step(lambda u: (Updates(u.fresh().fill_(0.0), True), new_state))
+        return Step(lambda u: (u, new_state))
+
+
+def conditionally_transform(
+    inner: Any, should_transform_fn: Callable[..., Any], forward_extra_args: bool = False
+) -> GradientTransformationExtraArgs:
+    """Runs ``inner`` only at the steps ``should_transform_fn(step)`` allows; the other steps
+    pass the updates through and leave the inner state as it was.
+
+    ``step`` counts the updates before this one (0 at the first), whether ``inner`` ran or not.
+    The condition is asked on the host before anything runs, so a step that runs ``inner`` is
+    ``inner``'s own (fused with its neighbours in a chain).
+
+    Args:
+        inner: the transformation to run at some steps.
+        should_transform_fn: ``fn(step) -> bool`` (``step`` an int32 scalar); with
+            ``forward_extra_args``, ``fn(step, **extra_args)``.
+        forward_extra_args: pass the update's extra arguments to the condition too.
+
+    Returns:
+        A `GradientTransformationExtraArgs`; its state is
+            ``ConditionallyTransformState(inner_state, step)``, as in optax.
+
+    Raises:
+        TypeError: ``inner`` is not a transformation or ``should_transform_fn`` not callable; at
+            ``update``, the condition's answer is not a bool.
+
+    References:
+        optax.conditionally_transform.
+
+    Examples:
+        >>> import numpy as np, numbaccum as nba
+        >>> tx = nba.conditionally_transform(nba.scale(10.0), lambda step: step % 2 == 1)
+        >>> state = tx.init({"w": np.zeros(1)})
+        >>> for _ in range(3):
+        ...     u, state = tx.update({"w": np.ones(1)}, state)
+        ...     print(u["w"])
+        [1.]
+        [10.]
+        [1.]
+    """
+    return _Conditionally(inner, should_transform_fn, forward_extra_args, zeros=False).transformation()
+
+
+def conditionally_mask(
+    inner: Any, should_transform_fn: Callable[..., Any], forward_extra_args: bool = False
+) -> GradientTransformationExtraArgs:
+    """Runs ``inner`` only at the steps ``should_transform_fn(step)`` allows; the other steps
+    give zero updates and leave the inner state as it was.
+
+    As `conditionally_transform`, except the updates of a step ``inner`` does not run are zeros
+    (of the updates' shapes and dtypes), as optax's.
+
+    Args:
+        inner: the transformation to run at some steps.
+        should_transform_fn: ``fn(step) -> bool`` (``step`` an int32 scalar); with
+            ``forward_extra_args``, ``fn(step, **extra_args)``.
+        forward_extra_args: pass the update's extra arguments to the condition too.
+
+    Returns:
+        A `GradientTransformationExtraArgs`; its state is
+            ``ConditionallyMaskState(step, inner_state)``, as in optax.
+
+    Raises:
+        TypeError: ``inner`` is not a transformation or ``should_transform_fn`` not callable; at
+            ``update``, the condition's answer is not a bool.
+
+    References:
+        optax.conditionally_mask.
+
+    Examples:
+        >>> import numpy as np, numbaccum as nba
+        >>> tx = nba.conditionally_mask(nba.sgd(0.5), lambda step: step >= 1)  # no step at first
+        >>> params = {"w": np.ones(1)}
+        >>> state = tx.init(params)
+        >>> for _ in range(2):
+        ...     state = nba.step_(tx, {"w": np.ones(1)}, state, params)
+        ...     print(params["w"])
+        [1.]
+        [0.5]
+    """
+    return _Conditionally(inner, should_transform_fn, forward_extra_args, zeros=True).transformation()

@@ -23,6 +23,7 @@ from . import formulas as F
 from ._checks import flag, real
 from .accumulation import ema, trace
 from .base import chain
+from .clipping import scale_by_polyak
 from .declared import Elementwise, bias_correction, check_decay, safe_increment
 from .flat import FlatTree
 from .formulas import abs_sq, formula, maximum, quot, re, sqrt, tanh
@@ -40,6 +41,7 @@ __all__ = [
     "ScaleByAmsgradState",
     "ScaleByBeliefState",
     "ScaleByLionState",
+    "ScaleByOptimisticGradientState",
     "ScaleByRStdDevState",
     "ScaleByRStdDevWithCountState",
     "ScaleByRmsState",
@@ -55,11 +57,16 @@ __all__ = [
     "adamw",
     "adan",
     "amsgrad",
+    "fromage",
     "lamb",
     "lars",
     "lion",
     "nadam",
     "nadamw",
+    "optimistic_adam",
+    "optimistic_adam_v2",
+    "optimistic_gradient_descent",
+    "polyak_sgd",
     "radam",
     "rmsprop",
     "rprop",
@@ -71,6 +78,7 @@ __all__ = [
     "scale_by_belief",
     "scale_by_lion",
     "scale_by_nadam",
+    "scale_by_optimistic_gradient",
     "scale_by_radam",
     "scale_by_rms",
     "scale_by_rprop",
@@ -2599,3 +2607,367 @@ def adan(
         add_decayed_weights(weight_decay, mask),
         scale_by_learning_rate(learning_rate),
     )
+
+
+def fromage(learning_rate: ScalarOrSchedule, min_norm: float = 1e-6) -> GradientTransformationExtraArgs:
+    """Fromage: Frobenius matched gradient descent, each leaf's step scaled to its params' norm.
+
+    ``u = -lr / sqrt(1 + lr^2) * g * max(||p||, min_norm) / max(||g||, min_norm) - (1 - 1 /
+    sqrt(1 + lr^2)) p`` per leaf: ``chain(scale_by_trust_ratio(min_norm), scale_by_learning_rate(lr
+    * m), add_decayed_weights(m - 1))`` with ``m = 1 / sqrt(1 + lr^2)``, as optax builds it (a
+    schedule gives ``m`` of the scheduled rate). The per-leaf norms come from one segmented pass
+    of the reduction engine (`scale_by_trust_ratio`).
+
+    Args:
+        learning_rate: a float, or a schedule of the step count.
+        min_norm: the smallest norm either ratio term takes (``>= 0``).
+
+    Returns:
+        A `GradientTransformationExtraArgs`; its state is ``(EmptyState(), EmptyState(),
+            EmptyState())`` (``ScaleByScheduleState`` in the middle with a schedule).
+
+    Raises:
+        TypeError: ``learning_rate`` is neither a real number nor a callable, or ``min_norm`` is
+            not a real number.
+
+    References:
+        Bernstein et al., "On the distance between two neural networks and the stability of
+        learning", NeurIPS 2020 (arXiv:2002.03432). optax.fromage.
+
+    Examples:
+        >>> import numpy as np, numbaccum as nba
+        >>> params = {"w": np.array([3.0, 4.0])}  # norm 5
+        >>> tx = nba.fromage(0.75)  # m = 0.8
+        >>> state = nba.step_(tx, {"w": np.array([0.0, 2.0])}, tx.init(params), params)
+        >>> [round(float(x), 4) for x in params["w"]]  # 0.8 * (p - 0.75 * g * 5 / 2)
+        [2.4, 0.2]
+    """
+    if not callable(learning_rate):
+        lr = real(learning_rate, "learning_rate")
+        mult = 1.0 / math.hypot(1.0, lr)  # optax's 1 / (1 + lr^2)^0.5, finite for any finite lr
+        return chain(
+            scale_by_trust_ratio(min_norm),
+            scale_by_learning_rate(lr * mult),
+            add_decayed_weights(mult - 1.0),
+        )
+    schedule = learning_rate
+
+    def mult_of(count: Any) -> Any:
+        return 1.0 / np.hypot(1.0, real(schedule(count), "learning_rate"))
+
+    return chain(
+        scale_by_trust_ratio(min_norm),
+        scale_by_learning_rate(lambda count: mult_of(count) * schedule(count)),
+        add_decayed_weights(lambda count: mult_of(count) - 1.0),
+    )
+
+
+class ScaleByOptimisticGradientState(NamedTuple):
+    """The optimistic gradient's state (optax's fields).
+
+    Attributes:
+        is_initial_step: True until the first update (a NumPy bool).
+        previous_gradient: the last update this stage received, a FlatTree of the params'
+            layout.
+    """
+
+    is_initial_step: np.bool_
+    previous_gradient: FlatTree
+
+
+@formula(
+    states=("previous_gradient",),
+    inputs=("g",),
+    outputs=("out",),
+    scalars=("alpha_plus_beta", "beta", "first"),
+)
+def optimistic_direction(previous_gradient, g, alpha_plus_beta, beta, first):
+    """Optimistic gradient: out = (alpha + beta) g - beta g_prev, with g_prev = g at the first
+    step (optax's issue #1082); g_prev = g."""
+    prev = g if first else previous_gradient
+    return g, alpha_plus_beta * g - beta * prev
+
+
+class _ScaleByOptimisticGradient(Elementwise):
+    state_cls, fields, formula, name = (
+        ScaleByOptimisticGradientState,
+        ("previous_gradient",),
+        optimistic_direction,
+        "scale_by_optimistic_gradient",
+    )
+    complex_leaves = True  # optax defines it on complex leaves
+    counted, count_field = True, "is_initial_step"  # a flag, not a count: see `advance`
+
+    def __init__(self, alpha: Any, beta: Any) -> None:
+        self.alpha, self.beta = real(alpha, "alpha"), real(beta, "beta")
+
+    def count_start(self) -> np.bool_:
+        return np.bool_(True)
+
+    def advance(self, count: Any) -> tuple[np.bool_, bool]:
+        return np.bool_(False), bool(count)  # the scalars read whether this is the first step
+
+    def scalars(self, count: Any, ct: np.dtype) -> tuple:
+        return (self.alpha + self.beta, self.beta, count)
+
+
+def scale_by_optimistic_gradient(alpha: float = 1.0, beta: float = 1.0) -> GradientTransformationExtraArgs:
+    """Generalized optimistic gradients: the update minus ``beta`` times its change.
+
+    ``u = (alpha + beta) g_t - beta g_{t-1}``, with ``g_{t-1} = g_t`` at the first step (so ``u =
+    alpha g``, as optax since its issue #1082); ``alpha + beta`` is summed in float64 and cast once.
+    One fused pass; the state keeps the last update.
+
+    Args:
+        alpha: the coefficient of the generalized optimistic gradient.
+        beta: the coefficient of the negative momentum.
+
+    Returns:
+        A `GradientTransformationExtraArgs`; its state is
+            ``ScaleByOptimisticGradientState(is_initial_step, previous_gradient)``, as in optax.
+
+    Raises:
+        TypeError: ``alpha`` or ``beta`` is not a real number (optax's adds a schedule to a
+            number and fails too).
+
+    References:
+        Daskalakis et al., "Training GANs with Optimism", ICLR 2018 (arXiv:1711.00141); Mokhtari
+        et al., "A Unified Analysis of Extra-gradient and Optimistic Gradient Methods for Saddle
+        Point Problems", 2019 (arXiv:1901.08511). optax.scale_by_optimistic_gradient.
+
+    Examples:
+        >>> import numpy as np, numbaccum as nba
+        >>> tx = nba.scale_by_optimistic_gradient(alpha=1.0, beta=0.5)
+        >>> state = tx.init({"w": np.zeros(2)})
+        >>> u, state = tx.update({"w": np.array([1.0, 2.0])}, state)
+        >>> u["w"]  # the first step: alpha * g
+        array([1., 2.])
+        >>> u, state = tx.update({"w": np.array([3.0, 2.0])}, state)
+        >>> u["w"]  # 1.5 * g - 0.5 * g_prev
+        array([4., 2.])
+    """
+    return _ScaleByOptimisticGradient(alpha, beta).transformation()
+
+
+def optimistic_gradient_descent(
+    learning_rate: ScalarOrSchedule, alpha: float = 1.0, beta: float = 1.0
+) -> GradientTransformationExtraArgs:
+    """Optimistic gradient descent, for min-max games where plain descent cycles.
+
+    ``w_{t+1} = w_t - lr ((alpha + beta) g_t - beta g_{t-1})``: ``chain(scale_by_optimistic_gradient(alpha,
+    beta), scale_by_learning_rate(learning_rate))``, one fused pass.
+
+    Args:
+        learning_rate: a float, or a schedule of the step count.
+        alpha: as in `scale_by_optimistic_gradient`.
+        beta: as in `scale_by_optimistic_gradient`.
+
+    Returns:
+        A `GradientTransformationExtraArgs`; its state is
+            ``(ScaleByOptimisticGradientState(is_initial_step, previous_gradient), EmptyState())``
+            (``ScaleByScheduleState`` last with a schedule).
+
+    Raises:
+        TypeError: a hyperparameter is not a real number (or a schedule where one may be).
+
+    References:
+        Mokhtari et al., "A Unified Analysis of Extra-gradient and Optimistic Gradient Methods
+        for Saddle Point Problems: Proximal Point Approach", AISTATS 2020 (arXiv:1901.08511).
+        optax.optimistic_gradient_descent.
+
+    Examples:
+        >>> import numpy as np, numbaccum as nba
+        >>> params = {"x": np.array(1.0), "y": np.array(1.0)}  # min_x max_y x * y
+        >>> tx = nba.optimistic_gradient_descent(0.1)
+        >>> state = tx.init(params)
+        >>> for _ in range(2000):
+        ...     grads = {"x": params["y"].copy(), "y": -params["x"]}  # descend x, ascend y
+        ...     state = nba.step_(tx, grads, state, params)
+        >>> bool(abs(params["x"]) < 1e-3 and abs(params["y"]) < 1e-3)  # the saddle point
+        True
+    """
+    return chain(scale_by_optimistic_gradient(alpha, beta), scale_by_learning_rate(learning_rate))
+
+
+def optimistic_adam(
+    learning_rate: float,
+    optimism: float | None = None,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    eps_root: float = 0.0,
+    mu_dtype: Any = None,
+    *,
+    nesterov: bool = True,
+) -> GradientTransformationExtraArgs:
+    """Optimistic Adam (deprecated in optax for `optimistic_adam_v2`, whose arguments are named).
+
+    ``chain(scale_by_adam(b1, b2, eps, eps_root, mu_dtype, nesterov=nesterov),
+    scale_by_optimistic_gradient(alpha=learning_rate, beta=optimism), scale_by_learning_rate(1.0))``:
+    the rate enters as the optimistic ``alpha`` (``optimism`` defaults to it), one fused pass.
+
+    Args:
+        learning_rate: a float (a schedule is refused, as optax does: use `optimistic_adam_v2`).
+        optimism: the optimistic ``beta``; None: ``learning_rate``.
+        b1: as in `scale_by_adam`.
+        b2: as in `scale_by_adam`.
+        eps: as in `scale_by_adam`.
+        eps_root: as in `scale_by_adam`.
+        mu_dtype: as in `scale_by_adam`.
+        nesterov: as in `scale_by_adam` (True here, as optax's).
+
+    Returns:
+        A `GradientTransformationExtraArgs`; its state is ``(ScaleByAdamState(count, mu, nu),
+            ScaleByOptimisticGradientState(is_initial_step, previous_gradient), EmptyState())``.
+
+    Raises:
+        ValueError: ``learning_rate`` is a schedule.
+        TypeError: a hyperparameter is not a real number.
+
+    Warns:
+        DeprecationWarning: as optax's.
+
+    References:
+        Daskalakis et al., "Training GANs with Optimism", ICLR 2018 (arXiv:1711.00141).
+        optax.optimistic_adam.
+
+    Examples:
+        >>> import warnings, numpy as np, numbaccum as nba
+        >>> with warnings.catch_warnings():
+        ...     warnings.simplefilter("ignore", DeprecationWarning)
+        ...     tx = nba.optimistic_adam(0.1)
+        >>> u, _ = tx.update({"w": np.array([2.0])}, tx.init({"w": np.zeros(1)}))
+        >>> u["w"]  # alpha = 0.1 times NAdam's first direction (1.4737), the sign flipped
+        array([-0.14736842])
+    """
+    import warnings
+
+    warnings.warn(
+        "`optimistic_adam` is deprecated, please use `optimistic_adam_v2` instead.",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    if callable(learning_rate):
+        raise ValueError(
+            "optimistic_adam: learning_rate must be a number, not a schedule (as optax's): "
+            "optimistic_adam_v2 takes one"
+        )
+    learning_rate = real(learning_rate, "learning_rate")
+    optimism = learning_rate if optimism is None else real(optimism, "optimism")
+    return chain(
+        scale_by_adam(b1, b2, eps, eps_root, mu_dtype, nesterov=nesterov),
+        scale_by_optimistic_gradient(alpha=learning_rate, beta=optimism),
+        scale_by_learning_rate(1.0),  # flips the sign
+    )
+
+
+def optimistic_adam_v2(
+    learning_rate: ScalarOrSchedule,
+    *,
+    alpha: float = 1.0,
+    beta: float = 1.0,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    eps_root: float = 0.0,
+    mu_dtype: Any = None,
+    nesterov: bool = True,
+) -> GradientTransformationExtraArgs:
+    """Optimistic Adam: Adam's (Nesterov) direction through an optimistic gradient.
+
+    ``chain(scale_by_adam(b1, b2, eps, eps_root, mu_dtype, nesterov=nesterov),
+    scale_by_optimistic_gradient(alpha, beta), scale_by_learning_rate(learning_rate))``: ``d_t`` =
+    Adam's direction, ``u = -lr ((alpha + beta) d_t - beta d_{t-1})``; one fused pass.
+
+    Args:
+        learning_rate: a float, or a schedule of the step count.
+        alpha: as in `scale_by_optimistic_gradient`.
+        beta: as in `scale_by_optimistic_gradient`.
+        b1: as in `scale_by_adam`.
+        b2: as in `scale_by_adam`.
+        eps: as in `scale_by_adam`.
+        eps_root: as in `scale_by_adam`.
+        mu_dtype: as in `scale_by_adam`.
+        nesterov: as in `scale_by_adam` (True here, as optax's).
+
+    Returns:
+        A `GradientTransformationExtraArgs`; its state is ``(ScaleByAdamState(count, mu, nu),
+            ScaleByOptimisticGradientState(is_initial_step, previous_gradient), EmptyState())``
+            (``ScaleByScheduleState`` last with a schedule).
+
+    Raises:
+        TypeError: a hyperparameter is not a real number (or a schedule where one may be).
+        ValueError: ``b1`` or ``b2`` is not between 0 and 1.
+
+    References:
+        Daskalakis et al., "Training GANs with Optimism", ICLR 2018 (arXiv:1711.00141).
+        optax.optimistic_adam_v2.
+
+    Examples:
+        >>> import numpy as np, numbaccum as nba
+        >>> params = {"x": np.array(1.0), "y": np.array(2.0)}  # min_x max_y x * y (optax's example)
+        >>> tx = nba.optimistic_adam_v2(1.0, alpha=1e-2, beta=1.0)
+        >>> state = tx.init(params)
+        >>> distances = []
+        >>> for _ in range(1025):
+        ...     distances.append(float(np.hypot(params["x"], params["y"])))  # to the saddle point
+        ...     grads = {"x": params["y"].copy(), "y": -params["x"]}  # descend x, ascend y
+        ...     state = nba.step_(tx, grads, state, params)
+        >>> [round(distances[4**i], 3) for i in range(6)]  # optax's float32: 0.796 for 0.795
+        [2.243, 2.195, 2.161, 2.055, 0.795, 0.001]
+    """
+    return chain(
+        scale_by_adam(b1, b2, eps, eps_root, mu_dtype, nesterov=nesterov),
+        scale_by_optimistic_gradient(alpha, beta),
+        scale_by_learning_rate(learning_rate),
+    )
+
+
+def polyak_sgd(
+    max_learning_rate: float = 1.0,
+    scaling: ScalarOrSchedule = 1.0,
+    f_min: float = 0.0,
+    eps: float = 0.0,
+    variant: str = "sps",
+) -> GradientTransformationExtraArgs:
+    """SGD with Polyak's step size: each step as long as the objective's gap over its gradient.
+
+    ``chain(sgd(scaling), scale_by_polyak(f_min, max_learning_rate, eps, variant))``, as optax
+    builds it: with ``d = -scaling * g``, ``u = d * min((f - f_min) / (||d||^2 + eps),
+    max_learning_rate)`` (``scaling = 1``: Polyak's ``-g (f - f*) / ||g||^2``). ``update`` needs
+    the keyword ``value``, the objective at the params.
+
+    Args:
+        max_learning_rate: the largest step size.
+        scaling: a float, or a schedule of the step count, scaling the gradient first.
+        f_min: a lower bound on the objective (0 for models that interpolate the data).
+        eps: added to the squared norm (``>= 0``).
+        variant: ``'sps'`` or ``'sps+'`` (the gap clipped at 0).
+
+    Returns:
+        A `GradientTransformationExtraArgs`; its state is ``((EmptyState(), EmptyState()),
+            EmptyState())`` (``ScaleByScheduleState`` with a schedule).
+
+    Raises:
+        TypeError: a hyperparameter is not a real number (or a schedule where one may be); at
+            ``update``, ``value`` is missing or not a real scalar.
+        ValueError: ``eps`` is negative or ``variant`` unknown.
+
+    References:
+        Loizou et al., "Stochastic Polyak Step-size for SGD: An Adaptive Learning Rate for Fast
+        Convergence", AISTATS 2021 (arXiv:2002.10542). optax.polyak_sgd.
+
+    Examples:
+        >>> import numpy as np, numbaccum as nba
+        >>> params = {"x": np.array([1.0, 2.0, 3.0])}  # f = sum x^2, min 0
+        >>> tx = nba.polyak_sgd()
+        >>> state = tx.init(params)
+        >>> for _ in range(3):
+        ...     value, grads = float(np.sum(params["x"] ** 2)), {"x": 2 * params["x"]}
+        ...     state = nba.step_(tx, grads, state, params, value=value)
+        ...     print(float(np.sum(params["x"] ** 2)))
+        3.5
+        0.875
+        0.21875
+    """
+    return chain(sgd(learning_rate=scaling), scale_by_polyak(f_min, max_learning_rate, eps, variant))

@@ -144,7 +144,13 @@ class Explanation(NamedTuple):
 
 
 def explain(
-    tx: Any, params: Any, state: Any = None, *, apply: bool = False, fused: bool | None = None
+    tx: Any,
+    params: Any,
+    state: Any = None,
+    *,
+    apply: bool = False,
+    fused: bool | None = None,
+    **extra_args: Any,
 ) -> Explanation:
     """The passes ``tx.update(updates, state, params)`` will run (`step_` with ``apply=True``).
 
@@ -161,6 +167,8 @@ def explain(
         apply: explain `step_` (the update added to params) instead of ``update``.
         fused: explain the fused (True) or stage-by-stage (False) path; None: what
             ``NUMBACCUM_FUSE`` selects now.
+        **extra_args: the update's extra arguments, for a stage that needs one to plan
+            (`scale_by_polyak`'s ``value``).
 
     Returns:
         An `Explanation`: its ``passes``, ``total`` and ``minimum`` in bytes per parameter;
@@ -195,7 +203,7 @@ def explain(
     ref = ParamsRef(params, layout, None, device)
     if isinstance(stage, MultiSteps) and not stage.reshapes:  # (DP accumulation: opaque below)
         return _explain_multisteps(stage, params, state, apply, fused, layout)
-    units, names, segs = _units(stage, spec, state, ref, apply, fused)
+    units, names, segs = _units(stage, spec, state, ref, apply, fused, extra_args)
     b = _Bytes(layout)
     x = b.x
     passes: list[Pass] = []
@@ -294,7 +302,9 @@ def _one_by_one_passes(b: _Bytes, parts: list, pending: bool, passes: list) -> b
     return pending
 
 
-def _units(stage: Stage, spec: Spec, state: Any, ref: ParamsRef, apply: bool, fused: bool) -> tuple:
+def _units(
+    stage: Stage, spec: Spec, state: Any, ref: ParamsRef, apply: bool, fused: bool, extra: dict
+) -> tuple:
     """What `explain` describes: ``(units, names, runs)``, ``units[i]`` the parts of unit ``i``
     (None: not described), ``runs`` the ``(start, stop, fused run or None)`` over them. A
     declared transformation's units are its parts and its runs the runner's own `runner.Plan`
@@ -302,7 +312,7 @@ def _units(stage: Stage, spec: Spec, state: Any, ref: ParamsRef, apply: bool, fu
     for one step."""
     if stage.declarable():
         root = stage.declare(spec, state)
-        root.tick(state, ref, {})
+        root.tick(state, ref, extra)
         plan = runner.Plan(root, spec, fused, [])
         units = [[p] for p in plan.leaves]
         runs = plan.runs if fused else [(i, i + 1, None) for i in range(len(units))]
@@ -311,10 +321,10 @@ def _units(stage: Stage, spec: Spec, state: Any, ref: ParamsRef, apply: bool, fu
         states = stage._states(state)
         if states is None:
             raise ValueError("state: not this chain's state")
-        steps = [s.plan(spec, st, ref, {}) for s, st in zip(stage.stages, states)]
+        steps = [s.plan(spec, st, ref, extra) for s, st in zip(stage.stages, states)]
         names = [type(s).__name__.lstrip("_") for s in stage.stages]
     else:
-        steps = [stage.plan(spec, state, ref, {})]
+        steps = [stage.plan(spec, state, ref, extra)]
         names = [type(stage).__name__.lstrip("_")]
     units = [fuse.leaves(s.fuse) if s.fuse else None for s in steps]
     runs = fuse.segments(steps) if fused else [(i, i + 1, None) for i in range(len(steps))]

@@ -1605,3 +1605,107 @@ def adan(learning_rate, b1=0.98, b2=0.92, b3=0.99, eps=1e-8, eps_root=1e-8, weig
         add_decayed_weights(weight_decay),
         scale_by_learning_rate(learning_rate),
     )
+
+
+def fromage(learning_rate, min_norm=1e-6):
+    mult = 1.0 / (1.0 + learning_rate**2) ** 0.5
+    return chain(
+        scale_by_trust_ratio(min_norm),
+        scale_by_learning_rate(learning_rate * mult),
+        add_decayed_weights(mult - 1.0),
+    )
+
+
+class ScaleByOptimisticGradientState(NamedTuple):
+    is_initial_step: Any
+    previous_gradient: Any
+
+
+def scale_by_optimistic_gradient(alpha=1.0, beta=1.0):
+    """optax's ``scale_by_optimistic_gradient`` leaf by leaf (the previous gradient is the
+    current one at the first step)."""
+
+    def init(params):
+        return ScaleByOptimisticGradientState(np.bool_(True), zeros_like(params))
+
+    def update(updates, state, params=None, **extra):
+        def leaf(g, prev):
+            prev = g if state.is_initial_step else prev
+            return _arr(_c(alpha + beta, g.dtype) * g - _c(beta, g.dtype) * prev, g.dtype)
+
+        out = tree_map(leaf, updates, state.previous_gradient)
+        return out, ScaleByOptimisticGradientState(np.bool_(False), tree_map(np.copy, updates))
+
+    return Transformation(init, update)
+
+
+def optimistic_gradient_descent(learning_rate, alpha=1.0, beta=1.0):
+    return chain(scale_by_optimistic_gradient(alpha, beta), scale_by_learning_rate(learning_rate))
+
+
+def optimistic_adam_v2(learning_rate, *, alpha=1.0, beta=1.0, b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0):
+    return chain(
+        scale_by_nadam(b1, b2, eps, eps_root),  # nesterov=True, optax's default here
+        scale_by_optimistic_gradient(alpha, beta),
+        scale_by_learning_rate(learning_rate),
+    )
+
+
+def scale_by_polyak(f_min=0.0, max_learning_rate=1.0, eps=0.0, variant="sps"):
+    """optax's ``scale_by_polyak``, the squared norm in float64."""
+
+    def update(updates, state, params=None, *, value, **extra):
+        leaves, _ = tree_flatten(updates)
+        sq = sum(
+            float(np.sum(np.abs(x.astype(np.complex128 if np.iscomplexobj(x) else np.float64)) ** 2))
+            for x in leaves
+        )
+        gap = float(value) - f_min
+        if variant == "sps+":
+            gap = max(gap, 0.0)
+        step = 0.0 if sq + eps <= np.finfo(np.float64).eps else min(gap / (sq + eps), max_learning_rate)
+        return tree_map(lambda x: _arr(x * step, x.dtype), updates), state
+
+    return Transformation(lambda params: EmptyState(), update)
+
+
+def polyak_sgd(max_learning_rate=1.0, scaling=1.0, f_min=0.0, eps=0.0, variant="sps"):
+    return chain(sgd(scaling), scale_by_polyak(f_min, max_learning_rate, eps, variant))
+
+
+class ConditionallyTransformState(NamedTuple):
+    inner_state: Any
+    step: Any
+
+
+class ConditionallyMaskState(NamedTuple):
+    step: Any
+    inner_state: Any
+
+
+def conditionally_transform(inner, should_transform_fn):
+    def init(params):
+        return ConditionallyTransformState(inner.init(params), np.int32(0))
+
+    def update(updates, state, params=None, **extra):
+        if should_transform_fn(state.step):
+            updates, inner_state = inner.update(updates, state.inner_state, params, **extra)
+        else:
+            inner_state = state.inner_state
+        return updates, ConditionallyTransformState(inner_state, safe_increment(state.step))
+
+    return Transformation(init, update)
+
+
+def conditionally_mask(inner, should_transform_fn):
+    def init(params):
+        return ConditionallyMaskState(np.int32(0), inner.init(params))
+
+    def update(updates, state, params=None, **extra):
+        if should_transform_fn(state.step):
+            updates, inner_state = inner.update(updates, state.inner_state, params, **extra)
+        else:
+            updates, inner_state = tree_map(np.zeros_like, updates), state.inner_state
+        return updates, ConditionallyMaskState(safe_increment(state.step), inner_state)
+
+    return Transformation(init, update)

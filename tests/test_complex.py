@@ -246,7 +246,9 @@ TAKES_COMPLEX = {
     "scale_by_sign", "scale_by_stddev", "scale_by_yogi", "sgd", "sign_sgd", "trace", "yogi",
     "zero_nans", "set_to_zero", "scale_by_schedule", "partition", "multi_transform", "freeze",
     "selective_transform", "stateless", "stateless_with_tree_map", "adamaxw", "radam",
-    "scale_by_radam", "lamb", "lars", "scale_by_trust_ratio", "signum",
+    "scale_by_radam", "lamb", "lars", "scale_by_trust_ratio", "signum", "fromage",
+    "scale_by_optimistic_gradient", "optimistic_gradient_descent", "optimistic_adam",
+    "optimistic_adam_v2", "conditionally_transform", "conditionally_mask",
 }  # fmt: skip
 # Registry cases whose hyperparameters fix a real state dtype (refused: see below).
 REAL_STATE = {"trace_nesterov_f64acc"}

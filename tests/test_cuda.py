@@ -126,6 +126,26 @@ def test_transformations_on_device_match_cpu(name, dtype):
     assert launched >= 1, f"{name}: no kernel ran on the device in 4 updates"
 
 
+@needs_cuda
+@pytest.mark.parametrize("variant", ["sps", "sps+"])
+def test_polyak_on_device_matches_cpu(variant):
+    """scale_by_polyak needs the objective's value at each update (the registry's tests pass
+    none): polyak_sgd on the device against the host, values above and below ``f_min``."""
+    tx_cpu, tx_gpu = (
+        nba.polyak_sgd(0.5, f_min=0.2, variant=variant),
+        nba.polyak_sgd(0.5, f_min=0.2, variant=variant),
+    )
+    p = params()
+    s_cpu, s_gpu = tx_cpu.init(p), tx_gpu.init(dev(p))
+    for step, value in enumerate((3.0, 0.1, np.float32(1.5))):
+        g = grads(step)
+        u_cpu, s_cpu = tx_cpu.update(g, s_cpu, p, value=value)
+        u_gpu, s_gpu = tx_gpu.update(dev(g), s_gpu, dev(p), value=value)
+        assert_on_device(u_gpu, f"polyak step {step}")
+        for a, b in zip(nba.tree_flatten(host(u_gpu))[0], nba.tree_flatten(u_cpu)[0]):
+            close(a, b, np.float32)
+
+
 def assert_on_device(tree, msg=""):
     """Every leaf of ``tree`` (or of a FlatTree) is a CUDA device array, not a host copy."""
     tree = tree.tree if isinstance(tree, nba.FlatTree) else tree

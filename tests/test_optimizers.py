@@ -246,3 +246,86 @@ def test_rprop_takes_the_current_step_as_torch_does():
         u, state = tx.update(np.array([g]), state, params)
         got.append(float(u[0]))
     np.testing.assert_allclose(got, [0.1, 0.12, 0.144, 0.0, 0.072], rtol=1e-15)
+
+
+# --- Polyak's step size: every update needs the objective's value (not in the registry) --------
+
+POLYAK = {
+    "polyak_sgd": (lambda m: m.polyak_sgd(), {}),
+    "polyak_sgd_every_option": (lambda m: m.polyak_sgd(0.5, 0.7, -1.0, 1e-3, "sps+"), {}),
+    "scale_by_polyak_plus_below_the_bound": (lambda m: m.scale_by_polyak(f_min=10.0, variant="sps+"), {}),
+    "chain_polyak_momentum": (lambda m: m.chain(m.scale_by_polyak(max_learning_rate=0.3), m.trace(0.9)), {}),
+}
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("name", sorted(POLYAK))
+def test_polyak_matches_the_reference_and_step_applies_the_same_bits(name, dtype):
+    make, _ = POLYAK[name]
+    rng = np.random.default_rng(3)
+    params = {"w": rng.normal(size=(4, 3)).astype(dtype), "b": rng.normal(size=5).astype(dtype)}
+    ours, theirs, stepped = make(nba), make(ref), make(nba)
+    s, r, t = ours.init(params), theirs.init(params), stepped.init(params)
+    p_step = nba.tree_map(np.copy, params)
+    for i in range(4):
+        g = nba.tree_map(lambda x: rng.normal(size=x.shape).astype(dtype), params)
+        value = 2.5 - i
+        want_p = nba.apply_updates(p_step, (u := ours.update(g, s, params, value=value))[0])
+        s = u[1]
+        got, r = theirs.update(g, r, params, value=value)
+        assert_tree_close(u[0], got)
+        t = nba.step_(stepped, g, t, p_step, value=value)
+        assert_tree_equal(p_step, want_p)
+
+
+def test_polyak_against_optax_and_its_example():
+    optax = pytest.importorskip("optax")
+    x = np.array([1.0, 2.0, 3.0], np.float32)
+    for mk in (lambda m: m.polyak_sgd(), lambda m: m.polyak_sgd(0.5, 0.7, -1.0, 1e-3, "sps+")):
+        ours, theirs = mk(nba), mk(optax)
+        s, so = ours.init(x), theirs.init(x)
+        for _ in range(3):
+            value, g = float(np.sum(x**2)), 2 * x
+            u, s = ours.update(g, s, x, value=value)
+            uo, so = theirs.update(g, so, x, value=value)
+            np.testing.assert_allclose(u, np.asarray(uo), rtol=2e-7)
+            x = x + u
+    p = {"x": np.array([1.0, 2.0, 3.0])}  # optax's docstring: 14 -> 3.5 -> 0.875 -> 0.21875
+    tx = nba.polyak_sgd()
+    state = tx.init(p)
+    seen = []
+    for _ in range(3):
+        state = nba.step_(tx, {"x": 2 * p["x"]}, state, p, value=float(np.sum(p["x"] ** 2)))
+        seen.append(float(np.sum(p["x"] ** 2)))
+    assert seen == [3.5, 0.875, 0.21875]
+
+
+def test_polyak_needs_a_real_scalar_value_and_guards_a_zero_gradient():
+    tx = nba.polyak_sgd()
+    p = {"w": np.ones(3)}
+    state = tx.init(p)
+    with pytest.raises(TypeError, match=r"needs the objective: call update\(.*value="):
+        tx.update({"w": np.ones(3)}, state, p)
+    for bad in (np.ones(2), "1.0", None, True, 1j):
+        with pytest.raises(TypeError, match="value must be a real scalar"):
+            tx.update({"w": np.ones(3)}, state, p, value=bad)
+    with pytest.raises(TypeError, match="value must be a real scalar"):
+        nba.step_(tx, {"w": np.ones(3)}, state, p, value=[1.0])
+    np.testing.assert_array_equal(p["w"], np.ones(3))  # nothing moved
+    u, _ = tx.update({"w": np.zeros(3)}, state, p, value=5.0)  # |g|^2 = 0: no step, not 0 / 0
+    np.testing.assert_array_equal(u["w"], np.zeros(3))
+    u, _ = tx.update({"w": np.ones(3)}, state, p, value=np.float32(1e30))  # capped by the rate
+    np.testing.assert_array_equal(u["w"], -np.ones(3))
+    with pytest.raises(ValueError, match="variant must be 'sps' or 'sps\\+'"):
+        nba.polyak_sgd(variant="sps-")
+    with pytest.raises(ValueError, match="eps"):
+        nba.scale_by_polyak(eps=-1.0)
+    with pytest.raises(TypeError, match="f_min"):
+        nba.scale_by_polyak(f_min="0")
+
+
+def test_polyak_fuses_with_its_neighbours():
+    p = {"w": np.ones((4, 4), np.float32)}
+    e = nba.explain(nba.chain(nba.scale_by_polyak(), nba.trace(0.9), nba.scale(-1.0)), p, value=1.0)
+    assert [x.kind for x in e.passes] == ["reduction", "fused"], e  # the norm, then one pass
+    assert e.total == e.minimum, e
