@@ -141,9 +141,12 @@ from .optimizers import (
 )
 from .passes import Explanation, explain, step_
 from .privacy import (
+    AddNoiseState,
     DifferentiallyPrivateAggregateState,
+    add_noise,
     differentially_private_aggregate,
     dpsgd,
+    noisy_sgd,
     per_example_clip_from_norms,
     per_example_clip_weights,
     per_example_global_norm_clip,
@@ -286,6 +289,9 @@ __all__ = [
     "ConditionallyTransformState",
     "conditionally_mask",
     "conditionally_transform",
+    "AddNoiseState",
+    "add_noise",
+    "noisy_sgd",
     "save_state",
     "scale_by_sign",
     "sgd",

@@ -198,6 +198,7 @@ def _library_state_classes() -> tuple[type, ...]:
         optimizers.ScaleByRStdDevWithCountState,
         optimizers.ScaleByRpropState,
         optimizers.ScaleByRssState,
+        privacy.AddNoiseState,
         privacy.DifferentiallyPrivateAggregateState,
     )
 

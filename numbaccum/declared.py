@@ -253,14 +253,14 @@ class Elementwise(Stage):
         # renewals share), the owner to renew, the count to advance; any other field passes.
         order = cls._fields  # type: ignore[union-attr]
         checks = tuple((order.index(f), b.__dict__) for f, b in zip(self.fields, bufs))
-        owner_field = self.fields[-1]
-        owner_at = order.index(owner_field)
+        owner_field = self.fields[-1] if self.fields else None  # (a state of scalars only: none)
+        owner_at = order.index(owner_field) if self.fields else -1
         count_at = order.index(self.count_field) if counted else -1
 
         # The scalars once per distinct compute dtype (one, unless groups differ), as they come:
         # the drivers cast them for the call and the kernels to each formula's compute dtype.
-        where = [cts.index(ct) for ct in cts]
-        distinct = [ct for i, ct in enumerate(cts) if where[i] == i]
+        distinct = list(dict.fromkeys(cts))
+        where = [distinct.index(ct) for ct in cts]  # each group's, among the distinct ones
         one_ct, ct0, n_groups = len(distinct) == 1, distinct[0] if distinct else None, len(cts)
         new = tuple.__new__  # the NamedTuple made from its values, without its keyword __new__
         advance = None if type(self).advance is Elementwise.advance else self.advance
@@ -274,7 +274,8 @@ class Elementwise(Stage):
             if reads_params:
                 part.inputs = _params_input(params, name)
             values = list(state)
-            values[owner_at] = current(values[owner_at], owner_field)
+            if owner_at >= 0:
+                values[owner_at] = current(values[owner_at], owner_field)
             if counted:
                 if advance is None:  # a count: inline, the common case
                     count = values[count_at] = safe_increment(values[count_at])

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import warnings
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -26,23 +27,27 @@ import numpy as np
 
 from . import arrays
 from ._bounded import Bounded
-from ._checks import flag, non_negative, real
+from ._checks import flag, non_negative, real, wrong_state
 from .accumulation import trace
 from .backend import ops_for, slice_sumsq
 from .base import Stage, Step, chain
-from .declared import check_decay
+from .declared import Elementwise, check_decay
 from .flat import FlatTree, as_flat, layout_of
-from .layout import Layout, finfo
+from .formulas import formula
+from .layout import Layout, compute_dtype, finfo, real_dtype
 from .protocol import GradientTransformationExtraArgs
-from .scaling import identity, scale_by_learning_rate
+from .scaling import ScalarOrSchedule, identity, scale_by_learning_rate
 from .tables import segments
 from .tree import short_repr, tree_unflatten
 from .updates import ParamsRef, Spec, Updates
 
 __all__ = [
+    "AddNoiseState",
     "DifferentiallyPrivateAggregateState",
+    "add_noise",
     "differentially_private_aggregate",
     "dpsgd",
+    "noisy_sgd",
     "per_example_clip_from_norms",
     "per_example_clip_weights",
     "per_example_global_norm_clip",
@@ -455,12 +460,12 @@ class DifferentiallyPrivateAggregateState(NamedTuple):
     examples: Any = np.int64(0)
 
 
-def _check_seed(seed: Any) -> int:
+def _check_seed(seed: Any, name: str = "seed") -> int:
     if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, numbers.Integral):
-        raise TypeError(f"seed must be an int, got {type(seed).__name__}")
+        raise TypeError(f"{name} must be an int, got {type(seed).__name__}")
     s = int(seed)
     if not 0 <= s < 2**64:
-        raise ValueError(f"seed must be in [0, 2**64), got {s}")
+        raise ValueError(f"{name} must be in [0, 2**64), got {s}")
     return s
 
 
@@ -716,3 +721,193 @@ def dpsgd(
         *inner,
         scale_by_learning_rate(learning_rate),
     )
+
+
+# --- gradient noise (optax's add_noise) -----------------------------------------------------
+
+
+class AddNoiseState(NamedTuple):
+    """State of `add_noise` (optax's fields).
+
+    Attributes:
+        count: the number of updates so far (int32, saturating): the noise's step.
+        rng_key: the seed, a read-only ``uint64`` array of one element; the noise of step ``t``
+            is drawn from the Philox stream keyed ``[seed, t]`` (the key itself never changes).
+    """
+
+    count: np.int32
+    rng_key: np.ndarray
+
+
+@formula(states=(), inputs=("g", "noise"), outputs=("out",), scalars=("std",))
+def add_noise_direction(g, noise, std):
+    """Gradient noise: out = g + std * noise."""
+    return g + std * noise
+
+
+class _AddNoise(Elementwise):
+    state_cls, formula, name = AddNoiseState, add_noise_direction, "add_noise"
+    counted = True
+    complex_leaves = True  # optax draws complex normals for complex leaves
+
+    def __init__(self, eta: Any, gamma: Any, seed: int) -> None:
+        self.eta, self.gamma = non_negative(eta, "eta"), real(gamma, "gamma")
+        self.seed = seed
+
+    def init(self, params: Any) -> AddNoiseState:
+        layout_of(params, "params")  # (checks the params as every init does)
+        key = np.array([self.seed], np.uint64)
+        key.flags.writeable = False
+        return AddNoiseState(np.int32(0), key)
+
+    def scalars(self, count: Any, ct: np.dtype) -> tuple:
+        with np.errstate(over="ignore", divide="ignore"):  # a huge |gamma|: 0 or inf, as optax's
+            return (float(np.sqrt(self.eta / np.float64(count) ** self.gamma)),)  # sqrt(eta / t^gamma)
+
+    def declare(self, spec: Spec, state: Any) -> Any:
+        if not isinstance(state, AddNoiseState):
+            raise wrong_state("AddNoiseState", state)
+        part = super().declare(spec, state)
+        # The noise buffer of this plan, in each group's compute dtype (float32 for float16 and
+        # bfloat16: the formula reads it as it computes), drawn anew at each step's run.
+        dtypes = [compute_dtype(d) for d in spec.layout.group_dtypes]
+        noise = FlatTree.empty(spec.layout, dtypes, spec.device)
+        ticked = part.tick
+
+        def tick(state: Any, params: Any, extra: dict) -> bool:
+            if not ticked(state, params, extra):
+                return False
+            seed = _add_noise_seed(state.rng_key)
+            count = int(part.new_state.count)
+            part.inputs = lambda: (_draw_normals(noise, seed, count),)
+            return True
+
+        part.tick = tick
+        return part
+
+
+def _add_noise_seed(key: Any) -> int:
+    k = np.asarray(key)
+    if k.shape != (1,) or k.dtype != np.uint64:
+        raise ValueError(f"state.rng_key: expected one uint64 (the seed), got {k.dtype} {k.shape}")
+    return int(k[0])
+
+
+def _draw_normals(out: FlatTree, seed: int, step: int) -> FlatTree:
+    """``out`` filled with standard normals from the Philox stream ``[seed, step]``, group by
+    group (complex groups: real and imaginary parts each of variance 1/2, as JAX's complex
+    normal); drawn on the host, then copied to the device for device buffers."""
+    rng = np.random.Generator(np.random.Philox(key=np.array([seed, step], np.uint64)))
+    for g in out.groups:
+        host = np.empty(g.shape, g.dtype) if out.device else g
+        parts = host.view(real_dtype(host.dtype)) if host.dtype.kind == "c" else host
+        rng.standard_normal(out=parts, dtype=parts.dtype)
+        if host.dtype.kind == "c":
+            parts *= parts.dtype.type(math.sqrt(0.5))
+        if out.device:
+            g.copy_to_device(host)
+    return out
+
+
+def add_noise(
+    eta: float, gamma: float, key: int | None = None, *, seed: int | None = None
+) -> GradientTransformationExtraArgs:
+    """Adds annealed Gaussian noise to the updates.
+
+    ``u = g + sqrt(eta / t^gamma) z`` with ``t`` the step (from 1) and ``z`` standard normal,
+    drawn for every element from the Philox stream keyed ``[key, t]`` (so a seed reproduces its
+    noise on any machine and thread count, on the host and the GPU alike; the draws differ from
+    JAX's). Complex leaves get complex normals (each part of variance 1/2). The addition is a
+    declared formula: in a chain it fuses with its neighbours; the draws are one pass of their
+    own (on the host, copied to a GPU).
+
+    Args:
+        eta: the variance of the noise at the first step (``>= 0``).
+        gamma: the decay exponent of the variance.
+        key: the seed, an int in ``[0, 2**64)``; None: 0, with optax's warning.
+        seed: deprecated (optax's), the same as ``key``.
+
+    Returns:
+        A `GradientTransformationExtraArgs`; its state is ``AddNoiseState(count, rng_key)``, as
+            in optax.
+
+    Raises:
+        TypeError: ``eta`` or ``gamma`` is not a real number, or the key is not an int.
+        ValueError: ``eta`` is negative or NaN, the key is out of range, or both ``key`` and
+            ``seed`` are given.
+
+    References:
+        Neelakantan et al., "Adding Gradient Noise Improves Learning for Very Deep Networks",
+        2015 (arXiv:1511.06807). optax.add_noise.
+
+    Examples:
+        >>> import numpy as np, numbaccum as nba
+        >>> tx = nba.add_noise(eta=0.01, gamma=0.55, key=0)
+        >>> g = {"w": np.zeros(100_000)}
+        >>> u, state = tx.update(g, tx.init(g))
+        >>> round(float(np.std(u["w"])), 2)  # sqrt(0.01 / 1^0.55)
+        0.1
+        >>> u, state = tx.update(g, state)
+        >>> round(float(np.std(u["w"])) ** 2 / 0.01, 2)  # the variance decays as 2^-0.55
+        0.68
+    """
+    return _AddNoise(eta, gamma, _noise_key(key, seed)).transformation()
+
+
+def _noise_key(key: Any, seed: Any) -> int:
+    """optax's key or deprecated seed, as an int (0 with optax's warning when neither)."""
+    if seed is not None:
+        warnings.warn('"seed" is deprecated (as in optax), use "key".', DeprecationWarning, stacklevel=3)
+        if key is not None:
+            raise ValueError("Only one of seed or key can be specified.")
+        key = seed
+    if key is None:
+        warnings.warn("add_noise: no key given, so the noise is seeded with 0 (as optax does)", stacklevel=3)
+        key = 0
+    return _check_seed(key, "key")
+
+
+def noisy_sgd(
+    learning_rate: ScalarOrSchedule,
+    eta: float = 0.01,
+    gamma: float = 0.55,
+    key: int | None = None,
+    *,
+    seed: int | None = None,
+) -> GradientTransformationExtraArgs:
+    """SGD with annealed Gaussian gradient noise: ``chain(add_noise(eta, gamma, key),
+    scale_by_learning_rate(learning_rate))``, one fused pass after the draws.
+
+    ``u = -lr (g + sqrt(eta / t^gamma) z)``, ``z`` standard normal (see `add_noise`).
+
+    Args:
+        learning_rate: a float, or a schedule of the step count.
+        eta: the variance of the noise at the first step (``>= 0``).
+        gamma: the decay exponent of the variance.
+        key: the seed, an int; None: 0, with optax's warning.
+        seed: deprecated (optax's), the same as ``key``.
+
+    Returns:
+        A `GradientTransformationExtraArgs`; its state is ``(AddNoiseState(count, rng_key),
+            EmptyState())`` (``ScaleByScheduleState`` last with a schedule).
+
+    Raises:
+        TypeError: a hyperparameter is not a real number (or a schedule where one may be), or
+            the key is not an int.
+        ValueError: ``eta`` is negative or NaN, or the key is out of range.
+
+    References:
+        Neelakantan et al., "Adding Gradient Noise Improves Learning for Very Deep Networks",
+        2015 (arXiv:1511.06807). optax.noisy_sgd.
+
+    Examples:
+        >>> import numpy as np, numbaccum as nba
+        >>> params = {"x": np.array([1.0, 2.0, 3.0])}
+        >>> tx = nba.noisy_sgd(learning_rate=0.003, key=0)
+        >>> state = tx.init(params)
+        >>> for _ in range(5):
+        ...     state = nba.step_(tx, {"x": 2 * params["x"]}, state, params)
+        >>> print(f"{float(np.sum(params['x'] ** 2)):.1f}")  # 14 before: each step -1.2% and noise
+        13.2
+    """
+    return chain(add_noise(eta, gamma, _noise_key(key, seed)), scale_by_learning_rate(learning_rate))

@@ -683,6 +683,22 @@ _add(
     optax=lambda o: o.conditionally_mask(o.chain(o.scale(0.5), o.sgd(0.1, momentum=0.9)), _even_steps),
 )
 _add(
+    "add_noise",
+    "add_noise",
+    lambda: nba.add_noise(0.01, 0.55, key=3),
+    None,
+    {"eta": 0.01, "gamma": 0.55, "key": 0},
+    note="Philox draws, not JAX's: the law is tested (test_optimizers), not the bits",
+)
+_add(
+    "noisy_sgd",
+    "noisy_sgd",
+    lambda: nba.noisy_sgd(0.1, key=3),
+    None,
+    {"learning_rate": 0.1, "key": 0},
+    note="Philox draws, not JAX's: the law is tested (test_optimizers), not the bits",
+)
+_add(
     "partition",
     "partition",
     lambda: nba.partition({"matrix": nba.adam(1e-2), "vector": nba.sgd(0.1, momentum=0.9)}, _by_rank),

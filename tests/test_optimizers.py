@@ -329,3 +329,104 @@ def test_polyak_fuses_with_its_neighbours():
     e = nba.explain(nba.chain(nba.scale_by_polyak(), nba.trace(0.9), nba.scale(-1.0)), p, value=1.0)
     assert [x.kind for x in e.passes] == ["reduction", "fused"], e  # the norm, then one pass
     assert e.total == e.minimum, e
+
+
+@pytest.mark.parametrize("name", ["adam", "adan", "radam"])
+def test_groups_sharing_a_compute_dtype_before_another_get_their_scalars(name):
+    """float16 and float32 groups both compute in float32, then a float64 group: each group's
+    scalars are its compute dtype's (an index into the distinct dtypes once overran here), the
+    same bits as each leaf updated alone."""
+    make = {"adam": lambda: nba.adam(0.1), "adan": lambda: nba.adan(0.1), "radam": lambda: nba.radam(0.1)}[
+        name
+    ]
+    g = {
+        "a": np.full(3, 0.5, np.float16),
+        "b": np.full(3, 0.25, np.float32),
+        "c": np.full(3, 2.0, np.float64),
+    }
+    tx = make()
+    s = tx.init(g)
+    alone = {k: (make(), make().init({k: v})) for k, v in g.items()}
+    for _ in range(3):
+        u, s = tx.update(g, s, g)
+        for k, (t, st) in alone.items():
+            want, st = t.update({k: g[k]}, st, {k: g[k]})
+            alone[k] = (t, st)
+            assert_tree_equal({k: u[k]}, want)
+
+
+# --- gradient noise: the draws are ours (Philox), so the checks are of their law ---------------
+
+
+def test_add_noise_has_the_annealed_variance_and_a_stream_per_seed_and_step():
+    g = {"w": np.zeros(200_000), "b": np.zeros(50_000, np.float32)}
+    tx = nba.add_noise(eta=0.04, gamma=0.55, key=7)
+    state = tx.init(g)
+    draws = []
+    for t in range(1, 4):
+        u, state = tx.update(g, state)
+        assert int(state.count) == t and u["b"].dtype == np.float32
+        for k, n in (("w", 200_000), ("b", 50_000)):
+            z = u[k].astype(np.float64) / np.sqrt(0.04 / t**0.55)
+            assert abs(z.mean()) < 5 / np.sqrt(n) and abs(z.var() - 1) < 5 * np.sqrt(2 / n), (t, k)
+        draws.append(u["w"].copy())
+    assert abs(np.corrcoef(draws[0], draws[1])[0, 1]) < 0.02  # a new stream each step
+    again = nba.add_noise(eta=0.04, gamma=0.55, key=7)  # the same seed: the same noise
+    u, _ = again.update(g, again.init(g))
+    np.testing.assert_array_equal(u["w"], draws[0])
+    other = nba.add_noise(eta=0.04, gamma=0.55, key=8)
+    u, _ = other.update(g, other.init(g))
+    assert abs(np.corrcoef(draws[0], u["w"])[0, 1]) < 0.02
+
+
+def test_add_noise_on_complex_leaves_splits_the_variance_between_the_parts():
+    g = {"z": np.zeros(100_000, np.complex128)}
+    tx = nba.add_noise(eta=1.0, gamma=0.0, key=1)
+    u, _ = tx.update(g, tx.init(g))
+    assert u["z"].dtype == np.complex128
+    for part in (u["z"].real, u["z"].imag):
+        assert abs(part.var() - 0.5) < 0.02
+    assert abs(np.mean(np.abs(u["z"]) ** 2) - 1.0) < 0.02  # E|z|^2 = 1, as jax.random.normal's
+
+
+def test_noisy_sgd_fused_staged_and_step_agree_bit_for_bit(monkeypatch):
+    rng = np.random.default_rng(0)
+    p0 = {"w": rng.normal(size=(5, 4)).astype(np.float32), "b": rng.normal(size=3)}
+    g = nba.tree_map(lambda x: rng.normal(size=x.shape).astype(x.dtype), p0)
+    outs = []
+    for fuse in ("1", "0"):
+        monkeypatch.setenv("NUMBACCUM_FUSE", fuse)
+        tx = nba.chain(nba.clip_by_global_norm(1.0), nba.noisy_sgd(0.1, key=5))
+        s = tx.init(p0)
+        for _ in range(3):
+            u, s = tx.update(g, s, p0)
+        outs.append(u)
+    assert_tree_equal(outs[0], outs[1])
+    tx = nba.chain(nba.clip_by_global_norm(1.0), nba.noisy_sgd(0.1, key=5))
+    s, p = tx.init(p0), nba.tree_map(np.copy, p0)
+    for _ in range(3):
+        before = nba.tree_map(np.copy, p)
+        s = nba.step_(tx, g, s, p)
+    assert_tree_equal(p, nba.apply_updates(before, outs[0]))
+
+
+def test_add_noise_keys_and_hyperparameters_are_checked():
+    with pytest.warns(UserWarning, match="seeded with 0"):
+        nba.add_noise(0.01, 0.55)
+    with pytest.warns(DeprecationWarning, match="seed"):
+        nba.add_noise(0.01, 0.55, seed=3)
+    with pytest.raises(ValueError, match="Only one of seed or key"), pytest.warns(DeprecationWarning):
+        nba.add_noise(0.01, 0.55, key=1, seed=3)
+    for bad, err in (
+        ("1", TypeError),
+        (1.5, TypeError),
+        (True, TypeError),
+        (-1, ValueError),
+        (2**64, ValueError),
+    ):
+        with pytest.raises(err, match="key|seed"):
+            nba.add_noise(0.01, 0.55, key=bad)
+    with pytest.raises(ValueError, match="eta"):
+        nba.noisy_sgd(0.1, eta=-1.0, key=0)
+    with pytest.raises(TypeError, match="gamma"):
+        nba.add_noise(0.01, None, key=0)
