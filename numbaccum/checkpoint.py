@@ -188,6 +188,7 @@ def _library_state_classes() -> tuple[type, ...]:
         optimizers.ScaleByAdaDeltaState,
         optimizers.ScaleByAdamState,
         optimizers.ScaleByAdanState,
+        optimizers.ScaleByNovogradState,
         optimizers.ScaleByOptimisticGradientState,
         optimizers.ScaleByAmsgradState,
         optimizers.ScaleByBeliefState,

@@ -22,17 +22,21 @@ import numpy as np
 from . import formulas as F
 from ._checks import flag, real
 from .accumulation import ema, trace
-from .base import chain
-from .clipping import scale_by_polyak
+from .backend import ops_for
+from .base import Stage, Step, chain, planned
+from .clipping import leaf_reductions, scale_by_polyak
+from .contract import ONE, Ops
 from .declared import Elementwise, bias_correction, check_decay, safe_increment
 from .flat import FlatTree
 from .formulas import abs_sq, formula, maximum, quot, re, sqrt, tanh
 from .formulas import signum as sign_of  # (``signum`` is the public optimizer below)
-from .layout import check_float_dtype
+from .layout import check_float_dtype, compute_dtype, real_dtype
 from .masking import masked
 from .norms import scale_by_trust_ratio
 from .protocol import GradientTransformationExtraArgs
 from .scaling import ScalarOrSchedule, add_decayed_weights, identity, scale, scale_by_learning_rate
+from .tree import tree_flatten, tree_unflatten
+from .updates import ParamsRef, Spec, Updates
 
 __all__ = [
     "ScaleByAdaDeltaState",
@@ -41,6 +45,7 @@ __all__ = [
     "ScaleByAmsgradState",
     "ScaleByBeliefState",
     "ScaleByLionState",
+    "ScaleByNovogradState",
     "ScaleByOptimisticGradientState",
     "ScaleByRStdDevState",
     "ScaleByRStdDevWithCountState",
@@ -63,6 +68,7 @@ __all__ = [
     "lion",
     "nadam",
     "nadamw",
+    "novograd",
     "optimistic_adam",
     "optimistic_adam_v2",
     "optimistic_gradient_descent",
@@ -78,6 +84,7 @@ __all__ = [
     "scale_by_belief",
     "scale_by_lion",
     "scale_by_nadam",
+    "scale_by_novograd",
     "scale_by_optimistic_gradient",
     "scale_by_radam",
     "scale_by_rms",
@@ -2971,3 +2978,216 @@ def polyak_sgd(
         0.21875
     """
     return chain(sgd(learning_rate=scaling), scale_by_polyak(f_min, max_learning_rate, eps, variant))
+
+
+class ScaleByNovogradState(NamedTuple):
+    """NovoGrad's state (optax's fields).
+
+    Attributes:
+        count: the number of updates so far (int32, saturating).
+        mu: the first moment of the normalised gradients, a FlatTree of the params' layout
+            (in ``mu_dtype``).
+        nu: a tree of the params' structure with one 0-d array per leaf, in the leaf's dtype:
+            the EMA of the leaf's squared gradient norm.
+    """
+
+    count: np.int32
+    mu: FlatTree
+    nu: Any = None  # (None only inside `scale_by_novograd.init`)
+
+
+@formula(states=("mu",), inputs=("g", "params"), outputs=("out",), scalars=("b1", "weight_decay", "first"))
+def novograd_moment(mu, g, params, b1, weight_decay, first):
+    """NovoGrad's moment of the normalised gradient ``g`` (already divided by its leaf's
+    ``sqrt(nu + eps_root) + eps``): a = g + wd p; mu = a at the first step, else b1 mu + a;
+    out = mu."""
+    a = g + weight_decay * params
+    m = a if first else b1 * mu + a
+    return m, m
+
+
+class _NovogradMoment(Elementwise):
+    """The elementwise half of `scale_by_novograd` (the per-leaf norms are the other)."""
+
+    state_cls, fields, formula, name = ScaleByNovogradState, ("mu",), novograd_moment, "scale_by_novograd"
+    counted, inputs = True, ("params",)
+
+    def __init__(self, b1: float, weight_decay: float, mu_dtype: Any) -> None:
+        self.b1, self.weight_decay, self.mu_dtype = b1, weight_decay, mu_dtype
+
+    def scalars(self, count: Any, ct: np.dtype) -> tuple:
+        return (self.b1, self.weight_decay, int(count) == 1)
+
+
+class _ScaleByNovograd(Stage):
+    """`scale_by_novograd`: each leaf's squared norm (one segmented reduction per dtype group),
+    its ``nu`` and divisor on the host (one number per leaf), one segmented division pass, then
+    the moment's fused pass."""
+
+    public_name = "scale_by_novograd"
+
+    def __init__(self, b1: Any, b2: Any, eps: Any, eps_root: Any, weight_decay: Any, mu_dtype: Any) -> None:
+        self.b1, self.b2 = check_decay(b1, "b1"), check_decay(b2, "b2")
+        self.eps, self.eps_root = real(eps, "eps"), real(eps_root, "eps_root")
+        self.moment = _NovogradMoment(self.b1, real(weight_decay, "weight_decay"), _mu_dtype(mu_dtype))
+
+    def init(self, params: Any) -> ScaleByNovogradState:
+        moment = self.moment.init(params)
+        layout = moment.mu.layout
+        nu = [np.zeros((), layout.dtypes[i]) for i in range(layout.num_leaves)]
+        return ScaleByNovogradState(moment.count, moment.mu, tree_unflatten(layout.treedef, nu))
+
+    def owner(self, state: Any) -> FlatTree | None:
+        return self.moment.owner(state)
+
+    def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
+        if params is None:
+            raise ValueError("scale_by_novograd needs params: call update(updates, state, params)")
+        part = self.moment.declare(spec, state)  # checks the state's type and mu
+        nu = _leaf_scalars(state.nu, spec.layout, "state.nu")
+        step = planned(part, state, params, extra)
+        first = int(part.new_state.count) == 1
+        b2, eps, eps_root, treedef = self.b2, self.eps, self.eps_root, spec.layout.treedef
+        mu = part.states[0]
+        dtypes = [compute_dtype(d) for d in spec.layout.group_dtypes]
+
+        def workspace() -> FlatTree:
+            return mu.workspace("normalized", dtypes)
+
+        def run(u: Updates) -> tuple[Updates, ScaleByNovogradState]:
+            u = u.settled()
+            sq = leaf_reductions(u.flat, Ops.segment_sumsq)  # float64, one pass per group
+            new_nu, divisors = [], np.empty(len(nu), np.float64)
+            with np.errstate(over="ignore", invalid="ignore"):
+                for i, old in enumerate(nu):  # (host numbers, one per leaf: optax's in the leaf dtype)
+                    t = old.dtype.type
+                    n = t(sq[i]) if first else t(1.0 - b2) * t(sq[i]) + t(b2) * old
+                    new_nu.append(np.asarray(n, old.dtype))
+                    divisors[i] = np.sqrt(n + t(eps_root)) + t(eps)
+            # g / divisor in the compute dtype: float16 and bfloat16 leaves keep float32 quotients
+            # for the moment's pass (its ``+ wd p`` may cancel them).
+            lay, normalized = u.flat.layout, workspace()
+            for gi, (o, g) in enumerate(zip(normalized.groups, u.flat.groups)):
+                f = divisors[lay.group_index[gi]].astype(real_dtype(o.dtype))
+                ops_for(g).segment_divide_(o, g, ONE, lay.offsets[gi], f)
+            out, new_state = step.run(Updates(normalized, False))
+            return out, new_state._replace(nu=tree_unflatten(treedef, new_nu))
+
+        return Step(run)
+
+
+def _leaf_scalars(tree: Any, layout: Any, name: str) -> list[np.ndarray]:
+    """The 0-d arrays of ``tree``, one per leaf of ``layout`` in its real float dtype, checked."""
+    try:
+        leaves, td = tree_flatten(tree)
+    except TypeError:
+        leaves, td = None, None
+    if td != layout.treedef:
+        raise ValueError(f"{name}: not a tree of the params' structure (one 0-d array per leaf)")
+    out = []
+    for i, x in enumerate(leaves):
+        a = np.asarray(x)
+        if a.shape != () or a.dtype != layout.dtypes[i]:
+            raise ValueError(
+                f"{name}{layout.path(i, '')}: expected a 0-d {layout.dtypes[i]}, got {a.dtype}{a.shape}"
+            )
+        out.append(a)
+    return out
+
+
+def scale_by_novograd(
+    b1: float = 0.9,
+    b2: float = 0.25,
+    eps: float = 1e-8,
+    eps_root: float = 0.0,
+    weight_decay: float = 0.0,
+    mu_dtype: Any = None,
+) -> GradientTransformationExtraArgs:
+    """Rescales the updates by NovoGrad's layer-wise second moment.
+
+    Per leaf: ``nu = ||g||^2`` at the first step, then ``nu = (1 - b2) ||g||^2 + b2 nu``; per
+    element: ``a = g / (sqrt(nu + eps_root) + eps) + weight_decay p``, ``mu = a`` at the first step,
+    then ``mu = b1 mu + a``; ``u = mu``. The squared norms come from one segmented reduction of
+    the reduction engine (float64, then the leaf's dtype), the division from one segmented pass,
+    the moment from one fused pass. Real leaves only.
+
+    Args:
+        b1: decay of the first moment, between 0 and 1.
+        b2: decay of the squared norms' EMA, between 0 and 1.
+        eps: added to the square root.
+        eps_root: added inside the square root.
+        weight_decay: added ``weight_decay * p`` (needs params).
+        mu_dtype: storage dtype of ``mu`` (None: each leaf's).
+
+    Returns:
+        A `GradientTransformationExtraArgs`; its state is ``ScaleByNovogradState(count, mu,
+            nu)``, as in optax (``nu``: one 0-d array per leaf).
+
+    Raises:
+        TypeError: a hyperparameter is not a real number, or ``mu_dtype`` not a float dtype.
+        ValueError: ``b1`` or ``b2`` is not between 0 and 1; at an update, no params.
+
+    References:
+        Ginsburg et al., "Stochastic Gradient Methods with Layer-wise Adaptive Moments for
+        Training of Deep Networks", 2019 (arXiv:1905.11286). optax.scale_by_novograd.
+
+    Examples:
+        >>> import numpy as np, numbaccum as nba
+        >>> tx = nba.scale_by_novograd()
+        >>> g = {"w": np.array([3.0, 4.0])}
+        >>> u, state = tx.update(g, tx.init(g), g)
+        >>> [round(float(x), 4) for x in u["w"]]  # g / ||g|| at the first step
+        [0.6, 0.8]
+        >>> float(state.nu["w"])
+        25.0
+    """
+    return _ScaleByNovograd(b1, b2, eps, eps_root, weight_decay, mu_dtype).transformation()
+
+
+def novograd(
+    learning_rate: ScalarOrSchedule,
+    b1: float = 0.9,
+    b2: float = 0.25,
+    eps: float = 1e-6,
+    eps_root: float = 0.0,
+    weight_decay: float = 0.0,
+) -> GradientTransformationExtraArgs:
+    """NovoGrad: layer-wise normalised gradients with momentum.
+
+    ``chain(scale_by_novograd(b1, b2, eps, eps_root, weight_decay), scale_by_learning_rate(lr))``
+    (the rate rides on the moment's pass).
+
+    Args:
+        learning_rate: a float, or a schedule of the step count.
+        b1: as in `scale_by_novograd`.
+        b2: as in `scale_by_novograd`.
+        eps: as in `scale_by_novograd` (1e-6 here, as optax's).
+        eps_root: as in `scale_by_novograd`.
+        weight_decay: as in `scale_by_novograd`.
+
+    Returns:
+        A `GradientTransformationExtraArgs`; its state is ``(ScaleByNovogradState(count, mu,
+            nu), EmptyState())`` (``ScaleByScheduleState`` last with a schedule).
+
+    Raises:
+        TypeError: a hyperparameter is not a real number (or a schedule where one may be).
+        ValueError: ``b1`` or ``b2`` is not between 0 and 1; at an update, no params.
+
+    References:
+        Ginsburg et al., "Stochastic Gradient Methods with Layer-wise Adaptive Moments for
+        Training of Deep Networks", 2019 (arXiv:1905.11286). optax.novograd.
+
+    Examples:
+        >>> import numpy as np, numbaccum as nba
+        >>> params = {"x": np.array([1.0, 2.0, 3.0])}
+        >>> tx = nba.novograd(learning_rate=0.003)
+        >>> state = tx.init(params)
+        >>> for _ in range(5):
+        ...     state = nba.step_(tx, {"x": 2 * params["x"]}, state, params)
+        >>> print(f"{float(np.sum(params['x'] ** 2)):.2f}")  # 14 before
+        13.71
+    """
+    return chain(
+        scale_by_novograd(b1, b2, eps, eps_root, weight_decay),
+        scale_by_learning_rate(learning_rate),
+    )

@@ -1709,3 +1709,45 @@ def conditionally_mask(inner, should_transform_fn):
         return updates, ConditionallyMaskState(safe_increment(state.step), inner_state)
 
     return Transformation(init, update)
+
+
+class ScaleByNovogradState(NamedTuple):
+    count: Any
+    mu: Any
+    nu: Any
+
+
+def scale_by_novograd(b1=0.9, b2=0.25, eps=1e-8, eps_root=0.0, weight_decay=0.0):
+    """optax's ``scale_by_novograd`` leaf by leaf, each squared norm in float64 (then the leaf's
+    dtype)."""
+
+    def init(params):
+        return ScaleByNovogradState(
+            np.int32(0), zeros_like(params), tree_map(lambda p: np.zeros((), p.dtype), params)
+        )
+
+    def update(updates, state, params=None, **extra):
+        count = safe_increment(state.count)
+
+        def nu_of(g, nu):
+            dt = g.dtype
+            sq = dt.type(np.sum(g.astype(np.float64) ** 2))
+            return np.asarray(sq if count == 1 else _c(1 - b2, dt) * sq + _c(b2, dt) * nu, dt)
+
+        nu = tree_map(nu_of, updates, state.nu)
+
+        def mu_of(g, p, n, m):
+            dt = g.dtype
+            a = _arr(g / (np.sqrt(n + _c(eps_root, dt)) + _c(eps, dt)), dt) + _c(weight_decay, dt) * p
+            return _arr(a if count == 1 else _c(b1, dt) * m + a, dt)
+
+        mu = tree_map(mu_of, updates, params, nu, state.mu)
+        return tree_map(np.copy, mu), ScaleByNovogradState(count, mu, nu)
+
+    return Transformation(init, update)
+
+
+def novograd(learning_rate, b1=0.9, b2=0.25, eps=1e-6, eps_root=0.0, weight_decay=0.0):
+    return chain(
+        scale_by_novograd(b1, b2, eps, eps_root, weight_decay), scale_by_learning_rate(learning_rate)
+    )

@@ -699,6 +699,26 @@ _add(
     note="Philox draws, not JAX's: the law is tested (test_optimizers), not the bits",
 )
 _add(
+    "novograd",
+    "novograd",
+    lambda: nba.novograd(1e-2, weight_decay=0.1),
+    lambda: ref.novograd(1e-2, weight_decay=0.1),
+    {"learning_rate": 1e-3},
+    fusable=False,
+    note="per-leaf norms in float64 (summed in the engine's order): within rounding of the reference",
+    optax=lambda o: o.novograd(1e-2, weight_decay=0.1),
+)
+_add(
+    "scale_by_novograd",
+    "scale_by_novograd",
+    lambda: nba.scale_by_novograd(0.8, 0.5, 1e-3, 1e-4),
+    lambda: ref.scale_by_novograd(0.8, 0.5, 1e-3, 1e-4),
+    {},
+    fusable=False,
+    note="per-leaf norms in float64 (summed in the engine's order): within rounding of the reference",
+    optax=lambda o: o.scale_by_novograd(0.8, 0.5, 1e-3, 1e-4),
+)
+_add(
     "partition",
     "partition",
     lambda: nba.partition({"matrix": nba.adam(1e-2), "vector": nba.sgd(0.1, momentum=0.9)}, _by_rank),
