@@ -32,7 +32,16 @@ from .adaptive import (
     normalize_by_ema,
 )
 from .apply import apply_updates, apply_updates_
-from .base import chain, copy_state, named_chain, stateless, stateless_with_tree_map, with_extra_args_support
+from .base import (
+    SnapshotState,
+    chain,
+    copy_state,
+    named_chain,
+    snapshot,
+    stateless,
+    stateless_with_tree_map,
+    with_extra_args_support,
+)
 from .checkpoint import load_state, register_state_class, save_state
 from .clipping import (
     ApplyIfFiniteState,
@@ -298,6 +307,8 @@ __all__ = [
     "ScaleByNovogradState",
     "scale_by_novograd",
     "novograd",
+    "SnapshotState",
+    "snapshot",
     "save_state",
     "scale_by_sign",
     "sgd",

@@ -27,7 +27,7 @@ from __future__ import annotations
 import abc
 import threading
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
 
@@ -45,9 +45,11 @@ from .tree import leaves_if_structure, tree_flatten, tree_map, tree_unflatten
 from .updates import ParamsRef, SkipStep, Spec, Updates
 
 __all__ = [
+    "SnapshotState",
     "chain",
     "copy_state",
     "named_chain",
+    "snapshot",
     "stateless",
     "stateless_with_tree_map",
     "with_extra_args_support",
@@ -980,3 +982,97 @@ def _wrap_run(inner: Callable[[Updates], tuple[Updates, Any]], wrap: Callable[[A
         return out, wrap(new_state)
 
     return run
+
+
+# --- monitoring: a measure of the updates kept in the state --------------------------------
+
+
+class SnapshotState(NamedTuple):
+    """The state of `snapshot` (optax's field).
+
+    Attributes:
+        measurement: ``{measure_name: measure(updates)}`` of the last update (of the params
+            after ``init``).
+    """
+
+    measurement: dict
+
+
+class _Snapshot(Stage):
+    """`snapshot`: the updates pass unchanged (no pass over them); the measure sees them as a
+    tree of views into the settled buffers, and the arrays it returns are copied into the state
+    when they share those buffers (the next update overwrites them)."""
+
+    complex_leaves = True  # the measure is the user's
+
+    def __init__(self, name: Any, measure: Any) -> None:
+        if not isinstance(name, str):
+            raise TypeError(f"measure_name must be a str, got {type(name).__name__}")
+        if not callable(measure):
+            raise TypeError(f"measure must be callable, got {type(measure).__name__}")
+        self.measure_name, self.measure = name, measure
+
+    def init(self, params: Any) -> SnapshotState:
+        tree = params.tree if isinstance(params, FlatTree) else params
+        return SnapshotState({self.measure_name: self.measure(tree)})
+
+    def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
+        if not isinstance(state, SnapshotState):
+            raise wrong_state("SnapshotState", state)
+        name, measure = self.measure_name, self.measure
+
+        def run(u: Updates) -> tuple[Updates, SnapshotState]:
+            u = u.settled()
+            value = measure(u.flat.tree)
+            owned = tree_map(lambda x: x.copy() if _shares(x, u.flat) else x, value)
+            return u, SnapshotState({name: owned})
+
+        return Step(run)
+
+
+def _shares(x: Any, flat: FlatTree) -> bool:
+    """Whether ``x`` is an array that shares memory with one of ``flat``'s buffers."""
+    if not isinstance(x, np.ndarray):
+        return hasattr(x, "copy_to_host")  # a device array: maybe a view of ours, copy it
+    return any(isinstance(b, np.ndarray) and np.shares_memory(x, b) for b in flat.buffers.values())
+
+
+def snapshot(measure_name: str, measure: Callable[[Any], Any]) -> GradientTransformationExtraArgs:
+    """Keeps a measure of the updates in the state; the updates pass unchanged.
+
+    In a chain, the updates ``measure`` sees are the ones transformed up to this point: e.g. the
+    norm before a clip. ``measure`` gets them as a tree of arrays (NumPy arrays, or numba device
+    arrays for updates on the GPU) that are views into numbaccum's buffers: arrays it returns
+    that are such views are copied into the state, since the next update overwrites them.
+
+    Args:
+        measure_name: the key of the measurement in the state.
+        measure: ``measure(updates) -> anything`` (a tree of arrays, a float, ...); at ``init``
+            it measures the params.
+
+    Returns:
+        A `GradientTransformationExtraArgs`; its state is ``SnapshotState(measurement)``, as in
+            optax (``state.measurement[measure_name]``).
+
+    Raises:
+        TypeError: ``measure_name`` is not a str or ``measure`` not callable.
+
+    References:
+        optax.snapshot.
+
+    Examples:
+        >>> import numpy as np, numbaccum as nba
+        >>> tx = nba.chain(
+        ...     nba.sgd(learning_rate=0.1, momentum=0.9),
+        ...     nba.snapshot("norm_before_clip", nba.global_norm),
+        ...     nba.clip_by_global_norm(0.05),
+        ... )
+        >>> params = {"x": np.array([1.0, 2.0, 3.0])}
+        >>> state = tx.init(params)
+        >>> for step in range(2):
+        ...     state = nba.step_(tx, {"x": 2 * params["x"]}, state, params)
+        ...     print(f"{step=}, norm={state[1].measurement['norm_before_clip']:.2e}")
+        step=0, norm=7.48e-01
+        step=1, norm=1.41e+00
+    """
+    return _Snapshot(measure_name, measure).transformation()

@@ -152,6 +152,7 @@ def _library_state_classes() -> tuple[type, ...]:
     from . import (
         accumulation,
         adaptive,
+        base,
         clipping,
         distributed,
         inject,
@@ -164,6 +165,7 @@ def _library_state_classes() -> tuple[type, ...]:
 
     return (
         protocol.EmptyState,
+        base.SnapshotState,
         accumulation.TraceState,
         accumulation.EmaState,
         accumulation.ApplyEvery,

@@ -22,6 +22,7 @@ the reference tests: they all read this list.
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -719,6 +720,16 @@ _add(
     optax=lambda o: o.scale_by_novograd(0.8, 0.5, 1e-3, 1e-4),
 )
 _add(
+    "snapshot",
+    "snapshot",
+    lambda: nba.snapshot("norm", nba.global_norm),
+    _stateless(lambda u, p: ref.tree_map(np.copy, u)),
+    {"measure_name": "norm", "measure": nba.global_norm},
+    exact=True,
+    fusable=False,
+    ref_state=False,
+)
+_add(
     "partition",
     "partition",
     lambda: nba.partition({"matrix": nba.adam(1e-2), "vector": nba.sgd(0.1, momentum=0.9)}, _by_rank),
@@ -855,6 +866,27 @@ EXEMPT: dict[str, str] = {
         or n in ("exponential_decay", "join_schedules")
     },
 }
+
+
+# Stages of each kind, for the tests whose subject is a driver or a dtype path rather than each
+# formula (the parallel and streaming loops, the fused composites' rounding between parts, a
+# second complex dtype): moments with bias corrections, an accumulator of another dtype, signs,
+# masks and partitions, a pre-pass with its pending factor, per-slice and per-leaf norms, user
+# code, wrappers, a flag in the state. Each formula still runs on every path in the tests whose
+# subject it is; NUMBACCUM_EXPLORE=1 runs every Case everywhere.
+SAMPLE = {
+    "adam", "adamw", "adan", "amsgrad", "chain_decay", "conditionally_mask", "lion", "masked_trace",
+    "multi_transform", "optimistic_gradient_descent", "rprop", "scale_by_radam_nesterov", "sgd_nesterov",
+    "sign_sgd", "stateless", "trace_nesterov_f64acc", "yogi", "zero_nans", "adaptive_grad_clip",
+    "centralize", "clip_by_global_norm", "clip_norm_rows", "lamb", "multisteps_adam",
+    "rmsprop_centered_momentum", "clip_norm_by_ema", "clip_value_growth", "novograd", "add_noise",
+}  # fmt: skip
+EXPLORE = os.environ.get("NUMBACCUM_EXPLORE", "") not in ("", "0")
+
+
+def sampled(names: list[str]) -> list[str]:
+    """``names`` in `SAMPLE` (all of them under NUMBACCUM_EXPLORE=1)."""
+    return [n for n in names if EXPLORE or n in SAMPLE]
 
 
 def cases(**flags: bool) -> list[str]:

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import reference as ref
 from _testutil import as_tree, assert_same_structure, leaves, snapshot, state_arrays
-from registry import CASES, with_reference
+from registry import CASES, sampled, with_reference
 
 import numbaccum as nba
 from numbaccum import _config
@@ -125,21 +125,30 @@ def run_reference(name: str, via_step: bool = False):
 EXACT = with_reference(exact=True)
 
 
-@pytest.fixture(params=["serial", "parallel", "streaming"])
-def path(request, monkeypatch):
+def use_path(path: str, monkeypatch) -> None:
     """Which CPU kernels run: the serial ones, or the parallel ones on the same small trees
     (``SERIAL_BELOW`` and ``CHUNK`` lowered; ``raising=True``: a renamed knob fails here), or
     the parallel ones writing every output with streaming stores (``STREAM_BYTES`` lowered)."""
-    if request.param != "serial":
+    if path != "serial":
         monkeypatch.setattr(_config, "SERIAL_BELOW", 1, raising=True)
         monkeypatch.setattr(_config, "CHUNK", 64, raising=True)
-    if request.param == "streaming":
+    if path == "streaming":
         monkeypatch.setattr(_config, "STREAM_BYTES", 1, raising=True)
-    return request.param
 
 
-@pytest.mark.parametrize("name", EXACT)
-def test_updates_and_state_bit_for_bit(name, path):
+# The parallel and streaming drivers run the serial loop's body (the same formula text) over
+# chunks: every Case runs serially, and the registry's SAMPLE of each kind of stage on the other
+# two paths (compiling every formula's three drivers took a quarter of the CI's test time).
+# NUMBACCUM_EXPLORE=1 runs every Case on every path.
+def with_paths(names: list[str]) -> list[tuple[str, str]]:
+    return [(n, "serial") for n in names] + [
+        (n, p) for p in ("parallel", "streaming") for n in sampled(names)
+    ]
+
+
+@pytest.mark.parametrize(("name", "path"), with_paths(EXACT))
+def test_updates_and_state_bit_for_bit(name, path, monkeypatch):
+    use_path(path, monkeypatch)
     outs, state = run(name)
     ref_outs, ref_state = run_reference(name)
     for k, (a, e) in enumerate(zip(outs, ref_outs)):
@@ -192,9 +201,10 @@ def assert_close_elementwise(actual, expected, msg: str) -> None:
         np.testing.assert_allclose(a, e, rtol=CLOSE_RTOL[e.dtype], atol=0, err_msg=f"{msg} {p}")
 
 
-@pytest.mark.parametrize("name", CLOSE)
-def test_updates_and_state_close(name, path):
+@pytest.mark.parametrize(("name", "path"), with_paths(CLOSE))
+def test_updates_and_state_close(name, path, monkeypatch):
     """The Cases whose README promise is not bit for bit (see their ``note``), per element."""
+    use_path(path, monkeypatch)
     outs, state = run(name)
     ref_outs, ref_state = run_reference(name)
     for k, (a, e) in enumerate(zip(outs, ref_outs)):

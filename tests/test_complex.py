@@ -19,7 +19,7 @@ import os
 import numpy as np
 import pytest
 from _testutil import require, state_arrays
-from registry import CASES, cases
+from registry import CASES, cases, sampled
 
 import numbaccum as nba
 
@@ -249,13 +249,21 @@ TAKES_COMPLEX = {
     "scale_by_radam", "lamb", "lars", "scale_by_trust_ratio", "signum", "fromage",
     "scale_by_optimistic_gradient", "optimistic_gradient_descent", "optimistic_adam",
     "optimistic_adam_v2", "conditionally_transform", "conditionally_mask", "add_noise", "noisy_sgd",
+    "snapshot",
 }  # fmt: skip
 # Registry cases whose hyperparameters fix a real state dtype (refused: see below).
 REAL_STATE = {"trace_nesterov_f64acc"}
 
 
-@pytest.mark.parametrize("dtype", [C64, C128])
-@pytest.mark.parametrize("name", [n for n in cases(per_example=False) if n not in REAL_STATE])
+# Every Case on complex64; complex128 (the same formulas, compiled for the other dtype) on the
+# registry's SAMPLE of each kind.
+EACH = [n for n in cases(per_example=False) if n not in REAL_STATE]
+EACH_DTYPE = [(n, C64) for n in EACH] + [(n, C128) for n in sampled(EACH)]
+
+
+@pytest.mark.parametrize(
+    ("name", "dtype"), EACH_DTYPE, ids=[f"{n}-{np.dtype(d).name}" for n, d in EACH_DTYPE]
+)
 def test_each_transformation_takes_complex_leaves_or_refuses_them_by_name(name, dtype):
     """Taken: two steps keep the updates' and every state buffer's dtype (optax's
     test_state_shape_dtype_shard_stability); refused: nothing written."""

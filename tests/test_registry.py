@@ -53,3 +53,7 @@ def test_the_hostile_constructors_cover_every_public_transformation():
 def test_every_exact_case_has_a_reference():
     for name, case in registry.CASES.items():
         assert not case.exact or case.reference is not None, name
+
+
+def test_the_sample_is_of_registered_cases():
+    assert set(registry.CASES) >= registry.SAMPLE, sorted(registry.SAMPLE - set(registry.CASES))

@@ -186,8 +186,8 @@ def test_backend_casts_scalars_to_the_compute_dtype():
 
 
 def test_updates_factor_keeps_the_buffers_roles_and_composes():
-    from numbaccum.updates import Updates
     from numbaccum.contract import Factor
+    from numbaccum.updates import Updates
 
     flat = nba.FlatTree.from_tree({"a": np.ones(3, np.float32)})
     scratch = flat.zeros_like

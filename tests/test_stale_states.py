@@ -11,9 +11,9 @@ import threading
 
 import numpy as np
 import pytest
+from _testutil import assert_tree_equal, snapshot
 
 import numbaccum as nba
-from _testutil import assert_tree_equal, snapshot
 from numbaccum.protocol import GradientTransformation
 
 P = {"w": np.linspace(-1.0, 1.0, 6, dtype=np.float32).reshape(2, 3), "b": np.ones(4, np.float32)}
