@@ -165,6 +165,15 @@ from .privacy import (
     per_example_layer_norm_clip,
 )
 from .protocol import EmptyState, GradientTransformation, GradientTransformationExtraArgs
+from .quasi_newton import (
+    ScaleByLBFGSState,
+    ScaleByZoomLinesearchState,
+    ZoomLinesearchInfo,
+    lbfgs,
+    scale_by_lbfgs,
+    scale_by_zoom_linesearch,
+    value_and_grad_from_state,
+)
 from .scaling import (
     ScaleByScheduleState,
     WeightDecaySchedule,
@@ -309,6 +318,14 @@ __all__ = [
     "novograd",
     "SnapshotState",
     "snapshot",
+    # L-BFGS and its line search (numbaccum.quasi_newton)
+    "ScaleByLBFGSState",
+    "ScaleByZoomLinesearchState",
+    "ZoomLinesearchInfo",
+    "lbfgs",
+    "scale_by_lbfgs",
+    "scale_by_zoom_linesearch",
+    "value_and_grad_from_state",
     "save_state",
     "scale_by_sign",
     "sgd",

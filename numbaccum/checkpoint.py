@@ -160,12 +160,16 @@ def _library_state_classes() -> tuple[type, ...]:
         optimizers,
         privacy,
         protocol,
+        quasi_newton,
         scaling,
     )
 
     return (
         protocol.EmptyState,
         base.SnapshotState,
+        quasi_newton.ScaleByLBFGSState,
+        quasi_newton.ScaleByZoomLinesearchState,
+        quasi_newton.ZoomLinesearchInfo,
         accumulation.TraceState,
         accumulation.EmaState,
         accumulation.ApplyEvery,

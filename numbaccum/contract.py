@@ -337,6 +337,11 @@ class Ops:
         """Number of NaN and +-inf elements."""
         return int(self.slice_nonfinite(x, whole(x.size))[0])
 
+    def dot(self, x: Any, y: Any) -> float:
+        """``sum(x * y)`` in float64 (complex: the real part of ``vdot(x, y)``), in a fixed
+        order."""
+        return float(self.reduce.dot(x, y))
+
     def segment_sumsq(self, x: Any, offsets: Any) -> np.ndarray:
         """Per segment ``[offsets[s], offsets[s + 1])``: sum(x ** 2)."""
         return self.slice_sumsq(x, segments(offsets))

@@ -1751,3 +1751,73 @@ def novograd(learning_rate, b1=0.9, b2=0.25, eps=1e-6, eps_root=0.0, weight_deca
     return chain(
         scale_by_novograd(b1, b2, eps, eps_root, weight_decay), scale_by_learning_rate(learning_rate)
     )
+
+
+class ScaleByLBFGSState(NamedTuple):
+    count: Any
+    params: Any
+    updates: Any
+    diff_params_memory: Any
+    diff_updates_memory: Any
+    weights_memory: Any
+
+
+def _vdot64(a, b) -> float:
+    """The real part of ``vdot(a, b)`` over two trees, float64."""
+    total = 0.0
+    for x, y in zip(tree_flatten(a)[0], tree_flatten(b)[0]):
+        wide = np.complex128 if np.iscomplexobj(x) else np.float64
+        total += float(np.real(np.vdot(x.astype(wide).ravel(), y.astype(wide).ravel())))
+    return total
+
+
+def scale_by_lbfgs(memory_size=10, scale_init_precond=True):
+    """optax's ``scale_by_lbfgs`` (Nocedal and Wright's two-loop recursion) leaf by leaf, its inner
+    products in float64; the memories are lists of trees."""
+
+    def init(params):
+        z = lambda: [zeros_like(params) for _ in range(memory_size)]  # noqa: E731
+        return ScaleByLBFGSState(
+            np.int32(0), zeros_like(params), zeros_like(params), z(), z(), np.zeros(memory_size)
+        )
+
+    def update(updates, state, params=None, **extra):
+        count, m = int(state.count), memory_size
+        idx, prev = count % m, (count - 1) % m
+        dps, dus, rhos = (
+            list(state.diff_params_memory),
+            list(state.diff_updates_memory),
+            state.weights_memory.copy(),
+        )
+
+        def sub(a, b):
+            return tree_map(lambda x, y: _arr(x - y, x.dtype), a, b)
+
+        if count > 0:
+            dps[prev], dus[prev] = sub(params, state.params), sub(updates, state.updates)
+            sy = _vdot64(dus[prev], dps[prev])
+            rhos[prev] = 0.0 if sy == 0.0 else 1.0 / sy
+        if not scale_init_precond:
+            gamma = 1.0
+        elif count > 0:
+            yy = _vdot64(dus[prev], dus[prev])
+            gamma = sy / yy if yy > 0 else 1.0
+        else:
+            n = np.sqrt(_vdot64(updates, updates))
+            gamma = min(1.0, 1.0 / n) if n > 0 else 1.0
+        order = [(idx + j) % m for j in range(m)][m - min(count, m) :]
+        vec, alphas = tree_map(np.copy, updates), []
+        for j in reversed(order):
+            a = rhos[j] * _vdot64(dps[j], vec)
+            vec = tree_map(lambda v, y: _arr(v + _c(-a, v.dtype) * y, v.dtype), vec, dus[j])
+            alphas.append(a)
+        vec = tree_map(lambda v: _arr(v * _c(gamma, v.dtype), v.dtype), vec)
+        for j, a in zip(order, reversed(alphas)):
+            b = rhos[j] * _vdot64(dus[j], vec)
+            vec = tree_map(lambda v, s: _arr(v + _c(a - b, v.dtype) * s, v.dtype), vec, dps[j])
+        new = ScaleByLBFGSState(
+            safe_increment(state.count), tree_map(np.copy, params), tree_map(np.copy, updates), dps, dus, rhos
+        )
+        return vec, new
+
+    return Transformation(init, update)

@@ -730,6 +730,17 @@ _add(
     ref_state=False,
 )
 _add(
+    "scale_by_lbfgs",
+    "scale_by_lbfgs",
+    lambda: nba.scale_by_lbfgs(memory_size=3),
+    lambda: ref.scale_by_lbfgs(memory_size=3),
+    {},
+    fusable=False,
+    ref_state=False,
+    note="inner products in float64 (summed in the engine's order): within rounding of the reference",
+    optax=lambda o: o.scale_by_lbfgs(memory_size=3),
+)
+_add(
     "partition",
     "partition",
     lambda: nba.partition({"matrix": nba.adam(1e-2), "vector": nba.sgd(0.1, momentum=0.9)}, _by_rank),
@@ -812,6 +823,8 @@ _add(
 EXTRA_ARGS: dict[str, str] = {
     "scale_by_polyak": "update(..., value=f) (tests: test_optimizers' polyak tests)",
     "polyak_sgd": "update(..., value=f) (tests: test_optimizers' polyak tests)",
+    "lbfgs": "update(..., value=, grad=, value_fn=) (tests: test_lbfgs)",
+    "scale_by_zoom_linesearch": "update(..., value=, grad=, value_fn=) (tests: test_lbfgs)",
 }
 
 # Names of numbaccum.__all__ that are not transformation constructors, with the reason.
@@ -828,6 +841,7 @@ EXEMPT: dict[str, str] = {
     "WrappedSchedule": _SCHEDULE,
     "with_extra_args_support": "wraps a user's transformation (tests: test_semantics)",
     "register_state_class": "names a user's state class for checkpoints (tests: test_checkpoint)",
+    "ZoomLinesearchInfo": _STATES,
     **{
         n: _FUNCTION
         for n in (
@@ -855,6 +869,7 @@ EXEMPT: dict[str, str] = {
             "tree_unflatten",
             "unitwise_clip",
             "unitwise_norm",
+            "value_and_grad_from_state",
             "warmup",
             "stats",
         )

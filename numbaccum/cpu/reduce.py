@@ -733,3 +733,43 @@ def global_norm_finish_(leaf_sums, x, table: Table, members, last, finish, scala
         for out in (out32, out64):
             n = min(len(values), out.size)
             out[:n] = values[:n]
+
+
+# --- inner products (L-BFGS's two-loop recursion, its line searches) --------------------------
+
+
+@_cache.cached
+@njit(parallel=True, error_model="numpy")
+def _dot_blocks(x, y, block, part):  # pragma: no cover - compiled
+    """part[b] = sum(x * y) over block ``b`` (float64, four lanes folded in order: the same
+    bits for any thread count)."""
+    n = x.size
+    for b in prange(part.size):
+        lo = b * block
+        hi = min(lo + block, n)
+        s0 = s1 = s2 = s3 = 0.0
+        i = lo
+        while i + 4 <= hi:
+            s0 += np.float64(x[i]) * np.float64(y[i])
+            s1 += np.float64(x[i + 1]) * np.float64(y[i + 1])
+            s2 += np.float64(x[i + 2]) * np.float64(y[i + 2])
+            s3 += np.float64(x[i + 3]) * np.float64(y[i + 3])
+            i += 4
+        while i < hi:
+            s0 += np.float64(x[i]) * np.float64(y[i])
+            i += 1
+        part[b] = (s0 + s1) + (s2 + s3)
+
+
+def dot(x, y) -> float:
+    """``sum(x * y)`` accumulated in float64, in a fixed order (blocks of `_config.REDUCE_BLOCK`
+    summed in order): the real part of ``vdot(x, y)`` for complex buffers (their parts as
+    floats). float16 and bfloat16 buffers are widened first (one copy each)."""
+    if x.dtype.kind == "c":
+        x, y = x.view(x.real.dtype), y.view(y.real.dtype)
+    x, y = _f16(x), _f16(y)
+    block = _config.REDUCE_BLOCK
+    part = np.zeros(max(-(-x.size // block), 1), np.float64)
+    if x.size:
+        _guarded(x.size, _dot_blocks, x, y, np.int64(block), part)
+    return float(sum_in_order(part))

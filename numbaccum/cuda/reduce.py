@@ -625,3 +625,12 @@ def ema_update_(ema, g, factor: Factor, table: Table, active, one_minus_decay, d
         t = ctype.type
         args = (ema, g, div, mul, fac, rows, items, act, t(one_minus_decay), t(decay), t(1))
         _launch(_ema_kernel(mode), work.items.shape[0], args)
+
+
+def dot(x: Any, y: Any) -> float:
+    """``sum(x * y)`` in float64 (complex: the real part of ``vdot``), through host copies of the
+    two buffers: L-BFGS's inner products on device buffers are correct, not fast (a device
+    kernel of its own is future work)."""
+    from ..cpu import reduce as host
+
+    return host.dot(x.copy_to_host(), y.copy_to_host())
