@@ -738,27 +738,37 @@ def global_norm_finish_(leaf_sums, x, table: Table, members, last, finish, scala
 # --- inner products (L-BFGS's two-loop recursion, its line searches) --------------------------
 
 
+@njit(error_model="numpy")
+def _dot_block(x, y, lo, hi):  # pragma: no cover - compiled
+    """sum(x[lo:hi] * y[lo:hi]) in float64, four lanes folded in order."""
+    s0 = s1 = s2 = s3 = 0.0
+    i = lo
+    while i + 4 <= hi:
+        s0 += np.float64(x[i]) * np.float64(y[i])
+        s1 += np.float64(x[i + 1]) * np.float64(y[i + 1])
+        s2 += np.float64(x[i + 2]) * np.float64(y[i + 2])
+        s3 += np.float64(x[i + 3]) * np.float64(y[i + 3])
+        i += 4
+    while i < hi:
+        s0 += np.float64(x[i]) * np.float64(y[i])
+        i += 1
+    return (s0 + s1) + (s2 + s3)
+
+
 @_cache.cached
 @njit(parallel=True, error_model="numpy")
-def _dot_blocks(x, y, block, part):  # pragma: no cover - compiled
-    """part[b] = sum(x * y) over block ``b`` (float64, four lanes folded in order: the same
-    bits for any thread count)."""
-    n = x.size
+def _dot_parallel(x, y, block, part):  # pragma: no cover - compiled
+    """part[b] = the inner product over block ``b``: the same bits for any thread count."""
     for b in prange(part.size):
-        lo = b * block
-        hi = min(lo + block, n)
-        s0 = s1 = s2 = s3 = 0.0
-        i = lo
-        while i + 4 <= hi:
-            s0 += np.float64(x[i]) * np.float64(y[i])
-            s1 += np.float64(x[i + 1]) * np.float64(y[i + 1])
-            s2 += np.float64(x[i + 2]) * np.float64(y[i + 2])
-            s3 += np.float64(x[i + 3]) * np.float64(y[i + 3])
-            i += 4
-        while i < hi:
-            s0 += np.float64(x[i]) * np.float64(y[i])
-            i += 1
-        part[b] = (s0 + s1) + (s2 + s3)
+        part[b] = _dot_block(x, y, b * block, min((b + 1) * block, x.size))
+
+
+@_cache.cached
+@njit(error_model="numpy")
+def _dot_serial(x, y, block, part):  # pragma: no cover - compiled
+    """`_dot_parallel` without a parallel region (small buffers: no thread pool's start-up)."""
+    for b in range(part.size):
+        part[b] = _dot_block(x, y, b * block, min((b + 1) * block, x.size))
 
 
 def dot(x, y) -> float:
@@ -770,6 +780,8 @@ def dot(x, y) -> float:
     x, y = _f16(x), _f16(y)
     block = _config.REDUCE_BLOCK
     part = np.zeros(max(-(-x.size // block), 1), np.float64)
-    if x.size:
-        _guarded(x.size, _dot_blocks, x, y, np.int64(block), part)
+    if x.size < _config.SERIAL_BELOW:
+        _dot_serial(x, y, np.int64(block), part)
+    else:
+        _guarded(x.size, _dot_parallel, x, y, np.int64(block), part)
     return float(sum_in_order(part))

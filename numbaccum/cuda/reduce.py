@@ -631,6 +631,7 @@ def dot(x: Any, y: Any) -> float:
     """``sum(x * y)`` in float64 (complex: the real part of ``vdot``), through host copies of the
     two buffers: L-BFGS's inner products on device buffers are correct, not fast (a device
     kernel of its own is future work)."""
-    from ..cpu import reduce as host
-
-    return host.dot(x.copy_to_host(), y.copy_to_host())
+    a, b = x.copy_to_host(), y.copy_to_host()
+    if a.dtype.kind == "c":
+        a, b = a.view(a.real.dtype), b.view(b.real.dtype)
+    return float(np.dot(a.astype(np.float64), b.astype(np.float64)))
