@@ -870,6 +870,7 @@ EXEMPT: dict[str, str] = {
             "unitwise_clip",
             "unitwise_norm",
             "value_and_grad_from_state",
+            "dp_epsilon",
             "warmup",
             "stats",
         )

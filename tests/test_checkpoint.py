@@ -547,6 +547,7 @@ NOT_STATE_CLASSES = {
     "numbaccum.norms:_Target",
     "numbaccum.passes:Explanation",
     "numbaccum.passes:Pass",
+    "numbaccum.quasi_newton:_Point",
 }
 
 # Names of real callables and modules a crafted file might try.

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 import reference as ref
-from _testutil import assert_tree_close, assert_tree_equal, no_shared_memory, snapshot
+from _testutil import assert_tree_close, assert_tree_equal, no_shared_memory, require, snapshot
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from strategies import F32 as DT32
@@ -487,3 +487,78 @@ def test_dp_aggregate_chains_like_optax():
     assert len(s) == 2 and isinstance(s[0], nba.DifferentiallyPrivateAggregateState)
     with pytest.raises(ValueError, match="updates"):  # params-shaped input: no batch to aggregate
         tx.update(p, s, p)
+
+
+# --- privacy accounting ------------------------------------------------------------------------
+
+# Opacus 1.6.0's accountants on the same inputs (sigma, q, steps, delta): its RDPAccountant and
+# PRVAccountant (``acc.history = [(sigma, q, steps)]; acc.get_epsilon(delta)``), recorded by
+# benchmarks/dp_accountant.py (Opacus needs PyTorch, which CI does not install).
+OPACUS = [
+    ((4.0, 0.01, 10000, 1e-5), 1.0354900660362476, 0.9569361942671307),
+    ((1.1, 256 / 60000, 14100, 1e-5), 2.6003429386103023, 2.395268532385706),
+    ((0.8, 0.004, 5000, 1e-6), 3.392487653680443, 2.917456768989771),
+    ((2.0, 0.1, 100, 1e-5), 2.5805688086608938, 2.347555316412645),
+]
+
+
+@pytest.mark.parametrize(("args", "rdp", "prv"), OPACUS)
+def test_epsilon_matches_opacus(args, rdp, prv):
+    require("dp_accounting")
+    ours_rdp, ours_pld = nba.dp_epsilon(*args), nba.dp_epsilon(*args, accountant="pld")
+    np.testing.assert_allclose(ours_rdp, rdp, rtol=1e-5)  # the same bound, nearly the same orders
+    assert ours_pld <= ours_rdp  # PLD accounting is tighter than RDP's
+    np.testing.assert_allclose(ours_pld, prv, rtol=0.02)  # PLD and Opacus' PRV: two numerical methods
+
+
+def test_epsilon_against_the_dp_sgd_paper():
+    """Abadi et al. 2016, section 3.1: q = 0.01, sigma = 4, delta = 1e-5 and 10,000 steps give
+    epsilon = 1.26 with their moments accountant (9.34 with the strong composition theorem); RDP
+    accounting is at least as tight."""
+    require("dp_accounting")
+    eps = nba.dp_epsilon(4.0, 0.01, 10_000, 1e-5)
+    assert 0.9 < eps <= 1.26
+    assert nba.dp_epsilon(4.0, 0.01, 20_000, 1e-5) > eps  # more steps spend more privacy
+    assert nba.dp_epsilon(8.0, 0.01, 10_000, 1e-5) < eps  # more noise spends less
+    assert nba.dp_epsilon(4.0, 0.01, 0, 1e-5) == 0.0
+    assert nba.dp_epsilon(0.0, 0.01, 10, 1e-5) == float("inf")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"noise_multiplier": -1.0}, ValueError, "noise_multiplier"),
+        ({"sampling_rate": 1.5}, ValueError, "sampling_rate"),
+        ({"steps": 2.5}, TypeError, "steps"),
+        ({"steps": -1}, ValueError, "steps"),
+        ({"delta": 0.0}, ValueError, "delta"),
+        ({"accountant": "prv"}, ValueError, "accountant"),
+        ({"noise_multiplier": "1"}, TypeError, "noise_multiplier"),
+    ],
+)
+def test_epsilon_arguments_are_checked(kwargs, error, match):
+    args = {"noise_multiplier": 1.0, "sampling_rate": 0.01, "steps": 100, "delta": 1e-5} | kwargs
+    with pytest.raises(error, match=match):
+        nba.dp_epsilon(**args)
+
+
+def test_stats_report_the_clipped_examples_and_the_noise_of_the_last_step():
+    rng = np.random.default_rng(0)
+    params = {"w": np.zeros(3)}
+    grads = {"w": rng.normal(size=(8, 3)) * np.array([[0.1], [0.1], [5], [5], [5], [0.1], [0.1], [5]])}
+    clipped = int(np.sum(np.linalg.norm(grads["w"], axis=1) > 1.0))
+    tx = nba.dpsgd(0.1, l2_norm_clip=1.0, noise_multiplier=0.5, seed=0)
+    state = nba.step_(tx, grads, tx.init(params), params)
+    s = nba.stats(state)
+    assert s["differentially_private_aggregate/clipped"] == clipped == 4
+    assert s["differentially_private_aggregate/batch"] == 8
+    assert s["differentially_private_aggregate/noise_std"] == 1.0 * 0.5 / 8
+    # Under MultiSteps: the whole logical batch of the cycle (two mini-batches of 8).
+    acc = nba.MultiSteps(nba.dpsgd(0.1, l2_norm_clip=1.0, noise_multiplier=0.5, seed=0), 2)
+    st = acc.init(params)
+    for _ in range(2):
+        st = nba.step_(acc, grads, st, params)
+    s = nba.stats(st)
+    assert s["multisteps/differentially_private_aggregate/clipped"] == 8
+    assert s["multisteps/differentially_private_aggregate/batch"] == 16
+    assert s["multisteps/differentially_private_aggregate/noise_std"] == 0.5 / 16

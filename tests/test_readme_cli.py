@@ -37,7 +37,7 @@ def test_readme_commands_are_the_ones_ci_and_users_run():
         'pip install -e ".[test]" && python -m pytest -q',
     ]
     ci = (ROOT / ".ci" / "run").read_text()
-    assert 'pip install -q -e ".[test,mpi,parity,docs]"' in ci and "python -m pytest -q" in ci
+    assert 'pip install -q -e ".[test,mpi,parity,docs,dp]"' in ci and "python -m pytest -q" in ci
     assert 'mpiexec -n 2 "${MPI_PYTEST[@]}"' in ci
     assert "mkdocs build --strict" in ci
     mpi = (ROOT / "docs" / "guides" / "mpi.md").read_text()
