@@ -65,6 +65,7 @@ from .inject import (
     WrappedSchedule,
     WrappedScheduleState,
     inject_hyperparams,
+    inject_stateful_hyperparams,
 )
 from .masking import (
     ConditionallyMaskState,
@@ -368,6 +369,7 @@ __all__ = [
     "WrappedSchedule",
     "WrappedScheduleState",
     "inject_hyperparams",
+    "inject_stateful_hyperparams",
     "masked",
     # optax's optimizer library (numbaccum.optimizers)
     "ScaleByAmsgradState",

@@ -37,6 +37,7 @@ __all__ = [
     "WrappedSchedule",
     "WrappedScheduleState",
     "inject_hyperparams",
+    "inject_stateful_hyperparams",
 ]
 
 
@@ -366,7 +367,8 @@ def inject_hyperparams(
         TypeError: ``hyperparam_dtype`` is not float16, bfloat16, float32 or float64.
 
     References:
-        optax.inject_hyperparams.
+        optax.inject_hyperparams and optax.inject_stateful_hyperparams (``numbaccum``'s one
+        wrapper is both: ``inject_stateful_hyperparams`` is this function).
 
     Examples:
         >>> import numpy as np, numbaccum as nba
@@ -410,3 +412,9 @@ def inject_hyperparams(
         return _InjectHyperparams(inner_factory, other, numeric, schedules, fixed_dtype).transformation()
 
     return wrapped
+
+
+# optax 0.2.8 has two wrappers: ``inject_hyperparams`` (schedules of the count, state without the
+# schedules' states) and ``inject_stateful_hyperparams`` (also `WrappedSchedule`s, and their
+# states). numbaccum's one wrapper does both, with the second's state: the same function.
+inject_stateful_hyperparams = inject_hyperparams

@@ -800,6 +800,16 @@ _add(
     fusable=False,
 )
 _add(
+    "inject_stateful_hyperparams_schedule",
+    "inject_stateful_hyperparams",
+    lambda: nba.inject_stateful_hyperparams(nba.sgd)(
+        learning_rate=nba.WrappedSchedule(lambda count: 0.1 / (1 + count)), momentum=0.9
+    ),
+    lambda: ref.sgd(lambda count: 0.1 / (1 + count), momentum=0.9),
+    fusable=False,
+    ref_state=False,
+)
+_add(
     "differentially_private_aggregate",
     "differentially_private_aggregate",
     lambda: nba.differentially_private_aggregate(1.0, 0.5, seed=0),

@@ -144,6 +144,7 @@ HOSTILE_EXEMPT = {
     "chain": "its arguments are transformations (variadic)",
     "named_chain": "its arguments are (name, transformation) pairs (variadic)",
     "inject_hyperparams": "returns a constructor; its hyperparameters: test_inject.py",
+    "inject_stateful_hyperparams": "inject_hyperparams itself (optax's two wrappers are one here)",
     "stateless": "its argument is user code, run as it is (test_user_transformations.py)",
     "stateless_with_tree_map": "its argument is user code, run as it is (test_user_transformations.py)",
 }
