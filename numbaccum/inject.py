@@ -196,6 +196,7 @@ def _widest(layout: Layout) -> np.dtype | None:
     """The widest floating dtype of a layout's leaves (`_highest_float` of a tree of it)."""
     best = None
     for d in layout.group_dtypes:  # one or two groups: a loop, not max() with a key
+        d = real_dtype(d)  # a complex group: its parts' dtype, as `_highest_float` counts it
         if d.kind == "f" and (best is None or d.itemsize > best.itemsize):
             best = d
     return best
