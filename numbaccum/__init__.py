@@ -67,6 +67,7 @@ from .inject import (
     inject_hyperparams,
     inject_stateful_hyperparams,
 )
+from .lookahead import LookaheadParams, LookaheadState, lookahead
 from .masking import (
     ConditionallyMaskState,
     ConditionallyTransformState,
@@ -329,6 +330,9 @@ __all__ = [
     "scale_by_zoom_linesearch",
     "value_and_grad_from_state",
     "dp_epsilon",
+    "LookaheadParams",
+    "LookaheadState",
+    "lookahead",
     "save_state",
     "scale_by_sign",
     "sgd",

@@ -163,10 +163,12 @@ def _library_state_classes() -> tuple[type, ...]:
         quasi_newton,
         scaling,
     )
+    from .lookahead import LookaheadState  # (the package's ``lookahead`` is the function)
 
     return (
         protocol.EmptyState,
         base.SnapshotState,
+        LookaheadState,
         quasi_newton.ScaleByLBFGSState,
         quasi_newton.ScaleByZoomLinesearchState,
         quasi_newton.ZoomLinesearchInfo,

@@ -835,6 +835,7 @@ EXTRA_ARGS: dict[str, str] = {
     "polyak_sgd": "update(..., value=f) (tests: test_optimizers' polyak tests)",
     "lbfgs": "update(..., value=, grad=, value_fn=) (tests: test_lbfgs)",
     "scale_by_zoom_linesearch": "update(..., value=, grad=, value_fn=) (tests: test_lbfgs)",
+    "lookahead": "params are a LookaheadParams(fast, slow) (tests: test_lookahead)",
 }
 
 # Names of numbaccum.__all__ that are not transformation constructors, with the reason.
@@ -852,6 +853,7 @@ EXEMPT: dict[str, str] = {
     "with_extra_args_support": "wraps a user's transformation (tests: test_semantics)",
     "register_state_class": "names a user's state class for checkpoints (tests: test_checkpoint)",
     "ZoomLinesearchInfo": _STATES,
+    "LookaheadParams": "lookahead's params pair",
     **{
         n: _FUNCTION
         for n in (

@@ -548,6 +548,7 @@ NOT_STATE_CLASSES = {
     "numbaccum.passes:Explanation",
     "numbaccum.passes:Pass",
     "numbaccum.quasi_newton:_Point",
+    "numbaccum.lookahead:LookaheadParams",
 }
 
 # Names of real callables and modules a crafted file might try.

@@ -1,0 +1,213 @@
+"""`lookahead`: k steps forward with a fast optimizer, one step back towards slow weights.
+
+The params are a `LookaheadParams(fast, slow)`; the gradients, of the fast ones. Flattened, each
+dtype group of the pair holds the fast leaves then the slow leaves of that dtype (the tree order),
+so the fast params are the first half of every group: the fast optimizer runs on views of them,
+and the updates of the pair are written in one buffer per group, fast half then slow half.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from ._checks import flag, integer, real, transformation, wrong_state
+from .backend import ops_for
+from .base import Stage, Step, as_stage, with_extra_args_support
+from .contract import ONE, Factor
+from .flat import FlatTree, as_flat, layout_of
+from .layout import Layout
+from .protocol import GradientTransformationExtraArgs
+from .tree import tree_map
+from .updates import ParamsRef, Spec, Updates, check_params
+
+__all__ = ["LookaheadParams", "LookaheadState", "lookahead"]
+
+
+class LookaheadParams(NamedTuple):
+    """The params of `lookahead`: the fast ones (take gradients at these) and the slow ones (use
+    these for evaluation).
+
+    Attributes:
+        fast: the fast params, a tree.
+        slow: the slow params, a tree of the same structure, shapes and dtypes.
+    """
+
+    fast: Any
+    slow: Any
+
+    @classmethod
+    def init_synced(cls, params: Any) -> LookaheadParams:
+        """``LookaheadParams(fast=params, slow=a copy of params)``: a copy, unlike optax's (JAX
+        arrays are immutable), because numbaccum updates params in place (`numbaccum.step_`)."""
+        return cls(fast=params, slow=tree_map(np.copy, params))
+
+
+class LookaheadState(NamedTuple):
+    """The state of `lookahead` (optax's fields).
+
+    Attributes:
+        fast_state: the fast optimizer's state.
+        steps_since_sync: fast steps since the last synchronisation (int32, modulo
+            ``sync_period``).
+    """
+
+    fast_state: Any
+    steps_since_sync: np.int32
+
+
+def _fast_of(params: Any) -> Any:
+    return params.fast if isinstance(params, LookaheadParams) else params
+
+
+class _Lookahead(Stage):
+    """`lookahead` as a reshaping stage: gradients of the fast params in, updates of the pair
+    out (`Step.spec`)."""
+
+    reshapes = True
+
+    def __init__(self, fast_optimizer: Any, sync_period: Any, slow_step_size: Any, reset_state: Any) -> None:
+        self.inner = with_extra_args_support(transformation(fast_optimizer, "fast_optimizer"))
+        self.stage = as_stage(self.inner)
+        if self.stage.reshapes:
+            raise TypeError("lookahead: the fast optimizer must not change the updates' shape")
+        self.sync_period = integer(sync_period, "sync_period")
+        if self.sync_period < 1:
+            raise ValueError(f"sync_period must be >= 1, got {sync_period!r}")
+        self.slow_step_size = real(slow_step_size, "slow_step_size")
+        self.reset_state = flag(reset_state, "reset_state")
+
+    def refuses_complex(self) -> Any:
+        return self.stage.refuses_complex()
+
+    def foreign(self) -> bool:
+        return self.stage.foreign()
+
+    def init(self, params: Any) -> LookaheadState:
+        return LookaheadState(self.inner.init(_fast_of(params)), np.int32(0))
+
+    def owner(self, state: Any) -> FlatTree | None:
+        return self.stage.owner(state.fast_state) if isinstance(state, LookaheadState) else None
+
+    def take(self, updates: Any, state: Any, params: Any, owner: FlatTree | None) -> tuple[Updates, str]:
+        """The gradients of the fast params, as `Updates` of the fast params' layout."""
+        if not isinstance(params, LookaheadParams):
+            raise TypeError(
+                f"params: lookahead needs a LookaheadParams(fast, slow), got {type(params).__name__} "
+                "(LookaheadParams.init_synced(params) makes one)"
+            )
+        layout = layout_of(params.fast, "params.fast")
+        flat, copied, kind = as_flat(updates, layout, "updates", self.kept("input", layout, False))
+        return Updates(flat, copied), kind
+
+    def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
+        if not isinstance(state, LookaheadState):
+            raise wrong_state("LookaheadState", state)
+        if params is None:
+            raise ValueError(
+                "lookahead needs params: call update(updates, state, LookaheadParams(fast, slow))"
+            )
+        pair = params.raw
+        out_spec = Spec(_pair_layout(pair, spec.layout), spec.device)
+        fast = ParamsRef(
+            pair.fast, spec.layout, None, spec.device, fill=lambda: _half(params.flat(), spec.layout, 0)
+        )
+        fast.checked = check_params(pair.fast, spec)
+        inner = self.stage.plan(spec, state.fast_state, fast, extra)
+        if inner.spec is not None:
+            raise TypeError("lookahead: the fast optimizer must not change the updates' shape")
+        run_inner = inner.final or inner.run
+        since = int(state.steps_since_sync)
+        sync = since == self.sync_period - 1
+        a, reset, make_state = self.slow_step_size, self.reset_state, self.inner.init
+        new_since = np.int32((since + 1) % self.sync_period)
+
+        def run(u: Updates) -> tuple[Updates, LookaheadState]:
+            fast_u, fast_state = run_inner(u)
+            fu = fast_u.settled().flat
+            pf = params.flat()
+            out = FlatTree.empty(out_spec.layout, None, spec.device)
+            for o, g, p in zip(out.groups, fu.groups, pf.groups):
+                n = g.size
+                of, osl, f, s = o[:n], o[n:], p[:n], p[n:]
+                ops = ops_for(g)
+                if not sync:  # the fast step as it is; the slow params stay
+                    ops.scale_(of, g, ONE)
+                    ops.fill_(osl, 0.0)
+                    continue
+                # d = fast + u - slow; slow += a d; fast = slow's new value (u - (1 - a) d)
+                ops.add_scaled_(osl, f, ONE, g, 1.0)
+                ops.add_scaled_(osl, osl, ONE, s, -1.0)
+                ops.add_scaled_(of, g, ONE, osl, -(1.0 - a))
+                ops.scale_(osl, osl, Factor(1.0, a))
+            if sync and reset:
+                fast_state = make_state(pair.fast)
+            return Updates(out, True), LookaheadState(fast_state, new_since)
+
+        return Step(run, spec=out_spec)
+
+
+def _pair_layout(pair: Any, fast: Layout) -> Layout:
+    """The layout of the `LookaheadParams` pair, checked: both halves of the fast params'."""
+    layout = layout_of(pair, "params")
+    half = fast.num_leaves
+    if layout.num_leaves != 2 * half or any(
+        layout.shapes[i] != layout.shapes[half + i] or layout.dtypes[i] != layout.dtypes[half + i]
+        for i in range(half)
+    ):
+        raise ValueError("params: the slow params must have the fast params' structure, shapes and dtypes")
+    return layout
+
+
+def _half(pair: FlatTree, layout: Layout) -> FlatTree:
+    """The fast params: views of the first half of each group of the pair's buffers."""
+    groups = [g[:n] for g, n in zip(pair.groups, layout.group_sizes)]
+    buffers = {np.dtype(g.dtype): g for g in groups}
+    return FlatTree(layout, groups, buffers)
+
+
+def lookahead(
+    fast_optimizer: Any, sync_period: int, slow_step_size: float, reset_state: bool = False
+) -> GradientTransformationExtraArgs:
+    """Lookahead: ``sync_period`` steps of ``fast_optimizer`` on the fast params, then the slow
+    params move ``slow_step_size`` of the way to the fast ones and the fast ones are set there.
+
+    With ``u`` the fast optimizer's update: between synchronisations the fast params get ``u``
+    and the slow ones 0; at a synchronisation (every ``sync_period``-th step), with ``d = fast +
+    u - slow``, the slow params get ``slow_step_size * d`` and the fast ones ``u - (1 -
+    slow_step_size) d`` (so both end at ``slow + slow_step_size * d``), as optax computes them.
+    The params are a `LookaheadParams(fast, slow)` and the gradients those of the fast params;
+    the updates are a `LookaheadParams` for `apply_updates` or `numbaccum.step_`.
+
+    Args:
+        fast_optimizer: the inner transformation.
+        sync_period: fast steps between synchronisations (``>= 1``).
+        slow_step_size: how far the slow params move towards the fast ones (0 to 1).
+        reset_state: re-initialise the fast optimizer's state at each synchronisation.
+
+    Returns:
+        A `GradientTransformationExtraArgs`; its state is ``LookaheadState(fast_state,
+            steps_since_sync)``, as in optax.
+
+    Raises:
+        TypeError: ``fast_optimizer`` is not a transformation, or a hyperparameter has the
+            wrong type; at an update, the params are not a `LookaheadParams`.
+        ValueError: ``sync_period < 1``; at an update, the slow params do not match the fast
+            ones.
+
+    References:
+        Zhang et al., "Lookahead Optimizer: k steps forward, 1 step back", NeurIPS 2019
+        (arXiv:1907.08610). optax.lookahead.
+
+    Examples:
+        >>> import numpy as np, numbaccum as nba
+        >>> tx = nba.lookahead(nba.sgd(0.1), sync_period=2, slow_step_size=0.5)
+        >>> params = nba.LookaheadParams.init_synced({"w": np.ones(2)})
+        >>> state = tx.init(params)
+        >>> for _ in range(2):
+        ...     state = nba.step_(tx, {"w": 2 * params.fast["w"]}, state, params)  # grad of w^2
+        >>> params.fast["w"], params.slow["w"]  # fast: 1 -> 0.8 -> 0.64; synced halfway: 0.82
+        (array([0.82, 0.82]), array([0.82, 0.82]))
+    """
+    return _Lookahead(fast_optimizer, sync_period, slow_step_size, reset_state).transformation()
