@@ -12,7 +12,7 @@ import numbaccum as nba
 CONFIGS = {
     "adam_sync3": lambda m: m.lookahead(m.adam(0.1), sync_period=3, slow_step_size=0.5),
     "sgd_momentum_reset": lambda m: m.lookahead(m.sgd(0.1, momentum=0.9), 2, 0.3, reset_state=True),
-    "every_step": lambda m: m.lookahead(m.chain(m.clip_by_global_norm(1.0), m.sgd(0.05)), 1, 0.8),
+    "clip_every_step": lambda m: m.lookahead(m.chain(m.clip_by_global_norm(1.0), m.sgd(0.05)), 1, 0.8),
 }
 
 
