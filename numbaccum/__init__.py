@@ -58,6 +58,7 @@ from .clipping import (
     scale_by_polyak,
     zero_nans,
 )
+from .contrib import ScaleByAdemamixState, ademamix, adopt, scale_by_ademamix, scale_by_adopt
 from .flat import FlatTree, to_device, to_host
 from .inject import (
     InjectHyperparamsState,
@@ -333,6 +334,12 @@ __all__ = [
     "LookaheadParams",
     "LookaheadState",
     "lookahead",
+    # optax.contrib's (numbaccum.contrib)
+    "adopt",
+    "scale_by_adopt",
+    "ScaleByAdemamixState",
+    "ademamix",
+    "scale_by_ademamix",
     "save_state",
     "scale_by_sign",
     "sgd",

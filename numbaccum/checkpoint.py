@@ -163,12 +163,14 @@ def _library_state_classes() -> tuple[type, ...]:
         quasi_newton,
         scaling,
     )
+    from .contrib import ScaleByAdemamixState
     from .lookahead import LookaheadState  # (the package's ``lookahead`` is the function)
 
     return (
         protocol.EmptyState,
         base.SnapshotState,
         LookaheadState,
+        ScaleByAdemamixState,
         quasi_newton.ScaleByLBFGSState,
         quasi_newton.ScaleByZoomLinesearchState,
         quasi_newton.ZoomLinesearchInfo,

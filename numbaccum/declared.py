@@ -209,7 +209,13 @@ class Elementwise(Stage):
             values[f] = buf.fill_(start) if start else buf
         if self.counted:
             values[self.count_field] = self.count_start()
+        values.update(self.other_fields())
         return self.state_cls(**values)
+
+    def other_fields(self) -> dict:
+        """The initial values of the state's other fields (neither buffers nor the count):
+        none; a field here passes through each step unless the stage advances it."""
+        return {}
 
     def owner(self, state: Any) -> FlatTree | None:
         if not self.fields:

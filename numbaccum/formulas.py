@@ -559,3 +559,10 @@ def maximum(a, b):
     if a != a or a > b:
         return a
     return b
+
+
+def minimum(a, b):
+    """``jnp.minimum``: NaN if either is NaN."""
+    if a != a or a < b:
+        return a
+    return b

@@ -1809,15 +1809,99 @@ def scale_by_lbfgs(memory_size=10, scale_init_precond=True):
         vec, alphas = tree_map(np.copy, updates), []
         for j in reversed(order):
             a = rhos[j] * _vdot64(dps[j], vec)
-            vec = tree_map(lambda v, y: _arr(v + _c(-a, v.dtype) * y, v.dtype), vec, dus[j])
+            vec = tree_map(lambda v, y, a=a: _arr(v + _c(-a, v.dtype) * y, v.dtype), vec, dus[j])
             alphas.append(a)
         vec = tree_map(lambda v: _arr(v * _c(gamma, v.dtype), v.dtype), vec)
         for j, a in zip(order, reversed(alphas)):
             b = rhos[j] * _vdot64(dus[j], vec)
-            vec = tree_map(lambda v, s: _arr(v + _c(a - b, v.dtype) * s, v.dtype), vec, dps[j])
+            vec = tree_map(lambda v, s, a=a, b=b: _arr(v + _c(a - b, v.dtype) * s, v.dtype), vec, dps[j])
         new = ScaleByLBFGSState(
             safe_increment(state.count), tree_map(np.copy, params), tree_map(np.copy, updates), dps, dus, rhos
         )
         return vec, new
 
     return Transformation(init, update)
+
+
+def scale_by_adopt(
+    b1=0.9, b2=0.9999, eps=1e-6, *, nesterov=False, use_clipping=True, clip_value_fn=lambda x: x**0.25
+):
+    """optax.contrib's ``scale_by_adopt`` leaf by leaf (its first step only sets nu = g^2)."""
+
+    def init(params):
+        return ScaleByAdamState(np.int32(0), zeros_like(params), zeros_like(params))
+
+    def update(updates, state, params=None, **extra):
+        c = int(state.count)
+
+        def leaf(g, m, v):
+            dt = g.dtype
+            t = dt.type
+            d1, d2 = (t(b1), t(b2)) if c > 0 else (t(1.0), t(0.0))
+            u = g / np.maximum(np.sqrt(v), _c(eps, dt))
+            if use_clipping:
+                cv = _c(float(clip_value_fn(np.int32(c))), dt)
+                u = np.clip(u, -cv, cv)
+            nu = _arr((t(1) - d2) * (g * g) + d2 * v, dt)
+            mu = _arr((t(1) - d1) * u + d1 * m, dt)
+            out = _arr((t(1) - d1) * u + d1 * mu, dt) if nesterov else mu
+            return mu, nu, out
+
+        gl, tdef = tree_flatten(updates)
+        res = [leaf(g, m, v) for g, m, v in zip(gl, tree_flatten(state.mu)[0], tree_flatten(state.nu)[0])]
+        mu, nu, out = (tree_unflatten(tdef, [r[i] for r in res]) for i in range(3))
+        return tree_map(np.copy, out), ScaleByAdamState(safe_increment(state.count), mu, nu)
+
+    return Transformation(init, update)
+
+
+def adopt(learning_rate, b1=0.9, b2=0.9999, eps=1e-6, **kw):
+    return chain(scale_by_adopt(b1, b2, eps, **kw), scale_by_learning_rate(learning_rate))
+
+
+class ScaleByAdemamixState(NamedTuple):
+    count: Any
+    count_m2: Any
+    m1: Any
+    m2: Any
+    nu: Any
+
+
+def scale_by_ademamix(b1=0.9, b2=0.999, b3=0.9999, alpha=5.0, eps=1e-8, eps_root=0.0):
+    """optax.contrib's ``scale_by_ademamix`` leaf by leaf (the slow EMA not bias-corrected)."""
+
+    def init(params):
+        return ScaleByAdemamixState(
+            np.int32(0), np.int32(0), zeros_like(params), zeros_like(params), zeros_like(params)
+        )
+
+    def update(updates, state, params=None, **extra):
+        c3 = b3(int(state.count_m2)) if callable(b3) else b3
+        a = alpha(int(state.count_m2)) if callable(alpha) else alpha
+        count = safe_increment(state.count)
+
+        def leaf(g, m1, m2, v):
+            dt = g.dtype
+            m1 = _arr(_moment(g, m1, b1, dt), dt)
+            m2 = _arr(_moment(g, m2, c3, dt), dt)
+            v = _arr(_moment(g, v, b2, dt, 2), dt)
+            m1_hat = m1 / bias_correction_denominator(b1, count, dt)
+            v_hat = v / bias_correction_denominator(b2, count, dt)
+            out = _arr((m1_hat + _c(a, dt) * m2) / (np.sqrt(v_hat + _c(eps_root, dt)) + _c(eps, dt)), dt)
+            return m1, m2, v, out
+
+        gl, tdef = tree_flatten(updates)
+        olds = [tree_flatten(getattr(state, f))[0] for f in ("m1", "m2", "nu")]
+        res = [leaf(g, *(o[i] for o in olds)) for i, g in enumerate(gl)]
+        m1, m2, nu, out = (tree_unflatten(tdef, [r[i] for r in res]) for i in range(4))
+        return out, ScaleByAdemamixState(count, safe_increment(state.count_m2), m1, m2, nu)
+
+    return Transformation(init, update)
+
+
+def ademamix(learning_rate, b1=0.9, b2=0.999, b3=0.9999, alpha=5.0, eps=1e-8, eps_root=0.0, weight_decay=0.0):
+    return chain(
+        scale_by_ademamix(b1, b2, b3, alpha, eps, eps_root),
+        add_decayed_weights(weight_decay),
+        scale_by_learning_rate(learning_rate),
+    )

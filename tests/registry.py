@@ -741,6 +741,40 @@ _add(
     optax=lambda o: o.scale_by_lbfgs(memory_size=3),
 )
 _add(
+    "adopt",
+    "adopt",
+    lambda: nba.adopt(1e-2),
+    lambda: ref.adopt(1e-2),
+    {"learning_rate": 1e-3},
+    exact=True,
+    optax=lambda o: o.contrib.adopt(1e-2),
+)
+_add(
+    "scale_by_adopt_nesterov",
+    "scale_by_adopt",
+    lambda: nba.scale_by_adopt(b2=0.99, nesterov=True, clip_value_fn=lambda c: 0.5 + c),
+    lambda: ref.scale_by_adopt(b2=0.99, nesterov=True, clip_value_fn=lambda c: 0.5 + c),
+    {},
+    exact=True,
+)
+_add(
+    "ademamix",
+    "ademamix",
+    lambda: nba.ademamix(1e-2, weight_decay=0.1),
+    lambda: ref.ademamix(1e-2, weight_decay=0.1),
+    {"learning_rate": 1e-3},
+    exact=True,
+    optax=lambda o: o.contrib.ademamix(1e-2, weight_decay=0.1),
+)
+_add(
+    "scale_by_ademamix_schedules",
+    "scale_by_ademamix",
+    lambda: nba.scale_by_ademamix(b3=lambda c: 0.9 + 0.01 * c, alpha=lambda c: 1.0 + c),
+    lambda: ref.scale_by_ademamix(b3=lambda c: 0.9 + 0.01 * c, alpha=lambda c: 1.0 + c),
+    {},
+    exact=True,
+)
+_add(
     "partition",
     "partition",
     lambda: nba.partition({"matrix": nba.adam(1e-2), "vector": nba.sgd(0.1, momentum=0.9)}, _by_rank),

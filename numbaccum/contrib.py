@@ -1,0 +1,390 @@
+"""optax.contrib's optimizers that users ask for most: ADOPT and AdEMAMix, each one declared
+formula (fused with the learning rate and weight decay, as the optimizers of
+`numbaccum.optimizers`).
+
+Names, arguments, defaults and state classes are optax.contrib's; the order of the
+floating-point operations is optax's.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from ._checks import flag, real
+from .base import chain
+from .declared import Elementwise, bias_correction, check_decay
+from .flat import FlatTree
+from .formulas import abs_sq, formula, maximum, minimum, re
+from .optimizers import ScaleByAdamState, _mu_dtype
+from .protocol import GradientTransformationExtraArgs
+from .scaling import ScalarOrSchedule, add_decayed_weights, scale_by_learning_rate
+
+__all__ = ["ScaleByAdemamixState", "ademamix", "adopt", "scale_by_ademamix", "scale_by_adopt"]
+
+
+# --- ADOPT -------------------------------------------------------------------------------------
+
+
+@formula(
+    states=("mu", "nu"),
+    inputs=("g",),
+    outputs=("out",),
+    scalars=("b1", "one_minus_b1", "b2", "one_minus_b2", "eps", "clip_value", "clipping", "nesterov"),
+)
+def adopt_direction(mu, nu, g, b1, one_minus_b1, b2, one_minus_b2, eps, clip_value, clipping, nesterov):
+    """ADOPT: the update normalised by the *previous* second moment, u = g / max(sqrt(nu), eps)
+    (clipped to [-c, c]); mu = (1 - b1) u + b1 mu; nu = (1 - b2) g^2 + b2 nu; out = mu (nesterov:
+    (1 - b1) u + b1 mu). At the first step b1 = 1 and b2 = 0 (optax's ``where``s)."""
+    u = g / maximum(math.sqrt(re(nu)), eps)
+    if clipping:
+        u = minimum(maximum(u, -clip_value), clip_value)
+    v = one_minus_b2 * abs_sq(g) + b2 * re(nu)
+    m = one_minus_b1 * u + b1 * mu
+    out = one_minus_b1 * u + b1 * m if nesterov else m
+    return m, v, out
+
+
+class _ScaleByAdopt(Elementwise):
+    state_cls, fields, formula, name = ScaleByAdamState, ("mu", "nu"), adopt_direction, "scale_by_adopt"
+    counted = True
+
+    def __init__(
+        self, b1: Any, b2: Any, eps: Any, mu_dtype: Any, nesterov: Any, use_clipping: Any, clip_value_fn: Any
+    ) -> None:
+        self.b1, self.b2 = check_decay(b1, "b1"), check_decay(b2, "b2")
+        self.eps = real(eps, "eps")
+        self.mu_dtype = _mu_dtype(mu_dtype)
+        self.nesterov, self.clipping = flag(nesterov, "nesterov"), flag(use_clipping, "use_clipping")
+        if not callable(clip_value_fn):
+            raise TypeError(f"clip_value_fn must be callable, got {type(clip_value_fn).__name__}")
+        self.clip_value_fn = clip_value_fn
+
+    def field_dtypes(self, field: str, layout: Any) -> Any:
+        return self.mu_dtype if field == "mu" else None  # nu: the leaves' dtype (optax's)
+
+    def scalars(self, count: Any, ct: np.dtype) -> tuple:
+        c = int(count) - 1  # optax's ``state.count``: the steps before this one
+        t = ct.type
+        # optax: ``where(count > 0, b, 1 or 0)`` is an array of the compute dtype, and 1 - it is
+        # computed in that dtype (the cast first, then the subtraction).
+        b1, b2 = (t(self.b1), t(self.b2)) if c > 0 else (t(1.0), t(0.0))
+        clip = real(self.clip_value_fn(np.int32(c)), "clip_value_fn's value") if self.clipping else 0.0
+        return (b1, t(1.0) - b1, b2, t(1.0) - b2, self.eps, clip, self.clipping, self.nesterov)
+
+
+def scale_by_adopt(
+    b1: float = 0.9,
+    b2: float = 0.9999,
+    eps: float = 1e-6,
+    mu_dtype: Any = None,
+    *,
+    nesterov: bool = False,
+    use_clipping: bool = True,
+    clip_value_fn: Callable[[Any], Any] = lambda x: x**0.25,
+) -> GradientTransformationExtraArgs:
+    """Rescales the updates by ADOPT: Adam with the update normalised by the second moment of
+    the steps before it.
+
+    ``u = clip(g / max(sqrt(nu), eps), -c, c)`` with ``c = clip_value_fn(t - 1)`` (``t`` the new
+    step count), then ``mu = (1 - b1) u + b1 mu`` and ``nu = (1 - b2) g^2 + b2 nu``; the output is
+    ``mu`` (``nesterov``: ``(1 - b1) u + b1 mu``). At the first step only ``nu = g^2`` is set
+    (the output is 0), as optax does. One fused pass.
+
+    Args:
+        b1: decay of the first moment, between 0 and 1.
+        b2: decay of the second moment, between 0 and 1.
+        eps: the floor of ``sqrt(nu)``.
+        mu_dtype: storage dtype of ``mu`` (None: each leaf's).
+        nesterov: Nesterov's momentum.
+        use_clipping: clip the normalised update to ``[-c, c]``.
+        clip_value_fn: ``c`` of the step count (``t - 1``); optax's default ``t^0.25``.
+
+    Returns:
+        A `GradientTransformationExtraArgs`; its state is ``ScaleByAdamState(count, mu, nu)``,
+            as optax's.
+
+    Raises:
+        TypeError: a hyperparameter has the wrong type, ``clip_value_fn`` is not callable (or,
+            at an update, returns no real number).
+        ValueError: ``b1`` or ``b2`` is not between 0 and 1.
+
+    References:
+        Taniguchi et al., "ADOPT: Modified Adam Can Converge with Any beta2 with the Optimal
+        Rate", NeurIPS 2024 (arXiv:2411.02853). optax.contrib.scale_by_adopt.
+
+    Examples:
+        >>> import numpy as np, numbaccum as nba
+        >>> tx = nba.scale_by_adopt()
+        >>> g = {"w": np.array([0.5, -2.0])}
+        >>> u, state = tx.update(g, tx.init(g))
+        >>> u["w"]  # the first step only sets nu = g^2
+        array([0., 0.])
+        >>> u, state = tx.update(g, state)
+        >>> [round(float(x), 4) for x in u["w"]]  # 0.1 * clip(g / |g|, -1, 1)
+        [0.1, -0.1]
+    """
+    return _ScaleByAdopt(b1, b2, eps, mu_dtype, nesterov, use_clipping, clip_value_fn).transformation()
+
+
+def adopt(
+    learning_rate: ScalarOrSchedule,
+    b1: float = 0.9,
+    b2: float = 0.9999,
+    eps: float = 1e-6,
+    mu_dtype: Any = None,
+    *,
+    nesterov: bool = False,
+    use_clipping: bool = True,
+    clip_value_fn: Callable[[Any], Any] = lambda x: x**0.25,
+) -> GradientTransformationExtraArgs:
+    """ADOPT: ``chain(scale_by_adopt(...), scale_by_learning_rate(learning_rate))``, one fused
+    pass.
+
+    Args:
+        learning_rate: a float, or a schedule of the step count.
+        b1: as in `scale_by_adopt`.
+        b2: as in `scale_by_adopt`.
+        eps: as in `scale_by_adopt`.
+        mu_dtype: as in `scale_by_adopt`.
+        nesterov: as in `scale_by_adopt`.
+        use_clipping: as in `scale_by_adopt`.
+        clip_value_fn: as in `scale_by_adopt`.
+
+    Returns:
+        A `GradientTransformationExtraArgs`; its state is ``(ScaleByAdamState(count, mu, nu),
+            EmptyState())`` (``ScaleByScheduleState`` last with a schedule).
+
+    Raises:
+        TypeError: a hyperparameter has the wrong type.
+        ValueError: ``b1`` or ``b2`` is not between 0 and 1.
+
+    References:
+        Taniguchi et al., "ADOPT: Modified Adam Can Converge with Any beta2 with the Optimal
+        Rate", NeurIPS 2024 (arXiv:2411.02853). optax.contrib.adopt.
+
+    Examples:
+        >>> import numpy as np, numbaccum as nba
+        >>> params = {"x": np.array([1.0, 2.0, 3.0])}
+        >>> tx = nba.adopt(learning_rate=0.003)
+        >>> state = tx.init(params)
+        >>> for _ in range(5):
+        ...     state = nba.step_(tx, {"x": 2 * params["x"]}, state, params)
+        >>> print(f"{float(np.sum(params['x'] ** 2)):.2f}")  # 14 before; the first step is 0
+        13.97
+    """
+    return chain(
+        scale_by_adopt(
+            b1, b2, eps, mu_dtype, nesterov=nesterov, use_clipping=use_clipping, clip_value_fn=clip_value_fn
+        ),
+        scale_by_learning_rate(learning_rate),
+    )
+
+
+# --- AdEMAMix -----------------------------------------------------------------------------------
+
+
+class ScaleByAdemamixState(NamedTuple):
+    """AdEMAMix's state (optax.contrib's fields).
+
+    Attributes:
+        count: the number of updates so far (int32, saturating): the fast EMA's and the second
+            moment's bias corrections.
+        count_m2: the same count, the argument of the ``b3`` and ``alpha`` schedules.
+        m1: the fast EMA of the gradients, a FlatTree of the params' layout.
+        m2: the slow EMA.
+        nu: the second moment.
+    """
+
+    count: np.int32  # type: ignore[assignment]
+    count_m2: np.int32
+    m1: FlatTree
+    m2: FlatTree
+    nu: FlatTree
+
+
+@formula(
+    states=("m1", "m2", "nu"),
+    inputs=("g",),
+    outputs=("out",),
+    scalars=(
+        "b1",
+        "one_minus_b1",
+        "b2",
+        "one_minus_b2",
+        "b3",
+        "one_minus_b3",
+        "alpha",
+        "bc1",
+        "bc2",
+        "eps",
+        "eps_root",
+    ),
+)
+def ademamix_direction(
+    m1, m2, nu, g, b1, one_minus_b1, b2, one_minus_b2, b3, one_minus_b3, alpha, bc1, bc2, eps, eps_root
+):
+    """AdEMAMix: a fast and a slow EMA of g, mixed: m1 = (1 - b1) g + b1 m1; m2 = (1 - b3) g +
+    b3 m2; nu = (1 - b2) g^2 + b2 nu; out = (m1 / bc1 + alpha m2) / (sqrt(nu / bc2 + eps_root)
+    + eps) (the slow EMA is not bias-corrected)."""
+    a = one_minus_b1 * g + b1 * m1
+    s = one_minus_b3 * g + b3 * m2
+    v = one_minus_b2 * abs_sq(g) + b2 * re(nu)
+    return a, s, v, (a / bc1 + alpha * s) / (math.sqrt(v / bc2 + eps_root) + eps)
+
+
+class _ScaleByAdemamix(Elementwise):
+    state_cls, fields, formula, name = (
+        ScaleByAdemamixState,
+        ("m1", "m2", "nu"),
+        ademamix_direction,
+        "scale_by_ademamix",
+    )
+    counted = True
+    complex_leaves = True  # optax's moments of |g|^2
+
+    def __init__(self, b1: Any, b2: Any, b3: Any, alpha: Any, eps: Any, eps_root: Any, mu_dtype: Any) -> None:
+        self.b1, self.b2 = check_decay(b1, "b1"), check_decay(b2, "b2")
+        self.b3 = b3 if callable(b3) else check_decay(b3, "b3")
+        self.alpha = alpha if callable(alpha) else real(alpha, "alpha")
+        self.eps, self.eps_root = real(eps, "eps"), real(eps_root, "eps_root")
+        self.mu_dtype = _mu_dtype(mu_dtype)
+
+    def field_dtypes(self, field: str, layout: Any) -> Any:
+        return self.mu_dtype  # optax keeps all three in mu_dtype
+
+    def other_fields(self) -> dict:
+        return {"count_m2": np.int32(0)}
+
+    def declare(self, spec: Any, state: Any) -> Any:
+        part = super().declare(spec, state)
+        ticked = part.tick
+
+        def tick(state: Any, params: Any, extra: dict) -> bool:  # count_m2 advances with count
+            if not ticked(state, params, extra):
+                return False
+            if int(state.count_m2) != int(state.count):
+                raise ValueError(
+                    f"state.count_m2 ({int(state.count_m2)}) differs from state.count ({int(state.count)}): "
+                    "numbaccum advances them together (the schedules of b3 and alpha read it)"
+                )
+            part.new_state = part.new_state._replace(count_m2=part.new_state.count)
+            return True
+
+        part.tick = tick
+        return part
+
+    def scalars(self, count: Any, ct: np.dtype) -> tuple:
+        t, c = int(count), int(count) - 1  # the schedules read optax's ``state.count_m2``
+        b3 = check_decay(self.b3(c), "b3's value") if callable(self.b3) else self.b3
+        alpha = real(self.alpha(c), "alpha's value") if callable(self.alpha) else self.alpha
+        b1, b2 = self.b1, self.b2
+        bc1, bc2 = bias_correction(b1, t, ct), bias_correction(b2, t, ct)
+        return (b1, 1.0 - b1, b2, 1.0 - b2, b3, 1.0 - b3, alpha, bc1, bc2, self.eps, self.eps_root)
+
+
+def scale_by_ademamix(
+    b1: float = 0.9,
+    b2: float = 0.999,
+    b3: ScalarOrSchedule = 0.9999,
+    alpha: ScalarOrSchedule = 5.0,
+    eps: float = 1e-8,
+    eps_root: float = 0.0,
+    mu_dtype: Any = None,
+) -> GradientTransformationExtraArgs:
+    """Rescales the updates by AdEMAMix: Adam's fast EMA plus ``alpha`` times a slow one.
+
+    ``m1 = (1 - b1) g + b1 m1``, ``m2 = (1 - b3) g + b3 m2``, ``nu = (1 - b2) g^2 + b2 nu``, ``u =
+    (m1 / (1 - b1^t) + alpha m2) / (sqrt(nu / (1 - b2^t) + eps_root) + eps)``; the slow EMA is
+    not bias-corrected, and ``b3`` and ``alpha`` may be schedules of the step count (optax's
+    ``count_m2``, the steps before this one). One fused pass.
+
+    Args:
+        b1: decay of the fast EMA, between 0 and 1.
+        b2: decay of the second moment, between 0 and 1.
+        b3: decay of the slow EMA, between 0 and 1, or a schedule of it.
+        alpha: the slow EMA's weight, or a schedule of it.
+        eps: added to the square root.
+        eps_root: added inside the square root.
+        mu_dtype: storage dtype of the three buffers (None: each leaf's).
+
+    Returns:
+        A `GradientTransformationExtraArgs`; its state is ``ScaleByAdemamixState(count,
+            count_m2, m1, m2, nu)``, as optax.contrib's.
+
+    Raises:
+        TypeError: a hyperparameter has the wrong type.
+        ValueError: ``b1``, ``b2`` or ``b3`` (or a value of its schedule) is not between 0 and 1.
+
+    References:
+        Pagliardini, Ablin and Grangier, "The AdEMAMix Optimizer: Better, Faster, Older", 2024
+        (arXiv:2409.03137). optax.contrib.scale_by_ademamix.
+
+    Examples:
+        >>> import numpy as np, numbaccum as nba
+        >>> tx = nba.scale_by_ademamix(b3=0.5, alpha=2.0)
+        >>> g = {"w": np.array([3.0, -4.0])}
+        >>> u, state = tx.update(g, tx.init(g))
+        >>> [round(float(x), 4) for x in u["w"]]  # (g + 2 * 0.5 g) / |g|
+        [2.0, -2.0]
+    """
+    return _ScaleByAdemamix(b1, b2, b3, alpha, eps, eps_root, mu_dtype).transformation()
+
+
+def ademamix(
+    learning_rate: ScalarOrSchedule,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    b3: ScalarOrSchedule = 0.9999,
+    alpha: ScalarOrSchedule = 5.0,
+    eps: float = 1e-8,
+    eps_root: float = 0.0,
+    mu_dtype: Any = None,
+    weight_decay: float = 0.0,
+    mask: Any = None,
+) -> GradientTransformationExtraArgs:
+    """AdEMAMix with decoupled weight decay: ``chain(scale_by_ademamix(...),
+    add_decayed_weights(weight_decay, mask), scale_by_learning_rate(learning_rate))``, one fused
+    pass.
+
+    Args:
+        learning_rate: a float, or a schedule of the step count.
+        b1: as in `scale_by_ademamix`.
+        b2: as in `scale_by_ademamix`.
+        b3: as in `scale_by_ademamix`.
+        alpha: as in `scale_by_ademamix`.
+        eps: as in `scale_by_ademamix`.
+        eps_root: as in `scale_by_ademamix`.
+        mu_dtype: as in `scale_by_ademamix`.
+        weight_decay: the decay rate.
+        mask: which leaves decay (as `add_decayed_weights`).
+
+    Returns:
+        A `GradientTransformationExtraArgs`; its state is ``(ScaleByAdemamixState(...),
+            EmptyState(), EmptyState())`` (``MaskedState`` for a masked decay,
+            ``ScaleByScheduleState`` last with a schedule).
+
+    Raises:
+        TypeError: a hyperparameter has the wrong type.
+        ValueError: ``b1``, ``b2`` or ``b3`` is not between 0 and 1.
+
+    References:
+        Pagliardini, Ablin and Grangier, "The AdEMAMix Optimizer: Better, Faster, Older", 2024
+        (arXiv:2409.03137). optax.contrib.ademamix.
+
+    Examples:
+        >>> import numpy as np, numbaccum as nba
+        >>> params = {"w": np.zeros(2)}
+        >>> tx = nba.ademamix(0.1, b3=0.5, alpha=2.0)
+        >>> state = nba.step_(tx, {"w": np.array([3.0, -4.0])}, tx.init(params), params)
+        >>> [round(float(x), 4) for x in params["w"]]
+        [-0.2, 0.2]
+    """
+    return chain(
+        scale_by_ademamix(b1, b2, b3, alpha, eps, eps_root, mu_dtype),
+        add_decayed_weights(weight_decay, mask),
+        scale_by_learning_rate(learning_rate),
+    )
