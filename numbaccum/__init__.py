@@ -58,7 +58,15 @@ from .clipping import (
     scale_by_polyak,
     zero_nans,
 )
-from .contrib import ScaleByAdemamixState, ademamix, adopt, scale_by_ademamix, scale_by_adopt
+from .contrib import (
+    ReduceLROnPlateauState,
+    ScaleByAdemamixState,
+    ademamix,
+    adopt,
+    reduce_on_plateau,
+    scale_by_ademamix,
+    scale_by_adopt,
+)
 from .flat import FlatTree, to_device, to_host
 from .inject import (
     InjectHyperparamsState,
@@ -340,6 +348,8 @@ __all__ = [
     "ScaleByAdemamixState",
     "ademamix",
     "scale_by_ademamix",
+    "ReduceLROnPlateauState",
+    "reduce_on_plateau",
     "save_state",
     "scale_by_sign",
     "sgd",

@@ -163,7 +163,7 @@ def _library_state_classes() -> tuple[type, ...]:
         quasi_newton,
         scaling,
     )
-    from .contrib import ScaleByAdemamixState
+    from .contrib import ReduceLROnPlateauState, ScaleByAdemamixState
     from .lookahead import LookaheadState  # (the package's ``lookahead`` is the function)
 
     return (
@@ -171,6 +171,7 @@ def _library_state_classes() -> tuple[type, ...]:
         base.SnapshotState,
         LookaheadState,
         ScaleByAdemamixState,
+        ReduceLROnPlateauState,
         quasi_newton.ScaleByLBFGSState,
         quasi_newton.ScaleByZoomLinesearchState,
         quasi_newton.ZoomLinesearchInfo,

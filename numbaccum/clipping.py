@@ -557,12 +557,10 @@ class _ScaleByPolyak(_Stateless):
 _FLOAT64_EPS = float(np.finfo(np.float64).eps)
 
 
-def _objective_value(extra: dict) -> float:
+def _objective_value(extra: dict, name: str = "scale_by_polyak") -> float:
     """The ``value`` extra argument of an update, as a float (checked before anything runs)."""
     if "value" not in extra:
-        raise TypeError(
-            "scale_by_polyak needs the objective: call update(updates, state, params, value=f(params))"
-        )
+        raise TypeError(f"{name} needs the objective: call update(updates, state, params, value=f(params))")
     value = extra["value"]
     arr = np.asarray(value)
     if arr.shape != () or arr.dtype.kind not in "fiu" or arr.dtype == np.bool_:

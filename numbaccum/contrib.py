@@ -1,6 +1,7 @@
 """optax.contrib's optimizers that users ask for most: ADOPT and AdEMAMix, each one declared
 formula (fused with the learning rate and weight decay, as the optimizers of
-`numbaccum.optimizers`).
+`numbaccum.optimizers`), and reduce_on_plateau (host logic on the objective's values, its scale a
+pending factor).
 
 Names, arguments, defaults and state classes are optax.contrib's; the order of the
 floating-point operations is optax's.
@@ -14,16 +15,29 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from ._checks import flag, real
-from .base import chain
-from .declared import Elementwise, bias_correction, check_decay
-from .flat import FlatTree
+from ._checks import flag, integer, real, wrong_state
+from .base import Stage, chain
+from .clipping import _objective_value
+from .contract import ONE, Factor
+from .declared import Elementwise, bias_correction, check_decay, safe_increment
+from .flat import FlatTree, layout_of
 from .formulas import abs_sq, formula, maximum, minimum, re
+from .fuse import Scale
+from .layout import real_dtype
 from .optimizers import ScaleByAdamState, _mu_dtype
 from .protocol import GradientTransformationExtraArgs
 from .scaling import ScalarOrSchedule, add_decayed_weights, scale_by_learning_rate
+from .updates import Spec
 
-__all__ = ["ScaleByAdemamixState", "ademamix", "adopt", "scale_by_ademamix", "scale_by_adopt"]
+__all__ = [
+    "ReduceLROnPlateauState",
+    "ScaleByAdemamixState",
+    "ademamix",
+    "adopt",
+    "reduce_on_plateau",
+    "scale_by_ademamix",
+    "scale_by_adopt",
+]
 
 
 # --- ADOPT -------------------------------------------------------------------------------------
@@ -388,3 +402,171 @@ def ademamix(
         add_decayed_weights(weight_decay, mask),
         scale_by_learning_rate(learning_rate),
     )
+
+
+# --- reduce on plateau -------------------------------------------------------------------------
+
+
+class ReduceLROnPlateauState(NamedTuple):
+    """State of `reduce_on_plateau` (optax.contrib's fields).
+
+    Attributes:
+        scale: the factor the updates are multiplied by (the params' lowest float dtype).
+        best_value: the best average value seen (the params' highest float dtype).
+        plateau_count: checks without improvement since the last one (int32).
+        cooldown_count: checks left before the plateau count runs again (int32).
+        count: values accumulated towards the next check (int32).
+        avg_value: their running mean.
+    """
+
+    scale: Any
+    best_value: Any
+    plateau_count: np.int32
+    cooldown_count: np.int32
+    count: np.int32  # type: ignore[assignment]
+    avg_value: Any
+
+
+class _ReduceOnPlateau(Stage):
+    complex_leaves = True
+    public_name = "reduce_on_plateau"
+
+    def __init__(
+        self,
+        factor: Any,
+        patience: Any,
+        rtol: Any,
+        atol: Any,
+        cooldown: Any,
+        accumulation_size: Any,
+        min_scale: Any,
+    ) -> None:
+        self.factor = real(factor, "factor")
+        if not 0.0 < self.factor < 1.0:
+            raise ValueError(f"Factor must be in the range (0, 1), got factor = {factor!r}.")
+        self.rtol, self.atol = real(rtol, "rtol"), real(atol, "atol")
+        if self.rtol < 0.0 or self.atol < 0.0:
+            raise ValueError(
+                f"Both rtol and atol must be non-negative, got rtol = {rtol!r} and atol = {atol!r}."
+            )
+        if self.rtol == 0.0 and self.atol == 0.0:
+            raise ValueError("At least one of rtol or atol must be positive, got rtol = 0 and atol = 0.")
+        if self.rtol > 1.0:
+            raise ValueError(f"rtol must be less than or equal to 1.0, got rtol = {rtol!r}.")
+        self.patience, self.cooldown = integer(patience, "patience"), integer(cooldown, "cooldown")
+        self.accumulation_size = integer(accumulation_size, "accumulation_size")
+        if self.accumulation_size < 1:
+            raise ValueError(f"accumulation_size must be >= 1, got {accumulation_size!r}")
+        self.min_scale = real(min_scale, "min_scale")
+
+    def init(self, params: Any) -> ReduceLROnPlateauState:
+        layout = layout_of(params, "params")
+        reals = [real_dtype(d) for d in layout.dtypes] or [np.dtype(np.float32)]
+        low, high = min(reals, key=lambda d: d.itemsize), max(reals, key=lambda d: d.itemsize)
+        return ReduceLROnPlateauState(
+            low.type(1.0), high.type(np.inf), np.int32(0), np.int32(0), np.int32(0), high.type(0.0)
+        )
+
+    def declare(self, spec: Spec, state: Any) -> Scale:
+        if not isinstance(state, ReduceLROnPlateauState):
+            raise wrong_state("ReduceLROnPlateauState", state)
+        part = Scale(ONE, None, "reduce_on_plateau")
+
+        def tick(state: Any, params: Any, extra: dict) -> bool:
+            if not isinstance(state, ReduceLROnPlateauState):
+                return False
+            new = self._next(state, _objective_value(extra, "reduce_on_plateau"))
+            part.factor = Factor(1.0, float(new.scale))
+            part.new_state = new
+            return True
+
+        part.tick = tick
+        return part
+
+    def _next(self, state: ReduceLROnPlateauState, value: float) -> ReduceLROnPlateauState:
+        """optax's update of the state, in the state's dtypes."""
+        avg = np.asarray(state.avg_value)
+        t = avg.dtype.type
+        count = int(state.count)
+        new_count = safe_increment(np.int32(count))
+        with np.errstate(all="ignore"):
+            avg = t((t(count) * avg + t(value)) / t(int(new_count)))
+        state = state._replace(avg_value=avg, count=new_count)
+        if int(new_count) != self.accumulation_size:
+            return state
+        best = np.asarray(state.best_value)
+        with np.errstate(all="ignore"):
+            improved = bool(avg < (1 - self.rtol) * best - self.atol)
+        new_best = best.dtype.type(avg) if improved else best.dtype.type(best)
+        plateau = 0 if improved else int(safe_increment(np.int32(int(state.plateau_count))))
+        scale = np.asarray(state.scale)
+        if int(state.cooldown_count) > 0:
+            new_plateau, new_scale, cooldown = 0, scale, int(state.cooldown_count) - 1
+        else:
+            hit = plateau == self.patience
+            new_plateau = 0 if hit else plateau
+            new_scale = np.maximum(scale.dtype.type(scale * self.factor) if hit else scale, self.min_scale)
+            cooldown = self.cooldown if hit else 0
+        return ReduceLROnPlateauState(
+            scale.dtype.type(new_scale),
+            new_best,
+            np.int32(new_plateau),
+            np.int32(cooldown),
+            np.int32(0),
+            t(0.0),
+        )
+
+
+def reduce_on_plateau(
+    factor: float = 0.1,
+    patience: int = 10,
+    rtol: float = 1e-4,
+    atol: float = 0.0,
+    cooldown: int = 0,
+    accumulation_size: int = 1,
+    min_scale: float = 0.0,
+) -> GradientTransformationExtraArgs:
+    """Scales the updates down by ``factor`` when the objective stops improving.
+
+    Each update takes the objective's ``value`` (``update(..., value=loss)``); every
+    ``accumulation_size`` values their mean is checked: it improves on the best mean when below
+    ``(1 - rtol) * best - atol``; after ``patience`` checks without improvement the scale is
+    multiplied by ``factor`` (not below ``min_scale``) and the count waits ``cooldown`` checks
+    before running again. The updates are multiplied by the current scale: a pending factor,
+    fused with the next kernel. Put it after the optimizer:
+    ``chain(adam(lr), reduce_on_plateau())``.
+
+    Args:
+        factor: the scale's reduction, in (0, 1).
+        patience: checks without improvement before a reduction.
+        rtol: the relative improvement that counts (``0 <= rtol <= 1``).
+        atol: the absolute improvement that counts (``>= 0``; ``rtol`` or ``atol`` positive).
+        cooldown: checks after a reduction before the patience count resumes.
+        accumulation_size: values averaged per check (``>= 1``; a mini-batch loss: more).
+        min_scale: the smallest scale.
+
+    Returns:
+        A `GradientTransformationExtraArgs`; its state is ``ReduceLROnPlateauState(scale,
+            best_value, plateau_count, cooldown_count, count, avg_value)``, as optax.contrib's.
+
+    Raises:
+        TypeError: an argument has the wrong type; at an update, ``value`` is missing or not a
+            real scalar.
+        ValueError: an argument is out of range (optax's messages).
+
+    References:
+        PyTorch's ``torch.optim.lr_scheduler.ReduceLROnPlateau``; optax.contrib.reduce_on_plateau.
+
+    Examples:
+        >>> import numpy as np, numbaccum as nba
+        >>> tx = nba.chain(nba.sgd(0.1), nba.reduce_on_plateau(factor=0.5, patience=2))
+        >>> params = {"w": np.ones(2)}
+        >>> state = tx.init(params)
+        >>> for loss in [1.0, 0.9, 0.9, 0.9]:  # no progress after the second
+        ...     state = nba.step_(tx, {"w": np.ones(2)}, state, params, value=loss)
+        >>> float(state[1].scale)  # halved after 2 checks without improvement
+        0.5
+    """
+    return _ReduceOnPlateau(
+        factor, patience, rtol, atol, cooldown, accumulation_size, min_scale
+    ).transformation()

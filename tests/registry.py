@@ -870,6 +870,7 @@ EXTRA_ARGS: dict[str, str] = {
     "lbfgs": "update(..., value=, grad=, value_fn=) (tests: test_lbfgs)",
     "scale_by_zoom_linesearch": "update(..., value=, grad=, value_fn=) (tests: test_lbfgs)",
     "lookahead": "params are a LookaheadParams(fast, slow) (tests: test_lookahead)",
+    "reduce_on_plateau": "update(..., value=loss) (tests: test_optimizers' reduce_on_plateau tests)",
 }
 
 # Names of numbaccum.__all__ that are not transformation constructors, with the reason.

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import reference as ref
 import strategies as strat
-from _testutil import assert_tree_close, assert_tree_equal, snapshot
+from _testutil import assert_tree_close, assert_tree_equal, require, snapshot
 from hypothesis import HealthCheck, given, settings
 
 import numbaccum as nba
@@ -430,3 +430,49 @@ def test_add_noise_keys_and_hyperparameters_are_checked():
         nba.noisy_sgd(0.1, eta=-1.0, key=0)
     with pytest.raises(TypeError, match="gamma"):
         nba.add_noise(0.01, None, key=0)
+
+
+# --- reduce_on_plateau: its every update needs the objective's value (not in the registry) -----
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"factor": 0.5, "patience": 2},
+        {"factor": 0.5, "patience": 3, "cooldown": 2, "accumulation_size": 2, "rtol": 0.0, "atol": 0.01},
+        {"factor": 0.2, "patience": 1, "min_scale": 0.1},
+    ],
+)
+def test_reduce_on_plateau_matches_optax_bit_for_bit(kw):
+    optax = require("optax")
+    contrib = require("optax.contrib")
+    rng = np.random.default_rng(0)
+    ours = nba.chain(nba.sgd(0.1), nba.reduce_on_plateau(**kw))
+    theirs = optax.chain(optax.sgd(0.1), contrib.reduce_on_plateau(**kw))
+    p = {"w": np.ones(3, np.float32)}
+    s, so = ours.init(p), theirs.init(p)
+    losses = np.r_[np.linspace(1, 0.5, 5), np.full(20, 0.5) + rng.normal(0, 0.001, 20)].astype(np.float32)
+    stepped, ss = nba.tree_map(np.copy, p), ours.init(p)
+    for loss in losses:
+        g = {"w": rng.normal(size=3).astype(np.float32)}
+        u, s = ours.update(g, s, p, value=loss)
+        uo, so = theirs.update(g, so, p, value=loss)
+        np.testing.assert_array_equal(u["w"], np.asarray(uo["w"]))
+        for field in ("scale", "best_value", "plateau_count", "cooldown_count", "count", "avg_value"):
+            assert np.asarray(getattr(s[1], field)) == np.asarray(getattr(so[1], field)), field
+        before = nba.tree_map(np.copy, stepped)
+        ss = nba.step_(ours, g, ss, stepped, value=loss)
+        assert_tree_equal(stepped, nba.apply_updates(before, u))
+    assert float(s[1].scale) < 1.0  # it did reduce
+
+
+def test_reduce_on_plateau_checks_its_arguments():
+    with pytest.raises(ValueError, match="Factor must be in the range"):
+        nba.reduce_on_plateau(factor=1.5)
+    with pytest.raises(ValueError, match="At least one of rtol or atol"):
+        nba.reduce_on_plateau(rtol=0.0, atol=0.0)
+    tx = nba.reduce_on_plateau()
+    p = {"w": np.ones(2)}
+    with pytest.raises(TypeError, match="reduce_on_plateau needs the objective"):
+        tx.update(p, tx.init(p))
+    assert nba.explain(nba.chain(nba.adam(0.1), tx), p, value=1.0).passes[0].kind == "fused"
