@@ -13,7 +13,8 @@ not per leaf.
 
 `partition` (optax's ``multi_transform``) runs one transformation per label on the leaves that
 carry it; `conditionally_transform` and `conditionally_mask` mask in time: the inner
-transformation runs at the steps a condition allows.
+transformation runs at the steps a condition allows; `flatten` shows the inner transformation
+the whole tree as one vector.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ __all__ = [
     "PartitionState",
     "conditionally_mask",
     "conditionally_transform",
+    "flatten",
     "masked",
     "multi_transform",
     "partition",
@@ -625,3 +627,115 @@ def conditionally_mask(
         [0.5]
     """
     return _Conditionally(inner, should_transform_fn, forward_extra_args, zeros=True).transformation()
+
+
+# --- the whole tree as one vector ---------------------------------------------------------------
+
+
+class _Flatten(Stage):
+    """`flatten`: the inner transformation sees the tree as one 1-D array. The leaves of one
+    dtype are that array already (one group of the flat buffers, in leaf order): the inner
+    stage runs on a view of it, the updates come back as views of its output, nothing copied."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = as_stage(with_extra_args_support(transformation(inner, "inner")))
+        if self.inner.reshapes:
+            raise TypeError("flatten: the inner transformation must not change the updates' shape")
+
+    def refuses_complex(self) -> Any:
+        return self.inner.refuses_complex()
+
+    def foreign(self) -> bool:
+        return self.inner.foreign()
+
+    def init(self, params: Any) -> Any:
+        layout = params.layout if isinstance(params, FlatTree) else layout_of(params, "params")
+        flat = params if isinstance(params, FlatTree) else FlatTree.from_tree(params)
+        return self.inner.init(_vector(flat, _vector_layout(layout)))
+
+    def owner(self, state: Any) -> FlatTree | None:
+        # The inner state's buffers are of the vector's layout, not the updates': a stage's owner
+        # gives the layout of its updates and workspaces (`Stage.take`), so there is none here.
+        return None
+
+    def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
+        vec = _vector_layout(spec.layout)
+        sub_spec = Spec(vec, spec.device)
+        sub_params = None
+        if params is not None:
+            sub_params = ParamsRef(
+                None,
+                vec,
+                device=spec.device,
+                fill=lambda: _vector(params.flat(), vec),
+                raw_of=lambda: _vector(params.flat(), vec).tree,
+            )
+        step = self.inner.plan(sub_spec, state, sub_params, extra)
+        if step.spec is not None:
+            raise TypeError("flatten: the inner transformation must not change the updates' shape")
+        inner_run = step.final or step.run
+        layout = spec.layout
+
+        def run(u: Updates) -> tuple[Updates, Any]:
+            scratch = u.scratch
+            vec_scratch = None if scratch is None else (lambda: _vector(scratch(), vec))
+            out, new_state = inner_run(
+                Updates(_vector(u.flat, vec), u.owned, u.factor, u.returnable, vec_scratch)
+            )
+            back = FlatTree(layout, out.flat.groups, out.flat.buffers)
+            return Updates(back, out.owned, out.factor, out.returnable, u.scratch), new_state
+
+        return Step(run)
+
+
+def _vector_layout(layout: Layout) -> Layout:
+    """The layout of one 1-D array holding every leaf of ``layout`` (one dtype only)."""
+    if len(layout.group_dtypes) > 1:
+        dts = ", ".join(str(d) for d in layout.group_dtypes)
+        raise TypeError(
+            f"flatten: the leaves have several dtypes ({dts}); optax concatenates them in their "
+            "promoted dtype, numbaccum flattens the leaves of one dtype (cast the tree first)"
+        )
+    dtype = layout.group_dtypes[0] if layout.group_dtypes else np.dtype(np.float32)
+    return Layout.get(tree_flatten(np.empty(0))[1], [(layout.size,)], [dtype])
+
+
+def _vector(flat: FlatTree, vec: Layout) -> FlatTree:
+    """``flat``'s one group as a FlatTree of the 1-D layout ``vec`` (a view)."""
+    groups = list(flat.groups)
+    if not groups:  # a tree without leaves: one empty vector
+        groups = [np.empty(0, vec.group_dtypes[0])]
+    return FlatTree(vec, groups, {np.dtype(g.dtype): g for g in groups})
+
+
+def flatten(inner: Any) -> GradientTransformationExtraArgs:
+    """Runs ``inner`` on the tree as one 1-D array (its leaves concatenated in tree order).
+
+    For transformations that treat their input as one vector (a full-matrix preconditioner, a
+    per-leaf rule that should see one leaf): ``inner``'s state is made for a single 1-D array.
+    The flat buffers already hold that array, so nothing is copied in or out. The leaves must
+    share one dtype (optax concatenates several in their promoted dtype, and returns updates of
+    that dtype; numbaccum refuses them rather than change the updates' dtypes).
+
+    Args:
+        inner: the transformation to run on the vector.
+
+    Returns:
+        A `GradientTransformationExtraArgs`; its state is ``inner``'s state for the vector.
+
+    Raises:
+        TypeError: ``inner`` is not a transformation or changes the updates' shape; at ``init``
+            or an update, the leaves have several dtypes.
+
+    References:
+        optax.flatten.
+
+    Examples:
+        >>> import numpy as np, numbaccum as nba
+        >>> tx = nba.flatten(nba.scale_by_trust_ratio())  # one trust ratio for the whole tree
+        >>> params = {"a": np.array([3.0]), "b": np.array([4.0])}  # ||p|| = 5
+        >>> u, _ = tx.update({"a": np.array([1.0]), "b": np.array([0.0])}, tx.init(params), params)
+        >>> u["a"], u["b"]  # g * ||p|| / ||g||
+        (array([5.]), array([0.]))
+    """
+    return _Flatten(inner).transformation()

@@ -862,15 +862,16 @@ _add(
     per_example=True,
 )
 
-# Transformations whose every update needs an extra argument the registry-driven tests do not
-# pass, with the tests that cover them.
-EXTRA_ARGS: dict[str, str] = {
+# Transformations the registry-driven tests cannot drive (every update needs an extra argument,
+# params of another kind, or leaves of one dtype), with the tests that cover them.
+OWN_TESTS: dict[str, str] = {
     "scale_by_polyak": "update(..., value=f) (tests: test_optimizers' polyak tests)",
     "polyak_sgd": "update(..., value=f) (tests: test_optimizers' polyak tests)",
     "lbfgs": "update(..., value=, grad=, value_fn=) (tests: test_lbfgs)",
     "scale_by_zoom_linesearch": "update(..., value=, grad=, value_fn=) (tests: test_lbfgs)",
     "lookahead": "params are a LookaheadParams(fast, slow) (tests: test_lookahead)",
     "reduce_on_plateau": "update(..., value=loss) (tests: test_optimizers' reduce_on_plateau tests)",
+    "flatten": "leaves of one dtype (tests: test_masking's flatten tests)",
 }
 
 # Names of numbaccum.__all__ that are not transformation constructors, with the reason.

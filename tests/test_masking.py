@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import reference as ref
 import strategies as strat
-from _testutil import assert_tree_close, assert_tree_equal, snapshot
+from _testutil import assert_tree_close, assert_tree_equal, require, snapshot
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -318,3 +318,42 @@ def test_a_masked_weight_decay_fuses_into_the_optimizers_pass(monkeypatch):
     assert len(launched) == 2 and all(n.startswith("fused_") for n in launched), launched  # f32, f64
     assert_tree_equal(p, rp)
     assert np.isinf(p["b"][0]) and np.isnan(p["b"][1])
+
+
+# --- flatten: the inner transformation sees one vector ---------------------------------------
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda m: m.flatten(m.adam(0.1)),
+        lambda m: m.chain(m.scale(2.0), m.flatten(m.lamb(0.1)), m.scale(0.5)),
+        lambda m: m.flatten(m.chain(m.clip_by_global_norm(1.0), m.sgd(0.1, momentum=0.9))),
+        lambda m: m.flatten(m.scale_by_trust_ratio()),
+    ],
+)
+def test_flatten_matches_optax_and_step_matches_update(make):
+    optax = require("optax")
+    rng = np.random.default_rng(0)
+    p = {"a": rng.normal(size=(3, 4)).astype(np.float32), "b": rng.normal(size=5).astype(np.float32)}
+    ours, stepped, theirs = make(nba), make(nba), make(optax)
+    s, ss, so = ours.init(p), stepped.init(p), theirs.init(p)
+    pu, ps = nba.tree_map(np.copy, p), nba.tree_map(np.copy, p)
+    for _ in range(4):
+        g = {k: rng.normal(size=v.shape).astype(np.float32) for k, v in p.items()}
+        u, s = ours.update(g, s, pu)
+        uo, so = theirs.update(g, so, pu)
+        assert_tree_close(u, {k: np.asarray(v) for k, v in uo.items()}, rtol=2e-6)
+        ss = nba.step_(stepped, g, ss, ps)
+        pu = nba.apply_updates(pu, u)
+        assert_tree_equal(ps, pu)
+    assert u["a"].dtype == np.float32
+
+
+def test_flatten_shares_the_buffers_and_refuses_mixed_dtypes():
+    tx = nba.flatten(nba.scale_by_trust_ratio())  # one norm over the whole tree
+    params = {"a": np.array([3.0]), "b": np.array([4.0])}
+    u, _ = tx.update({"a": np.array([1.0]), "b": np.array([0.0])}, tx.init(params), params)
+    np.testing.assert_array_equal(u["a"], [5.0])  # ||p|| / ||g|| over both leaves: 5 / 1
+    with pytest.raises(TypeError, match="several dtypes"):
+        tx.init({"a": np.ones(2), "b": np.ones(2, np.float32)})
