@@ -163,7 +163,7 @@ def _library_state_classes() -> tuple[type, ...]:
         quasi_newton,
         scaling,
     )
-    from .contrib import ReduceLROnPlateauState, ScaleByAdemamixState
+    from .contrib import ReduceLROnPlateauState, ScaleByAdemamixState, ScheduleFreeState
     from .lookahead import LookaheadState  # (the package's ``lookahead`` is the function)
 
     return (
@@ -172,6 +172,7 @@ def _library_state_classes() -> tuple[type, ...]:
         LookaheadState,
         ScaleByAdemamixState,
         ReduceLROnPlateauState,
+        ScheduleFreeState,
         quasi_newton.ScaleByLBFGSState,
         quasi_newton.ScaleByZoomLinesearchState,
         quasi_newton.ZoomLinesearchInfo,

@@ -15,28 +15,36 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from ._checks import flag, integer, real, wrong_state
-from .base import Stage, chain
+from ._checks import flag, integer, real, scheduled, transformation, wrong_state
+from .backend import ops_for
+from .base import Stage, Step, as_stage, chain, with_extra_args_support
 from .clipping import _objective_value
 from .contract import ONE, Factor
-from .declared import Elementwise, bias_correction, check_decay, safe_increment
-from .flat import FlatTree, layout_of
+from .declared import Elementwise, bias_correction, check_decay, expect_state, safe_increment
+from .flat import FlatTree, as_flat, layout_and_device, layout_of
 from .formulas import abs_sq, formula, maximum, minimum, re
 from .fuse import Scale
-from .layout import real_dtype
-from .optimizers import ScaleByAdamState, _mu_dtype
+from .layout import check_float_dtype, real_dtype
+from .optimizers import ScaleByAdamState, _mu_dtype, scale_by_rms, sgd
 from .protocol import GradientTransformationExtraArgs
 from .scaling import ScalarOrSchedule, add_decayed_weights, scale_by_learning_rate
-from .updates import Spec
+from .schedules import warmup_constant_schedule
+from .tree import tree_map
+from .updates import ParamsRef, Spec, Updates
 
 __all__ = [
     "ReduceLROnPlateauState",
     "ScaleByAdemamixState",
+    "ScheduleFreeState",
     "ademamix",
     "adopt",
     "reduce_on_plateau",
     "scale_by_ademamix",
     "scale_by_adopt",
+    "schedule_free",
+    "schedule_free_adamw",
+    "schedule_free_eval_params",
+    "schedule_free_sgd",
 ]
 
 
@@ -570,3 +578,330 @@ def reduce_on_plateau(
     return _ReduceOnPlateau(
         factor, patience, rtol, atol, cooldown, accumulation_size, min_scale
     ).transformation()
+
+
+# --- schedule-free -----------------------------------------------------------------------------
+
+
+class ScheduleFreeState(NamedTuple):
+    """State of `schedule_free` (optax.contrib's fields).
+
+    Attributes:
+        b1: the interpolation between ``x`` and ``z`` (the params' lowest float dtype).
+        weight_sum: the sum of the averaging weights so far.
+        step_count: the step of the next update, from 1 (int32; the learning rate schedule's
+            argument).
+        max_lr: the largest learning rate so far.
+        base_optimizer_state: the base optimizer's state.
+        z: the base optimizer's iterates, a FlatTree of the params' layout (``state_dtype``).
+    """
+
+    b1: Any
+    weight_sum: Any
+    step_count: np.int32
+    max_lr: Any
+    base_optimizer_state: Any
+    z: FlatTree
+
+
+@formula(
+    states=("z",),
+    inputs=("g", "params"),
+    outputs=("out",),
+    scalars=("b1", "one_minus_b1", "ck", "one_minus_ck"),
+)
+def schedule_free_direction(z, g, params, b1, one_minus_b1, ck, one_minus_ck):
+    """Schedule-free: z' = z + g (the base optimizer's update); x = (y - (1 - b1) z) / b1 is the
+    average the params y were interpolated from; x' = (1 - ck) x + ck z'; out = b1 x' + (1 -
+    b1) z' - y (the params become the new interpolation)."""
+    zn = z + g
+    x = (params - one_minus_b1 * z) / b1
+    xn = one_minus_ck * x + ck * zn
+    return zn, (b1 * xn + one_minus_b1 * zn) - params
+
+
+class _ScheduleFree(Stage):
+    """`schedule_free`: the base optimizer's step, then one pass over ``z``, the params and its
+    updates (`schedule_free_direction`)."""
+
+    public_name = "schedule_free"
+
+    def __init__(
+        self, base: Any, learning_rate: Any, b1: Any, weight_lr_power: Any, state_dtype: Any
+    ) -> None:
+        self.inner = with_extra_args_support(transformation(base, "base_optimizer"))
+        self.stage = as_stage(self.inner)
+        if self.stage.reshapes:
+            raise TypeError("schedule_free: the base optimizer must not change the updates' shape")
+        self.learning_rate = (
+            learning_rate if callable(learning_rate) else real(learning_rate, "learning_rate")
+        )
+        self.b1 = real(b1, "b1")
+        if not 0.0 < self.b1 <= 1.0:
+            raise ValueError(f"b1 must be in (0, 1] (schedule_free divides by it), got {b1!r}")
+        self.power = real(weight_lr_power, "weight_lr_power")
+        self.state_dtype = None if state_dtype is None else check_float_dtype(state_dtype, "state_dtype")
+
+    def refuses_complex(self) -> Any:
+        return self.stage.refuses_complex() or Stage.refuses_complex(self)
+
+    def foreign(self) -> bool:
+        return self.stage.foreign()
+
+    def init(self, params: Any) -> ScheduleFreeState:
+        layout, device = layout_and_device(params, "params")
+        reals = [real_dtype(d) for d in layout.dtypes] or [np.dtype(np.float32)]
+        low = min(reals, key=lambda d: d.itemsize)
+        flat = params if isinstance(params, FlatTree) else None
+        z = FlatTree.empty(layout, self.state_dtype, device)
+        src = flat if flat is not None else as_flat(params, layout, "params", device=device)[0]
+        for o, p in zip(z.groups, src.groups):
+            ops_for(o).scale_(o, p, ONE)  # z starts at the params (a copy)
+        t = low.type
+        return ScheduleFreeState(t(self.b1), t(0.0), np.int32(1), t(0.0), self.inner.init(params), z)
+
+    def owner(self, state: Any) -> FlatTree | None:
+        ok = isinstance(state, ScheduleFreeState) and isinstance(state.z, FlatTree)
+        return state.z if ok else None
+
+    def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
+        if params is None:
+            raise ValueError("schedule_free needs params: call update(updates, state, params)")
+        z = expect_state(state, ScheduleFreeState, "z", spec)
+        t = np.asarray(state.max_lr).dtype.type
+        if callable(self.learning_rate):
+            lr = t(scheduled(self.learning_rate, state.step_count, "learning_rate"))
+        else:
+            lr = t(self.learning_rate)
+        with np.errstate(all="ignore"):  # optax's: NaN stays NaN, a 0 / 0 weight is 0
+            max_lr = np.maximum(t(state.max_lr), lr)
+            weight = t(max_lr**self.power)
+            total = t(t(state.weight_sum) + weight)
+            ck = (
+                t(np.nan)
+                if np.isnan(weight) or np.isnan(total)
+                else t(np.nan_to_num(weight / total, nan=0.0))
+            )
+        # optax's b1 is the Python float (1.0 - b1 in Python); 1.0 - ck in the state's dtype
+        scalars = (self.b1, 1.0 - self.b1, ck, t(1.0) - ck)
+        inner = self.stage.plan(spec, state.base_optimizer_state, params, extra)
+        if inner.spec is not None:
+            raise TypeError("schedule_free: the base optimizer must not change the updates' shape")
+        run_inner = inner.final or inner.run
+        step = safe_increment(state.step_count)
+
+        def run(u: Updates) -> tuple[Updates, ScheduleFreeState]:
+            base_u, base_state = run_inner(u)
+            p = params.flat()
+            out = base_u.fresh() if base_u.owned else u.fresh()
+            for zg, g, pg, og in zip(z.groups, base_u.flat.groups, p.groups, out.groups):
+                ops_for(g).driver.map_(schedule_free_direction, base_u.factor, (zg, g, pg, og), scalars)
+            new = ScheduleFreeState(state.b1, total, step, max_lr, base_state, z)
+            return Updates(out, True, scratch=u.scratch), new
+
+        return Step(run)
+
+
+def schedule_free(
+    base_optimizer: Any,
+    learning_rate: ScalarOrSchedule,
+    b1: float = 0.9,
+    weight_lr_power: float = 2.0,
+    state_dtype: Any = None,
+) -> GradientTransformationExtraArgs:
+    """Makes ``base_optimizer`` schedule-free: its momentum replaced by interpolation and
+    averaging, so no decaying learning rate schedule is needed.
+
+    With ``z`` the base optimizer's iterates (``z' = z + base_update``) and ``x`` their average
+    (``x' = (1 - c) x + c z'``, ``c = w_t / sum w`` with ``w_t = max_lr^weight_lr_power``), the
+    params are the interpolation ``y = b1 x + (1 - b1) z``; gradients are taken at ``y``, and
+    `schedule_free_eval_params` gives ``x`` for evaluation. Turn the base optimizer's momentum
+    off (``adam(lr, b1=0.0)``). One pass after the base optimizer's.
+
+    Args:
+        base_optimizer: the base transformation (its updates added to ``z``).
+        learning_rate: the learning rate (a float or a schedule of the step, from 1), the same
+            as the base optimizer's: it weighs the averaging.
+        b1: the interpolation, in (0, 1].
+        weight_lr_power: the power of the learning rate in the averaging weights.
+        state_dtype: the dtype of ``z`` (None: each leaf's).
+
+    Returns:
+        A `GradientTransformationExtraArgs` whose ``update`` needs params; its state is
+            ``ScheduleFreeState(b1, weight_sum, step_count, max_lr, base_optimizer_state, z)``, as
+            optax.contrib's.
+
+    Raises:
+        TypeError: an argument has the wrong type.
+        ValueError: ``b1`` is not in (0, 1]; at an update, no params.
+
+    References:
+        Defazio et al., "The Road Less Scheduled", NeurIPS 2024 (arXiv:2405.15682).
+        optax.contrib.schedule_free.
+
+    Examples:
+        >>> import numpy as np, numbaccum as nba
+        >>> tx = nba.schedule_free(nba.sgd(0.5), learning_rate=0.5)
+        >>> params = {"x": np.array([2.0])}
+        >>> state = tx.init(params)
+        >>> for _ in range(20):
+        ...     state = nba.step_(tx, {"x": 2 * params["x"]}, state, params)  # grad of x^2
+        >>> bool(abs(nba.schedule_free_eval_params(state, params)["x"][0]) < 0.25)
+        True
+    """
+    return _ScheduleFree(base_optimizer, learning_rate, b1, weight_lr_power, state_dtype).transformation()
+
+
+def schedule_free_eval_params(state: Any, params: Any) -> Any:
+    """The params to evaluate a schedule-free model at: the average ``x = (y - (1 - b1) z) /
+    b1`` of the state's ``z`` and the params ``y`` (a new tree; the params are not changed).
+
+    Args:
+        state: a `ScheduleFreeState` (or a state holding one, e.g. a chain's).
+        params: the params (``y``), a tree of the state's layout.
+
+    Returns:
+        A tree like ``params``.
+
+    Raises:
+        ValueError: no `ScheduleFreeState` in ``state``.
+
+    References:
+        optax.contrib.schedule_free_eval_params.
+
+    Examples:
+        >>> import numpy as np, numbaccum as nba
+        >>> tx = nba.schedule_free_sgd(0.1)
+        >>> params = {"w": np.ones(2)}
+        >>> state = nba.step_(tx, {"w": np.ones(2)}, tx.init(params), params)
+        >>> nba.schedule_free_eval_params(state, params)["w"]  # x: where z went (1 - 0.1 * 1)
+        array([0.9, 0.9])
+    """
+    found = _schedule_free_state(state)
+    if found is None:
+        raise ValueError("schedule_free_eval_params requires a ScheduleFreeState as input.")
+    b1 = float(found.b1)
+    z = found.z.tree_as("numpy") if not found.z.device else found.z.copy().tree
+    return tree_map(lambda y, zi: (np.asarray(y) - (1.0 - b1) * np.asarray(zi)) / b1, params, z)
+
+
+def _schedule_free_state(state: Any) -> ScheduleFreeState | None:
+    if isinstance(state, ScheduleFreeState):
+        return state
+    if isinstance(state, dict):
+        state = tuple(state.values())
+    if isinstance(state, tuple):
+        for s in state:
+            found = _schedule_free_state(s)
+            if found is not None:
+                return found
+    return None
+
+
+def _warmed_up(learning_rate: Any, warmup_steps: Any) -> Any:
+    """optax.contrib's linear warmup from 0 over ``warmup_steps`` (None: the rate as it is)."""
+    if warmup_steps is None:
+        return learning_rate
+    steps = integer(warmup_steps, "warmup_steps")
+    return warmup_constant_schedule(init_value=0.0, peak_value=learning_rate, warmup_steps=steps)
+
+
+def schedule_free_sgd(
+    learning_rate: float = 1.0,
+    warmup_steps: int | None = None,
+    b1: float = 0.9,
+    weight_decay: float | None = None,
+    weight_lr_power: float = 2.0,
+    state_dtype: Any = None,
+) -> GradientTransformationExtraArgs:
+    """Schedule-free SGD: `schedule_free` of ``sgd(learning_rate)`` (after
+    ``add_decayed_weights(weight_decay)`` when given), with a linear warmup from 0 over
+    ``warmup_steps`` when given, as optax.contrib builds it.
+
+    Args:
+        learning_rate: the peak learning rate.
+        warmup_steps: the warmup's length (None: no warmup).
+        b1: as in `schedule_free`.
+        weight_decay: the decay rate (None: none).
+        weight_lr_power: as in `schedule_free`.
+        state_dtype: as in `schedule_free`.
+
+    Returns:
+        A `GradientTransformationExtraArgs`; its state is a ``ScheduleFreeState``.
+
+    Raises:
+        TypeError: an argument has the wrong type.
+        ValueError: an argument is out of range.
+
+    References:
+        Defazio et al., "The Road Less Scheduled", NeurIPS 2024 (arXiv:2405.15682).
+        optax.contrib.schedule_free_sgd.
+
+    Examples:
+        >>> import numpy as np, numbaccum as nba
+        >>> tx = nba.schedule_free_sgd(0.1)
+        >>> params = {"w": np.ones(2)}
+        >>> state = nba.step_(tx, {"w": np.ones(2)}, tx.init(params), params)
+        >>> params["w"]  # b1 x + (1 - b1) z with x = z = 0.9 after the first step
+        array([0.9, 0.9])
+    """
+    lr = _warmed_up(learning_rate, warmup_steps)
+    optimizer = sgd(lr)
+    if weight_decay is not None:
+        optimizer = chain(add_decayed_weights(weight_decay), optimizer)
+    return schedule_free(optimizer, lr, b1, weight_lr_power, state_dtype)
+
+
+def schedule_free_adamw(
+    learning_rate: float = 0.0025,
+    warmup_steps: int | None = None,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    weight_lr_power: float = 2.0,
+    state_dtype: Any = None,
+) -> GradientTransformationExtraArgs:
+    """Schedule-free AdamW: `schedule_free` of ``chain(scale_by_rms(b2, eps, eps_in_sqrt=False,
+    bias_correction=True), add_decayed_weights(weight_decay), scale_by_learning_rate(lr))``
+    (Adam without momentum), with a linear warmup over ``warmup_steps`` when given, as
+    optax.contrib builds it.
+
+    Args:
+        learning_rate: the peak learning rate.
+        warmup_steps: the warmup's length (None: no warmup).
+        b1: as in `schedule_free`.
+        b2: the second moment's decay.
+        eps: added to its square root.
+        weight_decay: the decay rate.
+        weight_lr_power: as in `schedule_free`.
+        state_dtype: as in `schedule_free`.
+
+    Returns:
+        A `GradientTransformationExtraArgs`; its state is a ``ScheduleFreeState``.
+
+    Raises:
+        TypeError: an argument has the wrong type.
+        ValueError: an argument is out of range.
+
+    References:
+        Defazio et al., "The Road Less Scheduled", NeurIPS 2024 (arXiv:2405.15682).
+        optax.contrib.schedule_free_adamw.
+
+    Examples:
+        >>> import numpy as np, numbaccum as nba
+        >>> tx = nba.schedule_free_adamw(0.1)
+        >>> params = {"w": np.zeros(2)}
+        >>> state = nba.step_(tx, {"w": np.array([1.0, -1.0])}, tx.init(params), params)
+        >>> [round(float(x), 4) for x in params["w"]]  # the first step: -lr * sign(g)
+        [-0.1, 0.1]
+    """
+    lr = _warmed_up(learning_rate, warmup_steps)
+    optimizer = chain(
+        scale_by_rms(
+            decay=check_decay(b2, "b2"), eps=real(eps, "eps"), eps_in_sqrt=False, bias_correction=True
+        ),
+        add_decayed_weights(weight_decay),
+        scale_by_learning_rate(lr),
+    )
+    return schedule_free(optimizer, lr, b1, weight_lr_power, state_dtype)

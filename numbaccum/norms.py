@@ -55,6 +55,8 @@ __all__ = [
     "leaf_norms",
     "normalize",
     "normalize_grads_",
+    "scale_by_param_block_norm",
+    "scale_by_param_block_rms",
     "scale_by_trust_ratio",
     "tree_norm",
     "unitwise_clip",
@@ -1182,3 +1184,104 @@ def scale_by_trust_ratio(
         ([3.0, 4.0], [1.0, 1.0])
     """
     return _ScaleByTrustRatio(min_norm, trust_coefficient, eps).transformation()
+
+
+class _ScaleByParamBlock(Stage):
+    """`scale_by_param_block_norm` (``rms=False``) and `scale_by_param_block_rms`: each leaf's
+    update times its param's L2 norm (or root mean square), at least ``min_scale``: one
+    segmented reduction per dtype group, one per-leaf scaling pass."""
+
+    complex_leaves = True  # optax's norms of |p|
+
+    def __init__(self, min_scale: Any, rms: bool) -> None:
+        self.min_scale = non_negative(min_scale, "min_scale")
+        self.rms = rms
+
+    @property
+    def public_name(self) -> str:  # type: ignore[override]
+        return "scale_by_param_block_rms" if self.rms else "scale_by_param_block_norm"
+
+    def init(self, params: Any) -> EmptyState:
+        return EmptyState()
+
+    def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
+        if params is None:
+            raise ValueError(NO_PARAMS_MSG)
+        leaves = _whole(spec.layout)
+        min_scale, rms = self.min_scale, self.rms
+
+        def run(u: Updates) -> tuple[Updates, Any]:
+            u = u.settled()
+            pf = params.flat()
+            out = u.fresh()
+            for o, g, p, gs, offsets in zip(
+                out.groups, u.flat.groups, pf.groups, leaves.groups, spec.layout.offsets
+            ):
+                norm = _slice_metric(p, gs, 2.0)
+                if rms:
+                    with np.errstate(divide="ignore", invalid="ignore"):  # an empty leaf: NaN, as jnp.mean
+                        norm = norm / np.sqrt(np.diff(offsets).astype(np.float64))
+                # optax's safe_norm / safe_root_mean_squares: min_scale at or below it
+                ops_for(g).slice_apply_(o, g, gs.rows, _EMPTY, np.where(norm <= min_scale, min_scale, norm))
+            return Updates(out, True), state
+
+        return Step(run)
+
+
+def scale_by_param_block_norm(min_scale: float = 1e-3) -> GradientTransformationExtraArgs:
+    """Scales each leaf's update by the L2 norm of its param (a block: a weight vector or
+    matrix): ``u = g * max(||p||, min_scale)`` (optax's ``safe_norm``: ``min_scale`` at or below
+    it). The norms accumulate in float64 (one segmented reduction per dtype group); the scaling
+    is one pass. Needs ``params``. Stateless.
+
+    Args:
+        min_scale: the smallest norm a block is taken to have (``>= 0``).
+
+    Returns:
+        A `GradientTransformationExtraArgs`; its state is ``EmptyState()``.
+
+    Raises:
+        TypeError: ``min_scale`` is not a real number.
+        ValueError: ``min_scale`` is negative or NaN; at an update, no ``params``.
+
+    References:
+        optax.scale_by_param_block_norm (the block scaling of Fromage and LAMB-style methods).
+
+    Examples:
+        >>> import numpy as np, numbaccum as nba
+        >>> params = {"w": np.array([3.0, 4.0]), "b": np.zeros(2)}
+        >>> tx = nba.scale_by_param_block_norm()
+        >>> u, _ = tx.update({"w": np.ones(2), "b": np.ones(2)}, tx.init(params), params)
+        >>> u["w"].tolist(), u["b"].tolist()  # ||w|| = 5; ||b|| = 0: min_scale
+        ([5.0, 5.0], [0.001, 0.001])
+    """
+    return _ScaleByParamBlock(min_scale, rms=False).transformation()
+
+
+def scale_by_param_block_rms(min_scale: float = 1e-3) -> GradientTransformationExtraArgs:
+    """Scales each leaf's update by the root mean square of its param: ``u = g *
+    max(sqrt(mean(p^2)), min_scale)`` (optax's ``safe_root_mean_squares``). One segmented
+    reduction per dtype group (float64), one scaling pass. Needs ``params``. Stateless.
+
+    Args:
+        min_scale: the smallest RMS a block is taken to have (``>= 0``).
+
+    Returns:
+        A `GradientTransformationExtraArgs`; its state is ``EmptyState()``.
+
+    Raises:
+        TypeError: ``min_scale`` is not a real number.
+        ValueError: ``min_scale`` is negative or NaN; at an update, no ``params``.
+
+    References:
+        optax.scale_by_param_block_rms.
+
+    Examples:
+        >>> import numpy as np, numbaccum as nba
+        >>> params = {"w": np.array([3.0, 4.0])}  # rms = sqrt(12.5)
+        >>> tx = nba.scale_by_param_block_rms()
+        >>> u, _ = tx.update({"w": np.ones(2)}, tx.init(params), params)
+        >>> [round(float(x), 4) for x in u["w"]]
+        [3.5355, 3.5355]
+    """
+    return _ScaleByParamBlock(min_scale, rms=True).transformation()

@@ -1905,3 +1905,29 @@ def ademamix(learning_rate, b1=0.9, b2=0.999, b3=0.9999, alpha=5.0, eps=1e-8, ep
         add_decayed_weights(weight_decay),
         scale_by_learning_rate(learning_rate),
     )
+
+
+def _scale_by_param_block(min_scale, rms):
+    def leaf(g, p):
+        wide = np.complex128 if np.iscomplexobj(p) else np.float64
+        n = np.sqrt(np.sum(np.abs(p.astype(wide)) ** 2))
+        if rms:
+            with np.errstate(divide="ignore", invalid="ignore"):
+                n = n / np.sqrt(p.size)
+        n = min_scale if n <= min_scale else n
+        return _arr(g.astype(np.result_type(g.dtype, np.float64)) * n, g.dtype)
+
+    def update(updates, state, params=None, **extra):
+        if params is None:
+            raise ValueError("needs params")
+        return tree_map(leaf, updates, params), state
+
+    return Transformation(lambda params: EmptyState(), update)
+
+
+def scale_by_param_block_norm(min_scale=1e-3):
+    return _scale_by_param_block(min_scale, rms=False)
+
+
+def scale_by_param_block_rms(min_scale=1e-3):
+    return _scale_by_param_block(min_scale, rms=True)

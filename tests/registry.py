@@ -775,6 +775,53 @@ _add(
     exact=True,
 )
 _add(
+    "scale_by_param_block_norm",
+    "scale_by_param_block_norm",
+    nba.scale_by_param_block_norm,
+    ref.scale_by_param_block_norm,
+    {},
+    fusable=False,
+    note="per-leaf norms in float64 (summed in the engine's order): within rounding of the reference",
+    optax=lambda o: o.scale_by_param_block_norm(),
+)
+_add(
+    "scale_by_param_block_rms",
+    "scale_by_param_block_rms",
+    lambda: nba.scale_by_param_block_rms(0.5),
+    lambda: ref.scale_by_param_block_rms(0.5),
+    {},
+    fusable=False,
+    note="per-leaf norms in float64 (summed in the engine's order): within rounding of the reference",
+    optax=lambda o: o.scale_by_param_block_rms(0.5),
+)
+_add(
+    "schedule_free_sgd",
+    "schedule_free_sgd",
+    lambda: nba.schedule_free_sgd(0.1, weight_decay=0.01),
+    None,
+    {},
+    fusable=False,
+    optax=lambda o: o.contrib.schedule_free_sgd(0.1, weight_decay=0.01),
+)
+_add(
+    "schedule_free_adamw",
+    "schedule_free_adamw",
+    lambda: nba.schedule_free_adamw(1e-2, warmup_steps=3, weight_decay=0.1),
+    None,
+    {},
+    fusable=False,
+    optax=lambda o: o.contrib.schedule_free_adamw(1e-2, warmup_steps=3, weight_decay=0.1),
+)
+_add(
+    "schedule_free_adam",
+    "schedule_free",
+    lambda: nba.schedule_free(nba.adam(0.05, b1=0.0), 0.05, b1=0.8),
+    None,
+    {"base_optimizer": nba.sgd(0.1), "learning_rate": 0.1},
+    fusable=False,
+    optax=lambda o: o.contrib.schedule_free(o.adam(0.05, b1=0.0), 0.05, b1=0.8),
+)
+_add(
     "partition",
     "partition",
     lambda: nba.partition({"matrix": nba.adam(1e-2), "vector": nba.sgd(0.1, momentum=0.9)}, _by_rank),
@@ -918,6 +965,7 @@ EXEMPT: dict[str, str] = {
             "unitwise_clip",
             "unitwise_norm",
             "value_and_grad_from_state",
+            "schedule_free_eval_params",
             "dp_epsilon",
             "warmup",
             "stats",

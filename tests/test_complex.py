@@ -250,6 +250,7 @@ TAKES_COMPLEX = {
     "scale_by_optimistic_gradient", "optimistic_gradient_descent", "optimistic_adam",
     "optimistic_adam_v2", "conditionally_transform", "conditionally_mask", "add_noise", "noisy_sgd",
     "snapshot", "scale_by_lbfgs", "inject_stateful_hyperparams", "ademamix", "scale_by_ademamix",
+    "scale_by_param_block_norm", "scale_by_param_block_rms",
 }  # fmt: skip
 # Registry cases whose hyperparameters fix a real state dtype (refused: see below).
 REAL_STATE = {"trace_nesterov_f64acc"}
