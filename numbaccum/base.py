@@ -1076,3 +1076,18 @@ def snapshot(measure_name: str, measure: Callable[[Any], Any]) -> GradientTransf
         step=1, norm=1.41e+00
     """
     return _Snapshot(measure_name, measure).transformation()
+
+
+def find_state(state: Any, cls: type) -> Any:
+    """The first state of class ``cls`` inside ``state`` (itself, or nested in chains, named
+    chains and wrappers' states), or None."""
+    if isinstance(state, cls):
+        return state
+    if isinstance(state, dict):
+        state = tuple(state.values())
+    if isinstance(state, tuple):
+        for s in state:
+            found = find_state(s, cls)
+            if found is not None:
+                return found
+    return None

@@ -17,7 +17,7 @@ import numpy as np
 
 from ._checks import flag, integer, real, scheduled, transformation, wrong_state
 from .backend import ops_for
-from .base import Stage, Step, as_stage, chain, with_extra_args_support
+from .base import Stage, Step, as_stage, chain, find_state, with_extra_args_support
 from .clipping import _objective_value
 from .contract import ONE, Factor
 from .declared import Elementwise, bias_correction, check_decay, expect_state, safe_increment
@@ -777,25 +777,12 @@ def schedule_free_eval_params(state: Any, params: Any) -> Any:
         >>> nba.schedule_free_eval_params(state, params)["w"]  # x: where z went (1 - 0.1 * 1)
         array([0.9, 0.9])
     """
-    found = _schedule_free_state(state)
+    found = find_state(state, ScheduleFreeState)
     if found is None:
         raise ValueError("schedule_free_eval_params requires a ScheduleFreeState as input.")
     b1 = float(found.b1)
     z = found.z.tree_as("numpy") if not found.z.device else found.z.copy().tree
     return tree_map(lambda y, zi: (np.asarray(y) - (1.0 - b1) * np.asarray(zi)) / b1, params, z)
-
-
-def _schedule_free_state(state: Any) -> ScheduleFreeState | None:
-    if isinstance(state, ScheduleFreeState):
-        return state
-    if isinstance(state, dict):
-        state = tuple(state.values())
-    if isinstance(state, tuple):
-        for s in state:
-            found = _schedule_free_state(s)
-            if found is not None:
-                return found
-    return None
 
 
 def _warmed_up(learning_rate: Any, warmup_steps: Any) -> Any:

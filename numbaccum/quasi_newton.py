@@ -30,7 +30,7 @@ import numpy as np
 
 from ._checks import flag, integer, non_negative, real, wrong_state
 from .backend import ops_for
-from .base import Stage, Step, chain
+from .base import Stage, Step, chain, find_state
 from .contract import ONE, Factor
 from .declared import expect_state, safe_increment
 from .flat import FlatTree, as_flat, layout_and_device
@@ -664,31 +664,17 @@ def value_and_grad_from_state(value_fn: Callable[..., Any]) -> Callable[..., tup
         raise TypeError(f"value_fn must be callable, got {type(value_fn).__name__}")
 
     def value_and_grad(params: Any, *args: Any, state: Any, **kwargs: Any) -> tuple[float, Any]:
-        found = _find_value_and_grad(state)
+        found = find_state(state, ScaleByZoomLinesearchState)
         if found is None:
             raise ValueError(
                 "value_and_grad_from_state: no line search state (with value and grad) in the state"
             )
-        value, grad = found
+        value, grad = found.value, found.grad
         if math.isfinite(float(value)):
             return float(value), grad.copy().tree
         return value_fn(params, *args, **kwargs)
 
     return value_and_grad
-
-
-def _find_value_and_grad(state: Any) -> tuple[Any, FlatTree] | None:
-    """The (value, grad) of the one line search state inside ``state``."""
-    if isinstance(state, ScaleByZoomLinesearchState):
-        return state.value, state.grad
-    if isinstance(state, dict):
-        state = tuple(state.values())
-    if isinstance(state, tuple):
-        for s in state:
-            found = _find_value_and_grad(s)
-            if found is not None:
-                return found
-    return None
 
 
 # --- L-BFGS ------------------------------------------------------------------------------------
