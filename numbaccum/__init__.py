@@ -186,10 +186,13 @@ from .privacy import (
 )
 from .protocol import EmptyState, GradientTransformation, GradientTransformationExtraArgs
 from .quasi_newton import (
+    BacktrackingLinesearchInfo,
+    ScaleByBacktrackingLinesearchState,
     ScaleByLBFGSState,
     ScaleByZoomLinesearchState,
     ZoomLinesearchInfo,
     lbfgs,
+    scale_by_backtracking_linesearch,
     scale_by_lbfgs,
     scale_by_zoom_linesearch,
     value_and_grad_from_state,
@@ -342,6 +345,9 @@ __all__ = [
     "ScaleByLBFGSState",
     "ScaleByZoomLinesearchState",
     "ZoomLinesearchInfo",
+    "BacktrackingLinesearchInfo",
+    "ScaleByBacktrackingLinesearchState",
+    "scale_by_backtracking_linesearch",
     "lbfgs",
     "scale_by_lbfgs",
     "scale_by_zoom_linesearch",

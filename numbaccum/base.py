@@ -1078,9 +1078,9 @@ def snapshot(measure_name: str, measure: Callable[[Any], Any]) -> GradientTransf
     return _Snapshot(measure_name, measure).transformation()
 
 
-def find_state(state: Any, cls: type) -> Any:
-    """The first state of class ``cls`` inside ``state`` (itself, or nested in chains, named
-    chains and wrappers' states), or None."""
+def find_state(state: Any, cls: type | tuple[type, ...]) -> Any:
+    """The first state of class ``cls`` (or one of several) inside ``state`` (itself, or nested
+    in chains, named chains and wrappers' states), or None."""
     if isinstance(state, cls):
         return state
     if isinstance(state, dict):

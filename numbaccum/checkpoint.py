@@ -176,6 +176,8 @@ def _library_state_classes() -> tuple[type, ...]:
         quasi_newton.ScaleByLBFGSState,
         quasi_newton.ScaleByZoomLinesearchState,
         quasi_newton.ZoomLinesearchInfo,
+        quasi_newton.ScaleByBacktrackingLinesearchState,
+        quasi_newton.BacktrackingLinesearchInfo,
         accumulation.TraceState,
         accumulation.EmaState,
         accumulation.ApplyEvery,

@@ -39,10 +39,13 @@ from .scaling import ScalarOrSchedule, identity, scale, scale_by_learning_rate
 from .updates import ParamsRef, Spec, Updates
 
 __all__ = [
+    "BacktrackingLinesearchInfo",
+    "ScaleByBacktrackingLinesearchState",
     "ScaleByLBFGSState",
     "ScaleByZoomLinesearchState",
     "ZoomLinesearchInfo",
     "lbfgs",
+    "scale_by_backtracking_linesearch",
     "scale_by_lbfgs",
     "scale_by_zoom_linesearch",
     "value_and_grad_from_state",
@@ -472,14 +475,15 @@ _OWN = ("value", "grad", "value_fn", "grad_fn")
 
 
 def _objective(
-    extra: dict, spec: Spec
-) -> tuple[float, FlatTree, Callable[[FlatTree], tuple[float, FlatTree]]]:
-    """The value and gradient at the params, and ``objective(point) -> (value, grad)``, from an
+    extra: dict, spec: Spec, name: str = "scale_by_zoom_linesearch"
+) -> tuple[float, FlatTree, Callable[..., tuple[float, FlatTree | None]]]:
+    """The value and gradient at the params, and ``objective(point, grad=True) -> (value,
+    grad)`` (``grad=False``: the gradient None, unless ``value_fn`` gives it anyway), from an
     update's extra arguments (checked before anything runs)."""
     missing = [k for k in ("value", "grad", "value_fn") if k not in extra]
     if missing:
         raise TypeError(
-            f"scale_by_zoom_linesearch needs the keyword arguments value, grad and value_fn (missing "
+            f"{name} needs the keyword arguments value, grad and value_fn (missing "
             f"{', '.join(missing)}): update(updates, state, params, value=f, grad=g, value_fn=fn)"
         )
     value_fn, grad_fn = extra["value_fn"], extra.get("grad_fn")
@@ -495,26 +499,28 @@ def _objective(
     unused = sorted(set(kwargs) - set(fn_kwargs))
     if unused and not _takes_all(value_fn):
         raise TypeError(
-            f"scale_by_zoom_linesearch: keyword arguments {unused} are not arguments of value_fn "
+            f"{name}: keyword arguments {unused} are not arguments of value_fn "
             "(the line search passes value_fn the ones it names)"
         )
     grad_kwargs = {} if grad_fn is None else _accepted(grad_fn, kwargs)
 
-    def objective(point: FlatTree) -> tuple[float, FlatTree]:
+    def objective(point: FlatTree, need_grad: bool = True) -> tuple[float, FlatTree | None]:
         out = value_fn(point.tree, **fn_kwargs)
-        if grad_fn is not None:
-            value, grad = out, grad_fn(point.tree, **grad_kwargs)
-        elif isinstance(out, tuple) and len(out) == 2:
-            value, grad = out
-        else:
+        grad = None
+        if isinstance(out, tuple) and len(out) == 2:
+            out, grad = out
+        elif need_grad and grad_fn is not None:
+            grad = grad_fn(point.tree, **grad_kwargs)
+        elif need_grad:
             raise TypeError(
-                "scale_by_zoom_linesearch needs gradients at its trial points: value_fn(params) "
+                f"{name} needs gradients at its trial points: value_fn(params) "
                 "must return (value, grad), or pass grad_fn=... as well"
             )
+        value = _real_value(out, "value_fn's value")
+        if grad is None:
+            return value, None
         flat = FlatTree.empty(spec.layout, None, spec.device)
-        return _real_value(value, "value_fn's value"), as_flat(
-            grad, spec.layout, "value_fn's grad", flat, spec.device
-        )[0]
+        return value, as_flat(grad, spec.layout, "value_fn's grad", flat, spec.device)[0]
 
     return value0, grad0, objective
 
@@ -623,6 +629,193 @@ def scale_by_zoom_linesearch(
     ).transformation()
 
 
+# --- the backtracking line search -------------------------------------------------------------
+
+
+class BacktrackingLinesearchInfo(NamedTuple):
+    """What the last backtracking search did (optax's fields).
+
+    Attributes:
+        num_linesearch_steps: the objective's evaluations it made.
+        decrease_error: how far the accepted step is from sufficient decrease (0: satisfied).
+    """
+
+    num_linesearch_steps: np.int32
+    decrease_error: np.float64
+
+
+class ScaleByBacktrackingLinesearchState(NamedTuple):
+    """State of `scale_by_backtracking_linesearch` (optax's fields).
+
+    Attributes:
+        learning_rate: the step size the last search accepted (float64).
+        value: the objective at the accepted point (inf after ``init``).
+        grad: its gradient, a FlatTree (``store_grad``), else None.
+        info: a `BacktrackingLinesearchInfo`.
+    """
+
+    learning_rate: np.float64
+    value: np.float64
+    grad: FlatTree | None
+    info: BacktrackingLinesearchInfo
+
+
+class _BacktrackingLinesearch(Stage):
+    complex_leaves = True
+    public_name = "scale_by_backtracking_linesearch"
+
+    def __init__(
+        self,
+        max_steps: Any,
+        slope_rtol: Any,
+        decrease_factor: Any,
+        increase_factor: Any,
+        max_learning_rate: Any,
+        atol: Any,
+        rtol: Any,
+        store_grad: Any,
+    ) -> None:
+        self.max_steps = integer(max_steps, "max_backtracking_steps")
+        if self.max_steps < 0:
+            raise ValueError(f"max_backtracking_steps must be >= 0, got {max_steps!r}")
+        self.slope_rtol = real(slope_rtol, "slope_rtol")
+        self.decrease_factor = real(decrease_factor, "decrease_factor")
+        if not 0.0 < self.decrease_factor < 1.0:
+            raise ValueError(f"decrease_factor must be in (0, 1), got {decrease_factor!r}")
+        self.increase_factor = real(increase_factor, "increase_factor")
+        self.max_learning_rate = real(max_learning_rate, "max_learning_rate")
+        self.atol, self.rtol = non_negative(atol, "atol"), non_negative(rtol, "rtol")
+        self.store_grad = flag(store_grad, "store_grad")
+
+    def init(self, params: Any) -> ScaleByBacktrackingLinesearchState:
+        layout, device = layout_and_device(params, "params")
+        grad = FlatTree.zeros(layout, None, device) if self.store_grad else None
+        info = BacktrackingLinesearchInfo(np.int32(0), np.float64(math.inf))
+        return ScaleByBacktrackingLinesearchState(np.float64(1.0), np.float64(math.inf), grad, info)
+
+    def owner(self, state: Any) -> FlatTree | None:
+        ok = isinstance(state, ScaleByBacktrackingLinesearchState) and isinstance(state.grad, FlatTree)
+        return state.grad if ok else None
+
+    def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
+        if params is None:
+            raise ValueError(
+                "scale_by_backtracking_linesearch needs params: call update(updates, state, params)"
+            )
+        if not isinstance(state, ScaleByBacktrackingLinesearchState):
+            raise wrong_state("ScaleByBacktrackingLinesearchState", state)
+        kept = None
+        if self.store_grad:
+            kept = expect_state(state, ScaleByBacktrackingLinesearchState, "grad", spec)
+        value0, grad0, objective = _objective(extra, spec, "scale_by_backtracking_linesearch")
+        with np.errstate(over="ignore", invalid="ignore"):
+            start = float(
+                np.minimum(self.increase_factor * float(state.learning_rate), self.max_learning_rate)
+            )
+        ls = self
+
+        def errors(step: float, slope: float, value: float) -> float:
+            with np.errstate(all="ignore"):
+                err = value - (1.0 + ls.rtol) * value0 - step * ls.slope_rtol * slope
+            return math.inf if math.isnan(err) else max(err, 0.0)
+
+        def run(u: Updates) -> tuple[Updates, ScaleByBacktrackingLinesearchState]:
+            u = u.settled()
+            direction, p = u.flat, params.flat()
+            slope = _dot(direction, grad0)
+            trial = FlatTree.empty(spec.layout, None, spec.device)
+            step, value, grad, err, n = start, value0, None, math.inf, 0
+            while not err <= ls.atol and n <= ls.max_steps:  # optax's loop: up to max + 1 values
+                if n > 0:
+                    step *= ls.decrease_factor
+                _axpy(trial, p, step, direction)
+                last = n == ls.max_steps
+                value, grad = objective(trial, need_grad=False)
+                err = errors(step, slope, value)
+                if ls.store_grad and grad is None and (err <= ls.atol or last):
+                    grad = objective(trial)[1]
+                n += 1
+            accepted = 0.0 if math.isinf(err) else step
+            if kept is not None and grad is not None:
+                _copy_into(kept, grad)
+            info = BacktrackingLinesearchInfo(np.int32(n), np.float64(err))
+            new = ScaleByBacktrackingLinesearchState(np.float64(accepted), np.float64(value), kept, info)
+            return u.scaled(Factor(1.0, accepted)), new
+
+        return Step(run)
+
+
+def scale_by_backtracking_linesearch(
+    max_backtracking_steps: int,
+    slope_rtol: float = 1e-4,
+    decrease_factor: float = 0.8,
+    increase_factor: float = 1.5,
+    max_learning_rate: float = 1.0,
+    atol: float = 0.0,
+    rtol: float = 0.0,
+    store_grad: bool = False,
+    verbose: bool = False,
+) -> GradientTransformationExtraArgs:
+    """Scales the updates by a step size of sufficient decrease (Armijo), found by backtracking.
+
+    Starting from ``min(increase_factor * last step, max_learning_rate)``, the step ``eta`` is
+    multiplied by ``decrease_factor`` until ``f(w + eta u) <= (1 + rtol) f(w) + eta slope_rtol
+    <u, grad f(w)> + atol`` (at most ``max_backtracking_steps`` times; a non-finite objective
+    gives the step 0). ``update`` needs ``value``, ``grad`` and ``value_fn`` (``params -> value``,
+    or ``(value, grad)``); with ``store_grad`` the gradient at the accepted point is kept for
+    `value_and_grad_from_state` (from ``value_fn``'s pair, or ``grad_fn=``).
+
+    Args:
+        max_backtracking_steps: the most reductions of the step.
+        slope_rtol: the sufficient decrease's constant.
+        decrease_factor: the step's reduction, in (0, 1).
+        increase_factor: the first guess's growth over the last accepted step.
+        max_learning_rate: the largest step tried.
+        atol: absolute tolerance of the criterion (``>= 0``).
+        rtol: relative tolerance on the value (``>= 0``).
+        store_grad: keep the gradient at the accepted point in the state.
+        verbose: accepted for optax's signature (``state.info`` reports failures).
+
+    Returns:
+        A `GradientTransformationExtraArgs`; its state is
+            ``ScaleByBacktrackingLinesearchState(learning_rate, value, grad, info)``, as optax's.
+
+    Raises:
+        TypeError: an argument has the wrong type; at an update, ``value``, ``grad`` or
+            ``value_fn`` is missing or wrong.
+        ValueError: an argument is out of range; at an update, no params.
+
+    References:
+        Armijo, "Minimization of functions having Lipschitz continuous first partial
+        derivatives", 1966; Nocedal and Wright, "Numerical Optimization", 1999, Algorithm 3.1.
+        optax.scale_by_backtracking_linesearch.
+
+    Examples:
+        >>> import numpy as np, numbaccum as nba
+        >>> def f(p):
+        ...     return float(np.sum(p["x"] ** 2))
+        >>> tx = nba.chain(nba.sgd(1.0), nba.scale_by_backtracking_linesearch(max_backtracking_steps=15))
+        >>> params = {"x": np.array([1.0, -2.0])}
+        >>> state = tx.init(params)
+        >>> for _ in range(3):
+        ...     grad = {"x": 2 * params["x"]}
+        ...     state = nba.step_(tx, grad, state, params, value=f(params), grad=grad, value_fn=f)
+        >>> bool(f(params) < 1e-2)
+        True
+    """
+    flag(verbose, "verbose")
+    return _BacktrackingLinesearch(
+        max_backtracking_steps,
+        slope_rtol,
+        decrease_factor,
+        increase_factor,
+        max_learning_rate,
+        atol,
+        rtol,
+        store_grad,
+    ).transformation()
+
+
 def value_and_grad_from_state(value_fn: Callable[..., Any]) -> Callable[..., tuple[float, Any]]:
     """``value_and_grad(params, *args, state, **kwargs)``: the objective's value and gradient at
     ``params``, taken from ``state`` where a line search left them (the accepted point of the
@@ -664,10 +857,11 @@ def value_and_grad_from_state(value_fn: Callable[..., Any]) -> Callable[..., tup
         raise TypeError(f"value_fn must be callable, got {type(value_fn).__name__}")
 
     def value_and_grad(params: Any, *args: Any, state: Any, **kwargs: Any) -> tuple[float, Any]:
-        found = find_state(state, ScaleByZoomLinesearchState)
-        if found is None:
+        found = find_state(state, (ScaleByZoomLinesearchState, ScaleByBacktrackingLinesearchState))
+        if found is None or found.grad is None:
             raise ValueError(
-                "value_and_grad_from_state: no line search state (with value and grad) in the state"
+                "value_and_grad_from_state: no line search state with a value and a gradient in the "
+                "state (a backtracking search keeps its gradient with store_grad=True)"
             )
         value, grad = found.value, found.grad
         if math.isfinite(float(value)):

@@ -916,6 +916,7 @@ OWN_TESTS: dict[str, str] = {
     "polyak_sgd": "update(..., value=f) (tests: test_optimizers' polyak tests)",
     "lbfgs": "update(..., value=, grad=, value_fn=) (tests: test_lbfgs)",
     "scale_by_zoom_linesearch": "update(..., value=, grad=, value_fn=) (tests: test_lbfgs)",
+    "scale_by_backtracking_linesearch": "update(..., value=, grad=, value_fn=) (tests: test_lbfgs)",
     "lookahead": "params are a LookaheadParams(fast, slow) (tests: test_lookahead)",
     "reduce_on_plateau": "update(..., value=loss) (tests: test_optimizers' reduce_on_plateau tests)",
     "flatten": "leaves of one dtype (tests: test_masking's flatten tests)",
@@ -936,6 +937,7 @@ EXEMPT: dict[str, str] = {
     "with_extra_args_support": "wraps a user's transformation (tests: test_semantics)",
     "register_state_class": "names a user's state class for checkpoints (tests: test_checkpoint)",
     "ZoomLinesearchInfo": _STATES,
+    "BacktrackingLinesearchInfo": _STATES,
     "LookaheadParams": "lookahead's params pair",
     **{
         n: _FUNCTION

@@ -283,3 +283,63 @@ def test_lbfgs_on_device_matches_the_host():
         u, sb = tb.update(gb, sb, dev, value=vb, grad=gb, value_fn=on_device)
         dev = nba.apply_updates(dev, u)
         np.testing.assert_allclose(nba.to_host(dev)["x"], host["x"], rtol=1e-12)
+
+
+BACKTRACKING = {
+    "sgd_backtracking": (
+        lambda m: m.chain(m.sgd(1.0), m.scale_by_backtracking_linesearch(max_backtracking_steps=15)),
+        False,
+    ),
+    "sgd_backtracking_store_grad": (
+        lambda m: m.chain(
+            m.sgd(1.0),
+            m.scale_by_backtracking_linesearch(
+                max_backtracking_steps=10, decrease_factor=0.5, increase_factor=2.0, store_grad=True
+            ),
+        ),
+        True,
+    ),
+    "lbfgs_backtracking": (
+        lambda m: m.lbfgs(linesearch=m.scale_by_backtracking_linesearch(max_backtracking_steps=20)),
+        False,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BACKTRACKING))
+def test_backtracking_against_optax_in_float64(name, x64):
+    jax, optax = x64
+    make, store = BACKTRACKING[name]
+    params = {"x": np.array([-1.2, 1.0, 0.3])}
+    steps = 12
+
+    def value_only(p):
+        return rosenbrock(p)[0]
+
+    ours, theirs = make(nba), make(optax)
+    s, so = ours.init({"x": params["x"].copy()}), theirs.init({"x": jax.numpy.asarray(params["x"])})
+    p, po = {"x": params["x"].copy()}, {"x": jax.numpy.asarray(params["x"])}
+    f = _jax_rosenbrock(jax.numpy)
+    for _ in range(steps):
+        value, grad = rosenbrock(p)
+        s = nba.step_(ours, grad, s, p, value=value, grad=grad, value_fn=rosenbrock if store else value_only)
+        vo, go = jax.value_and_grad(f)(po)
+        uo, so = theirs.update(go, so, po, value=vo, grad=go, value_fn=f)
+        po = optax.apply_updates(po, uo)
+        np.testing.assert_allclose(p["x"], np.asarray(po["x"]), rtol=1e-9, atol=1e-12)
+        ours_ls, theirs_ls = _zoom_state_or_backtracking(s), _zoom_state_or_backtracking(so)
+        assert float(ours_ls.learning_rate) == pytest.approx(float(theirs_ls.learning_rate), rel=1e-12)
+        assert int(ours_ls.info.num_linesearch_steps) == int(theirs_ls.info.num_linesearch_steps)
+    if store:
+        value, grad = nba.value_and_grad_from_state(rosenbrock)(p, state=s)
+        np.testing.assert_allclose(grad["x"], rosenbrock(p)[1]["x"], rtol=1e-12)
+
+
+def _zoom_state_or_backtracking(state):
+    if hasattr(state, "learning_rate") and hasattr(state, "info"):
+        return state
+    for s in state if isinstance(state, tuple) else ():
+        found = _zoom_state_or_backtracking(s)
+        if found is not None:
+            return found
+    return None
