@@ -163,7 +163,13 @@ def _library_state_classes() -> tuple[type, ...]:
         quasi_newton,
         scaling,
     )
-    from .contrib import ReduceLROnPlateauState, ScaleByAdemamixState, ScheduleFreeState
+    from .contrib import (
+        DAdaptAdamWState,
+        ProdigyState,
+        ReduceLROnPlateauState,
+        ScaleByAdemamixState,
+        ScheduleFreeState,
+    )
     from .lookahead import LookaheadState  # (the package's ``lookahead`` is the function)
 
     return (
@@ -173,6 +179,8 @@ def _library_state_classes() -> tuple[type, ...]:
         ScaleByAdemamixState,
         ReduceLROnPlateauState,
         ScheduleFreeState,
+        DAdaptAdamWState,
+        ProdigyState,
         quasi_newton.ScaleByLBFGSState,
         quasi_newton.ScaleByZoomLinesearchState,
         quasi_newton.ZoomLinesearchInfo,

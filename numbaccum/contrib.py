@@ -33,11 +33,15 @@ from .tree import tree_map
 from .updates import ParamsRef, Spec, Updates
 
 __all__ = [
+    "DAdaptAdamWState",
+    "ProdigyState",
     "ReduceLROnPlateauState",
     "ScaleByAdemamixState",
     "ScheduleFreeState",
     "ademamix",
     "adopt",
+    "dadapt_adamw",
+    "prodigy",
     "reduce_on_plateau",
     "scale_by_ademamix",
     "scale_by_adopt",
@@ -892,3 +896,356 @@ def schedule_free_adamw(
         scale_by_learning_rate(lr),
     )
     return schedule_free(optimizer, lr, b1, weight_lr_power, state_dtype)
+
+
+# --- learning-rate-free AdamW: D-Adaptation and Prodigy ----------------------------------------
+
+
+class DAdaptAdamWState(NamedTuple):
+    """State of `dadapt_adamw` (optax.contrib's fields).
+
+    Attributes:
+        exp_avg: the first moment of the scaled gradients, a FlatTree of the params' layout.
+        exp_avg_sq: the second moment of the gradients.
+        grad_sum: the EMA of the scaled gradients' sum.
+        estim_lr: the estimate of the distance to the solution (the params' lowest dtype).
+        numerator_weighted: its running numerator.
+        count: the number of updates so far (int32, saturating).
+    """
+
+    exp_avg: FlatTree
+    exp_avg_sq: FlatTree
+    grad_sum: FlatTree
+    estim_lr: Any
+    numerator_weighted: Any
+    count: np.int32  # type: ignore[assignment]
+
+
+class ProdigyState(NamedTuple):
+    """State of `prodigy` (optax.contrib's fields).
+
+    Attributes:
+        exp_avg: the first moment of the scaled gradients, a FlatTree of the params' layout.
+        exp_avg_sq: their second moment.
+        grad_sum: the EMA of the scaled gradients' sum.
+        params0: the params at ``init``.
+        estim_lr: the estimate of the distance to the solution (the params' lowest dtype).
+        numerator_weighted: its running numerator.
+        count: the number of updates so far (int32, saturating).
+    """
+
+    exp_avg: FlatTree
+    exp_avg_sq: FlatTree
+    grad_sum: FlatTree
+    params0: FlatTree
+    estim_lr: Any
+    numerator_weighted: Any
+    count: np.int32  # type: ignore[assignment]
+
+
+@formula(
+    states=("exp_avg", "exp_avg_sq", "grad_sum"),
+    inputs=("g", "params"),
+    outputs=("out",),
+    scalars=("b1", "one_minus_b1", "b2", "one_minus_b2", "sb2", "one_minus_sb2", "dlr", "neg_wd_dlr", "eps"),
+)
+def dadapt_direction(
+    exp_avg,
+    exp_avg_sq,
+    grad_sum,
+    g,
+    params,
+    b1,
+    one_minus_b1,
+    b2,
+    one_minus_b2,
+    sb2,
+    one_minus_sb2,
+    dlr,
+    neg_wd_dlr,
+    eps,
+):
+    """D-Adaptation AdamW (optax.contrib's order): ea = b1 ea + ((1 - b1) dlr) g; eas = b2 eas +
+    ((1 - b2) g) g; s = sb2 s + ((1 - sb2) dlr) g; out = -wd dlr p - ea / (sqrt(eas) + eps)."""
+    ea = b1 * exp_avg + one_minus_b1 * dlr * g
+    eas = b2 * exp_avg_sq + one_minus_b2 * g * g
+    s = sb2 * grad_sum + one_minus_sb2 * dlr * g
+    return ea, eas, s, neg_wd_dlr * params - ea / (math.sqrt(eas) + eps)
+
+
+@formula(
+    states=("exp_avg", "exp_avg_sq", "grad_sum"),
+    inputs=("g", "params"),
+    outputs=("out",),
+    scalars=(
+        "b1",
+        "one_minus_b1",
+        "b2",
+        "one_minus_b2",
+        "b3",
+        "estim_lr",
+        "gs_rate",
+        "estim_lr0",
+        "dlr",
+        "neg_wd_dlr",
+        "eps_d",
+    ),
+)
+def prodigy_direction(
+    exp_avg,
+    exp_avg_sq,
+    grad_sum,
+    g,
+    params,
+    b1,
+    one_minus_b1,
+    b2,
+    one_minus_b2,
+    b3,
+    estim_lr,
+    gs_rate,
+    estim_lr0,
+    dlr,
+    neg_wd_dlr,
+    eps_d,
+):
+    """Prodigy (optax.contrib's order): dg = d g; ea = b1 ea + (1 - b1) dg; eas = b2 eas + ((1 -
+    b2) dg) dg; s = b3 s + (rate dg) / d0; out = -wd dlr p - (dlr ea) / (sqrt(eas) + d eps)."""
+    dg = estim_lr * g
+    ea = b1 * exp_avg + one_minus_b1 * dg
+    eas = b2 * exp_avg_sq + one_minus_b2 * dg * dg
+    s = b3 * grad_sum + gs_rate * dg / estim_lr0
+    return ea, eas, s, neg_wd_dlr * params - dlr * ea / (math.sqrt(eas) + eps_d)
+
+
+@formula(states=("diff",), inputs=("g", "params0", "params"), outputs=(), scalars=())
+def params_diff(diff, g, params0, params):
+    """diff = params0 - params (``g`` unused: the driver's first input)."""
+    return params0 - params
+
+
+@formula(states=("weighted",), inputs=("grad_sum", "exp_avg_sq"), outputs=(), scalars=("eps",))
+def dadapt_weighted(weighted, grad_sum, exp_avg_sq, eps):
+    """weighted = s / (sqrt(eas) + eps)."""
+    return grad_sum / (math.sqrt(exp_avg_sq) + eps)
+
+
+class _LrFree(Stage):
+    """`dadapt_adamw` and `prodigy`: one inner product of the gradient with a per-element
+    quantity (its own pass into a workspace, then one float64 reduction), the moments and the
+    update in one pass, and the L1 norm of the new ``grad_sum`` (one reduction)."""
+
+    def __init__(
+        self,
+        prodigy: bool,
+        learning_rate: Any,
+        betas: Any,
+        eps: Any,
+        estim_lr0: Any,
+        weight_decay: Any,
+        beta3: Any = None,
+        estim_lr_coef: Any = 1.0,
+        safeguard_warmup: Any = False,
+    ) -> None:
+        self.prodigy = prodigy
+        self.learning_rate = (
+            learning_rate if callable(learning_rate) else real(learning_rate, "learning_rate")
+        )
+        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+            raise TypeError(f"betas must be a pair (beta1, beta2), got {betas!r:.60}")
+        self.b1, self.b2 = check_decay(betas[0], "betas[0]"), check_decay(betas[1], "betas[1]")
+        self.eps, self.estim_lr0 = real(eps, "eps"), real(estim_lr0, "estim_lr0")
+        if not self.estim_lr0 > 0.0:
+            raise ValueError(f"estim_lr0 must be > 0, got {estim_lr0!r}")
+        self.weight_decay = real(weight_decay, "weight_decay")
+        self.b3 = self.b2**0.5 if beta3 is None else check_decay(beta3, "beta3")
+        self.coef = real(estim_lr_coef, "estim_lr_coef")
+        self.safeguard = flag(safeguard_warmup, "safeguard_warmup")
+        self.state_cls = ProdigyState if prodigy else DAdaptAdamWState
+
+    @property
+    def public_name(self) -> str:  # type: ignore[override]
+        return "prodigy" if self.prodigy else "dadapt_adamw"
+
+    def init(self, params: Any) -> Any:
+        layout, device = layout_and_device(params, "params")
+        reals = [real_dtype(d) for d in layout.dtypes] or [np.dtype(np.float32)]
+        t = min(reals, key=lambda d: d.itemsize).type
+        z = [FlatTree.zeros(layout, None, device) for _ in range(3)]
+        scalars = (t(self.estim_lr0), t(0.0), np.int32(0))
+        if not self.prodigy:
+            return DAdaptAdamWState(*z, *scalars)
+        p0 = FlatTree.empty(layout, None, device)
+        src = params if isinstance(params, FlatTree) else as_flat(params, layout, "params", device=device)[0]
+        for o, p in zip(p0.groups, src.groups):
+            ops_for(o).scale_(o, p, ONE)
+        return ProdigyState(*z, p0, *scalars)
+
+    def owner(self, state: Any) -> FlatTree | None:
+        ok = isinstance(state, self.state_cls) and isinstance(state.exp_avg, FlatTree)
+        return state.exp_avg if ok else None
+
+    def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
+        if params is None:
+            raise ValueError(f"{self.public_name} needs params: call update(updates, state, params)")
+        cls = self.state_cls
+        ea = expect_state(state, cls, "exp_avg", spec)
+        eas = expect_state(state, cls, "exp_avg_sq", spec, renew=False)
+        gs = expect_state(state, cls, "grad_sum", spec, renew=False)
+        p0 = expect_state(state, cls, "params0", spec, renew=False) if self.prodigy else None
+        t = np.asarray(state.estim_lr).dtype.type
+        count = int(state.count)
+        c = safe_increment(np.int32(count))
+        sched = (
+            scheduled(self.learning_rate, np.int32(count), "learning_rate")
+            if callable(self.learning_rate)
+            else self.learning_rate
+        )
+        b1, b2, eps, wd = self.b1, self.b2, self.eps, self.weight_decay
+        d, nw = t(state.estim_lr), t(state.numerator_weighted)
+        with np.errstate(all="ignore"):
+            bc = t(t(t(1) - t(b2) ** int(c)) ** t(0.5)) / t(t(1) - t(b1) ** int(c))
+            dlr = t(t(d * t(sched)) * bc)
+            neg_wd_dlr = t(t(-wd) * dlr)
+        prodigy, b3, d0, coef = self.prodigy, self.b3, self.estim_lr0, self.coef
+        sb2 = b2**0.5
+        if prodigy:
+            rate = d if self.safeguard else dlr
+            scalars = (b1, 1.0 - b1, b2, 1.0 - b2, b3, d, rate, d0, dlr, neg_wd_dlr, t(d * t(eps)))
+        else:
+            scalars = (b1, 1.0 - b1, b2, 1.0 - b2, sb2, 1.0 - sb2, dlr, neg_wd_dlr, eps)
+
+        def run(u: Updates) -> tuple[Updates, Any]:
+            u = u.settled()
+            g, p = u.flat, params.flat()
+            tmp = ea.workspace("weighted")
+            for tg, a, b, x in zip(
+                tmp.groups, (p0 or gs).groups, (p.groups if prodigy else eas.groups), g.groups
+            ):
+                if prodigy:  # p0 - p, as optax's param_diff
+                    ops_for(tg).driver.map_(params_diff, ONE, (tg, x, a, b), ())
+                else:  # s / (sqrt(eas) + eps), from the state before this step
+                    ops_for(tg).driver.map_(dadapt_weighted, ONE, (tg, a, b), (eps,))
+            acum = t(sum(ops_for(x).dot(x, y) for x, y in zip(g.groups, tmp.groups)))
+            out = u.fresh()
+            direction = prodigy_direction if prodigy else dadapt_direction
+            for a, b, s, x, pg, o in zip(ea.groups, eas.groups, gs.groups, g.groups, p.groups, out.groups):
+                ops_for(x).driver.map_(direction, ONE, (a, b, s, x, pg, o), scalars)
+            l1 = t(sum(ops_for(x).sumabs(x) for x in gs.groups))
+            with np.errstate(all="ignore"):
+                if prodigy:
+                    new_nw = t(t(b3) * nw + t(t(d / t(d0)) * dlr) * acum)
+                    estimate = t(t(coef) * new_nw / l1)
+                else:
+                    new_nw = t(t(sb2) * nw + t(t(1 - sb2) * dlr) * acum)
+                    estimate = t(new_nw / t(t(1 - sb2) * l1))
+                new_d = t(np.maximum(d, estimate))
+            tail = (new_d, new_nw, c)
+            new = ProdigyState(ea, eas, gs, p0, *tail) if prodigy else DAdaptAdamWState(ea, eas, gs, *tail)
+            return Updates(out, True, scratch=u.scratch), new
+
+        return Step(run)
+
+
+def dadapt_adamw(
+    learning_rate: ScalarOrSchedule = 1.0,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    estim_lr0: float = 1e-6,
+    weight_decay: float = 0.0,
+) -> GradientTransformationExtraArgs:
+    """Learning-rate-free AdamW by D-Adaptation: the step size is AdamW's times an estimate
+    ``d`` of the distance to the solution, which only grows.
+
+    With ``dlr = d * lr * sqrt(1 - b2^t) / (1 - b1^t)``: ``ea = b1 ea + (1 - b1) dlr g``, ``eas =
+    b2 eas + (1 - b2) g^2``, ``s = sqrt(b2) s + (1 - sqrt(b2)) dlr g``; ``u = -wd dlr p - ea /
+    (sqrt(eas) + eps)``; then ``d = max(d, N / ((1 - sqrt(b2)) ||s||_1))`` with ``N`` the weighted
+    sum of ``dlr <g, s_prev / (sqrt(eas_prev) + eps)>``. The inner product and the L1 norm are
+    float64 reductions; the moments and the update one pass. Needs params.
+
+    Args:
+        learning_rate: a factor on the estimated rate (1 by default), or a schedule.
+        betas: ``(b1, b2)``, Adam's decays.
+        eps: added to the square root.
+        estim_lr0: the first estimate of ``d`` (``> 0``).
+        weight_decay: decoupled weight decay.
+
+    Returns:
+        A `GradientTransformationExtraArgs`; its state is ``DAdaptAdamWState(exp_avg,
+            exp_avg_sq, grad_sum, estim_lr, numerator_weighted, count)``, as optax.contrib's.
+
+    Raises:
+        TypeError: an argument has the wrong type.
+        ValueError: a decay is not between 0 and 1, or ``estim_lr0 <= 0``; at an update, no params.
+
+    References:
+        Defazio and Mishchenko, "Learning-Rate-Free Learning by D-Adaptation", ICML 2023
+        (arXiv:2301.07733). optax.contrib.dadapt_adamw.
+
+    Examples:
+        >>> import numpy as np, numbaccum as nba
+        >>> tx = nba.dadapt_adamw()
+        >>> params = {"x": np.array([1.0, 2.0, 3.0])}
+        >>> state = tx.init(params)
+        >>> for _ in range(50):
+        ...     state = nba.step_(tx, {"x": 2 * params["x"]}, state, params)
+        >>> bool(state.estim_lr > 1e-6)  # the distance estimate grew from its first guess
+        True
+    """
+    return _LrFree(False, learning_rate, betas, eps, estim_lr0, weight_decay).transformation()
+
+
+def prodigy(
+    learning_rate: ScalarOrSchedule = 1.0,
+    betas: tuple[float, float] = (0.9, 0.999),
+    beta3: float | None = None,
+    eps: float = 1e-8,
+    estim_lr0: float = 1e-6,
+    estim_lr_coef: float = 1.0,
+    weight_decay: float = 0.0,
+    safeguard_warmup: bool = False,
+) -> GradientTransformationExtraArgs:
+    """Learning-rate-free AdamW by Prodigy: D-Adaptation with the distance measured from the
+    initial params.
+
+    With ``dg = d g`` and ``dlr = d * lr * sqrt(1 - b2^t) / (1 - b1^t)``: ``ea = b1 ea + (1 - b1)
+    dg``, ``eas = b2 eas + (1 - b2) dg^2``, ``s = b3 s + dlr dg / d0`` (``d dg / d0`` with
+    ``safeguard_warmup``); ``u = -wd dlr p - dlr ea / (sqrt(eas) + d eps)``; then ``d = max(d,
+    coef N / ||s||_1)``, ``N = b3 N + (d / d0) dlr <g, p0 - p>``. The inner product and the L1
+    norm are float64 reductions; the moments and the update one pass. Needs params.
+
+    Args:
+        learning_rate: a factor on the estimated rate (1 by default), or a schedule.
+        betas: ``(b1, b2)``, Adam's decays.
+        beta3: the decay of ``s`` and ``N`` (None: ``sqrt(b2)``).
+        eps: added to the square root (times ``d``).
+        estim_lr0: the first estimate of ``d`` (``> 0``).
+        estim_lr_coef: a factor on the estimate.
+        weight_decay: decoupled weight decay.
+        safeguard_warmup: leave ``dlr`` out of ``s`` (for warmup schedules).
+
+    Returns:
+        A `GradientTransformationExtraArgs`; its state is ``ProdigyState(exp_avg, exp_avg_sq,
+            grad_sum, params0, estim_lr, numerator_weighted, count)``, as optax.contrib's.
+
+    Raises:
+        TypeError: an argument has the wrong type.
+        ValueError: a decay is not between 0 and 1, or ``estim_lr0 <= 0``; at an update, no params.
+
+    References:
+        Mishchenko and Defazio, "Prodigy: An Expeditiously Adaptive Parameter-Free Learner",
+        ICML 2024 (arXiv:2306.06101). optax.contrib.prodigy.
+
+    Examples:
+        >>> import numpy as np, numbaccum as nba
+        >>> tx = nba.prodigy()
+        >>> params = {"x": np.array([1.0, 2.0, 3.0])}
+        >>> state = tx.init(params)
+        >>> for _ in range(50):
+        ...     state = nba.step_(tx, {"x": 2 * params["x"]}, state, params)
+        >>> bool(state.estim_lr > 1e-6 and np.sum(params["x"] ** 2) < 14.0)
+        True
+    """
+    return _LrFree(
+        True, learning_rate, betas, eps, estim_lr0, weight_decay, beta3, estim_lr_coef, safeguard_warmup
+    ).transformation()

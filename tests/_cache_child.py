@@ -101,7 +101,8 @@ def formula_job(f: formulas.Formula):
         arrays = []
         for name in f.arrays:
             a = rng.standard_normal(n)
-            arrays.append(np.abs(a) if name in ("nu", "e_g", "e_x", "n") else a)  # second moments
+            second_moment = name in ("nu", "e_g", "e_x", "n", "exp_avg_sq")
+            arrays.append(np.abs(a) if second_moment else a)
         scalars = [
             bool(k % 2) if name in BOOLS else float(rng.uniform(0.1, 1.0)) for k, name in enumerate(f.scalars)
         ]

@@ -822,6 +822,26 @@ _add(
     optax=lambda o: o.contrib.schedule_free(o.adam(0.05, b1=0.0), 0.05, b1=0.8),
 )
 _add(
+    "dadapt_adamw",
+    "dadapt_adamw",
+    lambda: nba.dadapt_adamw(weight_decay=0.1),
+    None,
+    {},
+    fusable=False,
+    note="its inner products and L1 norm in float64: within rounding of optax.contrib's",
+    optax=lambda o: o.contrib.dadapt_adamw(weight_decay=0.1),
+)
+_add(
+    "prodigy",
+    "prodigy",
+    lambda: nba.prodigy(weight_decay=0.01),
+    None,
+    {},
+    fusable=False,
+    note="its inner products and L1 norm in float64: within rounding of optax.contrib's",
+    optax=lambda o: o.contrib.prodigy(weight_decay=0.01),
+)
+_add(
     "partition",
     "partition",
     lambda: nba.partition({"matrix": nba.adam(1e-2), "vector": nba.sgd(0.1, momentum=0.9)}, _by_rank),

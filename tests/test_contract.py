@@ -66,7 +66,7 @@ def _inputs(f, n, dtype, seed):
     arrays = []
     for name in f.arrays:
         a = rng.standard_normal(n).astype(dtype)
-        if name in ("nu", "e_g", "e_x", "n"):
+        if name in ("nu", "e_g", "e_x", "n", "exp_avg_sq"):
             a = np.abs(a)  # a second moment is never negative
         if name in f.states:
             a[::5] = 0  # growth_clip's "no history" and exact zeros
