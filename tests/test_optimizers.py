@@ -476,3 +476,63 @@ def test_reduce_on_plateau_checks_its_arguments():
     with pytest.raises(TypeError, match="reduce_on_plateau needs the objective"):
         tx.update(p, tx.init(p))
     assert nba.explain(nba.chain(nba.adam(0.1), tx), p, value=1.0).passes[0].kind == "fused"
+
+
+# --- optax's alias test: the optimizers of issue 26 reach the minimum -----------------------
+# optax 0.2.8 alias_test.test_optimization runs each optimizer (with these learning rates) on
+# float32 params for 10,000 steps, on a parabola and on Rosenbrock's function, and checks the
+# minimum within 3e-2. The same here, through step_.
+
+
+def _alias_parabola(p, g):
+    target = np.array([1.0, -1.0, 1.0], np.float32)
+    g[:] = 2 * (p - target)
+    return float(np.sum((p - target) ** 2)), np.array([-1.0, 10.0, 1.0]), target
+
+
+def _alias_rosenbrock(p, g, a=1.0, b=100.0):
+    w = p[1] - p[0] ** 2
+    g[0] = 2 * (p[0] - a) - 4 * b * p[0] * w
+    g[1] = 2 * b * w
+    return float((a - p[0]) ** 2 + b * w**2), np.zeros(2), np.array([a, a**2])
+
+
+ALIAS = {
+    "adadelta": lambda: nba.adadelta(0.1),
+    "adamaxw": lambda: nba.adamaxw(1e-1),
+    "adan": lambda: nba.adan(1e-1),
+    "fromage": lambda: nba.fromage(5e-3),
+    "lamb": lambda: nba.lamb(1e-3),
+    "lars": lambda: nba.lars(1.0),
+    "noisy_sgd": lambda: nba.noisy_sgd(1e-3, eta=1e-4, key=0),
+    "novograd": lambda: nba.novograd(1e-3),
+    "optimistic_adam_v2": lambda: nba.optimistic_adam_v2(2e-3),
+    "optimistic_gradient_descent": lambda: nba.optimistic_gradient_descent(2e-3, alpha=0.7, beta=0.1),
+    "polyak_sgd": lambda: nba.polyak_sgd(max_learning_rate=1.0),
+    "radam": lambda: nba.radam(5e-3),
+    "rprop": lambda: nba.rprop(1e-1),
+    "signum": lambda: nba.signum(1e-2),
+}
+# optax skips these targets (sign methods need a schedule for Rosenbrock's valley)
+ALIAS_SKIPS = {("signum", "_alias_rosenbrock")}
+
+
+@pytest.mark.parametrize("target", [_alias_parabola, _alias_rosenbrock])
+@pytest.mark.parametrize("name", sorted(ALIAS))
+def test_optax_alias_optimization_reaches_the_minimum(name, target):
+    if (name, target.__name__) in ALIAS_SKIPS:
+        pytest.skip("optax's alias test skips it too")
+    _, start, final = target(np.zeros(3, np.float32), np.zeros(3, np.float32))
+    params = nba.FlatTree.from_tree({"p": start.astype(np.float32)})
+    grads = params.zeros_like()
+    p, g = params.tree["p"], grads.tree["p"]
+    tx = ALIAS[name]()
+    state = tx.init(params)
+    for _ in range(10_000):
+        value = target(p, g)[0]
+        state = (
+            nba.step_(tx, grads, state, params, value=value)
+            if name == "polyak_sgd"
+            else nba.step_(tx, grads, state, params)
+        )
+    np.testing.assert_allclose(p, final, rtol=3e-2, atol=3e-2)
