@@ -30,7 +30,7 @@ __all__ = ["BACKEND", "ONE", "Factor", "Ops", "cast_scalars"]
 # numbaccum.cpu and numbaccum.cuda both define every primitive, with the same parameters).
 BACKEND: dict[str, tuple[str, ...]] = {
     "driver": ("map_",),
-    "reduce": ("reduce", "apply_", "divide_", "ema_update_", "global_norm_finish_", "rescale_"),
+    "reduce": ("reduce", "apply_", "divide_", "ema_update_", "global_norm_finish_", "rescale_", "dot"),
     "per_example": ("batch_weighted_sum_",),
 }
 

@@ -440,6 +440,19 @@ DTYPE_ARGUMENTS: dict[str, Any] = {
     "signum.accumulator_dtype": lambda v: nba.signum(0.1, accumulator_dtype=v),
     "warmup.dtypes": lambda v: nba.warmup([v]),
     "inject_hyperparams.hyperparam_dtype": lambda v: nba.inject_hyperparams(nba.adam, hyperparam_dtype=v),
+    "inject_stateful_hyperparams.hyperparam_dtype": lambda v: nba.inject_stateful_hyperparams(
+        nba.adam, hyperparam_dtype=v
+    ),
+    "optimistic_adam.mu_dtype": _mu_dtype(nba.optimistic_adam, learning_rate=1e-3),
+    "optimistic_adam_v2.mu_dtype": _mu_dtype(nba.optimistic_adam_v2, learning_rate=1e-3),
+    "scale_by_novograd.mu_dtype": _mu_dtype(nba.scale_by_novograd),
+    "adopt.mu_dtype": _mu_dtype(nba.adopt, learning_rate=1e-3),
+    "scale_by_adopt.mu_dtype": _mu_dtype(nba.scale_by_adopt),
+    "ademamix.mu_dtype": _mu_dtype(nba.ademamix, learning_rate=1e-3),
+    "scale_by_ademamix.mu_dtype": _mu_dtype(nba.scale_by_ademamix),
+    "schedule_free.state_dtype": lambda v: nba.schedule_free(nba.sgd(0.1), 0.1, state_dtype=v),
+    "schedule_free_sgd.state_dtype": lambda v: nba.schedule_free_sgd(state_dtype=v),
+    "schedule_free_adamw.state_dtype": lambda v: nba.schedule_free_adamw(state_dtype=v),
 }
 
 FLOAT_DTYPES = {np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64)}  # native order
