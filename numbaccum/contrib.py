@@ -629,6 +629,7 @@ class _ScheduleFree(Stage):
     updates (`schedule_free_direction`)."""
 
     public_name = "schedule_free"
+    formula = schedule_free_direction  # run by its own pass (the driver's map_)
 
     def __init__(
         self, base: Any, learning_rate: Any, b1: Any, weight_lr_power: Any, state_dtype: Any
@@ -1034,6 +1035,9 @@ class _LrFree(Stage):
     """`dadapt_adamw` and `prodigy`: one inner product of the gradient with a per-element
     quantity (its own pass into a workspace, then one float64 reduction), the moments and the
     update in one pass, and the L1 norm of the new ``grad_sum`` (one reduction)."""
+
+    # The formulas its passes run (the driver's map_), declared for the contract's tests.
+    formulas = (dadapt_direction, prodigy_direction, params_diff, dadapt_weighted)
 
     def __init__(
         self,

@@ -845,11 +845,16 @@ def _call_formula(
     number of inputs seen so far."""
     _, fname, c, factored, n_states, n_inputs, bools = op
     rc = _REAL.get(c, c)  # the scalars' dtype: real for a complex group (optax's real * complex)
+    # Names of this call's own: numba gives a variable one type for the whole function, so a
+    # ``g`` of float64 in one part and float32 in the next would be float64 in both (and the
+    # float32 part computed in float64: not the bits of the separate passes).
+    k = len(body)
+    g, r = f"g{k}", f"r{k}"
     if factored:
         div, mul = scalar(), scalar()
-        body.append(f"    g = {_quotient(f'as_{c}(v)', f'as_{rc}({div})', c)} * as_{rc}({mul})")
+        body.append(f"    {g} = {_quotient(f'as_{c}(v)', f'as_{rc}({div})', c)} * as_{rc}({mul})")
     else:
-        body.append(f"    g = as_{c}(v)")
+        body.append(f"    {g} = as_{c}(v)")
     sts = [f"s{len(states) + i}" for i in range(n_states)]
     states += sts
     ins = []
@@ -861,14 +866,19 @@ def _call_formula(
             inputs.append(ins[-1])
         n_in += 1
     scs = [scalar() if b else f"as_{rc}({scalar()})" for b in bools]
-    body.append(f"    r = {fname}({', '.join(sts + ['g'] + ins + scs)})")
+    # The driver reads every array in the call's widest compute dtype (a float64 accumulator
+    # elsewhere in the chain makes it float64): this part's states and inputs are cast to its
+    # own (exactly: it is at least as wide as their storage), so that it computes as its
+    # separate pass does.
+    args = [f"as_{c}({a})" for a in sts] + [g] + [f"as_{c}({a})" for a in ins] + scs
+    body.append(f"    {r} = {fname}({', '.join(args)})")
     if n_states == 0:
-        body.append(f"    v = {_rounding(d, c)}(r)")
+        body.append(f"    v = {_rounding(d, c)}({r})")
     else:
         for i in range(n_states):
             new_states.append(f"n{len(new_states)}")
-            body.append(f"    {new_states[-1]} = r[{i}]")
-        body.append(f"    v = {_rounding(d, c)}(r[{n_states}])")
+            body.append(f"    {new_states[-1]} = {r}[{i}]")
+        body.append(f"    v = {_rounding(d, c)}({r}[{n_states}])")
     return n_in
 
 

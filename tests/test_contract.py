@@ -169,8 +169,10 @@ def test_every_formula_of_the_formulas_module_is_reached_by_exactly_one_ops_meth
 
 
 def _declarations(cls: type) -> set:
-    """The formulas that ``cls`` and its subclasses declare (class attributes)."""
+    """The formulas that ``cls`` and its subclasses declare (class attributes: ``formula``, or
+    ``formulas`` for a stage whose passes run several)."""
     out = {vars(cls)["formula"]} if "formula" in vars(cls) else set()
+    out |= set(vars(cls).get("formulas", ()))
     for sub in cls.__subclasses__():
         out |= _declarations(sub)
     return out

@@ -463,3 +463,17 @@ def test_apply_if_finite_reads_finiteness_from_the_clips_norm(monkeypatch):
         u, s2 = tx.update(g, s2, params)
         assert_tree_equal(snapshot(u), want, msg=f"step {i}")
     assert int(s.total_notfinite) == int(s2.total_notfinite) == 3
+
+
+@pytest.mark.parametrize("size", [200, 65539])
+def test_a_float64_accumulator_before_a_float32_stage_fuses_to_the_same_bits(size):
+    """The driver reads a fused call's arrays in its widest compute dtype (float64 here, for
+    the trace's accumulator): each part casts its states and inputs to its own, so the weight
+    decay after the trace computes in float32 as its separate pass does (it computed in float64
+    before, from the params widened)."""
+    rng = np.random.default_rng(0)
+    params = {"w": (rng.normal(size=size) * 10).astype(np.float32)}
+    grads = [{"w": (rng.normal(size=size) * 10).astype(np.float32)} for _ in range(3)]
+    for names in (["trace_nesterov_f64", "add_decayed_weights"], ["trace_nesterov_f64", "adamw"]):
+        make = _chain(names)
+        _same(_run(make, params, grads, True), _run(make, params, grads, False), msg=str(names))
