@@ -34,10 +34,10 @@ def test_readme_commands_are_the_ones_ci_and_users_run():
     bash = re.findall(r"```bash\n(.*?)```", README, re.S)
     assert [b.strip() for b in bash] == [
         "pip install . && numbaccum bench",
-        'pip install -e ".[test]" && python -m pytest -q',
+        'pip install -e ".[test]" && python -m pytest -q -n 2',
     ]
     ci = (ROOT / ".ci" / "run").read_text()
-    assert 'pip install -q -e ".[test,mpi,parity,docs,dp]"' in ci and "python -m pytest -q" in ci
+    assert 'pip install -q -e ".[test,mpi,parity,docs,dp]"' in ci and "python -m pytest -q -n 2" in ci
     assert 'mpiexec -n 2 "${MPI_PYTEST[@]}"' in ci
     assert "mkdocs build --strict" in ci
     mpi = (ROOT / "docs" / "guides" / "mpi.md").read_text()
