@@ -450,11 +450,12 @@ class _ZoomLinesearch(Stage):
         kept_grad = expect_state(state, ScaleByZoomLinesearchState, "grad", spec)
         value0, grad0, objective = _objective(extra, spec)
         guess = float(state.learning_rate) if self.keep else 1.0
+        trial_of = self.workspace(state, spec, "trial")
 
         def run(u: Updates) -> tuple[Updates, ScaleByZoomLinesearchState]:
             u = u.settled()
             direction, p = u.flat, params.flat()
-            trial = FlatTree.empty(spec.layout, None, spec.device)
+            trial = trial_of()  # kept: not a new params-sized buffer per update
 
             def evaluate(step: float) -> _Point:
                 _axpy(trial, p, step, direction)
@@ -708,6 +709,7 @@ class _BacktrackingLinesearch(Stage):
         if self.store_grad:
             kept = expect_state(state, ScaleByBacktrackingLinesearchState, "grad", spec)
         value0, grad0, objective = _objective(extra, spec, "scale_by_backtracking_linesearch")
+        trial_of = self.workspace(state, spec, "trial")
         with np.errstate(over="ignore", invalid="ignore"):
             start = float(
                 np.minimum(self.increase_factor * float(state.learning_rate), self.max_learning_rate)
@@ -723,7 +725,7 @@ class _BacktrackingLinesearch(Stage):
             u = u.settled()
             direction, p = u.flat, params.flat()
             slope = _dot(direction, grad0)
-            trial = FlatTree.empty(spec.layout, None, spec.device)
+            trial = trial_of()  # kept: not a new params-sized buffer per update
             step, value, grad, err, n = start, value0, None, math.inf, 0
             while not err <= ls.atol and n <= ls.max_steps:  # optax's loop: up to max + 1 values
                 if n > 0:
