@@ -165,22 +165,29 @@ def _library_state_classes() -> tuple[type, ...]:
     )
     from .contrib import (
         DAdaptAdamWState,
+        HutchinsonState,
         ProdigyState,
         ReduceLROnPlateauState,
         ScaleByAdemamixState,
         ScheduleFreeState,
+        SophiaState,
     )
+    from .factored import FactoredState, ScaleBySM3State
     from .lookahead import LookaheadState  # (the package's ``lookahead`` is the function)
 
     return (
         protocol.EmptyState,
         base.SnapshotState,
         LookaheadState,
+        FactoredState,
+        ScaleBySM3State,
         ScaleByAdemamixState,
         ReduceLROnPlateauState,
         ScheduleFreeState,
         DAdaptAdamWState,
         ProdigyState,
+        SophiaState,
+        HutchinsonState,
         quasi_newton.ScaleByLBFGSState,
         quasi_newton.ScaleByZoomLinesearchState,
         quasi_newton.ZoomLinesearchInfo,
@@ -211,6 +218,7 @@ def _library_state_classes() -> tuple[type, ...]:
         optimizers.ScaleByAdamState,
         optimizers.ScaleByAdanState,
         optimizers.ScaleByNovogradState,
+        optimizers.ScaleByDistanceOverGradientsState,
         optimizers.ScaleByOptimisticGradientState,
         optimizers.ScaleByAmsgradState,
         optimizers.ScaleByBeliefState,

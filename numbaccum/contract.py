@@ -30,7 +30,19 @@ __all__ = ["BACKEND", "ONE", "Factor", "Ops", "cast_scalars"]
 # numbaccum.cpu and numbaccum.cuda both define every primitive, with the same parameters).
 BACKEND: dict[str, tuple[str, ...]] = {
     "driver": ("map_",),
-    "reduce": ("reduce", "apply_", "divide_", "ema_update_", "global_norm_finish_", "rescale_", "dot"),
+    "reduce": (
+        "reduce",
+        "apply_",
+        "divide_",
+        "ema_update_",
+        "global_norm_finish_",
+        "rescale_",
+        "dot",
+        "axis_sumsq",
+        "axis_max_",
+        "factored_scale_",
+        "sm3_update_",
+    ),
     "per_example": ("batch_weighted_sum_",),
 }
 
@@ -341,6 +353,53 @@ class Ops:
         """``sum(x * y)`` in float64 (complex: the real part of ``vdot(x, y)``), in a fixed
         order."""
         return float(self.reduce.dot(x, y))
+
+    def axis_sumsq(self, x: Any, sums: Any) -> np.ndarray:
+        """Sums of squares along one axis of leaves (``sums`` a `numbaccum.tables.AxisSums`):
+        float64 on the host, each sum in a fixed order (0 where no job writes)."""
+        return self.reduce.axis_sumsq(x, sums)
+
+    def axis_max_(self, out: Any, x: Any, maxima: Any) -> None:
+        """Maxima over all axes but one of leaves (``maxima`` a `numbaccum.tables.AxisMaxima`),
+        written to the host array ``out`` at ``maxima.where`` (NaN if any element is NaN)."""
+        self.reduce.axis_max_(out, x, maxima)
+
+    def factored_scale_(
+        self,
+        out: Any,
+        g: Any,
+        v: Any,
+        table: Any,
+        rf: Any,
+        cf: Any,
+        decay: float,
+        one_minus: float,
+        eps: float,
+    ) -> None:
+        """Adafactor's pass over a dtype group (``table`` a `numbaccum.tables.FactorTable`): a
+        factored leaf's ``out = g * rf[row] * cf[col]`` (host float64 factors, float64
+        arithmetic); an unfactored leaf's ``v = decay v + one_minus (g^2 + eps)`` (``v`` the
+        group's full second moments) and ``out = g v^(-1/2)``, in the compute dtype."""
+        self.reduce.factored_scale_(out, g, v, table, rf, cf, decay, one_minus, eps)
+
+    def sm3_update_(
+        self,
+        out: Any,
+        g: Any,
+        nu: Any,
+        acc: Any,
+        table: Any,
+        mu: Any,
+        c0: float,
+        c1: float,
+        eps: float,
+        b1: float,
+    ) -> None:
+        """SM3's pass over a dtype group (``table`` a `numbaccum.tables.AxisTable`, ``mu`` the
+        group's axis statistics on the host): per element ``acc = c0 g^2 + c1 min_i mu_i``, ``nu =
+        (1 - b1) g / sqrt(acc + eps) + b1 nu`` (0 where ``acc <= 0``) and ``out = nu``, in the
+        compute dtype (`numbaccum.tables.sm3_moment`)."""
+        self.reduce.sm3_update_(out, g, nu, acc, table, mu, c0, c1, eps, b1)
 
     def segment_sumsq(self, x: Any, offsets: Any) -> np.ndarray:
         """Per segment ``[offsets[s], offsets[s + 1])``: sum(x ** 2)."""

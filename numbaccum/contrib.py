@@ -1,7 +1,8 @@
-"""optax.contrib's optimizers that users ask for most: ADOPT and AdEMAMix, each one declared
-formula (fused with the learning rate and weight decay, as the optimizers of
-`numbaccum.optimizers`), and reduce_on_plateau (host logic on the objective's values, its scale a
-pending factor).
+"""optax.contrib's optimizers that users ask for most: ADOPT, AdEMAMix and Sophia, each one
+declared formula (fused with the learning rate and weight decay, as the optimizers of
+`numbaccum.optimizers`; Sophia's Hessian estimate from the caller's Hessian-vector product or
+gradients, on the host before the pass), and reduce_on_plateau (host logic on the objective's
+values, its scale a pending factor).
 
 Names, arguments, defaults and state classes are optax.contrib's; the order of the
 floating-point operations is optax's.
@@ -15,40 +16,53 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from . import arrays
 from ._checks import flag, integer, real, scheduled, transformation, wrong_state
 from .backend import ops_for
-from .base import Stage, Step, as_stage, chain, find_state, with_extra_args_support
+from .base import Stage, Step, as_stage, chain, find_state, stage_of, with_extra_args_support
 from .clipping import _objective_value
 from .contract import ONE, Factor
-from .declared import Elementwise, bias_correction, check_decay, expect_state, safe_increment
+from .declared import (
+    Elementwise,
+    bias_correction,
+    check_decay,
+    compute_dtype,
+    expect_state,
+    safe_increment,
+)
 from .flat import FlatTree, as_flat, layout_and_device, layout_of
 from .formulas import abs_sq, formula, maximum, minimum, re
-from .fuse import Scale
+from .fuse import Later, Scale
 from .layout import check_float_dtype, real_dtype
 from .optimizers import ScaleByAdamState, _mu_dtype, scale_by_rms, sgd
 from .protocol import GradientTransformationExtraArgs
 from .scaling import ScalarOrSchedule, add_decayed_weights, scale_by_learning_rate
 from .schedules import warmup_constant_schedule
-from .tree import tree_map
+from .tree import tree_flatten, tree_map
 from .updates import ParamsRef, Spec, Updates
 
 __all__ = [
     "DAdaptAdamWState",
+    "HutchinsonState",
     "ProdigyState",
     "ReduceLROnPlateauState",
     "ScaleByAdemamixState",
     "ScheduleFreeState",
+    "SophiaState",
     "ademamix",
     "adopt",
     "dadapt_adamw",
+    "hutchinson_estimator_diag_hessian",
     "prodigy",
     "reduce_on_plateau",
     "scale_by_ademamix",
     "scale_by_adopt",
+    "scale_by_sophia",
     "schedule_free",
     "schedule_free_adamw",
     "schedule_free_eval_params",
     "schedule_free_sgd",
+    "sophia",
 ]
 
 
@@ -1253,3 +1267,577 @@ def prodigy(
     return _LrFree(
         True, learning_rate, betas, eps, estim_lr0, weight_decay, beta3, estim_lr_coef, safeguard_warmup
     ).transformation()
+
+
+# --- Sophia ------------------------------------------------------------------------------------
+
+
+class HutchinsonState(NamedTuple):
+    """State of `hutchinson_estimator_diag_hessian` (optax.contrib's field).
+
+    Attributes:
+        key: ``[seed, step]`` as two read-only uint64: the key of the Philox generator that
+            draws the next estimate's Rademacher vector; ``step`` counts the estimates made (the
+            key optax splits at each estimate).
+    """
+
+    key: np.ndarray
+
+
+def _philox_key(seed: int, step: int) -> np.ndarray:
+    key = np.array([seed, step], np.uint64)
+    key.flags.writeable = False
+    return key
+
+
+def _hutchinson_key(state: Any) -> tuple[int, int]:
+    if not isinstance(state, HutchinsonState):
+        raise wrong_state("HutchinsonState", state)
+    k = np.asarray(state.key)
+    if k.shape != (2,) or k.dtype != np.uint64:
+        raise ValueError(f"state.key: expected 2 uint64 [seed, step], got {k.dtype} {k.shape}")
+    seed, step = int(k[0]), int(k[1])
+    if step == 2**64 - 1:  # the next key would repeat step 0's draws
+        raise ValueError("state.key: the Rademacher stream of this seed is exhausted")
+    return seed, step
+
+
+def _rademacher(out: FlatTree, seed: int, step: int) -> FlatTree:
+    """``out`` filled with independent signs +-1 (each with probability 1/2), group by group in
+    group order, one per bit of the Philox stream keyed ``[seed, step]`` (the raw 64-bit words,
+    bits taken from the least significant up: the same signs on every machine and thread count);
+    drawn on the host, then copied to the device for device buffers."""
+    bits = np.random.Philox(key=np.array([seed, step], np.uint64))
+    for g in out.groups:
+        n = int(g.shape[0])
+        words = np.asarray(bits.random_raw((n + 63) // 64), dtype="<u8")
+        flips = np.unpackbits(words.view(np.uint8), count=n, bitorder="little")
+        signs = (np.float32(1.0) - np.float32(2.0) * flips.astype(np.float32)).astype(g.dtype)
+        if out.device:
+            g.copy_to_device(signs)
+        else:
+            g[...] = signs
+    return out
+
+
+def _array_kind(raw: Any, device: bool) -> str:
+    """The array type the user's callbacks get: the params' own ('numpy' on the host; on a GPU
+    'numba', 'cupy' or 'torch' as the params are)."""
+    if not device:
+        return "numpy"
+    if isinstance(raw, FlatTree):
+        return "numba"
+    leaves = tree_flatten(raw)[0]
+    return arrays.kind_of(leaves[0]) if leaves else "numba"
+
+
+def _copied_in(tree: Any, spec: Spec, into: FlatTree, name: str) -> FlatTree:
+    """``tree`` (what a callback returned) copied into ``into``, in its dtypes: never a view of
+    the callback's arrays, which it may reuse."""
+    flat, copied, _ = as_flat(tree, spec.layout, name, into, spec.device)
+    if not copied:
+        for d, s in zip(into.groups, flat.groups):
+            if into.device:
+                ops_for(s).scale_(d, s, ONE)
+            else:
+                np.copyto(d, s)
+    return into
+
+
+def _difference_step(p: FlatTree) -> float:
+    """The central difference's step ``r`` along a Rademacher vector ``v`` (``||v|| =
+    sqrt(n)``): ``r = eps^(1/3) max(1, ||p||) / sqrt(n)``, ``eps`` the machine epsilon of the
+    params' least precise dtype. ``eps^(1/3)`` balances the difference's truncation error
+    (``O(r^2)``) against its rounding error (``O(eps / r)``); the params' norm makes the step
+    relative to their scale."""
+    n = int(sum(p.layout.group_sizes))
+    eps = max((2.0**-7 if d.kind == "V" else float(np.finfo(d).eps)) for d in p.group_dtypes)
+    norm = math.sqrt(sum(float(ops_for(g).sumsq(g)) for g in p.groups))
+    return eps ** (1.0 / 3.0) * max(1.0, norm) / math.sqrt(max(n, 1))
+
+
+@formula(states=(), inputs=("hv", "v"), outputs=("out",), scalars=())
+def hutchinson_product(hv, v):
+    """Hutchinson's estimate of the Hessian's diagonal: out = (H v) * v, v of random signs."""
+    return hv * v
+
+
+@formula(states=(), inputs=("g_plus", "g_minus", "v"), outputs=("out",), scalars=("inv_two_r",))
+def hutchinson_difference(g_plus, g_minus, v, inv_two_r):
+    """Hutchinson's estimate with H v a central difference of gradients: out = ((grad(p + r v) -
+    grad(p - r v)) * (1 / 2r)) * v."""
+    return ((g_plus - g_minus) * inv_two_r) * v
+
+
+_NO_OBJ_FN = (
+    "hutchinson_estimator_diag_hessian: obj_fn cannot be differentiated without a framework. "
+    "Pass hvp_fn=lambda params, v: <the Hessian of the objective at params times v> (a tree like "
+    "params), or grad_fn=lambda params: <the gradient at params> (then H v is a central difference "
+    "of two gradients): update(updates, state, params, hvp_fn=...)"
+)
+
+
+class _Hutchinson(Stage):
+    """`hutchinson_estimator_diag_hessian`: random signs on the host, the user's Hessian-vector
+    product (or two gradients), then one pass (`hutchinson_product` or
+    `hutchinson_difference`)."""
+
+    public_name = "hutchinson_estimator_diag_hessian"
+    formulas = (hutchinson_product, hutchinson_difference)  # run by its own passes (map_)
+
+    def __init__(self, random_seed: Any) -> None:
+        self.seed = 0 if random_seed is None else integer(random_seed, "random_seed", 0, 2**64 - 1)
+
+    def init(self, params: Any) -> HutchinsonState:
+        layout_of(params, "params")  # (checks the params as every init does)
+        return HutchinsonState(_philox_key(self.seed, 0))
+
+    def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
+        out = self.kept("output", spec.layout, spec.device)
+        new = self.estimate(spec, state, params, extra, out)  # (the callbacks run before any write)
+        return Step(lambda u: (Updates(out, True, scratch=u.scratch), new))
+
+    def estimate(
+        self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict, out: FlatTree
+    ) -> HutchinsonState:
+        """Writes one estimate of the Hessian's diagonal into ``out`` (of ``spec``'s layout) and
+        returns the next state; the user's callbacks come in ``extra``."""
+        seed, step = _hutchinson_key(state)
+        if params is None:
+            raise ValueError(
+                "params must be provided to hutchinson_estimator_diag_hessian's update function."
+            )
+        hvp_fn, grad_fn = extra.get("hvp_fn"), extra.get("grad_fn")
+        if hvp_fn is None and grad_fn is None:
+            if extra.get("obj_fn") is not None:
+                raise ValueError(_NO_OBJ_FN)
+            raise ValueError(
+                "hutchinson_estimator_diag_hessian needs hvp_fn=lambda params, v: H v, or "
+                "grad_fn=lambda params: <the gradient>, as update's keyword arguments"
+            )
+        name = "hvp_fn" if hvp_fn is not None else "grad_fn"
+        fn = hvp_fn if hvp_fn is not None else grad_fn
+        if not callable(fn):
+            raise TypeError(f"{name} must be callable, got {type(fn).__name__}")
+        layout, device = spec.layout, spec.device
+        v = _rademacher(self.kept("v", layout, device), seed, step)
+        raw = params.raw
+        kind = _array_kind(raw, device)
+        if hvp_fn is not None:
+            tree = raw.tree_as(kind) if isinstance(raw, FlatTree) else raw
+            hv = _copied_in(
+                hvp_fn(tree, v.tree_as(kind)), spec, self.kept("hv", layout, device), "hvp_fn's value"
+            )
+            for o, a, s in zip(out.groups, hv.groups, v.groups):
+                ops_for(o).driver.map_(hutchinson_product, ONE, (a, s, o), ())
+        else:
+            p = as_flat(raw, layout, "params", self.kept("params", layout, device), device)[0]
+            r = _difference_step(p)
+            plus, minus = self.kept("params_plus", layout, device), self.kept("params_minus", layout, device)
+            for a, b, x, s in zip(plus.groups, minus.groups, p.groups, v.groups):
+                ops_for(x).add_scaled_(a, x, ONE, s, r)
+                ops_for(x).add_scaled_(b, x, ONE, s, -r)
+            gp = _copied_in(
+                grad_fn(plus.tree_as(kind)), spec, self.kept("g_plus", layout, device), "grad_fn's value"
+            )
+            gm = _copied_in(
+                grad_fn(minus.tree_as(kind)), spec, self.kept("g_minus", layout, device), "grad_fn's value"
+            )
+            for o, a, b, s in zip(out.groups, gp.groups, gm.groups, v.groups):
+                ops_for(o).driver.map_(hutchinson_difference, ONE, (a, b, s, o), (0.5 / r,))
+        return HutchinsonState(_philox_key(seed, step + 1))
+
+
+def hutchinson_estimator_diag_hessian(random_seed: int | None = None) -> GradientTransformationExtraArgs:
+    """Estimates the diagonal of the Hessian by Hutchinson's method: ``d = v * (H v)`` with ``v``
+    a vector of random signs (Rademacher), unbiased (``E[v * H v] = diag(H)``) but noisy.
+
+    Without autodiff, ``H v`` comes from the caller: ``update(updates, state, params,
+    hvp_fn=hvp)`` with ``hvp(params, v) -> H v`` (a tree like params; exact), or ``grad_fn=grad``
+    with ``grad(params) -> gradient``, from which ``H v`` is the central difference ``(grad(p +
+    r v) - grad(p - r v)) / 2r``, ``r = eps^(1/3) max(1, ||p||) / sqrt(n)`` (``eps`` the machine
+    epsilon of the params' least precise dtype, ``n`` their size: exact for a quadratic up to
+    rounding). ``hvp_fn`` wins when both are given; optax's ``obj_fn`` alone raises, saying what
+    to pass instead. The callbacks get trees of the params' array type (NumPy on the host, the
+    params' CUDA array type on a GPU), views valid during the call. The signs of estimate ``k``
+    (from 0) are the bits of the Philox stream keyed ``[random_seed, k]``, drawn on the host:
+    the same on any machine, thread count and backend (JAX's differ). The updates are not read.
+
+    Args:
+        random_seed: the seed, an int in ``[0, 2**64)``; None: 0 (optax: ``PRNGKey(0)``).
+
+    Returns:
+        A `GradientTransformationExtraArgs` whose ``update`` returns the estimate; its state is
+            ``HutchinsonState(key)``.
+
+    Raises:
+        TypeError: ``random_seed`` is not an int; at an update, ``hvp_fn`` or ``grad_fn`` is not
+            callable or returns a tree unlike params.
+        ValueError: ``random_seed`` is out of range; at an update, no params, or neither
+            ``hvp_fn`` nor ``grad_fn`` (``obj_fn`` alone: the message says what to pass).
+
+    References:
+        Hutchinson, "A stochastic estimator of the trace of the influence matrix for Laplacian
+        smoothing splines", 1989; Liu et al., "Sophia", 2023 (arXiv:2305.14342).
+        optax.contrib.hutchinson_estimator_diag_hessian.
+
+    Examples:
+        >>> import numpy as np, numbaccum as nba
+        >>> A = np.array([[2.0, 0.5], [0.5, 3.0]])  # the Hessian of 0.5 x^T A x
+        >>> tx = nba.hutchinson_estimator_diag_hessian(random_seed=0)
+        >>> params = {"x": np.zeros(2)}
+        >>> state = tx.init(params)
+        >>> d, state = tx.update(params, state, params, hvp_fn=lambda p, v: {"x": A @ v["x"]})
+        >>> sorted(abs(d["x"] - np.diag(A)))  # diag(A) +- the off-diagonal term
+        [np.float64(0.5), np.float64(0.5)]
+        >>> total = np.zeros(2)
+        >>> for _ in range(400):  # grad_fn: H v from two gradients (exact for a quadratic)
+        ...     d, state = tx.update(params, state, params, grad_fn=lambda p: {"x": A @ p["x"]})
+        ...     total += d["x"]
+        >>> np.round(total / 400, 1)  # the mean converges to diag(A)
+        array([2., 3.])
+    """
+    return _Hutchinson(random_seed).transformation()
+
+
+# The default estimator (optax's ``hutchinson_estimator_diag_hessian()``): one for every Sophia,
+# as optax's default argument is (a stage never changes; its buffers are per thread and layout).
+_HUTCHINSON = hutchinson_estimator_diag_hessian()
+
+
+class SophiaState(NamedTuple):
+    """State of `scale_by_sophia` (optax.contrib's fields).
+
+    Attributes:
+        count: the number of updates so far (int32, saturating).
+        mu: the EMA of the gradients, a FlatTree of the params' layout (``mu_dtype``).
+        nu: the EMA of the Hessian diagonal's estimates (the params' dtypes).
+        hessian_fn_state: the state of ``hessian_diagonal_fn``.
+    """
+
+    count: np.int32  # type: ignore[assignment]
+    mu: FlatTree
+    nu: FlatTree
+    hessian_fn_state: Any
+
+
+@formula(
+    states=("mu", "nu"),
+    inputs=("g", "h"),
+    outputs=("out",),
+    scalars=(
+        "b1",
+        "one_minus_b1",
+        "b2",
+        "one_minus_b2",
+        "bc1",
+        "gamma",
+        "eps",
+        "clip_threshold",
+        "clipping",
+        "hessian_step",
+    ),
+)
+def sophia_direction(
+    mu, nu, g, h, b1, one_minus_b1, b2, one_minus_b2, bc1, gamma, eps, clip_threshold, clipping, hessian_step
+):
+    """Sophia: mu = (1 - b1) g + b1 mu; out = (mu / bc1) / max(gamma nu, eps) with the *previous*
+    nu, clipped to [-c, c]; on a Hessian step nu = (1 - b2) h + b2 nu (h the estimate), else nu
+    is kept (h not read)."""
+    m = one_minus_b1 * g + b1 * mu
+    u = (m / bc1) / maximum(gamma * nu, eps)
+    if clipping:
+        u = minimum(maximum(u, -clip_threshold), clip_threshold)
+    v = one_minus_b2 * h + b2 * nu if hessian_step else nu
+    return m, v, u
+
+
+class _ScaleBySophia(Elementwise):
+    state_cls, fields, formula, name = SophiaState, ("mu", "nu"), sophia_direction, "scale_by_sophia"
+    counted = True
+
+    def __init__(
+        self,
+        b1: Any,
+        b2: Any,
+        eps: Any,
+        gamma: Any,
+        clip_threshold: Any,
+        update_interval: Any,
+        hessian_diagonal_fn: Any,
+        mu_dtype: Any,
+        verbose: Any,
+        print_win_rate_every_n_steps: Any,
+    ) -> None:
+        self.b1, self.b2 = check_decay(b1, "b1"), check_decay(b2, "b2")
+        self.eps, self.gamma = real(eps, "eps"), real(gamma, "gamma")
+        self.clip = None if clip_threshold is None else real(clip_threshold, "clip_threshold")
+        self.update_interval = integer(update_interval, "update_interval", 1)
+        tx = with_extra_args_support(transformation(hessian_diagonal_fn, "hessian_diagonal_fn"))
+        found = stage_of(tx)
+        self.hessian = tx
+        self.hutchinson = found if isinstance(found, _Hutchinson) else None  # called directly
+        self.mu_dtype = _mu_dtype(mu_dtype)
+        self.verbose = flag(verbose, "verbose")
+        self.every = integer(print_win_rate_every_n_steps, "print_win_rate_every_n_steps")
+
+    def other_fields(self) -> dict:
+        return {"hessian_fn_state": None}
+
+    def init(self, params: Any) -> SophiaState:
+        state = super().init(params)
+        return state._replace(hessian_fn_state=self.hessian.init(params))
+
+    def scalars(self, count: Any, ct: np.dtype) -> tuple:
+        bc1 = bias_correction(self.b1, int(count), ct)
+        clipping = self.clip is not None
+        clip = self.clip if clipping else 0.0
+        # The last one, whether this step updates nu, is set by the tick (from the old count).
+        return (
+            self.b1,
+            1.0 - self.b1,
+            self.b2,
+            1.0 - self.b2,
+            bc1,
+            self.gamma,
+            self.eps,
+            clip,
+            clipping,
+            False,
+        )
+
+    def _estimate(self, spec: Spec, hstate: Any, params: ParamsRef, extra: dict, into: FlatTree) -> Any:
+        """One estimate of the Hessian's diagonal into ``into``; the estimator's new state. Called
+        by the tick: before any pass, so a raising callback leaves everything as it was, and with
+        ``updates=None`` (a step is planned before its passes run: the updates Sophia will read
+        do not exist yet)."""
+        if self.hutchinson is not None:
+            return self.hutchinson.estimate(spec, hstate, params, extra, into)
+        raw = params.raw
+        out, new = self.hessian.update(None, hstate, raw, **extra)
+        _copied_in(out, spec, into, "hessian_diagonal_fn's value")
+        return new
+
+    def declare(self, spec: Spec, state: Any) -> Any:
+        if not isinstance(state, SophiaState):
+            raise wrong_state("SophiaState", state)
+        part = super().declare(spec, state)
+        # The estimate's buffer of this plan (the leaves' dtypes, as optax's estimate), written
+        # on the Hessian steps only; the pass reads it then.
+        h = FlatTree.zeros(spec.layout, None, spec.device)
+        mu, nu = part.states
+        ticked, interval, estimate = part.tick, self.update_interval, self._estimate
+        report = self.verbose and self.clip is not None and self.every > 0
+        plain = lambda: (h,)  # noqa: E731
+
+        def tick(state: Any, params: Any, extra: dict) -> bool:
+            if not ticked(state, params, extra):
+                return False
+            if params is None:
+                raise ValueError("params must be provided to sophia's update function.")
+            hessian_step = int(state.count) % interval == 0  # optax: the count before this step
+            if hessian_step:
+                new = estimate(spec, state.hessian_fn_state, params, extra, h)
+                part.new_state = part.new_state._replace(hessian_fn_state=new)
+            part.scalars = [(*s[:-1], hessian_step) for s in part.scalars]
+            part.inputs = plain
+            if report and int(part.new_state.count) % self.every == 0:
+                self._report(part, mu, nu, h)
+            return True
+
+        part.inputs, part.tick = plain, tick
+        return part
+
+    def _report(self, part: Any, mu: FlatTree, nu: FlatTree, h: FlatTree) -> None:
+        """optax's ``verbose``: prints the share of this step's updates that were not clipped,
+        once the pass ran (`Later`), from mu and a copy of nu taken before the pass."""
+        before = nu.workspace("win_rate")
+        done, scalars, clip = part.new_state, part.scalars, self.clip
+
+        def inputs() -> tuple:
+            for d, s in zip(before.groups, nu.groups):
+                (ops_for(s).scale_(d, s, ONE) if nu.device else np.copyto(d, s))
+            return (h,)
+
+        def make() -> Any:
+            kept, total = 0, 0
+            for gi, (m, v) in enumerate(zip(mu.groups, before.groups)):
+                ct = compute_dtype(m.dtype, v.dtype)
+                m, v = (np.asarray(x.copy_to_host() if mu.device else x).astype(ct) for x in (m, v))
+                t = ct.type
+                _, _, _, _, bc1, gamma, eps, *_ = scalars[gi]
+                with np.errstate(all="ignore"):
+                    u = (m / t(bc1)) / np.maximum(t(gamma) * v, t(eps))
+                kept += int(np.count_nonzero(np.abs(u) < t(clip)))
+                total += u.size
+            print(f"Sophia optimizer win rate: {kept / total if total else float('nan')}")
+            return done
+
+        part.inputs, part.new_state = inputs, Later(make)
+
+
+def scale_by_sophia(
+    b1: float = 0.965,
+    b2: float = 0.99,
+    eps: float = 1e-8,
+    gamma: float = 0.01,
+    clip_threshold: float | None = 1.0,
+    update_interval: int = 10,
+    hessian_diagonal_fn: Any = _HUTCHINSON,
+    mu_dtype: Any = None,
+    verbose: bool = False,
+    print_win_rate_every_n_steps: int = 0,
+) -> GradientTransformationExtraArgs:
+    """Rescales the updates by Sophia: momentum over a clipped, EMA'd Hessian diagonal.
+
+    ``mu = (1 - b1) g + b1 mu``, ``u = clip((mu / (1 - b1^t)) / max(gamma nu, eps), -c, c)``
+    (``c = clip_threshold``; None: no clip) with the ``nu`` of the steps before; then, when
+    ``count % update_interval == 0`` (the count before this step, so the first step is one),
+    ``nu = (1 - b2) h + b2 nu`` with ``h = hessian_diagonal_fn``'s estimate. The estimator runs
+    on the host before the pass, only on those steps, and its extra arguments come through
+    ``update``: the default (`hutchinson_estimator_diag_hessian`) needs ``hvp_fn=`` or
+    ``grad_fn=`` (see it); optax's ``obj_fn`` cannot be differentiated here. The moments and
+    the update are one fused pass (with the learning rate and weight decay in `sophia`). Needs
+    params. ``explain`` plans a step, so it takes the estimator's arguments too
+    (``explain(tx, params, hvp_fn=hvp)``: a fresh state's first step estimates).
+
+    Args:
+        b1: decay of the first moment, between 0 and 1.
+        b2: decay of the Hessian diagonal's EMA, between 0 and 1 (per Hessian step: the
+            effective decay per step is ``1 - (1 - b2) / update_interval``).
+        eps: the floor of ``gamma nu``.
+        gamma: the Hessian diagonal's scale.
+        clip_threshold: the bound of the updates (None: no clipping).
+        update_interval: steps between Hessian estimates (``>= 1``).
+        hessian_diagonal_fn: the estimator, a transformation called as ``update(None, state,
+            params, **extra_args)`` (the updates are not passed: see above) returning a tree like
+            params; its state is ``hessian_fn_state``.
+        mu_dtype: storage dtype of ``mu`` (None: each leaf's).
+        verbose: print the win rate (the share of updates not clipped) every
+            ``print_win_rate_every_n_steps`` steps (with a clip threshold).
+        print_win_rate_every_n_steps: see ``verbose`` (0: never). The authors advise 0.1-0.5;
+            too low, try a larger ``gamma``.
+
+    Returns:
+        A `GradientTransformationExtraArgs`; its state is ``SophiaState(count, mu, nu,
+            hessian_fn_state)``, as optax.contrib's.
+
+    Raises:
+        TypeError: a hyperparameter has the wrong type, or ``hessian_diagonal_fn`` is not a
+            transformation; at an update, what the estimator raises (before anything is written).
+        ValueError: ``b1`` or ``b2`` is not between 0 and 1, ``update_interval < 1``; at an
+            update, no params, or the estimator's arguments are missing.
+
+    References:
+        Liu et al., "Sophia: A Scalable Stochastic Second-order Optimizer for Language Model
+        Pre-training", 2023 (arXiv:2305.14342). optax.contrib.scale_by_sophia.
+
+    Examples:
+        >>> import numpy as np, numbaccum as nba
+        >>> a = np.array([1.0, 4.0])  # the Hessian of 0.5 sum(a x^2), diagonal
+        >>> hvp = lambda p, v: {"x": a * v["x"]}
+        >>> tx = nba.scale_by_sophia(b2=0.0, gamma=1.0, update_interval=1)
+        >>> params = {"x": np.array([0.5, 0.25])}
+        >>> g = {"x": a * params["x"]}
+        >>> state = tx.init(params)
+        >>> u, state = tx.update(g, state, params, hvp_fn=hvp)
+        >>> u["x"]  # nu is still 0: clip(mu / eps) = sign(g)
+        array([1., 1.])
+        >>> u, state = tx.update(g, state, params, hvp_fn=hvp)
+        >>> [round(float(x), 6) for x in u["x"]]  # mu / nu: Newton's step g / a
+        [0.5, 0.25]
+    """
+    return _ScaleBySophia(
+        b1,
+        b2,
+        eps,
+        gamma,
+        clip_threshold,
+        update_interval,
+        hessian_diagonal_fn,
+        mu_dtype,
+        verbose,
+        print_win_rate_every_n_steps,
+    ).transformation()
+
+
+def sophia(
+    learning_rate: ScalarOrSchedule,
+    b1: float = 0.965,
+    b2: float = 0.99,
+    eps: float = 1e-8,
+    weight_decay: float = 1e-4,
+    weight_decay_mask: Any = None,
+    gamma: float = 0.01,
+    clip_threshold: float | None = 1.0,
+    update_interval: int = 10,
+    hessian_diagonal_fn: Any = _HUTCHINSON,
+    mu_dtype: Any = None,
+    verbose: bool = False,
+    print_win_rate_every_n_steps: int = 0,
+) -> GradientTransformationExtraArgs:
+    """Sophia with decoupled weight decay: ``chain(scale_by_sophia(...),
+    add_decayed_weights(weight_decay, weight_decay_mask), scale_by_learning_rate(learning_rate))``,
+    one fused pass (after the Hessian estimate, every ``update_interval`` steps).
+
+    ``u = -lr (clip((mu / (1 - b1^t)) / max(gamma nu, eps), -c, c) + wd p)``; see
+    `scale_by_sophia`. Pass the estimator's arguments to ``update`` (or `step_`): with the
+    default estimator, ``hvp_fn=lambda params, v: H v`` or ``grad_fn=lambda params: grad``.
+
+    Args:
+        learning_rate: a float, or a schedule of the step count.
+        b1: as in `scale_by_sophia`.
+        b2: as in `scale_by_sophia`.
+        eps: as in `scale_by_sophia`.
+        weight_decay: the decay rate.
+        weight_decay_mask: which leaves decay (as `add_decayed_weights`' ``mask``).
+        gamma: as in `scale_by_sophia`.
+        clip_threshold: as in `scale_by_sophia`.
+        update_interval: as in `scale_by_sophia`.
+        hessian_diagonal_fn: as in `scale_by_sophia`.
+        mu_dtype: as in `scale_by_sophia`.
+        verbose: as in `scale_by_sophia`.
+        print_win_rate_every_n_steps: as in `scale_by_sophia`.
+
+    Returns:
+        A `GradientTransformationExtraArgs`; its state is ``(SophiaState(...), EmptyState(),
+            EmptyState())`` (``MaskedState`` for a masked decay, ``ScaleByScheduleState`` last
+            with a schedule).
+
+    Raises:
+        TypeError: a hyperparameter has the wrong type.
+        ValueError: ``b1`` or ``b2`` is not between 0 and 1, ``update_interval < 1``; at an
+            update, as `scale_by_sophia`.
+
+    References:
+        Liu et al., "Sophia: A Scalable Stochastic Second-order Optimizer for Language Model
+        Pre-training", 2023 (arXiv:2305.14342). optax.contrib.sophia.
+
+    Examples:
+        >>> import numpy as np, numbaccum as nba
+        >>> a = np.array([1.0, 100.0])  # 0.5 sum(a x^2): badly conditioned
+        >>> params = {"x": np.array([1.0, 1.0])}
+        >>> tx = nba.sophia(0.5, b1=0.5, b2=0.5, gamma=1.0, update_interval=1, weight_decay=0.0)
+        >>> state = tx.init(params)
+        >>> for _ in range(40):
+        ...     g = {"x": a * params["x"]}
+        ...     state = nba.step_(tx, g, state, params, hvp_fn=lambda p, v: {"x": a * v["x"]})
+        >>> [round(float(x), 4) for x in params["x"]]  # both directions at the same pace
+        [0.0, 0.0]
+    """
+    return chain(
+        scale_by_sophia(
+            b1,
+            b2,
+            eps,
+            gamma,
+            clip_threshold,
+            update_interval,
+            hessian_diagonal_fn,
+            mu_dtype,
+            verbose,
+            print_win_rate_every_n_steps,
+        ),
+        add_decayed_weights(weight_decay, weight_decay_mask),
+        scale_by_learning_rate(learning_rate),
+    )

@@ -20,14 +20,14 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from . import formulas as F
-from ._checks import flag, real
+from ._checks import flag, non_negative, real
 from .accumulation import ema, trace
-from .backend import ops_for
+from .backend import leaf_tables, ops_for
 from .base import Stage, Step, chain, planned
 from .clipping import leaf_reductions, scale_by_polyak
 from .contract import ONE, Ops
-from .declared import Elementwise, bias_correction, check_decay, safe_increment
-from .flat import FlatTree
+from .declared import Elementwise, bias_correction, check_decay, expect_state, safe_increment
+from .flat import FlatTree, as_flat, layout_and_device
 from .formulas import abs_sq, formula, maximum, quot, re, sqrt, tanh
 from .formulas import signum as sign_of  # (``signum`` is the public optimizer below)
 from .layout import check_float_dtype, compute_dtype, real_dtype
@@ -44,6 +44,7 @@ __all__ = [
     "ScaleByAdanState",
     "ScaleByAmsgradState",
     "ScaleByBeliefState",
+    "ScaleByDistanceOverGradientsState",
     "ScaleByLionState",
     "ScaleByNovogradState",
     "ScaleByOptimisticGradientState",
@@ -82,6 +83,7 @@ __all__ = [
     "scale_by_adan",
     "scale_by_amsgrad",
     "scale_by_belief",
+    "scale_by_distance_over_gradients",
     "scale_by_lion",
     "scale_by_nadam",
     "scale_by_novograd",
@@ -3076,21 +3078,24 @@ class _ScaleByNovograd(Stage):
         return Step(run)
 
 
-def _leaf_scalars(tree: Any, layout: Any, name: str) -> list[np.ndarray]:
-    """The 0-d arrays of ``tree``, one per leaf of ``layout`` in its real float dtype, checked."""
+def _leaf_scalars(
+    tree: Any, layout: Any, name: str, dtypes: Any = None, shape: tuple = ()
+) -> list[np.ndarray]:
+    """The arrays of ``tree``, one of ``shape`` (0-d by default) per leaf of ``layout``, each in
+    its ``dtypes[i]`` (None: the leaf's own dtype), checked."""
+    what = "0-d" if shape == () else f"shape-{shape}"
     try:
         leaves, td = tree_flatten(tree)
     except TypeError:
         leaves, td = None, None
     if td != layout.treedef:
-        raise ValueError(f"{name}: not a tree of the params' structure (one 0-d array per leaf)")
+        raise ValueError(f"{name}: not a tree of the params' structure (one {what} array per leaf)")
     out = []
     for i, x in enumerate(leaves):
         a = np.asarray(x)
-        if a.shape != () or a.dtype != layout.dtypes[i]:
-            raise ValueError(
-                f"{name}{layout.path(i, '')}: expected a 0-d {layout.dtypes[i]}, got {a.dtype}{a.shape}"
-            )
+        want = layout.dtypes[i] if dtypes is None else dtypes[i]
+        if a.shape != shape or a.dtype != want:
+            raise ValueError(f"{name}{layout.path(i, '')}: expected a {what} {want}, got {a.dtype}{a.shape}")
         out.append(a)
     return out
 
@@ -3191,3 +3196,190 @@ def novograd(
         scale_by_novograd(b1, b2, eps, eps_root, weight_decay),
         scale_by_learning_rate(learning_rate),
     )
+
+
+class ScaleByDistanceOverGradientsState(NamedTuple):
+    """DoG's state (optax's fields).
+
+    Attributes:
+        max_dist: a tree of the params' structure with one 0-d array per leaf: the largest
+            distance ``||p - p0||`` seen so far (``reps_rel * (1 + ||p0||)`` at first), in the
+            dtype that distance is computed in (the leaf's and ``param_dtype`` promoted, float16
+            and bfloat16 computed in float32).
+        grad_sum_of_squares: a tree of the params' structure with one shape-(1,) array per leaf:
+            the sum over the steps of the leaf's squared gradient norm (float32; float64 for
+            float64 leaves).
+        init_params: the params ``init`` was given, a FlatTree of their layout stored in
+            ``param_dtype`` (each leaf's own dtype when it is None).
+    """
+
+    max_dist: Any
+    grad_sum_of_squares: Any
+    init_params: FlatTree
+
+
+class _ScaleByDistanceOverGradients(Stage):
+    """`scale_by_distance_over_gradients`: ``p - p0`` written into a workspace kept by
+    ``init_params`` (one `Ops.add_scaled_` pass per dtype group: the contract has no segmented
+    reduction of a difference of two buffers), then two segmented reductions per group (that
+    difference's squared norms and the updates'), each leaf's step size on the host (NumPy over
+    the group's leaves), and one per-leaf scaling pass."""
+
+    public_name = "scale_by_distance_over_gradients"
+
+    def __init__(self, reps_rel: Any, eps: Any, param_dtype: Any, global_scale: Any) -> None:
+        self.reps_rel = non_negative(reps_rel, "reps_rel")
+        self.eps = non_negative(eps, "eps")
+        self.param_dtype = None if param_dtype is None else check_float_dtype(param_dtype, "param_dtype")
+        self.global_scale = real(global_scale, "global_scale")
+
+    def _store_dtypes(self, layout: Any) -> list[np.dtype]:
+        """Per group: the storage dtype of ``init_params`` (complex groups keep their own: the
+        update refuses them, but ``init`` takes every tree)."""
+        pd = self.param_dtype
+        return [d if pd is None or d.kind == "c" else pd for d in layout.group_dtypes]
+
+    @staticmethod
+    def _dtypes(layout: Any, stored: Any) -> tuple[list[np.dtype], list[np.dtype]]:
+        """Per group: the dtype of the distances (and of ``p - p0``) and of the gradients' sum of
+        squares, for ``init_params`` stored in ``stored``."""
+        dist = [compute_dtype(real_dtype(d), real_dtype(s)) for d, s in zip(layout.group_dtypes, stored)]
+        sos = [compute_dtype(real_dtype(d)) for d in layout.group_dtypes]
+        return dist, sos
+
+    def init(self, params: Any) -> ScaleByDistanceOverGradientsState:
+        layout, device = layout_and_device(params, "params")
+        src = params if isinstance(params, FlatTree) else as_flat(params, layout, "params", device=device)[0]
+        stored = self._store_dtypes(layout)
+        init_params = FlatTree.empty(layout, stored, device)
+        for o, p in zip(init_params.groups, src.groups):
+            ops_for(o).scale_(o, p, ONE)  # a copy, cast to param_dtype
+        sq = leaf_reductions(src, Ops.segment_sumsq)  # ||p0||^2 of the params as given, float64
+        dist, sos = self._dtypes(layout, stored)
+        max_dist: list[Any] = [None] * layout.num_leaves
+        sums: list[Any] = [None] * layout.num_leaves
+        with np.errstate(over="ignore", invalid="ignore"):
+            for members, dt, st in zip(layout.group_index, dist, sos):
+                t = dt.type
+                first = t(self.reps_rel) * (t(1.0) + np.sqrt(sq[members].astype(dt)))
+                for j, i in enumerate(members):
+                    max_dist[i] = np.array(first[j])
+                    sums[i] = np.zeros(1, st)
+        treedef = layout.treedef
+        return ScaleByDistanceOverGradientsState(
+            tree_unflatten(treedef, max_dist), tree_unflatten(treedef, sums), init_params
+        )
+
+    def owner(self, state: Any) -> FlatTree | None:
+        ok = isinstance(state, ScaleByDistanceOverGradientsState) and isinstance(state.init_params, FlatTree)
+        return state.init_params if ok else None
+
+    def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
+        if params is None:
+            raise ValueError(f"{self.public_name} needs params: call update(updates, state, params)")
+        init = expect_state(state, ScaleByDistanceOverGradientsState, "init_params", spec)
+        lay = spec.layout
+        dist, sos = self._dtypes(lay, init.group_dtypes)
+        leaf_dist = [dist[g] for g in lay.leaf_group]
+        leaf_sos = [sos[g] for g in lay.leaf_group]
+        old_dist = _leaf_scalars(state.max_dist, lay, "state.max_dist", leaf_dist)
+        old_sos = _leaf_scalars(state.grad_sum_of_squares, lay, "state.grad_sum_of_squares", leaf_sos, (1,))
+        # (float64 holds every float32 and float64 value exactly: one array for all the groups)
+        old_d = np.array([float(a) for a in old_dist], np.float64)
+        old_s = np.array([float(a[0]) for a in old_sos], np.float64)
+        scale, eps, treedef = self.global_scale, self.eps, lay.treedef
+
+        def run(u: Updates) -> tuple[Updates, ScaleByDistanceOverGradientsState]:
+            u = u.settled()
+            pf = params.flat()
+            diff = init.workspace("distance", dist)
+            for o, p, p0 in zip(diff.groups, pf.groups, init.groups):
+                ops_for(o).add_scaled_(o, p, ONE, p0, -1.0)  # p - p0, in the distance's dtype
+            dist_sq = leaf_reductions(diff, Ops.segment_sumsq)  # float64, one pass per group
+            grad_sq = leaf_reductions(u.flat, Ops.segment_sumsq)
+            out = u.fresh()
+            new_dist: list[Any] = [None] * lay.num_leaves
+            new_sos: list[Any] = [None] * lay.num_leaves
+            for gi, (o, g, members, table) in enumerate(
+                zip(out.groups, u.flat.groups, lay.group_index, leaf_tables(lay))
+            ):
+                dt, st = dist[gi], sos[gi]
+                et = np.promote_types(dt, st)
+                with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+                    # optax's per leaf: d = max(d, ||p - p0||); s += sum(g^2); eta = c (d / sqrt(s + eps))
+                    d = np.maximum(old_d[members].astype(dt), np.sqrt(dist_sq[members].astype(dt)))
+                    s = old_s[members].astype(st) + grad_sq[members].astype(st)
+                    eta = et.type(scale) * (d.astype(et) / np.sqrt(s.astype(et) + et.type(eps)))
+                # eta * g in float64, rounded once to the leaf's dtype (float32 * float32 exactly
+                # as a float32 product)
+                ops_for(g).slice_apply_(o, g, table, None, eta.astype(np.float64))
+                for j, i in enumerate(members):
+                    new_dist[i] = np.array(d[j])
+                    new_sos[i] = s[j : j + 1].copy()
+            new_state = ScaleByDistanceOverGradientsState(
+                tree_unflatten(treedef, new_dist), tree_unflatten(treedef, new_sos), init
+            )
+            return Updates(out, True), new_state
+
+        return Step(run)
+
+
+def scale_by_distance_over_gradients(
+    reps_rel: float = 1e-6, eps: float = 1e-8, param_dtype: Any = np.float32, global_scale: float = 1.0
+) -> GradientTransformationExtraArgs:
+    """Distance over gradients (DoG), the learning-rate-free step size, per leaf ("layer-wise
+    DoG", LDoG).
+
+    Per leaf, with ``p0`` the params ``init`` was given (kept in ``param_dtype``):
+    ``max_dist = max(max_dist, ||p - p0||)`` (``reps_rel * (1 + ||p0||)`` at first, so that the
+    first steps are not zero), ``grad_sum_of_squares += ||g||^2`` and
+    ``u = global_scale * (max_dist / sqrt(grad_sum_of_squares + eps)) * g``. ``p - p0`` is
+    written into a workspace of the state (one pass per dtype group), both squared norms come
+    from segmented reductions of the reduction engine (float64, then rounded to the state's
+    dtype), each leaf's step size from NumPy on the host, and the scaling from one pass. Real
+    leaves only (optax squares complex gradients without their conjugate). Needs ``params``.
+
+    Differences from optax: a 0-d leaf's update keeps its shape (optax's is of shape (1,), its
+    step size's), and float16 and bfloat16 leaves keep their dtype (optax's updates are
+    float32); ``max_dist`` is kept from the first step in the dtype optax's takes after the
+    first update (float32 for float16 and bfloat16 leaves, where optax's init gives the leaf's
+    dtype). ``param_dtype=None`` keeps each leaf's dtype (optax's ``tree.cast`` to None).
+
+    Args:
+        reps_rel: the initial distance relative to ``1 + ||p0||`` (the paper recommends 1e-4
+            for models with batch norm, 1e-6 otherwise); ``>= 0``.
+        eps: added to the gradients' sum of squares inside the square root; ``>= 0``.
+        param_dtype: the dtype ``init_params`` is stored in (a float dtype; None: each leaf's).
+        global_scale: multiplies every step size (1.0; -1.0 for a descent direction).
+
+    Returns:
+        A `GradientTransformationExtraArgs`; its state is
+            ``ScaleByDistanceOverGradientsState(max_dist, grad_sum_of_squares, init_params)``,
+            as in optax (one 0-d ``max_dist`` and one shape-(1,) ``grad_sum_of_squares`` per
+            leaf; ``init_params`` a FlatTree).
+
+    Raises:
+        TypeError: a hyperparameter is not a real number, ``param_dtype`` not a float dtype; at
+            an update, complex leaves, or a state that is not this transformation's.
+        ValueError: ``reps_rel`` or ``eps`` is negative or NaN; at an update, no params, or a
+            state of other leaves (its layout, ``max_dist`` or ``grad_sum_of_squares``).
+
+    References:
+        Ivgi et al., "DoG is SGD's Best Friend: A Parameter-Free Dynamic Step Size Schedule",
+        ICML 2023 (arXiv:2302.12022). optax.scale_by_distance_over_gradients.
+
+    Examples:
+        >>> import numpy as np, numbaccum as nba
+        >>> params = {"w": np.array([3.0, 4.0])}
+        >>> tx = nba.scale_by_distance_over_gradients(global_scale=-1.0)  # a descent direction
+        >>> state = tx.init(params)
+        >>> float(state.max_dist["w"])  # reps_rel * (1 + ||p0||)
+        6e-06
+        >>> for _ in range(100):
+        ...     state = nba.step_(tx, {"w": 2 * params["w"]}, state, params)  # grad of ||w||^2
+        >>> print(f"{float(np.sum(params['w'] ** 2)):.4f}")  # 25 before, no learning rate
+        0.0620
+        >>> print(f"{float(state.max_dist['w']):.2f}")  # the distance travelled, the step size
+        4.72
+    """
+    return _ScaleByDistanceOverGradients(reps_rel, eps, param_dtype, global_scale).transformation()

@@ -42,11 +42,16 @@ from ._bounded import Bounded
 
 __all__ = [
     "ACTIVE",
+    "AxisMaxima",
+    "AxisSums",
+    "AxisTable",
     "BASE",
     "DK",
     "DR",
+    "FACTORED",
     "FIRST",
     "HEAD",
+    "LeafTable",
     "MAX",
     "METRIC_TINY",
     "MIN",
@@ -54,13 +59,17 @@ __all__ = [
     "SUMSQ_TINY",
     "SLEN",
     "SUM",
+    "FactorTable",
     "Table",
+    "UNFACTORED",
     "Work",
     "as_table",
     "combine",
     "compiled",
     "element_offset",
     "examples",
+    "nan_max",
+    "nan_min",
     "needs_scaling",
     "norm_pair",
     "norm_scale",
@@ -72,6 +81,9 @@ __all__ = [
     "slice_table",
     "sum_in_order",
     "whole",
+    "rms_moment",
+    "sm3_moment",
+    "without_axis",
 ]
 
 # --- the scaled L2 norm: when the plain float64 sum of squares cannot be trusted --------------
@@ -492,3 +504,194 @@ def as_table(table: Any) -> Table:
         return table
     rows = np.asarray(table, np.int64)
     return _cached(("rows", rows.shape, rows.tobytes()), lambda: Table(rows))
+
+
+# --- factored second moments (Adafactor) -------------------------------------------------------
+
+# The columns of a `FactorTable` row, one row per leaf of a dtype group:
+# [base, size, kind, s0, n0, s1, n1, rbase, cbase, vbase]
+F_BASE, F_SIZE, F_KIND, F_S0, F_N0, F_S1, F_N1, F_RBASE, F_CBASE, F_VBASE = range(10)
+FACTORED, UNFACTORED = 1, 2
+
+
+def without_axis(e, stride, extent):  # pragma: no cover - compiled by the backends
+    """The index of element ``e`` (row-major) of an array once the axis of ``stride`` and
+    ``extent`` is removed: ``(e // (stride * extent)) * stride + e % stride``."""
+    return (e // (stride * extent)) * stride + e % stride
+
+
+def nan_min(a, b):  # pragma: no cover - compiled by the backends
+    """``min(a, b)``, NaN if either is (``jnp.minimum``'s rule)."""
+    if a != a:
+        return a
+    if b != b:
+        return b
+    return a if a < b else b
+
+
+def sm3_moment(x, m, nu, c0, c1, eps, one_minus_b1, b1, zero, one):  # pragma: no cover - compiled by both
+    """SM3's element (optax's order): ``a = c0 x^2 + c1 m`` (``m`` the smallest of the element's
+    axis statistics), ``nu' = (1 - b1) x r + b1 nu`` with ``r = 1 / sqrt(a + eps)``, 0 where
+    ``a <= 0`` (or NaN); returns ``(a, nu')``."""
+    a = c0 * (x * x) + c1 * m
+    up = x * (one / math.sqrt(a + eps) if a > zero else zero)  # a NaN x stays NaN, as optax's
+    return a, one_minus_b1 * up + b1 * nu
+
+
+def rms_moment(v, x, decay, one_minus, eps):  # pragma: no cover - compiled by the backends
+    """An unfactored leaf's second moment: ``decay v + one_minus (x^2 + eps)`` (optax's order;
+    the kernels store it, then scale ``x`` by the stored value's ``-1/2`` power, as optax rounds
+    it to the leaf dtype first)."""
+    return decay * v + one_minus * (x * x + eps)
+
+
+class LeafTable:
+    """Per-leaf work of one dtype group: ``meta``, one int64 row per leaf with its start in the
+    group buffer and its size in the first two columns; the work is cut into items ``[row, e0,
+    e1]`` of at most ``block`` elements of one leaf, once per block size; ``device`` is a
+    backend's cache of its own copies."""
+
+    __slots__ = ("meta", "_items", "device")
+
+    def __init__(self, meta: np.ndarray, width: int) -> None:
+        meta = np.ascontiguousarray(meta, np.int64).reshape(-1, width)
+        meta.flags.writeable = False
+        self.meta = meta
+        self._items: dict[int, np.ndarray] = {}
+        self.device: dict = {}
+
+    def items(self, block: int) -> np.ndarray:
+        """``[row, e0, e1]`` per item, int64 (cached per ``block``)."""
+        out = self._items.get(block)
+        if out is None:
+            cuts = [
+                (r, e, min(e + block, int(size)))
+                for r, size in enumerate(self.meta[:, F_SIZE])
+                for e in range(0, int(size), block)
+            ]
+            out = np.array(cuts, np.int64).reshape(-1, 3)
+            out.flags.writeable = False
+            self._items[block] = out
+        return out
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.meta.shape[0]} leaves)"
+
+
+class AxisSums:
+    """Sums of squares along one axis of leaves (Adafactor's row and column statistics): one
+    int64 row per job, ``[base, A, K, B, obase]``, asking ``out[obase + a B + b] = sum_k x[base +
+    (a K + k) B + b]^2`` for every ``a < A``, ``b < B`` (the leaf seen as ``(A, K, B)``, ``K``
+    the axis summed). ``n_out`` is the size of ``out``. The work is cut into items ``[job, a0,
+    a1, b0, b1]`` of about ``block`` elements, never across ``K``: each output is one thread's
+    sum in ``k`` order (the same bits for any thread count); ``device`` is a backend's cache."""
+
+    __slots__ = ("jobs", "n_out", "_items", "device")
+
+    def __init__(self, jobs: np.ndarray, n_out: int) -> None:
+        jobs = np.ascontiguousarray(jobs, np.int64).reshape(-1, 5)
+        jobs.flags.writeable = False
+        self.jobs, self.n_out = jobs, int(n_out)
+        self._items: dict[int, np.ndarray] = {}
+        self.device: dict = {}
+
+    def items(self, block: int) -> np.ndarray:
+        """``[job, a0, a1, b0, b1]`` per item (cached per ``block``)."""
+        out = self._items.get(block)
+        if out is None:
+            cuts = []
+            for j, (_, A, K, B, _) in enumerate(self.jobs.tolist()):
+                if block >= K * B:  # whole (K, B) planes, several per item
+                    step = max(1, block // max(K * B, 1))
+                    cuts += [(j, a, min(a + step, A), 0, B) for a in range(0, A, step)]
+                else:  # one plane cut into bands of columns, each row's band cache lines long
+                    width = max(128, block // K)
+                    cuts += [
+                        (j, a, a + 1, b, min(b + width, B)) for a in range(A) for b in range(0, B, width)
+                    ]
+            out = np.array(cuts, np.int64).reshape(-1, 5)
+            out.flags.writeable = False
+            self._items[block] = out
+        return out
+
+    def __repr__(self) -> str:
+        return f"AxisSums({self.jobs.shape[0]} jobs, {self.n_out} sums)"
+
+
+class AxisMaxima:
+    """Maxima over all axes but one of leaves (SM3's statistics): one int64 row per job, ``[base,
+    A, K, B, obase]``, asking ``out[obase + k] = max_{a, b} x[base + (a K + k) B + b]`` (NaN if
+    any is NaN) for every ``k < K`` (the leaf seen as ``(A, K, B)``, ``K`` the axis kept).
+    ``where`` lists the outputs the jobs write. The work is cut into items ``[job, k0, k1]``, bands
+    of the kept axis of about ``block`` elements (at least 128 indices wide, so that the rows a
+    band reads are cache lines long); ``device`` is a backend's cache."""
+
+    __slots__ = ("jobs", "where", "_items", "device")
+
+    def __init__(self, jobs: np.ndarray) -> None:
+        jobs = np.ascontiguousarray(jobs, np.int64).reshape(-1, 5)
+        jobs.flags.writeable = False
+        self.jobs = jobs
+        self.where = np.concatenate(
+            [np.arange(o, o + K, dtype=np.int64) for _, _, K, _, o in jobs.tolist()]
+            or [np.zeros(0, np.int64)]
+        )
+        self._items: dict[int, np.ndarray] = {}
+        self.device: dict = {}
+
+    def items(self, block: int) -> np.ndarray:
+        """``[job, k0, k1]`` per item (cached per ``block``)."""
+        out = self._items.get(block)
+        if out is None:
+            cuts = []
+            for j, (_, A, K, B, _) in enumerate(self.jobs.tolist()):
+                width = min(K, max(128, block // max(A * B, 1)))
+                cuts += [(j, k, min(k + width, K)) for k in range(0, K, width)]
+            out = np.array(cuts, np.int64).reshape(-1, 3)
+            out.flags.writeable = False
+            self._items[block] = out
+        return out
+
+    def __repr__(self) -> str:
+        return f"AxisMaxima({self.jobs.shape[0]} jobs)"
+
+
+def nan_max(a, b):  # pragma: no cover - compiled by the backends
+    """``max(a, b)``, NaN if either is (``jnp.maximum``'s rule)."""
+    if a != a:
+        return a
+    if b != b:
+        return b
+    return a if a > b else b
+
+
+class FactorTable(LeafTable):
+    """The leaves of one dtype group as Adafactor's pass sees them (`numbaccum.factored`): one
+    row per leaf, ``[base, size, kind, s0, n0, s1, n1, rbase, cbase, vbase]``.
+
+    A ``FACTORED`` leaf scales element ``e`` by ``rf[rbase + without_axis(e, s0, n0)] *
+    cf[cbase + without_axis(e, s1, n1)]`` (``s0``, ``n0``: stride and extent of the axis its row
+    statistics reduce; ``s1``, ``n1``: those of its column statistics'); an ``UNFACTORED`` leaf
+    keeps a full second moment at ``v[vbase + e]``."""
+
+    __slots__ = ()
+
+    def __init__(self, meta: np.ndarray) -> None:
+        super().__init__(meta, 10)
+
+
+class AxisTable(LeafTable):
+    """The leaves of one dtype group as SM3's pass sees them (`numbaccum.factored`): one row per
+    leaf, ``[base, size, ndim, first]``, and ``axes``, one int64 row per axis of each leaf
+    (``first`` is the leaf's first), ``[extent, stride, mbase, direct]``: element ``e`` of the
+    leaf reads its axis ``i`` statistic at ``mu[mbase + (e // stride) % extent]``; along a
+    ``direct`` axis (the leaf's only one of extent > 1) each element is its own index's maximum,
+    and the pass writes it there (no reduction of slices of one element)."""
+
+    __slots__ = ("axes",)
+
+    def __init__(self, meta: np.ndarray, axes: np.ndarray) -> None:
+        super().__init__(meta, 4)
+        axes = np.ascontiguousarray(axes, np.int64).reshape(-1, 4)
+        axes.flags.writeable = False
+        self.axes = axes

@@ -1747,10 +1747,188 @@ def scale_by_novograd(b1=0.9, b2=0.25, eps=1e-8, eps_root=0.0, weight_decay=0.0)
     return Transformation(init, update)
 
 
+class FactoredState(NamedTuple):
+    count: Any
+    v_row: Any
+    v_col: Any
+    v: Any
+
+
+def scale_by_factored_rms(
+    factored=True, decay_rate=0.8, step_offset=0, min_dim_size_to_factor=128, epsilon=1e-30
+):
+    """optax's ``scale_by_factored_rms`` leaf by leaf: the means of ``g^2 + eps`` in float64
+    (then the leaf's dtype, as optax stores them), the factors and the update in float64 then
+    rounded once. Empty leaves are never factored (numbaccum's rule)."""
+
+    def dims(shape):
+        if not factored or len(shape) < 2 or int(np.prod(shape)) == 0:
+            return None
+        order = np.argsort(shape)
+        return None if shape[order[-2]] < min_dim_size_to_factor else (int(order[-2]), int(order[-1]))
+
+    def init(params):
+        def part(p, which):
+            d = dims(p.shape)
+            if d is None:
+                return np.zeros(p.shape if which == 2 else (1,), p.dtype)
+            if which == 2:
+                return np.zeros((1,), p.dtype)
+            return np.zeros(np.delete(p.shape, d[1] if which == 0 else d[0]), p.dtype)
+
+        return FactoredState(*[np.int32(0)] + [tree_map(lambda p, w=w: part(p, w), params) for w in range(3)])
+
+    def update(updates, state, params=None, **extra):
+        t = np.float32(int(state.count) - step_offset + 1)
+        b = np.float32(1.0) - t ** np.float32(-decay_rate)
+        b64, one_minus = np.float64(b), np.float64(np.float32(1) - b)
+        out, rows, cols, vs = {}, [], [], []
+        leaves, td = tree_flatten(updates)
+        for i, (g, vr, vc, v) in enumerate(
+            zip(leaves, tree_flatten(state.v_row)[0], tree_flatten(state.v_col)[0], tree_flatten(state.v)[0])
+        ):
+            dt, d = g.dtype, dims(g.shape)
+            sq = g.astype(np.float64) ** 2 + epsilon
+            if d is None:
+                w = dt.type(1) if dt.itemsize > 2 else np.float32(1)
+                nv = _arr(
+                    _c(b, w.dtype) * v.astype(w.dtype)
+                    + _c(one_minus, w.dtype) * (g.astype(w.dtype) ** 2 + _c(epsilon, w.dtype)),
+                    dt,
+                )
+                out[i] = _arr(g.astype(w.dtype) * nv.astype(w.dtype) ** _c(-0.5, w.dtype), dt)
+                rows.append(vr.copy()), cols.append(vc.copy()), vs.append(nv)
+                continue
+            d1, d0 = d
+            nr = _arr(b64 * vr.astype(np.float64) + one_minus * sq.mean(axis=d0), dt)
+            nc = _arr(b64 * vc.astype(np.float64) + one_minus * sq.mean(axis=d1), dt)
+            r64, c64 = nr.astype(np.float64), nc.astype(np.float64)
+            rf = (r64 / r64.mean(axis=d1 - 1 if d1 > d0 else d1, keepdims=True)) ** -0.5
+            out[i] = _arr(g.astype(np.float64) * np.expand_dims(rf, d0) * np.expand_dims(c64**-0.5, d1), dt)
+            rows.append(nr), cols.append(nc), vs.append(v.copy())
+        new = [tree_unflatten(td, x) for x in (rows, cols, vs)]
+        return tree_unflatten(td, [out[i] for i in range(len(leaves))]), FactoredState(
+            safe_increment(state.count), *new
+        )
+
+    return Transformation(init, update)
+
+
+class ScaleBySM3State(NamedTuple):
+    mu: Any
+    nu: Any
+
+
+def scale_by_sm3(b1=0.9, b2=1.0, eps=1e-8):
+    """optax's ``scale_by_sm3`` leaf by leaf in the leaf's dtype (float32 for float16 and
+    bfloat16); a 0-d leaf counts as shape (1,) (numbaccum's rule: optax fails on it)."""
+    c0 = 1.0 - b2 if b2 != 1.0 else 1.0
+
+    def init(params):
+        mu = tree_map(lambda p: [np.zeros(e, p.dtype) for e in (p.shape or (1,))], params)
+        return ScaleBySM3State(mu, zeros_like(params))
+
+    def update(updates, state, params=None, **extra):
+        leaves, td = tree_flatten(updates)
+        mus, nus = tree_flatten(state.mu)[0], tree_flatten(state.nu)[0]
+        nd = [len(g.shape or (1,)) for g in leaves]
+        starts = np.cumsum([0] + nd)
+        out, new_mu, new_nu = [], [], []
+        for k, (g, n) in enumerate(zip(leaves, nus)):
+            dt = g.dtype
+            w = _wide(dt)
+            x = g.astype(w).reshape(g.shape or (1,))
+            vs = [m.astype(w) for m in mus[starts[k] : starts[k + 1]]]
+            shape = x.shape
+            m = vs[0].reshape([-1] + [1] * (len(shape) - 1))
+            for i in range(1, len(shape)):
+                m = np.minimum(m, vs[i].reshape([1] * i + [-1] + [1] * (len(shape) - i - 1)))
+            a = _c(c0, w) * (x * x) + _c(b2, w) * m
+            with np.errstate(divide="ignore", invalid="ignore"):
+                up = x * np.where(a > 0, w.type(1) / np.sqrt(a + _c(eps, w)), w.type(0))
+            nu = _arr((_c(1 - b1, w) * up + _c(b1, w) * n.astype(w).reshape(shape)).reshape(g.shape), dt)
+            out.append(nu.copy())
+            new_nu.append(nu)
+            axes = range(len(shape))
+            new_mu += [_arr(np.max(a, axis=tuple(j for j in axes if j != i)), dt) for i in axes]
+        lists, pos = [], 0
+        for d in nd:
+            lists.append(new_mu[pos : pos + d])
+            pos += d
+        return tree_unflatten(td, out), ScaleBySM3State(tree_unflatten(td, lists), tree_unflatten(td, new_nu))
+
+    return Transformation(init, update)
+
+
+def sm3(learning_rate, momentum=0.9):
+    return chain(scale_by_sm3(momentum), scale(-learning_rate))
+
+
 def novograd(learning_rate, b1=0.9, b2=0.25, eps=1e-6, eps_root=0.0, weight_decay=0.0):
     return chain(
         scale_by_novograd(b1, b2, eps, eps_root, weight_decay), scale_by_learning_rate(learning_rate)
     )
+
+
+class ScaleByDistanceOverGradientsState(NamedTuple):
+    max_dist: Any
+    grad_sum_of_squares: Any
+    init_params: Any
+
+
+def _wide(dt) -> np.dtype:
+    """float16 and bfloat16 computed in float32."""
+    dt = np.dtype(dt)
+    return np.dtype(np.float32) if dt.itemsize == 2 else dt
+
+
+def scale_by_distance_over_gradients(reps_rel=1e-6, eps=1e-8, param_dtype=np.float32, global_scale=1.0):
+    """optax's ``scale_by_distance_over_gradients`` leaf by leaf, each squared norm in float64
+    (then rounded to the state's dtype). The distances (``max_dist``, ``p - p0``) are in the
+    leaf's and ``param_dtype``'s promoted dtype, the gradients' sum of squares (shape (1,)) in
+    the leaf's (float32 for float16 and bfloat16); the update keeps the leaf's shape and dtype."""
+
+    def stored(p):
+        return p.dtype if param_dtype is None else np.dtype(param_dtype)
+
+    def sumsq(x):
+        return np.sum(np.asarray(x, np.float64) ** 2)
+
+    def init(params):
+        def first(p):
+            dt = np.promote_types(_wide(p.dtype), _wide(stored(p)))
+            return np.asarray(_c(reps_rel, dt) * (dt.type(1.0) + np.sqrt(dt.type(sumsq(p)))), dt)
+
+        return ScaleByDistanceOverGradientsState(
+            tree_map(first, params),
+            tree_map(lambda p: np.zeros(1, _wide(p.dtype)), params),
+            tree_map(lambda p: np.array(p, dtype=stored(p)), params),
+        )
+
+    def update(updates, state, params=None, **extra):
+        if params is None:
+            raise ValueError("scale_by_distance_over_gradients needs params")
+
+        def dist_of(d, p, p0):
+            dt = d.dtype
+            diff = np.asarray(p.astype(dt) - p0.astype(dt), dt)
+            return np.asarray(np.maximum(d, np.sqrt(dt.type(sumsq(diff)))), dt)
+
+        def sos_of(s, g):
+            return np.asarray(s + s.dtype.type(sumsq(g)), s.dtype)
+
+        max_dist = tree_map(dist_of, state.max_dist, params, state.init_params)
+        g_sos = tree_map(sos_of, state.grad_sum_of_squares, updates)
+
+        def scaled(g, d, s):
+            et = np.promote_types(d.dtype, s.dtype)
+            eta = _c(global_scale, et) * (d.astype(et) / np.sqrt(s.astype(et) + _c(eps, et)))
+            return _arr(eta[0] * np.asarray(g, et), g.dtype)
+
+        out = tree_map(scaled, updates, max_dist, g_sos)
+        return out, ScaleByDistanceOverGradientsState(max_dist, g_sos, state.init_params)
+
+    return Transformation(init, update)
 
 
 class ScaleByLBFGSState(NamedTuple):
@@ -1902,6 +2080,83 @@ def scale_by_ademamix(b1=0.9, b2=0.999, b3=0.9999, alpha=5.0, eps=1e-8, eps_root
 def ademamix(learning_rate, b1=0.9, b2=0.999, b3=0.9999, alpha=5.0, eps=1e-8, eps_root=0.0, weight_decay=0.0):
     return chain(
         scale_by_ademamix(b1, b2, b3, alpha, eps, eps_root),
+        add_decayed_weights(weight_decay),
+        scale_by_learning_rate(learning_rate),
+    )
+
+
+class SophiaState(NamedTuple):
+    count: Any
+    mu: Any
+    nu: Any
+    hessian_fn_state: Any
+
+
+def scale_by_sophia(
+    b1=0.965,
+    b2=0.99,
+    eps=1e-8,
+    gamma=0.01,
+    clip_threshold=1.0,
+    update_interval=10,
+    hessian_diagonal_fn=None,
+    mu_dtype=None,
+):
+    """optax.contrib's ``scale_by_sophia`` leaf by leaf: the update divides by the nu of the steps
+    before; nu takes the estimator's output when the count *before* the step is a multiple of
+    ``update_interval`` (the estimator is not called otherwise)."""
+
+    def init(params):
+        return SophiaState(
+            np.int32(0), zeros_like(params, mu_dtype), zeros_like(params), hessian_diagonal_fn.init(params)
+        )
+
+    def update(updates, state, params=None, **extra):
+        if params is None:
+            raise ValueError("params must be provided to sophia's update function.")
+        count = safe_increment(state.count)
+        hessian_step = int(state.count) % update_interval == 0
+        hess_state = state.hessian_fn_state
+        gl, tdef = tree_flatten(updates)
+        hl = [None] * len(gl)
+        if hessian_step:
+            h, hess_state = hessian_diagonal_fn.update(updates, hess_state, params, **extra)
+            hl = tree_flatten(h)[0]
+
+        def leaf(g, m, v, hd):
+            dt = np.result_type(g.dtype, m.dtype, v.dtype)
+            mu = _c(1 - b1, dt) * g.astype(dt) + _c(b1, dt) * m.astype(dt)
+            u = (mu / bias_correction_denominator(b1, count, dt)) / np.maximum(
+                _c(gamma, dt) * v.astype(dt), _c(eps, dt)
+            )
+            if clip_threshold is not None:
+                u = np.clip(u, -_c(clip_threshold, dt), _c(clip_threshold, dt))
+            nu = v
+            if hd is not None:  # the estimate in the leaf's dtype, as optax's
+                nu = _c(1 - b2, dt) * np.asarray(hd, v.dtype).astype(dt) + _c(b2, dt) * v.astype(dt)
+            return _arr(u, g.dtype), _arr(mu, m.dtype), _arr(nu, v.dtype)
+
+        ml, vl = tree_flatten(state.mu)[0], tree_flatten(state.nu)[0]
+        res = [leaf(g, m, v, hd) for g, m, v, hd in zip(gl, ml, vl, hl)]
+        out, mu, nu = (tree_unflatten(tdef, [r[i] for r in res]) for i in range(3))
+        return out, SophiaState(count, mu, nu, hess_state)
+
+    return Transformation(init, update)
+
+
+def sophia(
+    learning_rate,
+    b1=0.965,
+    b2=0.99,
+    eps=1e-8,
+    weight_decay=1e-4,
+    gamma=0.01,
+    clip_threshold=1.0,
+    update_interval=10,
+    hessian_diagonal_fn=None,
+):
+    return chain(
+        scale_by_sophia(b1, b2, eps, gamma, clip_threshold, update_interval, hessian_diagonal_fn),
         add_decayed_weights(weight_decay),
         scale_by_learning_rate(learning_rate),
     )

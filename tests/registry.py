@@ -86,6 +86,30 @@ def _even_steps(step: Any) -> Any:
     return step % 2 == 0
 
 
+def _sophia_hessian(f: Callable[[Any], Any]) -> Any:
+    """A deterministic estimate ``f(params)`` of the Hessian's diagonal, for Sophia's Cases:
+    computed on the host in each leaf's dtype, returned where the params live."""
+
+    def update(updates: Any, state: Any, params: Any = None) -> Any:
+        if isinstance(params, nba.FlatTree):
+            params = params.tree
+        on_device = any(hasattr(x, "copy_to_host") for x in nba.tree_flatten(params)[0])
+        host = nba.to_host(params) if on_device else params
+        h = nba.tree_map(lambda p: np.asarray(f(np.asarray(p)), np.asarray(p).dtype), host)
+        return (nba.to_device(h) if on_device else h), state
+
+    return nba.GradientTransformation(lambda params: nba.EmptyState(), update)
+
+
+def _jax_sophia_hessian(optax: Any, f: Callable[[Any], Any]) -> Any:
+    """`_sophia_hessian` for optax's Sophia, in JAX."""
+    import jax
+
+    return optax.GradientTransformation(
+        lambda params: optax.EmptyState(), lambda u, s, params=None: (jax.tree.map(f, params), s)
+    )
+
+
 CASES: dict[str, Case] = {}
 
 
@@ -720,6 +744,75 @@ _add(
     optax=lambda o: o.scale_by_novograd(0.8, 0.5, 1e-3, 1e-4),
 )
 _add(
+    "scale_by_distance_over_gradients",
+    "scale_by_distance_over_gradients",
+    lambda: nba.scale_by_distance_over_gradients(1e-3, 1e-6, global_scale=-0.5),
+    lambda: ref.scale_by_distance_over_gradients(1e-3, 1e-6, global_scale=-0.5),
+    {},
+    fusable=False,
+    note="per-leaf norms in float64 (summed in the engine's order): within rounding of the reference",
+    optax=lambda o: o.scale_by_distance_over_gradients(1e-3, 1e-6, global_scale=-0.5),
+)
+_add(
+    "scale_by_factored_rms",
+    "scale_by_factored_rms",
+    lambda: nba.scale_by_factored_rms(min_dim_size_to_factor=2),
+    lambda: ref.scale_by_factored_rms(min_dim_size_to_factor=2),
+    {},
+    fusable=False,
+    note="row and column means in float64, factors in float64: within rounding of the reference",
+    optax=lambda o: o.scale_by_factored_rms(min_dim_size_to_factor=2),
+)
+_add(
+    "scale_by_factored_rms_unfactored",
+    "scale_by_factored_rms",
+    lambda: nba.scale_by_factored_rms(False, decay_rate=0.5, step_offset=-2, epsilon=1e-6),
+    lambda: ref.scale_by_factored_rms(False, decay_rate=0.5, step_offset=-2, epsilon=1e-6),
+    fusable=False,
+    note="every leaf keeps a full second moment (RMSProp with Adafactor's decay schedule)",
+    optax=lambda o: o.scale_by_factored_rms(False, decay_rate=0.5, step_offset=-2, epsilon=1e-6),
+)
+_add(
+    "scale_by_sm3",
+    "scale_by_sm3",
+    lambda: nba.scale_by_sm3(0.5, 0.9),
+    lambda: ref.scale_by_sm3(0.5, 0.9),
+    {},
+    fusable=False,
+    note="1 / sqrt in place of optax's rsqrt: within rounding of the reference",
+    optax=lambda o: o.scale_by_sm3(0.5, 0.9),
+)
+_add(
+    "sm3",
+    "sm3",
+    lambda: nba.sm3(0.1),
+    lambda: ref.sm3(0.1),
+    {"learning_rate": 0.1},
+    fusable=False,
+    note="1 / sqrt in place of optax's rsqrt: within rounding of the reference",
+    optax=lambda o: o.sm3(0.1),
+)
+_add(
+    "adafactor",
+    "adafactor",
+    lambda: nba.adafactor(1e-2, 2, momentum=0.9, dtype_momentum=None, weight_decay_rate=1e-3),
+    None,
+    {},
+    fusable=False,
+    note="a chain of scale_by_factored_rms and block-RMS stages: compared with optax",
+    optax=lambda o: o.adafactor(1e-2, 2, momentum=0.9, dtype_momentum=None, weight_decay_rate=1e-3),
+)
+_add(
+    "adafactor_defaults",
+    "adafactor",
+    nba.adafactor,
+    None,
+    {},
+    fusable=False,
+    note="no learning rate: the relative step of the parameter scale alone",
+    optax=lambda o: o.adafactor(),
+)
+_add(
     "snapshot",
     "snapshot",
     lambda: nba.snapshot("norm", nba.global_norm),
@@ -773,6 +866,61 @@ _add(
     lambda: ref.scale_by_ademamix(b3=lambda c: 0.9 + 0.01 * c, alpha=lambda c: 1.0 + c),
     {},
     exact=True,
+)
+# Sophia with a deterministic Hessian estimate (the registry's tests pass no hvp_fn; the
+# Hutchinson estimator and the hvp_fn/grad_fn interface: tests/test_sophia.py). params + 0.25 is
+# negative in places: gamma nu floored by eps there, so the clip acts too.
+_SOPHIA_HESSIAN = _sophia_hessian(lambda p: p + 0.25)
+_SOPHIA_HESSIAN_POSITIVE = _sophia_hessian(lambda p: p * p + 0.25)
+_add(
+    "sophia",
+    "sophia",
+    lambda: nba.sophia(
+        1e-2, b2=0.5, weight_decay=0.1, gamma=2.0, update_interval=2, hessian_diagonal_fn=_SOPHIA_HESSIAN
+    ),
+    lambda: ref.sophia(
+        1e-2, b2=0.5, weight_decay=0.1, gamma=2.0, update_interval=2, hessian_diagonal_fn=_SOPHIA_HESSIAN
+    ),
+    {"learning_rate": 1e-3, "hessian_diagonal_fn": _SOPHIA_HESSIAN},
+    exact=True,
+    optax=lambda o: o.contrib.sophia(
+        1e-2,
+        b2=0.5,
+        weight_decay=0.1,
+        gamma=2.0,
+        update_interval=2,
+        hessian_diagonal_fn=_jax_sophia_hessian(o, lambda p: p + 0.25),
+    ),
+)
+_add(
+    "scale_by_sophia_no_clip",
+    "scale_by_sophia",
+    lambda: nba.scale_by_sophia(
+        b1=0.5,
+        b2=0.75,
+        gamma=0.5,
+        clip_threshold=None,
+        update_interval=3,
+        hessian_diagonal_fn=_SOPHIA_HESSIAN_POSITIVE,
+    ),
+    lambda: ref.scale_by_sophia(
+        b1=0.5,
+        b2=0.75,
+        gamma=0.5,
+        clip_threshold=None,
+        update_interval=3,
+        hessian_diagonal_fn=_SOPHIA_HESSIAN_POSITIVE,
+    ),
+    {"hessian_diagonal_fn": _SOPHIA_HESSIAN},
+    exact=True,
+    optax=lambda o: o.contrib._sophia.scale_by_sophia(  # (not in optax.contrib's public names)
+        b1=0.5,
+        b2=0.75,
+        gamma=0.5,
+        clip_threshold=None,
+        update_interval=3,
+        hessian_diagonal_fn=_jax_sophia_hessian(o, lambda p: p * p + 0.25),
+    ),
 )
 _add(
     "scale_by_param_block_norm",
@@ -939,6 +1087,7 @@ OWN_TESTS: dict[str, str] = {
     "scale_by_backtracking_linesearch": "update(..., value=, grad=, value_fn=) (tests: test_lbfgs)",
     "lookahead": "params are a LookaheadParams(fast, slow) (tests: test_lookahead)",
     "reduce_on_plateau": "update(..., value=loss) (tests: test_optimizers' reduce_on_plateau tests)",
+    "hutchinson_estimator_diag_hessian": "update(..., hvp_fn= or grad_fn=) (tests: test_sophia)",
     "flatten": "leaves of one dtype (tests: test_masking's flatten tests)",
 }
 

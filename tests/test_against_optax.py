@@ -230,5 +230,49 @@ def test_registered_transformation_matches_optax(name):
     _matches_optax(CASES[name].make(), CASES[name].optax(optax), of_params=name in OF_PARAMS)
 
 
+@pytest.mark.parametrize("jit", [False, True])
+def test_scale_by_distance_over_gradients_matches_optax_as_the_params_move(jit):
+    """DoG's step size is the distance the params travelled: eight steps on float32 leaves of
+    several shapes (a 0-d one among them), the params moved by each step's updates on both sides,
+    the same updates, params and state within float32 rounding. optax's update of a 0-d leaf
+    has its step size's shape (1,) (numbaccum keeps the leaf's shape): compared by value."""
+    rng = np.random.default_rng(11)
+    shapes = {"w": (6, 4), "b": (4,), "s": (), "k": (2, 3, 2)}
+    params = {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
+    slope = {k: rng.standard_normal(s) for k, s in shapes.items()}  # one direction, noisy
+    grads = [
+        {k: (slope[k] + 0.3 * rng.standard_normal(s)).astype(np.float32) for k, s in shapes.items()}
+        for _ in range(8)
+    ]
+    kw = {"reps_rel": 1e-2, "eps": 1e-8, "global_scale": -2.0}
+    ours, theirs = nba.scale_by_distance_over_gradients(**kw), optax.scale_by_distance_over_gradients(**kw)
+    p_ours, p_theirs = {k: v.copy() for k, v in params.items()}, dict(params)
+    s, t = ours.init(p_ours), theirs.init(p_theirs)
+    assert type(s).__name__ == type(t).__name__ and s._fields == t._fields
+    update = jax.jit(theirs.update) if jit else theirs.update
+
+    def close(a, b, rtol=2e-6):
+        b = np.asarray(b).reshape(np.shape(a))
+        assert np.asarray(a).dtype == b.dtype
+        np.testing.assert_allclose(a, b, rtol=rtol, atol=rtol * float(np.max(np.abs(b), initial=0.0)))
+
+    for g in grads:
+        u, s = ours.update(g, s, p_ours)
+        v, t = update(g, t, p_theirs)
+        for k in shapes:
+            close(u[k], v[k])
+        p_ours = nba.apply_updates(p_ours, u)
+        p_theirs = optax.apply_updates(p_theirs, v)
+        for k in shapes:
+            close(p_ours[k], p_theirs[k])
+            close(s.max_dist[k], t.max_dist[k])
+            assert s.grad_sum_of_squares[k].shape == (1,) == np.shape(t.grad_sum_of_squares[k])
+            close(s.grad_sum_of_squares[k], t.grad_sum_of_squares[k])
+            close(s.init_params[k], t.init_params[k], 0.0)
+    # The distance has grown past its initial value: the comparison saw max_dist move.
+    first = ours.init(params).max_dist
+    assert all(float(s.max_dist[k]) > float(first[k]) for k in shapes)
+
+
 def test_the_registry_names_optax_for_the_optimizer_library():
     assert {"adamw", "nadam", "amsgrad", "adamax", "adabelief", "lion", "adagrad"} <= set(REGISTERED)

@@ -450,6 +450,12 @@ DTYPE_ARGUMENTS: dict[str, Any] = {
     "scale_by_adopt.mu_dtype": _mu_dtype(nba.scale_by_adopt),
     "ademamix.mu_dtype": _mu_dtype(nba.ademamix, learning_rate=1e-3),
     "scale_by_ademamix.mu_dtype": _mu_dtype(nba.scale_by_ademamix),
+    "sophia.mu_dtype": _mu_dtype(nba.sophia, learning_rate=1e-3),
+    "scale_by_sophia.mu_dtype": _mu_dtype(nba.scale_by_sophia),
+    "adafactor.dtype_momentum": lambda v: nba.adafactor(momentum=0.9, dtype_momentum=v),
+    "scale_by_distance_over_gradients.param_dtype": lambda v: nba.scale_by_distance_over_gradients(
+        param_dtype=v
+    ),
     "schedule_free.state_dtype": lambda v: nba.schedule_free(nba.sgd(0.1), 0.1, state_dtype=v),
     "schedule_free_sgd.state_dtype": lambda v: nba.schedule_free_sgd(state_dtype=v),
     "schedule_free_adamw.state_dtype": lambda v: nba.schedule_free_adamw(state_dtype=v),

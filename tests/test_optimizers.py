@@ -499,6 +499,7 @@ def _alias_rosenbrock(p, g, a=1.0, b=100.0):
 
 ALIAS = {
     "adadelta": lambda: nba.adadelta(0.1),
+    "adafactor": lambda: nba.adafactor(5e-3),
     "adamaxw": lambda: nba.adamaxw(1e-1),
     "adan": lambda: nba.adan(1e-1),
     "fromage": lambda: nba.fromage(5e-3),
@@ -512,6 +513,7 @@ ALIAS = {
     "radam": lambda: nba.radam(5e-3),
     "rprop": lambda: nba.rprop(1e-1),
     "signum": lambda: nba.signum(1e-2),
+    "sm3": lambda: nba.sm3(1.0),
 }
 # optax skips these targets (sign methods need a schedule for Rosenbrock's valley)
 ALIAS_SKIPS = {("signum", "_alias_rosenbrock")}
@@ -536,3 +538,61 @@ def test_optax_alias_optimization_reaches_the_minimum(name, target):
             else nba.step_(tx, grads, state, params)
         )
     np.testing.assert_allclose(p, final, rtol=3e-2, atol=3e-2)
+
+
+# --- scale_by_distance_over_gradients: its state and what it refuses --------------------------
+
+
+def test_distance_over_gradients_state_dtypes_and_refusals():
+    """optax's state shapes (a 0-d ``max_dist`` and a shape-(1,) ``grad_sum_of_squares`` per
+    leaf, ``init_params`` in ``param_dtype``, None: each leaf's); no params, a state of other
+    shapes or dtypes and complex leaves refused before anything is written."""
+    rng = np.random.default_rng(3)
+    params = {
+        "w": rng.standard_normal((3, 2)).astype(np.float32),
+        "h": rng.standard_normal(4).astype(np.float16),
+        "d": np.array(1.5),
+        "e": np.zeros(0, np.float32),
+    }
+    grads = {k: np.ones_like(v) for k, v in params.items()}
+    tx = nba.scale_by_distance_over_gradients()
+    state = tx.init(params)
+    assert {k: (a.dtype, a.shape) for k, a in state.max_dist.items()} == {
+        "w": (np.float32, ()), "h": (np.float32, ()), "d": (np.float64, ()), "e": (np.float32, ()),
+    }  # fmt: skip
+    assert {k: (a.dtype, a.shape) for k, a in state.grad_sum_of_squares.items()} == {
+        "w": (np.float32, (1,)), "h": (np.float32, (1,)), "d": (np.float64, (1,)), "e": (np.float32, (1,)),
+    }  # fmt: skip
+    assert {str(a.dtype) for a in nba.tree_flatten(state.init_params.tree)[0]} == {"float32"}
+    own = nba.scale_by_distance_over_gradients(param_dtype=None).init(params).init_params
+    assert {k: a.dtype for k, a in own.tree.items()} == {k: a.dtype for k, a in params.items()}
+    before = snapshot(state.init_params)
+    bad_states = [
+        (state._replace(max_dist={**state.max_dist, "w": np.float64(1.0)}), r"state.max_dist\['w'\]"),
+        (
+            state._replace(grad_sum_of_squares={**state.grad_sum_of_squares, "h": np.zeros((), np.float32)}),
+            r"state.grad_sum_of_squares\['h'\]: expected a shape-\(1,\) float32",
+        ),
+        (state._replace(max_dist=[1.0]), "state.max_dist: not a tree of the params' structure"),
+    ]
+    for bad, match in bad_states:
+        with pytest.raises(ValueError, match=match):
+            tx.update(grads, bad, params)
+    with pytest.raises(ValueError, match="scale_by_distance_over_gradients needs params"):
+        tx.update(grads, state, None)
+    assert_tree_equal(snapshot(state.init_params), before)
+    u, new = tx.update(grads, state, params)  # the state refused above still runs
+    assert {k: (v.dtype, v.shape) for k, v in u.items()} == {k: (v.dtype, v.shape) for k, v in params.items()}
+    np.testing.assert_allclose(u["w"], state.max_dist["w"] / np.sqrt(6.0 + 1e-8), rtol=1e-6)
+    z = {"z": np.ones(3, np.complex64)}
+    with pytest.raises(TypeError, match="scale_by_distance_over_gradients does not take complex leaves"):
+        tx.update(z, tx.init(z), z)
+    refused = [
+        ({"reps_rel": -1.0}, ValueError),
+        ({"eps": float("nan")}, ValueError),
+        ({"param_dtype": np.complex64}, TypeError),
+        ({"global_scale": "1"}, TypeError),
+    ]
+    for kw, err in refused:
+        with pytest.raises(err, match=next(iter(kw))):
+            nba.scale_by_distance_over_gradients(**kw)

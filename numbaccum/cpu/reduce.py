@@ -29,24 +29,42 @@ from .. import _cache, _config, formulas
 from ..tables import (
     DK,
     DR,
+    F_BASE,
+    F_CBASE,
+    F_KIND,
+    F_N0,
+    F_N1,
+    F_RBASE,
+    F_S0,
+    F_S1,
+    F_VBASE,
+    FACTORED,
     FIRST,
     HEAD,
     MAX,
     MIN,
     NSLICES,
     SUM,
+    AxisMaxima,
+    AxisSums,
+    AxisTable,
+    FactorTable,
     Table,
     combine,
     compiled,
     element_offset,
     fold,
     identity,
+    nan_max,
+    nan_min,
     needs_scaling,
     norm_scale,
     pnorm_factor,
     pnorm_kind,
     rescued_norm,
+    rms_moment,
     slice_start,
+    sm3_moment,
     sum_in_order,
 )
 from .driver import entry_point, guard_for
@@ -54,8 +72,12 @@ from .driver import entry_point, guard_for
 __all__ = [
     "KINDS",
     "apply_",
+    "axis_max_",
+    "axis_sumsq",
     "divide_",
     "ema_update_",
+    "factored_scale_",
+    "sm3_update_",
     "global_norm_finish_",
     "reduce",
     "rescale_",
@@ -68,6 +90,10 @@ _from_bf16 = _jit(formulas.from_bf16)  # calls no helper: compiled as it is
 _ema = formulas.compile_formula(formulas.ema.fn, _jit)
 _rescued_norm = njit(error_model="numpy")(rescued_norm)
 _pnorm_factor = compiled(pnorm_factor, _jit)
+_rms_moment = _jit(rms_moment)
+_nan_min = _jit(nan_min)
+_nan_max = _jit(nan_max)
+_sm3_moment = _jit(sm3_moment)
 
 _LANES = 64  # independent accumulators of a long run
 _WIDE = 1024  # runs of at least this many elements use them (the choice depends on n only)
@@ -698,6 +724,297 @@ def ema_update_(ema, g, factor, table: Table, active, one_minus_decay, decay):
     c = (t(div), t(mul), scaled, t(one_minus_decay), t(decay), t(1))
     act = np.ascontiguousarray(active, np.uint8)
     _run_scaler(_EMA, g.size, table, False, ema, g, c, act)
+
+
+# --- sums of squares along one axis (Adafactor's statistics) ------------------------------------
+
+
+@_jit
+def _axis_item(x, jobs, items, out, b):  # pragma: no cover - compiled
+    j, a0, a1, b0, b1 = items[b, 0], items[b, 1], items[b, 2], items[b, 3], items[b, 4]
+    base, K, B, obase = jobs[j, 0], jobs[j, 2], jobs[j, 3], jobs[j, 4]
+    if B == 1:  # each sum a contiguous run: independent lanes hide the adds' latency
+        for a in range(a0, a1):
+            out[obase + a] = _lane_sumsq(x[base + a * K : base + (a + 1) * K])
+        return
+    acc = np.empty(b1 - b0, np.float64)
+    for a in range(a0, a1):
+        acc[:] = 0.0
+        for k in range(K):  # a band of a row at a time: contiguous, in k order
+            row = x[base + (a * K + k) * B + b0 : base + (a * K + k) * B + b1]
+            for i in range(b1 - b0):
+                w = np.float64(row[i])
+                acc[i] += w * w
+        out[obase + a * B + b0 : obase + a * B + b1] = acc
+
+
+@_jit
+def _lane_sumsq(v):  # pragma: no cover - compiled
+    """sum(v^2) in float64 over 8 lanes folded in a fixed order."""
+    s = np.zeros(8, np.float64)
+    n8 = v.size - v.size % 8
+    for i in range(0, n8, 8):
+        for j in range(8):
+            w = np.float64(v[i + j])
+            s[j] += w * w
+    for i in range(n8, v.size):
+        w = np.float64(v[i])
+        s[i - n8] += w * w
+    return ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]))
+
+
+@_cache.cached
+@njit(parallel=True, error_model="numpy")
+def _axis_parallel(x, jobs, items, out):  # pragma: no cover - compiled
+    for b in prange(items.shape[0]):
+        _axis_item(x, jobs, items, out, b)
+
+
+@_cache.cached
+@njit(error_model="numpy")
+def _axis_serial(x, jobs, items, out):  # pragma: no cover - compiled
+    for b in range(items.shape[0]):
+        _axis_item(x, jobs, items, out, b)
+
+
+def axis_sumsq(x, sums: AxisSums):
+    """The sums of squares of `numbaccum.tables.AxisSums`, float64 (0 where no job writes)."""
+    out = np.zeros(sums.n_out, np.float64)
+    items = sums.items(_config.REDUCE_BLOCK)
+    if items.shape[0]:
+        x = _f16(x)
+        _guarded(x.size, _pick((_axis_parallel, _axis_serial), x.size), x, sums.jobs, items, out)
+    return out
+
+
+@_jit
+def _max_item(x, jobs, items, out, b):  # pragma: no cover - compiled
+    j, k0, k1 = items[b, 0], items[b, 1], items[b, 2]
+    base, A, K, B, obase = jobs[j, 0], jobs[j, 1], jobs[j, 2], jobs[j, 3], jobs[j, 4]
+    acc = np.full(k1 - k0, -np.inf)
+    for a in range(A):
+        if B == 1:  # the kept axis is the last: a contiguous band per a
+            row = x[base + a * K + k0 : base + a * K + k1]
+            for i in range(k1 - k0):
+                acc[i] = _nan_max(acc[i], np.float64(row[i]))
+        else:
+            for k in range(k0, k1):
+                row = x[base + (a * K + k) * B : base + (a * K + k + 1) * B]
+                m = acc[k - k0]
+                for i in range(B):
+                    m = _nan_max(m, np.float64(row[i]))
+                acc[k - k0] = m
+    out[obase + k0 : obase + k1] = acc
+
+
+@_cache.cached
+@njit(parallel=True, error_model="numpy")
+def _max_parallel(x, jobs, items, out):  # pragma: no cover - compiled
+    for b in prange(items.shape[0]):
+        _max_item(x, jobs, items, out, b)
+
+
+@_cache.cached
+@njit(error_model="numpy")
+def _max_serial(x, jobs, items, out):  # pragma: no cover - compiled
+    for b in range(items.shape[0]):
+        _max_item(x, jobs, items, out, b)
+
+
+def axis_max_(out, x, maxima: AxisMaxima):
+    """``out[maxima.where]`` = the maxima of `numbaccum.tables.AxisMaxima` (``out`` a host
+    array of any float dtype: each maximum is one of ``x``'s values, stored exactly)."""
+    items = maxima.items(_config.REDUCE_BLOCK)
+    if not items.shape[0]:
+        return
+    x = _f16(x)
+    tmp = np.empty(out.size, np.float64)
+    _guarded(x.size, _pick((_max_parallel, _max_serial), x.size), x, maxima.jobs, items, tmp)
+    out[maxima.where] = tmp[maxima.where]
+
+
+# --- Adafactor's pass: factored and full second moments --------------------------------------
+
+
+@_jit
+def _digits(e, s, n):  # pragma: no cover - compiled
+    """Element ``e``'s digits around the axis of stride ``s`` and extent ``n``: ``(low, mid,
+    high)``, so that the index without that axis is ``high * s + low`` (`tables.without_axis`)."""
+    return e % s, (e // s) % n, e // (s * n)
+
+
+@_jit
+def _run_of(s, n, low, mid):  # pragma: no cover - compiled
+    """How many elements from here keep the index without the axis moving by one each (``s >
+    1``: the low digit runs) or not at all (``s == 1``: the axis itself runs): ``(length,
+    step)``."""
+    if s > 1:
+        return s - low, 1
+    return n - mid, 0
+
+
+@_jit
+def _advance(s, n, low, mid, high, k):  # pragma: no cover - compiled
+    """The digits ``k`` elements on (``k`` at most the run `_run_of` gave)."""
+    if s > 1:
+        low += k
+        if low == s:
+            low = 0
+            mid += 1
+    else:
+        mid += k
+    if mid == n:
+        mid = 0
+        high += 1
+    return low, mid, high
+
+
+@_jit
+def _factored_item(out, g, v, meta, items, rf, cf, c, b):  # pragma: no cover - compiled
+    """One item of `factored_scale_`: a run of one leaf's elements."""
+    r, e0, e1 = items[b, 0], items[b, 1], items[b, 2]
+    base = meta[r, F_BASE]
+    if meta[r, F_KIND] == FACTORED:
+        s0, n0, s1, n1 = meta[r, F_S0], meta[r, F_N0], meta[r, F_S1], meta[r, F_N1]
+        rb, cb = meta[r, F_RBASE], meta[r, F_CBASE]
+        # Runs along which the row and the column index each move by one or stay: plain loops
+        # that vectorise, where a division per element would cost more than its bytes.
+        l0, m0, h0 = _digits(e0, s0, n0)
+        l1, m1, h1 = _digits(e0, s1, n1)
+        e = e0
+        while e < e1:
+            n_a, step0 = _run_of(s0, n0, l0, m0)
+            n_b, step1 = _run_of(s1, n1, l1, m1)
+            k = min(n_a, n_b, e1 - e)
+            ri, ci = rb + h0 * s0 + l0, cb + h1 * s1 + l1
+            o, x = out[base + e : base + e + k], g[base + e : base + e + k]
+            for t in range(k):
+                o[t] = np.float64(x[t]) * rf[ri + step0 * t] * cf[ci + step1 * t]
+            l0, m0, h0 = _advance(s0, n0, l0, m0, h0, k)
+            l1, m1, h1 = _advance(s1, n1, l1, m1, h1, k)
+            e += k
+    else:  # v = decay v + (1 - decay) (g^2 + eps); out = g v^-1/2, in the buffers' dtype
+        decay, one_minus, eps = c
+        vb = meta[r, F_VBASE]
+        n = e1 - e0
+        o, x, w = out[base + e0 : base + e1], g[base + e0 : base + e1], v[vb + e0 : vb + e0 + n]
+        for t in range(n):
+            w[t] = _rms_moment(w[t], x[t], decay, one_minus, eps)
+            o[t] = x[t] / math.sqrt(w[t])  # optax's v^-1/2 (XLA's rsqrt), not a pow
+
+
+@_cache.cached
+@njit(parallel=True, error_model="numpy")
+def _factored_parallel(out, g, v, meta, items, rf, cf, c):  # pragma: no cover - compiled
+    for b in prange(items.shape[0]):
+        _factored_item(out, g, v, meta, items, rf, cf, c, b)
+
+
+@_cache.cached
+@njit(error_model="numpy")
+def _factored_serial(out, g, v, meta, items, rf, cf, c):  # pragma: no cover - compiled
+    for b in range(items.shape[0]):
+        _factored_item(out, g, v, meta, items, rf, cf, c, b)
+
+
+def factored_scale_(out, g, v, table: FactorTable, rf, cf, decay, one_minus, eps):
+    """Adafactor's pass over one dtype group (see `numbaccum.tables.FactorTable`): a factored
+    leaf's ``out = g * rf[row] * cf[col]`` (float64 arithmetic, one rounding), an unfactored
+    one's ``v = decay v + one_minus (g^2 + eps)``, ``out = g v^(-1/2)`` in the compute dtype
+    (float16 and bfloat16 through float32 copies)."""
+    if _has_f16(out, g, v):
+        return _staged(
+            lambda o, x, w: factored_scale_(o, x, w, table, rf, cf, decay, one_minus, eps), (0, 2), out, g, v
+        )
+    items = table.items(_config.REDUCE_BLOCK)
+    if not items.shape[0]:
+        return None
+    t = np.result_type(v.dtype, g.dtype).type
+    c = (t(decay), t(one_minus), t(eps))
+    args = (
+        out,
+        g,
+        v,
+        table.meta,
+        items,
+        np.ascontiguousarray(rf, np.float64),
+        np.ascontiguousarray(cf, np.float64),
+        c,
+    )
+    return _guarded(g.size, _pick((_factored_parallel, _factored_serial), g.size), *args)
+
+
+# --- SM3's pass: the smallest of each element's axis statistics --------------------------------
+
+
+@_jit
+def _sm3_item(out, g, nu, acc, meta, axes, items, mu, mu_new, c, b):  # pragma: no cover - compiled
+    """One item of `sm3_update_`: a run of one leaf's elements, its axis indices advanced digit
+    by digit (row-major), not divided out per element."""
+    r, e0, e1 = items[b, 0], items[b, 1], items[b, 2]
+    base, nd, first = meta[r, 0], meta[r, 2], meta[r, 3]
+    c0, c1, eps, one_minus_b1, b1, zero, one = c
+    idx = np.empty(nd, np.int64)
+    for i in range(nd):
+        idx[i] = (e0 // axes[first + i, 1]) % axes[first + i, 0]
+    for e in range(e0, e1):
+        m = mu[axes[first, 2] + idx[0]]
+        for i in range(1, nd):
+            m = _nan_min(m, mu[axes[first + i, 2] + idx[i]])
+        k = base + e
+        a, n = _sm3_moment(g[k], m, nu[k], c0, c1, eps, one_minus_b1, b1, zero, one)
+        acc[k] = a
+        nu[k] = n
+        out[k] = n
+        for i in range(nd):
+            if axes[first + i, 3]:
+                mu_new[axes[first + i, 2] + idx[i]] = a
+        i = nd - 1
+        while i >= 0:
+            idx[i] += 1
+            if idx[i] < axes[first + i, 0]:
+                break
+            idx[i] = 0
+            i -= 1
+
+
+@_cache.cached
+@njit(parallel=True, error_model="numpy")
+def _sm3_parallel(out, g, nu, acc, meta, axes, items, mu, mu_new, c):  # pragma: no cover - compiled
+    for b in prange(items.shape[0]):
+        _sm3_item(out, g, nu, acc, meta, axes, items, mu, mu_new, c, b)
+
+
+@_cache.cached
+@njit(error_model="numpy")
+def _sm3_serial(out, g, nu, acc, meta, axes, items, mu, mu_new, c):  # pragma: no cover - compiled
+    for b in range(items.shape[0]):
+        _sm3_item(out, g, nu, acc, meta, axes, items, mu, mu_new, c, b)
+
+
+def sm3_update_(out, g, nu, acc, table: AxisTable, mu, c0, c1, eps, b1):
+    """SM3's pass over one dtype group (`numbaccum.tables.AxisTable`, `tables.sm3_moment`):
+    ``acc`` gets each element's new accumulator, ``nu`` its momentum, ``out`` the update (= nu),
+    in the buffers' dtype (float16 and bfloat16 through float32 copies); ``mu`` is the group's
+    axis statistics (host), whose entries along ``direct`` axes are replaced by the new ones."""
+    if _has_f16(out, g, nu, acc):
+        return _staged(
+            lambda o, x, n, a: sm3_update_(o, x, n, a, table, mu, c0, c1, eps, b1), (0, 2, 3), out, g, nu, acc
+        )
+    items = table.items(_config.REDUCE_BLOCK)
+    if not items.shape[0]:
+        return None
+    t = np.result_type(nu.dtype, g.dtype).type
+    c = (t(c0), t(c1), t(eps), t(1.0 - b1), t(b1), t(0), t(1))
+    old = np.array(mu, t)  # read while the direct entries are written
+    args = (out, g, nu, acc, table.meta, table.axes, items, old, mu, c)
+    if mu.dtype != old.dtype:  # float16/bfloat16 statistics: written through a copy
+        new = old.copy()
+        args = (*args[:8], new, c)
+        _guarded(g.size, _pick((_sm3_parallel, _sm3_serial), g.size), *args)
+        mu[...] = new
+        return None
+    return _guarded(g.size, _pick((_sm3_parallel, _sm3_serial), g.size), *args)
 
 
 # --- a global norm, finished by the caller's formula --------------------------------------------

@@ -36,26 +36,57 @@ from .. import _config, formulas
 from ..arrays import data_pointer, stream, stream_handle
 from ..contract import Factor
 from ..tables import (
+    F_BASE,
+    F_CBASE,
+    F_KIND,
+    F_N0,
+    F_N1,
+    F_RBASE,
+    F_S0,
+    F_S1,
+    F_VBASE,
+    FACTORED,
     FIRST,
     MAX,
     MIN,
     NSLICES,
     SUM,
+    AxisMaxima,
+    AxisSums,
+    AxisTable,
+    FactorTable,
     Table,
     combine,
     compiled,
     element_offset,
+    nan_max,
+    nan_min,
     needs_scaling,
     norm_scale,
     pnorm_factor,
     pnorm_kind,
     rescued_norm,
+    rms_moment,
     slice_start,
+    sm3_moment,
+    without_axis,
 )
 from . import driver
 from .cache import cached
 
-__all__ = ["KINDS", "apply_", "divide_", "ema_update_", "global_norm_finish_", "reduce", "rescale_"]
+__all__ = [
+    "KINDS",
+    "apply_",
+    "axis_max_",
+    "axis_sumsq",
+    "divide_",
+    "ema_update_",
+    "factored_scale_",
+    "global_norm_finish_",
+    "reduce",
+    "rescale_",
+    "sm3_update_",
+]
 
 _dev_inline = cuda.jit(device=True, inline=True)
 _slice_start = cuda.jit(device=True)(slice_start)
@@ -66,6 +97,11 @@ _rescued_norm = cuda.jit(device=True)(rescued_norm)
 _ema = formulas.compile_formula(formulas.ema.fn, _dev_inline)
 _pnorm_factor = compiled(pnorm_factor, _dev_inline)
 _read = driver.read
+_without_axis = cuda.jit(device=True)(without_axis)
+_rms_moment = _dev_inline(rms_moment)
+_nan_min = _dev_inline(nan_min)
+_nan_max = _dev_inline(nan_max)
+_sm3_moment = _dev_inline(sm3_moment)
 
 # Reduction kinds (the same names as the CPU engine's) -> (code, fold).
 KINDS = {
@@ -625,6 +661,160 @@ def ema_update_(ema, g, factor: Factor, table: Table, active, one_minus_decay, d
         t = ctype.type
         args = (ema, g, div, mul, fac, rows, items, act, t(one_minus_decay), t(decay), t(1))
         _launch(_ema_kernel(mode), work.items.shape[0], args)
+
+
+@cached
+@cuda.jit
+def _axis_sums(x, jobs, job_of, out):  # pragma: no cover - compiled
+    o = cuda.grid(1)
+    while o < job_of.size:  # grid-stride: one sum per thread at a time
+        j = job_of[o]
+        acc = 0.0
+        if j >= 0:
+            base, K, B = jobs[j, 0], jobs[j, 2], jobs[j, 3]
+            local = o - jobs[j, 4]
+            a, b = local // B, local % B
+            for k in range(K):  # in k order; neighbouring threads read neighbouring elements
+                w = np.float64(x[base + (a * K + k) * B + b])
+                acc += w * w
+        out[o] = acc
+        o += cuda.gridsize(1)
+
+
+def axis_sumsq(x, sums: AxisSums) -> np.ndarray:
+    """The sums of squares of `numbaccum.tables.AxisSums` (one thread each), float64 on the
+    host (0 where no job writes)."""
+    if not sums.n_out:
+        return np.zeros(0, np.float64)
+    job_of = sums.device.get("cuda")
+    if job_of is None:
+        owner = np.full(sums.n_out, -1, np.int64)
+        for j, (_, A, _, B, obase) in enumerate(sums.jobs.tolist()):
+            owner[obase : obase + A * B] = j
+        jobs = sums.jobs if sums.jobs.size else np.zeros((1, 5), np.int64)
+        job_of = sums.device["cuda"] = (cuda.to_device(jobs), cuda.to_device(owner))
+    out = cuda.device_array(sums.n_out, np.float64, stream=stream())
+    blocks, tpb = driver.grid(sums.n_out)
+    driver.LAUNCHES[0] += 1
+    _axis_sums[blocks, tpb, stream()](x, job_of[0], job_of[1], out)
+    return out.copy_to_host(stream=stream())
+
+
+@cached
+@cuda.jit
+def _axis_max(x, jobs, job_of, out):  # pragma: no cover - compiled
+    t = cuda.grid(1)
+    while t < job_of.shape[0]:  # grid-stride: one maximum per thread at a time
+        j = job_of[t, 0]
+        k = job_of[t, 1]
+        base, A, K, B = jobs[j, 0], jobs[j, 1], jobs[j, 2], jobs[j, 3]
+        m = -math.inf
+        for a in range(A):
+            for b in range(B):
+                m = _nan_max(m, np.float64(x[base + (a * K + k) * B + b]))
+        out[t] = m
+        t += cuda.gridsize(1)
+
+
+def axis_max_(out, x, maxima: AxisMaxima):
+    """``out[maxima.where]`` = the maxima of `numbaccum.tables.AxisMaxima` (one thread each;
+    ``out`` a host array)."""
+    if not maxima.where.size:
+        return
+    dev = maxima.device.get("cuda")
+    if dev is None:
+        pairs = np.array([(j, k) for j, (_, _, K, _, _) in enumerate(maxima.jobs.tolist()) for k in range(K)])
+        dev = maxima.device["cuda"] = (cuda.to_device(maxima.jobs), cuda.to_device(pairs.astype(np.int64)))
+    res = cuda.device_array(maxima.where.size, np.float64, stream=stream())
+    blocks, tpb = driver.grid(maxima.where.size)
+    driver.LAUNCHES[0] += 1
+    _axis_max[blocks, tpb, stream()](x, dev[0], dev[1], res)
+    out[maxima.where] = res.copy_to_host(stream=stream())
+
+
+@cached
+@cuda.jit
+def _factored(out, g, v, meta, items, rf, cf, one, decay, one_minus, eps):  # pragma: no cover
+    b = cuda.blockIdx.x
+    r, e0, e1 = items[b, 0], items[b, 1], items[b, 2]
+    base = meta[r, F_BASE]
+    e = e0 + cuda.threadIdx.x
+    if meta[r, F_KIND] == FACTORED:
+        s0, n0, s1, n1 = meta[r, F_S0], meta[r, F_N0], meta[r, F_S1], meta[r, F_N1]
+        rb, cb = meta[r, F_RBASE], meta[r, F_CBASE]
+        while e < e1:
+            f = rf[rb + _without_axis(e, s0, n0)] * cf[cb + _without_axis(e, s1, n1)]
+            out[base + e] = np.float64(g[base + e]) * f
+            e += cuda.blockDim.x
+    else:
+        vb = meta[r, F_VBASE]
+        while e < e1:
+            x = g[base + e] * one  # in the compute dtype (float32 for float16)
+            v[vb + e] = _rms_moment(v[vb + e], x, decay, one_minus, eps)
+            out[base + e] = x / math.sqrt(v[vb + e])  # optax's v^-1/2 (XLA's rsqrt), not a pow
+            e += cuda.blockDim.x
+
+
+def factored_scale_(out, g, v, table: FactorTable, rf, cf, decay, one_minus, eps):
+    """Adafactor's pass over one dtype group (`numbaccum.tables.FactorTable`): one launch; the
+    row and column factors (host float64) are copied to the device."""
+    items = table.items(_config.CUDA_REDUCE_BLOCK)
+    if not items.shape[0]:
+        return
+    dev = table.device.get("cuda")
+    if dev is None:
+        dev = table.device["cuda"] = (cuda.to_device(table.meta), cuda.to_device(items))
+    t = np.result_type(v.dtype, g.dtype, np.float32).type
+    rf_d = cuda.to_device(
+        np.ascontiguousarray(rf if np.size(rf) else np.zeros(1), np.float64), stream=stream()
+    )
+    cf_d = cuda.to_device(
+        np.ascontiguousarray(cf if np.size(cf) else np.zeros(1), np.float64), stream=stream()
+    )
+    args = (out, g, v, *dev, rf_d, cf_d, t(1), t(decay), t(one_minus), t(eps))
+    _launch(_factored, items.shape[0], args)
+
+
+@cached
+@cuda.jit
+def _sm3(
+    out, g, nu, acc, meta, axes, items, mu, mu_new, one, c0, c1, eps, one_minus_b1, b1, zero
+):  # pragma: no cover
+    b = cuda.blockIdx.x
+    r, e0, e1 = items[b, 0], items[b, 1], items[b, 2]
+    base, nd, first = meta[r, 0], meta[r, 2], meta[r, 3]
+    e = e0 + cuda.threadIdx.x
+    while e < e1:
+        m = mu[axes[first, 2] + (e // axes[first, 1]) % axes[first, 0]]
+        for i in range(1, nd):
+            m = _nan_min(m, mu[axes[first + i, 2] + (e // axes[first + i, 1]) % axes[first + i, 0]])
+        k = base + e
+        a, n = _sm3_moment(g[k] * one, m, nu[k], c0, c1, eps, one_minus_b1, b1, zero, one)  # compute dtype
+        acc[k] = a
+        nu[k] = n
+        out[k] = n
+        for i in range(nd):
+            if axes[first + i, 3]:
+                mu_new[axes[first + i, 2] + (e // axes[first + i, 1]) % axes[first + i, 0]] = a
+        e += cuda.blockDim.x
+
+
+def sm3_update_(out, g, nu, acc, table: AxisTable, mu, c0, c1, eps, b1):
+    """SM3's pass over one dtype group (`numbaccum.tables.AxisTable`): one launch; the axis
+    statistics (host) go to the device and come back with their ``direct`` entries replaced."""
+    items = table.items(_config.CUDA_REDUCE_BLOCK)
+    if not items.shape[0]:
+        return
+    dev = table.device.get("cuda")
+    if dev is None:
+        dev = table.device["cuda"] = tuple(cuda.to_device(a) for a in (table.meta, table.axes, items))
+    t = np.result_type(nu.dtype, g.dtype, np.float32).type
+    host = np.array(mu if np.size(mu) else np.zeros(1), t)
+    old, new = cuda.to_device(host, stream=stream()), cuda.to_device(host, stream=stream())
+    args = (out, g, nu, acc, *dev, old, new, t(1), t(c0), t(c1), t(eps), t(1.0 - b1), t(b1), t(0))
+    _launch(_sm3, items.shape[0], args)
+    if np.size(mu):
+        mu[...] = new.copy_to_host(stream=stream())
 
 
 def dot(x: Any, y: Any) -> float:

@@ -231,6 +231,26 @@ MUTATIONS = [
         "    return type(one)(1.0 - float(d) ** int(count))\n",
         "rounding",
     ),
+    # Sophia (numbaccum/contrib.py): the new nu in the ratio instead of the previous one, and the
+    # estimate taken at the count after the step instead of optax's count before it
+    Mutation(
+        "sophia_new_nu_in_ratio",
+        "numbaccum/contrib.py",
+        "    u = (m / bc1) / maximum(gamma * nu, eps)\n    if clipping:\n"
+        "        u = minimum(maximum(u, -clip_threshold), clip_threshold)\n"
+        "    v = one_minus_b2 * h + b2 * nu if hessian_step else nu\n",
+        "    v = one_minus_b2 * h + b2 * nu if hessian_step else nu\n"
+        "    u = (m / bc1) / maximum(gamma * v, eps)\n    if clipping:\n"
+        "        u = minimum(maximum(u, -clip_threshold), clip_threshold)\n",
+        "bug",
+    ),
+    Mutation(
+        "sophia_hessian_step_after",
+        "numbaccum/contrib.py",
+        "hessian_step = int(state.count) % interval == 0",
+        "hessian_step = (int(state.count) + 1) % interval == 0",
+        "bug",
+    ),
 ]
 
 
