@@ -136,22 +136,17 @@ def _factoring(layout: Layout, factored: bool, min_dim: int) -> _Factoring:
     v_row, v_col, v = (Layout.get(layout.treedef, shapes(w), layout.dtypes, keys) for w in range(3))
     rows, cols, row_len, col_len, row_act, col_act, means, means_len, passes = ([] for _ in range(9))
     for gi, members in enumerate(layout.groups):
-        cut_r, cut_c, cut_m, meta, job_r, job_c = [], [], [], [], [], []
+        cut_m, meta, job_r, job_c = [], [], [], []
         for j, leaf in enumerate(members):
             shape, size, d = layout.shapes[leaf], layout.sizes[leaf], dims[leaf]
             base = int(layout.offsets[gi][j])
             rbase, cbase = int(v_row.offsets[gi][j]), int(v_col.offsets[gi][j])
             vbase = int(v.offsets[gi][j])
-            if d is None:
-                whole = [(size, 1)] if size != 1 else []  # one inactive slice: v_row's (1,)
-                cut_r.append((base, [], whole, False))
-                cut_c.append((base, [], whole, False))
+            if d is None:  # v_row's and v_col's (1,) are never read
                 cut_m.append((rbase, [], [], False))
                 meta.append((base, size, UNFACTORED, 1, 1, 1, 1, rbase, cbase, vbase))
                 continue
             d1, d0 = d
-            cut_r.append((base, *_runs(shape, frozenset((d0,))), True))
-            cut_c.append((base, *_runs(shape, frozenset((d1,))), True))
             rshape = v_row.shapes[leaf]
             cut_m.append((rbase, *_runs(rshape, frozenset((d1 - 1 if d1 > d0 else d1,))), True))
             st = _strides(shape)
@@ -159,15 +154,20 @@ def _factoring(layout: Layout, factored: bool, min_dim: int) -> _Factoring:
             # the leaf as (A, K, B) around each summed axis: v_row's elements are its (a, b)
             job_r.append((base, size // (shape[d0] * st[d0]), shape[d0], st[d0], rbase))
             job_c.append((base, size // (shape[d1] * st[d1]), shape[d1], st[d1], cbase))
-        r, c, m = slice_table(cut_r), slice_table(cut_c), slice_table(cut_m)
-        for table, lens, act in ((r, row_len, row_act), (c, col_len, col_act), (m, means_len, None)):
-            rw = table.rows
-            lens.append(np.repeat(rw[:, 3], rw[:, 2]).astype(np.float64))  # SLEN per slice
-            if act is not None:
-                act.append(np.repeat(rw[:, 4], rw[:, 2]).astype(bool))  # ACTIVE per slice
-        rows.append(AxisSums(np.array(job_r, np.int64), r.nslices))
-        cols.append(AxisSums(np.array(job_c, np.int64), c.nslices))
+        for jobs, stats, sums, lens, act in (
+            (job_r, v_row, rows, row_len, row_act),
+            (job_c, v_col, cols, col_len, col_act),
+        ):
+            n = stats.group_sizes[gi]
+            sums.append(AxisSums(np.array(jobs, np.int64), n))
+            lens.append(np.ones(n))  # per statistic: the elements its sum has, K
+            act.append(np.zeros(n, bool))  # whether a factored leaf owns it
+            for _, A, K, B, o in jobs:
+                lens[-1][o : o + A * B] = K
+                act[-1][o : o + A * B] = True
+        m = slice_table(cut_m)
         means.append(m)
+        means_len.append(np.repeat(m.rows[:, 3], m.rows[:, 2]).astype(np.float64))  # SLEN per slice
         passes.append(FactorTable(np.array(meta, np.int64)))
     out = _Factoring(
         dims,
