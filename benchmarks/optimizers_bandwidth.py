@@ -6,7 +6,7 @@ weight_decay=1e-2)`` (A, B, A, B, ...), and the row reports its bandwidth (bytes
 time) as a fraction of adamw's measured in the same rounds. GPT-2-small shapes, float32
 (``--scale`` keeps a fraction of every leaf's rows).
 
-    PYTHONPATH=.:benchmarks python benchmarks/optimizers_bandwidth.py [--scale 0.5] [--repeats 9]
+    PYTHONPATH=.:benchmarks python benchmarks/optimizers_bandwidth.py [--scale 0.5] [--repeats 9] [--only NAME ...]
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--scale", type=float, default=0.5)
     ap.add_argument("--repeats", type=int, default=9)
+    ap.add_argument("--only", nargs="+", choices=sorted(OPTIMIZERS), help="these optimizers (default: all)")
     args = ap.parse_args()
     shapes = _shrink(workloads.gpt2_small_shapes(), args.scale)
     rng = np.random.default_rng(0)
@@ -53,8 +54,8 @@ def main() -> None:
     print(f"{machine}, {n / 1e6:.1f}M float32 parameters, {args.repeats} rounds")
     print("| optimizer | B/param (minimum) | median ms | adamw ms (same rounds) | bandwidth / adamw's |")
     print("| --- | --- | --- | --- | --- |")
-    for name, make in OPTIMIZERS.items():
-        tx = make()
+    for name in args.only or OPTIMIZERS:
+        tx = OPTIMIZERS[name]()
         e = nba.explain(tx, params, apply=True)
         rows = _time(
             [(name, _ours_step(tx, params, grads)), ("adamw", _ours_step(base, params, grads))], args.repeats

@@ -81,16 +81,17 @@ ONE = Factor()
 
 
 def cast_scalars(values: Any, t: type) -> list:
-    """``values`` as scalars of the compute type ``t`` (bools kept), as a kernel call takes
-    them. A Python float's cast is remembered (a step's constants are cast once, not every
-    step: a small tree's step costs microseconds); +-0 are kept apart (they compare equal)."""
+    """``values`` as scalars of the compute type ``t`` (bools and uint32 words kept: a noise
+    key's), as a kernel call takes them. A Python float's cast is remembered (a step's constants
+    are cast once, not every step: a small tree's step costs microseconds); +-0 are kept apart
+    (they compare equal)."""
     memo = _CASTS.get(t)
     if memo is None or len(memo) > 4096:  # bounded: a schedule may give a new value every step
         memo = _CASTS[t] = {}
     out = []
     for v in values:
         tv = type(v)
-        if tv is t or tv is bool or tv is np.bool_:  # a kept plan's tick cast most already
+        if tv is t or tv is bool or tv is np.bool_ or tv is np.uint32:  # a kept plan's tick cast most already
             out.append(v)
         elif tv is float:
             key = v if v else "-0" if math.copysign(1.0, v) < 0 else "+0"

@@ -3,9 +3,11 @@
 A formula is a plain function of scalars. Its `Formula` declaration says how a driver feeds it
 from flat buffers: the *states* it reads and writes back, the *inputs* it only reads (the first
 one is the gradient, read through the pending `numbaccum.contract.Factor`), the *outputs* it only
-writes, and the per-step *scalars* (cast to the buffer dtype before the call). The function takes
-``(*states, *inputs, *scalars)`` and returns the new states followed by the outputs (a tuple, or
-one value when it writes one buffer).
+writes, and the per-step *scalars* (cast to the buffer dtype before the call; bools and NumPy
+integers, such as a noise key's words, pass as they are). The function takes
+``(*states, *inputs, *scalars)``, and an *indexed* formula the element's index in its buffers
+last; it returns the new states followed by the outputs (a tuple, or one value when it writes
+one buffer).
 
 The CPU driver (`numbaccum.cpu.driver`) compiles a formula with ``numba.njit(inline="always")``
 into a parallel loop, the CUDA driver (`numbaccum.cuda.driver`) with ``cuda.jit(device=True)``
@@ -45,6 +47,8 @@ class Formula(NamedTuple):
         inputs: buffers only read; ``inputs[0]`` is read through the pending factor.
         outputs: buffers only written.
         scalars: per-step scalars, in order.
+        indexed: the function also takes, last, the element's index in its buffers (an int64):
+            what a formula that draws noise per element (`normal`) counts from.
     """
 
     fn: Callable
@@ -52,6 +56,7 @@ class Formula(NamedTuple):
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
     scalars: tuple[str, ...]
+    indexed: bool = False
 
     @property
     def name(self) -> str:
@@ -75,7 +80,9 @@ _REGISTRY: dict[str, Formula] = {}
 _REGISTRY_LOCK = threading.Lock()
 
 
-def formula(states: tuple = (), inputs: tuple = (), outputs: tuple = (), scalars: tuple = ()) -> Callable:
+def formula(
+    states: tuple = (), inputs: tuple = (), outputs: tuple = (), scalars: tuple = (), indexed: bool = False
+) -> Callable:
     """Declares ``fn`` as a `Formula` (the module attribute becomes the declaration) and
     registers it under ``fn.__name__`` (see `registered`).
 
@@ -86,7 +93,7 @@ def formula(states: tuple = (), inputs: tuple = (), outputs: tuple = (), scalars
     """
 
     def declare(fn: Callable) -> Formula:
-        f = Formula(fn, tuple(states), tuple(inputs), tuple(outputs), tuple(scalars))
+        f = Formula(fn, tuple(states), tuple(inputs), tuple(outputs), tuple(scalars), indexed)
         with _REGISTRY_LOCK:
             old = _REGISTRY.get(f.name)
             if old is not None and _origin(old.fn) != _origin(fn):
@@ -342,6 +349,128 @@ def next_abs_ema(e, v, one_minus_decay, decay, init, fresh):
     if fresh:
         e = a * init
     return one_minus_decay * a + decay * e
+
+
+# --- counter-based Gaussian noise (add_noise) ----------------------------------------------------
+# Each element's normal is a function of its index: Philox4x32-10 (Salmon et al., "Parallel random
+# numbers: as easy as 1, 2, 3", SC 2011; cuRAND's default generator), keyed by the 64-bit seed, of
+# the counter (index, step, group), then Box-Muller. No state, no buffer of draws, the same value
+# for any thread count, chunk and backend: a kernel computes its elements' noise where it uses it.
+# The transform is written in float64 arithmetic only (a polynomial log and sine, no libm call),
+# so that LLVM vectorises the loop around it (math.log and math.cos keep it scalar: 3x slower).
+# Written in uint64 so that NumPy (the CUDA simulator) never warns of a wrapping uint32 sum.
+
+_MASK32, _32 = np.uint64(0xFFFFFFFF), np.uint64(32)
+_PHILOX_M0, _PHILOX_M1 = np.uint64(0xD2511F53), np.uint64(0xCD9E8D57)
+_PHILOX_W0, _PHILOX_W1 = np.uint64(0x9E3779B9), np.uint64(0xBB67AE85)
+_LN2 = 0.6931471805599453
+_SQRT_HALF = 0.7071067811865476
+
+
+def philox4x32(c0, c1, c2, c3, k0, k1):
+    """The four 32-bit words (as uint64) of Philox4x32-10 for counter ``(c0, c1, c2, c3)`` and
+    key ``(k0, k1)`` (each a 32-bit value): Random123's ten rounds, its known answers."""
+    c0, c1, c2, c3 = np.uint64(c0), np.uint64(c1), np.uint64(c2), np.uint64(c3)
+    k0, k1 = np.uint64(k0), np.uint64(k1)
+    for _ in range(10):
+        p0 = c0 * _PHILOX_M0  # exact: both factors are below 2**32
+        p1 = c2 * _PHILOX_M1
+        c0, c1, c2, c3 = (p1 >> _32) ^ c1 ^ k0, p1 & _MASK32, (p0 >> _32) ^ c3 ^ k1, p0 & _MASK32
+        k0 = (k0 + _PHILOX_W0) & _MASK32
+        k1 = (k1 + _PHILOX_W1) & _MASK32
+    return c0, c1, c2, c3
+
+
+def log_unit(u):
+    """ln(u) for a float64 u in (0, 1], to 1 ulp: u = m 2^e with m in [sqrt(1/2), sqrt(2)), then
+    ln m = 2 atanh(s), s = (m - 1) / (m + 1), |s| < 0.172, summed to s^21."""
+    b = np.float64(u).view(np.uint64)
+    e = np.float64(np.int64(b >> np.uint64(52)) - 1023)
+    m = np.uint64((b & np.uint64(0xFFFFFFFFFFFFF)) | np.uint64(0x3FF0000000000000)).view(np.float64)
+    if m > 1.4142135623730951:
+        m *= 0.5
+        e += 1.0
+    s = (m - 1.0) / (m + 1.0)
+    z = s * s
+    p = 1 / 19 + z / 21
+    p = 1 / 17 + z * p
+    p = 1 / 15 + z * p
+    p = 1 / 13 + z * p
+    p = 1 / 11 + z * p
+    p = 1 / 9 + z * p
+    p = 1 / 7 + z * p
+    p = 1 / 5 + z * p
+    p = 1 / 3 + z * p
+    p = 1.0 + z * p
+    return e * _LN2 + 2.0 * s * p
+
+
+def sin_pi(t):
+    """sin(pi t) for |t| <= 1/2, to 1 ulp: its Taylor series to x^19 (the next term is below
+    2**-53 of the sum)."""
+    x = math.pi * t
+    z = x * x
+    p = 1 / 355687428096000 - z / 121645100408832000
+    p = -1 / 1307674368000 + z * p
+    p = 1 / 6227020800 + z * p
+    p = -1 / 39916800 + z * p
+    p = 1 / 362880 + z * p
+    p = -1 / 5040 + z * p
+    p = 1 / 120 + z * p
+    p = -1 / 6 + z * p
+    return x + x * z * p
+
+
+def cos_pi(t):
+    """cos(pi t) for |t| <= 1/2, to 1 ulp: its Taylor series to x^20."""
+    x = math.pi * t
+    z = x * x
+    p = -1 / 6402373705728000 + z / 2432902008176640000
+    p = 1 / 20922789888000 + z * p
+    p = -1 / 87178291200 + z * p
+    p = 1 / 479001600 + z * p
+    p = -1 / 3628800 + z * p
+    p = 1 / 40320 + z * p
+    p = -1 / 720 + z * p
+    p = 1 / 24 + z * p
+    p = -0.5 + z * p
+    return 1.0 + z * p
+
+
+def box_muller(k0, k1, step, group, index):
+    """``(r, t)`` of element ``index``'s Box-Muller pair, ``r = sqrt(-2 ln u)`` and ``t - 1/2``
+    for the angle ``2 pi t``: u in (0, 1) from 53 bits of the first two Philox words (the tail
+    reaches 8.6 standard deviations), t from the third."""
+    i = np.int64(index)
+    w0, w1, w2, _ = philox4x32(np.uint64(i) & _MASK32, np.uint64(i) >> _32, step, group, k0, k1)
+    u = (np.float64((w0 << np.uint64(21)) | (w1 >> np.uint64(11))) + 0.5) * 1.1102230246251565e-16  # 2**-53
+    return math.sqrt(-2.0 * log_unit(u)), np.float64(w2) * 2.3283064365386963e-10 - 0.5  # 2**-32
+
+
+def normal(k0, k1, step, group, index):
+    """The standard normal of element ``index`` (float64): ``r cos(2 pi t)`` of its `box_muller`
+    pair (``cos(2 pi t) = 2 sin^2(pi (t - 1/2)) - 1``). A complex kernel draws `complex_normal`."""
+    r, h = box_muller(k0, k1, step, group, index)
+    s = sin_pi(h)
+    return r * (2.0 * s * s - 1.0)
+
+
+def complex_normal(k0, k1, step, group, index):
+    """The complex standard normal of element ``index`` (complex128, ``E|z|^2 = 1`` as JAX's):
+    both parts of its `box_muller` pair, each of variance 1/2."""
+    r, h = box_muller(k0, k1, step, group, index)
+    s, c = sin_pi(h), cos_pi(h)
+    r *= _SQRT_HALF
+    return complex(r * (2.0 * s * s - 1.0), -2.0 * r * s * c)
+
+
+COMPLEX_HELPERS["normal"] = complex_normal
+
+
+def like(x, v):
+    """``v`` in the type of ``x`` (a draw rounded to a formula's compute dtype, as a buffer of
+    draws in that dtype would hold it)."""
+    return type(x)(v)
 
 
 # --- the formulas ----------------------------------------------------------------------------

@@ -597,8 +597,8 @@ def _walk(parts: list, gi: int, d: np.dtype, ins: list, mode: int) -> tuple:
         its = ins[n_in : n_in + n]
         n_in += n
         c = compute_dtype(*(a.dtype for a in sts), d, *(a.dtype for a in its), d)
-        bools = tuple(isinstance(v, (bool, np.bool_)) for v in p.scalars[gi])
-        ops.append(("kernel", p.formula.name, c.name, pend == "host", len(sts), n, bools))
+        raw = tuple(isinstance(v, (bool, np.bool_, np.uint32)) for v in p.scalars[gi])  # passed as they are
+        ops.append(("kernel", p.formula.name, c.name, pend == "host", len(sts), n, raw, p.formula.indexed))
         if pend == "host":
             recipe.append((src, None))
         recipe.append((k, gi))
@@ -777,9 +777,11 @@ def composite_source(key: tuple) -> tuple[str, str, tuple, tuple, tuple, tuple]:
     ``key = (dtype, raw_input, ops, has_output, inplace)``: the group's storage dtype; whether
     the input arrives already scaled by a device factor (kept in the driver's dtype, not
     rounded); whether there is an output, and whether it is the input buffer itself; and the
-    ops, each ``("kernel", formula, compute dtype, reads a factor, n_states, n_inputs,
-    bool scalars)``, ``("settle",)`` (a factor applied and rounded), ``("cast",)`` (a device
-    factor's value rounded) or ``("apply", compute dtype)`` (``params += value``)."""
+    ops, each ``("kernel", formula, compute dtype, reads a factor, n_states, n_inputs, which
+    scalars pass uncast (bools, uint32 words), indexed)``, ``("settle",)`` (a factor applied
+    and rounded), ``("cast",)`` (a device factor's value rounded) or ``("apply", compute
+    dtype)`` (``params += value``). The composite is indexed (takes the element's index last)
+    when one of its formulas is."""
     d, raw_input, ops, has_output, inplace = key
     name = "fused_" + hashlib.sha1(repr(key).encode()).hexdigest()[:16]
     # The group's values are rounded to its storage dtype ``d`` between parts, and its settled
@@ -821,10 +823,11 @@ def composite_source(key: tuple) -> tuple[str, str, tuple, tuple, tuple, tuple]:
     returns = new_states + (["v"] if has_output else [])
     if inplace:  # x is the last state: its new value is the output
         states, inputs = [*states, "x"], inputs[1:]
-    params = states + inputs + (scalars or [])
+    indexed = any(op[0] == "kernel" and op[7] for op in ops)
+    params = states + inputs + (scalars or []) + (["idx"] if indexed else [])
     src = f"def {name}({', '.join(params)}):\n" + "\n".join(body) + f"\n    return {', '.join(returns)}\n"
     outputs = ("out",) if has_output and not inplace else ()
-    return name, src, tuple(states), tuple(inputs), outputs, tuple(scalars)
+    return name, src, tuple(states), tuple(inputs), outputs, tuple(scalars), indexed
 
 
 def _call_formula(
@@ -843,7 +846,7 @@ def _call_formula(
     states, extra inputs (the params read through the apply's state when ``aliased``) and
     scalars as new arguments; its new states and the new running value ``v``. Returns the
     number of inputs seen so far."""
-    _, fname, c, factored, n_states, n_inputs, bools = op
+    _, fname, c, factored, n_states, n_inputs, raw, indexed = op
     rc = _REAL.get(c, c)  # the scalars' dtype: real for a complex group (optax's real * complex)
     # Names of this call's own: numba gives a variable one type for the whole function, so a
     # ``g`` of float64 in one part and float32 in the next would be float64 in both (and the
@@ -865,12 +868,14 @@ def _call_formula(
             ins.append(f"x{len(inputs)}")
             inputs.append(ins[-1])
         n_in += 1
-    scs = [scalar() if b else f"as_{rc}({scalar()})" for b in bools]
+    scs = [scalar() if b else f"as_{rc}({scalar()})" for b in raw]
     # The driver reads every array in the call's widest compute dtype (a float64 accumulator
     # elsewhere in the chain makes it float64): this part's states and inputs are cast to its
     # own (exactly: it is at least as wide as their storage), so that it computes as its
     # separate pass does.
     args = [f"as_{c}({a})" for a in sts] + [g] + [f"as_{c}({a})" for a in ins] + scs
+    if indexed:  # the element's index, which the composite takes last
+        args.append("idx")
     body.append(f"    {r} = {fname}({', '.join(args)})")
     if n_states == 0:
         body.append(f"    v = {_rounding(d, c)}({r})")
@@ -899,7 +904,7 @@ def _rounding(d: str, c: str) -> str:
 
 
 def _make_composite(key: tuple, callees: tuple[F.Formula, ...]) -> F.Formula:
-    name, src, states, inputs, outputs, scalars = composite_source(key)
+    name, src, states, inputs, outputs, scalars, indexed = composite_source(key)
     # The formulas it calls, in its globals: not for running (`numbaccum.formulas.compile_formula`
     # binds their compiled selves) but for its `code_digest`, the key of its kernels on disk,
     # which then covers their code: a formula declared outside the package (whose edits the
@@ -908,7 +913,7 @@ def _make_composite(key: tuple, callees: tuple[F.Formula, ...]) -> F.Formula:
     exec(compile(src, f"<numbaccum.fuse {name}>", "exec"), ns)
     fn = ns[name]
     fn.__doc__ = src  # the generated source, readable where a driver names the kernel
-    return F.Formula(fn, states, inputs, outputs, scalars)
+    return F.Formula(fn, states, inputs, outputs, scalars, indexed)
 
 
 def cached_composites() -> int:

@@ -33,8 +33,8 @@ from .backend import ops_for, slice_sumsq
 from .base import Stage, Step, chain
 from .declared import Elementwise, check_decay
 from .flat import FlatTree, as_flat, layout_of
-from .formulas import formula
-from .layout import Layout, compute_dtype, finfo, real_dtype
+from .formulas import formula, like, normal
+from .layout import Layout, finfo
 from .protocol import GradientTransformationExtraArgs
 from .scaling import ScalarOrSchedule, identity, scale_by_learning_rate
 from .tables import segments
@@ -758,17 +758,19 @@ class AddNoiseState(NamedTuple):
     Attributes:
         count: the number of updates so far (int32, saturating): the noise's step.
         rng_key: the seed, a read-only ``uint64`` array of one element; the noise of step ``t``
-            is drawn from the Philox stream keyed ``[seed, t]`` (the key itself never changes).
+            is a function of ``(seed, t)`` and each element's place (see `add_noise`); the key
+            itself never changes.
     """
 
     count: np.int32
     rng_key: np.ndarray
 
 
-@formula(states=(), inputs=("g", "noise"), outputs=("out",), scalars=("std",))
-def add_noise_direction(g, noise, std):
-    """Gradient noise: out = g + std * noise."""
-    return g + std * noise
+@formula(inputs=("g",), outputs=("out",), scalars=("std", "k0", "k1", "step", "group"), indexed=True)
+def add_noise_direction(g, std, k0, k1, step, group, index):
+    """Gradient noise: out = g + std * z, z the standard normal of this element (`normal`,
+    rounded to g's compute dtype as a buffer of draws would hold it)."""
+    return g + std * like(g, normal(k0, k1, step, group, index))
 
 
 class _AddNoise(Elementwise):
@@ -794,18 +796,17 @@ class _AddNoise(Elementwise):
         if not isinstance(state, AddNoiseState):
             raise wrong_state("AddNoiseState", state)
         part = super().declare(spec, state)
-        # The noise buffer of this plan, in each group's compute dtype (float32 for float16 and
-        # bfloat16: the formula reads it as it computes), drawn anew at each step's run.
-        dtypes = [compute_dtype(d) for d in spec.layout.group_dtypes]
-        noise = FlatTree.empty(spec.layout, dtypes, spec.device)
         ticked = part.tick
 
         def tick(state: Any, params: Any, extra: dict) -> bool:
             if not ticked(state, params, extra):
                 return False
+            # The noise's key and counter words, after the std: the seed's two halves, the step,
+            # and the group's number (each element adds its index: `formulas.normal`).
             seed = _add_noise_seed(state.rng_key)
-            count = int(part.new_state.count)
-            part.inputs = lambda: (_draw_normals(noise, seed, count),)
+            k0, k1 = np.uint32(seed & 0xFFFFFFFF), np.uint32(seed >> 32)
+            step = np.uint32(int(part.new_state.count))
+            part.scalars = [(*sc, k0, k1, step, np.uint32(gi)) for gi, sc in enumerate(part.scalars)]
             return True
 
         part.tick = tick
@@ -819,33 +820,21 @@ def _add_noise_seed(key: Any) -> int:
     return int(k[0])
 
 
-def _draw_normals(out: FlatTree, seed: int, step: int) -> FlatTree:
-    """``out`` filled with standard normals from the Philox stream ``[seed, step]``, group by
-    group (complex groups: real and imaginary parts each of variance 1/2, as JAX's complex
-    normal); drawn on the host, then copied to the device for device buffers."""
-    rng = np.random.Generator(np.random.Philox(key=np.array([seed, step], np.uint64)))
-    for g in out.groups:
-        host = np.empty(g.shape, g.dtype) if out.device else g
-        parts = host.view(real_dtype(host.dtype)) if host.dtype.kind == "c" else host
-        rng.standard_normal(out=parts, dtype=parts.dtype)
-        if host.dtype.kind == "c":
-            parts *= parts.dtype.type(math.sqrt(0.5))
-        if out.device:
-            g.copy_to_device(host)
-    return out
-
-
 def add_noise(
     eta: float, gamma: float, key: int | None = None, *, seed: int | None = None
 ) -> GradientTransformationExtraArgs:
     """Adds annealed Gaussian noise to the updates.
 
-    ``u = g + sqrt(eta / t^gamma) z`` with ``t`` the step (from 1) and ``z`` standard normal,
-    drawn for every element from the Philox stream keyed ``[key, t]`` (so a seed reproduces its
-    noise on any machine and thread count, on the host and the GPU alike; the draws differ from
-    JAX's). Complex leaves get complex normals (each part of variance 1/2). The addition is a
-    declared formula: in a chain it fuses with its neighbours; the draws are one pass of their
-    own (on the host, copied to a GPU).
+    ``u = g + sqrt(eta / t^gamma) z`` with ``t`` the step (from 1) and ``z`` standard normal.
+    Each element's draw is computed where it is used, inside the pass, from its place alone:
+    Box-Muller on the Philox4x32-10 words (Salmon et al. 2011, cuRAND's default generator) of the
+    counter ``(index in its dtype group, t, group)`` under the 64-bit ``key`` (53-bit uniforms:
+    the tail reaches 8.6 standard deviations). So there is no buffer of draws and no pass to fill
+    one, and a seed gives the same noise for any thread count, chunking or fusion (the CPU and the
+    GPU agree to rounding; the draws differ from JAX's). Each element's normal is computed in
+    float64 and rounded to its compute dtype. Complex leaves get complex normals (both values of
+    a Box-Muller pair, each part of variance 1/2). The addition is a declared formula: in a chain
+    it fuses with its neighbours.
 
     Args:
         eta: the variance of the noise at the first step (``>= 0``).
@@ -902,7 +891,7 @@ def noisy_sgd(
     seed: int | None = None,
 ) -> GradientTransformationExtraArgs:
     """SGD with annealed Gaussian gradient noise: ``chain(add_noise(eta, gamma, key),
-    scale_by_learning_rate(learning_rate))``, one fused pass after the draws.
+    scale_by_learning_rate(learning_rate))``, one fused pass (each draw computed inside it).
 
     ``u = -lr (g + sqrt(eta / t^gamma) z)``, ``z`` standard normal (see `add_noise`).
 

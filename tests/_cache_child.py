@@ -104,7 +104,12 @@ def formula_job(f: formulas.Formula):
             second_moment = name in ("nu", "e_g", "e_x", "n", "exp_avg_sq")
             arrays.append(np.abs(a) if second_moment else a)
         scalars = [
-            bool(k % 2) if name in BOOLS else float(rng.uniform(0.1, 1.0)) for k, name in enumerate(f.scalars)
+            np.uint32(rng.integers(0, 2**32))  # a noise key's or counter's word (add_noise)
+            if name in ("k0", "k1", "step", "group")
+            else bool(k % 2)
+            if name in BOOLS
+            else float(rng.uniform(0.1, 1.0))
+            for k, name in enumerate(f.scalars)
         ]
         factor = Factor(3.0, 0.5) if f.inputs else ONE
         want = [a.copy() for a in arrays]
@@ -114,7 +119,8 @@ def formula_job(f: formulas.Formula):
                 vals = [np.float64(a[i]) for a in arrays[: ns + len(f.inputs)]]
                 if f.inputs:
                     vals[ns] = (vals[ns] / factor.div) * factor.mul
-                r = f.fn(*vals, *[s if isinstance(s, bool) else np.float64(s) for s in scalars])
+                kept = [s if isinstance(s, (bool, np.uint32)) else np.float64(s) for s in scalars]
+                r = f.fn(*vals, *kept, *([i] if f.indexed else []))
                 for k, w in enumerate(f.writes):
                     want[w][i] = r[k] if isinstance(r, tuple) else r
         driver.map_(f, factor, tuple(arrays), tuple(scalars))

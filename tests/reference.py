@@ -791,6 +791,64 @@ def dpsgd(
     )
 
 
+def philox4x32_10(c0, c1, c2, c3, k0, k1) -> tuple:
+    """Philox4x32-10 (Salmon et al. 2011) on uint64 arrays of 32-bit words: counter
+    ``(c0, c1, c2, c3)``, key ``(k0, k1)``; the four output words."""
+    m32 = np.uint64(0xFFFFFFFF)
+    c0, c1, c2, c3, k0, k1 = (np.asarray(w, np.uint64) & m32 for w in (c0, c1, c2, c3, k0, k1))
+    for _ in range(10):
+        p0, p1 = c0 * np.uint64(0xD2511F53), c2 * np.uint64(0xCD9E8D57)
+        c0, c1, c2, c3 = (p1 >> np.uint64(32)) ^ c1 ^ k0, p1 & m32, (p0 >> np.uint64(32)) ^ c3 ^ k1, p0 & m32
+        k0, k1 = (k0 + np.uint64(0x9E3779B9)) & m32, (k1 + np.uint64(0xBB67AE85)) & m32
+    return c0, c1, c2, c3
+
+
+def counter_normals(seed: int, step: int, group: int, n: int) -> np.ndarray:
+    """numbaccum's documented gradient noise for the ``n`` elements of dtype group ``group`` at
+    step ``step``: Box-Muller (the cosine) on the Philox4x32-10 words of the counter
+    ``(index, step, group)`` under the 64-bit key ``seed``, u from 53 bits of the first two words
+    plus half an ulp, the angle from the third (float64, NumPy's log and cos)."""
+    i = np.arange(n, dtype=np.uint64)
+    w0, w1, w2, _ = philox4x32_10(i, i >> np.uint64(32), step, group, seed, seed >> 32)
+    u = (((w0 << np.uint64(21)) | (w1 >> np.uint64(11))).astype(np.float64) + 0.5) * 2.0**-53
+    return np.sqrt(-2.0 * np.log(u)) * np.cos(2.0 * np.pi * (w2.astype(np.float64) * 2.0**-32))
+
+
+class AddNoiseState(NamedTuple):
+    count: Any
+    rng_key: np.ndarray
+
+
+def add_noise(eta: float, gamma: float, key: int) -> Transformation:
+    """``u = g + sqrt(eta / t^gamma) z``: z `counter_normals` by dtype group (leaves grouped by
+    dtype in order of first appearance, each group's elements in tree order), rounded to the
+    leaf dtype, then ``g + std * z`` in the leaf dtype."""
+
+    def init(params):
+        return AddNoiseState(np.int32(0), np.array([key], np.uint64))
+
+    def update(updates, state, params=None, **extra):
+        count = safe_increment(state.count)
+        std = math.sqrt(eta / float(count) ** gamma)
+        leaves, tdef = tree_flatten(updates)
+        order = list(dict.fromkeys(x.dtype for x in leaves))
+        out = []
+        pos = {dt: 0 for dt in order}
+        sizes = {dt: sum(x.size for x in leaves if x.dtype == dt) for dt in order}
+        draws = {dt: counter_normals(key, int(count), gi, sizes[dt]) for gi, dt in enumerate(order)}
+        for x in leaves:
+            z = draws[x.dtype][pos[x.dtype] : pos[x.dtype] + x.size].reshape(x.shape).astype(x.dtype)
+            pos[x.dtype] += x.size
+            out.append(_arr(x + _c(std, x.dtype) * z, x.dtype))
+        return tree_unflatten(tdef, out), AddNoiseState(count, state.rng_key)
+
+    return Transformation(init, update)
+
+
+def noisy_sgd(learning_rate: float, eta: float = 0.01, gamma: float = 0.55, key: int = 0) -> Transformation:
+    return chain(add_noise(eta, gamma, key), scale_by_learning_rate(learning_rate))
+
+
 # ---------------------------------------------------------------------------
 # History-based clipping: torchzero's ClipNormByEMA, NormalizeByEMA,
 # ClipValueByEMA, ClipNormGrowth, ClipValueGrowth without its bugs

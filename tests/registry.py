@@ -711,17 +711,17 @@ _add(
     "add_noise",
     "add_noise",
     lambda: nba.add_noise(0.01, 0.55, key=3),
-    None,
+    lambda: ref.add_noise(0.01, 0.55, key=3),
     {"eta": 0.01, "gamma": 0.55, "key": 0},
-    note="Philox draws, not JAX's: the law is tested (test_optimizers), not the bits",
+    note="Philox4x32-10 draws, not JAX's: the reference's own Philox and NumPy's log and cos",
 )
 _add(
     "noisy_sgd",
     "noisy_sgd",
     lambda: nba.noisy_sgd(0.1, key=3),
-    None,
+    lambda: ref.noisy_sgd(0.1, key=3),
     {"learning_rate": 0.1, "key": 0},
-    note="Philox draws, not JAX's: the law is tested (test_optimizers), not the bits",
+    note="Philox4x32-10 draws, not JAX's: the reference's own Philox and NumPy's log and cos",
 )
 _add(
     "novograd",

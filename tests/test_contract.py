@@ -58,6 +58,7 @@ class _DecayedPeak(Elementwise):
 
 FORMULAS = list(formulas.registered().values())  # after `import numbaccum`: all of them
 BOOLS = {"nesterov", "fresh"}
+WORDS = {"k0", "k1", "step", "group"}  # a noise key's and counter's uint32 words (add_noise)
 SIM = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
 
 
@@ -76,8 +77,16 @@ def _inputs(f, n, dtype, seed):
         first[1], first[3], first[6] = np.nan, np.inf, -np.inf
     scalars = []
     for k, name in enumerate(f.scalars):
-        scalars.append(bool((seed + k) % 2) if name in BOOLS else float(rng.uniform(0.1, 1.0)))
+        if name in WORDS:
+            scalars.append(np.uint32(rng.integers(0, 2**32)))
+        else:
+            scalars.append(bool((seed + k) % 2) if name in BOOLS else float(rng.uniform(0.1, 1.0)))
     return arrays, scalars
+
+
+def _kept(s) -> bool:
+    """A scalar a driver passes uncast: a bool, or a uint32 word."""
+    return isinstance(s, (bool, np.uint32))
 
 
 def _reference(f, factor, arrays, scalars):
@@ -86,13 +95,13 @@ def _reference(f, factor, arrays, scalars):
     ns = len(f.states)
     ctype = np.result_type(*arrays)
     cast = ctype.type
-    sc = [s if isinstance(s, bool) else cast(s) for s in scalars]
+    sc = [s if _kept(s) else cast(s) for s in scalars]
     with np.errstate(all="ignore"):
         for i in range(arrays[0].size if arrays else 0):
             vals = [cast(a[i]) for a in arrays[: ns + len(f.inputs)]]
             if f.inputs and not factor.is_one:
                 vals[ns] = (vals[ns] / cast(factor.div)) * cast(factor.mul)
-            r = f.fn(*vals, *sc)
+            r = f.fn(*vals, *sc, *([i] if f.indexed else []))
             r = r if isinstance(r, tuple) else (r,)
             for k, w in enumerate(f.writes):
                 out[w][i] = r[k]
@@ -135,7 +144,7 @@ def test_cpu_parallel_and_serial_give_the_same_bits(f):
     cpu_driver.map_(f, ONE, tuple(a1), tuple(s))
     serial = cpu_driver.compiled(f)[1]
     div, mul = np.float32(1), np.float32(1)
-    cast = [x if isinstance(x, bool) else np.float32(x) for x in s] or [False]
+    cast = [x if _kept(x) else np.float32(x) for x in s] or [False]
     serial(n, 1 << 15, *a2, div, mul, False, *cast)
     for w in f.writes:
         assert a1[w].tobytes() == a2[w].tobytes()

@@ -428,7 +428,7 @@ def test_a_run_written_in_place_takes_its_buffer_once(monkeypatch):
     fused = _run(make, params, grads, fused=True)
     assert any(k[4] for k in seen)  # in place
     _same(fused, _run(make, params, grads, fused=False))
-    name, src, states, inputs, outputs, _ = fuse.composite_source(next(k for k in seen if k[4]))
+    name, src, states, inputs, outputs, _, _ = fuse.composite_source(next(k for k in seen if k[4]))
     assert states[-1] == "x" and "x" not in inputs and outputs == ()
 
 

@@ -379,6 +379,77 @@ def test_add_noise_has_the_annealed_variance_and_a_stream_per_seed_and_step():
     assert abs(np.corrcoef(draws[0], u["w"])[0, 1]) < 0.02
 
 
+# Random123's known answers for Philox4x32-10 (kat_vectors): counter, key -> words.
+PHILOX_KAT = [
+    ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+    ((2**32 - 1,) * 4, (2**32 - 1,) * 2, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+    (
+        (0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344),
+        (0xA4093822, 0x299F31D0),
+        (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1),
+    ),
+]
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_philox_gives_random123s_known_answers(compiled):
+    from numba import njit
+
+    from numbaccum import formulas
+
+    philox = formulas.compile_formula(formulas.philox4x32, njit) if compiled else formulas.philox4x32
+    for (c0, c1, c2, c3), (k0, k1), words in PHILOX_KAT:
+        got = philox(np.uint64(c0), np.uint64(c1), np.uint64(c2), np.uint64(c3), np.uint64(k0), np.uint64(k1))
+        assert [int(w) for w in got] == list(words)
+        ref_words = ref.philox4x32_10(c0, c1, c2, c3, k0, k1)  # the reference's own Philox
+        assert [int(w) for w in ref_words] == list(words)
+
+
+def test_the_noise_transform_is_within_an_ulp_or_two_of_libm():
+    """log_unit, sin_pi and cos_pi (polynomials, so that the loop vectorises) against libm, on
+    every binade the uniforms reach and the ends of their ranges."""
+    from numba import njit
+
+    from numbaccum import formulas
+
+    rng = np.random.default_rng(0)
+    binades = 2.0 ** -rng.integers(0, 55, 20_000)
+    u = np.concatenate([rng.random(20_000) * binades, [2.0**-54, 0.5, 1 - 2.0**-53]])
+    log_unit = formulas.compile_formula(formulas.log_unit, njit)
+    got = np.array([log_unit(x) for x in u])
+    np.testing.assert_allclose(got, np.log(u), rtol=2 * 2.0**-52, atol=2.0**-60)
+    t = np.concatenate([rng.uniform(-0.5, 0.5, 20_000), [-0.5, 0.0, 0.5, 2.0**-40]])
+    sin_pi = formulas.compile_formula(formulas.sin_pi, njit)
+    cos_pi = formulas.compile_formula(formulas.cos_pi, njit)
+    np.testing.assert_allclose([sin_pi(x) for x in t], np.sin(np.pi * t), rtol=4 * 2.0**-52, atol=2.0**-54)
+    # (near t = +-1/2 the cosine is near 0: libm's own argument pi * t is off by 1e-16 there)
+    np.testing.assert_allclose([cos_pi(x) for x in t], np.cos(np.pi * t), rtol=4 * 2.0**-52, atol=2.0**-51)
+
+
+def test_add_noise_draws_are_standard_normal():
+    """A million draws of one step: the moments, the Kolmogorov-Smirnov distance and the tails
+    of a standard normal; no correlation between neighbours (a counter-based generator's
+    weak point would be there) or between groups."""
+    import math
+
+    n = 1_000_000
+    g = {"a": np.zeros(n), "b": np.zeros(1000, np.float32)}
+    tx = nba.add_noise(eta=1.0, gamma=0.0, key=2**63 + 12345)  # a key using its high word
+    u, _ = tx.update(g, tx.init(g))
+    z = u["a"]
+    assert abs(z.mean()) < 5 / np.sqrt(n) and abs(z.var() - 1) < 5 * np.sqrt(2 / n)
+    assert abs(np.mean(z**3)) < 0.01 and abs(np.mean(z**4) - 3) < 0.03  # skewness, kurtosis
+    cdf = np.frompyfunc(lambda x: 0.5 * math.erfc(-x / math.sqrt(2)), 1, 1)
+    zs = np.sort(z)
+    ks = np.max(np.abs(cdf(zs).astype(np.float64) - (np.arange(n) + 0.5) / n)) + 0.5 / n
+    assert ks * np.sqrt(n) < 1.95  # Kolmogorov-Smirnov at p = 0.001
+    for k in (3, 4):  # the tails' mass, within 5 sigma of its binomial count
+        expect = n * math.erfc(k / math.sqrt(2))
+        assert abs(np.count_nonzero(np.abs(z) > k) - expect) < 5 * np.sqrt(expect) + 1, k
+    assert abs(np.corrcoef(z[:-1], z[1:])[0, 1]) < 5 / np.sqrt(n)
+    assert abs(np.corrcoef(z[:1000], u["b"])[0, 1]) < 0.2  # the float32 group draws its own
+
+
 def test_add_noise_on_complex_leaves_splits_the_variance_between_the_parts():
     g = {"z": np.zeros(100_000, np.complex128)}
     tx = nba.add_noise(eta=1.0, gamma=0.0, key=1)

@@ -135,7 +135,8 @@ def _source(f: Formula, variant: tuple | None = None) -> tuple[str, str]:
     reads = [f"from_bf16({view}{i}[k])" if bf16[i] else f"{view}{i}[k]" for i in range(ns + ni)]
     if ni:
         reads[ns] = f"read({reads[ns]}, div, mul, scaled)"
-    args = ", ".join(reads + [f"p{i}" for i in range(len(f.scalars))])
+    index = ["lo + b + k" if streamed else "lo + k"] if f.indexed else []  # the element's, in its buffers
+    args = ", ".join(reads + [f"p{i}" for i in range(len(f.scalars))] + index)
     narrow = "to_bf16_from64" if ctype == "float64" else "to_bf16"
     values = ["r"] if len(written) == 1 else [f"r[{j}]" for j in range(len(written))]
     indent = " " * (12 if streamed else 8)

@@ -118,7 +118,9 @@ def _source(f: Formula) -> str:
         for i in reads_read:
             v = f"u{i}.{part}" if part else f"a{i}[i]"
             vals.append(f"read({v}, div, mul, fac, mode)" if i == ns else v)
-        return ", ".join(vals + p)
+        # An indexed formula's element index: a pair's two elements are 2j and 2j + 1.
+        index = {"real": ["2 * j"], "imag": ["2 * j + 1"], None: ["i"]}[part] if f.indexed else []
+        return ", ".join(vals + p + index)
 
     if len(written) == 1:
         pair_stores = f"{pad}    w{written[0]}[j] = complex(ra, rb)"
@@ -209,10 +211,11 @@ def factor_args(factor: Factor, ctype: np.dtype) -> tuple[Any, Any, Any, int]:
 
 def map_(f: Formula, factor: Factor, arrays: tuple, scalars: tuple) -> None:
     """Runs formula ``f`` over the device ``arrays`` (states, inputs, outputs; one size), reading
-    the first input through ``factor``; scalars cast to the compute dtype (bools stay bools)."""
+    the first input through ``factor``; scalars cast to the compute dtype (bools and uint32
+    words stay as they are)."""
     ctype = np.result_type(*(a.dtype for a in arrays))
     cast = ctype.type
-    run_scalars = [s if isinstance(s, (bool, np.bool_)) else cast(s) for s in scalars] or [False]
+    run_scalars = [s if isinstance(s, (bool, np.bool_, np.uint32)) else cast(s) for s in scalars] or [False]
     div, mul, fac, mode = factor_args(factor, ctype)
     pairs = all(a.dtype == np.float32 and aligned(a) for a in arrays)
     kernel = _family(f).kernel(mode, pairs)
