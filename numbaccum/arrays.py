@@ -199,12 +199,10 @@ def to_device(x: np.ndarray) -> Any:
 
 
 def _on_device_ok(dtype: np.dtype) -> None:
-    """TypeError for bfloat16 and complex buffers, which the CUDA driver does not compute yet
-    (numba would see two opaque bytes a bfloat16 element; the CUDA reductions have no complex
-    kinds): they stay on the host."""
-    if dtype.kind in "Vc":
-        kind = "bfloat16" if dtype.kind == "V" else "complex"
-        raise TypeError(f"{dtype} buffers are not supported on CUDA yet: keep {kind} trees on the host")
+    """TypeError for bfloat16 buffers, which the CUDA driver does not compute yet (numba would
+    see two opaque bytes an element): they stay on the host."""
+    if dtype.kind == "V":
+        raise TypeError(f"{dtype} buffers are not supported on CUDA yet: keep bfloat16 trees on the host")
 
 
 def to_host(x: Any) -> np.ndarray:

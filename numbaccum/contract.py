@@ -241,9 +241,6 @@ class Ops:
 
     def slice_sum(self, x: Any, table: Any) -> np.ndarray:
         """Per slice: sum(x) (signed; complex128 for a complex x, its parts summed apart)."""
-        if x.dtype.kind == "c":
-            t = as_table(table)
-            return self.reduce.reduce("sum", x.real, t) + 1j * self.reduce.reduce("sum", x.imag, t)
         return self.reduce.reduce("sum", x, as_table(table))
 
     def slice_nnz(self, x: Any, table: Any) -> np.ndarray:

@@ -51,10 +51,6 @@ def _as_leaf(x: Any, where: tuple, name: str) -> Any:
                 f"{path}: cannot read this CUDA {type(x).__name__} ({type(e).__name__}: {e}); CUDA "
                 "arrays of float16, float32 or float64 are read (bfloat16 ones only on the host so far)"
             ) from None
-        if arr.dtype.kind == "c":  # the CUDA driver has no complex kernels yet
-            raise TypeError(
-                f"{path}: complex CUDA arrays are not supported yet: keep complex trees on the host"
-            )
         if is_stored(arr.dtype) and arr.size and not is_contiguous(arr):
             raise ValueError(f"{path}: a non-contiguous CUDA array cannot be packed; pass a contiguous copy")
     elif hasattr(x, "__array__") or hasattr(x, "__dlpack__"):

@@ -433,8 +433,53 @@ def test_integer_leaves_are_still_refused():
             nba.FlatTree.from_tree({"x": bad})
 
 
+# On the device: the registry's SAMPLE of the Cases taking complex leaves (every kind of stage:
+# declared formulas, fused chains, the reduction engine's norms and per-slice scalings), and the
+# chains above; complex128 on a few (the same kernels compiled for the other dtype).
+ON_DEVICE = [
+    n
+    for n in sampled(cases(per_example=False, cuda=True))
+    if CASES[n].public in TAKES_COMPLEX and n not in REAL_STATE
+] + [
+    "clip_then_adamw",
+    "normalize_by_update_norm",
+    "clip_by_block_rms",
+    "adam",
+]
+ON_DEVICE_DTYPE = [(n, C64) for n in ON_DEVICE] + [
+    (n, C128) for n in ("clip_then_adamw", "centralize", "lamb")
+]
+
+
+def _device_tx(name):
+    return SAME[name](nba) if name in SAME else CASES[name].make()
+
+
 @pytest.mark.cuda
-def test_complex_stays_on_the_host():
-    """The CUDA reductions have no complex kinds yet: moving such a tree to the device is refused."""
-    with pytest.raises(TypeError, match="complex64 buffers are not supported on CUDA yet"):
-        nba.to_device(nba.FlatTree.from_tree(tree(0)))
+@pytest.mark.parametrize(
+    ("name", "dtype"), ON_DEVICE_DTYPE, ids=[f"{n}-{np.dtype(d).name}" for n, d in ON_DEVICE_DTYPE]
+)
+def test_complex_leaves_on_the_device_match_the_host(name, dtype):
+    """Three steps of each on device arrays against the host's, within float rounding (CUDA
+    contracts multiply-adds); the updates stay on the device and keep their complex dtype."""
+    from numba import cuda
+
+    def dev(tree):
+        return nba.tree_map(lambda x: cuda.to_device(np.asarray(x)), tree)
+
+    tx_cpu, tx_gpu = _device_tx(name), _device_tx(name)
+    params = tree(2, dtype)
+    s_cpu, s_gpu = tx_cpu.init(params), tx_gpu.init(dev(params))
+    rtol = 2e-5 if dtype == C64 else 1e-12
+    for step in range(3):
+        g = tree(10 + step, dtype)
+        u_cpu, s_cpu = tx_cpu.update(g, s_cpu, params)
+        u_gpu, s_gpu = tx_gpu.update(dev(g), s_gpu, dev(params))
+        for k, want in u_cpu.items():
+            assert hasattr(u_gpu[k], "copy_to_host"), f"{name} {k}: not a device array"
+            got = u_gpu[k].copy_to_host()
+            assert got.dtype == dtype and got.shape == want.shape
+            scale = float(np.max(np.abs(want))) if want.size else 0.0
+            np.testing.assert_allclose(
+                got, want, rtol=rtol, atol=rtol * scale, err_msg=f"{name} step {step} {k}"
+            )

@@ -837,6 +837,9 @@ def test_pointer_table_kernels_compile_for_the_device():
                 fn = leaves._kernel(direction, np.dtype(leaf_dtype)).py_func
                 ptx = compile(fn, (flat[::1], i64[::1], i64[:, ::1], i64[:, ::1], i64))
                 assert "cvta.to.global" in ptx  # the address is used as a global pointer
+        for leaf_dtype, flat in ((np.complex64, types.complex64), (np.complex128, types.complex128)):
+            fn = leaves._kernel(direction, np.dtype(leaf_dtype)).py_func
+            assert "cvta.to.global" in compile(fn, (flat[::1], i64[::1], i64[:, ::1], i64[:, ::1], i64))
 
 
 def test_norm_factor_kernel_compiles_for_the_device():

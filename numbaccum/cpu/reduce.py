@@ -496,7 +496,10 @@ def reduce(kind, x, table: Table, centers=None, p=0.0):
 
     ``centers`` (one per slice) only for ``'csumsq'`` (the centres) and ``'ssumsq'`` (the
     scales); ``p`` only for ``'sumpow'``. Slices of
-    inactive rows and empty slices hold the identity: 0, +inf for ``'minabs'``."""
+    inactive rows and empty slices hold the identity: 0, +inf for ``'minabs'``. The ``'sum'`` of
+    a complex ``x`` is complex128: its parts summed apart (a complex mean's)."""
+    if kind == "sum" and x.dtype.kind == "c":
+        return reduce("sum", x.real, table) + 1j * reduce("sum", x.imag, table)
     work, part, op = partials(kind, x, table, centers, p)
     return combine(part, work.pslice, op)
 

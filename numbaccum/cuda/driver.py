@@ -26,6 +26,7 @@ from .. import _cache, _config
 from ..arrays import data_pointer, stream
 from ..contract import Factor
 from ..formulas import Formula, compile_formula
+from ..layout import real_dtype
 from .cache import cached
 
 __all__ = ["LAUNCHES", "NAME", "launch", "map_", "start"]
@@ -66,6 +67,17 @@ def read(v, div, mul, fac, mode):  # pragma: no cover - compiled
         return (v / div) * mul
     if mode == 2:
         return (v / fac[0]) * fac[1]
+    return v
+
+
+@cuda.jit(device=True, inline=True)
+def read_complex(v, div, mul, fac, mode):  # pragma: no cover - compiled
+    """`read` of a complex v: divided by the real divisor part by part (`formulas.complex_quot`:
+    the CPU's bits, and no complex division)."""
+    if mode == 1:
+        return complex(v.real / div, v.imag / div) * mul
+    if mode == 2:
+        return complex(v.real / fac[0], v.imag / fac[0]) * fac[1]
     return v
 
 
@@ -148,20 +160,23 @@ def _cached_jit(fn: Any) -> Any:
 
 
 class _Family:
-    """One formula's kernels, compiled on first use per (mode, pairs)."""
+    """One formula's kernels, compiled on first use per (mode, pairs); a complex family (over
+    complex buffers) compiles the formula with `numbaccum.formulas.COMPLEX_HELPERS`."""
 
-    def __init__(self, f: Formula) -> None:
+    def __init__(self, f: Formula, complex_: bool = False) -> None:
         # With the kernel cache on, the generated module is a file in the cache (numba caches only
-        # functions with a source file), named by a hash of its source and of ``f``.
-        source = f"# numbaccum.cuda.driver: the kernels of formula {f.name}\n{_source(f)}"
+        # functions with a source file), named by a hash of its source and of ``f``. A complex
+        # family's source says so: its helpers differ, so it never shares the real one's file.
+        kind = " (complex helpers)" if complex_ else ""
+        source = f"# numbaccum.cuda.driver: the kernels of formula {f.name}{kind}\n{_source(f)}"
         digest = _cache.code_digest(f)
         path = _cache.source_file(source, f"cuda_{f.name}", f"cuda\0{digest}") if digest else None
         ns = _cache.namespace(path, f"<numbaccum.cuda.driver {f.name}>")
         ns.update(
             cuda=cuda,
             jit=_cached_jit if path else cuda.jit,
-            fn=compile_formula(f.fn, cuda.jit(device=True, inline=True)),
-            read=read,
+            fn=compile_formula(f.fn, cuda.jit(device=True, inline=True), complex=complex_),
+            read=read_complex if complex_ else read,
             pairs_of=pairs_of,
             start=start,
         )
@@ -176,18 +191,19 @@ class _Family:
         return k
 
 
-_FAMILIES: dict[Formula, _Family] = {}
+_FAMILIES: dict[tuple[Formula, bool], _Family] = {}
 _LOCK = threading.Lock()
 _DUMMY: dict[np.dtype, Any] = {}
 
 
-def _family(f: Formula) -> _Family:
-    fam = _FAMILIES.get(f)
+def _family(f: Formula, complex_: bool = False) -> _Family:
+    key = (f, complex_)
+    fam = _FAMILIES.get(key)
     if fam is None:
         with _LOCK:
-            fam = _FAMILIES.get(f)
+            fam = _FAMILIES.get(key)
             if fam is None:
-                fam = _FAMILIES[f] = _Family(f)
+                fam = _FAMILIES[key] = _Family(f, complex_)
     return fam
 
 
@@ -214,11 +230,13 @@ def map_(f: Formula, factor: Factor, arrays: tuple, scalars: tuple) -> None:
     the first input through ``factor``; scalars cast to the compute dtype (bools and uint32
     words stay as they are)."""
     ctype = np.result_type(*(a.dtype for a in arrays))
-    cast = ctype.type
+    complex_ = ctype.kind == "c"
+    real = real_dtype(ctype)  # a complex call's scalars and factor are real, as on the CPU
+    cast = real.type
     run_scalars = [s if isinstance(s, (bool, np.bool_, np.uint32)) else cast(s) for s in scalars] or [False]
-    div, mul, fac, mode = factor_args(factor, ctype)
+    div, mul, fac, mode = factor_args(factor, real)
     pairs = all(a.dtype == np.float32 and aligned(a) for a in arrays)
-    kernel = _family(f).kernel(mode, pairs)
+    kernel = _family(f, complex_).kernel(mode, pairs)
     n = arrays[0].size
     launch(kernel, (n + 1) // 2 if pairs else n, (n, *arrays, div, mul, fac, *run_scalars))
 

@@ -30,11 +30,13 @@ import threading
 from typing import Any
 
 import numpy as np
-from numba import cuda
+from numba import cuda, types
+from numba.extending import overload
 
 from .. import _config, formulas
 from ..arrays import data_pointer, stream, stream_handle
 from ..contract import Factor
+from ..layout import real_dtype
 from ..tables import (
     F_BASE,
     F_CBASE,
@@ -118,6 +120,21 @@ KINDS = {
     "ssumsq": (10, SUM),  # scaled: sum((x * c) ** 2), c per slice (a power of two)
 }
 _MAXABS, _MINABS = 8, 9
+_REAL_PART, _IMAG_PART = 11, 12  # a complex buffer's 'sum': its parts summed apart
+
+
+@_dev_inline
+def _class_term(kind, v, p):  # pragma: no cover - compiled
+    """The kinds that read |v| or v's class: one text for real and complex v (`_term`, `_cterm`)."""
+    if kind == 3:
+        return abs(v) ** p
+    if kind == 5:
+        return 1.0 if v != 0 else 0.0
+    if kind == 6:
+        return 1.0 if v != v else 0.0
+    if kind == 7:
+        return 1.0 if v - v != 0 else 0.0
+    return abs(v)
 
 
 @_dev_inline
@@ -127,20 +144,64 @@ def _term(kind, v, c, p):  # pragma: no cover - compiled
     if kind == 1:
         d = v - c
         return d * d
-    if kind == 3:
-        return abs(v) ** p
     if kind == 4:
         return v
-    if kind == 5:
-        return 1.0 if v != 0 else 0.0
-    if kind == 6:
-        return 1.0 if v != v else 0.0
-    if kind == 7:
-        return 1.0 if v - v != 0 else 0.0
     if kind == 10:
         w = v * c
         return w * w
-    return abs(v)
+    return _class_term(kind, v, p)
+
+
+# Complex buffers (optax's norms: |z|^2 = re^2 + im^2), each element read as complex128: the
+# CPU engine's complex kinds, and the complex 'sum' (its parts apart). A centred sum of squares
+# has no meaning there (`reduce` refuses it).
+_COMPLEX_KINDS = frozenset(
+    ("sumsq", "ssumsq", "sumabs", "sumpow", "nnz", "nancount", "nonfinite", "maxabs", "minabs", "sum")
+)
+
+
+@_dev_inline
+def _cterm(kind, v, c, p):  # pragma: no cover - compiled
+    if kind == 0:
+        return v.real * v.real + v.imag * v.imag
+    if kind == 10:
+        a = v.real * c  # c a power of two: exact
+        b = v.imag * c
+        return a * a + b * b
+    if kind == _REAL_PART:
+        return v.real
+    if kind == _IMAG_PART:
+        return v.imag
+    return _class_term(kind, v, p)
+
+
+@_dev_inline
+def _f64(v):  # pragma: no cover - compiled
+    return np.float64(v)
+
+
+@_dev_inline
+def _c128(v):  # pragma: no cover - compiled
+    return np.complex128(v)
+
+
+def _wide(v):
+    """``v`` in float64, or complex128 for a complex ``v`` (compiled per type below; in the
+    simulator, this Python)."""
+    return np.complex128(v) if np.iscomplexobj(v) else np.float64(v)
+
+
+@overload(_wide)
+def _wide_typed(v):
+    if isinstance(v, types.Complex):
+        return lambda v: np.complex128(v)
+    return lambda v: np.float64(v)
+
+
+def _check_kind(kind: str, x: Any) -> None:
+    """TypeError for a reduction without a meaning on a complex ``x`` (the CPU engine's)."""
+    if np.dtype(x.dtype).kind == "c" and kind not in _COMPLEX_KINDS:
+        raise TypeError(f"the reduction {kind!r} is not defined on complex buffers")
 
 
 @_dev_inline
@@ -166,19 +227,24 @@ def _norm_only(norm, scalars):  # pragma: no cover - compiled
     return (norm,)
 
 
-def _partials_kernel(kind: int, tpb: int, finish: Any = None, rescue: bool = False) -> Any:
+def _partials_kernel(
+    kind: int, tpb: int, finish: Any = None, rescue: bool = False, complex_: bool = False
+) -> Any:
     """The partials kernel of reduction ``kind`` for ``tpb`` threads (shared memory is sized at
     compile time). With a ``finish`` (a plain function, see the module docstring), the global
-    norm's tail, which calls it on the device, and with ``rescue`` (a float64 group) the tail's
-    scaled second pass when the group's plain sum of squares `needs_scaling`. One kernel per
-    ``(kind, tpb, finish, rescue)``: the compiled finish is a closure cell of the kernel, so its
-    code is in the kernel's identity (`numbaccum._cache.identify`)."""
-    key = (kind, tpb, finish, rescue)
+    norm's tail, which calls it on the device, and with ``rescue`` (a float64 or complex128
+    group) the tail's scaled second pass when the group's plain sum of squares `needs_scaling`.
+    ``complex_``: over a complex buffer (each element read as complex128, the `_cterm` kinds).
+    One kernel per ``(kind, tpb, finish, rescue, complex_)``: the compiled finish, the term and
+    the load are closure cells of the kernel, so their code is in the kernel's identity
+    (`numbaccum._cache.identify`)."""
+    key = (kind, tpb, finish, rescue, complex_)
     hit = _KERNELS.get(key)
     if hit is not None:
         return hit
     finishing = finish is not None
     fin = formulas.compile_formula(finish if finishing else _norm_only, _dev_inline)
+    term, load = (_cterm, _c128) if complex_ else (_term, _f64)
 
     @cached
     @cuda.jit
@@ -213,8 +279,8 @@ def _partials_kernel(kind: int, tpb: int, finish: Any = None, rescue: bool = Fal
                 acc = math.inf if kind == _MINABS else 0.0
                 e = items[b, 3] + t
                 while e < items[b, 4]:
-                    v = np.float64(x[off + _element_offset(rows, r, e)])
-                    acc = _merge(kind, acc, _term(kind, v, c, p))
+                    v = load(x[off + _element_offset(rows, r, e)])
+                    acc = _merge(kind, acc, term(kind, v, c, p))
                     e += tpb
                 shared[t] = acc
                 cuda.syncthreads()
@@ -266,7 +332,7 @@ def _partials_kernel(kind: int, tpb: int, finish: Any = None, rescue: bool = Fal
                             off = _slice_start(rows, r2, s2)
                             e = items[b2, 3] + t
                             while e < items[b2, 4]:
-                                m = _merge(_MAXABS, m, abs(np.float64(x[off + _element_offset(rows, r2, e)])))
+                                m = _merge(_MAXABS, m, abs(load(x[off + _element_offset(rows, r2, e)])))
                                 e += tpb
                     shared[t] = m
                     cuda.syncthreads()
@@ -290,9 +356,7 @@ def _partials_kernel(kind: int, tpb: int, finish: Any = None, rescue: bool = Fal
                                 acc = 0.0
                                 e = items[b2, 3] + t
                                 while e < items[b2, 4]:
-                                    acc = acc + _term(
-                                        10, np.float64(x[off + _element_offset(rows, r2, e)]), f, p
-                                    )
+                                    acc = acc + term(10, load(x[off + _element_offset(rows, r2, e)]), f, p)
                                     e += tpb
                                 shared[t] = acc
                                 cuda.syncthreads()
@@ -335,6 +399,10 @@ def _partials_kernel(kind: int, tpb: int, finish: Any = None, rescue: bool = Fal
     return kernel
 
 
+def _is_complex(x: Any) -> bool:
+    return np.dtype(x.dtype).kind == "c"
+
+
 # --- device copies ---------------------------------------------------------------------------
 
 _DUMMY: dict[Any, Any] = {}
@@ -367,10 +435,12 @@ def _work(table: Table, active_only: bool = True) -> tuple:
 
 
 def _per_slice(values: Any) -> tuple[Any, bool]:
-    """A per-slice float64 array on the device and whether it is given (None or empty: not)."""
+    """A per-slice float64 array on the device (complex128 for complex values: a complex
+    slice's mean) and whether it is given (None or empty: not)."""
     if values is not None and values.size:
         if isinstance(values, np.ndarray):
-            values = cuda.to_device(np.ascontiguousarray(values, np.float64), stream=stream())
+            dt = np.complex128 if values.dtype.kind == "c" else np.float64
+            values = cuda.to_device(np.ascontiguousarray(values, dt), stream=stream())
         return values, True
     return _dummy(), False
 
@@ -386,7 +456,15 @@ def _launch(kernel: Any, blocks: int, args: tuple) -> None:
 def reduce(kind: str, x: Any, table: Table, centers: Any = None, p: float = 0.0) -> np.ndarray:
     """Per slice of ``table``: the reduction ``kind`` of ``x``, float64 on the host (one
     synchronisation). As `numbaccum.cpu.reduce.reduce`."""
+    _check_kind(kind, x)
+    if kind == "sum" and _is_complex(x):  # complex128: its parts summed apart (a complex mean's)
+        return _reduce(_REAL_PART, SUM, x, table) + 1j * _reduce(_IMAG_PART, SUM, x, table)
     code, op = KINDS[kind]
+    return _reduce(code, op, x, table, centers, p)
+
+
+def _reduce(code: int, op: int, x: Any, table: Table, centers: Any = None, p: float = 0.0) -> np.ndarray:
+    """`reduce` of the kind of ``code``, folded by ``op``: one launch, one copy to the host."""
     work, rows, items, pstart, pslice = _work(table)
     part = np.zeros(work.nparts, np.float64)
     if work.items.shape[0]:
@@ -411,7 +489,8 @@ def reduce(kind: str, x: Any, table: Table, centers: Any = None, p: float = 0.0)
             _dummy(np.float32),
             d,
         )
-        _launch(_partials_kernel(code, _config.CUDA_THREADS), work.items.shape[0], args)
+        kernel = _partials_kernel(code, _config.CUDA_THREADS, complex_=_is_complex(x))
+        _launch(kernel, work.items.shape[0], args)
         part = part_d.copy_to_host(stream=stream())
     return combine(part, work.pslice, op)
 
@@ -480,8 +559,9 @@ def global_norm_finish_(leaf_sums, x, table: Table, members, last, finish, scala
         out64,
     )
     # At least one block, so that a group without elements still writes its zeros (and finishes).
-    rescue = np.dtype(x.dtype) == np.float64  # float32/16 squares never leave float64's range
-    kernel = _partials_kernel(0, _config.CUDA_THREADS, finish, rescue)
+    # float32/16 squares (and complex64 parts') never leave float64's range
+    rescue = np.dtype(x.dtype) in (np.float64, np.complex128)
+    kernel = _partials_kernel(0, _config.CUDA_THREADS, finish, rescue, _is_complex(x))
     _launch(kernel, max(1, work.items.shape[0]), args)
 
 
@@ -527,7 +607,8 @@ def rescale_(out, x, table: Table, p, may_rescue, max_norm, min_norm, norm_value
         d, i8 = _dummy(), _dummy(np.int64)
         unused = (i8, d, _dummy(np.int32), False, (), _dummy(np.float32), d)  # the finishing tail's
         args = (x, rows, items, pstart, d, False, np.float64(p), part, pslice, *unused)
-        _launch(_partials_kernel(code, _config.CUDA_THREADS), work.items.shape[0], args)
+        kernel = _partials_kernel(code, _config.CUDA_THREADS, complex_=_is_complex(x))
+        _launch(kernel, work.items.shape[0], args)
     factors = _scratch(table.nslices, "factors")
     if table.nslices:
         scalars = (
@@ -562,15 +643,16 @@ def _apply(out, x, rows, items, centers, centred, factors, scaled):  # pragma: n
         e = items[b, 3] + cuda.threadIdx.x
         while e < items[b, 4]:
             k = off + _element_offset(rows, r, e)
-            out[k] = (np.float64(x[k]) - c) * f
+            out[k] = (_wide(x[k]) - c) * f
             e += cuda.blockDim.x
 
 
 def _by_mode(make: Any) -> Any:
-    """A kernel factory cached per pending-factor mode (a closure constant: branches fold)."""
-    cache: dict[int, Any] = {}
+    """A kernel factory cached per pending-factor mode (a closure constant: branches fold), or
+    per tuple of such constants."""
+    cache: dict[Any, Any] = {}
 
-    def get(mode: int) -> Any:
+    def get(mode: Any) -> Any:
         k = cache.get(mode)
         if k is None:
             k = cache[mode] = make(mode)
@@ -579,8 +661,15 @@ def _by_mode(make: Any) -> Any:
     return get
 
 
+_quot = _dev_inline(formulas.quot)
+_complex_quot = _dev_inline(formulas.complex_quot)
+
+
 @_by_mode
-def _divide(mode):  # pragma: no cover - compiled per mode
+def _divide(key):  # pragma: no cover - compiled per mode
+    mode, complex_ = key  # a complex x: read and divided by the real divisor part by part
+    read, quot = (driver.read_complex, _complex_quot) if complex_ else (_read, _quot)
+
     @cached
     @cuda.jit
     def kernel(out, x, div, mul, fac, rows, items, divisors):
@@ -593,7 +682,7 @@ def _divide(mode):  # pragma: no cover - compiled per mode
             e = items[b, 3] + cuda.threadIdx.x
             while e < items[b, 4]:
                 k = off + _element_offset(rows, r, e)
-                out[k] = _read(x[k], div, mul, fac, mode) / f
+                out[k] = quot(read(x[k], div, mul, fac, mode), f)
                 e += cuda.blockDim.x
 
     return kernel
@@ -641,13 +730,17 @@ def apply_(out, x, table: Table, centers, factors):
 
 def divide_(out, x, factor: Factor, table: Table, divisors):
     """out = factor(x) / divisors[s] over every slice ``s`` of ``table``, in the compute dtype
-    (host ``divisors`` are cast to it and copied to the device)."""
+    (host ``divisors`` are cast to it, its real dtype for complex buffers, and copied to the
+    device)."""
     ctype = np.result_type(out.dtype, x.dtype)
+    real = real_dtype(ctype)
     work, rows, items, _, _ = _work(table, False)
     if work.items.shape[0]:
-        div, mul, fac, mode = driver.factor_args(factor, ctype)
-        d = _on_device(divisors, ctype)
-        _launch(_divide(mode), work.items.shape[0], (out, x, div, mul, fac, rows, items, d))
+        div, mul, fac, mode = driver.factor_args(factor, real)
+        # (a caller in a complex group's dtype passes real divisors with zero imaginary parts)
+        d = _on_device(np.real(divisors) if isinstance(divisors, np.ndarray) else divisors, real)
+        args = (out, x, div, mul, fac, rows, items, d)
+        _launch(_divide((mode, ctype.kind == "c")), work.items.shape[0], args)
 
 
 def ema_update_(ema, g, factor: Factor, table: Table, active, one_minus_decay, decay):

@@ -1,0 +1,153 @@
+"""Do the CUDA kernels compile for a GPU? Every kernel built to PTX, on a machine without one.
+
+Usage (from the repository root; not part of the default test run, which skips tests/tools)::
+
+    python -m venv /tmp/ptx && . /tmp/ptx/bin/activate
+    pip install "numba-cuda[cu12]" "numpy<2.5" -e .   # NVVM comes with the CUDA toolkit's wheels
+    python tests/tools/ptx_check.py
+
+The CUDA simulator (CI's ``-m cuda`` pass) runs the kernels' Python source, so it checks their
+arithmetic but not that numba-cuda can type and lower them for a device: a scalar ``view``, a
+``type(x)(v)`` or a complex helper can pass there and fail on a GPU. This builds each kernel with
+``numba.cuda.compile_ptx`` for sm_90 (no GPU and no CUDA driver needed): the elementwise drivers
+of every registered formula (float32 pairs, float32, float64, and complex64/complex128 with the
+complex helpers), the fused composites that a few chains make, the reduction engine's partials
+kernel for every kind and dtype (and the global norm's finishing tail), the per-slice scalings,
+and the pointer-table pack and scatter kernels. Prints one line per failure and a summary; exits
+1 if a kernel that should build does not.
+
+numba-cuda compiles a device function for the current device's compute capability: with no
+driver that call fails, so the script gives the dispatchers a stand-in device (sm_90).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import types as pytypes
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CC = (9, 0)
+WORDS = {"k0", "k1", "step", "group"}  # uint32 scalars (a noise key's and counter's words)
+# Formulas of stages that refuse complex leaves (their comparisons or square roots have no
+# complex meaning): not built for complex buffers.
+REAL_ONLY = {
+    "abs_ema_clip",
+    "adopt_direction",
+    "clip",
+    "clip_by",
+    "dadapt_direction",
+    "dadapt_weighted",
+    "growth_clip",
+    "nonnegative_step",
+    "prodigy_direction",
+    "rprop_direction",
+    "sophia_direction",
+}
+
+
+def main() -> int:
+    import numba.cuda.dispatcher as dispatcher
+
+    dispatcher.get_current_device = lambda: pytypes.SimpleNamespace(compute_capability=CC, id=0)
+    sys.path.insert(0, ROOT)
+    import numpy as np
+    from numba import cuda, types
+
+    import numbaccum as nba
+    from numbaccum import formulas, fuse
+    from numbaccum.cuda import driver, leaves
+    from numbaccum.cuda import reduce as cr
+
+    built, failed = 0, []
+
+    def build(what: str, fn, sig) -> None:
+        nonlocal built
+        try:
+            cuda.compile_ptx(fn, sig, cc=CC)
+            built += 1
+        except Exception as e:  # a typing or lowering error: the kernel would not build on a GPU
+            failed.append(f"{what}: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
+
+    i8, f8, b1 = types.int64, types.float64, types.boolean
+    dtypes = [
+        (types.float32, types.float32, False),
+        (types.float64, types.float64, False),
+        (types.complex64, types.float32, True),
+        (types.complex128, types.float64, True),
+    ]
+
+    def scalar_types(names, real) -> tuple:
+        return tuple(types.uint32 if s in WORDS else real for s in names) or (b1,)
+
+    # The elementwise drivers: every formula, every storage dtype (pairs for float32).
+    for name, f in sorted(formulas.registered().items()):
+        for dt, real, cplx in dtypes:
+            if cplx and name in REAL_ONLY:
+                continue
+            for pairs in (False, True) if dt == types.float32 else (False,):
+                k = driver._family(f, cplx).kernel(2, pairs)
+                sig = (i8, *(dt[:] for _ in f.arrays), real, real, real[:], *scalar_types(f.scalars, real))
+                build(f"formula {name} {dt}{' pairs' if pairs else ''}", k.py_func, sig)
+
+    # Fused composites: made by running a few chains on the host, each built for its dtype.
+    rng = np.random.default_rng(0)
+    for dtype in (np.float32, np.complex64):
+        p = {"w": (rng.standard_normal((4, 3)) + (1j if dtype == np.complex64 else 0)).astype(dtype)}
+        for tx in (
+            nba.chain(nba.clip_by_global_norm(1.0), nba.adamw(0.1, weight_decay=0.1)),
+            nba.noisy_sgd(0.1, key=1),
+            nba.chain(nba.centralize(), nba.lion(0.1)),
+        ):
+            state = tx.init(p)
+            for _ in range(2):
+                state = nba.step_(tx, p, state, {k: v.copy() for k, v in p.items()})
+    for (key, _), f in list(fuse._COMPOSITES.items()):
+        dt, real, cplx = next(d for d in dtypes if d[0].name == key[0])
+        flags: list[bool] = []
+        for op in key[2]:
+            if op[0] == "settle" or (op[0] == "kernel" and op[3]):
+                flags += [False, False]
+            if op[0] == "kernel":
+                flags += list(op[6])
+        sc = tuple(types.uint32 if raw else real for raw in flags) or (b1,)
+        k = driver._family(f, cplx).kernel(1, False)
+        build(f"composite {f.name} {dt}", k.py_func, (i8, *(dt[:] for _ in f.arrays), real, real, real[:], *sc))
+
+    # The reduction engine: the partials kernel of every kind and dtype, the global norm's tail.
+    head = (i8[:, :], i8[:, :], i8[:], f8[:], b1, f8, f8[:], i8[:], i8[:], f8[:], types.int32[:], b1)
+    tail = (types.float32[:], f8[:])
+    for dt, _, cplx in dtypes:
+        for kind, (code, _) in cr.KINDS.items():
+            if cplx and kind not in cr._COMPLEX_KINDS:
+                continue
+            k = cr._partials_kernel(code, 128, complex_=cplx)
+            build(f"partials {kind} {dt}", k.py_func, (dt[:], *head, types.Tuple(()), *tail))
+        if cplx:
+            for code in (cr._REAL_PART, cr._IMAG_PART):
+                k = cr._partials_kernel(code, 128, complex_=True)
+                build(f"partials part {code} {dt}", k.py_func, (dt[:], *head, types.Tuple(()), *tail))
+        rescue = dt in (types.float64, types.complex128)
+        k = cr._partials_kernel(0, 128, formulas.clip_finish, rescue, cplx)
+        build(f"global norm finish {dt}", k.py_func, (dt[:], *head, types.UniTuple(f8, 2), *tail))
+        centers = types.complex128 if cplx else f8
+        build(f"apply {dt}", cr._apply.py_func, (dt[:], dt[:], i8[:, :], i8[:, :], centers[:], b1, f8[:], b1))
+        real = types.float32 if dt in (types.float32, types.complex64) else f8
+        k = cr._divide((1, cplx))
+        build(f"divide {dt}", k.py_func, (dt[:], dt[:], real, real, real[:], i8[:, :], i8[:, :], real[:]))
+
+    # The pointer-table kernels: every leaf dtype into its storage.
+    for direction in ("pack", "scatter"):
+        for leaf in (np.float16, np.float32, np.float64, np.complex64, np.complex128):
+            flat = {np.complex64: types.complex64, np.complex128: types.complex128}.get(leaf, types.float32)
+            fn = leaves._kernel(direction, np.dtype(leaf)).py_func
+            build(f"{direction} {np.dtype(leaf).name}", fn, (flat[::1], i8[::1], i8[:, ::1], i8[:, ::1], i8))
+
+    for line in failed:
+        print(line)
+    print(f"{built} kernels built to PTX for sm_{CC[0]}{CC[1]}, {len(failed)} failed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
