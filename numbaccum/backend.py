@@ -19,6 +19,7 @@ from . import _config
 from ._bounded import Bounded
 from .arrays import is_cuda_array
 from .contract import Ops
+from .layout import real_dtype
 from .tables import (
     ACTIVE,
     NSLICES,
@@ -42,6 +43,8 @@ __all__ = [
     "tree_sumsq",
     "tree_sumsq_scaled",
 ]
+
+_F64 = np.dtype(np.float64)
 
 _OPS: dict[str, Ops] = {}
 
@@ -207,7 +210,8 @@ def _rescued(flat: Any, sums: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     lay = flat.layout
     scaled, scale = sums.copy(), np.ones_like(sums)
     for members, table, g in zip(lay.group_index, leaf_tables(lay), flat.groups):
-        if np.dtype(g.dtype).itemsize < 8 or not needs_scaling(float(sum_in_order(sums[members]))):
+        # float64 parts only (float64, complex128): a 32-bit part's square never leaves float64's range
+        if real_dtype(g.dtype) != _F64 or not needs_scaling(float(sum_in_order(sums[members]))):
             continue
         ops = ops_for(g)
         per_leaf = ops.slice_maxabs(g, table)

@@ -379,6 +379,39 @@ def test_global_norms_of_complex_leaves():
     assert nba.global_norm(t, ord=np.inf) == pytest.approx(np.max(mags), rel=1e-15)
 
 
+def test_a_huge_complex128_norm_is_rescued_as_a_float64_one():
+    """|z|^2 past float64's range: the norm of a complex128 tree is measured again scaled, as a
+    float64 tree's is, on every path (global_norm, the clip's norm, the finishing twin of the
+    device kernel), and they agree bit for bit with the float64 tree of its parts."""
+    z = np.array([3e200 + 4e200j, -1e200j, 2e200], np.complex128)
+    parts = {"a": z.view(np.float64)}  # the same values as a float64 tree: re, im, re, im...
+    norm = nba.global_norm({"a": z})
+    assert np.isfinite(norm) and norm == nba.global_norm(parts)
+    assert norm == pytest.approx(np.sqrt(25 + 1 + 4) * 1e200, rel=1e-15)
+    tx = nba.clip_by_global_norm(1.0)
+    u, _ = tx.update({"a": z}, tx.init({"a": z}))
+    assert np.all(np.isfinite(u["a"]))
+    assert np.sqrt(np.sum(np.abs(u["a"]) ** 2)) == pytest.approx(1.0, rel=1e-14)
+    # The host twin of the device kernel that finishes the norm (`Ops.global_norm_finish_`).
+    from numbaccum import tables
+    from numbaccum.backend import ops_for
+    from numbaccum.formulas import clip_finish
+
+    factors = []  # clip_finish's (div, mul): finite, and the same for both trees
+    for tree in ({"a": z}, parts):
+        flat = nba.FlatTree.from_tree(tree)
+        (g,), lay = flat.groups, flat.layout
+        sums, out32, out64 = np.zeros(3), np.zeros(2, np.float32), np.zeros(2)
+        members = lay.group_index[0]
+        with np.errstate(over="ignore"):  # (the float32 copy of the divisor overflows)
+            ops_for(g).global_norm_finish_(
+                sums, g, tables.segments(lay.offsets[0]), members, True, clip_finish, (1.0,), out32, out64
+            )
+        factors.append(tuple(out64))
+    assert factors[0] == factors[1] and np.all(np.isfinite(factors[0]))
+    assert factors[0][1] / factors[0][0] == pytest.approx(1.0 / norm, rel=1e-14)
+
+
 def test_a_non_finite_part_counts_and_a_nan_part_zeroes_the_element():
     g = {"w": np.array([complex(1, np.nan), complex(np.nan, 1), complex(np.inf, 2), 3 - 1j], np.complex64)}
     tx = nba.zero_nans()
@@ -483,3 +516,16 @@ def test_complex_leaves_on_the_device_match_the_host(name, dtype):
             np.testing.assert_allclose(
                 got, want, rtol=rtol, atol=rtol * scale, err_msg=f"{name} step {step} {k}"
             )
+
+
+@pytest.mark.cuda
+def test_a_huge_complex128_norm_is_rescued_on_the_device_too():
+    """The device clip finishes the norm in its kernel, with the host's rescue for complex128."""
+    from numba import cuda
+
+    z = np.array([3e200 + 4e200j, -1e200j, 2e200], np.complex128)
+    tx = nba.clip_by_global_norm(1.0)
+    want, _ = tx.update({"a": z}, tx.init({"a": z}))
+    d = {"a": cuda.to_device(z)}
+    got, _ = tx.update(d, tx.init(d))
+    np.testing.assert_allclose(got["a"].copy_to_host(), want["a"], rtol=1e-14)

@@ -1061,7 +1061,7 @@ _FINISHES: dict = {}  # finish -> compiled
 
 def global_norm_finish_(leaf_sums, x, table: Table, members, last, finish, scalars, out32, out64):
     """``leaf_sums = [plain | rescued | scale]`` (3 per leaf): the per-slice sums of squares of
-    ``x`` (its leaves) at ``members``, and for a float64 group whose total `needs_scaling` its
+    ``x`` (its leaves) at ``members``, and for a float64 (or complex128) group whose total `needs_scaling` its
     rescued sums and scale (else the plain sums and 1); when ``last``, the values of
     ``finish(norm, scalars)`` (compiled here) for the global norm `numbaccum.tables.rescued_norm`,
     written to ``out32`` and ``out64`` (as many as each holds). The host twin of the CUDA kernel
@@ -1071,7 +1071,7 @@ def global_norm_finish_(leaf_sums, x, table: Table, members, last, finish, scala
     plain = reduce("sumsq", x, table)
     leaf_sums[members] = plain
     scaled, scale = plain, np.ones_like(plain)
-    if x.dtype == np.float64 and needs_scaling(float(sum_in_order(plain))):
+    if x.dtype in (np.float64, np.complex128) and needs_scaling(float(sum_in_order(plain))):
         per_leaf = reduce("maxabs", x, table)
         m = float(np.max(per_leaf)) if per_leaf.size else 0.0
         if math.isfinite(m) and m > 0:
