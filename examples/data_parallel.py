@@ -6,9 +6,9 @@
 Every rank builds the same model and data set from the same seed, keeps every n-th example, and
 computes gradients on mini-batches of its own shard. ``MultiSteps`` accumulates 4 of them
 locally; on the 4th, ``allreduce_mean`` averages the accumulated gradients across ranks (one
-``Allreduce`` per dtype buffer), and every rank clips and applies Adam to the same bits. Rank 0
-prints the loss over the whole data set; at the end every rank checks that its parameters are
-bitwise the same as everyone else's. On one rank (``python examples/data_parallel.py``) it is
+``Allreduce`` per bucket of a dtype buffer: here one, the model is small), and every rank clips
+and applies Adam to the same bits. Rank 0 prints the loss over the whole data set; at the end
+every rank checks that its parameters are bitwise the same as everyone else's. On one rank (``python examples/data_parallel.py``) it is
 plain gradient accumulation.
 """
 

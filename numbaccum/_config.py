@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import os
 import warnings
+from typing import Any
 
 
-def _env_int(name: str, default: int, power_of_two: bool = False, maximum: int | None = None) -> int:
+def _env_int(name: str, default: Any, power_of_two: bool = False, maximum: int | None = None) -> Any:
     """A positive int (at most ``maximum``) from the environment variable ``name``, else
-    ``default``.
+    ``default`` (None: a knob whose absence defers to something else).
 
     A bad value must not break ``import numbaccum`` (the CPU path never reads these knobs): it
     falls back to the default with a warning that names the variable.
@@ -24,7 +25,8 @@ def _env_int(name: str, default: int, power_of_two: bool = False, maximum: int |
         need = "a positive power of two" if power_of_two else "a positive integer"
         need += f" <= {maximum}" if maximum is not None else ""
         shown = raw if len(raw) <= 40 else raw[:40] + "..."
-        warnings.warn(f"{name}={shown!r} is not {need}; using {default}", RuntimeWarning, stacklevel=2)
+        instead = "ignored" if default is None else f"using {default}"
+        warnings.warn(f"{name}={shown!r} is not {need}; {instead}", RuntimeWarning, stacklevel=2)
         return default
     return value
 
@@ -64,6 +66,21 @@ CUDA_REDUCE_BLOCK = 1 << 14
 # larger buffer goes as several messages (mpi4py 4 with an MPI-4 library could send it whole;
 # MPI-3 libraries cannot). Tests lower it to exercise the split.
 MPI_MAX_COUNT = 2**31 - 1
+
+# MPI: bytes per message ("bucket") of the collective on a dtype buffer, unless an argument, the
+# environment or a calibration says otherwise (`numbaccum.distributed.calibrate`). MPI libraries
+# pick their algorithm by message size. On the 2-core VM (MPICH 5.0.2 over shared memory, 2 ranks,
+# 62.2M float32, sizes alternated, 2026-11-27) one 249 MB message took 114-134 ms and 16 MiB
+# pieces 72-86 ms in every run, while 1-4 MiB pieces took 53-62 ms in some runs and 95-112 ms in
+# others: the runs where small pieces were fast are those where the compute-bound local step was
+# 1.3x slower, as when the host runs both vCPUs on one physical core. Ranks on cores of their own
+# (the case of a real job) is the other state, where 16 MiB is the best size; `calibrate` finds
+# smaller ones where they win (benchmarks/results/2026-11-27-mpi-buckets-issue27.md). PyTorch
+# DDP's buckets are 25 MB.
+MPI_BUCKET_BYTES_DEFAULT = 16 << 20
+
+# MPI: NUMBACCUM_MPI_BUCKET_BYTES overrides the default and a saved calibration (None: not set).
+MPI_BUCKET_BYTES = _env_int("NUMBACCUM_MPI_BUCKET_BYTES", None)
 
 # MPI: whether CUDA buffers go to MPI directly: "1" yes, "0" no (staged through host memory),
 # "auto" asks the MPI library (MPIX_Query_cuda_support).

@@ -1,4 +1,4 @@
-"""Data-parallel training over MPI: one collective per dtype buffer, never one per leaf.
+"""Data-parallel training over MPI: collectives over buckets of each dtype buffer, never per leaf.
 
 ``pip install "numbaccum[mpi]"`` installs mpi4py and MPICH. ``import numbaccum`` never imports
 mpi4py, and neither does importing this module: mpi4py (which initialises MPI) is imported when a
@@ -8,10 +8,18 @@ Replicated data parallelism (every rank holds the whole model and a shard of the
 
     opt = nba.MultiSteps(nba.chain(allreduce_mean(), nba.clip_by_global_norm(1.0), nba.adam(1e-3)), k)
 
-averages the accumulated gradients once per emitted step (one ``Allreduce`` per dtype buffer),
-and every rank then runs the same optimizer on the same bits. Sharded models (each rank holds
-different leaves) use `global_norm` and `clip_by_global_norm` with a communicator: one scalar
-collective per call.
+averages the accumulated gradients once per emitted step, and every rank then runs the same
+optimizer on the same bits.
+
+Buckets. Each dtype buffer goes to MPI in pieces of a few MiB ("buckets"), not as one message:
+MPI libraries pick their algorithm by message size, and on MPICH's shared-memory path one 249 MB
+``Allreduce`` took 114-134 ms where the same bytes in 16 MiB pieces took 72-86 ms (2026-11-27).
+The size is an argument (``bucket_bytes``), else ``NUMBACCUM_MPI_BUCKET_BYTES``, else what
+`calibrate` measured on this machine (in this process, or saved by an earlier one), else
+``_config.MPI_BUCKET_BYTES_DEFAULT``; `describe` (``numbaccum info``) says which.
+
+Sharded models (each rank holds different leaves) use `global_norm` and `clip_by_global_norm`
+with a communicator: one scalar collective per call.
 
 How ranks stay bitwise identical: an ``MPI_Allreduce`` delivers the same result to every rank
 (the standard requires identical results on all members; MPICH's algorithms either reduce each
@@ -30,15 +38,23 @@ uncaught exception on one rank ends every rank (``NUMBACCUM_MPI_ABORT=0`` turns 
 from __future__ import annotations
 
 import ctypes
+import datetime
 import hashlib
+import json
 import math
+import os
+import statistics
 import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import _config
-from ._checks import non_negative
+from . import _cache, _config
+from ._checks import flag, integer, non_negative
 from .backend import ops_for
 from .base import Stage, Step
 from .clipping import global_norm as _local_norm
@@ -52,9 +68,11 @@ from .updates import ParamsRef, Spec, Updates
 
 __all__ = [
     "AllreduceMeanState",
+    "Calibration",
     "allreduce_mean",
     "allreduce_mean_",
     "allreduce_sum_",
+    "calibrate",
     "check_same_layout",
     "clip_by_global_norm",
     "cuda_aware",
@@ -62,7 +80,6 @@ __all__ = [
     "global_norm",
 ]
 
-_F16 = np.dtype(np.float16)
 _F32 = np.dtype(np.float32)
 
 INSTALL_HINT = 'numbaccum.distributed needs mpi4py and an MPI library: pip install "numbaccum[mpi]"'
@@ -81,36 +98,134 @@ def _comm(comm: Any) -> Any:
     return _mpi().COMM_WORLD if comm is None else comm
 
 
-# --- the collective on flat buffers ---------------------------------------------------------
+# --- buckets: the size of each message ------------------------------------------------------
 
 
-def _chunks(n: int) -> list[tuple[int, int]]:
-    """``[lo, hi)`` runs of at most ``_config.MPI_MAX_COUNT`` elements: MPI counts are C ints."""
-    step = max(1, int(_config.MPI_MAX_COUNT))
+class _Bucket(NamedTuple):
+    """A bucket size in bytes and where it came from (`describe` and the cross-rank check say)."""
+
+    nbytes: int
+    source: str
+
+
+ENV_BUCKET = "NUMBACCUM_MPI_BUCKET_BYTES"
+CALIBRATION_FILE = "mpi-bucket.json"  # beside the kernel cache (`numbaccum._cache.directory`)
+_calibrated: list[_Bucket] = []  # what `calibrate` chose in this process (the last one counts)
+_saved: dict[str, _Bucket | None] = {}  # the saved calibration, read once per path (None: none)
+
+
+def _bucket_arg(value: Any) -> int:
+    """``bucket_bytes`` as a positive int; TypeError or ValueError naming it."""
+    return integer(value, "bucket_bytes", minimum=1)
+
+
+def _bucket_in_use(bucket_bytes: Any = None) -> _Bucket:
+    """The bucket size a collective uses: the argument, else ``NUMBACCUM_MPI_BUCKET_BYTES``, else
+    the last `calibrate` of this process, else the saved calibration, else the default."""
+    if bucket_bytes is not None:
+        return _Bucket(_bucket_arg(bucket_bytes), "argument")
+    if _config.MPI_BUCKET_BYTES is not None:
+        return _Bucket(int(_config.MPI_BUCKET_BYTES), f"environment: {ENV_BUCKET}")
+    if _calibrated:
+        return _calibrated[-1]
+    saved = _saved_bucket()
+    return saved if saved is not None else _Bucket(int(_config.MPI_BUCKET_BYTES_DEFAULT), "default")
+
+
+def _calibration_path() -> Path | None:
+    """Where `calibrate` saves its choice: beside the kernel cache, whose directory a user
+    already controls (``NUMBACCUM_CACHE_DIR``); None when that is turned off."""
+    base = _cache.directory()
+    return None if base is None else base / CALIBRATION_FILE
+
+
+def _saved_bucket() -> _Bucket | None:
+    path = _calibration_path()
+    if path is None:
+        return None
+    key = str(path)
+    if key not in _saved:
+        _saved[key] = _read_calibration(path, _library())
+    return _saved[key]
+
+
+def _read_calibration(path: Path, library: str) -> _Bucket | None:
+    """The bucket size `calibrate` saved in ``path``; None when there is no such file, and None
+    with a warning when it cannot be read, is not a calibration, or was measured with another MPI
+    library: a stale or broken file must never stop a training run."""
+    try:
+        record = json.loads(path.read_bytes().decode())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:  # unreadable, not UTF-8, not JSON
+        return _ignored(path, f"cannot be read ({e})")
+    nbytes = record.get("bucket_bytes") if isinstance(record, dict) else None
+    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 1:
+        return _ignored(path, "has no positive integer bucket_bytes")
+    if record.get("library") != library:
+        return _ignored(path, f"was measured with {record.get('library')!r}, not {library!r}")
+    when = f"{_ranks(record.get('ranks', '?'))}, {record.get('date', '?')}"
+    return _Bucket(nbytes, f"calibrated: {path} ({when})")
+
+
+def _ignored(path: Path, why: str) -> None:
+    warnings.warn(
+        f"numbaccum.distributed: ignoring {path}, which {why}; using the default bucket size "
+        f"(run numbaccum.distributed.calibrate(save=True) again, or delete the file)",
+        RuntimeWarning,
+        stacklevel=2,
+    )
+    return None
+
+
+def _runs(n: int, itemsize: int, bucket_bytes: int) -> list[tuple[int, int]]:
+    """``[lo, hi)`` runs covering ``n`` elements of ``itemsize`` bytes, one message each:
+    ``bucket_bytes`` rounded down to whole elements (at least one) and at most
+    ``_config.MPI_MAX_COUNT`` elements (MPI counts are C ints)."""
+    step = max(1, min(bucket_bytes // itemsize, int(_config.MPI_MAX_COUNT)))
     return [(lo, min(n, lo + step)) for lo in range(0, n, step)]
 
 
-def _allreduce_host(comm: Any, src: np.ndarray, dst: np.ndarray) -> None:
-    """``dst = sum over ranks of src`` (NumPy, ``src`` may be ``dst``), chunked."""
+# --- the collective on flat buffers ---------------------------------------------------------
+
+
+def _sum_host(comm: Any, src: np.ndarray, dst: np.ndarray, runs: list, n_mean: int) -> None:
+    """``dst = sum over ranks of src`` (host memory; ``src`` may be ``dst``), one Allreduce per
+    run, each run divided by ``n_mean`` (0: not) right after its sum, while it is in cache."""
     MPI = _mpi()
-    for lo, hi in _chunks(dst.size):
-        if src is dst:
-            comm.Allreduce(MPI.IN_PLACE, dst[lo:hi], op=MPI.SUM)
-        else:
-            comm.Allreduce(src[lo:hi], dst[lo:hi], op=MPI.SUM)
+    ops = ops_for(dst) if n_mean else None
+    for lo, hi in runs:
+        d = dst[lo:hi]
+        comm.Allreduce(MPI.IN_PLACE if src is dst else src[lo:hi], d, op=MPI.SUM)
+        if ops is not None:
+            ops.scale_(d, d, Factor(float(n_mean), 1.0))
 
 
-def _staging(out: FlatTree, gi: int, dtype: np.dtype, what: str) -> np.ndarray:
-    """A host buffer of group ``gi``'s size kept beside ``out`` (allocated once, pinned for a CUDA
-    ``out`` so that copies run at full speed)."""
+def _sum_half(comm: Any, src: np.ndarray, dst: np.ndarray, wire: np.ndarray, runs: list, n_mean: int) -> None:
+    """`_sum_host` for float16 and bfloat16, which MPI cannot sum: each run is widened into the
+    float32 ``wire`` (exactly: both are float32 values), summed there, and rounded back once
+    (with ``n_mean``, after the division: the sum of float16s can overflow where the mean does
+    not). A run is read before it is written, so ``src`` may be ``dst``."""
+    MPI = _mpi()
+    for lo, hi in runs:
+        w = wire[: hi - lo]
+        w[...] = src[lo:hi]
+        comm.Allreduce(MPI.IN_PLACE, w, op=MPI.SUM)
+        if n_mean:
+            np.divide(w, np.float32(n_mean), out=w)
+        dst[lo:hi] = w
+
+
+def _staging(out: FlatTree, key: Any, n: int, dtype: np.dtype, pinned: bool) -> np.ndarray:
+    """A host buffer of ``n`` elements kept beside ``out`` (allocated once; pinned where it is a
+    CUDA copy's end, so that copies run at full speed)."""
     # Kept in the storage's attributes, which the renewals of a state's buffer share
     # (`numbaccum.transaction.current`): allocated once per storage, not once per update.
     bufs = out.__dict__.setdefault("_staging", {})
-    key = (gi, dtype, what)
+    key = (key, n, dtype)
     h = bufs.get(key)
     if h is None:
-        n = out.layout.group_sizes[gi]
-        if out.device:
+        if pinned:
             from .arrays import cuda_api
 
             h = cuda_api().pinned_array(n, dtype)
@@ -130,83 +245,132 @@ def _sync_stream() -> Any:
     return s
 
 
-def _reduce(comm: Any, src: FlatTree, out: FlatTree, mean: bool) -> None:
-    """``out = sum (or mean) over ranks of src``, one Allreduce per dtype group (chunked).
+def _reduce(comm: Any, src: FlatTree, out: FlatTree, mean: bool, bucket_bytes: int) -> None:
+    """``out = sum (or mean) over ranks of src``, one Allreduce per bucket of each dtype group.
 
-    float16 and bfloat16 groups are summed in float32 (MPI has no sum of either, and a float16 sum
-    overflows where the mean does not) and their mean is rounded once; so a tree with such a
-    group takes ``mean=True``. CUDA groups are staged through host memory, one copy each way, unless the MPI
-    library is CUDA-aware (`cuda_aware`), which reads and writes device memory itself."""
+    Buckets never cross groups; within one they split leaves wherever they fall (the sum is
+    elementwise). float16 and bfloat16 groups are summed in float32 buckets, so a tree with such
+    a group takes ``mean=True``. CUDA groups are staged through pinned host memory, one copy each
+    way, unless the MPI library is CUDA-aware (`cuda_aware`): then MPI reads the device buckets."""
     n = comm.Get_size()
+    n_mean = n if mean else 0
     direct = out.device and cuda_aware()
     s = _sync_stream() if out.device else 0
     for gi, (x, y) in enumerate(zip(src.groups, out.groups)):
         if y.size == 0:
             continue  # every rank has the same layout (checked at init): all skip it
         dt = np.dtype(y.dtype)
-        half = dt.itemsize == 2  # float16 or bfloat16: MPI has no sum of either
-        if not half and not out.device:
-            _allreduce_host(comm, x, y)
-            if mean:
-                ops_for(y).scale_(y, y, Factor(float(n), 1.0))
-        elif not half and direct:
-            for lo, hi in _chunks(y.size):  # device pointers straight to MPI
-                comm.Allreduce(x[lo:hi], y[lo:hi], op=_mpi().SUM)
-            if mean:
-                ops_for(y).scale_(y, y, Factor(float(n), 1.0))
-        elif not half:  # CUDA through the host: one copy down, one up
-            h = _staging(out, gi, dt, "sum")
-            x.copy_to_host(h, stream=s)
-            if s != 0:
-                s.synchronize()
-            _allreduce_host(comm, h, h)
-            if mean:
-                np.divide(h, n, out=h)
+        if dt.itemsize == 2:  # float16 or bfloat16: summed in float32
+            runs = _runs(y.size, _F32.itemsize, bucket_bytes)
+            wire = _staging(out, "wire", runs[0][1], _F32, pinned=False)
+            if not out.device:
+                _sum_half(comm, x, y, wire, runs, n_mean)
+                continue
+            h = _staging(out, (gi, "half"), y.size, dt, pinned=True)
+            _down(x, h, s)
+            _sum_half(comm, h, h, wire, runs, n_mean)
             y.copy_to_device(h, stream=s)
-        else:
-            h32 = _staging(out, gi, _F32, "sum")
-            if out.device:
-                h16 = _staging(out, gi, _F16, "half")
-                x.copy_to_host(h16, stream=s)
-                if s != 0:
-                    s.synchronize()
-                np.copyto(h32, h16)
-            else:
-                h32[...] = x  # exact (float16 and bfloat16 are float32 values)
-            _allreduce_host(comm, h32, h32)
-            # the mean in float32, rounded once; dividing after rounding the sum could overflow
-            if mean:
-                np.divide(h32, np.float32(n), out=h32)
-            (h16 if out.device else y)[...] = h32
-            if out.device:
-                y.copy_to_device(h16, stream=s)
+            continue
+        runs = _runs(y.size, dt.itemsize, bucket_bytes)
+        if not out.device:
+            _sum_host(comm, x, y, runs, n_mean)
+        elif direct:
+            for lo, hi in runs:  # device pointers straight to MPI
+                comm.Allreduce(x[lo:hi], y[lo:hi], op=_mpi().SUM)
+            if mean:  # one kernel on the device: a launch per bucket would cost more
+                ops_for(y).scale_(y, y, Factor(float(n), 1.0))
+        else:  # CUDA through the host: one copy down, the buckets, one copy up
+            h = _staging(out, (gi, "sum"), y.size, dt, pinned=True)
+            _down(x, h, s)
+            _sum_host(comm, h, h, runs, n_mean)
+            y.copy_to_device(h, stream=s)
 
 
-def allreduce_sum_(src: FlatTree, out: FlatTree | None = None, comm: Any = None) -> FlatTree:
-    """``out = sum over ranks r of src_r``, one ``Allreduce`` per dtype buffer; returns ``out``.
+def _down(x: Any, h: np.ndarray, s: Any) -> None:
+    """Device buffer ``x`` into host buffer ``h``, waited for: MPI reads ``h`` next."""
+    x.copy_to_host(h, stream=s)
+    if s != 0:
+        s.synchronize()
 
-    ``out`` defaults to ``src`` (in place); it must have ``src``'s layout and dtypes. Buffers of
-    more than ``2**31 - 1`` elements go as several messages (``_config.MPI_MAX_COUNT``). CUDA
-    buffers are staged through the host unless the MPI library is CUDA-aware. float16 buffers are
-    summed in float32 and rounded once (an overflow gives inf: prefer `allreduce_mean_`).
+
+def allreduce_sum_(
+    src: FlatTree, out: FlatTree | None = None, comm: Any = None, bucket_bytes: int | None = None
+) -> FlatTree:
+    """``out = sum over ranks r of src_r``, one ``Allreduce`` per bucket of each dtype buffer.
+
+    Collective: every rank calls it with the same layout and the same bucket size. float16 and
+    bfloat16 buffers are summed in float32 and rounded once (an overflow gives inf: prefer
+    `allreduce_mean_`). CUDA buffers are staged through the host unless the MPI library is
+    CUDA-aware. Every rank gets the same bits, and the bits do not depend on the bucket size on
+    two ranks (each element is ``a + b``).
+
+    Args:
+        src: this rank's buffers.
+        out: where the sum goes, with ``src``'s layout, dtypes and device; None: ``src`` (in
+            place).
+        comm: the communicator; None: ``MPI.COMM_WORLD``.
+        bucket_bytes: bytes per message, rounded down to whole elements (at least one; float16
+            and bfloat16 travel as float32) and capped at ``2**31 - 1`` elements
+            (``_config.MPI_MAX_COUNT``); buckets never span two dtype buffers. None: the size in
+            use (`describe` says which: ``NUMBACCUM_MPI_BUCKET_BYTES``, `calibrate`, or the
+            default, ``_config.MPI_BUCKET_BYTES_DEFAULT``: 16 MiB).
+
+    Returns:
+        ``out``.
+
+    Raises:
+        TypeError: ``src`` or ``out`` is not a FlatTree, or ``bucket_bytes`` is not an int.
+        ValueError: ``out`` has another layout, dtypes or device than ``src``, or
+            ``bucket_bytes < 1``. Both are raised before any buffer is read or written.
+
+    Examples:
+        >>> import numpy as np, numbaccum as nba
+        >>> from mpi4py import MPI
+        >>> from numbaccum.distributed import allreduce_sum_
+        >>> g = nba.FlatTree.from_tree({"w": np.arange(3.0, dtype=np.float32)})
+        >>> allreduce_sum_(g, g.zeros_like(), MPI.COMM_SELF, bucket_bytes=8)["w"]  # 2 buckets
+        array([0., 1., 2.], dtype=float32)
     """
-    comm = _comm(comm)
+    return _collective(src, out, comm, bucket_bytes, mean=False)
+
+
+def allreduce_mean_(
+    src: FlatTree, out: FlatTree | None = None, comm: Any = None, bucket_bytes: int | None = None
+) -> FlatTree:
+    """``out = (sum over ranks r of src_r) / n_ranks``, one ``Allreduce`` per bucket.
+
+    Like `allreduce_sum_`, then a division by the number of ranks, bucket by bucket while each
+    is in cache (float16 and bfloat16: in float32, rounded once). Every rank gets the same bits.
+
+    Args:
+        src: this rank's buffers.
+        out: where the mean goes, with ``src``'s layout, dtypes and device; None: ``src``.
+        comm: the communicator; None: ``MPI.COMM_WORLD``.
+        bucket_bytes: bytes per message, as for `allreduce_sum_`; None: the size in use.
+
+    Returns:
+        ``out``.
+
+    Raises:
+        TypeError: as `allreduce_sum_`.
+        ValueError: as `allreduce_sum_`.
+
+    Examples:
+        >>> import numpy as np, numbaccum as nba
+        >>> from mpi4py import MPI
+        >>> from numbaccum.distributed import allreduce_mean_
+        >>> g = nba.FlatTree.from_tree({"h": np.ones(3, np.float16)})
+        >>> allreduce_mean_(g, comm=MPI.COMM_SELF, bucket_bytes=1 << 20)["h"]
+        array([1., 1., 1.], dtype=float16)
+    """
+    return _collective(src, out, comm, bucket_bytes, mean=True)
+
+
+def _collective(src: FlatTree, out: FlatTree | None, comm: Any, bucket_bytes: Any, mean: bool) -> FlatTree:
+    nbytes = _bucket_in_use(bucket_bytes).nbytes  # every check before any buffer is touched
     out = src if out is None else out
     _check_pair(src, out)
-    _reduce(comm, src, out, mean=False)
-    return out
-
-
-def allreduce_mean_(src: FlatTree, out: FlatTree | None = None, comm: Any = None) -> FlatTree:
-    """``out = (sum over ranks r of src_r) / n_ranks``, one ``Allreduce`` per dtype buffer.
-
-    Like `allreduce_sum_`, then a division by the number of ranks (float16: in float32, rounded
-    once). Every rank gets the same bits.
-    """
-    comm = _comm(comm)
-    out = src if out is None else out
-    _check_pair(src, out)
-    _reduce(comm, src, out, mean=True)
+    _reduce(_comm(comm), src, out, mean, nbytes)
     return out
 
 
@@ -318,36 +482,62 @@ def _abort_on_uncaught(comm: Any) -> None:
     sys.excepthook = hook
 
 
-def allreduce_mean(comm: Any = None) -> GradientTransformationExtraArgs:
+def allreduce_mean(comm: Any = None, bucket_bytes: int | None = None) -> GradientTransformationExtraArgs:
     """Averages the updates across the ranks of ``comm`` (default ``MPI.COMM_WORLD``):
     ``u = (sum over ranks r of g_r) / n_ranks``.
 
-    One ``Allreduce`` per dtype buffer, into a buffer the state owns; the division by
-    ``n_ranks`` is not a pass of its own but rides on the next kernel that reads the updates
-    (trees with float16 leaves: summed in float32 and divided on the host). Every rank gets the
-    same bits, so replicated params and optimizer states stay identical. On one rank it is the
-    identity. Put it first: ``chain(allreduce_mean(), clip_by_global_norm(1.0), adam(1e-3))``;
-    inside ``MultiSteps(..., k)`` it averages once per emitted step instead of every mini-step.
+    One ``Allreduce`` per bucket of each dtype buffer, into a buffer the state owns; the division
+    by ``n_ranks`` is not a pass of its own but rides on the next kernel that reads the updates
+    (trees with float16 or bfloat16 leaves: summed in float32 and divided on the host, bucket by
+    bucket). Every rank gets the same bits, so replicated params and optimizer states stay
+    identical. On one rank it is the identity. Put it first:
+    ``chain(allreduce_mean(), clip_by_global_norm(1.0), adam(1e-3))``; inside
+    ``MultiSteps(..., k)`` it averages once per emitted step instead of every mini-step.
 
-    ``init`` checks with one small collective that every rank has the same tree structure,
-    shapes and dtypes (ValueError on every rank otherwise). ``update`` is collective: every rank
-    must call it, the same number of times.
+    ``init`` checks with two small collectives that every rank has the same tree structure,
+    shapes and dtypes, and the same bucket size (ValueError on every rank otherwise). ``update``
+    is collective: every rank must call it, the same number of times.
+
+    Args:
+        comm: the communicator; None: ``MPI.COMM_WORLD``.
+        bucket_bytes: bytes per message, as for `allreduce_sum_`; None: the size in use when the
+            transformation is made (``NUMBACCUM_MPI_BUCKET_BYTES``, else the last `calibrate`,
+            else a saved calibration, else 16 MiB; `describe` says which).
+
+    Returns:
+        The transformation; its state is an `AllreduceMeanState`.
+
+    Raises:
+        TypeError: ``bucket_bytes`` is not an int.
+        ValueError: ``bucket_bytes < 1``.
+
+    Examples:
+        >>> import numpy as np, numbaccum as nba
+        >>> from mpi4py import MPI
+        >>> from numbaccum.distributed import allreduce_mean
+        >>> tx = nba.chain(allreduce_mean(MPI.COMM_SELF, bucket_bytes=16 << 20), nba.sgd(0.1))
+        >>> g = {"w": np.ones(2, np.float32)}
+        >>> tx.update(g, tx.init(g))[0]["w"]
+        array([-0.1, -0.1], dtype=float32)
     """
+    bucket = _bucket_in_use(bucket_bytes)
     comm = _comm(comm)
     _abort_on_uncaught(comm)
-    return _AllreduceMean(comm).transformation()
+    return _AllreduceMean(comm, bucket).transformation()
 
 
 class _AllreduceMean(Stage):
     """`allreduce_mean` as a stage: the plan checks the state, the run is the collective."""
 
-    def __init__(self, comm: Any) -> None:
+    def __init__(self, comm: Any, bucket: _Bucket) -> None:
         self.comm = comm
         self.n = comm.Get_size()
+        self.bucket = bucket
 
     def init(self, params: Any) -> AllreduceMeanState:
         layout, device = layout_and_device(params, "params")
         check_same_layout(layout, self.comm)
+        _check_same_bucket(self.bucket, self.comm)
         return AllreduceMeanState(FlatTree.zeros(layout, None, device))
 
     def owner(self, state: Any) -> FlatTree | None:
@@ -359,18 +549,39 @@ class _AllreduceMean(Stage):
         new_state = AllreduceMeanState(out)
         if self.n == 1:
             return Step(lambda u: (u, new_state))
-        comm, n = self.comm, self.n
+        comm, n, nbytes = self.comm, self.n, self.bucket.nbytes
         half = any(d.itemsize == 2 for d in spec.layout.group_dtypes)
 
         def run(u: Updates) -> tuple[Updates, AllreduceMeanState]:
             # A pending factor is applied on the way into our buffer: no pass of its own.
             src = u.flat if u.factor.is_one else u.into(out)
-            _reduce(comm, src, out, mean=half)
+            _reduce(comm, src, out, half, nbytes)
             # The division by n rides on the next kernel (float16 and bfloat16 trees: divided on
             # the host).
             return Updates(out, owned=True, factor=ONE if half else Factor(float(n), 1.0)), new_state
 
         return Step(run)
+
+
+def _check_same_bucket(bucket: _Bucket, comm: Any) -> None:
+    """Raises the same ValueError on every rank unless all ranks use the same bucket size.
+
+    Ranks that cut a buffer into different buckets would pass MPI collectives of different
+    counts, which MPI does not check: a hang, or sums of the wrong elements. Where the sizes came
+    from (a file saved on one node only, an environment variable set on some ranks) is what the
+    message names.
+    """
+    every = np.empty(comm.Get_size(), np.int64)
+    comm.Allgather(np.array([bucket.nbytes], np.int64), every)
+    if (every == every[0]).all():
+        return
+    sources = comm.allgather(bucket.source)  # every rank knows by now: none waits alone
+    r = int(np.flatnonzero(every != every[0])[0])
+    raise ValueError(
+        f"bucket sizes differ between ranks: {every[r]} bytes ({sources[r]}) on rank {r}, "
+        f"{every[0]} bytes ({sources[0]}) on rank 0; pass the same bucket_bytes everywhere or "
+        f"run calibrate() on this communicator"
+    )
 
 
 def clip_by_global_norm(max_norm: float, comm: Any = None) -> GradientTransformationExtraArgs:
@@ -416,6 +627,178 @@ class _ShardedClip(Stage):
         return Step(run)
 
 
+# --- calibration: the fastest bucket size here ----------------------------------------------
+
+CALIBRATION_SIZES = tuple(m << 20 for m in (1, 2, 4, 8, 16, 32))
+
+
+class Calibration(NamedTuple):
+    """What `calibrate` measured and chose.
+
+    Attributes:
+        bucket_bytes: the fastest candidate: from now on the bucket size in use in this process.
+        seconds: candidate bytes -> the median time of one sum of the buffer in buckets of that
+            size (each round's time is the slowest rank's), smallest candidate first.
+        path: the file the choice was saved to; None: not saved.
+
+    Examples:
+        >>> from numbaccum.distributed import Calibration
+        >>> c = Calibration(4 << 20, {1 << 20: 0.061, 4 << 20: 0.054}, None)
+        >>> c.bucket_bytes == min(c.seconds, key=c.seconds.get)
+        True
+    """
+
+    bucket_bytes: int
+    seconds: dict[int, float]
+    path: str | None
+
+
+def calibrate(
+    comm: Any = None,
+    sizes: Any = CALIBRATION_SIZES,
+    repeats: int = 5,
+    save: Any = False,
+    nbytes: int = 64 << 20,
+) -> Calibration:
+    """Measures which bucket size sums fastest on ``comm``, and uses it from now on.
+
+    MPI libraries pick their algorithm by message size, so the fastest bucket size depends on the
+    library, the network and the number of ranks. This sums a float32 buffer of ``nbytes`` over
+    ``comm`` in buckets of each candidate size: one warm-up round, then ``repeats`` timed rounds,
+    the candidates alternating within each round so that a drift of the machine hits them all
+    alike. A round's time is the slowest rank's (the times are reduced with ``MAX``), the smallest
+    median wins, and rank 0's choice is broadcast: every rank takes the same decision. With the
+    defaults, 6 candidates x 6 rounds of a 64 MiB sum: a few seconds on one machine.
+
+    The choice becomes the bucket size of every collective given no ``bucket_bytes`` (an
+    `allreduce_mean` made from now on), unless ``NUMBACCUM_MPI_BUCKET_BYTES`` is set (it wins).
+    Saved, it is read back by the first collective of later processes (measured with the same
+    MPI library; a file that cannot be read is ignored with a warning). Collective: every rank of
+    ``comm`` calls it, with the same arguments.
+
+    Args:
+        comm: the communicator to measure; None: ``MPI.COMM_WORLD``.
+        sizes: the candidate bucket sizes in bytes (positive ints).
+        repeats: timed rounds (a positive int).
+        save: False: keep the choice for this process; True: also save it as ``mpi-bucket.json``
+            in numbaccum's cache directory (``NUMBACCUM_CACHE_DIR``, else ``~/.cache/numbaccum``
+            on Linux), where later processes read it; a path: save it there (read back only
+            from the default place). One rank per node writes (``MPI.COMM_TYPE_SHARED``).
+        nbytes: the size of the buffer summed, in bytes (about a model's gradients; larger than
+            the caches: 64 MiB, two buffers of it per rank).
+
+    Returns:
+        A `Calibration`: the chosen ``bucket_bytes``, each candidate's median ``seconds``, and
+            the ``path`` it was saved to.
+
+    Raises:
+        TypeError: ``sizes``, ``repeats`` or ``nbytes`` is not made of ints, or ``save`` is not a
+            bool or a path.
+        ValueError: a size, ``repeats`` or ``nbytes`` is not positive, ``sizes`` is empty, or
+            ``save=True`` while ``NUMBACCUM_CACHE_DIR`` turns the cache directory off. All
+            before any collective.
+        OSError: the file could not be written (raised on every rank).
+
+    Examples:
+        >>> from mpi4py import MPI
+        >>> from numbaccum.distributed import calibrate, describe
+        >>> c = calibrate(MPI.COMM_SELF, sizes=(1 << 16, 1 << 20), repeats=1, nbytes=1 << 20)
+        >>> sorted(c.seconds) == [1 << 16, 1 << 20] and "calibrate()" in describe()
+        True
+    """
+    candidates = _candidates(sizes)
+    repeats = integer(repeats, "repeats", minimum=1)
+    nbytes = integer(nbytes, "nbytes", minimum=_F32.itemsize)
+    path = _save_path(save)
+    comm = _comm(comm)
+    seconds = _time_buckets(comm, candidates, repeats, nbytes)
+    best = int(comm.bcast(min(seconds, key=seconds.__getitem__), root=0))
+    _calibrated[:] = [_Bucket(best, f"calibrate() in this process, {_ranks(comm.Get_size())}")]
+    if path is not None:
+        _save(comm, path, best, seconds, nbytes)
+    return Calibration(best, seconds, None if path is None else str(path))
+
+
+def _candidates(sizes: Any) -> list[int]:
+    if isinstance(sizes, (str, bytes)) or not hasattr(sizes, "__iter__"):
+        raise TypeError(f"sizes must be a sequence of ints (bytes), got {type(sizes).__name__}")
+    out = sorted({integer(b, f"sizes[{i}]", minimum=1) for i, b in enumerate(sizes)})
+    if not out:
+        raise ValueError("sizes must name at least one bucket size")
+    return out
+
+
+def _save_path(save: Any) -> Path | None:
+    if isinstance(save, (str, os.PathLike)):
+        return Path(save).expanduser()
+    if not flag(save, "save"):
+        return None
+    path = _calibration_path()
+    if path is None:
+        raise ValueError(
+            f"save=True: numbaccum's cache directory is turned off ({_cache.ENV} is set to turn it "
+            f"off); pass save=<a path>"
+        )
+    return path
+
+
+def _time_buckets(comm: Any, candidates: list[int], repeats: int, nbytes: int) -> dict[int, float]:
+    """Each candidate's median time (the slowest rank's) to sum ``nbytes`` of float32 over
+    ``comm``, the candidates alternating within each round."""
+    src = np.ones(nbytes // _F32.itemsize, _F32)  # ones: exact sums on any number of ranks
+    dst = np.empty_like(src)
+    times = np.empty((repeats + 1, len(candidates)))
+    for r in range(repeats + 1):  # round 0 warms up: pages touched, MPI's buffers set up
+        for i, b in enumerate(candidates):
+            runs = _runs(src.size, _F32.itemsize, b)
+            comm.Barrier()
+            t0 = time.perf_counter()
+            _sum_host(comm, src, dst, runs, 0)
+            times[r, i] = time.perf_counter() - t0
+    comm.Allreduce(_mpi().IN_PLACE, times, op=_mpi().MAX)  # the same table on every rank
+    return {b: float(statistics.median(times[1:, i])) for i, b in enumerate(candidates)}
+
+
+def _save(comm: Any, path: Path, best: int, seconds: dict[int, float], nbytes: int) -> None:
+    """Writes the choice to ``path`` from one rank per node (the ranks of a node share its
+    filesystem; nodes may not), and raises the same OSError on every rank if a writer failed."""
+    record = {
+        "bucket_bytes": best,
+        "library": _library(),
+        "ranks": comm.Get_size(),
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "nbytes": nbytes,
+        "seconds": {str(b): t for b, t in seconds.items()},
+    }
+    local = comm.Split_type(_mpi().COMM_TYPE_SHARED)
+    writer = local.Get_rank() == 0
+    local.Free()
+    error = ""
+    if writer:
+        try:
+            _write_json(path, record)
+        except OSError as e:
+            error = f"rank {comm.Get_rank()}: {e}"
+    errors = [e for e in comm.allgather(error) if e]
+    _saved.pop(str(path), None)  # a later process-default lookup reads the new file
+    if errors:
+        raise OSError(f"calibrate could not save {path} ({errors[0]})")
+
+
+def _write_json(path: Path, record: dict) -> None:
+    """Writes ``record`` to ``path`` whole or not at all: a temporary file renamed into place, so
+    that a reader (or a second writer on a shared filesystem) never sees half a file."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(record, f, indent=1)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
 # --- MPI facts for `numbaccum info` ---------------------------------------------------------
 
 
@@ -435,13 +818,32 @@ def cuda_aware() -> bool:
     return bool(query())
 
 
+def _library() -> str:
+    """The MPI library's name and version, on one line ("MPICH Version: 5.0.2")."""
+    return " ".join(_mpi().Get_library_version().strip().splitlines()[0].split())
+
+
+def _ranks(n: Any) -> str:
+    return "1 rank" if n == 1 else f"{n} ranks"
+
+
+def _human(nbytes: int) -> str:
+    for unit, shift in (("MiB", 20), ("KiB", 10)):
+        if nbytes >= 1 << shift and nbytes % (1 << shift) == 0:
+            return f"{nbytes >> shift} {unit}"
+    return f"{nbytes} bytes"
+
+
 def describe() -> str:
-    """One line for ``numbaccum info``: mpi4py, the MPI library, and how CUDA buffers travel."""
+    """One line for ``numbaccum info``: mpi4py, the MPI library, how CUDA buffers travel, and the
+    bucket size in use and where it came from."""
     try:
         import mpi4py
     except ImportError:
         return f"mpi4py not installed ({INSTALL_HINT})"
-    MPI = _mpi()
-    library = " ".join(MPI.Get_library_version().strip().splitlines()[0].split())
     how = "passed to MPI directly (CUDA-aware MPI)" if cuda_aware() else "staged through host memory"
-    return f"mpi4py {mpi4py.__version__}, {library}; CUDA buffers {how}"
+    bucket = _bucket_in_use()
+    return (
+        f"mpi4py {mpi4py.__version__}, {_library()}; CUDA buffers {how}; "
+        f"buckets of {_human(bucket.nbytes)} ({bucket.source})"
+    )

@@ -103,6 +103,11 @@ def test_info_says_how_mpi_moves_cuda_buffers():
     )
     line = next(x for x in r.stdout.splitlines() if x.startswith("mpi: "))
     assert "mpi4py" in line and ("staged through host memory" in line or "CUDA-aware" in line)
+    # the session's cache directory holds no saved calibration: the default, and it says so
+    assert line.endswith(f"; buckets of {_config.MPI_BUCKET_BYTES_DEFAULT >> 20} MiB (default)")
+    env = {**os.environ, "NUMBACCUM_MPI_BUCKET_BYTES": "65536"}
+    r = subprocess.run([sys.executable, "-m", "numbaccum", "info"], capture_output=True, text=True, env=env)
+    assert "buckets of 64 KiB (environment: NUMBACCUM_MPI_BUCKET_BYTES)" in r.stdout
 
 
 @needs_mpi
@@ -187,3 +192,39 @@ def test_allreduce_sum_and_mean_on_one_rank_check_their_buffers(monkeypatch):
         dist.allreduce_mean_(flat, flat.zeros_like(np.float64), MPI.COMM_SELF)
     with pytest.raises(TypeError, match="FlatTrees"):
         dist.allreduce_mean_(flat.tree, None, MPI.COMM_SELF)
+
+
+def _distributed_examples():
+    from numbaccum import distributed as dist
+
+    return {n: getattr(dist, n) for n in dist.__all__ if ">>>" in (getattr(dist, n).__doc__ or "")}
+
+
+def test_the_bucket_names_have_examples_and_full_docstrings():
+    import inspect
+
+    examples = _distributed_examples()
+    for name in ("allreduce_sum_", "allreduce_mean_", "allreduce_mean", "calibrate", "Calibration"):
+        assert name in examples, name
+        doc = inspect.getdoc(examples[name])
+        sections = ("Attributes:",) if name == "Calibration" else ("Args:", "Returns:", "Raises:")
+        assert all(s in doc for s in sections), (name, sections)
+        if name != "Calibration":
+            params = inspect.signature(examples[name]).parameters
+            assert all(f"    {p}:" in doc for p in params), name
+
+
+@needs_mpi
+@pytest.mark.parametrize("name", sorted(_distributed_examples()))
+def test_distributed_docstring_example_runs(name, monkeypatch):
+    import doctest
+
+    from numbaccum import distributed as dist
+
+    monkeypatch.setattr(dist, "_calibrated", [])  # an example's calibrate() stays in the example
+    tests = doctest.DocTestFinder(recurse=False).find(getattr(dist, name), name, globs={})
+    runner = doctest.DocTestRunner(optionflags=doctest.NORMALIZE_WHITESPACE | doctest.ELLIPSIS)
+    for t in tests:
+        runner.run(t)
+    result = runner.summarize(verbose=False)
+    assert result.attempted > 0 and result.failed == 0, f"{name}: {result}"

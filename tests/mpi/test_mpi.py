@@ -8,6 +8,7 @@ so that a failing assertion cannot leave another rank waiting.
 """
 
 import hashlib
+import json
 import math
 import os
 
@@ -327,3 +328,212 @@ def test_cuda_buffers_are_staged_through_the_host():
         np.testing.assert_allclose(a, b, rtol=1e-3 if a.dtype == np.float16 else 1e-6)
     mean = dist.allreduce_mean_(nba.to_device(nba.FlatTree.from_tree(grads_of(RANK, 5, like))))
     assert_matches(nba.to_host(mean).tree, mean_over_ranks(5, like))
+
+
+# --- buckets ------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def process_bucket(monkeypatch):
+    """The bucket size in use is process state (`calibrate`, a saved file): each test that
+    changes it gets it back as it found it."""
+    monkeypatch.setattr(dist, "_calibrated", list(dist._calibrated))
+    monkeypatch.setattr(dist, "_saved", dict(dist._saved))
+    monkeypatch.setattr(_config, "MPI_BUCKET_BYTES", None)
+
+
+class MessageLog:
+    """COMM_WORLD, keeping the count of every Allreduce message and its dtype."""
+
+    def __init__(self):
+        self.messages = []
+
+    def Allreduce(self, send, recv, op=MPI.SUM):  # noqa: N802 - mpi4py's name
+        self.messages.append((np.asarray(recv).dtype, len(recv)))
+        return COMM.Allreduce(send, recv, op=op)
+
+    def __getattr__(self, name):
+        return getattr(COMM, name)
+
+
+def expected_messages(flat, bucket_bytes):
+    """(dtype on the wire, count) of every message: whole elements of at most bucket_bytes (at
+    least one), never across a dtype buffer; float16 and bfloat16 travel as float32."""
+    out = []
+    for dt, n in zip(flat.group_dtypes, flat.layout.group_sizes):
+        wire = np.dtype(np.float32) if dt.itemsize == 2 else np.dtype(dt)
+        step = max(1, bucket_bytes // wire.itemsize)
+        out += [(wire, min(step, n - lo)) for lo in range(0, n, step)]
+    return out
+
+
+ONE_MESSAGE = 1 << 62  # larger than any buffer: one message per dtype buffer, as before buckets
+
+
+@pytest.mark.parametrize("bucket_bytes", [1, 3, 12, 13, 100, 4 << 20])
+def test_buckets_give_the_bits_of_one_message(bucket_bytes):
+    # float32 and float64 leaves of sizes 2112, 33, 165, 1 and 0: the odd sizes split leaves (and
+    # round down: 13 bytes are 3 float32s or 1 float64; 1 and 3 bytes, one element)
+    g = nba.FlatTree.from_tree(grads_of(RANK, 0))
+    whole = dist.allreduce_sum_(g, g.zeros_like(), COMM, bucket_bytes=ONE_MESSAGE)
+    log = MessageLog()
+    ours = dist.allreduce_sum_(g, g.zeros_like(), log, bucket_bytes=bucket_bytes)
+    mean = dist.allreduce_mean_(g.copy(), None, COMM, bucket_bytes=bucket_bytes)
+    assert_same_on_every_rank(ours, mean)
+    for a, b in zip(ours.groups, whole.groups):  # elementwise sums: the bits of one message
+        np.testing.assert_array_equal(a, b)
+    ref = nba.tree_map(lambda *xs: sum(xs[1:], xs[0]), *[grads_of(r, 0) for r in range(SIZE)])
+    assert_matches(ours.tree, ref)
+    assert_matches(mean.tree, mean_over_ranks(0))
+    assert log.messages == expected_messages(g, bucket_bytes)
+
+
+def test_buckets_respect_the_max_count_too(monkeypatch):
+    g = nba.FlatTree.from_tree(grads_of(RANK, 1))
+    whole = dist.allreduce_sum_(g, g.zeros_like(), COMM, bucket_bytes=ONE_MESSAGE)
+    monkeypatch.setattr(_config, "MPI_MAX_COUNT", 5)
+    log = MessageLog()
+    ours = dist.allreduce_sum_(g, g.zeros_like(), log, bucket_bytes=64)  # 16 float32s, 8 float64s
+    assert [n for _, n in log.messages if n > 5] == []
+    assert sum(n for _, n in log.messages) == g.layout.size
+    for a, b in zip(ours.groups, whole.groups):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("bucket_bytes", [4, 10, 1 << 20])
+def test_float16_and_bfloat16_means_in_buckets(bucket_bytes):
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    like = {
+        "h": np.ones((7, 3), np.float16),
+        "bf": np.ones(9, ml_dtypes.bfloat16),
+        "s": np.ones(11, np.float32),
+        "e": np.zeros((0, 2), np.float64),  # a dtype buffer of size 0: no message
+    }
+    g = grads_of(RANK, 2, like)
+    g["h"][0] = np.float16(60000.0)  # float16's max is 65504: the sum must not overflow
+    tx = dist.allreduce_mean(log := MessageLog(), bucket_bytes=bucket_bytes)
+    updates, _ = tx.update(g, tx.init(like))
+    whole = dist.allreduce_mean_(nba.FlatTree.from_tree(g), None, COMM, bucket_bytes=ONE_MESSAGE)
+    assert_same_on_every_rank(updates)
+    for key in like:
+        np.testing.assert_array_equal(updates[key], whole[key])
+    assert np.isfinite(updates["h"]).all()
+    ref = mean_over_ranks(2, like)
+    ref["h"][0] = np.float16(60000.0)
+    ref["bf"] = ref["bf"].astype(np.float32)
+    if SIZE <= 2:  # float32 sum, one division, one rounding
+        np.testing.assert_array_equal(updates["h"], ref["h"])
+        np.testing.assert_array_equal(updates["bf"].astype(np.float32), ref["bf"])
+    if SIZE > 1:
+        assert log.messages == expected_messages(nba.FlatTree.from_tree(like), bucket_bytes)
+
+
+@pytest.mark.parametrize(
+    ("bad", "error", "says"),
+    [
+        (0, ValueError, ">= 1"),
+        (-4, ValueError, ">= 1"),
+        (2.5, TypeError, "an int"),
+        ("4MB", TypeError, "an int"),
+    ],
+)
+def test_a_bad_bucket_size_raises_before_any_buffer_is_touched(bad, error, says):
+    class NoCollective:
+        def __getattr__(self, name):
+            raise AssertionError(f"{name} called")
+
+    g = nba.FlatTree.from_tree(grads_of(RANK, 3))
+    out = g.zeros_like()
+    for call in (dist.allreduce_sum_, dist.allreduce_mean_):
+        with pytest.raises(error, match=f"bucket_bytes must be {says}"):
+            call(g, out, NoCollective(), bucket_bytes=bad)
+    with pytest.raises(error, match=f"bucket_bytes must be {says}"):
+        dist.allreduce_mean(NoCollective(), bucket_bytes=bad)
+    assert all((x == 0).all() for x in out.groups)
+    assert all(np.array_equal(a, b) for a, b in zip(g.leaves, nba.tree_flatten(grads_of(RANK, 3))[0]))
+
+
+@multi_rank
+def test_ranks_with_other_bucket_sizes_raise_at_init_on_every_rank():
+    mine = 12345 if RANK == SIZE - 1 else None  # the others: the default
+    with pytest.raises(ValueError, match="bucket sizes differ between ranks") as e:
+        dist.allreduce_mean(bucket_bytes=mine).init(make_params())
+    messages = COMM.allgather(str(e.value))
+    assert messages == [messages[0]] * SIZE
+    assert f"12345 bytes (argument) on rank {SIZE - 1}, " in messages[0]
+    assert "bytes (default) on rank 0" in messages[0]
+    dist.allreduce_mean(bucket_bytes=12345).init(make_params())  # and the ranks are in step
+
+
+def test_calibrate_takes_the_same_choice_on_every_rank_and_uses_it(process_bucket):
+    # tiny sizes on a tiny buffer: a quick run whose choice splits make_params' buffers
+    c = dist.calibrate(sizes=[64, 8, 64], repeats=3, nbytes=4096)
+    assert sorted(c.seconds) == [8, 64] and c.bucket_bytes in c.seconds and c.path is None
+    assert all(t > 0 for t in c.seconds.values())
+    assert_same_on_every_rank(np.int64(c.bucket_bytes), np.array(list(c.seconds.values())))
+    ranks = "1 rank" if SIZE == 1 else f"{SIZE} ranks"
+    assert dist._bucket_in_use() == (c.bucket_bytes, f"calibrate() in this process, {ranks}")
+    assert "calibrate() in this process" in dist.describe()
+    log = MessageLog()
+    tx = dist.allreduce_mean(log)  # made after the calibration: uses its choice
+    g = nba.FlatTree.from_tree(grads_of(RANK, 4))
+    tx.update(g, tx.init(g))
+    if SIZE > 1:
+        assert log.messages == expected_messages(g, c.bucket_bytes)
+    assert dist._bucket_in_use(12).nbytes == 12  # an argument still wins
+    with pytest.raises(ValueError, match="sizes"):
+        dist.calibrate(sizes=[])
+    with pytest.raises(TypeError, match="save"):
+        dist.calibrate(save=2)
+
+
+def test_calibrate_saves_its_choice_and_a_later_process_reads_it(process_bucket, tmp_path, monkeypatch):
+    where = COMM.bcast(str(tmp_path), root=0)  # one directory for every rank (rank 0's)
+    monkeypatch.setenv("NUMBACCUM_CACHE_DIR", where)
+    c = dist.calibrate(sizes=[256, 1 << 10], repeats=2, nbytes=1 << 16, save=True)
+    assert c.path == os.path.join(where, dist.CALIBRATION_FILE)
+    with open(c.path) as f:
+        record = json.load(f)
+    assert record["bucket_bytes"] == c.bucket_bytes and record["ranks"] == SIZE
+    assert record["library"] == dist._library()
+    # a later process: nothing calibrated yet, the file not read yet
+    monkeypatch.setattr(dist, "_calibrated", [])
+    monkeypatch.setattr(dist, "_saved", {})
+    bucket = dist._bucket_in_use()
+    ranks = "1 rank" if SIZE == 1 else f"{SIZE} ranks"
+    assert bucket.nbytes == c.bucket_bytes and bucket.source.startswith(f"calibrated: {c.path} ({ranks}, ")
+    assert f"({bucket.source})" in dist.describe()
+    monkeypatch.setattr(_config, "MPI_BUCKET_BYTES", 12345)  # the environment wins over the file
+    assert dist._bucket_in_use() == (12345, "environment: NUMBACCUM_MPI_BUCKET_BYTES")
+    COMM.Barrier()  # every rank has read rank 0's file before the next test writes its own
+
+
+def test_calibrate_saves_to_a_path_given(process_bucket, tmp_path):
+    path = COMM.bcast(str(tmp_path / "sub" / "buckets.json"), root=0)
+    c = dist.calibrate(COMM, sizes=[512], repeats=1, nbytes=1 << 12, save=path)
+    assert c == (512, c.seconds, path)
+    with open(path) as f:
+        assert json.load(f)["bucket_bytes"] == 512
+    COMM.Barrier()
+
+
+@needs_cuda
+@pytest.mark.parametrize("bucket_bytes", [12, ONE_MESSAGE])
+def test_cuda_buffers_go_in_buckets_through_the_host(bucket_bytes):
+    like = {"w": make_params()["dense"]["w"][:5], "h": np.ones(6, np.float16), "d": np.ones((2, 2))}
+    g = grads_of(RANK, 6, like)
+    g["h"][0] = np.float16(60000.0)
+    flat = nba.FlatTree.from_tree(g)
+    host = dist.allreduce_mean_(flat.copy(), None, COMM, bucket_bytes=ONE_MESSAGE)
+    log = MessageLog()
+    ours = nba.to_host(dist.allreduce_mean_(nba.to_device(flat), None, log, bucket_bytes=bucket_bytes))
+    tx = dist.allreduce_mean(bucket_bytes=bucket_bytes)  # float16 inside: divided on the host
+    stage, _ = tx.update(nba.to_device(flat), tx.init(nba.to_device(flat)))
+    stage = nba.to_host(stage)
+    assert_same_on_every_rank(ours, stage)
+    for a, b, c in zip(ours.groups, stage.groups, host.groups):
+        np.testing.assert_array_equal(a, c)
+        np.testing.assert_array_equal(b, c)
+    assert np.isfinite(ours["h"]).all()
+    if SIZE > 1:
+        assert log.messages == expected_messages(flat, bucket_bytes)
