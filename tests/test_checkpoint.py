@@ -556,6 +556,8 @@ NOT_STATE_CLASSES = {
     "numbaccum.passes:Pass",
     "numbaccum.quasi_newton:_Point",
     "numbaccum.lookahead:LookaheadParams",
+    "numbaccum.distributed:Calibration",  # calibrate()'s answer
+    "numbaccum.distributed:_Bucket",  # a bucket size and where it came from
 }
 
 # Names of real callables and modules a crafted file might try.
