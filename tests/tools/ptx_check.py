@@ -13,8 +13,9 @@ arithmetic but not that numba-cuda can type and lower them for a device: a scala
 of every registered formula (float32 pairs, float32, float64, and complex64/complex128 with the
 complex helpers), the fused composites that a few chains make, the reduction engine's partials
 kernel for every kind and dtype (and the global norm's finishing tail), the per-slice scalings,
-and the pointer-table pack and scatter kernels. Prints one line per failure and a summary; exits
-1 if a kernel that should build does not.
+the single stages' kernels (the norm family's factors, the per-slice EMA, Adafactor, SM3, the
+axis sums and maxima, DP's weighted sum) and the pointer-table pack and scatter kernels. Prints
+one line per failure and a summary; exits 1 if a kernel that should build does not.
 
 numba-cuda compiles a device function for the current device's compute capability: with no
 driver that call fails, so the script gives the dispatchers a stand-in device (sm_90).
@@ -112,7 +113,8 @@ def main() -> int:
                 flags += list(op[6])
         sc = tuple(types.uint32 if raw else real for raw in flags) or (b1,)
         k = driver._family(f, cplx).kernel(1, False)
-        build(f"composite {f.name} {dt}", k.py_func, (i8, *(dt[:] for _ in f.arrays), real, real, real[:], *sc))
+        sig = (i8, *(dt[:] for _ in f.arrays), real, real, real[:], *sc)
+        build(f"composite {f.name} {dt}", k.py_func, sig)
 
     # The reduction engine: the partials kernel of every kind and dtype, the global norm's tail.
     head = (i8[:, :], i8[:, :], i8[:], f8[:], b1, f8, f8[:], i8[:], i8[:], f8[:], types.int32[:], b1)
@@ -135,6 +137,25 @@ def main() -> int:
         real = types.float32 if dt in (types.float32, types.complex64) else f8
         k = cr._divide((1, cplx))
         build(f"divide {dt}", k.py_func, (dt[:], dt[:], real, real, real[:], i8[:, :], i8[:, :], real[:]))
+
+    # The kernels of single stages: the norm family's factors, the per-slice EMA (real: its stages
+    # refuse complex), Adafactor's and SM3's passes, the axis sums and maxima, DP's weighted sum.
+    from numbaccum.cuda import per_example
+
+    for x, real in ((types.float16, types.float32), (types.float32, types.float32), (types.float64, f8)):
+        sig = (f8[::1], i8[::1], i8[::1], x[::1], i8[:, ::1], b1, f8, b1, f8, f8, f8, f8[::1])
+        build(f"pnorm factors {x}", cr._pnorm_factors.py_func, sig)
+        ema = cr._ema_kernel(1).py_func
+        sig = (x[:], x[:], real, real, real[:], i8[:, :], i8[:, :], types.uint8[:], real, real, real)
+        build(f"slice ema {x}", ema, sig)
+        build(f"axis sums {x}", cr._axis_sums.py_func, (x[:], i8[:, :], i8[:], f8[:]))
+        build(f"axis max {x}", cr._axis_max.py_func, (x[:], i8[:, :], i8[:, :], f8[:]))
+        sig = (x[:], x[:], real[:], i8[:, :], i8[:, :], f8[:], f8[:], real, real, real, real)
+        build(f"adafactor {x}", cr._factored.py_func, sig)
+        sig = (x[:], x[:], real[:], real[:], i8[:, :], i8[:, :], i8[:, :], real[:], real[:], *(real,) * 7)
+        build(f"sm3 {x}", cr._sm3.py_func, sig)
+        sig = (x[:], x[:], i8[:], i8[:], i8[:, :], f8[:, :], f8[:], f8, f8, f8, x[:], b1)
+        build(f"dp weighted sum {x}", per_example._weighted_sum.py_func, sig)
 
     # The pointer-table kernels: every leaf dtype into its storage.
     for direction in ("pack", "scatter"):
