@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from . import tree as _tree
-from .layout import FLOATS, Layout
+from .layout import FLOATS, Layout, check_float_dtype
 
 __all__ = [
     "INSTALL_HINT",
@@ -42,6 +42,7 @@ __all__ = [
     "launch_context",
     "on_device",
     "on_stream",
+    "raw_bits",
     "run_view",
     "simulated",
     "runs_of",
@@ -145,7 +146,19 @@ def as_device_array(x: Any) -> Any:
     """A zero-copy numba view of a CUDA array (no synchronisation on its stream)."""
     if is_device_array(x):
         return x
+    bf16 = _torch_bfloat16(x)
+    if bf16 is not None:  # the interface has no bfloat16: its bits, viewed as ml_dtypes' type
+        return cuda_api().as_cuda_array(x.view(bf16[0].int16), sync=False).view(bf16[1])
     return cuda_api().as_cuda_array(x, sync=False)
+
+
+def _torch_bfloat16(x: Any) -> tuple[Any, np.dtype] | None:
+    """``(torch, ml_dtypes' bfloat16 dtype)`` for a ``torch.bfloat16`` tensor, else None."""
+    if type(x).__module__.split(".")[0] != "torch" or str(getattr(x, "dtype", "")) != "torch.bfloat16":
+        return None
+    import torch
+
+    return torch, check_float_dtype("bfloat16", "a torch.bfloat16 tensor")
 
 
 def as_kind(x: Any, kind: str) -> Any:
@@ -158,6 +171,8 @@ def as_kind(x: Any, kind: str) -> Any:
     if kind == "torch":
         import torch
 
+        if x.dtype.kind == "V":  # bfloat16: torch reads its bits as int16 (the interface has no bfloat16)
+            return torch.as_tensor(x.view(np.int16), device="cuda").view(torch.bfloat16)
         return torch.as_tensor(x, device="cuda")
     return x
 
@@ -176,33 +191,52 @@ def data_pointer(x: Any) -> int | None:
 
 def view_from_pointer(ptr: int, n: int, dtype: np.dtype, owner: Any) -> Any:
     """A 1-D device array of ``n`` elements at device address ``ptr``, kept alive by ``owner``."""
+    dtype = np.dtype(dtype)
     desc = {
         "shape": (n,),
-        "typestr": np.dtype(dtype).str,
+        "typestr": _raw(dtype).str,
         "data": (ptr, False),
         "version": 3,
         "strides": None,
     }
-    return cuda_api().from_cuda_array_interface(desc, owner=owner, sync=False)
+    return _logical(cuda_api().from_cuda_array_interface(desc, owner=owner, sync=False), dtype)
 
 
 def empty(n: int, dtype: np.dtype) -> Any:
     """An uninitialised 1-D device array, allocated in the order of the current stream."""
-    _on_device_ok(np.dtype(dtype))
-    return cuda_api().device_array(n, dtype, stream=stream())
+    dtype = np.dtype(dtype)
+    return _logical(cuda_api().device_array(n, _raw(dtype), stream=stream()), dtype)
 
 
 def to_device(x: np.ndarray) -> Any:
     """A device copy of the host array ``x``, on the current stream."""
-    _on_device_ok(x.dtype)
-    return cuda_api().to_device(np.ascontiguousarray(x), stream=stream())
+    x = np.ascontiguousarray(x)
+    return _logical(cuda_api().to_device(x.view(_raw(x.dtype)), stream=stream()), x.dtype)
 
 
-def _on_device_ok(dtype: np.dtype) -> None:
-    """TypeError for bfloat16 buffers, which the CUDA driver does not compute yet (numba would
-    see two opaque bytes an element): they stay on the host."""
-    if dtype.kind == "V":
-        raise TypeError(f"{dtype} buffers are not supported on CUDA yet: keep bfloat16 trees on the host")
+# numba has no bfloat16 type: a bfloat16 device buffer is a numba device array whose dtype is
+# ml_dtypes' bfloat16 (numba types an array only when a kernel takes it), allocated, copied and
+# viewed as its raw bits, uint16, and passed to every kernel as a uint16 view
+# (`numbaccum.cuda.driver` widens each element to float32 and rounds once when it stores).
+
+
+def _raw(dtype: np.dtype) -> np.dtype:
+    """The dtype numba allocates and types for ``dtype``: uint16 for bfloat16, else itself."""
+    return _U16 if dtype.kind == "V" else dtype
+
+
+def _logical(x: Any, dtype: np.dtype) -> Any:
+    """Device array ``x`` (of dtype `_raw` of ``dtype``) as an array of ``dtype`` (a view)."""
+    return x.view(dtype) if dtype.kind == "V" else x
+
+
+def raw_bits(x: Any) -> Any:
+    """What a kernel takes for device (or host) array ``x``: a bfloat16 one's uint16 view, else
+    ``x``."""
+    return x.view(_U16) if x.dtype.kind == "V" else x
+
+
+_U16 = np.dtype(np.uint16)
 
 
 def to_host(x: Any) -> np.ndarray:
@@ -359,6 +393,8 @@ def _torch_dtype(dt: Any) -> np.dtype | None:
         import torch
 
         _TORCH_DTYPES.update({torch.float16: FLOATS[0], torch.float32: FLOATS[1], torch.float64: FLOATS[2]})
+    if dt not in _TORCH_DTYPES and str(dt) == "torch.bfloat16":  # ml_dtypes imported only for one
+        _TORCH_DTYPES[dt] = check_float_dtype("bfloat16", "a torch.bfloat16 leaf")
     return _TORCH_DTYPES.get(dt)
 
 

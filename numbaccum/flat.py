@@ -46,10 +46,10 @@ def _as_leaf(x: Any, where: tuple, name: str) -> Any:
     elif is_cuda_array(x):
         try:
             arr = as_device_array(x)
-        except Exception as e:  # e.g. a bfloat16 tensor: no such dtype in the CUDA interface
+        except Exception as e:  # e.g. an integer dtype, or a bfloat16 tensor without ml_dtypes
             raise TypeError(
                 f"{path}: cannot read this CUDA {type(x).__name__} ({type(e).__name__}: {e}); CUDA "
-                "arrays of float16, float32 or float64 are read (bfloat16 ones only on the host so far)"
+                f"arrays of {NAMES} are read"
             ) from None
         if is_stored(arr.dtype) and arr.size and not is_contiguous(arr):
             raise ValueError(f"{path}: a non-contiguous CUDA array cannot be packed; pass a contiguous copy")
@@ -667,15 +667,15 @@ def to_device(tree: Any) -> Any:
     A tree already on the GPU is returned as it is.
 
     Args:
-        tree: a FlatTree, or a tree of float arrays (float16, float32, float64; bfloat16 trees
-            stay on the host for now).
+        tree: a FlatTree, or a tree of float or complex arrays (float16, bfloat16, float32,
+            float64, complex64, complex128).
 
     Returns:
         A FlatTree on the device for a FlatTree; for a plain tree, the tree of numba device
             arrays. ``tree`` itself when it already lives on the GPU.
 
     Raises:
-        TypeError: a leaf is not a float array, is bfloat16, or the leaves do not all live on
+        TypeError: a leaf is not a float or complex array, or the leaves do not all live on
             one side.
         ImportError: no CUDA driver or device (numba's ``CudaSupportError``).
 

@@ -168,6 +168,8 @@ def state_arrays(state, path: str = "state") -> dict:
         return state_arrays(state.tree, path)
     if isinstance(state, np.ndarray | np.generic):
         return {path: np.array(state)}
+    if hasattr(state, "copy_to_host"):  # a device array (a state on the GPU)
+        return {path: state.copy_to_host()}
     out: dict = {}
     if isinstance(state, tuple) and hasattr(state, "_fields"):
         for f in state._fields:

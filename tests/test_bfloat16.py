@@ -531,10 +531,96 @@ def test_explicit_state_dtype(opt, params_dtype, state_dtype):
     assert found and all(a.dtype == want for a in found)
 
 
+# --- on the device ---------------------------------------------------------------------------
+# The kernels see the raw bits there too: the elementwise and fused passes and the reductions
+# read them in place, the rarer single-stage passes (per-slice scalings, Adafactor, SM3, the
+# per-example sum) go through float32 copies, as on the host. The registry's SAMPLE of the Cases
+# that run on CUDA, and every kind of single-stage pass.
+
+ON_DEVICE = sampled(cases(per_example=False, cuda=True)) + [
+    n for n in ("adafactor", "sm3", "clip_by_block_rms", "normalize_by_update_norm", "noisy_sgd", "ema")
+]
+
+
+def _device_tree(seed: int) -> dict:
+    rng = np.random.default_rng(seed)
+    return {k: rng.normal(size=shape).astype(BF) for k, shape in (("w", (7, 5)), ("b", (5,)), ("s", ()))}
+
+
+def _on_device(tree):
+    from numba import cuda
+
+    return nba.tree_map(lambda x: cuda.to_device(np.asarray(x)), tree)
+
+
 @pytest.mark.cuda
-def test_bfloat16_stays_on_the_host():
-    """The CUDA driver has no bfloat16 variant yet: moving such a tree to the device is refused
-    (on a GPU numba would see two opaque bytes an element; the simulator would run NumPy's)."""
-    flat = nba.FlatTree.from_tree({"w": np.ones(5, BF), "f": np.ones(2, np.float32)})
-    with pytest.raises(TypeError, match="bfloat16 buffers are not supported on CUDA yet"):
-        nba.to_device(flat)
+@pytest.mark.parametrize("name", ON_DEVICE)
+def test_bfloat16_leaves_on_the_device_match_the_host(name):
+    """Three steps of ``step_`` on device arrays against the host's: the same bits in the
+    simulator (the kernels' own arithmetic), within 2 ulps of bfloat16 on a GPU (CUDA contracts
+    multiply-adds in float32); params, updates and states keep their dtypes."""
+    from numba import config
+
+    tol = 0 if config.ENABLE_CUDASIM else 2
+    tx_cpu, tx_gpu = CASES[name].make(), CASES[name].make()
+    p_cpu = _device_tree(1)
+    p_gpu = _on_device(p_cpu)
+    p_cpu = {k: v.copy() for k, v in p_cpu.items()}
+    s_cpu, s_gpu = tx_cpu.init(p_cpu), tx_gpu.init(p_gpu)
+    for step in range(3):
+        g = _device_tree(10 + step)
+        u_cpu, _ = tx_cpu.update(g, nba.copy_state(s_cpu), p_cpu)  # update consumes a state
+        u_gpu, _ = tx_gpu.update(_on_device(g), nba.copy_state(s_gpu), p_gpu)
+        s_cpu = nba.step_(tx_cpu, g, s_cpu, p_cpu)
+        s_gpu = nba.step_(tx_gpu, _on_device(g), s_gpu, p_gpu)
+        for k, want in u_cpu.items():
+            got = u_gpu[k].copy_to_host()
+            assert got.dtype == BF and got.shape == np.shape(want)
+            assert int(ulps(got, want).max(initial=0)) <= tol, f"{name} step {step} update {k}"
+            got_p = p_gpu[k].copy_to_host()
+            assert got_p.dtype == BF and int(ulps(got_p, p_cpu[k]).max(initial=0)) <= tol, f"{name} {k}"
+    want_s, got_s = state_arrays(s_cpu), state_arrays(s_gpu)
+    assert {p: a.dtype for p, a in got_s.items()} == {p: a.dtype for p, a in want_s.items()}
+    for p, a in want_s.items():
+        if a.dtype == BF:
+            assert int(ulps(got_s[p], a).max(initial=0)) <= tol, f"{name} {p}"
+
+
+@pytest.mark.cuda
+def test_bfloat16_device_tree_packs_and_scatters_its_leaves():
+    """Separate device arrays (not views of one buffer) are packed into the bfloat16 buffer with
+    one launch and written back by ``step_``: their bits, not two opaque bytes an element."""
+    p = _device_tree(3)
+    g = _device_tree(4)
+    want = {k: v.copy() for k, v in p.items()}
+    tx = nba.sgd(0.5)
+    nba.step_(tx, g, tx.init(want), want)
+    dev = _on_device(p)
+    nba.step_(tx, _on_device(g), tx.init(dev), dev)
+    for k in p:
+        assert np.array_equal(_bits(dev[k].copy_to_host()), _bits(want[k])), k
+    flat = nba.to_device(nba.FlatTree.from_tree({"w": p["w"], "f": np.ones(2, np.float32)}))
+    assert flat.device and nba.to_host(flat)["w"].dtype == BF
+    assert np.array_equal(_bits(nba.to_host(flat)["w"]), _bits(p["w"]))
+
+
+@pytest.mark.cuda
+def test_bfloat16_norm_on_the_device_is_the_hosts():
+    """The device reduction reads the raw bits and adds them in float64: the host's norm."""
+    t = _device_tree(5)
+    assert nba.global_norm(_on_device(t)) == pytest.approx(nba.global_norm(t), rel=1e-12)
+
+
+@pytest.mark.cuda
+def test_torch_bfloat16_cuda_tensors():
+    """PyTorch's CUDA interface has no bfloat16: its bits are read through an int16 view, and
+    the updates come back as torch.bfloat16 tensors (on a GPU with PyTorch only)."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs PyTorch with a CUDA device")
+    w = torch.linspace(-2, 2, 7, dtype=torch.bfloat16, device="cuda")
+    tx = nba.clip_by_global_norm(1.0)
+    u, _ = tx.update({"w": w}, tx.init({"w": w}))
+    want = (w.float() / torch.linalg.norm(w.float())).to(torch.bfloat16)
+    assert u["w"].dtype == torch.bfloat16 and u["w"].is_cuda
+    assert torch.equal(u["w"].view(torch.int16), want.view(torch.int16))

@@ -22,11 +22,11 @@ from typing import Any
 import numpy as np
 from numba import cuda
 
-from .. import _cache, _config
-from ..arrays import data_pointer, stream
+from .. import _cache, _config, formulas
+from ..arrays import data_pointer, raw_bits, stream
 from ..contract import Factor
 from ..formulas import Formula, compile_formula
-from ..layout import real_dtype
+from ..layout import compute_dtype, real_dtype
 from .cache import cached
 
 __all__ = ["LAUNCHES", "NAME", "launch", "map_", "start"]
@@ -113,8 +113,12 @@ def make(mode, pairs):
 """
 
 
-def _source(f: Formula) -> str:
-    """The generated kernel factory of formula ``f`` (Python source)."""
+def _source(f: Formula, bf16: tuple = (), narrow: str = "to_bf16") -> str:
+    """The generated kernel factory of formula ``f`` (Python source). ``bf16``: which arrays are
+    bfloat16 (passed as their raw bits, uint16: each element widened to float32 when read,
+    `formulas.from_bf16`, and rounded once when stored, by ``narrow``: `formulas.to_bf16`, or
+    `to_bf16_from64` from a float64 computation); empty: none."""
+    bf16 = bf16 or (False,) * len(f.arrays)
     arrays = [f"a{i}" for i in range(len(f.arrays))]
     scalars = [f"p{i}" for i in range(len(f.scalars))] or ["_unused"]
     ns, ni = len(f.states), len(f.inputs)
@@ -128,20 +132,22 @@ def _source(f: Formula) -> str:
     def args(part: str | None) -> str:
         vals = []
         for i in reads_read:
-            v = f"u{i}.{part}" if part else f"a{i}[i]"
+            v = f"u{i}.{part}" if part else f"from_bf16(a{i}[i])" if bf16[i] else f"a{i}[i]"
             vals.append(f"read({v}, div, mul, fac, mode)" if i == ns else v)
         # An indexed formula's element index: a pair's two elements are 2j and 2j + 1.
         index = {"real": ["2 * j"], "imag": ["2 * j + 1"], None: ["i"]}[part] if f.indexed else []
         return ", ".join(vals + p + index)
 
+    values = ["r"] if len(written) == 1 else [f"r[{k}]" for k in range(len(written))]
     if len(written) == 1:
         pair_stores = f"{pad}    w{written[0]}[j] = complex(ra, rb)"
-        stores = f"{pad}a{written[0]}[i] = r"
     else:
         pair_stores = "\n".join(
             f"{pad}    w{w}[j] = complex(ra[{k}], rb[{k}])" for k, w in enumerate(written)
         )
-        stores = "\n".join(f"{pad}a{w}[i] = r[{k}]" for k, w in enumerate(written))
+    stores = "\n".join(
+        f"{pad}a{w}[i] = {narrow}({r})" if bf16[w] else f"{pad}a{w}[i] = {r}" for w, r in zip(written, values)
+    )
     return _KERNEL.format(
         arrays=", ".join(arrays),
         scalars=", ".join(scalars),
@@ -161,14 +167,16 @@ def _cached_jit(fn: Any) -> Any:
 
 class _Family:
     """One formula's kernels, compiled on first use per (mode, pairs); a complex family (over
-    complex buffers) compiles the formula with `numbaccum.formulas.COMPLEX_HELPERS`."""
+    complex buffers) compiles the formula with `numbaccum.formulas.COMPLEX_HELPERS`; a bfloat16
+    family (``bf16``: which arrays are bfloat16, ``narrow``: how a value is rounded to one) reads
+    and writes those arrays' raw bits (`_source`)."""
 
-    def __init__(self, f: Formula, complex_: bool = False) -> None:
+    def __init__(self, f: Formula, complex_: bool = False, bf16: tuple = (), narrow: str = "to_bf16") -> None:
         # With the kernel cache on, the generated module is a file in the cache (numba caches only
         # functions with a source file), named by a hash of its source and of ``f``. A complex
         # family's source says so: its helpers differ, so it never shares the real one's file.
         kind = " (complex helpers)" if complex_ else ""
-        source = f"# numbaccum.cuda.driver: the kernels of formula {f.name}{kind}\n{_source(f)}"
+        source = f"# numbaccum.cuda.driver: the kernels of formula {f.name}{kind}\n{_source(f, bf16, narrow)}"
         digest = _cache.code_digest(f)
         path = _cache.source_file(source, f"cuda_{f.name}", f"cuda\0{digest}") if digest else None
         ns = _cache.namespace(path, f"<numbaccum.cuda.driver {f.name}>")
@@ -179,6 +187,7 @@ class _Family:
             read=read_complex if complex_ else read,
             pairs_of=pairs_of,
             start=start,
+            **(_bf16_conversions() if bf16 else {}),
         )
         exec(compile(source, ns["__file__"], "exec"), ns)
         self._make = ns["make"]
@@ -191,20 +200,31 @@ class _Family:
         return k
 
 
-_FAMILIES: dict[tuple[Formula, bool], _Family] = {}
+_FAMILIES: dict[tuple, _Family] = {}
 _LOCK = threading.Lock()
 _DUMMY: dict[np.dtype, Any] = {}
+_BF16: dict[str, Any] = {}
 
 
-def _family(f: Formula, complex_: bool = False) -> _Family:
-    key = (f, complex_)
+def _family(f: Formula, complex_: bool = False, bf16: tuple = (), narrow: str = "to_bf16") -> _Family:
+    key = (f, complex_, bf16, narrow)
     fam = _FAMILIES.get(key)
     if fam is None:
         with _LOCK:
             fam = _FAMILIES.get(key)
             if fam is None:
-                fam = _FAMILIES[key] = _Family(f, complex_)
+                fam = _FAMILIES[key] = _Family(f, complex_, bf16, narrow)
     return fam
+
+
+def _bf16_conversions() -> dict[str, Any]:
+    """The bfloat16 conversions of `numbaccum.formulas` as device functions (compiled once, when
+    the first bfloat16 kernel is made): the CPU driver's very functions."""
+    if not _BF16:
+        dev = cuda.jit(device=True, inline=True)
+        names = ("from_bf16", "to_bf16", "to_bf16_from64")
+        _BF16.update({name: compile_formula(getattr(formulas, name), dev) for name in names})
+    return _BF16
 
 
 def aligned(x: Any) -> bool:
@@ -229,14 +249,23 @@ def map_(f: Formula, factor: Factor, arrays: tuple, scalars: tuple) -> None:
     """Runs formula ``f`` over the device ``arrays`` (states, inputs, outputs; one size), reading
     the first input through ``factor``; scalars cast to the compute dtype (bools and uint32
     words stay as they are)."""
-    ctype = np.result_type(*(a.dtype for a in arrays))
+    kinds = {a.dtype for a in arrays}
+    bf16: tuple = ()
+    narrow = "to_bf16"
+    if any(d.kind == "V" for d in kinds):  # bfloat16: computed in float32 (or float64) on its bits
+        ctype = compute_dtype(*kinds)
+        bf16 = tuple(a.dtype.kind == "V" for a in arrays)
+        narrow = "to_bf16_from64" if ctype == np.float64 else narrow
+        arrays = tuple(raw_bits(a) for a in arrays)
+    else:
+        ctype = np.result_type(*kinds)
     complex_ = ctype.kind == "c"
     real = real_dtype(ctype)  # a complex call's scalars and factor are real, as on the CPU
     cast = real.type
     run_scalars = [s if isinstance(s, (bool, np.bool_, np.uint32)) else cast(s) for s in scalars] or [False]
     div, mul, fac, mode = factor_args(factor, real)
     pairs = all(a.dtype == np.float32 and aligned(a) for a in arrays)
-    kernel = _family(f, complex_).kernel(mode, pairs)
+    kernel = _family(f, complex_, bf16, narrow).kernel(mode, pairs)
     n = arrays[0].size
     launch(kernel, (n + 1) // 2 if pairs else n, (n, *arrays, div, mul, fac, *run_scalars))
 

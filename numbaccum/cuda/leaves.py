@@ -25,9 +25,9 @@ from typing import Any
 import numpy as np
 from numba import config, cuda, types
 
-from .. import _config
+from .. import _config, formulas
 from .._bounded import Bounded
-from ..arrays import stream
+from ..arrays import raw_bits, stream
 from ..layout import Layout
 from . import driver
 
@@ -68,11 +68,13 @@ _at = _simulated_at if getattr(config, "ENABLE_CUDASIM", False) else _device_at(
 # --- the kernels --------------------------------------------------------------------------------
 
 
-def _copy_kernel(leaf_dtype: Any, to_flat: bool) -> Any:
+def _copy_kernel(leaf_dtype: np.dtype, flat_dtype: np.dtype, to_flat: bool) -> Any:
     """For every chunk of leaf ``k`` (of ``leaf_dtype``): ``flat[where[k, 0] + i] = leaf_k[i]``
-    (``to_flat``: the leaves into a group's run of the flat buffer, cast to its storage dtype on
-    the store), or the reverse. ``to_flat`` is a closure constant: its branch folds away."""
-    dt = np.dtype(leaf_dtype).type
+    (``to_flat``: the leaves into a group's run of the flat buffer, of ``flat_dtype``, converted
+    on the store), or the reverse. ``to_flat`` is a closure constant: its branch folds away. A
+    bfloat16 side is read and written as its raw bits (uint16, `_converter`)."""
+    conv = _converter(leaf_dtype, flat_dtype) if to_flat else _converter(flat_dtype, leaf_dtype)
+    dt = _U16 if leaf_dtype.kind == "V" else leaf_dtype.type
 
     @cuda.jit
     def copy(flat, ptrs, where, chunks, size):  # pragma: no cover - compiled
@@ -85,23 +87,47 @@ def _copy_kernel(leaf_dtype: Any, to_flat: bool) -> Any:
             end = min(s + size, n)
             while i < end:
                 if to_flat:
-                    flat[lo + i] = leaf[i]
+                    flat[lo + i] = conv(leaf[i])
                 else:
-                    leaf[i] = dt(flat[lo + i])
+                    leaf[i] = conv(flat[lo + i])
                 i += cuda.blockDim.x
             c += cuda.gridDim.x
 
     return copy
 
 
-_KERNELS: dict[tuple[str, np.dtype], Any] = {}
+_U16 = np.uint16
 
 
-def _kernel(direction: str, leaf_dtype: np.dtype) -> Any:
-    """The ``"pack"`` or ``"scatter"`` kernel for leaves of ``leaf_dtype``, compiled on first use."""
-    k = _KERNELS.get((direction, leaf_dtype))
+def _converter(src: np.dtype, dst: np.dtype) -> Any:
+    """A device function: an element of dtype ``src`` as ``dst`` stores it, a bfloat16 one as its
+    raw bits (widened exactly; rounded once, to nearest even, `numbaccum.formulas.to_bf16`)."""
+    dev = cuda.jit(device=True, inline=True)
+    if src == dst:
+        return dev(lambda v: v)
+    if src.kind == "V":
+        t = dst.type
+        from_bf16 = formulas.compile_formula(formulas.from_bf16, dev)
+        return dev(lambda h: t(from_bf16(h)))
+    if dst.kind == "V":
+        if src == np.float64:
+            return formulas.compile_formula(formulas.to_bf16_from64, dev)
+        to_bf16 = formulas.compile_formula(formulas.to_bf16, dev)
+        return dev(lambda v: to_bf16(np.float32(v)))
+    t = dst.type
+    return dev(lambda v: t(v))
+
+
+_KERNELS: dict[tuple[str, np.dtype, np.dtype], Any] = {}
+
+
+def _kernel(direction: str, leaf_dtype: np.dtype, flat_dtype: np.dtype) -> Any:
+    """The ``"pack"`` or ``"scatter"`` kernel for leaves of ``leaf_dtype`` and a flat buffer of
+    ``flat_dtype``, compiled on first use."""
+    key = (direction, np.dtype(leaf_dtype), np.dtype(flat_dtype))
+    k = _KERNELS.get(key)
     if k is None:
-        k = _KERNELS[(direction, leaf_dtype)] = _copy_kernel(leaf_dtype, direction == "pack")
+        k = _KERNELS[key] = _copy_kernel(key[1], key[2], direction == "pack")
     return k
 
 
@@ -169,9 +195,10 @@ def _run(direction: str, groups: tuple, layout: Layout, ptrs: list[int]) -> None
     size = np.int64(chunk())
     for part in _parts(layout):
         blocks = max(1, min(part.nchunks, _config.CUDA_MAX_BLOCKS))
-        args = (groups[part.group], _addresses(ptrs, part), part.where, part.chunks, size)
+        flat = groups[part.group]
+        args = (raw_bits(flat), _addresses(ptrs, part), part.where, part.chunks, size)
         driver.LAUNCHES[0] += 1
-        _kernel(direction, part.dtype)[blocks, _config.CUDA_THREADS, stream()](*args)
+        _kernel(direction, part.dtype, flat.dtype)[blocks, _config.CUDA_THREADS, stream()](*args)
 
 
 def pack_(groups: tuple, layout: Layout, ptrs: list[int]) -> None:

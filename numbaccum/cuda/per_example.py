@@ -19,6 +19,7 @@ from ..arrays import stream
 from ..tables import segments
 from . import driver
 from .cache import cached
+from .reduce import through_float32
 
 __all__ = ["batch_weighted_sum_"]
 
@@ -69,6 +70,7 @@ def _on_device(x: Any) -> Any:
     return cuda.to_device(np.ascontiguousarray(x), stream=stream()) if isinstance(x, np.ndarray) else x
 
 
+@through_float32(0)  # bfloat16 buffers (the output, gradients, noise, start) through float32
 def batch_weighted_sum_(out, g, offsets, out_offsets, mult, noise, std, div, limit, init, has_init):
     """out[k][j] = clamp((sum_b mult[k, b] * g[k][b, j] + std * noise[k][j]) / div, +-limit), the
     sum starting from ``init[k][j]`` (the output's layout) when ``has_init``.

@@ -25,6 +25,7 @@ with the same pairing (slow, but the same bits as the host's rescue).
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 from typing import Any
@@ -34,8 +35,8 @@ from numba import cuda, types
 from numba.extending import overload
 
 from .. import _config, formulas
-from ..arrays import data_pointer, stream, stream_handle
-from ..contract import Factor
+from ..arrays import data_pointer, empty, raw_bits, stream, stream_handle
+from ..contract import ONE, Factor
 from ..layout import real_dtype
 from ..tables import (
     F_BASE,
@@ -185,6 +186,15 @@ def _c128(v):  # pragma: no cover - compiled
     return np.complex128(v)
 
 
+_from_bf16 = formulas.compile_formula(formulas.from_bf16, _dev_inline)
+
+
+@_dev_inline
+def _bf16_f64(h):  # pragma: no cover - compiled
+    """A bfloat16 buffer's element (its raw bits) as float64 (exact)."""
+    return np.float64(_from_bf16(h))
+
+
 def _wide(v):
     """``v`` in float64, or complex128 for a complex ``v`` (compiled per type below; in the
     simulator, this Python)."""
@@ -228,23 +238,24 @@ def _norm_only(norm, scalars):  # pragma: no cover - compiled
 
 
 def _partials_kernel(
-    kind: int, tpb: int, finish: Any = None, rescue: bool = False, complex_: bool = False
+    kind: int, tpb: int, finish: Any = None, rescue: bool = False, complex_: bool = False, bf16: bool = False
 ) -> Any:
     """The partials kernel of reduction ``kind`` for ``tpb`` threads (shared memory is sized at
     compile time). With a ``finish`` (a plain function, see the module docstring), the global
     norm's tail, which calls it on the device, and with ``rescue`` (a float64 or complex128
     group) the tail's scaled second pass when the group's plain sum of squares `needs_scaling`.
-    ``complex_``: over a complex buffer (each element read as complex128, the `_cterm` kinds).
-    One kernel per ``(kind, tpb, finish, rescue, complex_)``: the compiled finish, the term and
+    ``complex_``: over a complex buffer (each element read as complex128, the `_cterm` kinds);
+    ``bf16``: over a bfloat16 buffer's raw bits (uint16, each element widened: `_bf16_f64`).
+    One kernel per ``(kind, tpb, finish, rescue, complex_, bf16)``: the compiled finish, the term and
     the load are closure cells of the kernel, so their code is in the kernel's identity
     (`numbaccum._cache.identify`)."""
-    key = (kind, tpb, finish, rescue, complex_)
+    key = (kind, tpb, finish, rescue, complex_, bf16)
     hit = _KERNELS.get(key)
     if hit is not None:
         return hit
     finishing = finish is not None
     fin = formulas.compile_formula(finish if finishing else _norm_only, _dev_inline)
-    term, load = (_cterm, _c128) if complex_ else (_term, _f64)
+    term, load = (_cterm, _c128) if complex_ else (_term, _bf16_f64 if bf16 else _f64)
 
     @cached
     @cuda.jit
@@ -403,6 +414,42 @@ def _is_complex(x: Any) -> bool:
     return np.dtype(x.dtype).kind == "c"
 
 
+def _is_bf16(x: Any) -> bool:
+    dt = getattr(x, "dtype", None)
+    return dt is not None and np.dtype(dt).kind == "V"
+
+
+def through_float32(*write: int) -> Any:
+    """The operation with its bfloat16 device buffers computed through float32 copies, those at
+    positions ``write`` rounded back once (the CPU engine's staging: the per-slice scalings and
+    the axis, Adafactor and SM3 passes are rarer than the reductions and the elementwise passes,
+    which read bfloat16 bits in place)."""
+
+    def wrap(fn: Any) -> Any:
+        @functools.wraps(fn)
+        def run(*args: Any) -> Any:
+            if not any(_is_bf16(a) and not isinstance(a, np.ndarray) for a in args):
+                return fn(*args)
+            # Host arrays (SM3's axis statistics) are converted by NumPy where they are used.
+            staged = [_widened(a) if _is_bf16(a) and not isinstance(a, np.ndarray) else a for a in args]
+            result = fn(*staged)
+            for i in write:
+                if staged[i] is not args[i]:
+                    driver.map_(formulas.scale, ONE, (staged[i], args[i]), ())
+            return result
+
+        return run
+
+    return wrap
+
+
+def _widened(x: Any) -> Any:
+    """A float32 device copy of bfloat16 device buffer ``x`` (exact)."""
+    out = empty(x.size, np.float32)
+    driver.map_(formulas.scale, ONE, (x, out), ())
+    return out
+
+
 # --- device copies ---------------------------------------------------------------------------
 
 _DUMMY: dict[Any, Any] = {}
@@ -489,8 +536,8 @@ def _reduce(code: int, op: int, x: Any, table: Table, centers: Any = None, p: fl
             _dummy(np.float32),
             d,
         )
-        kernel = _partials_kernel(code, _config.CUDA_THREADS, complex_=_is_complex(x))
-        _launch(kernel, work.items.shape[0], args)
+        kernel = _partials_kernel(code, _config.CUDA_THREADS, complex_=_is_complex(x), bf16=_is_bf16(x))
+        _launch(kernel, work.items.shape[0], (raw_bits(x), *args[1:]))
         part = part_d.copy_to_host(stream=stream())
     return combine(part, work.pslice, op)
 
@@ -561,8 +608,8 @@ def global_norm_finish_(leaf_sums, x, table: Table, members, last, finish, scala
     # At least one block, so that a group without elements still writes its zeros (and finishes).
     # float32/16 squares (and complex64 parts') never leave float64's range
     rescue = np.dtype(x.dtype) in (np.float64, np.complex128)
-    kernel = _partials_kernel(0, _config.CUDA_THREADS, finish, rescue, _is_complex(x))
-    _launch(kernel, max(1, work.items.shape[0]), args)
+    kernel = _partials_kernel(0, _config.CUDA_THREADS, finish, rescue, _is_complex(x), _is_bf16(x))
+    _launch(kernel, max(1, work.items.shape[0]), (raw_bits(x), *args[1:]))
 
 
 # --- the norm family's per-slice scaling: factors computed on the device ----------------------
@@ -596,6 +643,7 @@ def _slice_rows(table: Table) -> Any:
     return dev
 
 
+@through_float32(0)
 def rescale_(out, x, table: Table, p, may_rescue, max_norm, min_norm, norm_value):
     """out = x * factor[s] over every slice ``s``, the factor `numbaccum.tables.pnorm_factor` of
     the slice's p-norm (p > 0): three launches (partials, factors, scaling) and nothing comes
@@ -607,8 +655,8 @@ def rescale_(out, x, table: Table, p, may_rescue, max_norm, min_norm, norm_value
         d, i8 = _dummy(), _dummy(np.int64)
         unused = (i8, d, _dummy(np.int32), False, (), _dummy(np.float32), d)  # the finishing tail's
         args = (x, rows, items, pstart, d, False, np.float64(p), part, pslice, *unused)
-        kernel = _partials_kernel(code, _config.CUDA_THREADS, complex_=_is_complex(x))
-        _launch(kernel, work.items.shape[0], args)
+        kernel = _partials_kernel(code, _config.CUDA_THREADS, complex_=_is_complex(x), bf16=_is_bf16(x))
+        _launch(kernel, work.items.shape[0], (raw_bits(x), *args[1:]))
     factors = _scratch(table.nslices, "factors")
     if table.nslices:
         scalars = (
@@ -715,6 +763,7 @@ def _on_device(x: Any, dtype: Any) -> Any:
     return x
 
 
+@through_float32(0)
 def apply_(out, x, table: Table, centers, factors):
     """out = (x - centers[s]) * factors[s] over every slice ``s`` (empty ``centers``: 0; empty
     ``factors``: 1), computed in float64. Inactive rows are copied (skipped when ``out`` is
@@ -728,6 +777,7 @@ def apply_(out, x, table: Table, centers, factors):
         _launch(_apply, work.items.shape[0], (out, x, rows, items, c, centred, f, scaled))
 
 
+@through_float32(0)
 def divide_(out, x, factor: Factor, table: Table, divisors):
     """out = factor(x) / divisors[s] over every slice ``s`` of ``table``, in the compute dtype
     (host ``divisors`` are cast to it, its real dtype for complex buffers, and copied to the
@@ -743,6 +793,7 @@ def divide_(out, x, factor: Factor, table: Table, divisors):
         _launch(_divide((mode, ctype.kind == "c")), work.items.shape[0], args)
 
 
+@through_float32(0)
 def ema_update_(ema, g, factor: Factor, table: Table, active, one_minus_decay, decay):
     """ema = (1 - decay) * factor(g) + decay * ema over each slice ``s`` with ``active[s] != 0``
     (`numbaccum.formulas.ema`); the other slices are left as they are."""
@@ -774,6 +825,7 @@ def _axis_sums(x, jobs, job_of, out):  # pragma: no cover - compiled
         o += cuda.gridsize(1)
 
 
+@through_float32()
 def axis_sumsq(x, sums: AxisSums) -> np.ndarray:
     """The sums of squares of `numbaccum.tables.AxisSums` (one thread each), float64 on the
     host (0 where no job writes)."""
@@ -809,6 +861,7 @@ def _axis_max(x, jobs, job_of, out):  # pragma: no cover - compiled
         t += cuda.gridsize(1)
 
 
+@through_float32(0)
 def axis_max_(out, x, maxima: AxisMaxima):
     """``out[maxima.where]`` = the maxima of `numbaccum.tables.AxisMaxima` (one thread each;
     ``out`` a host array)."""
@@ -848,6 +901,7 @@ def _factored(out, g, v, meta, items, rf, cf, one, decay, one_minus, eps):  # pr
             e += cuda.blockDim.x
 
 
+@through_float32(0, 2)
 def factored_scale_(out, g, v, table: FactorTable, rf, cf, decay, one_minus, eps):
     """Adafactor's pass over one dtype group (`numbaccum.tables.FactorTable`): one launch; the
     row and column factors (host float64) are copied to the device."""
@@ -892,6 +946,7 @@ def _sm3(
         e += cuda.blockDim.x
 
 
+@through_float32(0, 2, 3)
 def sm3_update_(out, g, nu, acc, table: AxisTable, mu, c0, c1, eps, b1):
     """SM3's pass over one dtype group (`numbaccum.tables.AxisTable`): one launch; the axis
     statistics (host) go to the device and come back with their ``direct`` entries replaced."""
@@ -910,6 +965,7 @@ def sm3_update_(out, g, nu, acc, table: AxisTable, mu, c0, c1, eps, b1):
         mu[...] = new.copy_to_host(stream=stream())
 
 
+@through_float32()
 def dot(x: Any, y: Any) -> float:
     """``sum(x * y)`` in float64 (complex: the real part of ``vdot``), through host copies of the
     two buffers: L-BFGS's inner products on device buffers are correct, not fast (a device

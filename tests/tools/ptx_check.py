@@ -90,10 +90,25 @@ def main() -> int:
                 k = driver._family(f, cplx).kernel(2, pairs)
                 sig = (i8, *(dt[:] for _ in f.arrays), real, real, real[:], *scalar_types(f.scalars, real))
                 build(f"formula {name} {dt}{' pairs' if pairs else ''}", k.py_func, sig)
+        # bfloat16 (raw uint16 bits): every array, and the states kept in float32 / float64.
+        n = len(f.arrays)
+        for marks, other, real, narrow in (
+            ((True,) * n, None, types.float32, "to_bf16"),
+            (tuple(i >= len(f.states) for i in range(n)), types.float32, types.float32, "to_bf16"),
+            (tuple(i >= len(f.states) for i in range(n)), f8, f8, "to_bf16_from64"),
+        ):
+            if other is not None and not f.states:
+                continue
+            k = driver._family(f, False, marks, narrow).kernel(2, False)
+            arrs = tuple(types.uint16[:] if m else other[:] for m in marks)
+            sig = (i8, *arrs, real, real, real[:], *scalar_types(f.scalars, real))
+            build(f"formula {name} bfloat16 ({narrow}, {sum(marks)} of {n})", k.py_func, sig)
 
     # Fused composites: made by running a few chains on the host, each built for its dtype.
     rng = np.random.default_rng(0)
-    for dtype in (np.float32, np.complex64):
+    import ml_dtypes
+
+    for dtype in (np.float32, np.complex64, ml_dtypes.bfloat16):
         p = {"w": (rng.standard_normal((4, 3)) + (1j if dtype == np.complex64 else 0)).astype(dtype)}
         for tx in (
             nba.chain(nba.clip_by_global_norm(1.0), nba.adamw(0.1, weight_decay=0.1)),
@@ -104,14 +119,15 @@ def main() -> int:
             for _ in range(2):
                 state = nba.step_(tx, p, state, {k: v.copy() for k, v in p.items()})
     for (key, _), f in list(fuse._COMPOSITES.items()):
+        if key[0] == "bfloat16":  # every buffer bfloat16: its raw bits, computed in float32
+            k = driver._family(f, False, (True,) * len(f.arrays)).kernel(1, False)
+            sc = _composite_scalars(key, types.float32)
+            f4 = types.float32
+            sig = (i8, *(types.uint16[:] for _ in f.arrays), f4, f4, f4[:], *sc)
+            build(f"composite {f.name} bfloat16", k.py_func, sig)
+            continue
         dt, real, cplx = next(d for d in dtypes if d[0].name == key[0])
-        flags: list[bool] = []
-        for op in key[2]:
-            if op[0] == "settle" or (op[0] == "kernel" and op[3]):
-                flags += [False, False]
-            if op[0] == "kernel":
-                flags += list(op[6])
-        sc = tuple(types.uint32 if raw else real for raw in flags) or (b1,)
+        sc = _composite_scalars(key, real)
         k = driver._family(f, cplx).kernel(1, False)
         sig = (i8, *(dt[:] for _ in f.arrays), real, real, real[:], *sc)
         build(f"composite {f.name} {dt}", k.py_func, sig)
@@ -119,6 +135,11 @@ def main() -> int:
     # The reduction engine: the partials kernel of every kind and dtype, the global norm's tail.
     head = (i8[:, :], i8[:, :], i8[:], f8[:], b1, f8, f8[:], i8[:], i8[:], f8[:], types.int32[:], b1)
     tail = (types.float32[:], f8[:])
+    for kind, (code, _) in cr.KINDS.items():  # bfloat16: the raw bits, each element widened
+        k = cr._partials_kernel(code, 128, bf16=True)
+        build(f"partials {kind} bfloat16", k.py_func, (types.uint16[:], *head, types.Tuple(()), *tail))
+    k = cr._partials_kernel(0, 128, formulas.clip_finish, False, False, True)
+    build("global norm finish bfloat16", k.py_func, (types.uint16[:], *head, types.UniTuple(f8, 2), *tail))
     for dt, _, cplx in dtypes:
         for kind, (code, _) in cr.KINDS.items():
             if cplx and kind not in cr._COMPLEX_KINDS:
@@ -157,17 +178,42 @@ def main() -> int:
         sig = (x[:], x[:], i8[:], i8[:], i8[:, :], f8[:, :], f8[:], f8, f8, f8, x[:], b1)
         build(f"dp weighted sum {x}", per_example._weighted_sum.py_func, sig)
 
-    # The pointer-table kernels: every leaf dtype into its storage.
+    # The pointer-table kernels: every leaf dtype into its storage (bfloat16: its raw bits).
+    from numba.np.numpy_support import from_dtype
+
+    bf = np.dtype(ml_dtypes.bfloat16)
     for direction in ("pack", "scatter"):
-        for leaf in (np.float16, np.float32, np.float64, np.complex64, np.complex128):
-            flat = {np.complex64: types.complex64, np.complex128: types.complex128}.get(leaf, types.float32)
-            fn = leaves._kernel(direction, np.dtype(leaf)).py_func
-            build(f"{direction} {np.dtype(leaf).name}", fn, (flat[::1], i8[::1], i8[:, ::1], i8[:, ::1], i8))
+        for leaf, flat in (
+            *((np.dtype(d), np.dtype(np.float32)) for d in (np.float16, np.float32, np.float64)),
+            (np.dtype(np.complex64), np.dtype(np.complex64)),
+            (np.dtype(np.complex128), np.dtype(np.complex128)),
+            (bf, bf),
+            (bf, np.dtype(np.float32)),
+            (np.dtype(np.float32), bf),
+            (np.dtype(np.float64), bf),
+        ):
+            fn = leaves._kernel(direction, leaf, flat).py_func
+            ft = types.uint16 if flat == bf else from_dtype(flat)
+            sig = (ft[::1], i8[::1], i8[:, ::1], i8[:, ::1], i8)
+            build(f"{direction} {leaf.name} into {flat.name}", fn, sig)
 
     for line in failed:
         print(line)
     print(f"{built} kernels built to PTX for sm_{CC[0]}{CC[1]}, {len(failed)} failed")
     return 1 if failed else 0
+
+
+def _composite_scalars(key, real) -> tuple:
+    """A composite's scalar types from its key's ops (uint32 for raw words: a noise key's)."""
+    from numba import types
+
+    flags: list[bool] = []
+    for op in key[2]:
+        if op[0] == "settle" or (op[0] == "kernel" and op[3]):
+            flags += [False, False]
+        if op[0] == "kernel":
+            flags += list(op[6])
+    return tuple(types.uint32 if raw else real for raw in flags) or (types.boolean,)
 
 
 if __name__ == "__main__":
