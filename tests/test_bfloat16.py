@@ -605,6 +605,23 @@ def test_bfloat16_device_tree_packs_and_scatters_its_leaves():
 
 
 @pytest.mark.cuda
+def test_dp_aggregate_of_bfloat16_examples_on_the_device():
+    """Per-example bfloat16 gradients on the device (the weighted sum through float32 copies, the
+    noise drawn on the host): the host's bits in the simulator, within 1 ulp on a GPU."""
+    from numba import config
+
+    rng = np.random.default_rng(0)
+    g = {"w": rng.normal(size=(4, 3, 5)).astype(BF), "b": rng.normal(size=(4, 5)).astype(BF)}
+    tx = nba.differentially_private_aggregate(1.0, 0.5, seed=3)
+    want, _ = tx.update(g, tx.init(None))
+    got, _ = tx.update(_on_device(g), tx.init(None))
+    for k in g:
+        d = got[k].copy_to_host()
+        assert d.dtype == BF and d.shape == g[k].shape[1:]
+        assert int(ulps(d, want[k]).max(initial=0)) <= (0 if config.ENABLE_CUDASIM else 1), k
+
+
+@pytest.mark.cuda
 def test_bfloat16_norm_on_the_device_is_the_hosts():
     """The device reduction reads the raw bits and adds them in float64: the host's norm."""
     t = _device_tree(5)
