@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from . import formulas as F
+from .layout import real_dtype
 from .tables import as_table, segments, whole
 
 __all__ = ["BACKEND", "ONE", "Factor", "Ops", "cast_scalars"]
@@ -324,7 +325,9 @@ class Ops:
         float64, may have underflowed) is measured again scaled by a power of two. Returns whether
         ``out`` was written: the host returns False when every factor is 1, and the caller keeps
         ``x``; CUDA always writes it."""
-        may_rescue = p != float("inf") and (p != 2.0 or np.dtype(x.dtype).itemsize == 8)
+        # Squares in float64 leave its range only from float64 parts (a float32 or complex64
+        # element's square cannot): a float64 or complex128 buffer.
+        may_rescue = p != float("inf") and (p != 2.0 or real_dtype(np.dtype(x.dtype)) == np.float64)
         return bool(
             self.reduce.rescale_(out, x, as_table(table), p, may_rescue, max_norm, min_norm, norm_value)
         )
