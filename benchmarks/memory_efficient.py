@@ -7,7 +7,7 @@ weight_decay=1e-2)``'s (A, B, A, B, ...); with JAX installed, also optax's own o
 ``jax.jit`` (its update and ``apply_updates`` in one jitted function, params donated), alternated
 in the same rounds. ``--scale`` keeps a fraction of every leaf's rows.
 
-    PYTHONPATH=.:benchmarks python benchmarks/memory_efficient.py [--scale 0.5] [--repeats 9]
+    PYTHONPATH=.:benchmarks python benchmarks/memory_efficient.py [--scale 0.5] [--repeats 9] [--only sm3]
 """
 
 from __future__ import annotations
@@ -77,6 +77,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--scale", type=float, default=0.5)
     ap.add_argument("--repeats", type=int, default=9)
+    ap.add_argument("--only", nargs="+", choices=list(OPTIMIZERS), help="these optimizers only")
     args = ap.parse_args()
     shapes = _shrink(workloads.gpt2_small_shapes(), args.scale)
     params = workloads.make_tree(shapes, np.float32, seed=0)
@@ -95,6 +96,8 @@ def main() -> None:
     print("| --- | --- | --- | --- | --- |")
     base = OPTIMIZERS["adamw"](nba)
     for name, make in OPTIMIZERS.items():
+        if args.only and name not in args.only:
+            continue
         tx = make(nba)
         state_bytes = _state_bytes(tx.init(params))
         contenders = [(name, _ours_step(tx, params, grads)), ("adamw", _ours_step(base, params, grads))]

@@ -224,3 +224,36 @@ def test_sm3_after_a_nan_gradient_matches_optax():
         for m, om in zip(state.mu["w"], ostate.mu["w"]):
             np.testing.assert_array_equal(m, np.asarray(om))
     assert np.isnan(state.mu["w"][0]).all()  # by the second step every row meets column 2
+
+
+@pytest.mark.parametrize("block", [5, 64, 4096])
+def test_sm3_runs_along_the_last_axis_give_the_element_by_element_bits(block):
+    """The host pass cuts each leaf into runs along its last axis (the other axes' minimum taken
+    once per run, `_sm3_item`); element by element (`_sm3_digits`) must give the same bits, for
+    items cut mid-row, leaves with axes of extent 1 anywhere, NaN and zero statistics."""
+    from numbaccum import factored
+    from numbaccum.cpu import reduce as cpu_reduce
+
+    shapes = [(7, 9), (3, 1, 5), (6, 1), (1, 8), (1,), (2, 3, 4, 5), (13,), (4, 0)]
+    layout = nba.FlatTree.from_tree([np.zeros(s, np.float32) for s in shapes]).layout
+    ax = factored._axes_of(layout)
+    table = ax.passes[0]
+    items = table.items(block)
+    rng = np.random.default_rng(0)
+    n, nmu = layout.group_sizes[0], ax.mu.size
+    g = rng.standard_normal(n).astype(np.float32)
+    g[::17] = 0.0
+    mu = np.abs(rng.standard_normal(nmu)).astype(np.float32)
+    mu[::11] = 0.0
+    mu[5] = np.nan
+    c = tuple(np.float32(v) for v in (0.1, 0.9, 1e-8, 0.1, 0.9, 0.0, 1.0))
+    nu0 = rng.standard_normal(n).astype(np.float32)
+    results = []
+    for fn in (cpu_reduce._sm3_item, cpu_reduce._sm3_digits):
+        nu = nu0.copy()
+        out, acc, new = np.empty(n, np.float32), np.empty(n, np.float32), mu.copy()
+        for b in range(items.shape[0]):
+            fn(out, g, nu, acc, table.meta, table.axes, items, mu, new, c, b)
+        results.append((out, nu, acc, new))
+    for a, b, what in zip(*results, ("out", "nu", "acc", "mu")):
+        np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32), err_msg=what)

@@ -986,8 +986,59 @@ def factored_scale_(out, g, v, table: FactorTable, rf, cf, decay, one_minus, eps
 
 @_jit
 def _sm3_item(out, g, nu, acc, meta, axes, items, mu, mu_new, c, b):  # pragma: no cover - compiled
-    """One item of `sm3_update_`: a run of one leaf's elements, its axis indices advanced digit
-    by digit (row-major), not divided out per element."""
+    """One item of `sm3_update_`: a run of one leaf's elements, cut into runs along the leaf's
+    last axis, within which every other axis index stays put: the smallest of their statistics
+    is taken once per run, and the run is a plain loop over contiguous statistics that vectorises
+    (a digit update and a gather per element kept the loop scalar: 4.6x optax's time). The same
+    minima in the same order as element by element (`_sm3_digits`, which takes a leaf whose last
+    axis has extent 1)."""
+    r, e0, e1 = items[b, 0], items[b, 1], items[b, 2]
+    base, nd, first = meta[r, 0], meta[r, 2], meta[r, 3]
+    last = first + nd - 1
+    if axes[last, 0] == 1 or axes[last, 1] != 1:
+        return _sm3_digits(out, g, nu, acc, meta, axes, items, mu, mu_new, c, b)
+    c0, c1, eps, one_minus_b1, b1, zero, one = c
+    idx = np.empty(nd, np.int64)
+    for i in range(nd):
+        idx[i] = (e0 // axes[first + i, 1]) % axes[first + i, 0]
+    n_last, direct = axes[last, 0], axes[last, 3]
+    e = e0
+    while e < e1:
+        k = min(n_last - idx[nd - 1], e1 - e)
+        m = mu[axes[first, 2] + idx[0]]  # the other axes' smallest, in axis order
+        for i in range(1, nd - 1):
+            m = _nan_min(m, mu[axes[first + i, 2] + idx[i]])
+        lb = axes[last, 2] + idx[nd - 1]
+        st = mu[lb : lb + k]
+        lo, hi = base + e, base + e + k
+        o, x, v, w = out[lo:hi], g[lo:hi], nu[lo:hi], acc[lo:hi]
+        if nd == 1:
+            for t in range(k):
+                a, n = _sm3_moment(x[t], st[t], v[t], c0, c1, eps, one_minus_b1, b1, zero, one)
+                w[t] = a
+                v[t] = n
+                o[t] = n
+        else:
+            for t in range(k):
+                a, n = _sm3_moment(x[t], _nan_min(m, st[t]), v[t], c0, c1, eps, one_minus_b1, b1, zero, one)
+                w[t] = a
+                v[t] = n
+                o[t] = n
+        if direct:  # the leaf's only axis of extent > 1: each element is its own index's maximum
+            mu_new[lb : lb + k] = w
+        e += k
+        idx[nd - 1] += k
+        i = nd - 1
+        while i > 0 and idx[i] == axes[first + i, 0]:
+            idx[i] = 0
+            i -= 1
+            idx[i] += 1
+
+
+@_jit
+def _sm3_digits(out, g, nu, acc, meta, axes, items, mu, mu_new, c, b):  # pragma: no cover - compiled
+    """`_sm3_item` element by element: its axis indices advanced digit by digit (row-major),
+    not divided out per element."""
     r, e0, e1 = items[b, 0], items[b, 1], items[b, 2]
     base, nd, first = meta[r, 0], meta[r, 2], meta[r, 3]
     c0, c1, eps, one_minus_b1, b1, zero, one = c
