@@ -29,8 +29,13 @@ timed between two barriers (so a time is the slowest rank's):
                 each rank on its own (the step without the collective, every rank at once).
   step DP       ``chain(allreduce_mean(), clip_by_global_norm(1.0), adam(1e-3))`` update +
                 ``apply_updates_``: one data-parallel step.
+  step DP unfused   ``step DP`` stage by stage (``NUMBACCUM_FUSE=0``): the 1/n settled in a
+                pass of its own, then the clip's norm pass (the path before issue 27, item 2;
+                its own params, which it steps with the same gradients).
+  norm pass     ``global_norm(grads)``: the clip's reduction pass over the gradients, alone (what
+                the fused step saves by reducing each bucket as it arrives).
   adam local, adam DP   the same two without the clip: there the division by the number of
-                ranks rides on Adam's kernel, where the clip settles it in a pass of its own.
+                ranks rides on Adam's kernel (and with the clip, since issue 27's item 2, too).
 
 Run it with ``mpiexec -n 1`` too for the step of a lone process. Numbers print as a Markdown
 table on rank 0; ``--json`` keeps every sample. ``--scale`` shrinks the model (every leaf's first
@@ -120,6 +125,19 @@ def main() -> int:
 
         return step
 
+    def unfused(step):
+        """``step`` stage by stage (``NUMBACCUM_FUSE=0``): the 1/n settled in a pass, then the
+        clip's own norm pass, as before the norm rode on the collective (issue 27, item 2)."""
+
+        def run():
+            os.environ["NUMBACCUM_FUSE"] = "0"
+            try:
+                step()
+            finally:
+                del os.environ["NUMBACCUM_FUSE"]
+
+        return run
+
     def per_leaf():
         leaves, out_leaves = grads.leaves, flat_out.leaves
 
@@ -159,6 +177,8 @@ def main() -> int:
         "allgather+sum": allgather_sum,
         "step local": lambda: stepper(clip_adam(), local_params),
         "step DP": lambda: stepper(clip_adam(dist.allreduce_mean(comm)), params),
+        "step DP unfused": lambda: unfused(stepper(clip_adam(dist.allreduce_mean(comm)), params.copy())),
+        "norm pass": lambda: lambda: nba.global_norm(grads),
         "adam local": lambda: stepper(nba.adam(1e-3), local_params),
         "adam DP": lambda: stepper(nba.chain(dist.allreduce_mean(comm), nba.adam(1e-3)), params),
     }
@@ -217,6 +237,7 @@ def main() -> int:
     base = best or "floor"  # the collective to beat: the best plain bucket size if measured
     ratios = [("ours", (base,), 1.05), ("ours", ("floor",), 1.05), ("step DP", ("step local", base), 1.10)]
     ratios.append(("adam DP", ("adam local", base), 1.10))
+    ratios.append(("step DP unfused", ("step local", base), 1.10))
     for top, bottom, target in ratios:
         if top in med and all(b in med for b in bottom):
             value = med[top] / sum(med[b] for b in bottom)

@@ -24,8 +24,10 @@ from .tables import (
     ACTIVE,
     NSLICES,
     SLEN,
+    SUM,
     SUMSQ_TINY,
     as_table,
+    combine,
     needs_scaling,
     norm_scale,
     segments,
@@ -33,6 +35,7 @@ from .tables import (
 )
 
 __all__ = [
+    "PiecewiseSumsq",
     "leaf_norms",
     "leaf_sumsq",
     "leaf_tables",
@@ -202,6 +205,67 @@ def tree_sumsq_scaled(flat: Any) -> tuple[float, float]:
         r = big / scale
         terms = np.where(nonzero, scaled * r * r, 0.0)
     return float(sum_in_order(terms)), big
+
+
+def sumsq_of_leaves(lay: Any, sums: np.ndarray) -> float | None:
+    """The squared global L2 norm `tree_sumsq_scaled` gives (with ``f`` 1) for a tree of layout
+    ``lay`` whose plain per-leaf sums (`leaf_sumsq`) are ``sums``, without reading the tree; None
+    when it would rescue a float64 group (which reads the tree again: ask `tree_sumsq_scaled`).
+    Without a rescued group its sum over the leaves is the plain one (zero leaves keep 0)."""
+    total = float(sum_in_order(sums))
+    if not needs_scaling(total):
+        return total
+    for members, dt in zip(lay.group_index, lay.group_dtypes):
+        if real_dtype(dt) == _F64 and needs_scaling(float(sum_in_order(sums[members]))):
+            return None
+    return total
+
+
+class PiecewiseSumsq:
+    """`leaf_sumsq` of ``factor(x)`` for one host group (float32 or float64) of a layout, while
+    its buffer arrives in pieces (a collective's buckets): `feed` reduces the engine's items
+    whose elements have all arrived, while they are in cache; `finish` gives the group's
+    per-leaf sums, the bits of `leaf_sumsq` over the settled group: the same items and
+    partials, combined in the same order (`numbaccum.cpu.reduce.by_items`, reading each
+    element through the factor and rounding it as `Updates.settled` would write it)."""
+
+    # Items reduced between two calls of ``between`` (a collective's progress: MPICH moves a
+    # non-blocking message on only inside MPI calls): 16 items of `_config.REDUCE_BLOCK`
+    # elements, a few MiB, a millisecond or so.
+    BATCH = 16
+
+    def __init__(self, lay: Any, gi: int, x: np.ndarray) -> None:
+        table = leaf_tables(lay)[gi]
+        self.work, self.run = ops_for(x).reduce.by_items("qsumsq", table)
+        items = self.work.items
+        # A segments table's item covers elements [base + e0, base + e1) of its row's leaf.
+        self.ends = table.rows[items[:, 0], 0] + items[:, 4]
+        self.centers = np.empty(table.nslices, np.float64)  # the factor's div, per slice
+        self.part = np.empty(self.work.nparts, np.float64)
+        self.done, self.mul = 0, 1.0
+
+    def start(self, div: float, mul: float) -> None:
+        """A new sum, of the values ``(x / div) * mul``."""
+        self.centers.fill(div)
+        self.done, self.mul = 0, mul
+
+    def feed(self, x: np.ndarray, upto: int, between: Any = None) -> None:
+        """Reduces every item not yet reduced whose elements lie below ``upto`` (they have
+        arrived), ``between()`` called between batches of items."""
+        stop = int(np.searchsorted(self.ends, upto, "right"))
+        b = self.done
+        while b < stop:
+            e = min(stop, b + self.BATCH)
+            self.run(x, b, e, self.part, self.centers, self.mul)
+            b = e
+            if between is not None and b < stop:
+                between()
+        self.done = stop
+
+    def finish(self) -> np.ndarray:
+        """The group's per-leaf sums of squares, float64 (every item fed)."""
+        assert self.done == self.ends.size, "PiecewiseSumsq: not every element arrived"
+        return combine(self.part, self.work.pslice, SUM)
 
 
 def _rescued(flat: Any, sums: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -162,6 +162,7 @@ def _library_state_classes() -> tuple[type, ...]:
         protocol,
         quasi_newton,
         scaling,
+        sharded,
     )
     from .contrib import (
         DAdaptAdamWState,
@@ -205,6 +206,7 @@ def _library_state_classes() -> tuple[type, ...]:
         clipping.ZeroNansState,
         clipping.ApplyIfFiniteState,
         distributed.AllreduceMeanState,
+        sharded.ShardedState,
         inject.InjectStatefulHyperparamsState,
         inject.WrappedScheduleState,
         masking.ConditionallyMaskState,

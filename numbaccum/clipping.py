@@ -12,7 +12,7 @@ from . import formulas as F
 from . import fuse
 from ._bounded import Bounded
 from ._checks import integer, non_negative, real, transformation, wrong_state
-from .backend import leaf_tables, ops_for, slice_sumsq, tree_norm, tree_sumsq_scaled
+from .backend import leaf_tables, ops_for, slice_sumsq, sumsq_of_leaves, tree_norm, tree_sumsq_scaled
 from .base import Stage, Step, as_stage, with_extra_args_support
 from .contract import ONE, Factor, Ops
 from .declared import Elementwise
@@ -281,7 +281,17 @@ class _ClipByGlobalNorm(Stage):
                 if facs is not None:
                     seen.append(_device_record(facs))
                     return Factor(device=facs)
-            norm = tree_norm(flat)  # float64
+            return of_norm(flat, tree_norm(flat))
+
+        def from_sumsq(flat: FlatTree, sums: np.ndarray) -> Factor | None:
+            """The factor from a collective's per-leaf sums of squares (`fuse.Collective`)."""
+            s = sumsq_of_leaves(flat.layout, sums)
+            if s is None:  # a float64 norm to rescue: the pre-pass reads the values itself
+                return None
+            memo[0] = memo[1] = None  # not of a buffer this step holds: never memoised
+            return of_norm(flat, math.sqrt(s))  # `tree_norm`: sqrt(s) / f, f 1
+
+        def of_norm(flat: FlatTree, norm: float) -> Factor:
             clipped = not norm < max_norm
             if not math.isfinite(norm) and policy != "pass":
                 seen.append(ClipByGlobalNormState(np.float64(norm), np.bool_(clipped), np.bool_(True)))
@@ -299,7 +309,15 @@ class _ClipByGlobalNorm(Stage):
             memo[0] = memo[1] = None
             return _clip_state(state)
 
-        part = Prepass(factor_of, Later(lambda: seen[-1]), "clip_by_global_norm", finite_of=finite_of)
+        part = Prepass(
+            factor_of,
+            Later(lambda: seen[-1]),
+            "clip_by_global_norm",
+            finite_of=finite_of,
+            # Rides on a collective's sum (host, "pass": a step skipped or refused there would
+            # be the collective's too; those policies take their own reduction pass).
+            from_sumsq=from_sumsq if not spec.device and policy == "pass" else None,
+        )
         part.tick = tick
         return part
 

@@ -9,6 +9,11 @@ A stage that may be fused says so in its plan: its `Step` carries a *part* (``St
   the global norm; ``normalize_by_update_norm``). It can only start a run, since it must read
   the run's input, not a value inside the fused pass.
 
+* `Collective`: a sum over processes (``allreduce_mean``), which writes a buffer of its own
+  and leaves its 1/n pending. It can only start a run; a `Prepass` that takes a global sum of
+  squares may follow it, and then rides on it: the collective reduces each bucket as it
+  arrives, through the pending factor, and the pre-pass reads no buffer at all.
+
 A combinator declares its inner steps' parts: a nested chain as `Chained`, a wrapper whose state
 holds its inner stage's (`inject_hyperparams`) as `Wrapped`.
 
@@ -61,6 +66,7 @@ from .updates import Updates
 
 __all__ = [
     "Chained",
+    "Collective",
     "FusedRun",
     "Kernel",
     "Later",
@@ -186,10 +192,16 @@ class Prepass(_Part):
         finite_of: ``finite_of(flat) -> True | None``: True when this pre-pass's own reduction
             shows every element finite (then `apply_if_finite` needs no reduction of its own);
             None: it cannot tell.
+        from_sumsq: ``from_sumsq(flat, sums) -> Factor | None``: the factor from the plain
+            per-leaf sums of squares of the updates, computed by a `Collective` before it (then
+            the pre-pass reads nothing; ``flat`` holds the updates up to a factor that keeps
+            every element's finiteness); None from it: the sums cannot tell (a float64 norm
+            that needs its rescue), reduce as usual. None: the reduction is not a global L2
+            norm.
         tick: see `_Part`.
     """
 
-    __slots__ = ("factor_of", "new_state", "name", "reads", "finite_of", "tick")
+    __slots__ = ("factor_of", "new_state", "name", "reads", "finite_of", "from_sumsq", "tick")
 
     def __init__(
         self,
@@ -199,9 +211,39 @@ class Prepass(_Part):
         reads: str = "global norm",
         finite_of: Callable[[FlatTree], bool | None] | None = None,
         tick: Callable[..., bool] | None = None,
+        from_sumsq: Callable[[FlatTree, np.ndarray], Factor | None] | None = None,
     ) -> None:
         self.factor_of, self.new_state, self.name, self.reads = factor_of, new_state, name, reads
-        self.finite_of, self.tick = finite_of, tick
+        self.finite_of, self.tick, self.from_sumsq = finite_of, tick, from_sumsq
+
+
+class Collective(_Part):
+    """A collective over the updates: the sum over processes, into a buffer of the stage's own.
+
+    Attributes:
+        reduce: ``reduce(flat, factor, sums) -> (out, factor)``: the updates ``factor(flat)``
+            summed over the processes into ``out``, whose value is ``factor(out)`` (a mean's 1/n
+            left pending). With ``sums`` (a float64 array, one per leaf) it also writes there
+            the plain sum of squares of each leaf of the value (`numbaccum.backend.leaf_sumsq`'s
+            bits), computed bucket by bucket as the sum arrives; it returns ``sums`` None when
+            it cannot (then the caller reduces the value itself).
+        new_state: the stage's new state.
+        name: the stage; ``messages``: what travels, for `numbaccum.explain`.
+        tick: see `_Part`.
+    """
+
+    __slots__ = ("reduce", "new_state", "name", "messages", "tick")
+
+    def __init__(
+        self,
+        reduce: Callable[..., tuple],
+        new_state: Any = None,
+        name: str = "",
+        messages: str = "",
+        tick: Callable[..., bool] | None = None,
+    ) -> None:
+        self.reduce, self.new_state, self.name = reduce, new_state, name
+        self.messages, self.tick = messages, tick
 
 
 class Later(NamedTuple):
@@ -251,12 +293,25 @@ def leaves(part: Any) -> list:
 
 
 def _fusable(part: Any) -> bool:
-    """Whether a step's part can join a run: a pre-pass may only be its first leaf."""
+    """Whether a step's part can join a run: a pre-pass or a collective only where it may start
+    one (`_joins`)."""
     if part is None:
         return False
     if not isinstance(part, (Chained, Wrapped)):
         return True
-    return not any(isinstance(p, Prepass) for p in leaves(part)[1:])
+    inner = leaves(part)
+    return all(_joins(inner[:k], p) for k, p in enumerate(inner) if k)
+
+
+def _joins(before: list, part: Any) -> bool:
+    """Whether leaf ``part`` may follow the leaves ``before`` in one run: a collective only
+    starts one, and a pre-pass too, except right after a collective whose sum it rides on."""
+    kind = type(part)
+    if kind is Collective:
+        return False
+    if kind is Prepass:
+        return len(before) == 1 and type(before[0]) is Collective and part.from_sumsq is not None
+    return True
 
 
 def pack(root: Any, states: list) -> Any:
@@ -396,15 +451,18 @@ def cut(parts: list) -> list[tuple[int, int, FusedRun | None]]:
     for a unit that runs as it is): a `FusedRun` of ``parts[start:stop]``, or ``(i, i + 1,
     None)`` for a unit that runs alone. A run holds at least one `Kernel` (else fusing saves
     nothing); a `Prepass` only starts one; a run is cut where its composite would take more
-    than `MAX_ARGS` arguments. A declared plan's runs (`numbaccum.runner.Plan`) and a chain's
+    than `MAX_ARGS` arguments; a `Collective` only starts one, and a pre-pass that rides on its
+    sum may follow it (`_joins`). A declared plan's runs (`numbaccum.runner.Plan`) and a chain's
     planned steps (`segments`) are cut so."""
     out: list[tuple[int, int, FusedRun | None]] = []
     i, n = 0, len(parts)
     while i < n:
         j, cost = i, 1  # the updates' buffer
+        run: list = []  # the run's leaves so far
         while j < n and parts[j] is not None:
-            if j > i and type(leaves(parts[j])[0]) is Prepass:
+            if j > i and not _joins(run, leaves(parts[j])[0]):
                 break
+            run += leaves(parts[j])
             cost += _cost(parts[j])
             if cost > MAX_ARGS:
                 break
@@ -419,25 +477,38 @@ def cut(parts: list) -> list[tuple[int, int, FusedRun | None]]:
 
 
 class FusedRun:
-    """A maximal run of fusable steps: at most one pre-pass, then one pass per dtype group.
+    """A maximal run of fusable steps: at most one collective, at most one pre-pass, then one
+    pass per dtype group.
 
     ``steps``: each step's part (a nested chain's `Chained`); ``parts``: their leaves in order."""
 
-    __slots__ = ("steps", "parts", "memo", "recent", "pre", "body", "kernels", "scales", "packers")
+    __slots__ = (
+        "steps", "parts", "memo", "recent", "collective", "pre", "body", "kernels", "scales",
+        "packers", "riding", "sums",
+    )  # fmt: skip
 
     def __init__(self, steps: list) -> None:
         self.steps = steps
         self.parts = [leaf for p in steps for leaf in leaves(p)]
         self.memo: dict = {}  # the shapes of its groups' calls (`_run_group`), made once each
         self.recent: dict = {}  # the last of them per group, with the buffers it was given
-        # What a run does, found once: the pre-pass, the parts of the pass after it, their
-        # kernels and factors.
-        first = self.parts[0]
-        self.pre = first if type(first) is Prepass else None
-        self.body = self.parts[1:] if self.pre is not None else self.parts
+        # What a run does, found once: the collective, the pre-pass, the parts of the pass after
+        # them, their kernels and factors.
+        rest = self.parts
+        self.collective = rest[0] if type(rest[0]) is Collective else None
+        rest = rest[1:] if self.collective is not None else rest
+        self.pre = rest[0] if rest and type(rest[0]) is Prepass else None
+        self.body = rest[1:] if self.pre is not None else rest
         self.kernels = [p for p in self.body if type(p) is Kernel]
         self.scales = [p for p in self.body if type(p) is Scale]
         self.packers = [packer(p) for p in steps]  # each step's new state from its leaves'
+        # A pre-pass riding on the collective: its factor, known once the sum has arrived, is
+        # a second factor after the collective's 1/n, on the body's input (read through both
+        # and rounded between them, as the settled updates would be: the same bits).
+        self.riding: Scale | None = None
+        self.sums: np.ndarray | None = None  # the per-leaf sums of squares, allocated once
+        if self.collective is not None and self.pre is not None:
+            self.riding = Scale(ONE, name=self.pre.name)
 
     def new_states(self) -> list:
         """One new state per step (nested chains' states rebuilt)."""
@@ -462,7 +533,22 @@ class FusedRun:
         Returns ``(out, factor, new_states)``: the updates are ``factor(out)`` (out None with
         ``apply``), and one new state per part (``(out, factor)`` without ``with_states``: the
         runner packs the new states itself)."""
-        pre = self.pre
+        pre, body, scales, memo, recent = self.pre, self.body, self.scales, self.memo, self.recent
+        if self.collective is not None:
+            sums = None
+            if self.riding is not None:
+                sums = self.sums
+                if sums is None or sums.size != flat.layout.num_leaves:
+                    sums = self.sums = np.empty(flat.layout.num_leaves, np.float64)
+            flat, factor, sums = self.collective.reduce(flat, factor, sums)
+            fresh = lambda: flat  # noqa: E731  # the collective's own buffer: owned
+            riding = self.riding
+            known = None if sums is None else pre.from_sumsq(flat, sums)  # type: ignore[union-attr]
+            if known is not None and riding is not None:  # the pre-pass rode on the collective
+                riding.factor = known
+                pre, body, scales = None, [riding, *body], [riding, *scales]
+                # Calls of another shape (one more factor): kept apart from the plain ones.
+                memo, recent = memo.setdefault("riding", {}), recent.setdefault("riding", {})
         if pre is not None:
             if factor is not ONE and not factor.is_one:  # the reduction reads settled updates
                 into = fresh()
@@ -479,7 +565,7 @@ class FusedRun:
         extras = []  # a loop, not a comprehension: this runs every step
         for k in kernels:
             extras.append(k.inputs() if k.inputs is not None else ())
-        if apply is None and len(self.body) == 1:  # one kernel alone: its own formula, per group
+        if apply is None and len(body) == 1:  # one kernel alone: its own formula, per group
             k = kernels[0]
             ins = extras[0]
             for gi, x in enumerate(flat.groups):
@@ -490,10 +576,10 @@ class FusedRun:
         pending = factor
         # The shape of the calls, the same for every group: the pending factors.
         mode = 0 if factor.is_one else 2 if factor.device is not None else 1
-        flags = tuple(map(_IS_ONE, self.scales)) if self.scales else ()
+        flags = tuple(map(_IS_ONE, scales)) if scales else ()
         for gi in range(len(flat.groups)):
             pending = _run_group(
-                self.body,
+                body,
                 extras,
                 gi,
                 flat,
@@ -501,8 +587,8 @@ class FusedRun:
                 out,
                 apply,
                 (gi, mode, settle, flags),
-                self.memo,
-                self.recent,
+                memo,
+                recent,
             )
         pending = pending if apply is None else ONE
         return (out, pending, self.new_states()) if with_states else (out, pending)
@@ -927,7 +1013,8 @@ def cached_composites() -> int:
 def run_part(part: Any, u: Updates) -> tuple[Updates, Any]:
     """Runs one ticked part on ``u``: ``(updates, new_state)``. A `Scale` is a pending factor; a
     `Prepass` reduces the settled updates to the factor it leaves pending; a `Kernel` is one pass
-    (the same composite a fused run makes of it, `numbaccum.FusedRun`)."""
+    (the same composite a fused run makes of it, `numbaccum.FusedRun`); a `Collective` sums
+    over the processes into its buffer."""
     kind = type(part)
     if kind is Scale:
         return u.scaled(part.factor), part.new_state
@@ -941,6 +1028,9 @@ def run_part(part: Any, u: Updates) -> tuple[Updates, Any]:
     if kind is Kernel:
         out, factor, (new_state,) = FusedRun([part]).run(u.flat, u.factor, u.fresh)
         return Updates(out, True, factor, scratch=u.scratch), new_state
+    if kind is Collective:
+        out, factor, _ = part.reduce(u.flat, u.factor, None)
+        return Updates(out, True, factor, scratch=u.scratch), part.new_state
     raise TypeError(f"run_part: {part!r} is not one part")
 
 

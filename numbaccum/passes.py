@@ -72,6 +72,9 @@ def step_(tx: Any, grads: Any, state: Any, params: Any, **extra_args: Any) -> An
     """
     stage = stage_of(tx)
     if stage is None or not callable(getattr(tx, "init", None)):
+        own = getattr(tx, "_numbaccum_step_", None)  # a step of its own (`distributed.shard`)
+        if own is not None:
+            return own(grads, state, params, **extra_args)
         stage = as_stage(with_extra_args_support(transformation(tx, "tx")))
     return runner.run(stage, grads, state, params, extra_args, True)
 
@@ -80,8 +83,8 @@ def step_(tx: Any, grads: Any, state: Any, params: Any, **extra_args: Any) -> An
 
 
 class Pass(NamedTuple):
-    """One pass over memory: ``kind`` ("reduction", "fused", "kernel", "settle", "apply",
-    "opaque"), the stages it runs, and the bytes per parameter it reads and writes (None where
+    """One pass over memory: ``kind`` ("collective", "reduction", "fused", "kernel", "settle",
+    "apply", "opaque"), the stages it runs, and the bytes per parameter it reads and writes (None where
     not known: a stage that is not described)."""
 
     kind: str
@@ -217,9 +220,11 @@ def explain(
             passes.append(Pass("opaque", (names[start],), None, None))
             pending = False
             continue
-        minimum += sum(b.both(p) if isinstance(p, fuse.Kernel) else x for p in parts if _moves(p))
+        rides = fr is not None and _rides(parts, layout, device)
+        # A pre-pass riding on the collective reads each bucket as it arrives: nothing more.
+        minimum += sum(_least(b, p) for k, p in enumerate(parts) if _moves(p) and not (rides and k == 1))
         if fr is not None:
-            shown, shared = _fused_passes(b, parts, apply and stop == len(units))
+            shown, shared = _fused_passes(b, parts, apply and stop == len(units), rides)
             passes += shown
             minimum -= shared
             pending = False
@@ -237,6 +242,7 @@ class _Bytes:
 
     def __init__(self, layout: Any) -> None:
         self.sizes = np.array(layout.group_sizes, np.float64)
+        self.dtypes = layout.group_dtypes
         self.n = float(self.sizes.sum()) or 1.0
         self.x = self.per_param([np.dtype(t).itemsize for t in layout.group_dtypes])
 
@@ -256,19 +262,60 @@ class _Bytes:
 
 
 def _moves(part: Any) -> bool:
-    """Whether a part moves memory of its own (a kernel's buffers, a reduction's read)."""
-    return isinstance(part, (fuse.Kernel, fuse.Prepass))
+    """Whether a part moves memory of its own (a kernel's buffers, a reduction's read, a
+    collective's sum)."""
+    return isinstance(part, (fuse.Kernel, fuse.Prepass, fuse.Collective))
 
 
-def _fused_passes(b: _Bytes, parts: list, apply: bool) -> tuple[list[Pass], float]:
-    """The passes of one fused run: its reduction, if it starts with one, then one pass (adding
-    the updates to the params with ``apply``); and the bytes the params a part reads save (they
-    are the ones the pass writes: read once)."""
+def _least(b: _Bytes, part: Any) -> float:
+    """The least bytes per parameter a part adds: a kernel's buffers, a reduction's read of the
+    updates, a collective's sum written and read once more."""
+    if isinstance(part, fuse.Kernel):
+        return b.both(part)
+    return 2 * b.x if isinstance(part, fuse.Collective) else b.x
+
+
+_RIDING_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+
+
+def _rides(parts: list, layout: Any, device: bool) -> bool:
+    """Whether a run's pre-pass rides on its collective (`numbaccum.fuse.FusedRun`): a clip's
+    norm after ``allreduce_mean``, host float32 and float64 groups (`distributed._reduce`)."""
+    return (
+        len(parts) > 1
+        and isinstance(parts[0], fuse.Collective)
+        and isinstance(parts[1], fuse.Prepass)
+        and parts[1].from_sumsq is not None
+        and not device
+        and all(np.dtype(d) in _RIDING_DTYPES for d in layout.group_dtypes)
+    )
+
+
+def _collective_pass(b: _Bytes, part: Any, riding: Any = None) -> Pass:
+    """A collective: the updates read, their sum written (the messages named); with ``riding``,
+    the pre-pass whose reduction runs on each bucket as it arrives."""
+    stages = [f"{part.name} ({part.messages})"]
+    if riding is not None:
+        stages.append(f"{riding.name} ({riding.reads}, per bucket as it arrives)")
+    return Pass("collective", tuple(stages), b.x, b.x)
+
+
+def _fused_passes(b: _Bytes, parts: list, apply: bool, rides: bool = False) -> tuple[list[Pass], float]:
+    """The passes of one fused run: its collective and its reduction (or the reduction riding on
+    the collective), if it starts with them, then one pass (adding the updates to the params
+    with ``apply``); and the bytes the params a part reads save (they are the ones the pass
+    writes: read once)."""
     x = b.x
     kernels = [p for p in parts if isinstance(p, fuse.Kernel)]
-    label = tuple(_part_name(p) for p in parts if not (isinstance(p, fuse.Scale) and p.factor.is_one))
     out = []
-    if isinstance(parts[0], fuse.Prepass):
+    if isinstance(parts[0], fuse.Collective):
+        out.append(_collective_pass(b, parts[0], parts[1] if rides else None))
+        half = any(np.dtype(d).itemsize == 2 for d in b.dtypes)  # else the 1/n is pending
+        if not rides and not half and isinstance(parts[1], fuse.Prepass):
+            out.append(Pass("settle", ("pending factor",), x, x))
+        parts = parts[1:]
+    label = tuple(_part_name(p) for p in parts if not (isinstance(p, fuse.Scale) and p.factor.is_one))
+    if isinstance(parts[0], fuse.Prepass) and not rides:
         out.append(Pass("reduction", (f"{parts[0].name} ({parts[0].reads})",), x, 0.0))
     r = x + sum(b.buffers(p)[0] for p in kernels)
     w = sum(b.buffers(p)[1] for p in kernels)
@@ -284,7 +331,10 @@ def _one_by_one_passes(b: _Bytes, parts: list, pending: bool, passes: list) -> b
     Returns whether a factor is pending after them."""
     x = b.x
     for p in parts:
-        if isinstance(p, fuse.Prepass):
+        if isinstance(p, fuse.Collective):
+            passes.append(_collective_pass(b, p))
+            pending = not any(np.dtype(d).itemsize == 2 for d in b.dtypes)  # the 1/n
+        elif isinstance(p, fuse.Prepass):
             if pending:
                 passes.append(Pass("settle", ("pending factor",), x, x))
             passes.append(Pass("reduction", (f"{p.name} ({p.reads})",), x, 0.0))

@@ -162,3 +162,59 @@ def test_calibrate_checks_its_arguments_before_any_collective():
     ]:
         with pytest.raises(error, match=says):
             dist.calibrate(NoCollective(), **kwargs)
+
+
+# --- issue 27, item 2: the clip's norm reduced piece by piece as the buckets arrive ------------
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("div", [1.0, 2.0, 3.0, 7.0])
+@pytest.mark.parametrize("block", [None, 64])
+def test_overlap_piecewise_sumsq_has_the_bits_of_the_settled_norm(monkeypatch, dtype, div, block):
+    # `PiecewiseSumsq` over pieces ending anywhere (inside the engine's items and leaves) gives the
+    # bits of `leaf_sumsq` over the updates divided and rounded (`Updates.settled`): n = 3 too.
+    import numpy as np
+
+    import numbaccum as nba
+    from numbaccum.backend import PiecewiseSumsq, leaf_sumsq
+    from numbaccum.contract import Factor
+    from numbaccum.updates import Updates
+
+    if block is not None:
+        monkeypatch.setattr(_config, "REDUCE_BLOCK", block)
+    rng = np.random.default_rng(0)
+    tree = {
+        "a": rng.standard_normal((30, 70)).astype(dtype),
+        "b": rng.standard_normal(5).astype(dtype),
+        "c": (rng.standard_normal(2001) * 1e-30).astype(dtype),
+        "d": np.zeros(0, dtype),
+    }
+    flat = nba.FlatTree.from_tree(tree)
+    want = leaf_sumsq(Updates(flat, False, Factor(div, 1.0)).into(flat.zeros_like()))
+    x = flat.groups[0]
+    piecewise = PiecewiseSumsq(flat.layout, 0, x)
+    for step in (x.size, 1000, 77, 1):
+        piecewise.start(div, 1.0)
+        for hi in [*range(step, x.size, step), x.size]:
+            piecewise.feed(x, hi, lambda: None)
+        np.testing.assert_array_equal(piecewise.finish().view(np.int64), want.view(np.int64))
+
+
+def test_overlap_sumsq_of_leaves_is_the_tree_norms_or_none_when_it_must_rescue():
+    import numpy as np
+
+    import numbaccum as nba
+    from numbaccum.backend import leaf_sumsq, sumsq_of_leaves, tree_sumsq_scaled
+
+    for tree in (
+        {"w": np.arange(5.0, dtype=np.float32), "v": np.ones(3)},
+        {"w": np.zeros(4, np.float32)},  # zero: the rescue's branch, nothing to rescue
+        {"w": np.full(3, 1e200)},  # float64 past 1e154: rescued, so None
+    ):
+        flat = nba.FlatTree.from_tree(tree)
+        s = sumsq_of_leaves(flat.layout, leaf_sumsq(flat))
+        total, f = tree_sumsq_scaled(flat)
+        if s is None:
+            assert f != 1.0
+        else:
+            assert (s, 1.0) == (total, f)

@@ -120,6 +120,13 @@ def _t_ssq(v, c, p):  # pragma: no cover - compiled
 
 
 @_jit
+def _t_qsq(v, c, p):  # pragma: no cover - compiled
+    w = _like(v, _like(v, v / _like(v, c)) * _like(v, p))  # rounded as the settled element is
+    w = np.float64(w)
+    return w * w
+
+
+@_jit
 def _t_abs(v, c, p):  # pragma: no cover - compiled
     return abs(v)
 
@@ -147,6 +154,23 @@ def _t_nan(v, c, p):  # pragma: no cover - compiled
 @_jit
 def _t_nonfinite(v, c, p):  # pragma: no cover - compiled
     return 1.0 if v - v != 0 else 0.0  # NaN for NaN and +-inf, 0 for every finite value
+
+
+def _like(v, x):  # pragma: no cover - compiled (below)
+    """``x`` in the type of ``v`` (a float32 element's factor in float32)."""
+    return x
+
+
+@overload(_like, jit_options={"error_model": "numpy"})
+def _like_typed(v, x):
+    if isinstance(v, types.Float) and v.bitwidth == 32:
+        return lambda v, x: np.float32(x)
+    return lambda v, x: np.float64(x)
+
+
+@_jit
+def _keep(v):  # pragma: no cover - compiled
+    return v
 
 
 @_jit
@@ -356,6 +380,10 @@ def _complex_totals():
 
 # The reduction kinds of the engine: name -> (drivers, fold).
 KINDS = {kind: _reducer(kind, total, op) for kind, (total, op) in _totals(_f64).items()}
+# Through a pending factor: sum(((x / c) * p) ** 2), the element rounded to its own dtype (float32
+# or float64) before it is squared in float64: the bits of "sumsq" over the settled updates
+# (`numbaccum.updates.Updates.settled`), without writing them (a collective's fused norm).
+KINDS["qsumsq"] = _reducer("qsumsq", _lane_sum(_t_qsq, _keep), SUM)
 
 
 # The same over bfloat16 buffers' raw bits, and over complex buffers, made when first needed.
@@ -489,6 +517,28 @@ def prepared(kind, table: Table):
         return part if folded else combine(part, pslice, op)
 
     return run
+
+
+def by_items(kind, table: Table):
+    """The reduction ``kind`` of ``table`` (its work at ``REDUCE_BLOCK``) run item by item, for a
+    buffer that arrives in pieces (`numbaccum.backend.PiecewiseSumsq`): ``(work, run)``, where
+    ``run(x, b0, b1, part, centers, p)`` writes the partials of items ``[b0, b1)`` into ``part``
+    (``work.nparts`` of them). The same kernels over the same items as a whole run: once every
+    item has run, ``combine(part, work.pslice, op)`` gives its bits. For float32 and float64
+    buffers."""
+    ((parallel, serial), _) = KINDS[kind]
+    work = table.work(_config.REDUCE_BLOCK, True)
+    items, pstart = work.items, work.pstart
+
+    def run(x, b0, b1, part, centers, p):
+        its, ps, n = items[b0:b1], pstart[b0:b1], x.size
+        if b1 - b0 < 2 or n < _config.SERIAL_BELOW:
+            serial(x, table.rows, its, ps, centers, np.float64(p), part)
+        else:
+            with guard_for(n):
+                parallel(x, table.rows, its, ps, centers, np.float64(p), part)
+
+    return work, run
 
 
 def reduce(kind, x, table: Table, centers=None, p=0.0):

@@ -163,6 +163,11 @@ def test_large_buffers_are_split_into_messages_of_at_most_max_count(monkeypatch)
             assert len(recv) <= 7
             return self._comm.Allreduce(send, recv, op=op)
 
+        def Iallreduce(self, send, recv, op=MPI.SUM):  # noqa: N802 - mpi4py's name
+            calls.append(len(recv))
+            assert len(recv) <= 7
+            return self._comm.Iallreduce(send, recv, op=op)
+
         def __getattr__(self, name):
             return getattr(self._comm, name)
 
@@ -190,6 +195,10 @@ class CountingComm:
     def Allreduce(self, *args, **kwargs):  # noqa: N802 - mpi4py's name
         self.allreduces += 1
         return COMM.Allreduce(*args, **kwargs)
+
+    def Iallreduce(self, *args, **kwargs):  # noqa: N802 - mpi4py's name
+        self.allreduces += 1
+        return COMM.Iallreduce(*args, **kwargs)
 
     def __getattr__(self, name):
         return getattr(COMM, name)
@@ -351,6 +360,10 @@ class MessageLog:
     def Allreduce(self, send, recv, op=MPI.SUM):  # noqa: N802 - mpi4py's name
         self.messages.append((np.asarray(recv).dtype, len(recv)))
         return COMM.Allreduce(send, recv, op=op)
+
+    def Iallreduce(self, send, recv, op=MPI.SUM):  # noqa: N802 - mpi4py's name
+        self.messages.append((np.asarray(recv).dtype, len(recv)))
+        return COMM.Iallreduce(send, recv, op=op)
 
     def __getattr__(self, name):
         return getattr(COMM, name)
@@ -537,3 +550,158 @@ def test_cuda_buffers_go_in_buckets_through_the_host(bucket_bytes):
     assert np.isfinite(ours["h"]).all()
     if SIZE > 1:
         assert log.messages == expected_messages(flat, bucket_bytes)
+
+
+# --- issue 27, item 2: the clip's norm rides on the collective (overlap) ----------------------
+
+
+def _dp_steps(tx, steps, apply, like=None, grads=None):
+    """``steps`` updates of ``tx`` from params ``like`` (``make_params()``): the params, the last
+    state and the clip's norms seen (``state[1].norm``)."""
+    params = nba.FlatTree.from_tree(make_params() if like is None else like)
+    state = tx.init(params)
+    norms = []
+    for step in range(steps):
+        g = grads_of(RANK, step, like) if grads is None else grads(step)
+        if apply:
+            state = nba.step_(tx, g, state, params)
+        else:
+            updates, state = tx.update(g, state, params)
+            nba.apply_updates_(params, updates)
+        norms.append(float(state[1].norm))
+    return params, state, norms
+
+
+def _dp_chain(max_norm, bucket_bytes):
+    return nba.chain(
+        dist.allreduce_mean(bucket_bytes=bucket_bytes), nba.clip_by_global_norm(max_norm), nba.adamw(1e-2)
+    )
+
+
+@pytest.mark.parametrize("apply", [False, True], ids=["update", "step_"])
+@pytest.mark.parametrize("max_norm", [1.0, 1e6], ids=["clipped", "not-clipped"])
+@pytest.mark.parametrize("bucket_bytes", [100, 1000, 16 << 20])
+@pytest.mark.parametrize("block", [None, 64])
+def test_overlap_clip_norm_on_the_collective_gives_the_unfused_bits(
+    monkeypatch, apply, max_norm, bucket_bytes, block
+):
+    # Small buckets: many per dtype buffer (float32 and float64), cutting the engine's items and
+    # leaves anywhere; the norm is reduced item by item as the buckets arrive. A block of 64
+    # elements: several items per leaf, buckets ending inside them.
+    if block is not None:
+        monkeypatch.setattr(_config, "REDUCE_BLOCK", block)
+    tx = _dp_chain(max_norm, bucket_bytes)
+    fused = _dp_steps(tx, 3, apply)
+    monkeypatch.setenv("NUMBACCUM_FUSE", "0")  # stage by stage: 1/n settled, then the norm pass
+    unfused = _dp_steps(_dp_chain(max_norm, bucket_bytes), 3, apply)
+    monkeypatch.delenv("NUMBACCUM_FUSE")
+    assert_same_on_every_rank(fused[0], fused[1])
+    np.testing.assert_array_equal(fused[2], unfused[2])  # the norms, bit for bit
+    for a, b in zip(fused[0].groups, unfused[0].groups):
+        np.testing.assert_array_equal(a, b)
+    # and the plain reference: the NumPy mean over ranks, then one process's clip and adamw
+    ref_tx = nba.chain(nba.clip_by_global_norm(max_norm), nba.adamw(1e-2))
+    ref_params = make_params()
+    ref_state = ref_tx.init(ref_params)
+    for step in range(3):
+        mean = mean_over_ranks(step)
+        norm = math.sqrt(
+            sum(float(np.sum(np.square(x, dtype=np.float64))) for x in nba.tree_flatten(mean)[0])
+        )
+        np.testing.assert_allclose(fused[2][step], norm, rtol=1e-12)
+        u, ref_state = ref_tx.update(mean, ref_state, ref_params)
+        ref_params = nba.apply_updates(ref_params, u)
+    assert_matches(fused[0].tree, ref_params)
+
+
+@multi_rank
+def test_overlap_explain_shows_the_collective_and_the_norm_on_it():
+    like = make_params()
+    tx = _dp_chain(1.0, 1000)
+    e = nba.explain(tx, like)
+    kinds = [p.kind for p in e.passes]
+    assert kinds == ["collective", "fused"], e
+    assert "Iallreduce" in e.passes[0].stages[0] and "clip_by_global_norm" in e.passes[0].stages[1]
+    assert e.total == e.minimum
+    stage_by_stage = nba.explain(tx, like, fused=False)
+    assert [p.kind for p in stage_by_stage.passes][:3] == ["collective", "settle", "reduction"]
+    # float16 leaves: summed in float32 and divided on the host; the norm reads the mean
+    half = nba.explain(tx, {"h": np.zeros(10, np.float16), "w": np.zeros(3, np.float32)})
+    assert [p.kind for p in half.passes] == ["collective", "reduction", "fused"], half
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_overlap_nonfinite_gradients_clip_as_the_unfused_path(monkeypatch, bad):
+    def grads(step):
+        g = grads_of(RANK, step)
+        if RANK == SIZE - 1 and step == 1:
+            g["dense"]["w"][3, 4] = bad
+        return g
+
+    fused = _dp_steps(_dp_chain(1.0, 1000), 3, True, grads=grads)
+    monkeypatch.setenv("NUMBACCUM_FUSE", "0")
+    unfused = _dp_steps(_dp_chain(1.0, 1000), 3, True, grads=grads)
+    assert_same_on_every_rank(fused[0], fused[1])
+    np.testing.assert_array_equal(fused[2], unfused[2])
+    assert not math.isfinite(fused[2][1])
+    for a, b in zip(fused[0].groups, unfused[0].groups):
+        np.testing.assert_array_equal(a, b)  # NaN where the unfused path has NaN
+
+
+def test_overlap_zero_norm_with_max_norm_zero_gives_zeros():
+    like = make_params()
+    zeros = nba.tree_map(np.zeros_like, like)
+    tx = nba.chain(dist.allreduce_mean(bucket_bytes=100), nba.clip_by_global_norm(0.0))
+    updates, state = tx.update(zeros, tx.init(like))
+    assert float(state[1].norm) == 0.0
+    for u in nba.tree_flatten(updates)[0]:
+        assert not np.any(u) and not np.any(np.isnan(u))
+    # and through a kernel: sgd of zeros, no NaN
+    tx = nba.chain(dist.allreduce_mean(bucket_bytes=100), nba.clip_by_global_norm(0.0), nba.sgd(0.1))
+    params = nba.FlatTree.from_tree(like)
+    before = params.copy()
+    state = nba.step_(tx, zeros, tx.init(params), params)
+    assert float(state[1].norm) == 0.0
+    for a, b in zip(params.groups, before.groups):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_overlap_float16_leaves_fall_back_to_the_norm_pass(monkeypatch):
+    like = {"h": np.ones((40, 7), np.float16), "w": np.ones(50, np.float32)}
+    fused = _dp_steps(_dp_chain(0.5, 64), 2, True, like=like)
+    monkeypatch.setenv("NUMBACCUM_FUSE", "0")
+    unfused = _dp_steps(_dp_chain(0.5, 64), 2, True, like=like)
+    assert_same_on_every_rank(fused[0], fused[1])
+    np.testing.assert_array_equal(fused[2], unfused[2])
+    for a, b in zip(fused[0].groups, unfused[0].groups):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("bucket_bytes", [12, 4 << 10])
+def test_overlap_nonblocking_buckets_give_the_bits_of_blocking_allreduce(bucket_bytes):
+    # Iallreduce per bucket, the next in flight: the bits of one blocking Allreduce per buffer
+    # (MPICH adds in one order for both; on 3 ranks too)
+    g = nba.FlatTree.from_tree(grads_of(RANK, 2))
+    ours = dist.allreduce_sum_(g, g.zeros_like(), COMM, bucket_bytes=bucket_bytes)
+    for x, y in zip(g.groups, ours.groups):
+        plain = np.empty_like(x)
+        COMM.Allreduce(x, plain, op=MPI.SUM)
+        np.testing.assert_array_equal(y, plain)
+    assert_same_on_every_rank(ours)
+
+
+def test_overlap_multisteps_rides_too(monkeypatch):
+    def run():
+        tx = nba.MultiSteps(_dp_chain(1.0, 1000), 2)
+        params = nba.FlatTree.from_tree(make_params())
+        state = tx.init(params)
+        for step in range(4):
+            state = nba.step_(tx, grads_of(RANK, step), state, params)
+        return params, state
+
+    fused = run()
+    monkeypatch.setenv("NUMBACCUM_FUSE", "0")
+    unfused = run()
+    assert_same_on_every_rank(*fused)
+    for a, b in zip(fused[0].groups, unfused[0].groups):
+        np.testing.assert_array_equal(a, b)
