@@ -54,6 +54,7 @@ def _kind_reference(kind: str, seg: np.ndarray, c: float, p: float) -> float:
         "sumsq": lambda: np.sum(seg * seg),
         "csumsq": lambda: np.sum((seg - c) ** 2),
         "ssumsq": lambda: np.sum((seg * c) ** 2),
+        "qsumsq": lambda: np.sum(((seg / c) * p) ** 2),  # through a pending factor (c, p)
         "sumabs": lambda: np.sum(a),
         "sumpow": lambda: np.sum(a**p),
         "sum": lambda: np.sum(seg),
@@ -77,8 +78,8 @@ def kind_job(kind: str, n: int):
             x[3], x[11] = np.nan, np.inf
         offsets = np.array([0, 5, 5, n // 3, n], np.int64)
         centers = np.array([0.5, 1.0, 0.25, 2.0])
-        p = 3.0 if kind == "sumpow" else 0.0
-        c = centers if kind in ("csumsq", "ssumsq") else None
+        p = {"sumpow": 3.0, "qsumsq": 1.5}.get(kind, 0.0)
+        c = centers if kind in ("csumsq", "ssumsq", "qsumsq") else None
         got = engine.reduce(kind, x, tables.segments(offsets), c, p)
         want = [
             _kind_reference(kind, x[a:b], centers[s], p)
