@@ -82,6 +82,15 @@ MPI_BUCKET_BYTES_DEFAULT = 16 << 20
 # MPI: NUMBACCUM_MPI_BUCKET_BYTES overrides the default and a saved calibration (None: not set).
 MPI_BUCKET_BYTES = _env_int("NUMBACCUM_MPI_BUCKET_BYTES", None)
 
+# MPI: "1" posts each bucket as a non-blocking Iallreduce, the next in flight while a clip's norm
+# runs on the last (for MPI libraries that move messages on by themselves: an asynchronous
+# progress thread, a network card); "0" (the default) one blocking Allreduce per bucket, the norm
+# right after it, while the bucket is in cache. MPICH's shared memory moves a non-blocking
+# collective on only inside MPI calls, so there the norm's work delays the transfer instead of
+# hiding under it: 2 ranks, 62.2M float32, alternated, DP step with the clip 185.5 ms
+# non-blocking, 151.5 ms blocking (benchmarks/results/2026-11-27-mpi-overlap-issue27.md).
+MPI_NONBLOCKING = _env_int("NUMBACCUM_MPI_NONBLOCKING", 0) == 1
+
 # MPI: whether CUDA buffers go to MPI directly: "1" yes, "0" no (staged through host memory),
 # "auto" asks the MPI library (MPIX_Query_cuda_support).
 MPI_CUDA_AWARE = os.environ.get("NUMBACCUM_MPI_CUDA_AWARE", "auto")

@@ -197,26 +197,32 @@ def _runs(n: int, itemsize: int, bucket_bytes: int) -> list[tuple[int, int]]:
 def _sum_host(
     comm: Any, src: np.ndarray, dst: np.ndarray, runs: list, n_mean: int, norm: PiecewiseSumsq | None = None
 ) -> None:
-    """``dst = sum over ranks of src`` (host memory; ``src`` may be ``dst``), one non-blocking
-    ``Iallreduce`` per run, each run divided by ``n_mean`` (0: not) right after its sum, while
-    it is in cache, and fed to ``norm`` (the sum of squares of a clip that rides on the sum).
+    """``dst = sum over ranks of src`` (host memory; ``src`` may be ``dst``), one ``Allreduce``
+    per run, each run divided by ``n_mean`` (0: not) right after its sum, while it is in cache,
+    and fed to ``norm`` (the sum of squares of a clip that rides on the sum).
 
-    The next run is in flight while one is consumed: MPICH moves a non-blocking collective on
-    only inside MPI calls, so ``norm`` tests it between its batches of work. The runs, the op
-    and so the bits are those of blocking ``Allreduce`` calls (MPICH reduces both alike; the
-    MPI tests compare them on 2 and 3 ranks); with nothing to consume, both take the same time
-    here (2026-11-27: 40-42 ms for 124 MB in 16 MiB runs on 2 ranks)."""
+    With ``NUMBACCUM_MPI_NONBLOCKING=1`` (`_config.MPI_NONBLOCKING`) each run is a non-blocking
+    ``Iallreduce``, the next one in flight while one is consumed, ``norm`` testing it between
+    its batches of work: for an MPI library that moves messages on by itself. MPICH's shared
+    memory does so only inside MPI calls, where the norm's work then delays the transfer (the
+    blocking default measured 0.82x the non-blocking step with a clip on 2 ranks). The runs, the
+    op and so the bits are the same either way (the MPI tests compare them on 2 and 3 ranks)."""
     MPI = _mpi()
     ops = ops_for(dst) if n_mean else None
     inplace = src is dst
 
-    def post(lo: int, hi: int) -> Any:
-        return comm.Iallreduce(MPI.IN_PLACE if inplace else src[lo:hi], dst[lo:hi], op=MPI.SUM)
+    def args(lo: int, hi: int) -> tuple:
+        return (MPI.IN_PLACE if inplace else src[lo:hi], dst[lo:hi])
 
-    nxt = post(*runs[0])
+    nonblocking = _config.MPI_NONBLOCKING
+    nxt = comm.Iallreduce(*args(*runs[0]), op=MPI.SUM) if nonblocking else None
     for i, (lo, hi) in enumerate(runs):
-        req, nxt = nxt, post(*runs[i + 1]) if i + 1 < len(runs) else None
-        req.Wait()
+        if nonblocking:
+            req = nxt
+            nxt = comm.Iallreduce(*args(*runs[i + 1]), op=MPI.SUM) if i + 1 < len(runs) else None
+            req.Wait()
+        else:
+            comm.Allreduce(*args(lo, hi), op=MPI.SUM)
         if ops is not None:
             d = dst[lo:hi]
             ops.scale_(d, d, Factor(float(n_mean), 1.0))
@@ -635,14 +641,15 @@ class _AllreduceMean(Stage):
 
 
 def _messages(layout: Layout, bucket_bytes: int, n: int) -> str:
-    """What the collective sends, for `numbaccum.explain`: its ``Iallreduce`` calls per update
-    and their size."""
+    """What the collective sends, for `numbaccum.explain`: its ``Allreduce`` (or ``Iallreduce``)
+    calls per update and their size."""
     count = sum(
         len(_runs(size, 4 if np.dtype(d).itemsize == 2 else np.dtype(d).itemsize, bucket_bytes))
         for size, d in zip(layout.group_sizes, layout.group_dtypes)
         if size
     )
-    return f"{count} Iallreduce of up to {_human(bucket_bytes)} over {_ranks(n)}"
+    call = "Iallreduce" if _config.MPI_NONBLOCKING else "Allreduce"
+    return f"{count} {call} of up to {_human(bucket_bytes)} over {_ranks(n)}"
 
 
 def _check_same_bucket(bucket: _Bucket, comm: Any) -> None:
@@ -947,7 +954,7 @@ def shard(tx: Any, comm: Any = None, bucket_bytes: int | None = None) -> Sharded
     each step with the same bits, and on two ranks the same bits as ``chain(allreduce_mean(),
     tx)`` (each element's sum is ``a + b``); on more, within the rounding of the sum's order.
 
-    The partition is by whole leaves (`numbaccum.sharded.partition`): in each dtype buffer rank
+    Per-element tx: each bucket split evenly (`numbaccum.sharded`); else whole leaves: in each buffer rank
     ``r`` owns a contiguous run of leaves, the cuts at the leaf boundaries nearest to ``r/n`` of
     the elements, so per-leaf transformations (Adafactor, LAMB, per-leaf norms, masks) are exact;
     a rank may own nothing of a small buffer. ``tx`` may hold only transformations known to be

@@ -166,7 +166,9 @@ def explain(
     Args:
         tx: a transformation.
         params: the parameters (their layout and dtypes; add_decayed_weights reads them).
-        state: ``tx``'s state; None: ``tx.init(params)`` (allocates a state).
+        state: ``tx``'s state; None: ``tx.init(params)`` (allocates a state; with an MPI
+            stage such as ``distributed.allreduce_mean`` that init is collective: pass the
+            state, or call ``explain`` on every rank).
         apply: explain `step_` (the update added to params) instead of ``update``.
         fused: explain the fused (True) or stage-by-stage (False) path; None: what
             ``NUMBACCUM_FUSE`` selects now.

@@ -4,28 +4,56 @@ Every rank holds the whole model and computes gradients on its shard of the data
 replicated data parallelism, but each rank keeps the optimizer state of only ``1/n`` of the
 parameters. A step (`Sharded.step_`, or ``numbaccum.step_(sharded, grads, state, params)``):
 
-1. **Reduce-scatter** the gradients: one ``MPI_Reduce_scatter`` per bucket of each dtype buffer,
-   after which each rank holds the sum over ranks of its own part only;
+1. **Reduce-scatter** the gradients: one ``MPI_Reduce_scatter`` per bucket of each dtype buffer
+   (``Reduce_scatter_block`` where every rank's count is the same), after which each rank holds
+   the sum over ranks of its own part only;
 2. runs the wrapped transformation on that part with ``numbaccum.step_``: the division by the
    number of ranks rides on its first kernel as a pending factor (as `allreduce_mean`'s does), and
-   its last pass adds the update to this rank's part of the params, in place;
-3. **All-gathers** the parameters: one ``MPI_Allgatherv`` per round of about a bucket, each round
-   a slice of every rank's part, in place in the params' buffers, so every rank ends the step
-   with the same bits.
+   its last pass adds the update to this rank's part of the params;
+3. **All-gathers** the parameters: one ``MPI_Allgatherv`` per bucket or round into the params'
+   buffers, so every rank ends the step with the same bits.
 
-The partition: whole leaves. Within each dtype group (one contiguous buffer), rank ``r`` owns a
-contiguous run of whole leaves, in leaf order, and the ranks' runs follow each other in rank
-order (what ``Reduce_scatter`` and ``Allgatherv`` need). The cut between rank ``r - 1`` and rank
-``r`` is the leaf boundary nearest to ``r / n`` of the group's elements (ties: the lower one), so
-the parts are balanced by element count to within about one leaf; a group with fewer leaves than
-ranks, or one large leaf, leaves some ranks owning nothing of it (they still take part in every
-collective, with a count of zero). Cutting inside leaves would balance to the element, but every
-per-leaf transformation (Adafactor's factored moments, LAMB's trust ratio, per-leaf norms, masks
-by leaf) would then compute on pieces of leaves: a wrong number. With whole leaves they are exact.
+Two partitions, chosen when the `Sharded` is made (`Sharded.partition`, also recorded in each
+`ShardedState`: a state of one is refused by the other, with a ValueError):
 
-On a rank, the wrapped transformation sees a tree of the params' structure in which the leaves
-the rank does not own are empty (shape ``(0,)``): a mask given as a tree still matches, and a mask
-function decides the leaves the rank owns (what it says of an empty leaf changes nothing).
+**Even** (``"even"``), when every stage of the wrapped transformation is per element (`_PER_ELEMENT`:
+AdamW, Adam, SGD, Lion, ... and `numbaccum.distributed.clip_by_global_norm`, with the combinators
+``chain``, ``inject_hyperparams``, ``MultiSteps`` without a skip function, ``lookahead`` and
+``conditionally_*`` around them; `per_element`). Leaf boundaries do not matter then, so each bucket
+of each dtype buffer is split evenly among the ranks in rank order (``m // n`` elements each, one
+more for the first ``m % n``), cutting leaves: the send buffer of a bucket's ``Reduce_scatter`` is
+the bucket itself, and every rank adds its share of every bucket (with whole leaves, one rank adds a
+whole bucket while the others wait). Rank ``r``'s part is its pieces of all buckets: not contiguous
+in the params, so the rank's optimizer state is a tree of one 1-D leaf per dtype group, its pieces
+back to back (a tuple, in the params' group order). The received sums go straight into such a
+buffer; each step copies the rank's pieces of the params into another (``1/n`` of the params'
+bytes: params the caller changed between steps are taken as they are), runs the fused step there,
+and each bucket's ``Allgatherv`` writes every rank's pieces, its own included, back into the params
+(a bucket's pieces lie in rank order: ``Allgatherv``'s layout). The sharded clip's sum of squares
+over the rank's pieces, added over the ranks, is the sum over every element once: exact, in
+another order than the unsharded clip's (per rank in float64, then over the ranks in rank order),
+so its norm may differ from ``numbaccum.clip_by_global_norm``'s in the last bits of the float64.
+
+**Whole leaves** (``"leaves"``), when a stage is per leaf (masks, Adafactor, LAMB, per-leaf norms,
+``partition``, ``flatten``). Within each dtype group (one contiguous buffer), rank ``r`` owns a
+contiguous run of whole leaves, in leaf order, and the ranks' runs follow each other in rank order
+(what ``Reduce_scatter`` and ``Allgatherv`` need). The cut between rank ``r - 1`` and rank ``r`` is
+the leaf boundary nearest to ``r / n`` of the group's elements (ties: the lower one), so the parts
+are balanced by element count to within about one leaf; a group with fewer leaves than ranks, or
+one large leaf, leaves some ranks owning nothing of it (they still take part in every collective,
+with a count of zero). Cutting inside leaves would make every per-leaf transformation (Adafactor's
+factored moments, LAMB's trust ratio, per-leaf norms, masks by leaf) compute on pieces of leaves: a
+wrong number. With whole leaves they are exact. The step runs on views of the params (the rank's run
+is contiguous) and the all-gather is in place, in rounds that each carry a slice of every rank's
+part.
+
+On a rank, with whole leaves, the wrapped transformation sees a tree of the params' structure in
+which the leaves the rank does not own are empty (shape ``(0,)``): a mask given as a tree still
+matches, and a mask function decides the leaves the rank owns (what it says of an empty leaf
+changes nothing).
+
+Both give the same bits as ``chain(allreduce_mean(), tx)`` wherever the sums are added in the same
+order (two ranks: ``a + b``, whatever the partition), and the same bits on every rank.
 
 Transformations that reduce over the whole tree (`numbaccum.clip_by_global_norm`, ``dim='global'``
 norms, `apply_if_finite`, L-BFGS, ...) would see only the rank's part on a shard: `shard` refuses
@@ -89,18 +117,24 @@ class ShardedState(NamedTuple):
     """State of `numbaccum.distributed.shard`: this rank's part of the optimizer state.
 
     Attributes:
-        inner: the wrapped transformation's state for this rank's part of the params: a tree of
-            the params' structure whose leaves this rank does not own are empty (shape ``(0,)``),
-            so its buffers hold about ``1/n`` of the unsharded state's elements.
+        inner: the wrapped transformation's state for this rank's part of the params, whose
+            buffers hold about ``1/n`` of the unsharded state's elements: with whole leaves, of a
+            tree of the params' structure whose leaves this rank does not own are empty (shape
+            ``(0,)``); with the even partition, of a tuple of one 1-D leaf per dtype group.
         layout: the layout of the full params it was made for (a `numbaccum.layout.Layout`).
         rank: the rank that holds it.
         ranks: the number of ranks of the communicator.
+        partition: ``"leaves"`` (each rank a run of whole leaves; ``inner`` is of the params'
+            structure) or ``"even"`` (each bucket split evenly among the ranks; ``inner`` is of a
+            tuple of one 1-D leaf per dtype group, this rank's pieces back to back): the
+            partition of the `Sharded` that made it, which takes no state of the other.
     """
 
     inner: Any
     layout: Layout
     rank: int
     ranks: int
+    partition: str = "leaves"
 
 
 # --- the partition ----------------------------------------------------------------------------
@@ -162,10 +196,17 @@ def _water_fill(load: np.ndarray, total: int) -> np.ndarray:
 
 class _Plan:
     """What a `Sharded` derives once per params layout: the parts, the shard's layout, the
-    buckets of each group, and where each leaf lives."""
+    buckets of each group, and (whole leaves) where each leaf lives."""
 
-    def __init__(self, layout: Layout, rank: int, n: int, bucket_bytes: int) -> None:
+    def __init__(self, layout: Layout, rank: int, n: int, bucket_bytes: int, even: bool = False) -> None:
         self.layout = layout
+        self.local = threading.local()  # receive buffers and packed trees, per thread
+        self.half = any(d.itemsize == 2 for d in layout.group_dtypes)
+        self.even = even and n > 1  # one rank: the whole-leaf plan is the whole (the same thing)
+        self.rank = rank
+        if self.even:
+            self._even(layout, rank, n, bucket_bytes)
+            return
         self.bounds = partition(layout, n)
         self.lo = [int(b[rank]) for b in self.bounds]
         self.hi = [int(b[rank + 1]) for b in self.bounds]
@@ -180,7 +221,6 @@ class _Plan:
         self.owner = owner
         shapes = [s if owner[i] == rank else (0,) for i, s in enumerate(layout.shapes)]
         self.shard = Layout.get(layout.treedef, shapes, layout.dtypes, layout.group_keys)
-        self.half = any(d.itemsize == 2 for d in layout.group_dtypes)
         # Per group, the buckets of the reduce-scatter: (lo, hi) of the buffer, each rank's count,
         # and this rank's received run relative to its part. Contiguous: ``Reduce_scatter``
         # takes the ranks' blocks back to back (a slice of every part per round would need a
@@ -218,7 +258,44 @@ class _Plan:
                 ends = np.minimum(starts + s, b[1:])
                 rounds.append(((ends - starts).astype(np.int64), starts.astype(np.int64)))
             self.gathers.append(rounds)
-        self.local = threading.local()  # receive buffers and packed trees, per thread
+
+    def _even(self, layout: Layout, rank: int, n: int, bucket_bytes: int) -> None:
+        """The even partition: each bucket of each group split among the ranks in rank order,
+        ``m // n`` elements each and one more for the first ``m % n`` ranks; this rank's pieces
+        back to back make its shard, a tuple of one 1-D leaf per group."""
+        self.buckets = []
+        sizes = []
+        for g, dt in enumerate(layout.group_dtypes):
+            wire = _F32.itemsize if dt.itemsize == 2 else dt.itemsize
+            step = max(1, min(bucket_bytes // wire, int(_config.MPI_MAX_COUNT)))
+            runs, pos = [], 0
+            for a in range(0, layout.group_sizes[g], step):
+                z = min(layout.group_sizes[g], a + step)
+                m = z - a
+                counts = np.full(n, m // n, np.int64)
+                counts[: m % n] += 1
+                displs = np.concatenate([[0], np.cumsum(counts[:-1])]).astype(np.int64)
+                c = int(counts[rank])
+                # (bucket start, end, counts, this rank's (lo, hi) in the shard, displacements,
+                # whether every count is the same)
+                runs.append((a, z, counts, (pos, pos + c), displs, m % n == 0))
+                pos += c
+            self.buckets.append(runs)
+            sizes.append(pos)
+        dts = layout.group_dtypes
+        td = tree_flatten(tuple(np.empty(0, d) for d in dts))[1]
+        self.shard = Layout.get(td, [(k,) for k in sizes], dts, dts)
+
+    def take(self, full: FlatTree, part: FlatTree) -> None:
+        """``part`` (of the shard's layout) = this rank's part of ``full`` (of the params')."""
+        if not self.even:
+            for dst, src, lo, hi in zip(part.groups, full.groups, self.lo, self.hi):
+                dst[...] = src[lo:hi]
+            return
+        for gi, (dst, src) in enumerate(zip(part.groups, full.groups)):
+            for a, _, _, (lo, hi), displs, _ in self.buckets[gi]:
+                at = a + int(displs[self.rank])
+                dst[lo:hi] = src[at : at + hi - lo]
 
     def kept(self, name: str, layout: Layout) -> FlatTree:
         bufs = self.local.__dict__.setdefault("bufs", {})
@@ -358,6 +435,22 @@ def check_shardable(stage: Stage, comm: Any, combined: tuple, refused: tuple, wh
     )
 
 
+def per_element(stage: Stage, combined: tuple) -> bool:
+    """Whether every stage of ``stage`` is per element (`_PER_ELEMENT`, a norm combined over the
+    ranks, and the combinators around them): then leaf boundaries do not matter, and a shard may
+    cut leaves (the even partition)."""
+    if isinstance(stage, _PER_ELEMENT + combined):
+        return True
+    if isinstance(stage, MultiSteps) and stage._skip is not None:  # a user function of the updates
+        return False
+    if isinstance(stage, _InjectHyperparams) and stage.probe is None:  # its stages are not known
+        return False
+    if isinstance(stage, (Chain, _InjectHyperparams, _Lookahead, MultiSteps, _Conditionally)):
+        inner = _inner_stages(stage)
+        return bool(inner) and all(per_element(s, combined) for s in inner)
+    return False
+
+
 def _only_per_element(stage: Stage, where: str) -> None:
     if isinstance(stage, Chain):
         for s in stage.stages:
@@ -422,6 +515,8 @@ class Sharded:
         rank: this rank.
         ranks: the number of ranks.
         bucket_bytes: bytes per message.
+        partition: ``"even"`` (every stage per element: each bucket split evenly among the
+            ranks) or ``"leaves"`` (each rank a run of whole leaves); see the module docstring.
 
     Examples:
         >>> import numpy as np, numbaccum as nba
@@ -445,6 +540,7 @@ class Sharded:
         if stage.reshapes:
             raise TypeError("shard: tx must not change the updates' shape (per-example aggregation)")
         check_shardable(stage, comm, combined, refused)
+        self.partition = "even" if per_element(stage, combined) else "leaves"
         self.tx = tx
         self.comm = comm
         self.rank, self.ranks = comm.Get_rank(), comm.Get_size()
@@ -457,7 +553,7 @@ class Sharded:
         self._lock = threading.Lock()
 
     def __repr__(self) -> str:
-        return f"Sharded({short_repr(self.tx, 60)}, rank {self.rank} of {self.ranks})"
+        return f"Sharded({short_repr(self.tx, 60)}, rank {self.rank} of {self.ranks}, {self.partition})"
 
     def _plan(self, layout: Layout) -> _Plan:
         plan = self._plans.get(layout)
@@ -467,7 +563,9 @@ class Sharded:
                 if plan is None:
                     if len(self._plans) >= max(_config.KEPT_LAYOUTS, 2):
                         del self._plans[next(iter(self._plans))]
-                    plan = self._plans[layout] = _Plan(layout, self.rank, self.ranks, self.bucket_bytes)
+                    plan = self._plans[layout] = _Plan(
+                        layout, self.rank, self.ranks, self.bucket_bytes, self.partition == "even"
+                    )
         return plan
 
     # --- init ---------------------------------------------------------------------------------
@@ -494,16 +592,16 @@ class Sharded:
         plan = self._plan(layout)
         full = params if isinstance(params, FlatTree) else FlatTree.from_tree(params)
         part = FlatTree.empty(plan.shard)  # a copy: a state never aliases the caller's params
-        for dst, src, lo, hi in zip(part.groups, full.groups, plan.lo, plan.hi):
-            dst[...] = src[lo:hi]
-        return ShardedState(self.tx.init(part), layout, self.rank, self.ranks)
+        plan.take(full, part)
+        return ShardedState(self.tx.init(part), layout, self.rank, self.ranks, self.partition)
 
     # --- the step -------------------------------------------------------------------------------
 
     def step_(self, grads: Any, state: ShardedState, params: Any, **extra_args: Any) -> ShardedState:
         """One step: gradients reduce-scattered, the wrapped transformation's step on this rank's
-        part (its update added to the params there), the params all-gathered in place
-        (collective: every rank calls it, the same number of times).
+        part (its update added to the params there: with the even partition, to a copy of this
+        rank's pieces of them), the params all-gathered into their buffers (collective: every
+        rank calls it, the same number of times).
 
         Args:
             grads: this rank's gradients (a tree, or a FlatTree of the params' layout).
@@ -520,7 +618,8 @@ class Sharded:
                 of the state's layout or are CUDA arrays, a leaf of ``params`` cannot change in
                 place; and what the wrapped transformation raises for its state. All before any
                 buffer of the caller or the state is written.
-            ValueError: ``state`` was made on another rank or for other params.
+            ValueError: ``state`` was made on another rank, for other params, or by a shard of
+                the other partition.
         """
         if not isinstance(state, ShardedState):
             raise TypeError(
@@ -532,12 +631,24 @@ class Sharded:
                 f"state: made on rank {state.rank} of {state.ranks}, used on rank {self.rank} of "
                 f"{self.ranks}; load each rank's own state (or scatter_state a gathered one)"
             )
+        if state.partition != self.partition:
+            raise ValueError(
+                f"state: a state of the {state.partition!r} partition, used by a shard of the "
+                f"{self.partition!r} partition (another transformation's state?)"
+            )
         layout = state.layout
         plan = self._plan(layout)
         g = _flat_of(grads, layout, "grads", plan, "grads")
         p, packed = _params_of(params, layout, plan)
         if self.ranks == 1:  # the part is the whole: the wrapped step on the buffers themselves
             inner = _step_(self._chains[plan.half], g, (_EMPTY, state.inner), p, **extra_args)[1]
+        elif plan.even:
+            summed = plan.kept("summed", plan.shard)
+            self._reduce_scatter(plan, g, summed)
+            mine = plan.kept("mine", plan.shard)  # this rank's pieces of the params, back to back
+            plan.take(p, mine)
+            inner = _step_(self._chains[plan.half], summed, (_EMPTY, state.inner), mine, **extra_args)[1]
+            self._allgather_even(plan, mine, p)
         else:
             summed = plan.kept("summed", plan.shard)
             self._reduce_scatter(plan, g, summed)
@@ -548,7 +659,7 @@ class Sharded:
         if packed is not None:
             for dst, src in zip(packed, p.leaf_views()):
                 dst[...] = src
-        return ShardedState(inner, layout, self.rank, self.ranks)
+        return ShardedState(inner, layout, self.rank, self.ranks, self.partition)
 
     def _numbaccum_step_(self, grads: Any, state: Any, params: Any, **extra_args: Any) -> Any:
         """`numbaccum.step_`'s entry for a `Sharded` (see `step_`)."""
@@ -557,21 +668,29 @@ class Sharded:
     def _reduce_scatter(self, plan: _Plan, g: FlatTree, out: FlatTree) -> None:
         """``out`` = the sum over ranks of this rank's part of ``g`` (float16 and bfloat16: in
         float32, divided by n and rounded once; other groups of such a tree divided on the host
-        too), one ``Reduce_scatter`` per bucket."""
+        too), one ``Reduce_scatter`` per bucket (``Reduce_scatter_block`` where the counts
+        agree)."""
         comm, MPI, n = self.comm, _mpi(), self.ranks
         for gi, (x, y) in enumerate(zip(g.groups, out.groups)):
             half = x.dtype.itemsize == 2
             ops = ops_for(y) if plan.half and not half else None
-            for a, z, counts, (lo, hi) in plan.buckets[gi]:
+            for a, z, counts, (lo, hi), *even in plan.buckets[gi]:
+                block = bool(even and even[1])  # every rank's count the same
                 if half:
                     w = plan.wire("send", z - a)
                     w[...] = x[a:z]
                     r = plan.wire("recv", hi - lo)
-                    comm.Reduce_scatter(w, r, counts, op=MPI.SUM)
+                    if block:
+                        comm.Reduce_scatter_block(w, r, op=MPI.SUM)
+                    else:
+                        comm.Reduce_scatter(w, r, counts, op=MPI.SUM)
                     np.divide(r, np.float32(n), out=r)
                     y[lo:hi] = r
                 else:
-                    comm.Reduce_scatter(x[a:z], y[lo:hi], counts, op=MPI.SUM)
+                    if block:
+                        comm.Reduce_scatter_block(x[a:z], y[lo:hi], op=MPI.SUM)
+                    else:
+                        comm.Reduce_scatter(x[a:z], y[lo:hi], counts, op=MPI.SUM)
                     if ops is not None:
                         d = y[lo:hi]
                         ops.scale_(d, d, Factor(float(n), 1.0))
@@ -586,6 +705,19 @@ class Sharded:
             for counts, displs in plan.gathers[gi]:
                 comm.Allgatherv(MPI.IN_PLACE, [x, (counts, displs)])
 
+    def _allgather_even(self, plan: _Plan, mine: FlatTree, p: FlatTree) -> None:
+        """Every rank's pieces of each bucket into ``p``'s bucket, in rank order (this rank's
+        own piece included): one ``Allgatherv`` per bucket (``Allgather`` when the counts agree)."""
+        comm = self.comm
+        for gi, (x, y) in enumerate(zip(mine.groups, p.groups)):
+            if x.dtype.itemsize == 2:  # float16 and bfloat16 travel as their bits
+                x, y = x.view(np.uint16), y.view(np.uint16)
+            for a, z, counts, (lo, hi), displs, block in plan.buckets[gi]:
+                if block:
+                    comm.Allgather(x[lo:hi], y[a:z])
+                else:
+                    comm.Allgatherv(x[lo:hi], [y[a:z], (counts, displs)])
+
     # --- checkpoints of the whole state -----------------------------------------------------------
 
     def gather_state(self, state: ShardedState, root: int = 0) -> Any:
@@ -593,9 +725,10 @@ class Sharded:
         hold it, assembled from every rank's part (collective); None on the other ranks.
 
         Each buffer of the state laid out per leaf of the params comes leaf by leaf from the
-        rank that owns the leaf; the other fields (step counts, hyperparameters) are the same on
-        every rank and come from ``root``'s. Save it with `numbaccum.save_state`; `scatter_state`
-        gives each rank its part back.
+        rank that owns the leaf (the even partition: bucket by bucket, each rank's pieces, one
+        ``Gatherv`` each, into the full layout's buffers); the other fields (step counts,
+        hyperparameters) are the same on every rank and come from ``root``'s. Save it with
+        `numbaccum.save_state`; `scatter_state` gives each rank its part back.
 
         Raises:
             TypeError: ``state`` is not a `ShardedState` of this rank.
@@ -668,7 +801,7 @@ class _Transfer:
 
     def _leaves(self, full: FlatTree | None, part: FlatTree, path: str) -> None:
         plan = self.plan
-        ok = part.layout.treedef == plan.layout.treedef and part.layout.num_leaves == plan.layout.num_leaves
+        ok = part.layout.treedef == plan.shard.treedef and part.layout.num_leaves == plan.shard.num_leaves
         if self.rank == self.root and ok:
             ok = isinstance(full, FlatTree) and full.layout.treedef == plan.layout.treedef
         if not all(self.comm.allgather(ok)):
@@ -677,6 +810,9 @@ class _Transfer:
                 f"flattened transformation's); save each rank's ShardedState with "
                 f"numbaccum.save_state instead"
             )
+        if plan.even:
+            self._pieces(full, part)
+            return
         comm, root, rank = self.comm, self.root, self.rank
         for i, owner in enumerate(plan.owner):
             if rank != root and owner != rank:
@@ -699,6 +835,31 @@ class _Transfer:
                     comm.Send(_wire(np.ascontiguousarray(mine)), dest=root, tag=7)
                 else:
                     comm.Recv(_wire(mine), source=root, tag=7)
+
+    def _pieces(self, full: FlatTree | None, part: FlatTree) -> None:
+        """The even partition: per dtype group of the params, each bucket's pieces gathered onto
+        ``root`` in rank order (``Gatherv``, the all-gather's layout) or scattered from it, through
+        the group's elements as one vector on ``root``."""
+        comm, root, plan = self.comm, self.root, self.plan
+        lay = plan.layout
+        at_root = self.rank == root
+        for g, members in enumerate(lay.groups):
+            mine = part.leaf(g)
+            vec = np.empty(lay.group_sizes[g], mine.dtype) if at_root else None
+            if at_root and not self.gather:
+                for i in members:
+                    s = lay.leaf_start[i]
+                    vec[s : s + lay.sizes[i]] = full.leaf(i).reshape(-1)  # type: ignore[union-attr]
+            for a, z, counts, (lo, hi), displs, _ in plan.buckets[g]:
+                there = [_wire(vec[a:z]), (counts, displs)] if at_root else None
+                if self.gather:
+                    comm.Gatherv(_wire(mine[lo:hi]), there, root=root)
+                else:
+                    comm.Scatterv(there, _wire(mine[lo:hi]), root=root)
+            if at_root and self.gather:
+                for i in members:
+                    s = lay.leaf_start[i]
+                    full.leaf(i)[...] = vec[s : s + lay.sizes[i]].reshape(lay.shapes[i])  # type: ignore[union-attr]
 
 
 def _wire(a: np.ndarray) -> np.ndarray:

@@ -621,7 +621,7 @@ def test_overlap_explain_shows_the_collective_and_the_norm_on_it():
     e = nba.explain(tx, like)
     kinds = [p.kind for p in e.passes]
     assert kinds == ["collective", "fused"], e
-    assert "Iallreduce" in e.passes[0].stages[0] and "clip_by_global_norm" in e.passes[0].stages[1]
+    assert " Allreduce" in e.passes[0].stages[0] and "clip_by_global_norm" in e.passes[0].stages[1]
     assert e.total == e.minimum
     stage_by_stage = nba.explain(tx, like, fused=False)
     assert [p.kind for p in stage_by_stage.passes][:3] == ["collective", "settle", "reduction"]
@@ -678,9 +678,10 @@ def test_overlap_float16_leaves_fall_back_to_the_norm_pass(monkeypatch):
 
 
 @pytest.mark.parametrize("bucket_bytes", [12, 4 << 10])
-def test_overlap_nonblocking_buckets_give_the_bits_of_blocking_allreduce(bucket_bytes):
+def test_overlap_nonblocking_buckets_give_the_bits_of_blocking_allreduce(bucket_bytes, monkeypatch):
     # Iallreduce per bucket, the next in flight: the bits of one blocking Allreduce per buffer
     # (MPICH adds in one order for both; on 3 ranks too)
+    monkeypatch.setattr(_config, "MPI_NONBLOCKING", True)
     g = nba.FlatTree.from_tree(grads_of(RANK, 2))
     ours = dist.allreduce_sum_(g, g.zeros_like(), COMM, bucket_bytes=bucket_bytes)
     for x, y in zip(g.groups, ours.groups):
@@ -688,6 +689,20 @@ def test_overlap_nonblocking_buckets_give_the_bits_of_blocking_allreduce(bucket_
         COMM.Allreduce(x, plain, op=MPI.SUM)
         np.testing.assert_array_equal(y, plain)
     assert_same_on_every_rank(ours)
+
+
+@pytest.mark.parametrize("bucket_bytes", [100, 16 << 20])
+def test_overlap_nonblocking_buckets_with_the_norm_give_the_blocking_bits(bucket_bytes, monkeypatch):
+    # NUMBACCUM_MPI_NONBLOCKING=1: Iallreduce per bucket, the norm testing the next between its
+    # batches; the same updates, norms and params as the blocking default, and explain says so
+    blocking = _dp_steps(_dp_chain(1.0, bucket_bytes), 3, True)
+    monkeypatch.setattr(_config, "MPI_NONBLOCKING", True)
+    nonblocking = _dp_steps(_dp_chain(1.0, bucket_bytes), 3, True)
+    assert "Iallreduce" in nba.explain(_dp_chain(1.0, bucket_bytes), make_params()).passes[0].stages[0]
+    assert_same_on_every_rank(nonblocking[0], nonblocking[1])
+    np.testing.assert_array_equal(nonblocking[2], blocking[2])
+    for a, b in zip(nonblocking[0].groups, blocking[0].groups):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_overlap_multisteps_rides_too(monkeypatch):

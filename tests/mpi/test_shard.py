@@ -104,31 +104,55 @@ def run_both(tx, ref_tx, like, steps=4, bucket_bytes=None, use_step=True):
 
 
 def test_shard_adamw_is_the_data_parallel_step():
+    """Per-element stages only: the even partition (each bucket split among the ranks)."""
     tx = nba.adamw(1e-2, weight_decay=0.1)
     ref = nba.chain(dist.allreduce_mean(), nba.adamw(1e-2, weight_decay=0.1))
-    _, params, ref_params, _, _ = run_both(tx, ref, make_params())
+    opt, params, ref_params, state, _ = run_both(tx, ref, make_params())
+    assert opt.partition == "even" and state.partition == "even"
     assert_matches(params.tree, ref_params.tree, exact=SIZE <= 2)
 
 
-@pytest.mark.parametrize("bucket_bytes", [40, 1 << 20])
+@pytest.mark.parametrize("bucket_bytes", [40, 100, 1 << 20])
 def test_shard_buckets_and_float16(bucket_bytes):
-    """Small buckets (many per buffer, cutting leaves and parts) and a float16 group, summed in
-    float32 and divided on the host as allreduce_mean does."""
+    """Small buckets (many per buffer, cutting leaves; 100 bytes: 25 float32 or float16, 12
+    float64 elements, not divisible by 2 or 3 ranks) and a float16 group, summed in float32 and
+    divided on the host as allreduce_mean does."""
     like = make_params(half=True)
     tx = nba.adam(1e-2)
     ref = nba.chain(dist.allreduce_mean(bucket_bytes=bucket_bytes), nba.adam(1e-2))
-    _, params, ref_params, _, _ = run_both(tx, ref, like, bucket_bytes=bucket_bytes)
+    opt, params, ref_params, _, _ = run_both(tx, ref, like, bucket_bytes=bucket_bytes)
+    assert opt.partition == "even"
     assert_matches(params.tree, ref_params.tree, exact=SIZE <= 2)
 
 
+@pytest.mark.parametrize("bucket_bytes", [4, 8])
+def test_shard_buckets_smaller_than_the_ranks(bucket_bytes):
+    """One or two elements per bucket: some ranks get nothing of a bucket (a count of zero)."""
+    rng = np.random.default_rng(5)
+    like = {
+        "a": rng.standard_normal(13).astype(np.float32),
+        "b": rng.standard_normal((3, 2)).astype(np.float16),
+        "c": rng.standard_normal(5),
+    }
+    tx = nba.adamw(1e-2, weight_decay=0.1)
+    ref = nba.chain(dist.allreduce_mean(bucket_bytes=bucket_bytes), nba.adamw(1e-2, weight_decay=0.1))
+    opt, params, ref_params, state, _ = run_both(tx, ref, like, steps=3, bucket_bytes=bucket_bytes)
+    assert opt.partition == "even"
+    assert_matches(params.tree, ref_params.tree, exact=SIZE <= 2)
+    assert sum(COMM.allgather(_state_bytes(state.inner))) == _state_bytes(tx.init(params))
+
+
 def test_shard_with_the_sharded_clip():
-    """The clip's norm is combined over the ranks: the global norm of the mean gradient."""
-    tx = nba.chain(dist.clip_by_global_norm(1.0), nba.adam(1e-2))
-    ref = nba.chain(dist.allreduce_mean(), nba.clip_by_global_norm(1.0), nba.adam(1e-2))
-    _, params, ref_params, _, _ = run_both(tx, ref, make_params())
+    """The clip's norm is combined over the ranks: the global norm of the mean gradient. On the
+    even partition each rank's sum of squares is over its pieces of the leaves: together, every
+    element once."""
+    tx = nba.chain(dist.clip_by_global_norm(1.0), nba.adamw(1e-2, weight_decay=0.1))
+    ref = nba.chain(dist.allreduce_mean(), nba.clip_by_global_norm(1.0), nba.adamw(1e-2, weight_decay=0.1))
+    opt, params, ref_params, _, _ = run_both(tx, ref, make_params(), bucket_bytes=100)
+    assert opt.partition == "even"
     # the norm is added in another order (per rank, then over ranks): within rounding
     assert_matches(params.tree, ref_params.tree, exact=False)
-    _, unclipped, _, _, _ = run_both(nba.adam(1e-2), ref, make_params())
+    _, unclipped, _, _, _ = run_both(nba.adamw(1e-2, weight_decay=0.1), ref, make_params())
     assert not np.array_equal(unclipped["dense"]["w"], params["dense"]["w"])  # it did clip
 
 
@@ -143,24 +167,36 @@ def test_shard_per_leaf_transformations_are_exact():
         lambda: nba.chain(nba.masked(nba.add_decayed_weights(0.5), mask), nba.adam(1e-2)),
         lambda: nba.adamw(1e-2, weight_decay=0.3, mask=lambda p: nba.tree_map(lambda x: x.ndim > 1, p)),
     ):
-        _, params, ref_params, _, _ = run_both(tx(), nba.chain(dist.allreduce_mean(), tx()), like, steps=3)
+        opt, params, ref_params, state, _ = run_both(
+            tx(), nba.chain(dist.allreduce_mean(), tx()), like, steps=3
+        )
+        assert opt.partition == "leaves" and state.partition == "leaves"
         assert_matches(params.tree, ref_params.tree, exact=SIZE <= 2)
 
 
 def test_shard_more_ranks_than_leaves():
-    """One leaf per dtype group: a rank owns a whole group or nothing of it, and every rank
-    still steps; a single leaf leaves all ranks but one owning nothing at all."""
+    """Whole leaves, one leaf per dtype group: a rank owns a whole group or nothing of it, and
+    every rank still steps; a single leaf leaves all ranks but one owning nothing at all. The
+    even partition splits the same leaves to the element."""
     rng = np.random.default_rng(3)
     for like, sizes in (
         ({"a": rng.standard_normal(50).astype(np.float32), "b": rng.standard_normal((4, 3))}, (50, 12)),
         ({"a": rng.standard_normal(50).astype(np.float32)}, (50,)),
     ):
-        tx = nba.sgd(0.1, momentum=0.9)
-        _, params, ref_params, state, _ = run_both(tx, nba.chain(dist.allreduce_mean(), tx), like)
+        tx = nba.chain(nba.trace(0.9), nba.scale_by_trust_ratio(), nba.scale(-0.1))  # per leaf
+        opt, params, ref_params, state, _ = run_both(tx, nba.chain(dist.allreduce_mean(), tx), like)
+        assert opt.partition == "leaves"
         assert_matches(params.tree, ref_params.tree, exact=SIZE <= 2)
         held = COMM.allgather(sum(b.size for b in _buffers(state.inner)))  # the momentum
         assert sum(held) == sum(sizes) and held.count(0) >= SIZE - len(sizes), held
         assert all(h in (0, *sizes, sum(sizes)) for h in held), held
+
+        tx = nba.sgd(0.1, momentum=0.9)  # per element: the even partition
+        opt, params, ref_params, state, _ = run_both(tx, nba.chain(dist.allreduce_mean(), tx), like)
+        assert opt.partition == "even"
+        assert_matches(params.tree, ref_params.tree, exact=SIZE <= 2)
+        held = COMM.allgather(sum(b.size for b in _buffers(state.inner)))
+        assert sum(held) == sum(sizes) and max(held) - min(held) <= len(sizes), held
 
 
 def _buffers(state):
@@ -178,15 +214,19 @@ def _state_bytes(state):
     return sum(b.nbytes for b in _buffers(state))
 
 
-def test_shard_state_memory_per_rank_is_about_one_nth():
+@pytest.mark.parametrize("make", [lambda: nba.adamw(1e-3), lambda: nba.lamb(1e-3)], ids=["even", "leaves"])
+def test_shard_state_memory_per_rank_is_about_one_nth(make):
     rng = np.random.default_rng(4)
     like = {f"w{i:02d}": rng.standard_normal((100 + 7 * i, 16)).astype(np.float32) for i in range(24)}
     params = nba.FlatTree.from_tree(like)
-    state = dist.shard(nba.adamw(1e-3)).init(params)
-    whole = _state_bytes(nba.adamw(1e-3).init(params))
+    opt = dist.shard(make())
+    state = opt.init(params)
+    whole = _state_bytes(make().init(params))
     per_rank = COMM.allgather(_state_bytes(state))
     assert sum(per_rank) == whole
     assert max(per_rank) <= whole / SIZE * 1.1 + 1, (per_rank, whole)
+    if opt.partition == "even":  # to the element: about one bucket's split apart at most
+        assert max(per_rank) - min(per_rank) <= 2 * 4 * (params.layout.size // (4 << 20) + 1), per_rank
 
 
 def test_partition_is_whole_leaves_balanced_and_in_rank_order():
@@ -254,6 +294,11 @@ def test_shard_errors_leave_everything_as_it_was():
     wrong = dist.shard(nba.sgd(0.1, momentum=0.9)).init(params)  # another transformation's state
     with pytest.raises((TypeError, ValueError)):
         opt.step_(g, wrong, params)
+    leaves = dist.shard(nba.lamb(1e-2)).init(params)  # the other partition's state
+    with pytest.raises(ValueError, match="partition"):
+        opt.step_(g, leaves, params)
+    with pytest.raises(ValueError, match="partition"):
+        dist.shard(nba.lamb(1e-2)).step_(g, state, params)
     assert _digest(params, state.inner) == before
     state = opt.step_(g, state, params)  # and the state still steps
     assert_same_on_every_rank(params)
@@ -272,13 +317,20 @@ def test_shard_plain_tree_params_are_changed_in_place():
     assert_same_on_every_rank(params)
 
 
-def test_shard_checkpoint_round_trips(tmp_path_factory):
+@pytest.mark.parametrize(
+    "make, bucket_bytes, kind",
+    [(lambda: nba.adamw(1e-2, weight_decay=0.1), 100, "even"),
+     (lambda: nba.adamw(1e-2, weight_decay=0.1), None, "even"), (lambda: nba.lamb(1e-2), None, "leaves")],
+    ids=["even-small-buckets", "even", "leaves"],
+)  # fmt: skip
+def test_shard_checkpoint_round_trips(tmp_path_factory, make, bucket_bytes, kind):
     """Each rank saves its part and loads it; the whole state gathered on rank 0 is the data-
     parallel run's state; scattered back, every rank goes on as if nothing had happened."""
-    like = make_params()
-    tx = nba.adamw(1e-2, weight_decay=0.1)
-    ref = nba.chain(dist.allreduce_mean(), nba.adamw(1e-2, weight_decay=0.1))
-    opt, params, ref_params, state, ref_state = run_both(tx, ref, like, steps=2)
+    like = make_params(half=True)
+    tx = make()
+    ref = nba.chain(dist.allreduce_mean(bucket_bytes=bucket_bytes), make())
+    opt, params, ref_params, state, ref_state = run_both(tx, ref, like, steps=2, bucket_bytes=bucket_bytes)
+    assert opt.partition == state.partition == kind
     d = COMM.bcast(str(tmp_path_factory.mktemp("shard")) if RANK == 0 else None)
     path = os.path.join(d, f"state.{RANK}.npz")
     nba.save_state(path, state)
@@ -306,11 +358,31 @@ def test_shard_checkpoint_round_trips(tmp_path_factory):
     mopt = dist.shard(
         nba.masked(
             nba.adam(1e-2),
-            {"dense": {"w": True, "b": False}, "out": [True, False], "empty": False, "emb": True},
+            {"dense": {"w": True, "b": False}, "out": [True, False], "empty": False, "emb": True, "h": True},
         )
     )
     with pytest.raises(ValueError, match="per leaf"):
         mopt.gather_state(mopt.init(params))
+
+
+def test_shard_plain_tree_params_even_partition_resteps_changed_params():
+    """The even partition copies this rank's pieces of the params at every step: params changed
+    by the caller between steps are what the next step starts from."""
+    like = make_params()
+    tx = nba.sgd(0.1, momentum=0.9)
+    ref = nba.chain(dist.allreduce_mean(bucket_bytes=100), nba.sgd(0.1, momentum=0.9))
+    opt = dist.shard(tx, bucket_bytes=100)
+    params, ref_params = nba.tree_map(np.copy, like), nba.tree_map(np.copy, like)
+    state, ref_state = opt.init(params), ref.init(ref_params)
+    for step in range(3):
+        g = grads_of(RANK, step, like)
+        state = opt.step_(g, state, params)
+        ref_state = nba.step_(ref, g, ref_state, ref_params)
+        params["emb"] *= np.float32(0.5)  # the caller changes the params between steps
+        ref_params["emb"] *= np.float32(0.5)
+    assert opt.partition == "even"
+    assert_matches(params, ref_params, exact=SIZE <= 2)
+    assert_same_on_every_rank(params)
 
 
 @pytest.mark.skipif(not SIM, reason="CUDA: run with NUMBA_ENABLE_CUDASIM=1 (-k cuda)")
