@@ -691,6 +691,7 @@ def test_overlap_nonblocking_buckets_give_the_bits_of_blocking_allreduce(bucket_
     assert_same_on_every_rank(ours)
 
 
+@multi_rank
 @pytest.mark.parametrize("bucket_bytes", [100, 16 << 20])
 def test_overlap_nonblocking_buckets_with_the_norm_give_the_blocking_bits(bucket_bytes, monkeypatch):
     # NUMBACCUM_MPI_NONBLOCKING=1: Iallreduce per bucket, the norm testing the next between its
