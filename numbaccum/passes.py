@@ -232,6 +232,9 @@ def explain(
             pending = False
         else:
             pending = _one_by_one_passes(b, parts, pending, passes)
+    if apply and fused and pending:  # settled in the apply's pass (`fuse.apply_settled`)
+        passes.append(Pass("apply", ("pending factor", "apply_updates_"), 2 * x, x))
+        return Explanation(tuple(passes), minimum, fused, apply, int(sum(layout.group_sizes)))
     if pending:  # a factor left on the output: `Stage.update` settles it
         passes.append(Pass("settle", ("pending factor",), x, x))
     if apply and not (fused and segs and segs[-1][2] is not None):

@@ -60,6 +60,8 @@ class Plan:
             params and the returned updates (`Stage._workspace`).
         fused: whether the runs are fused (``NUMBACCUM_FUSE``), and ``apply``: whether the last
             run can add the updates to the params (`numbaccum.step_`).
+        tail: the group calls of `numbaccum.fuse.apply_settled` (the pending factor settled in
+            the apply's pass when the last run is not fused), kept across steps.
         tick: ``root.tick`` with the nested chains unrolled (`numbaccum.fuse.flat_tick`);
             ``new_state()``: the new state from the leaves' after a pass
             (`numbaccum.fuse.new_state_maker`).
@@ -67,7 +69,7 @@ class Plan:
 
     __slots__ = (
         "root", "leaves", "runs", "scratch", "spec", "fused", "apply", "tick", "new_state", "owner",
-        "inbox", "into", "output", "__weakref__",
+        "inbox", "into", "output", "tail", "__weakref__",
     )  # fmt: skip
 
     def __init__(self, root: Any, spec: Spec, fused: bool, scratch: list) -> None:
@@ -78,6 +80,7 @@ class Plan:
         self.scratch = scratch[: len(self.runs)]
         self.tick = fuse.flat_tick(root)  # root.tick, nested chains unrolled
         self.new_state = fuse.new_state_maker(root)  # the new state from the leaves' after a pass
+        self.tail: tuple = ({}, {})  # `fuse.apply_settled`'s group calls, when the last run is not fused
 
 
 def _one_by_one(leaves: list) -> list:
@@ -455,7 +458,10 @@ def _apply_step(stage: Any, how: Any, state: Any, u: Updates, p: FlatTree, spec:
         if apply_it is not None:
             return apply_it(u, p)
         u, new_state = run_it(u)
-    _apply(p, stage._output(u, new_state, spec), p)
+    if u.pending:  # a trailing factor (-lr after an opaque stage): settled in the apply's pass
+        fuse.apply_settled(u, p, how.tail if type(how) is Plan else None)
+    else:
+        _apply(p, stage._output(u, new_state, spec), p)
     return new_state
 
 

@@ -227,9 +227,20 @@ def test_a_fused_update_is_one_pre_pass_and_one_pass_per_group(monkeypatch):
 
 
 @needs_cuda
-def test_step_on_device_matches_update_then_apply():
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: nba.chain(nba.clip_by_global_norm(0.5), nba.adam(1e-2)),
+        # After a stage that fuses nothing, the pending factor is settled in the apply's pass
+        # (`fuse.apply_settled`): SM3's learning rate; a clip's factor, kept on the device.
+        lambda: nba.sm3(0.3),
+        lambda: nba.chain(nba.adafactor(0.3), nba.clip_by_global_norm(0.01)),
+    ],
+    ids=["clip_adam", "sm3", "adafactor_clip"],
+)
+def test_step_on_device_matches_update_then_apply(make):
     p = params()
-    tx_a, tx_b = (nba.chain(nba.clip_by_global_norm(0.5), nba.adam(1e-2)) for _ in range(2))
+    tx_a, tx_b = make(), make()
     pa, pb = nba.FlatTree.from_tree(dev(p)), nba.FlatTree.from_tree(dev(p))
     sa, sb = tx_a.init(pa), tx_b.init(pb)
     for step in range(3):

@@ -305,6 +305,70 @@ def _run_step(make, params, grads, flat=False):
     return outs, snapshot_state(state)
 
 
+# A last stage that fuses nothing (a per-leaf reduction, user code) leaves the learning rate
+# pending: step_ settles it in the apply's pass (`fuse.apply_settled`), one pass instead of two,
+# with the bits of update + apply_updates_ in every dtype the apply promotes.
+def _user_halving():
+    """A user-written transformation: NumPy code the runner cannot see into (opaque)."""
+    return nb.GradientTransformation(
+        lambda params: nb.EmptyState(), lambda u, s, params=None: (nb.tree_map(lambda g: g * 0.5, u), s)
+    )
+
+
+OPAQUE_LAST = {
+    "user_then_lr": lambda: nb.chain(_user_halving(), nb.scale(-0.3)),
+    "sm3": lambda: nb.sm3(0.3),
+    "adafactor": lambda: nb.adafactor(0.3),
+    "novograd": lambda: nb.novograd(0.3),
+    "clip_user_lr": lambda: nb.chain(nb.clip_by_global_norm(0.5), _user_halving(), nb.scale(-0.3)),
+    "sm3_then_clip": lambda: nb.chain(nb.sm3(0.3), nb.clip_by_global_norm(0.01)),  # the norm's factor
+}
+OPAQUE_DTYPES = [
+    ("float32", "float32"),
+    ("float64", "float64"),
+    ("float16", "float16"),
+    ("bfloat16", "bfloat16"),
+    ("float64", "float32"),  # params wider than the updates: added in float64, rounded once
+    ("float32", "bfloat16"),
+]
+
+
+@pytest.mark.parametrize("name", sorted(OPAQUE_LAST))
+@pytest.mark.parametrize(("pdt", "gdt"), OPAQUE_DTYPES)
+def test_step_after_an_opaque_stage_settles_the_factor_in_the_apply(name, pdt, gdt):
+    if "bfloat16" in (pdt, gdt):
+        ml_dtypes = pytest.importorskip("ml_dtypes")
+        pdt, gdt = (ml_dtypes.bfloat16 if d == "bfloat16" else d for d in (pdt, gdt))
+    rng = np.random.default_rng(3)
+    shapes = {"w": (350, 200), "b": (7,), "m": (5, 3)}
+    params = {k: rng.standard_normal(s).astype(pdt) for k, s in shapes.items()}
+    grads = [{k: (2 * rng.standard_normal(s)).astype(gdt) for k, s in shapes.items()} for _ in range(3)]
+    make = OPAQUE_LAST[name]
+    ex = nb.explain(make(), params, apply=True)
+    assert ex.passes[-1].kind == "apply" and ex.passes[-1].stages == ("pending factor", "apply_updates_")
+    assert all(p.kind != "settle" for p in ex.passes), ex
+    got = _run_step(make, params, grads)
+    _same(got, _update_and_apply(make, params, grads), msg=f"{name} {pdt}/{gdt}")
+    got_flat = _run_step(make, params, grads, flat=True)
+    _same(got_flat, got, msg=f"{name} {pdt}/{gdt} on a FlatTree")
+
+
+def test_step_after_an_opaque_stage_writes_no_settled_copy(monkeypatch):
+    """The pending factor is read by the apply's kernel: no scale pass settles the updates (the
+    copies handed to the user's code, factor one, are its own)."""
+    params = {k: np.array(v) for k, v in PARAMS.items() if np.ndim(v)}
+    grads = _grads(2)
+    tx = nb.chain(_user_halving(), nb.scale(-0.3))
+    state = tx.init(params)
+    state = nb.step_(tx, {k: grads[0][k] for k in params}, state, params)  # planned, compiled
+    calls = []
+    for ops in {nb.backend.ops_for(np.zeros(1, d)) for d in (np.float32, np.float64)}:
+        orig = ops.scale_
+        monkeypatch.setattr(ops, "scale_", lambda *a, _o=orig, **k: calls.append(a) or _o(*a, **k))
+    nb.step_(tx, {k: grads[1][k] for k in params}, state, params)
+    assert calls and all(f.is_one for *_, f in calls)
+
+
 def test_step_on_a_flat_tree_never_writes_the_update_buffer(monkeypatch):
     params = {k: np.array(v) for k, v in PARAMS.items() if np.ndim(v)}
     grads = [{k: g[k] for k in params} for g in _grads(2)]

@@ -531,6 +531,9 @@ def test_reduce_on_plateau_matches_optax_bit_for_bit(kw):
         np.testing.assert_array_equal(u["w"], np.asarray(uo["w"]))
         for field in ("scale", "best_value", "plateau_count", "cooldown_count", "count", "avg_value"):
             assert np.asarray(getattr(s[1], field)) == np.asarray(getattr(so[1], field)), field
+        # Kept across a step_ of the same transformation: its state holds no buffers, so its
+        # updates live in the transformation's workspace, which the next update reuses.
+        u = nba.tree_map(np.copy, u)
         before = nba.tree_map(np.copy, stepped)
         ss = nba.step_(ours, g, ss, stepped, value=loss)
         assert_tree_equal(stepped, nba.apply_updates(before, u))
