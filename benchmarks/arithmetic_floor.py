@@ -10,7 +10,7 @@ against float32) cannot make it faster than its in-cache time. Issue 25 asks bfl
 ``noisy_sgd``'s ``step_`` at >= 0.9 of adamw's bandwidth. Contenders:
 
 * ``float32`` / ``bfloat16``: ``step_(chain(clip_by_global_norm(1.0), adamw(1e-3, weight_decay=1e-2)))``;
-* ``adamw`` / ``noisy_sgd``: ``step_`` of ``adamw(1e-3, weight_decay=1e-2)`` and ``noisy_sgd(1e-3)``
+* ``adamw`` / ``noisy_sgd``: ``step_`` of ``adamw(1e-3, weight_decay=1e-2)`` and ``noisy_sgd(1e-3, key=0)``
   (float32).
 
     PYTHONPATH=. python benchmarks/arithmetic_floor.py [--scale 0.5] [--cache-elements 1048576]
@@ -33,7 +33,7 @@ MAKERS = {
     "float32": (np.float32, lambda: nb.chain(nb.clip_by_global_norm(1.0), nb.adamw(1e-3, weight_decay=1e-2))),
     "bfloat16": (BF16, lambda: nb.chain(nb.clip_by_global_norm(1.0), nb.adamw(1e-3, weight_decay=1e-2))),
     "adamw": (np.float32, lambda: nb.adamw(1e-3, weight_decay=1e-2)),
-    "noisy_sgd": (np.float32, lambda: nb.noisy_sgd(1e-3)),
+    "noisy_sgd": (np.float32, lambda: nb.noisy_sgd(1e-3, key=0)),
 }
 
 
