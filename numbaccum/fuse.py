@@ -576,7 +576,7 @@ class FusedRun:
         pending = factor
         # The shape of the calls, the same for every group: the pending factors.
         mode = 0 if factor.is_one else 2 if factor.device is not None else 1
-        flags = tuple(map(_IS_ONE, scales)) if scales else ()
+        flags = (_factor_kind(factor), *map(_part_kind, scales))
         for gi in range(len(flat.groups)):
             pending = _run_group(
                 body,
@@ -594,7 +594,18 @@ class FusedRun:
         return (out, pending, self.new_states()) if with_states else (out, pending)
 
 
-_IS_ONE = operator.attrgetter("factor.is_one")
+def _factor_kind(factor: Factor) -> int:
+    """How a pending factor is read (part of a call's shape): 0 not at all (none, or one);
+    1 as ``x * mul`` (``div`` is 1: a learning rate; the bits of ``(x / 1) * mul`` without a
+    division, which bounds Adam's pass on a CPU); 2 as ``(x / div) * mul`` (a clip's, or a factor
+    on the device, applied by the driver)."""
+    if factor is ONE or factor.is_one:
+        return 0
+    return 1 if factor.device is None and factor.div == 1.0 else 2
+
+
+def _part_kind(part: Any) -> int:
+    return _factor_kind(part.factor)
 
 
 def _run_group(
@@ -642,7 +653,7 @@ def _run_group(
     )
     call = memo.get(key)
     if call is None:
-        call = memo[key] = _GroupCall(parts, gi, x, mode, og, pg, ins, settle)
+        call = memo[key] = _GroupCall(parts, gi, x, mode, og, pg, ins, settle, flags[0])
     launch = call.prepare(x, og, pg, ins)
     recent[shape] = (x, og, pg, ins, call, launch)
     return call.run(parts, extras, flat, factor, out, apply, launch)
@@ -653,11 +664,11 @@ def _same(a: list, b: list) -> bool:
     return len(a) == len(b) and all(map(operator.is_, a, b))
 
 
-def _walk(parts: list, gi: int, d: np.dtype, ins: list, mode: int) -> tuple:
+def _walk(parts: list, gi: int, d: np.dtype, ins: list, mode: int, lead: int) -> tuple:
     """The parts of one group's call in order (`_GroupCall`): the composite's ops, the recipe of
     its scalars, the state arrays, every buffer's dtype (float16 anywhere: the one-by-one
     fallback), and the factor left pending after them (``pend``, and ``src``: the incoming
-    factor (-1), part k's, or None)."""
+    factor (-1), part k's, or None). ``lead``: the incoming factor's `_factor_kind`."""
     states: list = []
     recipe: list = []
     ops: list = []
@@ -670,8 +681,7 @@ def _walk(parts: list, gi: int, d: np.dtype, ins: list, mode: int) -> tuple:
             if p.factor is ONE or p.factor.is_one:
                 continue  # Updates.scaled: nothing pending, nothing settled
             if pend == "host":
-                ops.append(("settle",))
-                recipe.append((src, None))
+                _settle(ops, recipe, parts, src, lead)
             elif pend == "device":
                 ops.append(("cast",))
             pend, src = "host", k
@@ -684,14 +694,28 @@ def _walk(parts: list, gi: int, d: np.dtype, ins: list, mode: int) -> tuple:
         n_in += n
         c = compute_dtype(*(a.dtype for a in sts), d, *(a.dtype for a in its), d)
         raw = tuple(isinstance(v, (bool, np.bool_, np.uint32)) for v in p.scalars[gi])  # passed as they are
-        ops.append(("kernel", p.formula.name, c.name, pend == "host", len(sts), n, raw, p.formula.indexed))
-        if pend == "host":
-            recipe.append((src, None))
+        read = _read_kind(parts, src, lead) if pend == "host" else 0
+        ops.append(("kernel", p.formula.name, c.name, read, len(sts), n, raw, p.formula.indexed))
+        if read:
+            recipe.append((src, "mul" if read == 1 else None))
         recipe.append((k, gi))
         states += sts
         kinds += [a.dtype for a in sts + its]
         pend, src = None, None
     return ops, recipe, states, kinds, pend, src
+
+
+def _read_kind(parts: list, src: int, lead: int) -> int:
+    """The `_factor_kind` of the host factor pending from ``src`` (-1: the incoming one)."""
+    return lead if src < 0 else _factor_kind(parts[src].factor)
+
+
+def _settle(ops: list, recipe: list, parts: list, src: int, lead: int) -> None:
+    """Appends the settling of the host factor pending from ``src`` (`_walk`): its op, and its
+    ``div, mul`` (``mul`` alone when ``div`` is 1) to the scalars' recipe."""
+    mul_only = _read_kind(parts, src, lead) == 1
+    ops.append(("settle", mul_only))
+    recipe.append((src, "mul" if mul_only else None))
 
 
 class _GroupCall:
@@ -705,20 +729,18 @@ class _GroupCall:
     __slots__ = ("composite", "states", "keep", "copy_out", "recipe", "gather", "final", "gi", "settle")
 
     def __init__(
-        self, parts: list, gi: int, x: Any, mode: int, og: Any, pg: Any, ins: list, settle: bool
+        self, parts: list, gi: int, x: Any, mode: int, og: Any, pg: Any, ins: list, settle: bool, lead: int
     ) -> None:
         self.gi, self.settle = gi, settle
         d = x.dtype
-        ops, recipe, states, kinds, pend, src = _walk(parts, gi, d, ins, mode)
+        ops, recipe, states, kinds, pend, src = _walk(parts, gi, d, ins, mode, lead)
         if pg is None and settle and pend == "host":
-            ops.append(("settle",))
-            recipe.append((src, None))
+            _settle(ops, recipe, parts, src, lead)
             pend, src = None, None
         alias: tuple = ()
         if pg is not None:
             if pend == "host":
-                ops.append(("settle",))
-                recipe.append((src, None))
+                _settle(ops, recipe, parts, src, lead)
             elif pend == "device":
                 ops.append(("cast",))
             pend, src = None, None
@@ -782,9 +804,9 @@ def _gatherer(recipe: tuple) -> Callable[[list, Factor], list]:
     every replayed step gathers them."""
     items = []
     for k, g in recipe:
-        if g is None:
+        if g is None or g == "mul":
             f = "factor" if k < 0 else f"parts[{k}].factor"
-            items += [f"{f}.div", f"{f}.mul"]
+            items += [f"{f}.mul"] if g == "mul" else [f"{f}.div", f"{f}.mul"]
         else:
             items.append(f"*parts[{k}].scalars[{g}]")
     env: dict[str, Any] = {}
@@ -863,9 +885,10 @@ def composite_source(key: tuple) -> tuple[str, str, tuple, tuple, tuple, tuple]:
     ``key = (dtype, raw_input, ops, has_output, inplace)``: the group's storage dtype; whether
     the input arrives already scaled by a device factor (kept in the driver's dtype, not
     rounded); whether there is an output, and whether it is the input buffer itself; and the
-    ops, each ``("kernel", formula, compute dtype, reads a factor, n_states, n_inputs, which
-    scalars pass uncast (bools, uint32 words), indexed)``, ``("settle",)`` (a factor applied
-    and rounded), ``("cast",)`` (a device factor's value rounded) or ``("apply", compute
+    ops, each ``("kernel", formula, compute dtype, how it reads a factor (0 not, 1 ``x * mul``,
+    2 ``(x / div) * mul``), n_states, n_inputs, which scalars pass uncast (bools, uint32 words),
+    indexed)``, ``("settle", mul_only)`` (a factor applied and rounded; ``x * mul`` when its
+    ``div`` is 1), ``("cast",)`` (a device factor's value rounded) or ``("apply", compute
     dtype)`` (``params += value``). The composite is indexed (takes the element's index last)
     when one of its formulas is."""
     d, raw_input, ops, has_output, inplace = key
@@ -891,7 +914,9 @@ def composite_source(key: tuple) -> tuple[str, str, tuple, tuple, tuple, tuple]:
         return s
 
     for op in ops:
-        if op[0] == "settle":
+        if op[0] == "settle" and op[1]:  # div 1: x * mul, the bits of (x / 1) * mul
+            body.append(f"    v = as_{d}(as_{cd}(v) * as_{rcd}({scalar()}))")
+        elif op[0] == "settle":
             div, mul = scalar(), scalar()
             body.append(
                 f"    v = as_{d}({_quotient(f'as_{cd}(v)', f'as_{rcd}({div})', cd)} * as_{rcd}({mul}))"
@@ -939,7 +964,9 @@ def _call_formula(
     # float32 part computed in float64: not the bits of the separate passes).
     k = len(body)
     g, r = f"g{k}", f"r{k}"
-    if factored:
+    if factored == 1:  # div 1: the bits of (x / 1) * mul, without the division
+        body.append(f"    {g} = as_{c}(v) * as_{rc}({scalar()})")
+    elif factored:
         div, mul = scalar(), scalar()
         body.append(f"    {g} = {_quotient(f'as_{c}(v)', f'as_{rc}({div})', c)} * as_{rc}({mul})")
     else:
@@ -1043,8 +1070,9 @@ def apply_settled(u: Updates, params: FlatTree, memo: dict | None = None) -> Non
     memo, recent = memo if memo is not None else ({}, {})
     factor = u.factor
     mode = 2 if factor.device is not None else 1
+    flags = (_factor_kind(factor),)
     for gi in range(len(u.flat.groups)):
-        _run_group([], [], gi, u.flat, factor, None, params, (gi, mode, False, ()), memo, recent)
+        _run_group([], [], gi, u.flat, factor, None, params, (gi, mode, False, flags), memo, recent)
 
 
 def run_parts(

@@ -230,6 +230,35 @@ def test_a_long_run_is_cut_below_numbas_argument_limit():
     _same(_run(make, PARAMS, _grads(2), True), _run(make, PARAMS, _grads(2), False))
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_a_learning_rate_is_read_without_a_division(dtype, monkeypatch):
+    """A factor whose div is 1 (a learning rate) is read by the fused pass as ``x * mul``: the
+    bits of ``(x / 1) * mul``, which the stage-by-stage passes compute (zeros of both signs,
+    subnormals, infinities, NaN, the largest values), one division less per element."""
+    info = np.finfo(dtype)
+    edge = np.array(
+        [0.0, -0.0, info.smallest_subnormal, -info.tiny, np.inf, -np.inf, np.nan, 1.5, -info.max], dtype
+    )
+    with np.errstate(over="ignore", invalid="ignore"):  # -max * 2 is -inf, as meant
+        grads = [{"w": np.tile(edge, 8000) * dtype(k + 1)} for k in range(2)]  # a parallel-sized leaf
+    params = {"w": np.linspace(-1, 1, grads[0]["w"].size).astype(dtype)}
+
+    def run():
+        tx = nb.chain(nb.trace(0.5), nb.scale(-0.3), nb.ema(0.9), nb.scale(0.7))
+        state, outs = tx.init(params), []
+        for g in grads:
+            u, state = tx.update(g, state, params)
+            outs.append(np.array(u["w"]))
+        return outs
+
+    fused = run()
+    sources = [fuse.composite_source(key)[1] for key, _ in fuse._COMPOSITES if key[0] == np.dtype(dtype).name]
+    assert any(f"as_{np.dtype(dtype).name}(v) * " in src for src in sources)  # read as x * mul
+    monkeypatch.setenv("NUMBACCUM_FUSE", "0")
+    for a, b in zip(fused, run()):
+        assert np.array_equal(a.view(np.uint8), b.view(np.uint8))  # every bit, NaN's too
+
+
 def test_composites_are_cached_by_formulas_not_objects():
     a, b = RECIPES["issue_chain"](), RECIPES["issue_chain"]()
     g = _grads(1)[0]
