@@ -298,6 +298,10 @@ STEP_RECIPES = {
     ),
     "multisteps_skip": lambda: nb.MultiSteps(nb.sgd(0.1, 0.9), 1, should_skip_update_fn=nb.skip_not_finite),
     "multisteps_not_fusable": lambda: nb.MultiSteps(nb.chain(nb.adam(1e-2), nb.zero_nans()), 2),
+    # a last stage that fuses nothing: the learning rate settled in the apply's pass
+    "sm3_last": lambda: nb.sm3(0.1),
+    "multisteps_sm3": lambda: nb.MultiSteps(nb.sm3(0.1), 2),
+    "clip_sm3_clip": lambda: nb.chain(nb.clip_by_global_norm(1.0), nb.sm3(0.1), nb.clip_by_global_norm(0.01)),
 }
 
 
