@@ -210,7 +210,9 @@ def _composite_scalars(key, real) -> tuple:
     flags: list[bool] = []
     for op in key[2]:
         if op[0] == "settle" or (op[0] == "kernel" and op[3]):
-            flags += [False, False]
+            # a factor's div and mul; its mul alone when it is read as x * mul (div 1)
+            mul_only = op[1] if op[0] == "settle" else op[3] == 1
+            flags += [False] if mul_only else [False, False]
         if op[0] == "kernel":
             flags += list(op[6])
     return tuple(types.uint32 if raw else real for raw in flags) or (types.boolean,)
