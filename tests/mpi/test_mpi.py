@@ -552,6 +552,47 @@ def test_cuda_buffers_go_in_buckets_through_the_host(bucket_bytes):
         assert log.messages == expected_messages(flat, bucket_bytes)
 
 
+@needs_cuda
+@pytest.mark.parametrize("bucket_bytes", [12, ONE_MESSAGE])
+def test_cuda_bfloat16_and_complex_buffers_through_the_host(bucket_bytes):
+    """bfloat16 and complex device buffers staged through the host: the host path's bits, for
+    the mean alone (`allreduce_mean_`), and a step of ``allreduce_mean`` + clip + Adam on the
+    bfloat16 and float32 ones (the transformation refuses complex leaves)."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    like = {
+        "bf": np.ones((5, 3), ml_dtypes.bfloat16),
+        "c": np.ones(7, np.complex64),
+        "s": np.ones(4, np.float32),
+    }
+    g = grads_of(RANK, 7, like)
+    g["c"] = g["c"] * np.complex64(1 - 2j)  # a real and an imaginary part of their own
+    flat = nba.FlatTree.from_tree(g)
+    host = dist.allreduce_mean_(flat.copy(), None, COMM, bucket_bytes=bucket_bytes)
+    dev = nba.to_host(dist.allreduce_mean_(nba.to_device(flat), None, COMM, bucket_bytes=bucket_bytes))
+    assert_same_on_every_rank(dev)
+    for a, b in zip(dev.groups, host.groups):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
+
+    def step(to):
+        tx = nba.chain(
+            dist.allreduce_mean(bucket_bytes=bucket_bytes), nba.clip_by_global_norm(1.0), nba.adam(0.1)
+        )
+        real = {k: v for k, v in like.items() if k != "c"}
+        params = to(nba.FlatTree.from_tree(real))
+        grads = to(nba.FlatTree.from_tree({k: g[k] for k in real}))
+        state = nba.step_(tx, grads, tx.init(params), params)
+        return nba.to_host(params) if to is nba.to_device else params, state
+
+    on_device, _ = step(nba.to_device)
+    on_host, _ = step(lambda x: x)
+    assert_same_on_every_rank(on_device)
+    for a, b in zip(on_device.groups, on_host.groups):  # CUDA may contract a * b + c into an FMA
+        assert a.dtype == b.dtype
+        tol = 1e-2 if a.dtype == np.dtype(ml_dtypes.bfloat16) else 1e-5
+        np.testing.assert_allclose(a.astype(np.complex128), b.astype(np.complex128), rtol=tol, atol=tol)
+
+
 # --- issue 27, item 2: the clip's norm rides on the collective (overlap) ----------------------
 
 
