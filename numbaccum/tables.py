@@ -36,6 +36,8 @@ from typing import Any
 
 import numpy as np
 from numba import njit
+from numba import types as nbtypes
+from numba.extending import overload
 
 from . import _cache
 from ._bounded import Bounded
@@ -81,6 +83,7 @@ __all__ = [
     "slice_table",
     "sum_in_order",
     "whole",
+    "wide",
     "rms_moment",
     "sm3_moment",
     "without_axis",
@@ -695,3 +698,17 @@ class AxisTable(LeafTable):
         axes = np.ascontiguousarray(axes, np.int64).reshape(-1, 4)
         axes.flags.writeable = False
         self.axes = axes
+
+
+def wide(v):
+    """``v`` in float64, or complex128 for a complex ``v``: what a per-slice scaling computes in
+    (compiled per type by the overload below, on both backends; in the CUDA simulator, this
+    Python)."""
+    return np.complex128(v) if np.iscomplexobj(v) else np.float64(v)
+
+
+@overload(wide)
+def _wide_typed(v):
+    if isinstance(v, nbtypes.Complex):
+        return lambda v: np.complex128(v)
+    return lambda v: np.float64(v)

@@ -66,6 +66,7 @@ from ..tables import (
     slice_start,
     sm3_moment,
     sum_in_order,
+    wide,
 )
 from .driver import entry_point, guard_for
 
@@ -596,18 +597,6 @@ def rescale_(out, x, table: Table, p, may_rescue, max_norm, min_norm, norm_value
 # --- per-slice scalings ----------------------------------------------------------------------
 
 
-def _wide(v):
-    """``v`` in float64, or complex128 for a complex ``v`` (compiled per type below)."""
-    return np.complex128(v) if np.iscomplexobj(v) else np.float64(v)
-
-
-@overload(_wide, jit_options={"error_model": "numpy"})
-def _wide_typed(v):
-    if isinstance(v, types.Complex):
-        return lambda v: np.complex128(v)
-    return lambda v: np.float64(v)
-
-
 @_jit
 def _apply_run(x, out, a, n, st, c, f):  # pragma: no cover - compiled
     """out = (x - c) * f over a run (float64 arithmetic, complex128 for a complex x; one
@@ -615,11 +604,11 @@ def _apply_run(x, out, a, n, st, c, f):  # pragma: no cover - compiled
     if st == 1:
         o, v = out[a : a + n], x[a : a + n]
         for i in range(n):
-            o[i] = (_wide(v[i]) - c) * f
+            o[i] = (wide(v[i]) - c) * f
     else:
         for i in range(n):
             k = a + i * st
-            out[k] = (_wide(x[k]) - c) * f
+            out[k] = (wide(x[k]) - c) * f
     return 0.0
 
 
@@ -629,11 +618,11 @@ def _apply_in_place_run(x, out, a, n, st, c, f):  # pragma: no cover - compiled
     if st == 1:
         o = out[a : a + n]
         for i in range(n):
-            o[i] = (_wide(o[i]) - c) * f
+            o[i] = (wide(o[i]) - c) * f
     else:
         for i in range(n):
             k = a + i * st
-            out[k] = (_wide(out[k]) - c) * f
+            out[k] = (wide(out[k]) - c) * f
     return 0.0
 
 

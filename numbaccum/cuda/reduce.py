@@ -31,8 +31,7 @@ import threading
 from typing import Any
 
 import numpy as np
-from numba import cuda, types
-from numba.extending import overload
+from numba import cuda
 
 from .. import _config, formulas
 from ..arrays import data_pointer, empty, raw_bits, stream, stream_handle
@@ -72,6 +71,7 @@ from ..tables import (
     rms_moment,
     slice_start,
     sm3_moment,
+    wide,
     without_axis,
 )
 from . import driver
@@ -193,19 +193,6 @@ _from_bf16 = formulas.compile_formula(formulas.from_bf16, _dev_inline)
 def _bf16_f64(h):  # pragma: no cover - compiled
     """A bfloat16 buffer's element (its raw bits) as float64 (exact)."""
     return np.float64(_from_bf16(h))
-
-
-def _wide(v):
-    """``v`` in float64, or complex128 for a complex ``v`` (compiled per type below; in the
-    simulator, this Python)."""
-    return np.complex128(v) if np.iscomplexobj(v) else np.float64(v)
-
-
-@overload(_wide)
-def _wide_typed(v):
-    if isinstance(v, types.Complex):
-        return lambda v: np.complex128(v)
-    return lambda v: np.float64(v)
 
 
 def _check_kind(kind: str, x: Any) -> None:
@@ -691,7 +678,7 @@ def _apply(out, x, rows, items, centers, centred, factors, scaled):  # pragma: n
         e = items[b, 3] + cuda.threadIdx.x
         while e < items[b, 4]:
             k = off + _element_offset(rows, r, e)
-            out[k] = (_wide(x[k]) - c) * f
+            out[k] = (wide(x[k]) - c) * f
             e += cuda.blockDim.x
 
 
