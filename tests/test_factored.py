@@ -257,3 +257,33 @@ def test_sm3_runs_along_the_last_axis_give_the_element_by_element_bits(block):
         results.append((out, nu, acc, new))
     for a, b, what in zip(*results, ("out", "nu", "acc", "mu")):
         np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32), err_msg=what)
+
+
+# --- the statistics' sums: bands of columns, each column in k order -----------------------------
+
+
+@pytest.mark.parametrize("shape", [(3000, 700), (64, 5000), (700, 3000), (40, 3, 2500), (5, 4100)])
+def test_axis_sums_are_each_columns_sum_in_order_for_any_thread_count(shape):
+    """`AxisSums` (Adafactor's row and column statistics) cuts a plane into bands of columns,
+    whole rows where they fit and narrower ones to give every thread work: each column is
+    summed from 0.0 in ``k`` order whatever the bands, so the bits are NumPy's sequential sum's
+    for 1 and 2 threads."""
+    import numba
+
+    from numbaccum.cpu import reduce as cr
+    from numbaccum.tables import AxisSums
+
+    x = np.random.default_rng(1).standard_normal(shape).astype(np.float32)
+    A, K, B = (1, *shape) if len(shape) == 2 else shape
+    x3 = x.reshape(A, K, B).astype(np.float64)
+    ref = np.zeros((A, B))
+    for k in range(K):  # sequential in k for every column (np.sum would add pairwise)
+        ref += x3[:, k, :] ** 2
+    sums = AxisSums(np.array([[0, A, K, B, 0]]), A * B)
+    before = numba.get_num_threads()
+    try:
+        for threads in sorted({1, min(2, numba.config.NUMBA_NUM_THREADS)}):
+            numba.set_num_threads(threads)
+            np.testing.assert_array_equal(cr.axis_sumsq(x.ravel(), sums), ref.ravel())
+    finally:
+        numba.set_num_threads(before)

@@ -964,8 +964,19 @@ def _factored_item(out, g, v, meta, items, rf, cf, c, b):  # pragma: no cover - 
             k = min(n_a, n_b, e1 - e)
             ri, ci = rb + h0 * s0 + l0, cb + h1 * s1 + l1
             o, x = out[base + e : base + e + k], g[base + e : base + e + k]
-            for t in range(k):
-                o[t] = np.float64(x[t]) * rf[ri + step0 * t] * cf[ci + step1 * t]
+            # One factor fixed along the run, the other contiguous: loops with constant strides,
+            # which LLVM vectorises (a stride known only at run time leaves the loop scalar).
+            if step0 == 0 and step1 == 1:
+                a, c1 = rf[ri], cf[ci : ci + k]
+                for t in range(k):
+                    o[t] = np.float64(x[t]) * a * c1[t]
+            elif step0 == 1 and step1 == 0:
+                r0, b1 = rf[ri : ri + k], cf[ci]
+                for t in range(k):
+                    o[t] = np.float64(x[t]) * r0[t] * b1
+            else:
+                for t in range(k):
+                    o[t] = np.float64(x[t]) * rf[ri + step0 * t] * cf[ci + step1 * t]
             l0, m0, h0 = _advance(s0, n0, l0, m0, h0, k)
             l1, m1, h1 = _advance(s1, n1, l1, m1, h1, k)
             e += k
