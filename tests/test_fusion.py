@@ -259,6 +259,36 @@ def test_a_learning_rate_is_read_without_a_division(dtype, monkeypatch):
         assert np.array_equal(a.view(np.uint8), b.view(np.uint8))  # every bit, NaN's too
 
 
+@pytest.mark.parametrize("then_ema", [False, True])  # the rate settled at the end, or read by a kernel
+def test_a_learning_rate_outside_the_factor_range_switches_to_the_division(then_ema):
+    """A learning rate below 2**-99 is kept as a balanced pair (div a power of two, not 1): the
+    step's call shape changes with it, and every step has the stage-by-stage bits whichever
+    shape the previous step used."""
+    lrs = [0.5, 1e-35, 0.25, 3e-33, 0.5]
+    grads = [{"w": np.linspace(-3, 3, 70000).astype(np.float32) * (k + 1)} for k in range(len(lrs))]
+    params = {"w": np.zeros(70000, np.float32)}
+
+    def run():
+        parts = [nb.trace(0.5), nb.scale_by_schedule(lambda t: lrs[int(t)])]
+        tx = nb.chain(*parts, *([nb.ema(0.9)] if then_ema else []))
+        state, outs = tx.init(params), []
+        for g in grads:
+            u, state = tx.update(g, state, params)
+            outs.append(np.array(u["w"]))
+        return outs
+
+    fused = run()
+    os.environ["NUMBACCUM_FUSE"] = "0"
+    try:
+        staged = run()
+    finally:
+        del os.environ["NUMBACCUM_FUSE"]
+    for k, (a, b) in enumerate(zip(fused, staged)):
+        assert np.array_equal(a.view(np.uint32), b.view(np.uint32)), f"step {k}"
+    if not then_ema:  # the tiny rate was applied, not dropped or taken for 1
+        assert np.any(fused[1] != 0) and np.all(np.abs(fused[1]) < 1e-30)
+
+
 def test_composites_are_cached_by_formulas_not_objects():
     a, b = RECIPES["issue_chain"](), RECIPES["issue_chain"]()
     g = _grads(1)[0]
