@@ -1061,12 +1061,13 @@ def run_part(part: Any, u: Updates) -> tuple[Updates, Any]:
     raise TypeError(f"run_part: {part!r} is not one part")
 
 
-def apply_settled(u: Updates, params: FlatTree, memo: dict | None = None) -> None:
+def apply_settled(u: Updates, params: FlatTree, memo: tuple | None = None) -> None:
     """``params += settled(u)`` in one pass per dtype group: the factor left pending on the
     updates (a trailing learning rate after a stage that fuses nothing: Adafactor, SM3,
     NovoGrad, user code) applied and rounded as `Updates.settled` rounds it, then added, as the
     settle pass and the apply pass would (the same bits, 12 bytes a float32 parameter instead
-    of 20). ``memo``: a plan's ``({}, {})`` of group calls (`_run_group`), kept across steps."""
+    of 20). ``memo``: ``({}, {})`` of group calls (`_run_group`'s memo and recent), kept across
+    steps by the caller (the stage, per thread)."""
     memo, recent = memo if memo is not None else ({}, {})
     factor = u.factor
     mode = 2 if factor.device is not None else 1

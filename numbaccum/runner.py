@@ -60,8 +60,6 @@ class Plan:
             params and the returned updates (`Stage._workspace`).
         fused: whether the runs are fused (``NUMBACCUM_FUSE``), and ``apply``: whether the last
             run can add the updates to the params (`numbaccum.step_`).
-        tail: the group calls of `numbaccum.fuse.apply_settled` (the pending factor settled in
-            the apply's pass when the last run is not fused), kept across steps.
         tick: ``root.tick`` with the nested chains unrolled (`numbaccum.fuse.flat_tick`);
             ``new_state()``: the new state from the leaves' after a pass
             (`numbaccum.fuse.new_state_maker`).
@@ -69,7 +67,7 @@ class Plan:
 
     __slots__ = (
         "root", "leaves", "runs", "scratch", "spec", "fused", "apply", "tick", "new_state", "owner",
-        "inbox", "into", "output", "tail", "__weakref__",
+        "inbox", "into", "output", "__weakref__",
     )  # fmt: skip
 
     def __init__(self, root: Any, spec: Spec, fused: bool, scratch: list) -> None:
@@ -80,7 +78,6 @@ class Plan:
         self.scratch = scratch[: len(self.runs)]
         self.tick = fuse.flat_tick(root)  # root.tick, nested chains unrolled
         self.new_state = fuse.new_state_maker(root)  # the new state from the leaves' after a pass
-        self.tail: tuple = ({}, {})  # `fuse.apply_settled`'s group calls, when the last run is not fused
 
 
 def _one_by_one(leaves: list) -> list:
@@ -459,7 +456,8 @@ def _apply_step(stage: Any, how: Any, state: Any, u: Updates, p: FlatTree, spec:
             return apply_it(u, p)
         u, new_state = run_it(u)
     if u.pending:  # a trailing factor (-lr after an opaque stage): settled in the apply's pass
-        fuse.apply_settled(u, p, how.tail if type(how) is Plan else None)
+        local = stage.local().__dict__  # its group calls, kept (planned or not: SM3, user code)
+        fuse.apply_settled(u, p, local.get("tail") or local.setdefault("tail", ({}, {})))
     else:
         _apply(p, stage._output(u, new_state, spec), p)
     return new_state

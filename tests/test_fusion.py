@@ -231,7 +231,7 @@ def test_a_long_run_is_cut_below_numbas_argument_limit():
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_a_learning_rate_is_read_without_a_division(dtype, monkeypatch):
+def test_a_learning_rate_is_read_without_a_division(dtype):
     """A factor whose div is 1 (a learning rate) is read by the fused pass as ``x * mul``: the
     bits of ``(x / 1) * mul``, which the stage-by-stage passes compute (zeros of both signs,
     subnormals, infinities, NaN, the largest values), one division less per element."""
@@ -243,20 +243,14 @@ def test_a_learning_rate_is_read_without_a_division(dtype, monkeypatch):
         grads = [{"w": np.tile(edge, 8000) * dtype(k + 1)} for k in range(2)]  # a parallel-sized leaf
     params = {"w": np.linspace(-1, 1, grads[0]["w"].size).astype(dtype)}
 
-    def run():
-        tx = nb.chain(nb.trace(0.5), nb.scale(-0.3), nb.ema(0.9), nb.scale(0.7))
-        state, outs = tx.init(params), []
-        for g in grads:
-            u, state = tx.update(g, state, params)
-            outs.append(np.array(u["w"]))
-        return outs
+    def make():
+        return nb.chain(nb.trace(0.5), nb.scale(-0.3), nb.ema(0.9), nb.scale(0.7))
 
-    fused = run()
+    fused = _run(make, params, grads, True)[0]
     sources = [fuse.composite_source(key)[1] for key, _ in fuse._COMPOSITES if key[0] == np.dtype(dtype).name]
     assert any(f"as_{np.dtype(dtype).name}(v) * " in src for src in sources)  # read as x * mul
-    monkeypatch.setenv("NUMBACCUM_FUSE", "0")
-    for a, b in zip(fused, run()):
-        assert np.array_equal(a.view(np.uint8), b.view(np.uint8))  # every bit, NaN's too
+    for a, b in zip(fused, _run(make, params, grads, False)[0]):
+        assert np.array_equal(a["w"].view(np.uint8), b["w"].view(np.uint8))  # every bit, NaN's too
 
 
 @pytest.mark.parametrize("then_ema", [False, True])  # the rate settled at the end, or read by a kernel
@@ -268,21 +262,12 @@ def test_a_learning_rate_outside_the_factor_range_switches_to_the_division(then_
     grads = [{"w": np.linspace(-3, 3, 70000).astype(np.float32) * (k + 1)} for k in range(len(lrs))]
     params = {"w": np.zeros(70000, np.float32)}
 
-    def run():
+    def make():
         parts = [nb.trace(0.5), nb.scale_by_schedule(lambda t: lrs[int(t)])]
-        tx = nb.chain(*parts, *([nb.ema(0.9)] if then_ema else []))
-        state, outs = tx.init(params), []
-        for g in grads:
-            u, state = tx.update(g, state, params)
-            outs.append(np.array(u["w"]))
-        return outs
+        return nb.chain(*parts, *([nb.ema(0.9)] if then_ema else []))
 
-    fused = run()
-    os.environ["NUMBACCUM_FUSE"] = "0"
-    try:
-        staged = run()
-    finally:
-        del os.environ["NUMBACCUM_FUSE"]
+    fused = [u["w"] for u in _run(make, params, grads, True)[0]]
+    staged = [u["w"] for u in _run(make, params, grads, False)[0]]
     for k, (a, b) in enumerate(zip(fused, staged)):
         assert np.array_equal(a.view(np.uint32), b.view(np.uint32)), f"step {k}"
     if not then_ema:  # the tiny rate was applied, not dropped or taken for 1
