@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import sys
 from typing import Any
 
@@ -35,16 +36,47 @@ def thread_counts() -> tuple[int, ...]:
     return THREAD_COUNTS
 
 
+# The extra that brings each optional test dependency (the skip reason tells a user what to install).
+EXTRAS = {
+    "dp_accounting": "dp",
+    "jax": "parity",
+    "optax": "parity",
+    "optax.contrib": "parity",
+    "mpi4py": "mpi",
+    "ml_dtypes": "bfloat16",
+}
+
+# Text that makes a documented example (a docstring's or a code block's) need an optional module.
+USES = [
+    (re.compile(r"\bdp_epsilon\("), "dp_accounting"),
+    (re.compile(r"\bimport optax\b"), "optax"),
+    (re.compile(r"\bimport jax\b"), "jax"),
+    (re.compile(r"numbaccum\.distributed\b"), "mpi4py"),
+]
+
+
 def require(module: str) -> Any:
     """``module`` imported; skips without it, except under ``NUMBACCUM_CI``, where a missing
-    module fails the test (CI installs every test dependency: a skip would hide a lost test)."""
+    module fails the test (CI installs every test dependency: a skip would hide a lost test).
+
+    The skip's reason starts "optional dependency", which tests/conftest.py records for CI's
+    second pass (.ci/run reruns those tests with the extras installed)."""
     import importlib
 
     import pytest
 
     if os.environ.get("NUMBACCUM_CI"):
         return importlib.import_module(module)
-    return pytest.importorskip(module)
+    extra = EXTRAS.get(module)
+    hint = f"pip install 'numbaccum[{extra}]'" if extra else f"pip install {module}"
+    return pytest.importorskip(module, reason=f"optional dependency {module} is not installed ({hint})")
+
+
+def require_for(text: str) -> None:
+    """`require` every optional module that the example ``text`` uses (see `USES`)."""
+    for pattern, module in USES:
+        if pattern.search(text):
+            require(module)
 
 
 def as_tree(x: Any) -> Any:

@@ -13,6 +13,13 @@ itself (`KEPT`). Tests that need a knob set it themselves (monkeypatch).
 Threads: ``NUMBA_NUM_THREADS`` is raised to 2 where it is lower, so that the thread-count tests
 compare 1 and 2 threads on every machine (`_testutil.THREAD_COUNTS`).
 
+Optional dependencies: a test that needs one the ``test`` extra does not bring (optax, JAX,
+dp-accounting, mpi4py) skips without it, naming the extra (``_testutil.require``), except under
+``NUMBACCUM_CI``, where it fails. ``NUMBACCUM_TEST_SKIPPED_LOG`` names a file to which the session
+appends the node id of every test (or module) skipped for a missing module: ``.ci/run`` runs the
+README's command in a virtualenv with the ``test`` extra only, then those tests again with the
+extras installed and ``NUMBACCUM_CI=1``.
+
 Kernel cache: the session gets a fresh private directory (mode 0700) in the temporary folder,
 removed at the end; the processes the tests start inherit it. ``.ci/run`` passes one directory
 for all its passes through ``NUMBACCUM_CACHE_DIR`` with ``NUMBACCUM_CI=1``; a developer who wants
@@ -20,6 +27,7 @@ warm kernels between runs names a private directory in ``NUMBACCUM_TEST_CACHE_DI
 """
 
 import os
+import re
 import shutil
 import tempfile
 
@@ -36,6 +44,7 @@ KEPT = {
     "NUMBACCUM_CUDA_THREADS",
     "NUMBACCUM_CUDA_MAX_BLOCKS",
     "NUMBACCUM_TEST_CACHE_DIR",
+    "NUMBACCUM_TEST_SKIPPED_LOG",
 }
 
 settings.register_profile("repro", derandomize=True, print_blob=True)
@@ -73,6 +82,29 @@ os.environ["NUMBACCUM_CACHE_DIR"] = CACHE_DIR  # before numbaccum is imported (i
 def pytest_sessionfinish(session, exitstatus):
     if _MADE:
         shutil.rmtree(CACHE_DIR, ignore_errors=True)
+
+
+# A skip for a missing module: pytest.importorskip's own reason, or `_testutil.require`'s.
+_MISSING_MODULE = re.compile(r"could not import|optional dependency")
+
+
+def _record_missing_module_skip(report) -> None:
+    log = os.environ.get("NUMBACCUM_TEST_SKIPPED_LOG")
+    if not (log and report.skipped) or not isinstance(report.longrepr, tuple):
+        return
+    if _MISSING_MODULE.search(str(report.longrepr[-1])):
+        with open(log, "a") as f:  # one short line per write: O_APPEND keeps the workers' apart
+            f.write(report.nodeid + "\n")
+
+
+def pytest_runtest_logreport(report):
+    if not os.environ.get("PYTEST_XDIST_WORKER"):  # the controller sees every worker's reports
+        _record_missing_module_skip(report)
+
+
+def pytest_collectreport(report):  # a module that skips as a whole (importorskip at its top)
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        _record_missing_module_skip(report)
 
 
 def _cuda_usable() -> bool:

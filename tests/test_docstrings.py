@@ -19,6 +19,8 @@ import pytest
 import numbaccum as nba
 from numbaccum.base import PROTOCOL
 
+from _testutil import require_for
+
 
 def _public_with_examples() -> dict[str, object]:
     out = {}
@@ -39,6 +41,7 @@ def test_the_names_issue_24_named_have_examples():
 
 @pytest.mark.parametrize("name", sorted(EXAMPLES))
 def test_docstring_example_runs(name):
+    require_for(inspect.getdoc(EXAMPLES[name]) or "")  # dp_epsilon's needs numbaccum[dp]
     tests = doctest.DocTestFinder(recurse=False).find(EXAMPLES[name], name, globs={})
     runner = doctest.DocTestRunner(optionflags=doctest.NORMALIZE_WHITESPACE | doctest.ELLIPSIS)
     for t in tests:

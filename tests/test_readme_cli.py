@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from _testutil import require_for
+
 from numbaccum import _cache
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -23,10 +25,9 @@ BLOCKS = [  # a block on CUDA arrays runs where the cuda tests do (a GPU, or the
 
 @pytest.mark.parametrize("block", BLOCKS)
 def test_python_blocks_of_the_readme_and_the_docs_run(block):
-    if "numbaccum.distributed" in block:  # runs as one rank (COMM_WORLD of this process)
-        pytest.importorskip("mpi4py", reason='the "Many machines" block needs numbaccum[mpi]')
-    if "import optax" in block:  # side by side with optax: the parity extra
-        pytest.importorskip("optax", reason="this block compares with optax (numbaccum[parity])")
+    # numbaccum.distributed (one rank: COMM_WORLD of this process) needs numbaccum[mpi], a block
+    # beside optax numbaccum[parity], dp_epsilon numbaccum[dp]: skipped without them, except in CI
+    require_for(block)
     exec(compile(block, "README.md", "exec"), {})
 
 
@@ -36,10 +37,20 @@ def test_readme_commands_are_the_ones_ci_and_users_run():
         "pip install . && numbaccum bench",
         'pip install -e ".[test]" && python -m pytest -q -n 2',
     ]
-    ci = (ROOT / ".ci" / "run").read_text()
-    assert 'pip install -q -e ".[test,mpi,parity,docs,dp]"' in ci and "python -m pytest -q -n 2" in ci
-    assert 'mpiexec -n 2 "${MPI_PYTEST[@]}"' in ci
-    assert "mkdocs build --strict" in ci
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    # CI runs the README's test command verbatim, as a line of its own, in a virtualenv that
+    # nothing was installed into before it (the line before it upgrades pip, the one before
+    # that makes the virtualenv): what a newcomer runs is what CI runs.
+    at = ci.index(bash[1].strip())
+    assert ci[at - 1] == "python -m pip install -q --upgrade pip"
+    assert ci[at - 3].startswith("python3 -m venv --clear .venv-ci") and ci[at - 2] == ". .venv-ci/bin/activate"
+    assert not any("pip install" in line for line in ci[: at - 1] if not line.startswith("#"))
+    # then the extras, and the tests the first pass skipped for want of them, under NUMBACCUM_CI
+    rest = "\n".join(ci[at + 1 :])
+    assert 'pip install -q -e ".[test,mpi,parity,docs,dp]"' in rest and "export NUMBACCUM_CI=1" in rest
+    assert '"${EXTRAS_TESTS[@]}"' in rest
+    assert 'mpiexec -n 2 "${MPI_PYTEST[@]}"' in rest
+    assert "mkdocs build --strict" in rest
     mpi = (ROOT / "docs" / "guides" / "mpi.md").read_text()
     assert 'pip install ".[mpi]"\nmpiexec -n 2 python examples/data_parallel.py' in mpi
 

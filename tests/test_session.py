@@ -72,3 +72,27 @@ def test_a_missing_test_dependency_fails_under_ci(monkeypatch):
     monkeypatch.delenv("NUMBACCUM_CI")
     with pytest.raises(pytest.skip.Exception):
         require("numbaccum_no_such_module")
+
+
+def test_a_skip_for_a_missing_module_is_recorded_for_the_extras_pass(tmp_path, monkeypatch):
+    """.ci/run's second pass reruns, with the extras installed, exactly the tests that skipped for
+    a missing module (``require``'s reason or importorskip's), and no other skip."""
+    from types import SimpleNamespace
+
+    log = tmp_path / "skipped"
+    monkeypatch.setenv("NUMBACCUM_TEST_SKIPPED_LOG", str(log))
+    try:
+        require("numbaccum_no_such_module")
+    except pytest.skip.Exception as e:
+        ours = str(e)
+    try:
+        pytest.importorskip("numbaccum_no_such_module")
+    except pytest.skip.Exception as e:
+        theirs = str(e)
+    for nodeid, reason in (("a::ours", ours), ("b::theirs", theirs), ("c::gpu", "no CUDA device")):
+        report = SimpleNamespace(skipped=True, longrepr=("f.py", 1, f"Skipped: {reason}"), nodeid=nodeid)
+        conftest._record_missing_module_skip(report)
+    passed = SimpleNamespace(skipped=False, longrepr=None, nodeid="d::passed")
+    conftest._record_missing_module_skip(passed)
+    assert log.read_text().splitlines() == ["a::ours", "b::theirs"]
+    assert "pip install numbaccum_no_such_module" in ours  # the reason says what to install
