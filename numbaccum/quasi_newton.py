@@ -29,6 +29,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ._checks import flag, integer, non_negative, real, wrong_state
+from ._interrupts import user_code
 from .backend import ops_for
 from .base import Stage, Step, chain, find_state
 from .contract import ONE, Factor
@@ -400,6 +401,9 @@ class _ZoomLinesearch(Stage):
     complex_leaves = True
     public_name = "scale_by_zoom_linesearch"
 
+    def foreign(self) -> bool:
+        return True  # the objective (value_fn, grad_fn) runs while the step runs
+
     def __init__(
         self,
         max_linesearch_steps: Any,
@@ -506,12 +510,14 @@ def _objective(
     grad_kwargs = {} if grad_fn is None else _accepted(grad_fn, kwargs)
 
     def objective(point: FlatTree, need_grad: bool = True) -> tuple[float, FlatTree | None]:
-        out = value_fn(point.tree, **fn_kwargs)
+        # The user's code, after earlier stages wrote (L-BFGS's memories): interruptible, and
+        # the chain restores them if it raises (the line search is `foreign`).
+        out = user_code(value_fn, point.tree, **fn_kwargs)
         grad = None
         if isinstance(out, tuple) and len(out) == 2:
             out, grad = out
         elif need_grad and grad_fn is not None:
-            grad = grad_fn(point.tree, **grad_kwargs)
+            grad = user_code(grad_fn, point.tree, **grad_kwargs)
         elif need_grad:
             raise TypeError(
                 f"{name} needs gradients at its trial points: value_fn(params) "
@@ -664,6 +670,9 @@ class ScaleByBacktrackingLinesearchState(NamedTuple):
 class _BacktrackingLinesearch(Stage):
     complex_leaves = True
     public_name = "scale_by_backtracking_linesearch"
+
+    def foreign(self) -> bool:
+        return True  # the objective (value_fn, grad_fn) runs while the step runs
 
     def __init__(
         self,
