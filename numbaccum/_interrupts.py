@@ -4,30 +4,29 @@ An update writes its state's buffers in place, pass after pass, and makes the ne
 when it has succeeded (`numbaccum.transaction.guarded`). A ``KeyboardInterrupt`` raised between
 two of those writes would leave the state it was given current with some buffers advanced: a torn
 state that the next update accepts. Python runs signal handlers in the main thread only, between
-two bytecodes; so there the outermost update *holds* SIGINT (`hold`): from its first bytecode to
-its commit, SIGINT's handler is `_record`, and
+two bytecodes; so there the outermost update *holds* SIGINT (`hold`): from its start to its
+commit, SIGINT's handler is `_record`, and
 
-* while numbaccum's own code runs, a SIGINT is recorded, not raised;
+* while numbaccum's own code runs, a SIGINT is recorded, not handled;
 * the user code an update runs (`user_code`: a user transformation, a line search's objective,
-  `snapshot`'s measure, MultiSteps' skip function) stays interruptible: a SIGINT there is
-  handled at once, as without numbaccum, and the update restores what it wrote before the code
-  ran (`numbaccum.base.undoable`) and commits nothing. One recorded before such code starts is
-  raised as it starts, with the same effect;
-* one recorded and not raised by then is delivered after the update has returned (`release`):
-  the update completes and commits, its caller gets the new state, and the handler then runs at
-  the first point where Python handles signals with no numbaccum frame on the stack (or at the
-  start of the next update, before anything is written).
+  `snapshot`'s measure, MultiSteps' skip function, Sophia's Hessian callbacks) stays
+  interruptible: a SIGINT there is handled at once, as without numbaccum, and the update restores
+  what it wrote before that code ran (`numbaccum.base.undoable`) and commits nothing. One
+  recorded before such code starts is handled as it starts, with the same effect;
+* one recorded and not handled by the end goes to the update's caller (`release`, `_Delivery`):
+  the update completes and commits, and the handler runs once the caller holds the result.
 
 So a ``KeyboardInterrupt`` never comes out of an update that has written what it cannot restore.
-A second SIGINT while one waits is handled at once (the way out of a long compile); the update it
-interrupts may then be torn, and its state is refused from then on (`forced`).
+A second SIGINT while one waits is handled at once (the way out of a long first compile); the
+update it cuts short may be torn, and its state is refused from then on (`forced`).
 
 Threads other than the main one never see a SIGINT, and hold nothing. A handler that is not a
 Python callable (SIG_IGN, SIG_DFL: no ``KeyboardInterrupt`` to hold) is left alone.
 
-Cost: two ``signal.signal`` calls per update in the main thread (two system calls, ~0.6 us);
-nothing per kernel or per buffer. The bytecodes after `release` up to the caller hold no point
-where Python handles a signal (Python 3.11 and later: a Python function's return is not one).
+Cost: two ``signal.signal`` calls an update in the main thread (two system calls; 0.8 us on the
+machine of benchmarks/results), nothing per kernel or per buffer. `release` is the last thing
+`guarded` runs, and nothing after it up to the caller calls a function or jumps back: no point
+where Python handles a signal (from Python 3.11: a Python function's return is not one).
 """
 
 from __future__ import annotations
@@ -39,7 +38,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from _thread import get_ident, interrupt_main
+from _thread import get_ident
 
 __all__ = ["forced", "hold", "release", "user_code"]
 
@@ -54,7 +53,7 @@ class _Held:
     Attributes:
         handler: the SIGINT handler `hold` replaced (None: nothing held).
         pending: a SIGINT was recorded and waits.
-        user: how deep in user code the main thread is (`user_code`): a SIGINT raises there.
+        user: how deep in user code the main thread is (`user_code`): a SIGINT is handled there.
         forced: a second SIGINT was handled at once, mid-update.
         delivery: the `_Delivery` on its way to the last update's caller, or None.
     """
@@ -92,7 +91,9 @@ def hold() -> bool:
     if held.delivery is not None:
         held.delivery.arrive(sys._getframe())
     old = _getsignal(_SIGINT)
-    if not callable(old) or old is _record:  # SIG_IGN, SIG_DFL, a C handler: nothing to hold
+    if old is _record:  # left by a hold cut short (only the outermost update holds)
+        old = held.handler if callable(held.handler) else _signal.default_int_handler
+    elif not callable(old):  # SIG_IGN, SIG_DFL or a C handler: nothing to hold
         return False
     held.handler, held.pending, held.user, held.forced = old, False, 0, False
     try:
@@ -108,6 +109,8 @@ def release() -> None:
     the update's caller (`_Delivery`)."""
     held = _HELD
     handler, held.forced = held.handler, False
+    if handler is None:  # given up (the user's code set SIG_IGN or SIG_DFL meanwhile)
+        return
     try:
         _setsignal(_SIGINT, handler)  # (the check it runs first may still record one)
     except KeyboardInterrupt:
@@ -120,14 +123,14 @@ def release() -> None:
 
 
 def forced() -> bool:
-    """Whether a second SIGINT interrupted the update this thread holds SIGINT for at once (it
-    may be torn)."""
+    """Whether a second SIGINT cut short the update this thread holds SIGINT for (it may be
+    torn)."""
     return _HELD.forced and get_ident() == _MAIN
 
 
 def user_code(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
     """``fn(*args, **kwargs)``, user code an update runs, interruptible while the update holds
-    SIGINT: a SIGINT recorded before it is raised now, one that arrives while it runs is raised
+    SIGINT: a SIGINT recorded before it is handled now, one that arrives while it runs is handled
     there. The caller restores what the update wrote before (`numbaccum.base.undoable`)."""
     held = _HELD
     if held.handler is None or get_ident() != _MAIN:
@@ -140,6 +143,20 @@ def user_code(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
         return fn(*args, **kwargs)
     finally:
         held.user -= 1
+        if _getsignal(_SIGINT) is not _record:
+            _adopt()
+
+
+def _adopt() -> None:
+    """The user's code set a SIGINT handler of its own while an update held SIGINT: the hold
+    goes on with it (it runs where the old one would have), or ends for SIG_IGN and SIG_DFL."""
+    held = _HELD
+    new = _getsignal(_SIGINT)
+    if callable(new):
+        held.handler = new
+        _setsignal(_SIGINT, _record)
+    else:
+        held.handler = None
 
 
 def _record(signum: int, frame: Any) -> Any:
@@ -160,10 +177,10 @@ def _record(signum: int, frame: Any) -> Any:
 class _Delivery:
     """A recorded SIGINT on its way to the caller of the update that recorded it: a profile
     function (`sys.setprofile`, the main thread's) that runs ``handler`` once a call into C made
-    with no numbaccum frame on the stack has returned (the caller's code, which by then holds
-    the update's result, also when it passed it straight to that call), or when the next update
-    starts (`hold`). With a profiler already on, it runs at once: the update has committed, and
-    the caller loses its result."""
+    with no numbaccum frame on the stack has returned (the caller's code, which by then holds the
+    update's result, also when it passed it straight to that call), or when the next update
+    starts (`hold`). Under a profiler of the user's, it runs at once: the update has committed,
+    and its result is lost to the caller."""
 
     def __init__(self, handler: Callable[..., Any]) -> None:
         self.handler = handler

@@ -324,6 +324,12 @@ class Stage(metaclass=_StageType):
         restores them then (`undoable`). It runs through `numbaccum._interrupts.user_code`."""
         return False
 
+    def written(self, state: Any) -> Any:
+        """The part of ``state`` (this stage's) whose buffers its next step writes: what a chain
+        copies before foreign code that runs after this stage (`undoable`). All of it, unless a
+        stage knows better (L-BFGS writes 4 of its 2 * memory_size + 2 buffers a step)."""
+        return state
+
     # --- workspaces -------------------------------------------------------------------------
 
     def local(self) -> threading.local:
@@ -701,7 +707,7 @@ class Chain(Stage):
         # a numbaccum transformation) are snapshot before the run and restored if it raises
         # (`undoable`). A combinator around foreign code guards its own state itself.
         last = self._last_foreign
-        earlier = states[:last] if last >= 0 else ()
+        earlier = tuple(st.written(s) for st, s in zip(self.stages[:last], states[:last])) if last > 0 else ()
         if last >= 0 and isinstance(self.stages[last], Foreign):
             earlier = (*earlier, states[last])
         segs = fuse.segments(steps) if fuse.enabled() else None

@@ -131,6 +131,18 @@ class _ScaleByLBFGS(Stage):
             else None
         )
 
+    def written(self, state: Any) -> Any:
+        """A step writes the last params and updates and, from the second step on, the newest
+        pair's slot of each memory (`plan`'s ``prev``): a chain copies these before its line
+        search, not the whole memory (the weights are a new array each step)."""
+        if not isinstance(state, ScaleByLBFGSState) or not isinstance(state.diff_params_memory, tuple):
+            return state  # `plan` refuses it before anything runs; copy what is there
+        count, m = int(state.count), len(state.diff_params_memory)
+        if count == 0 or m == 0 or len(state.diff_updates_memory) != m:
+            return (state.params, state.updates)
+        prev = (count - 1) % m
+        return (state.params, state.updates, state.diff_params_memory[prev], state.diff_updates_memory[prev])
+
     def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
         if params is None:
             raise ValueError("scale_by_lbfgs needs params: call update(updates, state, params)")

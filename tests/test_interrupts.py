@@ -408,3 +408,29 @@ def test_a_handler_of_your_own_runs_once_the_update_has_returned():
         assert signal.getsignal(signal.SIGINT) is not _interrupts._record
     finally:
         signal.signal(signal.SIGINT, old)
+
+
+def test_a_handler_set_by_user_code_during_an_update_stays(default_sigint):
+    """User code that sets a SIGINT handler of its own while an update holds SIGINT: the hold
+    goes on with it (a SIGINT in a later pass reaches it after the update), and it is the one in
+    place when the update returns (not the one from before the update)."""
+    calls = []
+
+    def installs(u: Any, s: Any, params: Any = None) -> Any:
+        signal.signal(signal.SIGINT, lambda signum, frame: calls.append(signum))
+        return u, s
+
+    user = nba.GradientTransformation(lambda params: nba.EmptyState(), installs)
+    tx = nba.chain(nba.trace(0.9), user, nba.adam(1e-2))
+    state = tx.init(PARAMS)
+    sweep = AtEveryLine({"numbaccum.fuse._run_group"}, limit=1)  # adam's pass, after the user's code
+    sys.settrace(sweep)
+    try:
+        _, state = tx.update(_grads(0), state)
+        assert not calls
+    finally:
+        sys.settrace(None)
+    assert sweep.raised == 1 and calls == [signal.SIGINT]
+    handler = signal.getsignal(signal.SIGINT)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # (for the fixture's check)
+    assert handler is not signal.default_int_handler and handler is not _interrupts._record
