@@ -23,15 +23,24 @@ update it cuts short may be torn, and its state is refused from then on (`forced
 Threads other than the main one never see a SIGINT, and hold nothing. A handler that is not a
 Python callable (SIG_IGN, SIG_DFL: no ``KeyboardInterrupt`` to hold) is left alone.
 
-Cost: two ``signal.signal`` calls an update in the main thread (two system calls; 0.8 us on the
-machine of benchmarks/results), nothing per kernel or per buffer. `release` is the last thing
-`guarded` runs, and nothing after it up to the caller calls a function or jumps back: no point
-where Python handles a signal (from Python 3.11: a Python function's return is not one).
+Cost: installing a handler and giving the old one back are two system calls (``signal.signal``:
+1.2 us, a tenth of a small tree's update). Over Python's default handler, the one almost every
+program has, the first update installs `_PROXY` instead and leaves it there: a C callable that calls
+that default handler (a ``KeyboardInterrupt``, with the same traceback), which each update points
+at `_record` and back (0.1 us each, no system call). So after the first update in the main thread,
+``signal.getsignal(signal.SIGINT)`` is `_PROXY`, not ``signal.default_int_handler`` (``asyncio.run``
+then keeps Python's handling of Ctrl-C rather than installing its own); any other handler is
+replaced for the update and given back after it. Nothing per kernel or per buffer.
+
+`release` is the last thing `guarded` runs, and nothing after it up to the caller calls a function
+or jumps back: no point where Python handles a signal (from Python 3.11, a function's return is
+not one).
 """
 
 from __future__ import annotations
 
 import _signal
+import functools
 import os
 import sys
 import threading
@@ -45,6 +54,13 @@ __all__ = ["forced", "hold", "release", "user_code"]
 _SIGINT = _signal.SIGINT
 _setsignal = _signal.signal  # the C functions: `signal.signal` converts to enums (2 us a call)
 _getsignal = _signal.getsignal
+_DEFAULT = _signal.default_int_handler
+
+# SIGINT's handler in place of Python's default one from the first update on (see above).
+_PROXY = functools.partial(_DEFAULT)
+_retarget = _PROXY.__setstate__  # (func, args, keywords, dict); an exact dict is kept, not copied
+_NO_KEYWORDS: dict = {}
+_IDLE = (_DEFAULT, (), _NO_KEYWORDS, None)  # its state between updates
 
 
 class _Held:
@@ -53,17 +69,16 @@ class _Held:
     Attributes:
         handler: the SIGINT handler `hold` replaced (None: nothing held).
         pending: a SIGINT was recorded and waits.
-        user: how deep in user code the main thread is (`user_code`): a SIGINT is handled there.
         forced: a second SIGINT was handled at once, mid-update.
+        proxied: the hold points `_PROXY` at `_record` (else `_record` is SIGINT's handler).
         delivery: the `_Delivery` on its way to the last update's caller, or None.
     """
 
-    __slots__ = ("handler", "pending", "user", "forced", "delivery")
+    __slots__ = ("handler", "pending", "forced", "proxied", "delivery")
 
     def __init__(self) -> None:
         self.handler: Any = None
-        self.pending = self.forced = False
-        self.user = 0
+        self.pending = self.forced = self.proxied = False
         self.delivery: _Delivery | None = None
 
 
@@ -91,16 +106,28 @@ def hold() -> bool:
     if held.delivery is not None:
         held.delivery.arrive(sys._getframe())
     old = _getsignal(_SIGINT)
-    if old is _record:  # left by a hold cut short (only the outermost update holds)
-        old = held.handler if callable(held.handler) else _signal.default_int_handler
+    if old is _PROXY and held.handler is None:  # the steady state: no system call
+        held.handler, held.proxied = _DEFAULT, True  # (`release` left the rest as `_Held` makes it)
+        _retarget(_HOLDING)
+        return True
+    if old is _PROXY:  # a hold cut short (only the outermost update holds): start afresh
+        old = _DEFAULT
+    elif old is _record:
+        old = held.handler if callable(held.handler) else _DEFAULT
     elif not callable(old):  # SIG_IGN, SIG_DFL or a C handler: nothing to hold
         return False
-    held.handler, held.pending, held.user, held.forced = old, False, 0, False
+    proxied = old is _DEFAULT
+    held.handler, held.pending, held.forced, held.proxied = old, False, False, proxied
     try:
-        _setsignal(_SIGINT, _record)  # first runs a SIGINT that arrived before, with ``old``
+        if proxied:
+            _retarget(_HOLDING)
+        _setsignal(_SIGINT, _PROXY if proxied else _record)  # first runs a SIGINT come before
     except BaseException:
-        held.handler = None  # (its KeyboardInterrupt: nothing is written yet)
-        raise
+        held.handler = None
+        _retarget(_IDLE)
+        if isinstance(sys.exc_info()[1], ValueError):  # not the main interpreter: no signals here
+            return False
+        raise  # its KeyboardInterrupt: nothing is written yet
     return True
 
 
@@ -112,9 +139,12 @@ def release() -> None:
     if handler is None:  # given up (the user's code set SIG_IGN or SIG_DFL meanwhile)
         return
     try:
-        _setsignal(_SIGINT, handler)  # (the check it runs first may still record one)
+        if held.proxied:
+            _retarget(_IDLE)
+        else:
+            _setsignal(_SIGINT, handler)  # (the check it runs first may still record one)
     except KeyboardInterrupt:
-        # One arrived during the system call, after the update had committed: for the caller.
+        # One arrived as the handler came back, after the update had committed: for the caller.
         held.pending = True
     held.handler = None
     if held.pending:
@@ -138,12 +168,10 @@ def user_code(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
     if held.pending:
         held.pending = False
         held.handler(_SIGINT, sys._getframe())  # raises, unless the handler is one of yours
-    held.user += 1
-    try:
+    try:  # (`_record` tells the user's frames, above this one, from numbaccum's: `_in_user_code`)
         return fn(*args, **kwargs)
     finally:
-        held.user -= 1
-        if _getsignal(_SIGINT) is not _record:
+        if _getsignal(_SIGINT) is not (_PROXY if held.proxied else _record):
             _adopt()
 
 
@@ -152,7 +180,9 @@ def _adopt() -> None:
     goes on with it (it runs where the old one would have), or ends for SIG_IGN and SIG_DFL."""
     held = _HELD
     new = _getsignal(_SIGINT)
-    if callable(new):
+    _retarget(_IDLE)
+    held.proxied = False
+    if callable(new) and new is not _PROXY:
         held.handler = new
         _setsignal(_SIGINT, _record)
     else:
@@ -165,13 +195,17 @@ def _record(signum: int, frame: Any) -> Any:
     handler = held.handler
     if handler is None:  # not held (a hold cut short): as Python would
         return _signal.default_int_handler(signum, frame)
-    if held.user:
+    if _in_user_code(frame):
         return handler(signum, frame)
     if held.pending:  # a second one: at once (for both), whatever it interrupts
         held.pending, held.forced = False, True
         return handler(signum, frame)
     held.pending = True
     return None
+
+
+_USER_CODE = user_code.__code__
+_HOLDING = (_record, (), _NO_KEYWORDS, None)  # `_PROXY`'s state while an update holds SIGINT
 
 
 class _Delivery:
@@ -201,6 +235,19 @@ class _Delivery:
         if (event == "c_return" or event == "c_exception") and not _in_numbaccum(frame):
             self.arrive(frame)  # raises there, once that call has returned
         return None
+
+
+def _in_user_code(frame: Any) -> bool:
+    """Whether ``frame`` (where a SIGINT is handled) is code that `user_code` runs (the user's,
+    or numbaccum's called by it), not this module's own frames around it."""
+    ours = globals()
+    while frame is not None and frame.f_globals is ours:  # `user_code` itself, `_adopt`
+        frame = frame.f_back
+    while frame is not None:
+        if frame.f_code is _USER_CODE:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _in_numbaccum(frame: Any) -> bool:

@@ -17,6 +17,7 @@ import dis
 import signal
 import sys
 import threading
+import traceback
 from typing import Any
 
 import numpy as np
@@ -142,6 +143,35 @@ def test_snapshot_measure_raising_changes_nothing(error):
     check_all_or_nothing(make, bad, error=type(error))
 
 
+
+@pytest.mark.parametrize("error", [ValueError("skip failed"), KeyboardInterrupt()], ids=repr)
+def test_multisteps_skip_function_raising_in_a_chain_changes_nothing(error):
+    """MultiSteps' own ``should_skip_update_fn`` raises after the chain's first stage wrote its
+    trace: the trace is as it was, and a retry gives a clean run's bits (old code: it had
+    advanced; the skip function was not known for user code)."""
+    from test_all_or_nothing import check_all_or_nothing
+
+    skips = []
+
+    def make() -> Any:
+        skips.append(Measure(error))  # (its ``fail`` switch; the skip function never skips)
+
+        def skip(updates: Any, gradient_step: Any, params: Any) -> Any:
+            skips[-1](updates)
+            return np.bool_(False), {}
+
+        return nba.chain(nba.trace(0.9), nba.MultiSteps(nba.sgd(0.1), 2, should_skip_update_fn=skip))
+
+    def bad(tx: Any, state: Any) -> Any:
+        skips[0].fail = True
+        try:
+            return tx.update({"b": {"c": np.ones((2, 2))}, "w": np.ones(5, np.float32)}, state)
+        finally:
+            skips[0].fail = False
+
+    check_all_or_nothing(make, bad, error=type(error))
+
+
 # --- SIGINT at every point of an update -------------------------------------------------------
 
 PARAMS = {"b": np.arange(4, dtype=np.float64) / 3, "w": np.linspace(-1.0, 1.0, 5, dtype=np.float32)}
@@ -185,7 +215,10 @@ class Sweep:
         return self._local
 
     def _released(self) -> bool:
-        if _getsignal(signal.SIGINT) is _interrupts._record:
+        handler = _getsignal(signal.SIGINT)
+        if handler is _interrupts._PROXY:
+            handler = handler.func
+        if handler is _interrupts._record:  # what a SIGINT arriving now would run
             self.held = True
             return False
         return self.held
@@ -244,8 +277,16 @@ def default_sigint():
         pytest.skip("signals reach the main thread only")
     old = signal.signal(signal.SIGINT, signal.default_int_handler)
     yield
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler, "the handler was not given back"
+    assert _idle(), "the handler was not given back"
     signal.signal(signal.SIGINT, old)
+
+
+def _idle() -> bool:
+    """Whether SIGINT's handler is Python's default again, or numbaccum's stand-in calling it."""
+    handler = signal.getsignal(signal.SIGINT)
+    if handler is _interrupts._PROXY:
+        return handler.func is signal.default_int_handler and _interrupts._HELD.handler is None
+    return handler is signal.default_int_handler
 
 
 def _user_negate() -> Any:
@@ -385,7 +426,8 @@ def test_a_handler_of_your_own_runs_once_the_update_has_returned():
     if threading.current_thread() is not threading.main_thread():
         pytest.skip("signals reach the main thread only")
     calls = []
-    old = signal.signal(signal.SIGINT, lambda signum, frame: calls.append(frame.f_code.co_name))
+    calls_handler = lambda signum, frame: calls.append(frame.f_code.co_name)  # noqa: E731
+    old = signal.signal(signal.SIGINT, calls_handler)
     try:
         tx, clean = (nba.chain(nba.trace(0.9), _user_negate(), nba.adam(1e-2)) for _ in range(2))
         state, cstate = tx.init(PARAMS), clean.init(PARAMS)
@@ -405,7 +447,7 @@ def test_a_handler_of_your_own_runs_once_the_update_has_returned():
         finally:
             sys.settrace(None)
         assert sweep.raised and len(calls) == 1 + sweep.raised, "in user code: at once, each one"
-        assert signal.getsignal(signal.SIGINT) is not _interrupts._record
+        assert signal.getsignal(signal.SIGINT) is calls_handler, "a handler of your own comes back as it was"
     finally:
         signal.signal(signal.SIGINT, old)
 
@@ -434,3 +476,26 @@ def test_a_handler_set_by_user_code_during_an_update_stays(default_sigint):
     handler = signal.getsignal(signal.SIGINT)
     signal.signal(signal.SIGINT, signal.default_int_handler)  # (for the fixture's check)
     assert handler is not signal.default_int_handler and handler is not _interrupts._record
+
+
+def test_between_updates_sigint_is_python_default_handling(default_sigint):
+    """Over Python's default handler, updates leave numbaccum's stand-in in place (retargeting it
+    costs no system call): between updates it is the default handler, a KeyboardInterrupt with
+    no numbaccum frame in its traceback; `signal.signal` with a handler of your own replaces it."""
+    tx = nba.chain(nba.clip_by_global_norm(1.0), nba.adam(1e-2))
+    state = tx.init(PARAMS)
+    for i in range(2):
+        _, state = tx.update(_grads(i), state)
+    assert _idle()
+    with pytest.raises(KeyboardInterrupt) as caught:
+        signal.raise_signal(signal.SIGINT)
+    frames = [f.name for f in traceback.extract_tb(caught.value.__traceback__)]
+    assert frames == [test_between_updates_sigint_is_python_default_handling.__name__], frames
+
+    def mine(signum: int, frame: Any) -> None:
+        pass
+
+    signal.signal(signal.SIGINT, mine)
+    _, state = tx.update(_grads(2), state)
+    assert signal.getsignal(signal.SIGINT) is mine, "a handler of your own is given back after the update"
+    signal.signal(signal.SIGINT, signal.default_int_handler)
