@@ -121,20 +121,19 @@ class Measure:
         return nba.global_norm(updates)
 
 
-@pytest.mark.parametrize("error", [ValueError("measure failed"), KeyboardInterrupt()], ids=repr)
-def test_snapshot_measure_raising_changes_nothing(error):
-    """`snapshot`'s measure raises after the chain's first stage wrote its trace: the trace is as
-    it was and a retry gives a clean run's bits (old code: the trace advanced)."""
+def _raising_in_a_chain(error: BaseException, build: Any) -> None:
+    """`check_all_or_nothing` of the chain ``build(measure)``, whose callback (a `Measure`) raises
+    ``error`` on the failing call."""
     from test_all_or_nothing import check_all_or_nothing
 
     measures = []
 
     def make() -> Any:
         measures.append(Measure(error))
-        return nba.chain(nba.sgd(0.1, momentum=0.9), nba.snapshot("norm", measures[-1]), nba.adam(1e-2))
+        return build(measures[-1])
 
     def bad(tx: Any, state: Any) -> Any:
-        measures[0].fail = True
+        measures[0].fail = True  # (the first transformation made is the one under test)
         try:
             return tx.update({"b": {"c": np.ones((2, 2))}, "w": np.ones(5, np.float32)}, state)
         finally:
@@ -143,33 +142,31 @@ def test_snapshot_measure_raising_changes_nothing(error):
     check_all_or_nothing(make, bad, error=type(error))
 
 
+@pytest.mark.parametrize("error", [ValueError("measure failed"), KeyboardInterrupt()], ids=repr)
+def test_snapshot_measure_raising_changes_nothing(error):
+    """`snapshot`'s measure raises after the chain's first stage wrote its trace: the trace is as
+    it was and a retry gives a clean run's bits (old code: the trace advanced)."""
+
+    def build(measure: Measure) -> Any:
+        return nba.chain(nba.sgd(0.1, momentum=0.9), nba.snapshot("norm", measure), nba.adam(1e-2))
+
+    _raising_in_a_chain(error, build)
+
 
 @pytest.mark.parametrize("error", [ValueError("skip failed"), KeyboardInterrupt()], ids=repr)
 def test_multisteps_skip_function_raising_in_a_chain_changes_nothing(error):
     """MultiSteps' own ``should_skip_update_fn`` raises after the chain's first stage wrote its
     trace: the trace is as it was, and a retry gives a clean run's bits (old code: it had
     advanced; the skip function was not known for user code)."""
-    from test_all_or_nothing import check_all_or_nothing
 
-    skips = []
-
-    def make() -> Any:
-        skips.append(Measure(error))  # (its ``fail`` switch; the skip function never skips)
-
+    def build(measure: Measure) -> Any:
         def skip(updates: Any, gradient_step: Any, params: Any) -> Any:
-            skips[-1](updates)
+            measure(updates)  # raises while the measure's ``fail`` is set; never skips
             return np.bool_(False), {}
 
         return nba.chain(nba.trace(0.9), nba.MultiSteps(nba.sgd(0.1), 2, should_skip_update_fn=skip))
 
-    def bad(tx: Any, state: Any) -> Any:
-        skips[0].fail = True
-        try:
-            return tx.update({"b": {"c": np.ones((2, 2))}, "w": np.ones(5, np.float32)}, state)
-        finally:
-            skips[0].fail = False
-
-    check_all_or_nothing(make, bad, error=type(error))
+    _raising_in_a_chain(error, build)
 
 
 # --- SIGINT at every point of an update -------------------------------------------------------
