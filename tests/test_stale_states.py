@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import pickle
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -417,17 +418,19 @@ def test_i42_item5_an_update_waits_for_a_save_of_its_state(tmp_path, monkeypatch
 
 def test_i42_item5_saves_racing_updates_write_no_torn_checkpoint(tmp_path):
     """One thread updates a state, another saves whatever state is current: each save is
-    refused (stale, busy) or writes one whole state. An EMA of ones with decay 0.5 holds
-    1 - 0.5**count in every element; the old code wrote most checkpoints torn."""
-    tx = nba.ema(0.5, debias=False)
-    g = {"w": np.ones(500_000, np.float64)}
+    refused (stale, busy) or writes one whole state. ``apply_every`` of ones holds its count in
+    every element of its sum; the old code wrote a third to two thirds of them torn."""
+    tx = nba.apply_every(2**31 - 1)
+    g = {"w": np.ones(200_000, np.float64)}
+    tx.update(g, tx.init(g))  # compiled before the race
     box = [tx.init(g)]
     done = threading.Event()
 
     def updates():
         try:
-            for _ in range(20):
+            for _ in range(60):
                 box[0] = tx.update(g, box[0])[1]
+                time.sleep(0.002)  # lets a save find the state between two updates
         finally:
             done.set()
 
@@ -444,7 +447,7 @@ def test_i42_item5_saves_racing_updates_write_no_torn_checkpoint(tmp_path):
                 continue
             written += 1
             s = nba.load_state(path)
-            if not np.all(s.ema["w"] == 1.0 - 0.5 ** int(s.count)):
+            if not np.all(s.grad_acc["w"] == float(s.count)):
                 torn.append(int(s.count))
     finally:
         t.join(60)
