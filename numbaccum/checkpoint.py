@@ -1,7 +1,8 @@
 """Checkpoints: `save_state` and `load_state`, a state's buffers and structure in a versioned .npz.
 
-A checkpoint is an uncompressed ``.npz`` (a zip of ``.npy`` arrays, read back with
-``allow_pickle=False``: loading one never runs code from the file) holding
+A checkpoint is an uncompressed ``.npz`` (a zip of stored ``.npy`` arrays, read back with
+``allow_pickle=False``: loading one never runs code from the file, and never costs more memory
+than the file's size: a compressed member is refused) holding
 
 * ``numbaccum_checkpoint``: a uint8 array, the UTF-8 JSON header::
 
@@ -692,14 +693,14 @@ def _remove_leftovers(directory: str, prefix: str) -> None:
     if fcntl is None:
         return
     try:
-        names = [n for n in os.listdir(directory) if n.startswith(prefix) and n.endswith(".tmp")]
+        names = [n for n in os.listdir(directory) if n.startswith(prefix) and len(n) == _TEMPORARY_LENGTH]
     except OSError:
         return
     flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
     for n in names:
         path = os.path.join(directory, n)
         with _writing_lock:
-            if len(n) != _TEMPORARY_LENGTH or path in _writing:
+            if not n.endswith(".tmp") or path in _writing:
                 continue
         try:
             fd = os.open(path, flags)
@@ -742,7 +743,9 @@ def load_state(path: str | os.PathLike, like: Any = None) -> Any:
 
     Continuing from the loaded state gives the same bits as never stopping. The file is checked
     whole before a state is built: its format and version, each array's dtype and shape against
-    the header, and (the zip's CRCs) every byte.
+    the header and its member's size (read from the headers: no array's data is read before the
+    whole structure is checked, against ``like`` too), and (the zip's CRCs) every byte. The
+    loaded state is current: any ``update`` takes it.
 
     Args:
         path: the file `save_state` wrote.
@@ -757,8 +760,9 @@ def load_state(path: str | os.PathLike, like: Any = None) -> Any:
     Raises:
         ValueError: the file is truncated or corrupt, from another program, of a newer format
             version, names a NamedTuple class that is neither numbaccum's nor registered (see
-            `register_state_class`) nor in ``like``, or (with ``like``) is of another structure,
-            shape or dtype; the reason is in the message.
+            `register_state_class`) nor in ``like``, holds a compressed member, or (with ``like``)
+            is of another structure, shape or dtype, or makes buffers one that are separate in
+            ``like`` (or the other way); the reason is in the message.
         OSError: the file cannot be opened (FileNotFoundError where there is none).
 
     References:

@@ -147,7 +147,7 @@ class FlatTree:
     group_dtypes: tuple[np.dtype, ...]  # storage dtype of each group
     groups: tuple[np.ndarray, ...]  # 1-D view of each group's run of its buffer
     buffers: dict[np.dtype, Any]  # NumPy arrays, or numba device arrays on the GPU
-    _busy = False  # an update of the state this FlatTree owns is running (`Stage.update`)
+    _busy = False  # the storage's busy mark, when an update or a reader holds it (`transaction`)
 
     # A state's buffers are updated in place, so the state an update was given and the one it
     # returns would hold the same FlatTree. The returned one holds a renewal instead: a new
