@@ -12,7 +12,9 @@ Whatever else reads a state's buffers to make another state of them (`numbaccum.
 `numbaccum.copy_state`, pickling and ``copy.deepcopy`` of a FlatTree) holds them while it reads
 (`reading`): it refuses a stale state as an update does, and a busy one (an update of it is
 running) with the update's own error; an update that starts meanwhile waits until the reader is
-done, so that what is read is one state, never half of two.
+done. `save_state` and `copy_state` hold the whole state, whose update's owner is one of its
+buffers: what they read is one state, never half of two. Pickling and deepcopy are given one
+FlatTree at a time, and hold that one.
 """
 
 from __future__ import annotations
