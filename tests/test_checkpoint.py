@@ -735,7 +735,10 @@ def test_i42_item8_the_next_save_removes_what_a_killed_save_left_never_what_one_
     state = tx.init({"w": np.zeros(3, F32)})
     nba.save_state(path, state)
     proc = subprocess.Popen(
-        [sys.executable, "-c", KILLED_SAVE, str(path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", KILLED_SAVE, str(path)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
     )
     try:
         assert proc.stdout.readline().strip() == "writing"
