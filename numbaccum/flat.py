@@ -147,7 +147,7 @@ class FlatTree:
     group_dtypes: tuple[np.dtype, ...]  # storage dtype of each group
     groups: tuple[np.ndarray, ...]  # 1-D view of each group's run of its buffer
     buffers: dict[np.dtype, Any]  # NumPy arrays, or numba device arrays on the GPU
-    _busy = False  # an update of the state this FlatTree owns is running (`Stage.update`)
+    _busy = False  # the storage's busy mark, when an update or a reader holds it (`transaction`)
 
     # A state's buffers are updated in place, so the state an update was given and the one it
     # returns would hold the same FlatTree. The returned one holds a renewal instead: a new
@@ -303,22 +303,42 @@ class FlatTree:
     def __reduce__(self) -> Any:
         # Pickling the attributes would make each group, buffer and leaf view a separate array:
         # the restored tree's views would no longer alias its buffers and updates would write
-        # memory nobody reads. Pickle the values of the groups (host copies) instead, and
-        # rebuild the storage, the views and the interned layout from them.
-        host = to_host(self) if self.device else self
-        groups = [np.ascontiguousarray(g) for g in host.groups]
-        return (_unpickled_flat, (self.layout, groups, self.device, self._readonly))
+        # memory nobody reads. Pickle the values of the groups instead, and rebuild the storage,
+        # the views and the interned layout from them. The values are taken (as bytes: the copy
+        # pickling an array makes anyway) while the buffers are held (`transaction.reading`): a
+        # FlatTree of a stale state is refused as `update` refuses it, and an update of the state
+        # running on another thread is not read half-done.
+        from .transaction import reading  # (it imports this module)
+
+        with reading(self, "FlatTree"):
+            host = to_host(self) if self.device else self
+            data = [g.tobytes() for g in host.groups]
+        return (_unpickled_flat, (self.layout, data, self.device, self._readonly, list(self.group_dtypes)))
 
     def __deepcopy__(self, memo: dict) -> FlatTree:
-        out = self.copy()  # stays on its device; fresh workspaces, as `copy` gives
-        if self._readonly:
-            out._mark_readonly()
+        """An independent copy (`copy`), read as pickling reads (a stale state refused); two
+        FlatTrees over one storage (a state and its renewal) give one copy, as one object does."""
+        from .transaction import check_current, reading
+
+        check_current(self, "FlatTree")
+        out = memo.get(id(self.__dict__))
+        if out is None:
+            with reading(self, "FlatTree"):
+                out = self.copy()  # stays on its device; fresh workspaces, as `copy` gives
+            if self._readonly:
+                out._mark_readonly()
+            memo[id(self.__dict__)] = out
+            memo.setdefault(id(memo), []).append(self.__dict__)  # keeps that id from being reused
         return out
 
     def __copy__(self) -> FlatTree:
         """A shallow copy: another FlatTree over the same storage (as ``copy.copy`` of a container
-        shares its items); ``copy.deepcopy`` or `copy` give independent storage."""
-        return FlatTree(self.layout, self.groups, self.buffers, self._readonly)
+        shares its items), of the same generation: stale or busy when this one is, since it is
+        the same buffer; ``copy.deepcopy`` or `copy` give independent storage."""
+        out = object.__new__(FlatTree)
+        out.__dict__ = self.__dict__
+        out._gen = self._gen
+        return out
 
     def _mark_readonly(self) -> None:
         self._readonly = True
@@ -388,9 +408,16 @@ class FlatTree:
         return ws
 
 
-def _unpickled_flat(layout: Layout, groups: list[np.ndarray], device: bool, readonly: bool) -> FlatTree:
+def _unpickled_flat(
+    layout: Layout, groups: list[Any], device: bool, readonly: bool, dtypes: list[np.dtype] | None = None
+) -> FlatTree:
     """The FlatTree that `FlatTree.__reduce__` pickled: fresh storage (one buffer per storage
-    dtype, as `FlatTree.empty` lays it out) holding the pickled group values."""
+    dtype, as `FlatTree.empty` lays it out) holding the pickled group values: the bytes of each
+    group, of ``dtypes``; without ``dtypes`` (a pickle of numbaccum 0.1) the group arrays."""
+    if dtypes is not None:
+        if len(groups) != len(dtypes) or not all(isinstance(g, bytes) for g in groups):
+            raise ValueError(f"a pickled FlatTree does not fit its layout {layout}")
+        groups = [np.frombuffer(g, np.dtype(d)) for g, d in zip(groups, dtypes)]
     if len(groups) != len(layout.groups) or any(g.shape != (n,) for g, n in zip(groups, layout.group_sizes)):
         raise ValueError(f"a pickled FlatTree does not fit its layout {layout}")
     out = FlatTree.empty(layout, [g.dtype for g in groups])

@@ -7,17 +7,27 @@ when the whole update has succeeded (`guarded`). A state kept from before (``bes
 yesterday's state to retry a step) then holds an older generation and is refused, where it would
 otherwise compute with advanced buffers and old counters. A failed update commits nothing: the
 state it was given stays current.
+
+Whatever else reads a state's buffers to make another state of them (`numbaccum.save_state`,
+`numbaccum.copy_state`, pickling and ``copy.deepcopy`` of a FlatTree) holds them while it reads
+(`reading`): it refuses a stale state as an update does, and a busy one (an update of it is
+running) with the update's own error; an update that starts meanwhile waits until the reader is
+done. `save_state` and `copy_state` hold the whole state, whose update's owner is one of its
+buffers: what they read is one state, never half of two. Pickling and deepcopy are given one
+FlatTree at a time, and hold that one.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from .flat import FlatTree
+from .tree import short_repr
 
-__all__ = ["current", "guarded", "keep_states"]
+__all__ = ["check_current", "current", "guarded", "keep_states", "reading"]
 
 
 class _Renewals(list):
@@ -47,6 +57,24 @@ _BUSY = (
     "state: another update of this state is running (on another thread?); a state is not "
     "thread-safe: give each thread its own state (transformations may be shared)"
 )
+
+
+class _Reading:
+    """The busy mark a reader (`reading`) puts on the buffers it reads; an update that finds it
+    waits for ``done`` instead of raising."""
+
+    __slots__ = ("done",)
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+
+
+def check_current(flat: FlatTree, where: str) -> None:
+    """Raises the update's ValueError when ``flat`` (at ``where``) belongs to a stale state: its
+    generation is neither the storage's live one nor the one after it (`current`)."""
+    g = flat._gen
+    if g != flat._live and g != flat._live + 1:
+        raise ValueError(_STALE.format(where))
 
 
 def current(flat: FlatTree, field: str) -> FlatTree:
@@ -89,15 +117,19 @@ def guarded(owner: FlatTree | None, fn: Callable[..., Any], *args: Any) -> Any:
     ``owner`` owns (None: a stateless stage), run as one transaction.
 
     A state is not thread-safe: its update writes its buffers in place. Two updates of one state
-    at once are caught here (a flag on the owner's storage, tens of nanoseconds; best effort,
-    not a lock): RuntimeError. The buffers the update renewed (`current`) become the current
-    ones only if it returns; an update inside another one (a transformation that calls
-    ``update`` itself) joins the outer one's transaction.
+    at once are caught here: the owner's storage is marked busy for the update (one atomic
+    ``dict.setdefault`` of a fresh token, tens of nanoseconds) and a second update finding the
+    mark raises RuntimeError; one finding a reader's mark (`reading`: a save or a copy of the
+    state) waits for it. The buffers the update renewed (`current`) become the current ones only
+    if it returns; an update inside another one (a transformation that calls ``update`` itself)
+    joins the outer one's transaction.
     """
     if owner is not None:
-        if owner._busy:
-            raise RuntimeError(_BUSY)
-        owner._busy = True
+        marks = owner.__dict__
+        me = object()
+        held = marks.setdefault("_busy", me)
+        if held is not me:
+            _wait_for_reader(marks, me, held)
     renewals = _THREAD.renewals
     start = len(renewals)
     renewals.depth += 1
@@ -114,7 +146,85 @@ def guarded(owner: FlatTree | None, fn: Callable[..., Any], *args: Any) -> Any:
     finally:
         renewals.depth -= 1
         if owner is not None:
-            owner._busy = False
+            marks.pop("_busy", None)
+
+
+def _wait_for_reader(marks: dict, me: object, held: Any) -> None:
+    """Takes the busy mark ``me`` of a storage once the reader holding it is done; RuntimeError
+    when an update holds it."""
+    while held is not me:
+        if type(held) is not _Reading:
+            raise RuntimeError(_BUSY)
+        held.done.wait()
+        held = marks.setdefault("_busy", me)
+
+
+@contextlib.contextmanager
+def reading(state: Any, name: str = "state") -> Iterator[None]:
+    """Holds the buffers of ``state`` (a FlatTree, or a nest of tuples, NamedTuples, lists and
+    dicts holding them) while the caller reads them, after checking that each is current.
+
+    Each storage is marked busy with one mark, all or none: an update of the state (whose
+    owner is one of them) waits until the reader is done; a reader finding another reader's mark
+    waits for it before trying again (it holds nothing meanwhile: two readers never wait on each
+    other in a circle).
+
+    Raises:
+        ValueError: a FlatTree of a stale state (the update's message, naming its path from
+            ``name``).
+        RuntimeError: an update of the state is running (the update's own message).
+    """
+    found = _flats_with_paths(state, name)
+    storages = list({id(f.__dict__): f.__dict__ for _, f in found}.values())
+    me = _Reading()
+    _hold(storages, me)
+    try:
+        for where, f in found:
+            check_current(f, where)
+        yield
+    finally:
+        for marks in storages:
+            marks.pop("_busy", None)
+        me.done.set()
+
+
+def _hold(storages: list[dict], me: _Reading) -> None:
+    while True:
+        taken: list[dict] = []
+        held: Any = me
+        for marks in storages:
+            held = marks.setdefault("_busy", me)
+            if held is not me:
+                break
+            taken.append(marks)
+        if held is me:
+            return
+        for marks in taken:  # all or none: let go of what was taken, then wait or raise
+            del marks["_busy"]
+        if type(held) is not _Reading:
+            raise RuntimeError(_BUSY)
+        held.done.wait()
+
+
+def _flats_with_paths(state: Any, name: str) -> list[tuple[str, FlatTree]]:
+    """``(path, flat)`` for each FlatTree of ``state`` (each object once, by its first path)."""
+    found: dict[int, tuple[str, FlatTree]] = {}
+
+    def walk(x: Any, path: str) -> None:
+        if isinstance(x, FlatTree):
+            found.setdefault(id(x), (path, x))
+        elif isinstance(x, dict):
+            for k, v in x.items():
+                walk(v, f"{path}[{short_repr(k)}]")
+        elif isinstance(x, tuple) and hasattr(type(x), "_fields"):
+            for f, v in zip(type(x)._fields, x):
+                walk(v, f"{path}.{f}")
+        elif isinstance(x, (tuple, list)):
+            for i, v in enumerate(x):
+                walk(v, f"{path}[{i}]")
+
+    walk(state, name)
+    return list(found.values())
 
 
 def state_flats(state: Any, writable_only: bool = True) -> list[FlatTree]:
