@@ -109,7 +109,7 @@ class recording:  # noqa: N801 - a context manager
         return self.found
 
     def __exit__(self, *exc: Any) -> None:
-        _LOCAL.recorders.remove(self.found)
+        _LOCAL.recorders.pop()  # this block's (blocks nest): not list.remove, which compares lists
 
 
 def _ranks(ranks: list[int]) -> str:
