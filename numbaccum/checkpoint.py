@@ -121,6 +121,8 @@ def _earlier_fields(cls: type) -> list[list[str]]:
         return [[*cls._fields, "examples"]]
     if cls is nba.DifferentiallyPrivateAggregateState:  # before it counted DP accumulation's examples
         return [["rng_key"]]
+    if cls.__name__ == "AllreduceMeanState" and cls.__module__ == "numbaccum.distributed":
+        return [["mean"]]  # before it counted its steps (its count loads as 0)
     return []
 
 
