@@ -111,7 +111,7 @@ class _Lookahead(Stage):
         pair = params.raw
         out_spec = Spec(_pair_layout(pair, spec.layout), spec.device)
         fast = ParamsRef(
-            pair.fast, spec.layout, None, spec.device, fill=lambda: _half(params.flat(), spec.layout, 0)
+            pair.fast, spec.layout, None, spec.device, fill=lambda: _half(params.flat(), spec.layout)
         )
         fast.checked = check_params(pair.fast, spec)
         inner = self.stage.plan(spec, state.fast_state, fast, extra)
