@@ -1,5 +1,7 @@
 """lookahead (numbaccum.lookahead) against optax: the same params bit for bit, wrapped around
-our optimizers; update and step_ alike; what a user gets wrong."""
+our optimizers; update and step_ alike; what a user gets wrong. Every transformation of the
+registry (tests/registry.py) as the fast optimizer, against optax.lookahead's arithmetic around
+it run alone; the params the fast optimizer sees, against optax's; CUDA params."""
 
 from __future__ import annotations
 
@@ -304,3 +306,35 @@ def test_params_reading_fast_optimizers_match_optax(name):
             b = np.asarray(b)
             atol = 2e-6 * float(np.max(np.abs(b)))  # float32 rounding at the params' scale
             np.testing.assert_allclose(a, b, rtol=2e-6, atol=atol, err_msg=f"step {i}")
+
+
+# --- on the device ---------------------------------------------------------------------------------
+
+
+@pytest.mark.cuda
+def test_on_device_matches_the_host():
+    """CUDA params (`init_synced` copies them on the device) around a fast optimizer that reads
+    them: the host's fast and slow params within float32 rounding (a GPU contracts multiply-adds),
+    by update + apply_updates and by step_, the slow params still CUDA arrays. (Updates were
+    packed into a host buffer, and init_synced's np.copy brought the slow params to the host.)"""
+    from numba import cuda
+
+    make = CASES["adamw"].make
+    rng = np.random.default_rng(8)
+    p0 = _params(rng)
+    on_host = nba.LookaheadParams.init_synced(nba.tree_map(np.copy, p0))
+    stepped = nba.LookaheadParams.init_synced(nba.tree_map(cuda.to_device, p0))
+    updated = nba.LookaheadParams.init_synced(nba.tree_map(cuda.to_device, p0))
+    assert all(type(x) is type(stepped.fast["a"]) for x in nba.tree_flatten(stepped)[0])
+    txs = [nba.lookahead(make(), 2, SLOW_STEP_SIZE) for _ in range(3)]
+    states = [txs[0].init(on_host), txs[1].init(stepped), txs[2].init(updated)]
+    for _ in range(3):  # a synchronisation at the second
+        g = {k: rng.normal(size=v.shape).astype(np.float32) for k, v in p0.items()}
+        states[0] = nba.step_(txs[0], g, states[0], on_host)
+        states[1] = nba.step_(txs[1], nba.tree_map(cuda.to_device, g), states[1], stepped)
+        u, states[2] = txs[2].update(nba.tree_map(cuda.to_device, g), states[2], updated)
+        updated = nba.apply_updates(updated, u)
+        for p in (stepped, updated):
+            assert type(p.slow["a"]) is type(stepped.fast["a"])
+            for a, b in zip(nba.tree_flatten(nba.to_host(p))[0], nba.tree_flatten(on_host)[0]):
+                np.testing.assert_allclose(a, b, rtol=2e-6, atol=2e-6 * float(np.max(np.abs(b))))
