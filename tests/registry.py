@@ -1085,7 +1085,7 @@ OWN_TESTS: dict[str, str] = {
     "lbfgs": "update(..., value=, grad=, value_fn=) (tests: test_lbfgs)",
     "scale_by_zoom_linesearch": "update(..., value=, grad=, value_fn=) (tests: test_lbfgs)",
     "scale_by_backtracking_linesearch": "update(..., value=, grad=, value_fn=) (tests: test_lbfgs)",
-    "lookahead": "params are a LookaheadParams(fast, slow) (tests: test_lookahead)",
+    "lookahead": "params are a LookaheadParams(fast, slow) (tests: test_lookahead, with every Case inside)",
     "reduce_on_plateau": "update(..., value=loss) (tests: test_optimizers' reduce_on_plateau tests)",
     "hutchinson_estimator_diag_hessian": "update(..., hvp_fn= or grad_fn=) (tests: test_sophia)",
     "flatten": "leaves of one dtype (tests: test_masking's flatten tests)",
