@@ -683,6 +683,19 @@ def sqrt(x):
     return math.sqrt(x)
 
 
+def inv_root(n, eps, eps_in_sqrt):
+    """RMSProp's scale of ``g``: ``1 / sqrt(n + eps)`` (``eps_in_sqrt``) or ``1 / (sqrt(n) + eps)``.
+
+    optax computes the first as ``jax.lax.rsqrt``, which XLA builds from the processor's
+    approximate reciprocal square root (not correctly rounded, its bits the processor's): here
+    it is IEEE's ``sqrt`` and a division, in float64 (a float32 ``g`` scaled by it is rounded
+    once; docs/migrating.md, "Numerics"). The second is optax's own division, in ``n``'s dtype,
+    so its bits are optax's. A negative ``n`` gives NaN (`sqrt`)."""
+    if eps_in_sqrt:
+        return 1.0 / sqrt(n + eps)
+    return like(n, 1.0) / (sqrt(n) + eps)
+
+
 def maximum(a, b):
     """``jnp.maximum``: NaN if either is NaN."""
     if a != a or a > b:

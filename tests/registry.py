@@ -374,8 +374,7 @@ _add(
     lambda: nba.rmsprop(1e-2, eps_in_sqrt=False),
     lambda: ref.rmsprop(1e-2, eps_in_sqrt=False),
     {"learning_rate": 1e-3},
-    exact=False,
-    note="1 / sqrt in float64 then rounded, as optax's rsqrt is not 1 / sqrt in float32 either",
+    exact=True,
 )
 _add(
     "rmsprop_bias_correction",
@@ -398,8 +397,7 @@ _add(
     "rmsprop",
     lambda: nba.rmsprop(1e-2, centered=True, bias_correction=True, eps_in_sqrt=False, eps=1e-3),
     lambda: ref.rmsprop(1e-2, centered=True, bias_correction=True, eps_in_sqrt=False, eps=1e-3),
-    exact=False,
-    note="1 / sqrt in float64 then rounded, as optax's rsqrt is not 1 / sqrt in float32 either",
+    exact=True,
 )
 _add("scale_by_rms", "scale_by_rms", nba.scale_by_rms, None, {})
 _add("scale_by_stddev", "scale_by_stddev", nba.scale_by_stddev, None, {})
