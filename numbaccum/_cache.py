@@ -474,9 +474,17 @@ def _unique_ids() -> None:
         FunctionIdentity._unique_ids = itertools.count(next(counter) + secrets.randbits(60))
 
 
+def _after_fork_in_child() -> None:
+    """A forked child's numba counter (`_unique_ids`) and lock (its copy of one another thread
+    held at the fork stays held)."""
+    global _lock
+    _lock = threading.Lock()
+    _unique_ids()
+
+
 _unique_ids()
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_unique_ids)
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 # --- numba's cache, in our directory, with locks ------------------------------------------------
