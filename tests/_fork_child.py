@@ -7,11 +7,11 @@ The parent steps trees big enough for the parallel drivers of every family of ke
 threading layer starts, its plans keep their prepared launches), then forks: a child (and its
 own child) continues the parent's very states; a ``fork`` Pool of 2 continues them with two
 seeds of gradients; a child forked while another thread holds numbaccum's locks (inside a
-guarded kernel launch, compiling a formula) continues them and makes a new formula's drivers. Every wait has a deadline, so that a child
-that hangs is reported (``"timeout"``) instead of hanging the test. The parent's own
-continuations of those states (from copies, before the forks, so that the children inherit every
-kernel compiled), with parallel regions on and off (`_config.PARALLEL`), are the bits every
-child must give.
+guarded kernel launch, compiling a formula) continues them and makes a new formula's drivers.
+Every wait has a deadline, so that a child that hangs is reported (``"timeout"``) instead of
+hanging the test. The parent's own continuations of those states (from copies, before the
+forks, so that the children inherit every kernel compiled), with parallel regions on and off
+(`_config.PARALLEL`), are the bits every child must give.
 """
 
 from __future__ import annotations
@@ -93,11 +93,13 @@ SAVED = copy.deepcopy(STATES)  # for the parent's own continuations
 
 def continued(seed: int) -> dict:
     """What a process computes from the states it had at the fork (a child's copies of them),
-    per family, with the numbaccum warnings it raised and whether its parallel regions are on."""
+    per family, with the numbaccum warnings it raised (message, file they point to) and whether
+    its parallel regions are on."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         bits = {name: digest(steps(name, *STATES[name], seed)[0]) for name in FAMILIES}
-    said = [str(w.message) for w in caught if "numbaccum" in str(w.message)]
+    said = [(str(w.message), os.path.basename(w.filename)) for w in caught]
+    said = [(message, where) for message, where in said if "numbaccum" in message]
     return {"bits": bits, "warnings": said, "parallel": _config.PARALLEL}
 
 

@@ -151,9 +151,9 @@ _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.
 
 def _caller_level() -> int:
     """The ``stacklevel`` of the first frame outside numbaccum (the user's call, from wherever
-    in the package the warning is raised)."""
+    in the package the warning is raised; code numbaccum generates is named ``<numbaccum ...>``)."""
     frame, level = sys._getframe(1), 1
-    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+    while frame is not None and frame.f_code.co_filename.startswith((_PACKAGE_DIR, "<numbaccum")):
         frame, level = frame.f_back, level + 1
     return level
 

@@ -436,6 +436,8 @@ def _kinds_for(x):
 
 
 def _pick(pair, n):
+    if n < _config.SERIAL_BELOW:  # a small tree's every call: no call of runs_serial
+        return pair[1]
     return pair[1] if runs_serial(n) else pair[0]
 
 
