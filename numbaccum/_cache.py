@@ -72,7 +72,6 @@ import secrets
 import stat
 import sys
 import tempfile
-import threading
 import types
 import warnings
 from pathlib import Path
@@ -81,6 +80,8 @@ from typing import Any
 import numba
 import numpy as np
 from numba.core.caching import CompileResultCacheImpl, FunctionCache, _CacheLocator
+
+from . import _locks
 
 try:  # POSIX: advisory locks between processes (Windows gets numba's own renames only)
     import fcntl
@@ -109,7 +110,7 @@ GENERATED = "generated"  # subdirectory of the generated kernel modules
 FORMAT = 2
 _PRIVATE = 0o700  # the mode of every directory the cache makes
 
-_lock = threading.Lock()
+_lock = _locks.lock()
 _state: dict[str, Any] = {}  # "root": the usable cache root (None: off), "why": why not
 _warned: set[str] = set()
 
@@ -477,9 +478,7 @@ def _unique_ids() -> None:
 def _after_fork_in_child() -> None:
     """A forked child's numba counter (`_unique_ids`) and lock (its copy of one another thread
     held at the fork stays held)."""
-    global _lock
-    _lock = threading.Lock()
-    _unique_ids()
+    _unique_ids()  # its lock: `_locks`
 
 
 _unique_ids()

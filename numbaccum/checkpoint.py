@@ -41,13 +41,13 @@ import os
 import secrets
 import stat
 import sys
-import threading
 import zipfile
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
+from . import _locks
 from .arrays import DeviceScalar
 from .flat import FlatTree, to_device, to_host
 from .layout import NAMES, STORED, Layout, check_float_dtype, is_float
@@ -156,7 +156,7 @@ def _with_examples(tree: Any, examples: Any) -> Any:
 # --- the registry of NamedTuple classes a checkpoint may name ------------------------------------
 
 _registered: dict[str, type] = {}  # file name -> class: numbaccum's states, then the user's
-_registry_lock = threading.Lock()
+_registry_lock = _locks.lock()
 
 
 def _library_state_classes() -> tuple[type, ...]:
@@ -580,7 +580,7 @@ _FILE_KINDS = {
 # The temporary files this process is writing: a save of the same path on another thread never
 # takes one for a leftover (on NFS, where a lock is the process's, it would get the lock).
 _writing: set[str] = set()
-_writing_lock = threading.Lock()
+_writing_lock = _locks.lock()
 
 
 def _temporary_prefix(target: str) -> str:

@@ -28,12 +28,13 @@ from __future__ import annotations
 
 import inspect
 import math
-import threading
 import types
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import numpy as np
+
+from . import _locks
 
 __all__ = ["Formula", "compile_formula", "formula", "registered"]
 
@@ -77,7 +78,7 @@ class Formula(NamedTuple):
 
 
 _REGISTRY: dict[str, Formula] = {}
-_REGISTRY_LOCK = threading.Lock()
+_REGISTRY_LOCK = _locks.lock()
 
 
 def formula(

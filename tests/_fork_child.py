@@ -16,6 +16,7 @@ forks, so that the children inherit every kernel compiled), with parallel region
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import json
@@ -33,7 +34,7 @@ import numba
 import numpy as np
 
 import numbaccum as nba
-from numbaccum import _cache, _config
+from numbaccum import _config, _locks
 from numbaccum.cpu import driver, reduce
 from numbaccum.formulas import Formula
 
@@ -156,12 +157,16 @@ def made_at_run_time(x, k):
 
 
 def with_locks_held() -> dict:
-    """A child forked while another thread is inside a guarded kernel launch and holds the
-    compile locks: it continues the state and makes the drivers of formulas it has not seen."""
+    """A child forked while another thread holds every lock numbaccum made (`numbaccum._locks`:
+    inside a guarded kernel launch, compiling, interning a layout, filling a cache, saving): it
+    continues the state, makes the drivers of formulas it has not seen, lays out a new tree
+    through a new chain and saves a state."""
     held, release = threading.Event(), threading.Event()
 
     def hold() -> None:
-        with driver.guard_for(N), driver._COMPILE_LOCK, reduce._MADE_LOCK, _cache._lock:
+        with contextlib.ExitStack() as stack:
+            for made in _locks._MADE:
+                stack.enter_context(made)
             held.set()
             release.wait()
 
@@ -173,6 +178,11 @@ def with_locks_held() -> dict:
         out = continued(0)
         driver.compiled(Formula(made_at_run_time, (), ("x",), ("out",), ("k",)))
         reduce._kinds_for(np.zeros(2, np.complex128))
+        tx = nba.chain(nba.clip_by_global_norm(0.5), nba.scale_by_adam(), nba.scale(-0.25))
+        tree = {"u": np.ones(7, np.float32), "v": np.full((2, 3), 2.0)}  # a layout not seen before
+        state = tx.init(tree)
+        _, state = tx.update(tree, state)
+        nba.save_state(os.path.join(os.path.dirname(sys.argv[2]), f"fork-{os.getpid()}.npz"), state)
         return out
 
     try:

@@ -14,7 +14,7 @@ a variant of the loop that reads their raw bits, widened to float32, and rounds 
 once (two bytes an element moved, not six), and never lets two threads into numba's
 ``workqueue`` layer at once (it aborts the process, numba#9288).
 
-Fork. A child of ``os.fork`` gets numbaccum's locks made again (`_after_fork_in_child`). When
+Fork. A child of ``os.fork`` gets numbaccum's locks free again (`numbaccum._locks`). When
 its parent had started numba's GNU OpenMP layer, whose threads the child does not have (numba
 terminates such a child at its first parallel region), parallel regions are off in the child
 (`_config.PARALLEL`): every kernel, the reductions' and the per-example sums' too, takes its
@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-import threading
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -35,7 +34,7 @@ import numba
 import numpy as np
 from numba import njit, prange
 
-from .. import _cache, _config, formulas
+from .. import _cache, _config, _locks, formulas
 from ..contract import Factor, cast_scalars
 from ..formulas import Formula, compile_formula
 from ..layout import compute_dtype, real_dtype
@@ -45,7 +44,7 @@ __all__ = ["NAME", "map_", "parallel_guard", "runs_serial"]
 
 NAME = "cpu"
 
-_workqueue_lock = threading.Lock()
+_workqueue_lock = _locks.lock()
 _NO_GUARD = contextlib.nullcontext()
 _guard: Any = None  # decided after the first parallel call
 _F16 = np.dtype(np.float16)
@@ -103,8 +102,8 @@ def _after_fork_in_child() -> None:
     (inside an update under the workqueue lock, compiling a formula) left the child's copy held
     forever. Where the parent's threading layer cannot run in a child (`_unforkable_layer`),
     parallel regions are off (`_config.PARALLEL`): every kernel runs its serial driver."""
-    global _workqueue_lock, _COMPILE_LOCK, _guard
-    _workqueue_lock, _COMPILE_LOCK, _guard = threading.Lock(), threading.Lock(), None
+    global _guard
+    _guard = None  # the locks themselves are made free by `numbaccum._locks`
     layer = _unforkable_layer()
     if layer is not None:
         _config.PARALLEL = False
@@ -259,7 +258,7 @@ def _source(f: Formula, variant: tuple | None = None) -> tuple[str, str]:
 
 
 _COMPILED: dict[Any, tuple[Any, Any]] = {}
-_COMPILE_LOCK = threading.Lock()
+_COMPILE_LOCK = _locks.lock()
 
 
 def compiled(f: Formula, variant: tuple | None = None) -> tuple[Any, Any]:

@@ -19,14 +19,13 @@ from __future__ import annotations
 
 import math
 import os
-import threading
 import weakref
 
 import numpy as np
 from numba import njit, prange, types
 from numba.extending import overload
 
-from .. import _cache, _config, formulas
+from .. import _cache, _config, _locks, formulas
 from ..tables import (
     DK,
     DR,
@@ -398,17 +397,7 @@ class _ComplexKinds(dict):
 
 _BF16_KINDS: dict = {}
 _COMPLEX_KINDS = _ComplexKinds()
-_MADE_LOCK = threading.Lock()
-
-
-def _fresh_lock() -> None:
-    """A forked child's lock (its copy of one another thread held at the fork stays held)."""
-    global _MADE_LOCK
-    _MADE_LOCK = threading.Lock()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_fresh_lock)
+_MADE_LOCK = _locks.lock()
 
 
 def _kinds_for(x):
