@@ -18,6 +18,7 @@ import numpy as np
 
 from . import arrays
 from . import tree as _tree
+from ._marks import check_current, held
 from .arrays import as_device_array, is_contiguous, is_cuda_array, on_device, run_view
 from .backend import device_leaf_copies, ops_for
 from .contract import ONE
@@ -305,12 +306,10 @@ class FlatTree:
         # the restored tree's views would no longer alias its buffers and updates would write
         # memory nobody reads. Pickle the values of the groups instead, and rebuild the storage,
         # the views and the interned layout from them. The values are taken (as bytes: the copy
-        # pickling an array makes anyway) while the buffers are held (`transaction.reading`): a
+        # pickling an array makes anyway) while the buffers are held (`_marks.held`): a
         # FlatTree of a stale state is refused as `update` refuses it, and an update of the state
         # running on another thread is not read half-done.
-        from .transaction import reading  # (it imports this module)
-
-        with reading(self, "FlatTree"):
+        with held([("FlatTree", self)]):
             host = to_host(self) if self.device else self
             data = [g.tobytes() for g in host.groups]
         return (_unpickled_flat, (self.layout, data, self.device, self._readonly, list(self.group_dtypes)))
@@ -318,12 +317,10 @@ class FlatTree:
     def __deepcopy__(self, memo: dict) -> FlatTree:
         """An independent copy (`copy`), read as pickling reads (a stale state refused); two
         FlatTrees over one storage (a state and its renewal) give one copy, as one object does."""
-        from .transaction import check_current, reading
-
         check_current(self, "FlatTree")
         out = memo.get(id(self.__dict__))
         if out is None:
-            with reading(self, "FlatTree"):
+            with held([("FlatTree", self)]):
                 out = self.copy()  # stays on its device; fresh workspaces, as `copy` gives
             if self._readonly:
                 out._mark_readonly()

@@ -24,10 +24,11 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from ._marks import BUSY, STALE, held, wait_for_reader
 from .flat import FlatTree
 from .tree import short_repr
 
-__all__ = ["check_current", "current", "guarded", "keep_states", "reading"]
+__all__ = ["current", "guarded", "keep_states", "reading"]
 
 
 class _Renewals(list):
@@ -47,36 +48,6 @@ class _PerThread(threading.local):
 _THREAD = _PerThread()
 _NEW = object.__new__
 
-_STALE = (
-    "{}: this state is stale: an update has already advanced its buffers in place (a state "
-    "is consumed by update). Use the state the last update returned; to keep one (best = state, "
-    "a step to retry), keep a snapshot: numbaccum.copy_state(state)"
-)
-
-_BUSY = (
-    "state: another update of this state is running (on another thread?); a state is not "
-    "thread-safe: give each thread its own state (transformations may be shared)"
-)
-
-
-class _Reading:
-    """The busy mark a reader (`reading`) puts on the buffers it reads; an update that finds it
-    waits for ``done`` instead of raising."""
-
-    __slots__ = ("done",)
-
-    def __init__(self) -> None:
-        self.done = threading.Event()
-
-
-def check_current(flat: FlatTree, where: str) -> None:
-    """Raises the update's ValueError when ``flat`` (at ``where``) belongs to a stale state: its
-    generation is neither the storage's live one nor the one after it (`current`)."""
-    g = flat._gen
-    if g != flat._live and g != flat._live + 1:
-        raise ValueError(_STALE.format(where))
-
-
 def current(flat: FlatTree, field: str) -> FlatTree:
     """``flat``, the buffer ``state.<field>`` of the state being planned, renewed for the
     state the update returns, after checking that it is current: a new FlatTree over the same
@@ -89,7 +60,7 @@ def current(flat: FlatTree, field: str) -> FlatTree:
     g = flat._gen
     if g != flat._live:
         if g != flat._live + 1:
-            raise ValueError(_STALE.format(f"state.{field}"))
+            raise ValueError(STALE.format(f"state.{field}"))
         # One generation ahead: returned by an update whose commit was not made (planned
         # outside `guarded`): nothing newer exists, so it is the current one.
         flat._live = g
@@ -127,9 +98,9 @@ def guarded(owner: FlatTree | None, fn: Callable[..., Any], *args: Any) -> Any:
     if owner is not None:
         marks = owner.__dict__
         me = object()
-        held = marks.setdefault("_busy", me)
-        if held is not me:
-            _wait_for_reader(marks, me, held)
+        holder = marks.setdefault("_busy", me)
+        if holder is not me:
+            wait_for_reader(marks, me, holder)
     renewals = _THREAD.renewals
     start = len(renewals)
     renewals.depth += 1
@@ -149,16 +120,6 @@ def guarded(owner: FlatTree | None, fn: Callable[..., Any], *args: Any) -> Any:
             marks.pop("_busy", None)
 
 
-def _wait_for_reader(marks: dict, me: object, held: Any) -> None:
-    """Takes the busy mark ``me`` of a storage once the reader holding it is done; RuntimeError
-    when an update holds it."""
-    while held is not me:
-        if type(held) is not _Reading:
-            raise RuntimeError(_BUSY)
-        held.done.wait()
-        held = marks.setdefault("_busy", me)
-
-
 @contextlib.contextmanager
 def reading(state: Any, name: str = "state") -> Iterator[None]:
     """Holds the buffers of ``state`` (a FlatTree, or a nest of tuples, NamedTuples, lists and
@@ -174,36 +135,8 @@ def reading(state: Any, name: str = "state") -> Iterator[None]:
             ``name``).
         RuntimeError: an update of the state is running (the update's own message).
     """
-    found = _flats_with_paths(state, name)
-    storages = list({id(f.__dict__): f.__dict__ for _, f in found}.values())
-    me = _Reading()
-    _hold(storages, me)
-    try:
-        for where, f in found:
-            check_current(f, where)
+    with held(_flats_with_paths(state, name)):
         yield
-    finally:
-        for marks in storages:
-            marks.pop("_busy", None)
-        me.done.set()
-
-
-def _hold(storages: list[dict], me: _Reading) -> None:
-    while True:
-        taken: list[dict] = []
-        held: Any = me
-        for marks in storages:
-            held = marks.setdefault("_busy", me)
-            if held is not me:
-                break
-            taken.append(marks)
-        if held is me:
-            return
-        for marks in taken:  # all or none: let go of what was taken, then wait or raise
-            del marks["_busy"]
-        if type(held) is not _Reading:
-            raise RuntimeError(_BUSY)
-        held.done.wait()
 
 
 def _flats_with_paths(state: Any, name: str) -> list[tuple[str, FlatTree]]:
