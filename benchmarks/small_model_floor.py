@@ -47,8 +47,10 @@ def main() -> None:
 
     def by_hand() -> None:
         clip_state, (adam_state, decay_state, lr_state) = box[0]
-        owner = plan.owner
-        owner._busy = True
+        marks = plan.owner.__dict__  # the busy mark, as `transaction.guarded` takes it
+        me = object()
+        if marks.setdefault("_busy", me) is not me:
+            raise RuntimeError("busy")
         renewals.depth += 1
         count = safe_increment(adam_state.count)
         nu = transaction.current(adam_state.nu, "nu")
@@ -61,7 +63,7 @@ def main() -> None:
             r._live = r._gen
         renewals.clear()
         renewals.depth -= 1
-        owner._busy = False
+        marks.pop("_busy", None)
         box[0] = (record, (new_adam, decay_state, lr_state))
 
     def stepped() -> None:

@@ -43,7 +43,7 @@ def main(steps: int = 400, batch: int = 32, seed: int = 0, comm=None, log_every:
     grads = params.zeros_like()
     # The average runs once per emitted step (every 4th), on the accumulated mean gradient.
     opt = nba.MultiSteps(nba.chain(allreduce_mean(comm), nba.clip_by_global_norm(1.0), nba.adam(1e-3)), 4)
-    state = opt.init(params)  # checks that every rank has the same tree (one small collective)
+    state = opt.init(params)  # checks that every rank has the same tree and k (small collectives)
     p, g = params.tree, grads.tree
 
     def loss_and_grads(xb, yb):

@@ -8,11 +8,10 @@ evicted first; an evicted entry is recomputed on its next use, never wrong.
 
 from __future__ import annotations
 
-import threading
 from collections import OrderedDict
 from typing import Any
 
-from . import _config
+from . import _config, _locks
 
 __all__ = ["Bounded"]
 
@@ -32,7 +31,7 @@ class Bounded:
 
     def __init__(self, bound: int | None = None) -> None:
         self._data: OrderedDict = OrderedDict()
-        self._lock = threading.Lock()
+        self._lock = _locks.lock()
         self.bound = bound
         self.get = self._data.get  # the value for a key, or None
 

@@ -41,8 +41,12 @@ into place, never rewritten (numba stamps a function with its source file).
 Safety. The cache imports the generated modules and unpickles numba's indexes, so whoever may
 write its directories may run code in this process. Like ssh with its keys, the cache uses a
 directory (the cache directory, its namespace and every subdirectory it reads) only when it
-belongs to this user and neither group nor others may write it; otherwise it warns once and
-kernels compile in memory (`describe` says why). The directories it makes are mode 0o700.
+belongs to this user and neither group nor others may write it, below directories that belong to
+root or to this user and that no one else may write unless they are sticky (``/tmp``), checked up
+to the home directory as ssh's ``StrictModes`` does; otherwise it warns once and kernels compile
+in memory (`describe` says why). The directories it makes are mode 0o700. The cache directory is
+one absolute path, resolved when the module is imported (`directory`): a relative
+``NUMBACCUM_CACHE_DIR`` does not follow a later ``os.chdir`` into a directory no one checked.
 
 Two processes filling an empty cache at once: numba writes each index and data file to a unique
 temporary name and renames it, but the index is read, extended and written back, so two writers
@@ -58,6 +62,7 @@ for the process with one warning; kernels then compile in memory.
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import hashlib
 import itertools
@@ -67,7 +72,6 @@ import secrets
 import stat
 import sys
 import tempfile
-import threading
 import types
 import warnings
 from pathlib import Path
@@ -76,6 +80,8 @@ from typing import Any
 import numba
 import numpy as np
 from numba.core.caching import CompileResultCacheImpl, FunctionCache, _CacheLocator
+
+from . import _locks
 
 try:  # POSIX: advisory locks between processes (Windows gets numba's own renames only)
     import fcntl
@@ -104,27 +110,49 @@ GENERATED = "generated"  # subdirectory of the generated kernel modules
 FORMAT = 2
 _PRIVATE = 0o700  # the mode of every directory the cache makes
 
-_lock = threading.Lock()
+_lock = _locks.lock()
 _state: dict[str, Any] = {}  # "root": the usable cache root (None: off), "why": why not
 _warned: set[str] = set()
 
 
 def directory() -> Path | None:
     """The cache directory the environment asks for (``None``: turned off), whether or not it
-    can be written."""
+    can be written: an absolute path with no symbolic links, resolved the first time this value
+    is read (a relative ``NUMBACCUM_CACHE_DIR`` names the same directory after a later
+    ``os.chdir``, as in a Hydra run directory)."""
     raw = os.environ.get(ENV)
     if raw is not None:
         if raw.strip().lower() in _OFF:
             return None
-        return Path(raw.strip()).expanduser()
+        return _resolved(raw.strip())
     home = Path.home()
     if sys.platform.startswith("win"):
         base = os.environ.get("LOCALAPPDATA")
-        return (Path(base) if base else home / "AppData" / "Local") / "numbaccum" / "Cache"
-    if sys.platform == "darwin":
-        return home / "Library" / "Caches" / "numbaccum"
-    xdg = os.environ.get("XDG_CACHE_HOME", "")
-    return (Path(xdg) if os.path.isabs(xdg) else home / ".cache") / "numbaccum"
+        path = (Path(base) if base else home / "AppData" / "Local") / "numbaccum" / "Cache"
+    elif sys.platform == "darwin":
+        path = home / "Library" / "Caches" / "numbaccum"
+    else:
+        xdg = os.environ.get("XDG_CACHE_HOME", "")
+        path = (Path(xdg) if os.path.isabs(xdg) else home / ".cache") / "numbaccum"
+    return _resolved(str(path))
+
+
+_RESOLVED: dict[str, Path] = {}  # a directory as the environment names it -> its absolute path
+
+
+def _resolved(name: str) -> Path:
+    """``name`` (``~`` expanded) as an absolute path without symbolic links, the same on every
+    call of this process: the cache checks and uses one directory, wherever the working
+    directory later moves. Its parents are what `_check_parents` checks, as ssh checks the
+    canonical path of a key file."""
+    path = _RESOLVED.get(name)
+    if path is None:
+        path = _RESOLVED.setdefault(name, Path(os.path.realpath(os.path.expanduser(name))))
+    return path
+
+
+if os.environ.get(ENV) is not None:  # resolved at import: a chdir before the first kernel is no matter
+    directory()
 
 
 @functools.lru_cache(maxsize=1)
@@ -154,8 +182,8 @@ def _probe() -> tuple[Path | None, str]:
         return None, f"off ({ENV} is set to turn it off)"
     where = base / tag()
     try:
-        os.makedirs(base, mode=_PRIVATE, exist_ok=True)
-        for d in (base, where, where / GENERATED):
+        _private_path(base)
+        for d in (where, where / GENERATED):
             _private_dir(d)
         with tempfile.TemporaryFile(dir=where):  # writable, not just present
             pass
@@ -201,6 +229,45 @@ def _private_dir(path: Path) -> None:
             mode = oct(stat.S_IMODE(st.st_mode))
             raise _Unsafe(f"{path} can be written by other users (mode {mode})")
     _private.add(key)
+
+
+def _private_path(base: Path) -> None:
+    """Makes the cache directory ``base`` and the parents it lacks (each `_private_dir`: mode
+    0o700, ours), after checking the deepest parent that exists and those above it
+    (`_check_parents`): the cache reads nothing below a directory that someone else may
+    change."""
+    chain = [base, *base.parents]
+    top = next((p for p in chain if p.exists()), chain[-1])
+    made = chain.index(top)  # how many directories to make below ``top``
+    _check_parents(top if made else base.parent)
+    for d in reversed(chain[: max(made, 1)]):
+        _private_dir(d)
+
+
+def _check_parents(path: Path) -> None:
+    """Checks directory ``path`` and every directory above it as OpenSSH checks those above a
+    key file (``StrictModes``, its ``safe_path``): each must belong to root or to this user, and
+    group and others may not write it unless it is sticky (``/tmp``: others may add entries
+    there but not rename or remove ours, and an entry they add is not ours, which the directory
+    below fails). As ssh's, the walk stops at the user's home directory. Whoever may write a
+    directory above the cache may put a directory of theirs in its place: `_Unsafe` then."""
+    if not hasattr(os, "geteuid"):  # POSIX only, as `_private_dir`
+        return
+    uid, home = os.geteuid(), Path(os.path.realpath(os.path.expanduser("~")))
+    for d in (path, *path.parents):
+        st = os.stat(d)
+        if not stat.S_ISDIR(st.st_mode):
+            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(d))
+        if st.st_uid not in (0, uid):
+            raise _Unsafe(
+                f"{d}, above the cache directory, belongs to uid {st.st_uid}, neither root nor this "
+                f"user (uid {uid})"
+            )
+        if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX:
+            mode = oct(stat.S_IMODE(st.st_mode))
+            raise _Unsafe(f"{d}, above the cache directory, can be written by other users (mode {mode})")
+        if d == home:
+            break
 
 
 def _private_dirs(top: Path, path: Path) -> None:
@@ -408,9 +475,15 @@ def _unique_ids() -> None:
         FunctionIdentity._unique_ids = itertools.count(next(counter) + secrets.randbits(60))
 
 
+def _after_fork_in_child() -> None:
+    """A forked child's numba counter (`_unique_ids`) and lock (its copy of one another thread
+    held at the fork stays held)."""
+    _unique_ids()  # its lock: `_locks`
+
+
 _unique_ids()
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_unique_ids)
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 # --- numba's cache, in our directory, with locks ------------------------------------------------

@@ -43,6 +43,13 @@ CHUNK = 1 << 15
 # more than a small tree's whole update.
 SERIAL_BELOW = 1 << 16
 
+# Whether kernels may enter numba's parallel regions (the parallel drivers of calls of at least
+# SERIAL_BELOW elements). False in a process forked from one whose GNU OpenMP threading layer had
+# started (`numbaccum.cpu.driver`): libgomp's threads do not survive a fork, and numba terminates
+# such a child at its first parallel region. Every kernel then takes its serial driver: the same
+# bits (the partitions depend on the sizes only), on one thread.
+PARALLEL = True
+
 # A parallel elementwise call writes a float output of at least this many bytes with streaming
 # stores (x86-64, `numbaccum.cpu.streaming`): no read of each line before it is written, no
 # eviction of what the caches hold. Meant for outputs larger than the last-level cache, which

@@ -34,6 +34,7 @@ from .flat import FlatTree, as_flat, layout_and_device, layout_of
 from .formulas import formula
 from .fuse import step_applier
 from .layout import Layout, check_float_dtype, check_storage
+from .lockstep import Note, inside
 from .protocol import GradientTransformationExtraArgs
 from .transaction import keep_states
 from .tree import short_repr
@@ -590,7 +591,25 @@ class MultiSteps(Stage):
             zeros = FlatTree.zeros(layout, None, device)
             ref = ParamsRef(params, layout, None, device)
             _, skip_state = _call_skip(self._skip, Updates(zeros, owned=False), np.int32(0), ref)
-        return MultiStepsState(np.int32(0), np.int32(0), self._opt.init(params), acc, skip_state)
+        # A collective inside (`numbaccum.distributed.allreduce_mean`) compares this schedule
+        # across the ranks: another k on one rank would pair the collectives of different steps.
+        with inside(Note((), self._describe_schedule)):
+            inner_state = self._opt.init(params)
+        return MultiStepsState(np.int32(0), np.int32(0), inner_state, acc, skip_state)
+
+    def _describe_schedule(self) -> str:
+        """``every_k_schedule`` as text (a schedule: its name and its first value)."""
+        if not callable(self._k):
+            return f"MultiSteps(every_k_schedule={self._k})"
+        name = getattr(self._k, "__qualname__", type(self._k).__name__)
+        return f"MultiSteps(every_k_schedule={name}: {self._schedule(np.int32(0))} at gradient_step 0)"
+
+    @staticmethod
+    def _emitting(k: int, gradient_step: Any) -> Note:
+        """What an emitting step runs its inner optimizer under: a collective inside compares
+        ``k`` and the gradient step across the ranks (`numbaccum.lockstep`)."""
+        g = int(gradient_step)
+        return Note((k, g), lambda: f"MultiSteps every_k_schedule {k} at gradient_step {g}")
 
     def has_updated(self, state: MultiStepsState) -> bool:
         """True right after an emitting step (optax: ``mini_step == 0 and gradient_step > 0``)."""
@@ -665,7 +684,8 @@ class MultiSteps(Stage):
                 return zeros_output(acc, out_spec.layout), new
             rest_states: list = list(states[1:])
             if rest is not None:
-                out, rest_new = (rest.final or rest.run)(out)
+                with inside(self._emitting(k, gradient_step)):
+                    out, rest_new = (rest.final or rest.run)(out)
                 rest_states = list(rest_new)
             for a in acc.groups:
                 ops_for(a).fill_(a, 0.0)
@@ -685,7 +705,8 @@ class MultiSteps(Stage):
         k = self._schedule(state.gradient_step)
         emits = int(state.mini_step) >= k - 1
         inner = self._inner.plan(spec, state.inner_opt_state, params, extra) if emits else None
-        cycle = _Cycle(state, acc, spec.layout, params, inner, self._skip, self._mean)
+        note = self._emitting(k, state.gradient_step) if emits else None
+        cycle = _Cycle(state, acc, spec.layout, params, inner, self._skip, self._mean, note)
         run, apply = cycle.run, cycle.apply
         if emits and self._foreign:
             # The gradient is added to acc before the inner optimizer runs; foreign code in it
@@ -710,9 +731,10 @@ class _Cycle:
         inner: Step | None,
         skip_fn: Callable | None,
         mean: bool,
+        note: Note | None = None,
     ) -> None:
         self.state, self.acc, self.layout, self.params = state, acc, layout, params
-        self.inner, self.skip_fn, self.mean = inner, skip_fn, mean
+        self.inner, self.skip_fn, self.mean, self.note = inner, skip_fn, mean, note
         self.inner_apply = step_applier(inner) if inner is not None else None
         self.mini = int(state.mini_step)
         self.gradient_step = state.gradient_step
@@ -770,7 +792,8 @@ class _Cycle:
         # `final`: a factor left pending at the end (the learning rate) is applied in the last
         # pass, not in a pass of its own when the caller settles the updates.
         try:
-            out, inner_state = (inner.final or inner.run)(inner_in)
+            with inside(self.note):  # type: ignore[arg-type]  # set where inner is
+                out, inner_state = (inner.final or inner.run)(inner_in)
         except SkipStep as e:  # the inner optimizer skipped (a clip saw NaN): zeros, cycle over
             return zeros_output(acc, layout), self.emitted(e.new_state, skip_state)
         # The result is moved out of acc first if it still lives there.
@@ -789,11 +812,12 @@ class _Cycle:
         if inner is None:
             return self.waiting(skip_state)
         try:
-            if self.inner_apply is not None:
-                inner_state = self.inner_apply(self.inner_updates(), p)
-            else:
-                out, inner_state = inner.run(self.inner_updates())
-                apply_updates_(p, out.settled().flat)
+            with inside(self.note):  # type: ignore[arg-type]  # set where inner is
+                if self.inner_apply is not None:
+                    inner_state = self.inner_apply(self.inner_updates(), p)
+                else:
+                    out, inner_state = inner.run(self.inner_updates())
+                    apply_updates_(p, out.settled().flat)
         except SkipStep as e:  # the inner optimizer skipped: params untouched, cycle over
             inner_state = e.new_state
         return self.emitted(inner_state, skip_state)

@@ -41,7 +41,7 @@ from .flat import FlatTree, as_flat, host_leaves, layout_of
 from .fuse import run_part, run_parts
 from .layout import Layout
 from .protocol import EmptyState, GradientTransformation, GradientTransformationExtraArgs
-from .transaction import keep_states, state_flats
+from .transaction import keep_states, reading, state_flats
 from .tree import leaves_if_structure, tree_flatten, tree_map, tree_unflatten
 from .updates import ParamsRef, SkipStep, Spec, Updates
 
@@ -920,7 +920,14 @@ def copy_state(state: Any) -> Any:
             NamedTuples.
 
     Returns:
-        The copy; no later ``update`` of ``state`` changes it, nor it ``state``.
+        The copy; no later ``update`` of ``state`` changes it, nor it ``state``. Two places
+        holding one buffer (or one array) hold one copy.
+
+    Raises:
+        ValueError: ``state`` is stale (an update has consumed it), as ``update`` says: a copy
+            keeps a state from *before* the update that consumes it.
+        RuntimeError: an update of ``state`` is running on another thread (``update``'s error).
+            One that starts while the copy is taken waits for it.
 
     References:
         copy.deepcopy (which also keeps a read-only FlatTree read-only); an optax state needs no
@@ -938,17 +945,26 @@ def copy_state(state: Any) -> Any:
         >>> [round(float(x), 4) for x in saved[0].trace["w"]]  # as it was after the first step
         [1.0, 1.0]
     """
-    if isinstance(state, FlatTree):
-        return state.copy()
-    if isinstance(state, np.ndarray):
-        return state.copy()
-    if isinstance(state, dict):
-        return {k: copy_state(v) for k, v in state.items()}
-    if isinstance(state, tuple) and hasattr(type(state), "_fields"):
-        return type(state)(*(copy_state(v) for v in state))
-    if isinstance(state, (tuple, list)):
-        return type(state)(copy_state(v) for v in state)
-    return state
+    with reading(state):
+        return _copied(state, {})
+
+
+def _copied(x: Any, memo: dict[int, Any]) -> Any:
+    """`copy_state` of ``x``, its buffers held; ``memo``: the copy of each storage (a FlatTree's,
+    its renewals share it) and array copied so far."""
+    if isinstance(x, (FlatTree, np.ndarray)):
+        key = id(x.__dict__) if isinstance(x, FlatTree) else id(x)
+        out = memo.get(key)
+        if out is None:
+            out = memo[key] = x.copy()
+        return out
+    if isinstance(x, dict):
+        return {k: _copied(v, memo) for k, v in x.items()}
+    if isinstance(x, tuple) and hasattr(type(x), "_fields"):
+        return type(x)(*(_copied(v, memo) for v in x))
+    if isinstance(x, (tuple, list)):
+        return type(x)(_copied(v, memo) for v in x)
+    return x
 
 
 def wrapped_step(step: Step, wrap: Callable[[Any], Any], guard: Any, name: str) -> Step:

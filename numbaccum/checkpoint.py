@@ -1,7 +1,8 @@
 """Checkpoints: `save_state` and `load_state`, a state's buffers and structure in a versioned .npz.
 
-A checkpoint is an uncompressed ``.npz`` (a zip of ``.npy`` arrays, read back with
-``allow_pickle=False``: loading one never runs code from the file) holding
+A checkpoint is an uncompressed ``.npz`` (a zip of stored ``.npy`` arrays, read back with
+``allow_pickle=False``: loading one never runs code from the file, and never costs more memory
+than the file's size: a compressed member is refused) holding
 
 * ``numbaccum_checkpoint``: a uint8 array, the UTF-8 JSON header::
 
@@ -33,19 +34,30 @@ anything else raises TypeError naming its path before a byte is written.
 from __future__ import annotations
 
 import contextlib
+import errno
+import hashlib
 import json
 import os
+import secrets
+import stat
 import sys
-import tempfile
-import threading
+import zipfile
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
+from . import _locks
 from .arrays import DeviceScalar
 from .flat import FlatTree, to_device, to_host
 from .layout import NAMES, STORED, Layout, check_float_dtype, is_float
+from .transaction import reading
 from .tree import TreeDef, first_difference, format_path, short_repr, tree_flatten
+
+try:
+    import fcntl  # the lock that tells a save being written from a killed one's leftover (POSIX)
+except ImportError:  # pragma: no cover - Windows: no lock, leftovers are never removed
+    fcntl = None  # type: ignore[assignment]
 
 __all__ = ["load_state", "register_state_class", "save_state"]
 
@@ -109,6 +121,8 @@ def _earlier_fields(cls: type) -> list[list[str]]:
         return [[*cls._fields, "examples"]]
     if cls is nba.DifferentiallyPrivateAggregateState:  # before it counted DP accumulation's examples
         return [["rng_key"]]
+    if cls.__name__ == "AllreduceMeanState" and cls.__module__ == "numbaccum.distributed":
+        return [["mean"]]  # before it counted its steps (its count loads as 0)
     return []
 
 
@@ -142,7 +156,7 @@ def _with_examples(tree: Any, examples: Any) -> Any:
 # --- the registry of NamedTuple classes a checkpoint may name ------------------------------------
 
 _registered: dict[str, type] = {}  # file name -> class: numbaccum's states, then the user's
-_registry_lock = threading.Lock()
+_registry_lock = _locks.lock()
 
 
 def _library_state_classes() -> tuple[type, ...]:
@@ -320,7 +334,7 @@ class _Encoder:
         self.bf16: set[int] = set()  # the numbers of the bfloat16 arrays (stored as uint16)
         self.layouts: list[dict] = []
         self._layout_ids: dict[int, int] = {}
-        self._seen: dict[int, int] = {}  # id of a FlatTree or array -> its object number
+        self._seen: dict[int, int] = {}  # id of a FlatTree's storage or an array -> its object number
         self._objects: list[Any] = []  # keeps them alive, so that ids stay unique
 
     def array(self, a: np.ndarray) -> int:
@@ -347,10 +361,13 @@ class _Encoder:
         if isinstance(x, np.generic):
             return ["np", *self._scalar(x, path)]
         if isinstance(x, (FlatTree, np.ndarray)):
-            seen = self._seen.get(id(x))
+            # A FlatTree by its storage: a state and its renewal (`transaction.current`) are
+            # two objects over one buffer, which loads as one.
+            key = id(x.__dict__) if isinstance(x, FlatTree) else id(x)
+            seen = self._seen.get(key)
             if seen is not None:
                 return ["ref", seen]
-            self._seen[id(x)] = len(self._objects)
+            self._seen[key] = len(self._objects)
             self._objects.append(x)
             return self._flat(x, path) if isinstance(x, FlatTree) else self._ndarray(x, path)
         if t is Layout:
@@ -435,10 +452,19 @@ class _Encoder:
 def save_state(path: str | os.PathLike, state: Any) -> None:
     """Writes ``state`` to ``path`` as a checkpoint, atomically.
 
-    The state is encoded first (TypeError naming the path of anything that cannot be saved, before
-    the disk is touched), then written to a temporary file in the same directory, flushed, fsynced
-    and renamed over ``path``: a crash leaves either the previous file or the new one, never half
-    of one. A CUDA state's buffers are copied to the host for writing.
+    The state is checked and encoded first (nothing is written for a state that cannot be
+    saved), then written to a temporary file in the same directory, flushed, fsynced and renamed
+    over ``path``: a crash leaves either the previous file or the new one, never half of one. A
+    CUDA state's buffers are copied to the host for writing.
+
+    The buffers are held while they are written (as `copy_state` holds them): an update of the
+    state that starts on another thread meanwhile waits until they are written, so the file
+    holds one state, never half of two. A new file gets the mode ``open()`` would give it
+    (``0o666`` less the umask), a file replaced keeps its mode; a symbolic link is followed (its
+    target is replaced, as ``open()`` writes it); only a regular file is ever replaced. The
+    temporary file has a short name of its own (``.nba-*.tmp``: any name that fits the
+    directory can be saved) and is locked while it is written, so a later save of the same
+    path removes what a killed save left, and never what another process is writing.
 
     Args:
         path: the file to write (no suffix is added; ``.npz`` is customary).
@@ -452,8 +478,12 @@ def save_state(path: str | os.PathLike, state: Any) -> None:
     Raises:
         TypeError: the state holds something a checkpoint cannot hold (names its path); nothing
             is written then.
-        OSError: the file cannot be written (the previous file at ``path``, if any, is left as
-            it was).
+        ValueError: ``state`` is stale (an update has consumed it; ``update``'s error): save the
+            state the last update returned, or a `copy_state` kept from before.
+        RuntimeError: an update of ``state`` is running on another thread (``update``'s error).
+        OSError: the file cannot be written, or something other than a regular file is at
+            ``path`` (a directory, a FIFO, a device); the error names ``path``, and the previous
+            file there, if any, is left as it was.
 
     References:
         orbax.checkpoint, which saves optax states in JAX; PyTorch's
@@ -472,7 +502,20 @@ def save_state(path: str | os.PathLike, state: Any) -> None:
         >>> int(loaded[0].count), [round(float(x), 4) for x in loaded[0].mu["w"]]
         (1, [0.1, 0.1])
     """
-    path = os.fspath(path)
+    name = os.fspath(path)
+    with reading(state):  # until the arrays are written; the fsync and the rename need them not
+        arrays = _encoded(state)
+        target, mode = _target(name)
+        tmp = _Temporary(target, name, mode)
+        with tmp.failing():
+            _write_npz(tmp.file, arrays)
+            tmp.file.flush()
+    tmp.commit()
+
+
+def _encoded(state: Any) -> dict[str, Any]:
+    """The members of ``state``'s checkpoint: its header and its arrays (views or host copies of
+    its buffers, read when they are written); TypeError naming the path of what cannot be saved."""
     enc = _Encoder()
     node = enc.node(state, "state")
     header = {
@@ -486,22 +529,194 @@ def save_state(path: str | os.PathLike, state: Any) -> None:
         "state": node,
     }
     blob = np.frombuffer(json.dumps(header, separators=(",", ":")).encode(), np.uint8)
-    arrays: dict[str, Any] = {HEADER: blob, **{f"a{i}": a for i, a in enumerate(enc.arrays)}}
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
+    return {HEADER: blob, **{f"a{i}": a for i, a in enumerate(enc.arrays)}}
+
+
+def _write_npz(f: Any, arrays: dict[str, Any]) -> None:
+    """Writes ``arrays`` to the open file ``f`` as an uncompressed .npz."""
+    np.savez(f, **arrays)
+
+
+# --- the file a save writes -------------------------------------------------------------------------
+
+
+def _named(e: OSError, name: str) -> OSError:
+    """``e`` naming the caller's path ``name`` (not the temporary file it happened to)."""
+    if e.filename == name and e.filename2 is None:
+        return e
+    if e.errno is None:
+        return OSError(f"{name}: {e}")
+    return OSError(e.errno, e.strerror, name)  # OSError picks the subclass of the errno
+
+
+def _target(name: str) -> tuple[str, int | None]:
+    """The file a save of ``name`` replaces (symbolic links followed, as ``open()`` follows them)
+    and the mode of the file there (None: there is none); OSError naming ``name`` when what is
+    there is not a regular file, which a rename would replace (a FIFO, ``/dev/null``)."""
+    target = os.path.realpath(name)
     try:
-        with os.fdopen(fd, "wb") as f:
-            np.savez(f, **arrays)
-            f.flush()
-            os.fsync(f.fileno())
-        with contextlib.suppress(OSError):  # mkstemp makes the file 0600; keep an old file's mode
-            os.chmod(tmp, os.stat(path).st_mode & 0o7777 if os.path.exists(path) else 0o644)
-        os.replace(tmp, path)
-    except BaseException:
+        st = os.stat(target)
+    except FileNotFoundError:
+        return target, None
+    except OSError as e:
+        raise _named(e, name) from None
+    if stat.S_ISREG(st.st_mode):
+        return target, stat.S_IMODE(st.st_mode)
+    what = _FILE_KINDS.get(stat.S_IFMT(st.st_mode), "something that is not a regular file")
+    why = f"{what} is there; save_state replaces a regular file only"
+    if stat.S_ISDIR(st.st_mode):
+        raise IsADirectoryError(errno.EISDIR, why, name)
+    raise FileExistsError(errno.EEXIST, why, name)
+
+
+_FILE_KINDS = {
+    stat.S_IFDIR: "a directory",
+    stat.S_IFIFO: "a FIFO",
+    stat.S_IFCHR: "a character device",
+    stat.S_IFBLK: "a block device",
+    stat.S_IFSOCK: "a socket",
+}
+
+# The temporary files this process is writing: a save of the same path on another thread never
+# takes one for a leftover (on NFS, where a lock is the process's, it would get the lock).
+_writing: set[str] = set()
+_writing_lock = _locks.lock()
+
+
+def _temporary_prefix(target: str) -> str:
+    """``.nba-<12 hex digits>-``: the start of the temporary names of saves of ``target`` (a
+    hash of its name: short, so that they fit wherever ``target``'s name fits, and the same for
+    every save of it, so that a later save finds what an earlier one left)."""
+    digest = hashlib.blake2b(os.fsencode(os.path.basename(target)), digest_size=6).hexdigest()
+    return f".nba-{digest}-"
+
+
+_TEMPORARY_LENGTH = len(_temporary_prefix("x")) + 8 + len(".tmp")
+
+
+class _Temporary:
+    """The temporary file a save writes next to its target, locked (``flock``) from its creation
+    until it is renamed or removed: a file of this name whose lock is free was left by a save
+    that was killed (a process's locks go with it), one whose lock is held is being written."""
+
+    def __init__(self, target: str, name: str, mode: int | None) -> None:
+        self.target, self.name, self.mode = target, name, mode
+        self.directory = os.path.dirname(target)
+        prefix = _temporary_prefix(target)
+        try:
+            _remove_leftovers(self.directory, prefix)
+            self.path, fd = _create(self.directory, prefix, mode)
+        except OSError as e:
+            raise _named(e, name) from None
+        self.file = os.fdopen(fd, "wb")
+
+    @contextlib.contextmanager
+    def failing(self) -> Iterator[None]:
+        """Removes the temporary file if the block raises; an OSError names the caller's path."""
+        try:
+            yield
+        except BaseException as e:
+            self.discard()
+            if isinstance(e, OSError):
+                raise _named(e, self.name) from None
+            raise
+
+    def commit(self) -> None:
+        """Makes the written file durable and renames it over the target."""
+        with self.failing():
+            os.fsync(self.file.fileno())
+            if self.mode is not None:  # as open() keeps a file's mode; a new one keeps the umask's
+                with contextlib.suppress(OSError):
+                    os.chmod(self.path, self.mode)
+            os.replace(self.path, self.target)  # still locked: no later save removes it first
+        self._close()
+        _fsync_directory(self.directory)
+
+    def discard(self) -> None:
         with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    _fsync_directory(directory)
+            os.unlink(self.path)
+        self._close()
+
+    def _close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.file.close()  # lets go of the lock
+        with _writing_lock:
+            _writing.discard(self.path)
+
+
+def _create(directory: str, prefix: str, mode: int | None) -> tuple[str, int]:
+    """A new temporary file in ``directory``, locked: its path and descriptor. Created with mode
+    ``0o666`` (the umask applies, as for ``open()``) for a new target, ``0o600`` until it is given
+    the mode of the file it replaces."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0)
+    while True:
+        path = os.path.join(directory, f"{prefix}{secrets.token_hex(4)}.tmp")
+        try:
+            fd = os.open(path, flags, 0o666 if mode is None else 0o600)
+        except FileExistsError:
+            continue
+        with _writing_lock:
+            _writing.add(path)
+        if _lock(fd) and _is_named(fd, path):
+            return path, fd
+        # Another save took it for a leftover between the open and the lock: it is being removed.
+        os.close(fd)
+        with _writing_lock:
+            _writing.discard(path)
+
+
+def _lock(fd: int) -> bool:
+    """Locks ``fd`` for this save: False when another save holds its lock (taking it for a
+    leftover); True too where files cannot be locked (their leftovers are then never removed)."""
+    if fcntl is None:
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    except OSError:  # no locks on this file system
+        pass
+    return True
+
+
+def _is_named(fd: int, path: str) -> bool:
+    """Whether ``path`` is still the name of the open file ``fd``."""
+    try:
+        here, named = os.fstat(fd), os.lstat(path)
+    except OSError:
+        return False
+    return (here.st_dev, here.st_ino) == (named.st_dev, named.st_ino)
+
+
+def _remove_leftovers(directory: str, prefix: str) -> None:
+    """Removes the temporary files of killed saves of the same target from ``directory``: the
+    regular files of its temporary names whose lock can be taken (no living save holds it).
+    Best effort: what cannot be checked is left."""
+    if fcntl is None:
+        return
+    try:
+        names = [n for n in os.listdir(directory) if n.startswith(prefix) and len(n) == _TEMPORARY_LENGTH]
+    except OSError:
+        return
+    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    for n in names:
+        path = os.path.join(directory, n)
+        with _writing_lock:
+            if not n.endswith(".tmp") or path in _writing:
+                continue
+        try:
+            fd = os.open(path, flags)
+        except OSError:
+            continue
+        try:
+            if stat.S_ISREG(os.fstat(fd).st_mode):
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held: a living save writes it
+                if _is_named(fd, path):
+                    os.unlink(path)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
 
 
 def _fsync_directory(directory: str) -> None:
@@ -530,7 +745,9 @@ def load_state(path: str | os.PathLike, like: Any = None) -> Any:
 
     Continuing from the loaded state gives the same bits as never stopping. The file is checked
     whole before a state is built: its format and version, each array's dtype and shape against
-    the header, and (the zip's CRCs) every byte.
+    the header and its member's size (read from the headers: no array's data is read before the
+    whole structure is checked, against ``like`` too), and (the zip's CRCs) every byte. The
+    loaded state is current: any ``update`` takes it.
 
     Args:
         path: the file `save_state` wrote.
@@ -545,8 +762,9 @@ def load_state(path: str | os.PathLike, like: Any = None) -> Any:
     Raises:
         ValueError: the file is truncated or corrupt, from another program, of a newer format
             version, names a NamedTuple class that is neither numbaccum's nor registered (see
-            `register_state_class`) nor in ``like``, or (with ``like``) is of another structure,
-            shape or dtype; the reason is in the message.
+            `register_state_class`) nor in ``like``, holds a compressed member, or (with ``like``)
+            is of another structure, shape or dtype, or makes buffers one that are separate in
+            ``like`` (or the other way); the reason is in the message.
         OSError: the file cannot be opened (FileNotFoundError where there is none).
 
     References:
@@ -575,37 +793,119 @@ def load_state(path: str | os.PathLike, like: Any = None) -> Any:
                 raise _Malformed("the file is empty")
             if magic != b"PK\x03\x04":
                 raise _Malformed("not a numbaccum checkpoint: the file is not an .npz archive")
-            header, arrays = _read(f)
-        known = _classes_of(like) if like is not None else {}
-        state = _Decoder(header, arrays, known, None if like is None else _device_of(like)).node(
-            header["state"], "state"
-        )
+            with _Archive(f) as archive:
+                state = _decoded(archive, like)
     except _Malformed as e:
         raise ValueError(f"{name}: {e}") from None
     except (RecursionError, MemoryError) as e:
         raise ValueError(f"{name}: not a readable numbaccum checkpoint ({type(e).__name__})") from None
-    if like is not None:
-        _compare(state, like, "state")
     return state
 
 
-def _read(f: Any) -> tuple[dict, list[np.ndarray]]:
-    """The header and the arrays of an open checkpoint; _Malformed with the reason."""
-    f.seek(0)
-    try:
-        npz = np.load(f, allow_pickle=False)
-    except Exception as e:
-        raise _Malformed(f"truncated or corrupt ({type(e).__name__}: {e})") from None
-    with npz:
-        if not isinstance(npz, np.lib.npyio.NpzFile):  # pragma: no cover - the magic was a zip's
-            raise _Malformed("not a numbaccum checkpoint: the file is not an .npz archive")
-        if HEADER not in npz.files:
+def _decoded(archive: _Archive, like: Any) -> Any:
+    """The state of an open checkpoint. Its structure is decoded and checked first, against the
+    arrays' declared dtypes and shapes (`_ArraySpec`) and against ``like`` (structure, shapes,
+    dtypes, which buffers are one), before any array's data is read: a file that does not fit
+    costs no more memory than its header."""
+    header = archive.header
+    known = _classes_of(like) if like is not None else {}
+    device = None if like is None else _device_of(like)
+    skeleton = _Decoder(header, archive.specs, known, device, dry=True).node(header["state"], "state")
+    if like is not None:
+        _compare(skeleton, like, "state")
+        _compare_sharing(skeleton, like)
+    arrays = [archive.array(i) for i in range(len(archive.specs))]
+    return _Decoder(header, arrays, known, device).node(header["state"], "state")
+
+
+class _ArraySpec:
+    """An array of a checkpoint as its header declares it (its member's .npy header and size
+    agree), before its data is read."""
+
+    __slots__ = ("dtype", "shape")
+
+    def __init__(self, dtype: np.dtype, shape: tuple[int, ...]) -> None:
+        self.dtype, self.shape = dtype, shape
+
+
+class _FlatSpec:
+    """A FlatTree of a checkpoint as its header declares it (its layout and storage dtypes)."""
+
+    __slots__ = ("layout", "group_dtypes")
+
+    def __init__(self, layout: Layout, group_dtypes: tuple[np.dtype, ...]) -> None:
+        self.layout, self.group_dtypes = layout, group_dtypes
+
+
+class _Archive:
+    """An open checkpoint: its header (read and checked) and its arrays' specs (checked against
+    their members' .npy headers and sizes without reading their data), then each array on
+    demand (`array`).
+
+    Every member read must be stored uncompressed (`save_state` writes it so) and lie inside the
+    file: what an array costs to read is then bounded by the file's own size, whatever a header
+    declares (a zip member may otherwise inflate a few kilobytes into gigabytes)."""
+
+    def __init__(self, f: Any) -> None:
+        f.seek(0)
+        self.size = os.fstat(f.fileno()).st_size
+        try:
+            self.zip = zipfile.ZipFile(f)
+        except Exception as e:
+            raise _Malformed(f"truncated or corrupt ({type(e).__name__}: {e})") from None
+
+    def __enter__(self) -> _Archive:
+        try:
+            self.header = self._header()
+            self.specs = [self._spec(spec, i) for i, spec in enumerate(self.header["arrays"])]
+        except BaseException:
+            self.zip.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.zip.close()
+
+    def _info(self, key: str) -> zipfile.ZipInfo:
+        try:
+            info = self.zip.getinfo(f"{key}.npy")
+        except KeyError:
+            raise _Malformed(f"truncated or corrupt: the array {key} is missing") from None
+        if info.compress_type != zipfile.ZIP_STORED or info.compress_size != info.file_size:
+            raise _Malformed(f"the array {key} is compressed; save_state writes arrays uncompressed")
+        if info.header_offset + info.compress_size > self.size:
+            raise _Malformed(f"truncated or corrupt: the array {key} is longer than the file")
+        return info
+
+    def _npy_header(self, key: str, info: zipfile.ZipInfo) -> tuple[np.dtype, tuple[int, ...]]:
+        """The dtype and shape the member's .npy header declares (its data not read), after
+        checking that its size is that of the header and the data exactly."""
+        try:
+            with self.zip.open(info) as fp:
+                version = np.lib.format.read_magic(fp)
+                if version == (1, 0):
+                    shape, _, dtype = np.lib.format.read_array_header_1_0(fp)
+                elif version == (2, 0):
+                    shape, _, dtype = np.lib.format.read_array_header_2_0(fp)
+                else:
+                    raise ValueError(f"a .npy format version {version}")
+                start = fp.tell()
+        except Exception as e:
+            raise _Malformed(f"truncated or corrupt ({key}: {type(e).__name__}: {e})") from None
+        if dtype.hasobject or info.file_size != start + int(np.prod(shape, dtype=np.int64)) * dtype.itemsize:
+            raise _Malformed(f"truncated or corrupt: the array {key} is not the size its .npy header says")
+        return dtype, shape
+
+    def _header(self) -> dict:
+        if f"{HEADER}.npy" not in self.zip.namelist():
             raise _Malformed(
                 "not a numbaccum checkpoint: an .npz written by another program (no numbaccum header)"
             )
-        raw = _member(npz, HEADER)
-        if raw.dtype != np.uint8 or raw.ndim != 1:
+        info = self._info(HEADER)
+        dtype, shape = self._npy_header(HEADER, info)
+        if dtype != np.uint8 or len(shape) != 1:
             raise _Malformed("not a numbaccum checkpoint: its header is not UTF-8 JSON bytes")
+        raw = self._read(HEADER, info)
         try:
             header = json.loads(raw.tobytes().decode("utf-8"))
         except (UnicodeDecodeError, ValueError) as e:
@@ -623,25 +923,41 @@ def _read(f: Any) -> tuple[dict, list[np.ndarray]]:
         specs, layouts = header.get("arrays"), header.get("layouts")
         if not isinstance(specs, list) or not isinstance(layouts, list) or "state" not in header:
             raise _Malformed("a malformed header (missing 'arrays', 'layouts' or 'state')")
-        arrays = []
-        for i, spec in enumerate(specs):
-            dtype, shape = _array_spec(spec, i)
-            key = f"a{i}"
-            if key not in npz.files:
-                raise _Malformed(f"truncated or corrupt: the array {key} is missing")
-            expected = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-            if npz.zip.getinfo(f"{key}.npy").file_size < expected:  # type: ignore[union-attr]  # before reading
-                raise _Malformed(f"truncated or corrupt: the array {key} is shorter than its header says")
-            a = _member(npz, key)
-            if dtype.kind == "V":  # bfloat16, kept as its raw bits (`_Encoder.array`)
-                a = a.view(dtype) if a.dtype == np.uint16 and a.ndim == 1 else a
-            if a.dtype != dtype or a.shape != shape:
-                raise _Malformed(
-                    f"truncated or corrupt: the array {key} is {a.dtype} {a.shape}, the header says "
-                    f"{dtype} {shape}"
-                )
-            arrays.append(a)
-    return header, arrays
+        return header
+
+    def _spec(self, spec: Any, i: int) -> _ArraySpec:
+        dtype, shape = _array_spec(spec, i)
+        key = f"a{i}"
+        stored, stored_shape = self._npy_header(key, self._info(key))
+        if dtype.kind == "V":  # bfloat16, kept as its raw bits (`_Encoder.array`)
+            ok = stored == np.uint16 and stored_shape == shape and len(shape) == 1
+        else:
+            ok = stored == dtype and stored_shape == shape
+        if not ok:
+            raise _Malformed(
+                f"truncated or corrupt: the array {key} is {stored} {stored_shape}, the header says "
+                f"{dtype} {shape}"
+            )
+        return _ArraySpec(dtype, shape)
+
+    def _read(self, key: str, info: zipfile.ZipInfo) -> np.ndarray:
+        try:
+            with self.zip.open(info) as fp:
+                # Read to its end, which checks the zip's CRC of its bytes.
+                return np.lib.format.read_array(fp, allow_pickle=False)
+        except Exception as e:
+            raise _Malformed(f"truncated or corrupt ({key}: {type(e).__name__}: {e})") from None
+
+    def array(self, i: int) -> np.ndarray:
+        """The data of array ``i``, of its spec's dtype and shape."""
+        key = f"a{i}"
+        a = self._read(key, self._info(key))
+        spec = self.specs[i]
+        if spec.dtype.kind == "V":
+            a = a.view(spec.dtype)
+        if a.dtype != spec.dtype or a.shape != spec.shape:  # pragma: no cover - the member changed
+            raise _Malformed(f"truncated or corrupt: the array {key} changed while it was read")
+        return a
 
 
 def _dtype_name(dt: np.dtype) -> str:
@@ -663,13 +979,6 @@ def _dtype_of(name: Any) -> np.dtype:
     if dt.kind == "V":
         raise ValueError(f"a void dtype {name!r}")
     return dt
-
-
-def _member(npz: Any, key: str) -> np.ndarray:
-    try:
-        return npz[key]  # reads it to the end, which checks the zip's CRC of its bytes
-    except Exception as e:
-        raise _Malformed(f"truncated or corrupt ({key}: {type(e).__name__}: {e})") from None
 
 
 def _array_spec(spec: Any, i: int) -> tuple[np.dtype, tuple[int, ...]]:
@@ -729,8 +1038,11 @@ def _classes_of(like: Any) -> dict[str, type]:
 class _Decoder:
     """Builds a state from a header node, checking every entry (_Malformed with the reason)."""
 
-    def __init__(self, header: dict, arrays: list[np.ndarray], known: dict[str, type], device: bool | None):
+    def __init__(
+        self, header: dict, arrays: list[Any], known: dict[str, type], device: bool | None, dry: bool = False
+    ):
         self.arrays = arrays
+        self.dry = dry  # ``arrays`` are their specs (`_ArraySpec`): a skeleton is built, no buffer
         self.layouts_raw = header["layouts"]
         self.layouts: dict[int, Layout] = {}
         self.known = known
@@ -770,7 +1082,7 @@ class _Decoder:
             return _scalar(*args)
         if tag == "array" and len(args) == 2:
             a = self.array(args[0])
-            if not args[1]:
+            if not args[1] and isinstance(a, np.ndarray):
                 a.flags.writeable = False
             self.objects.append(a)
             return a
@@ -817,6 +1129,8 @@ class _Decoder:
         for a, n in zip(data, layout.group_sizes):
             if a.shape != (n,) or a.dtype not in STORED:
                 raise _Malformed(f"{path}: a group of {a.dtype} {a.shape} does not fit {layout}")
+        if self.dry:
+            return _FlatSpec(layout, tuple(a.dtype for a in data))
         out = FlatTree.empty(layout, [a.dtype for a in data])
         for dst, src in zip(out.groups, data):
             dst[...] = src
@@ -899,9 +1213,9 @@ def _mismatch(path: str, why: str) -> ValueError:
 
 
 def _kind(x: Any) -> str:
-    if isinstance(x, FlatTree):
+    if isinstance(x, (FlatTree, _FlatSpec)):
         return "a FlatTree"
-    if isinstance(x, np.ndarray):
+    if isinstance(x, (np.ndarray, _ArraySpec)):
         return f"an array {x.dtype} {x.shape}"
     if isinstance(x, np.generic):
         return f"a NumPy {x.dtype} scalar"
@@ -909,10 +1223,11 @@ def _kind(x: Any) -> str:
 
 
 def _compare(got: Any, want: Any, path: str) -> None:
-    """Raises ValueError naming the first place where the loaded state differs from ``like`` in
-    structure, shape or dtype."""
+    """Raises ValueError naming the first place where the checkpoint's skeleton (`_decoded`: its
+    buffers and arrays as `_FlatSpec` and `_ArraySpec`) differs from ``like`` in structure, shape
+    or dtype."""
     if isinstance(want, FlatTree):
-        if not isinstance(got, FlatTree):
+        if not isinstance(got, _FlatSpec):
             raise _mismatch(path, f"expected a FlatTree, the file holds {_kind(got)}")
         if got.layout is not want.layout:
             raise _mismatch(path, _layout_difference(got.layout, want.layout))
@@ -926,6 +1241,10 @@ def _compare(got: Any, want: Any, path: str) -> None:
             raise _mismatch(path, f"expected a layout, the file holds {_kind(got)}")
         if got is not want:
             raise _mismatch(path, _layout_difference(got, want))
+        return
+    if isinstance(want, np.ndarray):
+        if not isinstance(got, _ArraySpec) or got.dtype != want.dtype or got.shape != want.shape:
+            raise _mismatch(path, f"{_kind(got)} in the file, {_kind(want)} expected")
         return
     if type(got) is not type(want):
         raise _mismatch(path, f"expected {_kind(want)}, the file holds {_kind(got)}")
@@ -944,8 +1263,41 @@ def _compare(got: Any, want: Any, path: str) -> None:
             raise _mismatch(path, f"dict keys differ (missing {missing}, unexpected {extra})")
         for k in want:
             _compare(got[k], want[k], f"{path}[{short_repr(k)}]")
-    elif isinstance(want, (np.ndarray, np.generic)) and (got.dtype != want.dtype or got.shape != want.shape):
+    elif isinstance(want, np.generic) and got.dtype != want.dtype:
         raise _mismatch(path, f"{_kind(got)} in the file, {_kind(want)} expected")
+
+
+def _compare_sharing(got: Any, want: Any) -> None:
+    """Raises ValueError naming the first buffer that is one with another in the checkpoint's
+    skeleton but not in ``like``, or the other way (after `_compare`: the same structure). A
+    file could otherwise make two buffers of a state one (adam's ``nu`` the same as its ``mu``),
+    which every update would then compute wrongly. A FlatTree of ``like`` by its storage (a state
+    and its renewal are one buffer); arrays are not compared (a state replaces them, it does not
+    write them in place)."""
+    first_got: dict[int, str] = {}
+    first_want: dict[int, str] = {}
+    for path, g, w in _flats_beside(got, want, "state"):
+        a = first_got.setdefault(id(g), path)
+        b = first_want.setdefault(id(w.__dict__), path)
+        if a != b:
+            in_file = f"the buffer of {a}" if a != path else "a buffer of its own"
+            in_like = f"the buffer of {b}" if b != path else "a buffer of its own"
+            raise _mismatch(path, f"the file makes it {in_file}, like {in_like}")
+
+
+def _flats_beside(got: Any, want: Any, path: str) -> Iterator[tuple[str, Any, FlatTree]]:
+    """``(path, got's node, want's FlatTree)`` for each FlatTree of ``want``, in its order."""
+    if isinstance(want, FlatTree):
+        yield path, got, want
+    elif _is_namedtuple(want):
+        for f, a, b in zip(want._fields, got, want):
+            yield from _flats_beside(a, b, f"{path}.{f}")
+    elif isinstance(want, (tuple, list)):
+        for i, (a, b) in enumerate(zip(got, want)):
+            yield from _flats_beside(a, b, f"{path}[{i}]")
+    elif isinstance(want, dict):
+        for k in want:
+            yield from _flats_beside(got[k], want[k], f"{path}[{short_repr(k)}]")
 
 
 def _layout_difference(got: Layout, want: Layout) -> str:

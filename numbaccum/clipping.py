@@ -20,6 +20,7 @@ from .flat import FlatTree, as_flat, layout_of
 from .formulas import clip_factor, clip_finish
 from .fuse import Later, Prepass
 from .layout import Layout, compute_dtype
+from .lockstep import Note, inside
 from .protocol import EmptyState, GradientTransformationExtraArgs
 from .tables import segments
 from .tables import sum_in_order as _sequential_sum
@@ -714,7 +715,10 @@ class _ApplyIfFinite(Stage):
         return self.stage.refuses_complex()
 
     def init(self, params: Any) -> ApplyIfFiniteState:
-        return ApplyIfFiniteState(np.int32(0), np.bool_(True), np.int32(0), self.inner.init(params))
+        # A collective inside compares this across the ranks (`numbaccum.lockstep`).
+        with inside(Note((), lambda: f"apply_if_finite(max_consecutive_errors={self.max_errors})")):
+            inner_state = self.inner.init(params)
+        return ApplyIfFiniteState(np.int32(0), np.bool_(True), np.int32(0), inner_state)
 
     def owner(self, state: Any) -> FlatTree | None:
         return self.stage.owner(state.inner_state) if isinstance(state, ApplyIfFiniteState) else None
@@ -742,8 +746,12 @@ class _ApplyIfFinite(Stage):
             new_total = total + (0 if finite else 1)
             flags = (np.int32(min(count, _INT32_MAX)), np.bool_(finite), np.int32(min(new_total, _INT32_MAX)))
             if finite or count > max_errors:
+                # It decides from this rank's own updates: a collective inside compares the
+                # skipped steps across the ranks, which a NaN on one rank only sets apart.
+                note = Note((count, new_total), lambda: _skipped_text(new_total, count))
                 try:
-                    out, inner_state = inner.run(u)
+                    with inside(note):
+                        out, inner_state = inner.run(u)
                 except SkipStep as e:  # an inner clip skipped: zeros, its state as it says
                     return Updates(u.fresh().fill_(0.0), True), ApplyIfFiniteState(*flags, e.new_state)
                 return out, ApplyIfFiniteState(*flags, inner_state)
@@ -752,6 +760,10 @@ class _ApplyIfFinite(Stage):
             return Updates(zeros, True), ApplyIfFiniteState(*flags, state.inner_state)
 
         return Step(run)
+
+
+def _skipped_text(total: int, streak: int) -> str:
+    return f"apply_if_finite at {total} non-finite updates, {streak} in a row"
 
 
 def clip_by_block_rms(threshold: float) -> GradientTransformationExtraArgs:

@@ -1026,12 +1026,23 @@ def prodigy_direction(
     eps_d,
 ):
     """Prodigy (optax.contrib's order): dg = d g; ea = b1 ea + (1 - b1) dg; eas = b2 eas + ((1 -
-    b2) dg) dg; s = b3 s + (rate dg) / d0; out = -wd dlr p - (dlr ea) / (sqrt(eas) + d eps)."""
+    b2) dg) dg; s = b3 s + (rate dg) / d0; out = -wd dlr p - (dlr ea) / (sqrt(eas) + eps_d), as
+    `prodigy_update` computes it (``eps_d`` the ``d eps`` of the estimate before this step: the
+    new one's wherever the estimate stays)."""
     dg = estim_lr * g
     ea = b1 * exp_avg + one_minus_b1 * dg
     eas = b2 * exp_avg_sq + one_minus_b2 * dg * dg
     s = b3 * grad_sum + gs_rate * dg / estim_lr0
     return ea, eas, s, neg_wd_dlr * params - dlr * ea / (math.sqrt(eas) + eps_d)
+
+
+@formula(
+    inputs=("exp_avg", "exp_avg_sq", "params"), outputs=("out",), scalars=("dlr", "neg_wd_dlr", "eps_d")
+)
+def prodigy_update(exp_avg, exp_avg_sq, params, dlr, neg_wd_dlr, eps_d):
+    """Prodigy's update: out = -wd dlr p - (dlr ea) / (sqrt(eas) + d eps), ``eps_d`` the ``d eps``
+    of the new estimate d (optax's and the paper's order: the estimate grows before the update)."""
+    return neg_wd_dlr * params - dlr * exp_avg / (math.sqrt(exp_avg_sq) + eps_d)
 
 
 @formula(states=("diff",), inputs=("g", "params0", "params"), outputs=(), scalars=())
@@ -1052,7 +1063,7 @@ class _LrFree(Stage):
     update in one pass, and the L1 norm of the new ``grad_sum`` (one reduction)."""
 
     # The formulas its passes run (the driver's map_), declared for the contract's tests.
-    formulas = (dadapt_direction, prodigy_direction, params_diff, dadapt_weighted)
+    formulas = (dadapt_direction, prodigy_direction, prodigy_update, params_diff, dadapt_weighted)
 
     def __init__(
         self,
@@ -1158,7 +1169,16 @@ class _LrFree(Stage):
                 else:
                     new_nw = t(t(sb2) * nw + t(t(1 - sb2) * dlr) * acum)
                     estimate = t(new_nw / t(t(1 - sb2) * l1))
-                new_d = t(np.maximum(d, estimate))
+                new_d = t(np.maximum(d, estimate))  # NaN if either is (jnp.maximum)
+            if prodigy and not new_d == d:
+                # Prodigy's eps term takes the new estimate, known only after the L1 norm: the
+                # fused pass assumed d stays (most steps), and where it grew (or is NaN: an inf or
+                # NaN gradient makes every element's update NaN, as optax's) the update is made
+                # again from the moments just stored, one pass of its own.
+                with np.errstate(all="ignore"):
+                    eps_d = t(new_d * t(eps))
+                for a, b, pg, o in zip(ea.groups, eas.groups, p.groups, out.groups):
+                    ops_for(o).driver.map_(prodigy_update, ONE, (a, b, pg, o), (dlr, neg_wd_dlr, eps_d))
             tail = (new_d, new_nw, c)
             new = ProdigyState(ea, eas, gs, p0, *tail) if prodigy else DAdaptAdamWState(ea, eas, gs, *tail)
             return Updates(out, True, scratch=u.scratch), new
@@ -1229,9 +1249,11 @@ def prodigy(
 
     With ``dg = d g`` and ``dlr = d * lr * sqrt(1 - b2^t) / (1 - b1^t)``: ``ea = b1 ea + (1 - b1)
     dg``, ``eas = b2 eas + (1 - b2) dg^2``, ``s = b3 s + dlr dg / d0`` (``d dg / d0`` with
-    ``safeguard_warmup``); ``u = -wd dlr p - dlr ea / (sqrt(eas) + d eps)``; then ``d = max(d,
-    coef N / ||s||_1)``, ``N = b3 N + (d / d0) dlr <g, p0 - p>``. The inner product and the L1
-    norm are float64 reductions; the moments and the update one pass. Needs params.
+    ``safeguard_warmup``); ``N = b3 N + (d / d0) dlr <g, p0 - p>``, ``d' = max(d, coef N /
+    ||s||_1)``; ``u = -wd dlr p - dlr ea / (sqrt(eas) + d' eps)``, with the new estimate ``d'``
+    (optax's and the paper's order), so an inf or NaN gradient makes every update NaN, as in
+    optax. The inner product and the L1 norm are float64 reductions; the moments and the update
+    one pass, and a second pass for the update on the steps where ``d`` grows. Needs params.
 
     Args:
         learning_rate: a factor on the estimated rate (1 by default), or a schedule.

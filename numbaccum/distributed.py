@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import ctypes
 import datetime
-import hashlib
 import json
 import math
 import os
@@ -53,7 +52,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import _cache, _config
+from . import _cache, _config, lockstep
 from ._checks import flag, integer, non_negative
 from .backend import PiecewiseSumsq, ops_for
 from .base import Stage, Step
@@ -460,15 +459,11 @@ def check_same_layout(layout: Layout, comm: Any = None, name: str = "params") ->
     so that the message can name the first differing leaf.
     """
     comm = _comm(comm)
-    text = repr(layout.treedef) + "\n" + "\n".join(_leaf_records(layout, name))
-    mine = np.frombuffer(hashlib.sha256(text.encode()).digest(), np.uint8)
-    every = np.empty((comm.Get_size(), mine.size), np.uint8)
-    comm.Allgather(mine, every)
-    if (every == every[0]).all():
+    every = lockstep.gathered_if_different(comm, [repr(layout.treedef), *_leaf_records(layout, name)])
+    if every is None:
         return
-    records = comm.allgather((repr(layout.treedef), _leaf_records(layout, name)))
-    r = next(i for i in range(len(every)) if (every[i] != every[0]).any())
-    (td0, leaves0), (tdr, leavesr) = records[0], records[r]
+    r = next(i for i in range(len(every)) if every[i] != every[0])
+    (td0, *leaves0), (tdr, *leavesr) = every[0], every[r]
     if td0 != tdr:
         detail = f"tree structure {tdr} on rank {r}, {td0} on rank 0"
     else:
@@ -522,9 +517,14 @@ class AllreduceMeanState(NamedTuple):
     Attributes:
         mean: the buffer the collective writes into (shaped like params, in the updates' dtypes);
             it holds the last sum over ranks (or mean, for trees with float16 leaves).
+        count: the steps this state has averaged (int64): every rank's must be the same at each
+            step, and each step's first collective checks that they are (ranks resumed from
+            checkpoints of different steps raise instead of pairing collectives of different
+            steps). A state saved before it was kept loads with 0.
     """
 
     mean: FlatTree
+    count: np.int64 = np.int64(0)  # type: ignore[assignment]  # shadows tuple.count, as in optax
 
 
 def _abort_on_uncaught(comm: Any) -> None:
@@ -556,9 +556,16 @@ def allreduce_mean(comm: Any = None, bucket_bytes: int | None = None) -> Gradien
     ``chain(allreduce_mean(), clip_by_global_norm(1.0), adam(1e-3))``; inside
     ``MultiSteps(..., k)`` it averages once per emitted step instead of every mini-step.
 
-    ``init`` checks with two small collectives that every rank has the same tree structure,
-    shapes and dtypes, and the same bucket size (ValueError on every rank otherwise). ``update``
-    is collective: every rank must call it, the same number of times.
+    ``init`` checks with small collectives that every rank has the same tree structure, shapes
+    and dtypes, the same bucket size and the same schedule around it (a `numbaccum.MultiSteps`'
+    ``every_k_schedule``): ValueError on every rank otherwise. ``update`` is collective: every
+    rank must call it, the same number of times, from the same step. Each update's first message
+    is a tiny ``Allreduce`` of the ranks' step counters (the state's ``count``, and those of the
+    combinators around it: MultiSteps' ``k`` and gradient step, `numbaccum.apply_if_finite`'s
+    skipped steps), so that ranks out of step (resumed from checkpoints of different steps, with
+    another ``k``, skipping a step the others take) raise the same ValueError on every rank,
+    naming the counters, before any buffer is written, instead of pairing the collectives of
+    different steps (`numbaccum.lockstep`).
 
     Args:
         comm: the communicator; None: ``MPI.COMM_WORLD``.
@@ -571,7 +578,8 @@ def allreduce_mean(comm: Any = None, bucket_bytes: int | None = None) -> Gradien
 
     Raises:
         TypeError: ``bucket_bytes`` is not an int.
-        ValueError: ``bucket_bytes < 1``.
+        ValueError: ``bucket_bytes < 1``; from ``init``, the ranks' layouts, bucket sizes or
+            schedules differ; from ``update``, the ranks are out of step (on every rank alike).
 
     Examples:
         >>> import numpy as np, numbaccum as nba
@@ -600,7 +608,8 @@ class _AllreduceMean(Stage):
         layout, device = layout_and_device(params, "params")
         check_same_layout(layout, self.comm)
         _check_same_bucket(self.bucket, self.comm)
-        return AllreduceMeanState(FlatTree.zeros(layout, None, device))
+        lockstep.check_same_schedule(self.comm, [n.describe() for n in lockstep.notes()], "allreduce_mean")
+        return AllreduceMeanState(FlatTree.zeros(layout, None, device), np.int64(0))
 
     def owner(self, state: Any) -> FlatTree | None:
         """The state's buffer: it defines the layout the updates must have."""
@@ -610,6 +619,7 @@ class _AllreduceMean(Stage):
         """A `numbaccum.fuse.Collective` into the state's buffer (one rank: nothing, a `Scale`
         of one); its ``tick`` renews the buffer. A clip's norm that follows rides on it."""
         storage = expect_state(state, AllreduceMeanState, "mean", spec, renew=False).__dict__
+        seen = [0]  # the count of the state this step started from (set by the tick)
         part: Any
         if self.n == 1:
             part = Scale(ONE, name="allreduce_mean")
@@ -621,6 +631,7 @@ class _AllreduceMean(Stage):
             pending = ONE if half else Factor(float(n), 1.0)
 
             def reduce(flat: FlatTree, factor: Factor, sums: np.ndarray | None) -> tuple:
+                _check_in_step(comm, seen[0])  # before any buffer is written
                 out = part.new_state.mean
                 # A pending factor is applied on the way into our buffer: no pass of its own.
                 src = flat if factor.is_one else Updates(flat, False, factor).into(out)
@@ -633,7 +644,8 @@ class _AllreduceMean(Stage):
                 return False
             if getattr(state.mean, "__dict__", None) is not storage:  # another state's buffer
                 return False
-            part.new_state = AllreduceMeanState(current(state.mean, "mean"))
+            seen[0] = count = int(state.count)
+            part.new_state = AllreduceMeanState(current(state.mean, "mean"), np.int64(count + 1))
             return True
 
         part.tick = tick
@@ -642,14 +654,27 @@ class _AllreduceMean(Stage):
 
 def _messages(layout: Layout, bucket_bytes: int, n: int) -> str:
     """What the collective sends, for `numbaccum.explain`: its ``Allreduce`` (or ``Iallreduce``)
-    calls per update and their size."""
+    calls per update and their size, after the tiny one of the step counters (`_check_in_step`)."""
     count = sum(
         len(_runs(size, 4 if np.dtype(d).itemsize == 2 else np.dtype(d).itemsize, bucket_bytes))
         for size, d in zip(layout.group_sizes, layout.group_dtypes)
         if size
     )
     call = "Iallreduce" if _config.MPI_NONBLOCKING else "Allreduce"
-    return f"{count} {call} of up to {_human(bucket_bytes)} over {_ranks(n)}"
+    return f"{count} {call} of up to {_human(bucket_bytes)} over {_ranks(n)}, after the step counters'"
+
+
+def _check_in_step(comm: Any, count: int) -> None:
+    """The same ValueError on every rank unless every rank's state has averaged ``count`` steps
+    and the combinators around it are at the same counters (`numbaccum.lockstep`): one
+    ``Allreduce`` of a few int64, before the step's first bucket."""
+    around = [n for n in lockstep.notes() if n.values]
+    values = (count, *(v for n in around for v in n.values))
+
+    def describe() -> list[str]:
+        return [f"allreduce_mean's state.count {count}", *(n.describe() for n in around)]
+
+    lockstep.check_in_step(comm, values, describe, "allreduce_mean")
 
 
 def _check_same_bucket(bucket: _Bucket, comm: Any) -> None:

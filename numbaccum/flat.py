@@ -18,6 +18,7 @@ import numpy as np
 
 from . import arrays
 from . import tree as _tree
+from ._marks import check_current, held
 from .arrays import as_device_array, is_contiguous, is_cuda_array, on_device, run_view
 from .backend import device_leaf_copies, ops_for
 from .contract import ONE
@@ -147,7 +148,7 @@ class FlatTree:
     group_dtypes: tuple[np.dtype, ...]  # storage dtype of each group
     groups: tuple[np.ndarray, ...]  # 1-D view of each group's run of its buffer
     buffers: dict[np.dtype, Any]  # NumPy arrays, or numba device arrays on the GPU
-    _busy = False  # an update of the state this FlatTree owns is running (`Stage.update`)
+    _busy = False  # the storage's busy mark, when an update or a reader holds it (`transaction`)
 
     # A state's buffers are updated in place, so the state an update was given and the one it
     # returns would hold the same FlatTree. The returned one holds a renewal instead: a new
@@ -303,22 +304,38 @@ class FlatTree:
     def __reduce__(self) -> Any:
         # Pickling the attributes would make each group, buffer and leaf view a separate array:
         # the restored tree's views would no longer alias its buffers and updates would write
-        # memory nobody reads. Pickle the values of the groups (host copies) instead, and
-        # rebuild the storage, the views and the interned layout from them.
-        host = to_host(self) if self.device else self
-        groups = [np.ascontiguousarray(g) for g in host.groups]
-        return (_unpickled_flat, (self.layout, groups, self.device, self._readonly))
+        # memory nobody reads. Pickle the values of the groups instead, and rebuild the storage,
+        # the views and the interned layout from them. The values are taken (as bytes: the copy
+        # pickling an array makes anyway) while the buffers are held (`_marks.held`): a
+        # FlatTree of a stale state is refused as `update` refuses it, and an update of the state
+        # running on another thread is not read half-done.
+        with held([("FlatTree", self)]):
+            host = to_host(self) if self.device else self
+            data = [g.tobytes() for g in host.groups]
+        return (_unpickled_flat, (self.layout, data, self.device, self._readonly, list(self.group_dtypes)))
 
     def __deepcopy__(self, memo: dict) -> FlatTree:
-        out = self.copy()  # stays on its device; fresh workspaces, as `copy` gives
-        if self._readonly:
-            out._mark_readonly()
+        """An independent copy (`copy`), read as pickling reads (a stale state refused); two
+        FlatTrees over one storage (a state and its renewal) give one copy, as one object does."""
+        check_current(self, "FlatTree")
+        out = memo.get(id(self.__dict__))
+        if out is None:
+            with held([("FlatTree", self)]):
+                out = self.copy()  # stays on its device; fresh workspaces, as `copy` gives
+            if self._readonly:
+                out._mark_readonly()
+            memo[id(self.__dict__)] = out
+            memo.setdefault(id(memo), []).append(self.__dict__)  # keeps that id from being reused
         return out
 
     def __copy__(self) -> FlatTree:
         """A shallow copy: another FlatTree over the same storage (as ``copy.copy`` of a container
-        shares its items); ``copy.deepcopy`` or `copy` give independent storage."""
-        return FlatTree(self.layout, self.groups, self.buffers, self._readonly)
+        shares its items), of the same generation: stale or busy when this one is, since it is
+        the same buffer; ``copy.deepcopy`` or `copy` give independent storage."""
+        out = object.__new__(FlatTree)
+        out.__dict__ = self.__dict__
+        out._gen = self._gen
+        return out
 
     def _mark_readonly(self) -> None:
         self._readonly = True
@@ -388,9 +405,16 @@ class FlatTree:
         return ws
 
 
-def _unpickled_flat(layout: Layout, groups: list[np.ndarray], device: bool, readonly: bool) -> FlatTree:
+def _unpickled_flat(
+    layout: Layout, groups: list[Any], device: bool, readonly: bool, dtypes: list[np.dtype] | None = None
+) -> FlatTree:
     """The FlatTree that `FlatTree.__reduce__` pickled: fresh storage (one buffer per storage
-    dtype, as `FlatTree.empty` lays it out) holding the pickled group values."""
+    dtype, as `FlatTree.empty` lays it out) holding the pickled group values: the bytes of each
+    group, of ``dtypes``; without ``dtypes`` (a pickle of numbaccum 0.1) the group arrays."""
+    if dtypes is not None:
+        if len(groups) != len(dtypes) or not all(isinstance(g, bytes) for g in groups):
+            raise ValueError(f"a pickled FlatTree does not fit its layout {layout}")
+        groups = [np.frombuffer(g, np.dtype(d)) for g, d in zip(groups, dtypes)]
     if len(groups) != len(layout.groups) or any(g.shape != (n,) for g, n in zip(groups, layout.group_sizes)):
         raise ValueError(f"a pickled FlatTree does not fit its layout {layout}")
     out = FlatTree.empty(layout, [g.dtype for g in groups])
@@ -439,8 +463,8 @@ def host_leaves(tree: Any, layout: Layout) -> list[np.ndarray] | None:
     shapes and dtypes of ``layout``, else None (then `check_leaves` finds and names what differs).
 
     The check an update makes on every step with a plain tree: for the common trees (one
-    array; one dict, list or tuple of arrays) a function written for the layout, which reads
-    each leaf, its type, shape and dtype once; else one walk beside the treedef, then
+    array; one dict, list or tuple of arrays) one loop that reads each leaf, its type, shape and
+    dtype once beside the layout's (`_host_check`); else one walk beside the treedef, then
     whole-list comparisons, no per-leaf Python calls."""
     check = layout.__dict__.get("_host_check")
     if check is None:
@@ -464,10 +488,14 @@ _SHAPE_DTYPE = operator.attrgetter("shape", "dtype")
 
 
 def _host_check(layout: Layout) -> Callable[[Any], list[np.ndarray] | None]:
-    """`host_leaves` for ``layout``: written out for a tree that is one array, or one dict, list
-    or tuple of arrays (of exactly that type: a subclass takes `_walked_leaves`, as does any
-    other tree), else `_walked_leaves` itself. The same answers: the structure (a dict's keys,
-    a sequence's length), every leaf a NumPy array of the layout's shape and dtype."""
+    """`host_leaves` for ``layout``: for a tree that is one array, or one dict, list or tuple of
+    arrays (of exactly that type: a subclass takes `_walked_leaves`, as does any other tree), its
+    leaves (a dict's by the layout's keys) checked in one loop beside the layout's shapes and
+    dtypes; else `_walked_leaves` itself. The same answers: the structure (a dict's keys, a
+    sequence's length), every leaf a NumPy array of the layout's shape and dtype.
+
+    The layout's own data, no code written per leaf (a function generated and compiled for a
+    100,000-leaf layout took 1.3 GB): a check of any size costs one closure."""
     td = layout.treedef
     kind, n = td.kind, layout.num_leaves
     flat_node = kind in (_tree._DICT, _tree._LIST, _tree._TUPLE) and all(
@@ -475,32 +503,42 @@ def _host_check(layout: Layout) -> Callable[[Any], list[np.ndarray] | None]:
     )
     if not (kind == _tree._LEAF or flat_node) or n == 0:
         return lambda tree: _walked_leaves(tree, layout)
-    env: dict[str, Any] = {"ndarray": np.ndarray, "walked": _walked_leaves, "layout": layout}
-    xs = [f"x{i}" for i in range(n)]
-    lines = ["def check(tree):"]
     if kind == _tree._LEAF:
-        lines += ["    if type(tree) is not ndarray:", "        return walked(tree, layout)", "    x0 = tree"]
-    else:
-        cls = {"dict": dict, "list": list, "tuple": tuple}[kind]
-        env["cls"] = cls
-        lines += ["    if type(tree) is not cls:", "        return walked(tree, layout)"]
-        lines += [f"    if len(tree) != {n}:", "        return None"]
-        if kind == _tree._DICT:
-            for i, key in enumerate(td.meta):
-                env[f"k{i}"] = key
-                lines.append(f"    x{i} = tree.get(k{i})")  # get: a defaultdict does not grow
-        else:
-            lines.append(f"    {', '.join(xs)}, = tree")
-    types = " or ".join(f"type({x}) is not ndarray" for x in xs)
-    lines += [f"    if {types}:", "        return None"]
-    for i, (shape, dtype) in enumerate(zip(layout.shapes, layout.dtypes)):
-        env[f"s{i}"], env[f"d{i}"] = shape, dtype
-    shapes = " or ".join(f"x{i}.shape != s{i}" for i in range(n))
-    dtypes = " or ".join(f"(x{i}.dtype is not d{i} and x{i}.dtype != d{i})" for i in range(n))
-    lines += [f"    if {shapes}:", "        return None", f"    if {dtypes}:", "        return None"]
-    lines.append(f"    return [{', '.join(xs)}]")
-    exec(compile("\n".join(lines) + "\n", "<numbaccum host_leaves>", "exec"), env)
-    return env["check"]
+        return _one_array_check(layout)
+    expected = layout.shapes_dtypes
+    cls = {_tree._DICT: dict, _tree._LIST: list, _tree._TUPLE: tuple}[kind]
+    keys = td.meta if kind == _tree._DICT else None
+    ndarray = np.ndarray  # a local: the loop below reads it once per leaf
+
+    def check(tree: Any) -> list[np.ndarray] | None:
+        if type(tree) is not cls:
+            return _walked_leaves(tree, layout)
+        if len(tree) != n:
+            return None
+        # get: a missing key gives None (refused below) and a defaultdict does not grow
+        leaves = list(map(tree.get, keys)) if keys is not None else list(tree)
+        # One loop beside the layout's data: within a few % of code written out per leaf;
+        # whole-list comparisons (`_walked_leaves`) cost more below ~50 leaves.
+        for x, (shape, dtype) in zip(leaves, expected):
+            if type(x) is not ndarray or x.shape != shape or (x.dtype is not dtype and x.dtype != dtype):
+                return None
+        return leaves
+
+    return check
+
+
+def _one_array_check(layout: Layout) -> Callable[[Any], list[np.ndarray] | None]:
+    """`_host_check` for a tree that is one leaf."""
+    ((shape, dtype),) = layout.shapes_dtypes
+
+    def check(tree: Any) -> list[np.ndarray] | None:
+        if type(tree) is not np.ndarray:
+            return _walked_leaves(tree, layout)
+        if tree.shape != shape or (tree.dtype is not dtype and tree.dtype != dtype):
+            return None
+        return [tree]
+
+    return check
 
 
 def as_flat(

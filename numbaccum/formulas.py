@@ -28,12 +28,13 @@ from __future__ import annotations
 
 import inspect
 import math
-import threading
 import types
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import numpy as np
+
+from . import _locks
 
 __all__ = ["Formula", "compile_formula", "formula", "registered"]
 
@@ -77,7 +78,7 @@ class Formula(NamedTuple):
 
 
 _REGISTRY: dict[str, Formula] = {}
-_REGISTRY_LOCK = threading.Lock()
+_REGISTRY_LOCK = _locks.lock()
 
 
 def formula(
@@ -681,6 +682,19 @@ def sqrt(x):
     if x < 0:
         return (x - x) / (x - x)
     return math.sqrt(x)
+
+
+def inv_root(n, eps, eps_in_sqrt):
+    """RMSProp's scale of ``g``: ``1 / sqrt(n + eps)`` (``eps_in_sqrt``) or ``1 / (sqrt(n) + eps)``.
+
+    optax computes the first as ``jax.lax.rsqrt``, which XLA builds from the processor's
+    approximate reciprocal square root (not correctly rounded, its bits the processor's): here
+    it is IEEE's ``sqrt`` and a division, in float64 (a float32 ``g`` scaled by it is rounded
+    once; docs/migrating.md, "Numerics"). The second is optax's own division, in ``n``'s dtype,
+    so its bits are optax's. A negative ``n`` gives NaN (`sqrt`)."""
+    if eps_in_sqrt:
+        return 1.0 / sqrt(n + eps)
+    return like(n, 1.0) / (sqrt(n) + eps)
 
 
 def maximum(a, b):

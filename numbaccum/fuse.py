@@ -51,13 +51,12 @@ from __future__ import annotations
 import hashlib
 import operator
 import os
-import threading
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import formulas as F
+from . import _locks, formulas as F
 from .backend import ops_for
 from .contract import ONE, Factor
 from .flat import FlatTree
@@ -860,7 +859,7 @@ def _one_by_one(
 # --- composite formulas ---------------------------------------------------------------------
 
 _COMPOSITES: dict[tuple, F.Formula] = {}
-_LOCK = threading.Lock()
+_LOCK = _locks.lock()
 
 
 def _composite(key: tuple) -> F.Formula:

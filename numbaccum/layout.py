@@ -9,14 +9,13 @@ the same structure share one object and ``is`` compares them in a few nanosecond
 
 from __future__ import annotations
 
-import threading
 import weakref
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from . import tree as _tree
+from . import _locks, tree as _tree
 from .tree import TreeDef, format_path, short_repr
 
 __all__ = [
@@ -75,7 +74,7 @@ def real_dtype(dt: np.dtype) -> np.dtype:
 _REAL = {COMPLEX[0]: F32, COMPLEX[1]: FLOATS[2]}
 
 
-_BF16_LOCK = threading.Lock()
+_BF16_LOCK = _locks.lock()
 
 
 def check_float_dtype(dtype: Any, what: str, complex: bool = False) -> np.dtype:
@@ -140,7 +139,7 @@ class Layout:
     # alive. A lock makes get-or-create atomic: two threads that build the same new layout at
     # once (a 20,000-leaf one takes milliseconds) both get the one that was stored first.
     _cache: weakref.WeakValueDictionary[tuple, Layout] = weakref.WeakValueDictionary()
-    _lock = threading.Lock()
+    _lock = _locks.lock()
 
     treedef: TreeDef
     shapes: tuple[tuple[int, ...], ...]

@@ -12,11 +12,12 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from . import arrays
 from ._checks import flag, integer, real, transformation, wrong_state
 from .backend import ops_for
 from .base import Stage, Step, as_stage, with_extra_args_support
 from .contract import ONE, Factor
-from .flat import FlatTree, as_flat, layout_of
+from .flat import FlatTree, as_flat, layout_and_device, layout_of
 from .layout import Layout
 from .protocol import GradientTransformationExtraArgs
 from .tree import tree_map
@@ -40,8 +41,20 @@ class LookaheadParams(NamedTuple):
     @classmethod
     def init_synced(cls, params: Any) -> LookaheadParams:
         """``LookaheadParams(fast=params, slow=a copy of params)``: a copy, unlike optax's (JAX
-        arrays are immutable), because numbaccum updates params in place (`numbaccum.step_`)."""
-        return cls(fast=params, slow=tree_map(np.copy, params))
+        arrays are immutable), because numbaccum updates params in place (`numbaccum.step_`);
+        each leaf copied where it lives, as the same array type."""
+        return cls(fast=params, slow=tree_map(_copy_leaf, params))
+
+
+def _copy_leaf(x: Any) -> Any:
+    """A copy of the leaf ``x`` where it lives (``np.copy`` would bring a CUDA array to the host)."""
+    if not arrays.is_cuda_array(x):
+        return np.copy(x)
+    if not arrays.is_device_array(x):  # CuPy's copy, PyTorch's clone: the same array type
+        return x.clone() if hasattr(x, "clone") else x.copy()
+    out = arrays.empty(x.size, x.dtype).reshape(x.shape)  # numba's arrays have no copy()
+    arrays.raw_bits(out).copy_to_device(arrays.raw_bits(x), stream=arrays.stream())
+    return out
 
 
 class LookaheadState(NamedTuple):
@@ -97,8 +110,9 @@ class _Lookahead(Stage):
                 f"params: lookahead needs a LookaheadParams(fast, slow), got {type(params).__name__} "
                 "(LookaheadParams.init_synced(params) makes one)"
             )
-        layout = layout_of(params.fast, "params.fast")
-        flat, copied, kind = as_flat(updates, layout, "updates", self.kept("input", layout, False))
+        layout, device = layout_and_device(params.fast, "params.fast")
+        inbox = lambda: self.kept("input", layout, device)  # noqa: E731 (on the params' side)
+        flat, copied, kind = as_flat(updates, layout, "updates", inbox, device)
         return Updates(flat, copied), kind
 
     def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
@@ -111,7 +125,7 @@ class _Lookahead(Stage):
         pair = params.raw
         out_spec = Spec(_pair_layout(pair, spec.layout), spec.device)
         fast = ParamsRef(
-            pair.fast, spec.layout, None, spec.device, fill=lambda: _half(params.flat(), spec.layout, 0)
+            pair.fast, spec.layout, None, spec.device, fill=lambda: _half(params.flat(), spec.layout)
         )
         fast.checked = check_params(pair.fast, spec)
         inner = self.stage.plan(spec, state.fast_state, fast, extra)

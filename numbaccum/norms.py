@@ -40,7 +40,7 @@ from .base import Stage, Step
 from .clipping import _Clip
 from .contract import ONE, Factor, Ops
 from .flat import FlatTree, as_flat, layout_of
-from .layout import Layout
+from .layout import Layout, compute_dtype, real_dtype
 from .protocol import EmptyState, GradientTransformationExtraArgs
 from .tables import ACTIVE, METRIC_TINY, NSLICES, SLEN, norm_pair, sum_in_order
 from .updates import ParamsRef, Spec, Updates
@@ -1127,23 +1127,46 @@ class _ScaleByTrustRatio(Stage):
         leaves = _whole(spec.layout)
         min_norm, trust, eps = self.min_norm, self.trust, self.eps
 
-        def safe(norm: np.ndarray) -> np.ndarray:  # optax's safe_norm: min_norm at or below it
-            return np.where(norm <= min_norm, min_norm, norm)
-
         def run(u: Updates) -> tuple[Updates, Any]:
             u = u.settled()
             pf = params.flat()
             out = u.fresh()
             for o, g, p, gs in zip(out.groups, u.flat.groups, pf.groups, leaves.groups):
-                p_norm, u_norm = safe(_slice_metric(p, gs, 2.0)), safe(_slice_metric(g, gs, 2.0))
-                with np.errstate(all="ignore"):
-                    ratio = trust * p_norm / (u_norm + eps)
-                # A zero norm would never move the leaf (or move it by inf): ratio 1 there.
-                ratio = np.where((p_norm == 0.0) | (u_norm == 0.0), 1.0, ratio)
+                t = real_dtype(compute_dtype(g.dtype)).type
+                p_norm, u_norm = _slice_metric(p, gs, 2.0), _slice_metric(g, gs, 2.0)
+                ratio = _trust_ratios(p_norm, u_norm, min_norm, trust, eps, t)
                 ops_for(g).slice_apply_(o, g, gs.rows, _EMPTY, ratio)
             return Updates(out, True), state
 
         return Step(run)
+
+
+def _trust_ratios(
+    p_norm: np.ndarray, u_norm: np.ndarray, min_norm: float, trust: float, eps: float, t: type
+) -> np.ndarray:
+    """optax's ``trust * ||p|| / (||u|| + eps)`` per leaf, rounded as optax rounds it: in ``t``
+    (the leaves' real compute dtype), from the float64 norms rounded to ``t`` and raised to
+    ``min_norm`` (`safe_norm`), so that a float32 leaf gets optax's bits wherever the two norms
+    round alike (a ratio computed in float64 differs from optax's in the last bit for about a
+    third of the leaves, and LARS's momentum carries that on). Where either norm is 0, the ratio
+    is 1 (the leaf would never move, or move by inf). A ratio that leaves ``t``'s range while the
+    float64 one does not (norms above float32's largest value, which optax's float32 sums reach
+    even sooner) is the float64 ratio rounded to ``t``: a finite number is not given up for an
+    inf. Returned as float64 holding ``t``'s values (the scaling pass multiplies in float64: one
+    rounding of an exact product, ``t``'s own product)."""
+    with np.errstate(all="ignore"):
+        lo = t(min_norm)
+
+    def safe(norm: np.ndarray) -> np.ndarray:  # optax's safe_norm: min_norm at or below it
+        return np.where(norm <= lo, lo, norm)
+
+    with np.errstate(all="ignore"):
+        pn, un = safe(p_norm.astype(t)), safe(u_norm.astype(t))
+        ratio = t(trust) * pn / (un + t(eps))
+        p64, u64 = np.maximum(p_norm, min_norm), np.maximum(u_norm, min_norm)
+        wide = (trust * p64 / (u64 + eps)).astype(t)
+    ratio = np.where(np.isfinite(ratio) | ~np.isfinite(wide), ratio, wide)
+    return np.where((pn == 0.0) | (un == 0.0), 1.0, ratio.astype(np.float64))
 
 
 def scale_by_trust_ratio(

@@ -28,7 +28,7 @@ from .clipping import leaf_reductions, scale_by_polyak
 from .contract import ONE, Ops
 from .declared import Elementwise, bias_correction, check_decay, expect_state, safe_increment
 from .flat import FlatTree, as_flat, layout_and_device
-from .formulas import abs_sq, formula, maximum, quot, re, sqrt, tanh
+from .formulas import abs_sq, formula, inv_root, maximum, quot, re, sqrt, tanh
 from .formulas import signum as sign_of  # (``signum`` is the public optimizer below)
 from .layout import check_float_dtype, compute_dtype, real_dtype
 from .masking import masked
@@ -1454,11 +1454,10 @@ def yogi(
 )
 def rms_direction(nu, g, one_minus_decay, decay, bc, eps, eps_in_sqrt):
     """RMSProp's scaling: ``nu = (1 - decay) g^2 + decay nu``; out = g / sqrt(nu / bc + eps)
-    (``eps_in_sqrt``) or g / (sqrt(nu / bc) + eps); ``bc`` 1 without bias correction."""
+    (``eps_in_sqrt``) or g / (sqrt(nu / bc) + eps); ``bc`` 1 without bias correction. The scale
+    is `inv_root`'s."""
     v = one_minus_decay * abs_sq(g) + decay * re(nu)
-    n = v / bc
-    s = 1.0 / math.sqrt(n + eps) if eps_in_sqrt else 1.0 / (math.sqrt(n) + eps)
-    return v, s * g
+    return v, inv_root(v / bc, eps, eps_in_sqrt) * g
 
 
 class _ScaleByRms(_Direction):
@@ -1543,8 +1542,7 @@ def stddev_direction(mu, nu, g, one_minus_decay, decay, bc, eps, eps_in_sqrt):
     v = one_minus_decay * abs_sq(g) + decay * re(nu)
     mh = quot(m, bc)
     var = v / bc - abs_sq(mh)  # may round below zero: NaN then, as in optax
-    s = 1.0 / sqrt(var + eps) if eps_in_sqrt else 1.0 / (sqrt(var) + eps)
-    return m, v, s * g
+    return m, v, inv_root(var, eps, eps_in_sqrt) * g
 
 
 class _ScaleByStddev(_ScaleByRms):

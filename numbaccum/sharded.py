@@ -73,7 +73,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import _config
+from . import _config, lockstep
 from ._checks import transformation
 from .accumulation import MultiSteps, _ApplyEvery
 from .apply import check_writable
@@ -105,6 +105,7 @@ from .privacy import _AddNoise, _Aggregate
 from .protocol import EmptyState
 from .runner import stage_name
 from .scaling import _AddDecayedWeights, _Identity, _Scale, _ScaleBySchedule
+from .stats import stats
 from .tree import short_repr, tree_flatten
 from .updates import Spec
 
@@ -584,7 +585,8 @@ class Sharded:
             TypeError: ``params`` are CUDA arrays (not supported: pass host buffers), or not a
                 tree of float arrays.
             ValueError: the ranks' params differ in structure, shapes or dtypes, or their bucket
-                sizes differ (the same error on every rank).
+                sizes or the schedules in ``tx`` (MultiSteps' ``every_k_schedule``) differ (the
+                same error on every rank).
         """
         layout, device = layout_and_device(params, "params")
         _host_only(device, "params")
@@ -593,7 +595,10 @@ class Sharded:
         full = params if isinstance(params, FlatTree) else FlatTree.from_tree(params)
         part = FlatTree.empty(plan.shard)  # a copy: a state never aliases the caller's params
         plan.take(full, part)
-        return ShardedState(self.tx.init(part), layout, self.rank, self.ranks, self.partition)
+        with lockstep.recording() as notes:  # the schedules inside tx (MultiSteps' k)
+            inner = self.tx.init(part)
+        lockstep.check_same_schedule(self.comm, [n.describe() for n in notes], "shard")
+        return ShardedState(inner, layout, self.rank, self.ranks, self.partition)
 
     # --- the step -------------------------------------------------------------------------------
 
@@ -619,7 +624,9 @@ class Sharded:
                 place; and what the wrapped transformation raises for its state. All before any
                 buffer of the caller or the state is written.
             ValueError: ``state`` was made on another rank, for other params, or by a shard of
-                the other partition.
+                the other partition; or the ranks are out of step: their states' step counters
+                differ (resumed from checkpoints of different steps, MultiSteps with another
+                ``k``), raised on every rank before any buffer is written.
         """
         if not isinstance(state, ShardedState):
             raise TypeError(
@@ -640,6 +647,8 @@ class Sharded:
         plan = self._plan(layout)
         g = _flat_of(grads, layout, "grads", plan, "grads")
         p, packed = _params_of(params, layout, plan)
+        if self.ranks > 1:
+            _check_in_step(self.comm, state.inner)
         if self.ranks == 1:  # the part is the whole: the wrapped step on the buffers themselves
             inner = _step_(self._chains[plan.half], g, (_EMPTY, state.inner), p, **extra_args)[1]
         elif plan.even:
@@ -860,6 +869,33 @@ class _Transfer:
                 for i in members:
                     s = lay.leaf_start[i]
                     full.leaf(i)[...] = vec[s : s + lay.sizes[i]].reshape(lay.shapes[i])  # type: ignore[union-attr]
+
+
+def _check_in_step(comm: Any, inner: Any) -> None:
+    """The same ValueError on every rank unless the step counters of every rank's state agree:
+    its integers (step counts, MultiSteps' counters; not its buffers), which are the same on every
+    rank of a run in step, in one tiny ``Allreduce`` (`numbaccum.lockstep`); the message names
+    them as `numbaccum.stats` does."""
+
+    def describe() -> list[str]:
+        return [f"state.inner's {k} {v}" for k, v in stats(inner).items() if type(v) is int]
+
+    lockstep.check_in_step(comm, tuple(_counters(inner, [])), describe, "shard")
+
+
+def _counters(x: Any, out: list) -> list:
+    """The integers of a state (not bools), in walk order: a walk with no names, every step."""
+    if isinstance(x, (tuple, list)):
+        for v in x:
+            _counters(v, out)
+    elif isinstance(x, dict):
+        for v in x.values():
+            _counters(v, out)
+    elif isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_)):
+        out.append(int(x))
+    elif isinstance(x, np.ndarray) and x.ndim == 0 and x.dtype.kind in "iu":
+        out.append(int(x))
+    return out
 
 
 def _wire(a: np.ndarray) -> np.ndarray:

@@ -7,18 +7,29 @@ when the whole update has succeeded (`guarded`). A state kept from before (``bes
 yesterday's state to retry a step) then holds an older generation and is refused, where it would
 otherwise compute with advanced buffers and old counters. A failed update commits nothing: the
 state it was given stays current.
+
+Whatever else reads a state's buffers to make another state of them (`numbaccum.save_state`,
+`numbaccum.copy_state`, pickling and ``copy.deepcopy`` of a FlatTree) holds them while it reads
+(`reading`): it refuses a stale state as an update does, and a busy one (an update of it is
+running) with the update's own error; an update that starts meanwhile waits until the reader is
+done. `save_state` and `copy_state` hold the whole state, whose update's owner is one of its
+buffers: what they read is one state, never half of two. Pickling and deepcopy are given one
+FlatTree at a time, and hold that one.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from ._interrupts import forced, hold, release
+from ._marks import BUSY, STALE, held, wait_for_reader
 from .flat import FlatTree
+from .tree import short_repr
 
-__all__ = ["current", "guarded", "keep_states"]
+__all__ = ["current", "guarded", "keep_states", "reading"]
 
 
 class _Renewals(list):
@@ -38,18 +49,6 @@ class _PerThread(threading.local):
 _THREAD = _PerThread()
 _NEW = object.__new__
 
-_STALE = (
-    "{}: this state is stale: an update has already advanced its buffers in place (a state "
-    "is consumed by update). Use the state the last update returned; to keep one (best = state, "
-    "a step to retry), keep a snapshot: numbaccum.copy_state(state)"
-)
-
-_BUSY = (
-    "state: another update of this state is running (on another thread?); a state is not "
-    "thread-safe: give each thread its own state (transformations may be shared)"
-)
-
-
 def current(flat: FlatTree, field: str) -> FlatTree:
     """``flat``, the buffer ``state.<field>`` of the state being planned, renewed for the
     state the update returns, after checking that it is current: a new FlatTree over the same
@@ -62,7 +61,7 @@ def current(flat: FlatTree, field: str) -> FlatTree:
     g = flat._gen
     if g != flat._live:
         if g != flat._live + 1:
-            raise ValueError(_STALE.format(f"state.{field}"))
+            raise ValueError(STALE.format(f"state.{field}"))
         # One generation ahead: returned by an update whose commit was not made (planned
         # outside `guarded`): nothing newer exists, so it is the current one.
         flat._live = g
@@ -90,22 +89,26 @@ def guarded(owner: FlatTree | None, fn: Callable[..., Any], *args: Any) -> Any:
     ``owner`` owns (None: a stateless stage), run as one transaction.
 
     A state is not thread-safe: its update writes its buffers in place. Two updates of one state
-    at once are caught here (a flag on the owner's storage, tens of nanoseconds; best effort,
-    not a lock): RuntimeError. The buffers the update renewed (`current`) become the current
-    ones only if it returns; an update inside another one (a transformation that calls
-    ``update`` itself) joins the outer one's transaction.
+    at once are caught here: the owner's storage is marked busy for the update (one atomic
+    ``dict.setdefault`` of a fresh token, tens of nanoseconds) and a second update finding the
+    mark raises RuntimeError; one finding a reader's mark (`reading`: a save or a copy of the
+    state) waits for it. The buffers the update renewed (`current`) become the current ones only
+    if it returns; an update inside another one (a transformation that calls ``update`` itself)
+    joins the outer one's transaction.
 
     The outermost update of the main thread holds Ctrl-C from here to its commit
     (`numbaccum._interrupts`): a SIGINT while numbaccum's code runs reaches the caller after the
     update has returned, so that no ``KeyboardInterrupt`` leaves a state half written.
     """
     renewals = _THREAD.renewals
-    held = not renewals.depth and hold()
+    holding = not renewals.depth and hold()
     try:
         if owner is not None:
-            if owner._busy:
-                raise RuntimeError(_BUSY)
-            owner._busy = True
+            marks = owner.__dict__
+            me = object()
+            holder = marks.setdefault("_busy", me)
+            if holder is not me:
+                wait_for_reader(marks, me, holder)
         start = len(renewals)
         renewals.depth += 1
         try:
@@ -123,9 +126,9 @@ def guarded(owner: FlatTree | None, fn: Callable[..., Any], *args: Any) -> Any:
         finally:
             renewals.depth -= 1
             if owner is not None:
-                owner._busy = False
+                marks.pop("_busy", None)
     finally:
-        if held:
+        if holding:
             release()  # the last thing: nothing after it, up to the caller, handles a signal
 
 
@@ -135,6 +138,46 @@ def _refuse(renewed: list) -> None:
     then behind the storage's live one (`current` refuses them)."""
     for r in renewed:
         r._live = r._gen + 1
+
+
+@contextlib.contextmanager
+def reading(state: Any, name: str = "state") -> Iterator[None]:
+    """Holds the buffers of ``state`` (a FlatTree, or a nest of tuples, NamedTuples, lists and
+    dicts holding them) while the caller reads them, after checking that each is current.
+
+    Each storage is marked busy with one mark, all or none: an update of the state (whose
+    owner is one of them) waits until the reader is done; a reader finding another reader's mark
+    waits for it before trying again (it holds nothing meanwhile: two readers never wait on each
+    other in a circle).
+
+    Raises:
+        ValueError: a FlatTree of a stale state (the update's message, naming its path from
+            ``name``).
+        RuntimeError: an update of the state is running (the update's own message).
+    """
+    with held(_flats_with_paths(state, name)):
+        yield
+
+
+def _flats_with_paths(state: Any, name: str) -> list[tuple[str, FlatTree]]:
+    """``(path, flat)`` for each FlatTree of ``state`` (each object once, by its first path)."""
+    found: dict[int, tuple[str, FlatTree]] = {}
+
+    def walk(x: Any, path: str) -> None:
+        if isinstance(x, FlatTree):
+            found.setdefault(id(x), (path, x))
+        elif isinstance(x, dict):
+            for k, v in x.items():
+                walk(v, f"{path}[{short_repr(k)}]")
+        elif isinstance(x, tuple) and hasattr(type(x), "_fields"):
+            for f, v in zip(type(x)._fields, x):
+                walk(v, f"{path}.{f}")
+        elif isinstance(x, (tuple, list)):
+            for i, v in enumerate(x):
+                walk(v, f"{path}[{i}]")
+
+    walk(state, name)
+    return list(found.values())
 
 
 def state_flats(state: Any, writable_only: bool = True) -> list[FlatTree]:

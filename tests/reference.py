@@ -1547,16 +1547,21 @@ def adadelta(learning_rate=None, rho=0.9, eps=1e-6, weight_decay=0.0):
 
 def scale_by_trust_ratio(min_norm=0.0, trust_coefficient=1.0, eps=0.0):
     """optax's ``scale_by_trust_ratio``, the norms in float64: ``u * trust ||p|| / (||u|| +
-    eps)`` per leaf (each norm at least ``min_norm``; ratio 1 where either norm is 0)."""
+    eps)`` per leaf, the ratio in the leaf's real dtype (float32 for float16, bfloat16 and
+    complex64) from the norms rounded to it, as optax rounds it (each norm at least ``min_norm``;
+    ratio 1 where either norm is 0)."""
 
     def leaf(g, p):
-        def norm(x):
-            n = np.sqrt(np.sum(np.abs(x.astype(np.complex128 if np.iscomplexobj(x) else np.float64)) ** 2))
-            return min_norm if n <= min_norm else n
+        t = _wide(np.real(np.zeros(0, g.dtype)).dtype).type
 
-        pn, un = norm(p), norm(g)
-        ratio = 1.0 if pn == 0.0 or un == 0.0 else trust_coefficient * pn / (un + eps)
-        return _arr(g.astype(np.result_type(g.dtype, np.float64)) * ratio, g.dtype)
+        def norm(x):
+            n = t(np.sqrt(np.sum(np.abs(x.astype(np.complex128 if np.iscomplexobj(x) else np.float64)) ** 2)))
+            return t(min_norm) if n <= t(min_norm) else n
+
+        with np.errstate(over="ignore"):
+            pn, un = norm(p), norm(g)
+            ratio = 1.0 if pn == 0.0 or un == 0.0 else t(trust_coefficient) * pn / (un + t(eps))
+        return _arr(g.astype(np.result_type(g.dtype, np.float64)) * float(ratio), g.dtype)
 
     def update(updates, state, params=None, **extra):
         if params is None:

@@ -374,8 +374,7 @@ _add(
     lambda: nba.rmsprop(1e-2, eps_in_sqrt=False),
     lambda: ref.rmsprop(1e-2, eps_in_sqrt=False),
     {"learning_rate": 1e-3},
-    exact=False,
-    note="1 / sqrt in float64 then rounded, as optax's rsqrt is not 1 / sqrt in float32 either",
+    exact=True,
 )
 _add(
     "rmsprop_bias_correction",
@@ -398,8 +397,7 @@ _add(
     "rmsprop",
     lambda: nba.rmsprop(1e-2, centered=True, bias_correction=True, eps_in_sqrt=False, eps=1e-3),
     lambda: ref.rmsprop(1e-2, centered=True, bias_correction=True, eps_in_sqrt=False, eps=1e-3),
-    exact=False,
-    note="1 / sqrt in float64 then rounded, as optax's rsqrt is not 1 / sqrt in float32 either",
+    exact=True,
 )
 _add("scale_by_rms", "scale_by_rms", nba.scale_by_rms, None, {})
 _add("scale_by_stddev", "scale_by_stddev", nba.scale_by_stddev, None, {})
@@ -1085,7 +1083,7 @@ OWN_TESTS: dict[str, str] = {
     "lbfgs": "update(..., value=, grad=, value_fn=) (tests: test_lbfgs)",
     "scale_by_zoom_linesearch": "update(..., value=, grad=, value_fn=) (tests: test_lbfgs)",
     "scale_by_backtracking_linesearch": "update(..., value=, grad=, value_fn=) (tests: test_lbfgs)",
-    "lookahead": "params are a LookaheadParams(fast, slow) (tests: test_lookahead)",
+    "lookahead": "params are a LookaheadParams(fast, slow) (tests: test_lookahead, with every Case inside)",
     "reduce_on_plateau": "update(..., value=loss) (tests: test_optimizers' reduce_on_plateau tests)",
     "hutchinson_estimator_diag_hessian": "update(..., hvp_fn= or grad_fn=) (tests: test_sophia)",
     "flatten": "leaves of one dtype (tests: test_masking's flatten tests)",

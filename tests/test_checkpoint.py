@@ -10,6 +10,7 @@ middle of a write.
 import builtins
 import contextlib
 import copy
+import errno
 import functools
 import importlib
 import json
@@ -17,9 +18,11 @@ import os
 import pickle
 import pkgutil
 import signal
+import stat
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import zipfile
 from typing import Any, NamedTuple
@@ -535,6 +538,258 @@ def test_a_killed_writer_leaves_a_loadable_checkpoint(tmp_path):
         count = int(state.count)
         expected = 1.0 - 0.5**count
         assert np.all(state.ema["w"] == expected), count
+
+
+# --- issue 42, item 8: what a checkpoint file may make load_state do, and what a save leaves --
+
+
+def _peak_bytes(fn):
+    """The peak of memory allocated (NumPy's included) while ``fn`` runs, and its error."""
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        try:
+            fn()
+        except ValueError as e:
+            error = e
+        else:
+            error = None
+        return tracemalloc.get_traced_memory()[1], error
+    finally:
+        tracemalloc.stop()
+
+
+def test_i42_item8_a_compressed_member_declaring_a_huge_array_is_refused_before_it_is_inflated(tmp_path):
+    """A ~64 KB zip whose a0.npy deflates to 2**24 float32 zeros: load_state allocated the
+    64 MB (the issue's 2**26 made it 512 MB) before it refused the file."""
+    tx = nba.scale_by_adam()
+    p = {"w": np.zeros(3, F32)}
+    path = tmp_path / "bomb.npz"
+    nba.save_state(path, tx.init(p))
+    with np.load(path) as z:
+        header = json.loads(z["numbaccum_checkpoint"].tobytes())
+    n = 2**24
+    header["arrays"][0] = ["<f4", [n]]
+    header["layouts"][0]["shapes"] = [[n]]
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as z:
+        blob = np.frombuffer(json.dumps(header).encode(), np.uint8)
+        with z.open("numbaccum_checkpoint.npy", "w") as f:
+            np.lib.format.write_array(f, blob)
+        with z.open("a0.npy", "w", force_zip64=True) as f:
+            np.lib.format.write_array_header_1_0(f, {"descr": "<f4", "fortran_order": False, "shape": (n,)})
+            chunk = bytes(2**20)
+            for _ in range(n * 4 // len(chunk)):
+                f.write(chunk)
+    assert path.stat().st_size < 2**20
+    for like in (None, tx.init(p)):
+        peak, error = _peak_bytes(lambda: nba.load_state(path, like=like))
+        assert error is not None and "compressed" in str(error), error
+        assert peak < 4 * 2**20, peak
+
+
+def test_i42_item8_like_is_checked_before_any_array_is_read(tmp_path):
+    """A 16 MB checkpoint of another model, loaded with ``like``: every array was read (and
+    copied into buffers) before the mismatch was found."""
+    tx = nba.ema(0.9)
+    path = tmp_path / "big.npz"
+    nba.save_state(path, tx.init({"w": np.zeros(2_000_000, F64)}))
+    like = tx.init({"w": np.zeros(10, F64)})
+    peak, error = _peak_bytes(lambda: nba.load_state(path, like=like))
+    assert error is not None and "does not match like" in str(error), error
+    assert peak < path.stat().st_size // 8, peak
+
+
+def test_i42_item8_a_header_making_two_buffers_one_is_refused_by_like(tmp_path):
+    """A crafted header with adam's ``nu`` a reference to its ``mu``: with ``like`` it loaded,
+    one buffer for both (every update then computes wrongly)."""
+    tx = nba.scale_by_adam()
+    p = {"w": np.zeros(3, F32)}
+    path = tmp_path / "s.npz"
+    nba.save_state(path, tx.init(p))
+
+    def nu_is_mu(h):
+        assert h["state"][2] == ["count", "mu", "nu"] and h["state"][3][1][0] == "flat"
+        h["state"][3][2] = ["ref", 0]  # the first buffer met: mu
+
+    rewrite(path, nu_is_mu)
+    why = r"state.nu: the checkpoint does not match like: the file makes it the buffer of state.mu, like "
+    with pytest.raises(ValueError, match=why + "a buffer of its own"):
+        nba.load_state(path, like=tx.init(p))
+    shared = tx.init(p)
+    shared = shared._replace(nu=shared.mu)  # a like whose buffers are one takes such a file
+    loaded = nba.load_state(path, like=shared)
+    assert loaded.nu is loaded.mu
+
+
+def test_i42_item8_a_new_checkpoint_gets_the_mode_open_would_give_it(tmp_path):
+    """New files were made 0644 whatever the umask: saved weights readable by everyone."""
+    state = nba.ema(0.9).init({"w": np.zeros(3, F32)})
+    old = os.umask(0o077)
+    try:
+        nba.save_state(tmp_path / "private.npz", state)
+        os.umask(0o027)
+        nba.save_state(tmp_path / "group.npz", state)
+    finally:
+        os.umask(old)
+    assert (tmp_path / "private.npz").stat().st_mode & 0o777 == 0o600
+    assert (tmp_path / "group.npz").stat().st_mode & 0o777 == 0o640
+    os.chmod(tmp_path / "private.npz", 0o604)
+    nba.save_state(tmp_path / "private.npz", state)  # a file replaced keeps its mode, as open() does
+    assert (tmp_path / "private.npz").stat().st_mode & 0o777 == 0o604
+
+
+def _device_node(path):
+    try:
+        os.mknod(path, stat.S_IFCHR | 0o666, os.makedev(1, 3))  # what /dev/null is
+    except (PermissionError, AttributeError):
+        pytest.skip("cannot make a device node here")
+
+
+NOT_REGULAR_FILES = {
+    "fifo": (lambda p: os.mkfifo(p), "a FIFO"),
+    "directory": (os.mkdir, "a directory"),
+    "device": (_device_node, "a character device"),
+}
+
+
+@pytest.mark.parametrize("kind", list(NOT_REGULAR_FILES))
+def test_i42_item8_only_a_regular_file_is_replaced(tmp_path, kind):
+    """save_state renamed its file over whatever was at the path: a FIFO, a device (as root,
+    ``save_state("/dev/null", s)`` replaced the system's)."""
+    make, what = NOT_REGULAR_FILES[kind]
+    path = tmp_path / kind
+    make(path)
+    before = os.lstat(path)
+    state = nba.ema(0.9).init({"w": np.zeros(3, F32)})
+    with pytest.raises(OSError, match=f"{what} is there; save_state replaces a regular file only") as e:
+        nba.save_state(path, state)
+    assert e.value.filename == str(path)
+    after = os.lstat(path)
+    assert stat.S_IFMT(after.st_mode) == stat.S_IFMT(before.st_mode) and after.st_ino == before.st_ino
+    assert sorted(os.listdir(tmp_path)) == [kind]
+
+
+def test_i42_item8_a_symbolic_link_is_followed_as_open_follows_it(tmp_path):
+    """The rename replaced the link itself with a file, leaving its target as it was."""
+    tx = nba.ema(0.9)
+    p = {"w": np.zeros(3, F32)}
+    real, link = tmp_path / "real.npz", tmp_path / "latest.npz"
+    nba.save_state(real, tx.init(p))
+    os.symlink("real.npz", link)
+    _, state = tx.update({"w": np.ones(3, F32)}, tx.init(p))
+    nba.save_state(link, state)
+    assert os.path.islink(link) and int(nba.load_state(real).count) == 1
+    assert sorted(os.listdir(tmp_path)) == ["latest.npz", "real.npz"]
+
+
+def test_i42_item8_a_name_as_long_as_the_directory_allows_saves(tmp_path):
+    """The temporary name was ``.NAME.XXXXXXXX.tmp``: a valid 254-character name failed."""
+    name = "s" * 250 + ".npz"
+    state = nba.ema(0.9).init({"w": np.zeros(3, F32)})
+    nba.save_state(tmp_path / name, state)
+    assert int(nba.load_state(tmp_path / name).count) == 0
+    assert os.listdir(tmp_path) == [name]
+
+
+def test_i42_item8_errors_name_the_callers_path_not_the_temporary_file(tmp_path, monkeypatch):
+    state = nba.ema(0.9).init({"w": np.zeros(3, F32)})
+    missing = tmp_path / "no-such-dir" / "s.npz"
+    with pytest.raises(FileNotFoundError) as e:
+        nba.save_state(missing, state)
+    assert e.value.filename == str(missing) and ".tmp" not in str(e.value)
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full)
+    path = tmp_path / "s.npz"
+    with pytest.raises(OSError, match="No space left on device") as e:
+        nba.save_state(path, state)
+    assert e.value.filename == str(path) and ".tmp" not in str(e.value)
+    assert os.listdir(tmp_path) == []
+
+
+KILLED_SAVE = textwrap.dedent(
+    """
+    import sys
+    import numpy as np
+    import numbaccum as nba
+
+    def stuck(f, **arrays):  # writes a part of the file, then waits to be killed
+        f.write(b"PK" + bytes(100_000))
+        f.flush()
+        print("writing", flush=True)
+        sys.stdin.readline()
+
+    np.savez = stuck
+    nba.save_state(sys.argv[1], nba.ema(0.9).init({"w": np.zeros(3, np.float32)}))
+    """
+)
+
+
+def test_i42_item8_the_next_save_removes_what_a_killed_save_left_never_what_one_writes(tmp_path):
+    """A save killed mid-write left its temporary file forever. The next save of the same
+    path removes it, but not the one a save in another process is writing meanwhile."""
+    path = tmp_path / "s.npz"
+    tx = nba.ema(0.9)
+    state = tx.init({"w": np.zeros(3, F32)})
+    nba.save_state(path, state)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", KILLED_SAVE, str(path)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout.readline().strip() == "writing"
+        (theirs,) = set(os.listdir(tmp_path)) - {path.name}
+        nba.save_state(path, state)  # while the other process writes: its file is left
+        assert sorted(os.listdir(tmp_path)) == sorted([path.name, theirs])
+    finally:
+        proc.kill()
+        proc.wait()
+    _, state = tx.update({"w": np.ones(3, F32)}, state)
+    nba.save_state(path, state)  # the killed save's file goes
+    assert os.listdir(tmp_path) == [path.name]
+    assert int(nba.load_state(path).count) == 1
+
+
+def test_i42_item8_two_threads_saving_one_path_never_remove_each_others_file(tmp_path, monkeypatch):
+    path = tmp_path / "s.npz"
+    tx = nba.ema(0.9)
+    first = tx.init({"w": np.zeros(3, F32)})
+    second = tx.init({"w": np.ones(3, F32)})
+    entered, release = threading.Event(), threading.Event()
+    write = ck._write_npz
+
+    def slow(f, arrays):
+        if threading.current_thread() is not threading.main_thread():
+            entered.set()
+            assert release.wait(30)
+        write(f, arrays)
+
+    monkeypatch.setattr(ck, "_write_npz", slow)
+    errors: list = []
+
+    def save():
+        try:
+            nba.save_state(path, first)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    t = threading.Thread(target=save)
+    t.start()
+    try:
+        assert entered.wait(30)
+        nba.save_state(path, second)
+        assert len(os.listdir(tmp_path)) == 2  # the other thread's file is still there
+    finally:
+        release.set()
+        t.join(30)
+    assert not errors, errors
+    assert os.listdir(tmp_path) == [path.name]
+    assert np.all(nba.load_state(path).ema["w"] == 0.0)  # the later rename wins
 
 
 # --- a file names classes, it never imports them (issue 22, item 5) ---------------------------

@@ -215,8 +215,10 @@ def test_only_the_dispatch_layer_imports_cpu_or_cuda(mod):
 
 # The whole set of package modules each lower layer may import (besides numpy and the stdlib).
 LOWER = {
+    "numbaccum._locks": set(),  # the locks a forked child gets free
+    "numbaccum._marks": set(),  # a storage's generation and busy marks
     "numbaccum.tree": set(),
-    "numbaccum.layout": {"numbaccum.tree"},
+    "numbaccum.layout": {"numbaccum.tree", "numbaccum._locks"},
     "numbaccum.arrays": {"numbaccum.tree", "numbaccum.layout"},
     "numbaccum.flat": {
         "numbaccum.tree",
@@ -224,6 +226,7 @@ LOWER = {
         "numbaccum.arrays",
         "numbaccum.backend",  # fill and copy kernels, through ops_for
         "numbaccum.contract",
+        "numbaccum._marks",  # held while it is pickled or copied
     },
 }
 

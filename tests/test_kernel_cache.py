@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import pickle
 import pkgutil
 import subprocess
 import sys
@@ -23,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import numbaccum as nba
 from numbaccum import _cache
 from numbaccum.formulas import Formula
 
@@ -444,6 +446,119 @@ def test_a_premade_namespace_of_another_user_is_not_used(tmp_path):
     made.mkdir(mode=0o755)
     os.chown(made, 12345, 12345)
     _assert_not_used(cache, made, "belongs to uid 12345")
+
+
+# --- the cache directory is one absolute path, below directories no one else may change ---------
+# (issue 42, item 6)
+
+# After a chdir, a step whose norm loads package kernels (the reduction engine's) from the cache.
+CHDIR_CHILD = r"""
+import os, sys
+import numpy as np
+import numbaccum as nba
+
+os.chdir(sys.argv[1])
+g = {"w": np.arange(5, dtype=np.float32)}
+tx = nba.chain(nba.clip_by_global_norm(1.0), nba.sgd(1.0))
+u, _ = tx.update(g, tx.init(g))
+print(u["w"].tolist())
+"""
+
+
+class _Planted:
+    """Unpickled, makes directory ``mark``: the proof that a planted index was read."""
+
+    def __init__(self, mark: Path) -> None:
+        self.mark = str(mark)
+
+    def __reduce__(self):
+        return os.mkdir, (self.mark,)
+
+
+def test_a_relative_cache_directory_is_the_same_directory_after_a_chdir(tmp_path):
+    """A relative ``NUMBACCUM_CACHE_DIR`` names the directory of the working directory when the
+    process starts; after an ``os.chdir`` (a Hydra run directory) the same relative path below
+    the new working directory holds an index pickle at every place the cache's own indexes sit,
+    which must never be read (it was: the directories were checked once, by their relative
+    names)."""
+    session = Path(os.environ[_cache.ENV])  # the session's cache (conftest): warm, and ours
+    assert _cache.root() is not None, _cache.describe()  # the session's directory passes the checks
+    g = {"w": np.arange(5, dtype=np.float32)}
+    tx = nba.chain(nba.clip_by_global_norm(1.0), nba.sgd(1.0))
+    expected = tx.update(g, tx.init(g))[0]["w"].tolist()  # its kernels are in the session's cache
+    elsewhere, mark = tmp_path / "elsewhere", tmp_path / "the-planted-index-was-read"
+    planted = []
+    for index in (session / _cache.tag()).rglob("*.nbi"):
+        p = elsewhere / session.name / index.relative_to(session)
+        p.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        p.write_bytes(pickle.dumps(_Planted(mark)))
+        planted.append(p)
+    assert any("clip" in p.name or "sumsq" in p.name for p in planted), planted
+    before = {p: p.read_bytes() for p in _files(elsewhere)}
+    proc = subprocess.run(
+        [sys.executable, "-c", CHDIR_CHILD, str(elsewhere)],
+        env=_env(session.name),
+        cwd=session.parent,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == expected
+    assert not mark.exists(), "a planted index below the new working directory was unpickled"
+    assert {p: p.read_bytes() for p in _files(elsewhere)} == before  # nothing written there either
+    assert "numbaccum kernel cache" not in proc.stderr, proc.stderr
+
+
+def test_the_cache_directory_is_resolved_once(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv(_cache.ENV, "relative-cache")
+    first = _cache.directory()
+    assert first == tmp_path.resolve() / "relative-cache"
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    assert _cache.directory() == first
+
+
+@pytest.mark.parametrize(
+    ("mode", "used"),
+    [(0o777, False), (0o775, False), (0o757, False), (0o1777, True), (0o755, True)],
+)
+def test_a_cache_below_a_directory_others_can_write_is_not_used_unless_it_is_sticky(tmp_path, mode, used):
+    """As ssh checks the directories above a key: one that group or others may write (and that
+    is not sticky, as ``/tmp`` is) could have the cache directory replaced by someone else's;
+    the cache is then off, with one warning, and nothing is made below it."""
+    parent = tmp_path / "parent"
+    parent.mkdir()
+    parent.chmod(mode)
+    cache = parent / "below" / "cache"  # made by the cache, if at all
+    said = _describe(str(cache))
+    if used:
+        assert said.startswith(f"{cache} (on;"), said
+        assert (parent / "below").stat().st_mode & 0o777 == 0o700  # the parents it makes are private
+        return
+    assert f"{parent}, above the cache directory, can be written by other users" in said, said
+    assert not (parent / "below").exists()
+
+
+def test_a_cache_below_a_directory_others_can_write_runs_in_memory_and_reads_nothing(tmp_path):
+    parent = tmp_path / "shared"
+    parent.mkdir()
+    cache = parent / "mine"
+    cache.mkdir(mode=0o700)
+    (cache / _cache.tag()).mkdir(mode=0o700)  # someone's namespace, which must not be read
+    parent.chmod(0o777)
+    _assert_not_used(cache, parent, "above the cache directory, can be written by other users")
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0, reason="chown needs root")
+def test_a_cache_below_a_directory_of_another_user_is_not_used(tmp_path):
+    parent = tmp_path / "theirs"
+    parent.mkdir(mode=0o755)
+    os.chown(parent, 12345, 12345)
+    said = _describe(str(parent / "cache"))
+    assert f"{parent}, above the cache directory, belongs to uid 12345" in said, said
+    assert not (parent / "cache").exists()
 
 
 def test_the_cache_makes_its_directories_private(tmp_path):

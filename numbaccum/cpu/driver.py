@@ -13,29 +13,38 @@ CPU; the buffers the formula writes are copied back, rounded once), runs bfloat1
 a variant of the loop that reads their raw bits, widened to float32, and rounds each stored value
 once (two bytes an element moved, not six), and never lets two threads into numba's
 ``workqueue`` layer at once (it aborts the process, numba#9288).
+
+Fork. A child of ``os.fork`` gets numbaccum's locks free again (`numbaccum._locks`). When
+its parent had started numba's GNU OpenMP layer, whose threads the child does not have (numba
+terminates such a child at its first parallel region), parallel regions are off in the child
+(`_config.PARALLEL`): every kernel, the reductions' and the per-example sums' too, takes its
+serial driver (`runs_serial`), which gives the same bits, and the child warns once.
 """
 
 from __future__ import annotations
 
 import contextlib
-import threading
+import os
+import sys
+import warnings
 from collections.abc import Callable
 from typing import Any
 
+import numba
 import numpy as np
 from numba import njit, prange
 
-from .. import _cache, _config, formulas
+from .. import _cache, _config, _locks, formulas
 from ..contract import Factor, cast_scalars
 from ..formulas import Formula, compile_formula
 from ..layout import compute_dtype, real_dtype
 from . import streaming
 
-__all__ = ["NAME", "map_", "parallel_guard"]
+__all__ = ["NAME", "map_", "parallel_guard", "runs_serial"]
 
 NAME = "cpu"
 
-_workqueue_lock = threading.Lock()
+_workqueue_lock = _locks.lock()
 _NO_GUARD = contextlib.nullcontext()
 _guard: Any = None  # decided after the first parallel call
 _F16 = np.dtype(np.float16)
@@ -50,8 +59,6 @@ def parallel_guard() -> Any:
     threads enter parallel kernels at once (numba#9288); nothing for the thread-safe omp/tbb."""
     global _guard
     if _guard is None:
-        import numba
-
         try:
             layer = numba.threading_layer()
         except ValueError:  # no parallel kernel has run yet: be safe this once
@@ -68,6 +75,90 @@ def guard_for(size: int) -> Any:
     if guard is None:
         guard = parallel_guard() if size >= _config.SERIAL_BELOW else _workqueue_lock
     return guard
+
+
+def runs_serial(n: int) -> bool:
+    """Whether a kernel over ``n`` elements takes its serial driver: below `_config.SERIAL_BELOW`
+    (a parallel region costs more than the work), or wherever parallel regions are off
+    (`_config.PARALLEL`: a child forked after GNU OpenMP's threads started, which says so once,
+    `_after_fork_in_child`). The serial drivers give the same bits."""
+    if n < _config.SERIAL_BELOW:
+        return True
+    if _config.PARALLEL:
+        return False
+    if _fork_note:
+        _say_forked_serial()
+    return True
+
+
+# --- fork ---------------------------------------------------------------------------------------
+
+_fork_note: list[str] = []  # in a forked child: the layer whose warning its first big kernel owes
+
+
+def _after_fork_in_child() -> None:
+    """Runs in every child of ``os.fork`` (``multiprocessing``'s default start method on Linux up
+    to Python 3.13). numbaccum's locks are made again: a fork while another thread held one
+    (inside an update under the workqueue lock, compiling a formula) left the child's copy held
+    forever. Where the parent's threading layer cannot run in a child (`_unforkable_layer`),
+    parallel regions are off (`_config.PARALLEL`): every kernel runs its serial driver."""
+    global _guard
+    _guard = None  # the locks themselves are made free by `numbaccum._locks`
+    layer = _unforkable_layer()
+    if layer is not None:
+        _config.PARALLEL = False
+        _fork_note[:] = [layer]  # each process says it once, a child of a child too
+
+
+def _unforkable_layer() -> str | None:
+    """numba's threading layer when it has started in this process (a fork inherits it) and
+    cannot run parallel regions in a forked child: GNU OpenMP, whose threads a child does not
+    have (numba raises SIGTERM in the child at its first parallel region; a grandchild would wait
+    for threads forever). Else None: tbb and workqueue start again in a child (numba's notes on
+    threading layers), and a layer not started yet starts in the child itself."""
+    try:
+        layer = numba.threading_layer()
+    except ValueError:  # not started
+        return None
+    if layer != "omp":
+        return None
+    from numba.np.ufunc import omppool
+
+    vendor = getattr(omppool, "openmp_vendor", "GNU")
+    return f"omp, {vendor} OpenMP" if vendor == "GNU" else None
+
+
+def _say_forked_serial() -> None:
+    """The one warning of a forked child whose kernels run serially, at its first kernel that
+    would have run in parallel."""
+    try:
+        layer = _fork_note.pop()
+    except IndexError:  # another thread said it
+        return
+    warnings.warn(
+        f"numbaccum: this process was forked from one whose numba threading layer ({layer}) had "
+        "started, and its threads do not survive a fork: kernels run on one thread here (the same "
+        "results). For parallel kernels in worker processes, start them with "
+        "multiprocessing.get_context('spawn') (or 'forkserver').",
+        RuntimeWarning,
+        stacklevel=_caller_level(),
+    )
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
+def _caller_level() -> int:
+    """The ``stacklevel`` of the first frame outside numbaccum (the user's call, from wherever
+    in the package the warning is raised; code numbaccum generates is named ``<numbaccum ...>``)."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith((_PACKAGE_DIR, "<numbaccum")):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 @njit(inline="always", error_model="numpy")
@@ -167,7 +258,7 @@ def _source(f: Formula, variant: tuple | None = None) -> tuple[str, str]:
 
 
 _COMPILED: dict[Any, tuple[Any, Any]] = {}
-_COMPILE_LOCK = threading.Lock()
+_COMPILE_LOCK = _locks.lock()
 
 
 def compiled(f: Formula, variant: tuple | None = None) -> tuple[Any, Any]:
@@ -329,20 +420,22 @@ def entry_point(kernel: Any, args: tuple) -> Any:
 
 def _kernel_for(f: Formula, n: int, variant: tuple | None = None) -> Any:
     """The driver of ``f`` (its ``variant``) for ``n`` elements: the serial one below
-    `_config.SERIAL_BELOW` (which never enters a parallel region, so needs no guard), else the
-    parallel one behind its guard (`guard_for`)."""
+    `_config.SERIAL_BELOW` (which never enters a parallel region, so needs no guard), else a
+    launch that runs the parallel one behind its guard (`guard_for`), or the serial one where
+    parallel regions are off (`runs_serial`: asked at every call, since a launch prepared before
+    a fork runs in the child too)."""
     parallel, serial = compiled(f, variant)
     if n < _config.SERIAL_BELOW:
         return serial
-    guard = guard_for(n)
-    if guard is _NO_GUARD:
-        return parallel
 
-    def guarded(*args: Any) -> None:
-        with guard_for(n):  # asked again: the layer is known after the first parallel call
+    def launch(*args: Any) -> None:
+        if runs_serial(n):
+            serial(*args)
+            return
+        with guard_for(n):  # asked at every call: the layer is known after the first parallel call
             parallel(*args)
 
-    return guarded
+    return launch
 
 
 def _run(f: Formula, kernel: Any, head: tuple, cast: type, factor: Factor, scalars: tuple) -> tuple:

@@ -15,9 +15,9 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .. import _cache, _config, formulas
+from .. import _cache, formulas
 from ..tables import segments
-from .driver import guard_for
+from .driver import guard_for, runs_serial
 
 __all__ = ["batch_weighted_sum_"]
 
@@ -116,7 +116,7 @@ def batch_weighted_sum_(out, g, offsets, out_offsets, mult, noise, std, div, lim
         )
         out[...] = out32
         return
-    run = _WEIGHTED_SUM[1] if g.size < _config.SERIAL_BELOW else _WEIGHTED_SUM[0]
+    run = _WEIGHTED_SUM[1] if runs_serial(g.size) else _WEIGHTED_SUM[0]
     # The output's leaves cut into fixed items of BATCH_CHUNK elements (a segments table's work).
     items = segments(out_offsets).work(BATCH_CHUNK, False).items
     with guard_for(g.size):  # numba's workqueue layer aborts on concurrent parallel calls

@@ -18,14 +18,14 @@ walk their digits run by run. ``error_model="numpy"``: no exception on a divisio
 from __future__ import annotations
 
 import math
-import threading
+import os
 import weakref
 
 import numpy as np
 from numba import njit, prange, types
 from numba.extending import overload
 
-from .. import _cache, _config, formulas
+from .. import _cache, _config, _locks, formulas
 from ..tables import (
     DK,
     DR,
@@ -68,7 +68,7 @@ from ..tables import (
     sum_in_order,
     wide,
 )
-from .driver import entry_point, guard_for
+from .driver import entry_point, guard_for, runs_serial
 
 __all__ = [
     "KINDS",
@@ -397,7 +397,7 @@ class _ComplexKinds(dict):
 
 _BF16_KINDS: dict = {}
 _COMPLEX_KINDS = _ComplexKinds()
-_MADE_LOCK = threading.Lock()
+_MADE_LOCK = _locks.lock()
 
 
 def _kinds_for(x):
@@ -425,7 +425,9 @@ def _kinds_for(x):
 
 
 def _pick(pair, n):
-    return pair[1] if n < _config.SERIAL_BELOW else pair[0]
+    if n < _config.SERIAL_BELOW:  # a small tree's every call: no call of runs_serial
+        return pair[1]
+    return pair[1] if runs_serial(n) else pair[0]
 
 
 def _guarded(n, kernel, *args):
@@ -512,6 +514,8 @@ def prepared(kind, table: Table):
                     args = (x, rows, items, pstart, _NONE, zero, part)
                     pair[1](*args)
                     found[dtype] = entry_point(pair[1], args)
+            elif runs_serial(n):  # parallel regions off (a forked child)
+                pair[1](x, rows, items, pstart, _NONE, zero, part)
             else:
                 with guard_for(n):
                     pair[0](x, rows, items, pstart, _NONE, zero, part)
@@ -533,7 +537,7 @@ def by_items(kind, table: Table):
 
     def run(x, b0, b1, part, centers, p):
         its, ps, n = items[b0:b1], pstart[b0:b1], x.size
-        if b1 - b0 < 2 or n < _config.SERIAL_BELOW:
+        if b1 - b0 < 2 or runs_serial(n):
             serial(x, table.rows, its, ps, centers, np.float64(p), part)
         else:
             with guard_for(n):
@@ -1235,7 +1239,7 @@ def dot(x, y) -> float:
     x, y = _f16(x), _f16(y)
     block = _config.REDUCE_BLOCK
     part = np.zeros(max(-(-x.size // block), 1), np.float64)
-    if x.size < _config.SERIAL_BELOW:
+    if runs_serial(x.size):
         _dot_serial(x, y, np.int64(block), part)
     else:
         _guarded(x.size, _dot_parallel, x, y, np.int64(block), part)

@@ -16,13 +16,12 @@ fold away at compile time (a per-element branch on the mode cost 15% of the mini
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import numpy as np
 from numba import cuda
 
-from .. import _cache, _config, formulas
+from .. import _cache, _config, _locks, formulas
 from ..arrays import data_pointer, raw_bits, stream
 from ..contract import Factor
 from ..formulas import Formula, compile_formula
@@ -201,7 +200,7 @@ class _Family:
 
 
 _FAMILIES: dict[tuple, _Family] = {}
-_LOCK = threading.Lock()
+_LOCK = _locks.lock()
 _DUMMY: dict[np.dtype, Any] = {}
 _BF16: dict[str, Any] = {}
 

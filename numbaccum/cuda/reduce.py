@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 from numba import cuda
 
-from .. import _config, formulas
+from .. import _config, _locks, formulas
 from ..arrays import data_pointer, empty, raw_bits, stream, stream_handle
 from ..contract import ONE, Factor
 from ..layout import real_dtype
@@ -216,7 +216,7 @@ def _merge(kind, acc, v):  # pragma: no cover - compiled
 
 
 _KERNELS: dict[tuple, Any] = {}
-_KERNELS_LOCK = threading.Lock()
+_KERNELS_LOCK = _locks.lock()
 
 
 def _norm_only(norm, scalars):  # pragma: no cover - compiled

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import numbaccum as nba
-from numbaccum import _config
+from numbaccum import _config, lockstep
 
 MPI = pytest.importorskip("mpi4py.MPI")
 from numbaccum import distributed as dist  # noqa: E402
@@ -159,8 +159,9 @@ def test_large_buffers_are_split_into_messages_of_at_most_max_count(monkeypatch)
             self._comm = comm
 
         def Allreduce(self, send, recv, op=MPI.SUM):  # noqa: N802 - mpi4py's name
-            calls.append(len(recv))
-            assert len(recv) <= 7
+            if np.asarray(recv).dtype != np.int64:  # not the step counters' message
+                calls.append(len(recv))
+                assert len(recv) <= 7
             return self._comm.Allreduce(send, recv, op=op)
 
         def Iallreduce(self, send, recv, op=MPI.SUM):  # noqa: N802 - mpi4py's name
@@ -226,8 +227,9 @@ def test_multisteps_both_orders_give_the_same_params():
     assert_same_on_every_rank(p_in, replicated, p_out, s_out)
     groups = len(p_in.layout.group_dtypes)
     if SIZE > 1:  # one Allreduce per dtype buffer: per emitted step inside, per mini-step outside
-        assert inside.allreduces == (steps // k) * groups
-        assert outside.allreduces == steps * groups
+        # (and before them, one of the step counters)
+        assert inside.allreduces == (steps // k) * (groups + 1)
+        assert outside.allreduces == steps * (groups + 1)
 
 
 @multi_rank
@@ -381,6 +383,8 @@ def expected_messages(flat, bucket_bytes):
 
 
 ONE_MESSAGE = 1 << 62  # larger than any buffer: one message per dtype buffer, as before buckets
+# An update of allreduce_mean sends the ranks' step counters first: [v, -v] of lockstep's vector.
+STEP_COUNTERS = (np.dtype(np.int64), 2 * (2 + lockstep._WIDTH))
 
 
 @pytest.mark.parametrize("bucket_bytes", [1, 3, 12, 13, 100, 4 << 20])
@@ -438,7 +442,7 @@ def test_float16_and_bfloat16_means_in_buckets(bucket_bytes):
         np.testing.assert_array_equal(updates["h"], ref["h"])
         np.testing.assert_array_equal(updates["bf"].astype(np.float32), ref["bf"])
     if SIZE > 1:
-        assert log.messages == expected_messages(nba.FlatTree.from_tree(like), bucket_bytes)
+        assert log.messages == [STEP_COUNTERS, *expected_messages(nba.FlatTree.from_tree(like), bucket_bytes)]
 
 
 @pytest.mark.parametrize(
@@ -492,7 +496,7 @@ def test_calibrate_takes_the_same_choice_on_every_rank_and_uses_it(process_bucke
     g = nba.FlatTree.from_tree(grads_of(RANK, 4))
     tx.update(g, tx.init(g))
     if SIZE > 1:
-        assert log.messages == expected_messages(g, c.bucket_bytes)
+        assert log.messages == [STEP_COUNTERS, *expected_messages(g, c.bucket_bytes)]
     assert dist._bucket_in_use(12).nbytes == 12  # an argument still wins
     with pytest.raises(ValueError, match="sizes"):
         dist.calibrate(sizes=[])
@@ -762,3 +766,124 @@ def test_overlap_multisteps_rides_too(monkeypatch):
     assert_same_on_every_rank(*fused)
     for a, b in zip(fused[0].groups, unfused[0].groups):
         np.testing.assert_array_equal(a, b)
+
+
+# --- issue 42, item 9: ranks out of step raise on every rank ------------------------------------
+
+
+def _one_message(e):
+    """The error's message, after checking that every rank raised the same one."""
+    messages = COMM.allgather(str(e.value))
+    assert messages == [messages[0]] * SIZE, f"rank {RANK}: another message than rank 0's"
+    return messages[0]
+
+
+@multi_rank
+def test_in_step_ranks_restored_from_checkpoints_of_different_steps_raise_on_every_rank(tmp_path):
+    # Rank 0 resumes from the checkpoint of step 3, the others from step 2: the first step's
+    # collective sees their counters differ, and every rank raises the same error naming them
+    # (before: no error, and adam's counts went on apart, 6 and 5 after 3 more steps).
+    tx = nba.chain(dist.allreduce_mean(), nba.adam(1e-3))
+    params = nba.FlatTree.from_tree(make_params())
+    state = tx.init(params)
+    for step in range(3):
+        state = nba.step_(tx, grads_of(RANK, step), state, params)
+        nba.save_state(tmp_path / f"state-{step + 1}.npz", state)  # each rank its own files
+    restored = nba.load_state(tmp_path / f"state-{3 if RANK == 0 else 2}.npz")
+    before = [b.copy() for b in params.groups]
+    with pytest.raises(ValueError, match="out of step") as e:
+        nba.step_(tx, grads_of(RANK, 3), restored, params)
+    message = _one_message(e)
+    assert "3 on rank 0" in message and f"2 on rank{'s' if SIZE > 2 else ''} 1" in message
+    assert "allreduce_mean" in message and "checkpoint" in message
+    assert all(np.array_equal(a, b) for a, b in zip(params.groups, before))  # nothing written
+    # every rank from the same checkpoint: in step again, and the same bits everywhere
+    restored = nba.load_state(tmp_path / "state-3.npz")
+    for step in range(3, 5):
+        restored = nba.step_(tx, grads_of(RANK, step), restored, params)
+    assert int(restored[1][0].count) == 5
+    assert_same_on_every_rank(params, restored)
+
+
+def _in_step_multisteps(k, comm=None):
+    return nba.MultiSteps(nba.chain(dist.allreduce_mean(comm), nba.sgd(0.1, momentum=0.9)), k)
+
+
+@multi_rank
+def test_in_step_multisteps_with_another_k_on_a_rank_raises_at_init_on_every_rank():
+    # Before: init passed, then the ranks paired the collectives of different steps (rank 0's
+    # 2nd mini-step with the last rank's 3rd) and the one with more emitting steps hung.
+    k = 3 if RANK == SIZE - 1 else 2
+    with pytest.raises(ValueError, match="differ between ranks") as e:
+        _in_step_multisteps(k).init(make_params())
+    message = _one_message(e)
+    assert f"MultiSteps(every_k_schedule=3) on rank {SIZE - 1}" in message
+    assert f"MultiSteps(every_k_schedule=2) on rank{'s' if SIZE > 2 else ''} 0" in message
+    # the same k everywhere: init passes, and the ranks are in step
+    tx = _in_step_multisteps(2)
+    params = nba.FlatTree.from_tree(make_params())
+    state = tx.init(params)
+    for step in range(4):
+        state = nba.step_(tx, grads_of(RANK, step), state, params)
+    assert_same_on_every_rank(params, state.inner_opt_state)
+
+
+@multi_rank
+def test_in_step_multisteps_schedule_that_differs_later_raises_at_the_emitting_step():
+    # A schedule: the same k at gradient step 0 (init agrees), then 2 on rank 0 and 3 elsewhere.
+    # Rank 0's second cycle emits at mini-step 4, the others' at 5: that collective pairs them,
+    # sees their k differ and raises on every rank (before: 5 steps passed silently, the ranks
+    # averaging gradients of different mini-steps).
+    def schedule(gradient_step):
+        return 2 if gradient_step == 0 or RANK == 0 else 3
+
+    tx = _in_step_multisteps(schedule)
+    params = nba.FlatTree.from_tree(make_params())
+    state = tx.init(params)
+    with pytest.raises(ValueError, match="out of step") as e:
+        for step in range(5):
+            state = nba.step_(tx, grads_of(RANK, step), state, params)
+    message = _one_message(e)
+    assert "MultiSteps every_k_schedule 2 at gradient_step 1 on rank 0" in message
+    assert "every_k_schedule 3 at gradient_step 1 on rank" in message
+
+
+@multi_rank
+def test_in_step_a_rank_that_skipped_a_step_makes_the_next_collective_raise():
+    # apply_if_finite decides from each rank's own gradients: a NaN on one rank only skips the
+    # step there, so its counter stays behind, and the next collective says so on every rank.
+    tx = nba.apply_if_finite(nba.chain(dist.allreduce_mean(), nba.sgd(0.1)), max_consecutive_errors=5)
+    params = nba.FlatTree.from_tree(make_params())
+    state = tx.init(params)
+    state = nba.step_(tx, grads_of(RANK, 0), state, params)
+    g = grads_of(RANK, 1)
+    if RANK == SIZE - 1:
+        g["dense"]["b"][0] = np.nan
+    with pytest.raises(ValueError, match="out of step") as e:
+        for step in range(2):
+            state = nba.step_(tx, g, state, params)
+            g = grads_of(RANK, 2)
+    _one_message(e)
+
+
+def test_in_step_a_state_saved_before_the_count_loads_with_count_0(tmp_path):
+    # A file written before AllreduceMeanState kept its count: the fields ["mean"] only.
+    tx = nba.chain(dist.allreduce_mean(), nba.sgd(0.1))
+    params = nba.FlatTree.from_tree(make_params())
+    state = tx.init(params)
+    state = nba.step_(tx, grads_of(RANK, 0), state, params)
+    assert int(state[0].count) == 1
+    path = tmp_path / "old.npz"
+    nba.save_state(path, state)
+    with np.load(path) as z:
+        arrays = {k: z[k] for k in z.files}
+    header = json.loads(bytes(arrays["numbaccum_checkpoint"]).decode())
+    node = header["state"][1][0]  # the chain's tuple: its first stage's state
+    assert node[:3] == ["nt", "numbaccum.distributed:AllreduceMeanState", ["mean", "count"]]
+    node[2], node[3] = ["mean"], node[3][:1]
+    arrays["numbaccum_checkpoint"] = np.frombuffer(json.dumps(header).encode(), np.uint8)
+    np.savez(path, **arrays)
+    old = nba.load_state(path)
+    assert int(old[0].count) == 0 and isinstance(old[0], dist.AllreduceMeanState)
+    old = nba.step_(tx, grads_of(RANK, 1), old, params)  # every rank's is 0: in step
+    assert int(old[0].count) == 1

@@ -390,3 +390,56 @@ def test_shard_refuses_cuda_buffers():
     opt = dist.shard(nba.adam(1e-2))
     with pytest.raises(TypeError, match="CUDA"):
         opt.init(nba.to_device(nba.FlatTree.from_tree(make_params())))
+
+
+# --- issue 42, item 9: ranks out of step raise on every rank ------------------------------------
+
+multi_rank = pytest.mark.skipif(SIZE < 2, reason="needs mpiexec -n 2 or more")
+
+
+def _one_message(e):
+    messages = COMM.allgather(str(e.value))
+    assert messages == [messages[0]] * SIZE, f"rank {RANK}: another message than rank 0's"
+    return messages[0]
+
+
+@multi_rank
+@pytest.mark.parametrize("make", [lambda: nba.adamw(1e-2), lambda: nba.lamb(1e-2)], ids=["even", "leaves"])
+def test_shard_in_step_ranks_restored_from_different_steps_raise_on_every_rank(tmp_path, make):
+    # Rank 0 resumes its part from step 3, the others from step 2 (each rank saves its own): the
+    # step's first collective sees the states' counts differ (before: no error; each rank's part
+    # went on with its own count, bias corrections of different steps in one model).
+    like = make_params()
+    opt = dist.shard(make())
+    params = nba.FlatTree.from_tree(like)
+    state = opt.init(params)
+    for step in range(3):
+        state = opt.step_(grads_of(RANK, step, like), state, params)
+        nba.save_state(tmp_path / f"state-{step + 1}.npz", state)
+    restored = nba.load_state(tmp_path / f"state-{3 if RANK == 0 else 2}.npz")
+    before = params.copy()
+    with pytest.raises(ValueError, match="out of step") as e:
+        opt.step_(grads_of(RANK, 3, like), restored, params)
+    message = _one_message(e)
+    assert "count 3 on rank 0" in message and f"count 2 on rank{'s' if SIZE > 2 else ''} 1" in message
+    assert _digest(params) == _digest(before)  # nothing written
+    restored = nba.load_state(tmp_path / "state-3.npz")  # the same step everywhere: in step
+    restored = opt.step_(grads_of(RANK, 3, like), restored, params)
+    assert_same_on_every_rank(params)
+
+
+@multi_rank
+def test_shard_in_step_multisteps_with_another_k_on_a_rank_raises_at_init_on_every_rank():
+    # Before: init passed and each rank's part stepped every k of its own mini-steps.
+    k = 3 if RANK == SIZE - 1 else 2
+    opt = dist.shard(nba.MultiSteps(nba.adamw(1e-2), k))
+    with pytest.raises(ValueError, match="differ between ranks") as e:
+        opt.init(make_params())
+    message = _one_message(e)
+    assert f"MultiSteps(every_k_schedule=3) on rank {SIZE - 1}" in message
+    opt = dist.shard(nba.MultiSteps(nba.adamw(1e-2), 2))
+    params = nba.FlatTree.from_tree(make_params())
+    state = opt.init(params)
+    for step in range(3):
+        state = opt.step_(grads_of(RANK, step, make_params()), state, params)
+    assert_same_on_every_rank(params)

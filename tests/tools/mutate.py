@@ -186,9 +186,9 @@ MUTATIONS = [
     ),
     Mutation(
         "rms_eps_placement",
-        O,
-        "    s = 1.0 / math.sqrt(n + eps) if eps_in_sqrt else 1.0 / (math.sqrt(n) + eps)",
-        "    s = 1.0 / math.sqrt(n + eps) if eps_in_sqrt else 1.0 / math.sqrt(n + eps)",
+        F,
+        "    return like(n, 1.0) / (sqrt(n) + eps)",
+        "    return like(n, 1.0) / sqrt(n + eps)",
         "bug",
     ),
     Mutation(
