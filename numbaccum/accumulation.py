@@ -16,6 +16,7 @@ import numpy as np
 
 from . import formulas as F
 from ._checks import INT32_MAX, flag, integer, transformation, wrong_state
+from ._interrupts import user_code
 from .apply import apply_updates_
 from .backend import ops_for, tree_sumsq_scaled
 from .base import Chain, Foreign, Stage, Step, as_stage, undoable, with_extra_args_support
@@ -421,18 +422,23 @@ FLAT_SKIP_PREDICATES: dict[Callable[..., Any], Callable[..., Any]] = {
 }
 
 
+def _skip_target(fn: Callable) -> tuple[Callable, dict]:
+    """A skip predicate and its keywords (those of a ``functools.partial`` without arguments)."""
+    if isinstance(fn, functools.partial) and not fn.args:
+        return fn.func, dict(fn.keywords)
+    return fn, {}
+
+
 def _call_skip(fn: Callable, u: Updates, gradient_step: Any, params: ParamsRef | None) -> tuple[Any, Any]:
     """Evaluates a skip predicate, on the flat buffers when it is one of ours (also bound with
     ``functools.partial`` keywords)."""
-    target, kwargs = fn, {}
-    if isinstance(fn, functools.partial) and not fn.args:
-        target, kwargs = fn.func, dict(fn.keywords)
+    target, kwargs = _skip_target(fn)
     flat = FLAT_SKIP_PREDICATES.get(target)
     if flat is not None:
         return flat(u, gradient_step, params, **kwargs)
     # Not the caller's gradients, which are added to the accumulator after it returns.
     tree = u.handed_out().tree
-    out = fn(tree, gradient_step, params.raw if params is not None else None)
+    out = user_code(fn, tree, gradient_step, params.raw if params is not None else None)
     if not (isinstance(out, tuple) and len(out) == 2):
         raise TypeError(
             f"should_skip_update_fn must return a (should_skip, info) pair, got {short_repr(out, 40)}"
@@ -558,6 +564,9 @@ class MultiSteps(Stage):
             )
         self._mean = flag(use_grad_mean, "use_grad_mean")
         self._skip = should_skip_update_fn
+        self._user_skip = should_skip_update_fn is not None and (
+            _skip_target(should_skip_update_fn)[0] not in FLAT_SKIP_PREDICATES
+        )
         self._acc_dtype = (
             None
             if accumulator_dtype is None
@@ -617,7 +626,9 @@ class MultiSteps(Stage):
         return field_owner(state, MultiStepsState, "acc_grads")
 
     def foreign(self) -> bool:
-        return self._foreign
+        # A skip function of the user's runs while the step runs, before the accumulator is
+        # written: nothing of ours to restore, but an enclosing chain's earlier stages wrote.
+        return self._foreign or self._user_skip
 
     def _schedule(self, gradient_step: np.int32) -> int:
         if not callable(self._k):

@@ -34,6 +34,7 @@ import numpy as np
 from . import _config, arrays, fuse
 from . import runner as _runner
 from ._checks import transformation, wrong_state
+from ._interrupts import user_code
 from .backend import ops_for
 from .contract import ONE
 from .flat import FlatTree, as_flat, host_leaves, layout_of
@@ -316,10 +317,18 @@ class Stage(metaclass=_StageType):
         return None
 
     def foreign(self) -> bool:
-        """Whether this stage runs code that is not numbaccum's (a `Foreign` stage, or a
-        combinator around one): such code runs its own checks, and may raise, while the step
-        runs, after earlier stages have written their states (see `undoable`)."""
+        """Whether this stage runs code that is not numbaccum's while the step runs (a `Foreign`
+        stage; a callback: a line search's objective, `snapshot`'s measure, MultiSteps' skip
+        function; or a combinator around one): such code runs its own checks, and may raise (a
+        ``KeyboardInterrupt`` too), after earlier stages have written their states: a chain
+        restores them then (`undoable`). It runs through `numbaccum._interrupts.user_code`."""
         return False
+
+    def written(self, state: Any) -> Any:
+        """The part of ``state`` (this stage's) whose buffers its next step writes: what a chain
+        copies before foreign code that runs after this stage (`undoable`). All of it, unless a
+        stage knows better (L-BFGS writes 4 of its 2 * memory_size + 2 buffers a step)."""
+        return state
 
     # --- workspaces -------------------------------------------------------------------------
 
@@ -483,7 +492,7 @@ class Foreign(Stage):
         raw = params.raw if params is not None else None
 
         def run(u: Updates) -> tuple[Updates, Any]:
-            out, new_state = update(u.handed_out().tree, state, raw, **extra)
+            out, new_state = user_code(update, u.handed_out().tree, state, raw, **extra)
             into = u.scratch or (lambda: self.kept("output", spec.layout, spec.device))
             return Updates(_read_foreign(out, spec, into), True), new_state
 
@@ -698,7 +707,7 @@ class Chain(Stage):
         # a numbaccum transformation) are snapshot before the run and restored if it raises
         # (`undoable`). A combinator around foreign code guards its own state itself.
         last = self._last_foreign
-        earlier = states[:last] if last >= 0 else ()
+        earlier = tuple(st.written(s) for st, s in zip(self.stages[:last], states[:last])) if last > 0 else ()
         if last >= 0 and isinstance(self.stages[last], Foreign):
             earlier = (*earlier, states[last])
         segs = fuse.segments(steps) if fuse.enabled() else None
@@ -1021,6 +1030,9 @@ class _Snapshot(Stage):
 
     complex_leaves = True  # the measure is the user's
 
+    def foreign(self) -> bool:
+        return True  # the measure runs while the step runs, after earlier stages wrote
+
     def __init__(self, name: Any, measure: Any) -> None:
         if not isinstance(name, str):
             raise TypeError(f"measure_name must be a str, got {type(name).__name__}")
@@ -1039,7 +1051,7 @@ class _Snapshot(Stage):
 
         def run(u: Updates) -> tuple[Updates, SnapshotState]:
             u = u.settled()
-            value = measure(u.flat.tree)
+            value = user_code(measure, u.flat.tree)
             owned = tree_map(lambda x: x.copy() if _shares(x, u.flat) else x, value)
             return u, SnapshotState({name: owned})
 

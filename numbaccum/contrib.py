@@ -18,6 +18,7 @@ import numpy as np
 
 from . import arrays
 from ._checks import flag, integer, real, scheduled, transformation, wrong_state
+from ._interrupts import user_code
 from .backend import ops_for
 from .base import Stage, Step, as_stage, chain, find_state, stage_of, with_extra_args_support
 from .clipping import _objective_value
@@ -1447,9 +1448,9 @@ class _Hutchinson(Stage):
         kind = _array_kind(raw, device)
         if hvp_fn is not None:
             tree = raw.tree_as(kind) if isinstance(raw, FlatTree) else raw
-            hv = _copied_in(
-                hvp_fn(tree, v.tree_as(kind)), spec, self.kept("hv", layout, device), "hvp_fn's value"
-            )
+            # The user's callbacks: interruptible (`user_code`); they run in the tick, before any pass.
+            hv = user_code(hvp_fn, tree, v.tree_as(kind))
+            hv = _copied_in(hv, spec, self.kept("hv", layout, device), "hvp_fn's value")
             for o, a, s in zip(out.groups, hv.groups, v.groups):
                 ops_for(o).driver.map_(hutchinson_product, ONE, (a, s, o), ())
         else:
@@ -1460,10 +1461,16 @@ class _Hutchinson(Stage):
                 ops_for(x).add_scaled_(a, x, ONE, s, r)
                 ops_for(x).add_scaled_(b, x, ONE, s, -r)
             gp = _copied_in(
-                grad_fn(plus.tree_as(kind)), spec, self.kept("g_plus", layout, device), "grad_fn's value"
+                user_code(grad_fn, plus.tree_as(kind)),
+                spec,
+                self.kept("g_plus", layout, device),
+                "grad_fn's value",
             )
             gm = _copied_in(
-                grad_fn(minus.tree_as(kind)), spec, self.kept("g_minus", layout, device), "grad_fn's value"
+                user_code(grad_fn, minus.tree_as(kind)),
+                spec,
+                self.kept("g_minus", layout, device),
+                "grad_fn's value",
             )
             for o, a, b, s in zip(out.groups, gp.groups, gm.groups, v.groups):
                 ops_for(o).driver.map_(hutchinson_difference, ONE, (a, b, s, o), (0.5 / r,))
@@ -1636,7 +1643,11 @@ class _ScaleBySophia(Elementwise):
         if self.hutchinson is not None:
             return self.hutchinson.estimate(spec, hstate, params, extra, into)
         raw = params.raw
-        out, new = self.hessian.update(None, hstate, raw, **extra)
+        update = self.hessian.update
+        if stage_of(self.hessian) is None:  # the user's estimator: interruptible, as a callback
+            out, new = user_code(update, None, hstate, raw, **extra)
+        else:
+            out, new = update(None, hstate, raw, **extra)
         _copied_in(out, spec, into, "hessian_diagonal_fn's value")
         return new
 

@@ -29,6 +29,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ._checks import flag, integer, non_negative, real, wrong_state
+from ._interrupts import user_code
 from .backend import ops_for
 from .base import Stage, Step, chain, find_state
 from .contract import ONE, Factor
@@ -129,6 +130,18 @@ class _ScaleByLBFGS(Stage):
             if isinstance(state, ScaleByLBFGSState) and isinstance(state.params, FlatTree)
             else None
         )
+
+    def written(self, state: Any) -> Any:
+        """A step writes the last params and updates and, from the second step on, the newest
+        pair's slot of each memory (`plan`'s ``prev``): a chain copies these before its line
+        search, not the whole memory (the weights are a new array each step)."""
+        if not isinstance(state, ScaleByLBFGSState) or not isinstance(state.diff_params_memory, tuple):
+            return state  # `plan` refuses it before anything runs; copy what is there
+        count, m = int(state.count), len(state.diff_params_memory)
+        if count == 0 or m == 0 or len(state.diff_updates_memory) != m:
+            return (state.params, state.updates)
+        prev = (count - 1) % m
+        return (state.params, state.updates, state.diff_params_memory[prev], state.diff_updates_memory[prev])
 
     def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
         if params is None:
@@ -400,6 +413,9 @@ class _ZoomLinesearch(Stage):
     complex_leaves = True
     public_name = "scale_by_zoom_linesearch"
 
+    def foreign(self) -> bool:
+        return True  # the objective (value_fn, grad_fn) runs while the step runs
+
     def __init__(
         self,
         max_linesearch_steps: Any,
@@ -506,12 +522,14 @@ def _objective(
     grad_kwargs = {} if grad_fn is None else _accepted(grad_fn, kwargs)
 
     def objective(point: FlatTree, need_grad: bool = True) -> tuple[float, FlatTree | None]:
-        out = value_fn(point.tree, **fn_kwargs)
+        # The user's code, after earlier stages wrote (L-BFGS's memories): interruptible, and
+        # the chain restores them if it raises (the line search is `foreign`).
+        out = user_code(value_fn, point.tree, **fn_kwargs)
         grad = None
         if isinstance(out, tuple) and len(out) == 2:
             out, grad = out
         elif need_grad and grad_fn is not None:
-            grad = grad_fn(point.tree, **grad_kwargs)
+            grad = user_code(grad_fn, point.tree, **grad_kwargs)
         elif need_grad:
             raise TypeError(
                 f"{name} needs gradients at its trial points: value_fn(params) "
@@ -664,6 +682,9 @@ class ScaleByBacktrackingLinesearchState(NamedTuple):
 class _BacktrackingLinesearch(Stage):
     complex_leaves = True
     public_name = "scale_by_backtracking_linesearch"
+
+    def foreign(self) -> bool:
+        return True  # the objective (value_fn, grad_fn) runs while the step runs
 
     def __init__(
         self,

@@ -213,12 +213,9 @@ def run(stage: Any, grads: Any, state: Any, params: Any, extra: dict, apply: boo
         plan = last.plan()
         if plan is not None:
             try:
-                out = guarded(plan.owner, _again, stage, plan, grads, state, params, extra, apply)
+                return guarded(plan.owner, _again, stage, plan, grads, state, params, extra, last)
             except _Miss:
                 pass
-            else:
-                last.state = id(out if apply else out[1])
-                return out
     if not apply and grads is None and params is not None:
         # optax maps over the updates: None (an empty tree) gives None whatever the params,
         # which are then not read (a stateful stage still says its state wants a tree).
@@ -226,7 +223,8 @@ def run(stage: Any, grads: Any, state: Any, params: Any, extra: dict, apply: boo
     owner = stage.owner(state)
     if apply:
         if stage.reshapes or not fuse.enabled():
-            return _update_then_apply(stage, grads, state, params, extra)
+            # One transaction (the update joins it): Ctrl-C waits for the params too.
+            return guarded(None, _update_then_apply, stage, grads, state, params, extra)
         return guarded(owner, _step, stage, grads, state, params, owner, extra)
     return guarded(owner, _update, stage, grads, state, params, owner, extra)
 
@@ -260,10 +258,12 @@ class _Miss(Exception):
 _MISS = _Miss()
 
 
-def _again(stage: Any, plan: Plan, grads: Any, state: Any, params: Any, extra: dict, apply: bool) -> Any:
+def _again(stage: Any, plan: Plan, grads: Any, state: Any, params: Any, extra: dict, last: _LastStep) -> Any:
     """`_update` or `_step` of the last step's plan, inside `guarded`; raises `_Miss` (nothing
     written, the renewals of the tick undone by `guarded`) when the arguments or the state do
-    not fit it."""
+    not fit it. Notes the new state in ``last`` here, inside the transaction: nothing runs
+    between `guarded`'s end and the caller (see `numbaccum._interrupts`)."""
+    apply = last.apply
     spec = plan.spec
     layout, device = spec.layout, spec.device
     if plan.fused is not fuse.enabled():
@@ -284,8 +284,11 @@ def _again(stage: Any, plan: Plan, grads: Any, state: Any, params: Any, extra: d
     u.scratch = plan.output
     if not apply:
         out, new_state = _replayed(stage, plan, state, u, spec)
+        last.state = id(new_state)
         return (out, new_state) if kind == "flat" else (out.tree_as(kind), new_state)
-    return _run_step(stage, plan, state, u, ref._flat, copied, spec, kind, ref.checked, params, None)
+    new_state = _run_step(stage, plan, state, u, ref._flat, copied, spec, kind, ref.checked, params, None)
+    last.state = id(new_state)
+    return new_state
 
 
 def _params_again(plan: Plan, params: Any, apply: bool) -> tuple[ParamsRef | None, bool]:

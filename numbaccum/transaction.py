@@ -24,6 +24,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from ._interrupts import forced, hold, release
 from ._marks import BUSY, STALE, held, wait_for_reader
 from .flat import FlatTree
 from .tree import short_repr
@@ -94,30 +95,49 @@ def guarded(owner: FlatTree | None, fn: Callable[..., Any], *args: Any) -> Any:
     state) waits for it. The buffers the update renewed (`current`) become the current ones only
     if it returns; an update inside another one (a transformation that calls ``update`` itself)
     joins the outer one's transaction.
+
+    The outermost update of the main thread holds Ctrl-C from here to its commit
+    (`numbaccum._interrupts`): a SIGINT while numbaccum's code runs reaches the caller after the
+    update has returned, so that no ``KeyboardInterrupt`` leaves a state half written.
     """
-    if owner is not None:
-        marks = owner.__dict__
-        me = object()
-        holder = marks.setdefault("_busy", me)
-        if holder is not me:
-            wait_for_reader(marks, me, holder)
     renewals = _THREAD.renewals
-    start = len(renewals)
-    renewals.depth += 1
+    holding = not renewals.depth and hold()
     try:
-        out = fn(*args)
-        if renewals.depth == 1 and renewals:  # the outermost update returns: commit
-            for r in renewals:
-                r._live = r._gen
-            renewals.clear()
-        return out
-    except BaseException:
-        del renewals[start:]
-        raise
-    finally:
-        renewals.depth -= 1
         if owner is not None:
-            marks.pop("_busy", None)
+            marks = owner.__dict__
+            me = object()
+            holder = marks.setdefault("_busy", me)
+            if holder is not me:
+                wait_for_reader(marks, me, holder)
+        start = len(renewals)
+        renewals.depth += 1
+        try:
+            out = fn(*args)
+            if renewals.depth == 1 and renewals:  # the outermost update returns: commit
+                for r in renewals:
+                    r._live = r._gen
+                renewals.clear()
+            return out
+        except BaseException:
+            if forced():  # a second Ctrl-C interrupted it at once: what it wrote may be torn
+                _refuse(renewals[start:])
+            del renewals[start:]
+            raise
+        finally:
+            renewals.depth -= 1
+            if owner is not None:
+                marks.pop("_busy", None)
+    finally:
+        if holding:
+            release()  # the last thing: nothing after it, up to the caller, handles a signal
+
+
+def _refuse(renewed: list) -> None:
+    """Makes the states of an update a second Ctrl-C cut short stale (their buffers may be half
+    written): every generation of the buffers it renewed, the one the caller holds included, is
+    then behind the storage's live one (`current` refuses them)."""
+    for r in renewed:
+        r._live = r._gen + 1
 
 
 @contextlib.contextmanager
