@@ -37,7 +37,8 @@ from ._checks import transformation, wrong_state
 from ._interrupts import user_code
 from .backend import ops_for
 from .contract import ONE
-from .flat import FlatTree, as_flat, host_leaves, layout_of
+from ._loans import on_loan
+from .flat import FlatTree, as_flat, host_leaves, layout_of, spare
 from .fuse import run_part, run_parts
 from .layout import Layout
 from .protocol import EmptyState, GradientTransformation, GradientTransformationExtraArgs
@@ -344,7 +345,8 @@ class Stage(metaclass=_StageType):
 
     def kept(self, name: str, layout: Layout, device: bool) -> FlatTree:
         """A buffer this stage keeps for itself, per name, layout and device (and thread): the
-        workspaces of a stateless stage, whose updates are valid until its own next update."""
+        workspaces of a stateless stage. One whose values the caller still holds (they were
+        returned: `numbaccum.flat.FlatTree.lent`) is not given out again (`spare`)."""
         local = self.local()
         cache = local.__dict__.get("buffers")
         if cache is None:
@@ -353,6 +355,8 @@ class Stage(metaclass=_StageType):
         out = cache.get(key)
         if out is None:
             out = cache[key] = self._keep(local, cache, key)
+        elif on_loan(out.buffers.values()):  # the caller holds its last values: write elsewhere
+            out = cache[key] = spare(local.__dict__.setdefault("spares", {}), key, out)
         return out
 
     @staticmethod
@@ -367,8 +371,9 @@ class Stage(metaclass=_StageType):
             shapes.append(pair)
             while len(shapes) > max(_config.KEPT_LAYOUTS, 2):  # 2: a reshaping stage's in and out
                 gone = shapes.pop(0)
-                for k in [k for k in cache if k[1:] == gone]:
-                    del cache[k]
+                for store in (cache, local.__dict__.get("spares", {})):
+                    for k in [k for k in store if k[1:] == gone]:
+                        del store[k]
         return FlatTree.empty(key[1], device=key[2])
 
     def workspace(self, state: Any, spec: Spec, name: str) -> Callable[[], FlatTree]:
@@ -438,7 +443,7 @@ class Stage(metaclass=_StageType):
         return _runner.run(self, updates, state, params, extra_args, False)
 
     def _output(self, u: Updates, new_state: Any, spec: Spec) -> FlatTree:
-        """The updates as a buffer the caller may keep until the next update: never an input,
+        """The updates as a buffer to hand to the caller (`FlatTree.lent`): never an input,
         never an accumulator; the ``output`` workspace of the new state (else of this stage)."""
         if u.owned:
             return u.settled().flat

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from . import arrays
+from . import _loans, arrays
 from . import tree as _tree
 from ._marks import check_current, held
 from .arrays import as_device_array, is_contiguous, is_cuda_array, on_device, run_view
@@ -25,7 +25,7 @@ from .contract import ONE
 from .layout import FLOATS, NAMES, STORED, Layout, check_float_dtype, is_stored, layout_of_leaves
 from .tree import TreeDef, format_path
 
-__all__ = ["FlatTree", "as_flat", "layout_of", "to_device", "to_host"]
+__all__ = ["FlatTree", "as_flat", "layout_of", "spare", "to_device", "to_host"]
 
 
 def _as_leaf(x: Any, where: tuple, name: str) -> Any:
@@ -398,11 +398,59 @@ class FlatTree:
         """A scratch FlatTree of the same layout owned by this one, allocated on first use.
 
         States keep their output buffers here, so a step allocates nothing; a `copy` gets
-        fresh workspaces."""
+        fresh workspaces. A workspace whose values the caller still holds (they were returned:
+        `lent`) is not given out again: another one is (`spare`)."""
         ws = self._workspaces.get(name)
         if ws is None:
             ws = self._workspaces[name] = FlatTree.empty(self.layout, dtypes, self.device)
+        elif _loans.on_loan(ws.buffers.values()):
+            spares = self.__dict__.setdefault("_spares", {})
+            ws = self._workspaces[name] = spare(spares, name, ws)
         return ws
+
+    # --- handed to the caller -----------------------------------------------------------------
+
+    def lent(self, kind: str) -> Any:
+        """These values as the caller is handed them: new views of this memory, as a FlatTree
+        (``kind`` 'flat') or a tree of ``kind``'s arrays ('numpy', 'numba', 'cupy', 'torch').
+
+        They are made of fresh roots (`numbaccum._loans.lend`): while the caller holds any of
+        them, or a view of one, no workspace of this memory is written again (`workspace`,
+        `spare`). The containers are new too: the caller may change them as they like."""
+        starts = self.__dict__.get("_starts")
+        if starts is None:
+            starts = self.__dict__["_starts"] = self._group_starts()
+        roots = {d: _loans.lend(b) for d, b in self.buffers.items()}
+        groups = [roots[d][s : s + g.size] for d, s, g in zip(self.group_dtypes, starts, self.groups)]
+        out = FlatTree(self.layout, groups, roots, self._readonly)
+        return out if kind == "flat" else out.tree_as(kind)
+
+    def _group_starts(self) -> tuple[int, ...]:
+        """Where each group starts in its buffer, in elements."""
+        return tuple(
+            (_address(g) - _address(self.buffers[d])) // d.itemsize if g.size else 0
+            for d, g in zip(self.group_dtypes, self.groups)
+        )
+
+
+def _address(x: Any) -> int:
+    """The address of a buffer's first element (host memory in numba's simulator)."""
+    ptr = arrays.data_pointer(x)
+    return ptr if ptr is not None else int(x._ary.__array_interface__["data"][0])
+
+
+def spare(spares: dict, key: Any, lent: FlatTree) -> FlatTree:
+    """The buffer to write instead of ``lent``, whose values the caller still holds: the spare
+    kept under ``key`` (the one lent before) if nothing holds it any more, else a new one of the
+    same layout, storage dtypes and device. ``lent`` becomes the spare: the loop that drops its
+    updates after applying them alternates between two buffers and allocates nothing, and a
+    buffer held for good (updates kept in a list) is forgotten after two calls: it is the
+    caller's."""
+    other = spares.get(key)
+    if other is None or _loans.on_loan(other.buffers.values()):
+        other = FlatTree.empty(lent.layout, list(lent.group_dtypes), lent.device)
+    spares[key] = lent
+    return other
 
 
 def _unpickled_flat(

@@ -705,6 +705,10 @@ def _vector(flat: FlatTree, vec: Layout) -> FlatTree:
     groups = list(flat.groups)
     if not groups:  # a tree without leaves: one empty vector
         groups = [np.empty(0, vec.group_dtypes[0])]
+    if len(flat.buffers) == 1 and next(iter(flat.buffers.values())).size == groups[0].size:
+        # The group is the whole buffer: the same buffer, so that what is lent of the vector
+        # marks the buffer its workspace writes (`FlatTree.lent`).
+        return FlatTree(vec, groups, dict(flat.buffers))
     return FlatTree(vec, groups, {np.dtype(g.dtype): g for g in groups})
 
 

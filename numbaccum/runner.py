@@ -285,7 +285,7 @@ def _again(stage: Any, plan: Plan, grads: Any, state: Any, params: Any, extra: d
     if not apply:
         out, new_state = _replayed(stage, plan, state, u, spec)
         last.state = id(new_state)
-        return (out, new_state) if kind == "flat" else (out.tree_as(kind), new_state)
+        return out.lent(kind), new_state
     new_state = _run_step(stage, plan, state, u, ref._flat, copied, spec, kind, ref.checked, params, None)
     last.state = id(new_state)
     return new_state
@@ -344,7 +344,7 @@ def _update(stage: Any, updates: Any, state: Any, params: Any, owner: Any, extra
         else:
             out, new_state = _replayed(stage, plan, state, u, spec)
         _keep_last(stage, plan, False, kind, new_state)
-        return (out, new_state) if kind == "flat" else (out.tree_as(kind), new_state)
+        return out.lent(kind), new_state
     else:
         step = stage.plan(spec, state, ref, extra)
         out_spec = step.spec or spec
@@ -359,9 +359,7 @@ def _update(stage: Any, updates: Any, state: Any, params: Any, owner: Any, extra
             out, new_state = _run_or_zeros(stage, run_it, u, out_spec)
     else:
         out, new_state = _run_or_zeros(stage, run_it, u, out_spec)
-    if kind == "flat":
-        return out, new_state
-    return out.tree_as(kind), new_state
+    return out.lent(kind), new_state
 
 
 def _replayed(stage: Any, plan: Plan, state: Any, u: Updates, spec: Spec) -> tuple[FlatTree, Any]:

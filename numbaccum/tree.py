@@ -7,7 +7,7 @@ accepted and flattens as its ``.tree``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -275,23 +275,25 @@ def tree_unflatten(treedef: TreeDef, leaves: Sequence[Any]) -> Any:
     leaves = list(leaves)
     if len(leaves) != treedef.num_leaves:
         raise ValueError(f"treedef has {treedef.num_leaves} leaves, got {len(leaves)}")
-    it = iter(leaves)
+    return _built(treedef, iter(leaves))
 
-    def build(td: TreeDef) -> Any:
-        if td.kind == _LEAF:
-            return next(it)
-        if td.kind == _NONE:
-            return None
-        kids = [build(c) for c in td.children]
-        if td.kind == _DICT:
-            return dict(zip(td.meta, kids))
-        if td.kind == _LIST:
-            return kids
-        if td.kind == _TUPLE:
-            return tuple(kids)
-        return td.meta(*kids)
 
-    return build(treedef)
+def _built(td: TreeDef, it: Iterator[Any]) -> Any:
+    """`tree_unflatten`'s walk: a module function, not a closure over itself, whose reference
+    cycle would keep the leaves alive until the cyclic collector runs (and a returned update
+    held, `numbaccum._loans`)."""
+    if td.kind == _LEAF:
+        return next(it)
+    if td.kind == _NONE:
+        return None
+    kids = [_built(c, it) for c in td.children]
+    if td.kind == _DICT:
+        return dict(zip(td.meta, kids))
+    if td.kind == _LIST:
+        return kids
+    if td.kind == _TUPLE:
+        return tuple(kids)
+    return td.meta(*kids)
 
 
 def first_difference(a: TreeDef, b: TreeDef) -> tuple[tuple, str]:

@@ -217,6 +217,7 @@ def test_only_the_dispatch_layer_imports_cpu_or_cuda(mod):
 LOWER = {
     "numbaccum._locks": set(),  # the locks a forked child gets free
     "numbaccum._marks": set(),  # a storage's generation and busy marks
+    "numbaccum._loans": {"numbaccum.arrays"},  # what the caller holds of a buffer
     "numbaccum.tree": set(),
     "numbaccum.layout": {"numbaccum.tree", "numbaccum._locks"},
     "numbaccum.arrays": {"numbaccum.tree", "numbaccum.layout"},
@@ -227,6 +228,7 @@ LOWER = {
         "numbaccum.backend",  # fill and copy kernels, through ops_for
         "numbaccum.contract",
         "numbaccum._marks",  # held while it is pickled or copied
+        "numbaccum._loans",  # a workspace the caller holds is not written again
     },
 }
 

@@ -175,7 +175,7 @@ class _TxModule(OptiModule, register=False):
         self._state, self._pending = state, None
 
     def _apply(self, gradients: dict[str, Any]) -> dict[str, Any]:
-        """The transformation's output (views of its workspace, valid until the next call); the
+        """The transformation's output (views of its workspace, never written again while held); the
         module's state changes only when the whole update succeeded."""
         if not gradients:
             return {}

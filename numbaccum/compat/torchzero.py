@@ -8,7 +8,7 @@ Each class takes torchzero 0.4's constructor arguments and defaults, and is two 
   keeps the state itself (created from the first updates), ``reset()`` forgets it, and
   ``state_dict()``/``load_state_dict(d)`` round-trip it as plain dicts of NumPy arrays.
 
-``step`` returns numbaccum's updates: valid until the next ``step`` (copy them to keep them); the
+``step`` returns numbaccum's updates, the caller's to keep (no later ``step`` writes into them); the
 input is never modified, where torchzero works in place.
 
 The semantics are torchzero's without its bugs (`numbaccum.adaptive` and `numbaccum.norms` list
@@ -94,7 +94,7 @@ class _Module(GradientTransformationExtraArgs):
 
     def step(self, updates: Any) -> Any:
         """Processes ``updates`` (a tree or FlatTree) with the module's own state; returns the
-        new updates (valid until the next step). The state is created from the first updates."""
+        new updates (the caller's to keep). The state is created from the first updates."""
         state = self._state
         if state is None:
             state = self.init(updates)

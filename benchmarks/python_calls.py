@@ -1,0 +1,124 @@
+"""Python calls into the package per steady step, for every registered transformation.
+
+Issue 43's measure of the per-call planning cost: a ``sys.setprofile`` counter counts the Python
+functions of ``numbaccum/`` entered during one ``step_`` and one ``update`` after warm-up steps
+(C functions and NumPy's own Python code are not counted). Every Case of ``tests/registry.py``
+runs on a small tree (3 leaves: two float32, one float64; per-example cases get a batch of 2).
+
+Usage: python benchmarks/python_calls.py [--top N] [--json PATH]
+
+Prints one row per case, highest ``step_`` count first (``--top``: only the N highest).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+
+import numbaccum as nba  # noqa: E402
+from registry import CASES  # noqa: E402
+
+PACKAGE = os.path.dirname(os.path.abspath(nba.__file__)) + os.sep
+
+
+def _tree(seed: int, per_example: bool = False) -> dict:
+    rng = np.random.default_rng(seed)
+    t = {
+        "w": rng.standard_normal((8, 16)).astype(np.float32),
+        "b": rng.standard_normal(16).astype(np.float32),
+        "d": rng.standard_normal(4),
+    }
+    if per_example:
+        t = {k: np.stack([v, 0.5 * v]) for k, v in t.items()}
+    return t
+
+
+def count_calls(fn) -> int:
+    """The package's Python functions entered while ``fn()`` runs."""
+    n = 0
+
+    def profile(frame, event, arg):
+        nonlocal n
+        if event == "call" and frame.f_code.co_filename.startswith(PACKAGE):
+            n += 1
+
+    sys.setprofile(profile)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return n
+
+
+def measure(name: str, warm: int = 4) -> dict:
+    """Calls per steady ``step_`` and per steady ``update`` of Case ``name``."""
+    case = CASES[name]
+    batch = case.per_example
+    tx = case.make()
+    out = {}
+    params = _tree(1)
+    state = [tx.init(params)]
+    for k in range(warm):
+        state[0] = nba.step_(tx, _tree(10 + k, batch), state[0], params)
+    g = _tree(99, batch)
+
+    def step():
+        state[0] = nba.step_(tx, g, state[0], params)
+
+    out["step_"] = count_calls(step)
+    params2 = _tree(2)
+    s2 = [tx.init(params2)]
+    for k in range(warm):
+        u, s2[0] = tx.update(_tree(20 + k, batch), s2[0], params2)
+    del u
+
+    def update():
+        u, s2[0] = tx.update(g, s2[0], params2)
+
+    out["update"] = count_calls(update)
+    return out
+
+
+def main() -> None:
+    args = sys.argv[1:]
+    top = None
+    dest = None
+    if "--top" in args:
+        i = args.index("--top")
+        top = int(args[i + 1])
+        del args[i : i + 2]
+    if "--json" in args:
+        i = args.index("--json")
+        dest = args[i + 1]
+        del args[i : i + 2]
+    rows = {}
+    for name in sorted(CASES):
+        try:
+            rows[name] = measure(name)
+        except Exception as e:  # a case this driver cannot run without extra arguments
+            rows[name] = {"error": f"{type(e).__name__}: {e}"[:120]}
+    ok = {k: v for k, v in rows.items() if "error" not in v}
+    order = sorted(ok, key=lambda k: (-ok[k]["step_"], k))
+    if top is not None:
+        order = order[:top]
+    print(f"{'case':40}{'step_':>8}{'update':>8}")
+    for k in order:
+        print(f"{k:40}{ok[k]['step_']:8d}{ok[k]['update']:8d}")
+    for k, v in rows.items():
+        if "error" in v:
+            print(f"{k:40}  not run: {v['error']}")
+    over = [k for k in ok if max(ok[k].values()) > 70]
+    print(f"\n{len(ok)} cases; {len(over)} over 70 calls in a steady step_ or update")
+    if dest:
+        with open(dest, "w") as f:
+            json.dump(rows, f, indent=1, sort_keys=True)
+
+
+if __name__ == "__main__":
+    main()
