@@ -237,6 +237,8 @@ def explain(
         return Explanation(tuple(passes), minimum, fused, apply, int(sum(layout.group_sizes)))
     if pending:  # a factor left on the output: `Stage.update` settles it
         passes.append(Pass("settle", ("pending factor",), x, x))
+    elif not apply and not segs:  # nothing runs (an empty chain): the updates copied to the output
+        passes.append(Pass("settle", ("copy to the returned updates",), x, x))
     if apply and not (fused and segs and segs[-1][2] is not None):
         passes.append(Pass("apply", ("apply_updates_",), 2 * x, x))
     return Explanation(tuple(passes), minimum, fused, apply, int(sum(layout.group_sizes)))

@@ -74,7 +74,8 @@ class Plan:
         self.root, self.spec, self.fused = root, spec, fused
         self.leaves = fuse.leaves(root)
         self.runs = fuse.cut(self.leaves) if fused else _one_by_one(self.leaves)
-        self.apply = fused and self.runs[-1][2] is not None  # its last pass can add to params
+        # Its last pass can add to the params (an empty chain has no pass: the updates as given).
+        self.apply = fused and bool(self.runs) and self.runs[-1][2] is not None
         self.scratch = scratch[: len(self.runs)]
         self.tick = fuse.flat_tick(root)  # root.tick, nested chains unrolled
         self.new_state = fuse.new_state_maker(root)  # the new state from the leaves' after a pass

@@ -315,6 +315,26 @@ def test_explain_shows_the_plan_the_runner_replays(monkeypatch):
     assert [x.kind for x in shown.passes] == ["reduction", "fused"]
 
 
+@pytest.mark.parametrize("fused", ["1", "0"])
+def test_an_empty_chain_is_the_identity_and_explains_its_copy(fused, monkeypatch):
+    """optax's ``chain()`` is the identity: ``update`` returns the updates (in a buffer of its
+    own), ``step_`` adds them, and `explain` shows the one copy (it raised IndexError)."""
+    monkeypatch.setenv("NUMBACCUM_FUSE", fused)
+    tx = nba.chain()
+    params = _tree(0)
+    grads = _tree(1)
+    u, s = tx.update(grads, tx.init(params), params)
+    for k in grads:
+        np.testing.assert_array_equal(u[k], grads[k])
+        assert not np.shares_memory(u[k], grads[k])
+    p = {k: v.copy() for k, v in params.items()}
+    nba.step_(tx, grads, s, p)
+    for k in grads:
+        np.testing.assert_array_equal(p[k], params[k] + grads[k])
+    assert [x.kind for x in nba.explain(tx, params).passes] == ["settle"]
+    assert [x.kind for x in nba.explain(tx, params, apply=True).passes] == ["apply"]
+
+
 @pytest.mark.parametrize("declared", [True, False])
 def test_a_nested_chain_skipped_by_its_clip_keeps_its_state_shape(declared):
     """A clip that skips from inside a nested chain: the nested chain's state keeps its shape
