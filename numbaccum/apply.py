@@ -251,9 +251,15 @@ def _apart(params: list[np.ndarray], updates: list[np.ndarray], layout: Layout) 
     held = list(map(_BASE, updates))
     first = held[0] if held else None
     if first is not None and len(set(map(id, held))) == 1:
-        # Every update a view of one buffer (what `update` returns): that buffer is apart from
-        # the params' owners, or the general path decides.
-        return id(first) not in ids and type(first) is np.ndarray and first.base is None
+        # Every update a view of one buffer (what `update` returns: a root lent of a workspace,
+        # over a memoryview of it, `numbaccum._loans`): that buffer is apart from the params'
+        # owners, or the general path decides.
+        if type(first) is not np.ndarray or id(first) in ids:
+            return False
+        if first.base is None:
+            return True
+        lent = first.base
+        return type(lent) is memoryview and id(getattr(lent.obj, "base", lent.obj)) not in ids
     for p, u, h in zip(params, updates, held):
         if u is not p:
             h = u if h is None else h
