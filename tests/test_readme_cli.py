@@ -47,7 +47,7 @@ def test_readme_commands_are_the_ones_ci_and_users_run():
     assert not any("pip install" in line for line in ci[: at - 1] if not line.startswith("#"))
     # then the extras, and the tests the first pass skipped for want of them, under NUMBACCUM_CI
     rest = "\n".join(ci[at + 1 :])
-    assert 'pip install -q -e ".[test,mpi,parity,docs,dp]"' in rest and "export NUMBACCUM_CI=1" in rest
+    assert 'pip install -q -e ".[test,mpi,parity,docs,dp,bench]"' in rest and "export NUMBACCUM_CI=1" in rest
     assert '"${EXTRAS_TESTS[@]}"' in rest
     assert 'mpiexec -n 2 "${MPI_PYTEST[@]}"' in rest
     assert "mkdocs build --strict" in rest

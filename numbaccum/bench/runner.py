@@ -939,6 +939,6 @@ def _report(result: dict[str, Any], json_path: str | None, plot_path: str | None
     if plot_path:
         from .plot import plot
 
-        plot(result, plot_path)
+        plot(result, plot_path, LABELS)
         print(f"plot: {plot_path}", file=sys.stderr)
     return 0
