@@ -35,7 +35,7 @@ from numba.core import event
 
 from . import _cache, _locks
 
-__all__ = ["ENV", "THRESHOLD", "task"]
+__all__ = ["ENV", "THRESHOLD", "quiet", "task"]
 
 ENV = "NUMBACCUM_PROGRESS"
 _OFF = frozenset({"0", "off", "false", "no", "none"})
@@ -76,6 +76,12 @@ def task(name: str, what: str, total: int, enabled: bool | None = None) -> Itera
         _local.task = outer
         if job.said:
             _say(f"{name} done: {job.kernels} kernels compiled in {job.seconds:.1f} s")
+
+
+def quiet() -> contextlib.AbstractContextManager[Any]:
+    """Nothing said of the compiles inside (this thread's): where the caller shows progress of
+    its own that a line would break (`numbaccum bench`'s bar on a terminal)."""
+    return task("", "", 0, enabled=False)
 
 
 def _enabled(job: _Task | None) -> bool:

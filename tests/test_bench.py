@@ -436,6 +436,7 @@ def test_the_run_says_what_will_run_and_shows_progress_before_any_slow_step(fake
     the copy floor is measured; a progress line names each phase before it begins."""
     err = io.StringIO()
     monkeypatch.setattr(sys, "stderr", err)
+    monkeypatch.setenv("NUMBACCUM_PROGRESS", "0")  # no compile's line between the bench's own
     seen: dict[str, str] = {}
 
     def when(name, fn):

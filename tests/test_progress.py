@@ -103,6 +103,16 @@ def test_the_environment_and_a_task_silence_it(fresh, capsys, monkeypatch):
     assert capsys.readouterr().err == ""
 
 
+def test_quiet_says_nothing_of_the_compiles_inside(fresh, capsys):
+    """What `numbaccum bench` runs under while its bar draws on a terminal."""
+    fresh(2.0)
+    with _progress.quiet():
+        _kernel()(np.ones(3))
+    assert capsys.readouterr().err == ""
+    _kernel()(np.ones(3))
+    assert "2 kernels, 4.0 s so far" in capsys.readouterr().err  # counted all the same
+
+
 def _compiling_transformation() -> GradientTransformation:
     """A foreign transformation whose update compiles a kernel of numbaccum's at its first call."""
     kernel = _kernel()
