@@ -55,7 +55,8 @@ __all__ = [
 
 INSTALL_HINT = (
     "numbaccum's CUDA backend needs a working CUDA driver and numba-cuda that can compile "
-    "kernels with your NumPy: pip install 'numbaccum[cuda]' (numba-cuda 0.30 needs numpy<2.5)"
+    "kernels with your NumPy: pip install 'numbaccum[cuda]' (the CUDA 12 toolkit; 'numbaccum[cuda13]' "
+    "for CUDA 13's; numba-cuda 0.30 needs numpy<2.5)"
 )
 
 STREAM_KINDS = ("cupy", "torch")  # array types whose current CUDA stream an update runs on

@@ -44,6 +44,7 @@ EXTRAS = {
     "optax.contrib": "parity",
     "mpi4py": "mpi",
     "ml_dtypes": "bfloat16",
+    "matplotlib": "bench",
 }
 
 # Text that makes a documented example (a docstring's or a code block's) need an optional module.

@@ -13,6 +13,8 @@ import time
 import numpy as np
 import pytest
 
+from _testutil import require
+
 import numbaccum as nba
 from numbaccum.bench import baselines, peers, plot, runner, worker, workloads
 
@@ -151,10 +153,87 @@ def test_table_has_speedups_over_numpy_and_of_numbaccum_over_each_peer():
 
 
 def test_plot_draws_a_png(tmp_path):
-    pytest.importorskip("matplotlib")
+    require("matplotlib")
     path = tmp_path / "bench.png"
     plot.plot(_result(), str(path))
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _two_panels() -> dict:
+    """`_result` with a second bandwidth panel where numpy is absent (torch foreach comes second
+    there) and optax jit skipped MultiSteps (two rows) for the reason a budget gives."""
+    result = _result()
+    rows = [
+        dict(op=op, impl=impl, median_s=t, min_s=t / 2, max_s=2 * t, calls=3, gbs=1.0, floor_fraction=f)
+        for op, impl, t, f in [
+            (runner.MINI, "numbaccum", 0.010, 0.8),
+            (runner.MINI, "torch foreach", 0.020, 0.4),
+            (runner.FULL, "numbaccum", 0.040, 0.5),
+            (runner.FULL, "torch foreach", 0.080, 0.25),
+        ]
+    ]
+    why = "its build and first call took 31.0 s of CPU time, over the budget of 10 s (--peer-budget)"
+    skipped = [dict(op="multisteps", impl="optax jit", why=why)]
+    result["runs"].insert(
+        1,
+        dict(device="cpu", workload="resnet50", n_params=25_557_032, n_leaves=161, per_call=False,
+             copy_floor_gbs=20.0, rows=rows, skipped=skipped),
+    )
+    return result
+
+
+def _bars(ax) -> dict:
+    """{contender: (its colour, [(bar height, min-max line's low, high)])} of one panel."""
+    from matplotlib.container import BarContainer, ErrorbarContainer
+
+    bars = [c for c in ax.containers if isinstance(c, BarContainer)]
+    lines = [c for c in ax.containers if isinstance(c, ErrorbarContainer)]
+    out = {}
+    for bar, err in zip(bars, lines):
+        segments = [s for s in err.lines[2][0].get_segments() if len(s)]  # none for a missing bar
+        heights = [p.get_height() for p in bar.patches if np.isfinite(p.get_height())]
+        assert len(segments) == len(heights)
+        spans = [(h, min(s[0][1], s[1][1]), max(s[0][1], s[1][1])) for h, s in zip(heights, segments)]
+        out[bar.get_label()] = ({tuple(p.get_facecolor()) for p in bar.patches}, spans)
+    return out
+
+
+def test_plot_one_colour_per_contender_min_max_lines_and_marked_skips():
+    """Across panels a contender keeps its colour (before, each panel coloured its bars by their
+    position: torch foreach took numpy's colour where numpy was absent); each bar has a line from
+    its fastest call to its slowest (as a fraction of the floor, the fastest is the highest); a
+    peer that skipped a row leaves a numbered mark there in its colour, the reason under the panel."""
+    require("matplotlib")
+    import matplotlib.pyplot as plt
+
+    result = _two_panels()
+    fig = plot.figure(result, runner.LABELS)
+    try:
+        axes = fig.axes
+        assert len(axes) == 3
+        panels = [_bars(ax) for ax in axes]
+        colour = plot.colours(plot.contenders(result))
+        assert len(set(colour.values())) == len(colour) == 4  # numbaccum, numpy, torch foreach, optax jit
+        for bars in panels:
+            for impl, (faces, _) in bars.items():
+                assert faces == {tuple(colour[impl])}, impl
+        legend = fig.legends[0]
+        assert [t.get_text() for t in legend.get_texts()] == list(colour)
+        # min-max lines: bandwidth (fraction * median / time) and per-call (us)
+        first = dict(panels[0])
+        assert first["numbaccum"][1][0] == pytest.approx((0.6, 0.3, 0.6))  # min_s = median: no higher
+        assert panels[1]["torch foreach"][1][0] == pytest.approx((0.4, 0.2, 0.8))
+        assert panels[2]["numbaccum"][1] == [pytest.approx((7.0, 6.0, 9.0))]
+        # the skip: a mark on each of MultiSteps' two rows, in optax jit's colour, and the reason
+        marks = [a for a in axes[1].texts if a.get_text().startswith(plot.SKIPPED)]
+        assert [a.get_text() for a in marks] == ["skipped (1)", "skipped (2)"]
+        assert all(tuple(a.get_color()) == tuple(colour["optax jit"]) for a in marks)
+        reasons = axes[1].get_xlabel()
+        assert f"(1) optax jit on {runner.MINI}: its build and first call took 31.0 s" in reasons
+        assert f"(2) optax jit on {runner.FULL}: " in reasons
+        assert not any(a.get_text().startswith(plot.SKIPPED) for a in axes[0].texts + axes[2].texts)
+    finally:
+        plt.close(fig)
 
 
 def test_plot_without_matplotlib_names_the_extra(monkeypatch):
@@ -357,6 +436,7 @@ def test_the_run_says_what_will_run_and_shows_progress_before_any_slow_step(fake
     the copy floor is measured; a progress line names each phase before it begins."""
     err = io.StringIO()
     monkeypatch.setattr(sys, "stderr", err)
+    monkeypatch.setenv("NUMBACCUM_PROGRESS", "0")  # no compile's line between the bench's own
     seen: dict[str, str] = {}
 
     def when(name, fn):

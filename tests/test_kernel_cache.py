@@ -157,7 +157,8 @@ def test_a_turned_off_cache_writes_nothing(tmp_path, monkeypatch):
     home = tmp_path / "home"
     home.mkdir()
     res, err = _run("", HOME=str(home), XDG_CACHE_HOME=str(home / "xdg"))
-    assert res["compiled"] > 0 and "numbaccum" not in err
+    # no warning about the cache (the progress lines of the compiles may be there)
+    assert res["compiled"] > 0 and "numbaccum kernel cache" not in err and "Warning" not in err, err
     assert not _files(home)  # not the user cache directory either
 
 

@@ -47,7 +47,7 @@ def test_readme_commands_are_the_ones_ci_and_users_run():
     assert not any("pip install" in line for line in ci[: at - 1] if not line.startswith("#"))
     # then the extras, and the tests the first pass skipped for want of them, under NUMBACCUM_CI
     rest = "\n".join(ci[at + 1 :])
-    assert 'pip install -q -e ".[test,mpi,parity,docs,dp]"' in rest and "export NUMBACCUM_CI=1" in rest
+    assert 'pip install -q -e ".[test,mpi,parity,docs,dp,bench]"' in rest and "export NUMBACCUM_CI=1" in rest
     assert '"${EXTRAS_TESTS[@]}"' in rest
     assert 'mpiexec -n 2 "${MPI_PYTEST[@]}"' in rest
     assert "mkdocs build --strict" in rest
@@ -55,13 +55,19 @@ def test_readme_commands_are_the_ones_ci_and_users_run():
     assert 'pip install ".[mpi]"\nmpiexec -n 2 python examples/data_parallel.py' in mpi
 
 
-def test_every_docs_page_is_in_the_site_and_every_readme_link_resolves():
+def test_every_docs_page_is_in_the_site_and_the_readme_works_on_an_index_page():
+    """The README is also the package's page on an index (pyproject's ``readme``), where a
+    relative link leads nowhere: it links only to absolute addresses, and names the manual's
+    pages by their paths in the repository and the source distribution, each of which exists."""
     nav = (ROOT / "mkdocs.yml").read_text()
     for page in DOCS:
         assert str(page.relative_to(ROOT / "docs")) in nav, f"{page} is not in mkdocs.yml's nav"
-    for target in re.findall(r"\]\(([^)#]+)\)", README):
-        if "://" not in target:
-            assert (ROOT / target).is_file(), f"README links to {target}, which does not exist"
+    for target in re.findall(r"\]\(([^)]*)\)", README) + re.findall(r"""(?:href|src)=["']([^"']*)""", README):
+        assert "://" in target, f"README links to {target!r}, which breaks on a package index page"
+    named = re.findall(r"`((?:docs|examples|benchmarks)/[\w./-]+|CHANGELOG\.md)`", README)
+    assert len(named) >= 17, named  # the table of the manual's pages
+    for path in named:
+        assert (ROOT / path).exists(), f"README names {path}, which does not exist"
     assert len(README.splitlines()) <= 250  # the front page; the manual is the site
 
 

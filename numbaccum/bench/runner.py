@@ -34,6 +34,7 @@ its own operation's states, so a run holds one operation's memory at a time.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import functools
 import gc
@@ -49,6 +50,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import _progress
 from . import workloads
 from .baselines import B1, B2, DECAY, EPS, LR, NumpyClipByGlobalNorm, NumpyEma, NumpyMultiStepsAdam
 from .peers import FULL_MAX_NORM, PEERS, Peer, Steps, torch_available
@@ -640,6 +642,38 @@ def run(
     text = describe_plan(devices, workload_names, ops, plan, missing, budget_s, max_memory_gb)
     print(text, file=sys.stderr, flush=True)
     bar = Progress(len(plan) * len(ops)) if progress else None
+    # On a terminal the bar is the run's progress: the lines of numbaccum's compiles
+    # (numbaccum._progress) would break its line, so they are said only where the bar is lines too.
+    with _progress.quiet() if bar is not None and bar.tty else contextlib.nullcontext():
+        runs = _measure(plan, devices, workload_names, ops, repeats, bar, budget_s, max_memory_gb)
+    if bar is not None:
+        bar.close()
+    return {
+        "date": datetime.date.today().isoformat(),
+        "machine": f"{_cpu_model()}, {os.cpu_count()} cpus, {platform.system()} {platform.machine()}",
+        "gpu": gpu_name,
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+        "numba": numba.__version__,
+        "numba_threads": numba.get_num_threads(),
+        "threading_layer": _threading_layer(),
+        "peers": _versions([p for _, _, _, ps in plan for p in ps.values()]),
+        "k": K,
+        "runs": runs,
+    }
+
+
+def _measure(
+    plan: list[tuple[str, str, list[Impl], dict[str, Peer]]],
+    devices: tuple[str, ...],
+    workload_names: tuple[str, ...],
+    ops: tuple[str, ...],
+    repeats: dict[str, int],
+    bar: Progress | None,
+    budget_s: float,
+    max_memory_gb: float,
+) -> list[dict[str, Any]]:
+    """`run`'s measurements: the copy floor (CPU), then every device and workload of ``plan``."""
     floor = None
     if "cpu" in devices:
         if bar is not None:
@@ -656,21 +690,7 @@ def run(
                     runs.append(run_workload(d, w, ops, repeats[w], impls, cpu_floor, bar, remote))
         finally:
             remote.close()
-    if bar is not None:
-        bar.close()
-    return {
-        "date": datetime.date.today().isoformat(),
-        "machine": f"{_cpu_model()}, {os.cpu_count()} cpus, {platform.system()} {platform.machine()}",
-        "gpu": gpu_name,
-        "python": platform.python_version(),
-        "numpy": np.__version__,
-        "numba": numba.__version__,
-        "numba_threads": numba.get_num_threads(),
-        "threading_layer": _threading_layer(),
-        "peers": _versions([p for _, _, _, ps in plan for p in ps.values()]),
-        "k": K,
-        "runs": runs,
-    }
+    return runs
 
 
 # --- output ---------------------------------------------------------------------------------
@@ -939,6 +959,6 @@ def _report(result: dict[str, Any], json_path: str | None, plot_path: str | None
     if plot_path:
         from .plot import plot
 
-        plot(result, plot_path)
+        plot(result, plot_path, LABELS)
         print(f"plot: {plot_path}", file=sys.stderr)
     return 0
