@@ -50,7 +50,9 @@ def lend(buffer: Any) -> Any:
     if buffer.size == 0:  # nothing can be overwritten
         return buffer
     if isinstance(buffer, np.ndarray):
-        root = watched = np.frombuffer(memoryview(buffer.view(np.uint8)), buffer.dtype)
+        # (bfloat16 has no buffer format: its bytes are shared)
+        raw = buffer if buffer.dtype.kind in "fc" else buffer.view(np.uint8)
+        root = watched = np.frombuffer(memoryview(raw), buffer.dtype)
     elif arrays.simulated():  # a FakeCUDAArray over a NumPy array: the NumPy root, wrapped
         watched = np.frombuffer(memoryview(buffer._ary.view(np.uint8)), buffer.dtype)
         root = type(buffer)(watched)

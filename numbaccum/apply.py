@@ -259,7 +259,11 @@ def _apart(params: list[np.ndarray], updates: list[np.ndarray], layout: Layout) 
         if first.base is None:
             return True
         lent = first.base
-        return type(lent) is memoryview and id(getattr(lent.obj, "base", lent.obj)) not in ids
+        if type(lent) is not memoryview:
+            return False
+        base = getattr(lent.obj, "base", None)
+        owner = lent.obj if base is None else base  # (the bytes of a bfloat16 buffer: their base)
+        return id(owner) not in ids
     for p, u, h in zip(params, updates, held):
         if u is not p:
             h = u if h is None else h

@@ -421,9 +421,21 @@ class FlatTree:
         if starts is None:
             starts = self.__dict__["_starts"] = self._group_starts()
         roots = {d: _loans.lend(b) for d, b in self.buffers.items()}
-        groups = [roots[d][s : s + g.size] for d, s, g in zip(self.group_dtypes, starts, self.groups)]
-        out = FlatTree(self.layout, groups, roots, self._readonly)
-        return out if kind == "flat" else out.tree_as(kind)
+        if kind == "flat":
+            groups = [roots[d][s : s + g.size] for d, s, g in zip(self.group_dtypes, starts, self.groups)]
+            return FlatTree(self.layout, groups, roots, self._readonly)
+        # A tree: each leaf sliced from its buffer's root at once (a few hundred nanoseconds each).
+        where = self.__dict__.get("_lent_slices")
+        if where is None:
+            lay = self.layout
+            where = self.__dict__["_lent_slices"] = [
+                (self.group_dtypes[g], starts[g] + s, starts[g] + s + n, shape)
+                for g, s, n, shape in zip(lay.leaf_group, lay.leaf_start, lay.sizes, lay.shapes)
+            ]
+        views = [roots[d][a:b].reshape(shape) for d, a, b, shape in where]
+        if kind in arrays.STREAM_KINDS:  # a framework's own tensors, zero-copy
+            views = [arrays.as_kind(v, kind) for v in views]
+        return _tree.tree_unflatten(self.layout.treedef, views)
 
     def _group_starts(self) -> tuple[int, ...]:
         """Where each group starts in its buffer, in elements."""

@@ -275,6 +275,8 @@ def tree_unflatten(treedef: TreeDef, leaves: Sequence[Any]) -> Any:
     leaves = list(leaves)
     if len(leaves) != treedef.num_leaves:
         raise ValueError(f"treedef has {treedef.num_leaves} leaves, got {len(leaves)}")
+    if treedef.kind == _DICT and all(c is _LEAF_DEF for c in treedef.children):
+        return dict(zip(treedef.meta, leaves))  # a dict of leaves (a returned update's, often)
     return _built(treedef, iter(leaves))
 
 
