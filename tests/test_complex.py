@@ -72,6 +72,8 @@ SAME = {
     "apply_if_finite": lambda L: L.apply_if_finite(L.adam(0.1), 3),
     "inject_hyperparams": lambda L: L.inject_hyperparams(L.adam)(learning_rate=0.1),
     "masked": lambda L: L.masked(L.adam(0.1), {"w": True, "b": False, "s": True}),
+    "novograd": lambda L: L.novograd(0.1, weight_decay=0.1),
+    "scale_by_novograd": lambda L: L.scale_by_novograd(b2=0.6, eps_root=1e-3),
 }
 # lion's smooth mode: XLA's complex tanh is less accurate than NumPy's (8e-6 near its poles).
 RTOL = {"lion_smooth": 2e-5}
@@ -104,7 +106,9 @@ def test_complex64_matches_optax(name):
     _against_optax(name, C64)
 
 
-@pytest.mark.parametrize("name", ["adam", "sgd", "clip_then_adamw", "rmsprop_centered", "yogi", "lion"])
+@pytest.mark.parametrize(
+    "name", ["adam", "sgd", "clip_then_adamw", "rmsprop_centered", "yogi", "lion", "novograd"]
+)
 def test_complex128_matches_optax(name):
     jax = require("jax")
     with jax.enable_x64(True):
@@ -250,7 +254,7 @@ TAKES_COMPLEX = {
     "scale_by_optimistic_gradient", "optimistic_gradient_descent", "optimistic_adam",
     "optimistic_adam_v2", "conditionally_transform", "conditionally_mask", "add_noise", "noisy_sgd",
     "snapshot", "scale_by_lbfgs", "inject_stateful_hyperparams", "ademamix", "scale_by_ademamix",
-    "scale_by_param_block_norm", "scale_by_param_block_rms",
+    "scale_by_param_block_norm", "scale_by_param_block_rms", "novograd", "scale_by_novograd",
 }  # fmt: skip
 # Registry cases whose hyperparameters fix a real state dtype (refused: see below).
 REAL_STATE = {"trace_nesterov_f64acc"}
@@ -478,9 +482,10 @@ ON_DEVICE = [
     "normalize_by_update_norm",
     "clip_by_block_rms",
     "adam",
+    "novograd",
 ]
 ON_DEVICE_DTYPE = [(n, C64) for n in ON_DEVICE] + [
-    (n, C128) for n in ("clip_then_adamw", "centralize", "lamb")
+    (n, C128) for n in ("clip_then_adamw", "centralize", "lamb", "novograd")
 ]
 
 
