@@ -178,6 +178,40 @@ def test_fused_stage_by_stage_and_step_give_the_same_bits(name, dtype, monkeypat
             )
 
 
+@pytest.mark.parametrize("state_dtype", [None, C64])
+@pytest.mark.parametrize("base", ["sgd", "adam"])
+def test_schedule_free_on_complex_params_matches_optax(base, state_dtype):
+    """optax.contrib's test_explicit_dtype builds it with ``state_dtype=jnp.complex64`` on
+    complex64 params: ``z`` complex64, the updates as optax's. optax keeps ``b1``, ``max_lr``
+    and ``weight_sum`` in the params' dtype (complex64, a complex ``max_lr ** 2``); numbaccum's
+    are real (float32), as every scalar of a complex leaf: within float32 rounding."""
+    optax = require("optax")
+
+    def make(L, contrib):
+        inner = L.sgd(0.1) if base == "sgd" else L.adam(0.05, b1=0.0)
+        return contrib.schedule_free(inner, 0.1 if base == "sgd" else 0.05, b1=0.8, state_dtype=state_dtype)
+
+    ours, theirs = make(nba, nba), make(optax, optax.contrib)
+    p, po = tree(0), tree(0)
+    s, t = ours.init(p), theirs.init(po)
+    assert {k: x.dtype for k, x in s.z.tree.items()} == {k: np.asarray(x).dtype for k, x in t.z.items()}
+    for i in range(4):
+        g = tree(10 + i)
+        s = nba.step_(ours, g, s, p)
+        v, t = theirs.update(g, t, po)
+        po = optax.apply_updates(po, v)
+        _close(p, po, 2e-6, f"schedule_free {base} step {i + 1}")
+        _close(nba.schedule_free_eval_params(s, p), optax.contrib.schedule_free_eval_params(t, po), 2e-6, "x")
+    assert np.asarray(s.b1).dtype == np.asarray(s.max_lr).dtype == np.float32  # real scalars
+
+
+def test_schedule_free_refuses_a_state_dtype_that_drops_or_adds_imaginary_parts():
+    with pytest.raises(TypeError, match="state_dtype: float32 would drop the imaginary parts of the complex64"):
+        nba.schedule_free(nba.sgd(0.1), 0.1, state_dtype=np.float32).init(tree(0))
+    with pytest.raises(TypeError, match="state_dtype: complex64 would make complex the updates of the float32"):
+        nba.schedule_free(nba.sgd(0.1), 0.1, state_dtype=np.complex64).init({"w": np.ones(3, np.float32)})
+
+
 def test_explain_fuses_a_complex_chain_into_one_pass():
     text = str(nba.explain(CHAINS["clip_adamw"](), tree(0)))
     assert "2 passes" in text and "clip_by_global_norm + scale_by_adam" in text
@@ -255,6 +289,7 @@ TAKES_COMPLEX = {
     "optimistic_adam_v2", "conditionally_transform", "conditionally_mask", "add_noise", "noisy_sgd",
     "snapshot", "scale_by_lbfgs", "inject_stateful_hyperparams", "ademamix", "scale_by_ademamix",
     "scale_by_param_block_norm", "scale_by_param_block_rms", "novograd", "scale_by_novograd",
+    "schedule_free", "schedule_free_sgd", "schedule_free_adamw",
 }  # fmt: skip
 # Registry cases whose hyperparameters fix a real state dtype (refused: see below).
 REAL_STATE = {"trace_nesterov_f64acc"}
@@ -483,6 +518,7 @@ ON_DEVICE = [
     "clip_by_block_rms",
     "adam",
     "novograd",
+    "schedule_free_adam",
 ]
 ON_DEVICE_DTYPE = [(n, C64) for n in ON_DEVICE] + [
     (n, C128) for n in ("clip_then_adamw", "centralize", "lamb", "novograd")
