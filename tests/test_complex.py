@@ -206,7 +206,8 @@ def test_schedule_free_on_complex_params_matches_optax(base, state_dtype):
 
 
 def test_schedule_free_refuses_a_state_dtype_that_drops_or_adds_imaginary_parts():
-    drop, add = "would drop the imaginary parts of the complex64", "would make complex the updates of the float32"
+    drop = "would drop the imaginary parts of the complex64"
+    add = "would make complex the updates of the float32"
     with pytest.raises(TypeError, match=f"state_dtype: float32 {drop}"):
         nba.schedule_free(nba.sgd(0.1), 0.1, state_dtype=np.float32).init(tree(0))
     with pytest.raises(TypeError, match=f"state_dtype: complex64 {add}"):
