@@ -387,3 +387,50 @@ def test_value_and_grad_from_state_over_two_line_searches_is_ambiguous_as_optax(
             nba.value_and_grad_from_state(fn)(params, state=make(nba).init(params))
     one = nba.chain(nba.sgd(1.0), nba.scale_by_backtracking_linesearch(15, store_grad=True))
     assert nba.value_and_grad_from_state(fn)(params, state=one.init(params))[0] == 14.0
+
+
+def test_inject_hyperparams_on_bfloat16_params_casts_them_as_optax():
+    """optax casts float hyperparameters to the params' highest dtype, bfloat16 too (a JAX
+    array of a strong dtype keeps its own): the same dtypes, and sgd's updates bit for bit."""
+    jnp = jax.numpy
+    bf16 = np.dtype(jnp.bfloat16)
+    rng = np.random.default_rng(3)
+    params = {"w": rng.standard_normal((4, 3)).astype(bf16), "b": rng.standard_normal(3).astype(bf16)}
+    for b1 in (0.9, jnp.asarray(0.9), jnp.array(0.9, jnp.float32), jnp.asarray(0.95, jnp.bfloat16)):
+        ours = nba.inject_hyperparams(nba.scale_by_adam)(b1=b1, b2=0.95)
+        theirs = optax.inject_hyperparams(optax.scale_by_adam)(b1=b1, b2=0.95)
+        s, t = ours.init(params), theirs.init(params)
+        g = {k: np.ones_like(v) for k, v in params.items()}
+        for _ in range(2):  # init, then an update
+            assert {k: np.asarray(v).dtype for k, v in s.hyperparams.items()} == {
+                k: np.asarray(v).dtype for k, v in t.hyperparams.items()
+            }
+            s, t = ours.update(g, s, params)[1], theirs.update(g, t, params)[1]
+    ours, theirs = nba.inject_hyperparams(nba.sgd)(learning_rate=0.1), optax.inject_hyperparams(optax.sgd)(0.1)
+    s, t = ours.init(params), theirs.init(params)
+    for _ in range(3):  # -bfloat16(0.1) g: one rounding on both sides
+        g = {k: rng.standard_normal(v.shape).astype(bf16) for k, v in params.items()}
+        u, s = ours.update(g, s, params)
+        v, t = theirs.update(g, t, params)
+        for k in u:
+            assert u[k].dtype == bf16
+            np.testing.assert_array_equal(u[k].view(np.uint16), np.asarray(v[k]).view(np.uint16))
+
+
+def test_inject_hyperparams_adam_on_bfloat16_params_rounds_b2_to_one_as_optax():
+    """The price of optax's cast (docs/guides/masks-and-hyperparameters.md): adam's b2 = 0.999
+    is 1.0 in bfloat16, its bias correction 0 / 0 on both sides; ``hyperparam_dtype=float32``
+    gives adam's own updates."""
+    jnp = jax.numpy
+    bf16 = np.dtype(jnp.bfloat16)
+    params, g = {"w": np.ones(3, bf16)}, {"w": np.full(3, 0.5, bf16)}
+    ours, theirs = nba.inject_hyperparams(nba.adam)(1e-2), optax.inject_hyperparams(optax.adam)(1e-2)
+    u, s = ours.update(g, ours.init(params), params)
+    v, t = theirs.update(g, theirs.init(params), params)
+    assert float(s.hyperparams["b2"]) == float(t.hyperparams["b2"]) == 1.0
+    assert np.all(np.isnan(u["w"].astype(np.float32))) and np.all(np.isnan(np.asarray(v["w"], np.float32)))
+    fixed = nba.inject_hyperparams(nba.adam, hyperparam_dtype=np.float32)(1e-2)
+    u, _ = fixed.update(g, fixed.init(params), params)
+    plain = nba.adam(1e-2)
+    want, _ = plain.update(g, plain.init(params), params)
+    np.testing.assert_array_equal(u["w"].view(np.uint16), want["w"].view(np.uint16))
