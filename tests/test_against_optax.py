@@ -406,7 +406,8 @@ def test_inject_hyperparams_on_bfloat16_params_casts_them_as_optax():
                 k: np.asarray(v).dtype for k, v in t.hyperparams.items()
             }
             s, t = ours.update(g, s, params)[1], theirs.update(g, t, params)[1]
-    ours, theirs = nba.inject_hyperparams(nba.sgd)(learning_rate=0.1), optax.inject_hyperparams(optax.sgd)(0.1)
+    ours = nba.inject_hyperparams(nba.sgd)(learning_rate=0.1)
+    theirs = optax.inject_hyperparams(optax.sgd)(learning_rate=0.1)
     s, t = ours.init(params), theirs.init(params)
     for _ in range(3):  # -bfloat16(0.1) g: one rounding on both sides
         g = {k: rng.standard_normal(v.shape).astype(bf16) for k, v in params.items()}
