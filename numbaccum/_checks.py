@@ -34,11 +34,34 @@ def real(value: Any, name: str) -> float:
 def _real_0d(value: Any) -> bool:
     if isinstance(value, (str, bytes)) or not hasattr(value, "__float__"):
         return False
+    arr = _host_array(value)
+    return arr is not None and arr.ndim == 0 and _real_dtype(arr.dtype)
+
+
+def _host_array(value: Any) -> np.ndarray | None:
     try:
-        arr = np.asarray(value)
+        return np.asarray(value)
     except Exception:  # e.g. a CUDA tensor: not a host number
-        return False
-    return arr.ndim == 0 and (arr.dtype.kind in "iuf" or is_float(arr.dtype))  # bfloat16 too
+        return None
+
+
+def _real_dtype(dt: np.dtype) -> bool:
+    """An int or float dtype, bfloat16 too (ml_dtypes' kind is ``'V'``); not bool or complex."""
+    return dt.kind in "iuf" or is_float(dt)
+
+
+def real_scalar(value: Any, name: str, what: str, size_one: bool = False) -> float:
+    """An objective's value as a float: one real number of any int or float dtype (a Python or
+    NumPy number, a 0-d array of NumPy or JAX; bfloat16 too, as optax takes a loss in any float
+    dtype). ``size_one``: an array of one element of any shape as well. TypeError naming
+    ``name`` (``what``: its role, for the message) for anything else: a bool, a string, None, a
+    complex number, several numbers."""
+    arr = None if isinstance(value, (bool, np.bool_)) else _host_array(value)
+    if arr is not None and size_one and arr.size == 1:
+        arr = arr.reshape(())
+    if arr is None or arr.ndim != 0 or not _real_dtype(arr.dtype):
+        raise TypeError(f"{name} must be a real scalar ({what}), got {short_repr(value, 60)}")
+    return float(arr)
 
 
 def non_negative(value: Any, name: str) -> float:

@@ -11,7 +11,7 @@ import numpy as np
 from . import formulas as F
 from . import fuse
 from ._bounded import Bounded
-from ._checks import integer, non_negative, real, transformation, wrong_state
+from ._checks import integer, non_negative, real, real_scalar, transformation, wrong_state
 from .backend import leaf_tables, ops_for, slice_sumsq, sumsq_of_leaves, tree_norm, tree_sumsq_scaled
 from .base import Stage, Step, as_stage, with_extra_args_support
 from .contract import ONE, Factor, Ops
@@ -580,11 +580,7 @@ def _objective_value(extra: dict, name: str = "scale_by_polyak") -> float:
     """The ``value`` extra argument of an update, as a float (checked before anything runs)."""
     if "value" not in extra:
         raise TypeError(f"{name} needs the objective: call update(updates, state, params, value=f(params))")
-    value = extra["value"]
-    arr = np.asarray(value)
-    if arr.shape != () or arr.dtype.kind not in "fiu" or arr.dtype == np.bool_:
-        raise TypeError(f"value must be a real scalar (the objective at the params), got {value!r}")
-    return float(arr)
+    return real_scalar(extra["value"], "value", "the objective at the params")
 
 
 class ZeroNansState(NamedTuple):

@@ -34,7 +34,7 @@ from .declared import (
 from .flat import FlatTree, as_flat, layout_and_device, layout_of
 from .formulas import abs_sq, formula, maximum, minimum, re
 from .fuse import Later, Scale
-from .layout import check_float_dtype, real_dtype
+from .layout import check_float_dtype, check_storage, real_dtype
 from .optimizers import ScaleByAdamState, _mu_dtype, scale_by_rms, sgd
 from .protocol import GradientTransformationExtraArgs
 from .scaling import ScalarOrSchedule, add_decayed_weights, scale_by_learning_rate
@@ -643,6 +643,7 @@ class _ScheduleFree(Stage):
     """`schedule_free`: the base optimizer's step, then one pass over ``z``, the params and its
     updates (`schedule_free_direction`)."""
 
+    complex_leaves = True  # optax's: z and the interpolation complex, its scalars real
     public_name = "schedule_free"
     formula = schedule_free_direction  # run by its own pass (the driver's map_)
 
@@ -660,7 +661,9 @@ class _ScheduleFree(Stage):
         if not 0.0 < self.b1 <= 1.0:
             raise ValueError(f"b1 must be in (0, 1] (schedule_free divides by it), got {b1!r}")
         self.power = real(weight_lr_power, "weight_lr_power")
-        self.state_dtype = None if state_dtype is None else check_float_dtype(state_dtype, "state_dtype")
+        self.state_dtype = (
+            None if state_dtype is None else check_float_dtype(state_dtype, "state_dtype", complex=True)
+        )
 
     def refuses_complex(self) -> Any:
         return self.stage.refuses_complex() or Stage.refuses_complex(self)
@@ -670,6 +673,8 @@ class _ScheduleFree(Stage):
 
     def init(self, params: Any) -> ScheduleFreeState:
         layout, device = layout_and_device(params, "params")
+        if self.state_dtype is not None:  # complex exactly where the params are
+            check_storage([self.state_dtype] * len(layout.groups), layout, "state_dtype")
         reals = [real_dtype(d) for d in layout.dtypes] or [np.dtype(np.float32)]
         low = min(reals, key=lambda d: d.itemsize)
         flat = params if isinstance(params, FlatTree) else None
@@ -744,7 +749,8 @@ def schedule_free(
             as the base optimizer's: it weighs the averaging.
         b1: the interpolation, in (0, 1].
         weight_lr_power: the power of the learning rate in the averaging weights.
-        state_dtype: the dtype of ``z`` (None: each leaf's).
+        state_dtype: the dtype of ``z`` (None: each leaf's); complex for complex params (and
+            real for real ones).
 
     Returns:
         A `GradientTransformationExtraArgs` whose ``update`` needs params; its state is
@@ -752,7 +758,8 @@ def schedule_free(
             optax.contrib's.
 
     Raises:
-        TypeError: an argument has the wrong type.
+        TypeError: an argument has the wrong type; at ``init``, a real ``state_dtype`` for
+            complex params or a complex one for real params.
         ValueError: ``b1`` is not in (0, 1]; at an update, no params.
 
     References:

@@ -26,7 +26,7 @@ from ._checks import wrong_state
 from .base import Stage, Step
 from .declared import safe_increment
 from .flat import FlatTree
-from .layout import Layout, check_float_dtype, real_dtype
+from .layout import Layout, check_float_dtype, is_float, real_dtype
 from .protocol import GradientTransformationExtraArgs
 from .tree import tree_flatten
 from .updates import ParamsRef, Spec, Updates
@@ -48,8 +48,9 @@ class InjectStatefulHyperparamsState(NamedTuple):
     Attributes:
         count: updates so far (int32, saturating at the int32 maximum).
         hyperparams: a dict from argument name to the value the last update used (the initial
-            values after ``init``), floats as NumPy scalars of the hyperparameters' dtype; the
-            caller may set an entry between updates (a scheduled entry is overwritten).
+            values after ``init``), floats as NumPy scalars of the hyperparameters' dtype (a JAX
+            array of a strong dtype as given, as optax keeps it); the caller may set an entry
+            between updates (a scheduled entry is overwritten).
         hyperparams_states: a dict from the name of each scheduled argument to its schedule's
             state (a `WrappedScheduleState` for a plain function of the step count).
         inner_state: the state of the inner transformation.
@@ -128,28 +129,33 @@ def _stateful(value: Any) -> bool:
 
 def _highest_float(tree: Any) -> np.dtype | None:
     """The widest floating dtype among the leaves of ``tree`` (optax's ``tree.dtype(tree,
-    'highest')`` for float trees); a complex leaf counts as its parts' dtype (optax would make
-    the hyperparameters complex: they are real numbers); None for a tree with no such leaf."""
+    'highest')`` for float trees; bfloat16 too, of NumPy kind ``'V'``); a complex leaf counts as
+    its parts' dtype (optax would make the hyperparameters complex: they are real numbers); None
+    for a tree with no such leaf."""
     if isinstance(tree, FlatTree):
         dtypes = list(tree.layout.dtypes)
     else:
         dtypes = [np.dtype(x.dtype) for x in tree_flatten(tree)[0] if hasattr(x, "dtype")]
-    floats = [real_dtype(d) for d in dtypes if d.kind in "fc"]
+    floats = [r for r in map(real_dtype, dtypes) if is_float(r)]
     return max(floats, key=lambda d: d.itemsize) if floats else None
 
 
 def _convert_floats(value: Any, dtype: np.dtype | None) -> Any:
     """A float hyperparameter as a NumPy scalar of ``dtype`` (optax casts them to the params'
-    dtype); ints, bools and anything else as they are."""
+    dtype, bfloat16 too); a JAX array of a strong dtype (not a weakly typed Python number), ints,
+    bools and anything else as they are (optax keeps those)."""
     if isinstance(value, (bool, np.bool_)) or dtype is None:
         return value
     if isinstance(value, (float, np.floating)) or (
-        isinstance(value, np.ndarray) and value.shape == () and value.dtype.kind == "f"
+        isinstance(value, (np.ndarray, np.generic)) and value.shape == () and is_float(value.dtype)
     ):
         return dtype.type(value)
     if getattr(value, "shape", None) == () and not isinstance(value, numbers.Number):
         dt = getattr(value, "dtype", None)  # a NumPy dtype for JAX, a torch.dtype for PyTorch
-        if getattr(dt, "kind", None) == "f" or getattr(dt, "is_floating_point", False):
+        real_float = isinstance(dt, np.dtype) and is_float(dt)
+        if real_float and getattr(value, "weak_type", None) is False:
+            return value  # a JAX array of a dtype of its own: kept as it is, as optax keeps it
+        if real_float or getattr(dt, "is_floating_point", False):
             return dtype.type(float(value))
     return value
 
@@ -182,8 +188,8 @@ def _key(hparams: dict) -> tuple | None:
     key = (tuple(hparams), values, tuple(map(type, values)))
     try:
         hash(key)
-    except TypeError:  # a 0-d array (an int one: float ones are converted): by its value
-        values = tuple(v.item() if isinstance(v, np.ndarray) else v for v in values)
+    except TypeError:  # a 0-d array (an int one, or a JAX one kept as it is): by its value
+        values = tuple(v.item() if getattr(v, "shape", None) == () else v for v in values)
         key = (key[0], values, key[2])
         try:
             hash(key)
@@ -197,7 +203,7 @@ def _widest(layout: Layout) -> np.dtype | None:
     best = None
     for d in layout.group_dtypes:  # one or two groups: a loop, not max() with a key
         d = real_dtype(d)  # a complex group: its parts' dtype, as `_highest_float` counts it
-        if d.kind == "f" and (best is None or d.itemsize > best.itemsize):
+        if is_float(d) and (best is None or d.itemsize > best.itemsize):
             best = d
     return best
 
@@ -334,7 +340,8 @@ def inject_hyperparams(
     At each update, for each scheduled argument ``name`` (schedule ``f``, state ``s``) it sets
     ``hyperparams[name] = f(s)`` and ``s = f.update(s)``, then computes ``u, inner_state =
     inner_factory(**fixed, **hyperparams).update(g, inner_state, params)`` and
-    ``count = count + 1``; float hyperparameters are cast to the hyperparameters' dtype. Numeric
+    ``count = count + 1``; float hyperparameters are cast to the hyperparameters' dtype (a JAX
+    array of a strong dtype keeps its own, as optax's). Numeric
     arguments are numbers (bools excepted), 0-d arrays and objects with ``__float__``; bools,
     ``static_args`` and anything else are the ``fixed`` arguments, passed as they are.
 
@@ -353,7 +360,8 @@ def inject_hyperparams(
         inner_factory: a function returning a transformation (``numbaccum.adam``, ...).
         static_args: names of callable arguments that are not schedules.
         hyperparam_dtype: the dtype of float hyperparameters; None: the widest float dtype of
-            the params (of the updates when no params are given), as optax does.
+            the params (of the updates when no params are given), as optax does: bfloat16 for
+            bfloat16 params, where adam's ``b2 = 0.999`` becomes 1.0 (pass ``float32`` then).
 
     Returns:
         A function with ``inner_factory``'s signature returning the wrapped transformation (a

@@ -3024,6 +3024,7 @@ class _ScaleByNovograd(Stage):
     its ``nu`` and divisor on the host (one number per leaf), one segmented division pass, then
     the moment's fused pass."""
 
+    complex_leaves = True  # optax's: norms of |g|, a complex moment
     public_name = "scale_by_novograd"
 
     def __init__(self, b1: Any, b2: Any, eps: Any, eps_root: Any, weight_decay: Any, mu_dtype: Any) -> None:
@@ -3059,9 +3060,12 @@ class _ScaleByNovograd(Stage):
             sq = leaf_reductions(u.flat, Ops.segment_sumsq)  # float64, one pass per group
             new_nu, divisors = [], np.empty(len(nu), np.float64)
             with np.errstate(over="ignore", invalid="ignore"):
-                for i, old in enumerate(nu):  # (host numbers, one per leaf: optax's in the leaf dtype)
-                    t = old.dtype.type
-                    n = t(sq[i]) if first else t(1.0 - b2) * t(sq[i]) + t(b2) * old
+                # Host numbers, one per leaf, in the leaf's dtype as optax's; a complex leaf's in
+                # its real dtype (its sum is of |g|^2), kept with an imaginary part of +0 as
+                # optax keeps it: its division of g by a complex of +0 imaginary part is a real one.
+                for i, old in enumerate(nu):
+                    t = real_dtype(old.dtype).type
+                    n = t(sq[i]) if first else t(1.0 - b2) * t(sq[i]) + t(b2) * old.real
                     new_nu.append(np.asarray(n, old.dtype))
                     divisors[i] = np.sqrt(n + t(eps_root)) + t(eps)
             # g / divisor in the compute dtype: float16 and bfloat16 leaves keep float32 quotients
@@ -3112,7 +3116,8 @@ def scale_by_novograd(
     element: ``a = g / (sqrt(nu + eps_root) + eps) + weight_decay p``, ``mu = a`` at the first step,
     then ``mu = b1 mu + a``; ``u = mu``. The squared norms come from one segmented reduction of
     the reduction engine (float64, then the leaf's dtype), the division from one segmented pass,
-    the moment from one fused pass. Real leaves only.
+    the moment from one fused pass. Complex leaves as optax: ``||g||^2`` is the sum of ``|g|^2``,
+    ``nu`` is kept in the leaf's complex dtype with an imaginary part of 0, ``mu`` is complex.
 
     Args:
         b1: decay of the first moment, between 0 and 1.

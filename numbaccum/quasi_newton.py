@@ -28,10 +28,10 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from ._checks import flag, integer, non_negative, real, wrong_state
+from ._checks import flag, integer, non_negative, real, real_scalar, wrong_state
 from ._interrupts import user_code
 from .backend import ops_for
-from .base import Stage, Step, chain, find_state
+from .base import Stage, Step, chain
 from .contract import ONE, Factor
 from .declared import expect_state, safe_increment
 from .flat import FlatTree, as_flat, layout_and_device
@@ -435,9 +435,9 @@ class _ZoomLinesearch(Stage):
             None if max_learning_rate is None else real(max_learning_rate, "max_learning_rate")
         )
         self.tol = non_negative(tol, "tol")
+        # Any real, as optax: a factor <= 1 keeps (or shrinks) the step while bracketing, and the
+        # search still ends after max_linesearch_steps evaluations.
         self.increase_factor = real(increase_factor, "increase_factor")
-        if not self.increase_factor > 1.0:
-            raise ValueError(f"increase_factor must be > 1, got {increase_factor!r}")
         self.slope_rtol, self.curv_rtol = real(slope_rtol, "slope_rtol"), real(curv_rtol, "curv_rtol")
         self.approx_dec_rtol = None if approx_dec_rtol is None else real(approx_dec_rtol, "approx_dec_rtol")
         self.stepsize_precision = non_negative(stepsize_precision, "stepsize_precision")
@@ -545,10 +545,7 @@ def _objective(
 
 
 def _real_value(value: Any, name: str) -> float:
-    arr = np.asarray(value)
-    if arr.size != 1 or arr.dtype.kind not in "fiu" or arr.dtype == np.bool_:
-        raise TypeError(f"{name} must be a real scalar (the objective), got {value!r:.60}")
-    return float(arr.reshape(()))
+    return real_scalar(value, name, "the objective", size_one=True)
 
 
 def _accepted(fn: Callable[..., Any], kwargs: dict) -> dict:
@@ -597,7 +594,8 @@ def scale_by_zoom_linesearch(
         max_linesearch_steps: the most evaluations of the objective per update (``>= 1``).
         max_learning_rate: the largest step size tried (None: no bound).
         tol: tolerance on both conditions (``>= 0``).
-        increase_factor: the step's growth while bracketing (``> 1``).
+        increase_factor: the step's growth while bracketing (``> 1`` to grow it; any real, as
+            optax's).
         slope_rtol: the sufficient decrease's constant (``c1``).
         curv_rtol: the curvature condition's constant (``c2``).
         approx_dec_rtol: the relative decrease under which the approximate decrease applies
@@ -856,6 +854,9 @@ def value_and_grad_from_state(value_fn: Callable[..., Any]) -> Callable[..., tup
 
     Raises:
         TypeError: ``value_fn`` is not callable.
+        KeyError: (by the function returned) ``state`` holds more than one line search state:
+            which value is meant is ambiguous (optax's error).
+        ValueError: (by the function returned) no line search state with a gradient in it.
 
     References:
         optax.value_and_grad_from_state.
@@ -882,7 +883,14 @@ def value_and_grad_from_state(value_fn: Callable[..., Any]) -> Callable[..., tup
         raise TypeError(f"value_fn must be callable, got {type(value_fn).__name__}")
 
     def value_and_grad(params: Any, *args: Any, state: Any, **kwargs: Any) -> tuple[float, Any]:
-        found = find_state(state, (ScaleByZoomLinesearchState, ScaleByBacktrackingLinesearchState))
+        searches = _line_search_states(state)
+        if len(searches) > 1:  # optax's KeyError: several values and grads in the state
+            raise KeyError(
+                f"value_and_grad_from_state: {len(searches)} line search states in the state "
+                f"({', '.join(type(s).__name__ for s in searches)}): which value and gradient to "
+                "take is ambiguous; keep one line search per chain"
+            )
+        found = searches[0] if searches else None
         if found is None or found.grad is None:
             raise ValueError(
                 "value_and_grad_from_state: no line search state with a value and a gradient in the "
@@ -894,6 +902,18 @@ def value_and_grad_from_state(value_fn: Callable[..., Any]) -> Callable[..., tup
         return value_fn(params, *args, **kwargs)
 
     return value_and_grad
+
+
+def _line_search_states(state: Any) -> list:
+    """Every line search state inside ``state`` (itself, or nested in chains, named chains and
+    wrappers' states), in order: `find_state`'s walk, not stopping at the first."""
+    if isinstance(state, (ScaleByZoomLinesearchState, ScaleByBacktrackingLinesearchState)):
+        return [state]
+    if isinstance(state, dict):
+        state = tuple(state.values())
+    if isinstance(state, tuple):
+        return [found for s in state for found in _line_search_states(s)]
+    return []
 
 
 # --- L-BFGS ------------------------------------------------------------------------------------

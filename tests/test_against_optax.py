@@ -276,3 +276,162 @@ def test_scale_by_distance_over_gradients_matches_optax_as_the_params_move(jit):
 
 def test_the_registry_names_optax_for_the_optimizer_library():
     assert {"adamw", "nadam", "amsgrad", "adamax", "adabelief", "lion", "adagrad"} <= set(REGISTERED)
+
+
+# --- issue 47: what optax accepts and numbaccum refused ---------------------------------------
+
+
+def _low_precision_values(v):
+    """The objective ``v`` as optax's tests pass it: a JAX bfloat16 scalar, ml_dtypes' NumPy
+    bfloat16 scalar, a 0-d float16 array (each exact in float64)."""
+    jnp = jax.numpy
+    bf16 = jnp.bfloat16
+    return [jnp.asarray(v, bf16), np.asarray(v).astype(bf16)[()], np.asarray(v, np.float16)]
+
+
+def test_polyak_sgd_takes_a_bfloat16_value_as_optax():
+    params = {"w": np.array([1.0, -2.0, 0.5], np.float32)}
+    g = {"w": np.array([0.3, -0.1, 0.2], np.float32)}
+    ours, theirs = nba.polyak_sgd(max_learning_rate=10.0), optax.polyak_sgd(max_learning_rate=10.0)
+    for value in _low_precision_values(1.375):
+        u, _ = ours.update(g, ours.init(params), params, value=value)
+        v, _ = theirs.update(g, theirs.init(params), params, value=value)
+        _tree_close(u, v, 1e-6)
+
+
+def test_reduce_on_plateau_takes_a_bfloat16_value_as_optax():
+    params = {"w": np.ones(3, np.float32)}
+    g = {"w": np.array([0.3, -0.1, 0.2], np.float32)}
+    kw = {"factor": 0.5, "patience": 1, "accumulation_size": 2}
+    for pick in range(3):
+        ours = nba.chain(nba.sgd(0.1), nba.reduce_on_plateau(**kw))
+        theirs = optax.chain(optax.sgd(0.1), optax.contrib.reduce_on_plateau(**kw))
+        s, t = ours.init(params), theirs.init(params)
+        for loss in (2.0, 1.5, 1.5, 1.5, 1.5, 1.5, 1.25, 1.0):  # a plateau, then progress
+            value = _low_precision_values(loss)[pick]
+            u, s = ours.update(g, s, params, value=value)
+            v, t = theirs.update(g, t, params, value=value)
+            _tree_close(u, v, 1e-6)
+            assert float(s[1].scale) == float(t[1].scale)
+            assert float(s[1].best_value) == float(t[1].best_value)
+        assert float(s[1].scale) < 1.0  # the plateau was seen
+
+
+@pytest.mark.parametrize("search", ["zoom", "backtracking"])
+def test_line_searches_take_bfloat16_values_as_optax(search):
+    """``value=`` and ``value_fn``'s value in bfloat16 (optax's test_dtype_stability, with
+    ``increase_factor`` 1e-5 as there): the same step sizes, params and values as optax in
+    float64."""
+    jnp = jax.numpy
+    bf16 = jnp.bfloat16
+
+    def make(m):
+        if search == "zoom":
+            ls = m.scale_by_zoom_linesearch(max_linesearch_steps=10, increase_factor=1e-5)
+        else:
+            ls = m.scale_by_backtracking_linesearch(max_backtracking_steps=10)
+        return m.chain(m.sgd(1.0), ls)
+
+    def ours_fn(p):  # the value rounded to bfloat16, on both sides
+        x = p["x"]
+        return np.asarray(np.sum((x - 0.75) ** 2)).astype(bf16)[()], {"x": 2 * (x - 0.75)}
+
+    def theirs_fn(p):
+        return jnp.sum((p["x"] - 0.75) ** 2).astype(bf16)
+
+    with jax.enable_x64(True):
+        p, po = {"x": np.array([2.0, -1.0])}, {"x": jnp.array([2.0, -1.0])}
+        ours, theirs = make(nba), make(optax)
+        s, t = ours.init(p), theirs.init(po)
+        for _ in range(3):
+            value, grad = ours_fn(p)
+            s = nba.step_(ours, grad, s, p, value=value, grad=grad, value_fn=ours_fn)
+            vo, go = theirs_fn(po), jax.grad(lambda q: jnp.sum((q["x"] - 0.75) ** 2))(po)
+            uo, t = theirs.update(go, t, po, value=vo, grad=go, value_fn=theirs_fn)
+            po = optax.apply_updates(po, uo)
+            np.testing.assert_allclose(p["x"], np.asarray(po["x"]), rtol=1e-12)
+            assert float(s[1].learning_rate) == float(t[1].learning_rate)
+            assert float(s[1].value) == float(t[1].value)
+
+
+def test_value_and_grad_from_state_over_two_line_searches_is_ambiguous_as_optax():
+    """Two line searches in one chain: optax's KeyError (which value?), whether they store their
+    gradients or not; never the first one's silently."""
+    params = {"x": np.array([1.0, 2.0, 3.0], np.float32)}
+
+    def fn(p):
+        return float(np.sum(p["x"] ** 2)), {"x": 2 * p["x"]}
+
+    def theirs_fn(p):
+        return jax.numpy.sum(p["x"] ** 2)
+
+    chains = [
+        lambda m: m.chain(
+            m.scale_by_backtracking_linesearch(max_backtracking_steps=15),
+            m.scale_by_backtracking_linesearch(max_backtracking_steps=15),
+        ),
+        lambda m: m.chain(
+            m.scale_by_backtracking_linesearch(max_backtracking_steps=15, store_grad=True),
+            m.scale_by_backtracking_linesearch(max_backtracking_steps=15, store_grad=True),
+        ),
+        lambda m: m.chain(
+            m.sgd(1.0),
+            m.scale_by_zoom_linesearch(max_linesearch_steps=5),
+            m.scale_by_backtracking_linesearch(max_backtracking_steps=5, store_grad=True),
+        ),
+    ]
+    for make in chains:
+        with pytest.raises(KeyError):
+            optax.value_and_grad_from_state(theirs_fn)(params, state=make(optax).init(params))
+        with pytest.raises(KeyError, match="2 line search states .* ambiguous"):
+            nba.value_and_grad_from_state(fn)(params, state=make(nba).init(params))
+    one = nba.chain(nba.sgd(1.0), nba.scale_by_backtracking_linesearch(15, store_grad=True))
+    assert nba.value_and_grad_from_state(fn)(params, state=one.init(params))[0] == 14.0
+
+
+def test_inject_hyperparams_on_bfloat16_params_casts_them_as_optax():
+    """optax casts float hyperparameters to the params' highest dtype, bfloat16 too (a JAX
+    array of a strong dtype keeps its own): the same dtypes, and sgd's updates bit for bit."""
+    jnp = jax.numpy
+    bf16 = np.dtype(jnp.bfloat16)
+    rng = np.random.default_rng(3)
+    params = {"w": rng.standard_normal((4, 3)).astype(bf16), "b": rng.standard_normal(3).astype(bf16)}
+    for b1 in (0.9, jnp.asarray(0.9), jnp.array(0.9, jnp.float32), jnp.asarray(0.95, jnp.bfloat16)):
+        ours = nba.inject_hyperparams(nba.scale_by_adam)(b1=b1, b2=0.95)
+        theirs = optax.inject_hyperparams(optax.scale_by_adam)(b1=b1, b2=0.95)
+        s, t = ours.init(params), theirs.init(params)
+        g = {k: np.ones_like(v) for k, v in params.items()}
+        for _ in range(2):  # init, then an update
+            assert {k: np.asarray(v).dtype for k, v in s.hyperparams.items()} == {
+                k: np.asarray(v).dtype for k, v in t.hyperparams.items()
+            }
+            s, t = ours.update(g, s, params)[1], theirs.update(g, t, params)[1]
+    ours = nba.inject_hyperparams(nba.sgd)(learning_rate=0.1)
+    theirs = optax.inject_hyperparams(optax.sgd)(learning_rate=0.1)
+    s, t = ours.init(params), theirs.init(params)
+    for _ in range(3):  # -bfloat16(0.1) g: one rounding on both sides
+        g = {k: rng.standard_normal(v.shape).astype(bf16) for k, v in params.items()}
+        u, s = ours.update(g, s, params)
+        v, t = theirs.update(g, t, params)
+        for k in u:
+            assert u[k].dtype == bf16
+            np.testing.assert_array_equal(u[k].view(np.uint16), np.asarray(v[k]).view(np.uint16))
+
+
+def test_inject_hyperparams_adam_on_bfloat16_params_rounds_b2_to_one_as_optax():
+    """The price of optax's cast (docs/guides/masks-and-hyperparameters.md): adam's b2 = 0.999
+    is 1.0 in bfloat16, its bias correction 0 / 0 on both sides; ``hyperparam_dtype=float32``
+    gives adam's own updates."""
+    jnp = jax.numpy
+    bf16 = np.dtype(jnp.bfloat16)
+    params, g = {"w": np.ones(3, bf16)}, {"w": np.full(3, 0.5, bf16)}
+    ours, theirs = nba.inject_hyperparams(nba.adam)(1e-2), optax.inject_hyperparams(optax.adam)(1e-2)
+    u, s = ours.update(g, ours.init(params), params)
+    v, t = theirs.update(g, theirs.init(params), params)
+    assert float(s.hyperparams["b2"]) == float(t.hyperparams["b2"]) == 1.0
+    assert np.all(np.isnan(u["w"].astype(np.float32))) and np.all(np.isnan(np.asarray(v["w"], np.float32)))
+    fixed = nba.inject_hyperparams(nba.adam, hyperparam_dtype=np.float32)(1e-2)
+    u, _ = fixed.update(g, fixed.init(params), params)
+    plain = nba.adam(1e-2)
+    want, _ = plain.update(g, plain.init(params), params)
+    np.testing.assert_array_equal(u["w"].view(np.uint16), want["w"].view(np.uint16))

@@ -72,6 +72,8 @@ SAME = {
     "apply_if_finite": lambda L: L.apply_if_finite(L.adam(0.1), 3),
     "inject_hyperparams": lambda L: L.inject_hyperparams(L.adam)(learning_rate=0.1),
     "masked": lambda L: L.masked(L.adam(0.1), {"w": True, "b": False, "s": True}),
+    "novograd": lambda L: L.novograd(0.1, weight_decay=0.1),
+    "scale_by_novograd": lambda L: L.scale_by_novograd(b2=0.6, eps_root=1e-3),
 }
 # lion's smooth mode: XLA's complex tanh is less accurate than NumPy's (8e-6 near its poles).
 RTOL = {"lion_smooth": 2e-5}
@@ -104,7 +106,9 @@ def test_complex64_matches_optax(name):
     _against_optax(name, C64)
 
 
-@pytest.mark.parametrize("name", ["adam", "sgd", "clip_then_adamw", "rmsprop_centered", "yogi", "lion"])
+@pytest.mark.parametrize(
+    "name", ["adam", "sgd", "clip_then_adamw", "rmsprop_centered", "yogi", "lion", "novograd"]
+)
 def test_complex128_matches_optax(name):
     jax = require("jax")
     with jax.enable_x64(True):
@@ -172,6 +176,42 @@ def test_fused_stage_by_stage_and_step_give_the_same_bits(name, dtype, monkeypat
             assert np.array_equal(bits, np.ravel(t[leaf]).view(np.uint8)), (
                 f"{name} step {k + 1} {leaf}: step_"
             )
+
+
+@pytest.mark.parametrize("state_dtype", [None, C64])
+@pytest.mark.parametrize("base", ["sgd", "adam"])
+def test_schedule_free_on_complex_params_matches_optax(base, state_dtype):
+    """optax.contrib's test_explicit_dtype builds it with ``state_dtype=jnp.complex64`` on
+    complex64 params: ``z`` complex64, the updates as optax's. optax keeps ``b1``, ``max_lr``
+    and ``weight_sum`` in the params' dtype (complex64, a complex ``max_lr ** 2``); numbaccum's
+    are real (float32), as every scalar of a complex leaf: within float32 rounding."""
+    optax = require("optax")
+
+    def make(L, contrib):
+        inner = L.sgd(0.1) if base == "sgd" else L.adam(0.05, b1=0.0)
+        return contrib.schedule_free(inner, 0.1 if base == "sgd" else 0.05, b1=0.8, state_dtype=state_dtype)
+
+    ours, theirs = make(nba, nba), make(optax, optax.contrib)
+    p, po = tree(0), tree(0)
+    s, t = ours.init(p), theirs.init(po)
+    assert {k: x.dtype for k, x in s.z.tree.items()} == {k: np.asarray(x).dtype for k, x in t.z.items()}
+    for i in range(4):
+        g = tree(10 + i)
+        s = nba.step_(ours, g, s, p)
+        v, t = theirs.update(g, t, po)
+        po = optax.apply_updates(po, v)
+        _close(p, po, 2e-6, f"schedule_free {base} step {i + 1}")
+        _close(nba.schedule_free_eval_params(s, p), optax.contrib.schedule_free_eval_params(t, po), 2e-6, "x")
+    assert np.asarray(s.b1).dtype == np.asarray(s.max_lr).dtype == np.float32  # real scalars
+
+
+def test_schedule_free_refuses_a_state_dtype_that_drops_or_adds_imaginary_parts():
+    drop = "would drop the imaginary parts of the complex64"
+    add = "would make complex the updates of the float32"
+    with pytest.raises(TypeError, match=f"state_dtype: float32 {drop}"):
+        nba.schedule_free(nba.sgd(0.1), 0.1, state_dtype=np.float32).init(tree(0))
+    with pytest.raises(TypeError, match=f"state_dtype: complex64 {add}"):
+        nba.schedule_free(nba.sgd(0.1), 0.1, state_dtype=np.complex64).init({"w": np.ones(3, np.float32)})
 
 
 def test_explain_fuses_a_complex_chain_into_one_pass():
@@ -250,7 +290,8 @@ TAKES_COMPLEX = {
     "scale_by_optimistic_gradient", "optimistic_gradient_descent", "optimistic_adam",
     "optimistic_adam_v2", "conditionally_transform", "conditionally_mask", "add_noise", "noisy_sgd",
     "snapshot", "scale_by_lbfgs", "inject_stateful_hyperparams", "ademamix", "scale_by_ademamix",
-    "scale_by_param_block_norm", "scale_by_param_block_rms",
+    "scale_by_param_block_norm", "scale_by_param_block_rms", "novograd", "scale_by_novograd",
+    "schedule_free", "schedule_free_sgd", "schedule_free_adamw",
 }  # fmt: skip
 # Registry cases whose hyperparameters fix a real state dtype (refused: see below).
 REAL_STATE = {"trace_nesterov_f64acc"}
@@ -478,9 +519,11 @@ ON_DEVICE = [
     "normalize_by_update_norm",
     "clip_by_block_rms",
     "adam",
+    "novograd",
+    "schedule_free_adam",
 ]
 ON_DEVICE_DTYPE = [(n, C64) for n in ON_DEVICE] + [
-    (n, C128) for n in ("clip_then_adamw", "centralize", "lamb")
+    (n, C128) for n in ("clip_then_adamw", "centralize", "lamb", "novograd")
 ]
 
 

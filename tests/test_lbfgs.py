@@ -124,6 +124,25 @@ CASES = {
         {"x": np.array([1.0, -1.0]), "y": np.array([2.0])},
         6,
     ),
+    # A factor <= 1 (optax's own tests build 1e-5): the bracketing step does not grow.
+    "sgd_zoom_increase_one": (
+        lambda m: m.chain(
+            m.sgd(1e-3), m.scale_by_zoom_linesearch(max_linesearch_steps=8, increase_factor=1.0)
+        ),
+        rosenbrock,
+        _jax_rosenbrock,
+        {"x": np.array([-1.2, 1.0])},
+        6,
+    ),
+    "sgd_zoom_shrinking": (
+        lambda m: m.chain(
+            m.sgd(1e-3), m.scale_by_zoom_linesearch(max_linesearch_steps=5, increase_factor=1e-5)
+        ),
+        quadratic,
+        _jax_quadratic,
+        {"x": np.array([1.0, -1.0]), "y": np.array([2.0])},
+        6,
+    ),
 }
 
 
