@@ -9,12 +9,15 @@ differs from float32 repeated multiplication in the last bit for some counts (ji
 with the recipe's).
 """
 
+import inspect
+
 import numpy as np
 import pytest
 from _testutil import require
 from registry import CASES
 
 import numbaccum as nba
+from numbaccum.base import stage_of
 
 optax = require("optax")
 jax = require("jax")
@@ -175,6 +178,9 @@ def test_none_updates_as_optax():
 OPTIMIZERS = {
     "adamw_nesterov_mask": lambda L: L.adamw(1e-2, nesterov=True, mask={"dense": True, "norm": False}),
     "lion_smooth": lambda L: L.chain(L.scale_by_lion(mode="smooth", smooth_beta=2.0), L.scale(-1e-2)),
+    # optax's nadam and nadamw are adam and adamw with nesterov=True by default (issue 47)
+    "nadam_nesterov_false": lambda L: L.nadam(1e-2, nesterov=False),
+    "nadamw_nesterov_false": lambda L: L.nadamw(1e-2, weight_decay=0.1, nesterov=False),
     "rmsprop": lambda L: L.rmsprop(1e-2),
     "rmsprop_every_option": lambda L: L.rmsprop(
         1e-2,
@@ -276,3 +282,171 @@ def test_scale_by_distance_over_gradients_matches_optax_as_the_params_move(jit):
 
 def test_the_registry_names_optax_for_the_optimizer_library():
     assert {"adamw", "nadam", "amsgrad", "adamax", "adabelief", "lion", "adagrad"} <= set(REGISTERED)
+
+
+# --- optax's signatures: every name we claim takes optax's keywords with optax's defaults ------
+
+
+def _optax_object(name):
+    """optax's object of that name: optax.contrib's first (optax's top level keeps only deprecated
+    aliases of dpsgd and differentially_private_aggregate), then optax's own; None if neither."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        found = getattr(optax.contrib, name, None)
+        return found if found is not None else getattr(optax, name, None)
+
+
+# Every public name of ours that optax (or optax.contrib) has, functions and classes alike.
+CLAIMED = sorted(n for n in nba.__all__ if _optax_object(n) is not None)
+# The names docs/migrating.md maps to one of ours besides its own: (ours, optax's).
+ALSO_CLAIMED = {("global_norm", "optax.tree.norm"): lambda: optax.tree.norm}
+
+_NONE = inspect.Parameter.empty
+# Deliberate differences, each with its reason: (name, parameter) -> reason. An extra parameter
+# of ours is allowed only here (with a default, so optax's calls still work), and so is a
+# parameter of optax's that we lack or spell, order or default otherwise.
+SIGNATURE_DIFFERENCES = {
+    # numbaccum's own options, defaulting to optax's behaviour
+    ("clip_by_global_norm", "nonfinite"): "what a NaN or inf norm does (keyword-only; 'pass' is optax's)",
+    ("per_example_global_norm_clip", "return_norms"): "the per-example norms too (keyword-only)",
+    ("per_example_layer_norm_clip", "return_norms"): "the per-example norms too (keyword-only)",
+    ("centralize", "dim"): "which axes to centre (optax's takes no argument: every axis but the first)",
+    ("centralize", "inverse_dims"): "see dim",
+    ("centralize", "min_size"): "leaves below it pass (optax's: 0-d and 1-d leaves pass)",
+    ("normalize", "norm_value"): "the target norm (optax.contrib's takes no argument: 1)",
+    ("normalize", "ord"): "see norm_value",
+    ("normalize", "dim"): "see norm_value",
+    ("normalize", "inverse_dims"): "see norm_value",
+    ("normalize", "min_size"): "see norm_value",
+    # a NumPy library has no JAX keys (docs/migrating.md's table)
+    ("differentially_private_aggregate", "key"): "an int seed, not a JAX key: the seed is required",
+    ("differentially_private_aggregate", "seed"): "required and positional (optax's: a deprecated keyword)",
+    # None is refused where it is more often a missing value than a wish (the docstring says so)
+    ("scale_by_learning_rate", "learning_rate"): "required: optax's None (no scaling) is refused",
+    # global_norm is optax.tree.norm's signature (the table maps both names to it)
+    ("global_norm", "updates"): "optax.global_norm's one argument: ours is optax.tree.norm's `tree`",
+    ("global_norm", "tree"): "optax.tree.norm's first argument (optax.global_norm's is `updates`)",
+    ("global_norm", "ord"): "2 (the same norm as optax.tree.norm's None, which ours takes too)",
+    ("global_norm", "squared"): "optax.tree.norm's",
+    # MultiSteps accumulates in each leaf's dtype (docs/migrating.md: complex leaves)
+    ("MultiSteps", "accumulator_dtype"): "None, each leaf's dtype (optax's float32 drops complex parts)",
+    # states with more than optax's fields (each extra one with a default)
+    ("ClipByGlobalNormState", "norm"): "the norm it saw (optax's state is an EmptyState)",
+    ("ClipByGlobalNormState", "clipped"): "see norm",
+    ("ClipByGlobalNormState", "skipped"): "see norm",
+    ("DifferentiallyPrivateAggregateState", "examples"): "the accountant's counts (defaults 0)",
+    ("DifferentiallyPrivateAggregateState", "clipped"): "see examples",
+    ("DifferentiallyPrivateAggregateState", "batch"): "see examples",
+    ("DifferentiallyPrivateAggregateState", "noise_std"): "see examples",
+    # optax 0.2.8's inject_hyperparams returns InjectStatefulHyperparamsState: ours is that class
+    # (its legacy three-field InjectHyperparamsState is returned by nothing)
+    ("InjectHyperparamsState", "hyperparams_states"): "an alias of InjectStatefulHyperparamsState",
+    ("ScaleByNovogradState", "nu"): "None only inside init (the per-leaf norms come second)",
+}
+# Defaults that are transformations: optax's is built by a call in its source, ours must be the
+# same call of our factory (compared by the stage's hyperparameters).
+DEFAULT_TRANSFORMATIONS = {
+    ("lbfgs", "linesearch"): (
+        "scale_by_zoom_linesearch",
+        lambda: nba.scale_by_zoom_linesearch(max_linesearch_steps=20, initial_guess_strategy="one"),
+    ),
+    ("sophia", "hessian_diagonal_fn"): (
+        "hutchinson_estimator_diag_hessian",
+        lambda: nba.hutchinson_estimator_diag_hessian(None),
+    ),
+}
+
+
+def _hyperparameters(tx):
+    """A stage's hyperparameters: its attributes, callables and the per-thread workspaces aside."""
+    stage = stage_of(tx)
+    return {k: v for k, v in vars(stage).items() if not k.startswith("_") and not callable(v)}
+
+
+def _is_dtype(x):
+    return isinstance(x, np.dtype) or (isinstance(x, type) and hasattr(x, "dtype"))
+
+
+def _same_default(where, ours, theirs):
+    """Whether two defaults are the same: equal values, or functions of the step count equal at
+    several counts (adopt's clip_value_fn, Adafactor's decay_rate_fn), or transformations built
+    by the same call (`DEFAULT_TRANSFORMATIONS`)."""
+    if where in DEFAULT_TRANSFORMATIONS:
+        factory, same = DEFAULT_TRANSFORMATIONS[where]
+        built_by = theirs.update.__qualname__.split(".")[0]
+        return built_by == factory and _hyperparameters(ours) == _hyperparameters(same())
+    if _is_dtype(ours) and _is_dtype(theirs):  # jnp.float32 is np.float32's dtype
+        return np.dtype(ours) == np.dtype(theirs)
+    if inspect.isfunction(ours) and inspect.isfunction(theirs):
+        counts = [0, 1, 2, 10, 1000]
+        return np.allclose([float(ours(c)) for c in counts], [float(theirs(c)) for c in counts], rtol=1e-6)
+    return type(ours) is type(theirs) and ours == theirs
+
+
+def _signature_differences(name, ours, theirs):
+    """The differences between our signature and optax's that `SIGNATURE_DIFFERENCES` does not
+    list: parameters missing on either side, in another place, of another kind (positional or
+    keyword-only), or with another default. The names of ``*args`` and ``**kwargs`` are not
+    keywords: only their kinds count."""
+    allowed = {p for (n, p) in SIGNATURE_DIFFERENCES if n == name}
+
+    def key(p):  # a variadic parameter is matched by its kind alone
+        return f"<{p.kind.name}>" if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) else p.name
+
+    def by_key(fn):  # the parameters not listed, and their places among those
+        params = [p for p in inspect.signature(fn).parameters.values() if key(p) not in allowed]
+        return {key(p): (i, p) for i, p in enumerate(params)}
+
+    ours_by, theirs_by = by_key(ours), by_key(theirs)
+    found = []
+    for k in sorted(set(ours_by) | set(theirs_by)):
+        if k not in theirs_by:
+            found.append(f"{k}: ours only")
+        elif k not in ours_by:
+            found.append(f"{k}: optax's only")
+        else:
+            (i, p), (j, q) = ours_by[k], theirs_by[k]
+            if p.kind != q.kind or (i != j and p.kind != p.KEYWORD_ONLY):
+                found.append(f"{k}: {p.kind.name} at {i}, optax's {q.kind.name} at {j}")
+            elif (p.default is _NONE) != (q.default is _NONE) or (
+                p.default is not _NONE and not _same_default((name, k), p.default, q.default)
+            ):
+                found.append(f"{k}: default {p.default!r}, optax's {q.default!r}")
+    return found
+
+
+@pytest.mark.parametrize("name", CLAIMED)
+def test_the_signature_is_optax_s(name):
+    """Issue 47: each optax name we claim takes optax's parameters, in optax's order and kinds,
+    with optax's defaults (scale_by_ademamix's alpha was 5.0 where optax's is 6.0; nadam refused
+    optax's nesterov), but for the deliberate differences `SIGNATURE_DIFFERENCES` lists."""
+    assert _signature_differences(name, getattr(nba, name), _optax_object(name)) == []
+
+
+@pytest.mark.parametrize("ours,theirs", sorted(ALSO_CLAIMED))
+def test_the_signature_of_a_name_the_table_maps_is_optax_s(ours, theirs):
+    assert _signature_differences(ours, getattr(nba, ours), ALSO_CLAIMED[ours, theirs]()) == []
+
+
+def test_every_listed_difference_is_still_one():
+    """An entry of `SIGNATURE_DIFFERENCES` that no longer differs is removed (it would hide a
+    future drift of that parameter)."""
+    for name, param in list(SIGNATURE_DIFFERENCES):
+        theirs = [_optax_object(name)] + [f() for (n, _), f in ALSO_CLAIMED.items() if n == name]
+        assert name in CLAIMED, name
+        saved = SIGNATURE_DIFFERENCES.pop((name, param))
+        try:
+            assert any(_signature_differences(name, getattr(nba, name), t) for t in theirs), (name, param)
+        finally:
+            SIGNATURE_DIFFERENCES[name, param] = saved
+
+
+def test_the_signatures_compared_are_all_the_claimed_names():
+    """The lookup finds optax's library, optax.contrib's and the deprecated top-level aliases'
+    replacements: 130 functions when this was written (optax 0.2.8), besides the classes."""
+    functions = [n for n in CLAIMED if not inspect.isclass(getattr(nba, n))]
+    assert len(functions) >= 130
+    assert {"adam", "scale_by_ademamix", "nadamw", "dpsgd", "sophia"} <= set(functions)
+    assert _optax_object("dpsgd") is optax.contrib.dpsgd
