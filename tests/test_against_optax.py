@@ -450,3 +450,22 @@ def test_the_signatures_compared_are_all_the_claimed_names():
     assert len(functions) >= 130
     assert {"adam", "scale_by_ademamix", "nadamw", "dpsgd", "sophia"} <= set(functions)
     assert _optax_object("dpsgd") is optax.contrib.dpsgd
+
+
+# --- what optax refuses, and how (issue 47) ------------------------------------------------------
+
+
+def test_scale_by_polyak_without_a_value_is_a_type_error_before_the_updates_are_read():
+    """optax's update takes ``value`` as a required keyword: a call without it is Python's
+    TypeError whatever the updates are (optax's own test passes updates of another tree). Ours
+    said ValueError about the tree's structure first."""
+    params = (np.array([1.0, -1.0]),)
+    wrong = (np.array([500.0, 5.0]), np.array([300.0, 3.0]))  # two leaves, the params one
+    for lib in (nba, optax):
+        tx = lib.scale_by_polyak()
+        state = tx.init(params)
+        with pytest.raises(TypeError, match="value"):
+            tx.update(wrong, state, params)
+    tx = nba.scale_by_polyak()
+    with pytest.raises(ValueError, match="structure"):  # given a value, the tree is checked
+        tx.update(wrong, tx.init(params), params, value=1.0)
