@@ -469,3 +469,34 @@ def test_scale_by_polyak_without_a_value_is_a_type_error_before_the_updates_are_
     tx = nba.scale_by_polyak()
     with pytest.raises(ValueError, match="structure"):  # given a value, the tree is checked
         tx.update(wrong, tx.init(params), params, value=1.0)
+
+
+def test_a_constant_add_decayed_weights_takes_any_state_as_optax_s():
+    """A constant decay is stateless: optax's update passes whatever state it is given through
+    (its own test passes ``0``), as our other stateless transformations do. Ours refused any
+    state but EmptyState. A scheduled decay still needs its WeightDecaySchedule (optax's reads
+    its count)."""
+    params = (np.ones(2, np.float32), {"a": np.ones(2, np.float32), "b": np.full(2, 2.0, np.float32)})
+    grads = nba.tree_map(lambda p: np.full_like(p, 0.5), params)
+    for state in (0, None, ()):
+        assert nba.add_decayed_weights(0.1).update(None, state, params) == (None, state)
+        assert optax.add_decayed_weights(0.1).update(None, state, params) == (None, state)
+        u, s = nba.add_decayed_weights(0.1).update(grads, state, params)
+        v, t = optax.add_decayed_weights(0.1).update(grads, state, params)
+        assert s is state and t is state
+        _tree_close(u, v, 0.0)
+    with pytest.raises(TypeError, match="WeightDecaySchedule"):
+        nba.add_decayed_weights(lambda c: 0.1).update(grads, 0, params)
+
+
+def test_an_unknown_lion_mode_is_refused_when_built_where_optax_waits_for_the_update():
+    """Deliberate (docs/migrating.md): optax builds ``scale_by_lion(mode='invalid')`` and its
+    ``init`` allocates the state before the first update raises; ours raises where the typo is
+    written, naming ``mode`` and the modes there are, as scale_by_polyak's ``variant``."""
+    g = np.array([0.1, -0.2], np.float32)
+    tx = optax.scale_by_lion(mode="invalid")
+    state = tx.init(g)
+    with pytest.raises(ValueError, match="invalid"):
+        tx.update(g, state)
+    with pytest.raises(ValueError, match=r"mode must be one of \['hard', 'smooth', 'refined'\]"):
+        nba.scale_by_lion(mode="invalid")
