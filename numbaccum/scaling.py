@@ -95,7 +95,9 @@ class _Scale(Stage):
 
     def __init__(self, step_size: float) -> None:
         self.step_size = real(step_size, "step_size")
-        self.factor = Factor(1.0, self.step_size)
+        # cast to each leaf's dtype as optax's `step_size * g` casts it (issue 47: 1e-38 is a
+        # float32 subnormal, 1e39 is inf), not balanced into float32's range
+        self.factor = Factor(1.0, self.step_size, cast=True)
 
     def init(self, params: Any) -> EmptyState:
         return EmptyState()
@@ -167,7 +169,7 @@ class _ScaleBySchedule(Stage):
         def tick(state: Any, params: Any, extra: dict) -> bool:
             if not isinstance(state, ScaleByScheduleState):
                 return False
-            part.factor = Factor(1.0, sign * scheduled(schedule, state.count, what))
+            part.factor = Factor(1.0, sign * scheduled(schedule, state.count, what), cast=True)  # as `_Scale`
             part.new_state = ScaleByScheduleState(safe_increment(state.count))
             return True
 
