@@ -99,14 +99,14 @@ def _tree_close(ours, theirs, rtol=1e-6):
         )
 
 
-def _mlp(seed):
+def _mlp(seed, dtype=np.float32):
     rng = np.random.default_rng(seed)
     return {
         "dense": {
-            "w": rng.standard_normal((8, 4)).astype(np.float32),
-            "b": rng.standard_normal(4).astype(np.float32),
+            "w": rng.standard_normal((8, 4)).astype(dtype),
+            "b": rng.standard_normal(4).astype(dtype),
         },
-        "norm": {"scale": rng.standard_normal(4).astype(np.float32)},
+        "norm": {"scale": rng.standard_normal(4).astype(dtype)},
     }
 
 
@@ -202,23 +202,33 @@ def _parts(state):
     return list(state) if type(state) is tuple else [state]
 
 
-def _matches_optax(ours, theirs, of_params=False):
-    """Six steps on a float32 tree, optax under jit: the same updates within float32 rounding
-    (XLA fuses multiply-adds), the same state classes and fields. ``of_params``: updates that
-    are new params minus the params (schedule-free's), within rounding of the params' scale."""
-    params = _mlp(0)
-    s, t = ours.init(params), theirs.init(params)
-    assert [type(x).__name__ for x in _parts(s)] == [type(x).__name__ for x in _parts(t)]
-    assert [getattr(x, "_fields", ()) for x in _parts(s)] == [getattr(x, "_fields", ()) for x in _parts(t)]
-    update = jax.jit(theirs.update)
-    for i in range(6):
-        g = _mlp(40 + i)
-        u, s = ours.update(g, s, params)
-        v, t = update(g, t, params)
-        if of_params:  # new params - params: the same new params within float32 rounding
-            _tree_close(nba.apply_updates(params, u), nba.apply_updates(params, v), 2e-6)
-        else:
-            _tree_close(u, v, 2e-6)
+# Within float32's, float64's rounding of the update's scale (XLA's fused multiply-adds: an ulp
+# or two a step, carried in the state).
+CLOSE = {np.float32: 2e-6, np.float64: 1e-12}
+
+
+def _matches_optax(ours, theirs, of_params=False, dtype=np.float32, steps=6):
+    """Six steps on a tree of ``dtype`` (float64: JAX's x64 on), optax under jit: the same
+    updates within rounding (`CLOSE`), the same state classes and fields. ``of_params``:
+    updates that are new params minus the params (schedule-free's), within rounding of the
+    params' scale."""
+    params = _mlp(0, dtype)
+    with jax.enable_x64(dtype == np.float64):
+        s, t = ours.init(params), theirs.init(params)
+        for a, b in zip(_parts(s), _parts(t), strict=True):
+            assert type(a).__name__ == type(b).__name__
+            assert getattr(a, "_fields", ()) == getattr(b, "_fields", ())
+        update = jax.jit(theirs.update)
+        for i in range(steps):
+            g = _mlp(40 + i, dtype)
+            u, s = ours.update(g, s, params)
+            v, t = update(g, t, params)
+            leaves = [*nba.tree_flatten(u)[0], *jax.tree.leaves(v)]
+            assert all(np.asarray(x).dtype == dtype for x in leaves)
+            if of_params:  # new params - params: the same new params within rounding
+                _tree_close(nba.apply_updates(params, u), nba.apply_updates(params, v), CLOSE[dtype])
+            else:
+                _tree_close(u, v, CLOSE[dtype])
 
 
 # Updates that are the new params minus the params: their rounding is the params' (a cancellation).
@@ -500,3 +510,143 @@ def test_an_unknown_lion_mode_is_refused_when_built_where_optax_waits_for_the_up
         tx.update(g, state)
     with pytest.raises(ValueError, match=r"mode must be one of \['hard', 'smooth', 'refined'\]"):
         nba.scale_by_lion(mode="invalid")
+
+
+# --- the names optax's own tests never reach, in float32 and float64 (issue 47) -----------------
+
+_YOGI = {"b1": 0.5, "b2": 0.75, "eps": 1e-4, "eps_root": 1e-5, "initial_accumulator_value": 0.5}
+
+
+def _rank_labels():
+    return nba.tree_map(lambda x: "matrix" if np.ndim(x) > 1 else "vector", _mlp(0))
+
+
+def _decaying(count):
+    return 0.1 / (1 + count)
+
+
+# name -> its construction, from numbaccum or from optax (``L``); ``C``: where optax keeps it
+# (optax.contrib for optax, numbaccum's top level for us).
+UNREACHED = {
+    "scale_by_amsgrad": lambda L, C: L.scale_by_amsgrad(b1=0.8, b2=0.9),
+    "scale_by_belief": lambda L, C: L.scale_by_belief(b1=0.8, b2=0.9, eps_root=1e-8),
+    "scale_by_sign": lambda L, C: L.chain(L.trace(0.5), L.scale_by_sign()),  # (sign of a sum: ties)
+    "scale_by_yogi": lambda L, C: L.scale_by_yogi(**_YOGI),
+    "scale_by_radam": lambda L, C: L.scale_by_radam(threshold=3.0, nesterov=True),  # both branches
+    "scale_by_novograd": lambda L, C: L.scale_by_novograd(0.8, 0.5, 1e-3, 1e-4),
+    "scale_by_adopt": lambda L, C: C.scale_by_adopt(b2=0.99, nesterov=True),
+    "scale_by_ademamix": lambda L, C: C.scale_by_ademamix(),  # its defaults (alpha 6.0)
+    "scale_by_ademamix_schedules": lambda L, C: C.scale_by_ademamix(
+        b3=lambda c: 0.9 + 0.01 * c, alpha=lambda c: 1.0 + c
+    ),
+    "scale_by_lbfgs": lambda L, C: L.scale_by_lbfgs(memory_size=3),
+    "multi_transform": lambda L, C: L.multi_transform(
+        {"matrix": L.adam(1e-2), "vector": L.chain(L.trace(0.9), L.scale(-0.1))}, _rank_labels()
+    ),
+    "inject_stateful_hyperparams": lambda L, C: L.inject_stateful_hyperparams(L.sgd)(
+        learning_rate=L.WrappedSchedule(_decaying), momentum=0.9
+    ),
+}
+# The others are compared in other files, in float32 and float64: the two schedules at 10,000
+# counts (test_schedules.py's OPTAX_CASES), and the three below.
+COMPARED_BELOW = {"scale_by_rprop", "dpsgd", "hutchinson_estimator_diag_hessian"}
+SCHEDULES = {"warmup_constant_schedule", "warmup_exponential_decay_schedule"}
+NOT_REACHED_BY_OPTAX_TESTS = {
+    "scale_by_amsgrad", "scale_by_belief", "scale_by_sign", "scale_by_yogi", "scale_by_radam",
+    "scale_by_rprop", "scale_by_sm3", "scale_by_novograd", "scale_by_adopt", "scale_by_ademamix",
+    "scale_by_lbfgs", "multi_transform", "inject_stateful_hyperparams", "warmup_constant_schedule",
+    "warmup_exponential_decay_schedule", "dpsgd", "hutchinson_estimator_diag_hessian",
+}  # fmt: skip
+DTYPES = [np.float32, np.float64]
+
+
+def test_every_name_optax_s_tests_never_reach_is_compared_with_optax():
+    import test_factored
+    from test_schedules import OPTAX_CASES
+
+    for dtype in ("float32", "float64"):  # scale_by_sm3's comparisons
+        assert callable(getattr(test_factored, f"test_scale_by_sm3_matches_optax_in_{dtype}"))
+    assert SCHEDULES <= set(OPTAX_CASES)
+    here = {n for n in UNREACHED if n in NOT_REACHED_BY_OPTAX_TESTS} | COMPARED_BELOW
+    assert NOT_REACHED_BY_OPTAX_TESTS == here | SCHEDULES | {"scale_by_sm3"}
+
+
+@pytest.mark.filterwarnings("ignore:inject_stateful_hyperparams is deprecated:DeprecationWarning")  # optax's
+@pytest.mark.parametrize("dtype", DTYPES, ids=["float32", "float64"])
+@pytest.mark.parametrize("name", sorted(UNREACHED))
+def test_a_name_optax_s_tests_never_reach_matches_optax(name, dtype):
+    ours = UNREACHED[name](nba, nba)
+    theirs = UNREACHED[name](optax, optax.contrib)
+    _matches_optax(ours, theirs, dtype=dtype, steps=5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["float32", "float64"])
+def test_scale_by_rprop_s_step_is_optax_s_state_one_step_early(dtype):
+    """Rprop (docs/migrating.md): our update is the current step, optax 0.2.8's the previous one
+    (its PR #1725); the step optax stores in its state (``prev_updates``) is ours, and so are its
+    step sizes, step after step."""
+    params = _mlp(0, dtype)
+    args = (0.05, 0.3, 1.5, 1e-3, 0.07)
+    ours, theirs = nba.scale_by_rprop(*args), optax.scale_by_rprop(*args)
+    with jax.enable_x64(dtype == np.float64):
+        s, t = ours.init(params), theirs.init(params)
+        assert type(s).__name__ == type(t).__name__ and s._fields == t._fields
+        update = jax.jit(theirs.update)
+        previous = None
+        for i in range(6):
+            g = _mlp(40 + i % 3, dtype)  # signs that repeat and flip
+            u, s = ours.update(g, s, params)
+            v, t = update(g, t, params)
+            _tree_close(u, t.prev_updates, 0.0)
+            _tree_close(s.step_sizes.tree, t.step_sizes, 0.0)
+            if previous is not None:  # optax emits the step before, zeroed where the sign flipped
+                flipped = jax.tree.map(lambda a, b: np.asarray(a) * np.asarray(b) < 0, g, previous)
+                emitted = jax.tree.map(lambda p, f: np.where(f, 0, p), previous_step, flipped)
+                _tree_close(emitted, v, 0.0)
+            previous, previous_step = g, nba.tree_map(np.copy, u)
+
+
+@pytest.mark.filterwarnings("ignore:.*seed.* is deprecated:DeprecationWarning")  # optax's dpsgd's own call
+@pytest.mark.parametrize("dtype", DTYPES, ids=["float32", "float64"])
+def test_dpsgd_without_noise_matches_optax(dtype):
+    """dpsgd's noise is drawn from Philox, optax's from JAX's keys: with noise_multiplier 0 the
+    rest (each example clipped to l2_norm_clip, the sum, the mean, momentum) is compared."""
+    rng = np.random.default_rng(5)
+    batch = 6
+    params = _mlp(0, dtype)
+    kw = {"l2_norm_clip": 1.5, "noise_multiplier": 0.0, "seed": 0, "momentum": 0.9, "nesterov": True}
+    ours, theirs = nba.dpsgd(0.1, **kw), optax.contrib.dpsgd(0.1, **kw)
+    with jax.enable_x64(dtype == np.float64):
+        s, t = ours.init(params), theirs.init(params)
+        update = jax.jit(theirs.update)
+        for _ in range(4):
+            g = nba.tree_map(lambda p: (rng.standard_normal((batch, *p.shape)) * 0.7).astype(dtype), params)
+            u, s = ours.update(g, s, params)
+            v, t = update(g, t, params)
+            _tree_close(u, v, CLOSE[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["float32", "float64"])
+def test_hutchinson_estimator_matches_optax_on_a_diagonal_hessian(dtype):
+    """Our random signs are Philox's, optax's JAX's; for a separable objective (a diagonal
+    Hessian, ``3 c x^2``) every sign gives the exact diagonal: ours from ``hvp_fn``, optax's from
+    JAX's derivatives of ``obj_fn``, step after step as the params move."""
+    jnp = jax.numpy
+    c = _mlp(7, dtype)
+    ours, theirs = nba.hutchinson_estimator_diag_hessian(3), optax.contrib.hutchinson_estimator_diag_hessian()
+
+    def obj_fn(p):
+        return sum(jnp.sum(ci * x**4) / 4 for ci, x in zip(jax.tree.leaves(c), jax.tree.leaves(p)))
+
+    def hvp_fn(p, v):
+        return nba.tree_map(lambda ci, x, vi: 3 * ci * x * x * vi, c, p, v)
+
+    with jax.enable_x64(dtype == np.float64):
+        params = _mlp(0, dtype)
+        s, t = ours.init(params), theirs.init(params)
+        assert type(s).__name__ == type(t).__name__ and s._fields == t._fields
+        for i in range(3):
+            d, s = ours.update(params, s, params, hvp_fn=hvp_fn)
+            e, t = theirs.update(params, t, params, obj_fn=obj_fn)
+            _tree_close(d, e, CLOSE[dtype])
+            params = nba.tree_map(lambda x, k=i: x * dtype(0.5 + k), params)
