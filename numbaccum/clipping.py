@@ -517,8 +517,8 @@ def scale_by_polyak(
             objective at the params the updates were taken at); its state is ``EmptyState()``.
 
     Raises:
-        TypeError: a hyperparameter is not a real number; at ``update``, ``value`` is missing or
-            not a real scalar.
+        TypeError: a hyperparameter is not a real number; at ``update``, ``value`` is missing
+            (before the updates are read, as optax's required keyword) or not a real scalar.
         ValueError: ``eps`` is negative or NaN, or ``variant`` is neither ``'sps'`` nor
             ``'sps+'`` (optax raises at the first update; here at construction).
 
@@ -548,6 +548,13 @@ class _ScaleByPolyak(_Stateless):
             raise ValueError(f"variant must be 'sps' or 'sps+', got {variant!r}")
         self.plus = variant == "sps+"
 
+    def update(self, updates: Any, state: Any, params: Any = None, **extra_args: Any) -> tuple[Any, Any]:
+        # optax's update takes ``value`` as a required keyword: a call without it is a TypeError
+        # before anything reads the updates (the runner checks their structure first).
+        if "value" not in extra_args:
+            raise _no_value("scale_by_polyak")
+        return super().update(updates, state, params, **extra_args)
+
     def declare(self, spec: Spec, state: Any) -> Prepass:
         f_min, max_lr, eps, plus = self.f_min, self.max_lr, self.eps, self.plus
         gap = [0.0]  # this step's f - f_min (set by ``tick``, before the pass)
@@ -576,10 +583,14 @@ class _ScaleByPolyak(_Stateless):
 _FLOAT64_EPS = float(np.finfo(np.float64).eps)
 
 
+def _no_value(name: str) -> TypeError:
+    return TypeError(f"{name} needs the objective: call update(updates, state, params, value=f(params))")
+
+
 def _objective_value(extra: dict, name: str = "scale_by_polyak") -> float:
     """The ``value`` extra argument of an update, as a float (checked before anything runs)."""
     if "value" not in extra:
-        raise TypeError(f"{name} needs the objective: call update(updates, state, params, value=f(params))")
+        raise _no_value(name)
     return real_scalar(extra["value"], "value", "the objective at the params")
 
 

@@ -52,7 +52,9 @@ class Factor:
     """A pending scale ``(x / div) * mul`` of updates that are not written yet.
 
     Attributes:
-        div, mul: host floats (``1.0, 1.0`` is no scale at all, and costs no division).
+        div, mul: host floats (``1.0, 1.0`` is no scale at all, and costs no division). With
+            ``cast=True`` they are never rebalanced (`balanced`): each kernel casts them to its
+            compute dtype as they are, as optax's ``step_size * g`` does.
         device: on CUDA, a factor that never left the GPU: a dict compute dtype -> device array
             ``[div, mul]`` (then ``div`` and ``mul`` are unused).
         is_one: True when the factor changes nothing (reads need no division).
@@ -60,10 +62,14 @@ class Factor:
 
     __slots__ = ("div", "mul", "device", "is_one")
 
-    def __init__(self, div: float = 1.0, mul: float = 1.0, device: dict | None = None) -> None:
+    def __init__(
+        self, div: float = 1.0, mul: float = 1.0, device: dict | None = None, *, cast: bool = False
+    ) -> None:
         # Computed in float64 and cast to the buffer dtype by the kernels: a pair outside
-        # float32's range is first scaled by a power of two (`numbaccum.formulas.balanced`).
-        if not (_LO < abs(div) < _HI and _LO < abs(mul) < _HI) and device is None:
+        # float32's range is first scaled by a power of two (`numbaccum.formulas.balanced`),
+        # unless ``cast``: a step size that optax casts to the leaf's dtype before it multiplies
+        # (``scale``, a learning rate) is cast as it is, to a subnormal, 0 or inf as optax's.
+        if not cast and not (_LO < abs(div) < _HI and _LO < abs(mul) < _HI) and device is None:
             div, mul = F.balanced(float(div), float(mul))
         self.div = div
         self.mul = mul

@@ -331,7 +331,7 @@ def scale_by_ademamix(
     b1: float = 0.9,
     b2: float = 0.999,
     b3: ScalarOrSchedule = 0.9999,
-    alpha: ScalarOrSchedule = 5.0,
+    alpha: ScalarOrSchedule = 6.0,
     eps: float = 1e-8,
     eps_root: float = 0.0,
     mu_dtype: Any = None,
@@ -347,7 +347,8 @@ def scale_by_ademamix(
         b1: decay of the fast EMA, between 0 and 1.
         b2: decay of the second moment, between 0 and 1.
         b3: decay of the slow EMA, between 0 and 1, or a schedule of it.
-        alpha: the slow EMA's weight, or a schedule of it.
+        alpha: the slow EMA's weight, or a schedule of it (6.0 by default, as optax.contrib's
+            ``scale_by_ademamix``; its ``ademamix`` defaults to 5.0).
         eps: added to the square root.
         eps_root: added inside the square root.
         mu_dtype: storage dtype of the three buffers (None: each leaf's).

@@ -673,6 +673,8 @@ def nadam(
     eps: float = 1e-8,
     eps_root: float = 0.0,
     mu_dtype: Any = None,
+    *,
+    nesterov: bool = True,
 ) -> GradientTransformationExtraArgs:
     """NAdam: Adam with Nesterov momentum, optax's ``adam(..., nesterov=True)``.
 
@@ -680,8 +682,8 @@ def nadam(
     ``mu_hat = b1 (mu / (1 - b1^(t+1))) + (1 - b1) (g / (1 - b1^t))``,
     ``u = -lr mu_hat / (sqrt(nu / (1 - b2^t) + eps_root) + eps)``.
 
-    It is ``chain(scale_by_nadam(b1, b2, eps, eps_root, mu_dtype),
-    scale_by_learning_rate(learning_rate))``, one fused pass.
+    It is ``adam(..., nesterov=nesterov)``: ``chain(scale_by_nadam(b1, b2, eps, eps_root,
+    mu_dtype), scale_by_learning_rate(learning_rate))``, one fused pass.
 
     Args:
         learning_rate: a float, or a schedule of the step count.
@@ -690,6 +692,8 @@ def nadam(
         eps: as in `adam`.
         eps_root: as in `adam`.
         mu_dtype: as in `adam`.
+        nesterov: as in `adam`; True by default (optax's ``nadam`` is ``adam`` with this
+            default, so ``nesterov=False`` gives `adam`).
 
     Returns:
         A `GradientTransformationExtraArgs`; its state is ``(ScaleByAdamState(count, mu, nu),
@@ -697,7 +701,8 @@ def nadam(
 
     Raises:
         TypeError: ``learning_rate`` is neither a real number nor a callable, ``b1``, ``b2``,
-            ``eps`` or ``eps_root`` is not a real number, or ``mu_dtype`` is not a float dtype.
+            ``eps`` or ``eps_root`` is not a real number, ``mu_dtype`` is not a float dtype, or
+            ``nesterov`` is not a bool.
         ValueError: ``b1`` or ``b2`` is not between 0 and 1.
 
     References:
@@ -713,7 +718,7 @@ def nadam(
         >>> [round(float(x), 4) for x in params["w"]]  # 1 - 0.1 * 1.4737 * sign(g)
         [0.8526, 1.1474]
     """
-    return chain(scale_by_nadam(b1, b2, eps, eps_root, mu_dtype), scale_by_learning_rate(learning_rate))
+    return adam(learning_rate, b1, b2, eps, eps_root, mu_dtype, nesterov=nesterov)
 
 
 def nadamw(
@@ -725,6 +730,8 @@ def nadamw(
     mu_dtype: Any = None,
     weight_decay: ScalarOrSchedule = 1e-4,
     mask: Any = None,
+    *,
+    nesterov: bool = True,
 ) -> GradientTransformationExtraArgs:
     """NAdamW: NAdam with decoupled weight decay, optax's ``adamw(..., nesterov=True)``.
 
@@ -746,6 +753,8 @@ def nadamw(
         weight_decay: the decay rate (a float or a schedule).
         mask: as in `adamw`: None (decay every leaf), or a tree of bools of the params'
             structure (or a prefix of it), or a callable of the params giving one.
+        nesterov: as in `adamw`; True by default (optax's ``nadamw`` is ``adamw`` with this
+            default, so ``nesterov=False`` gives `adamw`).
 
     Returns:
         A `GradientTransformationExtraArgs`; its state is ``(ScaleByAdamState, EmptyState(),
@@ -753,8 +762,9 @@ def nadamw(
 
     Raises:
         TypeError: ``learning_rate`` or ``weight_decay`` is neither a real number nor a
-            callable, ``b1``, ``b2``, ``eps`` or ``eps_root`` is not a real number, or
-            ``mu_dtype`` is not a float dtype; at ``init``, a mask leaf that is not a bool.
+            callable, ``b1``, ``b2``, ``eps`` or ``eps_root`` is not a real number,
+            ``mu_dtype`` is not a float dtype, or ``nesterov`` is not a bool; at ``init``, a
+            mask leaf that is not a bool.
         ValueError: ``b1`` or ``b2`` is not between 0 and 1; at ``init``, a mask whose
             structure is not the params' (or a prefix of it); ``update`` without ``params``.
 
@@ -773,7 +783,7 @@ def nadamw(
         >>> [round(float(x), 4) for x in params["w"]]  # 1 - 0.1 * (1.4737 * sign(g) + 0.5 * 1)
         [0.8026, 1.0974]
     """
-    return adamw(learning_rate, b1, b2, eps, eps_root, mu_dtype, weight_decay, mask, nesterov=True)
+    return adamw(learning_rate, b1, b2, eps, eps_root, mu_dtype, weight_decay, mask, nesterov=nesterov)
 
 
 @formula(

@@ -95,7 +95,9 @@ class _Scale(Stage):
 
     def __init__(self, step_size: float) -> None:
         self.step_size = real(step_size, "step_size")
-        self.factor = Factor(1.0, self.step_size)
+        # cast to each leaf's dtype as optax's `step_size * g` casts it (issue 47: 1e-38 is a
+        # float32 subnormal, 1e39 is inf), not balanced into float32's range
+        self.factor = Factor(1.0, self.step_size, cast=True)
 
     def init(self, params: Any) -> EmptyState:
         return EmptyState()
@@ -167,7 +169,7 @@ class _ScaleBySchedule(Stage):
         def tick(state: Any, params: Any, extra: dict) -> bool:
             if not isinstance(state, ScaleByScheduleState):
                 return False
-            part.factor = Factor(1.0, sign * scheduled(schedule, state.count, what))
+            part.factor = Factor(1.0, sign * scheduled(schedule, state.count, what), cast=True)  # as `_Scale`
             part.new_state = ScaleByScheduleState(safe_increment(state.count))
             return True
 
@@ -324,26 +326,28 @@ class _AddDecayedWeights(Stage):
 
     def decay(self, state: Any, params: ParamsRef | None) -> tuple[float, Any]:
         """This step's weight decay and the new state (the schedule called); raises first on a
-        missing ``params`` or a state of another kind."""
+        missing ``params`` or a schedule's state of another kind. A constant decay is stateless:
+        any state passes through, as in optax (whose tests pass ``0``) and the other stateless
+        transformations."""
         if params is None:
             raise ValueError("add_decayed_weights needs params: call update(updates, state, params)")
         if not callable(self.weight_decay):
-            if not isinstance(state, EmptyState):
-                raise wrong_state("EmptyState (add_decayed_weights)", state)
             return self.weight_decay, state
-        if not isinstance(state, WeightDecaySchedule):
-            raise wrong_state("WeightDecaySchedule (a scheduled weight decay)", state)
+        self.check_schedule_state(state)
         wd = scheduled(self.weight_decay, state.count, "weight_decay")
         return wd, WeightDecaySchedule(safe_increment(state.count))
 
+    def check_schedule_state(self, state: Any) -> None:
+        if not isinstance(state, WeightDecaySchedule):
+            raise wrong_state("WeightDecaySchedule (a scheduled weight decay)", state)
+
     def declare(self, spec: Spec, state: Any) -> Any:
         """A `Kernel` of ``g + wd * params`` (a `Scale` of one for a constant zero), whose tick
-        calls the schedule; the state is checked here (`decay` checks it again each step)."""
-        expected = WeightDecaySchedule if callable(self.weight_decay) else EmptyState
-        if not isinstance(state, expected):
-            if expected is EmptyState:
-                raise wrong_state("EmptyState (add_decayed_weights)", state)
-            raise wrong_state("WeightDecaySchedule (a scheduled weight decay)", state)
+        calls the schedule; a schedule's state is checked here (`decay` checks it again each
+        step)."""
+        scheduled_decay = callable(self.weight_decay)
+        if scheduled_decay:
+            self.check_schedule_state(state)
         groups = len(spec.layout.groups)
         part: Any
         if self.skip:
@@ -352,7 +356,7 @@ class _AddDecayedWeights(Stage):
             part = Kernel(F.add_scaled, (), [], name="add_decayed_weights")
 
         def tick(state: Any, params: ParamsRef | None, extra: dict) -> bool:
-            if not isinstance(state, expected):
+            if scheduled_decay and not isinstance(state, WeightDecaySchedule):
                 return False
             wd, part.new_state = self.decay(state, params)
             if not self.skip:

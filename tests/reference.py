@@ -2108,7 +2108,7 @@ class ScaleByAdemamixState(NamedTuple):
     nu: Any
 
 
-def scale_by_ademamix(b1=0.9, b2=0.999, b3=0.9999, alpha=5.0, eps=1e-8, eps_root=0.0):
+def scale_by_ademamix(b1=0.9, b2=0.999, b3=0.9999, alpha=6.0, eps=1e-8, eps_root=0.0):
     """optax.contrib's ``scale_by_ademamix`` leaf by leaf (the slow EMA not bias-corrected)."""
 
     def init(params):

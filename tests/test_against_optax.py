@@ -9,12 +9,15 @@ differs from float32 repeated multiplication in the last bit for some counts (ji
 with the recipe's).
 """
 
+import inspect
+
 import numpy as np
 import pytest
 from _testutil import require
 from registry import CASES
 
 import numbaccum as nba
+from numbaccum.base import stage_of
 
 optax = require("optax")
 jax = require("jax")
@@ -96,14 +99,14 @@ def _tree_close(ours, theirs, rtol=1e-6):
         )
 
 
-def _mlp(seed):
+def _mlp(seed, dtype=np.float32):
     rng = np.random.default_rng(seed)
     return {
         "dense": {
-            "w": rng.standard_normal((8, 4)).astype(np.float32),
-            "b": rng.standard_normal(4).astype(np.float32),
+            "w": rng.standard_normal((8, 4)).astype(dtype),
+            "b": rng.standard_normal(4).astype(dtype),
         },
-        "norm": {"scale": rng.standard_normal(4).astype(np.float32)},
+        "norm": {"scale": rng.standard_normal(4).astype(dtype)},
     }
 
 
@@ -175,6 +178,9 @@ def test_none_updates_as_optax():
 OPTIMIZERS = {
     "adamw_nesterov_mask": lambda L: L.adamw(1e-2, nesterov=True, mask={"dense": True, "norm": False}),
     "lion_smooth": lambda L: L.chain(L.scale_by_lion(mode="smooth", smooth_beta=2.0), L.scale(-1e-2)),
+    # optax's nadam and nadamw are adam and adamw with nesterov=True by default (issue 47)
+    "nadam_nesterov_false": lambda L: L.nadam(1e-2, nesterov=False),
+    "nadamw_nesterov_false": lambda L: L.nadamw(1e-2, weight_decay=0.1, nesterov=False),
     "rmsprop": lambda L: L.rmsprop(1e-2),
     "rmsprop_every_option": lambda L: L.rmsprop(
         1e-2,
@@ -196,23 +202,33 @@ def _parts(state):
     return list(state) if type(state) is tuple else [state]
 
 
-def _matches_optax(ours, theirs, of_params=False):
-    """Six steps on a float32 tree, optax under jit: the same updates within float32 rounding
-    (XLA fuses multiply-adds), the same state classes and fields. ``of_params``: updates that
-    are new params minus the params (schedule-free's), within rounding of the params' scale."""
-    params = _mlp(0)
-    s, t = ours.init(params), theirs.init(params)
-    assert [type(x).__name__ for x in _parts(s)] == [type(x).__name__ for x in _parts(t)]
-    assert [getattr(x, "_fields", ()) for x in _parts(s)] == [getattr(x, "_fields", ()) for x in _parts(t)]
-    update = jax.jit(theirs.update)
-    for i in range(6):
-        g = _mlp(40 + i)
-        u, s = ours.update(g, s, params)
-        v, t = update(g, t, params)
-        if of_params:  # new params - params: the same new params within float32 rounding
-            _tree_close(nba.apply_updates(params, u), nba.apply_updates(params, v), 2e-6)
-        else:
-            _tree_close(u, v, 2e-6)
+# Within float32's, float64's rounding of the update's scale (XLA's fused multiply-adds: an ulp
+# or two a step, carried in the state).
+CLOSE = {np.float32: 2e-6, np.float64: 1e-12}
+
+
+def _matches_optax(ours, theirs, of_params=False, dtype=np.float32, steps=6):
+    """Six steps on a tree of ``dtype`` (float64: JAX's x64 on), optax under jit: the same
+    updates within rounding (`CLOSE`), the same state classes and fields. ``of_params``:
+    updates that are new params minus the params (schedule-free's), within rounding of the
+    params' scale."""
+    params = _mlp(0, dtype)
+    with jax.enable_x64(dtype == np.float64):
+        s, t = ours.init(params), theirs.init(params)
+        for a, b in zip(_parts(s), _parts(t), strict=True):
+            assert type(a).__name__ == type(b).__name__
+            assert getattr(a, "_fields", ()) == getattr(b, "_fields", ())
+        update = jax.jit(theirs.update)
+        for i in range(steps):
+            g = _mlp(40 + i, dtype)
+            u, s = ours.update(g, s, params)
+            v, t = update(g, t, params)
+            leaves = [*nba.tree_flatten(u)[0], *jax.tree.leaves(v)]
+            assert all(np.asarray(x).dtype == dtype for x in leaves)
+            if of_params:  # new params - params: the same new params within rounding
+                _tree_close(nba.apply_updates(params, u), nba.apply_updates(params, v), CLOSE[dtype])
+            else:
+                _tree_close(u, v, CLOSE[dtype])
 
 
 # Updates that are the new params minus the params: their rounding is the params' (a cancellation).
@@ -435,3 +451,361 @@ def test_inject_hyperparams_adam_on_bfloat16_params_rounds_b2_to_one_as_optax():
     plain = nba.adam(1e-2)
     want, _ = plain.update(g, plain.init(params), params)
     np.testing.assert_array_equal(u["w"].view(np.uint16), want["w"].view(np.uint16))
+
+
+# --- optax's signatures: every name we claim takes optax's keywords with optax's defaults ------
+
+
+def _optax_object(name):
+    """optax's object of that name: optax.contrib's first (optax's top level keeps only deprecated
+    aliases of dpsgd and differentially_private_aggregate), then optax's own; None if neither."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        found = getattr(optax.contrib, name, None)
+        return found if found is not None else getattr(optax, name, None)
+
+
+# Every public name of ours that optax (or optax.contrib) has, functions and classes alike.
+CLAIMED = sorted(n for n in nba.__all__ if _optax_object(n) is not None)
+# The names docs/migrating.md maps to one of ours besides its own: (ours, optax's).
+ALSO_CLAIMED = {("global_norm", "optax.tree.norm"): lambda: optax.tree.norm}
+
+_NONE = inspect.Parameter.empty
+# Deliberate differences, each with its reason: (name, parameter) -> reason. An extra parameter
+# of ours is allowed only here (with a default, so optax's calls still work), and so is a
+# parameter of optax's that we lack or spell, order or default otherwise.
+SIGNATURE_DIFFERENCES = {
+    # numbaccum's own options, defaulting to optax's behaviour
+    ("clip_by_global_norm", "nonfinite"): "what a NaN or inf norm does (keyword-only; 'pass' is optax's)",
+    ("per_example_global_norm_clip", "return_norms"): "the per-example norms too (keyword-only)",
+    ("per_example_layer_norm_clip", "return_norms"): "the per-example norms too (keyword-only)",
+    ("centralize", "dim"): "which axes to centre (optax's takes no argument: every axis but the first)",
+    ("centralize", "inverse_dims"): "see dim",
+    ("centralize", "min_size"): "leaves below it pass (optax's: 0-d and 1-d leaves pass)",
+    ("normalize", "norm_value"): "the target norm (optax.contrib's takes no argument: 1)",
+    ("normalize", "ord"): "see norm_value",
+    ("normalize", "dim"): "see norm_value",
+    ("normalize", "inverse_dims"): "see norm_value",
+    ("normalize", "min_size"): "see norm_value",
+    # a NumPy library has no JAX keys (docs/migrating.md's table)
+    ("differentially_private_aggregate", "key"): "an int seed, not a JAX key: the seed is required",
+    ("differentially_private_aggregate", "seed"): "required and positional (optax's: a deprecated keyword)",
+    # None is refused where it is more often a missing value than a wish (the docstring says so)
+    ("scale_by_learning_rate", "learning_rate"): "required: optax's None (no scaling) is refused",
+    # global_norm is optax.tree.norm's signature (the table maps both names to it)
+    ("global_norm", "updates"): "optax.global_norm's one argument: ours is optax.tree.norm's `tree`",
+    ("global_norm", "tree"): "optax.tree.norm's first argument (optax.global_norm's is `updates`)",
+    ("global_norm", "ord"): "2 (the same norm as optax.tree.norm's None, which ours takes too)",
+    ("global_norm", "squared"): "optax.tree.norm's",
+    # MultiSteps accumulates in each leaf's dtype (docs/migrating.md: complex leaves)
+    ("MultiSteps", "accumulator_dtype"): "None, each leaf's dtype (optax's float32 drops complex parts)",
+    # states with more than optax's fields (each extra one with a default)
+    ("ClipByGlobalNormState", "norm"): "the norm it saw (optax's state is an EmptyState)",
+    ("ClipByGlobalNormState", "clipped"): "see norm",
+    ("ClipByGlobalNormState", "skipped"): "see norm",
+    ("DifferentiallyPrivateAggregateState", "examples"): "the accountant's counts (defaults 0)",
+    ("DifferentiallyPrivateAggregateState", "clipped"): "see examples",
+    ("DifferentiallyPrivateAggregateState", "batch"): "see examples",
+    ("DifferentiallyPrivateAggregateState", "noise_std"): "see examples",
+    # optax 0.2.8's inject_hyperparams returns InjectStatefulHyperparamsState: ours is that class
+    # (its legacy three-field InjectHyperparamsState is returned by nothing)
+    ("InjectHyperparamsState", "hyperparams_states"): "an alias of InjectStatefulHyperparamsState",
+    ("ScaleByNovogradState", "nu"): "None only inside init (the per-leaf norms come second)",
+}
+# Defaults that are transformations: optax's is built by a call in its source, ours must be the
+# same call of our factory (compared by the stage's hyperparameters).
+DEFAULT_TRANSFORMATIONS = {
+    ("lbfgs", "linesearch"): (
+        "scale_by_zoom_linesearch",
+        lambda: nba.scale_by_zoom_linesearch(max_linesearch_steps=20, initial_guess_strategy="one"),
+    ),
+    ("sophia", "hessian_diagonal_fn"): (
+        "hutchinson_estimator_diag_hessian",
+        lambda: nba.hutchinson_estimator_diag_hessian(None),
+    ),
+}
+
+
+def _hyperparameters(tx):
+    """A stage's hyperparameters: its attributes, callables and the per-thread workspaces aside."""
+    stage = stage_of(tx)
+    return {k: v for k, v in vars(stage).items() if not k.startswith("_") and not callable(v)}
+
+
+def _is_dtype(x):
+    return isinstance(x, np.dtype) or (isinstance(x, type) and hasattr(x, "dtype"))
+
+
+def _same_default(where, ours, theirs):
+    """Whether two defaults are the same: equal values, or functions of the step count equal at
+    several counts (adopt's clip_value_fn, Adafactor's decay_rate_fn), or transformations built
+    by the same call (`DEFAULT_TRANSFORMATIONS`)."""
+    if where in DEFAULT_TRANSFORMATIONS:
+        factory, same = DEFAULT_TRANSFORMATIONS[where]
+        built_by = theirs.update.__qualname__.split(".")[0]
+        return built_by == factory and _hyperparameters(ours) == _hyperparameters(same())
+    if _is_dtype(ours) and _is_dtype(theirs):  # jnp.float32 is np.float32's dtype
+        return np.dtype(ours) == np.dtype(theirs)
+    if inspect.isfunction(ours) and inspect.isfunction(theirs):
+        counts = [0, 1, 2, 10, 1000]
+        return np.allclose([float(ours(c)) for c in counts], [float(theirs(c)) for c in counts], rtol=1e-6)
+    return type(ours) is type(theirs) and ours == theirs
+
+
+def _signature_differences(name, ours, theirs):
+    """The differences between our signature and optax's that `SIGNATURE_DIFFERENCES` does not
+    list: parameters missing on either side, in another place, of another kind (positional or
+    keyword-only), or with another default. The names of ``*args`` and ``**kwargs`` are not
+    keywords: only their kinds count."""
+    allowed = {p for (n, p) in SIGNATURE_DIFFERENCES if n == name}
+
+    def key(p):  # a variadic parameter is matched by its kind alone
+        return f"<{p.kind.name}>" if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) else p.name
+
+    def by_key(fn):  # the parameters not listed, and their places among those
+        params = [p for p in inspect.signature(fn).parameters.values() if key(p) not in allowed]
+        return {key(p): (i, p) for i, p in enumerate(params)}
+
+    ours_by, theirs_by = by_key(ours), by_key(theirs)
+    found = []
+    for k in sorted(set(ours_by) | set(theirs_by)):
+        if k not in theirs_by:
+            found.append(f"{k}: ours only")
+        elif k not in ours_by:
+            found.append(f"{k}: optax's only")
+        else:
+            (i, p), (j, q) = ours_by[k], theirs_by[k]
+            if p.kind != q.kind or (i != j and p.kind != p.KEYWORD_ONLY):
+                found.append(f"{k}: {p.kind.name} at {i}, optax's {q.kind.name} at {j}")
+            elif (p.default is _NONE) != (q.default is _NONE) or (
+                p.default is not _NONE and not _same_default((name, k), p.default, q.default)
+            ):
+                found.append(f"{k}: default {p.default!r}, optax's {q.default!r}")
+    return found
+
+
+@pytest.mark.parametrize("name", CLAIMED)
+def test_the_signature_is_optax_s(name):
+    """Issue 47: each optax name we claim takes optax's parameters, in optax's order and kinds,
+    with optax's defaults (scale_by_ademamix's alpha was 5.0 where optax's is 6.0; nadam refused
+    optax's nesterov), but for the deliberate differences `SIGNATURE_DIFFERENCES` lists."""
+    assert _signature_differences(name, getattr(nba, name), _optax_object(name)) == []
+
+
+@pytest.mark.parametrize("ours,theirs", sorted(ALSO_CLAIMED))
+def test_the_signature_of_a_name_the_table_maps_is_optax_s(ours, theirs):
+    assert _signature_differences(ours, getattr(nba, ours), ALSO_CLAIMED[ours, theirs]()) == []
+
+
+def test_every_listed_difference_is_still_one():
+    """An entry of `SIGNATURE_DIFFERENCES` that no longer differs is removed (it would hide a
+    future drift of that parameter)."""
+    for name, param in list(SIGNATURE_DIFFERENCES):
+        theirs = [_optax_object(name)] + [f() for (n, _), f in ALSO_CLAIMED.items() if n == name]
+        assert name in CLAIMED, name
+        saved = SIGNATURE_DIFFERENCES.pop((name, param))
+        try:
+            assert any(_signature_differences(name, getattr(nba, name), t) for t in theirs), (name, param)
+        finally:
+            SIGNATURE_DIFFERENCES[name, param] = saved
+
+
+def test_the_signatures_compared_are_all_the_claimed_names():
+    """The lookup finds optax's library, optax.contrib's and the deprecated top-level aliases'
+    replacements: 130 functions when this was written (optax 0.2.8), besides the classes."""
+    functions = [n for n in CLAIMED if not inspect.isclass(getattr(nba, n))]
+    assert len(functions) >= 130
+    assert {"adam", "scale_by_ademamix", "nadamw", "dpsgd", "sophia"} <= set(functions)
+    assert _optax_object("dpsgd") is optax.contrib.dpsgd
+
+
+# --- what optax refuses, and how (issue 47) ------------------------------------------------------
+
+
+def test_scale_by_polyak_without_a_value_is_a_type_error_before_the_updates_are_read():
+    """optax's update takes ``value`` as a required keyword: a call without it is Python's
+    TypeError whatever the updates are (optax's own test passes updates of another tree). Ours
+    said ValueError about the tree's structure first."""
+    params = (np.array([1.0, -1.0]),)
+    wrong = (np.array([500.0, 5.0]), np.array([300.0, 3.0]))  # two leaves, the params one
+    for lib in (nba, optax):
+        tx = lib.scale_by_polyak()
+        state = tx.init(params)
+        with pytest.raises(TypeError, match="value"):
+            tx.update(wrong, state, params)
+    tx = nba.scale_by_polyak()
+    with pytest.raises(ValueError, match="structure"):  # given a value, the tree is checked
+        tx.update(wrong, tx.init(params), params, value=1.0)
+
+
+def test_a_constant_add_decayed_weights_takes_any_state_as_optax_s():
+    """A constant decay is stateless: optax's update passes whatever state it is given through
+    (its own test passes ``0``), as our other stateless transformations do. Ours refused any
+    state but EmptyState. A scheduled decay still needs its WeightDecaySchedule (optax's reads
+    its count)."""
+    params = (np.ones(2, np.float32), {"a": np.ones(2, np.float32), "b": np.full(2, 2.0, np.float32)})
+    grads = nba.tree_map(lambda p: np.full_like(p, 0.5), params)
+    for state in (0, None, ()):
+        assert nba.add_decayed_weights(0.1).update(None, state, params) == (None, state)
+        assert optax.add_decayed_weights(0.1).update(None, state, params) == (None, state)
+        u, s = nba.add_decayed_weights(0.1).update(grads, state, params)
+        v, t = optax.add_decayed_weights(0.1).update(grads, state, params)
+        assert s is state and t is state
+        _tree_close(u, v, 0.0)
+    with pytest.raises(TypeError, match="WeightDecaySchedule"):
+        nba.add_decayed_weights(lambda c: 0.1).update(grads, 0, params)
+
+
+def test_an_unknown_lion_mode_is_refused_when_built_where_optax_waits_for_the_update():
+    """Deliberate (docs/migrating.md): optax builds ``scale_by_lion(mode='invalid')`` and its
+    ``init`` allocates the state before the first update raises; ours raises where the typo is
+    written, naming ``mode`` and the modes there are, as scale_by_polyak's ``variant``."""
+    g = np.array([0.1, -0.2], np.float32)
+    tx = optax.scale_by_lion(mode="invalid")
+    state = tx.init(g)
+    with pytest.raises(ValueError, match="invalid"):
+        tx.update(g, state)
+    with pytest.raises(ValueError, match=r"mode must be one of \['hard', 'smooth', 'refined'\]"):
+        nba.scale_by_lion(mode="invalid")
+
+
+# --- the names optax's own tests never reach, in float32 and float64 (issue 47) -----------------
+
+_YOGI = {"b1": 0.5, "b2": 0.75, "eps": 1e-4, "eps_root": 1e-5, "initial_accumulator_value": 0.5}
+
+
+def _rank_labels():
+    return nba.tree_map(lambda x: "matrix" if np.ndim(x) > 1 else "vector", _mlp(0))
+
+
+def _decaying(count):
+    return 0.1 / (1 + count)
+
+
+# name -> its construction, from numbaccum or from optax (``L``); ``C``: where optax keeps it
+# (optax.contrib for optax, numbaccum's top level for us).
+UNREACHED = {
+    "scale_by_amsgrad": lambda L, C: L.scale_by_amsgrad(b1=0.8, b2=0.9),
+    "scale_by_belief": lambda L, C: L.scale_by_belief(b1=0.8, b2=0.9, eps_root=1e-8),
+    "scale_by_sign": lambda L, C: L.chain(L.trace(0.5), L.scale_by_sign()),  # (sign of a sum: ties)
+    "scale_by_yogi": lambda L, C: L.scale_by_yogi(**_YOGI),
+    "scale_by_radam": lambda L, C: L.scale_by_radam(threshold=3.0, nesterov=True),  # both branches
+    "scale_by_novograd": lambda L, C: L.scale_by_novograd(0.8, 0.5, 1e-3, 1e-4),
+    "scale_by_adopt": lambda L, C: C.scale_by_adopt(b2=0.99, nesterov=True),
+    "scale_by_ademamix": lambda L, C: C.scale_by_ademamix(),  # its defaults (alpha 6.0)
+    "scale_by_ademamix_schedules": lambda L, C: C.scale_by_ademamix(
+        b3=lambda c: 0.9 + 0.01 * c, alpha=lambda c: 1.0 + c
+    ),
+    "scale_by_lbfgs": lambda L, C: L.scale_by_lbfgs(memory_size=3),
+    "multi_transform": lambda L, C: L.multi_transform(
+        {"matrix": L.adam(1e-2), "vector": L.chain(L.trace(0.9), L.scale(-0.1))}, _rank_labels()
+    ),
+    "inject_stateful_hyperparams": lambda L, C: L.inject_stateful_hyperparams(L.sgd)(
+        learning_rate=L.WrappedSchedule(_decaying), momentum=0.9
+    ),
+}
+# The others are compared in other files, in float32 and float64: the two schedules at 10,000
+# counts (test_schedules.py's OPTAX_CASES), and the three below.
+COMPARED_BELOW = {"scale_by_rprop", "dpsgd", "hutchinson_estimator_diag_hessian"}
+SCHEDULES = {"warmup_constant_schedule", "warmup_exponential_decay_schedule"}
+NOT_REACHED_BY_OPTAX_TESTS = {
+    "scale_by_amsgrad", "scale_by_belief", "scale_by_sign", "scale_by_yogi", "scale_by_radam",
+    "scale_by_rprop", "scale_by_sm3", "scale_by_novograd", "scale_by_adopt", "scale_by_ademamix",
+    "scale_by_lbfgs", "multi_transform", "inject_stateful_hyperparams", "warmup_constant_schedule",
+    "warmup_exponential_decay_schedule", "dpsgd", "hutchinson_estimator_diag_hessian",
+}  # fmt: skip
+DTYPES = [np.float32, np.float64]
+
+
+def test_every_name_optax_s_tests_never_reach_is_compared_with_optax():
+    import test_factored
+    from test_schedules import OPTAX_CASES
+
+    for dtype in ("float32", "float64"):  # scale_by_sm3's comparisons
+        assert callable(getattr(test_factored, f"test_scale_by_sm3_matches_optax_in_{dtype}"))
+    assert SCHEDULES <= set(OPTAX_CASES)
+    here = {n for n in UNREACHED if n in NOT_REACHED_BY_OPTAX_TESTS} | COMPARED_BELOW
+    assert NOT_REACHED_BY_OPTAX_TESTS == here | SCHEDULES | {"scale_by_sm3"}
+
+
+@pytest.mark.filterwarnings("ignore:inject_stateful_hyperparams is deprecated:DeprecationWarning")  # optax's
+@pytest.mark.parametrize("dtype", DTYPES, ids=["float32", "float64"])
+@pytest.mark.parametrize("name", sorted(UNREACHED))
+def test_a_name_optax_s_tests_never_reach_matches_optax(name, dtype):
+    ours = UNREACHED[name](nba, nba)
+    theirs = UNREACHED[name](optax, optax.contrib)
+    _matches_optax(ours, theirs, dtype=dtype, steps=5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["float32", "float64"])
+def test_scale_by_rprop_s_step_is_optax_s_state_one_step_early(dtype):
+    """Rprop (docs/migrating.md): our update is the current step, optax 0.2.8's the previous one
+    (its PR #1725); the step optax stores in its state (``prev_updates``) is ours, and so are its
+    step sizes, step after step."""
+    params = _mlp(0, dtype)
+    args = (0.05, 0.3, 1.5, 1e-3, 0.07)
+    ours, theirs = nba.scale_by_rprop(*args), optax.scale_by_rprop(*args)
+    with jax.enable_x64(dtype == np.float64):
+        s, t = ours.init(params), theirs.init(params)
+        assert type(s).__name__ == type(t).__name__ and s._fields == t._fields
+        update = jax.jit(theirs.update)
+        previous = None
+        for i in range(6):
+            g = _mlp(40 + i % 3, dtype)  # signs that repeat and flip
+            u, s = ours.update(g, s, params)
+            v, t = update(g, t, params)
+            _tree_close(u, t.prev_updates, 0.0)
+            _tree_close(s.step_sizes.tree, t.step_sizes, 0.0)
+            if previous is not None:  # optax emits the step before, zeroed where the sign flipped
+                flipped = jax.tree.map(lambda a, b: np.asarray(a) * np.asarray(b) < 0, g, previous)
+                emitted = jax.tree.map(lambda p, f: np.where(f, 0, p), previous_step, flipped)
+                _tree_close(emitted, v, 0.0)
+            previous, previous_step = g, nba.tree_map(np.copy, u)
+
+
+@pytest.mark.filterwarnings("ignore:.*seed.* is deprecated:DeprecationWarning")  # optax's dpsgd's own call
+@pytest.mark.parametrize("dtype", DTYPES, ids=["float32", "float64"])
+def test_dpsgd_without_noise_matches_optax(dtype):
+    """dpsgd's noise is drawn from Philox, optax's from JAX's keys: with noise_multiplier 0 the
+    rest (each example clipped to l2_norm_clip, the sum, the mean, momentum) is compared."""
+    rng = np.random.default_rng(5)
+    batch = 6
+    params = _mlp(0, dtype)
+    kw = {"l2_norm_clip": 1.5, "noise_multiplier": 0.0, "seed": 0, "momentum": 0.9, "nesterov": True}
+    ours, theirs = nba.dpsgd(0.1, **kw), optax.contrib.dpsgd(0.1, **kw)
+    with jax.enable_x64(dtype == np.float64):
+        s, t = ours.init(params), theirs.init(params)
+        update = jax.jit(theirs.update)
+        for _ in range(4):
+            g = nba.tree_map(lambda p: (rng.standard_normal((batch, *p.shape)) * 0.7).astype(dtype), params)
+            u, s = ours.update(g, s, params)
+            v, t = update(g, t, params)
+            _tree_close(u, v, CLOSE[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["float32", "float64"])
+def test_hutchinson_estimator_matches_optax_on_a_diagonal_hessian(dtype):
+    """Our random signs are Philox's, optax's JAX's; for a separable objective (a diagonal
+    Hessian, ``3 c x^2``) every sign gives the exact diagonal: ours from ``hvp_fn``, optax's from
+    JAX's derivatives of ``obj_fn``, step after step as the params move."""
+    jnp = jax.numpy
+    c = _mlp(7, dtype)
+    ours, theirs = nba.hutchinson_estimator_diag_hessian(3), optax.contrib.hutchinson_estimator_diag_hessian()
+
+    def obj_fn(p):
+        return sum(jnp.sum(ci * x**4) / 4 for ci, x in zip(jax.tree.leaves(c), jax.tree.leaves(p)))
+
+    def hvp_fn(p, v):
+        return nba.tree_map(lambda ci, x, vi: 3 * ci * x * x * vi, c, p, v)
+
+    with jax.enable_x64(dtype == np.float64):
+        params = _mlp(0, dtype)
+        s, t = ours.init(params), theirs.init(params)
+        assert type(s).__name__ == type(t).__name__ and s._fields == t._fields
+        for i in range(3):
+            d, s = ours.update(params, s, params, hvp_fn=hvp_fn)
+            e, t = theirs.update(params, t, params, obj_fn=obj_fn)
+            _tree_close(d, e, CLOSE[dtype])
+            params = nba.tree_map(lambda x, k=i: x * dtype(0.5 + k), params)

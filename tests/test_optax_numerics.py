@@ -414,3 +414,54 @@ def test_optax_adam_flushes_a_subnormal_gradient_to_zero(dtype, tiny):
     with jax_x64(dtype == F64):
         v, _ = optax.adam(1e-3).update(g, optax.adam(1e-3).init(p), p)
     assert same_bits(np.asarray(v["w"])[:2], np.array([-0.0, -0.0], dtype))
+
+
+# A step size optax casts to the leaf's dtype (``scale``, a learning rate): a subnormal of that
+# dtype (which XLA then flushes), one below it (0), one above its largest value (inf), and normal
+# ones (the last two were kept in float64 as a pair balanced by a power of two, not cast).
+STEP_SIZES = {F32: [1e-38, -3e-42, 1e-46, 1e39, 2e-37, 1e-35], F64: [1e-310, -3e-320, 1e-330, 1e-305, 0.3]}
+EDGES = [0.0, -0.0, 1.0, -1e6, 1e30, 3e38, 1e-3, np.inf, np.nan]
+
+
+def _flushed(x):
+    """XLA's flush to zero (FTZ/DAZ) of an array's subnormals."""
+    x = np.asarray(x)
+    return np.where(np.abs(x) < np.finfo(x.dtype).tiny, x.dtype.type(0), x)
+
+
+def _step_size_transformations(lib, s):
+    return {
+        "scale": lib.scale(s),
+        "scale_by_schedule": lib.scale_by_schedule(lambda count: s),
+        "sgd": lib.sgd(-s),
+        "trace_then_scale": lib.chain(lib.trace(0.5), lib.scale(s)),  # the factor read by a pass
+    }
+
+
+@pytest.mark.parametrize("dtype", [F32, F64])
+def test_a_step_size_is_cast_to_the_leaf_dtype_as_optax_s_recipe(dtype):
+    """Issue 47: ``u = dtype(step_size) * g``, as optax computes it, with IEEE's gradual underflow:
+    a step size that is a subnormal of the leaf's dtype is kept (XLA flushes it: optax's updates
+    are zeros, pinned below), one beyond the dtype's range is 0 or inf, as optax's."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        g = {"w": np.array(EDGES, dtype)}
+        for s in STEP_SIZES[dtype]:
+            for name, tx in _step_size_transformations(nba, s).items():
+                u, _ = tx.update(g, tx.init(g))
+                x = g["w"] + dtype(0.5) * np.zeros_like(g["w"]) if name == "trace_then_scale" else g["w"]
+                want = dtype(s) * x  # (the trace's first step: g + 0.5 * 0, where -0 becomes +0)
+                assert same_bits(u["w"], want), (name, s, u["w"], want)
+
+
+@pytest.mark.parametrize("dtype", [F32, F64])
+def test_optax_flushes_a_subnormal_step_size(dtype):
+    """optax's updates are the recipe with XLA's flush of the cast step size and of the products:
+    zeros where the step size is a subnormal of the leaf's dtype (docs/migrating.md)."""
+    optax, jnp = require("optax"), require("jax.numpy")
+    g = {"w": np.array(EDGES, dtype)}
+    with np.errstate(over="ignore", invalid="ignore"), jax_x64(dtype == F64):
+        j = {"w": jnp.asarray(g["w"])}  # (on NumPy leaves optax's scale would multiply in NumPy)
+        for s in STEP_SIZES[dtype]:
+            v, _ = optax.scale(s).update(j, optax.scale(s).init(j))
+            want = _flushed(_flushed(np.asarray(s, dtype)) * g["w"])
+            np.testing.assert_array_equal(np.asarray(v["w"]), want, err_msg=f"{s}")
