@@ -119,14 +119,19 @@ def test_chained_clip_rides_on_the_next_kernel_and_matches_two_passes():
             acc = None
 
 
-def test_stateless_output_is_reused_and_never_aliases_the_input():
+def test_stateless_output_is_reused_once_dropped_and_never_aliases_the_input():
     tx = nba.clip_by_global_norm(0.5)
     g1, g2 = np.ones(4, np.float32), np.full(4, 2.0, np.float32)
     u1, s = tx.update(g1, tx.init(g1))
     u2, s = tx.update(g2, s)
-    assert np.shares_memory(u1, u2)  # one buffer per layout: no allocation per step
+    assert not np.shares_memory(u1, u2)  # u1 is held: u2 is written elsewhere
     assert not np.shares_memory(u2, g2)
+    np.testing.assert_allclose(u1, [0.25] * 4)
     np.testing.assert_allclose(u2, [0.25] * 4)
+    address = u2.__array_interface__["data"][0]
+    del u2
+    u3, s = tx.update(g1, s)  # no allocation per step: the buffer nothing holds any more
+    assert u3.__array_interface__["data"][0] == address
 
 
 # --- clip, normalize_by_update_norm, zero_nans, apply_if_finite (reference/optax.md 3.1, 3.7, 4)
