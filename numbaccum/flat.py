@@ -421,6 +421,10 @@ class FlatTree:
         if starts is None:
             starts = self.__dict__["_starts"] = self._group_starts()
         roots = {d: _loans.lend(b) for d, b in self.buffers.items()}
+        if self._readonly and not self.device:  # (MultiSteps' zeros) NumPy enforces it
+            for d, r in roots.items():
+                if r is not self.buffers[d]:
+                    r.flags.writeable = False
         if kind == "flat":
             groups = [roots[d][s : s + g.size] for d, s, g in zip(self.group_dtypes, starts, self.groups)]
             return FlatTree(self.layout, groups, roots, self._readonly)

@@ -235,6 +235,8 @@ def test_non_emitting_zeros_are_read_only_and_positive():
     w = u["dense"]["w"]
     assert not w.flags.writeable
     assert not np.signbit(w).any() and not w.any()
+    flat, s = tx.update(nba.FlatTree.from_tree(grads(1)), s, nba.FlatTree.from_tree(p))
+    assert not any(g.flags.writeable for g in flat.groups) and not flat["dense"]["w"].flags.writeable
 
 
 def test_mixed_float16_tree_multisteps_accumulates_in_float32():
