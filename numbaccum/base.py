@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import abc
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
@@ -1114,13 +1114,17 @@ def snapshot(measure_name: str, measure: Callable[[Any], Any]) -> GradientTransf
 def find_state(state: Any, cls: type | tuple[type, ...]) -> Any:
     """The first state of class ``cls`` (or one of several) inside ``state`` (itself, or nested
     in chains, named chains and wrappers' states), or None."""
+    return next(states_of(state, cls), None)
+
+
+def states_of(state: Any, cls: type | tuple[type, ...]) -> Iterator[Any]:
+    """Every state of class ``cls`` (or one of several) inside ``state``, in order (the walk of
+    `find_state`)."""
     if isinstance(state, cls):
-        return state
+        yield state
+        return
     if isinstance(state, dict):
         state = tuple(state.values())
     if isinstance(state, tuple):
         for s in state:
-            found = find_state(s, cls)
-            if found is not None:
-                return found
-    return None
+            yield from states_of(s, cls)

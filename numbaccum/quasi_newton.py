@@ -31,7 +31,7 @@ import numpy as np
 from ._checks import flag, integer, non_negative, real, real_scalar, wrong_state
 from ._interrupts import user_code
 from .backend import ops_for
-from .base import Stage, Step, chain
+from .base import Stage, Step, chain, states_of
 from .contract import ONE, Factor
 from .declared import expect_state, safe_increment
 from .flat import FlatTree, as_flat, layout_and_device
@@ -883,7 +883,7 @@ def value_and_grad_from_state(value_fn: Callable[..., Any]) -> Callable[..., tup
         raise TypeError(f"value_fn must be callable, got {type(value_fn).__name__}")
 
     def value_and_grad(params: Any, *args: Any, state: Any, **kwargs: Any) -> tuple[float, Any]:
-        searches = _line_search_states(state)
+        searches = list(states_of(state, (ScaleByZoomLinesearchState, ScaleByBacktrackingLinesearchState)))
         if len(searches) > 1:  # optax's KeyError: several values and grads in the state
             raise KeyError(
                 f"value_and_grad_from_state: {len(searches)} line search states in the state "
@@ -902,18 +902,6 @@ def value_and_grad_from_state(value_fn: Callable[..., Any]) -> Callable[..., tup
         return value_fn(params, *args, **kwargs)
 
     return value_and_grad
-
-
-def _line_search_states(state: Any) -> list:
-    """Every line search state inside ``state`` (itself, or nested in chains, named chains and
-    wrappers' states), in order: `find_state`'s walk, not stopping at the first."""
-    if isinstance(state, (ScaleByZoomLinesearchState, ScaleByBacktrackingLinesearchState)):
-        return [state]
-    if isinstance(state, dict):
-        state = tuple(state.values())
-    if isinstance(state, tuple):
-        return [found for s in state for found in _line_search_states(s)]
-    return []
 
 
 # --- L-BFGS ------------------------------------------------------------------------------------
