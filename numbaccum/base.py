@@ -228,6 +228,33 @@ def planned(part: Any, state: Any, params: ParamsRef | None, extra: dict) -> Ste
     return Step(lambda u: run_part(part, u), fuse=part)
 
 
+NO_PARAMS_MSG = (
+    "You are using a transformation that requires the current value of parameters, but you are "
+    "not passing `params` when calling `update`."
+)  # optax's words
+
+
+def host_step(
+    run: Callable[[Updates, ParamsRef | None], Updates], passes: tuple | None, name: str, params: bool = False
+) -> fuse.Host:
+    """A stateless stage's declared `numbaccum.fuse.Host` part: ``run(updates, params) ->
+    updates`` each step, the state passed through as it is. Its tick keeps the step's params
+    (a ValueError with optax's message when the stage reads them, ``params``, and none were
+    given: before anything runs)."""
+
+    def tick(state: Any, p: ParamsRef | None, extra: dict) -> bool:
+        if params and p is None:
+            raise ValueError(NO_PARAMS_MSG)
+        part.params, part.new_state = p, state
+        return True
+
+    def step(u: Updates) -> tuple[Updates, Any]:
+        return run(u, part.params), part.new_state
+
+    part = fuse.Host(step, passes, name, tick)
+    return part
+
+
 # The runner's protocol of a stage (`numbaccum.runner`): methods a public stage class
 # (`numbaccum.MultiSteps`) has but its users never call, kept out of its ``dir()`` and so out of
 # ``help()`` (mkdocs.yml's API filter hides the same names).

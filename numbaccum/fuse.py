@@ -67,6 +67,7 @@ __all__ = [
     "Chained",
     "Collective",
     "FusedRun",
+    "Host",
     "Kernel",
     "Later",
     "Prepass",
@@ -245,6 +246,46 @@ class Collective(_Part):
         self.messages, self.tick = messages, tick
 
 
+class Host(_Part):
+    """A stage's work between passes that the chain compiler does not fuse, run on the host:
+    per-leaf or per-slice factors (the trust ratio, block RMS, the norm family), axis passes
+    (Adafactor, SM3), host reductions and decisions (L-BFGS, DoG), control over sub-plans
+    (MultiSteps, masked). Declared once per state and layout like every part, kept in the
+    runner's plan, and ticked each step; it is one unit of the plan (a run of parts never
+    spans it).
+
+    Attributes:
+        run: ``run(updates) -> (updates, new_state)``: the step's work, with the values its
+            ``tick`` computed (a closure over the part: ``part.params`` holds the step's
+            `numbaccum.updates.ParamsRef`, or None).
+        passes: what it moves, for `numbaccum.explain`: ``(kind, what, read, written)`` per
+            pass, ``read`` and ``written`` in buffers of the updates' dtypes per parameter (a
+            reduction over the updates and the params reads 2, writes 0); None for user code
+            (an "opaque" row).
+        name: the stage, as `numbaccum.explain` and `numbaccum.stats` name it.
+        settles: whether it reads the updates settled (a pending factor applied first:
+            `numbaccum.explain` shows that pass); ``pending``: whether it may leave one.
+        new_state: the state its last run returned (the plan's new state reads it).
+        params: the step's params (set by ``tick``).
+        tick: see `_Part`.
+    """
+
+    __slots__ = ("run", "passes", "name", "settles", "pending", "new_state", "params", "tick")
+
+    def __init__(
+        self,
+        run: Callable[[Updates], tuple[Updates, Any]],
+        passes: tuple | None,
+        name: str,
+        tick: Callable[..., bool] | None = None,
+        settles: bool = True,
+        pending: bool = False,
+    ) -> None:
+        self.run, self.passes, self.name, self.tick = run, passes, name, tick
+        self.settles, self.pending = settles, pending
+        self.new_state = self.params = None
+
+
 class Later(NamedTuple):
     """A part's new state that the pass itself determines (a clip records the norm it saw):
     ``make()`` builds it once the pass has run."""
@@ -294,19 +335,19 @@ def leaves(part: Any) -> list:
 def _fusable(part: Any) -> bool:
     """Whether a step's part can join a run: a pre-pass or a collective only where it may start
     one (`_joins`)."""
-    if part is None:
+    if part is None or type(part) is Host:
         return False
     if not isinstance(part, (Chained, Wrapped)):
         return True
     inner = leaves(part)
-    return all(_joins(inner[:k], p) for k, p in enumerate(inner) if k)
+    return all(type(p) is not Host for p in inner) and all(_joins(inner[:k], p) for k, p in enumerate(inner) if k)
 
 
 def _joins(before: list, part: Any) -> bool:
     """Whether leaf ``part`` may follow the leaves ``before`` in one run: a collective only
     starts one, and a pre-pass too, except right after a collective whose sum it rides on."""
     kind = type(part)
-    if kind is Collective:
+    if kind is Collective or kind is Host:
         return False
     if kind is Prepass:
         return len(before) == 1 and type(before[0]) is Collective and part.from_sumsq is not None
@@ -458,7 +499,7 @@ def cut(parts: list) -> list[tuple[int, int, FusedRun | None]]:
     while i < n:
         j, cost = i, 1  # the updates' buffer
         run: list = []  # the run's leaves so far
-        while j < n and parts[j] is not None:
+        while j < n and parts[j] is not None and type(parts[j]) is not Host:
             if j > i and not _joins(run, leaves(parts[j])[0]):
                 break
             run += leaves(parts[j])
@@ -1042,6 +1083,9 @@ def run_part(part: Any, u: Updates) -> tuple[Updates, Any]:
     (the same composite a fused run makes of it, `numbaccum.FusedRun`); a `Collective` sums
     over the processes into its buffer."""
     kind = type(part)
+    if kind is Host:
+        u, part.new_state = part.run(u)
+        return u, part.new_state
     if kind is Scale:
         return u.scaled(part.factor), part.new_state
     if kind is Prepass:

@@ -36,12 +36,13 @@ from ._bounded import Bounded
 from ._checks import flag, non_negative, real
 from .apply import scatter_back, writable_flat
 from .backend import ops_for, slice_sumsq, tree_sumsq_scaled
-from .base import Stage, Step
+from .base import NO_PARAMS_MSG, Stage, host_step
 from .clipping import _Clip
 from .contract import ONE, Factor, Ops
 from .flat import FlatTree, as_flat, layout_of
 from .layout import Layout, compute_dtype, real_dtype
 from .protocol import EmptyState, GradientTransformationExtraArgs
+from .runner import stage_name
 from .tables import ACTIVE, METRIC_TINY, NSLICES, SLEN, norm_pair, sum_in_order
 from .updates import ParamsRef, Spec, Updates
 
@@ -73,10 +74,6 @@ _NAMED_ORDS = {"l0": 0.0, "l1": 1.0, "l2": 2.0, "l3": 3.0, "l4": 4.0, "linf": ma
 _STATISTICS = ("mad", "std", "var", "sum")
 _EMPTY = np.zeros(0, np.float64)
 
-NO_PARAMS_MSG = (
-    "You are using a transformation that requires the current value of parameters, but you are "
-    "not passing `params` when calling `update`."
-)
 
 
 # --- ord ------------------------------------------------------------------------------------
@@ -524,9 +521,11 @@ class _Rescale(_Sliced):
     def __init__(self, key: float | str, choose: tuple | None, target: _Target) -> None:
         self.key, self.choose, self.target = key, choose, target
 
-    def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
+    def declare(self, spec: Spec, state: Any) -> Any:
         slicing, key, target = self.slicing(spec), self.key, self.target
-        return Step(lambda u: (_rescale(u.settled(), key, slicing, target), state))
+        # a reduction of each slice's metric, then the scaling pass
+        passes = (("reduction", "metric", 1.0, 0.0), ("kernel", "rescale", 1.0, 1.0))
+        return host_step(lambda u, _: _rescale(u.settled(), key, slicing, target), passes, stage_name(self))
 
 
 def _rescale(u: Updates, key: float | str, slicing: _Slicing | None, target: _Target) -> Updates:
@@ -708,9 +707,10 @@ class _Centre(_Sliced):
         # mean (``dim='global'``, numbaccum's) is a float64 total: not of complex leaves.
         return self if self.choose is None else None
 
-    def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
+    def declare(self, spec: Spec, state: Any) -> Any:
         slicing = self.slicing(spec)
-        return Step(lambda u: (_centre(u.settled(), slicing), state))
+        passes = (("reduction", "mean", 1.0, 0.0), ("kernel", "subtract", 1.0, 1.0))
+        return host_step(lambda u, _: _centre(u.settled(), slicing), passes, stage_name(self))
 
 
 def _centre(u: Updates, slicing: _Slicing | None) -> Updates:
@@ -935,13 +935,11 @@ class _AdaptiveGradClip(_Sliced):
 
         self.choose = (("unit", axes), choose)
 
-    def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
-        if params is None:
-            raise ValueError(NO_PARAMS_MSG)
+    def declare(self, spec: Spec, state: Any) -> Any:
         slicing = self.slicing(spec)
         clipping, eps = self.clipping, self.eps
 
-        def run(u: Updates) -> tuple[Updates, Any]:
+        def run(u: Updates, params: Any) -> Updates:
             u = u.settled()
             pf = params.flat()
             out = u.fresh()
@@ -951,9 +949,10 @@ class _AdaptiveGradClip(_Sliced):
                 with np.errstate(all="ignore"):
                     f = np.where(g_norm < max_norm, 1.0, max_norm / np.maximum(g_norm, 1e-6))
                 ops_for(g).slice_apply_(o, g, gs.rows, _EMPTY, f)
-            return Updates(out, True), state
+            return Updates(out, True)
 
-        return Step(run)
+        passes = (("reduction", "unit norms of updates and params", 2.0, 0.0), ("kernel", "clip", 1.0, 1.0))
+        return host_step(run, passes, "adaptive_grad_clip", params=True)
 
 
 # --- in place on lists or trees of arrays ---------------------------------------------------
@@ -1121,24 +1120,24 @@ class _ScaleByTrustRatio(Stage):
     def init(self, params: Any) -> EmptyState:
         return EmptyState()
 
-    def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
-        if params is None:
-            raise ValueError(NO_PARAMS_MSG)
+    def declare(self, spec: Spec, state: Any) -> Any:
         leaves = _whole(spec.layout)
         min_norm, trust, eps = self.min_norm, self.trust, self.eps
+        # per group: the real dtype its ratios are rounded to
+        reals = [real_dtype(compute_dtype(d)).type for d in spec.layout.group_dtypes]
 
-        def run(u: Updates) -> tuple[Updates, Any]:
+        def run(u: Updates, params: Any) -> Updates:
             u = u.settled()
             pf = params.flat()
             out = u.fresh()
-            for o, g, p, gs in zip(out.groups, u.flat.groups, pf.groups, leaves.groups):
-                t = real_dtype(compute_dtype(g.dtype)).type
+            for o, g, p, gs, t in zip(out.groups, u.flat.groups, pf.groups, leaves.groups, reals):
                 p_norm, u_norm = _slice_metric(p, gs, 2.0), _slice_metric(g, gs, 2.0)
                 ratio = _trust_ratios(p_norm, u_norm, min_norm, trust, eps, t)
                 ops_for(g).slice_apply_(o, g, gs.rows, _EMPTY, ratio)
-            return Updates(out, True), state
+            return Updates(out, True)
 
-        return Step(run)
+        passes = (("reduction", "leaf norms of updates and params", 2.0, 0.0), ("kernel", "scale", 1.0, 1.0))
+        return host_step(run, passes, "scale_by_trust_ratio", params=True)
 
 
 def _trust_ratios(
@@ -1227,13 +1226,11 @@ class _ScaleByParamBlock(Stage):
     def init(self, params: Any) -> EmptyState:
         return EmptyState()
 
-    def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
-        if params is None:
-            raise ValueError(NO_PARAMS_MSG)
+    def declare(self, spec: Spec, state: Any) -> Any:
         leaves = _whole(spec.layout)
         min_scale, rms = self.min_scale, self.rms
 
-        def run(u: Updates) -> tuple[Updates, Any]:
+        def run(u: Updates, params: Any) -> Updates:
             u = u.settled()
             pf = params.flat()
             out = u.fresh()
@@ -1246,9 +1243,10 @@ class _ScaleByParamBlock(Stage):
                         norm = norm / np.sqrt(np.diff(offsets).astype(np.float64))
                 # optax's safe_norm / safe_root_mean_squares: min_scale at or below it
                 ops_for(g).slice_apply_(o, g, gs.rows, _EMPTY, np.where(norm <= min_scale, min_scale, norm))
-            return Updates(out, True), state
+            return Updates(out, True)
 
-        return Step(run)
+        passes = (("reduction", "leaf norms of params", 1.0, 0.0), ("kernel", "scale", 1.0, 1.0))
+        return host_step(run, passes, self.public_name, params=True)
 
 
 def scale_by_param_block_norm(min_scale: float = 1e-3) -> GradientTransformationExtraArgs:

@@ -218,8 +218,8 @@ def explain(
     pending = False
     for start, stop, fr in segs:
         parts = fr.parts if fr is not None else units[start]
-        if parts is None:
-            passes.append(Pass("opaque", (names[start],), None, None))
+        if parts is None or (type(parts[0]) is fuse.Host and parts[0].passes is None):
+            passes.append(Pass("opaque", (names[start] if parts is None else parts[0].name,), None, None))
             pending = False
             continue
         rides = fr is not None and _rides(parts, layout, device)
@@ -271,14 +271,17 @@ class _Bytes:
 def _moves(part: Any) -> bool:
     """Whether a part moves memory of its own (a kernel's buffers, a reduction's read, a
     collective's sum)."""
-    return isinstance(part, (fuse.Kernel, fuse.Prepass, fuse.Collective))
+    return isinstance(part, (fuse.Kernel, fuse.Prepass, fuse.Collective, fuse.Host))
 
 
 def _least(b: _Bytes, part: Any) -> float:
     """The least bytes per parameter a part adds: a kernel's buffers, a reduction's read of the
-    updates, a collective's sum written and read once more."""
+    updates, a collective's sum written and read once more, a host step's reductions' reads
+    (its other passes write the output, counted once already)."""
     if isinstance(part, fuse.Kernel):
         return b.both(part)
+    if isinstance(part, fuse.Host):
+        return sum(read for kind, _, read, _ in part.passes or () if kind == "reduction") * b.x
     return 2 * b.x if isinstance(part, fuse.Collective) else b.x
 
 
@@ -338,7 +341,13 @@ def _one_by_one_passes(b: _Bytes, parts: list, pending: bool, passes: list) -> b
     Returns whether a factor is pending after them."""
     x = b.x
     for p in parts:
-        if isinstance(p, fuse.Collective):
+        if isinstance(p, fuse.Host):
+            if pending and p.settles:
+                passes.append(Pass("settle", ("pending factor",), x, x))
+            for kind, what, read, written in p.passes:
+                passes.append(Pass(kind, (f"{p.name} ({what})" if what else p.name,), read * x, written * x))
+            pending = p.pending or (pending and not p.settles)
+        elif isinstance(p, fuse.Collective):
             passes.append(_collective_pass(b, p))
             pending = not any(np.dtype(d).itemsize == 2 for d in b.dtypes)  # the 1/n
         elif isinstance(p, fuse.Prepass):
