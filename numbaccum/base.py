@@ -608,10 +608,11 @@ class Chain(Stage):
         self.names = names
         # A reshaping first stage (per-example aggregation) converts the chain's input.
         self.reshapes = bool(stages) and stages[0].reshapes  # type: ignore[misc]
-        # Whether the whole chain is one declaration the runner can keep and replay.
-        self._declarable = all(s.declarable() and not s.reshapes for s in stages)
         # The index of the last stage that runs foreign code, -1 if none.
         self._last_foreign = max((i for i, s in enumerate(stages) if s.foreign()), default=-1)
+        # Whether the whole chain is one declaration the runner can keep and replay: not with
+        # foreign code after a stage, whose states `plan` restores if that code raises.
+        self._declarable = self._last_foreign <= 0 and all(s.declarable() and not s.reshapes for s in stages)
         # The stages that may own workspaces (their class declares `owner`), before the first
         # reshaping one: the only ones `owner` asks.
         may_own = []
