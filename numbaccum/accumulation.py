@@ -35,7 +35,7 @@ from .formulas import formula
 from .fuse import step_applier
 from .layout import Layout, check_float_dtype, check_storage
 from .lockstep import Note, inside
-from .protocol import GradientTransformationExtraArgs
+from .protocol import GradientTransformationExtraArgs, state_class
 from .transaction import keep_states
 from .tree import short_repr
 from .updates import ParamsRef, SkipStep, Spec, Updates
@@ -69,6 +69,7 @@ def zeros_output(owner: FlatTree, layout: Layout) -> Updates:
 # --- trace ----------------------------------------------------------------------------------
 
 
+@state_class
 class TraceState(NamedTuple):
     """The state of `trace`: the momentum buffer.
 
@@ -153,6 +154,7 @@ def trace(
 # --- ema ------------------------------------------------------------------------------------
 
 
+@state_class
 class EmaState(NamedTuple):
     """The state of `ema`: the step count and the moving average.
 
@@ -237,6 +239,7 @@ def ema(decay: float, debias: bool = True, accumulator_dtype: Any = None) -> Gra
 # --- apply_every ----------------------------------------------------------------------------
 
 
+@state_class
 class ApplyEvery(NamedTuple):
     """The state of `apply_every`: the step within the cycle and the cycle's sum.
 
@@ -449,6 +452,7 @@ def _call_skip(fn: Callable, u: Updates, gradient_step: Any, params: ParamsRef |
 # --- MultiSteps -----------------------------------------------------------------------------
 
 
+@state_class
 class MultiStepsState(NamedTuple):
     """State of `MultiSteps`.
 

@@ -35,7 +35,7 @@ from .declared import check_decay, expect_state, field_owner, safe_increment
 from .flat import FlatTree, layout_and_device
 from .layout import Layout, compute_dtype
 from .norms import TINY, check_ord, leaf_norms, tree_norm
-from .protocol import GradientTransformationExtraArgs
+from .protocol import GradientTransformationExtraArgs, state_class
 from .updates import ParamsRef, Spec, Updates
 
 __all__ = [
@@ -130,6 +130,7 @@ def _run_inner(step: Step | None, u: Updates, inner_state: Any, owner: FlatTree)
 # --- clip_norm_by_ema / normalize_by_ema ----------------------------------------------------
 
 
+@state_class
 class ClipNormByEmaState(NamedTuple):
     """State of `clip_norm_by_ema` and `normalize_by_ema`.
 
@@ -375,6 +376,7 @@ def normalize_by_ema(
 # --- clip_value_by_ema ----------------------------------------------------------------------
 
 
+@state_class
 class ClipValueByEmaState(NamedTuple):
     """State of `clip_value_by_ema`.
 
@@ -501,6 +503,7 @@ def clip_value_by_ema(beta: float = 0.99, init: float = 0.0) -> GradientTransfor
 # --- clip_norm_growth -----------------------------------------------------------------------
 
 
+@state_class
 class ClipNormGrowthState(NamedTuple):
     """State of `clip_norm_growth`.
 
@@ -662,6 +665,7 @@ class _NormGrowth(Stage):
 # --- clip_value_growth ----------------------------------------------------------------------
 
 
+@state_class
 class ClipValueGrowthState(NamedTuple):
     """State of `clip_value_growth`.
 

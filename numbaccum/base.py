@@ -41,7 +41,7 @@ from ._loans import on_loan
 from .flat import FlatTree, as_flat, host_leaves, layout_of, spare
 from .fuse import run_part, run_parts
 from .layout import Layout
-from .protocol import EmptyState, GradientTransformation, GradientTransformationExtraArgs
+from .protocol import EmptyState, GradientTransformation, GradientTransformationExtraArgs, state_class
 from .transaction import keep_states, reading, state_flats
 from .tree import leaves_if_structure, tree_flatten, tree_map, tree_unflatten
 from .updates import ParamsRef, SkipStep, Spec, Updates
@@ -1045,6 +1045,7 @@ def _wrap_run(inner: Callable[[Updates], tuple[Updates, Any]], wrap: Callable[[A
 # --- monitoring: a measure of the updates kept in the state --------------------------------
 
 
+@state_class
 class SnapshotState(NamedTuple):
     """The state of `snapshot` (optax's field).
 

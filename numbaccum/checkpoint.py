@@ -160,94 +160,14 @@ _registry_lock = _locks.lock()
 
 
 def _library_state_classes() -> tuple[type, ...]:
-    """Every NamedTuple class of numbaccum that a state can hold (tests/test_checkpoint.py checks
-    this list against every NamedTuple class defined in the package)."""
-    # Imported here, not at the top: these modules import the package, which imports us.
-    from . import (
-        accumulation,
-        adaptive,
-        base,
-        clipping,
-        distributed,
-        inject,
-        masking,
-        optimizers,
-        privacy,
-        protocol,
-        quasi_newton,
-        scaling,
-        sharded,
-    )
-    from .contrib import (
-        DAdaptAdamWState,
-        HutchinsonState,
-        ProdigyState,
-        ReduceLROnPlateauState,
-        ScaleByAdemamixState,
-        ScheduleFreeState,
-        SophiaState,
-    )
-    from .factored import FactoredState, ScaleBySM3State
-    from .lookahead import LookaheadState  # (the package's ``lookahead`` is the function)
+    """Every NamedTuple class of numbaccum that a state can hold: those its modules mark where
+    they define them (`numbaccum.protocol.state_class`; tests/test_checkpoint.py checks that every
+    NamedTuple class of the package is marked or listed as no state)."""
+    # Imported here, not at the top: they import the package, which imports us. The package
+    # imports every other module that defines states.
+    from . import distributed, protocol, sharded  # noqa: F401
 
-    return (
-        protocol.EmptyState,
-        base.SnapshotState,
-        LookaheadState,
-        FactoredState,
-        ScaleBySM3State,
-        ScaleByAdemamixState,
-        ReduceLROnPlateauState,
-        ScheduleFreeState,
-        DAdaptAdamWState,
-        ProdigyState,
-        SophiaState,
-        HutchinsonState,
-        quasi_newton.ScaleByLBFGSState,
-        quasi_newton.ScaleByZoomLinesearchState,
-        quasi_newton.ZoomLinesearchInfo,
-        quasi_newton.ScaleByBacktrackingLinesearchState,
-        quasi_newton.BacktrackingLinesearchInfo,
-        accumulation.TraceState,
-        accumulation.EmaState,
-        accumulation.ApplyEvery,
-        accumulation.MultiStepsState,
-        adaptive.ClipNormByEmaState,
-        adaptive.ClipValueByEmaState,
-        adaptive.ClipNormGrowthState,
-        adaptive.ClipValueGrowthState,
-        clipping.ClipByGlobalNormState,
-        clipping.ZeroNansState,
-        clipping.ApplyIfFiniteState,
-        distributed.AllreduceMeanState,
-        sharded.ShardedState,
-        inject.InjectStatefulHyperparamsState,
-        inject.WrappedScheduleState,
-        masking.ConditionallyMaskState,
-        masking.ConditionallyTransformState,
-        masking.MaskedNode,
-        masking.MaskedState,
-        masking.PartitionState,
-        scaling.ScaleByScheduleState,
-        scaling.WeightDecaySchedule,
-        optimizers.ScaleByAdaDeltaState,
-        optimizers.ScaleByAdamState,
-        optimizers.ScaleByAdanState,
-        optimizers.ScaleByNovogradState,
-        optimizers.ScaleByDistanceOverGradientsState,
-        optimizers.ScaleByOptimisticGradientState,
-        optimizers.ScaleByAmsgradState,
-        optimizers.ScaleByBeliefState,
-        optimizers.ScaleByLionState,
-        optimizers.ScaleByRmsState,
-        optimizers.ScaleByRmsWithCountState,
-        optimizers.ScaleByRStdDevState,
-        optimizers.ScaleByRStdDevWithCountState,
-        optimizers.ScaleByRpropState,
-        optimizers.ScaleByRssState,
-        privacy.AddNoiseState,
-        privacy.DifferentiallyPrivateAggregateState,
-    )
+    return protocol.state_classes()
 
 
 def _names_of(cls: type) -> set[str]:

@@ -21,7 +21,7 @@ from .formulas import clip_factor, clip_finish
 from .fuse import Later, Prepass
 from .layout import Layout, compute_dtype
 from .lockstep import Note, inside
-from .protocol import EmptyState, GradientTransformationExtraArgs
+from .protocol import EmptyState, GradientTransformationExtraArgs, state_class
 from .tables import segments
 from .tables import sum_in_order as _sequential_sum
 from .transaction import keep_states
@@ -115,6 +115,7 @@ def global_norm(tree: Any, ord: Any = 2, squared: bool = False) -> float:
     return total * total if squared else total
 
 
+@state_class
 class ClipByGlobalNormState(NamedTuple):
     """What `clip_by_global_norm` saw at its last update, for a logger (`numbaccum.stats`).
 
@@ -594,6 +595,7 @@ def _objective_value(extra: dict, name: str = "scale_by_polyak") -> float:
     return real_scalar(extra["value"], "value", "the objective at the params")
 
 
+@state_class
 class ZeroNansState(NamedTuple):
     """State of `zero_nans`: whether each leaf held a NaN at the last update (optax's field).
 
@@ -655,6 +657,7 @@ class _ZeroNans(Stage):
         return Step(run)
 
 
+@state_class
 class ApplyIfFiniteState(NamedTuple):
     """State of `apply_if_finite`.
 

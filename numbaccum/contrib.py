@@ -36,7 +36,7 @@ from .formulas import abs_sq, formula, maximum, minimum, re
 from .fuse import Later, Scale
 from .layout import check_float_dtype, check_storage, real_dtype
 from .optimizers import ScaleByAdamState, _mu_dtype, scale_by_rms, sgd
-from .protocol import GradientTransformationExtraArgs
+from .protocol import GradientTransformationExtraArgs, state_class
 from .scaling import ScalarOrSchedule, add_decayed_weights, scale_by_learning_rate
 from .schedules import warmup_constant_schedule
 from .tree import tree_flatten, tree_map
@@ -228,6 +228,7 @@ def adopt(
 # --- AdEMAMix -----------------------------------------------------------------------------------
 
 
+@state_class
 class ScaleByAdemamixState(NamedTuple):
     """AdEMAMix's state (optax.contrib's fields).
 
@@ -435,6 +436,7 @@ def ademamix(
 # --- reduce on plateau -------------------------------------------------------------------------
 
 
+@state_class
 class ReduceLROnPlateauState(NamedTuple):
     """State of `reduce_on_plateau` (optax.contrib's fields).
 
@@ -603,6 +605,7 @@ def reduce_on_plateau(
 # --- schedule-free -----------------------------------------------------------------------------
 
 
+@state_class
 class ScheduleFreeState(NamedTuple):
     """State of `schedule_free` (optax.contrib's fields).
 
@@ -925,6 +928,7 @@ def schedule_free_adamw(
 # --- learning-rate-free AdamW: D-Adaptation and Prodigy ----------------------------------------
 
 
+@state_class
 class DAdaptAdamWState(NamedTuple):
     """State of `dadapt_adamw` (optax.contrib's fields).
 
@@ -945,6 +949,7 @@ class DAdaptAdamWState(NamedTuple):
     count: np.int32  # type: ignore[assignment]
 
 
+@state_class
 class ProdigyState(NamedTuple):
     """State of `prodigy` (optax.contrib's fields).
 
@@ -1303,6 +1308,7 @@ def prodigy(
 # --- Sophia ------------------------------------------------------------------------------------
 
 
+@state_class
 class HutchinsonState(NamedTuple):
     """State of `hutchinson_estimator_diag_hessian` (optax.contrib's field).
 
@@ -1542,6 +1548,7 @@ def hutchinson_estimator_diag_hessian(random_seed: int | None = None) -> Gradien
 _HUTCHINSON = hutchinson_estimator_diag_hessian()
 
 
+@state_class
 class SophiaState(NamedTuple):
     """State of `scale_by_sophia` (optax.contrib's fields).
 

@@ -62,7 +62,7 @@ from .declared import expect_state, field_owner
 from .flat import FlatTree, layout_and_device
 from .fuse import Collective, Scale
 from .layout import Layout
-from .protocol import EmptyState, GradientTransformationExtraArgs
+from .protocol import EmptyState, GradientTransformationExtraArgs, state_class
 from .tables import sum_in_order
 from .transaction import current
 from .updates import ParamsRef, Spec, Updates
@@ -511,6 +511,7 @@ def global_norm(tree: Any, comm: Any = None, ord: Any = 2, squared: bool = False
 # --- the transformations --------------------------------------------------------------------
 
 
+@state_class
 class AllreduceMeanState(NamedTuple):
     """State of `allreduce_mean`.
 

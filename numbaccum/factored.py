@@ -39,7 +39,7 @@ from .declared import check_decay, expect_state, safe_increment
 from .flat import FlatTree, layout_and_device
 from .layout import Layout, check_float_dtype
 from .norms import NO_PARAMS_MSG, _runs, scale_by_param_block_rms
-from .protocol import GradientTransformationExtraArgs
+from .protocol import GradientTransformationExtraArgs, state_class
 from .scaling import ScalarOrSchedule, add_decayed_weights, scale, scale_by_learning_rate
 from .tables import FACTORED, UNFACTORED, AxisMaxima, AxisSums, AxisTable, FactorTable, Table, slice_table
 from .tree import tree_flatten, tree_unflatten
@@ -48,6 +48,7 @@ from .updates import ParamsRef, Spec, Updates
 __all__ = ["FactoredState", "ScaleBySM3State", "adafactor", "scale_by_factored_rms", "scale_by_sm3", "sm3"]
 
 
+@state_class
 class FactoredState(NamedTuple):
     """The state of `scale_by_factored_rms` (optax's fields).
 
@@ -460,6 +461,7 @@ def adafactor(
 # --- SM3: one statistic per index of each axis ---------------------------------------------------
 
 
+@state_class
 class ScaleBySM3State(NamedTuple):
     """The state of `scale_by_sm3` (optax's fields).
 

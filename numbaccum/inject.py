@@ -27,7 +27,7 @@ from .base import Stage, Step
 from .declared import safe_increment
 from .flat import FlatTree
 from .layout import Layout, check_float_dtype, is_float, real_dtype
-from .protocol import GradientTransformationExtraArgs
+from .protocol import GradientTransformationExtraArgs, state_class
 from .tree import tree_flatten
 from .updates import ParamsRef, Spec, Updates
 
@@ -41,6 +41,7 @@ __all__ = [
 ]
 
 
+@state_class
 class InjectStatefulHyperparamsState(NamedTuple):
     """The state of `inject_hyperparams`: the hyperparameters, their schedules' states and the
     inner state (also exported as ``InjectHyperparamsState``, optax's older name).
@@ -66,6 +67,7 @@ class InjectStatefulHyperparamsState(NamedTuple):
 InjectHyperparamsState = InjectStatefulHyperparamsState
 
 
+@state_class
 class WrappedScheduleState(NamedTuple):
     """The state of a `WrappedSchedule`: the step count.
 

@@ -19,7 +19,7 @@ from .base import Stage, Step, as_stage, with_extra_args_support
 from .contract import ONE, Factor
 from .flat import FlatTree, as_flat, layout_and_device, layout_of
 from .layout import Layout
-from .protocol import GradientTransformationExtraArgs
+from .protocol import GradientTransformationExtraArgs, state_class
 from .tree import tree_map
 from .updates import ParamsRef, Spec, Updates, check_params
 
@@ -57,6 +57,7 @@ def _copy_leaf(x: Any) -> Any:
     return out
 
 
+@state_class
 class LookaheadState(NamedTuple):
     """The state of `lookahead` (optax's fields).
 

@@ -32,7 +32,7 @@ from .contract import ONE
 from .declared import safe_increment
 from .flat import FlatTree, layout_of
 from .layout import Layout
-from .protocol import GradientTransformationExtraArgs
+from .protocol import GradientTransformationExtraArgs, state_class
 from .tree import broadcast_prefix, short_repr, tree_flatten, tree_map, tree_unflatten
 from .updates import ParamsRef, Spec, Updates
 
@@ -52,6 +52,7 @@ __all__ = [
 ]
 
 
+@state_class
 class MaskedNode(NamedTuple):
     """A masked-out subtree, as the inner transformation of `masked` sees it: an empty node.
 
@@ -60,6 +61,7 @@ class MaskedNode(NamedTuple):
     """
 
 
+@state_class
 class MaskedState(NamedTuple):
     """The state of `masked`: the inner transformation's state, over the kept leaves only.
 
@@ -323,6 +325,7 @@ def masked(
 # --- partition: a transformation per label ----------------------------------------------------
 
 
+@state_class
 class PartitionState(NamedTuple):
     """The state of `partition`: each label's `masked` state.
 
@@ -465,6 +468,7 @@ multi_transform = partition
 # --- masks in time: the inner transformation at some steps only -----------------------------
 
 
+@state_class
 class ConditionallyTransformState(NamedTuple):
     """The state of `conditionally_transform` (optax's fields).
 
@@ -477,6 +481,7 @@ class ConditionallyTransformState(NamedTuple):
     step: np.int32
 
 
+@state_class
 class ConditionallyMaskState(NamedTuple):
     """The state of `conditionally_mask` (optax's fields, in optax's order).
 

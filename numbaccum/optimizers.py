@@ -33,7 +33,7 @@ from .formulas import signum as sign_of  # (``signum`` is the public optimizer b
 from .layout import check_float_dtype, compute_dtype, real_dtype
 from .masking import masked
 from .norms import scale_by_trust_ratio
-from .protocol import GradientTransformationExtraArgs
+from .protocol import GradientTransformationExtraArgs, state_class
 from .scaling import ScalarOrSchedule, add_decayed_weights, identity, scale, scale_by_learning_rate
 from .tree import tree_flatten, tree_unflatten
 from .updates import ParamsRef, Spec, Updates
@@ -222,6 +222,7 @@ def sign_sgd(learning_rate: ScalarOrSchedule) -> GradientTransformationExtraArgs
     return chain(scale_by_sign(), scale_by_learning_rate(learning_rate))
 
 
+@state_class
 class ScaleByAdamState(NamedTuple):
     """Adam's step count and first and second moments (also NAdam's, Adamax's and Yogi's state).
 
@@ -481,6 +482,7 @@ def adam(
     return chain(direction, scale_by_learning_rate(learning_rate))
 
 
+@state_class
 class ScaleByAmsgradState(NamedTuple):
     """AMSGrad's step count, moments and running maximum of the corrected second moment.
 
@@ -502,6 +504,7 @@ class ScaleByAmsgradState(NamedTuple):
     nu_max: FlatTree
 
 
+@state_class
 class ScaleByBeliefState(NamedTuple):
     """AdaBelief's step count, first moment and second central moment.
 
@@ -519,6 +522,7 @@ class ScaleByBeliefState(NamedTuple):
     nu: FlatTree
 
 
+@state_class
 class ScaleByLionState(NamedTuple):
     """Lion's step count and momentum.
 
@@ -533,6 +537,7 @@ class ScaleByLionState(NamedTuple):
     mu: FlatTree
 
 
+@state_class
 class ScaleByRmsState(NamedTuple):
     """RMSProp's second moment (without bias correction).
 
@@ -544,6 +549,7 @@ class ScaleByRmsState(NamedTuple):
     nu: FlatTree
 
 
+@state_class
 class ScaleByRmsWithCountState(NamedTuple):
     """RMSProp's step count and second moment (with bias correction).
 
@@ -559,6 +565,7 @@ class ScaleByRmsWithCountState(NamedTuple):
     nu: FlatTree
 
 
+@state_class
 class ScaleByRStdDevState(NamedTuple):
     """Centred RMSProp's first and second moments (without bias correction).
 
@@ -573,6 +580,7 @@ class ScaleByRStdDevState(NamedTuple):
     nu: FlatTree
 
 
+@state_class
 class ScaleByRStdDevWithCountState(NamedTuple):
     """Centred RMSProp's step count and moments (with bias correction).
 
@@ -590,6 +598,7 @@ class ScaleByRStdDevWithCountState(NamedTuple):
     nu: FlatTree
 
 
+@state_class
 class ScaleByRssState(NamedTuple):
     """Adagrad's sum of squared gradients.
 
@@ -2013,6 +2022,7 @@ def radam(
     )
 
 
+@state_class
 class ScaleByAdaDeltaState(NamedTuple):
     """Adadelta's running averages.
 
@@ -2298,6 +2308,7 @@ def signum(
     )
 
 
+@state_class
 class ScaleByRpropState(NamedTuple):
     """Rprop's state.
 
@@ -2449,6 +2460,7 @@ def rprop(
 # --- Adan (issue 26) ----------------------------------------------------------------------------
 
 
+@state_class
 class ScaleByAdanState(NamedTuple):
     """Adan's state (optax's field names).
 
@@ -2679,6 +2691,7 @@ def fromage(learning_rate: ScalarOrSchedule, min_norm: float = 1e-6) -> Gradient
     )
 
 
+@state_class
 class ScaleByOptimisticGradientState(NamedTuple):
     """The optimistic gradient's state (optax's fields).
 
@@ -2990,6 +3003,7 @@ def polyak_sgd(
     return chain(sgd(learning_rate=scaling), scale_by_polyak(f_min, max_learning_rate, eps, variant))
 
 
+@state_class
 class ScaleByNovogradState(NamedTuple):
     """NovoGrad's state (optax's fields).
 
@@ -3211,6 +3225,7 @@ def novograd(
     )
 
 
+@state_class
 class ScaleByDistanceOverGradientsState(NamedTuple):
     """DoG's state (optax's fields).
 

@@ -35,7 +35,7 @@ from .declared import Elementwise, check_decay
 from .flat import FlatTree, as_flat, layout_of
 from .formulas import formula, like, normal
 from .layout import Layout, finfo
-from .protocol import GradientTransformationExtraArgs
+from .protocol import GradientTransformationExtraArgs, state_class
 from .scaling import ScalarOrSchedule, identity, scale_by_learning_rate
 from .tables import segments
 from .tree import short_repr, tree_unflatten
@@ -445,6 +445,7 @@ def per_example_layer_norm_clip(
 # --- differential privacy -------------------------------------------------------------------
 
 
+@state_class
 class DifferentiallyPrivateAggregateState(NamedTuple):
     """State of `differentially_private_aggregate`: the key of the next noise draw (optax's field).
 
@@ -752,6 +753,7 @@ def dpsgd(
 # --- gradient noise (optax's add_noise) -----------------------------------------------------
 
 
+@state_class
 class AddNoiseState(NamedTuple):
     """State of `add_noise` (optax's fields).
 

@@ -11,7 +11,22 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-__all__ = ["EmptyState", "GradientTransformation", "GradientTransformationExtraArgs"]
+__all__ = ["EmptyState", "GradientTransformation", "GradientTransformationExtraArgs", "state_class", "state_classes"]
+
+_STATE_CLASSES: list[type] = []  # in definition order
+
+
+def state_class(cls: type) -> type:
+    """Marks a NamedTuple class of numbaccum's as one a state may hold, where it is defined
+    (``@state_class`` over the class): `numbaccum.load_state` rebuilds the classes so marked
+    by name (`state_classes`); a user's classes go through `numbaccum.register_state_class`."""
+    _STATE_CLASSES.append(cls)
+    return cls
+
+
+def state_classes() -> tuple[type, ...]:
+    """Every class marked with `state_class` in the modules imported so far."""
+    return tuple(_STATE_CLASSES)
 
 
 class GradientTransformation(NamedTuple):
@@ -44,6 +59,7 @@ class GradientTransformationExtraArgs(GradientTransformation):
     """
 
 
+@state_class
 class EmptyState(NamedTuple):
     """The state of a stateless transformation: a NamedTuple with no fields (also named ClipState).
 

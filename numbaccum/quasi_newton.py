@@ -35,7 +35,7 @@ from .base import Stage, Step, chain, states_of
 from .contract import ONE, Factor
 from .declared import expect_state, safe_increment
 from .flat import FlatTree, as_flat, layout_and_device
-from .protocol import GradientTransformationExtraArgs
+from .protocol import GradientTransformationExtraArgs, state_class
 from .scaling import ScalarOrSchedule, identity, scale, scale_by_learning_rate
 from .updates import ParamsRef, Spec, Updates
 
@@ -76,6 +76,7 @@ def _copy_into(out: FlatTree, x: FlatTree) -> None:
 # --- L-BFGS's direction ----------------------------------------------------------------------
 
 
+@state_class
 class ScaleByLBFGSState(NamedTuple):
     """L-BFGS's state (optax's fields).
 
@@ -254,6 +255,7 @@ def scale_by_lbfgs(memory_size: int = 10, scale_init_precond: bool = True) -> Gr
 # --- the zoom line search ------------------------------------------------------------------
 
 
+@state_class
 class ZoomLinesearchInfo(NamedTuple):
     """What the last line search did (optax's fields).
 
@@ -268,6 +270,7 @@ class ZoomLinesearchInfo(NamedTuple):
     curvature_error: np.float64
 
 
+@state_class
 class ScaleByZoomLinesearchState(NamedTuple):
     """State of `scale_by_zoom_linesearch` (optax's fields).
 
@@ -649,6 +652,7 @@ def scale_by_zoom_linesearch(
 # --- the backtracking line search -------------------------------------------------------------
 
 
+@state_class
 class BacktrackingLinesearchInfo(NamedTuple):
     """What the last backtracking search did (optax's fields).
 
@@ -661,6 +665,7 @@ class BacktrackingLinesearchInfo(NamedTuple):
     decrease_error: np.float64
 
 
+@state_class
 class ScaleByBacktrackingLinesearchState(NamedTuple):
     """State of `scale_by_backtracking_linesearch` (optax's fields).
 

@@ -24,7 +24,7 @@ from .flat import FlatTree, to_device
 from .formulas import formula
 from .fuse import Kernel, Scale
 from .masking import MaskedState, _mask_leaf, _Masked, _Partition, masked
-from .protocol import EmptyState, GradientTransformationExtraArgs
+from .protocol import EmptyState, GradientTransformationExtraArgs, state_class
 from .tree import tree_map
 from .updates import ParamsRef, Spec
 
@@ -136,6 +136,7 @@ def scale(step_size: float) -> GradientTransformationExtraArgs:
     return _Scale(step_size).transformation()
 
 
+@state_class
 class ScaleByScheduleState(NamedTuple):
     """The state of `scale_by_learning_rate` with a schedule: its step count.
 
@@ -297,6 +298,7 @@ def set_to_zero() -> GradientTransformationExtraArgs:
     return _SetToZero().transformation()
 
 
+@state_class
 class WeightDecaySchedule(NamedTuple):
     """The state of `add_decayed_weights` with a scheduled weight decay: its step count.
 

@@ -102,7 +102,7 @@ from .norms import _ScaleByParamBlock, _ScaleByTrustRatio, _Sliced
 from .optimizers import _ScaleByNovograd
 from .passes import step_ as _step_
 from .privacy import _AddNoise, _Aggregate
-from .protocol import EmptyState
+from .protocol import EmptyState, state_class
 from .runner import stage_name
 from .scaling import _AddDecayedWeights, _Identity, _Scale, _ScaleBySchedule
 from .stats import stats
@@ -114,6 +114,7 @@ __all__ = ["Sharded", "ShardedState", "partition"]
 _F32 = np.dtype(np.float32)
 
 
+@state_class
 class ShardedState(NamedTuple):
     """State of `numbaccum.distributed.shard`: this rank's part of the optimizer state.
 
