@@ -48,6 +48,7 @@ __all__ = [
     "ProdigyState",
     "ReduceLROnPlateauState",
     "ScaleByAdemamixState",
+    "ScaleBySimplifiedAdEMAMixState",
     "ScheduleFreeState",
     "SophiaState",
     "ademamix",
@@ -58,11 +59,13 @@ __all__ = [
     "reduce_on_plateau",
     "scale_by_ademamix",
     "scale_by_adopt",
+    "scale_by_simplified_ademamix",
     "scale_by_sophia",
     "schedule_free",
     "schedule_free_adamw",
     "schedule_free_eval_params",
     "schedule_free_sgd",
+    "simplified_ademamix",
     "sophia",
 ]
 
@@ -428,6 +431,157 @@ def ademamix(
     """
     return chain(
         scale_by_ademamix(b1, b2, b3, alpha, eps, eps_root, mu_dtype),
+        add_decayed_weights(weight_decay, mask),
+        scale_by_learning_rate(learning_rate),
+    )
+
+
+# --- simplified AdEMAMix ------------------------------------------------------------------------
+
+
+@state_class
+class ScaleBySimplifiedAdEMAMixState(NamedTuple):
+    """Simplified AdEMAMix's state (optax.contrib's fields).
+
+    Attributes:
+        t: the number of updates so far (int32, saturating).
+        m: the EMA of the gradients without its ``1 - b1`` factor, a FlatTree of the params'
+            layout.
+        n: the second moment.
+    """
+
+    t: np.int32  # type: ignore[assignment]
+    m: FlatTree
+    n: FlatTree
+
+
+@formula(
+    states=("m", "n"),
+    inputs=("g",),
+    outputs=("out",),
+    scalars=("b1", "b2", "alpha", "bc2", "eps", "eps_root"),
+)
+def simplified_ademamix_direction(m, n, g, b1, b2, alpha, bc2, eps, eps_root):
+    """Simplified AdEMAMix, in optax's order of operations: m = g + b1 m; n = g^2 + b2 (n - g^2)
+    (optax's ``lerp``); out = (m + alpha g) / (sqrt(n / bc2 + eps_root) + eps)."""
+    a = g + b1 * m
+    gg = g * g
+    v = gg + b2 * (n - gg)
+    return a, v, (a + alpha * g) / (math.sqrt(v / bc2 + eps_root) + eps)
+
+
+class _ScaleBySimplifiedAdemamix(Elementwise):
+    state_cls, fields, formula, name = (
+        ScaleBySimplifiedAdEMAMixState,
+        ("m", "n"),
+        simplified_ademamix_direction,
+        "scale_by_simplified_ademamix",
+    )
+    counted, count_field = True, "t"
+
+    def __init__(self, b1: Any, b2: Any, alpha: Any, eps: Any, eps_root: Any) -> None:
+        self.b1, self.b2 = check_decay(b1, "b1"), check_decay(b2, "b2")
+        self.alpha = alpha if callable(alpha) else real(alpha, "alpha")
+        self.eps, self.eps_root = real(eps, "eps"), real(eps_root, "eps_root")
+
+    def scalars(self, count: Any, ct: np.dtype) -> tuple:
+        t = int(count)
+        alpha = real(self.alpha(t - 1), "alpha's value") if callable(self.alpha) else self.alpha  # optax: state.t
+        return (self.b1, self.b2, alpha, bias_correction(self.b2, t, ct), self.eps, self.eps_root)
+
+
+def scale_by_simplified_ademamix(
+    b1: float = 0.99,
+    b2: float = 0.95,
+    alpha: ScalarOrSchedule = 0.0,
+    eps: float = 1e-8,
+    eps_root: float = 0.0,
+) -> GradientTransformationExtraArgs:
+    r"""Rescales the updates by Simplified AdEMAMix: one EMA without its ``1 - b1`` factor, mixed
+    with the gradient.
+
+    ``m = g + b1 m``, ``n = g^2 + b2 (n - g^2)``, ``u = (m + alpha g) / (sqrt(n / (1 - b2^t) +
+    eps_root) + eps)``: the EMA is not bias-corrected, and ``alpha`` may be a schedule of the
+    step count (the steps before this one). ``alpha = 0`` is Adam with ``b1``'s EMA scaled by
+    ``1 / (1 - b1)``. One fused pass.
+
+    Args:
+        b1: decay of the EMA, between 0 and 1.
+        b2: decay of the second moment, between 0 and 1.
+        alpha: the gradient's weight in the mixture, or a schedule of it.
+        eps: added to the square root.
+        eps_root: added inside the square root.
+
+    Returns:
+        A `GradientTransformationExtraArgs`; its state is ``ScaleBySimplifiedAdEMAMixState(t, m,
+            n)``, as optax.contrib's.
+
+    Raises:
+        TypeError: a hyperparameter has the wrong type.
+        ValueError: ``b1`` or ``b2`` is not between 0 and 1.
+
+    References:
+        Morwani et al., "Connections between Schedule-Free Optimizers, AdEMAMix, and Accelerated
+        SGD Variants", 2025 (arXiv:2502.02431). optax.contrib.scale_by_simplified_ademamix.
+
+    Examples:
+        >>> import numpy as np, numbaccum as nba
+        >>> tx = nba.scale_by_simplified_ademamix(alpha=1.0, b2=0.0)
+        >>> g = {"w": np.array([3.0, -4.0])}
+        >>> u, state = tx.update(g, tx.init(g))
+        >>> [round(float(x), 4) for x in u["w"]]  # (g + g) / |g|
+        [2.0, -2.0]
+    """
+    return _ScaleBySimplifiedAdemamix(b1, b2, alpha, eps, eps_root).transformation()
+
+
+def simplified_ademamix(
+    learning_rate: ScalarOrSchedule,
+    b1: float = 0.99,
+    b2: float = 0.95,
+    alpha: ScalarOrSchedule = 0.0,
+    eps: float = 1e-8,
+    eps_root: float = 0.0,
+    weight_decay: float = 0.0,
+    mask: Any = None,
+) -> GradientTransformationExtraArgs:
+    """Simplified AdEMAMix with decoupled weight decay: ``chain(scale_by_simplified_ademamix(...),
+    add_decayed_weights(weight_decay, mask), scale_by_learning_rate(learning_rate))``, one fused
+    pass.
+
+    Args:
+        learning_rate: a float, or a schedule of the step count.
+        b1: as in `scale_by_simplified_ademamix`.
+        b2: as in `scale_by_simplified_ademamix`.
+        alpha: as in `scale_by_simplified_ademamix`.
+        eps: as in `scale_by_simplified_ademamix`.
+        eps_root: as in `scale_by_simplified_ademamix`.
+        weight_decay: the decay rate.
+        mask: which leaves decay (as `add_decayed_weights`).
+
+    Returns:
+        A `GradientTransformationExtraArgs`; its state is
+            ``(ScaleBySimplifiedAdEMAMixState(...), EmptyState(), EmptyState())``
+            (``MaskedState`` for a masked decay, ``ScaleByScheduleState`` last with a schedule).
+
+    Raises:
+        TypeError: a hyperparameter has the wrong type.
+        ValueError: ``b1`` or ``b2`` is not between 0 and 1.
+
+    References:
+        Morwani et al., "Connections between Schedule-Free Optimizers, AdEMAMix, and Accelerated
+        SGD Variants", 2025 (arXiv:2502.02431). optax.contrib.simplified_ademamix.
+
+    Examples:
+        >>> import numpy as np, numbaccum as nba
+        >>> params = {"w": np.zeros(2)}
+        >>> tx = nba.simplified_ademamix(0.1, alpha=1.0, b2=0.0)
+        >>> state = nba.step_(tx, {"w": np.array([3.0, -4.0])}, tx.init(params), params)
+        >>> [round(float(x), 4) for x in params["w"]]
+        [-0.2, 0.2]
+    """
+    return chain(
+        scale_by_simplified_ademamix(b1, b2, alpha, eps, eps_root),
         add_decayed_weights(weight_decay, mask),
         scale_by_learning_rate(learning_rate),
     )

@@ -865,6 +865,22 @@ _add(
     {},
     exact=True,
 )
+_add(
+    "simplified_ademamix",
+    "simplified_ademamix",
+    lambda: nba.simplified_ademamix(1e-2, alpha=2.0, weight_decay=0.1),
+    None,
+    {"learning_rate": 1e-3},
+    optax=lambda o: o.contrib.simplified_ademamix(1e-2, alpha=2.0, weight_decay=0.1),
+)
+_add(
+    "scale_by_simplified_ademamix_schedule",
+    "scale_by_simplified_ademamix",
+    lambda: nba.scale_by_simplified_ademamix(b2=0.9, alpha=lambda c: 1.0 + c, eps_root=1e-6),
+    None,
+    {},
+    optax=lambda o: o.contrib.scale_by_simplified_ademamix(b2=0.9, alpha=lambda c: 1.0 + c, eps_root=1e-6),
+)
 # Sophia with a deterministic Hessian estimate (the registry's tests pass no hvp_fn; the
 # Hutchinson estimator and the hvp_fn/grad_fn interface: tests/test_sophia.py). params + 0.25 is
 # negative in places: gamma nu floored by eps there, so the clip acts too.
