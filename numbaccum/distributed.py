@@ -54,6 +54,7 @@ import numpy as np
 
 from . import _cache, _config, lockstep
 from ._checks import flag, integer, non_negative
+from ._loans import on_loan
 from .backend import PiecewiseSumsq, ops_for
 from .base import Stage, Step
 from .clipping import global_norm as _local_norm
@@ -634,6 +635,8 @@ class _AllreduceMean(Stage):
             def reduce(flat: FlatTree, factor: Factor, sums: np.ndarray | None) -> tuple:
                 _check_in_step(comm, seen[0])  # before any buffer is written
                 out = part.new_state.mean
+                if on_loan(out.buffers.values()):  # a lone update returned it, and it is held
+                    out = out.workspace("sum")  # (a spare while that one is held too)
                 # A pending factor is applied on the way into our buffer: no pass of its own.
                 src = flat if factor.is_one else Updates(flat, False, factor).into(out)
                 return out, pending, _reduce(comm, src, out, half, nbytes, sums)

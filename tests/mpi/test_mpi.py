@@ -887,3 +887,27 @@ def test_in_step_a_state_saved_before_the_count_loads_with_count_0(tmp_path):
     assert int(old[0].count) == 0 and isinstance(old[0], dist.AllreduceMeanState)
     old = nba.step_(tx, grads_of(RANK, 1), old, params)  # every rank's is 0: in step
     assert int(old[0].count) == 1
+
+
+@multi_rank
+def test_a_held_update_of_a_lone_allreduce_mean_is_not_overwritten_by_the_next():
+    """A lone ``allreduce_mean().update`` returns the mean where the collective wrote it: the
+    next update writes elsewhere while the caller holds it (it wrote the same buffer again)."""
+    params = make_params()
+    tx = dist.allreduce_mean()
+    state = tx.init(params)
+    kept = []
+    for step in range(3):
+        u, state = tx.update(grads_of(RANK, step), state)
+        kept.append(u)
+    u_flat, state = tx.update(nba.FlatTree.from_tree(grads_of(RANK, 7)), state)
+    for step, u in enumerate(kept):
+        assert_matches(u, mean_over_ranks(step))
+    assert_matches(u_flat.tree, mean_over_ranks(7))
+    del kept, u_flat, u  # dropped: the common loop alternates two buffers, allocating nothing
+    a, state = tx.update(grads_of(RANK, 8), state)
+    ptr = nba.tree_flatten(a)[0][0].__array_interface__["data"][0]
+    del a
+    b, state = tx.update(grads_of(RANK, 9), state)
+    assert nba.tree_flatten(b)[0][0].__array_interface__["data"][0] == ptr
+    assert_matches(b, mean_over_ranks(9))
