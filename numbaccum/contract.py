@@ -1,7 +1,7 @@
 """The kernel contract: every operation a transformation may run on flat buffers, declared once.
 
 A transformation gets the operations for its buffers from `numbaccum.backend.ops_for` and calls
-them by name (``ops.ema_update_(...)``): a reader and an editor can follow a call to its
+them by name (``ops.zero_nans_(...)``): a reader and an editor can follow a call to its
 declaration here, and from here to its formula in `numbaccum.formulas`. Both backends implement
 the contract through three modules with the same primitives (`BACKEND`): a *driver* that
 compiles the formulas (`numbaccum.cpu.driver`, `numbaccum.cuda.driver`: how to walk a buffer, not
@@ -144,26 +144,9 @@ class Ops:
         """out = factor(x) + s * y (``out`` may be ``x``)."""
         self.driver.map_(F.add_scaled, factor, (x, y, out), (s,))
 
-    def clip_(self, out: Any, x: Any, factor: Factor, max_delta: float) -> None:
-        """out = clip(factor(x), -max_delta, max_delta); NaN stays NaN."""
-        self.driver.map_(F.clip, factor, (x, out), (max_delta,))
-
     def zero_nans_(self, out: Any, x: Any, factor: Factor) -> None:
         """out = 0 where factor(x) is NaN, else that value (inf is kept)."""
         self.driver.map_(F.zero_nans, factor, (x, out), ())
-
-    def ema_update_(
-        self,
-        ema: Any,
-        g: Any,
-        factor: Factor,
-        one_minus_decay: float,
-        decay: float,
-        bias_correction: Any,
-        out: Any,
-    ) -> None:
-        """ema = (1 - decay) * g + decay * ema; out = ema / bias_correction."""
-        self.driver.map_(F.ema, factor, (ema, g, out), (one_minus_decay, decay, bias_correction))
 
     def mean_accumulate_(self, acc: Any, g: Any, factor: Factor, count: int, fresh: bool) -> None:
         """acc = acc + (g - acc) / count (Welford), with acc read as 0 if ``fresh``."""
@@ -193,10 +176,6 @@ class Ops:
     ) -> None:
         """ema = (1 - decay) * |g| + decay * (|g| * init if fresh else ema); non-finite g skipped."""
         self.driver.map_(F.abs_ema, factor, (ema, g), (one_minus_decay, decay, init, fresh))
-
-    def sign_(self, out: Any, x: Any, factor: Factor) -> None:
-        """out = sign(factor(x)) (+-0 and NaN kept)."""
-        self.driver.map_(F.sign, factor, (x, out), ())
 
     def clip_by_(self, out: Any, x: Any, factor: Factor, bound: Any) -> None:
         """out = clip(factor(x), -bound, bound) with a bound per element; NaN stays NaN."""

@@ -9,7 +9,7 @@ import textwrap
 import numpy as np
 import pytest
 
-from numbaccum import _config, accumulation, optimizers
+from numbaccum import _config, accumulation, formulas, optimizers
 from numbaccum.backend import ops_for
 from numbaccum.contract import Factor
 
@@ -87,7 +87,7 @@ def test_elementwise_kernels_match_numpy(n, dtype):
 
     e = a.copy()
     bc = t(1) - t(0.9) ** 3
-    OPS.ema_update_(e, g, F, 1 - 0.9, 0.9, bc, out)
+    OPS.driver.map_(formulas.ema, F, (e, g, out), (1 - 0.9, 0.9, bc))
     expect_e = t(1 - 0.9) * ge + t(0.9) * a
     np.testing.assert_array_equal(e, expect_e)
     np.testing.assert_array_equal(out, expect_e / bc)
