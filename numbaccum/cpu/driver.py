@@ -211,15 +211,16 @@ def serial(n, chunk, {arrays}, div, mul, scaled, {scalars}):
 
 def _source(f: Formula, variant: tuple | None = None) -> tuple[str, str]:
     """The generated loop body and drivers of formula ``f`` (Python source). ``variant``
-    (`_variant`): ``(bf16, ctype, stream)``, which arrays are bfloat16 (passed as their raw bits,
-    uint16), the compute dtype's name, and whether the outputs are written with streaming stores
-    (`numbaccum.cpu.streaming`). A bfloat16 array's elements are widened when read
+    (`_variant`): ``(bf16, ctype, stream, alias)``, which arrays are bfloat16 (passed as their raw
+    bits, uint16), the compute dtype's name, whether the outputs are written with streaming
+    stores (`numbaccum.cpu.streaming`), and for an array passed twice, each array's first
+    position (empty: none is). A bfloat16 array's elements are widened when read
     (`formulas.from_bf16`) and rounded once when stored (`formulas.to_bf16`, or
     `to_bf16_from64` from float64)."""
     arrays = [f"a{i}" for i in range(len(f.arrays))]
     scalars = [f"p{i}" for i in range(len(f.scalars))] or ["_unused"]
     ns, ni = len(f.states), len(f.inputs)
-    bf16, ctype, stream = variant if variant is not None else ((False,) * len(arrays), "", False)
+    bf16, ctype, stream, alias = variant if variant is not None else ((False,) * len(arrays), "", False, ())
     written = list(f.writes)
     streamed = [w for w in written if stream and w >= ns + ni]
     view = "u" if streamed else "v"  # the streaming variant reads and writes each block's views
@@ -241,12 +242,15 @@ def _source(f: Formula, variant: tuple | None = None) -> tuple[str, str]:
             stores.append(f"{indent}{view}{w}[k] = {r}")
     fmt = {"arrays": ", ".join(arrays), "scalars": ", ".join(scalars)}
     kept = [i for i in range(len(arrays)) if i not in streamed]
+    # An array passed twice (an output that is an input: the updates scaled in place) is sliced
+    # once: LLVM vectorises a loop that reads and writes one slice, but one that writes a slice
+    # that may overlap another it reads runs its scalar fallback (measured 2.5x slower in place).
+    sliced = [f"    v{i} = v{alias[i]}" if alias and alias[i] != i else f"    v{i} = a{i}[lo:hi]" for i in kept]
     if not streamed:
-        slices = "\n".join(f"    v{i} = a{i}[lo:hi]" for i in kept)
-        body = _BODY.format(slices=slices, args=args, stores="\n".join(stores), **fmt)
+        body = _BODY.format(slices="\n".join(sliced), args=args, stores="\n".join(stores), **fmt)
     else:
         body = _STREAM_BODY.format(
-            slices="\n".join(f"    v{i} = a{i}[lo:hi]" for i in kept),
+            slices="\n".join(sliced),
             scratch="\n".join(f"    s{w} = np.empty(BLOCK, a{w}.dtype)" for w in streamed),
             blocks="\n".join(f"        u{i} = v{i}[b : b + m]" for i in kept),
             args=args,
@@ -339,9 +343,19 @@ def map_(f: Formula, factor: Factor, arrays: tuple, scalars: tuple) -> None:
         ctype, bf16 = _F32, True
     n = arrays[0].size
     variant = None
-    if bf16 or ctype.kind == "c" or n >= _config.STREAM_BYTES // 8:  # else no output can reach STREAM_BYTES
+    if bf16 or ctype.kind == "c" or n >= _config.STREAM_BYTES // 8 or _passed_twice(arrays):
         arrays, variant = _variant(f, arrays, ctype, bf16)
     _run(f, _kernel_for(f, n, variant), (n, _config.CHUNK, *arrays), real_dtype(ctype).type, factor, scalars)
+
+
+def _passed_twice(arrays: tuple) -> bool:
+    """Whether an array is passed more than once (`_source`'s ``alias``)."""
+    for i in range(1, len(arrays)):  # a loop: a few arrays, every call
+        a = arrays[i]
+        for j in range(i):
+            if arrays[j] is a:
+                return True
+    return False
 
 
 def _variant(f: Formula, arrays: tuple, ctype: np.dtype, bf16: bool) -> tuple[tuple, tuple | None]:
@@ -357,11 +371,14 @@ def _variant(f: Formula, arrays: tuple, ctype: np.dtype, bf16: bool) -> tuple[tu
         and all(a is not b for b in arrays[:first_out])
         for a in arrays[first_out:]
     )
-    if not bf16 and not stream and ctype.kind != "c":
+    twice = _passed_twice(arrays)
+    if not bf16 and not stream and ctype.kind != "c" and not twice:
         return arrays, None
+    # each array's first position among the arrays (itself unless it is passed twice)
+    alias = tuple(next(j for j in range(i + 1) if arrays[j] is a) for i, a in enumerate(arrays)) if twice else ()
     marks = tuple(a.dtype.kind == "V" for a in arrays)
     raw = tuple(a.view(np.uint16) if b else a for a, b in zip(arrays, marks))
-    return raw, (marks, ctype.name, stream)
+    return raw, (marks, ctype.name, stream, alias)
 
 
 def prepare(f: Formula, arrays: tuple) -> Callable[[Factor, tuple], None]:
@@ -382,7 +399,7 @@ def prepare(f: Formula, arrays: tuple) -> Callable[[Factor, tuple], None]:
         ctype, bf16 = compute_dtype(*kinds), any(d.kind == "V" for d in kinds)
     n = arrays[0].size
     variant = None
-    if bf16 or ctype.kind == "c" or n >= _config.STREAM_BYTES // 8:  # else no output can reach STREAM_BYTES
+    if bf16 or ctype.kind == "c" or n >= _config.STREAM_BYTES // 8 or _passed_twice(arrays):
         arrays, variant = _variant(f, arrays, ctype, bf16)
     cast = real_dtype(ctype).type  # a complex call's scalars are real
     head, kernel = (n, _config.CHUNK, *arrays), _kernel_for(f, n, variant)
