@@ -18,12 +18,14 @@ ROOT = Path(__file__).resolve().parents[2]
 API_DIR = "reference/api/"
 TABLE = ROOT / "docs" / "reference" / "transformations.md"
 # ``::: numbaccum.adam`` or ``::: numbaccum.distributed.shard``: one entry of an API page
-DIRECTIVE = re.compile(r"^::: (numbaccum(?:\.distributed)?)\.(\w+)\s*$", re.M)
+DIRECTIVE = re.compile(r"^::: (numbaccum(?:\.distributed|\.compat\.\w+)?)\.(\w+)\s*$", re.M)
+MODULES = ("numbaccum", "numbaccum.distributed", "numbaccum.compat.torchzero", "numbaccum.compat.declearn")
 FENCE = re.compile(r"^(```|~~~).*?^\1\s*$", re.M | re.S)
-# a link already written: [text](url) or [text][id]; its code spans are left as they are
-LINK = re.compile(r"\[[^\]\n]*\](?:\([^)\n]*\)|\[[^\]\n]*\])")
+CODE = re.compile(r"(?<!`)`[^`]+`(?!`)")
 # a code span naming a public name: `adam`, `nba.adam(1e-3)`, `distributed.shard(tx)`, `MultiSteps.update`
-CODE_NAME = re.compile(r"(?<!`)`(nba\.|numbaccum\.|distributed\.|numbaccum\.distributed\.)?([A-Za-z]\w*)([(.][^`]*)?`(?!`)")
+CODE_NAME = re.compile(
+    r"(?<!`)`(nba\.|numbaccum\.|distributed\.|numbaccum\.distributed\.)?([A-Za-z]\w*)([(.][^`]*)?`(?!`)"
+)
 
 
 def _import(module: str):
@@ -34,9 +36,9 @@ def _import(module: str):
 
 @cache
 def public_names() -> dict[str, dict[str, object]]:
-    """``{"numbaccum": {name: object}, "numbaccum.distributed": {...}}``."""
+    """``{"numbaccum": {name: object}, "numbaccum.distributed": {...}, ...}`` (`MODULES`)."""
     out = {}
-    for module in ("numbaccum", "numbaccum.distributed"):
+    for module in MODULES:
         mod = _import(module)
         out[module] = {name: getattr(mod, name) for name in mod.__all__}
     return out
@@ -105,33 +107,37 @@ def _target(prefix: str | None, name: str) -> str | None:
     return None
 
 
+def _in_link_or_heading(masked: str, start: int, end: int) -> bool:
+    """Whether the code span at ``masked[start:end]`` is in a heading or in a link's text
+    (``masked``: the text with every code span's content blanked, so that brackets inside code
+    are not taken for a link's)."""
+    if masked[masked.rfind("\n", 0, start) + 1 :].startswith("#"):
+        return True
+    before = masked[max(0, start - 400) : start]
+    if before.rfind("[") <= before.rfind("]"):
+        return False  # no bracket open before it
+    return re.match(r"[^\[\]]*\][(\[]", masked[end : end + 400]) is not None
+
+
 def _link_spans(text: str) -> str:
-    def link(m: re.Match) -> str:
-        target = _target(m.group(1), m.group(2))
-        return f"[{m.group(0)}][{target}]" if target else m.group(0)
-
-    return CODE_NAME.sub(link, text)
-
-
-def _outside(pattern: re.Pattern, text: str, fn) -> str:
-    """``fn`` applied to the parts of ``text`` that ``pattern`` does not match."""
+    masked = CODE.sub(lambda m: "`" + "x" * (len(m.group(0)) - 2) + "`", text)
     out, at = [], 0
-    for m in pattern.finditer(text):
-        out += [fn(text[at : m.start()]), m.group(0)]
-        at = m.end()
-    return "".join(out + [fn(text[at:])])
+    for m in CODE_NAME.finditer(text):
+        target = _target(m.group(1), m.group(2))
+        if target and not _in_link_or_heading(masked, m.start(), m.end()):
+            out += [text[at : m.start()], f"[{m.group(0)}][{target}]"]
+            at = m.end()
+    return "".join(out + [text[at:]])
 
 
 def with_links(markdown: str) -> str:
     """Every public name in a code span of prose or a table linked to its entry; code blocks,
     headings and links already written are left as they are."""
-
-    def lines(text: str) -> str:
-        return "\n".join(
-            line if line.startswith("#") else _outside(LINK, line, _link_spans) for line in text.split("\n")
-        )
-
-    return _outside(FENCE, markdown, lines)
+    out, at = [], 0
+    for m in FENCE.finditer(markdown):
+        out += [_link_spans(markdown[at : m.start()]), m.group(0)]
+        at = m.end()
+    return "".join(out + [_link_spans(markdown[at:])])
 
 
 def on_config(config, **kwargs):
