@@ -239,6 +239,7 @@ _CHECK = """() => ({
   images: Array.from(document.images).map(i => [i.src, i.complete && i.naturalWidth > 0]),
   katexFont: document.fonts.check('16px KaTeX_Main'),
 })"""
+_TYPESET = "() => document.querySelectorAll('.arithmatex .katex').length === document.querySelectorAll('.arithmatex').length"
 _BROWSER_PAGES = ["index", "reference/transformations", "reference/api/optimizers", "performance", "changelog"]
 
 
@@ -299,6 +300,9 @@ def test_the_pages_render_in_a_headless_browser(served):
             page.route("**/*", route)
             for name in _BROWSER_PAGES:
                 page.goto(served + ("" if name == "index" else name + "/"), wait_until="networkidle")
+                if name in ("reference/transformations", "reference/api/optimizers"):
+                    # KaTeX typesets once Material's page observable fires (later on a busy machine)
+                    page.wait_for_function(_TYPESET, timeout=30_000)
                 seen = page.evaluate(_CHECK)
                 if name in ("reference/transformations", "reference/api/optimizers"):
                     assert seen["math"] > 40 and seen["typeset"] == seen["math"] and seen["errors"] == 0, (name, seen)
