@@ -1721,7 +1721,7 @@ def scale_by_sophia(
     update_interval: int = 10,
     # optax's default, written as optax writes it so that the signature shows it: one estimator
     # per function, shared by its calls (a stage never changes; its buffers are per thread)
-    hessian_diagonal_fn: Any = hutchinson_estimator_diag_hessian(),
+    hessian_diagonal_fn: Any = hutchinson_estimator_diag_hessian(),  # noqa: B008
     mu_dtype: Any = None,
     verbose: bool = False,
     print_win_rate_every_n_steps: int = 0,
@@ -1811,7 +1811,7 @@ def sophia(
     update_interval: int = 10,
     # optax's default, written as optax writes it so that the signature shows it: one estimator
     # per function, shared by its calls (a stage never changes; its buffers are per thread)
-    hessian_diagonal_fn: Any = hutchinson_estimator_diag_hessian(),
+    hessian_diagonal_fn: Any = hutchinson_estimator_diag_hessian(),  # noqa: B008
     mu_dtype: Any = None,
     verbose: bool = False,
     print_win_rate_every_n_steps: int = 0,

@@ -912,7 +912,9 @@ def lbfgs(
     scale_init_precond: bool = True,
     # optax's default, one object as optax's is (it keeps no state of its own: each lbfgs's state
     # holds the search's), written out so that the signature shows it
-    linesearch: Any = scale_by_zoom_linesearch(max_linesearch_steps=20, initial_guess_strategy="one"),
+    linesearch: Any = scale_by_zoom_linesearch(  # noqa: B008
+        max_linesearch_steps=20, initial_guess_strategy="one"
+    ),
 ) -> GradientTransformationExtraArgs:
     """L-BFGS: a quasi-Newton direction and a line search along it.
 

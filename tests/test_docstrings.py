@@ -4,7 +4,8 @@ A public function's docstring has a summary line, ``Args:`` naming each paramete
 signature, ``Returns:``, ``References:`` and ``Examples:`` (a doctest, run here and showing what
 it prints); a NamedTuple (a state) lists its fields under ``Attributes:``; another public class
 has ``Args:`` or ``Attributes:`` and ``Examples:``; ``numbaccum.distributed``'s names too. The
-documentation site renders these (docs/reference/api/, tests/test_site.py), and ``help()`` of a public class shows its public methods only."""
+documentation site renders these (docs/reference/api/, tests/test_site.py), and ``help()`` of a
+public class shows its public methods only."""
 
 from __future__ import annotations
 

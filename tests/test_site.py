@@ -23,11 +23,11 @@ from pathlib import Path
 
 import pytest
 
-from _testutil import require
-
 import numbaccum as nba
 from numbaccum import distributed
 from numbaccum.compat import declearn, torchzero
+
+from _testutil import require
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
@@ -36,10 +36,15 @@ DIRECTIVE = re.compile(r"^::: (numbaccum(?:\.distributed|\.compat\.\w+)?)\.(\w+)
 PUBLIC = {f"numbaccum.{n}" for n in nba.__all__} | {f"numbaccum.distributed.{n}" for n in distributed.__all__}
 # the compat faces' own names (torchzero's in-place functions are numbaccum's, documented there)
 COMPAT = {
-    f"{mod.__name__}.{n}" for mod in (torchzero, declearn) for n in mod.__all__ if getattr(nba, n, None) is not getattr(mod, n)
+    f"{mod.__name__}.{n}"
+    for mod in (torchzero, declearn)
+    for n in mod.__all__
+    if getattr(nba, n, None) is not getattr(mod, n)
 }
 # the pages whose code spans name public names: the guides, concepts, migrating, the front page
-GUIDE_PAGES = ["index", "concepts", "migrating"] + [f"guides/{p.stem}" for p in (DOCS / "guides").glob("*.md")]
+GUIDE_PAGES = ["index", "concepts", "migrating"] + [
+    f"guides/{p.stem}" for p in (DOCS / "guides").glob("*.md")
+]
 
 
 def _entries() -> dict[Path, list[str]]:
@@ -71,7 +76,9 @@ def test_a_state_follows_the_transformation_it_belongs_to():
             first = (inspect.getdoc(obj) or "").split("\n\n")[0]
             owner = next((n for n in re.findall(r"`(\w+)`", first) if callable(getattr(nba, n, None))), None)
             if owner and not inspect.isclass(getattr(nba, owner)):
-                assert f"numbaccum.{owner}" in entries[:i], f"{entry} ({page.name}) comes before or without {owner}"
+                assert f"numbaccum.{owner}" in entries[:i], (
+                    f"{entry} ({page.name}) comes before or without {owner}"
+                )
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +90,10 @@ def site(tmp_path_factory) -> Path:
     env = {**os.environ, "NO_MKDOCS_2_WARNING": "1", "PYTHONPATH": str(ROOT)}
     r = subprocess.run(
         [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(out)],
-        cwd=ROOT, env=env, capture_output=True, text=True,
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
     )
     assert r.returncode == 0, r.stderr[-4000:]
     return out
@@ -105,7 +115,13 @@ def test_no_request_leaves_the_site(site):
     assert len(pages) > 20
     for page in pages:
         text = page.read_text()
-        for tag, attr in (("script", "src"), ("link", "href"), ("img", "src"), ("iframe", "src"), ("source", "src")):
+        for tag, attr in (
+            ("script", "src"),
+            ("link", "href"),
+            ("img", "src"),
+            ("iframe", "src"),
+            ("source", "src"),
+        ):
             for m in re.finditer(rf"<{tag}\b[^>]*\b{attr}=[\"']([^\"']+)", text):
                 if tag == "link" and re.search(r'rel="?(canonical|alternate)', m.group(0)):
                     continue  # not fetched
@@ -121,13 +137,20 @@ def test_math_is_typeset_by_the_site_s_own_katex(site):
     in the browser), and the KaTeX script, stylesheet and fonts are the site's own files."""
     table = _page(site, "reference/transformations")
     assert len(re.findall(r'class="arithmatex"', table)) >= 150
-    assert "$" not in _text(table.split('<table>', 1)[1].split("</table>", 1)[0]), "a $ left untypeset"
-    for asset in ("assets/katex/katex.min.js", "assets/katex/katex.min.css", "assets/javascripts/katex-init.js"):
+    assert "$" not in _text(table.split("<table>", 1)[1].split("</table>", 1)[0]), "a $ left untypeset"
+    for asset in (
+        "assets/katex/katex.min.js",
+        "assets/katex/katex.min.css",
+        "assets/javascripts/katex-init.js",
+    ):
         assert f'{asset}"' in table and (site / asset).stat().st_size > 0, asset
     fonts = re.findall(r"url\((fonts/[^)]+\.woff2)\)", (site / "assets/katex/katex.min.css").read_text())
     assert len(fonts) >= 19 and all((site / "assets/katex" / f).exists() for f in fonts)
     optimizers = _page(site, "reference/api/optimizers")  # the update column of the summary table
     assert len(re.findall(r'class="arithmatex"', optimizers.split("</table>", 1)[0])) >= 40
+    # and each optimizer's entry, under its signature
+    updates = re.findall(r'<p class="numbaccum-update">(.*?)</p>', optimizers, re.S)
+    assert len(updates) >= 30 and all('class="arithmatex"' in u for u in updates)
 
 
 def test_no_private_name_in_a_rendered_signature(site):
@@ -158,10 +181,17 @@ def _unlinked_names(fragment: str) -> tuple[list[str], list[tuple[str, str]]]:
     """(the code spans naming a public name that no link holds, the (name, href) of those that
     are linked) in an HTML fragment; code blocks and headings are not prose."""
     fragment = re.sub(r"<(pre|h[1-6])\b.*?</\1>", "", fragment, flags=re.S)
-    linked = [(m.start(), m.end(), m.group(1)) for m in re.finditer(r'<a [^>]*href="([^"]*)"[^>]*>.*?</a>', fragment, re.S)]
+    linked = [
+        (m.start(), m.end(), m.group(1))
+        for m in re.finditer(r'<a [^>]*href="([^"]*)"[^>]*>.*?</a>', fragment, re.S)
+    ]
     unlinked, links = [], []
     for m in re.finditer(r"<code>(.*?)</code>", fragment, re.S):
-        span = re.match(r"(nba\.|numbaccum\.|distributed\.|numbaccum\.distributed\.)?([A-Za-z]\w*)(?:[(.].*)?$", _text(m.group(1)), re.S)
+        span = re.match(
+            r"(nba\.|numbaccum\.|distributed\.|numbaccum\.distributed\.)?([A-Za-z]\w*)(?:[(.].*)?$",
+            _text(m.group(1)),
+            re.S,
+        )
         if not span:
             continue
         prefix, name = span.groups()
@@ -184,7 +214,7 @@ def test_every_name_in_the_guides_links_to_its_entry(site):
     their API entries (docs/hooks/site.py links them; a name written as a link keeps its own)."""
     count = 0
     for name in GUIDE_PAGES:
-        unlinked, links = _unlinked_names(_page(site, name).split('<article', 1)[1])
+        unlinked, links = _unlinked_names(_page(site, name).split("<article", 1)[1])
         assert unlinked == [], f"{name}: {sorted(set(unlinked))}"
         wrong = [(e, h) for e, h in links if "/reference/api/" in h and not h.endswith(f"#{e}")]
         assert wrong == [], name
@@ -239,14 +269,26 @@ _CHECK = """() => ({
   images: Array.from(document.images).map(i => [i.src, i.complete && i.naturalWidth > 0]),
   katexFont: document.fonts.check('16px KaTeX_Main'),
 })"""
-_TYPESET = "() => document.querySelectorAll('.arithmatex .katex').length === document.querySelectorAll('.arithmatex').length"
-_BROWSER_PAGES = ["index", "reference/transformations", "reference/api/optimizers", "performance", "changelog"]
+_TYPESET = """() => document.querySelectorAll('.arithmatex .katex').length
+  === document.querySelectorAll('.arithmatex').length"""
+_BROWSER_PAGES = [
+    "index",
+    "reference/transformations",
+    "reference/api/optimizers",
+    "performance",
+    "changelog",
+]
 
 
 def _chromium() -> str:
     """A Chromium to drive: ``NUMBACCUM_TEST_CHROMIUM``, the system's, or skip (naming how to get
     one; tests/conftest.py records the skip for CI's extras pass, where it fails instead)."""
-    for candidate in (os.environ.get("NUMBACCUM_TEST_CHROMIUM"), "chromium", "chromium-browser", "google-chrome"):
+    for candidate in (
+        os.environ.get("NUMBACCUM_TEST_CHROMIUM"),
+        "chromium",
+        "chromium-browser",
+        "google-chrome",
+    ):
         found = candidate and shutil.which(candidate)
         if found:
             return found
@@ -281,12 +323,22 @@ def test_the_pages_render_in_a_headless_browser(served):
         # the flags that keep Chromium from calling home on a machine without a network
         browser = p.chromium.launch(
             executable_path=executable,
-            args=["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-                  "--disable-sync", "--no-first-run", "--disable-quic"],
+            args=[
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-background-networking",
+                "--disable-component-update",
+                "--disable-sync",
+                "--no-first-run",
+                "--disable-quic",
+            ],
         )
         try:
             page = browser.new_page()
-            page.on("console", lambda m: m.type in ("error", "warning") and problems.append(f"console {m.type}: {m.text}"))
+            page.on(
+                "console",
+                lambda m: m.type in ("error", "warning") and problems.append(f"console {m.type}: {m.text}"),
+            )
             page.on("pageerror", lambda e: problems.append(f"page error: {e}"))
             page.on("requestfailed", lambda r: problems.append(f"failed: {r.url}"))
             page.on("response", lambda r: r.status >= 400 and problems.append(f"{r.status}: {r.url}"))
@@ -305,7 +357,10 @@ def test_the_pages_render_in_a_headless_browser(served):
                     page.wait_for_function(_TYPESET, timeout=30_000)
                 seen = page.evaluate(_CHECK)
                 if name in ("reference/transformations", "reference/api/optimizers"):
-                    assert seen["math"] > 40 and seen["typeset"] == seen["math"] and seen["errors"] == 0, (name, seen)
+                    assert seen["math"] > 40 and seen["typeset"] == seen["math"] and seen["errors"] == 0, (
+                        name,
+                        seen,
+                    )
                     assert seen["katexFont"], f"{name}: KaTeX's fonts did not load"
                 if name == "performance":
                     assert seen["images"] and all(ok for _, ok in seen["images"]), seen["images"]

@@ -140,6 +140,36 @@ def with_links(markdown: str) -> str:
     return "".join(out + [_link_spans(markdown[at:])])
 
 
+def _inline_html(cell: str) -> str:
+    """A formula cell as HTML (its math marked for KaTeX as the page's is; its links as text)."""
+    import markdown
+
+    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", cell)
+    md = markdown.Markdown(
+        extensions=["pymdownx.arithmatex"], extension_configs={"pymdownx.arithmatex": {"generic": True}}
+    )
+    return re.sub(r"^<p>|</p>$", "", md.convert(text))
+
+
+# an entry's heading and its signature, after which its update formula goes
+ENTRY = re.compile(
+    r'(<h3 id="numbaccum\.(\w+)".*?</h3>\s*<div class="doc-signature highlight">.*?</div>)', re.S
+)
+
+
+def with_formulas(html: str) -> str:
+    """Each top-level entry with a row in the transformations table shows its formula under its
+    signature (the docstrings write formulas in ASCII, for ``help()``)."""
+
+    def insert(m: re.Match) -> str:
+        cell = formulas().get(m.group(2))
+        if cell is None:
+            return m.group(1)
+        return m.group(1) + f'\n<p class="numbaccum-update"><em>Update:</em> {_inline_html(cell)}</p>'
+
+    return ENTRY.sub(insert, html)
+
+
 def on_config(config, **kwargs):
     config.site_name = f"{config.site_name} {version()}"  # the header shows the version
     return config
@@ -149,3 +179,7 @@ def on_page_markdown(markdown, page, config, files, **kwargs):
     if page.file.src_uri.startswith(API_DIR) and DIRECTIVE.search(markdown):
         return with_summary_table(markdown)
     return with_links(markdown)
+
+
+def on_page_content(html, page, config, files, **kwargs):
+    return with_formulas(html) if page.file.src_uri.startswith(API_DIR) else html
