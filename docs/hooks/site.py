@@ -177,7 +177,7 @@ def on_config(config, **kwargs):
 
 def on_page_markdown(markdown, page, config, files, **kwargs):
     if page.file.src_uri.startswith(API_DIR) and DIRECTIVE.search(markdown):
-        return with_summary_table(markdown)
+        return with_summary_table(with_links(markdown))
     return with_links(markdown)
 
 
