@@ -1697,11 +1697,6 @@ def hutchinson_estimator_diag_hessian(random_seed: int | None = None) -> Gradien
     return _Hutchinson(random_seed).transformation()
 
 
-# The default estimator (optax's ``hutchinson_estimator_diag_hessian()``): one for every Sophia,
-# as optax's default argument is (a stage never changes; its buffers are per thread and layout).
-_HUTCHINSON = hutchinson_estimator_diag_hessian()
-
-
 @state_class
 class SophiaState(NamedTuple):
     """State of `scale_by_sophia` (optax.contrib's fields).
@@ -1885,7 +1880,9 @@ def scale_by_sophia(
     gamma: float = 0.01,
     clip_threshold: float | None = 1.0,
     update_interval: int = 10,
-    hessian_diagonal_fn: Any = _HUTCHINSON,
+    # optax's default, written as optax writes it so that the signature shows it: one estimator
+    # per function, shared by its calls (a stage never changes; its buffers are per thread)
+    hessian_diagonal_fn: Any = hutchinson_estimator_diag_hessian(),  # noqa: B008
     mu_dtype: Any = None,
     verbose: bool = False,
     print_win_rate_every_n_steps: int = 0,
@@ -1973,7 +1970,9 @@ def sophia(
     gamma: float = 0.01,
     clip_threshold: float | None = 1.0,
     update_interval: int = 10,
-    hessian_diagonal_fn: Any = _HUTCHINSON,
+    # optax's default, written as optax writes it so that the signature shows it: one estimator
+    # per function, shared by its calls (a stage never changes; its buffers are per thread)
+    hessian_diagonal_fn: Any = hutchinson_estimator_diag_hessian(),  # noqa: B008
     mu_dtype: Any = None,
     verbose: bool = False,
     print_win_rate_every_n_steps: int = 0,

@@ -385,6 +385,10 @@ def allreduce_sum_(
         ValueError: ``out`` has another layout, dtypes or device than ``src``, or
             ``bucket_bytes < 1``. Both are raised before any buffer is read or written.
 
+    References:
+        The MPI standard's ``MPI_Allreduce``; PyTorch's DistributedDataParallel and Horovod, which
+        average gradients in buckets the same way (Li et al., PyTorch Distributed, VLDB 2020).
+
     Examples:
         >>> import numpy as np, numbaccum as nba
         >>> from mpi4py import MPI
@@ -416,6 +420,10 @@ def allreduce_mean_(
     Raises:
         TypeError: as `allreduce_sum_`.
         ValueError: as `allreduce_sum_`.
+
+    References:
+        The MPI standard's ``MPI_Allreduce``; PyTorch's DistributedDataParallel and Horovod, which
+        average gradients in buckets the same way (Li et al., PyTorch Distributed, VLDB 2020).
 
     Examples:
         >>> import numpy as np, numbaccum as nba
@@ -458,6 +466,30 @@ def check_same_layout(layout: Layout, comm: Any = None, name: str = "params") ->
     One ``Allgather`` of a 32-byte digest per rank; only when the digests differ, a second
     collective (every rank knows it by then, so none waits alone) brings the leaf lists together,
     so that the message can name the first differing leaf.
+
+    Args:
+        layout: the tree's layout (a FlatTree's ``.layout``).
+        comm: the communicator; None: ``MPI.COMM_WORLD``.
+        name: what the tree is called in the message (``"params"``).
+
+    Returns:
+        None, on every rank, when the layouts agree.
+
+    Raises:
+        ValueError: the ranks' layouts differ; the message names the first differing leaf (its
+            path, shape and dtype on both ranks) or the tree structures.
+
+    References:
+        PyTorch DDP's check that every rank's parameters have the same shapes
+        (``_verify_param_shape_across_processes``), here with a digest first.
+
+    Examples:
+        >>> import numpy as np, numbaccum as nba
+        >>> from mpi4py import MPI
+        >>> from numbaccum.distributed import check_same_layout
+        >>> params = nba.FlatTree.from_tree({"w": np.ones(3, np.float32)})
+        >>> check_same_layout(params.layout, MPI.COMM_SELF) is None
+        True
     """
     comm = _comm(comm)
     every = lockstep.gathered_if_different(comm, [repr(layout.treedef), *_leaf_records(layout, name)])
@@ -499,6 +531,29 @@ def global_norm(tree: Any, comm: Any = None, ord: Any = 2, squared: bool = False
     Each rank reduces its leaves as `numbaccum.global_norm` does (float64, fixed order), then one
     scalar collective gathers the per-rank values, which every rank adds in rank order: every rank
     gets the same bits. On one rank it equals `numbaccum.global_norm`.
+
+    Args:
+        tree: this rank's leaves (a tree of arrays or a FlatTree; host or CUDA).
+        comm: the communicator; None: ``MPI.COMM_WORLD``.
+        ord: 2, 1 or inf (``"inf"`` too); None is 2.
+        squared: return the square of the norm.
+
+    Returns:
+        The norm over every rank's leaves, a Python float, the same bits on every rank.
+
+    Raises:
+        ValueError: ``ord`` is not 1, 2 or inf.
+
+    References:
+        ``optax.tree.norm`` (of one process's tree); Megatron-LM's gradient norm of a model
+        split over ranks (Shoeybi et al., 2019), a sum of the ranks' squares.
+
+    Examples:
+        >>> import numpy as np
+        >>> from mpi4py import MPI
+        >>> from numbaccum.distributed import global_norm
+        >>> global_norm({"w": np.array([3.0, 4.0], np.float32)}, MPI.COMM_SELF)
+        5.0
     """
     key = _ord_key(ord)
     comm = _comm(comm)
@@ -582,6 +637,11 @@ def allreduce_mean(comm: Any = None, bucket_bytes: int | None = None) -> Gradien
         TypeError: ``bucket_bytes`` is not an int.
         ValueError: ``bucket_bytes < 1``; from ``init``, the ranks' layouts, bucket sizes or
             schedules differ; from ``update``, the ranks are out of step (on every rank alike).
+
+    References:
+        PyTorch's DistributedDataParallel (Li et al., PyTorch Distributed: Experiences on
+        Accelerating Data Parallel Training, VLDB 2020) and Horovod (Sergeev and Del Balso, 2018),
+        which average gradients over the ranks in buckets.
 
     Examples:
         >>> import numpy as np, numbaccum as nba
@@ -710,8 +770,29 @@ def clip_by_global_norm(max_norm: float, comm: Any = None) -> GradientTransforma
     same bits on every rank). Each rank passes its own shard; the layouts may differ between
     ranks. On the GPU the local sum of squares comes back to the host (one synchronisation).
 
+    Args:
+        max_norm: the largest global norm let through, at least 0.
+        comm: the communicator; None: ``MPI.COMM_WORLD``.
+
+    Returns:
+        A `GradientTransformationExtraArgs`; its state is a `numbaccum.ClipByGlobalNormState`, as
+            `numbaccum.clip_by_global_norm`'s.
+
     Raises:
         ValueError: ``max_norm`` is negative.
+
+    References:
+        ``optax.clip_by_global_norm``; Megatron-LM's clip of a model split over ranks (Shoeybi
+        et al., 2019).
+
+    Examples:
+        >>> import numpy as np
+        >>> from mpi4py import MPI
+        >>> from numbaccum.distributed import clip_by_global_norm
+        >>> tx = clip_by_global_norm(1.0, MPI.COMM_SELF)
+        >>> g = {"w": np.array([3.0, 4.0], np.float32)}
+        >>> tx.update(g, tx.init(g))[0]["w"]
+        array([0.6, 0.8], dtype=float32)
     """
     max_norm = non_negative(max_norm, "max_norm")
     comm = _comm(comm)
@@ -816,6 +897,10 @@ def calibrate(
             ``save=True`` while ``NUMBACCUM_CACHE_DIR`` turns the cache directory off. All
             before any collective.
         OSError: the file could not be written (raised on every rank).
+
+    References:
+        PyTorch DDP's ``bucket_cap_mb`` and Horovod's autotuning of its fusion buffer, which
+        choose the same trade-off (fewer messages against overlap) by measurement.
 
     Examples:
         >>> from mpi4py import MPI
@@ -923,7 +1008,19 @@ def _write_json(path: Path, record: dict) -> None:
 def cuda_aware() -> bool:
     """Whether CUDA buffers go to MPI directly: ``NUMBACCUM_MPI_CUDA_AWARE=1``/``0`` decides,
     else the MPI library's ``MPIX_Query_cuda_support()`` (MPICH and Open MPI have it; mpi4py does
-    not wrap it, so it is looked up through ctypes), else False: staged through the host."""
+    not wrap it, so it is looked up through ctypes), else False: staged through the host.
+
+    Returns:
+        True where the MPI library takes device buffers, else False.
+
+    References:
+        MPICH's and Open MPI's ``MPIX_Query_cuda_support`` (the MPI extension both define).
+
+    Examples:
+        >>> from numbaccum.distributed import cuda_aware
+        >>> cuda_aware() in (True, False)
+        True
+    """
     setting = str(_config.MPI_CUDA_AWARE).lower()
     if setting in ("0", "1"):
         return setting == "1"
@@ -954,7 +1051,20 @@ def _human(nbytes: int) -> str:
 
 def describe() -> str:
     """One line for ``numbaccum info``: mpi4py, the MPI library, how CUDA buffers travel, and the
-    bucket size in use and where it came from."""
+    bucket size in use and where it came from.
+
+    Returns:
+        The line, e.g. ``"mpi4py 4.1.2, MPICH Version: 5.0.2; CUDA buffers staged through host
+            memory; buckets of 16 MiB (default)"``.
+
+    References:
+        ``mpi4py.MPI.Get_library_version`` (the MPI library's own words).
+
+    Examples:
+        >>> from numbaccum.distributed import describe
+        >>> describe().startswith("mpi4py ")
+        True
+    """
     try:
         import mpi4py
     except ImportError:

@@ -68,7 +68,7 @@ class FactoredState(NamedTuple):
     v: FlatTree
 
 
-def _decay_rate_pow(i: Any, exponent: float = 0.8) -> np.float32:
+def adafactor_decay_rate(i: Any, exponent: float = 0.8) -> np.float32:
     """Adafactor's second-moment decay at step ``i``: ``1 - (i + 1)^-exponent`` in float32."""
     t = np.float32(i + 1)
     return np.float32(1.0) - t ** np.float32(-exponent)
@@ -295,7 +295,7 @@ def scale_by_factored_rms(
     step_offset: int = 0,
     min_dim_size_to_factor: int = 128,
     epsilon: float = 1e-30,
-    decay_rate_fn: Callable[[Any, float], Any] = _decay_rate_pow,
+    decay_rate_fn: Callable[[Any, float], Any] = adafactor_decay_rate,
 ) -> GradientTransformationExtraArgs:
     """Scales updates by a factored estimate of the gradient's root mean square (Adafactor).
 

@@ -911,16 +911,15 @@ def value_and_grad_from_state(value_fn: Callable[..., Any]) -> Callable[..., tup
 
 # --- L-BFGS ------------------------------------------------------------------------------------
 
-# optax's default line search of lbfgs (one object, as optax's default argument: it keeps no
-# state of its own; each lbfgs's state holds the search's).
-_ZOOM_FOR_LBFGS = scale_by_zoom_linesearch(max_linesearch_steps=20, initial_guess_strategy="one")
-
-
 def lbfgs(
     learning_rate: ScalarOrSchedule | None = None,
     memory_size: int = 10,
     scale_init_precond: bool = True,
-    linesearch: Any = _ZOOM_FOR_LBFGS,
+    # optax's default, one object as optax's is (it keeps no state of its own: each lbfgs's state
+    # holds the search's), written out so that the signature shows it
+    linesearch: Any = scale_by_zoom_linesearch(  # noqa: B008
+        max_linesearch_steps=20, initial_guess_strategy="one"
+    ),
 ) -> GradientTransformationExtraArgs:
     """L-BFGS: a quasi-Newton direction and a line search along it.
 

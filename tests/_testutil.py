@@ -45,6 +45,9 @@ EXTRAS = {
     "mpi4py": "mpi",
     "ml_dtypes": "bfloat16",
     "matplotlib": "bench",
+    "mkdocs": "docs",
+    "mkdocstrings": "docs",
+    "playwright.sync_api": "docs",
 }
 
 # Text that makes a documented example (a docstring's or a code block's) need an optional module.

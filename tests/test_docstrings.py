@@ -3,8 +3,9 @@
 A public function's docstring has a summary line, ``Args:`` naming each parameter of its
 signature, ``Returns:``, ``References:`` and ``Examples:`` (a doctest, run here and showing what
 it prints); a NamedTuple (a state) lists its fields under ``Attributes:``; another public class
-has ``Args:`` or ``Attributes:`` and ``Examples:``. The documentation site renders these
-(docs/reference/api.md), and ``help()`` of a public class shows its public methods only."""
+has ``Args:`` or ``Attributes:`` and ``Examples:``; ``numbaccum.distributed``'s names too. The
+documentation site renders these (docs/reference/api/, tests/test_site.py), and ``help()`` of a
+public class shows its public methods only."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from pathlib import Path
 import pytest
 
 import numbaccum as nba
+from numbaccum import distributed
 from numbaccum.base import PROTOCOL
 
 from _testutil import require_for
@@ -86,12 +88,19 @@ def _missing(obj: object) -> list[str]:
     return missing + ([] if ">>>" in _section(doc, "Examples") else ["Examples: (a doctest)"])
 
 
-@pytest.mark.parametrize("name", sorted(nba.__all__))
-def test_every_public_name_is_documented_in_full(name):
-    obj = getattr(nba, name)
+# numbaccum's names and numbaccum.distributed's (importing it imports no mpi4py; their examples
+# run in tests/test_distributed.py, on one rank)
+PUBLIC = [("numbaccum", n) for n in sorted(nba.__all__)] + [
+    ("numbaccum.distributed", n) for n in sorted(distributed.__all__)
+]
+
+
+@pytest.mark.parametrize("module,name", PUBLIC, ids=[f"{m}.{n}" for m, n in PUBLIC])
+def test_every_public_name_is_documented_in_full(module, name):
+    obj = getattr(nba if module == "numbaccum" else distributed, name)
     if inspect.ismodule(obj):
         pytest.skip("a module: its names are documented one by one")
-    assert not _missing(obj), f"numbaccum.{name}'s docstring lacks: {_missing(obj)}"
+    assert not _missing(obj), f"{module}.{name}'s docstring lacks: {_missing(obj)}"
 
 
 def test_help_of_a_public_class_shows_its_public_methods_only():
