@@ -19,7 +19,12 @@ from .apply import apply_updates_
 from .flat import FlatTree
 from .updates import ParamsRef, Spec, Updates
 
-__all__ = ["Inner"]
+__all__ = ["Inner", "add_to"]
+
+
+def add_to(params: FlatTree, u: Updates) -> None:
+    """``params += u`` (settled first), for a step whose updates no pass added."""
+    apply_updates_(params, u.settled().flat)
 
 
 class Inner:
@@ -75,7 +80,7 @@ class Inner:
         if plan is not None and plan.apply:
             return runner.replay(plan, self.state, u, params, False)[1]
         out, new_state = self.run(u)
-        apply_updates_(params, out.settled().flat)
+        add_to(params, out)
         return new_state
 
     def passes(self, apply: bool, weight: float = 1.0) -> list:
