@@ -750,34 +750,36 @@ class _Flatten(Stage):
         # gives the layout of its updates and workspaces (`Stage.take`), so there is none here.
         return None
 
-    def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
+    def declare(self, spec: Spec, state: Any) -> Any:
+        """A `numbaccum.fuse.Host` that runs the inner stage's kept plan (`numbaccum.control.Inner`)
+        on the updates as one vector (a view: nothing copied); its tick ticks that plan with the
+        params as one vector."""
         vec = _vector_layout(spec.layout)
         sub_spec = Spec(vec, spec.device)
-        sub_params = None
-        if params is not None:
-            sub_params = ParamsRef(
-                None,
-                vec,
-                device=spec.device,
-                fill=lambda: _vector(params.flat(), vec),
-                raw_of=lambda: _vector(params.flat(), vec).tree,
-            )
-        step = self.inner.plan(sub_spec, state, sub_params, extra)
-        if step.spec is not None:
-            raise TypeError("flatten: the inner transformation must not change the updates' shape")
-        inner_run = step.final or step.run
-        layout = spec.layout
+        inner, layout = Inner(self.inner, sub_spec, "flatten."), spec.layout
+
+        def tick(state: Any, params: ParamsRef | None, extra: dict) -> bool:
+            sub_params = None
+            if params is not None:
+                sub_params = ParamsRef(
+                    None,
+                    vec,
+                    device=spec.device,
+                    fill=lambda: _vector(params.flat(), vec),
+                    raw_of=lambda: _vector(params.flat(), vec).tree,
+                )
+            return inner.tick(state, sub_params, extra)
 
         def run(u: Updates) -> tuple[Updates, Any]:
             scratch = u.scratch
             vec_scratch = None if scratch is None else (lambda: _vector(scratch(), vec))
-            out, new_state = inner_run(
-                Updates(_vector(u.flat, vec), u.owned, u.factor, u.returnable, vec_scratch)
+            out, new_state = inner.run(
+                Updates(_vector(u.flat, vec), u.owned, u.factor, u.returnable, vec_scratch), settle=True
             )
             back = FlatTree(layout, out.flat.groups, out.flat.buffers)
             return Updates(back, out.owned, out.factor, out.returnable, u.scratch), new_state
 
-        return Step(run)
+        return fuse.Host(run, lambda apply: inner.passes(False), "flatten", tick, settles=False)
 
 
 def _vector_layout(layout: Layout) -> Layout:
