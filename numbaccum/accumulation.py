@@ -753,7 +753,9 @@ class _Cycle:
         self.part = fuse.Host(self.run, self.passes, "multisteps", self.tick, settles=False, apply=self.apply)
 
     def tick(self, state: Any, params: ParamsRef | None, extra: dict) -> bool:
-        if not isinstance(state, MultiStepsState) or getattr(state.acc_grads, "__dict__", None) is not self.storage:
+        if not isinstance(state, MultiStepsState):
+            return False
+        if getattr(state.acc_grads, "__dict__", None) is not self.storage:  # other buffers: declared again
             return False
         acc = current(state.acc_grads, "acc_grads")
         k = self.ms._schedule(state.gradient_step)
@@ -801,9 +803,8 @@ class _Cycle:
 
     def waiting(self, skip_state: Any) -> MultiStepsState:
         state = self.state
-        return MultiStepsState(
-            np.int32(int(state.mini_step) + 1), state.gradient_step, state.inner_opt_state, self.acc, skip_state
-        )
+        mini = np.int32(int(state.mini_step) + 1)
+        return MultiStepsState(mini, state.gradient_step, state.inner_opt_state, self.acc, skip_state)
 
     def run(self, u: Updates) -> tuple[Updates, MultiStepsState]:
         if self.emits and self.guard:
@@ -865,8 +866,8 @@ class _Cycle:
         a, out = self.acc_ratio, []
         if self.skip_fn is not None:  # the library's predicates read the updates once; a user's: unknown
             known = _skip_target(self.skip_fn)[0] in FLAT_SKIP_PREDICATES
-            out.append(("reduction", "should_skip_update_fn", 1.0, 0.0, 1.0) if known else
-                       ("opaque", "should_skip_update_fn", None, None))
+            check = ("reduction", 1.0, 0.0, 1.0) if known else ("opaque", None, None)
+            out.append((check[0], "should_skip_update_fn", *check[1:]))
         fresh = int(self.state.mini_step) == 0
         out.append(("kernel", "accumulate", 1.0 + (0.0 if fresh else a), a, (0.0 if fresh else a) + a))
         if self.emits:

@@ -576,7 +576,8 @@ class _Conditionally(Stage):
         adds the updates in that plan's last pass (`numbaccum.step_`)."""
         if not isinstance(state, self.state_cls):
             raise wrong_state(f"{self.state_cls.__name__} ({self.name})", state)
-        inner, cls, zeros, wrap = Inner(self.stage, spec, "conditionally."), self.state_cls, self.zeros, self._state
+        inner = Inner(self.stage, spec, "conditionally.")
+        cls, zeros, wrap = self.state_cls, self.zeros, self._state
         guard = self.stage.foreign()  # foreign code inside: its state restored if it raises
         step: list = [None, False, None]  # this step's state, whether the inner runs, new step
 

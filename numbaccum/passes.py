@@ -209,7 +209,9 @@ def explain(
     return _explained(units, names, segs, layout, device, apply, fused)
 
 
-def _explained(units: list, names: list, segs: list, layout: Any, device: bool, apply: bool, fused: bool) -> Explanation:
+def _explained(
+    units: list, names: list, segs: list, layout: Any, device: bool, apply: bool, fused: bool
+) -> Explanation:
     """The `Explanation` of a plan's ``units`` run as ``segs`` (`_units`)."""
     b = _Bytes(layout)
     x = b.x
