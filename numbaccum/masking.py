@@ -160,8 +160,8 @@ def _runs(layout: Layout, sub: Layout, keep: tuple[bool, ...]) -> tuple[tuple, t
 
 
 class _Masked(Stage):
-    """`masked` as a stage: plans the inner stage on the kept leaves' layout (so its checks run
-    before anything is written), and runs it on a packed copy of the kept leaves."""
+    """`masked` as a stage: declares the inner stage on the kept leaves' layout, kept (its tick's
+    checks run before anything is written), and runs it on a packed copy of the kept leaves."""
 
     def __init__(self, inner: Any, mask: Any, mask_compatible_extra_args: bool) -> None:
         self.inner = as_stage(with_extra_args_support(transformation(inner, "inner")))
@@ -522,8 +522,9 @@ class ConditionallyMaskState(NamedTuple):
 
 class _Conditionally(Stage):
     """`conditionally_transform` (``zeros=False``) and `conditionally_mask` (``zeros=True``): the
-    condition is asked at plan time, so a step that runs the inner transformation is the inner's
-    own plan (fused with its neighbours, `numbaccum.step_`'s last pass) inside this state."""
+    condition is asked at the tick, before anything is written; a step that runs the inner
+    transformation replays the inner's own kept plan (`numbaccum.step_` adds the updates in its
+    last pass) inside this state."""
 
     def __init__(self, inner: Any, should_transform_fn: Any, forward_extra_args: Any, zeros: bool) -> None:
         self.inner = with_extra_args_support(transformation(inner, "inner"))
@@ -648,8 +649,8 @@ def conditionally_transform(
     pass the updates through and leave the inner state as it was.
 
     ``step`` counts the updates before this one (0 at the first), whether ``inner`` ran or not.
-    The condition is asked on the host before anything runs, so a step that runs ``inner`` is
-    ``inner``'s own (fused with its neighbours in a chain).
+    The condition is asked on the host before anything runs, and a step that runs ``inner``
+    runs ``inner``'s own plan, kept (`numbaccum.step_` adds the updates in its last pass).
 
     Args:
         inner: the transformation to run at some steps.
