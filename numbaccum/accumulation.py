@@ -15,11 +15,13 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from . import formulas as F
+from . import fuse
 from ._checks import INT32_MAX, flag, integer, transformation, wrong_state
 from ._interrupts import user_code
 from .apply import apply_updates_
 from .backend import ops_for, tree_sumsq_scaled
 from .base import Chain, Foreign, Stage, Step, as_stage, undoable, with_extra_args_support
+from .control import Inner
 from .contract import ONE
 from .declared import (
     Elementwise,
@@ -32,11 +34,10 @@ from .declared import (
 )
 from .flat import FlatTree, as_flat, layout_and_device, layout_of
 from .formulas import formula
-from .fuse import step_applier
 from .layout import Layout, check_float_dtype, check_storage
 from .lockstep import Note, inside
 from .protocol import GradientTransformationExtraArgs, state_class
-from .transaction import keep_states
+from .transaction import current, keep_states
 from .tree import short_repr
 from .updates import ParamsRef, SkipStep, Spec, Updates
 
@@ -269,22 +270,36 @@ class _ApplyEvery(Stage):
     def owner(self, state: Any) -> FlatTree | None:
         return field_owner(state, ApplyEvery, "grad_acc")
 
-    def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
-        acc = expect_state(state, ApplyEvery, "grad_acc", spec)
-        k = self.k
-        c = int(state.count) % k
-        count = np.int32(int(safe_increment(state.count)) % k)
-        layout = spec.layout
+    def declare(self, spec: Spec, state: Any) -> fuse.Host:
+        """A `numbaccum.fuse.Host` over ``state``'s sum: its tick checks the state and finds
+        where this step is in the cycle; its run adds the updates and emits on the last step."""
+        storage = expect_state(state, ApplyEvery, "grad_acc", spec, renew=False).__dict__
+        k, layout, dtypes = self.k, spec.layout, list(spec.layout.group_dtypes)
+        step: list = [None, 0, None]  # this step's sum (renewed), place in the cycle, new count
+
+        def tick(state: Any, params: Any, extra: dict) -> bool:
+            if not isinstance(state, ApplyEvery) or getattr(state.grad_acc, "__dict__", None) is not storage:
+                return False
+            step[0] = current(state.grad_acc, "grad_acc")
+            step[1] = int(state.count) % k
+            step[2] = np.int32(int(safe_increment(state.count)) % k)
+            return True
 
         def run(u: Updates) -> tuple[Updates, ApplyEvery]:
+            acc, c, count = step
             for a, g in zip(acc.groups, u.flat.groups):
                 ops_for(g).sum_accumulate_(a, g, u.factor, c == 0)
             if c != k - 1:
                 return zeros_output(acc, layout), ApplyEvery(count, acc)
-            out = Updates(acc, owned=False).into(acc.workspace("out", list(layout.group_dtypes)))
+            out = Updates(acc, owned=False).into(acc.workspace("out", dtypes))
             return Updates(out, owned=True), ApplyEvery(count, acc)
 
-        return Step(run)
+        def passes(apply: bool) -> list:
+            c = step[1]
+            out = [("kernel", "accumulate", 1.0 if c == 0 else 2.0, 1.0, 1.0 if c == 0 else 2.0)]
+            return out + [("kernel", "emit the sum", 1.0, 1.0, 0.0)] if c == k - 1 else out
+
+        return fuse.Host(run, passes, "apply_every", tick, settles=False)
 
 
 def apply_every(k: int = 1) -> GradientTransformationExtraArgs:
@@ -701,62 +716,73 @@ class MultiSteps(Stage):
         return Step(run, spec=out_spec)
 
     def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
-        """Checks the state, calls ``every_k_schedule`` and, when this mini-step emits, plans the
-        inner optimizer on the accumulator (in the updates' dtypes)."""
-        if self._dp is not None:
-            return self._plan_dp(spec, state, params, extra)
-        acc = expect_state(state, MultiStepsState, "acc_grads", spec)
-        k = self._schedule(state.gradient_step)
-        emits = int(state.mini_step) >= k - 1
-        inner = self._inner.plan(spec, state.inner_opt_state, params, extra) if emits else None
-        note = self._emitting(k, state.gradient_step) if emits else None
-        cycle = _Cycle(state, acc, spec.layout, params, inner, self._skip, self._mean, note)
-        run, apply = cycle.run, cycle.apply
-        if emits and self._foreign:
-            # The gradient is added to acc before the inner optimizer runs; foreign code in it
-            # may raise (a transient failure): acc is then restored, so that the retry of this
-            # step sees the state as it was.
-            guard = (acc, state.inner_opt_state) if isinstance(self._inner, Foreign) else acc
-            run, apply = undoable(run, guard), undoable(apply, guard)
-        return Step(run, apply=apply)
+        """DP accumulation only (its updates are per example: the runner's reshaping path plans
+        each call); every other MultiSteps declares itself (`declare`)."""
+        if self._dp is None:
+            return super().plan(spec, state, params, extra)
+        return self._plan_dp(spec, state, params, extra)
+
+    def declarable(self) -> bool:
+        return self._dp is None
+
+    def declare(self, spec: Spec, state: Any) -> fuse.Host:
+        """The control node (`_Cycle`) over ``state``'s accumulator, after checking it; the inner
+        optimizer's plan is declared on the first emitting step (`numbaccum.control.Inner`)."""
+        acc = expect_state(state, MultiStepsState, "acc_grads", spec, renew=False)
+        return _Cycle(self, acc, spec).part
 
 
 class _Cycle:
-    """One mini-step of `MultiSteps`, planned: the gradient is added to the accumulator (unless
-    the skip function says not to); when the cycle ends (``inner`` planned), the inner optimizer
-    runs on the accumulator, which is then reset."""
+    """`MultiSteps` declared for one accumulator: each mini-step adds the gradient to it (unless
+    the skip function says not to); the one that ends the cycle runs the inner optimizer's kept
+    plan on it, then resets it. ``part`` is the `numbaccum.fuse.Host` the runner keeps: its tick
+    checks the state, calls the schedule and, on an emitting step, ticks the inner plan; its
+    ``apply`` adds the emitted update to the params in the inner plan's last pass."""
 
-    def __init__(
-        self,
-        state: MultiStepsState,
-        acc: FlatTree,
-        layout: Layout,
-        params: ParamsRef | None,
-        inner: Step | None,
-        skip_fn: Callable | None,
-        mean: bool,
-        note: Note | None = None,
-    ) -> None:
-        self.state, self.acc, self.layout, self.params = state, acc, layout, params
-        self.inner, self.skip_fn, self.mean, self.note = inner, skip_fn, mean, note
-        self.inner_apply = step_applier(inner) if inner is not None else None
-        self.mini = int(state.mini_step)
-        self.gradient_step = state.gradient_step
-        self.next_gradient_step = (
-            safe_increment(state.gradient_step) if inner is not None else state.gradient_step
-        )
+    def __init__(self, ms: MultiSteps, acc: FlatTree, spec: Spec) -> None:
+        self.ms, self.storage, self.layout = ms, acc.__dict__, spec.layout
+        self.inner = Inner(ms._inner, spec, "multisteps.")
+        self.skip_fn, self.mean = ms._skip, ms._mean
+        self.guard = ms._foreign  # foreign code inside: acc restored if it raises
+        sizes = np.array(spec.layout.group_sizes, np.float64)
+        x = float(np.dot(sizes, [d.itemsize for d in spec.layout.group_dtypes]))
+        self.acc_ratio = float(np.dot(sizes, [g.dtype.itemsize for g in acc.groups])) / x if x else 1.0
+        self.cast = acc.group_dtypes != spec.layout.group_dtypes
+        # This step's values (`tick`).
+        self.state: Any = None
+        self.acc: Any = None
+        self.params: ParamsRef | None = None
+        self.emits = False
+        self.note: Note | None = None
+        self.part = fuse.Host(self.run, self.passes, "multisteps", self.tick, settles=False, apply=self.apply)
+
+    def tick(self, state: Any, params: ParamsRef | None, extra: dict) -> bool:
+        if not isinstance(state, MultiStepsState):
+            return False
+        if getattr(state.acc_grads, "__dict__", None) is not self.storage:  # other buffers: declared again
+            return False
+        acc = current(state.acc_grads, "acc_grads")
+        k = self.ms._schedule(state.gradient_step)
+        emits = int(state.mini_step) >= k - 1
+        if emits and not self.inner.tick(state.inner_opt_state, params, extra):
+            return False
+        self.state, self.acc, self.params, self.emits = state, acc, params, emits
+        self.note = self.ms._emitting(k, state.gradient_step) if emits else None
+        return True
 
     def accumulate(self, u: Updates) -> tuple[bool, Any]:
         """Adds ``u`` to the accumulator unless the skip function says not to: ``(skipped,
         skip_state)``."""
-        skip_state = self.state.skip_state
+        state = self.state
+        skip_state = state.skip_state
         if self.skip_fn is not None:
-            skip, skip_state = _call_skip(self.skip_fn, u, self.gradient_step, self.params)
+            skip, skip_state = _call_skip(self.skip_fn, u, state.gradient_step, self.params)
             if np.ndim(skip) != 0 or np.asarray(skip).dtype != np.bool_:
                 raise ValueError(f"should_skip_update_fn must return a bool scalar, got {skip!r}")
             if bool(skip):
                 return True, skip_state
-        mini, fresh = self.mini, self.mini == 0
+        mini = int(state.mini_step)
+        fresh = mini == 0
         for a, g in zip(self.acc.groups, u.flat.groups):
             if self.mean:
                 ops_for(g).mean_accumulate_(a, g, u.factor, mini + 1, fresh)
@@ -776,28 +802,46 @@ class _Cycle:
     def emitted(self, inner_state: Any, skip_state: Any) -> MultiStepsState:
         for a in self.acc.groups:
             ops_for(a).fill_(a, 0.0)
-        return MultiStepsState(np.int32(0), self.next_gradient_step, inner_state, self.acc, skip_state)
+        step = safe_increment(self.state.gradient_step)
+        return MultiStepsState(np.int32(0), step, inner_state, self.acc, skip_state)
 
     def waiting(self, skip_state: Any) -> MultiStepsState:
         state = self.state
-        return MultiStepsState(
-            np.int32(self.mini + 1), self.gradient_step, state.inner_opt_state, self.acc, skip_state
-        )
+        mini = np.int32(int(state.mini_step) + 1)
+        return MultiStepsState(mini, state.gradient_step, state.inner_opt_state, self.acc, skip_state)
 
     def run(self, u: Updates) -> tuple[Updates, MultiStepsState]:
-        acc, layout, inner = self.acc, self.layout, self.inner
+        if self.emits and self.guard:
+            return undoable(self._run, self._guarded())(u)
+        return self._run(u)
+
+    def apply(self, u: Updates, p: FlatTree) -> MultiStepsState:
+        """`run`, the emitted update added to ``p`` in the inner optimizer's last pass
+        (`numbaccum.step_`); a step that emits nothing leaves ``p`` as it is."""
+        if self.emits and self.guard:
+            return undoable(self._apply, self._guarded())(u, p)
+        return self._apply(u, p)
+
+    def _guarded(self) -> Any:
+        """What foreign code may hold while it runs: acc (added to before it runs), and a
+        `Foreign` inner's own state."""
+        state = self.state
+        return (self.acc, state.inner_opt_state) if isinstance(self.ms._inner, Foreign) else self.acc
+
+    def _run(self, u: Updates) -> tuple[Updates, MultiStepsState]:
+        acc, layout, state = self.acc, self.layout, self.state
         skipped, skip_state = self.accumulate(u)
         if skipped:
-            keep_states(self.state)
-            return zeros_output(acc, layout), self.state._replace(skip_state=skip_state)
-        if inner is None:
+            keep_states(state)
+            return zeros_output(acc, layout), state._replace(skip_state=skip_state)
+        if not self.emits:
             return zeros_output(acc, layout), self.waiting(skip_state)
         inner_in = self.inner_updates()
-        # `final`: a factor left pending at the end (the learning rate) is applied in the last
+        # settle: a factor left pending at the end (the learning rate) is applied in the last
         # pass, not in a pass of its own when the caller settles the updates.
         try:
-            with inside(self.note):  # type: ignore[arg-type]  # set where inner is
-                out, inner_state = (inner.final or inner.run)(inner_in)
+            with inside(self.note):  # type: ignore[arg-type]  # set where emits is
+                out, inner_state = self.inner.run(inner_in, settle=True)
         except SkipStep as e:  # the inner optimizer skipped (a clip saw NaN): zeros, cycle over
             return zeros_output(acc, layout), self.emitted(e.new_state, skip_state)
         # The result is moved out of acc first if it still lives there.
@@ -805,26 +849,37 @@ class _Cycle:
             out = Updates(out.into(acc.workspace("emit", list(layout.group_dtypes))), owned=True)
         return out, self.emitted(inner_state, skip_state)
 
-    def apply(self, u: Updates, p: FlatTree) -> MultiStepsState:
-        """`run`, the emitted update added to ``p`` in the inner optimizer's last pass
-        (`numbaccum.step_`); a step that emits nothing leaves ``p`` as it is."""
+    def _apply(self, u: Updates, p: FlatTree) -> MultiStepsState:
         skipped, skip_state = self.accumulate(u)
         if skipped:
             keep_states(self.state)
             return self.state._replace(skip_state=skip_state)
-        inner = self.inner
-        if inner is None:
+        if not self.emits:
             return self.waiting(skip_state)
         try:
-            with inside(self.note):  # type: ignore[arg-type]  # set where inner is
-                if self.inner_apply is not None:
-                    inner_state = self.inner_apply(self.inner_updates(), p)
-                else:
-                    out, inner_state = inner.run(self.inner_updates())
-                    apply_updates_(p, out.settled().flat)
+            with inside(self.note):  # type: ignore[arg-type]  # set where emits is
+                inner_state = self.inner.apply(self.inner_updates(), p)
         except SkipStep as e:  # the inner optimizer skipped: params untouched, cycle over
             inner_state = e.new_state
         return self.emitted(inner_state, skip_state)
+
+    def passes(self, apply: bool) -> list:
+        """This step's passes (`numbaccum.explain`): the skip function's check, the
+        accumulation, and on an emitting step the cast to the updates' dtypes, the inner
+        optimizer's passes and the reset."""
+        a, out = self.acc_ratio, []
+        if self.skip_fn is not None:  # the library's predicates read the updates once; a user's: unknown
+            known = _skip_target(self.skip_fn)[0] in FLAT_SKIP_PREDICATES
+            check = ("reduction", 1.0, 0.0, 1.0) if known else ("opaque", None, None)
+            out.append((check[0], "should_skip_update_fn", *check[1:]))
+        fresh = int(self.state.mini_step) == 0
+        out.append(("kernel", "accumulate", 1.0 + (0.0 if fresh else a), a, (0.0 if fresh else a) + a))
+        if self.emits:
+            if self.cast:
+                out.append(("kernel", "cast to the updates' dtypes", a, 1.0, 0.0))
+            out += self.inner.passes(apply)
+            out.append(("kernel", "reset", 0.0, a, 0.0))
+        return out
 
 
 def _as_update_dtypes(acc: FlatTree, layout: Layout) -> FlatTree:

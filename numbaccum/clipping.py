@@ -15,6 +15,7 @@ from ._checks import integer, non_negative, real, real_scalar, transformation, w
 from .backend import leaf_tables, ops_for, slice_sumsq, sumsq_of_leaves, tree_norm, tree_sumsq_scaled
 from .base import Stage, Step, as_stage, with_extra_args_support
 from .contract import ONE, Factor, Ops
+from .control import Inner
 from .declared import Elementwise
 from .flat import FlatTree, as_flat, layout_of
 from .formulas import clip_factor, clip_finish
@@ -736,20 +737,34 @@ class _ApplyIfFinite(Stage):
     def foreign(self) -> bool:
         return self.stage.foreign()
 
-    def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
+    def declare(self, spec: Spec, state: Any) -> Any:
+        """A `numbaccum.fuse.Host`: its tick checks the state and ticks the inner plan
+        (`numbaccum.control.Inner`); its run counts the non-finite elements (or reads
+        finiteness from the inner plan's first reduction, a clip's norm) and runs that plan on a
+        finite step, or after too many non-finite ones in a row."""
         if not isinstance(state, ApplyIfFiniteState):
             raise wrong_state("ApplyIfFiniteState", state)
-        inner = self.stage.plan(spec, state.inner_state, params, extra)
-        streak, total = int(state.notfinite_count), int(state.total_notfinite)
-        max_errors = self.max_errors
+        inner, max_errors = Inner(self.stage, spec, "apply_if_finite."), self.max_errors
+        step: list = [None]  # this step's state
 
-        # An inner optimizer that starts with a clip: its norm tells finiteness (one reduction).
-        first = fuse.leaves(inner.fuse)[0] if inner.fuse is not None and inner.spec is None else None
-        finite_of = first.finite_of if isinstance(first, Prepass) else None
+        def tick(state: Any, params: ParamsRef | None, extra: dict) -> bool:
+            if not isinstance(state, ApplyIfFiniteState) or not inner.tick(state.inner_state, params, extra):
+                return False
+            step[0] = state
+            return True
+
+        def finite_of() -> Any:
+            """An inner plan that starts with a clip: its norm tells finiteness (one reduction)."""
+            plan = inner.plan
+            first = plan.leaves[0] if plan is not None and plan.leaves else None
+            return first.finite_of if type(first) is Prepass else None
 
         def run(u: Updates) -> tuple[Updates, ApplyIfFiniteState]:
+            state = step[0]
+            streak, total = int(state.notfinite_count), int(state.total_notfinite)
             u = u.settled()
-            finite = finite_of(u.flat) if finite_of is not None else None
+            read = finite_of()
+            finite = read(u.flat) if read is not None else None
             if finite is None:
                 finite = sum(ops_for(g).count_nonfinite(g) for g in u.flat.groups) == 0
             count = 0 if finite else streak + 1
@@ -766,10 +781,14 @@ class _ApplyIfFinite(Stage):
                     return Updates(u.fresh().fill_(0.0), True), ApplyIfFiniteState(*flags, e.new_state)
                 return out, ApplyIfFiniteState(*flags, inner_state)
             zeros = u.fresh().fill_(0.0)
-            keep_states(state.inner_state)  # planned, not run: it stays the current one
+            keep_states(state.inner_state)  # ticked, not run: it stays the current one
             return Updates(zeros, True), ApplyIfFiniteState(*flags, state.inner_state)
 
-        return Step(run)
+        def passes(apply: bool) -> list:
+            rows = [] if finite_of() is not None else [("reduction", "finiteness", 1.0, 0.0, 1.0)]
+            return rows + inner.passes(False)
+
+        return fuse.Host(run, passes, "apply_if_finite", tick)
 
 
 def _skipped_text(total: int, streak: int) -> str:

@@ -261,16 +261,22 @@ class Host(_Part):
         passes: what it moves, for `numbaccum.explain`: ``(kind, what, read, written)`` per
             pass, ``read`` and ``written`` in buffers of the updates' dtypes per parameter (a
             reduction over the updates and the params reads 2, writes 0); None for user code
-            (an "opaque" row).
+            (an "opaque" row). A control node's passes depend on the step: a function
+            ``passes(apply) -> list`` of this step's (after its tick), each such a tuple (a
+            fifth item: what it adds to the arithmetic minimum; a None ``read``: user code) or
+            a `numbaccum.runner.Sub` (an inner plan, described in its place).
         name: the stage, as `numbaccum.explain` and `numbaccum.stats` name it.
         settles: whether it reads the updates settled (a pending factor applied first:
             `numbaccum.explain` shows that pass); ``pending``: whether it may leave one.
         new_state: the state its last run returned (the plan's new state reads it).
         params: the step's params (set by ``tick``).
         tick: see `_Part`.
+        apply: None, or for a control node whose inner plan can add the updates to the params
+            in its last pass (MultiSteps): ``apply(updates, params) -> new_state``, which the
+            runner calls instead of ``run`` when the part ends a plan run by `numbaccum.step_`.
     """
 
-    __slots__ = ("run", "passes", "name", "settles", "pending", "new_state", "params", "tick")
+    __slots__ = ("run", "passes", "name", "settles", "pending", "new_state", "params", "tick", "apply")
 
     def __init__(
         self,
@@ -280,9 +286,10 @@ class Host(_Part):
         tick: Callable[..., bool] | None = None,
         settles: bool = True,
         pending: bool = False,
+        apply: Callable[[Updates, FlatTree], Any] | None = None,
     ) -> None:
         self.run, self.passes, self.name, self.tick = run, passes, name, tick
-        self.settles, self.pending = settles, pending
+        self.settles, self.pending, self.apply = settles, pending, apply
         self.new_state = self.params = None
 
 

@@ -24,17 +24,18 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import _bounded
+from . import _bounded, fuse
 from ._checks import flag, transformation, wrong_state
 from .backend import ops_for
-from .base import Chain, Stage, Step, as_stage, with_extra_args_support, wrapped_step
+from .base import Chain, Stage, Step, as_stage, undoable, with_extra_args_support, wrapped_step
+from .control import Inner, add_to
 from .contract import ONE
 from .declared import safe_increment
 from .flat import FlatTree, layout_of
 from .layout import Layout
 from .protocol import GradientTransformationExtraArgs, state_class
 from .tree import broadcast_prefix, short_repr, tree_flatten, tree_map, tree_unflatten
-from .updates import ParamsRef, Spec, Updates
+from .updates import ParamsRef, SkipStep, Spec, Updates
 
 __all__ = [
     "ConditionallyMaskState",
@@ -121,6 +122,15 @@ def _masked_tree(plan: _Plan, leaves: list) -> Any:
     return tree_unflatten(plan.sub.treedef, [leaves[i] for i in plan.kept])
 
 
+def _share(sub: Layout, layout: Layout) -> tuple[float, float]:
+    """What the kept leaves of ``layout`` (``sub``'s) are of it, for `numbaccum.explain`: their
+    bytes per byte of the whole, and their elements per element of the whole."""
+    n = float(sum(layout.group_sizes)) or 1.0
+    size = float(sum(s * d.itemsize for s, d in zip(layout.group_sizes, layout.group_dtypes))) or 1.0
+    kept = float(sum(s * d.itemsize for s, d in zip(sub.group_sizes, sub.group_dtypes)))
+    return kept / size, float(sum(sub.group_sizes)) / n
+
+
 def _runs(layout: Layout, sub: Layout, keep: tuple[bool, ...]) -> tuple[tuple, tuple]:
     runs: list[list[int]] = []
     gaps: list[list[int]] = []
@@ -152,8 +162,8 @@ def _runs(layout: Layout, sub: Layout, keep: tuple[bool, ...]) -> tuple[tuple, t
 
 
 class _Masked(Stage):
-    """`masked` as a stage: plans the inner stage on the kept leaves' layout (so its checks run
-    before anything is written), and runs it on a packed copy of the kept leaves."""
+    """`masked` as a stage: declares the inner stage on the kept leaves' layout, kept (its tick's
+    checks run before anything is written), and runs it on a packed copy of the kept leaves."""
 
     def __init__(self, inner: Any, mask: Any, mask_compatible_extra_args: bool) -> None:
         self.inner = as_stage(with_extra_args_support(transformation(inner, "inner")))
@@ -204,35 +214,41 @@ class _Masked(Stage):
     def init(self, params: Any) -> MaskedState:
         return MaskedState(self.inner.init(self._masked_input(params)))
 
-    def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
+    def declare(self, spec: Spec, state: Any) -> Any:
+        """A `numbaccum.fuse.Host` that runs the inner stage's kept plan (`numbaccum.control.Inner`)
+        on a packed copy of the kept leaves of ``spec``'s layout; its tick checks the state and
+        ticks the inner plan with the kept leaves' params (and extra arguments, when masked)."""
         if not isinstance(state, MaskedState):
             raise wrong_state("MaskedState (masked)", state)
         m = self.resolve(spec.layout)
         sub_spec = Spec(m.sub, spec.device)
-        sub_params = None
-        if params is not None:
-            sub_params = ParamsRef(
-                None,
-                m.sub,
-                device=spec.device,
-                fill=self._packer(params, m, sub_spec),
-                raw_of=lambda: self._masked_input(params.raw),
-            )
-        if self.mask_extra:
-            extra = {k: self._mask_extra(v, spec.layout, m) for k, v in extra.items()}
-        step = self.inner.plan(sub_spec, state.inner_state, sub_params, extra)
-        if step.spec is not None:
-            raise TypeError("masked: the inner transformation must not change the updates' shape")
-        inner_run = step.final or step.run
+        inner = Inner(self.inner, sub_spec, "masked.")
         inbox = lambda: self.kept("masked_in", m.sub, spec.device)  # noqa: E731
         scratch = lambda: self.kept("masked_scratch", m.sub, spec.device)  # noqa: E731
+        layout, mask_extra = spec.layout, self.mask_extra
+
+        def tick(state: Any, params: ParamsRef | None, extra: dict) -> bool:
+            if not isinstance(state, MaskedState):
+                return False
+            sub_params = None
+            if params is not None:
+                sub_params = ParamsRef(
+                    None,
+                    m.sub,
+                    device=spec.device,
+                    fill=self._packer(params, m, sub_spec),
+                    raw_of=lambda: self._masked_input(params.raw),
+                )
+            if mask_extra and extra:
+                extra = {k: self._mask_extra(v, layout, m) for k, v in extra.items()}
+            return inner.tick(state.inner_state, sub_params, extra)
 
         def run(u: Updates) -> tuple[Updates, MaskedState]:
             sub = inbox()
             for g, a, b, sg, sa in m.runs:  # the kept leaves, with the pending factor applied
                 x = u.flat.groups[g]
                 ops_for(x).scale_(sub.groups[sg][sa : sa + b - a], x[a:b], u.factor)
-            inner_out, new_inner = inner_run(Updates(sub, True, scratch=scratch))
+            inner_out, new_inner = inner.run(Updates(sub, True, scratch=scratch), settle=True)
             inner_out = inner_out.settled()
             out = u.fresh()
             for g, a, b in m.gaps:  # the masked-out leaves pass through
@@ -244,7 +260,13 @@ class _Masked(Stage):
                 ops_for(y).scale_(out.groups[g][a:b], y[sa : sa + b - a], ONE)
             return Updates(out, True, scratch=u.scratch), MaskedState(new_inner)
 
-        return Step(run)
+        kept = _share(m.sub, layout)
+
+        def passes(apply: bool) -> list:
+            gather = ("kernel", "the kept leaves in", kept[0], kept[0], 0.0)
+            return [gather, *inner.passes(False, kept[1]), ("kernel", "the updates out", 1.0, 1.0, 0.0)]
+
+        return fuse.Host(run, passes, "masked", tick, settles=False)
 
     def _packer(self, params: ParamsRef, m: _Plan, sub_spec: Spec) -> Callable[[], FlatTree]:
         """A ``ParamsRef`` fill for the kept leaves of ``params``: packed from its flat form,
@@ -392,7 +414,9 @@ class _Partition(Stage):
         states = self.chain.init(params)
         return PartitionState({self.keys[k]: v for k, v in states.items()})
 
-    def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
+    def _inner(self, state: Any) -> dict:
+        """The chain's state (a dict by label name) in ``state``; TypeError or ValueError when
+        it is not a state of these labels."""
         if not isinstance(state, PartitionState) or not isinstance(state.inner_states, Mapping):
             raise wrong_state("PartitionState (partition)", state)
         if set(state.inner_states) != set(self.labels):
@@ -400,15 +424,22 @@ class _Partition(Stage):
                 f"state.inner_states: labels {sorted(map(repr, state.inner_states))}, not the "
                 f"transforms' {sorted(map(repr, self.labels))}"
             )
-        inner = {k: state.inner_states[label] for k, label in self.keys.items()}
-        step = self.chain.plan(spec, inner, params, extra)
-        chain_run, keys = step.run, self.keys
+        return {k: state.inner_states[label] for k, label in self.keys.items()}
+
+    def declare(self, spec: Spec, state: Any) -> Any:
+        """A `numbaccum.fuse.Host` that runs the kept plan of the chain of each label's `masked`
+        (`numbaccum.control.Inner`); its tick checks the state's labels and ticks that plan."""
+        self._inner(state)
+        inner, keys = Inner(self.chain, spec, "partition."), self.keys
+
+        def tick(state: Any, params: ParamsRef | None, extra: dict) -> bool:
+            return inner.tick(self._inner(state), params, extra)
 
         def run(u: Updates) -> tuple[Updates, PartitionState]:
-            out, states = chain_run(u)
+            out, states = inner.run(u)
             return out, PartitionState({keys[k]: v for k, v in states.items()})
 
-        return Step(run)
+        return fuse.Host(run, lambda apply: inner.passes(False), "partition", tick, settles=False)
 
 
 def partition(
@@ -496,8 +527,9 @@ class ConditionallyMaskState(NamedTuple):
 
 class _Conditionally(Stage):
     """`conditionally_transform` (``zeros=False``) and `conditionally_mask` (``zeros=True``): the
-    condition is asked at plan time, so a step that runs the inner transformation is the inner's
-    own plan (fused with its neighbours, `numbaccum.step_`'s last pass) inside this state."""
+    condition is asked at the tick, before anything is written; a step that runs the inner
+    transformation replays the inner's own kept plan (`numbaccum.step_` adds the updates in its
+    last pass) inside this state."""
 
     def __init__(self, inner: Any, should_transform_fn: Any, forward_extra_args: Any, zeros: bool) -> None:
         self.inner = with_extra_args_support(transformation(inner, "inner"))
@@ -531,19 +563,81 @@ class _Conditionally(Stage):
     def owner(self, state: Any) -> FlatTree | None:
         return self.stage.owner(state.inner_state) if isinstance(state, self.state_cls) else None
 
-    def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
-        if not isinstance(state, self.state_cls):
-            raise wrong_state(f"{self.state_cls.__name__} ({self.name})", state)
-        step = state.step
+    def _asked(self, step: Any, extra: dict) -> bool:
+        """The condition's answer at ``step``: a NumPy, JAX or Python bool (optax's: an array)."""
         answer = self.condition(step, **extra) if self.forward else self.condition(step)
-        new_step = safe_increment(step)
         try:
-            run_inner = bool(np.asarray(answer))  # a NumPy, JAX or Python bool (optax's: an array)
+            return bool(np.asarray(answer))
         except (TypeError, ValueError):
             raise TypeError(
                 f"should_transform_fn must return a bool, got {type(answer).__name__} {answer!r:.40}"
             ) from None
-        if run_inner:
+
+    def declarable(self) -> bool:
+        return not self.reshapes  # a reshaping inner (per-example aggregation) plans each call
+
+    def declare(self, spec: Spec, state: Any) -> Any:
+        """A `numbaccum.fuse.Host`: its tick asks the condition and, at a step that runs the
+        inner transformation, ticks its kept plan (`numbaccum.control.Inner`); its ``apply``
+        adds the updates in that plan's last pass (`numbaccum.step_`)."""
+        if not isinstance(state, self.state_cls):
+            raise wrong_state(f"{self.state_cls.__name__} ({self.name})", state)
+        inner = Inner(self.stage, spec, "conditionally.")
+        cls, zeros, wrap = self.state_cls, self.zeros, self._state
+        guard = self.stage.foreign()  # foreign code inside: its state restored if it raises
+        step: list = [None, False, None]  # this step's state, whether the inner runs, new step
+
+        def tick(state: Any, params: ParamsRef | None, extra: dict) -> bool:
+            if not isinstance(state, cls):
+                return False
+            runs = self._asked(state.step, extra)
+            if runs and not inner.tick(state.inner_state, params, extra):
+                return False
+            step[:] = state, runs, safe_increment(state.step)
+            return True
+
+        def run(u: Updates) -> tuple[Updates, Any]:
+            state, runs, new_step = step
+            if not runs:
+                if zeros:  # optax's zeros_like: the updates' shape, whatever the inner would make
+                    return Updates(u.fresh().fill_(0.0), True), wrap(state.inner_state, new_step)
+                return u, wrap(state.inner_state, new_step)
+            try:
+                if guard:
+                    out, new_inner = undoable(inner.run, state.inner_state)(u)
+                else:
+                    out, new_inner = inner.run(u)
+            except SkipStep as e:
+                raise SkipStep(wrap(e.new_state, new_step)) from None
+            return out, wrap(new_inner, new_step)
+
+        def apply(u: Updates, p: FlatTree) -> Any:
+            state, runs, new_step = step
+            if runs and not guard:
+                try:
+                    return wrap(inner.apply(u, p), new_step)
+                except SkipStep as e:
+                    raise SkipStep(wrap(e.new_state, new_step)) from None
+            out, new_state = run(u)
+            add_to(p, out)
+            return new_state
+
+        def passes(apply: bool) -> list:
+            if step[1]:
+                return inner.passes(apply)
+            if zeros:
+                return [("kernel", "zeros", 0.0, 1.0, 0.0)]
+            return []
+
+        return fuse.Host(run, passes, self.name, tick, settles=False, apply=apply)
+
+    def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
+        if not self.reshapes:
+            return super().plan(spec, state, params, extra)
+        if not isinstance(state, self.state_cls):
+            raise wrong_state(f"{self.state_cls.__name__} ({self.name})", state)
+        new_step = safe_increment(state.step)
+        if self._asked(state.step, extra):
             inner = self.stage.plan(spec, state.inner_state, params, extra)
             guard = state.inner_state if self.stage.foreign() else None
             return wrapped_step(inner, lambda s: self._state(s, new_step), guard, self.name)
@@ -560,8 +654,8 @@ def conditionally_transform(
     pass the updates through and leave the inner state as it was.
 
     ``step`` counts the updates before this one (0 at the first), whether ``inner`` ran or not.
-    The condition is asked on the host before anything runs, so a step that runs ``inner`` is
-    ``inner``'s own (fused with its neighbours in a chain).
+    The condition is asked on the host before anything runs, and a step that runs ``inner``
+    runs ``inner``'s own plan, kept (`numbaccum.step_` adds the updates in its last pass).
 
     Args:
         inner: the transformation to run at some steps.
@@ -663,34 +757,36 @@ class _Flatten(Stage):
         # gives the layout of its updates and workspaces (`Stage.take`), so there is none here.
         return None
 
-    def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
+    def declare(self, spec: Spec, state: Any) -> Any:
+        """A `numbaccum.fuse.Host` that runs the inner stage's kept plan (`numbaccum.control.Inner`)
+        on the updates as one vector (a view: nothing copied); its tick ticks that plan with the
+        params as one vector."""
         vec = _vector_layout(spec.layout)
         sub_spec = Spec(vec, spec.device)
-        sub_params = None
-        if params is not None:
-            sub_params = ParamsRef(
-                None,
-                vec,
-                device=spec.device,
-                fill=lambda: _vector(params.flat(), vec),
-                raw_of=lambda: _vector(params.flat(), vec).tree,
-            )
-        step = self.inner.plan(sub_spec, state, sub_params, extra)
-        if step.spec is not None:
-            raise TypeError("flatten: the inner transformation must not change the updates' shape")
-        inner_run = step.final or step.run
-        layout = spec.layout
+        inner, layout = Inner(self.inner, sub_spec, "flatten."), spec.layout
+
+        def tick(state: Any, params: ParamsRef | None, extra: dict) -> bool:
+            sub_params = None
+            if params is not None:
+                sub_params = ParamsRef(
+                    None,
+                    vec,
+                    device=spec.device,
+                    fill=lambda: _vector(params.flat(), vec),
+                    raw_of=lambda: _vector(params.flat(), vec).tree,
+                )
+            return inner.tick(state, sub_params, extra)
 
         def run(u: Updates) -> tuple[Updates, Any]:
             scratch = u.scratch
             vec_scratch = None if scratch is None else (lambda: _vector(scratch(), vec))
-            out, new_state = inner_run(
-                Updates(_vector(u.flat, vec), u.owned, u.factor, u.returnable, vec_scratch)
+            out, new_state = inner.run(
+                Updates(_vector(u.flat, vec), u.owned, u.factor, u.returnable, vec_scratch), settle=True
             )
             back = FlatTree(layout, out.flat.groups, out.flat.buffers)
             return Updates(back, out.owned, out.factor, out.returnable, u.scratch), new_state
 
-        return Step(run)
+        return fuse.Host(run, lambda apply: inner.passes(False), "flatten", tick, settles=False)
 
 
 def _vector_layout(layout: Layout) -> Layout:

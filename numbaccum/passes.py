@@ -18,8 +18,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from . import fuse, runner
-from ._checks import transformation, wrong_state
-from .accumulation import MultiSteps, MultiStepsState, skip_large_updates, skip_not_finite
+from ._checks import transformation
 from .base import Chain, Stage, as_stage, stage_of, with_extra_args_support
 from .flat import FlatTree, layout_of
 from .updates import ParamsRef, Spec
@@ -37,7 +36,7 @@ def step_(tx: Any, grads: Any, state: Any, params: Any, **extra_args: Any) -> An
     Same results as ``updates, state = tx.update(grads, state, params)`` then
     ``apply_updates_(params, updates)`` (the same bits on the CPU), with one pass less over
     memory: each parameter becomes ``p + u`` in its own dtype as the last kernel computes ``u``.
-    A transformation whose last stages do not fuse (a foreign one, `MultiSteps`,
+    A transformation whose last stages do not fuse (a foreign one,
     ``NUMBACCUM_FUSE=0``) runs exactly those two calls. `explain` with ``apply=True`` shows the
     passes.
 
@@ -206,9 +205,14 @@ def explain(
         state = stage.init(params)
     spec = Spec(layout, device)
     ref = ParamsRef(params, layout, None, device)
-    if isinstance(stage, MultiSteps) and not stage.reshapes:  # (DP accumulation: opaque below)
-        return _explain_multisteps(stage, params, state, apply, fused, layout)
     units, names, segs = _units(stage, spec, state, ref, apply, fused, extra_args)
+    return _explained(units, names, segs, layout, device, apply, fused)
+
+
+def _explained(
+    units: list, names: list, segs: list, layout: Any, device: bool, apply: bool, fused: bool
+) -> Explanation:
+    """The `Explanation` of a plan's ``units`` run as ``segs`` (`_units`)."""
     b = _Bytes(layout)
     x = b.x
     passes: list[Pass] = []
@@ -222,6 +226,13 @@ def explain(
             passes.append(Pass("opaque", (names[start] if parts is None else parts[0].name,), None, None))
             pending = False
             continue
+        if fr is None and type(parts[0]) is fuse.Host and callable(parts[0].passes):
+            # A control node: this step's passes, its inner plans' in their place.
+            host = parts[0]
+            applies = apply and fused and stop == len(units) and host.apply is not None
+            more, pending = _control_passes(b, host, pending, applies, fused, device, passes)
+            minimum += more
+            continue
         rides = fr is not None and _rides(parts, layout, device)
         # A pre-pass riding on the collective reads each bucket as it arrives: nothing more.
         minimum += sum(_least(b, p) for k, p in enumerate(parts) if _moves(p) and not (rides and k == 1))
@@ -232,16 +243,61 @@ def explain(
             pending = False
         else:
             pending = _one_by_one_passes(b, parts, pending, passes)
+    n = int(sum(layout.group_sizes))
     if apply and fused and pending:  # settled in the apply's pass (`fuse.apply_settled`)
         passes.append(Pass("apply", ("pending factor", "apply_updates_"), 2 * x, x))
-        return Explanation(tuple(passes), minimum, fused, apply, int(sum(layout.group_sizes)))
+        return Explanation(tuple(passes), minimum, fused, apply, n)
     if pending:  # a factor left on the output: `Stage.update` settles it
         passes.append(Pass("settle", ("pending factor",), x, x))
     elif not apply and not segs:  # nothing runs (an empty chain): the updates copied to the output
         passes.append(Pass("settle", ("copy to the returned updates",), x, x))
-    if apply and not (fused and segs and segs[-1][2] is not None):
+    last = units[segs[-1][0]] if segs else None
+    applied = fused and segs and (segs[-1][2] is not None or (last is not None and runner.applies(last[0])))
+    if apply and not applied:
         passes.append(Pass("apply", ("apply_updates_",), 2 * x, x))
-    return Explanation(tuple(passes), minimum, fused, apply, int(sum(layout.group_sizes)))
+    return Explanation(tuple(passes), minimum, fused, apply, n)
+
+
+def _control_passes(
+    b: "_Bytes", host: fuse.Host, pending: bool, apply: bool, fused: bool, device: bool, passes: list
+) -> tuple[float, bool]:
+    """Appends a control node's passes for this step (`numbaccum.fuse.Host`'s ``passes(apply)``):
+    its own rows, and each inner plan (`numbaccum.runner.Sub`) described as `explain` describes a
+    plan, its bytes counted per parameter of the outer tree. Returns what they add to the
+    minimum and whether a factor is pending after them."""
+    x = b.x
+    if pending and host.settles:
+        passes.append(Pass("settle", ("pending factor",), x, x))
+    more = 0.0
+    for item in host.passes(apply):
+        if isinstance(item, runner.Sub):
+            sub = _explain_plan(item.plan, item.apply, fused, device)
+            w = item.weight
+            passes += [Pass(p.kind, p.stages, _times(p.read, w), _times(p.written, w)) for p in sub.passes]
+            own = _Bytes(item.plan.spec.layout).x * (3 if item.apply else 2)  # its input, output (params)
+            more += (sub.minimum - own) * w
+            continue
+        kind, what, read, written = item[:4]
+        label = (f"{host.name} ({what})" if what else host.name,)
+        if read is None:
+            passes.append(Pass("opaque", label, None, None))
+            continue
+        passes.append(Pass(kind, label, read * x, written * x))
+        more += (item[4] if len(item) > 4 else 0.0) * x
+    return more, host.pending
+
+
+def _times(v: float | None, w: float) -> float | None:
+    return None if v is None else v * w
+
+
+def _explain_plan(plan: Any, apply: bool, fused: bool, device: bool) -> Explanation:
+    """The `Explanation` of a control node's inner plan, ticked for this step (its runs cut as
+    ``fused`` says)."""
+    again = runner.Plan(plan.root, plan.spec, fused, [])
+    units = [[p] for p in again.leaves]
+    runs = again.runs if fused else [(i, i + 1, None) for i in range(len(units))]
+    return _explained(units, [p.name for p in again.leaves], runs, plan.spec.layout, device, apply, fused)
 
 
 class _Bytes:
@@ -395,42 +451,6 @@ def _units(
     units = [fuse.leaves(s.fuse) if s.fuse else None for s in steps]
     runs = fuse.segments(steps) if fused else [(i, i + 1, None) for i in range(len(steps))]
     return units, names, runs
-
-
-def _explain_multisteps(
-    stage: MultiSteps, params: Any, state: Any, apply: bool, fused: bool, layout: Any
-) -> Explanation:
-    """The passes of `MultiSteps`' next step (as its state says): the accumulation, the skip
-    function's check, and on an emitting step the inner optimizer's passes and the reset."""
-    if not isinstance(state, MultiStepsState):
-        raise wrong_state("MultiStepsState", state)
-    sizes = np.array(layout.group_sizes, np.float64)
-    n = float(sizes.sum()) or 1.0
-    x = float(np.dot(sizes, [np.dtype(t).itemsize for t in layout.group_dtypes]) / n)
-    a = float(np.dot(sizes, [g.dtype.itemsize for g in state.acc_grads.groups]) / n)
-    mini, k = int(state.mini_step), stage._schedule(state.gradient_step)
-    passes: list[Pass] = []
-    skip = stage._skip
-    if skip is not None:  # the library's predicates read the updates once; a user's: unknown
-        known = skip in (skip_not_finite, skip_large_updates)
-        passes.append(
-            Pass(
-                "reduction" if known else "opaque",
-                ("should_skip_update_fn",),
-                *((x, 0.0) if known else (None, None)),
-            )
-        )
-    fresh = mini == 0
-    passes.append(Pass("kernel", ("multisteps (accumulate)",), x + (0.0 if fresh else a), a))
-    minimum = x + (0.0 if fresh else a) + a
-    if mini >= k - 1:
-        if a != x:
-            passes.append(Pass("kernel", ("multisteps (cast to the updates' dtypes)",), a, x))
-        inner = explain(stage.inner_opt, params, state.inner_opt_state, apply=apply, fused=fused)
-        passes += inner.passes
-        passes.append(Pass("kernel", ("multisteps (reset)",), 0.0, a))
-        minimum += inner.minimum - x  # the inner reads the accumulator, counted above
-    return Explanation(tuple(passes), minimum, fused, apply, int(sum(layout.group_sizes)))
 
 
 def _part_name(p: Any) -> str:

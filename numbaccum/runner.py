@@ -23,9 +23,11 @@ layout and form. A stage keeps its last planned step per thread (`_LastStep`: th
 and the identity of the state it returned), and such a call goes from 3 straight to the plan's
 tick (`_again`), which checks the state as every step does; anything else takes 1-2.
 
-A transformation that does not declare itself (a combinator that plans its inner stages each
-step: MultiSteps, masked, apply_if_finite; user code; the reshaping per-example aggregation)
-runs through the same entry with its own `Stage.plan` each call.
+A control node (MultiSteps, masked, apply_if_finite, ...) declares a `numbaccum.fuse.Host` that
+holds the plan of its inner transformation (`sub_plan`: declared once, kept by the part, not
+here), ticks it when this step runs it, and replays it from its run. A transformation that does
+not declare itself (user code; the reshaping per-example aggregation) runs through the same
+entry with its own `Stage.plan` each call.
 
 `numbaccum.explain` describes `plan_of`, the very plan `run` replays.
 """
@@ -33,7 +35,7 @@ runs through the same entry with its own `Stage.plan` each call.
 from __future__ import annotations
 
 import weakref
-from typing import Any
+from typing import Any, NamedTuple
 
 from . import _config, arrays, fuse
 from .apply import _apply, apply_updates_, check_writable, scatter_back
@@ -42,7 +44,7 @@ from .fuse import run_part, step_applier
 from .transaction import guarded, keep_states
 from .updates import ParamsRef, SkipStep, Spec, Updates, check_params
 
-__all__ = ["Plan", "check_complex", "plan_of", "replay", "run", "stage_name", "ticked"]
+__all__ = ["Plan", "Sub", "check_complex", "plan_of", "replay", "run", "stage_name", "sub_plan", "ticked"]
 
 
 class Plan:
@@ -59,7 +61,9 @@ class Plan:
             ``inbox``, ``into``, ``output``: its workspaces for the packed updates, the packed
             params and the returned updates (`Stage._workspace`).
         fused: whether the runs are fused (``NUMBACCUM_FUSE``), and ``apply``: whether the last
-            run can add the updates to the params (`numbaccum.step_`).
+            run can add the updates to the params (`numbaccum.step_`): a fused run, or a
+            control node's `numbaccum.fuse.Host` with an ``apply`` of its own (it adds them in
+            its inner plan's last pass).
         tick: ``root.tick`` with the nested chains unrolled (`numbaccum.fuse.flat_tick`);
             ``new_state()``: the new state from the leaves' after a pass
             (`numbaccum.fuse.new_state_maker`).
@@ -75,10 +79,16 @@ class Plan:
         self.leaves = fuse.leaves(root)
         self.runs = fuse.cut(self.leaves) if fused else _one_by_one(self.leaves)
         # Its last pass can add to the params (an empty chain has no pass: the updates as given).
-        self.apply = fused and bool(self.runs) and self.runs[-1][2] is not None
+        self.apply = fused and bool(self.runs) and (self.runs[-1][2] is not None or applies(self.leaves[-1]))
         self.scratch = scratch[: len(self.runs)]
         self.tick = fuse.flat_tick(root)  # root.tick, nested chains unrolled
         self.new_state = fuse.new_state_maker(root)  # the new state from the leaves' after a pass
+
+
+def applies(part: Any) -> bool:
+    """Whether a plan's last part adds the updates to the params itself: a control node's
+    `numbaccum.fuse.Host` with an ``apply`` (MultiSteps: in its inner plan's last pass)."""
+    return type(part) is fuse.Host and part.apply is not None
 
 
 def _one_by_one(leaves: list) -> list:
@@ -137,6 +147,36 @@ def plan_of(stage: Any, spec: Spec, state: Any, owner: FlatTree | None) -> Plan 
     return plan
 
 
+def sub_plan(stage: Any, spec: Spec, state: Any, owner: FlatTree | None, prefix: str) -> Plan | None:
+    """The plan of ``stage``, the inner transformation of a control node (MultiSteps, masked,
+    ...), declared now for ``spec`` and ``state``'s buffers, not yet ticked; None when ``stage``
+    does not declare itself (user code: the control node plans it each call).
+
+    The control node's part keeps it (it is not kept here: it lives and dies with the part, and
+    so with the outer plan), ticks it on the steps that run it and runs it with `replay`. Its
+    workspaces are ``owner``'s (None: the stage's own, `Stage.kept`) named with ``prefix``, so
+    that they never collide with the outer plan's in the same owner."""
+    if not stage.declarable():
+        return None
+    root = stage.declare(spec, state)  # checks the state: raises naming what is wrong
+    scratch = [stage._workspace(owner, spec, f"{prefix}run{i}") for i in range(len(fuse.leaves(root)))]
+    plan = Plan(root, spec, fuse.enabled(), scratch)
+    plan.owner, plan.inbox, plan.into = owner, None, None  # the outer plan's input and params
+    plan.output = stage._workspace(owner, spec, f"{prefix}output")
+    return plan
+
+
+class Sub(NamedTuple):
+    """A control node's inner plan in its ``passes`` (`numbaccum.fuse.Host`), which
+    `numbaccum.explain` describes in its place: ``plan`` (ticked for this step), whether it adds
+    the updates to the params (``apply``), and the share of the parameters it runs on
+    (``weight``: masked's kept leaves)."""
+
+    plan: Plan
+    apply: bool
+    weight: float = 1.0
+
+
 def _plans(stage: Any, owner: FlatTree | None) -> dict:
     """Where the plans of ``stage`` are kept: with the state's owning storage (shared by its
     renewals, gone with it), else, for a stage whose state holds no buffers, per thread beside
@@ -172,7 +212,8 @@ def ticked(stage: Any, spec: Spec, state: Any, owner: Any, ref: Any, extra: dict
 
 def replay(plan: Plan, state: Any, u: Updates, apply: FlatTree | None, settle: bool) -> tuple[Any, Any]:
     """Runs a ticked plan on ``u``: ``(updates, new_state)``, the updates None when the last
-    pass added them to ``apply`` (given only when the plan's last run is fused: `Plan.apply`).
+    pass added them to ``apply`` (given only when the plan's last run can: `Plan.apply`; a
+    control node's last part then adds them itself, ``Host.apply(u, params) -> new_state``).
     A clip that skips the step raises `SkipStep` with the new state (the parts before it
     advanced, the ones after as they were)."""
     leaves, runs = plan.leaves, plan.runs
@@ -181,6 +222,10 @@ def replay(plan: Plan, state: Any, u: Updates, apply: FlatTree | None, settle: b
         u.scratch = plan.scratch[i]
         try:
             if fr is None:
+                if i == last and apply is not None:  # a control node's `Host.apply` (`Plan.apply`)
+                    part = leaves[start]
+                    part.new_state = part.apply(u, apply)
+                    return None, plan.new_state()
                 u = run_part(leaves[start], u)[0]
             elif i == last:
                 out, factor = fr.run(u.flat, u.factor, u.fresh, apply, settle, False)

@@ -479,3 +479,50 @@ def test_scalars_reach_a_replayed_launch_as_the_first_call_cast_them(lr):
     params, grads = _tree(3), [_tree(100 + i) for i in range(5)]
     p, _ = _run(tx, params, grads)
     _same(p, _reference(expected, params, grads))
+
+
+# --- control nodes: the inner transformation's plan is declared once, kept by the node -------
+
+
+def _control_nodes():
+    mask = {"b": False, "w": True}
+    return {
+        "MultiSteps": lambda: nba.MultiSteps(nba.adam(1e-2), 2),
+        "apply_every": lambda: nba.chain(nba.apply_every(2), nba.sgd(0.1)),
+        "masked": lambda: nba.masked(nba.adam(1e-2), mask),
+        "partition": lambda: nba.partition(
+            {"a": nba.adam(1e-2), "b": nba.sgd(0.1, momentum=0.9)}, {"b": "b", "w": "a"}
+        ),
+        "conditionally_mask": lambda: nba.conditionally_mask(nba.adam(1e-2), lambda step: step % 2 == 0),
+        "apply_if_finite": lambda: nba.apply_if_finite(nba.adam(1e-2), 2),
+        "flatten": lambda: nba.flatten(nba.sgd(0.1, momentum=0.9)),
+    }
+
+
+@pytest.mark.parametrize("name", sorted(_control_nodes()))
+def test_a_control_node_plans_nothing_at_a_steady_step(name, monkeypatch):
+    """After the first steps, a control node's step ticks its kept plan and its inner's (no
+    `Stage.plan` of anything), with the same bits as before (a reference run planned each
+    step: MultiSteps, masked, ... planned their inner transformation on every call)."""
+    make = _control_nodes()[name]
+    params = {"b": np.ones(3, np.float32), "w": np.arange(8, dtype=np.float32).reshape(2, 4)}
+    grads = [nba.tree_map(lambda x, i=i: (x + i) * 0.25, params) for i in range(6)]
+    tx = make()
+    p = nba.tree_map(np.copy, params)
+    s = tx.init(p)
+    for g in grads[:3]:
+        s = nba.step_(tx, g, s, p)
+    planned = []
+    real = nba.base.Stage.plan
+
+    def spy(self, *args, **kwargs):
+        planned.append(type(self).__name__)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(nba.base.Stage, "plan", spy)
+    monkeypatch.setattr(nba.base.Chain, "plan", spy)
+    for g in grads[3:]:
+        s = nba.step_(tx, g, s, p)
+        _, s = tx.update(g, s, p)
+    assert planned == []
+    assert all(q.kind != "opaque" for q in nba.explain(make(), params).passes)
