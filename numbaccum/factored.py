@@ -35,7 +35,7 @@ from .backend import ops_for
 from .base import Stage, chain
 from .clipping import clip_by_block_rms
 from .contract import ONE
-from .declared import check_decay, expect_state, safe_increment
+from .declared import check_decay, expect_state, holds, safe_increment
 from .flat import FlatTree, layout_and_device
 from .fuse import Host
 from .layout import Layout, check_float_dtype
@@ -257,7 +257,7 @@ class _ScaleByFactoredRms(Stage):
         v = expect_state(state, FactoredState, "v", f.v, spec.device, renew=False)
         v_row = expect_state(state, FactoredState, "v_row", f.v_row, False, renew=False)
         v_col = expect_state(state, FactoredState, "v_col", f.v_col, False, renew=False)
-        storages = (v.__dict__, v_row.__dict__, v_col.__dict__)
+        buffers = (("v", v.__dict__), ("v_row", v_row.__dict__), ("v_col", v_col.__dict__))
         host = ops_for(np.zeros(0))  # the statistics live on the host
         eps, decay_of = self.epsilon, self._decay
         step = [np.float64(0.0), np.float64(0.0)]  # this step's decay and one minus it (tick's)
@@ -280,13 +280,7 @@ class _ScaleByFactoredRms(Stage):
         no_factors = np.zeros(0)
 
         def tick(state: Any, params: ParamsRef | None, extra: dict) -> bool:
-            if type(state) is not FactoredState and not isinstance(state, FactoredState):
-                return False
-            if (
-                getattr(state.v, "__dict__", None) is not storages[0]
-                or getattr(state.v_row, "__dict__", None) is not storages[1]
-                or getattr(state.v_col, "__dict__", None) is not storages[2]
-            ):
+            if not holds(state, FactoredState, buffers):
                 return False
             if params is None:
                 raise ValueError(NO_PARAMS_MSG)
@@ -590,7 +584,7 @@ class _ScaleBySM3(Stage):
         ax = _axes_of(spec.layout)
         nu = expect_state(state, ScaleBySM3State, "nu", spec, renew=False)
         mu = expect_state(state, ScaleBySM3State, "mu", ax.mu, False, renew=False)
-        storages = (nu.__dict__, mu.__dict__)
+        buffers = (("nu", nu.__dict__), ("mu", mu.__dict__))
         b1, eps = self.b1, self.eps
         c0, c1 = (1.0 - self.b2 if self.b2 != 1.0 else 1.0), self.b2  # optax's coefficients
         # Per group: its backend, momentum, statistics and tables in one tuple (one zip a step).
@@ -600,12 +594,7 @@ class _ScaleBySM3(Stage):
         ]
 
         def tick(state: Any, params: ParamsRef | None, extra: dict) -> bool:
-            if type(state) is not ScaleBySM3State and not isinstance(state, ScaleBySM3State):
-                return False
-            if (
-                getattr(state.nu, "__dict__", None) is not storages[0]
-                or getattr(state.mu, "__dict__", None) is not storages[1]
-            ):
+            if not holds(state, ScaleBySM3State, buffers):
                 return False
             new_nu = current(state.nu, "nu")
             part.new_state = ScaleBySM3State(current(state.mu, "mu"), new_nu)

@@ -137,6 +137,25 @@ def plan_of(stage: Any, spec: Spec, state: Any, owner: FlatTree | None) -> Plan 
     return plan
 
 
+def sub_plan(stage: Any, spec: Spec, state: Any, owner: FlatTree | None, prefix: str) -> Plan | None:
+    """The plan of ``stage``, the inner transformation of a control node (MultiSteps, masked,
+    ...), declared now for ``spec`` and ``state``'s buffers, not yet ticked; None when ``stage``
+    does not declare itself (user code: the control node plans it each call).
+
+    The control node's part keeps it (it is not kept here: it lives and dies with the part, and
+    so with the outer plan), ticks it on the steps that run it and runs it with `replay`. Its
+    workspaces are ``owner``'s (None: the stage's own, `Stage.kept`) named with ``prefix``, so
+    that they never collide with the outer plan's in the same owner."""
+    if not stage.declarable():
+        return None
+    root = stage.declare(spec, state)  # checks the state: raises naming what is wrong
+    scratch = [stage._workspace(owner, spec, f"{prefix}run{i}") for i in range(len(fuse.leaves(root)))]
+    plan = Plan(root, spec, fuse.enabled(), scratch)
+    plan.owner, plan.inbox, plan.into = owner, None, None  # the outer plan's input and params
+    plan.output = stage._workspace(owner, spec, f"{prefix}output")
+    return plan
+
+
 def _plans(stage: Any, owner: FlatTree | None) -> dict:
     """Where the plans of ``stage`` are kept: with the state's owning storage (shared by its
     renewals, gone with it), else, for a stage whose state holds no buffers, per thread beside
