@@ -13,7 +13,7 @@ from . import fuse
 from ._bounded import Bounded
 from ._checks import integer, non_negative, real, real_scalar, transformation, wrong_state
 from .backend import leaf_tables, ops_for, slice_sumsq, sumsq_of_leaves, tree_norm, tree_sumsq_scaled
-from .base import Stage, Step, as_stage, with_extra_args_support
+from .base import Stage, Step, as_stage, host_step, with_extra_args_support
 from .contract import ONE, Factor, Ops
 from .control import Inner
 from .declared import Elementwise
@@ -840,15 +840,19 @@ class _ClipByBlockRms(_Stateless):
         # (optax's 0 / 0 = NaN on a zero leaf, documented above).
         self.threshold = non_negative(threshold, "threshold")
 
-    def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
-        return Step(lambda u: (self._run(u), state))
+    def declare(self, spec: Spec, state: Any) -> fuse.Host:
+        # a reduction of each leaf's sum of squares, then the division pass
+        passes = (("reduction", "leaf RMS", 1.0, 0.0), ("kernel", "divide", 1.0, 1.0))
+        lay = spec.layout
+        groups = list(zip(lay.group_index, lay.offsets, leaf_tables(lay)))  # the layout's, once
+        return host_step(lambda u, _: self._run(u, groups), passes, "clip_by_block_rms")
 
-    def _run(self, u: Updates) -> Updates:
+    def _run(self, u: Updates, groups: list) -> Updates:
         threshold = self.threshold
         u = u.settled()
         lay = u.flat.layout
         factors = np.empty(lay.num_leaves, np.float64)
-        for members, offsets, table, g in zip(lay.group_index, lay.offsets, leaf_tables(lay), u.flat.groups):
+        for (members, offsets, table), g in zip(groups, u.flat.groups):
             s, f = slice_sumsq(g, table)  # scaled: finite for float64 leaves past 1e154
             with np.errstate(divide="ignore", invalid="ignore", over="ignore"):  # 0 / 0: NaN, as optax
                 rms = np.sqrt(s / np.maximum(np.diff(offsets), 1)) / f

@@ -16,11 +16,11 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import arrays
+from . import arrays, runner
 from ._checks import flag, integer, real, scheduled, transformation, wrong_state
 from ._interrupts import user_code
 from .backend import ops_for
-from .base import Stage, Step, as_stage, chain, find_state, stage_of, with_extra_args_support
+from .base import Stage, as_stage, chain, find_state, stage_of, with_extra_args_support
 from .clipping import _objective_value
 from .contract import ONE, Factor
 from .declared import (
@@ -29,16 +29,18 @@ from .declared import (
     check_decay,
     compute_dtype,
     expect_state,
+    holds,
     safe_increment,
 )
 from .flat import FlatTree, as_flat, layout_and_device, layout_of
 from .formulas import abs_sq, formula, maximum, minimum, re
-from .fuse import Later, Scale
+from .fuse import Host, Kernel, Later, Scale
 from .layout import check_float_dtype, check_storage, real_dtype
 from .optimizers import ScaleByAdamState, _mu_dtype, scale_by_rms, sgd
 from .protocol import GradientTransformationExtraArgs, state_class
 from .scaling import ScalarOrSchedule, add_decayed_weights, scale_by_learning_rate
 from .schedules import warmup_constant_schedule
+from .transaction import current
 from .tree import tree_flatten, tree_map
 from .updates import ParamsRef, Spec, Updates
 
@@ -847,42 +849,74 @@ class _ScheduleFree(Stage):
         ok = isinstance(state, ScheduleFreeState) and isinstance(state.z, FlatTree)
         return state.z if ok else None
 
-    def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
-        if params is None:
-            raise ValueError("schedule_free needs params: call update(updates, state, params)")
-        z = expect_state(state, ScheduleFreeState, "z", spec)
-        t = np.asarray(state.max_lr).dtype.type
-        if callable(self.learning_rate):
-            lr = t(scheduled(self.learning_rate, state.step_count, "learning_rate"))
-        else:
-            lr = t(self.learning_rate)
-        with np.errstate(all="ignore"):  # optax's: NaN stays NaN, a 0 / 0 weight is 0
-            max_lr = np.maximum(t(state.max_lr), lr)
-            weight = t(max_lr**self.power)
-            total = t(t(state.weight_sum) + weight)
-            ck = (
-                t(np.nan)
-                if np.isnan(weight) or np.isnan(total)
-                else t(np.nan_to_num(weight / total, nan=0.0))
-            )
-        # optax's b1 is the Python float (1.0 - b1 in Python); 1.0 - ck in the state's dtype
-        scalars = (self.b1, 1.0 - self.b1, ck, t(1.0) - ck)
-        inner = self.stage.plan(spec, state.base_optimizer_state, params, extra)
-        if inner.spec is not None:
-            raise TypeError("schedule_free: the base optimizer must not change the updates' shape")
-        run_inner = inner.final or inner.run
-        step = safe_increment(state.step_count)
+    def declare(self, spec: Spec, state: Any) -> Host:
+        """One `numbaccum.fuse.Host` (a control node): the base optimizer's plan, declared here
+        too (`numbaccum.runner.sub_plan`) and replayed by the run, then the pass over ``z``.
+        A base optimizer that does not declare itself (user code) is planned by each tick."""
+        z = expect_state(state, ScheduleFreeState, "z", spec, renew=False)
+        buffers, inner = (("z", z.__dict__),), self.stage
+        base_state = state.base_optimizer_state
+        owner = inner.owner(base_state)
+        if owner is not None and (owner.layout is not spec.layout or owner.device != spec.device):
+            owner = None
+        sub = runner.sub_plan(inner, spec, base_state, owner, "schedule_free.")
+        learning_rate, power, b1 = self.learning_rate, self.power, self.b1
+        ops = [ops_for(zg) for zg in z.groups]
+        step: list = [None] * 6  # this step's params, scalars, values of the new state, base run
+
+        def tick(state: Any, params: ParamsRef | None, extra: dict) -> bool:
+            if not holds(state, ScheduleFreeState, buffers):
+                return False
+            if params is None:
+                raise ValueError("schedule_free needs params: call update(updates, state, params)")
+            new_z = current(state.z, "z")
+            t = np.asarray(state.max_lr).dtype.type
+            if callable(learning_rate):
+                lr = t(scheduled(learning_rate, state.step_count, "learning_rate"))
+            else:
+                lr = t(learning_rate)
+            with np.errstate(all="ignore"):  # optax's: NaN stays NaN, a 0 / 0 weight is 0
+                max_lr = np.maximum(t(state.max_lr), lr)
+                weight = t(max_lr**power)
+                total = t(t(state.weight_sum) + weight)
+                ck = (
+                    t(np.nan)
+                    if np.isnan(weight) or np.isnan(total)
+                    else t(np.nan_to_num(weight / total, nan=0.0))
+                )
+            # optax's b1 is the Python float (1.0 - b1 in Python); 1.0 - ck in the state's dtype
+            scalars = (b1, 1.0 - b1, ck, t(1.0) - ck)
+            base = state.base_optimizer_state
+            if sub is not None:
+                if not sub.tick(base, params, extra):  # the base state holds other buffers
+                    return False
+                base_run = None
+            else:
+                planned = inner.plan(spec, base, params, extra)
+                if planned.spec is not None:
+                    raise TypeError("schedule_free: the base optimizer must not change the updates' shape")
+                base_run = planned.final or planned.run
+            values = (state.b1, total, safe_increment(state.step_count), max_lr)
+            step[:] = (params, scalars, values, new_z, base, base_run)
+            return True
 
         def run(u: Updates) -> tuple[Updates, ScheduleFreeState]:
-            base_u, base_state = run_inner(u)
+            params, scalars, values, z, base, base_run = step
+            if base_run is None:
+                base_u, base_state = runner.replay(sub, base, u, None, True)
+            else:
+                base_u, base_state = base_run(u)
             p = params.flat()
             out = base_u.fresh() if base_u.owned else u.fresh()
-            for zg, g, pg, og in zip(z.groups, base_u.flat.groups, p.groups, out.groups):
-                ops_for(g).driver.map_(schedule_free_direction, base_u.factor, (zg, g, pg, og), scalars)
-            new = ScheduleFreeState(state.b1, total, step, max_lr, base_state, z)
-            return Updates(out, True, scratch=u.scratch), new
+            for o, zg, g, pg, og in zip(ops, z.groups, base_u.flat.groups, p.groups, out.groups):
+                o.driver.map_(schedule_free_direction, base_u.factor, (zg, g, pg, og), scalars)
+            return Updates(out, True, scratch=u.scratch), ScheduleFreeState(*values, base_state, z)
 
-        return Step(run)
+        # the base optimizer's passes, then one over z, its updates and the params (writes z and
+        # the updates); user code's: opaque
+        passes = None if sub is None else lambda apply: (runner.Sub(sub, False), ("kernel", "interpolation", 3.0, 2.0))
+        part = Host(run, passes, self.public_name, tick, settles=False)
+        return part
 
 
 def schedule_free(
@@ -1282,53 +1316,68 @@ class _LrFree(Stage):
         ok = isinstance(state, self.state_cls) and isinstance(state.exp_avg, FlatTree)
         return state.exp_avg if ok else None
 
-    def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
-        if params is None:
-            raise ValueError(f"{self.public_name} needs params: call update(updates, state, params)")
-        cls = self.state_cls
-        ea = expect_state(state, cls, "exp_avg", spec)
+    def declare(self, spec: Spec, state: Any) -> Host:
+        """One `numbaccum.fuse.Host` over ``state``'s buffers (checked here); each step's
+        scalars come from its tick."""
+        cls, prodigy = self.state_cls, self.prodigy
+        ea = expect_state(state, cls, "exp_avg", spec, renew=False)
         eas = expect_state(state, cls, "exp_avg_sq", spec, renew=False)
         gs = expect_state(state, cls, "grad_sum", spec, renew=False)
-        p0 = expect_state(state, cls, "params0", spec, renew=False) if self.prodigy else None
-        t = np.asarray(state.estim_lr).dtype.type
-        count = int(state.count)
-        c = safe_increment(np.int32(count))
-        sched = (
-            scheduled(self.learning_rate, np.int32(count), "learning_rate")
-            if callable(self.learning_rate)
-            else self.learning_rate
-        )
-        b1, b2, eps, wd = self.b1, self.b2, self.eps, self.weight_decay
-        d, nw = t(state.estim_lr), t(state.numerator_weighted)
-        with np.errstate(all="ignore"):
-            bc = t(t(t(1) - t(b2) ** int(c)) ** t(0.5)) / t(t(1) - t(b1) ** int(c))
-            dlr = t(t(d * t(sched)) * bc)
-            neg_wd_dlr = t(t(-wd) * dlr)
-        prodigy, b3, d0, coef = self.prodigy, self.b3, self.estim_lr0, self.coef
-        sb2 = b2**0.5
-        if prodigy:
-            rate = d if self.safeguard else dlr
-            scalars = (b1, 1.0 - b1, b2, 1.0 - b2, b3, d, rate, d0, dlr, neg_wd_dlr, t(d * t(eps)))
-        else:
-            scalars = (b1, 1.0 - b1, b2, 1.0 - b2, sb2, 1.0 - sb2, dlr, neg_wd_dlr, eps)
+        p0 = expect_state(state, cls, "params0", spec, renew=False) if prodigy else None
+        fields = ("exp_avg", "exp_avg_sq", "grad_sum", "params0")
+        buffers = tuple((f, b.__dict__) for f, b in zip(fields, (ea, eas, gs, p0)) if b is not None)
+        b1, b2, eps, wd, name = self.b1, self.b2, self.eps, self.weight_decay, self.public_name
+        b3, d0, coef, sb2 = self.b3, self.estim_lr0, self.coef, b2**0.5
+        ops = [ops_for(a) for a in ea.groups]
+        # this step's t, count, d, nw, dlr, neg_wd_dlr, scalars, params and the buffers it keeps
+        step: list = [None] * 9
+
+        def tick(state: Any, params: ParamsRef | None, extra: dict) -> bool:
+            if not holds(state, cls, buffers):
+                return False
+            if params is None:
+                raise ValueError(f"{name} needs params: call update(updates, state, params)")
+            new_ea = current(state.exp_avg, "exp_avg")
+            t = np.asarray(state.estim_lr).dtype.type
+            count = int(state.count)
+            c = safe_increment(np.int32(count))
+            sched = (
+                scheduled(self.learning_rate, np.int32(count), "learning_rate")
+                if callable(self.learning_rate)
+                else self.learning_rate
+            )
+            d, nw = t(state.estim_lr), t(state.numerator_weighted)
+            with np.errstate(all="ignore"):
+                bc = t(t(t(1) - t(b2) ** int(c)) ** t(0.5)) / t(t(1) - t(b1) ** int(c))
+                dlr = t(t(d * t(sched)) * bc)
+                neg_wd_dlr = t(t(-wd) * dlr)
+            if prodigy:
+                rate = d if self.safeguard else dlr
+                scalars = (b1, 1.0 - b1, b2, 1.0 - b2, b3, d, rate, d0, dlr, neg_wd_dlr, t(d * t(eps)))
+            else:
+                scalars = (b1, 1.0 - b1, b2, 1.0 - b2, sb2, 1.0 - sb2, dlr, neg_wd_dlr, eps)
+            kept = (new_ea, state.exp_avg_sq, state.grad_sum, state.params0 if prodigy else None)
+            step[:] = (t, c, d, nw, dlr, neg_wd_dlr, scalars, params, kept)
+            return True
 
         def run(u: Updates) -> tuple[Updates, Any]:
+            t, c, d, nw, dlr, neg_wd_dlr, scalars, params, (ea, eas, gs, p0) = step
             u = u.settled()
             g, p = u.flat, params.flat()
             tmp = ea.workspace("weighted")
-            for tg, a, b, x in zip(
-                tmp.groups, (p0 or gs).groups, (p.groups if prodigy else eas.groups), g.groups
+            for o, tg, a, b, x in zip(
+                ops, tmp.groups, (p0 or gs).groups, (p.groups if prodigy else eas.groups), g.groups
             ):
                 if prodigy:  # p0 - p, as optax's param_diff
-                    ops_for(tg).driver.map_(params_diff, ONE, (tg, x, a, b), ())
+                    o.driver.map_(params_diff, ONE, (tg, x, a, b), ())
                 else:  # s / (sqrt(eas) + eps), from the state before this step
-                    ops_for(tg).driver.map_(dadapt_weighted, ONE, (tg, a, b), (eps,))
-            acum = t(sum(ops_for(x).dot(x, y) for x, y in zip(g.groups, tmp.groups)))
+                    o.driver.map_(dadapt_weighted, ONE, (tg, a, b), (eps,))
+            acum = t(sum([o.dot(x, y) for o, x, y in zip(ops, g.groups, tmp.groups)]))
             out = u.fresh()
             direction = prodigy_direction if prodigy else dadapt_direction
-            for a, b, s, x, pg, o in zip(ea.groups, eas.groups, gs.groups, g.groups, p.groups, out.groups):
-                ops_for(x).driver.map_(direction, ONE, (a, b, s, x, pg, o), scalars)
-            l1 = t(sum(ops_for(x).sumabs(x) for x in gs.groups))
+            for o, a, b, s, x, pg, og in zip(ops, ea.groups, eas.groups, gs.groups, g.groups, p.groups, out.groups):
+                o.driver.map_(direction, ONE, (a, b, s, x, pg, og), scalars)
+            l1 = t(sum([o.sumabs(x) for o, x in zip(ops, gs.groups)]))
             with np.errstate(all="ignore"):
                 if prodigy:
                     new_nw = t(t(b3) * nw + t(t(d / t(d0)) * dlr) * acum)
@@ -1344,13 +1393,23 @@ class _LrFree(Stage):
                 # again from the moments just stored, one pass of its own.
                 with np.errstate(all="ignore"):
                     eps_d = t(new_d * t(eps))
-                for a, b, pg, o in zip(ea.groups, eas.groups, p.groups, out.groups):
-                    ops_for(o).driver.map_(prodigy_update, ONE, (a, b, pg, o), (dlr, neg_wd_dlr, eps_d))
+                for o, a, b, pg, og in zip(ops, ea.groups, eas.groups, p.groups, out.groups):
+                    o.driver.map_(prodigy_update, ONE, (a, b, pg, og), (dlr, neg_wd_dlr, eps_d))
             tail = (new_d, new_nw, c)
             new = ProdigyState(ea, eas, gs, p0, *tail) if prodigy else DAdaptAdamWState(ea, eas, gs, *tail)
             return Updates(out, True, scratch=u.scratch), new
 
-        return Step(run)
+        # the inner product's quantity (a pass into a workspace) and its dot with the updates,
+        # the moments and the update in one pass, the L1 norm of the new grad_sum; Prodigy
+        # makes the update again (one more pass) on the steps its estimate grows
+        passes = (
+            ("kernel", "p0 - p" if prodigy else "s / (sqrt(v) + eps)", 2.0, 1.0),
+            ("reduction", "inner product", 2.0, 0.0),
+            ("kernel", "moments and update", 5.0, 4.0),
+            ("reduction", "L1 norm of grad_sum", 1.0, 0.0),
+        )
+        part = Host(run, passes, name, tick)
+        return part
 
 
 def dadapt_adamw(
@@ -1583,10 +1642,27 @@ class _Hutchinson(Stage):
         layout_of(params, "params")  # (checks the params as every init does)
         return HutchinsonState(_philox_key(self.seed, 0))
 
-    def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
-        out = self.kept("output", spec.layout, spec.device)
-        new = self.estimate(spec, state, params, extra, out)  # (the callbacks run before any write)
-        return Step(lambda u: (Updates(out, True, scratch=u.scratch), new))
+    def declare(self, spec: Spec, state: Any) -> Host:
+        """One `numbaccum.fuse.Host`: its tick makes the estimate (the user's callbacks run
+        there, before any pass of the step writes anything), its run hands it on."""
+        if not isinstance(state, HutchinsonState):
+            raise wrong_state("HutchinsonState", state)
+        layout, device = spec.layout, spec.device
+        step: list = [None]  # this step's estimate
+
+        def tick(state: Any, params: ParamsRef | None, extra: dict) -> bool:
+            if not holds(state, HutchinsonState, ()):
+                return False
+            out = step[0] = self.kept("output", layout, device)
+            part.new_state = self.estimate(spec, state, params, extra, out)
+            return True
+
+        def run(u: Updates) -> tuple[Updates, HutchinsonState]:
+            return Updates(step[0], True, scratch=u.scratch), part.new_state
+
+        # the user's Hessian-vector products (or gradients) and the estimate's pass: user code
+        part = Host(run, None, self.public_name, tick, settles=False)
+        return part
 
     def estimate(
         self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict, out: FlatTree

@@ -43,6 +43,7 @@ __all__ = [
     "compute_dtype",
     "expect_state",
     "field_owner",
+    "holds",
     "safe_increment",
 ]
 
@@ -124,6 +125,19 @@ def expect_state(
         where = "a CUDA device" if flat.device else "the host"
         raise ValueError(f"state.{field}: it lives on {where}, the updates do not")
     return current(flat, field) if renew else flat
+
+
+def holds(state: Any, cls: type, buffers: tuple) -> bool:
+    """Whether ``state`` is a ``cls`` holding ``buffers``, ``((field, flat.__dict__), ...)``:
+    the storage of the FlatTrees a part was declared for (their renewals share it). A declared
+    part's tick asks this first; False makes the runner declare again, and the new declaration
+    says what is wrong with the state."""
+    if type(state) is not cls and not isinstance(state, cls):
+        return False
+    for field, storage in buffers:
+        if getattr(getattr(state, field), "__dict__", None) is not storage:
+            return False
+    return True
 
 
 def field_owner(state: Any, cls: type, field: str) -> FlatTree | None:

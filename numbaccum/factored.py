@@ -32,16 +32,18 @@ from ._bounded import Bounded
 from ._checks import flag, integer, non_negative, real, real_or_schedule, scheduled, wrong_state
 from .accumulation import ema
 from .backend import ops_for
-from .base import Stage, Step, chain
+from .base import Stage, chain
 from .clipping import clip_by_block_rms
 from .contract import ONE
-from .declared import check_decay, expect_state, safe_increment
+from .declared import check_decay, expect_state, holds, safe_increment
 from .flat import FlatTree, layout_and_device
+from .fuse import Host
 from .layout import Layout, check_float_dtype
 from .norms import NO_PARAMS_MSG, _runs, scale_by_param_block_rms
 from .protocol import GradientTransformationExtraArgs, state_class
 from .scaling import ScalarOrSchedule, add_decayed_weights, scale, scale_by_learning_rate
 from .tables import FACTORED, UNFACTORED, AxisMaxima, AxisSums, AxisTable, FactorTable, Table, slice_table
+from .transaction import current
 from .tree import tree_flatten, tree_unflatten
 from .updates import ParamsRef, Spec, Updates
 
@@ -189,6 +191,13 @@ def _factoring(layout: Layout, factored: bool, min_dim: int) -> _Factoring:
     return _FACTORINGS.put(key, out)
 
 
+def _unfactored_share(layout: Layout, dims: tuple) -> float:
+    """The share of a layout's elements in unfactored leaves (whose full ``v`` each step reads
+    and writes), for `numbaccum.explain`."""
+    total = sum(layout.sizes)
+    return sum(n for n, d in zip(layout.sizes, dims) if d is None) / total if total else 0.0
+
+
 def _as_f64(x: np.ndarray) -> np.ndarray:
     return np.asarray(x, np.float64) if x.dtype.kind != "V" else x.astype(np.float64)
 
@@ -240,53 +249,85 @@ class _ScaleByFactoredRms(Stage):
         t = np.float32 if d.dtype == np.float32 else np.float64
         return np.float64(d), np.float64(t(1) - t(d))
 
-    def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
-        if params is None:
-            raise ValueError(NO_PARAMS_MSG)
+    def declare(self, spec: Spec, state: Any) -> Host:
+        """The stage's `numbaccum.fuse.Host` over ``state``'s buffers (checked here: type,
+        layouts, devices); the factoring and the per-group tables are the layout's, found once."""
         if not isinstance(state, FactoredState):
             raise wrong_state("FactoredState", state)
         f = _factoring(spec.layout, self.factored, self.min_dim)
+        v = expect_state(state, FactoredState, "v", f.v, spec.device, renew=False)
+        v_row = expect_state(state, FactoredState, "v_row", f.v_row, False, renew=False)
+        v_col = expect_state(state, FactoredState, "v_col", f.v_col, False, renew=False)
+        buffers = (("v", v.__dict__), ("v_row", v_row.__dict__), ("v_col", v_col.__dict__))
         host = ops_for(np.zeros(0))  # the statistics live on the host
-        v = expect_state(state, FactoredState, "v", f.v, spec.device)
-        v_row = expect_state(state, FactoredState, "v_row", f.v_row, False)
-        v_col = expect_state(state, FactoredState, "v_col", f.v_col, False)
-        count = int(np.asarray(state.count))
-        (decay, one_minus), eps = self._decay(count), self.epsilon
-        new_count = safe_increment(np.int32(count))
+        eps, decay_of = self.epsilon, self._decay
+        step = [np.float64(0.0), np.float64(0.0)]  # this step's decay and one minus it (tick's)
+        # Per group: its backend, its buffers and tables in one tuple (one zip a step).
+        groups = [
+            (
+                gi,
+                ops_for(v.groups[gi]),
+                v.groups[gi],
+                v_row.groups[gi],
+                v_col.groups[gi],
+                (f.rows[gi], f.row_len[gi], f.row_active[gi]),
+                (f.cols[gi], f.col_len[gi], f.col_active[gi]),
+                f.row_means[gi],
+                f.row_means_len[gi],
+                f.passes[gi],
+            )
+            for gi in range(len(spec.layout.groups))
+        ]
+        no_factors = np.zeros(0)
 
-        def statistics(
-            stats: np.ndarray, sums: np.ndarray, lens: np.ndarray, active: np.ndarray
-        ) -> np.ndarray:
+        def tick(state: Any, params: ParamsRef | None, extra: dict) -> bool:
+            if not holds(state, FactoredState, buffers):
+                return False
+            if params is None:
+                raise ValueError(NO_PARAMS_MSG)
+            new_v = current(state.v, "v")
+            new_row, new_col = current(state.v_row, "v_row"), current(state.v_col, "v_col")
+            count = int(np.asarray(state.count))
+            step[0], step[1] = decay_of(count)
+            part.new_state = FactoredState(safe_increment(np.int32(count)), new_row, new_col, new_v)
+            return True
+
+        def statistics(stats: np.ndarray, sums: np.ndarray, table: tuple) -> np.ndarray:
             """The new row or column statistics of a group (in place, in their dtype); float64."""
+            _, lens, active = table
             with np.errstate(all="ignore"):
-                new = decay * _as_f64(stats) + one_minus * (sums / lens + eps)
+                new = step[0] * _as_f64(stats) + step[1] * (sums / lens + eps)
             stats[active] = new[active]
             return _as_f64(stats)
 
         def run(u: Updates) -> tuple[Updates, FactoredState]:
             u = u.settled()
             out = u.fresh()
-            for gi, (o, g) in enumerate(zip(out.groups, u.flat.groups)):
-                ops = ops_for(g)
+            decay, one_minus = step
+            for (gi, ops, vg, vr, vc, rows, cols, means, means_len, table), o, g in zip(
+                groups, out.groups, u.flat.groups
+            ):
                 if f.any_factored:
-                    vr = statistics(
-                        v_row.groups[gi], ops.axis_sumsq(g, f.rows[gi]), f.row_len[gi], f.row_active[gi]
-                    )
-                    vc = statistics(
-                        v_col.groups[gi], ops.axis_sumsq(g, f.cols[gi]), f.col_len[gi], f.col_active[gi]
-                    )
+                    r = statistics(vr, ops.axis_sumsq(g, rows[0]), rows)
+                    c = statistics(vc, ops.axis_sumsq(g, cols[0]), cols)
                     # v_row over its mean along d1, slice by slice of the means' table
-                    means = host.slice_sum(vr, f.row_means[gi]) / f.row_means_len[gi]
-                    ratio = np.empty_like(vr)
-                    host.slice_divide_(ratio, vr, ONE, f.row_means[gi], means)
+                    ratio = np.empty_like(r)
+                    host.slice_divide_(ratio, r, ONE, means, host.slice_sum(r, means) / means_len)
                     with np.errstate(all="ignore"):
-                        rf, cf = ratio**-0.5, vc**-0.5
+                        rf, cf = ratio**-0.5, c**-0.5
                 else:
-                    rf = cf = np.zeros(0)
-                ops.factored_scale_(o, g, v.groups[gi], f.passes[gi], rf, cf, decay, one_minus, eps)
-            return Updates(out, True, scratch=u.scratch), FactoredState(new_count, v_row, v_col, v)
+                    rf = cf = no_factors
+                ops.factored_scale_(o, g, vg, table, rf, cf, decay, one_minus, eps)
+            return Updates(out, True, scratch=u.scratch), part.new_state
 
-        return Step(run)
+        # Two segmented reductions (row and column sums of squares) where a leaf is factored,
+        # then one pass that reads the updates and the unfactored leaves' v, writes both.
+        full = _unfactored_share(spec.layout, f.dims)
+        passes = (("kernel", "factored scale", 1.0 + full, 1.0 + full),)
+        if f.any_factored:
+            passes = (("reduction", "row sums of squares", 1.0, 0.0), ("reduction", "column sums of squares", 1.0, 0.0), *passes)
+        part = Host(run, passes, self.public_name, tick)
+        return part
 
 
 def scale_by_factored_rms(
@@ -539,24 +580,41 @@ class _ScaleBySM3(Stage):
         ok = isinstance(state, ScaleBySM3State) and isinstance(state.nu, FlatTree)
         return state.nu if ok else None
 
-    def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
+    def declare(self, spec: Spec, state: Any) -> Host:
+        """The stage's `numbaccum.fuse.Host` over ``state``'s buffers (checked here); the axes'
+        tables are the layout's, found once."""
         ax = _axes_of(spec.layout)
-        nu = expect_state(state, ScaleBySM3State, "nu", spec)
-        mu = expect_state(state, ScaleBySM3State, "mu", ax.mu, False)
-        acc = self.workspace(state, spec, "accumulators")
+        nu = expect_state(state, ScaleBySM3State, "nu", spec, renew=False)
+        mu = expect_state(state, ScaleBySM3State, "mu", ax.mu, False, renew=False)
+        buffers = (("nu", nu.__dict__), ("mu", mu.__dict__))
         b1, eps = self.b1, self.eps
         c0, c1 = (1.0 - self.b2 if self.b2 != 1.0 else 1.0), self.b2  # optax's coefficients
+        # Per group: its backend, momentum, statistics and tables in one tuple (one zip a step).
+        groups = [
+            (ops_for(n), n, mu.groups[ax.mu_group[gi]], ax.passes[gi], ax.maxima[gi])
+            for gi, n in enumerate(nu.groups)
+        ]
+
+        def tick(state: Any, params: ParamsRef | None, extra: dict) -> bool:
+            if not holds(state, ScaleBySM3State, buffers):
+                return False
+            new_nu = current(state.nu, "nu")
+            part.new_state = ScaleBySM3State(current(state.mu, "mu"), new_nu)
+            return True
 
         def run(u: Updates) -> tuple[Updates, ScaleBySM3State]:
             u = u.settled()
-            out, a = u.fresh(), acc()
-            for gi, (o, g, n, ag) in enumerate(zip(out.groups, u.flat.groups, nu.groups, a.groups)):
-                ops, m = ops_for(g), mu.groups[ax.mu_group[gi]]
-                ops.sm3_update_(o, g, n, ag, ax.passes[gi], m, c0, c1, eps, b1)
-                ops.axis_max_(m, ag, ax.maxima[gi])
-            return Updates(out, True, scratch=u.scratch), ScaleBySM3State(mu, nu)
+            out, acc = u.fresh(), nu.workspace("accumulators")
+            for (ops, n, m, table, maxima), o, g, a in zip(groups, out.groups, u.flat.groups, acc.groups):
+                ops.sm3_update_(o, g, n, a, table, m, c0, c1, eps, b1)
+                ops.axis_max_(m, a, maxima)
+            return Updates(out, True, scratch=u.scratch), part.new_state
 
-        return Step(run)
+        # One pass (reads the updates and nu; writes the updates, nu and the accumulators), then
+        # the segmented maxima of the accumulators (per axis number) into mu on the host.
+        passes = (("kernel", "accumulators, momentum", 2.0, 3.0), ("reduction", "axis maxima", 1.0, 0.0))
+        part = Host(run, passes, self.public_name, tick)
+        return part
 
 
 def scale_by_sm3(b1: float = 0.9, b2: float = 1.0, eps: float = 1e-8) -> GradientTransformationExtraArgs:

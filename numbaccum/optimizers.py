@@ -23,18 +23,20 @@ from . import formulas as F
 from ._checks import flag, non_negative, real
 from .accumulation import ema, trace
 from .backend import leaf_tables, ops_for
-from .base import Stage, Step, chain, planned
+from .base import Stage, chain
 from .clipping import leaf_reductions, scale_by_polyak
 from .contract import ONE, Ops
-from .declared import Elementwise, bias_correction, check_decay, expect_state, safe_increment
+from .declared import Elementwise, bias_correction, check_decay, expect_state, holds, safe_increment
 from .flat import FlatTree, as_flat, layout_and_device
 from .formulas import abs_sq, formula, inv_root, maximum, quot, re, sqrt, tanh
 from .formulas import signum as sign_of  # (``signum`` is the public optimizer below)
+from .fuse import FusedRun, Host
 from .layout import check_float_dtype, compute_dtype, real_dtype
 from .masking import masked
 from .norms import scale_by_trust_ratio
 from .protocol import GradientTransformationExtraArgs, state_class
 from .scaling import ScalarOrSchedule, add_decayed_weights, identity, scale, scale_by_learning_rate
+from .transaction import current
 from .tree import tree_flatten, tree_unflatten
 from .updates import ParamsRef, Spec, Updates
 
@@ -3065,22 +3067,38 @@ class _ScaleByNovograd(Stage):
     def owner(self, state: Any) -> FlatTree | None:
         return self.moment.owner(state)
 
-    def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
-        if params is None:
-            raise ValueError("scale_by_novograd needs params: call update(updates, state, params)")
-        part = self.moment.declare(spec, state)  # checks the state's type and mu
-        nu = _leaf_scalars(state.nu, spec.layout, "state.nu")
-        step = planned(part, state, params, extra)
-        first = int(part.new_state.count) == 1
-        b2, eps, eps_root, treedef = self.b2, self.eps, self.eps_root, spec.layout.treedef
-        mu = part.states[0]
-        dtypes = [compute_dtype(d) for d in spec.layout.group_dtypes]
+    def declare(self, spec: Spec, state: Any) -> Host:
+        """One `numbaccum.fuse.Host`: the per-leaf norms and divisions, then the moment's kernel
+        (declared once, run as its own pass: `numbaccum.fuse.FusedRun`)."""
+        moment = self.moment.declare(spec, state)  # checks the state's type and mu
+        kernel = FusedRun([moment])
+        b2, eps, eps_root, lay = self.b2, self.eps, self.eps_root, spec.layout
+        mu = moment.states[0]
+        buffers = (("mu", mu.__dict__),)
+        dtypes = [compute_dtype(d) for d in lay.group_dtypes]
+        reals = [real_dtype(d).type for d in lay.dtypes]  # each leaf's nu is of its real dtype
+        # Per group: its backend, offsets and leaves, and the real dtype of its quotients.
+        groups = [
+            (ops_for(m), lay.offsets[gi], lay.group_index[gi], real_dtype(d))
+            for gi, (m, d) in enumerate(zip(mu.groups, dtypes))
+        ]
+        treedef, name = lay.treedef, self.public_name
+        step: list = [None, False]  # this step's old nu (checked) and whether it is the first
 
-        def workspace() -> FlatTree:
-            return mu.workspace("normalized", dtypes)
+        def tick(state: Any, params: ParamsRef | None, extra: dict) -> bool:
+            if not holds(state, ScaleByNovogradState, buffers):
+                return False
+            if params is None:
+                raise ValueError(f"{name} needs params: call update(updates, state, params)")
+            step[0] = _leaf_scalars(state.nu, lay, "state.nu")
+            if not moment.tick(state, params, extra):  # the count and mu renewed, the params read
+                return False
+            step[1] = int(moment.new_state.count) == 1
+            return True
 
         def run(u: Updates) -> tuple[Updates, ScaleByNovogradState]:
             u = u.settled()
+            nu, first = step
             sq = leaf_reductions(u.flat, Ops.segment_sumsq)  # float64, one pass per group
             new_nu, divisors = [], np.empty(len(nu), np.float64)
             with np.errstate(over="ignore", invalid="ignore"):
@@ -3088,20 +3106,27 @@ class _ScaleByNovograd(Stage):
                 # its real dtype (its sum is of |g|^2), kept with an imaginary part of +0 as
                 # optax keeps it: its division of g by a complex of +0 imaginary part is a real one.
                 for i, old in enumerate(nu):
-                    t = real_dtype(old.dtype).type
+                    t = reals[i]
                     n = t(sq[i]) if first else t(1.0 - b2) * t(sq[i]) + t(b2) * old.real
                     new_nu.append(np.asarray(n, old.dtype))
                     divisors[i] = np.sqrt(n + t(eps_root)) + t(eps)
             # g / divisor in the compute dtype: float16 and bfloat16 leaves keep float32 quotients
             # for the moment's pass (its ``+ wd p`` may cancel them).
-            lay, normalized = u.flat.layout, workspace()
-            for gi, (o, g) in enumerate(zip(normalized.groups, u.flat.groups)):
-                f = divisors[lay.group_index[gi]].astype(real_dtype(o.dtype))
-                ops_for(g).segment_divide_(o, g, ONE, lay.offsets[gi], f)
-            out, new_state = step.run(Updates(normalized, False))
-            return out, new_state._replace(nu=tree_unflatten(treedef, new_nu))
+            normalized = mu.workspace("normalized", dtypes)
+            for (ops, offsets, members, rt), o, g in zip(groups, normalized.groups, u.flat.groups):
+                ops.segment_divide_(o, g, ONE, offsets, divisors[members].astype(rt))
+            out, factor, (new_state,) = kernel.run(normalized, ONE, Updates(normalized, False).fresh)
+            return Updates(out, True, factor), new_state._replace(nu=tree_unflatten(treedef, new_nu))
 
-        return Step(run)
+        # a reduction of each leaf's squares, the division pass, then the moment's pass (reads
+        # the quotients, mu and the params; writes mu and the updates)
+        passes = (
+            ("reduction", "leaf norms", 1.0, 0.0),
+            ("kernel", "divide", 1.0, 1.0),
+            ("kernel", "moment", 3.0, 2.0),
+        )
+        part = Host(run, passes, name, tick)
+        return part
 
 
 def _leaf_scalars(
@@ -3302,23 +3327,41 @@ class _ScaleByDistanceOverGradients(Stage):
         ok = isinstance(state, ScaleByDistanceOverGradientsState) and isinstance(state.init_params, FlatTree)
         return state.init_params if ok else None
 
-    def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
-        if params is None:
-            raise ValueError(f"{self.public_name} needs params: call update(updates, state, params)")
-        init = expect_state(state, ScaleByDistanceOverGradientsState, "init_params", spec)
+    def declare(self, spec: Spec, state: Any) -> Host:
+        """One `numbaccum.fuse.Host` over ``state``'s ``init_params`` (checked here); the
+        dtypes and tables are the layout's, found once."""
+        init = expect_state(state, ScaleByDistanceOverGradientsState, "init_params", spec, renew=False)
+        buffers = (("init_params", init.__dict__),)
         lay = spec.layout
         dist, sos = self._dtypes(lay, init.group_dtypes)
         leaf_dist = [dist[g] for g in lay.leaf_group]
         leaf_sos = [sos[g] for g in lay.leaf_group]
-        old_dist = _leaf_scalars(state.max_dist, lay, "state.max_dist", leaf_dist)
-        old_sos = _leaf_scalars(state.grad_sum_of_squares, lay, "state.grad_sum_of_squares", leaf_sos, (1,))
-        # (float64 holds every float32 and float64 value exactly: one array for all the groups)
-        old_d = np.array([float(a) for a in old_dist], np.float64)
-        old_s = np.array([float(a[0]) for a in old_sos], np.float64)
-        scale, eps, treedef = self.global_scale, self.eps, lay.treedef
+        scale, eps, treedef, name = self.global_scale, self.eps, lay.treedef, self.public_name
+        # Per group: its backend, leaves and table, the dtypes of its distances, sums and step
+        # sizes, and one float64 step size per leaf (filled each step).
+        groups = [
+            (ops_for(p0), members, table, dt, st, np.promote_types(dt, st))
+            for p0, members, table, dt, st in zip(init.groups, lay.group_index, leaf_tables(lay), dist, sos)
+        ]
+        step: list = [None] * 4  # this step's params, old distances and sums, init_params renewed
+
+        def tick(state: Any, params: ParamsRef | None, extra: dict) -> bool:
+            if not holds(state, ScaleByDistanceOverGradientsState, buffers):
+                return False
+            if params is None:
+                raise ValueError(f"{name} needs params: call update(updates, state, params)")
+            new_init = current(state.init_params, "init_params")
+            old_dist = _leaf_scalars(state.max_dist, lay, "state.max_dist", leaf_dist)
+            old_sos = _leaf_scalars(state.grad_sum_of_squares, lay, "state.grad_sum_of_squares", leaf_sos, (1,))
+            # (float64 holds every float32 and float64 value exactly: one array for all the groups)
+            step[0], step[3] = params, new_init
+            step[1] = np.array([float(a) for a in old_dist], np.float64)
+            step[2] = np.array([float(a[0]) for a in old_sos], np.float64)
+            return True
 
         def run(u: Updates) -> tuple[Updates, ScaleByDistanceOverGradientsState]:
             u = u.settled()
+            params, old_d, old_s, new_init = step
             pf = params.flat()
             diff = init.workspace("distance", dist)
             for o, p, p0 in zip(diff.groups, pf.groups, init.groups):
@@ -3328,11 +3371,7 @@ class _ScaleByDistanceOverGradients(Stage):
             out = u.fresh()
             new_dist: list[Any] = [None] * lay.num_leaves
             new_sos: list[Any] = [None] * lay.num_leaves
-            for gi, (o, g, members, table) in enumerate(
-                zip(out.groups, u.flat.groups, lay.group_index, leaf_tables(lay))
-            ):
-                dt, st = dist[gi], sos[gi]
-                et = np.promote_types(dt, st)
+            for (ops, members, table, dt, st, et), o, g in zip(groups, out.groups, u.flat.groups):
                 with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
                     # optax's per leaf: d = max(d, ||p - p0||); s += sum(g^2); eta = c (d / sqrt(s + eps))
                     d = np.maximum(old_d[members].astype(dt), np.sqrt(dist_sq[members].astype(dt)))
@@ -3340,16 +3379,24 @@ class _ScaleByDistanceOverGradients(Stage):
                     eta = et.type(scale) * (d.astype(et) / np.sqrt(s.astype(et) + et.type(eps)))
                 # eta * g in float64, rounded once to the leaf's dtype (float32 * float32 exactly
                 # as a float32 product)
-                ops_for(g).slice_apply_(o, g, table, None, eta.astype(np.float64))
+                ops.slice_apply_(o, g, table, None, eta.astype(np.float64))
                 for j, i in enumerate(members):
                     new_dist[i] = np.array(d[j])
                     new_sos[i] = s[j : j + 1].copy()
             new_state = ScaleByDistanceOverGradientsState(
-                tree_unflatten(treedef, new_dist), tree_unflatten(treedef, new_sos), init
+                tree_unflatten(treedef, new_dist), tree_unflatten(treedef, new_sos), new_init
             )
             return Updates(out, True), new_state
 
-        return Step(run)
+        # p - p0 (reads both, writes the distance), its leaf norms and the updates' (two
+        # reductions), then the scaling pass
+        passes = (
+            ("kernel", "distance", 2.0, 1.0),
+            ("reduction", "leaf norms of the distance and the updates", 2.0, 0.0),
+            ("kernel", "scale", 1.0, 1.0),
+        )
+        part = Host(run, passes, name, tick)
+        return part
 
 
 def scale_by_distance_over_gradients(
