@@ -185,3 +185,17 @@ def test_concurrent_calls_from_threads_do_not_abort():
     for t in threads:
         t.join()
     assert not errors
+
+
+def test_an_array_passed_twice_is_sliced_once_and_gives_the_same_bits():
+    """In place (the output is the input) the driver slices the buffer once, so LLVM vectorises
+    the loop (`numbaccum.cpu.driver._source`'s alias): the same values as into another buffer."""
+    from numbaccum.cpu import driver
+
+    body, _ = driver._source(formulas.scale, ((False, False), "float32", False, (0, 0)))
+    assert "v1 = v0" in body and "a1[lo:hi]" not in body
+    x = rand(10_001, np.float32, 5)
+    out = np.empty_like(x)
+    OPS.scale_(out, x, F)
+    OPS.scale_(x, x, F)
+    np.testing.assert_array_equal(x, out)
