@@ -1078,10 +1078,15 @@ class _Snapshot(Stage):
         tree = params.tree if isinstance(params, FlatTree) else params
         return SnapshotState({self.measure_name: self.measure(tree)})
 
-    def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
+    def declare(self, spec: Spec, state: Any) -> fuse.Host:
+        """A `numbaccum.fuse.Host` that runs the measure (user code: an opaque row in `explain`);
+        its tick checks the state's class, which holds no buffers."""
         if not isinstance(state, SnapshotState):
             raise wrong_state("SnapshotState", state)
         name, measure = self.measure_name, self.measure
+
+        def tick(state: Any, params: Any, extra: dict) -> bool:
+            return isinstance(state, SnapshotState)  # else declared again: the error above
 
         def run(u: Updates) -> tuple[Updates, SnapshotState]:
             u = u.settled()
@@ -1089,7 +1094,7 @@ class _Snapshot(Stage):
             owned = tree_map(lambda x: x.copy() if _shares(x, u.flat) else x, value)
             return u, SnapshotState({name: owned})
 
-        return Step(run)
+        return fuse.Host(run, None, "snapshot", tick)
 
 
 def _shares(x: Any, flat: FlatTree) -> bool:
