@@ -14,6 +14,11 @@ A stage that may be fused says so in its plan: its `Step` carries a *part* (``St
   squares may follow it, and then rides on it: the collective reduces each bucket as it
   arrives, through the pending factor, and the pre-pass reads no buffer at all.
 
+* `Host`: work between passes that is not one formula over the elements (per-leaf and
+  per-slice factors, axis passes, host reductions and decisions, a control node's choice among
+  its inner plans, user code): declared and kept like the others, ticked each step, and one unit
+  of the plan that no run spans.
+
 A combinator declares its inner steps' parts: a nested chain as `Chained`, a wrapper whose state
 holds its inner stage's (`inject_hyperparams`) as `Wrapped`.
 
