@@ -268,9 +268,12 @@ class Host(_Part):
         new_state: the state its last run returned (the plan's new state reads it).
         params: the step's params (set by ``tick``).
         tick: see `_Part`.
+        spec: the `numbaccum.updates.Spec` of the updates ``run`` returns when it is not the
+            input's (a per-example aggregation returns params-shaped updates: what
+            ``Step.spec`` says of a planned step); None otherwise.
     """
 
-    __slots__ = ("run", "passes", "name", "settles", "pending", "new_state", "params", "tick")
+    __slots__ = ("run", "passes", "name", "settles", "pending", "new_state", "params", "tick", "spec")
 
     def __init__(
         self,
@@ -280,9 +283,10 @@ class Host(_Part):
         tick: Callable[..., bool] | None = None,
         settles: bool = True,
         pending: bool = False,
+        spec: Any = None,
     ) -> None:
         self.run, self.passes, self.name, self.tick = run, passes, name, tick
-        self.settles, self.pending = settles, pending
+        self.settles, self.pending, self.spec = settles, pending, spec
         self.new_state = self.params = None
 
 
