@@ -22,20 +22,26 @@ leaves); they come back to the host, so on the GPU each update synchronises once
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import numpy as np
 
+from . import formulas as F
+from . import fuse
 from ._checks import flag, non_negative, real, wrong_state
 from .backend import ops_for
-from .base import Stage, Step, as_stage, with_extra_args_support
+from .base import Stage, as_stage, with_extra_args_support
 from .clipping import divide_leaves
 from .contract import ONE, Factor
 from .declared import check_decay, expect_state, field_owner, safe_increment
 from .flat import FlatTree, layout_and_device
+from .fuse import Host, Kernel, Scale
 from .layout import Layout, compute_dtype
 from .norms import TINY, check_ord, leaf_norms, tree_norm
 from .protocol import GradientTransformationExtraArgs, state_class
+from .runner import Plan, replay
+from .transaction import current
 from .updates import ParamsRef, Spec, Updates
 
 __all__ = [
@@ -109,22 +115,60 @@ def _as_inner(inner: Any) -> Stage | None:
     return as_stage(with_extra_args_support(inner))
 
 
-def _plan_inner(
-    inner: Stage | None, spec: Spec, state: Any, params: ParamsRef | None, extra: dict
-) -> Step | None:
-    """The inner transformation's step (its state, params and schedules checked), or None."""
-    return None if inner is None else inner.plan(spec, state, params, extra)
+class _Inner:
+    """An inner transformation of a declared stage (torchzero's ``inner`` or ``exp_avg_tfm``):
+    declared once with the stage when it declares itself (its `numbaccum.runner.Plan`, kept in
+    the stage's part, ticked each step with the inner state), else planned each step (user
+    code: `Stage.plan`). It writes into ``scratch()`` (a workspace of the stage's state), never
+    into the buffer it reads: the stage still needs its input's statistics."""
+
+    __slots__ = ("stage", "spec", "scratch", "plan", "step")
+
+    def __init__(self, stage: Stage, spec: Spec, state: Any, scratch: Callable[[], FlatTree]) -> None:
+        self.stage, self.spec, self.scratch, self.step = stage, spec, scratch, None
+        self.plan = None
+        if stage.declarable():  # checks its state: raises naming what is wrong
+            root = stage.declare(spec, state)
+            self.plan = Plan(root, spec, fuse.enabled(), [scratch] * len(fuse.leaves(root)))
+
+    def tick(self, state: Any, params: ParamsRef | None, extra: dict) -> bool:
+        """This step's values for the inner ``state`` (False: not the buffers declared for)."""
+        if self.plan is None:
+            self.step = self.stage.plan(self.spec, state, params, extra)
+            return True
+        return self.plan.tick(state, params, extra)
+
+    def run(self, x: FlatTree, factor: Factor, state: Any) -> tuple[Updates, Any]:
+        """The ticked inner step on ``factor(x)``, read-only: ``(updates, new inner state)``."""
+        view = Updates(x, False, factor, returnable=False, scratch=self.scratch)
+        if self.plan is None:
+            return self.step.run(view)  # type: ignore[union-attr]
+        return replay(self.plan, state, view, None, False)
 
 
-def _run_inner(step: Step | None, u: Updates, inner_state: Any, owner: FlatTree) -> tuple[Updates, Any]:
-    """Runs the planned inner transformation on the updates without letting it overwrite them
-    (their statistics and history still need them), as torchzero scales the inner output by the
-    input's statistics: it writes into the ``inner`` workspace of ``owner`` (a FlatTree of this
-    stage's state), never into the buffer that holds ``u``."""
-    if step is None:
-        return u, inner_state
-    view = Updates(u.flat, False, u.factor, returnable=False, scratch=lambda: owner.workspace("inner"))
-    return step.run(view)
+def _inner_of(stage: Stage | None, spec: Spec, state: Any, owner: FlatTree, name: str) -> _Inner | None:
+    """`_Inner` of ``stage`` (None: none), writing into ``owner``'s workspace ``name``."""
+    return None if stage is None else _Inner(stage, spec, state, lambda: owner.workspace(name))
+
+
+def _history_fits(x: Any, shape: tuple[int, ...]) -> bool:
+    """Whether `_history` takes ``x`` (a tick's check: the declaration raises what is wrong)."""
+    return isinstance(x, np.ndarray) and x.dtype == np.float64 and x.shape == shape
+
+
+def _holds(state: Any, cls: type, field: str, storage: dict) -> bool:
+    """Whether ``state`` is a ``cls`` whose buffer ``field`` has the storage declared for (its
+    renewals share it)."""
+    return isinstance(state, cls) and getattr(getattr(state, field), "__dict__", None) is storage
+
+
+def _is_flag(x: Any) -> bool:
+    return isinstance(x, (bool, np.bool_))
+
+
+def _started(x: Any) -> None:
+    if not _is_flag(x):
+        raise TypeError(f"state.started: expected a bool, got {type(x).__name__}")
 
 
 # --- clip_norm_by_ema / normalize_by_ema ----------------------------------------------------
@@ -201,15 +245,40 @@ class _EmaNorm(Stage):
     def owner(self, state: Any) -> FlatTree | None:
         return field_owner(state, ClipNormByEmaState, "exp_avg")
 
-    def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
-        layout = spec.layout
-        exp_avg = expect_state(state, ClipNormByEmaState, "exp_avg", spec)
-        prev = _history(state.prev_ema_norm, _history_shape(layout, self.tensorwise), "prev_ema_norm")
-        inner = _plan_inner(self.inner, spec, state.inner_state, params, extra)
-        return Step(lambda u: self._run(u, exp_avg, prev, inner, state.inner_state))
+    def declare(self, spec: Spec, state: Any) -> Host:
+        """A `numbaccum.fuse.Host` over ``state.exp_avg`` (checked here, with the history and
+        the inner transformation, declared once too); its tick checks the state is the one
+        declared for, renews the EMA and ticks the inner transformation."""
+        exp_avg = expect_state(state, ClipNormByEmaState, "exp_avg", spec, renew=False)
+        shape = _history_shape(spec.layout, self.tensorwise)
+        _history(state.prev_ema_norm, shape, "prev_ema_norm")
+        inner = _inner_of(self.inner, spec, state.inner_state, exp_avg, "inner")
+        storage = exp_avg.__dict__
+        now: list = [None, None, None]  # this step's EMA (renewed), history and inner state
+
+        def tick(state: Any, params: Any, extra: dict) -> bool:
+            if not _holds(state, ClipNormByEmaState, "exp_avg", storage):
+                return False
+            prev, inner_state = state.prev_ema_norm, state.inner_state
+            if not _history_fits(prev, shape):
+                return False
+            if inner is not None and not inner.tick(inner_state, params, extra):
+                return False
+            now[:] = current(state.exp_avg, "exp_avg"), prev, inner_state
+            return True
+
+        passes = (
+            ("reduction", "norms of the updates", 1.0, 0.0),
+            ("kernel", "EMA", 2.0, 1.0),
+            ("reduction", "norms of the EMA", 1.0, 0.0),
+            ("kernel", "scale", 1.0, 1.0),
+        )
+        run = lambda u: self._run(u, *now, inner)  # noqa: E731
+        name = "normalize_by_ema" if self.normalize else "clip_norm_by_ema"
+        return Host(run, passes, name, tick, pending=not self.tensorwise)
 
     def _run(
-        self, u: Updates, exp_avg: FlatTree, prev: np.ndarray, inner: Step | None, inner_state: Any
+        self, u: Updates, exp_avg: FlatTree, prev: np.ndarray, inner_state: Any, inner: _Inner | None
     ) -> tuple[Updates, ClipNormByEmaState]:
         beta, ord, tensorwise, growth = self.beta, self.ord, self.tensorwise, self.growth
         min_norm, normalize = self.min_norm, self.normalize
@@ -218,7 +287,9 @@ class _EmaNorm(Stage):
         t = u.flat
         # The statistics come from the input, before the inner transformation runs.
         n = leaf_norms(t, ord) if tensorwise else np.array(tree_norm(t, ord))
-        out, inner_state = _run_inner(inner, u, inner_state, exp_avg)
+        out = u
+        if inner is not None:
+            out, inner_state = inner.run(t, u.factor, inner_state)
         active = np.isfinite(n)
         for gi, (e, g) in enumerate(zip(exp_avg.groups, t.groups)):
             act = active[layout.group_index[gi]] if tensorwise else np.full(len(layout.groups[gi]), active)
@@ -422,31 +493,46 @@ class _ValueEma(Stage):
     def owner(self, state: Any) -> FlatTree | None:
         return field_owner(state, ClipValueByEmaState, "exp_avg")
 
-    def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
-        exp_avg = expect_state(state, ClipValueByEmaState, "exp_avg", spec)
-        fresh = int(state.count) == 0
-        count = safe_increment(state.count)
+    def declare(self, spec: Spec, state: Any) -> Kernel | Host:
+        """Over ``state.exp_avg`` (checked here): the `numbaccum.fuse.Kernel` of the EMA update
+        and the clip in one pass (fused with its neighbours), or, with inner transformations
+        (declared once too), a `numbaccum.fuse.Host`; its tick renews the EMA, counts and
+        ticks them."""
+        declared = expect_state(state, ClipValueByEmaState, "exp_avg", spec, renew=False)
         beta, init = self.beta, self.init_value
-        inner = _plan_inner(self.inner, spec, state.inner_state, params, extra)
-        tfm = _plan_inner(self.tfm, spec, state.exp_avg_tfm_state, params, extra)
+        if self.inner is None and self.tfm is None:
+            return _value_ema_kernel(declared, beta, init, len(spec.layout.groups))
+        inner = _inner_of(self.inner, spec, state.inner_state, declared, "inner")
+        tfm = _inner_of(self.tfm, spec, state.exp_avg_tfm_state, declared, "tfm")
+        storage = declared.__dict__
+        now: list = [None] * 5  # this step's EMA (renewed), first step?, count, inner states
+
+        def tick(state: Any, params: Any, extra: dict) -> bool:
+            if not _holds(state, ClipValueByEmaState, "exp_avg", storage):
+                return False
+            if inner is not None and not inner.tick(state.inner_state, params, extra):
+                return False
+            if tfm is not None and not tfm.tick(state.exp_avg_tfm_state, params, extra):
+                return False
+            exp_avg = current(state.exp_avg, "exp_avg")
+            fresh = int(state.count) == 0
+            now[:] = exp_avg, fresh, safe_increment(state.count), state.inner_state, state.exp_avg_tfm_state
+            return True
 
         def run(u: Updates) -> tuple[Updates, ClipValueByEmaState]:
+            exp_avg, fresh, count, inner_state, tfm_state = now
             factor = u.factor
-            if inner is None and tfm is None:  # one fused pass: EMA update and clip
-                out = u.fresh()
-                for e, g, o in zip(exp_avg.groups, u.flat.groups, out.groups):
-                    ops_for(e).abs_ema_clip_(e, g, factor, 1.0 - beta, beta, init, fresh, o)
-                return Updates(out, True), ClipValueByEmaState(count, exp_avg)
             if factor.device is not None:  # the inner transformation reads a settled value
                 u, factor = u.settled(), ONE
-            v, inner_state = _run_inner(inner, u, state.inner_state, exp_avg)
+            v = u
+            if inner is not None:
+                v, inner_state = inner.run(u.flat, factor, inner_state)
             for e, g in zip(exp_avg.groups, u.flat.groups):
                 ops_for(e).abs_ema_update_(e, g, factor, 1.0 - beta, beta, init, fresh)
-            bound, tfm_state = exp_avg, state.exp_avg_tfm_state
+            bound = exp_avg
             if tfm is not None:  # the transform sees a copy: the EMA itself stays as it is
-                ws = lambda: exp_avg.workspace("tfm")  # noqa: E731
-                b, tfm_state = tfm.run(Updates(exp_avg, False, returnable=False, scratch=ws))
-                bound = b.settled(ws()).flat
+                b, tfm_state = tfm.run(exp_avg, ONE, tfm_state)
+                bound = b.settled(tfm.scratch()).flat
             v_factor = v.factor
             if v_factor.device is not None:
                 v, v_factor = v.settled(), ONE
@@ -455,7 +541,25 @@ class _ValueEma(Stage):
                 ops_for(x).clip_by_(o, x, v_factor, bg)
             return Updates(out, True), ClipValueByEmaState(count, exp_avg, inner_state, tfm_state)
 
-        return Step(run)
+        passes = (("kernel", "EMA of |updates|", 2.0, 1.0), ("kernel", "clip", 2.0, 1.0))
+        return Host(run, passes, "clip_value_by_ema", tick, settles=False)
+
+
+def _value_ema_kernel(exp_avg: FlatTree, beta: float, init: float, n_groups: int) -> Kernel:
+    """`clip_value_by_ema` without inner transformations: the formula ``abs_ema_clip`` over
+    ``exp_avg``; its tick renews the EMA and counts (the first step starts it from ``init``)."""
+    part = Kernel(F.abs_ema_clip, (exp_avg,), [], name="clip_value_by_ema")
+    storage = exp_avg.__dict__
+
+    def tick(state: Any, params: Any, extra: dict) -> bool:
+        if not _holds(state, ClipValueByEmaState, "exp_avg", storage):
+            return False
+        part.scalars = [(1.0 - beta, beta, init, int(state.count) == 0)] * n_groups
+        part.new_state = ClipValueByEmaState(safe_increment(state.count), current(state.exp_avg, "exp_avg"))
+        return True
+
+    part.tick = tick
+    return part
 
 
 def clip_value_by_ema(beta: float = 0.99, init: float = 0.0) -> GradientTransformationExtraArgs:
@@ -619,20 +723,42 @@ class _NormGrowth(Stage):
         prev = np.zeros(_history_shape(layout, self.tensorwise), np.float64)
         return ClipNormGrowthState(prev, np.bool_(False), layout)
 
-    def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
+    def declare(self, spec: Spec, state: Any) -> Host | Scale:
+        """A `numbaccum.fuse.Host` (a `Scale` of one for the identity; the state checked here:
+        its type, tree and history); its tick takes the step's state (of scalars: any state of
+        the tree declared for)."""
+        layout = spec.layout
         if not isinstance(state, ClipNormGrowthState):
             raise wrong_state("ClipNormGrowthState", state)
-        if state.layout is not spec.layout:  # as many leaves is not enough: the same tree
+        if state.layout is not layout:  # as many leaves is not enough: the same tree
             raise ValueError(
-                f"state: it was built for another tree ({state.layout!r}) than the updates ({spec.layout!r})"
+                f"state: it was built for another tree ({state.layout!r}) than the updates ({layout!r})"
             )
-        prev = _history(state.prev_norm, _history_shape(spec.layout, self.tensorwise), "prev_norm")
-        if not isinstance(state.started, (bool, np.bool_)):
-            raise TypeError(f"state.started: expected a bool, got {type(state.started).__name__}")
-        if self.add is None and self.mul is None:  # the identity
-            return Step(lambda u: (u, state))
-        started = bool(state.started)
-        return Step(lambda u: self._run(u, prev, started, spec.layout))
+        shape = _history_shape(layout, self.tensorwise)
+        _history(state.prev_norm, shape, "prev_norm")
+        _started(state.started)
+        part: Any
+        if self.add is None and self.mul is None:  # the identity: nothing at all, the state passes
+            part = Scale(ONE, name="clip_norm_growth")
+        else:
+
+            def run(u: Updates) -> tuple[Updates, ClipNormGrowthState]:
+                state = part.new_state  # the tick's
+                return self._run(u, state.prev_norm, bool(state.started), layout)
+
+            passes = (("reduction", "norms", 1.0, 0.0), ("kernel", "scale", 1.0, 1.0))
+            part = Host(run, passes, "clip_norm_growth", pending=not self.tensorwise)
+
+        def tick(state: Any, params: Any, extra: dict) -> bool:
+            if not isinstance(state, ClipNormGrowthState) or state.layout is not layout:
+                return False
+            if not _history_fits(state.prev_norm, shape) or not _is_flag(state.started):
+                return False
+            part.new_state = state  # (the Host's run replaces it by the state it returns)
+            return True
+
+        part.tick = tick
+        return part
 
     def _run(
         self, u: Updates, prev: np.ndarray, started: bool, layout: Layout
@@ -755,18 +881,29 @@ class _ValueGrowth(Stage):
     def owner(self, state: Any) -> FlatTree | None:
         return field_owner(state, ClipValueGrowthState, "prev")
 
-    def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
-        prev = expect_state(state, ClipValueGrowthState, "prev", spec)
-        if not isinstance(state.started, (bool, np.bool_)):
-            raise TypeError(f"state.started: expected a bool, got {type(state.started).__name__}")
-        if self.identity:
-            return Step(lambda u: (u, state._replace(prev=prev)))
-        k = (self.k_add, self.k_mul, self.k_min, self.k_decay, not state.started)
+    def declare(self, spec: Spec, state: Any) -> Kernel | Scale:
+        """The `numbaccum.fuse.Kernel` of the formula ``growth_clip`` over ``state.prev``
+        (checked here; fused with its neighbours), a `Scale` of one for the identity; its tick
+        renews the buffer and gives the step's limits (the first step has no history)."""
+        declared = expect_state(state, ClipValueGrowthState, "prev", spec, renew=False)
+        _started(state.started)
+        storage, n_groups = declared.__dict__, len(spec.layout.groups)
+        limits = (self.k_add, self.k_mul, self.k_min, self.k_decay)
+        identity = self.identity
+        part: Any = Scale(ONE, name="clip_value_growth") if identity else None
+        if not identity:
+            part = Kernel(F.growth_clip, (declared,), [], name="clip_value_growth")
 
-        def run(u: Updates) -> tuple[Updates, ClipValueGrowthState]:
-            out = u.fresh()
-            for pg, g, o in zip(prev.groups, u.flat.groups, out.groups):
-                ops_for(pg).growth_clip_(pg, g, u.factor, *k, o)
-            return Updates(out, True), ClipValueGrowthState(prev, np.bool_(True))
+        def tick(state: Any, params: Any, extra: dict) -> bool:
+            if not _holds(state, ClipValueGrowthState, "prev", storage) or not _is_flag(state.started):
+                return False
+            prev = current(state.prev, "prev")
+            if identity:
+                part.new_state = state._replace(prev=prev)
+                return True
+            part.scalars = [(*limits, not state.started)] * n_groups
+            part.new_state = ClipValueGrowthState(prev, np.bool_(True))
+            return True
 
-        return Step(run)
+        part.tick = tick
+        return part

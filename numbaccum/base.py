@@ -222,10 +222,11 @@ class Step:
 
 
 def planned(part: Any, state: Any, params: ParamsRef | None, extra: dict) -> Step:
-    """A declared part as the `Step` of one update: ticked with ``state``, run by `run_part`."""
+    """A declared part as the `Step` of one update: ticked with ``state``, run by `run_part`
+    (``spec``: a reshaping `numbaccum.fuse.Host`'s, for the stages planned after it)."""
     if not part.tick(state, params, extra):
         raise AssertionError(f"{part!r} was declared for another state")  # declared from this one
-    return Step(lambda u: run_part(part, u), fuse=part)
+    return Step(lambda u: run_part(part, u), getattr(part, "spec", None), fuse=part)
 
 
 NO_PARAMS_MSG = (

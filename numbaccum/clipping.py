@@ -486,14 +486,20 @@ class _NormalizeByUpdateNorm(_Stateless):
             with np.errstate(divide="ignore", invalid="ignore"):  # scale_factor 0: inf, as in optax
                 return Factor(np.float64(norm + eps) / np.float64(scale_factor), 1.0)
 
-        part = Prepass(factor_of, None, "normalize_by_update_norm", "update norm")
+        return stateless_prepass(factor_of, "normalize_by_update_norm", "update norm")
 
-        def tick(state: Any, params: Any, extra: dict) -> bool:
-            part.new_state = state
-            return True
 
-        part.tick = tick
-        return part
+def stateless_prepass(factor_of: Any, name: str, reads: str) -> Prepass:
+    """A stateless stage's declared `numbaccum.fuse.Prepass` (``factor_of``, ``reads``: see
+    there): its tick passes the state through."""
+    part = Prepass(factor_of, None, name, reads)
+
+    def tick(state: Any, params: Any, extra: dict) -> bool:
+        part.new_state = state
+        return True
+
+    part.tick = tick
+    return part
 
 
 def scale_by_polyak(
@@ -642,7 +648,9 @@ class _ZeroNans(Stage):
         layout = layout_of(params, "params")
         return ZeroNansState(tree_unflatten(layout.treedef, [np.bool_(False)] * layout.num_leaves))
 
-    def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
+    def declare(self, spec: Spec, state: Any) -> fuse.Host:
+        """A `numbaccum.fuse.Host`: the NaN count of each leaf (a reduction), then the pass that
+        zeroes them; the state is rebuilt from the counts each step."""
         if not isinstance(state, ZeroNansState):
             raise wrong_state("ZeroNansState", state)
         treedef = spec.layout.treedef
@@ -653,9 +661,13 @@ class _ZeroNans(Stage):
             out = u.fresh()
             for o, g in zip(out.groups, u.flat.groups):
                 ops_for(g).zero_nans_(o, g, ONE)
-            return Updates(out, True), ZeroNansState(tree_unflatten(treedef, [np.bool_(f) for f in found]))
+            return Updates(out, True), ZeroNansState(tree_unflatten(treedef, list(found)))  # np.bool_s
 
-        return Step(run)
+        def tick(state: Any, params: Any, extra: dict) -> bool:
+            return isinstance(state, ZeroNansState)  # (its flags are no buffers: any such state)
+
+        passes = (("reduction", "NaN count per leaf", 1.0, 0.0), ("kernel", "zero NaNs", 1.0, 1.0))
+        return fuse.Host(run, passes, "zero_nans", tick)
 
 
 @state_class
@@ -841,23 +853,27 @@ class _ClipByBlockRms(_Stateless):
         self.threshold = non_negative(threshold, "threshold")
 
     def declare(self, spec: Spec, state: Any) -> fuse.Host:
-        # a reduction of each leaf's sum of squares, then the division pass
-        passes = (("reduction", "leaf RMS", 1.0, 0.0), ("kernel", "divide", 1.0, 1.0))
-        lay = spec.layout
-        groups = list(zip(lay.group_index, lay.offsets, leaf_tables(lay)))  # the layout's, once
-        return host_step(lambda u, _: self._run(u, groups), passes, "clip_by_block_rms")
+        """A `numbaccum.fuse.Host`: each leaf's RMS (one segmented reduction per group), then
+        the division by the per-leaf divisors; the tables once per layout."""
+        lay, threshold = spec.layout, self.threshold
+        # per group: its leaves, their sizes (at least 1, as divisors) and its table of slices
+        groups = [
+            (members, np.maximum(np.diff(offsets), 1), table)
+            for members, offsets, table in zip(lay.group_index, lay.offsets, leaf_tables(lay))
+        ]
 
-    def _run(self, u: Updates, groups: list) -> Updates:
-        threshold = self.threshold
-        u = u.settled()
-        lay = u.flat.layout
-        factors = np.empty(lay.num_leaves, np.float64)
-        for (members, offsets, table), g in zip(groups, u.flat.groups):
-            s, f = slice_sumsq(g, table)  # scaled: finite for float64 leaves past 1e154
-            with np.errstate(divide="ignore", invalid="ignore", over="ignore"):  # 0 / 0: NaN, as optax
-                rms = np.sqrt(s / np.maximum(np.diff(offsets), 1)) / f
-                factors[members] = np.maximum(1.0, rms / threshold)
-        return divide_leaves(u, factors, always=True)
+        def run(u: Updates, params: Any) -> Updates:
+            u = u.settled()
+            factors = np.empty(lay.num_leaves, np.float64)
+            for (members, sizes, table), g in zip(groups, u.flat.groups):
+                s, f = slice_sumsq(g, table)  # scaled: finite for float64 leaves past 1e154
+                with np.errstate(divide="ignore", invalid="ignore", over="ignore"):  # 0 / 0: NaN, as optax
+                    rms = np.sqrt(s / sizes) / f
+                    factors[members] = np.maximum(1.0, rms / threshold)
+            return divide_leaves(u, factors, always=True)
+
+        passes = (("reduction", "RMS per leaf", 1.0, 0.0), ("kernel", "divide", 1.0, 1.0))
+        return host_step(run, passes, "clip_by_block_rms")
 
 
 _RANGE: dict[np.dtype, tuple[float, float]] = {}

@@ -56,8 +56,9 @@ from . import _cache, _config, lockstep
 from ._checks import flag, integer, non_negative
 from ._loans import on_loan
 from .backend import PiecewiseSumsq, ops_for
-from .base import Stage, Step
+from .base import Stage
 from .clipping import global_norm as _local_norm
+from .clipping import stateless_prepass
 from .contract import ONE, Factor
 from .declared import expect_state, field_owner
 from .flat import FlatTree, layout_and_device
@@ -66,7 +67,7 @@ from .layout import Layout
 from .protocol import EmptyState, GradientTransformationExtraArgs, state_class
 from .tables import sum_in_order
 from .transaction import current
-from .updates import ParamsRef, Spec, Updates
+from .updates import Spec, Updates
 
 __all__ = [
     "AllreduceMeanState",
@@ -811,19 +812,21 @@ class _ShardedClip(Stage):
     def init(self, params: Any) -> EmptyState:
         return EmptyState()
 
-    def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
+    def declare(self, spec: Spec, state: Any) -> Any:
+        """A `numbaccum.fuse.Prepass`: the settled updates' norm over every rank (one scalar
+        collective, once a step on every rank) gives the factor left pending on them; the state
+        passes through."""
         max_norm, comm = self.max_norm, self.comm
 
-        def run(u: Updates) -> tuple[Updates, Any]:
-            value = u.settled()
-            norm = math.sqrt(_combine(_local_norm(value.flat, squared=True), 2, comm))
+        def factor_of(flat: FlatTree) -> Factor:
+            norm = math.sqrt(_combine(_local_norm(flat, squared=True), 2, comm))
             if norm < max_norm:
-                return value, state
+                return ONE
             if norm == 0.0:  # and so max_norm == 0: zeros, not 0 / 0
-                return value.scaled(Factor(1.0, 0.0)), state
-            return value.scaled(Factor(norm, max_norm)), state
+                return Factor(1.0, 0.0)
+            return Factor(norm, max_norm)
 
-        return Step(run)
+        return stateless_prepass(factor_of, "clip_by_global_norm", "global norm over the ranks")
 
 
 # --- calibration: the fastest bucket size here ----------------------------------------------

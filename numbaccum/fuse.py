@@ -279,9 +279,12 @@ class Host(_Part):
         apply: None, or for a control node whose inner plan can add the updates to the params
             in its last pass (MultiSteps): ``apply(updates, params) -> new_state``, which the
             runner calls instead of ``run`` when the part ends a plan run by `numbaccum.step_`.
+        spec: the `numbaccum.updates.Spec` of the updates ``run`` returns when it is not the
+            input's (a per-example aggregation returns params-shaped updates: what
+            ``Step.spec`` says of a planned step); None otherwise.
     """
 
-    __slots__ = ("run", "passes", "name", "settles", "pending", "new_state", "params", "tick", "apply")
+    __slots__ = ("run", "passes", "name", "settles", "pending", "new_state", "params", "tick", "apply", "spec")
 
     def __init__(
         self,
@@ -292,9 +295,10 @@ class Host(_Part):
         settles: bool = True,
         pending: bool = False,
         apply: Callable[[Updates, FlatTree], Any] | None = None,
+        spec: Any = None,
     ) -> None:
         self.run, self.passes, self.name, self.tick = run, passes, name, tick
-        self.settles, self.pending, self.apply = settles, pending, apply
+        self.settles, self.pending, self.apply, self.spec = settles, pending, apply, spec
         self.new_state = self.params = None
 
 

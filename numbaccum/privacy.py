@@ -30,16 +30,17 @@ from ._bounded import Bounded
 from ._checks import flag, non_negative, real, wrong_state
 from .accumulation import trace
 from .backend import ops_for, slice_sumsq
-from .base import Stage, Step, chain
+from .base import Stage, chain
 from .declared import Elementwise, check_decay
-from .flat import FlatTree, as_flat, layout_of
+from .flat import FlatTree, as_flat, host_leaves, layout_of
 from .formulas import formula, like, normal
+from .fuse import Host
 from .layout import Layout, finfo
 from .protocol import GradientTransformationExtraArgs, state_class
 from .scaling import ScalarOrSchedule, identity, scale_by_learning_rate
 from .tables import segments
 from .tree import short_repr, tree_unflatten
-from .updates import ParamsRef, Spec, Updates
+from .updates import Spec, Updates
 
 __all__ = [
     "AddNoiseState",
@@ -524,8 +525,8 @@ def _after(seed: int, step: int, clipped: int, batch: int, noise_std: float) -> 
 
 class _Aggregate(Stage):
     """`differentially_private_aggregate` as a reshaping stage: it takes per-example gradients
-    (its own `take`) and its step returns params-shaped updates (``Step.spec``), so that a
-    `chain` plans the stages after it on the params' layout."""
+    (its own `take`) and its declared `numbaccum.fuse.Host` returns params-shaped updates (its
+    ``spec``), so that a `chain` plans the stages after it on the params' layout."""
 
     reshapes = True
 
@@ -548,23 +549,42 @@ class _Aggregate(Stage):
 
     def take(self, updates: Any, state: Any, params: Any, owner: FlatTree | None) -> tuple[Updates, str]:
         """The per-example gradients as `Updates` of their own layout (zero-copy for a FlatTree or
-        its views); ValueError/TypeError naming the leaf."""
+        its views); ValueError/TypeError naming the leaf. A plain tree of the last layout taken
+        (this thread) is checked in one walk (`host_leaves`) instead of laying it out again."""
+        local = self.local()
+        last = local.__dict__.get("last")  # the last per-example layout taken
+        if last is not None and not isinstance(updates, FlatTree):
+            checked = host_leaves(updates, last)
+            if checked is not None:
+                return Updates(as_flat(updates, last, "updates", checked=checked)[0], False), "numpy"
         flat, _, kind = _per_example(updates, "updates")
+        if kind == "numpy":
+            local.last = flat.layout
         return Updates(flat, False), kind
 
-    def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
-        """Checks the noise key and the batch; the step returns the sums in a new buffer of
-        their own (a buffer this stage kept would be overwritten by the update of another state
-        of the same transformation while the caller still holds the first one's updates)."""
-        _, step = _check_dp_state(state)
+    def declare(self, spec: Spec, state: Any) -> Host:
+        """A `numbaccum.fuse.Host` for per-example gradients of ``spec`` (the batch checked here,
+        once per batch size); its tick checks the noise key. Each step returns the sums in a
+        new buffer of their own (a buffer this stage kept would be overwritten by the update of
+        another state of the same transformation while the caller still holds the first one's
+        updates)."""
+        _check_dp_state(state)
         plan = _plan(spec.layout, "updates")
         if plan.batch == 0 and spec.layout.num_leaves:
             raise ValueError("updates: the batch is empty (batch size 0); there is nothing to average")
         out_spec = Spec(plan.out_layout, spec.device)
         clip, std, seed = self.clip, self.std, self.seed
+        now = [0]  # this step's noise step
+
+        def tick(state: Any, params: Any, extra: dict) -> bool:
+            if not isinstance(state, DifferentiallyPrivateAggregateState):
+                return False
+            now[0] = _check_dp_state(state)[1]  # a ValueError naming what is wrong in the key
+            return True
 
         def run(u: Updates) -> tuple[Updates, DifferentiallyPrivateAggregateState]:
             """Clip, sum, add noise, divide by the batch size."""
+            step = now[0]
             flat = u.settled().flat
             mult = _global_multipliers(flat, plan, clip)
             # Without noise the noise arrays are not read; the output still saturates.
@@ -575,7 +595,13 @@ class _Aggregate(Stage):
             _weighted_sums(flat, plan, mult, out, noise, std, float(batch))
             return Updates(out, True), _after(seed, step, _clipped(mult), plan.batch, std / batch)
 
-        return Step(run, spec=out_spec)
+        # the per-example norms (one reduction), then the weighted sums over the batch; per
+        # parameter of the per-example input, whose batch sums to one parameter in 1 / B
+        passes = (
+            ("reduction", "per-example norms", 1.0, 0.0),
+            ("kernel", "clipped sum + noise", 1.0, 1.0 / max(plan.batch, 1)),
+        )
+        return Host(run, passes, "differentially_private_aggregate", tick, spec=out_spec)
 
     def plan_accumulation(
         self, spec: Spec, state: Any, acc: FlatTree, fresh: bool, emit: bool

@@ -31,13 +31,15 @@ import numpy as np
 from ._checks import flag, integer, non_negative, real, real_scalar, wrong_state
 from ._interrupts import user_code
 from .backend import ops_for
-from .base import Stage, Step, chain, states_of
+from .base import Stage, chain, states_of
 from .contract import ONE, Factor
 from .declared import expect_state, safe_increment
 from .flat import FlatTree, as_flat, layout_and_device
+from .fuse import Host
 from .protocol import GradientTransformationExtraArgs, state_class
 from .scaling import ScalarOrSchedule, identity, scale, scale_by_learning_rate
-from .updates import ParamsRef, Spec, Updates
+from .transaction import current
+from .updates import Spec, Updates
 
 __all__ = [
     "BacktrackingLinesearchInfo",
@@ -53,24 +55,30 @@ __all__ = [
 ]
 
 
-def _dot(x: FlatTree, y: FlatTree) -> float:
+def _dot(x: FlatTree, y: FlatTree, ops: list | None = None) -> float:
     """The real inner product of two FlatTrees of one layout, float64: per group, summed in
-    group order."""
+    group order. ``ops``: each group's `numbaccum.contract.Ops`, when the caller has them."""
     total = 0.0
-    for a, b in zip(x.groups, y.groups):
-        total += ops_for(a).dot(a, b)
+    for i, (a, b) in enumerate(zip(x.groups, y.groups)):
+        total += (ops[i] if ops is not None else ops_for(a)).dot(a, b)
     return total
 
 
-def _axpy(out: FlatTree, x: FlatTree, s: float, y: FlatTree) -> None:
+def _axpy(out: FlatTree, x: FlatTree, s: float, y: FlatTree, ops: list | None = None) -> None:
     """out = x + s * y, group by group, in each group's dtype."""
-    for o, a, b in zip(out.groups, x.groups, y.groups):
-        ops_for(o).add_scaled_(o, a, ONE, b, s)
+    for i, (o, a, b) in enumerate(zip(out.groups, x.groups, y.groups)):
+        (ops[i] if ops is not None else ops_for(o)).add_scaled_(o, a, ONE, b, s)
 
 
-def _copy_into(out: FlatTree, x: FlatTree) -> None:
-    for o, a in zip(out.groups, x.groups):
-        ops_for(o).scale_(o, a, ONE)
+def _copy_into(out: FlatTree, x: FlatTree, ops: list | None = None) -> None:
+    for i, (o, a) in enumerate(zip(out.groups, x.groups)):
+        (ops[i] if ops is not None else ops_for(o)).scale_(o, a, ONE)
+
+
+def _weights_fit(weights: Any, m: int) -> bool:
+    """Whether a state's ``weights_memory`` holds ``m`` floats."""
+    w = np.asarray(weights)
+    return w.shape == (m,) and w.dtype.kind == "f"
 
 
 # --- L-BFGS's direction ----------------------------------------------------------------------
@@ -144,10 +152,10 @@ class _ScaleByLBFGS(Stage):
         prev = (count - 1) % m
         return (state.params, state.updates, state.diff_params_memory[prev], state.diff_updates_memory[prev])
 
-    def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
-        if params is None:
-            raise ValueError("scale_by_lbfgs needs params: call update(updates, state, params)")
-        prev_params = expect_state(state, ScaleByLBFGSState, "params", spec)  # renewed: the owner
+    def declare(self, spec: Spec, state: Any) -> Host:
+        """A `numbaccum.fuse.Host` over ``state``'s buffers (checked here: type, layouts,
+        devices, the memories' length); its tick takes the step's count, weights and params."""
+        prev_params = expect_state(state, ScaleByLBFGSState, "params", spec, renew=False)
         prev_updates = expect_state(state, ScaleByLBFGSState, "updates", spec, renew=False)
         m = self.memory_size
         memories = []
@@ -161,56 +169,87 @@ class _ScaleByLBFGS(Stage):
                 if not isinstance(f, FlatTree) or f.layout is not spec.layout or f.device != spec.device:
                     raise ValueError(f"state.{field}[{k}]: not a FlatTree of the updates' layout and device")
             memories.append(mem)
-        weights = np.asarray(state.weights_memory)
-        if weights.shape != (m,) or weights.dtype.kind != "f":
+        if not _weights_fit(state.weights_memory, m):
+            weights = np.asarray(state.weights_memory)
             raise ValueError(f"state.weights_memory: expected {m} floats, got {weights.dtype}{weights.shape}")
         dps, dus = memories
-        count = int(state.count)
-        idx, prev = count % m, (count - 1) % m
-        filled = min(count, m)  # slots written so far (after this step's)
         scale_init = self.scale_init_precond
+        # The buffers declared for, by storage (renewals share it); the memories by the tuples,
+        # which every step passes on as they are (a copied or loaded state has its own).
+        p_storage, u_storage = prev_params.__dict__, prev_updates.__dict__
+        ops = [ops_for(g) for g in prev_params.groups]  # per group: the same for every buffer
+        now: list = [0, None, None, None]  # this step's count, weights, owner and params
+
+        def tick(state: Any, params: Any, extra: dict) -> bool:
+            if params is None:
+                raise ValueError("scale_by_lbfgs needs params: call update(updates, state, params)")
+            if type(state) is not ScaleByLBFGSState and not isinstance(state, ScaleByLBFGSState):
+                return False
+            if (
+                getattr(state.params, "__dict__", None) is not p_storage
+                or getattr(state.updates, "__dict__", None) is not u_storage
+                or state.diff_params_memory is not dps
+                or state.diff_updates_memory is not dus
+                or not _weights_fit(state.weights_memory, m)
+            ):
+                return False
+            now[:] = int(state.count), state.weights_memory, current(state.params, "params"), params
+            return True
 
         def run(u: Updates) -> tuple[Updates, ScaleByLBFGSState]:
+            count, weights, prev_params, params = now  # (prev_params: renewed, the owner)
+            idx, prev = count % m, (count - 1) % m
+            filled = min(count, m)  # slots written so far (after this step's)
             u = u.settled()
             g, p = u.flat, params.flat()
-            rhos = weights.copy()
+            rhos = np.asarray(weights).copy()
             if count > 0:  # the newest pair (s, y), from the last step's params and gradients
                 s, y = dps[prev], dus[prev]
-                _axpy(s, p, -1.0, prev_params)
-                _axpy(y, g, -1.0, prev_updates)
-                sy = _dot(y, s)
+                _axpy(s, p, -1.0, prev_params, ops)
+                _axpy(y, g, -1.0, prev_updates, ops)
+                sy = _dot(y, s, ops)
                 rhos[prev] = 0.0 if sy == 0.0 else 1.0 / sy
             if not scale_init:
                 gamma = 1.0
             elif count > 0:
-                yy = _dot(dus[prev], dus[prev])
+                yy = _dot(dus[prev], dus[prev], ops)
                 gamma = sy / yy if yy > 0.0 else 1.0
             else:  # optax's first step: a capped reciprocal of the gradient's norm
                 with np.errstate(divide="ignore"):
-                    gamma = float(np.minimum(1.0, 1.0 / np.sqrt(_dot(g, g))))
+                    gamma = float(np.minimum(1.0, 1.0 / np.sqrt(_dot(g, g, ops))))
             # The two-loop recursion, newest pair first; slots not yet written hold zeros and
             # weight 0, and change nothing: skipped.
             order = [(idx + j) % m for j in range(m)][m - filled :]
-            _copy_into(prev_params, p)  # this step's pair, kept for the next one
-            _copy_into(prev_updates, g)
+            _copy_into(prev_params, p, ops)  # this step's pair, kept for the next one
+            _copy_into(prev_updates, g, ops)
             vec = u.fresh()  # (the updates' own buffer when they may be overwritten)
             if vec is not g:
-                _copy_into(vec, g)
+                _copy_into(vec, g, ops)
             alphas = []
             for j in reversed(order):
-                alpha = rhos[j] * _dot(dps[j], vec)
-                _axpy(vec, vec, -alpha, dus[j])
+                alpha = rhos[j] * _dot(dps[j], vec, ops)
+                _axpy(vec, vec, -alpha, dus[j], ops)
                 alphas.append(alpha)
             if gamma != 1.0:
-                for o in vec.groups:
-                    ops_for(o).scale_(o, o, Factor(1.0, gamma))
+                for o, op in zip(vec.groups, ops):
+                    op.scale_(o, o, Factor(1.0, gamma))
             for j, alpha in zip(order, reversed(alphas)):
-                beta = rhos[j] * _dot(dus[j], vec)
-                _axpy(vec, vec, alpha - beta, dps[j])
+                beta = rhos[j] * _dot(dus[j], vec, ops)
+                _axpy(vec, vec, alpha - beta, dps[j], ops)
             new = ScaleByLBFGSState(safe_increment(count), prev_params, prev_updates, dps, dus, rhos)
             return Updates(vec, True, scratch=u.scratch), new
 
-        return Step(run)
+        # Per step with a full memory: the newest pair and its inner products, this step's
+        # params and updates kept, then per slot an inner product and an update of the vector
+        # each way (the vector's copy and the gamma scaling aside).
+        passes = (
+            ("kernel", "newest pair s, y", 4.0, 2.0),
+            ("reduction", "<s, y>, <y, y>", 3.0, 0.0),
+            ("kernel", "keep params and updates", 2.0, 2.0),
+            ("reduction", f"{m} inner products <s_k, q>, <y_k, q>", 4.0 * m, 0.0),
+            ("kernel", f"{2 * m} updates of the direction q", 4.0 * m, 2.0 * m),
+        )
+        return Host(run, passes, "scale_by_lbfgs", tick)
 
 
 def scale_by_lbfgs(memory_size: int = 10, scale_init_precond: bool = True) -> GradientTransformationExtraArgs:
@@ -461,17 +500,24 @@ class _ZoomLinesearch(Stage):
         ok = isinstance(state, ScaleByZoomLinesearchState) and isinstance(state.grad, FlatTree)
         return state.grad if ok else None
 
-    def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
-        if params is None:
-            raise ValueError("scale_by_zoom_linesearch needs params: call update(updates, state, params)")
-        if not isinstance(state, ScaleByZoomLinesearchState):
-            raise wrong_state("ScaleByZoomLinesearchState", state)
-        kept_grad = expect_state(state, ScaleByZoomLinesearchState, "grad", spec)
-        value0, grad0, objective = _objective(extra, spec)
-        guess = float(state.learning_rate) if self.keep else 1.0
+    def declare(self, spec: Spec, state: Any) -> Host:
+        """A `numbaccum.fuse.Host` over ``state``'s gradient buffer (checked here); its tick
+        checks the step's params and objective (the extra arguments) and takes the guess."""
+        kept = expect_state(state, ScaleByZoomLinesearchState, "grad", spec, renew=False)
+        storage, keep = kept.__dict__, self.keep
+        cls, name = ScaleByZoomLinesearchState, self.public_name
         trial_of = self.workspace(state, spec, "trial")
+        now: list = [None] * 6  # this step's params, kept grad, value0, grad0, objective, guess
+
+        def tick(state: Any, params: Any, extra: dict) -> bool:
+            got = _search_tick(state, cls, storage, params, extra, spec, name)
+            if got is None:
+                return False
+            now[:] = *got, float(state.learning_rate) if keep else 1.0
+            return True
 
         def run(u: Updates) -> tuple[Updates, ScaleByZoomLinesearchState]:
+            params, kept_grad, value0, grad0, objective, guess = now
             u = u.settled()
             direction, p = u.flat, params.flat()
             trial = trial_of()  # kept: not a new params-sized buffer per update
@@ -488,7 +534,27 @@ class _ZoomLinesearch(Stage):
             new = ScaleByZoomLinesearchState(np.float64(best.step), np.float64(best.value), kept_grad, info)
             return u.scaled(Factor(1.0, best.step)), new
 
-        return Step(run)
+        # The objective is the user's: an opaque row (its trial points are passes of its own).
+        return Host(run, None, "scale_by_zoom_linesearch", tick, pending=True)
+
+
+def _search_tick(
+    state: Any, cls: type, storage: dict | None, params: Any, extra: dict, spec: Spec, name: str
+) -> tuple | None:
+    """What a line search's tick checks and takes: ``(params, kept grad, value, grad,
+    objective)`` (the kept gradient renewed, None without one: ``storage`` None), or None when
+    ``state`` is not one holding the buffer declared for (``storage``). A ValueError without
+    params, the objective's errors (`_objective`), before anything runs."""
+    if params is None:
+        raise ValueError(f"{name} needs params: call update(updates, state, params)")
+    if not isinstance(state, cls):
+        return None
+    kept = None
+    if storage is not None:
+        if getattr(state.grad, "__dict__", None) is not storage:
+            return None
+        kept = current(state.grad, "grad")
+    return (params, kept, *_objective(extra, spec, name))
 
 
 _OWN = ("value", "grad", "value_fn", "grad_fn")
@@ -722,30 +788,38 @@ class _BacktrackingLinesearch(Stage):
         ok = isinstance(state, ScaleByBacktrackingLinesearchState) and isinstance(state.grad, FlatTree)
         return state.grad if ok else None
 
-    def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
-        if params is None:
-            raise ValueError(
-                "scale_by_backtracking_linesearch needs params: call update(updates, state, params)"
-            )
+    def declare(self, spec: Spec, state: Any) -> Host:
+        """A `numbaccum.fuse.Host` over ``state``'s gradient buffer (``store_grad``; checked
+        here); its tick checks the step's params and objective and takes the first step."""
         if not isinstance(state, ScaleByBacktrackingLinesearchState):
             raise wrong_state("ScaleByBacktrackingLinesearchState", state)
-        kept = None
+        storage = None
         if self.store_grad:
-            kept = expect_state(state, ScaleByBacktrackingLinesearchState, "grad", spec)
-        value0, grad0, objective = _objective(extra, spec, "scale_by_backtracking_linesearch")
+            kept = expect_state(state, ScaleByBacktrackingLinesearchState, "grad", spec, renew=False)
+            storage = kept.__dict__
         trial_of = self.workspace(state, spec, "trial")
-        with np.errstate(over="ignore", invalid="ignore"):
-            start = float(
-                np.minimum(self.increase_factor * float(state.learning_rate), self.max_learning_rate)
-            )
-        ls = self
+        ls, cls, name = self, ScaleByBacktrackingLinesearchState, self.public_name
+        now: list = [None] * 6  # this step's params, kept grad, value0, grad0, objective, start
 
-        def errors(step: float, slope: float, value: float) -> float:
-            with np.errstate(all="ignore"):
-                err = value - (1.0 + ls.rtol) * value0 - step * ls.slope_rtol * slope
-            return math.inf if math.isnan(err) else max(err, 0.0)
+        def tick(state: Any, params: Any, extra: dict) -> bool:
+            got = _search_tick(state, cls, storage, params, extra, spec, name)
+            if got is None:
+                return False
+            with np.errstate(over="ignore", invalid="ignore"):
+                start = float(
+                    np.minimum(ls.increase_factor * float(state.learning_rate), ls.max_learning_rate)
+                )
+            now[:] = *got, start
+            return True
 
         def run(u: Updates) -> tuple[Updates, ScaleByBacktrackingLinesearchState]:
+            params, kept, value0, grad0, objective, start = now
+
+            def errors(step: float, slope: float, value: float) -> float:
+                with np.errstate(all="ignore"):
+                    err = value - (1.0 + ls.rtol) * value0 - step * ls.slope_rtol * slope
+                return math.inf if math.isnan(err) else max(err, 0.0)
+
             u = u.settled()
             direction, p = u.flat, params.flat()
             slope = _dot(direction, grad0)
@@ -768,7 +842,8 @@ class _BacktrackingLinesearch(Stage):
             new = ScaleByBacktrackingLinesearchState(np.float64(accepted), np.float64(value), kept, info)
             return u.scaled(Factor(1.0, accepted)), new
 
-        return Step(run)
+        # The objective is the user's: an opaque row.
+        return Host(run, None, "scale_by_backtracking_linesearch", tick, pending=True)
 
 
 def scale_by_backtracking_linesearch(

@@ -25,9 +25,12 @@ tick (`_again`), which checks the state as every step does; anything else takes 
 
 A control node (MultiSteps, masked, apply_if_finite, ...) declares a `numbaccum.fuse.Host` that
 holds the plan of its inner transformation (`sub_plan`: declared once, kept by the part, not
-here), ticks it when this step runs it, and replays it from its run. A transformation that does
-not declare itself (user code; the reshaping per-example aggregation) runs through the same
-entry with its own `Stage.plan` each call.
+here), ticks it when this step runs it, and replays it from its run. A reshaping stage that
+declares itself (the per-example aggregation: its `numbaccum.fuse.Host` names the ``spec`` of
+what it returns) keeps its plan, but always takes the full entry: `_again` checks the params
+and layouts against the input's. A transformation that does not declare itself (user code; a
+chain after a reshaping first stage) runs through the same entry with its own `Stage.plan` each
+call.
 
 `numbaccum.explain` describes `plan_of`, the very plan `run` replays.
 """
@@ -383,21 +386,23 @@ def _update(stage: Any, updates: Any, state: Any, params: Any, owner: Any, extra
             ref.checked = check_params(params, spec)
     plan = ticked(stage, spec, state, owner, ref, extra)
     if plan is not None:
+        out_spec = getattr(plan.root, "spec", None) or spec  # a reshaping `fuse.Host`'s
+        if ref is not None and stage.reshapes:
+            _reshaped_params(stage, ref, params, owner, out_spec)
         u.scratch = stage._workspace(owner, spec, "output")
         if kind in arrays.STREAM_KINDS:  # kernels go to the caller's current CUDA stream
             with arrays.launch_context(kind):
-                out, new_state = _replayed(stage, plan, state, u, spec)
+                out, new_state = _replayed(stage, plan, state, u, out_spec)
         else:
-            out, new_state = _replayed(stage, plan, state, u, spec)
-        _keep_last(stage, plan, False, kind, new_state)
+            out, new_state = _replayed(stage, plan, state, u, out_spec)
+        if not stage.reshapes:  # (`_again` checks params and layouts against the input's)
+            _keep_last(stage, plan, False, kind, new_state)
         return out.lent(kind), new_state
     else:
         step = stage.plan(spec, state, ref, extra)
         out_spec = step.spec or spec
         if ref is not None and stage.reshapes:
-            ref.checked = check_params(params, out_spec)
-            ref._layout = out_spec.layout
-            ref._into = stage._workspace(owner, out_spec, "params")
+            _reshaped_params(stage, ref, params, owner, out_spec)
         run_it = step.final or step.run
     u.scratch = stage._workspace(owner, spec, "output")
     if kind in arrays.STREAM_KINDS:
@@ -406,6 +411,14 @@ def _update(stage: Any, updates: Any, state: Any, params: Any, owner: Any, extra
     else:
         out, new_state = _run_or_zeros(stage, run_it, u, out_spec)
     return out.lent(kind), new_state
+
+
+def _reshaped_params(stage: Any, ref: ParamsRef, params: Any, owner: Any, out_spec: Spec) -> None:
+    """The params of a reshaping stage's update, checked against the layout its updates have
+    (``out_spec``: the params', not the per-example gradients')."""
+    ref.checked = check_params(params, out_spec)
+    ref._layout = out_spec.layout
+    ref._into = stage._workspace(owner, out_spec, "params")
 
 
 def _replayed(stage: Any, plan: Plan, state: Any, u: Updates, spec: Spec) -> tuple[FlatTree, Any]:

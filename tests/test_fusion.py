@@ -475,6 +475,51 @@ def test_explain_lists_the_passes_and_bytes():
     assert opaque.total is None and "?" in str(opaque)
 
 
+@pytest.mark.parametrize(
+    "make",
+    [
+        nb.zero_nans,
+        lambda: nb.clip_by_block_rms(0.3),
+        lambda: nb.clip_norm_by_ema(0.9),
+        lambda: nb.normalize_by_ema(0.9, tensorwise=False),
+        lambda: nb.clip_norm_growth(),
+        lambda: nb.scale_by_lbfgs(memory_size=3),
+    ],
+    ids=["zero_nans", "block_rms", "clip_norm_by_ema", "normalize_by_ema", "clip_norm_growth", "lbfgs"],
+)
+def test_declared_host_stages_explain_their_passes(make):
+    """A stage that declares a `fuse.Host` is its passes in `explain` (no opaque row), under
+    its own name, and keeps its declaration: the plan's part is the same object step after
+    step."""
+    params = {"w": np.ones((4, 4), np.float32), "d": np.ones(3)}
+    tx = make()
+    e = nb.explain(tx, params)
+    assert e.total is not None and all(p.kind != "opaque" for p in e.passes)
+    assert {p.kind for p in e.passes} >= {"reduction", "kernel"}
+    from numbaccum.base import stage_of
+    from numbaccum.flat import layout_of
+    from numbaccum.runner import plan_of
+    from numbaccum.updates import Spec
+
+    stage, spec = stage_of(tx), Spec(layout_of(params, "params"), False)
+    state = tx.init(params)
+    roots = []
+    for k in range(2):
+        g = {"w": np.full((4, 4), 1.0 + k, np.float32), "d": np.full(3, 2.0 - k)}
+        _, state = tx.update(g, state, params)
+        roots.append(plan_of(stage, spec, state, stage.owner(state)).root)
+    assert type(roots[0]) is fuse.Host and roots[0] is roots[1]
+
+
+def test_elementwise_history_clippers_fuse_with_the_next_stage():
+    """clip_value_growth and clip_value_by_ema declare their formula as a `fuse.Kernel`: with
+    adam after them, one fused pass."""
+    params = {"w": np.ones((4, 4), np.float32)}
+    for tx in (nb.clip_value_growth(add=0.5), nb.clip_value_by_ema(0.9)):
+        e = nb.explain(nb.chain(tx, nb.adam(0.1)), params)
+        assert [p.kind for p in e.passes] == ["fused"]
+
+
 def test_step_with_weight_decay_reads_the_params_once(monkeypatch):
     """In `step_`, weight decay's params are the buffer the pass writes: the composite takes it
     once (an aliased second argument leaves LLVM's loop scalar), with the same bits."""

@@ -562,3 +562,20 @@ def test_stats_report_the_clipped_examples_and_the_noise_of_the_last_step():
     assert s["multisteps/differentially_private_aggregate/clipped"] == 8
     assert s["multisteps/differentially_private_aggregate/batch"] == 16
     assert s["multisteps/differentially_private_aggregate/noise_std"] == 0.5 / 16
+
+
+def test_aggregate_is_declared_and_explains_its_passes():
+    """The aggregation declares a `fuse.Host` that names the layout it returns: `explain` shows
+    its reduction and its sum (no opaque row); the kept plan still checks each update's params
+    against the params' layout, not the per-example one."""
+    params = {"w": np.zeros(3), "b": np.zeros(2, np.float32)}
+    grads = {"w": np.ones((4, 3)), "b": np.ones((4, 2), np.float32)}
+    tx = nba.differentially_private_aggregate(1.0, 0.5, seed=0)
+    e = nba.explain(tx, grads)
+    assert [p.kind for p in e.passes] == ["reduction", "kernel"] and e.total is not None
+    state = tx.init(params)
+    for _ in range(2):
+        u, state = tx.update(grads, state, params)
+    assert u["w"].shape == (3,)
+    with pytest.raises(ValueError, match="params"):
+        tx.update(grads, state, {"w": np.zeros(3)})
