@@ -374,10 +374,20 @@ def _variant(f: Formula, arrays: tuple, ctype: np.dtype, bf16: bool) -> tuple[tu
     twice = _passed_twice(arrays)
     if not bf16 and not stream and ctype.kind != "c" and not twice:
         return arrays, None
-    # each array's first position among the arrays (itself unless it is passed twice)
-    alias = tuple(next(j for j in range(i + 1) if arrays[j] is a) for i, a in enumerate(arrays)) if twice else ()
-    marks = tuple(a.dtype.kind == "V" for a in arrays)
-    raw = tuple(a.view(np.uint16) if b else a for a, b in zip(arrays, marks))
+    # Loops, not generators: an in-place call of a small tree (L-BFGS's) comes here every step.
+    alias: tuple = ()
+    if twice:  # each array's first position among the arrays (itself unless passed twice)
+        first = []
+        for i, a in enumerate(arrays):
+            j = 0
+            while arrays[j] is not a:
+                j += 1
+            first.append(j)
+        alias = tuple(first)
+    if not bf16:
+        return arrays, ((False,) * len(arrays), ctype.name, stream, alias)
+    marks = tuple([a.dtype.kind == "V" for a in arrays])
+    raw = tuple([a.view(np.uint16) if b else a for a, b in zip(arrays, marks)])
     return raw, (marks, ctype.name, stream, alias)
 
 
