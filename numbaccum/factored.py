@@ -32,14 +32,14 @@ from ._bounded import Bounded
 from ._checks import flag, integer, non_negative, real, real_or_schedule, scheduled, wrong_state
 from .accumulation import ema
 from .backend import ops_for
-from .base import Stage, chain
+from .base import NO_PARAMS_MSG, Stage, chain
 from .clipping import clip_by_block_rms
 from .contract import ONE
 from .declared import check_decay, expect_state, holds, safe_increment
 from .flat import FlatTree, layout_and_device
 from .fuse import Host
 from .layout import Layout, check_float_dtype
-from .norms import NO_PARAMS_MSG, _runs, scale_by_param_block_rms
+from .norms import _runs, scale_by_param_block_rms
 from .protocol import GradientTransformationExtraArgs, state_class
 from .scaling import ScalarOrSchedule, add_decayed_weights, scale, scale_by_learning_rate
 from .tables import FACTORED, UNFACTORED, AxisMaxima, AxisSums, AxisTable, FactorTable, Table, slice_table

@@ -801,6 +801,7 @@ NOT_STATE_CLASSES = {
     "numbaccum.formulas:Formula",
     "numbaccum.fuse:Later",
     "numbaccum.fuse:Wrapped",
+    "numbaccum.runner:Sub",
     "numbaccum.factored:_Axes",
     "numbaccum.factored:_Factoring",
     "numbaccum.masking:_Plan",
