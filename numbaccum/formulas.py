@@ -677,11 +677,15 @@ def sign(x):
 
 
 def sqrt(x):
-    """``math.sqrt`` that gives NaN for a negative ``x`` (as the compiled code and ``jnp.sqrt``
-    do) instead of raising in plain Python; ``(x - x) / (x - x)`` is a NaN of x's own dtype."""
+    """The square root in ``x``'s own precision, NaN for a negative ``x``.
+
+    Compiled, ``np.sqrt`` of a float32 is float32, as ``math.sqrt`` is there; run as Python (the
+    CUDA simulator) ``math.sqrt`` would compute in float64 and give other bits, while ``np.sqrt``
+    keeps the compiled code's. A negative ``x`` gives NaN (as the compiled code and ``jnp.sqrt``
+    do) through ``(x - x) / (x - x)``, a NaN of x's own dtype, without NumPy's warning."""
     if x < 0:
         return (x - x) / (x - x)
-    return math.sqrt(x)
+    return np.sqrt(x)
 
 
 def inv_root(n, eps, eps_in_sqrt):
@@ -693,7 +697,9 @@ def inv_root(n, eps, eps_in_sqrt):
     once; docs/migrating.md, "Numerics"). The second is optax's own division, in ``n``'s dtype,
     so its bits are optax's. A negative ``n`` gives NaN (`sqrt`)."""
     if eps_in_sqrt:
-        return 1.0 / sqrt(n + eps)
+        # float64 on purpose, and spelled so: compiled, a float literal is float64 and so is the
+        # quotient; run as Python (the simulator), NumPy 2 would keep a float32 ``n``'s dtype.
+        return as_float64(1.0) / sqrt(n + eps)
     return like(n, 1.0) / (sqrt(n) + eps)
 
 
