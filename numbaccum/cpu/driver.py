@@ -342,9 +342,9 @@ def map_(f: Formula, factor: Factor, arrays: tuple, scalars: tuple) -> None:
     elif ctype.kind == "V":  # bfloat16: computed in float32
         ctype, bf16 = _F32, True
     n = arrays[0].size
-    variant = None
-    if bf16 or ctype.kind == "c" or n >= _config.STREAM_BYTES // 8 or _passed_twice(arrays):
-        arrays, variant = _variant(f, arrays, ctype, bf16)
+    variant, twice = None, _passed_twice(arrays)
+    if bf16 or ctype.kind == "c" or n >= _config.STREAM_BYTES // 8 or twice:
+        arrays, variant = _variant(f, arrays, ctype, bf16, twice)
     _run(f, _kernel_for(f, n, variant), (n, _config.CHUNK, *arrays), real_dtype(ctype).type, factor, scalars)
 
 
@@ -358,9 +358,12 @@ def _passed_twice(arrays: tuple) -> bool:
     return False
 
 
-def _variant(f: Formula, arrays: tuple, ctype: np.dtype, bf16: bool) -> tuple[tuple, tuple | None]:
+def _variant(
+    f: Formula, arrays: tuple, ctype: np.dtype, bf16: bool, twice: bool
+) -> tuple[tuple, tuple | None]:
     """The arrays as the kernel takes them (bfloat16 ones as their raw bits, uint16 views) and
-    the variant of the drivers that runs them (`_source`), None for the plain drivers. Streaming
+    the variant of the drivers that runs them (`_source`), None for the plain drivers; ``twice``:
+    whether an array is passed more than once (`_passed_twice`, asked once by the caller). Streaming
     stores write the outputs when one of at least `_config.STREAM_BYTES` is not an input or a
     state, on a parallel call (x86-64 only)."""
     n, first_out = arrays[0].size, len(f.states) + len(f.inputs)
@@ -371,7 +374,6 @@ def _variant(f: Formula, arrays: tuple, ctype: np.dtype, bf16: bool) -> tuple[tu
         and all(a is not b for b in arrays[:first_out])
         for a in arrays[first_out:]
     )
-    twice = _passed_twice(arrays)
     if not bf16 and not stream and ctype.kind != "c" and not twice:
         return arrays, None
     # Loops, not generators: an in-place call of a small tree (L-BFGS's) comes here every step.
@@ -408,9 +410,9 @@ def prepare(f: Formula, arrays: tuple) -> Callable[[Factor, tuple], None]:
     else:
         ctype, bf16 = compute_dtype(*kinds), any(d.kind == "V" for d in kinds)
     n = arrays[0].size
-    variant = None
-    if bf16 or ctype.kind == "c" or n >= _config.STREAM_BYTES // 8 or _passed_twice(arrays):
-        arrays, variant = _variant(f, arrays, ctype, bf16)
+    variant, twice = None, _passed_twice(arrays)
+    if bf16 or ctype.kind == "c" or n >= _config.STREAM_BYTES // 8 or twice:
+        arrays, variant = _variant(f, arrays, ctype, bf16, twice)
     cast = real_dtype(ctype).type  # a complex call's scalars are real
     head, kernel = (n, _config.CHUNK, *arrays), _kernel_for(f, n, variant)
     found: list = []
