@@ -1,7 +1,8 @@
 """The documentation site (mkdocs.yml, docs/): every public name on exactly one API page, each page
 opening with its table, every name in the guides and the transformations table linked to its
 entry, no private name in a signature, math typeset by the site's own KaTeX, no request leaving
-the site, the version in the header, the changelog, the performance page's picture; and, where a
+the site, the version in the header, the changelog, the performance page's picture, the gallery
+(every script of examples/ run by the build, with its code, output and figures); and, where a
 Chromium is installed, the pages opened in it (math and images rendered, the console clean).
 
 The site is built once per process with ``mkdocs build --strict`` (the docs extra), as CI builds it."""
