@@ -4,12 +4,12 @@
     mpiexec -n 2 python examples/data_parallel.py
 
 Every rank builds the same model and data set from the same seed, keeps every n-th example, and
-computes gradients on mini-batches of its own shard. ``MultiSteps`` accumulates 4 of them
-locally; on the 4th, ``allreduce_mean`` averages the accumulated gradients across ranks (one
-``Allreduce`` per bucket of a dtype buffer: here one, the model is small), and every rank clips
-and applies Adam to the same bits. Rank 0 prints the loss over the whole data set; at the end
-every rank checks that its parameters are bitwise the same as everyone else's. On one rank (``python examples/data_parallel.py``) it is
-plain gradient accumulation.
+computes gradients on mini-batches of its own shard. `MultiSteps` accumulates 4 of them locally;
+on the 4th, `allreduce_mean` averages the accumulated gradients across ranks (one `Allreduce` per
+bucket of a dtype buffer: here one, the model is small), and every rank clips and applies Adam to
+the same bits. Rank 0 prints the loss over the whole data set; at the end every rank checks that
+its parameters are bitwise the same as everyone else's. On one rank (`python
+examples/data_parallel.py`) it is plain gradient accumulation.
 """
 
 import argparse
@@ -21,12 +21,19 @@ import numbaccum as nba
 from numbaccum.distributed import allreduce_mean
 
 
-def main(steps: int = 400, batch: int = 32, seed: int = 0, comm=None, log_every: int = 100) -> float:
+def main(
+    steps: int = 400,
+    batch: int = 32,
+    seed: int = 0,
+    comm=None,
+    log_every: int = 100,
+) -> float:
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD if comm is None else comm
     rank, size = comm.Get_rank(), comm.Get_size()
-    rng = np.random.default_rng(seed)  # the same on every rank: the same model and data set
+    # the same on every rank: the same model and data set
+    rng = np.random.default_rng(seed)
     x = rng.standard_normal((2048, 8)).astype(np.float32)
     y = np.sin(x @ rng.standard_normal((8, 1))).astype(np.float32)
     params = nba.FlatTree.from_tree(
@@ -37,13 +44,19 @@ def main(steps: int = 400, batch: int = 32, seed: int = 0, comm=None, log_every:
             "b2": np.zeros(1, np.float32),
         }
     )
-    x_mine, y_mine = x[rank::size], y[rank::size]  # this rank's shard of the data set
-    batches = np.random.default_rng([seed, rank])  # each rank draws its own mini-batches
+    x_mine, y_mine = x[rank::size], y[rank::size]  # this rank's shard of the data
+    batches = np.random.default_rng([seed, rank])  # each rank its own mini-batches
 
     grads = params.zeros_like()
-    # The average runs once per emitted step (every 4th), on the accumulated mean gradient.
-    opt = nba.MultiSteps(nba.chain(allreduce_mean(comm), nba.clip_by_global_norm(1.0), nba.adam(1e-3)), 4)
-    state = opt.init(params)  # checks that every rank has the same tree and k (small collectives)
+    # The average runs once per emitted step (every 4th), on the accumulated mean.
+    opt = nba.MultiSteps(
+        nba.chain(
+            allreduce_mean(comm), nba.clip_by_global_norm(1.0), nba.adam(1e-3)
+        ),
+        4,
+    )
+    # checks that every rank has the same tree and k (small collectives)
+    state = opt.init(params)
     p, g = params.tree, grads.tree
 
     def loss_and_grads(xb, yb):
@@ -72,7 +85,8 @@ def main(steps: int = 400, batch: int = 32, seed: int = 0, comm=None, log_every:
                 print(f"step {step + 1}: loss {current:.4f}", flush=True)
 
     final = loss()
-    digest = hashlib.sha256(b"".join(b.tobytes() for b in params.buffers.values())).hexdigest()
+    buffers = b"".join(b.tobytes() for b in params.buffers.values())
+    digest = hashlib.sha256(buffers).hexdigest()
     same = len(set(comm.allgather(digest))) == 1
     if rank == 0:
         print(f"final training loss: {final:.4f} on {size} rank(s)")

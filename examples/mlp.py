@@ -13,7 +13,7 @@ import numbaccum as nba
 def main(steps: int = 400, batch: int = 32, seed: int = 0) -> float:
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((2048, 8)).astype(np.float32)
-    y = np.sin(x @ rng.standard_normal((8, 1))).astype(np.float32)  # a smooth target
+    y = np.sin(x @ rng.standard_normal((8, 1))).astype(np.float32)  # smooth
 
     params = nba.FlatTree.from_tree(
         {
@@ -24,7 +24,9 @@ def main(steps: int = 400, batch: int = 32, seed: int = 0) -> float:
         }
     )
     grads = params.zeros_like()  # filled in place by the backward pass below
-    opt = nba.MultiSteps(nba.chain(nba.clip_by_global_norm(1.0), nba.adam(1e-3)), every_k_schedule=4)
+    opt = nba.MultiSteps(
+        nba.chain(nba.clip_by_global_norm(1.0), nba.adam(1e-3)), every_k_schedule=4
+    )
     state = opt.init(params)
     p, g = params.tree, grads.tree
 

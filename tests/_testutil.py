@@ -45,6 +45,8 @@ EXTRAS = {
     "mpi4py": "mpi",
     "ml_dtypes": "bfloat16",
     "matplotlib": "bench",
+    "sklearn": "docs",
+    "scipy": "docs",
     "mkdocs": "docs",
     "mkdocstrings": "docs",
     "playwright.sync_api": "docs",

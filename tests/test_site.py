@@ -1,7 +1,8 @@
 """The documentation site (mkdocs.yml, docs/): every public name on exactly one API page, each page
 opening with its table, every name in the guides and the transformations table linked to its
 entry, no private name in a signature, math typeset by the site's own KaTeX, no request leaving
-the site, the version in the header, the changelog, the performance page's picture; and, where a
+the site, the version in the header, the changelog, the performance page's picture, the gallery
+(every script of examples/ run by the build, with its code, output and figures); and, where a
 Chromium is installed, the pages opened in it (math and images rendered, the console clean).
 
 The site is built once per process with ``mkdocs build --strict`` (the docs extra), as CI builds it."""
@@ -41,10 +42,15 @@ COMPAT = {
     for n in mod.__all__
     if getattr(nba, n, None) is not getattr(mod, n)
 }
-# the pages whose code spans name public names: the guides, concepts, migrating, the front page
-GUIDE_PAGES = ["index", "concepts", "migrating"] + [
-    f"guides/{p.stem}" for p in (DOCS / "guides").glob("*.md")
-]
+EXAMPLES = sorted((ROOT / "examples").glob("*.py"))  # the gallery's scripts, a page each
+GALLERY_PAGES = ["gallery"] + [f"gallery/{p.stem}" for p in EXAMPLES]
+# the pages whose code spans name public names: the guides, concepts, migrating, the front page,
+# the gallery (its pages' prose is their scripts' docstrings)
+GUIDE_PAGES = (
+    ["index", "concepts", "migrating"]
+    + [f"guides/{p.stem}" for p in (DOCS / "guides").glob("*.md")]
+    + GALLERY_PAGES
+)
 
 
 def _entries() -> dict[Path, list[str]]:
@@ -265,6 +271,77 @@ def test_the_performance_page_has_headings_and_the_bench_picture(site):
     assert re.search(r"20\d\d-\d\d-\d\d", source.split("![", 1)[0][-800:])  # and when
 
 
+def _gallery_hook():
+    """docs/hooks/gallery.py, imported as mkdocs imports it."""
+    require("mkdocs")
+    sys.path.insert(0, str(DOCS / "hooks"))
+    try:
+        import gallery
+    finally:
+        sys.path.remove(str(DOCS / "hooks"))
+    return gallery
+
+
+def test_the_gallery_shows_every_example_with_its_code_output_and_figures(site):
+    """Each script of examples/ has a page in the Gallery section, in the index's table: its
+    docstring, what it printed (or why it was not run), each figure it drew as a PNG of the site,
+    and its code, which the page offers for download byte for byte."""
+    gallery = _gallery_hook()
+    index = _page(site, "gallery").split("<article", 1)[1]
+    assert len(EXAMPLES) >= 7
+    for script in EXAMPLES:
+        assert f'href="{script.stem}/"' in index, script.name  # the index's table links it
+        text = _page(site, f"gallery/{script.stem}")
+        article = text.split("<article", 1)[1].split("</article>", 1)[0]
+        title, prose, code = gallery.split_docstring(script.read_text())
+        assert _text(re.search(r"<h1\b.*?</h1>", article, re.S).group(0)).strip("¶ ") == title
+        blocks = [_text(b) for b in re.findall(r"<pre\b.*?</pre>", article, re.S)]
+        assert code.strip() in [b.strip() for b in blocks], f"{script.name}: its code is not on its page"
+        served = site / "gallery" / script.name  # the download link's target: the script itself
+        assert f'href="../{script.name}"' in article and served.read_bytes() == script.read_bytes()
+        images = re.findall(r'<img [^>]*src="([^"]+)"', article)
+        if script.stem in gallery.NOT_RUN:
+            assert "Not run here" in article and "Output" not in _text(article), script.name
+            assert images == []
+            continue
+        output = blocks[[i for i, b in enumerate(blocks) if b.strip() != code.strip()][0]]
+        assert output.strip() and "Traceback" not in output, script.name
+        assert len(images) == _FIGURES.get(f"gallery/{script.stem}", 0), (script.name, images)
+        for src in images:
+            png = (site / "gallery" / script.stem / src).resolve()
+            assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000, src
+
+
+def test_a_failing_or_warning_example_fails_the_build(tmp_path, monkeypatch, caplog):
+    """A script that raises stops the build with its traceback (no page shows one); a Python
+    warning it prints is a build warning, which ``--strict`` makes an error."""
+    gallery = _gallery_hook()
+    from mkdocs.exceptions import PluginError
+
+    broken = tmp_path / "broken.py"
+    broken.write_text('"""Broken."""\n\nprint("half")\nraise ValueError("the example is broken")\n')
+    with pytest.raises(
+        PluginError, match=r"(?s)examples/broken.py failed.*ValueError: the example is broken"
+    ):
+        gallery.run(broken)
+    warns = tmp_path / "warns.py"
+    warns.write_text(
+        '"""Warns."""\n\nimport warnings\n\nwarnings.warn("careful", UserWarning)\nprint("done")\n'
+    )
+    with caplog.at_level("WARNING", logger="mkdocs.hooks.gallery"):
+        output, figures, _ = gallery.run(warns)
+    assert output == "done\n" and figures == []
+    assert [r.levelname for r in caplog.records] == ["WARNING"] and "UserWarning: careful" in caplog.text
+    # the nav must list every script: one missing stops the build before anything runs
+    monkeypatch.setattr(gallery, "EXAMPLES", tmp_path)
+
+    class Config:
+        nav = [{"Gallery": ["gallery/index.md", {"Warns": "gallery/warns.md"}]}]
+
+    with pytest.raises(PluginError, match=r"examples/broken.py not in mkdocs.yml's Gallery nav"):
+        gallery.on_files([], Config())
+
+
 # --- in a real browser --------------------------------------------------------------------------
 
 # what a page must show once its scripts ran: each formula typeset, each image drawn, fonts loaded
@@ -277,12 +354,15 @@ _CHECK = """() => ({
 })"""
 _TYPESET = """() => document.querySelectorAll('.arithmatex .katex').length
   === document.querySelectorAll('.arithmatex').length"""
+# the gallery's pages that show a figure: those whose script draws one
+_FIGURES = {f"gallery/{p.stem}": 1 for p in EXAMPLES if "plt.show()" in p.read_text()}
 _BROWSER_PAGES = [
     "index",
     "reference/transformations",
     "reference/api/optimizers",
     "performance",
     "changelog",
+    *GALLERY_PAGES,
 ]
 
 
@@ -368,8 +448,9 @@ def test_the_pages_render_in_a_headless_browser(served):
                         seen,
                     )
                     assert seen["katexFont"], f"{name}: KaTeX's fonts did not load"
-                if name == "performance":
-                    assert seen["images"] and all(ok for _, ok in seen["images"]), seen["images"]
+                if name == "performance" or name in _FIGURES:
+                    assert len(seen["images"]) >= _FIGURES.get(name, 1), (name, seen["images"])
+                assert all(ok for _, ok in seen["images"]), (name, seen["images"])
         finally:
             browser.close()
     assert problems == []
