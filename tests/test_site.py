@@ -10,6 +10,7 @@ The site is built once per process with ``mkdocs build --strict`` (the docs extr
 from __future__ import annotations
 
 import collections
+import fcntl
 import html
 import inspect
 import os
@@ -89,19 +90,29 @@ def test_a_state_follows_the_transformation_it_belongs_to():
 
 @pytest.fixture(scope="module")
 def site(tmp_path_factory) -> Path:
-    """The site, built as CI builds it (``--strict``: a broken link or reference fails)."""
+    """The site, built as CI builds it (``--strict``: a broken link or reference fails), once per
+    test session: pytest-xdist's workers share the parent of their temporary directories, and the
+    first to get there builds the site under a lock while the others wait and read it (the build
+    runs every example of the gallery: tens of seconds)."""
     require("mkdocs")
     require("mkdocstrings")
-    out = tmp_path_factory.mktemp("site")
-    env = {**os.environ, "NO_MKDOCS_2_WARNING": "1", "PYTHONPATH": str(ROOT)}
-    r = subprocess.run(
-        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(out)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-    )
-    assert r.returncode == 0, r.stderr[-4000:]
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = shared.parent
+    out, done = shared / "site", shared / "site.built"
+    with open(shared / "site.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not done.exists():  # a failed build leaves no mark: the next worker fails it again
+            env = {**os.environ, "NO_MKDOCS_2_WARNING": "1", "PYTHONPATH": str(ROOT)}
+            r = subprocess.run(
+                [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(out)],
+                cwd=ROOT,
+                env=env,
+                capture_output=True,
+                text=True,
+            )
+            assert r.returncode == 0, r.stderr[-4000:]
+            done.touch()
     return out
 
 
