@@ -597,7 +597,8 @@ class LockedCache:
 
 
 class _CpuImpl(CompileResultCacheImpl):
-    _locator_classes = [Locator]
+    # Any: numba's list is inferred as list[type[object]], classes constructed with no argument
+    _locator_classes: list[Any] = [Locator]
 
 
 class _CpuCache(LockedCache, FunctionCache):

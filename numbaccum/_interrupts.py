@@ -59,7 +59,8 @@ _DEFAULT = _signal.default_int_handler
 
 # SIGINT's handler in place of Python's default one from the first update on (see above).
 _PROXY = functools.partial(_DEFAULT)
-_retarget = _PROXY.__setstate__  # (func, args, keywords, dict); an exact dict is kept, not copied
+# (func, args, keywords, dict); an exact dict is kept, not copied (typeshed's partial omits it)
+_retarget = _PROXY.__setstate__  # type: ignore[attr-defined]
 _NO_KEYWORDS: dict = {}
 _IDLE = (_DEFAULT, (), _NO_KEYWORDS, None)  # its state between updates
 
@@ -79,6 +80,10 @@ class _Held:
     __slots__ = ("handler", "pending", "forced", "delivery")
 
     def __init__(self) -> None:
+        self.clear()
+
+    def clear(self) -> None:
+        """Nothing held (as made, and in a forked child, which holds nothing)."""
         self.handler: Any = None
         self.pending = self.forced = False
         self.delivery: _Delivery | None = None
@@ -91,7 +96,7 @@ _MAIN = threading.main_thread().ident
 def _after_fork() -> None:
     global _MAIN
     _MAIN = threading.main_thread().ident
-    _HELD.__init__()
+    _HELD.clear()
 
 
 if hasattr(os, "register_at_fork"):

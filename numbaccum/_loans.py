@@ -49,18 +49,27 @@ def lend(buffer: Any) -> Any:
     it, or any view made of it, lives, `on_loan` of ``buffer`` is True."""
     if buffer.size == 0:  # nothing can be overwritten
         return buffer
+    watched: object  # what the weak reference below watches: the NumPy root, or an `_Owner`
     if isinstance(buffer, np.ndarray):
         # (bfloat16 has no buffer format: its bytes are shared)
         raw = buffer if buffer.dtype.kind in "fc" else buffer.view(np.uint8)
-        root = watched = np.frombuffer(memoryview(raw), buffer.dtype)
+        # (numpy's stubs give ndarray the buffer protocol's `__buffer__` only from Python 3.12)
+        root = watched = np.frombuffer(memoryview(raw), buffer.dtype)  # type: ignore[arg-type]
     elif arrays.simulated():  # a FakeCUDAArray over a NumPy array: the NumPy root, wrapped
         watched = np.frombuffer(memoryview(buffer._ary.view(np.uint8)), buffer.dtype)
         root = type(buffer)(watched)
     else:
         watched = _Owner(buffer)
-        root = arrays.view_from_pointer(arrays.data_pointer(buffer), buffer.size, buffer.dtype, watched)
+        ptr = arrays.data_pointer(buffer)
+        assert ptr is not None  # a device array: only the simulator's have no address
+        root = arrays.view_from_pointer(ptr, buffer.size, buffer.dtype, watched)
     key = id(buffer)
-    ref = weakref.ref(watched, lambda r, k=key: _LENT.pop(k) if _LENT.get(k) is r else None)
+
+    def forget(r: weakref.ref) -> None:  # every view is gone (a newer loan's entry stays)
+        if _LENT.get(key) is r:
+            _LENT.pop(key)
+
+    ref = weakref.ref(watched, forget)
     _LENT[key] = ref
     return root
 

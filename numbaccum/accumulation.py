@@ -576,7 +576,7 @@ class MultiSteps(Stage):
         if self._dp is not None and should_skip_update_fn is not None:
             raise ValueError("should_skip_update_fn: not with DP accumulation (the updates are per example)")
         self._rest = Chain(inner.stages[1:]) if self._dp is not None and isinstance(inner, Chain) else None
-        self.reshapes = self._dp is not None  # type: ignore[misc]
+        self.reshapes = self._dp is not None
         if should_skip_update_fn is not None and not callable(should_skip_update_fn):
             raise TypeError(
                 f"should_skip_update_fn must be callable or None, got {type(should_skip_update_fn).__name__}"

@@ -31,7 +31,7 @@ from . import formulas as F
 from . import fuse
 from ._checks import flag, non_negative, real, wrong_state
 from .backend import ops_for
-from .base import Stage, as_stage, with_extra_args_support
+from .base import Stage, Step, as_stage, with_extra_args_support
 from .clipping import divide_leaves
 from .contract import ONE, Factor
 from .declared import check_decay, expect_state, field_owner, safe_increment
@@ -125,8 +125,9 @@ class _Inner:
     __slots__ = ("stage", "spec", "scratch", "plan", "step")
 
     def __init__(self, stage: Stage, spec: Spec, state: Any, scratch: Callable[[], FlatTree]) -> None:
-        self.stage, self.spec, self.scratch, self.step = stage, spec, scratch, None
-        self.plan = None
+        self.stage, self.spec, self.scratch = stage, spec, scratch
+        self.step: Step | None = None  # (user code: this step's, planned by `tick`)
+        self.plan: Plan | None = None
         if stage.declarable():  # checks its state: raises naming what is wrong
             root = stage.declare(spec, state)
             self.plan = Plan(root, spec, fuse.enabled(), [scratch] * len(fuse.leaves(root)))
@@ -142,7 +143,8 @@ class _Inner:
         """The ticked inner step on ``factor(x)``, read-only: ``(updates, new inner state)``."""
         view = Updates(x, False, factor, returnable=False, scratch=self.scratch)
         if self.plan is None:
-            return self.step.run(view)  # type: ignore[union-attr]
+            assert self.step is not None  # (planned by this step's `tick`)
+            return self.step.run(view)
         return replay(self.plan, state, view, None, False)
 
 
@@ -273,7 +275,7 @@ class _EmaNorm(Stage):
             ("reduction", "norms of the EMA", 1.0, 0.0),
             ("kernel", "scale", 1.0, 1.0),
         )
-        run = lambda u: self._run(u, *now, inner)  # noqa: E731
+        run = lambda u: self._run(u, now[0], now[1], now[2], inner)  # noqa: E731
         name = "normalize_by_ema" if self.normalize else "clip_norm_by_ema"
         return Host(run, passes, name, tick, pending=not self.tensorwise)
 

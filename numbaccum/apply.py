@@ -318,8 +318,10 @@ def _added(params: Any, updates: Any) -> Any:
         return None
     out = FlatTree.empty(layout)
     tree = out.tree
+    outs = host_leaves(tree, layout)
+    assert outs is not None  # the tree of a fresh host buffer of this very layout
     with np.errstate(all="ignore"):
-        for p, u, o in zip(ps, us, host_leaves(tree, layout)):
+        for p, u, o in zip(ps, us, outs):
             np.add(u, p, o)
     return tree
 

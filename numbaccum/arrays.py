@@ -16,12 +16,15 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from . import tree as _tree
 from .layout import FLOATS, Layout, check_float_dtype
+
+if TYPE_CHECKING:
+    from numpy.typing import DTypeLike
 
 __all__ = [
     "INSTALL_HINT",
@@ -203,7 +206,7 @@ def view_from_pointer(ptr: int, n: int, dtype: np.dtype, owner: Any) -> Any:
     return _logical(cuda_api().from_cuda_array_interface(desc, owner=owner, sync=False), dtype)
 
 
-def empty(n: int, dtype: np.dtype) -> Any:
+def empty(n: int, dtype: DTypeLike) -> Any:
     """An uninitialised 1-D device array, allocated in the order of the current stream."""
     dtype = np.dtype(dtype)
     return _logical(cuda_api().device_array(n, _raw(dtype), stream=stream()), dtype)

@@ -280,7 +280,7 @@ class Stage(metaclass=_StageType):
     input's (per-example aggregation); such a stage converts the user's input itself (`take`).
     """
 
-    reshapes: ClassVar[bool] = False
+    reshapes: bool = False  # a class's default; a wrapper sets its own from its inner stage's
     # Whether the stage takes complex leaves, with optax's semantics (a transformation optax
     # defines on them); the others refuse them with a TypeError before anything runs.
     complex_leaves: ClassVar[bool] = False
@@ -608,7 +608,7 @@ class Chain(Stage):
         self.stages = stages
         self.names = names
         # A reshaping first stage (per-example aggregation) converts the chain's input.
-        self.reshapes = bool(stages) and stages[0].reshapes  # type: ignore[misc]
+        self.reshapes = bool(stages) and stages[0].reshapes
         # The index of the last stage that runs foreign code, -1 if none.
         self._last_foreign = max((i for i, s in enumerate(stages) if s.foreign()), default=-1)
         # Whether the whole chain is one declaration the runner can keep and replay: not with

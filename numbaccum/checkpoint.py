@@ -96,7 +96,7 @@ def _resolve_class(name: Any, fields: Any, known: dict[str, type]) -> Any:
     looked up in a module or called for it."""
     if not (isinstance(name, str) and isinstance(fields, list) and all(isinstance(f, str) for f in fields)):
         raise _Malformed(f"a bad class entry {short_repr(name)}")
-    cls = known.get(name) or _registry().get(name)
+    cls: type[Any] | None = known.get(name) or _registry().get(name)  # a NamedTuple class
     if cls is None:
         raise _Malformed(
             f"the class {short_repr(name)} is not a state class numbaccum knows: numbaccum's own "
@@ -113,7 +113,7 @@ def _resolve_class(name: Any, fields: Any, known: dict[str, type]) -> Any:
 # --- states whose fields changed since version 1 files were first written ------------------------
 
 
-def _earlier_fields(cls: type) -> list[list[str]]:
+def _earlier_fields(cls: type[Any]) -> list[list[str]]:
     """The field lists an earlier numbaccum wrote for ``cls`` (a file keeps loading after a state
     changed its fields; `_build` reads it)."""
     nba = sys.modules["numbaccum"]  # loaded; a load imports nothing (not even our own modules)
@@ -126,7 +126,7 @@ def _earlier_fields(cls: type) -> list[list[str]]:
     return []
 
 
-def _build(cls: type, values: dict[str, Any]) -> Any:
+def _build(cls: type[Any], values: dict[str, Any]) -> Any:
     """``cls`` from a file's ``values`` by field: an earlier field list (`_earlier_fields`) gets
     the defaults of the fields it lacks; MultiStepsState's old ``examples`` count moves to the DP
     state inside its inner state, where it is kept now."""
@@ -1041,7 +1041,7 @@ class _Decoder:
             return self._node(n, path)
         raise _Malformed(f"a malformed dict key at {path}")
 
-    def _flat(self, layout_index: Any, groups: Any, on_device: Any, path: str) -> FlatTree:
+    def _flat(self, layout_index: Any, groups: Any, on_device: Any, path: str) -> FlatTree | _FlatSpec:
         layout = self.layout(layout_index, path)
         if not isinstance(groups, list) or len(groups) != len(layout.groups):
             raise _Malformed(f"{path}: {short_repr(groups)} does not give one array per group of {layout}")

@@ -309,6 +309,7 @@ class _ScaleByAdemamix(Elementwise):
     def declare(self, spec: Any, state: Any) -> Any:
         part = super().declare(spec, state)
         ticked = part.tick
+        assert ticked is not None  # (set by `Elementwise.declare`)
 
         def tick(state: Any, params: Any, extra: dict) -> bool:  # count_m2 advances with count
             if not ticked(state, params, extra):
@@ -901,8 +902,9 @@ class _ScheduleFree(Stage):
             return True
 
         def run(u: Updates) -> tuple[Updates, ScheduleFreeState]:
-            params, scalars, values, z, base, base_run = step
-            if base_run is None:
+            params, scalars, (b1_, weight_sum, step_count, max_lr), z, base, base_run = step
+            if base_run is None:  # the base optimizer's declared plan, ticked by `tick`
+                assert sub is not None
                 base_u, base_state = runner.replay(sub, base, u, None, True)
             else:
                 base_u, base_state = base_run(u)
@@ -910,7 +912,8 @@ class _ScheduleFree(Stage):
             out = base_u.fresh() if base_u.owned else u.fresh()
             for o, zg, g, pg, og in zip(ops, z.groups, base_u.flat.groups, p.groups, out.groups):
                 o.driver.map_(schedule_free_direction, base_u.factor, (zg, g, pg, og), scalars)
-            return Updates(out, True, scratch=u.scratch), ScheduleFreeState(*values, base_state, z)
+            new_state = ScheduleFreeState(b1_, weight_sum, step_count, max_lr, base_state, z)
+            return Updates(out, True, scratch=u.scratch), new_state
 
         # the base optimizer's passes, then one over z, its updates and the params (writes z and
         # the updates); user code's: opaque
@@ -1302,15 +1305,15 @@ class _LrFree(Stage):
         layout, device = layout_and_device(params, "params")
         reals = [real_dtype(d) for d in layout.dtypes] or [np.dtype(np.float32)]
         t = min(reals, key=lambda d: d.itemsize).type
-        z = [FlatTree.zeros(layout, None, device) for _ in range(3)]
+        exp_avg, exp_avg_sq, grad_sum = (FlatTree.zeros(layout, None, device) for _ in range(3))
         scalars = (t(self.estim_lr0), t(0.0), np.int32(0))
         if not self.prodigy:
-            return DAdaptAdamWState(*z, *scalars)
+            return DAdaptAdamWState(exp_avg, exp_avg_sq, grad_sum, *scalars)
         p0 = FlatTree.empty(layout, None, device)
         src = params if isinstance(params, FlatTree) else as_flat(params, layout, "params", device=device)[0]
         for o, p in zip(p0.groups, src.groups):
             ops_for(o).scale_(o, p, ONE)
-        return ProdigyState(*z, p0, *scalars)
+        return ProdigyState(exp_avg, exp_avg_sq, grad_sum, p0, *scalars)
 
     def owner(self, state: Any) -> FlatTree | None:
         ok = isinstance(state, self.state_cls) and isinstance(state.exp_avg, FlatTree)
@@ -1351,6 +1354,7 @@ class _LrFree(Stage):
                 bc = t(t(t(1) - t(b2) ** int(c)) ** t(0.5)) / t(t(1) - t(b1) ** int(c))
                 dlr = t(t(d * t(sched)) * bc)
                 neg_wd_dlr = t(t(-wd) * dlr)
+            scalars: tuple  # the formula's: prodigy's eleven, D-Adaptation's nine
             if prodigy:
                 rate = d if self.safeguard else dlr
                 scalars = (b1, 1.0 - b1, b2, 1.0 - b2, b3, d, rate, d0, dlr, neg_wd_dlr, t(d * t(eps)))
@@ -1563,8 +1567,8 @@ def _rademacher(out: FlatTree, seed: int, step: int) -> FlatTree:
         words = np.asarray(bits.random_raw((n + 63) // 64), dtype="<u8")
         flips = np.unpackbits(words.view(np.uint8), count=n, bitorder="little")
         signs = (np.float32(1.0) - np.float32(2.0) * flips.astype(np.float32)).astype(g.dtype)
-        if out.device:
-            g.copy_to_device(signs)
+        if out.device:  # (a device group: numba's DeviceNDArray, typed as FlatTree's ndarray)
+            g.copy_to_device(signs)  # type: ignore[attr-defined]
         else:
             g[...] = signs
     return out
@@ -1705,13 +1709,13 @@ class _Hutchinson(Stage):
                 ops_for(x).add_scaled_(a, x, ONE, s, r)
                 ops_for(x).add_scaled_(b, x, ONE, s, -r)
             gp = _copied_in(
-                user_code(grad_fn, plus.tree_as(kind)),
+                user_code(fn, plus.tree_as(kind)),
                 spec,
                 self.kept("g_plus", layout, device),
                 "grad_fn's value",
             )
             gm = _copied_in(
-                user_code(grad_fn, minus.tree_as(kind)),
+                user_code(fn, minus.tree_as(kind)),
                 spec,
                 self.kept("g_minus", layout, device),
                 "grad_fn's value",
@@ -1900,6 +1904,7 @@ class _ScaleBySophia(Elementwise):
         h = FlatTree.zeros(spec.layout, None, spec.device)
         mu, nu = part.states
         ticked, interval, estimate = part.tick, self.update_interval, self._estimate
+        assert ticked is not None  # (set by `Elementwise.declare`)
         report = self.verbose and self.clip is not None and self.every > 0
         plain = lambda: (h,)  # noqa: E731
 
@@ -1936,7 +1941,11 @@ class _ScaleBySophia(Elementwise):
             kept, total = 0, 0
             for gi, (m, v) in enumerate(zip(mu.groups, before.groups)):
                 ct = compute_dtype(m.dtype, v.dtype)
-                m, v = (np.asarray(x.copy_to_host() if mu.device else x).astype(ct) for x in (m, v))
+                m, v = (
+                    # (device groups: numba's DeviceNDArray, typed as FlatTree's ndarray)
+                    np.asarray(x.copy_to_host() if mu.device else x).astype(ct)  # type: ignore[attr-defined]
+                    for x in (m, v)
+                )
                 t = ct.type
                 _, _, _, _, bc1, gamma, eps, *_ = scalars[gi]
                 with np.errstate(all="ignore"):

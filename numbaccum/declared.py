@@ -114,7 +114,8 @@ def expect_state(
     state must be current and the field comes back renewed (`numbaccum.transaction.current`): build
     the new state from it."""
     if isinstance(layout, Spec):
-        layout, device = layout.layout, layout.device
+        device = layout.device
+        layout = layout.layout
     if not isinstance(state, cls):
         raise wrong_state(cls.__name__, state)
     flat = getattr(state, field)
@@ -174,10 +175,10 @@ class Elementwise(Stage):
     """
 
     formula: ClassVar[F.Formula]
-    state_cls: ClassVar[type | None] = None
-    fields: ClassVar[tuple[str, ...]] = ()
-    counted: ClassVar[bool] = False
-    count_field: ClassVar[str] = "count"  # the state's field of the count (Adan's is ``t``)
+    state_cls: type[Any] | None = None  # a NamedTuple class
+    fields: tuple[str, ...] = ()
+    counted: bool = False
+    count_field: str = "count"  # the state's field of the count (Adan's is ``t``)
     inputs: ClassVar[tuple[str, ...]] = ()
     name: ClassVar[str]
     mu_dtype: np.dtype | None = None
@@ -234,7 +235,8 @@ class Elementwise(Stage):
     def owner(self, state: Any) -> FlatTree | None:
         if not self.fields:
             return None
-        return field_owner(state, self.state_cls, self.fields[-1])  # type: ignore[arg-type]
+        assert self.state_cls is not None  # (a stage with buffer fields has a state class)
+        return field_owner(state, self.state_cls, self.fields[-1])
 
     def declare(self, spec: Spec, state: Any) -> Kernel:
         """The `Kernel` of this stage over ``state``'s buffers, after checking them (type,
@@ -262,13 +264,13 @@ class Elementwise(Stage):
             part.scalars = [scalars(None, ct) for ct in cts]
         if cls is None:  # stateless: the state passes through
 
-            def tick(state: Any, params: Any, extra: dict) -> bool:
+            def passing(state: Any, params: Any, extra: dict) -> bool:
                 if reads_params:
                     part.inputs = _params_input(params, name)
                 part.new_state = state
                 return True
 
-            return tick
+            return passing
         # The state's fields by position: the buffers to check (by their storage, which their
         # renewals share), the owner to renew, the count to advance; any other field passes.
         order = cls._fields  # type: ignore[union-attr]
@@ -281,7 +283,8 @@ class Elementwise(Stage):
         # the drivers cast them for the call and the kernels to each formula's compute dtype.
         distinct = list(dict.fromkeys(cts))
         where = [distinct.index(ct) for ct in cts]  # each group's, among the distinct ones
-        one_ct, ct0, n_groups = len(distinct) == 1, distinct[0] if distinct else None, len(cts)
+        # ct0: the one dtype when every group computes in it, else None
+        ct0, n_groups = distinct[0] if len(distinct) == 1 else None, len(cts)
         new = tuple.__new__  # the NamedTuple made from its values, without its keyword __new__
         advance = None if type(self).advance is Elementwise.advance else self.advance
 
@@ -294,14 +297,14 @@ class Elementwise(Stage):
             if reads_params:
                 part.inputs = _params_input(params, name)
             values = list(state)
-            if owner_at >= 0:
+            if owner_field is not None:  # (then owner_at is its index)
                 values[owner_at] = current(values[owner_at], owner_field)
             if counted:
                 if advance is None:  # a count: inline, the common case
                     count = values[count_at] = safe_increment(values[count_at])
                 else:
                     values[count_at], count = advance(values[count_at])
-                if one_ct:  # every group computes in one dtype: no comprehension per step
+                if ct0 is not None:  # every group computes in one dtype: no comprehension per step
                     part.scalars = [scalars(count, ct0)] * n_groups
                 else:
                     each = [scalars(count, ct) for ct in distinct]

@@ -164,12 +164,15 @@ def _read_calibration(path: Path, library: str) -> _Bucket | None:
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as e:  # unreadable, not UTF-8, not JSON
-        return _ignored(path, f"cannot be read ({e})")
+        _ignored(path, f"cannot be read ({e})")
+        return None
     nbytes = record.get("bucket_bytes") if isinstance(record, dict) else None
     if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 1:
-        return _ignored(path, "has no positive integer bucket_bytes")
+        _ignored(path, "has no positive integer bucket_bytes")
+        return None
     if record.get("library") != library:
-        return _ignored(path, f"was measured with {record.get('library')!r}, not {library!r}")
+        _ignored(path, f"was measured with {record.get('library')!r}, not {library!r}")
+        return None
     when = f"{_ranks(record.get('ranks', '?'))}, {record.get('date', '?')}"
     return _Bucket(nbytes, f"calibrated: {path} ({when})")
 
@@ -220,6 +223,7 @@ def _sum_host(
     for i, (lo, hi) in enumerate(runs):
         if nonblocking:
             req = nxt
+            assert req is not None  # (issued before this run: the first above, each next here)
             nxt = comm.Iallreduce(*args(*runs[i + 1]), op=MPI.SUM) if i + 1 < len(runs) else None
             req.Wait()
         else:
@@ -311,7 +315,7 @@ def _reduce(
             h = _staging(out, (gi, "half"), y.size, dt, pinned=True)
             _down(x, h, s)
             _sum_half(comm, h, h, wire, runs, n_mean)
-            y.copy_to_device(h, stream=s)
+            y.copy_to_device(h, stream=s)  # type: ignore[attr-defined]  # numba's DeviceNDArray
             continue
         runs = _runs(y.size, dt.itemsize, bucket_bytes)
         if not out.device:
@@ -331,7 +335,7 @@ def _reduce(
             h = _staging(out, (gi, "sum"), y.size, dt, pinned=True)
             _down(x, h, s)
             _sum_host(comm, h, h, runs, n_mean)
-            y.copy_to_device(h, stream=s)
+            y.copy_to_device(h, stream=s)  # type: ignore[attr-defined]  # numba's DeviceNDArray
     return sums
 
 

@@ -64,7 +64,7 @@ class FactoredState(NamedTuple):
             where the params live.
     """
 
-    count: np.int32
+    count: np.int32  # type: ignore[assignment]  # shadows tuple.count, as in optax
     v_row: FlatTree
     v_col: FlatTree
     v: FlatTree
@@ -137,9 +137,18 @@ def _factoring(layout: Layout, factored: bool, min_dim: int) -> _Factoring:
 
     keys = layout.group_keys
     v_row, v_col, v = (Layout.get(layout.treedef, shapes(w), layout.dtypes, keys) for w in range(3))
-    rows, cols, row_len, col_len, row_act, col_act, means, means_len, passes = ([] for _ in range(9))
+    # Per group: v_row's and v_col's axis sums, their statistics' lengths K and whether a
+    # factored leaf owns each (filled in pairs below); the means' slicing, lengths; the pass.
+    rows: list[AxisSums] = []
+    cols: list[AxisSums] = []
+    row_len: list[np.ndarray] = []
+    col_len: list[np.ndarray] = []
+    row_act: list[np.ndarray] = []
+    col_act: list[np.ndarray] = []
+    means, means_len, passes = ([] for _ in range(3))
     for gi, members in enumerate(layout.groups):
-        cut_m, meta, job_r, job_c = [], [], [], []
+        cut_m: list[tuple] = []
+        meta, job_r, job_c = [], [], []
         for j, leaf in enumerate(members):
             shape, size, d = layout.shapes[leaf], layout.sizes[leaf], dims[leaf]
             base = int(layout.offsets[gi][j])
@@ -323,7 +332,7 @@ class _ScaleByFactoredRms(Stage):
         # Two segmented reductions (row and column sums of squares) where a leaf is factored,
         # then one pass that reads the updates and the unfactored leaves' v, writes both.
         full = _unfactored_share(spec.layout, f.dims)
-        passes = (("kernel", "factored scale", 1.0 + full, 1.0 + full),)
+        passes: tuple = (("kernel", "factored scale", 1.0 + full, 1.0 + full),)
         if f.any_factored:
             passes = (("reduction", "row sums of squares", 1.0, 0.0), ("reduction", "column sums of squares", 1.0, 0.0), *passes)
         part = Host(run, passes, self.public_name, tick)
@@ -544,7 +553,8 @@ def _axes_of(layout: Layout) -> _Axes:
     mu_group = tuple(mu.group_dtypes.index(d) for d in layout.group_dtypes)
     passes, maxima = [], []
     for gi, members in enumerate(layout.groups):
-        meta, axes = [], []
+        meta: list[tuple] = []
+        axes: list[tuple] = []
         jobs = []
         for j, leaf in enumerate(members):
             shape, size, base = shapes[leaf], layout.sizes[leaf], int(layout.offsets[gi][j])

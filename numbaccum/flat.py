@@ -58,10 +58,10 @@ def _as_leaf(x: Any, where: tuple, name: str) -> Any:
         try:
             arr = _read_only(np.asarray(x) if hasattr(x, "__array__") else np.from_dlpack(x))
         except Exception as e:  # e.g. an array on a device NumPy cannot read
-            arr = arrays.host_bfloat16(x)
-            if arr is None:
+            host = arrays.host_bfloat16(x)
+            if host is None:
                 raise TypeError(f"{path}: NumPy cannot read this {type(x).__name__} ({e})") from None
-            arr = _read_only(arr)
+            arr = _read_only(host)
     else:
         raise TypeError(
             f"{path}: expected an array (NumPy, CUDA, or one NumPy can read: JAX on the CPU, a CPU "

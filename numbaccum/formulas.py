@@ -318,7 +318,7 @@ def complex_quot(x, d):
 
 
 # What a complex kernel compiles in place of each helper of that name (`compile_formula`).
-COMPLEX_HELPERS = {
+COMPLEX_HELPERS: dict[str, Callable] = {
     "abs_sq": complex_abs_sq,
     "re": complex_re,
     "signum": complex_signum,

@@ -56,7 +56,7 @@ from __future__ import annotations
 import hashlib
 import operator
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -66,7 +66,7 @@ from .backend import ops_for
 from .contract import ONE, Factor
 from .flat import FlatTree
 from .layout import compute_dtype
-from .updates import Updates
+from .updates import ParamsRef, Updates
 
 __all__ = [
     "Chained",
@@ -125,7 +125,7 @@ class _Part:
     None: the part's values were given when it was made (a part built for one step).
     """
 
-    __slots__ = ()
+    __slots__: tuple[str, ...] = ()
 
     def _replace(self, **changes: Any) -> Any:
         new = object.__new__(type(self))
@@ -289,7 +289,7 @@ class Host(_Part):
     def __init__(
         self,
         run: Callable[[Updates], tuple[Updates, Any]],
-        passes: tuple | None,
+        passes: tuple | Callable[[Any], Sequence] | None,
         name: str,
         tick: Callable[..., bool] | None = None,
         settles: bool = True,
@@ -299,7 +299,8 @@ class Host(_Part):
     ) -> None:
         self.run, self.passes, self.name, self.tick = run, passes, name, tick
         self.settles, self.pending, self.apply, self.spec = settles, pending, apply, spec
-        self.new_state = self.params = None
+        self.new_state: Any = None
+        self.params: ParamsRef | None = None
 
 
 class Later(NamedTuple):
@@ -599,7 +600,8 @@ class FusedRun:
             flat, factor, sums = self.collective.reduce(flat, factor, sums)
             fresh = lambda: flat  # noqa: E731  # the collective's own buffer: owned
             riding = self.riding
-            known = None if sums is None else pre.from_sumsq(flat, sums)  # type: ignore[union-attr]
+            # sums: the pre-pass rides on the collective, so it is one and has from_sumsq
+            known = None if sums is None else pre.from_sumsq(flat, sums)  # type: ignore[union-attr, misc]
             if known is not None and riding is not None:  # the pre-pass rode on the collective
                 riding.factor = known
                 pre, body, scales = None, [riding, *body], [riding, *scales]
@@ -624,6 +626,7 @@ class FusedRun:
         if apply is None and len(body) == 1:  # one kernel alone: its own formula, per group
             k = kernels[0]
             ins = extras[0]
+            assert out is not None  # (made above: no apply)
             for gi, x in enumerate(flat.groups):
                 states = [st.groups[gi] for st in k.states]
                 arrays = (*states, x, *(e.groups[gi] for e in ins), out.groups[gi])
@@ -761,12 +764,13 @@ def _walk(parts: list, gi: int, d: np.dtype, ins: list, mode: int, lead: int) ->
     return ops, recipe, states, kinds, pend, src
 
 
-def _read_kind(parts: list, src: int, lead: int) -> int:
+def _read_kind(parts: list, src: int | None, lead: int) -> int:
     """The `_factor_kind` of the host factor pending from ``src`` (-1: the incoming one)."""
+    assert src is not None, "a host factor pending has a source"  # (`_walk` sets both at once)
     return lead if src < 0 else _factor_kind(parts[src].factor)
 
 
-def _settle(ops: list, recipe: list, parts: list, src: int, lead: int) -> None:
+def _settle(ops: list, recipe: list, parts: list, src: int | None, lead: int) -> None:
     """Appends the settling of the host factor pending from ``src`` (`_walk`): its op, and its
     ``div, mul`` (``mul`` alone when ``div`` is 1) to the scalars' recipe."""
     mul_only = _read_kind(parts, src, lead) == 1
@@ -934,9 +938,9 @@ def _composite(key: tuple) -> F.Formula:
     return f
 
 
-def composite_source(key: tuple) -> tuple[str, str, tuple, tuple, tuple, tuple]:
+def composite_source(key: tuple) -> tuple[str, str, tuple, tuple, tuple, tuple, bool]:
     """The Python source of the composite of ``key`` and its declaration
-    ``(name, source, states, inputs, outputs, scalars)``.
+    ``(name, source, states, inputs, outputs, scalars, indexed)``.
 
     ``key = (dtype, raw_input, ops, has_output, inplace)``: the group's storage dtype; whether
     the input arrives already scaled by a device factor (kept in the driver's dtype, not
@@ -1127,12 +1131,12 @@ def apply_settled(u: Updates, params: FlatTree, memo: tuple | None = None) -> No
     settle pass and the apply pass would (the same bits, 12 bytes a float32 parameter instead
     of 20). ``memo``: ``({}, {})`` of group calls (`_run_group`'s memo and recent), kept across
     steps by the caller (the stage, per thread)."""
-    memo, recent = memo if memo is not None else ({}, {})
+    calls, recent = memo if memo is not None else ({}, {})
     factor = u.factor
     mode = 2 if factor.device is not None else 1
     flags = (_factor_kind(factor),)
     for gi in range(len(u.flat.groups)):
-        _run_group([], [], gi, u.flat, factor, None, params, (gi, mode, False, flags), memo, recent)
+        _run_group([], [], gi, u.flat, factor, None, params, (gi, mode, False, flags), calls, recent)
 
 
 def run_parts(

@@ -35,14 +35,14 @@ __all__ = [
 # The dtypes we store. ml_dtypes' bfloat16 joins them when it is first seen (`is_float`): the
 # package is imported only by a user who holds such arrays (it is an optional dependency). A
 # list, so that every module's ``dt in FLOATS`` sees it once it has joined.
-FLOATS = [np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64)]
+FLOATS: list[np.dtype] = [np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64)]
 F32 = FLOATS[1]
 FLOAT_NAMES = "float16, bfloat16, float32 or float64"
 # Complex leaves (optax's semantics: norms and second moments of |z|^2) are stored as they are;
 # only the transformations optax defines on them take them (`numbaccum.base.Stage.complex_leaves`).
-COMPLEX = (np.dtype(np.complex64), np.dtype(np.complex128))
+COMPLEX: tuple[np.dtype, np.dtype] = (np.dtype(np.complex64), np.dtype(np.complex128))
 # Every dtype a leaf may have: the floats, then the complex dtypes (bfloat16 joins on first sight).
-STORED = [*FLOATS, *COMPLEX]
+STORED: list[np.dtype] = [*FLOATS, *COMPLEX]
 NAMES = "float16, bfloat16, float32, float64, complex64 or complex128"  # what an error says we store
 
 
@@ -71,7 +71,7 @@ def real_dtype(dt: np.dtype) -> np.dtype:
     return _REAL.get(dt, dt)
 
 
-_REAL = {COMPLEX[0]: F32, COMPLEX[1]: FLOATS[2]}
+_REAL: dict[np.dtype, np.dtype] = {COMPLEX[0]: F32, COMPLEX[1]: FLOATS[2]}
 
 
 _BF16_LOCK = _locks.lock()

@@ -384,7 +384,7 @@ class _Partition(Stage):
         def mask_of(label: Any) -> Callable[[Any], Any]:
             return lambda tree: tree_map(lambda leaf: leaf == label, _labels(param_labels, tree))
 
-        stages = [
+        stages: list[Stage] = [
             _Masked(transformation(tx, f"transforms[{label!r}]"), mask_of(label), mask_compatible_extra_args)
             for label, tx in transforms.items()
         ]

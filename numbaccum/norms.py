@@ -937,6 +937,7 @@ class _AdaptiveGradClip(_Sliced):
 
     def declare(self, spec: Spec, state: Any) -> Any:
         slicing = self.slicing(spec)
+        assert slicing is not None  # (``choose`` is set above: per unit, never global)
         clipping, eps = self.clipping, self.eps
 
         def run(u: Updates, params: Any) -> Updates:

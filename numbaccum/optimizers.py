@@ -1483,14 +1483,14 @@ def rms_direction(nu, g, one_minus_decay, decay, bc, eps, eps_in_sqrt):
 
 class _ScaleByRms(_Direction):
     formula, name = rms_direction, "scale_by_rms"
-    fields = ("nu",)
+    fields: tuple[str, ...] = ("nu",)
 
     def __init__(self, decay: float, eps: float, initial_scale: float, eps_in_sqrt: bool, bc: bool) -> None:
         self.decay, self.eps = check_decay(decay, "decay"), real(eps, "eps")
         self.initial = real(initial_scale, "initial_scale")
         self.eps_in_sqrt, self.bc = flag(eps_in_sqrt, "eps_in_sqrt"), flag(bc, "bias_correction")
-        self.counted = self.bc  # type: ignore[misc]  # optax's state has a count only then
-        self.state_cls = ScaleByRmsWithCountState if self.bc else ScaleByRmsState  # type: ignore[misc]
+        self.counted = self.bc  # optax's state has a count only then
+        self.state_cls = ScaleByRmsWithCountState if self.bc else ScaleByRmsState
 
     def scalars(self, count: Any, ct: np.dtype) -> tuple:
         bc = bias_correction(self.decay, int(count), ct) if self.bc else 1.0
@@ -1572,7 +1572,7 @@ class _ScaleByStddev(_ScaleByRms):
 
     def __init__(self, decay: float, eps: float, initial_scale: float, eps_in_sqrt: bool, bc: bool) -> None:
         super().__init__(decay, eps, initial_scale, eps_in_sqrt, bc)
-        self.state_cls = ScaleByRStdDevWithCountState if self.bc else ScaleByRStdDevState  # type: ignore[misc]
+        self.state_cls = ScaleByRStdDevWithCountState if self.bc else ScaleByRStdDevState
 
 
 def scale_by_stddev(
@@ -3017,7 +3017,7 @@ class ScaleByNovogradState(NamedTuple):
             the EMA of the leaf's squared gradient norm.
     """
 
-    count: np.int32
+    count: np.int32  # type: ignore[assignment]  # shadows tuple.count, as in optax
     mu: FlatTree
     nu: Any = None  # (None only inside `scale_by_novograd.init`)
 
@@ -3071,6 +3071,8 @@ class _ScaleByNovograd(Stage):
         """One `numbaccum.fuse.Host`: the per-leaf norms and divisions, then the moment's kernel
         (declared once, run as its own pass: `numbaccum.fuse.FusedRun`)."""
         moment = self.moment.declare(spec, state)  # checks the state's type and mu
+        moment_tick = moment.tick
+        assert moment_tick is not None  # (set by the declare)
         kernel = FusedRun([moment])
         b2, eps, eps_root, lay = self.b2, self.eps, self.eps_root, spec.layout
         mu = moment.states[0]
@@ -3091,7 +3093,7 @@ class _ScaleByNovograd(Stage):
             if params is None:
                 raise ValueError(f"{name} needs params: call update(updates, state, params)")
             step[0] = _leaf_scalars(state.nu, lay, "state.nu")
-            if not moment.tick(state, params, extra):  # the count and mu renewed, the params read
+            if not moment_tick(state, params, extra):  # the count and mu renewed, the params read
                 return False
             step[1] = int(moment.new_state.count) == 1
             return True
@@ -3138,7 +3140,7 @@ def _leaf_scalars(
     try:
         leaves, td = tree_flatten(tree)
     except TypeError:
-        leaves, td = None, None
+        leaves, td = [], None
     if td != layout.treedef:
         raise ValueError(f"{name}: not a tree of the params' structure (one {what} array per leaf)")
     out = []

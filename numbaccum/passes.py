@@ -142,7 +142,8 @@ class Explanation(NamedTuple):
         lines.append(f"  total {shown} B/param{ratio}; arithmetic minimum {self.minimum:.1f} B/param")
         return "\n".join(lines)
 
-    __repr__ = __str__
+    def __repr__(self) -> str:
+        return self.__str__()
 
 
 def explain(
@@ -269,7 +270,9 @@ def _control_passes(
     if pending and host.settles:
         passes.append(Pass("settle", ("pending factor",), x, x))
     more = 0.0
-    for item in host.passes(apply):
+    passes_of = host.passes
+    assert callable(passes_of)  # (a control node's: `_explain_plan` calls this for no other)
+    for item in passes_of(apply):
         if isinstance(item, runner.Sub):
             sub = _explain_plan(item.plan, item.apply, fused, device)
             w = item.weight
@@ -337,7 +340,9 @@ def _least(b: _Bytes, part: Any) -> float:
     if isinstance(part, fuse.Kernel):
         return b.both(part)
     if isinstance(part, fuse.Host):
-        return sum(read for kind, _, read, _ in part.passes or () if kind == "reduction") * b.x
+        rows = part.passes or ()
+        assert not callable(rows)  # a control node's are this step's (`_control_passes`)
+        return sum(read for kind, _, read, _ in rows if kind == "reduction") * b.x
     return 2 * b.x if isinstance(part, fuse.Collective) else b.x
 
 
@@ -400,7 +405,9 @@ def _one_by_one_passes(b: _Bytes, parts: list, pending: bool, passes: list) -> b
         if isinstance(p, fuse.Host):
             if pending and p.settles:
                 passes.append(Pass("settle", ("pending factor",), x, x))
-            for kind, what, read, written in p.passes:
+            rows = p.passes
+            assert rows is not None and not callable(rows)  # user code, control nodes: described apart
+            for kind, what, read, written in rows:
                 passes.append(Pass(kind, (f"{p.name} ({what})" if what else p.name,), read * x, written * x))
             pending = p.pending or (pending and not p.settles)
         elif isinstance(p, fuse.Collective):
@@ -436,7 +443,7 @@ def _units(
         root = stage.declare(spec, state)
         root.tick(state, ref, extra)
         plan = runner.Plan(root, spec, fused, [])
-        units = [[p] for p in plan.leaves]
+        units: list[list | None] = [[p] for p in plan.leaves]
         runs = plan.runs if fused else [(i, i + 1, None) for i in range(len(units))]
         return units, [p.name for p in plan.leaves], runs
     if isinstance(stage, Chain) and type(stage).plan is Chain.plan:

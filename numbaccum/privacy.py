@@ -790,7 +790,7 @@ class AddNoiseState(NamedTuple):
             itself never changes.
     """
 
-    count: np.int32
+    count: np.int32  # type: ignore[assignment]  # shadows tuple.count, as in optax
     rng_key: np.ndarray
 
 
@@ -825,6 +825,7 @@ class _AddNoise(Elementwise):
             raise wrong_state("AddNoiseState", state)
         part = super().declare(spec, state)
         ticked = part.tick
+        assert ticked is not None  # (set by `Elementwise.declare`)
 
         def tick(state: Any, params: Any, extra: dict) -> bool:
             if not ticked(state, params, extra):

@@ -99,7 +99,7 @@ class ScaleByLBFGSState(NamedTuple):
         weights_memory: ``1 / <s_k, y_k>`` of each slot (0 where unset), float64.
     """
 
-    count: np.int32
+    count: np.int32  # type: ignore[assignment]  # shadows tuple.count, as in optax
     params: FlatTree
     updates: FlatTree
     diff_params_memory: tuple
@@ -529,6 +529,7 @@ class _ZoomLinesearch(Stage):
 
             start = _Point(0.0, value0, grad0, _dot(grad0, direction))
             best, n, dec, curv = _Zoom(self, evaluate, start, guess).run()
+            assert best.grad is not None  # (`evaluate` computes every point's gradient)
             _copy_into(kept_grad, best.grad)
             info = ZoomLinesearchInfo(np.int32(n), np.float64(dec), np.float64(curv))
             new = ScaleByZoomLinesearchState(np.float64(best.step), np.float64(best.value), kept_grad, info)
@@ -539,7 +540,7 @@ class _ZoomLinesearch(Stage):
 
 
 def _search_tick(
-    state: Any, cls: type, storage: dict | None, params: Any, extra: dict, spec: Spec, name: str
+    state: Any, cls: type[Any], storage: dict | None, params: Any, extra: dict, spec: Spec, name: str
 ) -> tuple | None:
     """What a line search's tick checks and takes: ``(params, kept grad, value, grad,
     objective)`` (the kept gradient renewed, None without one: ``storage`` None), or None when

@@ -76,6 +76,11 @@ class Plan:
         "root", "leaves", "runs", "scratch", "spec", "fused", "apply", "tick", "new_state", "owner",
         "inbox", "into", "output", "__weakref__",
     )  # fmt: skip
+    # Set by whoever makes the plan (`plan_of`, `sub_plan`), not by __init__.
+    owner: FlatTree | None
+    inbox: Any
+    into: Any
+    output: Any
 
     def __init__(self, root: Any, spec: Spec, fused: bool, scratch: list) -> None:
         self.root, self.spec, self.fused = root, spec, fused
@@ -335,6 +340,7 @@ def _again(stage: Any, plan: Plan, grads: Any, state: Any, params: Any, extra: d
         out, new_state = _replayed(stage, plan, state, u, spec)
         last.state = id(new_state)
         return out.lent(kind), new_state
+    assert ref is not None and ref._flat is not None  # apply: `_params_again` made them writable
     new_state = _run_step(stage, plan, state, u, ref._flat, copied, spec, kind, ref.checked, params, None)
     last.state = id(new_state)
     return new_state

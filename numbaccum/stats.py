@@ -54,10 +54,10 @@ def _walk(state: Any) -> list[tuple[tuple, Any]]:
     """``[(key path, value)]`` of a state."""
     if isinstance(state, FlatTree) or state is None:
         return []
-    if isinstance(state, tuple) and hasattr(type(state), "_fields"):  # a state class
-        name = _state_name(type(state))
+    if isinstance(state, tuple) and hasattr(cls := type(state), "_fields"):  # a state class
+        name = _state_name(cls)
         out: list[tuple[tuple, Any]] = []
-        for field in state._fields:
+        for field in cls._fields:
             value = getattr(state, field)
             s = _scalar(value)
             if s is not None:

@@ -37,6 +37,7 @@ class _Renewals(list):
     many updates run there (an update inside another one's user transformation joins it)."""
 
     __slots__ = ("depth",)
+    depth: int
 
 
 class _PerThread(threading.local):
@@ -169,8 +170,8 @@ def _flats_with_paths(state: Any, name: str) -> list[tuple[str, FlatTree]]:
         elif isinstance(x, dict):
             for k, v in x.items():
                 walk(v, f"{path}[{short_repr(k)}]")
-        elif isinstance(x, tuple) and hasattr(type(x), "_fields"):
-            for f, v in zip(type(x)._fields, x):
+        elif isinstance(x, tuple) and hasattr(cls := type(x), "_fields"):
+            for f, v in zip(cls._fields, x):
                 walk(v, f"{path}.{f}")
         elif isinstance(x, (tuple, list)):
             for i, v in enumerate(x):

@@ -139,3 +139,42 @@ def test_the_cuda_extras_bring_a_cuda_toolkit_and_the_gpu_guide_says_which():
     guide = (ROOT / "docs" / "guides" / "gpus.md").read_text()
     assert 'pip install "numbaccum[cuda]"' in guide and 'pip install "numbaccum[cuda13]"' in guide
     assert "NUMBA_ENABLE_CUDASIM=1" in guide  # how to try the GPU path without a GPU
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """``2.0.0`` and ``2.0`` as the same release."""
+    parts = [int(x) for x in version.split(".")]
+    while len(parts) > 1 and parts[-1] == 0:
+        parts.pop()
+    return tuple(parts)
+
+
+def test_ci_tests_the_oldest_numpy_and_numba_the_package_claims():
+    """.ci/run's oldest pass installs exactly the minimums of pyproject's dependencies (a raised
+    minimum moves the pass with it; a pass on anything newer would vouch for nothing) into a
+    virtualenv of its own, and runs tests there."""
+    deps = {}
+    for req in _pyproject()["project"]["dependencies"]:
+        m = re.fullmatch(r"([A-Za-z0-9_.-]+)>=([\d.]+)", req)
+        assert m, f"{req!r}: a dependency is 'name>=minimum' (the oldest pass installs the minimum)"
+        deps[m[1]] = _release(m[2])
+    ci = (ROOT / ".ci" / "run").read_text()
+    (install,) = re.findall(r"^\.venv-oldest/bin/python -m pip install .*==.*$", ci, re.M)
+    pins = {name: _release(v) for name, v in re.findall(r'"([A-Za-z0-9_.-]+)==([\d.]+)"', install)}
+    assert pins == deps, f"{install!r} does not pin pyproject's minimums {deps}"
+    assert '-e ".[test]"' in install  # the test extra, nothing else that could lift numpy or numba
+    assert re.search(r"^python3 -m venv --clear \.venv-oldest$", ci, re.M)
+    assert re.search(r"^\.venv-oldest/bin/python -m pytest .*tests/", ci, re.M)
+
+
+def test_ci_type_checks_the_package_with_the_pinned_mypy():
+    """The package ships py.typed: .ci/run runs mypy over it, with the mypy the typecheck extra
+    pins (what `numbaccum[dev]` installs too)."""
+    extras = _pyproject()["project"]["optional-dependencies"]
+    (mypy,) = extras["typecheck"]
+    assert re.fullmatch(r"mypy==[\d.]+", mypy), mypy
+    assert any(r.startswith("numbaccum[") and "typecheck" in r for r in extras["dev"]), extras["dev"]
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert 'pip install -q -e ".[typecheck]"' in ci
+    assert re.search(r"^mypy .*numbaccum$", ci, re.M)
+    assert _pyproject()["tool"]["mypy"]["files"] == ["numbaccum"]

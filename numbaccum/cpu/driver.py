@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import types
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -122,7 +123,7 @@ def _unforkable_layer() -> str | None:
         return None
     if layer != "omp":
         return None
-    from numba.np.ufunc import omppool
+    from numba.np.ufunc import omppool  # type: ignore[attr-defined]  # a compiled module, no stub
 
     vendor = getattr(omppool, "openmp_vendor", "GNU")
     return f"omp, {vendor} OpenMP" if vendor == "GNU" else None
@@ -151,7 +152,8 @@ _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.
 def _caller_level() -> int:
     """The ``stacklevel`` of the first frame outside numbaccum (the user's call, from wherever
     in the package the warning is raised; code numbaccum generates is named ``<numbaccum ...>``)."""
-    frame, level = sys._getframe(1), 1
+    frame: types.FrameType | None = sys._getframe(1)
+    level = 1
     while frame is not None and frame.f_code.co_filename.startswith((_PACKAGE_DIR, "<numbaccum")):
         frame, level = frame.f_back, level + 1
     return level

@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 import os
 import weakref
+from typing import Any
 
 import numpy as np
 from numba import njit, prange, types
@@ -481,7 +482,7 @@ def prepared(kind, table: Table):
     # counts): the partials are the fold from 0.0, bit for bit.
     folded = kind in _NON_NEGATIVE and nparts == pslice.size - 1 and bool(np.all(np.diff(pslice) == 1))
 
-    found = {}  # per dtype, the serial driver's compiled function (`driver.entry_point`)
+    found: dict[np.dtype, Any] = {}  # per dtype, the serial driver's compiled function (`driver.entry_point`)
     # The last buffer it called the compiled function for (weakly: the run is kept per layout
     # and must not keep a tree alive), its dtype, the function: a kept plan's step passes the
     # same buffer again, whose contiguity and alignment cannot have changed. One tuple in one

@@ -20,7 +20,7 @@ def _cache_class() -> Any:
         from numba.cuda.dispatcher import CUDACache, CUDACacheImpl
 
         class _Impl(CUDACacheImpl):
-            _locator_classes = [_cache.Locator]
+            _locator_classes: list[Any] = [_cache.Locator]  # numba's: list[type[object]] (see _cache)
 
         class _Cache(_cache.LockedCache, CUDACache):
             _impl_class = _Impl
