@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import _bounded, base
+from . import _bounded, base, fuse, runner
 from ._checks import wrong_state
 from .base import Stage, Step
 from .declared import safe_increment
@@ -215,6 +215,7 @@ def _widest(layout: Layout) -> np.dtype | None:
 # stateless inner stage keeps workspaces of its own (per thread), and a schedule that changes
 # every step makes a new one at every step anyway.
 _BUILT_KEPT = 4
+_ONE, _INT32_MAX = np.int32(1), np.iinfo(np.int32).max
 
 
 class _InjectHyperparams(Stage):
@@ -250,6 +251,8 @@ class _InjectHyperparams(Stage):
         self.probe = probe  # what `owner` and `take` ask about the inner states
         self._foreign = True if probe is None else probe.foreign()
         self.reshapes = False if probe is None else probe.reshapes  # type: ignore[misc]
+        # Declared (`declare`) when the initial values' transformation declares its parts.
+        self._declares = probe is not None and not probe.reshapes and probe.declarable()
 
     def _make(self, hparams: dict) -> Stage:
         return base.as_stage(base.with_extra_args_support(self.factory(**self.other, **hparams)))
@@ -308,7 +311,110 @@ class _InjectHyperparams(Stage):
         inner_state = self._build(hparams).init(params)
         return InjectStatefulHyperparamsState(np.int32(0), hparams, states, inner_state)
 
+    def declarable(self) -> bool:
+        return self._declares
+
+    def declare(self, spec: Spec, state: Any) -> fuse.Wrapped:
+        """The inner transformation's declaration, wrapped (`numbaccum.fuse.Wrapped`): its parts
+        run in the plan's runs (fused with the neighbours'), copies (`numbaccum.fuse.shells`)
+        of the declaration of the transformation built with the initial values.
+
+        Its tick checks the state, computes this step's values (the state's, the schedules'),
+        finds the declaration of the transformation built with them for the inner state's
+        buffers (made once per values: the `_BUILT_KEPT` last are kept with the plan), ticks
+        it and puts what it computed into the plan's parts (`numbaccum.fuse.adopter`), all
+        before anything is written: a bad value raises there, from the factory. A factory
+        whose transformation for the new values is built of other parts (a structure the
+        plan's runs were not cut for) makes the runner declare the plan again, from it."""
+        if not isinstance(state, InjectStatefulHyperparamsState):
+            raise wrong_state("InjectStatefulHyperparamsState", state)
+        dtype = self.fixed_dtype or _widest(spec.layout)  # the params', as optax
+        # The transformation a tick found built of other parts (else the initial values').
+        template = self.local().__dict__.pop("template", None) or self.probe
+        first = template.declare(spec, state.inner_state)  # raises what is wrong with it
+        shape = fuse.structure(first)
+        shell = fuse.shells(first)
+        # values key -> (tick, adopt) of the inner declaration built with those values; the
+        # initial one is the template's own (its key is never asked: its values may differ)
+        decls: dict = {}
+        step: list = [None, None, None]  # this step's count, hyperparameters, schedules' states
+        names, schedules, values, make = self.names, self.schedules, self._values, self._declared
+        cls = InjectStatefulHyperparamsState
+
+        def tick(state: Any, params: Any, extra: dict) -> bool:
+            if type(state) is not cls and not isinstance(state, cls):
+                return False  # declared again: the error above
+            hparams = state.hyperparams
+            if not names <= hparams.keys():
+                raise ValueError(f"state.hyperparams: missing {sorted(names - set(hparams))}")
+            hparams = values(hparams, state.hyperparams_states, dtype, extra)
+            vs = tuple(hparams.values())
+            key = (tuple(hparams), vs, tuple(map(type, vs)))  # `_key`'s, inline: every step
+            try:
+                got = decls.get(key)
+            except TypeError:  # a value that is not hashable as it is
+                key = _key(hparams)
+                got = decls.get(key) if key is not None else None
+            if got is None:
+                got = make(hparams, key, spec, state.inner_state, shell, shape, decls)
+                if got is None:
+                    return False  # built of other parts: declared again, from it
+            inner_tick, adopt = got
+            old = state.hyperparams_states
+            new_states = {k: f.update(old[k], **extra) for k, f in schedules.items()} if schedules else {}
+            if not inner_tick(state.inner_state, params, extra):
+                return False  # the inner state holds other buffers: declared again
+            adopt()
+            count = state.count
+            # safe_increment's common case inline (every step)
+            count = count + _ONE if type(count) is np.int32 and count != _INT32_MAX else safe_increment(count)
+            step[0], step[1], step[2] = count, hparams, new_states
+            return True
+
+        def wrap(inner_state: Any) -> InjectStatefulHyperparamsState:
+            return cls(step[0], step[1], step[2], inner_state)
+
+        return fuse.Wrapped(shell, wrap, "inject_hyperparams", tick, _inner_state)
+
+    def _declared(
+        self, hparams: dict, key: Any, spec: Spec, inner_state: Any, shell: Any, shape: tuple, decls: dict
+    ) -> tuple | None:
+        """``(tick, adopt)`` of the declaration of the transformation built with ``hparams``, for
+        the buffers of ``inner_state``, kept in ``decls`` under ``key`` (unless None: values
+        that are not hashable); None when it is built of other parts than ``shape`` (then it is
+        the template of the next declaration, on this thread)."""
+        stage = self._build(hparams)  # a bad value raises here, before anything is written
+        if not stage.declarable():
+            raise TypeError(
+                "inject_hyperparams: inner_factory returned another kind of transformation for "
+                f"{hparams} than for the initial values (one that does not declare its parts)"
+            )
+        root = stage.declare(spec, inner_state)
+        adopt = fuse.adopter(shell, shape, root)
+        if adopt is None:
+            self.local().template = stage
+            return None
+        got = (fuse.flat_tick(root), adopt)
+        if key is not None:
+            if len(decls) >= _BUILT_KEPT:
+                del decls[next(iter(decls))]  # the oldest: a schedule makes new values every step
+            decls[key] = got
+        return got
+
     def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
+        if self._declares:
+            step = self.kept_step(spec, state, params, extra)
+            if step is None:  # an inner state without buffers: a plan of this one step
+                plan = runner.sub_plan(self, spec, state, None, "inject.")
+                if not plan.tick(state, params, extra):  # type: ignore[union-attr]
+                    raise AssertionError("inject_hyperparams: a new declaration refused its own state")
+                step = base.replaying(plan, state)
+            return step
+        return self._planned(spec, state, params, extra)
+
+    def _planned(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
+        """The step of an inner transformation that does not declare itself (user code, a
+        reshaping one), planned for this call: built from this step's values and planned."""
         if not isinstance(state, InjectStatefulHyperparamsState):
             raise wrong_state("InjectStatefulHyperparamsState", state)
         if not self.names <= state.hyperparams.keys():
@@ -330,6 +436,10 @@ class _InjectHyperparams(Stage):
         # restored if it raises, as a chain restores a foreign stage's (`undoable`).
         guard = state.inner_state if isinstance(inner, base.Foreign) else None
         return base.wrapped_step(step, wrap, guard, "inject_hyperparams")
+
+
+def _inner_state(state: InjectStatefulHyperparamsState) -> Any:
+    return state.inner_state
 
 
 def inject_hyperparams(
