@@ -22,6 +22,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 
 import numbaccum as nba  # noqa: E402
+from _testutil import package_calls  # noqa: E402
 from registry import CASES  # noqa: E402
 
 PACKAGE = os.path.dirname(os.path.abspath(nba.__file__)) + os.sep
@@ -40,20 +41,8 @@ def _tree(seed: int, per_example: bool = False) -> dict:
 
 
 def count_calls(fn) -> int:
-    """The package's Python functions entered while ``fn()`` runs."""
-    n = 0
-
-    def profile(frame, event, arg):
-        nonlocal n
-        if event == "call" and frame.f_code.co_filename.startswith(PACKAGE):
-            n += 1
-
-    sys.setprofile(profile)
-    try:
-        fn()
-    finally:
-        sys.setprofile(None)
-    return n
+    """The package's Python functions entered while ``fn()`` runs (the tests' counter)."""
+    return package_calls(fn)
 
 
 def measure(name: str, warm: int = 4) -> dict:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from _testutil import assert_tree_equal
+from _testutil import assert_tree_equal, package_calls
 
 import numbaccum as nba
 
@@ -349,27 +349,6 @@ def test_threads_share_one_transformation_and_its_kept_inner_ones():
 # --- issue 43: inject_hyperparams declares its parts; a steady step plans nothing ---
 
 
-def _package_calls(fn):
-    """The Python functions of the package entered while ``fn()`` runs."""
-    import os
-    import sys
-
-    package = os.path.dirname(os.path.abspath(nba.__file__)) + os.sep
-    calls = 0
-
-    def profile(frame, event, arg):
-        nonlocal calls
-        if event == "call" and frame.f_code.co_filename.startswith(package):
-            calls += 1
-
-    sys.setprofile(profile)
-    try:
-        fn()
-    finally:
-        sys.setprofile(None)
-    return calls
-
-
 def test_a_steady_step_plans_nothing_and_costs_what_the_plain_step_does(monkeypatch):
     """Values that come back (set between steps) reuse the declarations made for them: no stage
     plans, the bits are those of adam built with each value, and a steady step_ makes at most
@@ -399,8 +378,8 @@ def test_a_steady_step_plans_nothing_and_costs_what_the_plain_step_does(monkeypa
         lr = (0.1, 0.01)[i % 2]
         box[0].hyperparams["learning_rate"] = lr
         g = _grads(i)
-        calls = _package_calls(lambda: box.__setitem__(0, nba.step_(tx, g, box[0], p)))
-        plain = _package_calls(lambda: box.__setitem__(1, nba.step_(plains[lr], g, box[1], q)))
+        calls = package_calls(lambda: box.__setitem__(0, nba.step_(tx, g, box[0], p)))
+        plain = package_calls(lambda: box.__setitem__(1, nba.step_(plains[lr], g, box[1], q)))
         assert _bits(p) == _bits(q) and _bits(box[0].inner_state) == _bits(box[1]), f"step {i}"
         assert calls <= plain + 8, (calls, plain)
 
