@@ -236,6 +236,7 @@ def replaying(plan: Any, state: Any) -> Step:
     replay = _runner.replay
     return Step(
         lambda u: replay(plan, state, u, None, False),
+        getattr(plan.root, "spec", None),  # a reshaping `numbaccum.fuse.Host`'s, ticked
         fuse=plan.root,
         apply=(lambda u, p: replay(plan, state, u, p, False)[1]) if plan.apply else None,
         final=lambda u: replay(plan, state, u, None, True),

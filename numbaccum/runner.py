@@ -271,7 +271,7 @@ def run(stage: Any, grads: Any, state: Any, params: Any, extra: dict, apply: boo
         params = FlatTree.empty(layout_of(None, "params"))
     owner = stage.owner(state)
     if apply:
-        if stage.reshapes or not fuse.enabled():
+        if not fuse.enabled() or (stage.reshapes and not stage.declarable()):
             # One transaction (the update joins it): Ctrl-C waits for the params too.
             return guarded(None, _update_then_apply, stage, grads, state, params, extra)
         return guarded(owner, _step, stage, grads, state, params, owner, extra)
@@ -443,6 +443,8 @@ def _run_or_zeros(stage: Any, run_it: Any, u: Updates, spec: Spec) -> tuple[Flat
 
 def _step(stage: Any, grads: Any, state: Any, params: Any, owner: Any, extra: dict) -> Any:
     """`numbaccum.step_`, inside `guarded`: the update added to the params in its last pass."""
+    if stage.reshapes:
+        return _step_reshaped(stage, grads, state, params, owner, extra)
     u, kind = stage.take(grads, state, params, owner)
     spec = _spec(stage, u.flat)
     into = stage._workspace(owner, spec, "params")
@@ -466,6 +468,25 @@ def _step(stage: Any, grads: Any, state: Any, params: Any, owner: Any, extra: di
     if plan is not None:
         _keep_last(stage, plan, True, kind, new_state)
     return new_state
+
+
+def _step_reshaped(stage: Any, grads: Any, state: Any, params: Any, owner: Any, extra: dict) -> Any:
+    """`numbaccum.step_` of a declared reshaping stage (lookahead, the per-example
+    aggregation), inside `guarded`: its plan ticked, the params checked against the layout of
+    the updates it returns (``Host.spec``, known after the tick) and made writable, the plan
+    run, its updates added to them (nothing adds them in a pass: the stage writes its own
+    buffer)."""
+    u, kind = stage.take(grads, state, params, owner)
+    spec = _spec(stage, u.flat)
+    ref = ParamsRef(params, spec.layout, None, spec.device, stage._workspace(owner, spec, "params"))
+    plan = ticked(stage, spec, state, owner, ref, extra)
+    out_spec = getattr(plan.root, "spec", None) or spec
+    _reshaped_params(stage, ref, params, owner, out_spec)
+    p, copied = _writable(params, out_spec, ref._into, None, ref.checked)
+    if ref._flat is None:  # a stage that reads the params reads these (written after it ran)
+        ref._flat = p
+    u.scratch = stage._workspace(owner, spec, "output")
+    return _run_step(stage, plan, state, u, p, copied, out_spec, kind, ref.checked, params, None)
 
 
 def _run_step(
