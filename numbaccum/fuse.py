@@ -418,7 +418,7 @@ def flat_tick(root: Any) -> Callable[[Any, Any, dict], bool]:
     each chain's ``split`` and ticks the leaves in order (a kept plan ticks every step: a
     small tree's step costs microseconds, and each nested call is some of them). The same
     checks in the same order as the chains' own ticks."""
-    nest = _nest(root, False)
+    nest = _nest(root)
     if not isinstance(root, Chained) or any(isinstance(p, Chained) and p.split is None for p in nest):
         return root.tick
     env: dict[str, Any] = {}
@@ -486,15 +486,13 @@ def new_state_maker(root: Any) -> Callable[[], Any]:
     return env["new_state"]
 
 
-def _nest(part: Any, wrapped: bool = True) -> list:
-    """``part`` and every part nested in it, in order (inside a `Wrapped` too, unless not
-    ``wrapped``)."""
+def _nest(part: Any) -> list:
+    """``part`` and every part nested in it, in order, but not inside a `Wrapped` (whose tick
+    ticks what is inside it)."""
     out = [part]
     if isinstance(part, Chained):
         for p in part.parts:
-            out += _nest(p, wrapped)
-    elif isinstance(part, Wrapped) and wrapped:
-        out += _nest(part.part)
+            out += _nest(p)
     return out
 
 
@@ -519,18 +517,21 @@ def shells(root: Any) -> Any:
     return root._replace()
 
 
-def structure(root: Any) -> tuple:
+def structure(root: Any, nodes: list | None = None) -> tuple:
     """What a plan's runs are cut and compiled from (`cut`, `_GroupCall`), as a declaration
     makes it: the nest, each part's kind, a kernel's formula (by name, as its composite names
     it), state buffers (by their storage) and output, a host step's mode. Two declarations of
-    the same structure run as one plan, each with its own values (`adopter`)."""
+    the same structure run as one plan, each with its own values (`adopter`). ``nodes``, when
+    given, gets the parts whose values change from step to step (all but the chains), in order."""
     if isinstance(root, Chained):
         subs = []  # loops, not generators: a new declaration's every step with a schedule
         for p in root.parts:
-            subs.append(structure(p))
+            subs.append(structure(p, nodes))
         return ("chain", None if root.names is None else tuple(root.names), tuple(subs))
+    if nodes is not None:
+        nodes.append(root)
     if isinstance(root, Wrapped):
-        return ("wrapped", structure(root.part))
+        return ("wrapped", structure(root.part, nodes))
     kind = type(root)
     if kind is Kernel:
         storage = []
@@ -551,18 +552,17 @@ _ADOPTED = {
 }
 
 
-def adopter(shell: Any, shape: tuple, root: Any) -> Callable[[], None] | None:
-    """``adopt()``: after ``root`` (a new declaration) has ticked, its values put into
-    ``shell``'s parts (`shells` of a declaration whose `structure` is ``shape``), so that the
-    plan made of ``shell`` runs ``root``'s step: every slot of each leaf (a host step's run is
-    its own closure, over its own values), a `Wrapped` one's new state (``wrap``). None when
-    ``root``'s structure is another: then it needs a plan of its own."""
-    if structure(root) != shape:
+def adopter(shell: list, shape: tuple, root: Any) -> Callable[[], None] | None:
+    """``adopt()``: after ``root`` (a new declaration) has ticked, its values put into the
+    parts ``shell`` (the ``nodes`` of `structure` of the `shells` of a declaration whose
+    structure is ``shape``), so that the plan made of them runs ``root``'s step: every slot of
+    each leaf (a host step's run is its own closure, over its own values), a `Wrapped` one's new
+    state (``wrap``). None when ``root``'s structure is another: then it needs a plan of its
+    own."""
+    nodes: list = []
+    if structure(root, nodes) != shape:
         return None
-    pairs = []
-    for s, p in zip(_nest(shell), _nest(root)):
-        if not isinstance(p, Chained):  # a chain: nothing of its own changes from step to step
-            pairs.append((s, p, _ADOPTED[type(p)]))
+    pairs = [(s, p, _ADOPTED[type(p)]) for s, p in zip(shell, nodes)]
 
     def adopt() -> None:
         for s, p, names in pairs:  # loops, not calls: this runs every step

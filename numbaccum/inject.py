@@ -332,8 +332,9 @@ class _InjectHyperparams(Stage):
         # The transformation a tick found built of other parts (else the initial values').
         template = self.local().__dict__.pop("template", None) or self.probe
         first = template.declare(spec, state.inner_state)  # raises what is wrong with it
-        shape = fuse.structure(first)
         shell = fuse.shells(first)
+        nodes: list = []  # the plan's parts that take each declaration's values (`adopter`)
+        shape = fuse.structure(shell, nodes)
         # values key -> (tick, adopt) of the inner declaration built with those values; the
         # initial one is the template's own (its key is never asked: its values may differ)
         decls: dict = {}
@@ -356,7 +357,7 @@ class _InjectHyperparams(Stage):
                 key = _key(hparams)
                 got = decls.get(key) if key is not None else None
             if got is None:
-                got = make(hparams, key, spec, state.inner_state, shell, shape, decls)
+                got = make(hparams, key, spec, state.inner_state, nodes, shape, decls)
                 if got is None:
                     return False  # built of other parts: declared again, from it
             inner_tick, adopt = got
@@ -377,12 +378,13 @@ class _InjectHyperparams(Stage):
         return fuse.Wrapped(shell, wrap, "inject_hyperparams", tick, _inner_state)
 
     def _declared(
-        self, hparams: dict, key: Any, spec: Spec, inner_state: Any, shell: Any, shape: tuple, decls: dict
+        self, hparams: dict, key: Any, spec: Spec, inner_state: Any, shell: list, shape: tuple, decls: dict
     ) -> tuple | None:
         """``(tick, adopt)`` of the declaration of the transformation built with ``hparams``, for
-        the buffers of ``inner_state``, kept in ``decls`` under ``key`` (unless None: values
-        that are not hashable); None when it is built of other parts than ``shape`` (then it is
-        the template of the next declaration, on this thread)."""
+        the buffers of ``inner_state``, its values put into the plan's parts ``shell``
+        (`numbaccum.fuse.adopter`), kept in ``decls`` under ``key`` (unless None: values that
+        are not hashable); None when it is built of other parts than ``shape`` (then it is the
+        template of the next declaration, on this thread)."""
         stage = self._build(hparams)  # a bad value raises here, before anything is written
         if not stage.declarable():
             raise TypeError(
