@@ -6,10 +6,14 @@ callable ones are schedules of the step, and each update builds the inner transf
 the current values. Building one is Python work only (the kernels take their scalars as
 arguments; nothing is compiled again), and the ones built last are kept while the values repeat.
 
-It is a `Stage` like any other: its plan checks the state, calls the schedules, checks and
-converts the values, builds the inner transformation and plans it, all before anything is
-written; its step is the inner step with the new state wrapped, so inside a `chain` the inner
-stages fuse with their neighbours (`numbaccum.fuse.Wrapped`) and `numbaccum.explain` shows them.
+It is a declared stage like the others (`numbaccum.fuse.Wrapped`): its parts are those of the
+inner transformation, kept in the runner's plan, so inside a `chain` the inner stages fuse with
+their neighbours and `numbaccum.explain` shows them. Each step's tick checks the state, calls
+the schedules, checks and converts the values, finds the declaration of the inner
+transformation built with them (built and declared once per values, the few last kept with the
+plan), ticks it and puts its values into the plan's parts (`numbaccum.fuse.adopter`), all
+before anything is written. Values that repeat cost a dictionary lookup; a schedule whose value
+changes every step builds and declares a transformation every step (Python only).
 """
 
 from __future__ import annotations
@@ -219,9 +223,11 @@ _ONE, _INT32_MAX = np.int32(1), np.iinfo(np.int32).max
 
 
 class _InjectHyperparams(Stage):
-    """`inject_hyperparams` as a stage: plans the inner transformation built from this step's
-    hyperparameters, and wraps its step (`run`, the fused part, ``apply`` and ``final``) so
-    that the new state is an `InjectStatefulHyperparamsState` around the inner one.
+    """`inject_hyperparams` as a stage: declares the parts of the inner transformation (`declare`),
+    whose tick takes this step's values from the declaration of the transformation built with
+    them; the new state is an `InjectStatefulHyperparamsState` around the inner one. An inner
+    transformation that does not declare its parts (user code, a reshaping one) is planned per
+    call (`_planned`).
 
     Whether the factory's transformations run foreign code or reshape their updates is what a
     chain must know before it plans (`Stage.foreign`, ``reshapes``): it is read, once, from the
@@ -464,11 +470,12 @@ def inject_hyperparams(
     between steps a loop may set ``state.hyperparams["learning_rate"] = 0.01``, and the next
     update uses it. A callable argument is a schedule: ``f(count)`` (or an optax stateful
     schedule), called before each update, its value stored in ``hyperparams`` (setting a
-    scheduled entry has no effect). Each update builds ``inner_factory(**hyperparams)`` (Python
-    only: kernels are not compiled again; the few built last are kept while the values repeat)
-    and plans it, so a bad value raises before anything is written, in a `chain` before any of
-    its stages runs; the inner stages fuse with the chain's others. The returned function calls
-    ``inner_factory`` (and the schedules) once, to know the kind of transformation it makes.
+    scheduled entry has no effect). Each update takes the transformation
+    ``inner_factory(**hyperparams)`` of its values (built, checked and declared once per values:
+    Python only, kernels are not compiled again; the few last are kept), before anything is
+    written: a bad value raises then, in a `chain` before any of its stages runs. The inner
+    stages fuse with the chain's others. The returned function calls ``inner_factory`` (and
+    the schedules) once, to know the kind of transformation it makes.
 
     Args:
         inner_factory: a function returning a transformation (``numbaccum.adam``, ...).

@@ -439,7 +439,9 @@ def _units(
     for one step."""
     if stage.declarable():
         root = stage.declare(spec, state)
-        root.tick(state, ref, extra)
+        if not root.tick(state, ref, extra):  # another declaration fits this step (as `runner.ticked`)
+            root = stage.declare(spec, state)
+            root.tick(state, ref, extra)
         plan = runner.Plan(root, spec, fused, [])
         units = [[p] for p in plan.leaves]
         runs = plan.runs if fused else [(i, i + 1, None) for i in range(len(units))]

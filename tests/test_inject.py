@@ -410,6 +410,9 @@ def test_a_factory_whose_parts_change_with_the_values_is_declared_again():
                 v_, ps = plain.update(g, ps, q)
                 assert _bits(u) == _bits(v_), f"step {i}"
             assert _bits(s.inner_state) == _bits(ps) and int(s.count) == i + 1
+    for v in (1e3, 0.5):  # explain: the plan of the state's values, whichever parts they make
+        s.hyperparams["max_delta"] = v
+        assert str(nba.explain(tx, p, s)) == str(nba.explain(factory(np.float32(v)), p))
 
 
 def test_nested_inject_hyperparams_gives_each_steps_values():
