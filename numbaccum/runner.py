@@ -271,7 +271,7 @@ def run(stage: Any, grads: Any, state: Any, params: Any, extra: dict, apply: boo
         params = FlatTree.empty(layout_of(None, "params"))
     owner = stage.owner(state)
     if apply:
-        if not fuse.enabled() or (stage.reshapes and not stage.declarable()):
+        if (stage.reshapes and not stage.declarable()) or not fuse.enabled():
             # One transaction (the update joins it): Ctrl-C waits for the params too.
             return guarded(None, _update_then_apply, stage, grads, state, params, extra)
         return guarded(owner, _step, stage, grads, state, params, owner, extra)
