@@ -22,6 +22,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 
 import numbaccum as nba  # noqa: E402
+from _testutil import package_calls  # noqa: E402
 from registry import CASES  # noqa: E402
 
 PACKAGE = os.path.dirname(os.path.abspath(nba.__file__)) + os.sep
@@ -40,29 +41,29 @@ def _tree(seed: int, per_example: bool = False) -> dict:
 
 
 def count_calls(fn) -> int:
-    """The package's Python functions entered while ``fn()`` runs."""
-    n = 0
+    """The package's Python functions entered while ``fn()`` runs (the tests' counter)."""
+    return package_calls(fn)
 
-    def profile(frame, event, arg):
-        nonlocal n
-        if event == "call" and frame.f_code.co_filename.startswith(PACKAGE):
-            n += 1
 
-    sys.setprofile(profile)
-    try:
-        fn()
-    finally:
-        sys.setprofile(None)
-    return n
+# Transformations the registry's Cases cannot drive here (`registry.OWN_TESTS`), measured the
+# same way with the params they take: lookahead's are a `LookaheadParams(fast, slow)` pair.
+OWN = {
+    "lookahead_adam": lambda: nba.lookahead(nba.adam(1e-2), 3, 0.5),
+    "lookahead_sgd_momentum": lambda: nba.lookahead(nba.sgd(0.1, momentum=0.9), 3, 0.5),
+}
 
 
 def measure(name: str, warm: int = 4) -> dict:
-    """Calls per steady ``step_`` and per steady ``update`` of Case ``name``."""
-    case = CASES[name]
-    batch = case.per_example
-    tx = case.make()
+    """Calls per steady ``step_`` and per steady ``update`` of Case ``name`` (or of `OWN`'s)."""
+    if name in OWN:
+        tx, batch = OWN[name](), False
+        pair = nba.LookaheadParams.init_synced
+    else:
+        case = CASES[name]
+        tx, batch = case.make(), case.per_example
+        pair = lambda p: p  # noqa: E731
     out = {}
-    params = _tree(1)
+    params = pair(_tree(1))
     state = [tx.init(params)]
     for k in range(warm):
         state[0] = nba.step_(tx, _tree(10 + k, batch), state[0], params)
@@ -72,7 +73,7 @@ def measure(name: str, warm: int = 4) -> dict:
         state[0] = nba.step_(tx, g, state[0], params)
 
     out["step_"] = count_calls(step)
-    params2 = _tree(2)
+    params2 = pair(_tree(2))
     s2 = [tx.init(params2)]
     for k in range(warm):
         u, s2[0] = tx.update(_tree(20 + k, batch), s2[0], params2)
@@ -98,7 +99,7 @@ def main() -> None:
         dest = args[i + 1]
         del args[i : i + 2]
     rows = {}
-    for name in sorted(CASES):
+    for name in sorted([*CASES, *OWN]):
         try:
             rows[name] = measure(name)
         except Exception as e:  # a case this driver cannot run without extra arguments

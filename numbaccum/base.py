@@ -229,6 +229,20 @@ def planned(part: Any, state: Any, params: ParamsRef | None, extra: dict) -> Ste
     return Step(lambda u: run_part(part, u), getattr(part, "spec", None), fuse=part)
 
 
+def replaying(plan: Any, state: Any) -> Step:
+    """The `Step` that replays a ticked `numbaccum.runner.Plan` of ``state`` (its declared part
+    offered to an enclosing chain, its last pass adding the updates to the params where the
+    plan can: `numbaccum.runner.Plan.apply`)."""
+    replay = _runner.replay
+    return Step(
+        lambda u: replay(plan, state, u, None, False),
+        getattr(plan.root, "spec", None),  # a reshaping `numbaccum.fuse.Host`'s, ticked
+        fuse=plan.root,
+        apply=(lambda u, p: replay(plan, state, u, p, False)[1]) if plan.apply else None,
+        final=lambda u: replay(plan, state, u, None, True),
+    )
+
+
 NO_PARAMS_MSG = (
     "You are using a transformation that requires the current value of parameters, but you are "
     "not passing `params` when calling `update`."
@@ -326,14 +340,7 @@ class Stage(metaclass=_StageType):
         owner = self.owner(state)
         if owner is None or owner.layout is not spec.layout or owner.device != spec.device:
             return None
-        plan = _runner.ticked(self, spec, state, owner, params, extra)
-        replay = _runner.replay
-        return Step(
-            lambda u: replay(plan, state, u, None, False),
-            fuse=plan.root,
-            apply=(lambda u, p: replay(plan, state, u, p, False)[1]) if plan.apply else None,
-            final=lambda u: replay(plan, state, u, None, True),
-        )
+        return replaying(_runner.ticked(self, spec, state, owner, params, extra), state)
 
     def declarable(self) -> bool:
         """Whether `declare` gives a part (then the runner keeps the plan and replays it)."""
@@ -825,9 +832,9 @@ def _fused_runs(
                     u, new_states[start:stop] = run_parts(fr, u)
             except SkipStep as e:  # a run's pre-pass (a clip) skipped: nothing of it ran
                 part = steps[start].fuse
-                if fr is not None and isinstance(part, fuse.Chained):
-                    # The pre-pass is a nested chain's first part: that chain's state holds
-                    # its new state, and its later stages' states as they were.
+                if fr is not None and isinstance(part, (fuse.Chained, fuse.Wrapped)):
+                    # The pre-pass is a nested chain's (or a wrapped stage's) first part: that
+                    # part's state holds its new state, and its later stages' states as they were.
                     later = fuse.split(part, states[start])[1:]
                     keep_states(later)
                     new_states[start] = fuse.pack(part, [e.new_state, *later])

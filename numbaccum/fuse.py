@@ -78,6 +78,7 @@ __all__ = [
     "Prepass",
     "Scale",
     "Wrapped",
+    "adopter",
     "cut",
     "enabled",
     "pack",
@@ -85,7 +86,9 @@ __all__ = [
     "run_part",
     "run_parts",
     "segments",
+    "shells",
     "split",
+    "structure",
     "step_applier",
 ]
 
@@ -328,15 +331,34 @@ class Chained(_Part):
         self.parts, self.names, self.name, self.tick, self.split = parts, names, name, tick, split
 
 
-class Wrapped(NamedTuple):
-    """A wrapper stage's part: its inner step's ``part``, run as it is, and the wrapper's new
-    state ``wrap(inner_new_state)`` (`numbaccum.inject_hyperparams`: the inner state inside the
-    hyperparameters' state). The inner part's new state may be known only after the pass (a
-    `Later`, a `Chained` one's): ``wrap`` is called with it once it is."""
+class Wrapped(_Part):
+    """A wrapper stage's part (`numbaccum.inject_hyperparams`): the declaration of its inner
+    stage, whose leaves run in the enclosing plan's runs as they are (fused with the
+    neighbours'), and the wrapper's new state around the inner one.
 
-    part: Any
-    wrap: Callable[[Any], Any]
-    name: str = ""
+    Attributes:
+        part: the inner declaration's part (a leaf, a `Chained` nest, another `Wrapped`).
+        wrap: ``wrap(inner_new_state) -> new_state``, with the values this step's ``tick``
+            computed. The inner part's new state may be known only after the pass (a `Later`,
+            a `Chained` one's): ``wrap`` is called with it once it is.
+        name: the wrapper, as errors name it (`numbaccum.explain` shows the inner stages).
+        tick: see `_Part`: the wrapper's own checks and values, and its inner part's tick.
+        inner: ``inner(state) -> inner_state``: where the inner stage's state is in the
+            wrapper's (`split`); None for a part made for one planned step, which `split`
+            never sees.
+    """
+
+    __slots__ = ("part", "wrap", "name", "tick", "inner")
+
+    def __init__(
+        self,
+        part: Any,
+        wrap: Callable[[Any], Any],
+        name: str = "",
+        tick: Callable[..., bool] | None = None,
+        inner: Callable[[Any], Any] | None = None,
+    ) -> None:
+        self.part, self.wrap, self.name, self.tick, self.inner = part, wrap, name, tick, inner
 
 
 def leaves(part: Any) -> list:
@@ -387,8 +409,8 @@ def packer(root: Any) -> Callable[[Any], Any]:
             return lambda it: tuple([f(it) for f in subs])
         return lambda it: dict(zip(names, [f(it) for f in subs]))
     if isinstance(root, Wrapped):
-        inner, wrap = packer(root.part), root.wrap
-        return lambda it: wrap(inner(it))
+        inner = packer(root.part)
+        return lambda it: root.wrap(inner(it))  # read each time: `adopter` may change it
     return next
 
 
@@ -398,9 +420,7 @@ def flat_tick(root: Any) -> Callable[[Any, Any, dict], bool]:
     small tree's step costs microseconds, and each nested call is some of them). The same
     checks in the same order as the chains' own ticks."""
     nest = _nest(root)
-    if not isinstance(root, Chained) or any(
-        isinstance(p, Wrapped) or (isinstance(p, Chained) and p.split is None) for p in nest
-    ):
+    if not isinstance(root, Chained) or any(isinstance(p, Chained) and p.split is None for p in nest):
         return root.tick
     env: dict[str, Any] = {}
     lines: list[str] = []
@@ -422,7 +442,7 @@ def flat_tick(root: Any) -> Callable[[Any, Any, dict], bool]:
                 lines.append(f"    {', '.join(subs)}, = t")
             for p, sub in zip(part.parts, subs):
                 walk(p, sub)
-        else:
+        else:  # a leaf, or a `Wrapped` (its tick ticks its inner part)
             env[f"tick_{var}"] = part.tick
             lines.append(f"    if not tick_{var}({var}, params, extra):")
             lines.append("        return False")
@@ -451,8 +471,8 @@ def new_state_maker(root: Any) -> Callable[[], Any]:
             return f"dict(zip(names_{k}, {tup}))"
         if isinstance(part, Wrapped):
             k = len(env)
-            env[f"wrap_{k}"] = part.wrap
-            return f"wrap_{k}({walk(part.part)})"
+            env[f"wrapped_{k}"] = part  # its wrap read each time: `adopter` may change it
+            return f"wrapped_{k}.wrap({walk(part.part)})"
         i = count[0]
         count[0] += 1
         env[f"leaf_{i}"] = part
@@ -468,20 +488,89 @@ def new_state_maker(root: Any) -> Callable[[], Any]:
 
 
 def _nest(part: Any) -> list:
-    """``part`` and every part nested in it."""
+    """``part`` and every part nested in it, in order, but not inside a `Wrapped` (whose tick
+    ticks what is inside it)."""
+    out = [part]
     if isinstance(part, Chained):
-        return [part, *(q for p in part.parts for q in _nest(p))]
-    if isinstance(part, Wrapped):
-        return [part, *_nest(part.part)]
-    return [part]
+        for p in part.parts:
+            out += _nest(p)
+    return out
 
 
 def split(root: Any, state: Any) -> list:
     """The states of ``root``'s leaves in order, taken from ``state`` (the inverse of `pack`)."""
+    if isinstance(root, Wrapped):
+        return split(root.part, root.inner(state))  # type: ignore[misc]
     if not isinstance(root, Chained):
         return [state]
     subs = tuple(state) if root.names is None else [state[n] for n in root.names]
     return [s for part, sub in zip(root.parts, subs) for s in split(part, sub)]
+
+
+def shells(root: Any) -> Any:
+    """A copy of the nest ``root`` with a new object for each part (the same slot values): the
+    parts a kept plan runs while the declarations of other stages compute their values
+    (`adopter`). Chains' own ticks and splits are kept as they are."""
+    if isinstance(root, Chained):
+        return root._replace(parts=[shells(p) for p in root.parts])
+    if isinstance(root, Wrapped):
+        return root._replace(part=shells(root.part))
+    return root._replace()
+
+
+def structure(root: Any, nodes: list | None = None) -> tuple:
+    """What a plan's runs are cut and compiled from (`cut`, `_GroupCall`), as a declaration
+    makes it: the nest, each part's kind, a kernel's formula (by name, as its composite names
+    it), state buffers (by their storage) and output, a host step's mode. Two declarations of
+    the same structure run as one plan, each with its own values (`adopter`). ``nodes``, when
+    given, gets the parts whose values change from step to step (all but the chains), in order."""
+    if isinstance(root, Chained):
+        subs = []  # loops, not generators: a new declaration's every step with a schedule
+        for p in root.parts:
+            subs.append(structure(p, nodes))
+        return ("chain", None if root.names is None else tuple(root.names), tuple(subs))
+    if nodes is not None:
+        nodes.append(root)
+    if isinstance(root, Wrapped):
+        return ("wrapped", structure(root.part, nodes))
+    kind = type(root)
+    if kind is Kernel:
+        storage = []
+        for s in root.states:
+            storage.append(id(s.__dict__))
+        return ("kernel", root.formula.name, tuple(storage), root.out is None)
+    if kind is Host:
+        return ("host", root.apply is None, root.spec is None, root.settles, root.pending, root.passes is None)
+    if kind is Prepass:
+        return ("prepass", root.finite_of is None, root.from_sumsq is None)
+    return (kind.__name__,)
+
+
+# What `adopter` copies of each kind of part: every slot but a `Wrapped` one's inner part.
+_ADOPTED = {
+    kind: tuple(n for n in kind.__slots__ if n != "part")
+    for kind in (Kernel, Scale, Prepass, Collective, Host, Wrapped)
+}
+
+
+def adopter(shell: list, shape: tuple, root: Any) -> Callable[[], None] | None:
+    """``adopt()``: after ``root`` (a new declaration) has ticked, its values put into the
+    parts ``shell`` (the ``nodes`` of `structure` of the `shells` of a declaration whose
+    structure is ``shape``), so that the plan made of them runs ``root``'s step: every slot of
+    each leaf (a host step's run is its own closure, over its own values), a `Wrapped` one's new
+    state (``wrap``). None when ``root``'s structure is another: then it needs a plan of its
+    own."""
+    nodes: list = []
+    if structure(root, nodes) != shape:
+        return None
+    pairs = [(s, p, _ADOPTED[type(p)]) for s, p in zip(shell, nodes)]
+
+    def adopt() -> None:
+        for s, p, names in pairs:  # loops, not calls: this runs every step
+            for name in names:
+                setattr(s, name, getattr(p, name))
+
+    return adopt
 
 
 # numba cannot inline a call of more than 30 arguments ("Calling a closure with *args"): a run

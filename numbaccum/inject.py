@@ -6,10 +6,14 @@ callable ones are schedules of the step, and each update builds the inner transf
 the current values. Building one is Python work only (the kernels take their scalars as
 arguments; nothing is compiled again), and the ones built last are kept while the values repeat.
 
-It is a `Stage` like any other: its plan checks the state, calls the schedules, checks and
-converts the values, builds the inner transformation and plans it, all before anything is
-written; its step is the inner step with the new state wrapped, so inside a `chain` the inner
-stages fuse with their neighbours (`numbaccum.fuse.Wrapped`) and `numbaccum.explain` shows them.
+It is a declared stage like the others (`numbaccum.fuse.Wrapped`): its parts are those of the
+inner transformation, kept in the runner's plan, so inside a `chain` the inner stages fuse with
+their neighbours and `numbaccum.explain` shows them. Each step's tick checks the state, calls
+the schedules, checks and converts the values, finds the declaration of the inner
+transformation built with them (built and declared once per values, the few last kept with the
+plan), ticks it and puts its values into the plan's parts (`numbaccum.fuse.adopter`), all
+before anything is written. Values that repeat cost a dictionary lookup; a schedule whose value
+changes every step builds and declares a transformation every step (Python only).
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import _bounded, base
+from . import _bounded, base, fuse, runner
 from ._checks import wrong_state
 from .base import Stage, Step
 from .declared import safe_increment
@@ -215,12 +219,15 @@ def _widest(layout: Layout) -> np.dtype | None:
 # stateless inner stage keeps workspaces of its own (per thread), and a schedule that changes
 # every step makes a new one at every step anyway.
 _BUILT_KEPT = 4
+_ONE, _INT32_MAX = np.int32(1), np.iinfo(np.int32).max
 
 
 class _InjectHyperparams(Stage):
-    """`inject_hyperparams` as a stage: plans the inner transformation built from this step's
-    hyperparameters, and wraps its step (`run`, the fused part, ``apply`` and ``final``) so
-    that the new state is an `InjectStatefulHyperparamsState` around the inner one.
+    """`inject_hyperparams` as a stage: declares the parts of the inner transformation (`declare`),
+    whose tick takes this step's values from the declaration of the transformation built with
+    them; the new state is an `InjectStatefulHyperparamsState` around the inner one. An inner
+    transformation that does not declare its parts (user code, a reshaping one) is planned per
+    call (`_planned`).
 
     Whether the factory's transformations run foreign code or reshape their updates is what a
     chain must know before it plans (`Stage.foreign`, ``reshapes``): it is read, once, from the
@@ -250,6 +257,8 @@ class _InjectHyperparams(Stage):
         self.probe = probe  # what `owner` and `take` ask about the inner states
         self._foreign = True if probe is None else probe.foreign()
         self.reshapes = False if probe is None else probe.reshapes  # type: ignore[misc]
+        # Declared (`declare`) when the initial values' transformation declares its parts.
+        self._declares = probe is not None and not probe.reshapes and probe.declarable()
 
     def _make(self, hparams: dict) -> Stage:
         return base.as_stage(base.with_extra_args_support(self.factory(**self.other, **hparams)))
@@ -308,7 +317,112 @@ class _InjectHyperparams(Stage):
         inner_state = self._build(hparams).init(params)
         return InjectStatefulHyperparamsState(np.int32(0), hparams, states, inner_state)
 
+    def declarable(self) -> bool:
+        return self._declares
+
+    def declare(self, spec: Spec, state: Any) -> fuse.Wrapped:
+        """The inner transformation's declaration, wrapped (`numbaccum.fuse.Wrapped`): its parts
+        run in the plan's runs (fused with the neighbours'), copies (`numbaccum.fuse.shells`)
+        of the declaration of the transformation built with the initial values.
+
+        Its tick checks the state, computes this step's values (the state's, the schedules'),
+        finds the declaration of the transformation built with them for the inner state's
+        buffers (made once per values: the `_BUILT_KEPT` last are kept with the plan), ticks
+        it and puts what it computed into the plan's parts (`numbaccum.fuse.adopter`), all
+        before anything is written: a bad value raises there, from the factory. A factory
+        whose transformation for the new values is built of other parts (a structure the
+        plan's runs were not cut for) makes the runner declare the plan again, from it."""
+        if not isinstance(state, InjectStatefulHyperparamsState):
+            raise wrong_state("InjectStatefulHyperparamsState", state)
+        dtype = self.fixed_dtype or _widest(spec.layout)  # the params', as optax
+        # The transformation a tick found built of other parts (else the initial values').
+        template = self.local().__dict__.pop("template", None) or self.probe
+        first = template.declare(spec, state.inner_state)  # raises what is wrong with it
+        shell = fuse.shells(first)
+        nodes: list = []  # the plan's parts that take each declaration's values (`adopter`)
+        shape = fuse.structure(shell, nodes)
+        # values key -> (tick, adopt) of the inner declaration built with those values; the
+        # initial one is the template's own (its key is never asked: its values may differ)
+        decls: dict = {}
+        step: list = [None, None, None]  # this step's count, hyperparameters, schedules' states
+        names, schedules, values, make = self.names, self.schedules, self._values, self._declared
+        cls = InjectStatefulHyperparamsState
+
+        def tick(state: Any, params: Any, extra: dict) -> bool:
+            if type(state) is not cls and not isinstance(state, cls):
+                return False  # declared again: the error above
+            hparams = state.hyperparams
+            if not names <= hparams.keys():
+                raise ValueError(f"state.hyperparams: missing {sorted(names - set(hparams))}")
+            hparams = values(hparams, state.hyperparams_states, dtype, extra)
+            vs = tuple(hparams.values())
+            key = (tuple(hparams), vs, tuple(map(type, vs)))  # `_key`'s, inline: every step
+            try:
+                got = decls.get(key)
+            except TypeError:  # a value that is not hashable as it is
+                key = _key(hparams)
+                got = decls.get(key) if key is not None else None
+            if got is None:
+                got = make(hparams, key, spec, state.inner_state, nodes, shape, decls)
+                if got is None:
+                    return False  # built of other parts: declared again, from it
+            inner_tick, adopt = got
+            old = state.hyperparams_states
+            new_states = {k: f.update(old[k], **extra) for k, f in schedules.items()} if schedules else {}
+            if not inner_tick(state.inner_state, params, extra):
+                return False  # the inner state holds other buffers: declared again
+            adopt()
+            count = state.count
+            # safe_increment's common case inline (every step)
+            count = count + _ONE if type(count) is np.int32 and count != _INT32_MAX else safe_increment(count)
+            step[0], step[1], step[2] = count, hparams, new_states
+            return True
+
+        def wrap(inner_state: Any) -> InjectStatefulHyperparamsState:
+            return cls(step[0], step[1], step[2], inner_state)
+
+        return fuse.Wrapped(shell, wrap, "inject_hyperparams", tick, _inner_state)
+
+    def _declared(
+        self, hparams: dict, key: Any, spec: Spec, inner_state: Any, shell: list, shape: tuple, decls: dict
+    ) -> tuple | None:
+        """``(tick, adopt)`` of the declaration of the transformation built with ``hparams``, for
+        the buffers of ``inner_state``, its values put into the plan's parts ``shell``
+        (`numbaccum.fuse.adopter`), kept in ``decls`` under ``key`` (unless None: values that
+        are not hashable); None when it is built of other parts than ``shape`` (then it is the
+        template of the next declaration, on this thread)."""
+        stage = self._build(hparams)  # a bad value raises here, before anything is written
+        if not stage.declarable():
+            raise TypeError(
+                "inject_hyperparams: inner_factory returned another kind of transformation for "
+                f"{hparams} than for the initial values (one that does not declare its parts)"
+            )
+        root = stage.declare(spec, inner_state)
+        adopt = fuse.adopter(shell, shape, root)
+        if adopt is None:
+            self.local().template = stage
+            return None
+        got = (fuse.flat_tick(root), adopt)
+        if key is not None:
+            if len(decls) >= _BUILT_KEPT:
+                del decls[next(iter(decls))]  # the oldest: a schedule makes new values every step
+            decls[key] = got
+        return got
+
     def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
+        if self._declares:
+            step = self.kept_step(spec, state, params, extra)
+            if step is None:  # an inner state without buffers: a plan of this one step
+                plan = runner.sub_plan(self, spec, state, None, "inject.")
+                if not plan.tick(state, params, extra):  # type: ignore[union-attr]
+                    raise AssertionError("inject_hyperparams: a new declaration refused its own state")
+                step = base.replaying(plan, state)
+            return step
+        return self._planned(spec, state, params, extra)
+
+    def _planned(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
+        """The step of an inner transformation that does not declare itself (user code, a
+        reshaping one), planned for this call: built from this step's values and planned."""
         if not isinstance(state, InjectStatefulHyperparamsState):
             raise wrong_state("InjectStatefulHyperparamsState", state)
         if not self.names <= state.hyperparams.keys():
@@ -332,6 +446,10 @@ class _InjectHyperparams(Stage):
         return base.wrapped_step(step, wrap, guard, "inject_hyperparams")
 
 
+def _inner_state(state: InjectStatefulHyperparamsState) -> Any:
+    return state.inner_state
+
+
 def inject_hyperparams(
     inner_factory: Callable[..., Any],
     static_args: str | Iterable[str] = (),
@@ -352,11 +470,12 @@ def inject_hyperparams(
     between steps a loop may set ``state.hyperparams["learning_rate"] = 0.01``, and the next
     update uses it. A callable argument is a schedule: ``f(count)`` (or an optax stateful
     schedule), called before each update, its value stored in ``hyperparams`` (setting a
-    scheduled entry has no effect). Each update builds ``inner_factory(**hyperparams)`` (Python
-    only: kernels are not compiled again; the few built last are kept while the values repeat)
-    and plans it, so a bad value raises before anything is written, in a `chain` before any of
-    its stages runs; the inner stages fuse with the chain's others. The returned function calls
-    ``inner_factory`` (and the schedules) once, to know the kind of transformation it makes.
+    scheduled entry has no effect). Each update takes the transformation
+    ``inner_factory(**hyperparams)`` of its values (built, checked and declared once per values:
+    Python only, kernels are not compiled again; the few last are kept), before anything is
+    written: a bad value raises then, in a `chain` before any of its stages runs. The inner
+    stages fuse with the chain's others. The returned function calls ``inner_factory`` (and
+    the schedules) once, to know the kind of transformation it makes.
 
     Args:
         inner_factory: a function returning a transformation (``numbaccum.adam``, ...).

@@ -15,12 +15,14 @@ import numpy as np
 from . import arrays
 from ._checks import flag, integer, real, transformation, wrong_state
 from .backend import ops_for
-from .base import Stage, Step, as_stage, with_extra_args_support
+from .base import Stage, as_stage, with_extra_args_support
 from .contract import ONE, Factor
-from .flat import FlatTree, as_flat, layout_and_device, layout_of
+from .control import Inner
+from .flat import FlatTree, as_flat, host_leaves, layout_and_device, layout_of
+from .fuse import Host
 from .layout import Layout
 from .protocol import GradientTransformationExtraArgs, state_class
-from .tree import tree_map
+from .tree import tree_map, tree_unflatten
 from .updates import ParamsRef, Spec, Updates, check_params
 
 __all__ = ["LookaheadParams", "LookaheadState", "lookahead"]
@@ -77,7 +79,7 @@ def _fast_of(params: Any) -> Any:
 
 class _Lookahead(Stage):
     """`lookahead` as a reshaping stage: gradients of the fast params in, updates of the pair
-    out (`Step.spec`)."""
+    out (its declared `numbaccum.fuse.Host`'s ``spec``)."""
 
     reshapes = True
 
@@ -107,42 +109,75 @@ class _Lookahead(Stage):
     def take(self, updates: Any, state: Any, params: Any, owner: FlatTree | None) -> tuple[Updates, str]:
         """The gradients of the fast params, as `Updates` of the fast params' layout."""
         if not isinstance(params, LookaheadParams):
-            raise TypeError(
-                f"params: lookahead needs a LookaheadParams(fast, slow), got {type(params).__name__} "
-                "(LookaheadParams.init_synced(params) makes one)"
-            )
-        layout, device = layout_and_device(params.fast, "params.fast")
+            raise _not_a_pair(params)
+        checked = None
+        if owner is not None:  # the fast state's layout: the fast params' (the tick checks them)
+            layout, device = owner.layout, owner.device
+            if not device and not isinstance(updates, FlatTree):
+                checked = host_leaves(updates, layout)  # the common case, checked in one walk
+        else:
+            layout, device = layout_and_device(params.fast, "params.fast")
         inbox = lambda: self.kept("input", layout, device)  # noqa: E731 (on the params' side)
-        flat, copied, kind = as_flat(updates, layout, "updates", inbox, device)
+        flat, copied, kind = as_flat(updates, layout, "updates", inbox, device, checked)
         return Updates(flat, copied), kind
 
-    def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
+    def declare(self, spec: Spec, state: Any) -> Host:
+        """A `numbaccum.fuse.Host` for gradients of the fast params' ``spec``: the fast
+        optimizer's plan kept inside it (`numbaccum.control.Inner`), then the pass that writes
+        the updates of the pair. Its tick checks the state and the params (the pair's layout:
+        the ``spec`` of what it returns, set each step) and ticks the fast optimizer on the
+        fast half of the params; its run writes the pair's updates into a new buffer (a kept
+        one would be overwritten by another state's update while the caller holds it)."""
         if not isinstance(state, LookaheadState):
             raise wrong_state("LookaheadState", state)
-        if params is None:
-            raise ValueError(
-                "lookahead needs params: call update(updates, state, LookaheadParams(fast, slow))"
+        inner = Inner(self.stage, spec, "lookahead.")
+        period, a, reset, make_state = self.sync_period, self.slow_step_size, self.reset_state, self.inner.init
+        # The pair's spec: the fast params' twice, in a LookaheadParams (any other pair of the
+        # same shapes and dtypes, a FlatTree or CUDA arrays: its own, checked once and kept).
+        usual = Spec(_pair_of(spec.layout), spec.device)
+        n = spec.layout.num_leaves
+        pairs: dict = {}
+        now: list = [False, None, None]  # this step's: sync, steps_since_sync after it, params
+
+        def tick(state: Any, params: ParamsRef | None, extra: dict) -> bool:
+            if type(state) is not LookaheadState and not isinstance(state, LookaheadState):
+                return False  # declared again: the error above
+            if params is None:
+                raise ValueError(
+                    "lookahead needs params: call update(updates, state, LookaheadParams(fast, slow))"
+                )
+            pair = params.raw
+            if not isinstance(pair, LookaheadParams):
+                raise _not_a_pair(pair)
+            fast = ParamsRef(
+                pair.fast, spec.layout, None, spec.device, fill=lambda: _half(params.flat(), spec.layout)
             )
-        pair = params.raw
-        out_spec = Spec(_pair_layout(pair, spec.layout), spec.device)
-        fast = ParamsRef(
-            pair.fast, spec.layout, None, spec.device, fill=lambda: _half(params.flat(), spec.layout)
-        )
-        fast.checked = check_params(pair.fast, spec)
-        inner = self.stage.plan(spec, state.fast_state, fast, extra)
-        if inner.spec is not None:
-            raise TypeError("lookahead: the fast optimizer must not change the updates' shape")
-        run_inner = inner.final or inner.run
-        since = int(state.steps_since_sync)
-        sync = since == self.sync_period - 1
-        a, reset, make_state = self.slow_step_size, self.reset_state, self.inner.init
-        new_since = np.int32((since + 1) % self.sync_period)
+            checked = None if spec.device else host_leaves(pair, usual.layout)
+            if checked is not None:  # plain NumPy leaves of the usual pair: the fast ones first
+                out_spec = usual
+                fast.checked = checked[:n]
+            else:
+                layout = layout_of(pair, "params")
+                out_spec = pairs.get(layout)
+                if out_spec is None:
+                    out_spec = Spec(_pair_layout(pair, spec.layout, layout), spec.device)
+                    if len(pairs) > 2:
+                        pairs.clear()
+                    pairs[layout] = out_spec
+                fast.checked = check_params(pair.fast, spec)
+            if not inner.tick(state.fast_state, fast, extra):
+                return False  # the fast state holds other buffers: declared again
+            since = int(state.steps_since_sync)
+            now[0], now[1], now[2] = since == period - 1, np.int32((since + 1) % period), params
+            part.spec = out_spec
+            return True
 
         def run(u: Updates) -> tuple[Updates, LookaheadState]:
-            fast_u, fast_state = run_inner(u)
+            sync, new_since, params = now
+            fast_u, fast_state = inner.run(u, True)
             fu = fast_u.settled().flat
             pf = params.flat()
-            out = FlatTree.empty(out_spec.layout, None, spec.device)
+            out = FlatTree.empty(part.spec.layout, None, spec.device)
             for o, g, p in zip(out.groups, fu.groups, pf.groups):
                 n = g.size
                 of, osl, f, s = o[:n], o[n:], p[:n], p[n:]
@@ -157,15 +192,29 @@ class _Lookahead(Stage):
                 ops.add_scaled_(of, g, ONE, osl, -(1.0 - a))
                 ops.scale_(osl, osl, Factor(1.0, a))
             if sync and reset:
-                fast_state = make_state(pair.fast)
+                fast_state = make_state(params.raw.fast)
             return Updates(out, True), LookaheadState(fast_state, new_since)
 
-        return Step(run, spec=out_spec)
+        def passes(apply: bool) -> list:
+            # per parameter of the fast params: the fast updates and the params of the pair
+            # read, the pair's updates written (a sync step's four passes are as many again)
+            return [*inner.passes(False), ("kernel", "fast and slow updates", 3.0, 2.0)]
+
+        part = Host(run, passes, "lookahead", tick)
+        return part
 
 
-def _pair_layout(pair: Any, fast: Layout) -> Layout:
-    """The layout of the `LookaheadParams` pair, checked: both halves of the fast params'."""
-    layout = layout_of(pair, "params")
+def _not_a_pair(params: Any) -> TypeError:
+    return TypeError(
+        f"params: lookahead needs a LookaheadParams(fast, slow), got {type(params).__name__} "
+        "(LookaheadParams.init_synced(params) makes one)"
+    )
+
+
+def _pair_layout(pair: Any, fast: Layout, layout: Layout | None = None) -> Layout:
+    """The layout of the `LookaheadParams` pair (``layout``, when known), checked: both halves
+    of the fast params'."""
+    layout = layout_of(pair, "params") if layout is None else layout
     half = fast.num_leaves
     if layout.num_leaves != 2 * half or any(
         layout.shapes[i] != layout.shapes[half + i] or layout.dtypes[i] != layout.dtypes[half + i]
@@ -173,6 +222,14 @@ def _pair_layout(pair: Any, fast: Layout) -> Layout:
     ):
         raise ValueError("params: the slow params must have the fast params' structure, shapes and dtypes")
     return layout
+
+
+def _pair_of(fast: Layout) -> Layout:
+    """The layout of ``LookaheadParams(fast=p, slow=p)`` for params ``p`` of layout ``fast``
+    (made from zero-strided views: nothing of their size is allocated)."""
+    leaves = [np.broadcast_to(np.zeros((), d), s) for s, d in zip(fast.shapes, fast.dtypes)]
+    tree = tree_unflatten(fast.treedef, leaves)
+    return layout_of(LookaheadParams(tree, tree), "params")
 
 
 def _half(pair: FlatTree, layout: Layout) -> FlatTree:

@@ -21,6 +21,7 @@ from . import fuse, runner
 from ._checks import transformation
 from .base import Chain, Stage, as_stage, stage_of, with_extra_args_support
 from .flat import FlatTree, layout_of
+from .lookahead import LookaheadParams
 from .updates import ParamsRef, Spec
 
 __all__ = ["Explanation", "Pass", "explain", "step_"]
@@ -200,12 +201,16 @@ def explain(
     """
     stage = as_stage(with_extra_args_support(transformation(tx, "tx")))
     fused = fuse.enabled() if fused is None else bool(fused)
-    layout = params.layout if isinstance(params, FlatTree) else layout_of(params, "params")
-    device = params.device if isinstance(params, FlatTree) else False
+    # lookahead's gradients (and the plan's bytes per parameter) are those of the fast params
+    grads = params.fast if isinstance(params, LookaheadParams) else params
+    layout = grads.layout if isinstance(grads, FlatTree) else layout_of(grads, "params")
+    device = grads.device if isinstance(grads, FlatTree) else False
     if state is None:
         state = stage.init(params)
     spec = Spec(layout, device)
-    ref = ParamsRef(params, layout, None, device)
+    # the params as the runner hands them to a reshaping stage's run: of the layout of the
+    # updates it returns (lookahead's pair)
+    ref = ParamsRef(params, layout if grads is params else layout_of(params, "params"), None, device)
     units, names, segs = _units(stage, spec, state, ref, apply, fused, extra_args)
     return _explained(units, names, segs, layout, device, apply, fused)
 
@@ -441,7 +446,9 @@ def _units(
     for one step."""
     if stage.declarable():
         root = stage.declare(spec, state)
-        root.tick(state, ref, extra)
+        if not root.tick(state, ref, extra):  # another declaration fits this step (as `runner.ticked`)
+            root = stage.declare(spec, state)
+            root.tick(state, ref, extra)
         plan = runner.Plan(root, spec, fused, [])
         units: list[list | None] = [[p] for p in plan.leaves]
         runs = plan.runs if fused else [(i, i + 1, None) for i in range(len(units))]

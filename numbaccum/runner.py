@@ -26,11 +26,11 @@ tick (`_again`), which checks the state as every step does; anything else takes 
 A control node (MultiSteps, masked, apply_if_finite, ...) declares a `numbaccum.fuse.Host` that
 holds the plan of its inner transformation (`sub_plan`: declared once, kept by the part, not
 here), ticks it when this step runs it, and replays it from its run. A reshaping stage that
-declares itself (the per-example aggregation: its `numbaccum.fuse.Host` names the ``spec`` of
-what it returns) keeps its plan, but always takes the full entry: `_again` checks the params
-and layouts against the input's. A transformation that does not declare itself (user code; a
-chain after a reshaping first stage) runs through the same entry with its own `Stage.plan` each
-call.
+declares itself (lookahead, the per-example aggregation: its `numbaccum.fuse.Host` names the
+``spec`` of what it returns, set by its tick) keeps its plan and takes `_again` too: its params
+are checked after the tick, against that spec (`_reshaped`). A transformation that does not
+declare itself (user code; a chain after a reshaping first stage) runs through the same entry
+with its own `Stage.plan` each call.
 
 `numbaccum.explain` describes `plan_of`, the very plan `run` replays.
 """
@@ -276,7 +276,7 @@ def run(stage: Any, grads: Any, state: Any, params: Any, extra: dict, apply: boo
         params = FlatTree.empty(layout_of(None, "params"))
     owner = stage.owner(state)
     if apply:
-        if stage.reshapes or not fuse.enabled():
+        if (stage.reshapes and not stage.declarable()) or not fuse.enabled():
             # One transaction (the update joins it): Ctrl-C waits for the params too.
             return guarded(None, _update_then_apply, stage, grads, state, params, extra)
         return guarded(owner, _step, stage, grads, state, params, owner, extra)
@@ -332,6 +332,15 @@ def _again(stage: Any, plan: Plan, grads: Any, state: Any, params: Any, extra: d
             raise _MISS
         flat, copied, kind = as_flat(grads, layout, "updates", plan.inbox, False, checked)
         u = Updates(flat, copied)
+    if stage.reshapes:  # its params have the layout of what it returns: checked after its tick
+        if params is None and apply:
+            raise _MISS
+        ref = None if params is None else ParamsRef(params, layout, None, device)
+        if not plan.tick(state, ref, extra):
+            raise _MISS
+        done = _reshaped(stage, plan, state, u, kind, spec, ref, params, plan.owner, apply)
+        last.state = id(done if apply else done[1])
+        return done
     ref, copied = _params_again(plan, params, apply)
     if not plan.tick(state, ref, extra):
         raise _MISS
@@ -392,17 +401,17 @@ def _update(stage: Any, updates: Any, state: Any, params: Any, owner: Any, extra
             ref.checked = check_params(params, spec)
     plan = ticked(stage, spec, state, owner, ref, extra)
     if plan is not None:
-        out_spec = getattr(plan.root, "spec", None) or spec  # a reshaping `fuse.Host`'s
-        if ref is not None and stage.reshapes:
-            _reshaped_params(stage, ref, params, owner, out_spec)
+        if stage.reshapes:
+            out, new_state = _reshaped(stage, plan, state, u, kind, spec, ref, params, owner, False)
+            _keep_last(stage, plan, False, kind, new_state)
+            return out, new_state
         u.scratch = stage._workspace(owner, spec, "output")
         if kind in arrays.STREAM_KINDS:  # kernels go to the caller's current CUDA stream
             with arrays.launch_context(kind):
-                out, new_state = _replayed(stage, plan, state, u, out_spec)
+                out, new_state = _replayed(stage, plan, state, u, spec)
         else:
-            out, new_state = _replayed(stage, plan, state, u, out_spec)
-        if not stage.reshapes:  # (`_again` checks params and layouts against the input's)
-            _keep_last(stage, plan, False, kind, new_state)
+            out, new_state = _replayed(stage, plan, state, u, spec)
+        _keep_last(stage, plan, False, kind, new_state)
         return out.lent(kind), new_state
     else:
         step = stage.plan(spec, state, ref, extra)
@@ -449,6 +458,8 @@ def _run_or_zeros(stage: Any, run_it: Any, u: Updates, spec: Spec) -> tuple[Flat
 
 def _step(stage: Any, grads: Any, state: Any, params: Any, owner: Any, extra: dict) -> Any:
     """`numbaccum.step_`, inside `guarded`: the update added to the params in its last pass."""
+    if stage.reshapes:
+        return _step_reshaped(stage, grads, state, params, owner, extra)
     u, kind = stage.take(grads, state, params, owner)
     spec = _spec(stage, u.flat)
     into = stage._workspace(owner, spec, "params")
@@ -472,6 +483,43 @@ def _step(stage: Any, grads: Any, state: Any, params: Any, owner: Any, extra: di
     if plan is not None:
         _keep_last(stage, plan, True, kind, new_state)
     return new_state
+
+
+def _step_reshaped(stage: Any, grads: Any, state: Any, params: Any, owner: Any, extra: dict) -> Any:
+    """`numbaccum.step_` of a declared reshaping stage (lookahead, the per-example
+    aggregation), inside `guarded`: its plan ticked, then `_reshaped`."""
+    u, kind = stage.take(grads, state, params, owner)
+    spec = _spec(stage, u.flat)
+    ref = ParamsRef(params, spec.layout, None, spec.device)
+    plan = ticked(stage, spec, state, owner, ref, extra)
+    new_state = _reshaped(stage, plan, state, u, kind, spec, ref, params, owner, True)
+    _keep_last(stage, plan, True, kind, new_state)
+    return new_state
+
+
+def _reshaped(
+    stage: Any, plan: Plan, state: Any, u: Updates, kind: str, spec: Spec, ref: Any, params: Any, owner: Any, apply: bool
+) -> Any:
+    """The ticked plan of a declared reshaping stage run: the params checked against the layout
+    of the updates it returns (its `numbaccum.fuse.Host`'s ``spec``, known after the tick);
+    ``(updates, new_state)``, or with ``apply`` (`numbaccum.step_`) the params made writable,
+    the updates added to them (nothing adds them in a pass: the stage writes a buffer of its
+    own) and the new state."""
+    out_spec = getattr(plan.root, "spec", None) or spec
+    if ref is not None:
+        _reshaped_params(stage, ref, params, owner, out_spec)
+    u.scratch = stage._workspace(owner, spec, "output")
+    if not apply:
+        if kind in arrays.STREAM_KINDS:  # kernels go to the caller's current CUDA stream
+            with arrays.launch_context(kind):
+                out, new_state = _replayed(stage, plan, state, u, out_spec)
+        else:
+            out, new_state = _replayed(stage, plan, state, u, out_spec)
+        return out.lent(kind), new_state
+    p, copied = _writable(params, out_spec, ref._into, None, ref.checked)
+    if ref._flat is None:  # a stage that reads the params reads these (written after it ran)
+        ref._flat = p
+    return _run_step(stage, plan, state, u, p, copied, out_spec, kind, ref.checked, params, None)
 
 
 def _run_step(

@@ -61,6 +61,25 @@ USES = [
 ]
 
 
+def package_calls(fn: Any) -> int:
+    """How many Python functions of the numbaccum package are entered while ``fn()`` runs (a
+    ``sys.setprofile`` count: issue 43's measure of per-step planning, not a timing)."""
+    package = os.path.dirname(os.path.abspath(nba.__file__)) + os.sep
+    calls = 0
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        nonlocal calls
+        if event == "call" and frame.f_code.co_filename.startswith(package):
+            calls += 1
+
+    sys.setprofile(profile)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return calls
+
+
 def require(module: str) -> Any:
     """``module`` imported; skips without it, except under ``NUMBACCUM_CI``, where a missing
     module fails the test (CI installs every test dependency: a skip would hide a lost test).

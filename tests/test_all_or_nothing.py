@@ -380,6 +380,65 @@ def test_apply_if_finite_with_an_inner_schedule_that_raises():
     check_all_or_nothing(make, bad, error=RuntimeError, match="schedule failed")
 
 
+# --- inject_hyperparams (declared: its tick computes the values, finds the inner plan) ----
+
+
+@pytest.mark.parametrize("step", [False, True], ids=["update", "step_"])
+def test_inject_hyperparams_with_a_schedule_that_raises(step):
+    """In a chain between stateful stages: the schedule raises in the tick, before the trace
+    before it or the inner momentum writes; a retry goes on with a clean run's bits."""
+    lr = Flaky(0.1)
+
+    def make():
+        lr.fail = False
+        inner = nba.inject_hyperparams(nba.sgd)(learning_rate=lr, momentum=0.9)
+        return nba.chain(nba.trace(0.5), inner, nba.ema(0.9))
+
+    def bad(tx, s):
+        lr.fail = True
+        try:
+            if step:
+                nba.step_(tx, grads(9), s, nba.tree_map(np.copy, PARAMS))
+            else:
+                tx.update(grads(9), s)
+        finally:
+            lr.fail = False
+
+    check_all_or_nothing(make, bad, error=RuntimeError, match="schedule failed")
+
+
+@pytest.mark.parametrize("value", [1.5, "0.9", np.full(2, 0.9)], ids=["refused", "a string", "an array"])
+def test_inject_hyperparams_with_a_bad_value_in_the_state(value):
+    """A value the factory refuses (adam's b1 outside [0, 1]), or no number at all: raised in the
+    tick, after a step with another value was declared; nothing written, and once the value is
+    good again the state goes on (the clean run never saw the bad one)."""
+    box: list = []
+
+    def make():
+        return nba.chain(nba.trace(0.5), nba.inject_hyperparams(nba.adam)(learning_rate=1e-2))
+
+    def bad(tx, s):
+        box.append(s[1].hyperparams["b1"])
+        s[1].hyperparams["b1"] = value
+        try:
+            tx.update(grads(9), s)
+        finally:
+            s[1].hyperparams["b1"] = box.pop()
+
+    check_all_or_nothing(make, bad, error=(ValueError, TypeError))
+
+
+def test_inject_hyperparams_with_an_inner_state_of_another_tree():
+    def make():
+        return nba.inject_hyperparams(nba.adam)(learning_rate=1e-2)
+
+    theirs = make().init(OTHER)
+    check_all_or_nothing(
+        make, lambda tx, s: tx.update(grads(9), s._replace(inner_state=theirs.inner_state)), error=ValueError
+    )
+    check_all_or_nothing(make, lambda tx, s: tx.update(grads(9), s.inner_state), error=TypeError)
+
+
 def test_apply_if_finite_with_an_inner_state_of_another_tree():
     def make():
         return nba.apply_if_finite(nba.chain(nba.trace(0.9), nba.clip_norm_by_ema()), 3)

@@ -800,7 +800,6 @@ NOT_STATE_CLASSES = {
     "numbaccum.updates:Spec",
     "numbaccum.formulas:Formula",
     "numbaccum.fuse:Later",
-    "numbaccum.fuse:Wrapped",
     "numbaccum.runner:Sub",
     "numbaccum.factored:_Axes",
     "numbaccum.factored:_Factoring",

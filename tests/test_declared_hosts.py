@@ -8,11 +8,9 @@ step's Python calls into the package stay few (a ``sys.setprofile`` count, not a
 
 from __future__ import annotations
 
-import os
-import sys
-
 import numpy as np
 import pytest
+from _testutil import package_calls
 
 import numbaccum as nba
 from numbaccum import base
@@ -67,18 +65,7 @@ def test_every_stage_declares_and_a_steady_step_plans_nothing(name, monkeypatch)
     for s in _stages(tx):
         monkeypatch.setattr(type(s), "plan", no_plan)
     monkeypatch.setattr(base.Chain, "plan", no_plan)
-    package = os.path.dirname(os.path.abspath(nba.__file__)) + os.sep
-    calls = 0
-
-    def profile(frame, event, arg):
-        nonlocal calls
-        if event == "call" and frame.f_code.co_filename.startswith(package):
-            calls += 1
-
     state = nba.step_(tx, _tree(20), state, params, **extra)
-    sys.setprofile(profile)
-    try:
-        state = nba.step_(tx, _tree(21), state, params, **extra)
-    finally:
-        sys.setprofile(None)
+    g = _tree(21)
+    calls = package_calls(lambda: nba.step_(tx, g, state, params, **extra))
     assert calls < 400, calls  # adafactor's steady step_ made 611 when it planned each call

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from _testutil import assert_tree_equal
+from _testutil import assert_tree_equal, package_calls
 
 import numbaccum as nba
 
@@ -344,3 +344,127 @@ def test_threads_share_one_transformation_and_its_kept_inner_ones():
         t.join()
     assert not errors, errors
     assert 1 <= len(stage_of(tx).built) <= 4  # bounded, however many values were seen
+
+
+# --- issue 43: inject_hyperparams declares its parts; a steady step plans nothing ---
+
+
+def test_a_steady_step_plans_nothing_and_costs_what_the_plain_step_does(monkeypatch):
+    """Values that come back (set between steps) reuse the declarations made for them: no stage
+    plans, the bits are those of adam built with each value, and a steady step_ makes at most
+    a few calls more than the plain adam's (its tick and the values' key)."""
+    from numbaccum.base import Chain, stage_of
+
+    p, q = _params(), _params()
+    tx = nba.inject_hyperparams(nba.adam)(learning_rate=0.1)
+    assert stage_of(tx).declarable()
+    s = tx.init(p)
+    plains = {lr: nba.adam(**{**s.hyperparams, "learning_rate": np.float32(lr)}) for lr in (0.1, 0.01)}
+    ps = plains[0.1].init(q)
+    for i in range(4):  # both values declared, every kernel compiled
+        lr = (0.1, 0.01)[i % 2]
+        s.hyperparams["learning_rate"] = lr
+        s = nba.step_(tx, _grads(i), s, p)
+        ps = nba.step_(plains[lr], _grads(i), ps, q)
+    assert _bits(p) == _bits(q)
+
+    def no_plan(*args, **kwargs):
+        raise AssertionError("a steady step planned a stage")
+
+    monkeypatch.setattr(type(stage_of(tx)), "plan", no_plan)
+    monkeypatch.setattr(Chain, "plan", no_plan)
+    box = [s, ps]
+    for i in range(4, 8):
+        lr = (0.1, 0.01)[i % 2]
+        box[0].hyperparams["learning_rate"] = lr
+        g = _grads(i)
+        calls = package_calls(lambda: box.__setitem__(0, nba.step_(tx, g, box[0], p)))
+        plain = package_calls(lambda: box.__setitem__(1, nba.step_(plains[lr], g, box[1], q)))
+        assert _bits(p) == _bits(q) and _bits(box[0].inner_state) == _bits(box[1]), f"step {i}"
+        assert calls <= plain + 8, (calls, plain)
+
+
+def test_a_factory_whose_parts_change_with_the_values_is_declared_again():
+    """The same state, transformations of other parts (a clip's kernel, or no pass at all) as
+    the value crosses a threshold: the plan is declared again from the new one, and each step
+    gives the bits of the factory built with its value, with update and with step_."""
+
+    def factory(max_delta):
+        return nba.chain(nba.trace(0.9), nba.clip(max_delta) if max_delta < 100 else nba.identity())
+
+    values = [0.5, 0.5, 1e3, 0.25, 1e3, 1e3, 0.5]
+    for step in (False, True):
+        p, q = _params(), _params()
+        tx = nba.inject_hyperparams(factory)(max_delta=0.5)
+        s, ps = tx.init(p), factory(0.5).init(q)
+        for i, v in enumerate(values):
+            s.hyperparams["max_delta"] = v
+            plain = factory(np.float32(v))
+            g = nba.tree_map(lambda x: 3.0 * x, _grads(i))
+            if step:
+                s = nba.step_(tx, g, s, p)
+                ps = nba.step_(plain, g, ps, q)
+                assert _bits(p) == _bits(q), f"step {i}"
+            else:
+                u, s = tx.update(g, s, p)
+                v_, ps = plain.update(g, ps, q)
+                assert _bits(u) == _bits(v_), f"step {i}"
+            assert _bits(s.inner_state) == _bits(ps) and int(s.count) == i + 1
+    for v in (1e3, 0.5):  # explain: the plan of the state's values, whichever parts they make
+        s.hyperparams["max_delta"] = v
+        assert str(nba.explain(tx, p, s)) == str(nba.explain(factory(np.float32(v)), p))
+
+
+def test_nested_inject_hyperparams_gives_each_steps_values():
+    """An inject_hyperparams inside another's factory: the outer tick picks the inner
+    transformation of its values, whose own tick picks the adam of the inner state's values (as
+    in optax, the inner state's hyperparameters are the ones the inner update uses: the outer
+    value only builds it); the bits are those of adam built with the inner state's values, as
+    both change between steps."""
+
+    def factory(learning_rate):
+        return nba.inject_hyperparams(nba.adam)(learning_rate=learning_rate, b1=0.8)
+
+    p = _params()
+    tx = nba.inject_hyperparams(factory)(learning_rate=0.1)
+    s = tx.init(p)
+    plain_state = nba.adam(0.1, b1=0.8).init(p)
+    for i, (lr, b1) in enumerate([(0.1, 0.8), (0.01, 0.8), (0.01, 0.5), (0.1, 0.5), (0.5, 0.8)]):
+        s.hyperparams["learning_rate"] = lr
+        s.inner_state.hyperparams["b1"] = b1
+        u, s = tx.update(_grads(i), s, p)
+        h = {k: np.float32(v) for k, v in s.inner_state.hyperparams.items()}
+        pu, plain_state = nba.adam(**h).update(_grads(i), plain_state, p)
+        assert _bits(u) == _bits(pu), f"step {i}"
+        assert _bits(s.inner_state.inner_state) == _bits(plain_state)
+        assert int(s.count) == i + 1 and int(s.inner_state.count) == i + 1
+        assert s.hyperparams["learning_rate"] == np.float32(lr) and h["b1"] == np.float32(b1)
+
+
+def test_two_models_on_one_transformation_keep_their_own_updates():
+    """One inject_hyperparams transformation, two states with learning rates of their own (a
+    GAN's two models): each model's updates are its own, kept ones too."""
+    tx = nba.chain(nba.clip_by_global_norm(10.0), nba.inject_hyperparams(nba.sgd)(learning_rate=0.1))
+    G = {"w": np.ones(3, np.float32)}
+    D = {"w": np.ones(3, np.float32)}
+    sg, sd = tx.init(G), tx.init(D)
+    sd[1].hyperparams["learning_rate"] = 0.5
+    kept = []
+    for _ in range(2):
+        ug, sg = tx.update({"w": np.ones(3, np.float32)}, sg, G)
+        ud, sd = tx.update({"w": np.ones(3, np.float32)}, sd, D)
+        kept += [ug, ud]
+    for i, u in enumerate(kept):
+        expected = np.float32(-0.1) if i % 2 == 0 else np.float32(-0.5)
+        np.testing.assert_array_equal(u["w"], np.full(3, expected, np.float32))
+
+
+def test_explain_shows_the_inner_passes_of_a_declared_inner_host():
+    """Adafactor's axis passes (a declared host step) inside inject_hyperparams: explain
+    describes them as it does the plain adafactor's, no opaque row."""
+    p = {"w": np.zeros((6, 4), np.float32), "b": np.zeros(4, np.float32)}
+    tx = nba.inject_hyperparams(nba.adafactor)(learning_rate=1e-2)
+    plan = nba.explain(tx, p)
+    assert "opaque" not in [q.kind for q in plan.passes]
+    s = tx.init(p)
+    assert str(plan) == str(nba.explain(nba.adafactor(**s.hyperparams), p))

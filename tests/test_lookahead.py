@@ -338,3 +338,97 @@ def test_on_device_matches_the_host():
             assert type(p.slow["a"]) is type(stepped.fast["a"])
             for a, b in zip(nba.tree_flatten(nba.to_host(p))[0], nba.tree_flatten(on_host)[0]):
                 np.testing.assert_allclose(a, b, rtol=2e-6, atol=2e-6 * float(np.max(np.abs(b))))
+
+
+# --- issue 43: lookahead declares a kept host step; a steady step plans nothing -------------------
+
+
+def test_a_steady_step_plans_nothing_and_explain_shows_its_passes(monkeypatch):
+    """lookahead(chain(clip, adamw)) declares one host step with the fast optimizer's plan kept
+    inside: after warm-up no stage plans, step_ and update give the bits they gave while being
+    declared (against a twin run side by side), and explain shows the fast plan's passes and
+    the pair's (no opaque row)."""
+    from numbaccum import base
+    from numbaccum.base import stage_of
+
+    def make():
+        return nba.lookahead(nba.chain(nba.clip_by_global_norm(1.0), nba.adamw(0.05, weight_decay=0.1)), 2, 0.5)
+
+    rng = np.random.default_rng(11)
+    p0 = _params(rng)
+    tx, twin = make(), make()
+    assert stage_of(tx).declarable()
+    a = nba.LookaheadParams.init_synced(nba.tree_map(np.copy, p0))
+    b = nba.LookaheadParams.init_synced(nba.tree_map(np.copy, p0))
+    sa, sb = tx.init(a), twin.init(b)
+    grads = [{k: rng.normal(size=v.shape).astype(np.float32) for k, v in p0.items()} for _ in range(6)]
+    for g in grads[:2]:  # both modes declared
+        sa = nba.step_(tx, g, sa, a)
+        u, sa = tx.update(g, sa, a)
+        a = nba.apply_updates(a, u)
+        sb = nba.step_(twin, g, sb, b)
+        v, sb = twin.update(g, sb, b)
+        b = nba.apply_updates(b, v)
+
+    def no_plan(*args, **kwargs):
+        raise AssertionError("a steady step planned a stage")
+
+    monkeypatch.setattr(type(stage_of(tx)), "plan", no_plan)
+    monkeypatch.setattr(base.Chain, "plan", no_plan)
+    for g in grads[2:]:
+        sa = nba.step_(tx, g, sa, a)
+        u, sa = tx.update(g, sa, a)
+        a = nba.apply_updates(a, u)
+    monkeypatch.undo()
+    for g in grads[2:]:
+        sb = nba.step_(twin, g, sb, b)
+        v, sb = twin.update(g, sb, b)
+        b = nba.apply_updates(b, v)
+    assert_tree_equal(a, b)
+    plan = nba.explain(tx, a)
+    assert "opaque" not in [q.kind for q in plan.passes]
+    assert [q.stages[-1] for q in plan.passes][-1] == "lookahead (fast and slow updates)"
+    assert plan.passes[0].stages == ("clip_by_global_norm (global norm)",)
+
+
+def test_updates_kept_from_two_states_keep_their_values():
+    """One lookahead, two models: the updates of each (a new buffer per update) stay what they
+    were when the other model's update ran."""
+    tx = nba.lookahead(nba.sgd(0.1, momentum=0.9), 2, 0.5)
+    g_ones = {"w": np.ones(3, np.float32)}
+    pa = nba.LookaheadParams.init_synced({"w": np.zeros(3, np.float32)})
+    pb = nba.LookaheadParams.init_synced({"w": np.ones(3, np.float32)})
+    sa, sb = tx.init(pa), tx.init(pb)
+    ua, sa = tx.update(g_ones, sa, pa)
+    kept = nba.tree_map(np.copy, ua)
+    ub, sb = tx.update({"w": np.full(3, 5.0, np.float32)}, sb, pb)
+    assert_tree_equal(ua, kept)
+    assert not np.array_equal(ub.fast["w"], ua.fast["w"])
+
+
+def test_a_raising_schedule_of_the_fast_optimizer_changes_nothing():
+    """The fast optimizer's schedule raises in the tick: the fast state, the count since the
+    sync and the params as they were, with update and with step_; then it goes on."""
+    fail = [False]
+
+    def lr(count):
+        if fail[0]:
+            raise ArithmeticError("the schedule's own error")
+        return 0.1
+
+    tx = nba.lookahead(nba.sgd(lr, momentum=0.9), 3, 0.5)
+    params = nba.LookaheadParams.init_synced({"w": np.linspace(-1.0, 1.0, 5)})
+    state = tx.init(params)
+    for _ in range(2):
+        state = nba.step_(tx, {"w": np.ones(5)}, state, params)
+    before = [np.array(x, copy=True) for x in nba.tree_flatten((state, params))[0]]
+    fail[0] = True
+    with pytest.raises(ArithmeticError):
+        nba.step_(tx, {"w": np.ones(5)}, state, params)
+    with pytest.raises(ArithmeticError):
+        tx.update({"w": np.ones(5)}, state, params)
+    fail[0] = False
+    after = [np.array(x, copy=True) for x in nba.tree_flatten((state, params))[0]]
+    assert all(x.tobytes() == y.tobytes() for x, y in zip(before, after))
+    state = nba.step_(tx, {"w": np.ones(5)}, state, params)  # the same state: still current
+    assert int(state.steps_since_sync) == 0
