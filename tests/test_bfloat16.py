@@ -206,9 +206,9 @@ def wide(t):
     return nba.tree_map(lambda x: np.asarray(x).astype(np.float64), t)
 
 
-# Every Case compiles its kernels for bfloat16 here: the SAMPLE in the README's command, every
-# Case in the exhaustive step (registry.sweep).
-ONE_STEP = sweep(with_reference(per_example=False))
+# Every Case compiles its kernels for bfloat16 here: the registry's DRIVERS (a stage of each kind)
+# in the README's command, every Case in the exhaustive step (registry.sweep).
+ONE_STEP = sweep(with_reference(per_example=False), keep=DRIVERS)
 
 
 def assert_within_one_ulp(actual, expected64, msg: str) -> None:
@@ -487,7 +487,7 @@ def test_apply_updates_of_float16_to_bfloat16_and_back():
 EVERY = cases(per_example=False)
 
 
-@pytest.mark.parametrize("name", sweep(EVERY))  # bfloat16 kernels of every Case (as ONE_STEP)
+@pytest.mark.parametrize("name", sweep(EVERY, keep=DRIVERS))  # bfloat16 kernels of each Case (ONE_STEP)
 def test_updates_keep_the_gradients_dtype(name):
     tx = CASES[name].make()
     params = np.array([1.0, 2.0], BF)
@@ -505,7 +505,7 @@ def test_multisteps_first_update_is_exactly_zero(name):
     assert np.asarray(updates).dtype == BF and not np.any(_bits(updates))  # +0.0 bits
 
 
-@pytest.mark.parametrize("name", sweep(EVERY))  # step_'s bfloat16 kernels of every Case
+@pytest.mark.parametrize("name", sweep(EVERY, keep=DRIVERS))  # step_'s bfloat16 kernels of each Case
 def test_two_steps_keep_every_dtype(name):
     tx = CASES[name].make()
     params = {"w": np.array([0.5, -1.5, 2.0], BF)}
