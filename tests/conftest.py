@@ -20,6 +20,11 @@ appends the node id of every test (or module) skipped for a missing module: ``.c
 README's command in a virtualenv with the ``test`` extra only, then those tests again with the
 extras installed and ``NUMBACCUM_CI=1``.
 
+Selection: pyproject's addopts deselect the tests marked ``exhaustive`` (the sweeps: every
+registry Case in a second dtype or path, ``registry.sweep``), so that the README's command runs in
+about ten minutes; ``-m exhaustive`` runs them (.ci/run's step after it), and any ``-m`` given
+replaces addopts' (``-m cuda``: every cuda test).
+
 Kernel cache: the session gets a fresh private directory (mode 0700) in the temporary folder,
 removed at the end; the processes the tests start inherit it. ``.ci/run`` passes one directory
 for all its passes through ``NUMBACCUM_CACHE_DIR`` with ``NUMBACCUM_CI=1``; a developer who wants

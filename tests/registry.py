@@ -28,6 +28,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import numpy as np
+import pytest
 import reference as ref
 
 import numbaccum as nba
@@ -1170,7 +1171,8 @@ EXEMPT: dict[str, str] = {
 # second complex dtype): moments with bias corrections, an accumulator of another dtype, signs,
 # masks and partitions, a pre-pass with its pending factor, per-slice and per-leaf norms, user
 # code, wrappers, a flag in the state. Each formula still runs on every path in the tests whose
-# subject it is; NUMBACCUM_EXPLORE=1 runs every Case everywhere.
+# subject it is; NUMBACCUM_EXPLORE=1 runs every Case everywhere. `sweep` keeps the SAMPLE in the
+# README's test command and marks the other Cases ``exhaustive`` (.ci/run's next step).
 SAMPLE = {
     "adam", "adamw", "adan", "amsgrad", "chain_decay", "conditionally_mask", "lion", "masked_trace",
     "multi_transform", "optimistic_gradient_descent", "rprop", "scale_by_radam_nesterov", "sgd_nesterov",
@@ -1179,11 +1181,35 @@ SAMPLE = {
     "rmsprop_centered_momentum", "clip_norm_by_ema", "clip_value_growth", "novograd", "add_noise",
 }  # fmt: skip
 EXPLORE = os.environ.get("NUMBACCUM_EXPLORE", "") not in ("", "0")
+# Fewer still, for a sweep of the SAMPLE itself through another driver or dtype (the parallel and
+# streaming kernels, complex128, bfloat16's fusion): a moment with bias corrections, a sign, an
+# accumulator of another dtype, a partition, a pre-pass with its pending factor, a per-slice norm,
+# a wrapper. `sweep(..., keep=DRIVERS)`: these in the README's command, the others exhaustive.
+DRIVERS = {
+    "adamw", "lion", "trace_nesterov_f64acc", "multi_transform", "clip_by_global_norm", "clip_norm_rows",
+    "multisteps_adam",
+}  # fmt: skip
 
 
 def sampled(names: list[str]) -> list[str]:
     """``names`` in `SAMPLE` (all of them under NUMBACCUM_EXPLORE=1)."""
     return [n for n in names if EXPLORE or n in SAMPLE]
+
+
+def sweep(params: list[Any], keep: set[str] = SAMPLE) -> list[Any]:
+    """``params`` (Case names, or tuples of parameters that start with one) as pytest parameters,
+    those of a Case outside ``keep`` (`SAMPLE`, or `DRIVERS` for a sweep of the SAMPLE itself)
+    marked ``exhaustive``: a test of every Case in a second dtype,
+    through ``step_`` or inside a wrapper runs the SAMPLE in the README's test command (each
+    formula's own numbers are checked there by test_bitexact.py's serial runs) and every Case in
+    .ci/run's ``-m exhaustive`` step. Each Case compiles kernels of its own for that dtype or
+    path: the bulk of a cold run's time. Under NUMBACCUM_EXPLORE=1 none is marked (`sampled`)."""
+    out = []
+    for p in params:
+        values = p if isinstance(p, tuple) else (p,)
+        default = EXPLORE or values[0] in keep
+        out.append(pytest.param(*values, marks=() if default else pytest.mark.exhaustive))
+    return out
 
 
 def cases(**flags: bool) -> list[str]:

@@ -365,17 +365,21 @@ def as_tree(leaves_of):
     return lambda rstate, g: ref.tree_unflatten(ref.tree_structure(g), leaves_of(rstate))
 
 
-@settings(deadline=None, max_examples=30)
-@given(
-    tree_sequences(min_steps=2, max_steps=5),
-    st.sampled_from([0.0, 0.5, 0.9]),
-    ORDS,
-    st.booleans(),
-    st.sampled_from([None, 1.5, 1.1]),
-    st.sampled_from([0.0, 0.5]),
-    st.booleans(),
-)
-def test_ema_norm_clippers_against_reference(seq, beta, ord, tensorwise, growth, init, normalize):
+# Each reference test runs QUICK draws in the README's command (the profile is derandomized: the
+# same first draws every run) and LONG in the exhaustive step: each draw of an ord, a dtype or an
+# option compiles kernels of its own (4 tests of 30 draws took 50 s of a cold run's CPU).
+QUICK, LONG = 8, 30
+
+
+def quick_and_long(body, *strategies):
+    """``body`` as two hypothesis tests over ``strategies``: QUICK draws, and LONG marked
+    ``exhaustive``."""
+    quick = settings(deadline=None, max_examples=QUICK)(given(*strategies)(body))
+    long = settings(deadline=None, max_examples=LONG)(given(*strategies)(body))
+    return quick, pytest.mark.exhaustive(long)
+
+
+def _ema_norm_clippers(seq, beta, ord, tensorwise, growth, init, normalize):
     make = nba.normalize_by_ema if normalize else nba.clip_norm_by_ema
     tx = make(beta=beta, ord=ord, tensorwise=tensorwise, max_ema_growth=growth, init=init)
     rtx = ref.clip_norm_by_ema(beta, ord, tensorwise, growth, init, 1e-6, normalize)
@@ -386,31 +390,51 @@ def test_ema_norm_clippers_against_reference(seq, beta, ord, tensorwise, growth,
     against_reference(tx, rtx, *seq, checks)
 
 
-@settings(deadline=None, max_examples=30)
-@given(tree_sequences(min_steps=2, max_steps=5), *GROWTH, ORDS, st.booleans())
-def test_norm_growth_against_reference(seq, add, mul, min_value, max_decay, ord, tensorwise):
+test_ema_norm_clippers_against_reference, test_ema_norm_clippers_against_reference_long = quick_and_long(
+    _ema_norm_clippers,
+    tree_sequences(min_steps=2, max_steps=5),
+    st.sampled_from([0.0, 0.5, 0.9]),
+    ORDS,
+    st.booleans(),
+    st.sampled_from([None, 1.5, 1.1]),
+    st.sampled_from([0.0, 0.5]),
+    st.booleans(),
+)
+
+
+def _norm_growth(seq, add, mul, min_value, max_decay, ord, tensorwise):
     tx = nba.clip_norm_growth(add, mul, min_value, max_decay, ord, tensorwise)
     rtx = ref.clip_norm_growth(add, mul, min_value, max_decay, ord, tensorwise)
     against_reference(tx, rtx, *seq, [(lambda s: s.prev_norm, lambda r, g: r.prev_norm)])
 
 
-@settings(deadline=None, max_examples=30)
-@given(tree_sequences(min_steps=2, max_steps=5), *GROWTH)
-def test_value_growth_against_reference(seq, add, mul, min_value, max_decay):
+test_norm_growth_against_reference, test_norm_growth_against_reference_long = quick_and_long(
+    _norm_growth, tree_sequences(min_steps=2, max_steps=5), *GROWTH, ORDS, st.booleans()
+)
+
+
+def _value_growth(seq, add, mul, min_value, max_decay):
     tx = nba.clip_value_growth(add, mul, min_value, max_decay)
     rtx = ref.clip_value_growth(add, mul, min_value, max_decay)
     against_reference(tx, rtx, *seq, [(lambda s: s.prev.tree, as_tree(lambda r: r.prev))])
 
 
-@settings(deadline=None, max_examples=30)
-@given(
+test_value_growth_against_reference, test_value_growth_against_reference_long = quick_and_long(
+    _value_growth, tree_sequences(min_steps=2, max_steps=5), *GROWTH
+)
+
+
+def _value_ema(seq, beta, init):
+    tx, rtx = nba.clip_value_by_ema(beta, init), ref.clip_value_by_ema(beta, init)
+    against_reference(tx, rtx, *seq, [(lambda s: s.exp_avg.tree, as_tree(lambda r: r.exp_avg))])
+
+
+test_value_ema_against_reference, test_value_ema_against_reference_long = quick_and_long(
+    _value_ema,
     tree_sequences(min_steps=2, max_steps=5),
     st.sampled_from([0.0, 0.5, 0.99]),
     st.sampled_from([0.0, 1.0, 2.0]),
 )
-def test_value_ema_against_reference(seq, beta, init):
-    tx, rtx = nba.clip_value_by_ema(beta, init), ref.clip_value_by_ema(beta, init)
-    against_reference(tx, rtx, *seq, [(lambda s: s.exp_avg.tree, as_tree(lambda r: r.exp_avg))])
 
 
 # --- protocol: trees, FlatTrees, chains, states, errors -------------------------------------

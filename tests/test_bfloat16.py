@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import reference as ref
 from _testutil import as_tree, leaves, require, snapshot, state_arrays
-from registry import CASES, cases, sampled, with_reference
+from registry import CASES, DRIVERS, cases, sampled, sweep, with_reference
 
 import numbaccum as nba
 from numbaccum import _config, formulas
@@ -206,7 +206,9 @@ def wide(t):
     return nba.tree_map(lambda x: np.asarray(x).astype(np.float64), t)
 
 
-ONE_STEP = with_reference(per_example=False)
+# Every Case compiles its kernels for bfloat16 here: the registry's DRIVERS (a stage of each kind)
+# in the README's command, every Case in the exhaustive step (registry.sweep).
+ONE_STEP = sweep(with_reference(per_example=False), keep=DRIVERS)
 
 
 def assert_within_one_ulp(actual, expected64, msg: str) -> None:
@@ -324,8 +326,9 @@ def _same_bits(a_tree, b_tree, msg):
 
 # The parallel drivers run the same loop body over chunks: a few stages of each kind (a moment, a
 # clip with its pre-pass, a float64 accumulator beside bfloat16, a per-leaf reduction) check them.
+# The README's command runs the registry's DRIVERS of these, the exhaustive step the rest.
 PARALLEL = ["adamw", "clip_by_global_norm", "trace_nesterov_f64acc", "clip_norm_rows", "lion"]
-FUSED_RUNS = [(n, False) for n in sampled(FUSABLE)] + [(n, True) for n in PARALLEL]
+FUSED_RUNS = sweep([(n, False) for n in sampled(FUSABLE)] + [(n, True) for n in PARALLEL], keep=DRIVERS)
 
 
 @pytest.mark.parametrize(("name", "parallel"), FUSED_RUNS)
@@ -484,7 +487,7 @@ def test_apply_updates_of_float16_to_bfloat16_and_back():
 EVERY = cases(per_example=False)
 
 
-@pytest.mark.parametrize("name", EVERY)
+@pytest.mark.parametrize("name", sweep(EVERY, keep=DRIVERS))  # bfloat16 kernels of each Case (ONE_STEP)
 def test_updates_keep_the_gradients_dtype(name):
     tx = CASES[name].make()
     params = np.array([1.0, 2.0], BF)
@@ -502,7 +505,7 @@ def test_multisteps_first_update_is_exactly_zero(name):
     assert np.asarray(updates).dtype == BF and not np.any(_bits(updates))  # +0.0 bits
 
 
-@pytest.mark.parametrize("name", EVERY)
+@pytest.mark.parametrize("name", sweep(EVERY, keep=DRIVERS))  # step_'s bfloat16 kernels of each Case
 def test_two_steps_keep_every_dtype(name):
     tx = CASES[name].make()
     params = {"w": np.array([0.5, -1.5, 2.0], BF)}

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import reference as ref
 from _testutil import as_tree, assert_same_structure, leaves, snapshot, state_arrays
-from registry import CASES, sampled, with_reference
+from registry import CASES, DRIVERS, sampled, sweep, with_reference
 
 import numbaccum as nba
 from numbaccum import _config
@@ -138,12 +138,13 @@ def use_path(path: str, monkeypatch) -> None:
 
 # The parallel and streaming drivers run the serial loop's body (the same formula text) over
 # chunks: every Case runs serially, and the registry's SAMPLE of each kind of stage on the other
-# two paths (compiling every formula's three drivers took a quarter of the CI's test time).
-# NUMBACCUM_EXPLORE=1 runs every Case on every path.
-def with_paths(names: list[str]) -> list[tuple[str, str]]:
-    return [(n, "serial") for n in names] + [
-        (n, p) for p in ("parallel", "streaming") for n in sampled(names)
-    ]
+# two paths (compiling every formula's three drivers took a quarter of the CI's test time), its
+# DRIVERS in the README's command and the rest in the exhaustive step (the parallel drivers of
+# the SAMPLE took 3 of a cold run's 25 CPU minutes). NUMBACCUM_EXPLORE=1 runs every Case on every
+# path.
+def with_paths(names: list[str]) -> list:
+    other = sweep([(n, p) for p in ("parallel", "streaming") for n in sampled(names)], keep=DRIVERS)
+    return [(n, "serial") for n in names] + other
 
 
 @pytest.mark.parametrize(("name", "path"), with_paths(EXACT))
@@ -157,7 +158,9 @@ def test_updates_and_state_bit_for_bit(name, path, monkeypatch):
         compare_states(state, ref_state, f"{name} ({path})", assert_bits)
 
 
-@pytest.mark.parametrize("name", EXACT)
+# step_ and stage by stage compile kernels of their own per Case: the SAMPLE in the README's
+# command, every Case in the exhaustive step (registry.sweep).
+@pytest.mark.parametrize("name", sweep(EXACT))
 def test_step_bit_for_bit(name):
     """``step_`` (the update added inside the last fused pass) gives the reference's params."""
     outs, _ = run(name, via_step=True)
@@ -166,7 +169,7 @@ def test_step_bit_for_bit(name):
         assert_bits(a, e, f"{name} step_ {k + 1} params")
 
 
-@pytest.mark.parametrize("name", EXACT)
+@pytest.mark.parametrize("name", sweep(EXACT))
 def test_fused_and_stage_by_stage_bit_for_bit(name, monkeypatch):
     fused = run(name)
     monkeypatch.setenv("NUMBACCUM_FUSE", "0")

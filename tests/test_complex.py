@@ -19,7 +19,7 @@ import os
 import numpy as np
 import pytest
 from _testutil import require, state_arrays
-from registry import CASES, cases, sampled
+from registry import CASES, DRIVERS, cases, sampled, sweep
 
 import numbaccum as nba
 
@@ -160,7 +160,8 @@ def _params_after(name, dtype, mode):
     return seen
 
 
-@pytest.mark.parametrize("dtype", [C64, C128])
+# complex128 in the exhaustive step: the same chains, compiled for the other dtype
+@pytest.mark.parametrize("dtype", [C64, pytest.param(C128, marks=pytest.mark.exhaustive)])
 @pytest.mark.parametrize("name", sorted(CHAINS))
 def test_fused_stage_by_stage_and_step_give_the_same_bits(name, dtype, monkeypatch):
     fused = _params_after(name, dtype, "update")
@@ -298,14 +299,14 @@ REAL_STATE = {"trace_nesterov_f64acc"}
 
 
 # Every Case on complex64; complex128 (the same formulas, compiled for the other dtype) on the
-# registry's SAMPLE of each kind.
+# SAMPLE of each kind. The README's command runs the SAMPLE on complex64 and its DRIVERS on
+# complex128, the exhaustive step the rest (each Case compiles its complex kernels).
 EACH = [n for n in cases(per_example=False) if n not in REAL_STATE]
 EACH_DTYPE = [(n, C64) for n in EACH] + [(n, C128) for n in sampled(EACH)]
+EACH_RUN = sweep(EACH_DTYPE[: len(EACH)]) + sweep(EACH_DTYPE[len(EACH) :], keep=DRIVERS)
 
 
-@pytest.mark.parametrize(
-    ("name", "dtype"), EACH_DTYPE, ids=[f"{n}-{np.dtype(d).name}" for n, d in EACH_DTYPE]
-)
+@pytest.mark.parametrize(("name", "dtype"), EACH_RUN, ids=[f"{n}-{np.dtype(d).name}" for n, d in EACH_DTYPE])
 def test_each_transformation_takes_complex_leaves_or_refuses_them_by_name(name, dtype):
     """Taken: two steps keep the updates' and every state buffer's dtype (optax's
     test_state_shape_dtype_shard_stability); refused: nothing written."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from _testutil import assert_tree_equal, require
-from registry import CASES, OWN_TESTS
+from registry import CASES, OWN_TESTS, sweep
 
 import numbaccum as nba
 
@@ -154,7 +154,7 @@ def _no_extra(params):
     return {}
 
 
-@pytest.mark.parametrize("name", FAST_OPTIMIZERS)
+@pytest.mark.parametrize("name", sweep(FAST_OPTIMIZERS))  # every Case in the exhaustive step
 def test_every_fast_optimizer_of_the_registry(name):
     """lookahead around each registry Case on a tree of two dtype groups (each group of the pair
     holds the fast leaves then the slow ones), reset_state on every other Case."""

@@ -16,7 +16,7 @@ import threading
 import numpy as np
 import pytest
 from _testutil import assert_tree_equal, snapshot
-from registry import CASES
+from registry import CASES, sweep
 
 import numbaccum as nba
 from numbaccum.flat import FlatTree
@@ -38,7 +38,7 @@ def _grads(model: int, step: int, per_example: bool = False) -> dict:
     return g
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("name", sweep(sorted(CASES)))  # every Case in the exhaustive step
 def test_updates_kept_from_every_transformation_keep_their_values(name):
     """Two models on one transformation, their updates kept in a list, one leaf and one slice
     of a leaf kept alone, then a ``step_`` of a third model: every kept value is as returned."""

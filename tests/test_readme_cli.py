@@ -1,6 +1,8 @@
 """The README's code runs as written, its test command is CI's, and the CLI answers."""
 
+import os
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -53,6 +55,73 @@ def test_readme_commands_are_the_ones_ci_and_users_run():
     assert "mkdocs build --strict" in rest
     mpi = (ROOT / "docs" / "guides" / "mpi.md").read_text()
     assert 'pip install ".[mpi]"\nmpiexec -n 2 python examples/data_parallel.py' in mpi
+
+
+# What each pytest line of .ci/run selects, on a file of one test of each kind: the README's
+# command leaves the exhaustive sweeps out, the step after it runs just those, the extras' pass
+# the node ids of both, the simulator pass every cuda test, exhaustive or not.
+KINDS = {
+    "plain": "",
+    "sweep": "@pytest.mark.exhaustive\n",
+    "cuda": "@pytest.mark.cuda\n",
+    "cuda_sweep": "@pytest.mark.cuda\n@pytest.mark.exhaustive\n",
+}
+EXTRAS_PASS = (
+    'python -m pytest -q -n 2 -p no:cacheprovider -m "exhaustive or not exhaustive" "${EXTRAS_TESTS[@]}"'
+)
+SELECTS = {  # a line of .ci/run -> the kinds it runs
+    'pip install -e ".[test]" && python -m pytest -q -n 2': {"plain", "cuda"},
+    "python -m pytest -q -n 2 -m exhaustive": {"sweep", "cuda_sweep"},
+    EXTRAS_PASS: set(KINDS),
+    "python -m pytest -q -n 2 -m cuda": {"cuda", "cuda_sweep"},  # the simulator pass
+}
+
+
+def _selected(line: str, tmp_path: Path) -> set[str]:
+    """The kinds of `KINDS` that ``line``'s pytest arguments select, in a child pytest with this
+    project's pyproject.toml (its addopts and markers) and no conftest."""
+    (tmp_path / "pyproject.toml").write_text((ROOT / "pyproject.toml").read_text())
+    tests = "".join(f"{marks}def test_{kind}():\n    pass\n\n\n" for kind, marks in KINDS.items())
+    (tmp_path / "test_kinds.py").write_text("import pytest\n\n\n" + tests)
+    args = shlex.split(line.split("&&")[-1])
+    args = args[args.index("pytest") + 1 :]
+    del args[args.index("-n") : args.index("-n") + 2]  # no workers needed to collect
+    # the extras' node ids: the file; one -q (a second lists files, not tests)
+    args = [a for a in args if a not in ("${EXTRAS_TESTS[@]}", "-q")]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
+    collect = [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider"]
+    r = subprocess.run(
+        [*collect, *args, "test_kinds.py"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    return set(re.findall(r"^test_kinds\.py::test_(\w+)$", r.stdout, re.M))
+
+
+def test_the_readme_command_leaves_the_exhaustive_sweeps_to_a_step_that_ci_runs(pytestconfig, tmp_path):
+    """The README's command runs in about ten minutes because pyproject's addopts deselect the
+    tests marked ``exhaustive`` (a registered marker); .ci/run runs those right after it, in the
+    same virtualenv and under the same skip log, and its later passes select them too (pytest
+    keeps the last ``-m``: each line's own replaces addopts')."""
+    assert any(m.startswith("exhaustive:") for m in pytestconfig.getini("markers"))
+    addopts = pytestconfig.getini("addopts")
+    assert addopts[addopts.index("-m") + 1] == "not exhaustive", addopts
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    lines = [line for line in ci if not line.lstrip().startswith("#")]
+    at = lines.index(next(iter(SELECTS)))
+    assert lines[at + 1] == "python -m pytest -q -n 2 -m exhaustive"  # the step right after it
+    assert lines[at + 2] == "unset NUMBACCUM_TEST_SKIPPED_LOG"  # ... still logging its skips
+    for line, kinds in SELECTS.items():
+        assert line in lines, f".ci/run has no line {line!r}"
+        assert _selected(line, tmp_path) == kinds, line
+    # .ci/run's MPI lines run tests/mpi with addopts' -m: an exhaustive test there would never run
+    for path in (ROOT / "tests" / "mpi").rglob("*.py"):
+        assert "exhaustive" not in path.read_text(), f"{path}: .ci/run's MPI passes deselect exhaustive tests"
+    assert "python -m pytest -q -n 2 -m exhaustive" in README
 
 
 def test_every_docs_page_is_in_the_site_and_the_readme_works_on_an_index_page():

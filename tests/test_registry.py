@@ -4,6 +4,7 @@ loops over transformations reads it."""
 from __future__ import annotations
 
 import registry
+import test_bitexact
 import test_cuda
 import test_fusion
 import test_hostile
@@ -57,3 +58,24 @@ def test_every_exact_case_has_a_reference():
 
 def test_the_sample_is_of_registered_cases():
     assert set(registry.CASES) >= registry.SAMPLE, sorted(registry.SAMPLE - set(registry.CASES))
+    assert registry.SAMPLE >= registry.DRIVERS, sorted(registry.DRIVERS - registry.SAMPLE)
+
+
+def _parameters(test) -> list[tuple[tuple, list]]:
+    """(values, marks) of each parameter set of ``test``'s one ``parametrize``."""
+    (mark,) = [m for m in test.pytestmark if m.name == "parametrize"]
+    return [(p.values, list(p.marks)) if hasattr(p, "marks") else (p, []) for p in mark.args[1]]
+
+
+def test_the_readme_command_checks_every_case_against_its_reference():
+    """`registry.sweep` leaves the Cases outside the SAMPLE of the dtype, path and wrapper sweeps
+    to .ci/run's exhaustive step; each Case's own numbers stay in the README's command, where
+    test_bitexact.py runs every Case that has a reference serially, unmarked."""
+    runs = _parameters(test_bitexact.test_updates_and_state_bit_for_bit)
+    runs += _parameters(test_bitexact.test_updates_and_state_close)
+    by_default = {values[0] for values, marks in runs if values[1] == "serial" and not marks}
+    assert by_default == set(registry.with_reference()), sorted(set(registry.with_reference()) - by_default)
+    swept = _parameters(test_bitexact.test_step_bit_for_bit)
+    exhaustive = {values[0] for values, marks in swept if [m.name for m in marks] == ["exhaustive"]}
+    assert {values[0] for values, marks in swept if not marks} == set(registry.sampled(test_bitexact.EXACT))
+    assert exhaustive == set(test_bitexact.EXACT) - set(registry.sampled(test_bitexact.EXACT))

@@ -275,7 +275,9 @@ def run_one(m: Mutation, cache: str, timeout: float) -> tuple[bool, str, float]:
         shutil.copy(os.path.join(ROOT, "pyproject.toml"), tmp)
         apply(tmp, m)
         env = dict(os.environ, NUMBACCUM_TEST_CACHE_DIR=cache, PYTHONPATH=tmp, PYTHONDONTWRITEBYTECODE="1")
-        cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *TARGETS]
+        # -m: the exhaustive sweeps of the targets too (pyproject's addopts leave them out)
+        cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider"]
+        cmd += ["-m", "exhaustive or not exhaustive", *TARGETS]
         t0 = time.perf_counter()
         try:
             r = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=timeout)
