@@ -33,7 +33,9 @@ def stream_all(monkeypatch):
 
 
 def _variant_of(f, arrays):
-    return driver._variant(f, arrays, np.result_type(*arrays), False)[1]
+    return driver._variant(
+        f, arrays, np.result_type(*arrays), False, driver._passed_twice(arrays)
+    )[1]
 
 
 SIZES = [1, 7, 8, 9, 1023, 1024, 1025, 2999, 3000, 3001, 10_007]
