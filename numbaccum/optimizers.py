@@ -1225,7 +1225,7 @@ class _ScaleByLion(_Direction):
     def __init__(self, b1: float, b2: float, mu_dtype: Any, mode: str, smooth_beta: float) -> None:
         self.b1, self.b2 = check_decay(b1, "b1"), check_decay(b2, "b2")
         self.mu_dtype = _mu_dtype(mu_dtype)
-        if mode not in _LION_MODES:
+        if not isinstance(mode, str) or mode not in _LION_MODES:  # an array has no truth value
             raise ValueError(f"mode must be one of {list(_LION_MODES)}, got {mode!r}")
         self.mode, self.smooth_beta = mode, real(smooth_beta, "smooth_beta")
 

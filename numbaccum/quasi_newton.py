@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import os
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -124,9 +125,11 @@ class _ScaleByLBFGS(Stage):
         def zeros() -> FlatTree:
             return FlatTree.zeros(layout, None, device)
 
+        first = zeros()
+        _check_memory_fits(m, sum(g.nbytes for g in first.groups))
         return ScaleByLBFGSState(
             np.int32(0),
-            zeros(),
+            first,
             zeros(),
             tuple(zeros() for _ in range(m)),
             tuple(zeros() for _ in range(m)),
@@ -252,6 +255,25 @@ class _ScaleByLBFGS(Stage):
         return Host(run, passes, "scale_by_lbfgs", tick)
 
 
+# What one FlatTree of the memory costs on the host beyond its buffers (the object, its views).
+_TREE_OVERHEAD = 1024
+
+
+def _check_memory_fits(m: int, tree_bytes: int) -> None:
+    """A ``memory_size`` whose 2 m FlatTrees cannot fit in this machine's memory is refused at
+    `init`, naming it: building them one by one would run for hours before NumPy ran out."""
+    try:
+        physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # not a POSIX machine: NumPy's own MemoryError
+        return
+    need = 2 * m * (tree_bytes + _TREE_OVERHEAD) + 8 * m
+    if need > physical:
+        raise ValueError(
+            f"memory_size={m}: its {2 * m} FlatTrees need about {need / 2**30:.3g} GiB, more than "
+            f"this machine's {physical / 2**30:.3g} GiB"
+        )
+
+
 def scale_by_lbfgs(memory_size: int = 10, scale_init_precond: bool = True) -> GradientTransformationExtraArgs:
     """Multiplies the updates by L-BFGS's approximation of the inverse Hessian.
 
@@ -273,7 +295,8 @@ def scale_by_lbfgs(memory_size: int = 10, scale_init_precond: bool = True) -> Gr
 
     Raises:
         TypeError: ``memory_size`` is not an int or ``scale_init_precond`` not a bool.
-        ValueError: ``memory_size < 1``; at an update, no params.
+        ValueError: ``memory_size < 1``; at `init`, a memory that cannot fit in the machine's
+            memory; at an update, no params.
 
     References:
         Nocedal and Wright, "Numerical Optimization", 1999, Algorithms 7.4 and 7.5; Liu and

@@ -8,6 +8,8 @@ import sys
 from typing import Any
 
 import numpy as np
+import pytest
+from hypothesis import given, settings
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -20,6 +22,22 @@ INT32_MAX = ref.INT32_MAX
 # Default relative tolerances: float32 matches optax within 1e-6 (its own test
 # default); float64 within 1e-12 (DESIGN.md "Numerics").
 RTOL = {np.dtype(np.float32): 1e-6, np.dtype(np.float64): 1e-12}
+
+
+# Hypothesis tests run QUICK draws in the README's command (the profile is derandomized: the same
+# first draws every run) and LONG in .ci/run's exhaustive step: a draw of an ord, a dtype, an option
+# or a hyperparameter's type compiles kernels of its own, and compiling is most of a cold run.
+QUICK, LONG = 8, 30
+
+
+def quick_and_long(body: Any, *strategies: Any, quick: int = QUICK, long: int = LONG, **options: Any) -> Any:
+    """``body`` as two hypothesis tests over ``strategies`` (positional: they fill its last
+    arguments, after any that pytest parametrizes): ``quick`` draws, and ``long`` marked
+    ``exhaustive``; ``options``: more hypothesis settings (no deadline unless given)."""
+    options.setdefault("deadline", None)
+    short = settings(max_examples=quick, **options)(given(*strategies)(body))
+    full = settings(max_examples=long, **options)(given(*strategies)(body))
+    return short, pytest.mark.exhaustive(full)
 
 
 # The thread counts whose results must have the same bits (conftest makes 2 available).

@@ -7,8 +7,7 @@ import math
 import numpy as np
 import pytest
 import reference as ref
-from _testutil import assert_tree_close, snapshot
-from hypothesis import given, settings
+from _testutil import assert_tree_close, quick_and_long, snapshot
 from hypothesis import strategies as st
 from strategies import tree_sequences
 
@@ -363,20 +362,6 @@ def against_reference(tx, rtx, params, steps, states):
 def as_tree(leaves_of):
     """A reference state's list of leaves as a tree shaped like the updates ``g``."""
     return lambda rstate, g: ref.tree_unflatten(ref.tree_structure(g), leaves_of(rstate))
-
-
-# Each reference test runs QUICK draws in the README's command (the profile is derandomized: the
-# same first draws every run) and LONG in the exhaustive step: each draw of an ord, a dtype or an
-# option compiles kernels of its own (4 tests of 30 draws took 50 s of a cold run's CPU).
-QUICK, LONG = 8, 30
-
-
-def quick_and_long(body, *strategies):
-    """``body`` as two hypothesis tests over ``strategies``: QUICK draws, and LONG marked
-    ``exhaustive``."""
-    quick = settings(deadline=None, max_examples=QUICK)(given(*strategies)(body))
-    long = settings(deadline=None, max_examples=LONG)(given(*strategies)(body))
-    return quick, pytest.mark.exhaustive(long)
 
 
 def _ema_norm_clippers(seq, beta, ord, tensorwise, growth, init, normalize):

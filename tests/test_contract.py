@@ -121,8 +121,27 @@ def _assert_same(got, ref, dtype, maxulp=1):
 PYTHON_SQRT = {"adadelta_direction": "u = (sqrt(e_x + eps) / sqrt(e_g + eps)) g, then e_x of u^2"}
 
 
-@pytest.mark.parametrize("f", FORMULAS, ids=lambda f: f.name)
-@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+# Formulas of every kind (no state, a trace, moments with bias corrections, a sign, the element's
+# index), run on every path in the README's command; the others' second dtype and parallel driver
+# in the exhaustive step.
+PARALLEL_SAMPLE = {"add_scaled", "trace_update", "adam_direction", "lion_direction", "add_noise_direction"}
+
+
+# Every formula in float32 in the README's command; in float64 (a kernel each) the parallel sample
+# below there, every formula in the exhaustive step (test_bitexact.py runs each in both dtypes).
+SERIAL_RUNS = [
+    pytest.param(
+        f,
+        dtype,
+        id=f"{f.name}-{np.dtype(dtype).name}",
+        marks=() if dtype is np.float32 or f.name in PARALLEL_SAMPLE else pytest.mark.exhaustive,
+    )
+    for f in FORMULAS
+    for dtype in (np.float32, np.float64)
+]
+
+
+@pytest.mark.parametrize("f,dtype", SERIAL_RUNS)
 @pytest.mark.parametrize("factor", [ONE, Factor(3.0, 0.5)], ids=["one", "factor"])
 def test_cpu_driver_compiles_the_formula(f, dtype, factor):
     n = 37
@@ -139,7 +158,6 @@ def test_cpu_driver_compiles_the_formula(f, dtype, factor):
 # The parallel driver runs the serial loop's body over chunks: a few formulas (no state, a trace,
 # moments with bias corrections, a sign, the element's index) in the README's command, every
 # formula in the exhaustive step (each compiles its parallel driver: 50 s of a cold run's CPU).
-PARALLEL_SAMPLE = {"add_scaled", "trace_update", "adam_direction", "lion_direction", "add_noise_direction"}
 PARALLEL_RUNS = [
     f if f.name in PARALLEL_SAMPLE else pytest.param(f, marks=pytest.mark.exhaustive) for f in FORMULAS
 ]

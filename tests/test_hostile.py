@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from _testutil import quick_and_long
 from registry import CASES
 from test_all_or_nothing import assert_bitwise, snapshot
 
@@ -29,9 +30,8 @@ import numbaccum as nba
 from numbaccum.compat import declearn as dl
 from numbaccum.compat import torchzero as tz
 
-SETTINGS = settings(
-    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]
-)
+HEALTH = {"suppress_health_check": [HealthCheck.too_slow, HealthCheck.data_too_large]}
+SETTINGS = settings(max_examples=40, deadline=None, **HEALTH)
 
 # --- what a hostile value is --------------------------------------------------------------------
 
@@ -205,10 +205,7 @@ def _names(arg: str) -> tuple[str, ...]:
     return aliases.get(arg, (arg,))
 
 
-@pytest.mark.parametrize("name,arg", CASES, ids=[f"{n}-{a}" for n, a in CASES])
-@SETTINGS
-@given(value=HOSTILE)
-def test_hostile_hyperparameters(name, arg, value):
+def _hostile_hyperparameter(name, arg, value):
     fn, build, required, per_example = CONSTRUCTORS[name]
     kwargs = dict(required)
     kwargs[arg] = value
@@ -234,6 +231,14 @@ def test_hostile_hyperparameters(name, arg, value):
     got = nba.tree_flatten(out)[0]
     want = nba.tree_flatten(_tree())[0]
     assert [np.shape(g) for g in got] == [w.shape for w in want], f"{name}({arg}={value!r})"
+
+
+# 10 draws of each argument in the README's command, 40 in the exhaustive step: an accepted value
+# of another type or option compiles kernels of its own.
+test_hostile_hyperparameters, test_hostile_hyperparameters_long = (
+    pytest.mark.parametrize("name,arg", CASES, ids=[f"{n}-{a}" for n, a in CASES])(t)
+    for t in quick_and_long(_hostile_hyperparameter, HOSTILE, quick=10, long=40, **HEALTH)
+)
 
 
 # --- malformed updates --------------------------------------------------------------------------

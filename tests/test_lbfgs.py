@@ -362,3 +362,11 @@ def _zoom_state_or_backtracking(state):
         if found is not None:
             return found
     return None
+
+
+@pytest.mark.parametrize("m", [10**9, 2**40])
+def test_a_memory_that_cannot_fit_is_refused_at_init_naming_memory_size(m):
+    """2**40 pairs were built one FlatTree at a time (hours before NumPy ran out of memory)."""
+    tx = nba.scale_by_lbfgs(memory_size=m)
+    with pytest.raises(ValueError, match="memory_size"):
+        tx.init({"w": np.ones((3, 4), np.float32)})
