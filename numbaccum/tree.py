@@ -275,9 +275,18 @@ def tree_unflatten(treedef: TreeDef, leaves: Sequence[Any]) -> Any:
     leaves = list(leaves)
     if len(leaves) != treedef.num_leaves:
         raise ValueError(f"treedef has {treedef.num_leaves} leaves, got {len(leaves)}")
-    if treedef.kind == _DICT and all(c is _LEAF_DEF for c in treedef.children):
-        return dict(zip(treedef.meta, leaves))  # a dict of leaves (a returned update's, often)
+    keys = leaf_dict_keys(treedef)
+    if keys is not None:
+        return dict(zip(keys, leaves))  # a dict of leaves (a returned update's, often)
     return _built(treedef, iter(leaves))
+
+
+def leaf_dict_keys(td: TreeDef) -> tuple | None:
+    """The keys of a structure that is one dict of leaves (`tree_unflatten` then builds the
+    dict at once; a caller that rebuilds it every step asks once), else None."""
+    if td.kind == _DICT and all(c is _LEAF_DEF for c in td.children):
+        return td.meta  # type: ignore[no-any-return]
+    return None
 
 
 def _built(td: TreeDef, it: Iterator[Any]) -> Any:
