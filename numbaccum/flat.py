@@ -166,7 +166,7 @@ class FlatTree:
     ) -> None:
         self.layout = layout
         self.groups = tuple(groups)
-        self.group_dtypes = tuple(np.dtype(g.dtype) for g in self.groups)
+        self.group_dtypes = tuple(map(np.dtype, map(_DTYPE, self.groups)))  # maps: every FlatTree made
         self.buffers = buffers
         self.device = bool(self.groups) and on_device(self.groups[0])  # on a CUDA device
         self._readonly = readonly
@@ -561,6 +561,7 @@ def _walked_leaves(tree: Any, layout: Layout) -> list[np.ndarray] | None:
 
 
 _SHAPE_DTYPE = operator.attrgetter("shape", "dtype")
+_DTYPE = operator.attrgetter("dtype")
 
 
 def _host_check(layout: Layout) -> Callable[[Any], list[np.ndarray] | None]:

@@ -251,9 +251,10 @@ class _Masked(Stage):
             for i, (g, a, b, sg, sa) in enumerate(m.runs):  # the kept leaves, the factor applied
                 copies.copy(("in", i), sub.groups[sg], sa, groups[g], a, b - a, factor)
             inner_out, new_inner = inner.run(Updates(sub, True, scratch=scratch), settle=True)
-            inner_out = inner_out.settled()
-            out = u.fresh()
-            if out is not u.flat or u.pending:
+            if inner_out.factor is not ONE and not inner_out.factor.is_one:  # (`pending`, inline)
+                inner_out = inner_out.settled()
+            out = u.flat if u.owned else u.fresh()
+            if out is not u.flat or (factor is not ONE and not factor.is_one):
                 for i, (g, a, b) in enumerate(m.gaps):  # the masked-out leaves pass through
                     copies.copy(("gap", i), out.groups[g], a, groups[g], a, b - a, factor)
             ys = inner_out.flat.groups
