@@ -643,8 +643,9 @@ class Chain(Stage):
             if isinstance(state, tuple) and len(state) == len(self.stages) and not hasattr(state, "_fields"):
                 return state
             return None
-        if isinstance(state, dict) and len(state) == len(self.names) and all(n in state for n in self.names):
-            return tuple(state[n] for n in self.names)
+        names = self.names  # maps, not generators: a named chain asks on every step
+        if isinstance(state, dict) and len(state) == len(names) and all(map(state.__contains__, names)):
+            return tuple(map(state.__getitem__, names))
         return None
 
     def foreign(self) -> bool:

@@ -265,7 +265,14 @@ class _ClipByGlobalNorm(Stage):
         def factor_of(flat: FlatTree) -> Factor:
             if memo[0] is flat:
                 return memo[1]
-            factor = reduce_to_factor(flat)
+            factor = None
+            if flat.device and policy == "pass":  # norm and factor stay on the GPU: no sync
+                facs = _device_factors(flat, max_norm)
+                if facs is not None:
+                    seen.append(_device_record(facs))
+                    factor = Factor(device=facs)
+            if factor is None:
+                factor = of_norm(flat, tree_norm(flat))
             memo[0], memo[1] = flat, factor
             return factor
 
@@ -277,14 +284,6 @@ class _ClipByGlobalNorm(Stage):
                 return None
             factor_of(flat)
             return True if math.isfinite(seen[-1].norm) else None
-
-        def reduce_to_factor(flat: FlatTree) -> Factor:
-            if flat.device and policy == "pass":  # norm and factor stay on the GPU: no sync
-                facs = _device_factors(flat, max_norm)
-                if facs is not None:
-                    seen.append(_device_record(facs))
-                    return Factor(device=facs)
-            return of_norm(flat, tree_norm(flat))
 
         def from_sumsq(flat: FlatTree, sums: np.ndarray) -> Factor | None:
             """The factor from a collective's per-leaf sums of squares (`fuse.Collective`)."""
@@ -310,7 +309,7 @@ class _ClipByGlobalNorm(Stage):
         def tick(state: Any, params: Any, extra: dict) -> bool:
             seen.clear()  # a new step: nothing reduced yet
             memo[0] = memo[1] = None
-            return _clip_state(state)
+            return state is None or isinstance(state, _CLIP_STATES)  # `_clip_state`, inline
 
         part = Prepass(
             factor_of,
@@ -329,8 +328,11 @@ _new_record, _CLIP_STATE = tuple.__new__, ClipByGlobalNormState  # made every st
 _BOOLS = {False: np.False_, True: np.True_}
 
 
+_CLIP_STATES = (ClipByGlobalNormState, EmptyState)
+
+
 def _clip_state(state: Any) -> bool:
-    return state is None or isinstance(state, (ClipByGlobalNormState, EmptyState))
+    return state is None or isinstance(state, _CLIP_STATES)
 
 
 def _device_record(facs: dict) -> ClipByGlobalNormState:

@@ -166,7 +166,7 @@ class FlatTree:
     ) -> None:
         self.layout = layout
         self.groups = tuple(groups)
-        self.group_dtypes = tuple(np.dtype(g.dtype) for g in self.groups)
+        self.group_dtypes = tuple(map(np.dtype, map(_DTYPE, self.groups)))  # maps: every FlatTree made
         self.buffers = buffers
         self.device = bool(self.groups) and on_device(self.groups[0])  # on a CUDA device
         self._readonly = readonly
@@ -420,25 +420,37 @@ class FlatTree:
         starts = self.__dict__.get("_starts")
         if starts is None:
             starts = self.__dict__["_starts"] = self._group_starts()
-        roots = {d: _loans.lend(b) for d, b in self.buffers.items()}
+        roots = {}  # loops, not comprehensions: every update returns through here
+        for d, b in self.buffers.items():
+            roots[d] = _loans.lend(b)
         if self._readonly and not self.device:  # (MultiSteps' zeros) NumPy enforces it
             for d, r in roots.items():
                 if r is not self.buffers[d]:
                     r.flags.writeable = False
         if kind == "flat":
-            groups = [roots[d][s : s + g.size] for d, s, g in zip(self.group_dtypes, starts, self.groups)]
+            groups = []
+            for d, s, g in zip(self.group_dtypes, starts, self.groups):
+                groups.append(roots[d][s : s + g.size])
             return FlatTree(self.layout, groups, roots, self._readonly)
         # A tree: each leaf sliced from its buffer's root at once (a few hundred nanoseconds each).
         where = self.__dict__.get("_lent_slices")
         if where is None:
             lay = self.layout
-            where = self.__dict__["_lent_slices"] = [
+            slices = [
                 (self.group_dtypes[g], starts[g] + s, starts[g] + s + n, shape)
                 for g, s, n, shape in zip(lay.leaf_group, lay.leaf_start, lay.sizes, lay.shapes)
             ]
-        views = [roots[d][a:b].reshape(shape) for d, a, b, shape in where]
+            # A dict of leaves (the common tree) is built straight from its keys; any other
+            # structure by `tree_unflatten`.
+            where = self.__dict__["_lent_slices"] = (slices, _tree.leaf_dict_keys(lay.treedef))
+        slices, keys = where
+        views = []
+        for d, a, b, shape in slices:
+            views.append(roots[d][a:b].reshape(shape))
         if kind in arrays.STREAM_KINDS:  # a framework's own tensors, zero-copy
             views = [arrays.as_kind(v, kind) for v in views]
+        if keys is not None:
+            return dict(zip(keys, views))
         return _tree.tree_unflatten(self.layout.treedef, views)
 
     def _group_starts(self) -> tuple[int, ...]:
@@ -549,6 +561,7 @@ def _walked_leaves(tree: Any, layout: Layout) -> list[np.ndarray] | None:
 
 
 _SHAPE_DTYPE = operator.attrgetter("shape", "dtype")
+_DTYPE = operator.attrgetter("dtype")
 
 
 def _host_check(layout: Layout) -> Callable[[Any], list[np.ndarray] | None]:

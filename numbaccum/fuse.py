@@ -713,13 +713,11 @@ class FusedRun:
         for k in kernels:
             extras.append(k.inputs() if k.inputs is not None else ())
         if apply is None and len(body) == 1:  # one kernel alone: its own formula, per group
-            k = kernels[0]
-            ins = extras[0]
             assert out is not None  # (made above: no apply)
-            for gi, x in enumerate(flat.groups):
-                states = [st.groups[gi] for st in k.states]
-                arrays = (*states, x, *(e.groups[gi] for e in ins), out.groups[gi])
-                ops_for(x).driver.map_(k.formula, factor, arrays, k.scalars[gi])
+            solo = recent.get("solo")
+            if solo is None:
+                solo = recent["solo"] = Launches()
+            _solo(kernels[0], extras[0], flat, factor, out, solo)
             return (out, ONE, self.new_states()) if with_states else (out, ONE)
         pending = factor
         # The shape of the calls, the same for every group: the pending factors.
@@ -740,6 +738,20 @@ class FusedRun:
             )
         pending = pending if apply is None else ONE
         return (out, pending, self.new_states()) if with_states else (out, pending)
+
+
+def _solo(k: Kernel, ins: Any, flat: FlatTree, factor: Factor, out: FlatTree, launches: Launches) -> None:
+    """A run of one kernel and nothing else, written to ``out``: its own formula over each dtype
+    group (`map_`), through the run's kept ``launches``."""
+    for gi, x in enumerate(flat.groups):  # loops, not comprehensions: every step of such a run
+        arrays = []
+        for st in k.states:
+            arrays.append(st.groups[gi])
+        arrays.append(x)
+        for e in ins:
+            arrays.append(e.groups[gi])
+        arrays.append(out.groups[gi])
+        launches.run(k.formula, gi, arrays, factor, k.scalars[gi])
 
 
 def _factor_kind(factor: Factor) -> int:
@@ -1226,6 +1238,51 @@ def apply_settled(u: Updates, params: FlatTree, memo: tuple | None = None) -> No
     flags = (_factor_kind(factor),)
     for gi in range(len(u.flat.groups)):
         _run_group([], [], gi, u.flat, factor, None, params, (gi, mode, False, flags), calls, recent)
+
+
+class Launches:
+    """Kernel launches kept across steps: per formula and dtype group, the driver's launch of
+    `map_` prepared (`prepare`) for the very buffers it was last given, prepared again when
+    they change. The kernels the general paths run (`Updates.into`, `numbaccum.apply`'s
+    ``_apply``, a lone kernel's formula), without deriving the launch from the buffers on every
+    call: the same bits. A plan keeps one (`numbaccum.runner.Plan.launches`), a lone kernel's
+    run another."""
+
+    __slots__ = ("last",)
+
+    def __init__(self) -> None:
+        self.last: dict = {}  # (formula, group) -> (arrays, launch)
+
+    def run(self, f: Any, gi: int, arrays: list, factor: Factor, scalars: tuple) -> None:
+        """``map_(f, factor, arrays, scalars)`` on group ``gi``'s buffers ``arrays``."""
+        last = self.last.get((f, gi))
+        if last is None or len(last[0]) != len(arrays) or not all(map(operator.is_, last[0], arrays)):
+            last = self.last[(f, gi)] = (arrays, ops_for(arrays[0]).driver.prepare(f, tuple(arrays)))
+        last[1](factor, scalars)
+
+    def copy(self, key: Any, dst: Any, d0: int, src: Any, s0: int, n: int, factor: Factor) -> None:
+        """``dst[d0:d0 + n] = factor(src[s0:s0 + n])`` (`Ops.scale_` over those slices), its
+        launch kept under ``key`` (the caller's: one per fixed pair of bounds) while ``src`` and
+        ``dst`` are the buffers it was prepared for."""
+        last = self.last.get(key)
+        if last is None or last[0] is not src or last[1] is not dst:
+            launch = ops_for(src).driver.prepare(F.scale, (src[s0 : s0 + n], dst[d0 : d0 + n]))
+            last = self.last[key] = (src, dst, launch)
+        last[2](factor, ())
+
+    def settle(self, u: Updates, out: FlatTree) -> FlatTree:
+        """`Updates.into`: writes ``u``'s value into ``out`` (``u.flat`` itself when owned)."""
+        factor, sources = u.factor, u.flat.groups
+        for gi, dst in enumerate(out.groups):  # a loop, not calls: every update of such a plan
+            self.run(F.scale, gi, [sources[gi], dst], factor, ())
+        return out
+
+    def add(self, p: FlatTree, updates: FlatTree) -> None:
+        """``p += updates`` (the same layout and group dtypes), as `numbaccum.apply_updates_`
+        adds them."""
+        groups = updates.groups
+        for gi, pg in enumerate(p.groups):
+            self.run(F.add_scaled, gi, [pg, groups[gi], pg], ONE, (1.0,))
 
 
 def run_parts(

@@ -165,9 +165,10 @@ class Layout:
     ) -> Layout:
         """The layout for leaves of these shapes and dtypes, grouped by ``group_key`` (default
         the dtypes; one key for all gives a single group)."""
-        shapes = tuple(tuple(int(d) for d in s) for s in shapes)
-        dtypes = tuple(np.dtype(d) for d in dtypes)
-        keys = tuple(np.dtype(k) for k in (group_key if group_key is not None else dtypes))
+        # maps, not generators: every call that derives a layout asks for it
+        shapes = tuple([tuple(map(int, s)) for s in shapes])
+        dtypes = tuple(map(np.dtype, dtypes))
+        keys = tuple(map(np.dtype, group_key if group_key is not None else dtypes))
         key = (treedef, shapes, dtypes, keys)
         lay = cls._cache.get(key)
         if lay is None:

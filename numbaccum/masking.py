@@ -26,7 +26,6 @@ import numpy as np
 
 from . import _bounded, fuse
 from ._checks import flag, transformation, wrong_state
-from .backend import ops_for
 from .base import Chain, Stage, Step, as_stage, undoable, with_extra_args_support, wrapped_step
 from .control import Inner, add_to
 from .contract import ONE
@@ -226,6 +225,9 @@ class _Masked(Stage):
         inbox = lambda: self.kept("masked_in", m.sub, spec.device)  # noqa: E731
         scratch = lambda: self.kept("masked_scratch", m.sub, spec.device)  # noqa: E731
         layout, mask_extra = spec.layout, self.mask_extra
+        # The copies in and out of the kept leaves (and of their params), over fixed bounds:
+        # their launches kept while the buffers are the same (the workspaces, step after step).
+        copies = fuse.Launches()
 
         def tick(state: Any, params: ParamsRef | None, extra: dict) -> bool:
             if not isinstance(state, MaskedState):
@@ -236,7 +238,7 @@ class _Masked(Stage):
                     None,
                     m.sub,
                     device=spec.device,
-                    fill=self._packer(params, m, sub_spec),
+                    fill=self._packer(params, m, sub_spec, copies),
                     raw_of=lambda: self._masked_input(params.raw),
                 )
             if mask_extra and extra:
@@ -245,19 +247,19 @@ class _Masked(Stage):
 
         def run(u: Updates) -> tuple[Updates, MaskedState]:
             sub = inbox()
-            for g, a, b, sg, sa in m.runs:  # the kept leaves, with the pending factor applied
-                x = u.flat.groups[g]
-                ops_for(x).scale_(sub.groups[sg][sa : sa + b - a], x[a:b], u.factor)
+            factor, groups = u.factor, u.flat.groups
+            for i, (g, a, b, sg, sa) in enumerate(m.runs):  # the kept leaves, the factor applied
+                copies.copy(("in", i), sub.groups[sg], sa, groups[g], a, b - a, factor)
             inner_out, new_inner = inner.run(Updates(sub, True, scratch=scratch), settle=True)
-            inner_out = inner_out.settled()
-            out = u.fresh()
-            for g, a, b in m.gaps:  # the masked-out leaves pass through
-                x = u.flat.groups[g]
-                if out is not u.flat or u.pending:
-                    ops_for(x).scale_(out.groups[g][a:b], x[a:b], u.factor)
-            for g, a, b, sg, sa in m.runs:
-                y = inner_out.flat.groups[sg]
-                ops_for(y).scale_(out.groups[g][a:b], y[sa : sa + b - a], ONE)
+            if inner_out.factor is not ONE and not inner_out.factor.is_one:  # (`pending`, inline)
+                inner_out = inner_out.settled()
+            out = u.flat if u.owned else u.fresh()
+            if out is not u.flat or (factor is not ONE and not factor.is_one):
+                for i, (g, a, b) in enumerate(m.gaps):  # the masked-out leaves pass through
+                    copies.copy(("gap", i), out.groups[g], a, groups[g], a, b - a, factor)
+            ys = inner_out.flat.groups
+            for i, (g, a, b, sg, sa) in enumerate(m.runs):
+                copies.copy(("out", i), out.groups[g], a, ys[sg], sa, b - a, ONE)
             return Updates(out, True, scratch=u.scratch), MaskedState(new_inner)
 
         kept = _share(m.sub, layout)
@@ -268,16 +270,17 @@ class _Masked(Stage):
 
         return fuse.Host(run, passes, "masked", tick, settles=False)
 
-    def _packer(self, params: ParamsRef, m: _Plan, sub_spec: Spec) -> Callable[[], FlatTree]:
+    def _packer(
+        self, params: ParamsRef, m: _Plan, sub_spec: Spec, copies: fuse.Launches
+    ) -> Callable[[], FlatTree]:
         """A ``ParamsRef`` fill for the kept leaves of ``params``: packed from its flat form,
-        one copy per run of kept leaves."""
+        one copy per run of kept leaves (launched through the declaration's ``copies``)."""
 
         def into() -> FlatTree:
             full = params.flat()
             sub = self.kept("masked_params", sub_spec.layout, sub_spec.device)
-            for g, a, b, sg, sa in m.runs:
-                x = full.groups[g]
-                ops_for(x).scale_(sub.groups[sg][sa : sa + b - a], x[a:b], ONE)
+            for i, (g, a, b, sg, sa) in enumerate(m.runs):
+                copies.copy(("params", i), sub.groups[sg], sa, full.groups[g], a, b - a, ONE)
             return sub
 
         return into
@@ -424,7 +427,8 @@ class _Partition(Stage):
                 f"state.inner_states: labels {sorted(map(repr, state.inner_states))}, not the "
                 f"transforms' {sorted(map(repr, self.labels))}"
             )
-        return {k: state.inner_states[label] for k, label in self.keys.items()}
+        keys = self.keys  # maps, not a comprehension: every step's tick asks
+        return dict(zip(keys, map(state.inner_states.__getitem__, keys.values())))
 
     def declare(self, spec: Spec, state: Any) -> Any:
         """A `numbaccum.fuse.Host` that runs the kept plan of the chain of each label's `masked`
@@ -437,7 +441,7 @@ class _Partition(Stage):
 
         def run(u: Updates) -> tuple[Updates, PartitionState]:
             out, states = inner.run(u)
-            return out, PartitionState({keys[k]: v for k, v in states.items()})
+            return out, PartitionState(dict(zip(map(keys.__getitem__, states), states.values())))
 
         return fuse.Host(run, lambda apply: inner.passes(False), "partition", tick, settles=False)
 

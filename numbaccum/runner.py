@@ -43,6 +43,7 @@ from typing import Any, NamedTuple
 from . import _config, arrays, fuse
 from .apply import _apply, apply_updates_, check_writable, scatter_back
 from .flat import FlatTree, as_flat, device_flat, host_leaves, layout_of
+from .contract import ONE
 from .fuse import run_part, step_applier
 from .transaction import guarded, keep_states
 from .updates import ParamsRef, SkipStep, Spec, Updates, check_params
@@ -70,11 +71,14 @@ class Plan:
         tick: ``root.tick`` with the nested chains unrolled (`numbaccum.fuse.flat_tick`);
             ``new_state()``: the new state from the leaves' after a pass
             (`numbaccum.fuse.new_state_maker`).
+        launches: the kernels that run after the last part, kept (`numbaccum.fuse.Launches`):
+            a factor it leaves pending (a lone ``scale``) settled into the returned updates,
+            or the updates added to the params when no pass of the plan adds them.
     """
 
     __slots__ = (
         "root", "leaves", "runs", "scratch", "spec", "fused", "apply", "tick", "new_state", "owner",
-        "inbox", "into", "output", "__weakref__",
+        "inbox", "into", "output", "launches", "__weakref__",
     )  # fmt: skip
     # Set by whoever makes the plan (`plan_of`, `sub_plan`), not by __init__.
     owner: FlatTree | None
@@ -91,6 +95,7 @@ class Plan:
         self.scratch = scratch[: len(self.runs)]
         self.tick = fuse.flat_tick(root)  # root.tick, nested chains unrolled
         self.new_state = fuse.new_state_maker(root)  # the new state from the leaves' after a pass
+        self.launches = fuse.Launches()  # the settle or add after the last part (`_replayed`)
 
 
 def applies(part: Any) -> bool:
@@ -443,6 +448,14 @@ def _replayed(stage: Any, plan: Plan, state: Any, u: Updates, spec: Spec) -> tup
         u, new_state = replay(plan, state, u, None, True)
     except SkipStep as e:
         return stage.workspace(e.new_state, spec, "output")().fill_(0.0), e.new_state
+    # `Stage._output`, read off here (every update of a kept plan): a trailing lone factor
+    # settled by the plan's kept launches, owned or returnable updates as they are.
+    factor = u.factor
+    if factor is not ONE and not factor.is_one:
+        out = u.flat if u.owned else stage.workspace(new_state, spec, "output")()
+        return plan.launches.settle(u, out), new_state
+    if u.owned or u.returnable:
+        return u.flat, new_state
     return stage._output(u, new_state, spec), new_state
 
 
@@ -569,9 +582,13 @@ def _apply_step(stage: Any, how: Any, state: Any, u: Updates, p: FlatTree, spec:
         if apply_it is not None:
             return apply_it(u, p)
         u, new_state = run_it(u)
-    if u.pending:  # a trailing factor (-lr after an opaque stage): settled in the apply's pass
+    factor = u.factor
+    if factor is not ONE and not factor.is_one:  # a trailing factor (-lr after an opaque stage):
+        # settled in the apply's pass
         local = stage.local().__dict__  # its group calls, kept (planned or not: SM3, user code)
         fuse.apply_settled(u, p, local.get("tail") or local.setdefault("tail", ({}, {})))
+    elif type(how) is Plan:  # `_apply`, with the plan's kept launches (`_output` read off)
+        how.launches.add(p, u.flat if u.owned or u.returnable else stage._output(u, new_state, spec))
     else:
         _apply(p, stage._output(u, new_state, spec), p)
     return new_state

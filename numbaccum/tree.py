@@ -7,6 +7,8 @@ accepted and flattens as its ``.tree``.
 
 from __future__ import annotations
 
+import itertools
+import operator
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -92,8 +94,9 @@ def _children(node: Any) -> tuple[str, Any, list[tuple[Any, Any]]] | None:
         except TypeError as e:
             raise TypeError(f"dict keys must be sortable, got {short_repr(list(node), 200)}") from e
         return _DICT, keys, [(k, node[k]) for k in keys]
-    if _is_namedtuple(node):
-        return _NAMEDTUPLE, type(node), [(f, getattr(node, f)) for f in node._fields]
+    fields: Any = getattr(type(node), "_fields", _MISSING) if isinstance(node, tuple) else _MISSING
+    if fields is not _MISSING:  # a NamedTuple (`_is_namedtuple`, inline: every node asks)
+        return _NAMEDTUPLE, type(node), [(f, getattr(node, f)) for f in fields]
     if isinstance(node, list):
         return _LIST, None, list(enumerate(node))
     if isinstance(node, tuple):
@@ -128,8 +131,13 @@ def _flatten(node: Any, path: tuple, leaves: list, paths: list | None) -> TreeDe
         return _NONE_DEF
     if kind == _NAMEDTUPLE:
         items = [(_Attr(k), v) for k, v in items]
-    children = tuple(_flatten(v, path + (k,), leaves, paths) for k, v in items)
-    return TreeDef(kind, meta, children, sum(c.num_leaves for c in children))
+    built = []  # loops, not generators: every call that derives a layout walks a tree
+    n = 0
+    for k, v in items:
+        c = _flatten(v, path + (k,), leaves, paths)
+        built.append(c)
+        n += c.num_leaves
+    return TreeDef(kind, meta, tuple(built), n)
 
 
 def tree_flatten(tree: Any) -> tuple[list[Any], TreeDef]:
@@ -275,9 +283,18 @@ def tree_unflatten(treedef: TreeDef, leaves: Sequence[Any]) -> Any:
     leaves = list(leaves)
     if len(leaves) != treedef.num_leaves:
         raise ValueError(f"treedef has {treedef.num_leaves} leaves, got {len(leaves)}")
-    if treedef.kind == _DICT and all(c is _LEAF_DEF for c in treedef.children):
-        return dict(zip(treedef.meta, leaves))  # a dict of leaves (a returned update's, often)
+    keys = leaf_dict_keys(treedef)
+    if keys is not None:
+        return dict(zip(keys, leaves))  # a dict of leaves (a returned update's, often)
     return _built(treedef, iter(leaves))
+
+
+def leaf_dict_keys(td: TreeDef) -> tuple | None:
+    """The keys of a structure that is one dict of leaves (`tree_unflatten` then builds the
+    dict at once; a caller that rebuilds it every step asks once), else None."""
+    if td.kind == _DICT and all(map(operator.is_, td.children, itertools.repeat(_LEAF_DEF))):
+        return td.meta  # type: ignore[no-any-return]
+    return None
 
 
 def _built(td: TreeDef, it: Iterator[Any]) -> Any:
