@@ -88,7 +88,9 @@ __all__ = [
 _slice_start = njit(inline="always", error_model="numpy")(slice_start)
 _element_offset = njit(inline="always", error_model="numpy")(element_offset)
 _jit = njit(inline="always", error_model="numpy")
-_from_bf16 = _jit(formulas.from_bf16)  # calls no helper: compiled as it is
+# How an element is read: as float64, as complex128 (complex buffers: optax's norms take |z|^2 =
+# re^2 + im^2), a bfloat16 buffer's raw bits as float64 (`formulas.widening`, CUDA's too).
+_f64, _c128, _bf16_f64 = formulas.widening(_jit)
 _ema = formulas.compile_formula(formulas.ema.fn, _jit)
 _rescued_norm = njit(error_model="numpy")(rescued_norm)
 _pnorm_factor = compiled(pnorm_factor, _jit)
@@ -173,24 +175,6 @@ def _like_typed(v, x):
 @_jit
 def _keep(v):  # pragma: no cover - compiled
     return v
-
-
-@_jit
-def _f64(v):  # pragma: no cover - compiled
-    return np.float64(v)
-
-
-@_jit
-def _bf16_f64(h):  # pragma: no cover - compiled
-    return np.float64(_from_bf16(h))
-
-
-# Complex buffers (optax's norms: |z|^2 = re^2 + im^2): each element read as complex128.
-
-
-@_jit
-def _c128(v):  # pragma: no cover - compiled
-    return np.complex128(v)
 
 
 @_jit

@@ -176,23 +176,8 @@ def _cterm(kind, v, c, p):  # pragma: no cover - compiled
     return _class_term(kind, v, p)
 
 
-@_dev_inline
-def _f64(v):  # pragma: no cover - compiled
-    return np.float64(v)
-
-
-@_dev_inline
-def _c128(v):  # pragma: no cover - compiled
-    return np.complex128(v)
-
-
-_from_bf16 = formulas.compile_formula(formulas.from_bf16, _dev_inline)
-
-
-@_dev_inline
-def _bf16_f64(h):  # pragma: no cover - compiled
-    """A bfloat16 buffer's element (its raw bits) as float64 (exact)."""
-    return np.float64(_from_bf16(h))
+# How an element is read (float64, complex128, bfloat16 bits): the CPU engine's functions.
+_f64, _c128, _bf16_f64 = formulas.widening(_dev_inline)
 
 
 def _check_kind(kind: str, x: Any) -> None:
