@@ -156,21 +156,6 @@ class Ops:
         """acc = g + acc, with acc read as 0 if ``fresh``."""
         self.driver.map_(F.sum_accumulate, factor, (acc, g), (fresh,))
 
-    def abs_ema_clip_(
-        self,
-        ema: Any,
-        g: Any,
-        factor: Factor,
-        one_minus_decay: float,
-        decay: float,
-        init: float,
-        fresh: bool,
-        out: Any,
-    ) -> None:
-        """ema = (1 - decay) * |g| + decay * (|g| * init if fresh else ema); out = clip(g, -ema, ema).
-        A non-finite g leaves its ema element as it is."""
-        self.driver.map_(F.abs_ema_clip, factor, (ema, g, out), (one_minus_decay, decay, init, fresh))
-
     def abs_ema_update_(
         self, ema: Any, g: Any, factor: Factor, one_minus_decay: float, decay: float, init: float, fresh: bool
     ) -> None:
@@ -180,24 +165,6 @@ class Ops:
     def clip_by_(self, out: Any, x: Any, factor: Factor, bound: Any) -> None:
         """out = clip(factor(x), -bound, bound) with a bound per element; NaN stays NaN."""
         self.driver.map_(F.clip_by, factor, (x, bound, out), ())
-
-    def growth_clip_(
-        self,
-        prev: Any,
-        g: Any,
-        factor: Factor,
-        add: float,
-        max_growth: float,
-        min_value: float,
-        max_decay: float,
-        fresh: bool,
-        out: Any,
-    ) -> None:
-        """|out| <= min(|prev| + add, max_growth * max(|prev|, min_value)) with g's sign; prev
-        tracks out; on the first step (``fresh``) g passes (torchzero's ClipValueGrowth; see
-        `numbaccum.formulas.growth_clip`)."""
-        args = (add, max_growth, min_value, max_decay, fresh)
-        self.driver.map_(F.growth_clip, factor, (prev, g, out), args)
 
     # --- reductions: one engine over slice tables (numbaccum.tables) --------------------------
     # Whole buffer, per leaf, per slice and per example are all reductions over the slices of a
