@@ -248,7 +248,7 @@ class Ops:
         slice of ``table`` (the group's leaves) at ``members``, and the group's rescued sums and
         scale where a float64 group's plain total `numbaccum.tables.needs_scaling` (else the
         plain sums and 1). Called once per dtype group, the last with ``last``: then the global
-        L2 norm `numbaccum.tables.rescued_norm` (the bits of `numbaccum.backend.tree_norm`) goes
+        L2 norm `numbaccum.tables.rescued_norm` (the bits of `numbaccum.global_norm`) goes
         to ``finish(norm, scalars)`` (``scalars`` the tuple given, as float64), a plain function
         returning a tuple of floats (`numbaccum.formulas`' kind, compiled by the backend; a
         tuple, not ``*scalars``: CUDA inlines no call with ``*args``; clip_by_global_norm's is
