@@ -41,8 +41,8 @@ BACKEND: dict[str, tuple[str, ...]] = {
         "dot",
         "axis_sumsq",
         "axis_max_",
-        "factored_scale_",
-        "sm3_update_",
+        "row_column_pass_",
+        "axes_pass_",
     ),
     "per_example": ("batch_weighted_sum_",),
 }
@@ -317,42 +317,26 @@ class Ops:
         written to the host array ``out`` at ``maxima.where`` (NaN if any element is NaN)."""
         self.reduce.axis_max_(out, x, maxima)
 
-    def factored_scale_(
-        self,
-        out: Any,
-        g: Any,
-        v: Any,
-        table: Any,
-        rf: Any,
-        cf: Any,
-        decay: float,
-        one_minus: float,
-        eps: float,
+    def row_column_pass_(
+        self, decl: Any, out: Any, g: Any, v: Any, table: Any, rf: Any, cf: Any, scalars: tuple
     ) -> None:
-        """Adafactor's pass over a dtype group (``table`` a `numbaccum.tables.FactorTable`): a
-        factored leaf's ``out = g * rf[row] * cf[col]`` (host float64 factors, float64
-        arithmetic); an unfactored leaf's ``v = decay v + one_minus (g^2 + eps)`` (``v`` the
-        group's full second moments) and ``out = g v^(-1/2)``, in the compute dtype."""
-        self.reduce.factored_scale_(out, g, v, table, rf, cf, decay, one_minus, eps)
+        """A pass over a dtype group (``table`` a `numbaccum.tables.FactorTable`) computing the
+        formulas of ``decl`` (a `numbaccum.tables.RowColumnPass`): a ``FACTORED`` leaf's element
+        ``out = decl.scaled(g, rf[row], cf[col])`` (host float64 statistics at the table's row
+        and column indices), any other leaf's ``(v, out) = decl.full(v, g, scalars)`` over the
+        group's state ``v``, in the compute dtype (``scalars`` cast to it)."""
+        self.reduce.row_column_pass_(decl, out, g, v, table, rf, cf, scalars)
 
-    def sm3_update_(
-        self,
-        out: Any,
-        g: Any,
-        nu: Any,
-        acc: Any,
-        table: Any,
-        mu: Any,
-        c0: float,
-        c1: float,
-        eps: float,
-        b1: float,
+    def axes_pass_(
+        self, decl: Any, out: Any, g: Any, nu: Any, acc: Any, table: Any, mu: Any, scalars: tuple
     ) -> None:
-        """SM3's pass over a dtype group (``table`` a `numbaccum.tables.AxisTable`, ``mu`` the
-        group's axis statistics on the host): per element ``acc = c0 g^2 + c1 min_i mu_i``, ``nu =
-        (1 - b1) g / sqrt(acc + eps) + b1 nu`` (0 where ``acc <= 0``) and ``out = nu``, in the
-        compute dtype (`numbaccum.tables.sm3_moment`)."""
-        self.reduce.sm3_update_(out, g, nu, acc, table, mu, c0, c1, eps, b1)
+        """A pass over a dtype group (``table`` a `numbaccum.tables.AxisTable`, ``mu`` the
+        group's axis statistics on the host) computing the formulas of ``decl`` (a
+        `numbaccum.tables.AxesPass`): per element, its statistics along its axes folded by
+        ``decl.fold`` into ``m``, then ``(acc, nu, out) = decl.element(g, m, nu, scalars)`` in
+        the compute dtype (``scalars`` cast to it); a ``direct`` axis's statistic becomes the
+        element's ``acc``."""
+        self.reduce.axes_pass_(decl, out, g, nu, acc, table, mu, scalars)
 
     def segment_sumsq(self, x: Any, offsets: Any) -> np.ndarray:
         """Per segment ``[offsets[s], offsets[s + 1])``: sum(x ** 2)."""
