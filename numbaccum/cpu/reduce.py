@@ -1012,7 +1012,9 @@ def row_column_pass_(decl, out, g, v, table: FactorTable, rf, cf, scalars):
     any other leaf's ``(v, out) = decl.full(v, g, scalars)`` in the compute dtype (float16 and
     bfloat16 through float32 copies)."""
     if _has_f16(out, g, v):
-        return _staged(lambda o, x, w: row_column_pass_(decl, o, x, w, table, rf, cf, scalars), (0, 2), out, g, v)
+        return _staged(
+            lambda o, x, w: row_column_pass_(decl, o, x, w, table, rf, cf, scalars), (0, 2), out, g, v
+        )
     items = table.items(_config.REDUCE_BLOCK)
     if not items.shape[0]:
         return None
