@@ -18,7 +18,7 @@ import numpy as np
 from small_model import SETUP  # the model, its gradients and the timer of small_model.py
 
 import numbaccum as nba
-from numbaccum import backend, runner, transaction
+from numbaccum import runner, transaction
 from numbaccum.base import stage_of
 from numbaccum.clipping import ClipByGlobalNormState, clip_factor
 from numbaccum.contract import Factor, cast_scalars
@@ -56,7 +56,7 @@ def main() -> None:
         nu = transaction.current(adam_state.nu, "nu")
         scalars = cast_scalars(adam.scalars(count, np.dtype(np.float32)), np.float32)
         new_adam = tuple.__new__(adam_state_cls, (count, adam_state.mu, nu))
-        norm = backend.tree_norm(grads)
+        norm = nba.global_norm(grads)
         record = ClipByGlobalNormState(np.float64(norm), np.bool_(not norm < 1.0), np.bool_(False))
         launch(Factor(*clip_factor(norm, 1.0)), [*scalars, *decay_and_lr])
         for r in renewals:

@@ -480,6 +480,8 @@ class _ValueEma(Stage):
     """`clip_value_by_ema` (with torchzero's ``inner`` and ``exp_avg_tfm``); ``exp_avg`` owns the
     workspaces."""
 
+    formulas = (F.abs_ema_clip,)  # its kernel without inner transformations (`_value_ema_kernel`)
+
     def __init__(self, beta: float, init: float, inner: Stage | None, tfm: Stage | None) -> None:
         self.beta, self.init_value, self.inner, self.tfm = beta, init, inner, tfm
 
@@ -865,6 +867,8 @@ def clip_value_growth(
 
 class _ValueGrowth(Stage):
     """`clip_value_growth`: one fused pass; ``prev`` owns the workspaces."""
+
+    formulas = (F.growth_clip,)  # the pass `declare` makes
 
     def __init__(
         self, add: float | None, mul: float | None, min_value: float | None, max_decay: float | None

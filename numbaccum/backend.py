@@ -36,13 +36,10 @@ from .tables import (
 
 __all__ = [
     "PiecewiseSumsq",
-    "leaf_norms",
     "leaf_sumsq",
     "leaf_tables",
     "ops_for",
-    "slice_norms",
     "slice_sumsq",
-    "tree_norm",
     "tree_sumsq",
     "tree_sumsq_scaled",
 ]
@@ -123,12 +120,6 @@ def slice_sumsq(x: Any, table: Any) -> tuple[np.ndarray, np.ndarray]:
     return s, f
 
 
-def slice_norms(x: Any, table: Any) -> np.ndarray:
-    """The L2 norm of every slice of ``table``, float64, finite whenever it is representable."""
-    s, f = slice_sumsq(x, table)
-    return np.sqrt(s) / f
-
-
 def leaf_sumsq(flat: Any) -> np.ndarray:
     """sum(x ** 2) of every leaf of a `numbaccum.flat.FlatTree`, float64 in leaf order (one
     engine call per dtype group, each leaf one slice): the plain sums, the fast path."""
@@ -167,15 +158,6 @@ def leaf_tables(lay: Any) -> list:
 _LEAF_TABLES = Bounded()  # layout -> one segments table per group (each leaf a slice)
 
 
-def leaf_norms(flat: Any) -> np.ndarray:
-    """The L2 norm of every leaf, float64 in leaf order (`slice_sumsq` per group)."""
-    lay = flat.layout
-    out = np.empty(lay.num_leaves, np.float64)
-    for members, table, g in zip(lay.group_index, leaf_tables(lay), flat.groups):
-        out[members] = slice_norms(g, table)
-    return out
-
-
 def tree_sumsq(flat: Any) -> float:
     """The plain squared global L2 norm of a tree: `leaf_sumsq` added in leaf order from 0.0
     (inf past float64's range: the squared norm is then not representable)."""
@@ -184,7 +166,7 @@ def tree_sumsq(flat: Any) -> float:
 
 def tree_sumsq_scaled(flat: Any) -> tuple[float, float]:
     """``(s, f)``: the squared global L2 norm of ``flat`` is ``s / f**2``, its norm
-    ``sqrt(s) / f`` (`tree_norm`).
+    ``sqrt(s) / f`` (`numbaccum.global_norm`).
 
     The one definition: `numbaccum.global_norm`, ``norms.tree_norm(t, 2)``, ``clip_norm(...,
     dim='global')``, clip_by_global_norm (and its device twin, `Ops.global_norm_finish_`),
@@ -286,9 +268,3 @@ def _rescued(flat: Any, sums: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
             scale[members] = f
     return scaled, scale
 
-
-def tree_norm(flat: Any) -> float:
-    """The global L2 norm of a tree, float64: ``sqrt(s) / f`` of `tree_sumsq_scaled` (finite
-    whenever it is representable; inf or NaN for an inf or NaN element)."""
-    s, f = tree_sumsq_scaled(flat)
-    return math.sqrt(s) / f

@@ -12,7 +12,7 @@ from . import formulas as F
 from . import fuse
 from ._bounded import Bounded
 from ._checks import integer, non_negative, real, real_scalar, transformation, wrong_state
-from .backend import leaf_tables, ops_for, slice_sumsq, sumsq_of_leaves, tree_norm, tree_sumsq_scaled
+from .backend import leaf_tables, ops_for, slice_sumsq, sumsq_of_leaves, tree_sumsq_scaled
 from .base import Stage, Step, as_stage, host_step, with_extra_args_support
 from .contract import ONE, Factor, Ops
 from .control import Inner
@@ -98,9 +98,8 @@ def global_norm(tree: Any, ord: Any = 2, squared: bool = False) -> float:
         >>> nba.global_norm(tree), nba.global_norm(tree, ord=1), nba.global_norm(tree, ord=np.inf)
         (13.0, 19.0, 12.0)
     """
-    key = math.inf if ord in (math.inf, "inf") else ord
-    if ord is None:
-        key = 2
+    # 2 asked first: a clip's every step comes here
+    key = 2 if ord is None or ord == 2 else math.inf if ord in (math.inf, "inf") else ord
     if key not in _SEGMENT_KERNEL:
         raise ValueError(f"ord must be 1, 2 or inf, got {ord!r}")
     flat = tree if isinstance(tree, FlatTree) else as_flat(tree, layout_of(tree, "tree"), "tree")[0]
@@ -272,7 +271,7 @@ class _ClipByGlobalNorm(Stage):
                     seen.append(_device_record(facs))
                     factor = Factor(device=facs)
             if factor is None:
-                factor = of_norm(flat, tree_norm(flat))
+                factor = of_norm(flat, global_norm(flat))
             memo[0], memo[1] = flat, factor
             return factor
 
@@ -291,7 +290,7 @@ class _ClipByGlobalNorm(Stage):
             if s is None:  # a float64 norm to rescue: the pre-pass reads the values itself
                 return None
             memo[0] = memo[1] = None  # not of a buffer this step holds: never memoised
-            return of_norm(flat, math.sqrt(s))  # `tree_norm`: sqrt(s) / f, f 1
+            return of_norm(flat, math.sqrt(s))  # `global_norm`: sqrt(s) / f, f 1
 
         def of_norm(flat: FlatTree, norm: float) -> Factor:
             clipped = not norm < max_norm
@@ -484,7 +483,7 @@ class _NormalizeByUpdateNorm(_Stateless):
         scale_factor, eps = self.scale_factor, self.eps
 
         def factor_of(flat: FlatTree) -> Factor:
-            norm = tree_norm(flat)  # float64; the factor is scaled to fit float32 (`Factor`)
+            norm = global_norm(flat)  # float64; the factor is scaled to fit float32 (`Factor`)
             with np.errstate(divide="ignore", invalid="ignore"):  # scale_factor 0: inf, as in optax
                 return Factor(np.float64(norm + eps) / np.float64(scale_factor), 1.0)
 

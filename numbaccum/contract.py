@@ -41,8 +41,8 @@ BACKEND: dict[str, tuple[str, ...]] = {
         "dot",
         "axis_sumsq",
         "axis_max_",
-        "factored_scale_",
-        "sm3_update_",
+        "row_column_pass_",
+        "axes_pass_",
     ),
     "per_example": ("batch_weighted_sum_",),
 }
@@ -156,21 +156,6 @@ class Ops:
         """acc = g + acc, with acc read as 0 if ``fresh``."""
         self.driver.map_(F.sum_accumulate, factor, (acc, g), (fresh,))
 
-    def abs_ema_clip_(
-        self,
-        ema: Any,
-        g: Any,
-        factor: Factor,
-        one_minus_decay: float,
-        decay: float,
-        init: float,
-        fresh: bool,
-        out: Any,
-    ) -> None:
-        """ema = (1 - decay) * |g| + decay * (|g| * init if fresh else ema); out = clip(g, -ema, ema).
-        A non-finite g leaves its ema element as it is."""
-        self.driver.map_(F.abs_ema_clip, factor, (ema, g, out), (one_minus_decay, decay, init, fresh))
-
     def abs_ema_update_(
         self, ema: Any, g: Any, factor: Factor, one_minus_decay: float, decay: float, init: float, fresh: bool
     ) -> None:
@@ -180,24 +165,6 @@ class Ops:
     def clip_by_(self, out: Any, x: Any, factor: Factor, bound: Any) -> None:
         """out = clip(factor(x), -bound, bound) with a bound per element; NaN stays NaN."""
         self.driver.map_(F.clip_by, factor, (x, bound, out), ())
-
-    def growth_clip_(
-        self,
-        prev: Any,
-        g: Any,
-        factor: Factor,
-        add: float,
-        max_growth: float,
-        min_value: float,
-        max_decay: float,
-        fresh: bool,
-        out: Any,
-    ) -> None:
-        """|out| <= min(|prev| + add, max_growth * max(|prev|, min_value)) with g's sign; prev
-        tracks out; on the first step (``fresh``) g passes (torchzero's ClipValueGrowth; see
-        `numbaccum.formulas.growth_clip`)."""
-        args = (add, max_growth, min_value, max_decay, fresh)
-        self.driver.map_(F.growth_clip, factor, (prev, g, out), args)
 
     # --- reductions: one engine over slice tables (numbaccum.tables) --------------------------
     # Whole buffer, per leaf, per slice and per example are all reductions over the slices of a
@@ -281,7 +248,7 @@ class Ops:
         slice of ``table`` (the group's leaves) at ``members``, and the group's rescued sums and
         scale where a float64 group's plain total `numbaccum.tables.needs_scaling` (else the
         plain sums and 1). Called once per dtype group, the last with ``last``: then the global
-        L2 norm `numbaccum.tables.rescued_norm` (the bits of `numbaccum.backend.tree_norm`) goes
+        L2 norm `numbaccum.tables.rescued_norm` (the bits of `numbaccum.global_norm`) goes
         to ``finish(norm, scalars)`` (``scalars`` the tuple given, as float64), a plain function
         returning a tuple of floats (`numbaccum.formulas`' kind, compiled by the backend; a
         tuple, not ``*scalars``: CUDA inlines no call with ``*args``; clip_by_global_norm's is
@@ -350,42 +317,26 @@ class Ops:
         written to the host array ``out`` at ``maxima.where`` (NaN if any element is NaN)."""
         self.reduce.axis_max_(out, x, maxima)
 
-    def factored_scale_(
-        self,
-        out: Any,
-        g: Any,
-        v: Any,
-        table: Any,
-        rf: Any,
-        cf: Any,
-        decay: float,
-        one_minus: float,
-        eps: float,
+    def row_column_pass_(
+        self, decl: Any, out: Any, g: Any, v: Any, table: Any, rf: Any, cf: Any, scalars: tuple
     ) -> None:
-        """Adafactor's pass over a dtype group (``table`` a `numbaccum.tables.FactorTable`): a
-        factored leaf's ``out = g * rf[row] * cf[col]`` (host float64 factors, float64
-        arithmetic); an unfactored leaf's ``v = decay v + one_minus (g^2 + eps)`` (``v`` the
-        group's full second moments) and ``out = g v^(-1/2)``, in the compute dtype."""
-        self.reduce.factored_scale_(out, g, v, table, rf, cf, decay, one_minus, eps)
+        """A pass over a dtype group (``table`` a `numbaccum.tables.FactorTable`) computing the
+        formulas of ``decl`` (a `numbaccum.tables.RowColumnPass`): a ``FACTORED`` leaf's element
+        ``out = decl.scaled(g, rf[row], cf[col])`` (host float64 statistics at the table's row
+        and column indices), any other leaf's ``(v, out) = decl.full(v, g, scalars)`` over the
+        group's state ``v``, in the compute dtype (``scalars`` cast to it)."""
+        self.reduce.row_column_pass_(decl, out, g, v, table, rf, cf, scalars)
 
-    def sm3_update_(
-        self,
-        out: Any,
-        g: Any,
-        nu: Any,
-        acc: Any,
-        table: Any,
-        mu: Any,
-        c0: float,
-        c1: float,
-        eps: float,
-        b1: float,
+    def axes_pass_(
+        self, decl: Any, out: Any, g: Any, nu: Any, acc: Any, table: Any, mu: Any, scalars: tuple
     ) -> None:
-        """SM3's pass over a dtype group (``table`` a `numbaccum.tables.AxisTable`, ``mu`` the
-        group's axis statistics on the host): per element ``acc = c0 g^2 + c1 min_i mu_i``, ``nu =
-        (1 - b1) g / sqrt(acc + eps) + b1 nu`` (0 where ``acc <= 0``) and ``out = nu``, in the
-        compute dtype (`numbaccum.tables.sm3_moment`)."""
-        self.reduce.sm3_update_(out, g, nu, acc, table, mu, c0, c1, eps, b1)
+        """A pass over a dtype group (``table`` a `numbaccum.tables.AxisTable`, ``mu`` the
+        group's axis statistics on the host) computing the formulas of ``decl`` (a
+        `numbaccum.tables.AxesPass`): per element, its statistics along its axes folded by
+        ``decl.fold`` into ``m``, then ``(acc, nu, out) = decl.element(g, m, nu, scalars)`` in
+        the compute dtype (``scalars`` cast to it); a ``direct`` axis's statistic becomes the
+        element's ``acc``."""
+        self.reduce.axes_pass_(decl, out, g, nu, acc, table, mu, scalars)
 
     def segment_sumsq(self, x: Any, offsets: Any) -> np.ndarray:
         """Per segment ``[offsets[s], offsets[s + 1])``: sum(x ** 2)."""

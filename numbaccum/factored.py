@@ -9,11 +9,13 @@ Every other leaf keeps a full second moment ``v``, as RMSProp does. Per dtype gr
 is two segmented reductions (the row and the column sums of squares, over slice tables:
 `numbaccum.tables`), the statistics and factors on the host (vectors the size of a matrix's rows
 and columns: float64, NumPy, no loop over leaves), and one pass that scales the factored leaves
-and updates and scales the unfactored ones (`numbaccum.contract.Ops.factored_scale_`).
+and updates and scales the unfactored ones (`numbaccum.contract.Ops.row_column_pass_`, whose
+per-element formulas, `factored_element` and `rms_element`, are declared here).
 
 `scale_by_sm3` keeps one statistic per index of each axis of a leaf. One pass reads each
 element's statistics (the smallest of its axes'), writes its accumulator to a workspace and its
-momentum and update (`numbaccum.contract.Ops.sm3_update_`); one segmented max per axis number
+momentum and update (`numbaccum.contract.Ops.axes_pass_` of `sm3_element`, declared here); one
+segmented max per axis number
 then gives the new statistics.
 
 The statistics (``v_row``, ``v_col``, SM3's ``mu``) live on the host, the per-element state
@@ -37,12 +39,24 @@ from .clipping import clip_by_block_rms
 from .contract import ONE
 from .declared import check_decay, expect_state, holds, safe_increment
 from .flat import FlatTree, layout_and_device
+from .formulas import like, minimum
 from .fuse import Host
 from .layout import Layout, check_float_dtype
 from .norms import _runs, scale_by_param_block_rms
 from .protocol import GradientTransformationExtraArgs, state_class
 from .scaling import ScalarOrSchedule, add_decayed_weights, scale, scale_by_learning_rate
-from .tables import FACTORED, UNFACTORED, AxisMaxima, AxisSums, AxisTable, FactorTable, Table, slice_table
+from .tables import (
+    FACTORED,
+    UNFACTORED,
+    AxesPass,
+    AxisMaxima,
+    AxisSums,
+    AxisTable,
+    FactorTable,
+    RowColumnPass,
+    Table,
+    slice_table,
+)
 from .transaction import current
 from .tree import tree_flatten, tree_unflatten
 from .updates import ParamsRef, Spec, Updates
@@ -211,6 +225,39 @@ def _as_f64(x: np.ndarray) -> np.ndarray:
     return np.asarray(x, np.float64) if x.dtype.kind != "V" else x.astype(np.float64)
 
 
+# --- the per-element formulas of the passes (plain Python; both backends compile them) -----------
+
+
+def factored_element(x, r, c):  # pragma: no cover - compiled by the backends
+    """A factored leaf's update: ``g * r * c`` in float64 (``r``, ``c`` its row's and its
+    column's factors), rounded once when stored."""
+    return np.float64(x) * r * c
+
+
+def rms_element(v, x, scalars):  # pragma: no cover - compiled by the backends
+    """An unfactored leaf's element (optax's order): ``v = decay v + one_minus (x^2 + eps)``,
+    and ``x`` scaled by that ``v``'s ``-1/2`` power as the buffer stores it (optax rounds it to
+    the leaf dtype first; XLA's rsqrt, here a division by the square root, not a pow)."""
+    decay, one_minus, eps = scalars
+    w = decay * v + one_minus * (x * x + eps)
+    return w, x / math.sqrt(like(v, w))
+
+
+def sm3_element(x, m, nu, scalars):  # pragma: no cover - compiled by the backends
+    """SM3's element (optax's order): ``a = c0 x^2 + c1 m`` (``m`` the smallest of the element's
+    axis statistics), ``nu' = (1 - b1) x r + b1 nu`` with ``r = 1 / sqrt(a + eps)``, 0 where
+    ``a <= 0`` (or NaN); returns ``(a, nu', nu')`` (the update is the momentum)."""
+    c0, c1, eps, one_minus_b1, b1, zero, one = scalars
+    a = c0 * (x * x) + c1 * m
+    up = x * (one / math.sqrt(a + eps) if a > zero else zero)  # a NaN x stays NaN, as optax's
+    n = one_minus_b1 * up + b1 * nu
+    return a, n, n
+
+
+_FACTORED_PASS = RowColumnPass(factored_element, rms_element)
+_SM3_PASS = AxesPass(minimum, sm3_element)  # the smallest statistic, NaN if any is (jnp.minimum)
+
+
 class _ScaleByFactoredRms(Stage):
     """`scale_by_factored_rms` (see the module docstring for its passes)."""
 
@@ -326,7 +373,7 @@ class _ScaleByFactoredRms(Stage):
                         rf, cf = ratio**-0.5, c**-0.5
                 else:
                     rf = cf = no_factors
-                ops.factored_scale_(o, g, vg, table, rf, cf, decay, one_minus, eps)
+                ops.row_column_pass_(_FACTORED_PASS, o, g, vg, table, rf, cf, (decay, one_minus, eps))
             return Updates(out, True, scratch=u.scratch), part.new_state
 
         # Two segmented reductions (row and column sums of squares) where a leaf is factored,
@@ -597,8 +644,9 @@ class _ScaleBySM3(Stage):
         nu = expect_state(state, ScaleBySM3State, "nu", spec, renew=False)
         mu = expect_state(state, ScaleBySM3State, "mu", ax.mu, False, renew=False)
         buffers = (("nu", nu.__dict__), ("mu", mu.__dict__))
-        b1, eps = self.b1, self.eps
+        b1 = self.b1
         c0, c1 = (1.0 - self.b2 if self.b2 != 1.0 else 1.0), self.b2  # optax's coefficients
+        scalars = (c0, c1, self.eps, 1.0 - b1, b1, 0.0, 1.0)  # `sm3_element`'s
         # Per group: its backend, momentum, statistics and tables in one tuple (one zip a step).
         groups = [
             (ops_for(n), n, mu.groups[ax.mu_group[gi]], ax.passes[gi], ax.maxima[gi])
@@ -616,7 +664,7 @@ class _ScaleBySM3(Stage):
             u = u.settled()
             out, acc = u.fresh(), nu.workspace("accumulators")
             for (ops, n, m, table, maxima), o, g, a in zip(groups, out.groups, u.flat.groups, acc.groups):
-                ops.sm3_update_(o, g, n, a, table, m, c0, c1, eps, b1)
+                ops.axes_pass_(_SM3_PASS, o, g, n, a, table, m, scalars)
                 ops.axis_max_(m, a, maxima)
             return Updates(out, True, scratch=u.scratch), part.new_state
 

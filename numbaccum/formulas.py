@@ -164,7 +164,16 @@ def _rebind(fn: Callable, glb: dict) -> Callable:
 
 def _helpers() -> dict[str, Callable]:
     """The plain scalar functions of this module that formulas call (not its machinery)."""
-    machinery = {"formula", "compile_formula", "registered", "_origin", "_rebind", "_helpers"}
+    machinery = {
+        "formula",
+        "compile_formula",
+        "registered",
+        "_origin",
+        "_rebind",
+        "_helpers",
+        "bf16_conversions",
+        "widening",
+    }
     return {
         name: v
         for name, v in globals().items()
@@ -246,6 +255,30 @@ def as_bfloat16(v):
 def as_bfloat16_from64(v):
     """float64 ``v`` rounded once to bfloat16, widened to float32 (`as_bfloat16`)."""
     return from_bf16(to_bf16_from64(v))
+
+
+def bf16_as_float64(h):
+    """The float64 value of bfloat16 bits ``h`` (exact): how a reduction reads such an element."""
+    return np.float64(from_bf16(h))
+
+
+_BF16_CONVERSIONS = ("from_bf16", "to_bf16", "to_bf16_from64")
+
+
+def bf16_conversions(jit: Callable[[Callable], Any], into: dict[str, Any]) -> dict[str, Any]:
+    """The bfloat16 conversions a driver's generated loop calls, by name, compiled by ``jit``
+    into the driver's ``into`` once (when its first bfloat16 kernel is made): one source for
+    the CPU loop and the CUDA kernel."""
+    if not into:
+        into.update({name: compile_formula(globals()[name], jit) for name in _BF16_CONVERSIONS})
+    return into
+
+
+def widening(jit: Callable[[Callable], Any]) -> tuple[Any, Any, Any]:
+    """How a reduction engine reads an element, compiled by ``jit``: ``(as float64, as
+    complex128, bfloat16 bits as float64)`` (`as_float64`, `as_complex128`, `bf16_as_float64`),
+    the same three functions on both backends."""
+    return jit(as_float64), jit(as_complex128), compile_formula(bf16_as_float64, jit)
 
 
 # --- real and complex ------------------------------------------------------------------------

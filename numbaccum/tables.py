@@ -32,7 +32,8 @@ from __future__ import annotations
 
 import math
 import types
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import numba
 import numpy as np
@@ -47,6 +48,7 @@ __all__ = [
     "ACTIVE",
     "AxisMaxima",
     "AxisSums",
+    "AxesPass",
     "AxisTable",
     "BASE",
     "DK",
@@ -63,6 +65,7 @@ __all__ = [
     "SLEN",
     "SUM",
     "FactorTable",
+    "RowColumnPass",
     "Table",
     "UNFACTORED",
     "Work",
@@ -72,7 +75,6 @@ __all__ = [
     "element_offset",
     "examples",
     "nan_max",
-    "nan_min",
     "needs_scaling",
     "norm_pair",
     "norm_scale",
@@ -85,8 +87,6 @@ __all__ = [
     "sum_in_order",
     "whole",
     "wide",
-    "rms_moment",
-    "sm3_moment",
     "without_axis",
 ]
 
@@ -510,7 +510,7 @@ def as_table(table: Any) -> Table:
     return _cached(("rows", rows.shape, rows.tobytes()), lambda: Table(rows))
 
 
-# --- factored second moments (Adafactor) -------------------------------------------------------
+# --- axis passes: statistics along the axes of leaves (Adafactor, SM3) ----------------------------
 
 # The columns of a `FactorTable` row, one row per leaf of a dtype group:
 # [base, size, kind, s0, n0, s1, n1, rbase, cbase, vbase]
@@ -524,29 +524,37 @@ def without_axis(e, stride, extent):  # pragma: no cover - compiled by the backe
     return (e // (stride * extent)) * stride + e % stride
 
 
-def nan_min(a, b):  # pragma: no cover - compiled by the backends
-    """``min(a, b)``, NaN if either is (``jnp.minimum``'s rule)."""
-    if a != a:
-        return a
-    if b != b:
-        return b
-    return a if a < b else b
+class RowColumnPass(NamedTuple):
+    """The formulas of a pass over a `FactorTable` (`numbaccum.contract.Ops.row_column_pass_`):
+    plain functions of scalars, compiled by both backends (`numbaccum.formulas.compile_formula`,
+    so they may call its helpers), as an elementwise formula is.
+
+    Attributes:
+        scaled: ``scaled(x, r, c) -> out``: an element ``x`` of a ``FACTORED`` leaf and its
+            row's and its column's statistics (host float64 values).
+        full: ``full(v, x, scalars) -> (v, out)``: an element of any other leaf with its own
+            state ``v``, ``scalars`` the pass's tuple in the compute dtype (one argument: CUDA
+            inlines no call with ``*args``).
+    """
+
+    scaled: Callable
+    full: Callable
 
 
-def sm3_moment(x, m, nu, c0, c1, eps, one_minus_b1, b1, zero, one):  # pragma: no cover - compiled by both
-    """SM3's element (optax's order): ``a = c0 x^2 + c1 m`` (``m`` the smallest of the element's
-    axis statistics), ``nu' = (1 - b1) x r + b1 nu`` with ``r = 1 / sqrt(a + eps)``, 0 where
-    ``a <= 0`` (or NaN); returns ``(a, nu')``."""
-    a = c0 * (x * x) + c1 * m
-    up = x * (one / math.sqrt(a + eps) if a > zero else zero)  # a NaN x stays NaN, as optax's
-    return a, one_minus_b1 * up + b1 * nu
+class AxesPass(NamedTuple):
+    """The formulas of a pass over an `AxisTable` (`numbaccum.contract.Ops.axes_pass_`), plain
+    functions compiled by both backends.
 
+    Attributes:
+        fold: ``fold(m, s) -> m``: how an element's statistics along its axes combine, taken in
+            axis order from the first axis's.
+        element: ``element(x, m, nu, scalars) -> (a, nu, out)``: an element ``x``, the fold
+            ``m`` and its state ``nu``; ``a`` goes to the pass's accumulators (and is the new
+            statistic of a ``direct`` axis), ``scalars`` a tuple in the compute dtype.
+    """
 
-def rms_moment(v, x, decay, one_minus, eps):  # pragma: no cover - compiled by the backends
-    """An unfactored leaf's second moment: ``decay v + one_minus (x^2 + eps)`` (optax's order;
-    the kernels store it, then scale ``x`` by the stored value's ``-1/2`` power, as optax rounds
-    it to the leaf dtype first)."""
-    return decay * v + one_minus * (x * x + eps)
+    fold: Callable
+    element: Callable
 
 
 class LeafTable:
@@ -683,13 +691,14 @@ def nan_max(a, b):  # pragma: no cover - compiled by the backends
 
 
 class FactorTable(LeafTable):
-    """The leaves of one dtype group as Adafactor's pass sees them (`numbaccum.factored`): one
-    row per leaf, ``[base, size, kind, s0, n0, s1, n1, rbase, cbase, vbase]``.
+    """The leaves of one dtype group as a `RowColumnPass` sees them (Adafactor's,
+    `numbaccum.factored`): one row per leaf, ``[base, size, kind, s0, n0, s1, n1, rbase, cbase,
+    vbase]``.
 
-    A ``FACTORED`` leaf scales element ``e`` by ``rf[rbase + without_axis(e, s0, n0)] *
-    cf[cbase + without_axis(e, s1, n1)]`` (``s0``, ``n0``: stride and extent of the axis its row
-    statistics reduce; ``s1``, ``n1``: those of its column statistics'); an ``UNFACTORED`` leaf
-    keeps a full second moment at ``v[vbase + e]``."""
+    Element ``e`` of a ``FACTORED`` leaf reads its row statistic ``rf[rbase + without_axis(e,
+    s0, n0)]`` and its column statistic ``cf[cbase + without_axis(e, s1, n1)]`` (``s0``, ``n0``:
+    stride and extent of the axis the row statistics reduce; ``s1``, ``n1``: those of the column
+    statistics'); an ``UNFACTORED`` leaf keeps a state of its own at ``v[vbase + e]``."""
 
     __slots__ = ()
 
@@ -698,8 +707,8 @@ class FactorTable(LeafTable):
 
 
 class AxisTable(LeafTable):
-    """The leaves of one dtype group as SM3's pass sees them (`numbaccum.factored`): one row per
-    leaf, ``[base, size, ndim, first]``, and ``axes``, one int64 row per axis of each leaf
+    """The leaves of one dtype group as an `AxesPass` sees them (SM3's, `numbaccum.factored`):
+    one row per leaf, ``[base, size, ndim, first]``, and ``axes``, one int64 row per axis of each leaf
     (``first`` is the leaf's first), ``[extent, stride, mbase, direct]``: element ``e`` of the
     leaf reads its axis ``i`` statistic at ``mu[mbase + (e // stride) % extent]``; along a
     ``direct`` axis (the leaf's only one of extent > 1) each element is its own index's maximum,

@@ -69,7 +69,7 @@ def exact_bf16(v: np.ndarray) -> np.ndarray:
 
 # --- the conversions -------------------------------------------------------------------------
 
-_JIT = driver._bf16_conversions()  # the compiled conversions the CPU kernels call
+_JIT = formulas.bf16_conversions(driver._inline, driver._BF16)  # those the CPU kernels call
 
 
 @pytest.fixture(scope="module")

@@ -311,12 +311,12 @@ def test_item5_tiny_leaves_are_clipped_by_their_true_rms():
 
 
 def test_item5_float32_leaves_take_the_plain_fast_path_bit_for_bit():
-    from numbaccum.backend import tree_norm, tree_sumsq
+    from numbaccum.backend import tree_sumsq
 
     rng = np.random.default_rng(0)
     t = {"a": rng.standard_normal(1000).astype(F32), "b": rng.standard_normal(7)}
     flat = nba.FlatTree.from_tree(t)
-    assert tree_norm(flat) == math.sqrt(tree_sumsq(flat)) == nba.global_norm(t)
+    assert nba.norms.tree_norm(flat) == math.sqrt(tree_sumsq(flat)) == nba.global_norm(t)
 
 
 @pytest.mark.cuda
@@ -325,14 +325,13 @@ def test_item5_cuda_device_factor_is_the_scaled_norm(v):
     from numba import cuda
 
     from numbaccum import clipping
-    from numbaccum.backend import tree_norm
 
     host = {"a": np.array([v, -v / 2, v / 4]), "b": np.full(3, 0.5, F32), "c": np.array([v / 8])}
     if v != 2.0:
         host["b"] = np.zeros(3, F32)  # the rescue: float32 leaves are 0 or negligible
     d = {k: cuda.to_device(x) for k, x in host.items()}
     flat = nba.FlatTree.from_tree(d)
-    norm = tree_norm(flat)
+    norm = nba.norms.tree_norm(flat)
     assert math.isfinite(norm) and norm == pytest.approx(ref_norm(*host.values()), rel=1e-14)
     assert nba.global_norm(d) == norm
     facs = clipping._device_factors(flat, norm / 4)

@@ -229,7 +229,7 @@ def test_sm3_after_a_nan_gradient_matches_optax():
 @pytest.mark.parametrize("block", [5, 64, 4096])
 def test_sm3_runs_along_the_last_axis_give_the_element_by_element_bits(block):
     """The host pass cuts each leaf into runs along its last axis (the other axes' minimum taken
-    once per run, `_sm3_item`); element by element (`_sm3_digits`) must give the same bits, for
+    once per run, the axes pass's ``item``); element by element (its ``digits``) must give the same bits, for
     items cut mid-row, leaves with axes of extent 1 anywhere, NaN and zero statistics."""
     from numbaccum import factored
     from numbaccum.cpu import reduce as cpu_reduce
@@ -249,7 +249,8 @@ def test_sm3_runs_along_the_last_axis_give_the_element_by_element_bits(block):
     c = tuple(np.float32(v) for v in (0.1, 0.9, 1e-8, 0.1, 0.9, 0.0, 1.0))
     nu0 = rng.standard_normal(n).astype(np.float32)
     results = []
-    for fn in (cpu_reduce._sm3_item, cpu_reduce._sm3_digits):
+    walkers = cpu_reduce._pass_kernels(cpu_reduce._axes_kernels, factored._SM3_PASS)[2:]
+    for fn in walkers:
         nu = nu0.copy()
         out, acc, new = np.empty(n, np.float32), np.empty(n, np.float32), mu.copy()
         for b in range(items.shape[0]):

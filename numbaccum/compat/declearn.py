@@ -46,10 +46,11 @@ from .. import (
     trace,
 )
 from ..arrays import kind_of, on_device
-from ..backend import leaf_norms, ops_for
+from ..backend import ops_for
 from ..contract import ONE
 from ..flat import as_flat, layout_of
 from ..layout import compute_dtype, finfo
+from ..norms import leaf_norms
 from ..tables import segments
 from ._args import non_negative, real
 from ._state import load_plain, to_plain

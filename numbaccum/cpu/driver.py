@@ -298,7 +298,7 @@ def _compile(f: Formula, variant: tuple | None) -> tuple[Any, Any]:
     ns["read"] = read_complex if complex_ else read
     ns["prange"] = prange
     if variant is not None:
-        ns.update(_bf16_conversions())
+        ns.update(formulas.bf16_conversions(_inline, _BF16))
         ns.update(np=np, BLOCK=streaming.BLOCK, stream_copy=streaming.stream_copy, sfence=streaming.sfence)
     exec(compile(source, ns["__file__"], "exec"), ns)
     # Globals are resolved when a function compiles: `parallel` and `serial` call the jitted body.
@@ -311,16 +311,7 @@ def _compile(f: Formula, variant: tuple | None) -> tuple[Any, Any]:
 
 
 _inline = njit(inline="always", error_model="numpy")
-_BF16: dict[str, Any] = {}
-
-
-def _bf16_conversions() -> dict[str, Any]:
-    """The bfloat16 conversions a variant's loop calls (plain functions of `numbaccum.formulas`,
-    compiled once, when the first bfloat16 call comes)."""
-    if not _BF16:
-        names = ("from_bf16", "to_bf16", "to_bf16_from64")
-        _BF16.update({name: compile_formula(getattr(formulas, name), _inline) for name in names})
-    return _BF16
+_BF16: dict[str, Any] = {}  # the bfloat16 conversions a variant's loop calls (`formulas.bf16_conversions`)
 
 
 # --- the entry point --------------------------------------------------------------------------

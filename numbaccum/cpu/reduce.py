@@ -27,6 +27,7 @@ from numba import njit, prange, types
 from numba.extending import overload
 
 from .. import _cache, _config, _locks, formulas
+from .._bounded import Bounded
 from ..tables import (
     DK,
     DR,
@@ -57,15 +58,12 @@ from ..tables import (
     fold,
     identity,
     nan_max,
-    nan_min,
     needs_scaling,
     norm_scale,
     pnorm_factor,
     pnorm_kind,
     rescued_norm,
-    rms_moment,
     slice_start,
-    sm3_moment,
     sum_in_order,
     wide,
 )
@@ -77,25 +75,24 @@ __all__ = [
     "axis_max_",
     "axis_sumsq",
     "divide_",
+    "axes_pass_",
     "ema_update_",
-    "factored_scale_",
-    "sm3_update_",
     "global_norm_finish_",
     "reduce",
     "rescale_",
+    "row_column_pass_",
 ]
 
 _slice_start = njit(inline="always", error_model="numpy")(slice_start)
 _element_offset = njit(inline="always", error_model="numpy")(element_offset)
 _jit = njit(inline="always", error_model="numpy")
-_from_bf16 = _jit(formulas.from_bf16)  # calls no helper: compiled as it is
+# How an element is read: as float64, as complex128 (complex buffers: optax's norms take |z|^2 =
+# re^2 + im^2), a bfloat16 buffer's raw bits as float64 (`formulas.widening`, CUDA's too).
+_f64, _c128, _bf16_f64 = formulas.widening(_jit)
 _ema = formulas.compile_formula(formulas.ema.fn, _jit)
 _rescued_norm = njit(error_model="numpy")(rescued_norm)
 _pnorm_factor = compiled(pnorm_factor, _jit)
-_rms_moment = _jit(rms_moment)
-_nan_min = _jit(nan_min)
 _nan_max = _jit(nan_max)
-_sm3_moment = _jit(sm3_moment)
 
 _LANES = 64  # independent accumulators of a long run
 _WIDE = 1024  # runs of at least this many elements use them (the choice depends on n only)
@@ -173,24 +170,6 @@ def _like_typed(v, x):
 @_jit
 def _keep(v):  # pragma: no cover - compiled
     return v
-
-
-@_jit
-def _f64(v):  # pragma: no cover - compiled
-    return np.float64(v)
-
-
-@_jit
-def _bf16_f64(h):  # pragma: no cover - compiled
-    return np.float64(_from_bf16(h))
-
-
-# Complex buffers (optax's norms: |z|^2 = re^2 + im^2): each element read as complex128.
-
-
-@_jit
-def _c128(v):  # pragma: no cover - compiled
-    return np.complex128(v)
 
 
 @_jit
@@ -914,7 +893,19 @@ def axis_max_(out, x, maxima: AxisMaxima):
     out[maxima.where] = tmp[maxima.where]
 
 
-# --- Adafactor's pass: factored and full second moments --------------------------------------
+# --- axis passes: per-element formulas over statistics gathered along axes -----------------------
+# The walks of `numbaccum.tables.FactorTable` and `numbaccum.tables.AxisTable`; what an element
+# computes is the declaration's (`tables.RowColumnPass`, `tables.AxesPass`), compiled here per
+# declaration as CUDA compiles it.
+
+_PASS_KERNELS = Bounded()  # (walker, declaration) -> its drivers
+
+
+def _pass_kernels(make, decl):
+    """``make(decl)``'s drivers, made once per walker and declaration (making them compiles
+    nothing yet: numba compiles on the first call)."""
+    kernels = _PASS_KERNELS.get((make, decl))
+    return kernels if kernels is not None else _PASS_KERNELS.put((make, decl), make(decl))
 
 
 @_jit
@@ -950,214 +941,209 @@ def _advance(s, n, low, mid, high, k):  # pragma: no cover - compiled
     return low, mid, high
 
 
-@_jit
-def _factored_item(out, g, v, meta, items, rf, cf, c, b):  # pragma: no cover - compiled
-    """One item of `factored_scale_`: a run of one leaf's elements."""
-    r, e0, e1 = items[b, 0], items[b, 1], items[b, 2]
-    base = meta[r, F_BASE]
-    if meta[r, F_KIND] == FACTORED:
-        s0, n0, s1, n1 = meta[r, F_S0], meta[r, F_N0], meta[r, F_S1], meta[r, F_N1]
-        rb, cb = meta[r, F_RBASE], meta[r, F_CBASE]
-        # Runs along which the row and the column index each move by one or stay: plain loops
-        # that vectorise, where a division per element would cost more than its bytes.
-        l0, m0, h0 = _digits(e0, s0, n0)
-        l1, m1, h1 = _digits(e0, s1, n1)
-        e = e0
-        while e < e1:
-            n_a, step0 = _run_of(s0, n0, l0, m0)
-            n_b, step1 = _run_of(s1, n1, l1, m1)
-            k = min(n_a, n_b, e1 - e)
-            ri, ci = rb + h0 * s0 + l0, cb + h1 * s1 + l1
-            o, x = out[base + e : base + e + k], g[base + e : base + e + k]
-            # One factor fixed along the run, the other contiguous: loops with constant strides,
-            # which LLVM vectorises (a stride known only at run time leaves the loop scalar).
-            if step0 == 0 and step1 == 1:
-                a, c1 = rf[ri], cf[ci : ci + k]
-                for t in range(k):
-                    o[t] = np.float64(x[t]) * a * c1[t]
-            elif step0 == 1 and step1 == 0:
-                r0, b1 = rf[ri : ri + k], cf[ci]
-                for t in range(k):
-                    o[t] = np.float64(x[t]) * r0[t] * b1
-            else:
-                for t in range(k):
-                    o[t] = np.float64(x[t]) * rf[ri + step0 * t] * cf[ci + step1 * t]
-            l0, m0, h0 = _advance(s0, n0, l0, m0, h0, k)
-            l1, m1, h1 = _advance(s1, n1, l1, m1, h1, k)
-            e += k
-    else:  # v = decay v + (1 - decay) (g^2 + eps); out = g v^-1/2, in the buffers' dtype
-        decay, one_minus, eps = c
-        vb = meta[r, F_VBASE]
-        n = e1 - e0
-        o, x, w = out[base + e0 : base + e1], g[base + e0 : base + e1], v[vb + e0 : vb + e0 + n]
-        for t in range(n):
-            w[t] = _rms_moment(w[t], x[t], decay, one_minus, eps)
-            o[t] = x[t] / math.sqrt(w[t])  # optax's v^-1/2 (XLA's rsqrt), not a pow
+def _row_column_kernels(decl):
+    """The drivers of a `numbaccum.tables.RowColumnPass`: one item is a run of one leaf's
+    elements."""
+    scaled = formulas.compile_formula(decl.scaled, _jit)
+    full = formulas.compile_formula(decl.full, _jit)
+
+    @_jit
+    def item(out, g, v, meta, items, rf, cf, c, b):  # pragma: no cover - compiled
+        r, e0, e1 = items[b, 0], items[b, 1], items[b, 2]
+        base = meta[r, F_BASE]
+        if meta[r, F_KIND] == FACTORED:
+            s0, n0, s1, n1 = meta[r, F_S0], meta[r, F_N0], meta[r, F_S1], meta[r, F_N1]
+            rb, cb = meta[r, F_RBASE], meta[r, F_CBASE]
+            # Runs along which the row and the column index each move by one or stay: plain
+            # loops that vectorise, where a division per element would cost more than its bytes.
+            l0, m0, h0 = _digits(e0, s0, n0)
+            l1, m1, h1 = _digits(e0, s1, n1)
+            e = e0
+            while e < e1:
+                n_a, step0 = _run_of(s0, n0, l0, m0)
+                n_b, step1 = _run_of(s1, n1, l1, m1)
+                k = min(n_a, n_b, e1 - e)
+                ri, ci = rb + h0 * s0 + l0, cb + h1 * s1 + l1
+                o, x = out[base + e : base + e + k], g[base + e : base + e + k]
+                # One statistic fixed along the run, the other contiguous: loops with constant
+                # strides, which LLVM vectorises (a stride known only at run time leaves the
+                # loop scalar).
+                if step0 == 0 and step1 == 1:
+                    a, c1 = rf[ri], cf[ci : ci + k]
+                    for t in range(k):
+                        o[t] = scaled(x[t], a, c1[t])
+                elif step0 == 1 and step1 == 0:
+                    r0, b1 = rf[ri : ri + k], cf[ci]
+                    for t in range(k):
+                        o[t] = scaled(x[t], r0[t], b1)
+                else:
+                    for t in range(k):
+                        o[t] = scaled(x[t], rf[ri + step0 * t], cf[ci + step1 * t])
+                l0, m0, h0 = _advance(s0, n0, l0, m0, h0, k)
+                l1, m1, h1 = _advance(s1, n1, l1, m1, h1, k)
+                e += k
+        else:  # the leaf's own state, element by element
+            vb = meta[r, F_VBASE]
+            n = e1 - e0
+            o, x, w = out[base + e0 : base + e1], g[base + e0 : base + e1], v[vb + e0 : vb + e0 + n]
+            for t in range(n):
+                w[t], o[t] = full(w[t], x[t], c)
+
+    @_cache.cached
+    @njit(parallel=True, error_model="numpy")
+    @_cache.identified("row_column")
+    def parallel(out, g, v, meta, items, rf, cf, c):  # pragma: no cover - compiled
+        for b in prange(items.shape[0]):
+            item(out, g, v, meta, items, rf, cf, c, b)
+
+    @_cache.cached
+    @njit(error_model="numpy")
+    @_cache.identified("row_column")
+    def serial(out, g, v, meta, items, rf, cf, c):  # pragma: no cover - compiled
+        for b in range(items.shape[0]):
+            item(out, g, v, meta, items, rf, cf, c, b)
+
+    return parallel, serial
 
 
-@_cache.cached
-@njit(parallel=True, error_model="numpy")
-def _factored_parallel(out, g, v, meta, items, rf, cf, c):  # pragma: no cover - compiled
-    for b in prange(items.shape[0]):
-        _factored_item(out, g, v, meta, items, rf, cf, c, b)
-
-
-@_cache.cached
-@njit(error_model="numpy")
-def _factored_serial(out, g, v, meta, items, rf, cf, c):  # pragma: no cover - compiled
-    for b in range(items.shape[0]):
-        _factored_item(out, g, v, meta, items, rf, cf, c, b)
-
-
-def factored_scale_(out, g, v, table: FactorTable, rf, cf, decay, one_minus, eps):
-    """Adafactor's pass over one dtype group (see `numbaccum.tables.FactorTable`): a factored
-    leaf's ``out = g * rf[row] * cf[col]`` (float64 arithmetic, one rounding), an unfactored
-    one's ``v = decay v + one_minus (g^2 + eps)``, ``out = g v^(-1/2)`` in the compute dtype
-    (float16 and bfloat16 through float32 copies)."""
+def row_column_pass_(decl, out, g, v, table: FactorTable, rf, cf, scalars):
+    """A `numbaccum.tables.RowColumnPass` over one dtype group (see `numbaccum.tables.FactorTable`):
+    a ``FACTORED`` leaf's ``out = decl.scaled(g, rf[row], cf[col])`` (host float64 statistics),
+    any other leaf's ``(v, out) = decl.full(v, g, scalars)`` in the compute dtype (float16 and
+    bfloat16 through float32 copies)."""
     if _has_f16(out, g, v):
         return _staged(
-            lambda o, x, w: factored_scale_(o, x, w, table, rf, cf, decay, one_minus, eps), (0, 2), out, g, v
+            lambda o, x, w: row_column_pass_(decl, o, x, w, table, rf, cf, scalars), (0, 2), out, g, v
         )
     items = table.items(_config.REDUCE_BLOCK)
     if not items.shape[0]:
         return None
     t = np.result_type(v.dtype, g.dtype).type
-    c = (t(decay), t(one_minus), t(eps))
-    args = (
-        out,
-        g,
-        v,
-        table.meta,
-        items,
-        np.ascontiguousarray(rf, np.float64),
-        np.ascontiguousarray(cf, np.float64),
-        c,
-    )
-    return _guarded(g.size, _pick((_factored_parallel, _factored_serial), g.size), *args)
+    c = tuple([t(s) for s in scalars])
+    rf, cf = np.ascontiguousarray(rf, np.float64), np.ascontiguousarray(cf, np.float64)
+    pair = _pass_kernels(_row_column_kernels, decl)
+    return _guarded(g.size, _pick(pair, g.size), out, g, v, table.meta, items, rf, cf, c)
 
 
-# --- SM3's pass: the smallest of each element's axis statistics --------------------------------
+def _axes_kernels(decl):
+    """The drivers of a `numbaccum.tables.AxesPass` (parallel, serial, and their two ways of
+    walking an item, ``item`` and ``digits``): one item is a run of one leaf's elements,
+    cut into runs along the leaf's last axis, within which every other axis index stays put:
+    the fold of their statistics is taken once per run, and the run is a plain loop over
+    contiguous statistics that vectorises (a digit update and a gather per element kept the
+    loop scalar: 4.6x optax's time on SM3). The same folds in the same order as element by
+    element (``digits``, which takes a leaf whose last axis has extent 1)."""
+    fold = formulas.compile_formula(decl.fold, _jit)
+    element = formulas.compile_formula(decl.element, _jit)
 
-
-@_jit
-def _sm3_item(out, g, nu, acc, meta, axes, items, mu, mu_new, c, b):  # pragma: no cover - compiled
-    """One item of `sm3_update_`: a run of one leaf's elements, cut into runs along the leaf's
-    last axis, within which every other axis index stays put: the smallest of their statistics
-    is taken once per run, and the run is a plain loop over contiguous statistics that vectorises
-    (a digit update and a gather per element kept the loop scalar: 4.6x optax's time). The same
-    minima in the same order as element by element (`_sm3_digits`, which takes a leaf whose last
-    axis has extent 1)."""
-    r, e0, e1 = items[b, 0], items[b, 1], items[b, 2]
-    base, nd, first = meta[r, 0], meta[r, 2], meta[r, 3]
-    last = first + nd - 1
-    if axes[last, 0] == 1 or axes[last, 1] != 1:
-        return _sm3_digits(out, g, nu, acc, meta, axes, items, mu, mu_new, c, b)
-    c0, c1, eps, one_minus_b1, b1, zero, one = c
-    idx = np.empty(nd, np.int64)
-    for i in range(nd):
-        idx[i] = (e0 // axes[first + i, 1]) % axes[first + i, 0]
-    n_last, direct = axes[last, 0], axes[last, 3]
-    e = e0
-    while e < e1:
-        k = min(n_last - idx[nd - 1], e1 - e)
-        m = mu[axes[first, 2] + idx[0]]  # the other axes' smallest, in axis order
-        for i in range(1, nd - 1):
-            m = _nan_min(m, mu[axes[first + i, 2] + idx[i]])
-        lb = axes[last, 2] + idx[nd - 1]
-        st = mu[lb : lb + k]
-        lo, hi = base + e, base + e + k
-        o, x, v, w = out[lo:hi], g[lo:hi], nu[lo:hi], acc[lo:hi]
-        if nd == 1:
-            for t in range(k):
-                a, n = _sm3_moment(x[t], st[t], v[t], c0, c1, eps, one_minus_b1, b1, zero, one)
-                w[t] = a
-                v[t] = n
-                o[t] = n
-        else:
-            for t in range(k):
-                a, n = _sm3_moment(x[t], _nan_min(m, st[t]), v[t], c0, c1, eps, one_minus_b1, b1, zero, one)
-                w[t] = a
-                v[t] = n
-                o[t] = n
-        if direct:  # the leaf's only axis of extent > 1: each element is its own index's maximum
-            mu_new[lb : lb + k] = w
-        e += k
-        idx[nd - 1] += k
-        i = nd - 1
-        while i > 0 and idx[i] == axes[first + i, 0]:
-            idx[i] = 0
-            i -= 1
-            idx[i] += 1
-
-
-@_jit
-def _sm3_digits(out, g, nu, acc, meta, axes, items, mu, mu_new, c, b):  # pragma: no cover - compiled
-    """`_sm3_item` element by element: its axis indices advanced digit by digit (row-major),
-    not divided out per element."""
-    r, e0, e1 = items[b, 0], items[b, 1], items[b, 2]
-    base, nd, first = meta[r, 0], meta[r, 2], meta[r, 3]
-    c0, c1, eps, one_minus_b1, b1, zero, one = c
-    idx = np.empty(nd, np.int64)
-    for i in range(nd):
-        idx[i] = (e0 // axes[first + i, 1]) % axes[first + i, 0]
-    for e in range(e0, e1):
-        m = mu[axes[first, 2] + idx[0]]
-        for i in range(1, nd):
-            m = _nan_min(m, mu[axes[first + i, 2] + idx[i]])
-        k = base + e
-        a, n = _sm3_moment(g[k], m, nu[k], c0, c1, eps, one_minus_b1, b1, zero, one)
-        acc[k] = a
-        nu[k] = n
-        out[k] = n
+    @_jit
+    def digits(out, g, nu, acc, meta, axes, items, mu, mu_new, c, b):  # pragma: no cover - compiled
+        """``item`` element by element: its axis indices advanced digit by digit (row-major),
+        not divided out per element."""
+        r, e0, e1 = items[b, 0], items[b, 1], items[b, 2]
+        base, nd, first = meta[r, 0], meta[r, 2], meta[r, 3]
+        idx = np.empty(nd, np.int64)
         for i in range(nd):
-            if axes[first + i, 3]:
-                mu_new[axes[first + i, 2] + idx[i]] = a
-        i = nd - 1
-        while i >= 0:
-            idx[i] += 1
-            if idx[i] < axes[first + i, 0]:
-                break
-            idx[i] = 0
-            i -= 1
+            idx[i] = (e0 // axes[first + i, 1]) % axes[first + i, 0]
+        for e in range(e0, e1):
+            m = mu[axes[first, 2] + idx[0]]
+            for i in range(1, nd):
+                m = fold(m, mu[axes[first + i, 2] + idx[i]])
+            k = base + e
+            a, n, o = element(g[k], m, nu[k], c)
+            acc[k] = a
+            nu[k] = n
+            out[k] = o
+            for i in range(nd):
+                if axes[first + i, 3]:
+                    mu_new[axes[first + i, 2] + idx[i]] = a
+            i = nd - 1
+            while i >= 0:
+                idx[i] += 1
+                if idx[i] < axes[first + i, 0]:
+                    break
+                idx[i] = 0
+                i -= 1
+
+    @_jit
+    def item(out, g, nu, acc, meta, axes, items, mu, mu_new, c, b):  # pragma: no cover - compiled
+        r, e0, e1 = items[b, 0], items[b, 1], items[b, 2]
+        base, nd, first = meta[r, 0], meta[r, 2], meta[r, 3]
+        last = first + nd - 1
+        if axes[last, 0] == 1 or axes[last, 1] != 1:
+            return digits(out, g, nu, acc, meta, axes, items, mu, mu_new, c, b)
+        idx = np.empty(nd, np.int64)
+        for i in range(nd):
+            idx[i] = (e0 // axes[first + i, 1]) % axes[first + i, 0]
+        n_last, direct = axes[last, 0], axes[last, 3]
+        e = e0
+        while e < e1:
+            k = min(n_last - idx[nd - 1], e1 - e)
+            m = mu[axes[first, 2] + idx[0]]  # the other axes' fold, in axis order
+            for i in range(1, nd - 1):
+                m = fold(m, mu[axes[first + i, 2] + idx[i]])
+            lb = axes[last, 2] + idx[nd - 1]
+            st = mu[lb : lb + k]
+            lo, hi = base + e, base + e + k
+            o, x, v, w = out[lo:hi], g[lo:hi], nu[lo:hi], acc[lo:hi]
+            if nd == 1:
+                for t in range(k):
+                    w[t], v[t], o[t] = element(x[t], st[t], v[t], c)
+            else:
+                for t in range(k):
+                    w[t], v[t], o[t] = element(x[t], fold(m, st[t]), v[t], c)
+            if direct:  # the leaf's only axis of extent > 1: each element is its own index's statistic
+                mu_new[lb : lb + k] = w
+            e += k
+            idx[nd - 1] += k
+            i = nd - 1
+            while i > 0 and idx[i] == axes[first + i, 0]:
+                idx[i] = 0
+                i -= 1
+                idx[i] += 1
+
+    @_cache.cached
+    @njit(parallel=True, error_model="numpy")
+    @_cache.identified("axes")
+    def parallel(out, g, nu, acc, meta, axes, items, mu, mu_new, c):  # pragma: no cover - compiled
+        for b in prange(items.shape[0]):
+            item(out, g, nu, acc, meta, axes, items, mu, mu_new, c, b)
+
+    @_cache.cached
+    @njit(error_model="numpy")
+    @_cache.identified("axes")
+    def serial(out, g, nu, acc, meta, axes, items, mu, mu_new, c):  # pragma: no cover - compiled
+        for b in range(items.shape[0]):
+            item(out, g, nu, acc, meta, axes, items, mu, mu_new, c, b)
+
+    return parallel, serial, item, digits  # the item walkers too: tests compare their bits
 
 
-@_cache.cached
-@njit(parallel=True, error_model="numpy")
-def _sm3_parallel(out, g, nu, acc, meta, axes, items, mu, mu_new, c):  # pragma: no cover - compiled
-    for b in prange(items.shape[0]):
-        _sm3_item(out, g, nu, acc, meta, axes, items, mu, mu_new, c, b)
-
-
-@_cache.cached
-@njit(error_model="numpy")
-def _sm3_serial(out, g, nu, acc, meta, axes, items, mu, mu_new, c):  # pragma: no cover - compiled
-    for b in range(items.shape[0]):
-        _sm3_item(out, g, nu, acc, meta, axes, items, mu, mu_new, c, b)
-
-
-def sm3_update_(out, g, nu, acc, table: AxisTable, mu, c0, c1, eps, b1):
-    """SM3's pass over one dtype group (`numbaccum.tables.AxisTable`, `tables.sm3_moment`):
-    ``acc`` gets each element's new accumulator, ``nu`` its momentum, ``out`` the update (= nu),
-    in the buffers' dtype (float16 and bfloat16 through float32 copies); ``mu`` is the group's
-    axis statistics (host), whose entries along ``direct`` axes are replaced by the new ones."""
+def axes_pass_(decl, out, g, nu, acc, table: AxisTable, mu, scalars):
+    """A `numbaccum.tables.AxesPass` over one dtype group (`numbaccum.tables.AxisTable`): per
+    element, its axis statistics folded by ``decl.fold`` into ``m``, then ``(acc, nu, out) =
+    decl.element(g, m, nu, scalars)`` in the buffers' dtype (float16 and bfloat16 through
+    float32 copies); ``mu`` is the group's axis statistics (host), whose entries along
+    ``direct`` axes are replaced by the new ``acc``."""
     if _has_f16(out, g, nu, acc):
         return _staged(
-            lambda o, x, n, a: sm3_update_(o, x, n, a, table, mu, c0, c1, eps, b1), (0, 2, 3), out, g, nu, acc
+            lambda o, x, n, a: axes_pass_(decl, o, x, n, a, table, mu, scalars), (0, 2, 3), out, g, nu, acc
         )
     items = table.items(_config.REDUCE_BLOCK)
     if not items.shape[0]:
         return None
     t = np.result_type(nu.dtype, g.dtype).type
-    c = (t(c0), t(c1), t(eps), t(1.0 - b1), t(b1), t(0), t(1))
+    c = tuple([t(s) for s in scalars])
+    pair = _pass_kernels(_axes_kernels, decl)
     old = np.array(mu, t)  # read while the direct entries are written
     args = (out, g, nu, acc, table.meta, table.axes, items, old, mu, c)
     if mu.dtype != old.dtype:  # float16/bfloat16 statistics: written through a copy
         new = old.copy()
         args = (*args[:8], new, c)
-        _guarded(g.size, _pick((_sm3_parallel, _sm3_serial), g.size), *args)
+        _guarded(g.size, _pick(pair, g.size), *args)
         mu[...] = new
         return None
-    return _guarded(g.size, _pick((_sm3_parallel, _sm3_serial), g.size), *args)
+    return _guarded(g.size, _pick(pair, g.size), *args)
 
 
 # --- a global norm, finished by the caller's formula --------------------------------------------

@@ -186,7 +186,7 @@ class _Family:
             read=read_complex if complex_ else read,
             pairs_of=pairs_of,
             start=start,
-            **(_bf16_conversions() if bf16 else {}),
+            **(formulas.bf16_conversions(cuda.jit(device=True, inline=True), _BF16) if bf16 else {}),
         )
         exec(compile(source, ns["__file__"], "exec"), ns)
         self._make = ns["make"]
@@ -202,7 +202,7 @@ class _Family:
 _FAMILIES: dict[tuple, _Family] = {}
 _LOCK = _locks.lock()
 _DUMMY: dict[np.dtype, Any] = {}
-_BF16: dict[str, Any] = {}
+_BF16: dict[str, Any] = {}  # the bfloat16 conversions of a kernel (`formulas.bf16_conversions`)
 
 
 def _family(f: Formula, complex_: bool = False, bf16: tuple = (), narrow: str = "to_bf16") -> _Family:
@@ -214,16 +214,6 @@ def _family(f: Formula, complex_: bool = False, bf16: tuple = (), narrow: str = 
             if fam is None:
                 fam = _FAMILIES[key] = _Family(f, complex_, bf16, narrow)
     return fam
-
-
-def _bf16_conversions() -> dict[str, Any]:
-    """The bfloat16 conversions of `numbaccum.formulas` as device functions (compiled once, when
-    the first bfloat16 kernel is made): the CPU driver's very functions."""
-    if not _BF16:
-        dev = cuda.jit(device=True, inline=True)
-        names = ("from_bf16", "to_bf16", "to_bf16_from64")
-        _BF16.update({name: compile_formula(getattr(formulas, name), dev) for name in names})
-    return _BF16
 
 
 def aligned(x: Any) -> bool:

@@ -62,15 +62,12 @@ from ..tables import (
     compiled,
     element_offset,
     nan_max,
-    nan_min,
     needs_scaling,
     norm_scale,
     pnorm_factor,
     pnorm_kind,
     rescued_norm,
-    rms_moment,
     slice_start,
-    sm3_moment,
     wide,
     without_axis,
 )
@@ -80,15 +77,15 @@ from .cache import cached
 __all__ = [
     "KINDS",
     "apply_",
+    "axes_pass_",
     "axis_max_",
     "axis_sumsq",
     "divide_",
     "ema_update_",
-    "factored_scale_",
     "global_norm_finish_",
     "reduce",
     "rescale_",
-    "sm3_update_",
+    "row_column_pass_",
 ]
 
 _dev_inline = cuda.jit(device=True, inline=True)
@@ -101,10 +98,7 @@ _ema = formulas.compile_formula(formulas.ema.fn, _dev_inline)
 _pnorm_factor = compiled(pnorm_factor, _dev_inline)
 _read = driver.read
 _without_axis = cuda.jit(device=True)(without_axis)
-_rms_moment = _dev_inline(rms_moment)
-_nan_min = _dev_inline(nan_min)
 _nan_max = _dev_inline(nan_max)
-_sm3_moment = _dev_inline(sm3_moment)
 
 # Reduction kinds (the same names as the CPU engine's) -> (code, fold).
 KINDS = {
@@ -176,23 +170,8 @@ def _cterm(kind, v, c, p):  # pragma: no cover - compiled
     return _class_term(kind, v, p)
 
 
-@_dev_inline
-def _f64(v):  # pragma: no cover - compiled
-    return np.float64(v)
-
-
-@_dev_inline
-def _c128(v):  # pragma: no cover - compiled
-    return np.complex128(v)
-
-
-_from_bf16 = formulas.compile_formula(formulas.from_bf16, _dev_inline)
-
-
-@_dev_inline
-def _bf16_f64(h):  # pragma: no cover - compiled
-    """A bfloat16 buffer's element (its raw bits) as float64 (exact)."""
-    return np.float64(_from_bf16(h))
+# How an element is read (float64, complex128, bfloat16 bits): the CPU engine's functions.
+_f64, _c128, _bf16_f64 = formulas.widening(_dev_inline)
 
 
 def _check_kind(kind: str, x: Any) -> None:
@@ -409,7 +388,7 @@ def _is_bf16(x: Any) -> bool:
 def through_float32(*write: int) -> Any:
     """The operation with its bfloat16 device buffers computed through float32 copies, those at
     positions ``write`` rounded back once (the CPU engine's staging: the per-slice scalings and
-    the axis, Adafactor and SM3 passes are rarer than the reductions and the elementwise passes,
+    the axis passes are rarer than the reductions and the elementwise passes,
     which read bfloat16 bits in place)."""
 
     def wrap(fn: Any) -> Any:
@@ -417,7 +396,7 @@ def through_float32(*write: int) -> Any:
         def run(*args: Any) -> Any:
             if not any(_is_bf16(a) and not isinstance(a, np.ndarray) for a in args):
                 return fn(*args)
-            # Host arrays (SM3's axis statistics) are converted by NumPy where they are used.
+            # Host arrays (an axes pass's statistics) are converted by NumPy where they are used.
             staged = [_widened(a) if _is_bf16(a) and not isinstance(a, np.ndarray) else a for a in args]
             result = fn(*staged)
             for i in write:
@@ -683,8 +662,8 @@ def _apply(out, x, rows, items, centers, centred, factors, scaled):  # pragma: n
 
 
 def _by_mode(make: Any) -> Any:
-    """A kernel factory cached per pending-factor mode (a closure constant: branches fold), or
-    per tuple of such constants."""
+    """A kernel factory cached per pending-factor mode (a closure constant: branches fold), per
+    tuple of such constants, or per declaration of an axis pass (its formulas the closure's)."""
     cache: dict[Any, Any] = {}
 
     def get(mode: Any) -> Any:
@@ -865,33 +844,40 @@ def axis_max_(out, x, maxima: AxisMaxima):
     out[maxima.where] = res.copy_to_host(stream=stream())
 
 
-@cached
-@cuda.jit
-def _factored(out, g, v, meta, items, rf, cf, one, decay, one_minus, eps):  # pragma: no cover
-    b = cuda.blockIdx.x
-    r, e0, e1 = items[b, 0], items[b, 1], items[b, 2]
-    base = meta[r, F_BASE]
-    e = e0 + cuda.threadIdx.x
-    if meta[r, F_KIND] == FACTORED:
-        s0, n0, s1, n1 = meta[r, F_S0], meta[r, F_N0], meta[r, F_S1], meta[r, F_N1]
-        rb, cb = meta[r, F_RBASE], meta[r, F_CBASE]
-        while e < e1:
-            f = rf[rb + _without_axis(e, s0, n0)] * cf[cb + _without_axis(e, s1, n1)]
-            out[base + e] = np.float64(g[base + e]) * f
-            e += cuda.blockDim.x
-    else:
-        vb = meta[r, F_VBASE]
-        while e < e1:
-            x = g[base + e] * one  # in the compute dtype (float32 for float16)
-            v[vb + e] = _rms_moment(v[vb + e], x, decay, one_minus, eps)
-            out[base + e] = x / math.sqrt(v[vb + e])  # optax's v^-1/2 (XLA's rsqrt), not a pow
-            e += cuda.blockDim.x
+@_by_mode
+def _row_column(decl):  # pragma: no cover - compiled per declaration
+    """The kernel of a `numbaccum.tables.RowColumnPass`: one block per item, a thread per
+    element."""
+    scaled = formulas.compile_formula(decl.scaled, _dev_inline)
+    full = formulas.compile_formula(decl.full, _dev_inline)
+
+    @cached
+    @cuda.jit
+    def kernel(out, g, v, meta, items, rf, cf, one, c):
+        b = cuda.blockIdx.x
+        r, e0, e1 = items[b, 0], items[b, 1], items[b, 2]
+        base = meta[r, F_BASE]
+        e = e0 + cuda.threadIdx.x
+        if meta[r, F_KIND] == FACTORED:
+            s0, n0, s1, n1 = meta[r, F_S0], meta[r, F_N0], meta[r, F_S1], meta[r, F_N1]
+            rb, cb = meta[r, F_RBASE], meta[r, F_CBASE]
+            while e < e1:
+                i0, i1 = rb + _without_axis(e, s0, n0), cb + _without_axis(e, s1, n1)
+                out[base + e] = scaled(g[base + e], rf[i0], cf[i1])
+                e += cuda.blockDim.x
+        else:
+            vb = meta[r, F_VBASE]
+            while e < e1:  # g in the compute dtype (float32 for float16)
+                v[vb + e], out[base + e] = full(v[vb + e], g[base + e] * one, c)
+                e += cuda.blockDim.x
+
+    return kernel
 
 
-@through_float32(0, 2)
-def factored_scale_(out, g, v, table: FactorTable, rf, cf, decay, one_minus, eps):
-    """Adafactor's pass over one dtype group (`numbaccum.tables.FactorTable`): one launch; the
-    row and column factors (host float64) are copied to the device."""
+@through_float32(1, 3)
+def row_column_pass_(decl, out, g, v, table: FactorTable, rf, cf, scalars):
+    """A `numbaccum.tables.RowColumnPass` over one dtype group (`numbaccum.tables.FactorTable`):
+    one launch; the row and column statistics (host float64) are copied to the device."""
     items = table.items(_config.CUDA_REDUCE_BLOCK)
     if not items.shape[0]:
         return
@@ -905,38 +891,46 @@ def factored_scale_(out, g, v, table: FactorTable, rf, cf, decay, one_minus, eps
     cf_d = cuda.to_device(
         np.ascontiguousarray(cf if np.size(cf) else np.zeros(1), np.float64), stream=stream()
     )
-    args = (out, g, v, *dev, rf_d, cf_d, t(1), t(decay), t(one_minus), t(eps))
-    _launch(_factored, items.shape[0], args)
+    args = (out, g, v, *dev, rf_d, cf_d, t(1), tuple([t(s) for s in scalars]))
+    _launch(_row_column(decl), items.shape[0], args)
 
 
-@cached
-@cuda.jit
-def _sm3(
-    out, g, nu, acc, meta, axes, items, mu, mu_new, one, c0, c1, eps, one_minus_b1, b1, zero
-):  # pragma: no cover
-    b = cuda.blockIdx.x
-    r, e0, e1 = items[b, 0], items[b, 1], items[b, 2]
-    base, nd, first = meta[r, 0], meta[r, 2], meta[r, 3]
-    e = e0 + cuda.threadIdx.x
-    while e < e1:
-        m = mu[axes[first, 2] + (e // axes[first, 1]) % axes[first, 0]]
-        for i in range(1, nd):
-            m = _nan_min(m, mu[axes[first + i, 2] + (e // axes[first + i, 1]) % axes[first + i, 0]])
-        k = base + e
-        a, n = _sm3_moment(g[k] * one, m, nu[k], c0, c1, eps, one_minus_b1, b1, zero, one)  # compute dtype
-        acc[k] = a
-        nu[k] = n
-        out[k] = n
-        for i in range(nd):
-            if axes[first + i, 3]:
-                mu_new[axes[first + i, 2] + (e // axes[first + i, 1]) % axes[first + i, 0]] = a
-        e += cuda.blockDim.x
+@_by_mode
+def _axes(decl):  # pragma: no cover - compiled per declaration
+    """The kernel of a `numbaccum.tables.AxesPass`: one block per item, a thread per element,
+    its axis statistics folded in axis order (the CPU's order)."""
+    fold = formulas.compile_formula(decl.fold, _dev_inline)
+    element = formulas.compile_formula(decl.element, _dev_inline)
+
+    @cached
+    @cuda.jit
+    def kernel(out, g, nu, acc, meta, axes, items, mu, mu_new, one, c):
+        b = cuda.blockIdx.x
+        r, e0, e1 = items[b, 0], items[b, 1], items[b, 2]
+        base, nd, first = meta[r, 0], meta[r, 2], meta[r, 3]
+        e = e0 + cuda.threadIdx.x
+        while e < e1:
+            m = mu[axes[first, 2] + (e // axes[first, 1]) % axes[first, 0]]
+            for i in range(1, nd):
+                m = fold(m, mu[axes[first + i, 2] + (e // axes[first + i, 1]) % axes[first + i, 0]])
+            k = base + e
+            a, n, o = element(g[k] * one, m, nu[k], c)  # g in the compute dtype
+            acc[k] = a
+            nu[k] = n
+            out[k] = o
+            for i in range(nd):
+                if axes[first + i, 3]:
+                    mu_new[axes[first + i, 2] + (e // axes[first + i, 1]) % axes[first + i, 0]] = a
+            e += cuda.blockDim.x
+
+    return kernel
 
 
-@through_float32(0, 2, 3)
-def sm3_update_(out, g, nu, acc, table: AxisTable, mu, c0, c1, eps, b1):
-    """SM3's pass over one dtype group (`numbaccum.tables.AxisTable`): one launch; the axis
-    statistics (host) go to the device and come back with their ``direct`` entries replaced."""
+@through_float32(1, 3, 4)
+def axes_pass_(decl, out, g, nu, acc, table: AxisTable, mu, scalars):
+    """A `numbaccum.tables.AxesPass` over one dtype group (`numbaccum.tables.AxisTable`): one
+    launch; the axis statistics (host) go to the device and come back with their ``direct``
+    entries replaced."""
     items = table.items(_config.CUDA_REDUCE_BLOCK)
     if not items.shape[0]:
         return
@@ -946,8 +940,8 @@ def sm3_update_(out, g, nu, acc, table: AxisTable, mu, c0, c1, eps, b1):
     t = np.result_type(nu.dtype, g.dtype, np.float32).type
     host = np.array(mu if np.size(mu) else np.zeros(1), t)
     old, new = cuda.to_device(host, stream=stream()), cuda.to_device(host, stream=stream())
-    args = (out, g, nu, acc, *dev, old, new, t(1), t(c0), t(c1), t(eps), t(1.0 - b1), t(b1), t(0))
-    _launch(_sm3, items.shape[0], args)
+    args = (out, g, nu, acc, *dev, old, new, t(1), tuple([t(s) for s in scalars]))
+    _launch(_axes(decl), items.shape[0], args)
     if np.size(mu):
         mu[...] = new.copy_to_host(stream=stream())
 
