@@ -337,6 +337,7 @@ class _InjectHyperparams(Stage):
         dtype = self.fixed_dtype or _widest(spec.layout)  # the params', as optax
         # The transformation a tick found built of other parts (else the initial values').
         template = self.local().__dict__.pop("template", None) or self.probe
+        assert template is not None  # declare runs only when the probe declares (`_declares`)
         first = template.declare(spec, state.inner_state)  # raises what is wrong with it
         shell = fuse.shells(first)
         nodes: list = []  # the plan's parts that take each declaration's values (`adopter`)
@@ -356,7 +357,7 @@ class _InjectHyperparams(Stage):
                 raise ValueError(f"state.hyperparams: missing {sorted(names - set(hparams))}")
             hparams = values(hparams, state.hyperparams_states, dtype, extra)
             vs = tuple(hparams.values())
-            key = (tuple(hparams), vs, tuple(map(type, vs)))  # `_key`'s, inline: every step
+            key: tuple | None = (tuple(hparams), vs, tuple(map(type, vs)))  # `_key`'s, inline
             try:
                 got = decls.get(key)
             except TypeError:  # a value that is not hashable as it is

@@ -158,8 +158,10 @@ class _Lookahead(Stage):
                 fast.checked = checked[:n]
             else:
                 layout = layout_of(pair, "params")
-                out_spec = pairs.get(layout)
-                if out_spec is None:
+                known = pairs.get(layout)
+                if known is not None:
+                    out_spec = known
+                else:
                     out_spec = Spec(_pair_layout(pair, spec.layout, layout), spec.device)
                     if len(pairs) > 2:
                         pairs.clear()
