@@ -19,6 +19,7 @@ changes every step builds and declares a transformation every step (Python only)
 from __future__ import annotations
 
 import inspect
+import math
 import numbers
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
@@ -201,7 +202,12 @@ def _key(hparams: dict) -> tuple | None:
             hash(key)
         except TypeError:
             return None
-    return key
+    # -0.0 == 0.0, and they hash alike, but a learning rate of -0.0 gives +0.0 updates where 0.0
+    # gives -0.0 (optax's bits): the sign of each float zero is part of the key.
+    signs = []
+    for v in values:  # a loop, not a generator: asked every step where a value is zero
+        signs.append(math.copysign(1.0, v) if isinstance(v, (float, np.floating)) and v == 0 else 0.0)
+    return (*key, tuple(signs))
 
 
 def _widest(layout: Layout) -> np.dtype | None:
@@ -363,6 +369,10 @@ class _InjectHyperparams(Stage):
             except TypeError:  # a value that is not hashable as it is
                 key = _key(hparams)
                 got = decls.get(key) if key is not None else None
+            else:
+                if 0.0 in vs:  # a zero, perhaps -0.0 (== 0.0): `_key` tells their signs apart
+                    key = _key(hparams)
+                    got = decls.get(key)
             if got is None:
                 got = make(hparams, key, spec, state.inner_state, nodes, shape, decls)
                 if got is None:

@@ -58,6 +58,27 @@ def test_changing_the_learning_rate_between_steps():
         assert s.hyperparams["learning_rate"] == np.float32(lr) and int(s.count) == i + 1
 
 
+@pytest.mark.parametrize("door", ["update", "step_"])
+def test_a_learning_rate_of_minus_zero_is_not_taken_for_zero(door):
+    """-0.0 == 0.0 (and they hash alike), but sgd's update -lr * g is +0.0 for lr -0.0 and -0.0
+    for 0.0 (optax's bits): the kept transformation of one zero must not serve the other. Params
+    of -0.0 show the update's sign after step_ too (-0.0 + +0.0 is +0.0, -0.0 + -0.0 is -0.0)."""
+    p, g = {"w": np.full(3, -0.0, np.float32)}, {"w": np.ones(3, np.float32)}
+    tx = nba.inject_hyperparams(nba.sgd)(learning_rate=0.0)
+    s = tx.init(p)
+    for lr in [0.0, -0.0, 0.0, -0.0, 0.0]:
+        s.hyperparams["learning_rate"] = lr
+        want = -np.float32(lr) * g["w"]
+        if door == "update":
+            u, s = tx.update(g, s, p)
+            got = u["w"]
+        else:
+            p["w"][:] = -0.0
+            s = nba.step_(tx, g, s, p)
+            got, want = p["w"], np.float32(-0.0) + want
+        assert np.array_equal(np.signbit(got), np.signbit(want)), (door, lr, got)
+
+
 def test_schedules_are_called_with_the_step_and_stored():
     p = _params(np.float64)
     sched = nba.linear_schedule(1.0, 0.0, 4)
