@@ -35,12 +35,11 @@ from . import _config, arrays, fuse
 from . import runner as _runner
 from ._checks import transformation, wrong_state
 from ._interrupts import user_code
-from .backend import ops_for
-from .contract import ONE
 from ._loans import on_loan
 from .flat import FlatTree, as_flat, host_leaves, layout_of, spare
 from .fuse import run_part, run_parts
 from .layout import Layout
+from .control import Inner, add_to
 from .protocol import EmptyState, GradientTransformation, GradientTransformationExtraArgs, state_class
 from .transaction import keep_states, reading, state_flats
 from .tree import leaves_if_structure, tree_flatten, tree_map, tree_unflatten
@@ -360,6 +359,15 @@ class Stage(metaclass=_StageType):
         restores them then (`undoable`). It runs through `numbaccum._interrupts.user_code`."""
         return False
 
+    def undo_states(self, state: Any) -> tuple:
+        """The parts of ``state`` whose buffers a step of this stage may have written when its
+        foreign code raises: what a plan that runs this stage's parts among its own copies before
+        the step and restores then (`numbaccum.runner.Plan.undo`), so that the update is all or
+        nothing around that code too. Empty for a stage without foreign code, or one that
+        restores its own (a control node runs its inner plan inside its own run: MultiSteps,
+        masked)."""
+        return ()
+
     def written(self, state: Any) -> Any:
         """The part of ``state`` (this stage's) whose buffers its next step writes: what a chain
         copies before foreign code that runs after this stage (`undoable`). All of it, unless a
@@ -527,16 +535,28 @@ class Foreign(Stage):
     def foreign(self) -> bool:
         return True
 
-    def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
+    def undo_states(self, state: Any) -> tuple:
+        return (state,)  # a user's function around a numbaccum transformation holds our buffers
+
+    def declare(self, spec: Spec, state: Any) -> fuse.Host:
+        """User code as one `numbaccum.fuse.Host` (an opaque row in `numbaccum.explain`): its
+        tick keeps the step's state, params and extra arguments (the state is the user's: any
+        value fits), its run calls ``update`` on the settled updates and copies what it returns
+        into the plan's scratch."""
         update = self.tx.update
-        raw = params.raw if params is not None else None
+        kept = lambda: self.kept("output", spec.layout, spec.device)  # noqa: E731
+        step: list = [None, None, None]  # this step's state, raw params and extra arguments
+
+        def tick(state: Any, params: ParamsRef | None, extra: dict) -> bool:
+            step[0], step[1], step[2] = state, None if params is None else params.raw, extra
+            return True
 
         def run(u: Updates) -> tuple[Updates, Any]:
+            state, raw, extra = step
             out, new_state = user_code(update, u.handed_out().tree, state, raw, **extra)
-            into = u.scratch or (lambda: self.kept("output", spec.layout, spec.device))
-            return Updates(_read_foreign(out, spec, into), True), new_state
+            return Updates(_read_foreign(out, spec, u.scratch or kept), True), new_state
 
-        return Step(run)
+        return fuse.Host(run, None, "Foreign", tick)
 
 
 def _read_foreign(out: Any, spec: Spec, into: Callable[[], FlatTree]) -> FlatTree:
@@ -555,7 +575,7 @@ def _read_foreign(out: Any, spec: Spec, into: Callable[[], FlatTree]) -> FlatTre
     if copied:
         return flat
     dst = into()
-    _copy_groups(dst, flat)
+    _runner.copy_groups(dst, flat)
     return dst
 
 
@@ -570,32 +590,20 @@ def undoable(run: Callable[..., Any], states: Any) -> Callable[..., Any]:
     numbaccum stage cannot know in its plan what that code will do, so this restores what was
     written instead of committing nothing. The copies are workspaces of each FlatTree
     (``undo``), made once."""
-    flats = state_flats(states)
-    if not flats:
+    if not state_flats(states):
         return run
 
     def all_or_nothing(*args: Any) -> Any:
-        saved = [(f, f.workspace("undo", list(f.group_dtypes))) for f in flats]
-        for f, b in saved:
-            _copy_groups(b, f)
+        saved = _runner.snapshot(states)
         try:
             return run(*args)
         except SkipStep:
             raise
         except BaseException:
-            for f, b in saved:
-                _copy_groups(f, b)
+            _runner.restore(saved)
             raise
 
     return all_or_nothing
-
-
-def _copy_groups(dst: FlatTree, src: FlatTree) -> None:
-    for d, s in zip(dst.groups, src.groups):
-        if dst.device:
-            ops_for(s).scale_(d, s, ONE)
-        else:
-            np.copyto(d, s)  # bit for bit, NaN payloads included
 
 
 def as_stage(tx: Any) -> Stage:
@@ -615,21 +623,20 @@ class Chain(Stage):
         self.stages = stages
         self.names = names
         # A reshaping first stage (per-example aggregation) converts the chain's input.
-        self.reshapes = bool(stages) and stages[0].reshapes
+        # The first stage that reshapes the updates (per-example aggregation, lookahead), if
+        # any: the chain's input is its, converted by its `take`, and the chain is declared as a
+        # control node (`_Reshaping`) that runs the stages before it, it, then the ones after it.
+        self._reshaping = next((i for i, s in enumerate(stages) if s.reshapes), None)
+        self.reshapes = self._reshaping is not None
         # The index of the last stage that runs foreign code, -1 if none.
         self._last_foreign = max((i for i, s in enumerate(stages) if s.foreign()), default=-1)
-        # Whether the whole chain is one declaration the runner can keep and replay: not with
-        # foreign code after a stage, whose states `plan` restores if that code raises.
-        self._declarable = self._last_foreign <= 0 and all(s.declarable() and not s.reshapes for s in stages)
-        # The stages that may own workspaces (their class declares `owner`), before the first
-        # reshaping one: the only ones `owner` asks.
-        may_own = []
-        for i, stage in enumerate(stages):
-            if stage.reshapes:
-                break
-            if type(stage).owner is not Stage.owner:
-                may_own.append(i)
-        self._may_own = tuple(may_own)
+        # Whether the whole chain is one declaration the runner can keep and replay.
+        self._declarable = all(s.declarable() for s in stages)
+        # The stages that may own workspaces (their class declares `owner`): the only ones
+        # `owner` asks. None for a reshaping chain, whose input layout is not the states'.
+        self._may_own = () if self.reshapes else tuple(
+            i for i, stage in enumerate(stages) if type(stage).owner is not Stage.owner
+        )
 
     def init(self, params: Any) -> Any:
         states = tuple(s.init(params) for s in self.stages)
@@ -669,10 +676,11 @@ class Chain(Stage):
         return None
 
     def take(self, updates: Any, state: Any, params: Any, owner: FlatTree | None) -> tuple[Updates, str]:
-        if self.reshapes:
+        r = self._reshaping
+        if r is not None:
             states = self._states(state)
-            first = states[0] if states is not None else None
-            return self.stages[0].take(updates, first, params, self.stages[0].owner(first))
+            mine = states[r] if states is not None else None
+            return self.stages[r].take(updates, mine, params, None)
         return super().take(updates, state, params, owner)
 
     def _expect_states(self, state: Any) -> tuple:
@@ -692,12 +700,24 @@ class Chain(Stage):
     def declarable(self) -> bool:
         return self._declarable
 
+    def undo_states(self, state: Any) -> tuple:
+        """The stages' states before the last one that runs foreign code (what they write),
+        and what that one says of its own (`Stage.undo_states`)."""
+        last = self._last_foreign
+        states = self._states(state)
+        if last < 0 or states is None:
+            return ()
+        earlier = tuple(st.written(s) for st, s in zip(self.stages[:last], states[:last]))
+        return (*earlier, *self.stages[last].undo_states(states[last]))
+
     def declare(self, spec: Spec, state: Any) -> Any:
         """The stages' parts as one `numbaccum.fuse.Chained` (None unless every stage declares
         and none reshapes); its ``tick`` ticks each stage's part with its own state."""
         if not self._declarable:
             return None
         states = self._expect_states(state)
+        if self.reshapes:
+            return _Reshaping(self, spec).part
         parts = [stage.declare(spec, s) for stage, s in zip(self.stages, states)]
         chained = fuse.Chained(parts, self.names)
         split = self._states
@@ -791,6 +811,109 @@ class Chain(Stage):
                 return scratches  # bound to this state: not kept
         local.scratch = (key, spec.layout, spec.device, scratches)
         return scratches
+
+
+class _Reshaping:
+    """A chain with a reshaping stage (a per-example aggregation, lookahead), declared for
+    updates of one `Spec`: a control node (``part``, a `numbaccum.fuse.Host`) that runs the
+    kept plans of the stages before it (on the input's layout), of it, and of the stages after
+    it on the layout it returns (its part's ``spec``, known after its tick: one plan per such
+    layout, the last `_config.KEPT_LAYOUTS` kept). Its ``spec`` is that layout's, set by its
+    tick, as the runner reads a reshaping stage's; foreign code after the reshaping stage
+    raising restores what the stages before it wrote."""
+
+    def __init__(self, chain: Chain, spec: Spec) -> None:
+        r = chain._reshaping
+        assert r is not None
+        stages, names = chain.stages, chain.names
+        self.split, self.spec, self.r = chain._states, spec, r
+        self.pre = Inner(Chain(stages[:r]), spec, f"chain{r}.pre.") if r else None
+        self.inner = Inner(stages[r], spec, f"chain{r}.")
+        self.post = Chain(stages[r + 1 :]) if r + 1 < len(stages) else None
+        self.posts: dict = {}  # the layout the reshaping stage returns -> the plan of the rest
+        self.pack = (lambda new: tuple(new)) if names is None else (lambda new: dict(zip(names, new)))
+        # foreign code after the stages that write: what they wrote, restored if it raises
+        self.guarded = tuple(range(r + 1)) if chain._last_foreign > r else ()
+        self.written = [stages[i].written for i in self.guarded]
+        self.step: list = [None, None]  # this step's states and the plan of the stages after
+        self.part = fuse.Host(self.run, self.passes, "chain", self.tick, settles=False, apply=self.apply)
+
+    def tick(self, state: Any, params: ParamsRef | None, extra: dict) -> bool:
+        states = self.split(state)
+        if states is None:
+            return False
+        r, pre = self.r, self.pre
+        if pre is not None and not pre.tick(tuple(states[:r]), params, extra):
+            return False
+        if not self.inner.tick(states[r], params, extra):
+            return False
+        inner_plan = self.inner.plan
+        assert inner_plan is not None
+        out_spec = fuse.returned_spec(inner_plan.root) or self.spec
+        post = None
+        if self.post is not None:
+            post = self.posts.get(out_spec)
+            if post is None:
+                if len(self.posts) >= max(_config.KEPT_LAYOUTS, 2):
+                    del self.posts[next(iter(self.posts))]  # the oldest
+                post = self.posts[out_spec] = Inner(self.post, out_spec, f"chain{r}.post.")
+            if not post.tick(tuple(states[r + 1 :]), params, extra):
+                return False
+        self.part.spec = out_spec
+        self.step[0], self.step[1] = states, post
+        return True
+
+    def run(self, u: Updates) -> tuple[Updates, Any]:
+        return self._run(u, None)
+
+    def apply(self, u: Updates, params: FlatTree) -> Any:
+        return self._run(u, params)[1]
+
+    def _run(self, u: Updates, params: FlatTree | None) -> tuple[Any, Any]:
+        """The step: ``(updates, new_state)``; with ``params`` (`numbaccum.step_`) the updates
+        added to them in the last plan's last pass instead (None for the updates)."""
+        states, post = self.step
+        r, pre = self.r, self.pre
+        saved = _runner.snapshot([w(s) for w, s in zip(self.written, states)]) if self.guarded else None
+        new = list(states)
+        at = 0  # where a skipped step was skipped: the stages before r, r, the ones after
+        out: Any = None
+        try:
+            if pre is not None:
+                u, new[:r] = pre.run(u)
+            at = r
+            if post is None and params is not None:
+                new[r] = self.inner.apply(u, params)
+                return None, self.pack(new)
+            u, new[r] = self.inner.run(u)
+            if post is None:
+                return u, self.pack(new)
+            at = r + 1
+            if params is not None:
+                new[r + 1 :] = post.apply(u, params)
+            else:
+                out, new[r + 1 :] = post.run(u)
+        except SkipStep as e:  # the stages after the skipping one keep their states
+            if at == 0:
+                new[:r] = e.new_state
+                keep_states(states[r:])
+            elif at == r:
+                new[r] = e.new_state
+                keep_states(states[r + 1 :])
+            else:  # (the plan after keeps its own later stages' states)
+                new[r + 1 :] = e.new_state
+            raise SkipStep(self.pack(new)) from None
+        except BaseException:
+            if saved is not None:  # foreign code raised: what the stages before it wrote
+                _runner.restore(saved)
+            raise
+        return out, self.pack(new)
+
+    def passes(self, apply: bool) -> list:
+        pre, post = self.pre, self.step[1]
+        rows = [] if pre is None else pre.passes(False)
+        rows += self.inner.passes(apply and post is None)
+        return rows if post is None else rows + post.passes(apply)
 
 
 def _stage_by_stage(states: tuple, runs: list, scratches: list, pack: Callable) -> Callable:

@@ -361,6 +361,14 @@ class Wrapped(_Part):
         self.part, self.wrap, self.name, self.tick, self.inner = part, wrap, name, tick, inner
 
 
+def returned_spec(root: Any) -> Any:
+    """The `numbaccum.updates.Spec` of the updates a declaration returns when it is not its
+    input's (a reshaping `Host`'s ``spec``, through the wrappers around it); None otherwise."""
+    while type(root) is Wrapped:
+        root = root.part
+    return root.spec if type(root) is Host else None
+
+
 def leaves(part: Any) -> list:
     """The `Kernel`, `Scale` and `Prepass` parts of a part, nested chains and wrapped parts
     spliced in order."""

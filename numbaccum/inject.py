@@ -28,7 +28,7 @@ import numpy as np
 
 from . import _bounded, base, fuse, runner
 from ._checks import wrong_state
-from .base import Stage, Step
+from .base import Stage
 from .declared import safe_increment
 from .flat import FlatTree
 from .layout import Layout, check_float_dtype, is_float, real_dtype
@@ -231,9 +231,7 @@ _ONE, _INT32_MAX = np.int32(1), np.iinfo(np.int32).max
 class _InjectHyperparams(Stage):
     """`inject_hyperparams` as a stage: declares the parts of the inner transformation (`declare`),
     whose tick takes this step's values from the declaration of the transformation built with
-    them; the new state is an `InjectStatefulHyperparamsState` around the inner one. An inner
-    transformation that does not declare its parts (user code, a reshaping one) is planned per
-    call (`_planned`).
+    them; the new state is an `InjectStatefulHyperparamsState` around the inner one.
 
     Whether the factory's transformations run foreign code or reshape their updates is what a
     chain must know before it plans (`Stage.foreign`, ``reshapes``): it is read, once, from the
@@ -263,8 +261,6 @@ class _InjectHyperparams(Stage):
         self.probe = probe  # what `owner` and `take` ask about the inner states
         self._foreign = True if probe is None else probe.foreign()
         self.reshapes = False if probe is None else probe.reshapes  # type: ignore[misc]
-        # Declared (`declare`) when the initial values' transformation declares its parts.
-        self._declares = probe is not None and not probe.reshapes and probe.declarable()
 
     def _make(self, hparams: dict) -> Stage:
         return base.as_stage(base.with_extra_args_support(self.factory(**self.other, **hparams)))
@@ -301,6 +297,11 @@ class _InjectHyperparams(Stage):
     def foreign(self) -> bool:
         return self._foreign
 
+    def undo_states(self, state: Any) -> tuple:
+        if self.probe is None or not isinstance(state, InjectStatefulHyperparamsState):
+            return ()
+        return self.probe.undo_states(state.inner_state)  # its parts run in the plan's runs
+
     def refuses_complex(self) -> Stage | None:
         return None if self.probe is None else self.probe.refuses_complex()
 
@@ -323,9 +324,6 @@ class _InjectHyperparams(Stage):
         inner_state = self._build(hparams).init(params)
         return InjectStatefulHyperparamsState(np.int32(0), hparams, states, inner_state)
 
-    def declarable(self) -> bool:
-        return self._declares
-
     def declare(self, spec: Spec, state: Any) -> fuse.Wrapped:
         """The inner transformation's declaration, wrapped (`numbaccum.fuse.Wrapped`): its parts
         run in the plan's runs (fused with the neighbours'), copies (`numbaccum.fuse.shells`)
@@ -343,7 +341,10 @@ class _InjectHyperparams(Stage):
         dtype = self.fixed_dtype or _widest(spec.layout)  # the params', as optax
         # The transformation a tick found built of other parts (else the initial values').
         template = self.local().__dict__.pop("template", None) or self.probe
-        assert template is not None  # declare runs only when the probe declares (`_declares`)
+        if template is None:  # the factory raised for the initial values: this state's (raises)
+            if not self.names <= state.hyperparams.keys():
+                raise ValueError(f"state.hyperparams: missing {sorted(self.names - set(state.hyperparams))}")
+            template = self._build(self._values(state.hyperparams, state.hyperparams_states, dtype, {}))
         first = template.declare(spec, state.inner_state)  # raises what is wrong with it
         shell = fuse.shells(first)
         nodes: list = []  # the plan's parts that take each declaration's values (`adopter`)
@@ -419,42 +420,6 @@ class _InjectHyperparams(Stage):
                 del decls[next(iter(decls))]  # the oldest: a schedule makes new values every step
             decls[key] = got
         return got
-
-    def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
-        if self._declares:
-            step = self.kept_step(spec, state, params, extra)
-            if step is None:  # an inner state without buffers: a plan of this one step
-                plan = runner.sub_plan(self, spec, state, None, "inject.")
-                if not plan.tick(state, params, extra):  # type: ignore[union-attr]
-                    raise AssertionError("inject_hyperparams: a new declaration refused its own state")
-                step = base.replaying(plan, state)
-            return step
-        return self._planned(spec, state, params, extra)
-
-    def _planned(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
-        """The step of an inner transformation that does not declare itself (user code, a
-        reshaping one), planned for this call: built from this step's values and planned."""
-        if not isinstance(state, InjectStatefulHyperparamsState):
-            raise wrong_state("InjectStatefulHyperparamsState", state)
-        if not self.names <= state.hyperparams.keys():
-            raise ValueError(f"state.hyperparams: missing {sorted(self.names - set(state.hyperparams))}")
-        dtype = self.fixed_dtype
-        if dtype is None:  # the params' (checked against the updates' layout), as optax
-            reshaped = self.reshapes and params is not None
-            dtype = _highest_float(params.raw) if reshaped else _widest(spec.layout)  # type: ignore[union-attr]
-        hparams = self._values(state.hyperparams, state.hyperparams_states, dtype, extra)
-        inner = self._build(hparams)  # a bad value raises here, before anything is written
-        new_states = {k: f.update(state.hyperparams_states[k], **extra) for k, f in self.schedules.items()}
-        count = safe_increment(state.count)
-        step = inner.plan(spec, state.inner_state, params, extra)
-
-        def wrap(inner_state: Any) -> InjectStatefulHyperparamsState:
-            return InjectStatefulHyperparamsState(count, hparams, new_states, inner_state)
-
-        # Foreign code checks its input while it runs: its state (which may hold our buffers) is
-        # restored if it raises, as a chain restores a foreign stage's (`undoable`).
-        guard = state.inner_state if isinstance(inner, base.Foreign) else None
-        return base.wrapped_step(step, wrap, guard, "inject_hyperparams")
 
 
 def _inner_state(state: InjectStatefulHyperparamsState) -> Any:

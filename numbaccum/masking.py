@@ -26,7 +26,7 @@ import numpy as np
 
 from . import _bounded, fuse
 from ._checks import flag, transformation, wrong_state
-from .base import Chain, Stage, Step, as_stage, undoable, with_extra_args_support, wrapped_step
+from .base import Chain, Stage, as_stage, undoable, with_extra_args_support
 from .control import Inner, add_to
 from .contract import ONE
 from .declared import safe_increment
@@ -544,7 +544,11 @@ class _Conditionally(Stage):
         self.forward = flag(forward_extra_args, "forward_extra_args")
         self.zeros = zeros
         self.state_cls = ConditionallyMaskState if zeros else ConditionallyTransformState
-        self.reshapes = self.stage.reshapes
+        if self.stage.reshapes:  # (optax's lax.cond refuses branches of other shapes too)
+            raise TypeError(
+                f"{self.name}: inner reshapes its updates (a per-example aggregation, lookahead): the "
+                "steps that skip it would return updates of another shape"
+            )
 
     @property
     def name(self) -> str:
@@ -576,9 +580,6 @@ class _Conditionally(Stage):
             raise TypeError(
                 f"should_transform_fn must return a bool, got {type(answer).__name__} {answer!r:.40}"
             ) from None
-
-    def declarable(self) -> bool:
-        return not self.reshapes  # a reshaping inner (per-example aggregation) plans each call
 
     def declare(self, spec: Spec, state: Any) -> Any:
         """A `numbaccum.fuse.Host`: its tick asks the condition and, at a step that runs the
@@ -635,21 +636,6 @@ class _Conditionally(Stage):
 
         return fuse.Host(run, passes, self.name, tick, settles=False, apply=apply)
 
-    def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
-        if not self.reshapes:
-            return super().plan(spec, state, params, extra)
-        if not isinstance(state, self.state_cls):
-            raise wrong_state(f"{self.state_cls.__name__} ({self.name})", state)
-        new_step = safe_increment(state.step)
-        if self._asked(state.step, extra):
-            inner = self.stage.plan(spec, state.inner_state, params, extra)
-            guard = state.inner_state if self.stage.foreign() else None
-            return wrapped_step(inner, lambda s: self._state(s, new_step), guard, self.name)
-        new_state = self._state(state.inner_state, new_step)
-        if self.zeros:  # optax's zeros_like: the updates' shape, whatever the inner would make
-            return Step(lambda u: (Updates(u.fresh().fill_(0.0), True), new_state))
-        return Step(lambda u: (u, new_state))
-
 
 def conditionally_transform(
     inner: Any, should_transform_fn: Callable[..., Any], forward_extra_args: bool = False
@@ -672,7 +658,8 @@ def conditionally_transform(
             ``ConditionallyTransformState(inner_state, step)``, as in optax.
 
     Raises:
-        TypeError: ``inner`` is not a transformation or ``should_transform_fn`` not callable; at
+        TypeError: ``inner`` is not a transformation, or one that reshapes its updates (a
+            per-example aggregation, lookahead), or ``should_transform_fn`` is not callable; at
             ``update``, the condition's answer is not a bool.
 
     References:
@@ -712,7 +699,8 @@ def conditionally_mask(
             ``ConditionallyMaskState(step, inner_state)``, as in optax.
 
     Raises:
-        TypeError: ``inner`` is not a transformation or ``should_transform_fn`` not callable; at
+        TypeError: ``inner`` is not a transformation, or one that reshapes its updates (a
+            per-example aggregation, lookahead), or ``should_transform_fn`` is not callable; at
             ``update``, the condition's answer is not a bool.
 
     References:

@@ -40,12 +40,15 @@ from __future__ import annotations
 import weakref
 from typing import Any, NamedTuple
 
+import numpy as np
+
 from . import _config, arrays, fuse
+from .backend import ops_for
 from .apply import _apply, apply_updates_, check_writable, scatter_back
 from .flat import FlatTree, as_flat, device_flat, host_leaves, layout_of
 from .contract import ONE
 from .fuse import run_part, step_applier
-from .transaction import guarded, keep_states
+from .transaction import guarded, keep_states, state_flats
 from .updates import ParamsRef, SkipStep, Spec, Updates, check_params
 
 __all__ = ["Plan", "Sub", "check_complex", "plan_of", "replay", "run", "stage_name", "sub_plan", "ticked"]
@@ -74,11 +77,15 @@ class Plan:
         launches: the kernels that run after the last part, kept (`numbaccum.fuse.Launches`):
             a factor it leaves pending (a lone ``scale``) settled into the returned updates,
             or the updates added to the params when no pass of the plan adds them.
+        undo: for a plan that runs foreign code among the parts of other stages (a chain, a
+            wrapper: their parts spliced into its runs), ``undo(state)``: the states the step
+            may have written when that code raises, copied before `replay` runs and restored
+            then (`numbaccum.base.Stage.undo_states`); None otherwise.
     """
 
     __slots__ = (
         "root", "leaves", "runs", "scratch", "spec", "fused", "apply", "tick", "new_state", "owner",
-        "inbox", "into", "output", "launches", "__weakref__",
+        "inbox", "into", "output", "launches", "undo", "__weakref__",
     )  # fmt: skip
     # Set by whoever makes the plan (`plan_of`, `sub_plan`), not by __init__.
     owner: FlatTree | None
@@ -96,6 +103,16 @@ class Plan:
         self.tick = fuse.flat_tick(root)  # root.tick, nested chains unrolled
         self.new_state = fuse.new_state_maker(root)  # the new state from the leaves' after a pass
         self.launches = fuse.Launches()  # the settle or add after the last part (`_replayed`)
+        self.undo: Any = None  # set with the stage (`undo_of`)
+
+
+def undo_of(stage: Any, root: Any) -> Any:
+    """`Plan.undo` of ``stage``'s plan: its `numbaccum.base.Stage.undo_states` when it runs
+    foreign code and its declaration splices the parts of other stages (a `numbaccum.fuse.Chained`
+    or `numbaccum.fuse.Wrapped` root: no part of it restores what the others wrote)."""
+    if stage.foreign() and isinstance(root, (fuse.Chained, fuse.Wrapped)):
+        return stage.undo_states
+    return None
 
 
 def applies(part: Any) -> bool:
@@ -150,7 +167,7 @@ def plan_of(stage: Any, spec: Spec, state: Any, owner: FlatTree | None) -> Plan 
         root = stage.declare(spec, state)  # checks the state: raises naming what is wrong
         scratch = [stage._workspace(owner, spec, f"run{i}") for i in range(len(fuse.leaves(root)))]
         plan = Plan(root, spec, fused, scratch)
-        plan.owner = owner
+        plan.owner, plan.undo = owner, undo_of(stage, root)
         plan.inbox = stage._inbox(owner, spec.layout, spec.device)
         plan.into = stage._workspace(owner, spec, "params")
         plan.output = stage._workspace(owner, spec, "output")
@@ -175,6 +192,7 @@ def sub_plan(stage: Any, spec: Spec, state: Any, owner: FlatTree | None, prefix:
     scratch = [stage._workspace(owner, spec, f"{prefix}run{i}") for i in range(len(fuse.leaves(root)))]
     plan = Plan(root, spec, fuse.enabled(), scratch)
     plan.owner, plan.inbox, plan.into = owner, None, None  # the outer plan's input and params
+    plan.undo = undo_of(stage, root)
     plan.output = stage._workspace(owner, spec, f"{prefix}output")
     return plan
 
@@ -229,28 +247,60 @@ def replay(plan: Plan, state: Any, u: Updates, apply: FlatTree | None, settle: b
     control node's last part then adds them itself, ``Host.apply(u, params) -> new_state``).
     A clip that skips the step raises `SkipStep` with the new state (the parts before it
     advanced, the ones after as they were)."""
+    saved = None if plan.undo is None else snapshot(plan.undo(state))
     leaves, runs = plan.leaves, plan.runs
     last = len(runs) - 1
-    for i, (start, _, fr) in enumerate(runs):
-        u.scratch = plan.scratch[i]
-        try:
-            if fr is None:
-                if i == last and apply is not None:  # a control node's `Host.apply` (`Plan.apply`)
-                    part = leaves[start]
-                    part.new_state = part.apply(u, apply)
-                    return None, plan.new_state()
-                u = run_part(leaves[start], u)[0]
-            elif i == last:
-                out, factor = fr.run(u.flat, u.factor, u.fresh, apply, settle, False)
-                if out is None:
-                    return None, plan.new_state()
-                u = Updates(out, True, factor, scratch=u.scratch)
-            else:
-                out, factor = fr.run(u.flat, u.factor, u.fresh, None, False, False)
-                u = Updates(out, True, factor, scratch=u.scratch)
-        except SkipStep as e:
-            raise SkipStep(_skipped(plan, state, start, e.new_state)) from None
+    try:
+        for i, (start, _, fr) in enumerate(runs):
+            u.scratch = plan.scratch[i]
+            try:
+                if fr is None:
+                    if i == last and apply is not None:  # a control node's `Host.apply` (`Plan.apply`)
+                        part = leaves[start]
+                        part.new_state = part.apply(u, apply)
+                        return None, plan.new_state()
+                    u = run_part(leaves[start], u)[0]
+                elif i == last:
+                    out, factor = fr.run(u.flat, u.factor, u.fresh, apply, settle, False)
+                    if out is None:
+                        return None, plan.new_state()
+                    u = Updates(out, True, factor, scratch=u.scratch)
+                else:
+                    out, factor = fr.run(u.flat, u.factor, u.fresh, None, False, False)
+                    u = Updates(out, True, factor, scratch=u.scratch)
+            except SkipStep as e:
+                raise SkipStep(_skipped(plan, state, start, e.new_state)) from None
+    except SkipStep:  # an outcome, not a failure: what ran stays
+        raise
+    except BaseException:
+        if saved is not None:  # foreign code raised: what the step wrote, copied back
+            restore(saved)
+        raise
     return u, plan.new_state()
+
+
+def snapshot(states: Any) -> list:
+    """Copies of the FlatTrees of ``states`` (each into its workspace ``undo``, made once), for
+    `restore`."""
+    saved = [(f, f.workspace("undo", list(f.group_dtypes))) for f in state_flats(states)]
+    for f, b in saved:
+        copy_groups(b, f)
+    return saved
+
+
+def restore(saved: list) -> None:
+    """Copies a `snapshot` back into the FlatTrees it was taken of."""
+    for f, b in saved:
+        copy_groups(f, b)
+
+
+def copy_groups(dst: FlatTree, src: FlatTree) -> None:
+    """``dst``'s groups set to ``src``'s, bit for bit (NaN payloads included)."""
+    for d, s in zip(dst.groups, src.groups):
+        if dst.device:
+            ops_for(s).scale_(d, s, ONE)
+        else:
+            np.copyto(d, s)
 
 
 def _skipped(plan: Plan, state: Any, at: int, skipped: Any) -> Any:
@@ -518,7 +568,7 @@ def _reshaped(
     ``(updates, new_state)``, or with ``apply`` (`numbaccum.step_`) the params made writable,
     the updates added to them (nothing adds them in a pass: the stage writes a buffer of its
     own) and the new state."""
-    out_spec = getattr(plan.root, "spec", None) or spec
+    out_spec = fuse.returned_spec(plan.root) or spec
     if ref is not None:
         _reshaped_params(stage, ref, params, owner, out_spec)
     u.scratch = stage._workspace(owner, spec, "output")
