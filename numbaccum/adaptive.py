@@ -31,7 +31,7 @@ from . import formulas as F
 from . import fuse
 from ._checks import flag, non_negative, real, wrong_state
 from .backend import ops_for
-from .base import Stage, Step, as_stage, with_extra_args_support
+from .base import Stage, as_stage, with_extra_args_support
 from .clipping import divide_leaves
 from .contract import ONE, Factor
 from .declared import check_decay, expect_state, field_owner, safe_increment
@@ -40,7 +40,7 @@ from .fuse import Host, Kernel, Scale
 from .layout import Layout, compute_dtype
 from .norms import TINY, check_ord, leaf_norms, tree_norm
 from .protocol import GradientTransformationExtraArgs, state_class
-from .runner import Plan, replay
+from .runner import Plan, replay, undo_of
 from .transaction import current
 from .updates import ParamsRef, Spec, Updates
 
@@ -117,34 +117,26 @@ def _as_inner(inner: Any) -> Stage | None:
 
 class _Inner:
     """An inner transformation of a declared stage (torchzero's ``inner`` or ``exp_avg_tfm``):
-    declared once with the stage when it declares itself (its `numbaccum.runner.Plan`, kept in
-    the stage's part, ticked each step with the inner state), else planned each step (user
-    code: `Stage.plan`). It writes into ``scratch()`` (a workspace of the stage's state), never
-    into the buffer it reads: the stage still needs its input's statistics."""
+    declared once with the stage (its `numbaccum.runner.Plan`, kept in the stage's part,
+    ticked each step with the inner state). It writes into ``scratch()`` (a workspace of the
+    stage's state), never into the buffer it reads: the stage still needs its input's
+    statistics."""
 
-    __slots__ = ("stage", "spec", "scratch", "plan", "step")
+    __slots__ = ("plan", "scratch")
 
     def __init__(self, stage: Stage, spec: Spec, state: Any, scratch: Callable[[], FlatTree]) -> None:
-        self.stage, self.spec, self.scratch = stage, spec, scratch
-        self.step: Step | None = None  # (user code: this step's, planned by `tick`)
-        self.plan: Plan | None = None
-        if stage.declarable():  # checks its state: raises naming what is wrong
-            root = stage.declare(spec, state)
-            self.plan = Plan(root, spec, fuse.enabled(), [scratch] * len(fuse.leaves(root)))
+        self.scratch = scratch
+        root = stage.declare(spec, state)  # checks its state: raises naming what is wrong
+        self.plan = Plan(root, spec, fuse.enabled(), [scratch] * len(fuse.leaves(root)))
+        self.plan.undo = undo_of(stage, root)
 
     def tick(self, state: Any, params: ParamsRef | None, extra: dict) -> bool:
         """This step's values for the inner ``state`` (False: not the buffers declared for)."""
-        if self.plan is None:
-            self.step = self.stage.plan(self.spec, state, params, extra)
-            return True
         return self.plan.tick(state, params, extra)
 
     def run(self, x: FlatTree, factor: Factor, state: Any) -> tuple[Updates, Any]:
         """The ticked inner step on ``factor(x)``, read-only: ``(updates, new inner state)``."""
         view = Updates(x, False, factor, returnable=False, scratch=self.scratch)
-        if self.plan is None:
-            assert self.step is not None  # (planned by this step's `tick`)
-            return self.step.run(view)
         return replay(self.plan, state, view, None, False)
 
 

@@ -852,8 +852,7 @@ class _ScheduleFree(Stage):
 
     def declare(self, spec: Spec, state: Any) -> Host:
         """One `numbaccum.fuse.Host` (a control node): the base optimizer's plan, declared here
-        too (`numbaccum.runner.sub_plan`) and replayed by the run, then the pass over ``z``.
-        A base optimizer that does not declare itself (user code) is planned by each tick."""
+        too (`numbaccum.runner.sub_plan`) and replayed by the run, then the pass over ``z``."""
         z = expect_state(state, ScheduleFreeState, "z", spec, renew=False)
         buffers, inner = (("z", z.__dict__),), self.stage
         base_state = state.base_optimizer_state
@@ -861,9 +860,10 @@ class _ScheduleFree(Stage):
         if owner is not None and (owner.layout is not spec.layout or owner.device != spec.device):
             owner = None
         sub = runner.sub_plan(inner, spec, base_state, owner, "schedule_free.")
+        assert sub is not None  # (a base optimizer that reshapes is refused when built)
         learning_rate, power, b1 = self.learning_rate, self.power, self.b1
         ops = [ops_for(zg) for zg in z.groups]
-        step: list = [None] * 6  # this step's params, scalars, values of the new state, base run
+        step: list = [None] * 5  # this step's params, scalars, values of the new state, base state
 
         def tick(state: Any, params: ParamsRef | None, extra: dict) -> bool:
             if not holds(state, ScheduleFreeState, buffers):
@@ -888,26 +888,15 @@ class _ScheduleFree(Stage):
             # optax's b1 is the Python float (1.0 - b1 in Python); 1.0 - ck in the state's dtype
             scalars = (b1, 1.0 - b1, ck, t(1.0) - ck)
             base = state.base_optimizer_state
-            if sub is not None:
-                if not sub.tick(base, params, extra):  # the base state holds other buffers
-                    return False
-                base_run = None
-            else:
-                planned = inner.plan(spec, base, params, extra)
-                if planned.spec is not None:
-                    raise TypeError("schedule_free: the base optimizer must not change the updates' shape")
-                base_run = planned.final or planned.run
+            if not sub.tick(base, params, extra):  # the base state holds other buffers
+                return False
             values = (state.b1, total, safe_increment(state.step_count), max_lr)
-            step[:] = (params, scalars, values, new_z, base, base_run)
+            step[:] = (params, scalars, values, new_z, base)
             return True
 
         def run(u: Updates) -> tuple[Updates, ScheduleFreeState]:
-            params, scalars, (b1_, weight_sum, step_count, max_lr), z, base, base_run = step
-            if base_run is None:  # the base optimizer's declared plan, ticked by `tick`
-                assert sub is not None
-                base_u, base_state = runner.replay(sub, base, u, None, True)
-            else:
-                base_u, base_state = base_run(u)
+            params, scalars, (b1_, weight_sum, step_count, max_lr), z, base = step
+            base_u, base_state = runner.replay(sub, base, u, None, True)  # ticked by `tick`
             p = params.flat()
             out = base_u.fresh() if base_u.owned else u.fresh()
             for o, zg, g, pg, og in zip(ops, z.groups, base_u.flat.groups, p.groups, out.groups):
@@ -916,8 +905,8 @@ class _ScheduleFree(Stage):
             return Updates(out, True, scratch=u.scratch), new_state
 
         # the base optimizer's passes, then one over z, its updates and the params (writes z and
-        # the updates); user code's: opaque
-        passes = None if sub is None else lambda apply: (runner.Sub(sub, False), ("kernel", "interpolation", 3.0, 2.0))
+        # the updates)
+        passes = lambda apply: (runner.Sub(sub, False), ("kernel", "interpolation", 3.0, 2.0))  # noqa: E731
         part = Host(run, passes, self.public_name, tick, settles=False)
         return part
 

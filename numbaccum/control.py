@@ -6,8 +6,8 @@ A control node (`numbaccum.MultiSteps`, ``apply_every``, ``masked``, ``partition
 ticks the inner transformation's plan (`Inner.tick`); its run replays that plan (`Inner.run`).
 The plan is the runner's (`numbaccum.runner.sub_plan`), kept by the part: made on the first step
 that runs it, ticked on every step that does, declared again with the whole outer plan when
-the inner state holds other buffers (its tick says False). User code (a `Foreign` inner) has no
-plan: it is planned on each step that runs it, and alone keeps a per-call plan.
+the inner state holds other buffers (its tick says False). User code (a `Foreign` inner) is one
+opaque part of that plan.
 """
 
 from __future__ import annotations
@@ -28,33 +28,27 @@ def add_to(params: FlatTree, u: Updates) -> None:
 
 
 class Inner:
-    """A control node's inner stage for updates of one `Spec`: its kept plan, or its `Step`
-    planned each time for user code.
+    """A control node's inner stage for updates of one `Spec`: its kept plan.
 
     Attributes:
         stage: the inner stage; ``spec``: the updates it is given (masked's kept leaves).
         prefix: the names of its workspaces start with it (`numbaccum.runner.sub_plan`).
-        plan: its `numbaccum.runner.Plan` (None until a step runs it, or for user code).
-        step: user code's step planned by the last tick; ``state``: the inner state ticked.
+        plan: its `numbaccum.runner.Plan` (None until a step runs it).
+        state: the inner state ticked.
     """
 
-    __slots__ = ("stage", "spec", "prefix", "plan", "step", "state", "declared")
+    __slots__ = ("stage", "spec", "prefix", "plan", "state")
 
     def __init__(self, stage: Any, spec: Spec, prefix: str) -> None:
         self.stage, self.spec, self.prefix = stage, spec, prefix
         self.plan: runner.Plan | None = None
-        self.step: Any = None
         self.state: Any = None
-        self.declared = stage.declarable()
 
     def tick(self, state: Any, params: ParamsRef | None, extra: dict) -> bool:
         """This step's values of the inner plan, before anything is written (its checks raise
         what is wrong); False when ``state`` holds other buffers than the plan was made for (the
         runner then declares the outer plan again)."""
         self.state = state
-        if not self.declared:
-            self.step = self.stage.plan(self.spec, state, params, extra)
-            return True
         plan = self.plan
         if plan is None:
             spec = self.spec
@@ -67,25 +61,23 @@ class Inner:
     def run(self, u: Updates, settle: bool = False) -> tuple[Updates, Any]:
         """The ticked inner step on ``u``: ``(updates, new_state)``; ``settle``: a factor left
         pending at the end is applied in the last pass (the caller settles them next)."""
-        plan = self.plan
-        if plan is not None:
-            return runner.replay(plan, self.state, u, None, settle)
-        step = self.step
-        return ((step.final or step.run) if settle else step.run)(u)
+        assert self.plan is not None  # (made by `tick`)
+        return runner.replay(self.plan, self.state, u, None, settle)
 
     def apply(self, u: Updates, params: FlatTree) -> Any:
         """The ticked inner step on ``u``, its updates added to ``params`` (in its last pass
         where its plan can: `numbaccum.runner.Plan.apply`); returns its new state."""
         plan = self.plan
-        if plan is not None and plan.apply:
+        assert plan is not None  # (made by `tick`)
+        if plan.apply:
             return runner.replay(plan, self.state, u, params, False)[1]
         out, new_state = self.run(u)
         add_to(params, out)
         return new_state
 
     def passes(self, apply: bool, weight: float = 1.0) -> list:
-        """What the inner step moves, for `numbaccum.explain`: its plan (`numbaccum.runner.Sub`),
-        or one opaque row for user code."""
+        """What the inner step moves, for `numbaccum.explain`: its plan (`numbaccum.runner.Sub`);
+        nothing before a step has run it."""
         if self.plan is None:
-            return [("opaque", "", None, None)]
+            return []
         return [runner.Sub(self.plan, apply, weight)]

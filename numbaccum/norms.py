@@ -31,7 +31,7 @@ from typing import Any, NamedTuple
 import numpy as np
 from numba import njit
 
-from . import _cache
+from . import _cache, runner
 from ._bounded import Bounded
 from ._checks import flag, non_negative, real
 from .apply import scatter_back, writable_flat
@@ -42,7 +42,6 @@ from .contract import ONE, Factor, Ops
 from .flat import FlatTree, as_flat, layout_of
 from .layout import Layout, compute_dtype, real_dtype
 from .protocol import EmptyState, GradientTransformationExtraArgs
-from .runner import stage_name
 from .tables import ACTIVE, METRIC_TINY, NSLICES, SLEN, norm_pair, sum_in_order
 from .updates import ParamsRef, Spec, Updates
 
@@ -525,7 +524,7 @@ class _Rescale(_Sliced):
         slicing, key, target = self.slicing(spec), self.key, self.target
         # a reduction of each slice's metric, then the scaling pass
         passes = (("reduction", "metric", 1.0, 0.0), ("kernel", "rescale", 1.0, 1.0))
-        return host_step(lambda u, _: _rescale(u.settled(), key, slicing, target), passes, stage_name(self))
+        return host_step(lambda u, _: _rescale(u.settled(), key, slicing, target), passes, runner.stage_name(self))
 
 
 def _rescale(u: Updates, key: float | str, slicing: _Slicing | None, target: _Target) -> Updates:
@@ -710,7 +709,7 @@ class _Centre(_Sliced):
     def declare(self, spec: Spec, state: Any) -> Any:
         slicing = self.slicing(spec)
         passes = (("reduction", "mean", 1.0, 0.0), ("kernel", "subtract", 1.0, 1.0))
-        return host_step(lambda u, _: _centre(u.settled(), slicing), passes, stage_name(self))
+        return host_step(lambda u, _: _centre(u.settled(), slicing), passes, runner.stage_name(self))
 
 
 def _centre(u: Updates, slicing: _Slicing | None) -> Updates:
@@ -964,10 +963,14 @@ def _in_place(grads: Any, stage: Stage) -> Any:
     FlatTree, or the ``.tree`` of one, is changed in its buffers with no copy). The stage is
     planned first: an error leaves every array as it was."""
     flat, copied = writable_flat(grads, "grads")
-    step = stage.plan(Spec(flat.layout, flat.device), EmptyState(), None, {})
-    result = step.run(Updates(flat, True))[0].settled()
+    state = EmptyState()
+    plan = runner.ticked(stage, Spec(flat.layout, flat.device), state, None, None, {})
+    assert plan is not None  # (a clip declares itself)
+    result = runner.replay(plan, state, Updates(flat, True), None, True)[0].settled()
     if copied:  # scatter back into the caller's arrays
         scatter_back(result.flat, grads, "grads")
+    elif result.flat is not flat:  # (owned updates are written in place: a safeguard)
+        runner.copy_groups(flat, result.flat)
     return grads
 
 

@@ -19,7 +19,7 @@ import numpy as np
 
 from . import fuse, runner
 from ._checks import transformation
-from .base import Chain, Stage, as_stage, stage_of, with_extra_args_support
+from .base import Stage, as_stage, stage_of, with_extra_args_support
 from .flat import FlatTree, layout_of
 from .lookahead import LookaheadParams
 from .updates import ParamsRef, Spec
@@ -211,12 +211,12 @@ def explain(
     # the params as the runner hands them to a reshaping stage's run: of the layout of the
     # updates it returns (lookahead's pair)
     ref = ParamsRef(params, layout if grads is params else layout_of(params, "params"), None, device)
-    units, names, segs = _units(stage, spec, state, ref, apply, fused, extra_args)
-    return _explained(units, names, segs, layout, device, apply, fused)
+    units, segs = _units(stage, spec, state, ref, apply, fused, extra_args)
+    return _explained(units, segs, layout, device, apply, fused)
 
 
 def _explained(
-    units: list, names: list, segs: list, layout: Any, device: bool, apply: bool, fused: bool
+    units: list, segs: list, layout: Any, device: bool, apply: bool, fused: bool
 ) -> Explanation:
     """The `Explanation` of a plan's ``units`` run as ``segs`` (`_units`)."""
     b = _Bytes(layout)
@@ -228,8 +228,8 @@ def _explained(
     pending = False
     for start, stop, fr in segs:
         parts = fr.parts if fr is not None else units[start]
-        if parts is None or (type(parts[0]) is fuse.Host and parts[0].passes is None):
-            passes.append(Pass("opaque", (names[start] if parts is None else parts[0].name,), None, None))
+        if type(parts[0]) is fuse.Host and parts[0].passes is None:  # user code
+            passes.append(Pass("opaque", (parts[0].name,), None, None))
             pending = False
             continue
         if fr is None and type(parts[0]) is fuse.Host and callable(parts[0].passes):
@@ -305,7 +305,7 @@ def _explain_plan(plan: Any, apply: bool, fused: bool, device: bool) -> Explanat
     again = runner.Plan(plan.root, plan.spec, fused, [])
     units = [[p] for p in again.leaves]
     runs = again.runs if fused else [(i, i + 1, None) for i in range(len(units))]
-    return _explained(units, [p.name for p in again.leaves], runs, plan.spec.layout, device, apply, fused)
+    return _explained(units, runs, plan.spec.layout, device, apply, fused)
 
 
 class _Bytes:
@@ -439,32 +439,17 @@ def _one_by_one_passes(b: _Bytes, parts: list, pending: bool, passes: list) -> b
 def _units(
     stage: Stage, spec: Spec, state: Any, ref: ParamsRef, apply: bool, fused: bool, extra: dict
 ) -> tuple:
-    """What `explain` describes: ``(units, names, runs)``, ``units[i]`` the parts of unit ``i``
-    (None: not described), ``runs`` the ``(start, stop, fused run or None)`` over them. A
-    declared transformation's units are its parts and its runs the runner's own `runner.Plan`
-    (the plan `step_` and ``update`` replay); another one is described stage by stage, as planned
-    for one step."""
-    if stage.declarable():
+    """What `explain` describes: ``(units, runs)``, ``units[i]`` the parts of unit ``i``,
+    ``runs`` the ``(start, stop, fused run or None)`` over them: the parts of the runner's own
+    `runner.Plan` (the plan `step_` and ``update`` replay) and its runs."""
+    root = stage.declare(spec, state)
+    if not root.tick(state, ref, extra):  # another declaration fits this step (as `runner.ticked`)
         root = stage.declare(spec, state)
-        if not root.tick(state, ref, extra):  # another declaration fits this step (as `runner.ticked`)
-            root = stage.declare(spec, state)
-            root.tick(state, ref, extra)
-        plan = runner.Plan(root, spec, fused, [])
-        units: list[list | None] = [[p] for p in plan.leaves]
-        runs = plan.runs if fused else [(i, i + 1, None) for i in range(len(units))]
-        return units, [p.name for p in plan.leaves], runs
-    if isinstance(stage, Chain) and type(stage).plan is Chain.plan:
-        states = stage._states(state)
-        if states is None:
-            raise ValueError("state: not this chain's state")
-        steps = [s.plan(spec, st, ref, extra) for s, st in zip(stage.stages, states)]
-        names = [type(s).__name__.lstrip("_") for s in stage.stages]
-    else:
-        steps = [stage.plan(spec, state, ref, extra)]
-        names = [type(stage).__name__.lstrip("_")]
-    units = [fuse.leaves(s.fuse) if s.fuse else None for s in steps]
-    runs = fuse.segments(steps) if fused else [(i, i + 1, None) for i in range(len(steps))]
-    return units, names, runs
+        root.tick(state, ref, extra)
+    plan = runner.Plan(root, spec, fused, [])
+    units = [[p] for p in plan.leaves]
+    runs = plan.runs if fused else [(i, i + 1, None) for i in range(len(units))]
+    return units, runs
 
 
 def _part_name(p: Any) -> str:

@@ -357,3 +357,13 @@ def test_flatten_shares_the_buffers_and_refuses_mixed_dtypes():
     np.testing.assert_array_equal(u["a"], [5.0])  # ||p|| / ||g|| over both leaves: 5 / 1
     with pytest.raises(TypeError, match="several dtypes"):
         tx.init({"a": np.ones(2), "b": np.ones(2, np.float32)})
+
+
+@pytest.mark.parametrize("make", [nba.conditionally_transform, nba.conditionally_mask])
+def test_conditionally_refuses_an_inner_that_reshapes_its_updates(make):
+    """Its skipped steps would return the per-example gradients (or zeros of their shape) where
+    the others return params-shaped updates; optax's ``lax.cond`` refuses such branches too.
+    Refused when built, naming the combinator."""
+    for inner in (nba.dpsgd(0.1, 1.0, 0.5, seed=0), nba.lookahead(nba.sgd(0.1), 2, 0.5)):
+        with pytest.raises(TypeError, match=f"{make.__name__}: inner reshapes its updates"):
+            make(inner, lambda step: step % 2 == 0)

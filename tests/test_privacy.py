@@ -489,6 +489,54 @@ def test_dp_aggregate_chains_like_optax():
         tx.update(p, s, p)
 
 
+def test_stages_before_the_aggregate_run_on_each_example_as_optax_chain():
+    """chain(scale(2), differentially_private_aggregate, sgd): the stages before the reshaping
+    one run on the per-example gradients (optax's chain just passes them on), the ones after on
+    the params-shaped aggregate; with the params given too (the chain's input is the
+    aggregate's, its params the rest's), in ``update`` and ``step_``, kept plans replayed."""
+    rng = np.random.default_rng(8)
+    p = {"w": np.zeros((3, 4), np.float32)}
+    tx = nba.chain(nba.scale(2.0), nba.differentially_private_aggregate(1.0, 0.5, seed=4), nba.sgd(0.1))
+    rtx = ref.chain(ref.scale(2.0), ref.differentially_private_aggregate(1.0, 0.5, 4), ref.sgd(0.1))
+    s, rs, q = tx.init(p), rtx.init(p), {"w": p["w"].copy()}
+    for _ in range(3):
+        g = {"w": rng.standard_normal((5, 3, 4)).astype(np.float32)}
+        before = q["w"].copy()
+        u, s2 = tx.update(g, nba.copy_state(s), p)
+        ru, rs = rtx.update(g, rs, p)
+        assert_tree_close(u, ru)
+        s = nba.step_(tx, g, s, q)
+        np.testing.assert_array_equal(q["w"], before + u["w"])  # the same bits as update + apply
+    assert len(s) == 3 and isinstance(s[1], nba.DifferentiallyPrivateAggregateState)
+
+
+def test_user_code_after_the_aggregate_that_raises_leaves_the_states_as_they_were():
+    """A chain whose foreign stage after the reshaping one raises: the momentum written before it
+    (a chain of the aggregate, sgd with momentum, then user code) is restored, bit for bit."""
+    p = {"w": np.zeros(4, np.float32)}
+    fail = [False]
+
+    def update(u, state, params=None):
+        if fail[0]:
+            raise RuntimeError("user code failed")
+        return u, state
+
+    user = nba.GradientTransformation(lambda params: (), update)
+    tx = nba.chain(nba.differentially_private_aggregate(1.0, 0.0, seed=1), nba.sgd(0.1, momentum=0.9), user)
+    g = {"w": np.arange(12, dtype=np.float32).reshape(3, 4)}
+    s = tx.init(p)
+    _, s = tx.update(g, s, p)
+    kept = nba.copy_state(s)
+    fail[0] = True
+    with pytest.raises(RuntimeError, match="user code failed"):
+        tx.update(g, s, p)
+    assert_tree_equal(s[1][0].trace.tree, kept[1][0].trace.tree)
+    fail[0] = False
+    u, _ = tx.update(g, s, p)  # the state is still current: the failed update committed nothing
+    u2, _ = tx.update(g, kept, p)
+    assert_tree_equal(u, u2)
+
+
 # --- privacy accounting ------------------------------------------------------------------------
 
 # Opacus 1.6.0's accountants on the same inputs (sigma, q, steps, delta): its RDPAccountant and
