@@ -37,7 +37,7 @@ from ._checks import transformation, wrong_state
 from ._interrupts import user_code
 from ._loans import on_loan
 from .flat import FlatTree, as_flat, host_leaves, layout_of, spare
-from .fuse import run_part, run_parts
+from .fuse import run_part
 from .layout import Layout
 from .control import Inner, add_to
 from .protocol import EmptyState, GradientTransformation, GradientTransformationExtraArgs, state_class
@@ -103,6 +103,9 @@ def with_extra_args_support(tx: Any) -> GradientTransformationExtraArgs:
         del extra_args
         return tx.update(updates, state, params)
 
+    kept = getattr(tx.update, "numbaccum_stage", None)  # `stateless`'s (`as_stage` finds it)
+    if kept is not None:
+        update.numbaccum_stage = kept  # type: ignore[attr-defined]
     return GradientTransformationExtraArgs(tx.init, update)
 
 
@@ -142,7 +145,11 @@ def stateless(f: Callable[[Any, Any], Any]) -> GradientTransformation:
         del state
         return f(updates, params), EmptyState()
 
-    return GradientTransformation(lambda params: EmptyState(), update)
+    tx = GradientTransformation(lambda params: EmptyState(), update)
+    # `numbaccum.step_` of it replays one kept plan instead of wrapping it anew each call (a
+    # cycle, update -> stage -> tx -> update, which the collector frees with the function)
+    update.numbaccum_stage = Foreign(tx)  # type: ignore[attr-defined]
+    return tx
 
 
 def stateless_with_tree_map(f: Callable[[Any, Any], Any]) -> GradientTransformation:
@@ -607,9 +614,13 @@ def undoable(run: Callable[..., Any], states: Any) -> Callable[..., Any]:
 
 
 def as_stage(tx: Any) -> Stage:
-    """``tx``'s `Stage`, or a `Foreign` stage around it."""
+    """``tx``'s `Stage`, or a `Foreign` stage around it (the one `stateless` made, if it is
+    one of those)."""
     stage = stage_of(tx)
-    return stage if stage is not None else Foreign(tx)
+    if stage is not None:
+        return stage
+    kept = getattr(getattr(tx, "update", None), "numbaccum_stage", None)
+    return kept if type(kept) is Foreign else Foreign(tx)
 
 
 # --- combinators ----------------------------------------------------------------------------
@@ -734,84 +745,6 @@ class Chain(Stage):
         chained.tick, chained.split = tick, split
         return chained
 
-    def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
-        step = self.kept_step(spec, state, params, extra)  # a declared chain with buffers
-        if step is not None:
-            return step
-        states = self._expect_states(state)
-        owner = self._owner_of(states)
-        if owner is not None and (owner.layout is not spec.layout or owner.device != spec.device):
-            owner = None
-        in_spec = spec
-        steps = []
-        specs = []  # the spec each stage is fed (a reshaping stage changes it for the next ones)
-        for stage, s in zip(self.stages, states):
-            specs.append(spec)
-            step = stage.plan(spec, s, params, extra)
-            steps.append(step)
-            if step.spec is not None:
-                spec = step.spec
-        runs = [step.run for step in steps]
-        if spec is in_spec:
-            scratches = self._scratches(owner, in_spec, states)
-        else:
-            scratches = [
-                stage.workspace(s, sp, "scratch") for stage, s, sp in zip(self.stages, states, specs)
-            ]
-        names = self.names
-        out_spec = None if spec is in_spec else spec
-
-        def pack(new_states: list) -> Any:
-            return tuple(new_states) if names is None else dict(zip(names, new_states))
-
-        # Foreign code runs its own checks while it runs: the states of the stages before the
-        # last foreign one (and its own, which may hold our buffers: a user's function around
-        # a numbaccum transformation) are snapshot before the run and restored if it raises
-        # (`undoable`). A combinator around foreign code guards its own state itself.
-        last = self._last_foreign
-        earlier = tuple(st.written(s) for st, s in zip(self.stages[:last], states[:last])) if last > 0 else ()
-        if last >= 0 and isinstance(self.stages[last], Foreign):
-            earlier = (*earlier, states[last])
-        segs = fuse.segments(steps) if fuse.enabled() else None
-        if segs is not None and all(r is None for _, _, r in segs):
-            segs = None  # nothing to fuse
-        if segs is None:
-            return Step(
-                undoable(_stage_by_stage(states, runs, scratches, pack), earlier),
-                out_spec,
-                _chained(steps, names),
-            )
-        run_fused = _fused_runs(states, steps, runs, scratches, segs, pack)
-        run_fused = undoable(run_fused, earlier)
-        last_fused = segs[-1][2] is not None
-        return Step(
-            run_fused,
-            out_spec,
-            _chained(steps, names),
-            (lambda u, p: run_fused(u, p)[1]) if last_fused else None,
-            (lambda u: run_fused(u, None, True)) if last_fused else None,
-        )
-
-    def _scratches(self, owner: FlatTree | None, spec: Spec, states: tuple) -> list:
-        """Each stage's scratch buffer: a workspace ``chain<i>`` of the chain's owner, else the
-        stage's own (`Stage.workspace`). A stage writes its new values into a scratch buffer of
-        its own: it may still read its input after an inner transformation wrote into the
-        scratch. The last list is kept, for the same owner (or layout) the next time."""
-        local = self.local()
-        memo = local.__dict__.get("scratch")
-        # Keyed by the owner's workspaces, which its renewals share (`current`).
-        key = None if owner is None else owner._workspaces
-        if memo is not None and memo[0] is key and memo[1] is spec.layout and memo[2] == spec.device:
-            return memo[3]
-        if owner is not None:
-            scratches = [_named_workspace(owner, f"chain{i}") for i in range(len(self.stages))]
-        else:
-            scratches = [stage.workspace(s, spec, "scratch") for stage, s in zip(self.stages, states)]
-            if any(stage.owner(s) is not None for stage, s in zip(self.stages, states)):
-                return scratches  # bound to this state: not kept
-        local.scratch = (key, spec.layout, spec.device, scratches)
-        return scratches
-
 
 class _Reshaping:
     """A chain with a reshaping stage (a per-example aggregation, lookahead), declared for
@@ -914,73 +847,6 @@ class _Reshaping:
         rows = [] if pre is None else pre.passes(False)
         rows += self.inner.passes(apply and post is None)
         return rows if post is None else rows + post.passes(apply)
-
-
-def _stage_by_stage(states: tuple, runs: list, scratches: list, pack: Callable) -> Callable:
-    """A chain's run, one stage after the other: a stage that skips the step (a clip) keeps the
-    states of the stages after it as they were."""
-
-    def run(u: Updates) -> tuple[Updates, Any]:
-        new_states = list(states)
-        for i, (step_run, scratch) in enumerate(zip(runs, scratches)):
-            u.scratch = scratch
-            try:
-                u, new_states[i] = step_run(u)
-            except SkipStep as e:  # the stages after it keep their states
-                new_states[i] = e.new_state
-                keep_states(states[i + 1 :])
-                raise SkipStep(pack(new_states)) from None
-        return u, pack(new_states)
-
-    return run
-
-
-def _fused_runs(
-    states: tuple, steps: list, runs: list, scratches: list, segs: list, pack: Callable
-) -> Callable:
-    """A chain's run over the runs of ``segs`` (`numbaccum.fuse.segments`): a fused run of
-    several stages is one pass, its last one may add the updates to ``apply`` and settle a
-    trailing factor. A run whose pre-pass skips the step keeps the states after it."""
-    n = len(steps)
-
-    def run_fused(u: Updates, apply: FlatTree | None = None, settle: bool = False) -> tuple[Any, Any]:
-        new_states: list = list(states)
-        for start, stop, fr in segs:
-            u.scratch = scratches[stop - 1]
-            try:
-                if fr is None:
-                    u, new_states[start] = runs[start](u)
-                elif stop == n:
-                    u, new_states[start:stop] = run_parts(fr, u, apply, settle)
-                else:
-                    u, new_states[start:stop] = run_parts(fr, u)
-            except SkipStep as e:  # a run's pre-pass (a clip) skipped: nothing of it ran
-                part = steps[start].fuse
-                if fr is not None and isinstance(part, (fuse.Chained, fuse.Wrapped)):
-                    # The pre-pass is a nested chain's (or a wrapped stage's) first part: that
-                    # part's state holds its new state, and its later stages' states as they were.
-                    later = fuse.split(part, states[start])[1:]
-                    keep_states(later)
-                    new_states[start] = fuse.pack(part, [e.new_state, *later])
-                else:
-                    new_states[start] = e.new_state
-                keep_states(states[start + 1 :])
-                raise SkipStep(pack(new_states)) from None
-        return u, pack(new_states)
-
-    return run_fused
-
-
-def _chained(steps: list, names: list[str] | None) -> Any:
-    """A chain's own part for an enclosing chain: its steps' parts when every one is fusable
-    (`numbaccum.fuse.Chained`), else None."""
-    if not steps or any(s.fuse is None or s.spec is not None for s in steps):
-        return None
-    return fuse.Chained([s.fuse for s in steps], names)
-
-
-def _named_workspace(owner: FlatTree, name: str) -> Callable[[], FlatTree]:
-    return lambda: owner.workspace(name)
 
 
 def chain(*transforms: Any) -> GradientTransformationExtraArgs:
@@ -1130,48 +996,6 @@ def _copied(x: Any, memo: dict[int, Any]) -> Any:
     if isinstance(x, (tuple, list)):
         return type(x)(_copied(v, memo) for v in x)
     return x
-
-
-def wrapped_step(step: Step, wrap: Callable[[Any], Any], guard: Any, name: str) -> Step:
-    """``step`` of a wrapper stage (``name``): its new state, and the one a `SkipStep` carries, is
-    ``wrap(new_state)``; ``guard``: the inner state a foreign inner stage may hold our buffers in
-    (restored if it raises), or None."""
-    run = _wrap_run(step.run, wrap)
-    if guard is not None:
-        run = undoable(run, guard)
-    final = None if step.final is None else _wrap_run(step.final, wrap)
-    apply = None
-    if step.apply is not None:
-        inner_apply = step.apply
-
-        def apply(u: Updates, p: FlatTree) -> Any:
-            try:
-                return wrap(inner_apply(u, p))
-            except SkipStep as e:
-                raise SkipStep(wrap(e.new_state)) from None
-
-    part = step.fuse
-    # A part that starts with a pre-pass is not offered to an enclosing chain: a clip that
-    # skips the step there raises its own state, not ours (the inner chain's runs, which fuse
-    # it, rebuild ours). It still fuses inside the inner transformation.
-    if part is not None and not isinstance(fuse.leaves(part)[0], fuse.Prepass):
-        part = fuse.Wrapped(part, wrap, name)
-    else:
-        part = None
-    return Step(run, step.spec, part, apply, final)
-
-
-def _wrap_run(inner: Callable[[Updates], tuple[Updates, Any]], wrap: Callable[[Any], Any]) -> Callable:
-    """``inner`` (a step's ``run`` or ``final``) returning ``wrap(new_state)``."""
-
-    def run(u: Updates) -> tuple[Updates, Any]:
-        try:
-            out, new_state = inner(u)
-        except SkipStep as e:
-            raise SkipStep(wrap(e.new_state)) from None
-        return out, wrap(new_state)
-
-    return run
 
 
 # --- monitoring: a measure of the updates kept in the state --------------------------------

@@ -84,12 +84,9 @@ __all__ = [
     "pack",
     "packer",
     "run_part",
-    "run_parts",
-    "segments",
     "shells",
     "split",
     "structure",
-    "step_applier",
 ]
 
 _FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
@@ -592,12 +589,6 @@ def _cost(part: Any) -> int:
         f = part.formula
         return len(f.states) + len(f.inputs) - 1 + len(f.scalars) + 2
     return sum(_cost(p) for p in leaves(part)) if isinstance(part, (Chained, Wrapped)) else 2
-
-
-def segments(steps: list) -> list[tuple[int, int, FusedRun | None]]:
-    """`cut` over a chain's planned steps: a step that declares no fusable part (or changes the
-    updates' layout) runs as it is."""
-    return cut([s.fuse if s.spec is None and _fusable(s.fuse) else None for s in steps])
 
 
 def cut(parts: list) -> list[tuple[int, int, FusedRun | None]]:
@@ -1291,27 +1282,3 @@ class Launches:
         groups = updates.groups
         for gi, pg in enumerate(p.groups):
             self.run(F.add_scaled, gi, [pg, groups[gi], pg], ONE, (1.0,))
-
-
-def run_parts(
-    fr: FusedRun, u: Updates, apply: FlatTree | None = None, settle: bool = False
-) -> tuple[Any, list]:
-    """Runs a fused run on ``u`` (`numbaccum.FusedRun.run`): ``(updates, new_states)``, the
-    updates None when they were added to ``apply`` instead of written."""
-    out, factor, new_states = fr.run(u.flat, u.factor, u.fresh, apply, settle)
-    if out is None:
-        return None, new_states
-    return Updates(out, True, factor, scratch=u.scratch), new_states
-
-
-def step_applier(step: Any) -> Callable[[Updates, FlatTree], Any] | None:
-    """``apply(updates, params) -> new_state`` for a planned step: its own `Step.apply`, or, for
-    a step that is one fusable run, that run with the params added in its pass; None when the
-    step cannot apply its updates in its last pass (then: run it, then add the updates)."""
-    if step.apply is not None:
-        return step.apply
-    if step.spec is None and _fusable(step.fuse):
-        (_, _, fr), *rest = segments([step])
-        if fr is not None and not rest:
-            return lambda u, p: run_parts(fr, u, p)[1][0]
-    return None

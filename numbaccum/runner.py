@@ -47,7 +47,7 @@ from .backend import ops_for
 from .apply import _apply, apply_updates_, check_writable, scatter_back
 from .flat import FlatTree, as_flat, device_flat, host_leaves, layout_of
 from .contract import ONE
-from .fuse import run_part, step_applier
+from .fuse import run_part
 from .transaction import guarded, keep_states, state_flats
 from .updates import ParamsRef, SkipStep, Spec, Updates, check_params
 
@@ -537,7 +537,7 @@ def _step(stage: Any, grads: Any, state: Any, params: Any, owner: Any, extra: di
     how: Any = plan
     if plan is None:
         step = stage.plan(spec, state, ref, extra)
-        how = (step.run, step_applier(step))
+        how = (step.run, step.apply)
     p, copied = _writable(params, spec, into, found, ref.checked)
     if ref._flat is None:  # a stage that reads the params (weight decay) reads these: the
         ref._flat = p  # fused pass then reads and writes one buffer (`fuse._run_group`)
@@ -622,7 +622,7 @@ def _run_step(
 def _apply_step(stage: Any, how: Any, state: Any, u: Updates, p: FlatTree, spec: Spec) -> Any:
     """Runs the step: its last pass adds the updates to ``p`` (a plan whose last run is fused,
     or a step's ``apply``), or (nothing fused at the end) it runs, then the updates are added.
-    ``how``: a ticked `Plan`, or a step's ``(run, apply)`` (`numbaccum.fuse.step_applier`)."""
+    ``how``: a ticked `Plan`, or a step's ``(run, apply)`` (`numbaccum.base.Step`)."""
     if type(how) is Plan:
         if how.apply:
             return replay(how, state, u, p, False)[1]

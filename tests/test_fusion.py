@@ -230,10 +230,13 @@ def test_a_long_run_is_cut_below_numbas_argument_limit():
     from numbaccum.flat import layout_of
     from numbaccum.updates import Spec
 
+    from numbaccum.runner import Plan
+
+    stage = make().update.__self__
     spec = Spec(layout_of(PARAMS, "params"), False)
-    steps = [s.plan(spec, s.init(PARAMS), None, {}) for s in make().update.__self__.stages]
-    cut = fuse.segments(steps)
-    assert len(cut) >= 2 and all(r is not None for _, _, r in cut)
+    plan = Plan(stage.declare(spec, stage.init(PARAMS)), spec, True, [])
+    assert len(plan.runs) >= 2 and all(r is not None for _, _, r in plan.runs)
+    assert all(sum(fuse._cost(p) for p in plan.leaves[a:b]) <= fuse.MAX_ARGS for a, b, _ in plan.runs)
     _same(_run(make, PARAMS, _grads(2), True), _run(make, PARAMS, _grads(2), False))
 
 
