@@ -297,3 +297,43 @@ def test_explain_describes_both_steps_of_the_cycle(name, apply):
     assert stages[-1] == "multisteps (reset)"
     assert len(stages) == (3 + apply if name == "aggregate_alone" else 4)  # the apply row, or the rest's pass
     assert all(q.kind != "opaque" for q in e.passes) and e.total is not None
+
+
+class _Halving:
+    """User code after the aggregation (``u = -u / 2``), raising while ``fail`` is set."""
+
+    fail = False
+
+    def init(self, params):
+        return ()
+
+    def update(self, updates, state, params=None):
+        if self.fail:
+            raise RuntimeError("user code failed")
+        return nba.tree_map(lambda x: -0.5 * x, updates), state
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_user_code_in_the_rest_that_raises_leaves_the_state_as_it_was(k):
+    """The rest of the inner chain may hold user code (planned each emitting step, its
+    `numbaccum.control.Inner` has no kept plan): when it raises on the emitting step, the sums,
+    the DP state and the trace before it are as they were, and the retried cycle gives the bits
+    of a run that never failed."""
+    p = _params(11)
+    user = _Halving()
+    def make():
+        return nba.MultiSteps(nba.chain(nba.differentially_private_aggregate(1.0, 0.5, 0), nba.trace(0.9), user), k)
+
+    ms, clean = make(), make()
+    s, sc = ms.init(p), clean.init(p)
+    for i in range(2 * k):
+        mini = _batch(p, 2, 50 + i)
+        if i == k - 1:
+            user.fail = True
+            with pytest.raises(RuntimeError, match="user code"):
+                ms.update(mini, s, p)
+            user.fail = False
+        u, s = ms.update(mini, s, p)
+        uc, sc = clean.update(mini, sc, p)
+        assert_tree_equal(u, uc)
+    assert_tree_equal(nba.tree_flatten(s)[0], nba.tree_flatten(sc)[0])
