@@ -322,7 +322,8 @@ def test_user_code_in_the_rest_that_raises_leaves_the_state_as_it_was(k):
     p = _params(11)
     user = _Halving()
     def make():
-        return nba.MultiSteps(nba.chain(nba.differentially_private_aggregate(1.0, 0.5, 0), nba.trace(0.9), user), k)
+        inner = nba.chain(nba.differentially_private_aggregate(1.0, 0.5, 0), nba.trace(0.9), user)
+        return nba.MultiSteps(inner, k)
 
     ms, clean = make(), make()
     s, sc = ms.init(p), clean.init(p)
