@@ -51,13 +51,23 @@ OWN = {
     "lookahead_adam": lambda: nba.lookahead(nba.adam(1e-2), 3, 0.5),
     "lookahead_sgd_momentum": lambda: nba.lookahead(nba.sgd(0.1, momentum=0.9), 3, 0.5),
 }
+# DP accumulation (MultiSteps over dpsgd), fed per-example gradients: with k = 2 the counted
+# step (the fifth) is a mini-step that only adds to the sums; with k = 1 every step emits.
+OWN_PER_EXAMPLE = {
+    "multisteps_dpsgd": lambda: nba.MultiSteps(nba.dpsgd(0.1, 1.0, 0.5, seed=0, momentum=0.9), 2),
+    "multisteps_dpsgd_k1": lambda: nba.MultiSteps(nba.dpsgd(0.1, 1.0, 0.5, seed=0, momentum=0.9), 1),
+}
 
 
 def measure(name: str, warm: int = 4) -> dict:
-    """Calls per steady ``step_`` and per steady ``update`` of Case ``name`` (or of `OWN`'s)."""
+    """Calls per steady ``step_`` and per steady ``update`` of Case ``name`` (or of `OWN`'s,
+    `OWN_PER_EXAMPLE`'s)."""
     if name in OWN:
         tx, batch = OWN[name](), False
         pair = nba.LookaheadParams.init_synced
+    elif name in OWN_PER_EXAMPLE:
+        tx, batch = OWN_PER_EXAMPLE[name](), True
+        pair = lambda p: p  # noqa: E731
     else:
         case = CASES[name]
         tx, batch = case.make(), case.per_example
@@ -99,7 +109,7 @@ def main() -> None:
         dest = args[i + 1]
         del args[i : i + 2]
     rows = {}
-    for name in sorted([*CASES, *OWN]):
+    for name in sorted([*CASES, *OWN, *OWN_PER_EXAMPLE]):
         try:
             rows[name] = measure(name)
         except Exception as e:  # a case this driver cannot run without extra arguments

@@ -20,8 +20,8 @@ from ._checks import INT32_MAX, flag, integer, transformation, wrong_state
 from ._interrupts import user_code
 from .apply import apply_updates_
 from .backend import ops_for, tree_sumsq_scaled
-from .base import Chain, Foreign, Stage, Step, as_stage, undoable, with_extra_args_support
-from .control import Inner
+from .base import Chain, Foreign, Stage, as_stage, undoable, with_extra_args_support
+from .control import Inner, add_to
 from .contract import ONE
 from .declared import (
     Elementwise,
@@ -570,12 +570,14 @@ class MultiSteps(Stage):
         # (`differentially_private_aggregate`) sums them here, and noises them once per cycle.
         inner = self._inner
         first = inner.stages[0] if isinstance(inner, Chain) and inner.stages else inner
-        self._dp = first if inner.reshapes and hasattr(first, "plan_accumulation") else None
+        self._dp = first if inner.reshapes and hasattr(first, "declare_accumulation") else None
         if inner.reshapes and self._dp is None:
             raise TypeError("opt: MultiSteps cannot accumulate a transformation that reshapes its updates")
         if self._dp is not None and should_skip_update_fn is not None:
             raise ValueError("should_skip_update_fn: not with DP accumulation (the updates are per example)")
-        self._rest = Chain(inner.stages[1:]) if self._dp is not None and isinstance(inner, Chain) else None
+        # The stages after it, run on the noised average of each cycle (None: none).
+        rest = inner.stages[1:] if self._dp is not None and isinstance(inner, Chain) else []
+        self._rest = Chain(rest) if rest else None
         self.reshapes = self._dp is not None
         if should_skip_update_fn is not None and not callable(should_skip_update_fn):
             raise TypeError(
@@ -668,68 +670,146 @@ class MultiSteps(Stage):
             return self._dp.take(updates, None, params, None)
         return super().take(updates, state, params, owner)
 
-    def _plan_dp(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
-        """DP accumulation: the mini-step adds its clipped examples to the float64 sums; the
-        emitting one noises and averages them (`privacy._Aggregate.plan_accumulation`) and runs
-        the rest of the inner chain on the result."""
-        if not isinstance(state, MultiStepsState) or not isinstance(state.acc_grads, FlatTree):
-            raise wrong_state("MultiStepsState", state)
-        acc, inner = state.acc_grads, self._inner
-        k = self._schedule(state.gradient_step)
-        mini, gradient_step = int(state.mini_step), state.gradient_step
-        emits, fresh = mini >= k - 1, mini == 0
-        if isinstance(inner, Chain):
-            states = inner._states(state.inner_opt_state)
-            if states is None:
-                raise ValueError("state.inner_opt_state: not the inner chain's state")
-        else:
-            states = (state.inner_opt_state,)
-        out_spec, dp_run = self._dp.plan_accumulation(  # type: ignore[union-attr]
-            spec, states[0], acc, fresh, emits
-        )
-        rest = self._rest.plan(out_spec, tuple(states[1:]), params, extra) if emits and self._rest else None
-        names = inner.names if isinstance(inner, Chain) else None
+    def _inbox(self, owner: FlatTree | None, layout: Layout, side: Any) -> Callable[[], FlatTree]:
+        # Per-example gradients have a layout of their own (the batch's), not the accumulator's.
+        return super()._inbox(None if self._dp is not None else owner, layout, side)
 
-        def pack(new: list) -> Any:
-            if not isinstance(inner, Chain):
-                return new[0]
-            return tuple(new) if names is None else dict(zip(names, new))
-
-        def run(u: Updates) -> tuple[Updates, MultiStepsState]:
-            out, dp_state = dp_run(u)
-            if not emits:  # the DP stage's state counts the examples; the others wait
-                inner_state = pack([dp_state, *states[1:]])
-                new = MultiStepsState(np.int32(mini + 1), gradient_step, inner_state, acc, state.skip_state)
-                return zeros_output(acc, out_spec.layout), new
-            rest_states: list = list(states[1:])
-            if rest is not None:
-                with inside(self._emitting(k, gradient_step)):
-                    out, rest_new = (rest.final or rest.run)(out)
-                rest_states = list(rest_new)
-            for a in acc.groups:
-                ops_for(a).fill_(a, 0.0)
-            inner_state = pack([dp_state, *rest_states])
-            step = safe_increment(gradient_step)
-            new = MultiStepsState(np.int32(0), step, inner_state, acc, state.skip_state)
-            return out, new
-
-        return Step(run, spec=out_spec)
-
-    def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
-        """DP accumulation only (its updates are per example: the runner's reshaping path plans
-        each call); every other MultiSteps declares itself (`declare`)."""
-        if self._dp is None:
-            return super().plan(spec, state, params, extra)
-        return self._plan_dp(spec, state, params, extra)
-
-    def declarable(self) -> bool:
-        return self._dp is None
+    def _inner_states(self, state: MultiStepsState) -> tuple | None:
+        """The inner stages' states in order (DP accumulation: the aggregation's first), None
+        when ``state.inner_opt_state`` is not the inner chain's."""
+        inner = self._inner
+        return inner._states(state.inner_opt_state) if isinstance(inner, Chain) else (state.inner_opt_state,)
 
     def declare(self, spec: Spec, state: Any) -> fuse.Host:
-        """The control node (`_Cycle`) over ``state``'s accumulator, after checking it; the inner
-        optimizer's plan is declared on the first emitting step (`numbaccum.control.Inner`)."""
+        """The control node over ``state``'s accumulator, after checking it: `_Cycle`, or with
+        DP accumulation `_DpCycle` (for per-example gradients of ``spec``: one per batch size);
+        the inner optimizer's plan is declared on the first emitting step
+        (`numbaccum.control.Inner`)."""
+        if self._dp is not None:
+            return _DpCycle(self, state, spec).part
         acc = expect_state(state, MultiStepsState, "acc_grads", spec, renew=False)
         return _Cycle(self, acc, spec).part
+
+
+class _DpCycle:
+    """`MultiSteps` with DP accumulation, declared for per-example gradients of one spec and one
+    accumulator: each mini-step adds its clipped examples to the float64 sums; the emitting one
+    noises and averages them (`numbaccum.privacy._Accumulation`), runs the kept plan of the rest
+    of the inner chain on the result and resets the sums. ``part`` is the `numbaccum.fuse.Host`
+    the runner keeps: a reshaping one, its ``spec`` the params' (`numbaccum.runner`). Its tick
+    checks the state, calls the schedule and checks the DP state (and, on an emitting step,
+    ticks the rest's plan) before anything is written."""
+
+    def __init__(self, ms: MultiSteps, state: Any, spec: Spec) -> None:
+        if not isinstance(state, MultiStepsState) or not isinstance(state.acc_grads, FlatTree):
+            raise wrong_state("MultiStepsState", state)
+        states = ms._inner_states(state)
+        if states is None:
+            raise ValueError("state.inner_opt_state: not the inner chain's state")
+        acc = state.acc_grads
+        self.sums = ms._dp.declare_accumulation(spec, acc, states[0])  # type: ignore[union-attr]
+        out_spec = self.sums.spec
+        self.ms, self.storage, self.layout = ms, acc.__dict__, out_spec.layout
+        self.rest = Inner(ms._rest, out_spec, "multisteps.") if ms._rest is not None else None
+        self.names = ms._inner.names if isinstance(ms._inner, Chain) else None
+        self.chained = isinstance(ms._inner, Chain)
+        # explain's ratios, per byte of the per-example input: the float64 sums, the updates
+        x = float(np.dot(spec.layout.group_sizes, [d.itemsize for d in spec.layout.group_dtypes]))
+        a = float(np.dot(out_spec.layout.group_sizes, [g.dtype.itemsize for g in acc.groups]))
+        self.acc_ratio = a / x if x else 1.0
+        self.out_ratio = 1.0 / max(self.sums.batch, 1)  # the average: one example's size
+        # This step's values (`tick`).
+        self.state: Any = None
+        self.states: tuple = ()
+        self.acc: Any = None
+        self.emits = False
+        self.note: Note | None = None
+        self.part = fuse.Host(
+            self.run, self.passes, "multisteps", self.tick, settles=False, apply=self.apply, spec=out_spec
+        )
+
+    def tick(self, state: Any, params: ParamsRef | None, extra: dict) -> bool:
+        if not isinstance(state, MultiStepsState):
+            return False
+        if getattr(state.acc_grads, "__dict__", None) is not self.storage:  # other buffers: declared again
+            return False
+        states = self.ms._inner_states(state)
+        if states is None:
+            return False  # declared again: the error above
+        acc = current(state.acc_grads, "acc_grads")
+        k = self.ms._schedule(state.gradient_step)
+        mini = int(state.mini_step)
+        emits = mini >= k - 1
+        if not self.sums.tick(states[0], mini == 0, emits):
+            return False
+        if emits and self.rest is not None and not self.rest.tick(tuple(states[1:]), params, extra):
+            return False
+        self.state, self.states, self.acc, self.emits = state, states, acc, emits
+        self.note = self.ms._emitting(k, state.gradient_step) if emits else None
+        return True
+
+    def pack(self, new: list) -> Any:
+        """The inner state from the stages' states: a chain's tuple (or named chain's dict)."""
+        if not self.chained:
+            return new[0]
+        return tuple(new) if self.names is None else dict(zip(self.names, new))
+
+    def run(self, u: Updates) -> tuple[Updates, MultiStepsState]:
+        out, new = self._step(u, None)
+        assert out is not None  # (updates, no params: the updates come back)
+        return out, new
+
+    def apply(self, u: Updates, p: FlatTree) -> MultiStepsState:
+        """`run`, the emitted update added to ``p`` (in the rest's last pass where its plan can);
+        a step that emits nothing leaves ``p`` as it is."""
+        return self._step(u, p)[1]
+
+    def _step(self, u: Updates, p: FlatTree | None) -> tuple[Updates | None, MultiStepsState]:
+        """The step on ``u``: ``(updates, new state)``, or with params ``p`` ``(None, new
+        state)``, the emitted update added to them."""
+        state, states, acc = self.state, self.states, self.acc
+        emitted, dp_state = self.sums.run(u, acc)
+        if emitted is None:  # a mini-step: the DP stage's state counts the examples; the others wait
+            mini = np.int32(int(state.mini_step) + 1)
+            inner_state = self.pack([dp_state, *states[1:]])
+            new = MultiStepsState(mini, state.gradient_step, inner_state, acc, state.skip_state)
+            return (zeros_output(acc, self.layout) if p is None else None), new
+        out: Updates | None = emitted
+        rest_states: Any = states[1:]
+        try:
+            with inside(self.note):  # type: ignore[arg-type]  # set where emits is
+                if self.rest is None:
+                    if p is not None:
+                        add_to(p, emitted)
+                elif p is None:
+                    out, rest_states = self.rest.run(emitted, settle=True)
+                else:
+                    rest_states = self.rest.apply(emitted, p)
+        except SkipStep as e:  # the rest skipped (a clip saw NaN): zeros, cycle over
+            out, rest_states = zeros_output(acc, self.layout), e.new_state
+        for a in acc.groups:
+            ops_for(a).fill_(a, 0.0)
+        inner_state = self.pack([dp_state, *rest_states])
+        step = safe_increment(state.gradient_step)
+        new = MultiStepsState(np.int32(0), step, inner_state, acc, state.skip_state)
+        return (out if p is None else None), new
+
+    def passes(self, apply: bool) -> list:
+        """This step's passes (`numbaccum.explain`), per parameter of the per-example input: the
+        examples' norms, their clipped sums added to the accumulator, and on an emitting step
+        the noised average written (the updates of the rest's passes), the rest's passes and
+        the reset."""
+        a, b = self.acc_ratio, self.out_ratio
+        old = 0.0 if self.sums.fresh else a  # the sums so far, read
+        out: list = [("reduction", "per-example norms", 1.0, 0.0, 1.0)]
+        if not self.emits:
+            return [*out, ("kernel", "clipped sums, accumulated", 1.0 + old, a, old + a)]
+        out.append(("kernel", "clipped sums + noise, averaged", 1.0 + old, b, old))
+        if self.rest is not None:
+            out += self.rest.passes(apply, b)
+        elif apply:
+            out.append(("apply", "apply_updates_", 2.0 * b, b))
+        return [*out, ("kernel", "reset", 0.0, a, 0.0)]
 
 
 class _Cycle:

@@ -603,47 +603,82 @@ class _Aggregate(Stage):
         )
         return Host(run, passes, "differentially_private_aggregate", tick, spec=out_spec)
 
-    def plan_accumulation(
-        self, spec: Spec, state: Any, acc: FlatTree, fresh: bool, emit: bool
-    ) -> tuple[Spec, Any]:
-        """`MultiSteps`' mini-step over per-example gradients of ``spec``: ``(params spec,
-        run)``; ``run(u) -> (updates or None, new DP state)``, the new state counting the
-        examples summed so far this cycle (0 after the emitting mini-step). Each mini-step adds
-        its clipped examples to the float64 running sum ``acc`` in
-        example order, continuing the sum of the earlier ones (`_weighted_sums`' ``init``); the
-        emitting one adds the noise once and divides by every example of the cycle, in the same
-        kernel: the bits of one update on the whole logical batch, with the same noise draw."""
-        _, step = _check_dp_state(state)
+    def declare_accumulation(self, spec: Spec, acc: FlatTree, state: Any) -> _Accumulation:
+        """`MultiSteps`' DP accumulation of per-example gradients of ``spec`` into ``acc``
+        (`_Accumulation`), after checking ``state`` and that ``acc`` sums these examples."""
+        return _Accumulation(self, spec, acc, state)
+
+
+class _Accumulation:
+    """`MultiSteps`' DP accumulation, declared for per-example gradients of one spec (one batch
+    size) and one float64 accumulator (`_Aggregate.declare_accumulation`). Each mini-step adds
+    its clipped examples to the running sums in example order, continuing the earlier ones' sum
+    (`_weighted_sums`' ``init``); the emitting one adds the noise once and divides by every
+    example of the cycle, in the same kernel: the bits of one update on the whole logical
+    batch, with the same noise draw. ``tick`` checks the step's DP state before anything is
+    written; ``run`` writes.
+
+    Attributes:
+        spec: the params' `Spec`: that of the sums and of the updates the emitting step returns.
+        batch: the examples of one mini-step.
+    """
+
+    def __init__(self, agg: _Aggregate, spec: Spec, acc: FlatTree, state: Any) -> None:
+        _check_dp_state(state)
         plan = _plan(spec.layout, "updates")
-        if acc.layout is not plan.out_layout or acc.device != spec.device:
-            want, got = acc.layout, plan.out_layout
-            for i in range(min(want.num_leaves, got.num_leaves)):
-                if want.shapes[i] != got.shapes[i] or want.dtypes[i] != got.dtypes[i]:
-                    raise ValueError(
-                        f"{got.path(i, 'updates')}: per-example {got.shapes[i]} {got.dtypes[i]} does not "
-                        f"match the params the state was built for: {want.shapes[i]} {want.dtypes[i]}"
-                    )
-            raise ValueError("updates: not per-example gradients of the params the state was built for")
-        total = (0 if fresh else int(state.examples)) + plan.batch
-        if emit and total == 0 and spec.layout.num_leaves:
+        _check_sums(acc, plan, spec)
+        self.plan, self.batch, self.leaves = plan, plan.batch, spec.layout.num_leaves
+        self.spec = Spec(plan.out_layout, spec.device)
+        self.clip, self.std, self.seed = agg.clip, agg.std, agg.seed
+        # This step's values (`tick`).
+        self.state: Any = None
+        self.step, self.total, self.fresh, self.emit = 0, 0, True, False
+
+    def tick(self, state: Any, fresh: bool, emit: bool) -> bool:
+        """This step's noise step and example count, from the DP ``state`` (``fresh``: the
+        cycle's first mini-step; ``emit``: its last); False for a state of another class (the
+        declaration says what is wrong), ValueError for a bad key or an empty cycle."""
+        if not isinstance(state, DifferentiallyPrivateAggregateState):
+            return False
+        step = _check_dp_state(state)[1]
+        total = (0 if fresh else int(state.examples)) + self.batch
+        if emit and total == 0 and self.leaves:
             raise ValueError("updates: no example in the whole cycle; there is nothing to average")
-        out_spec = Spec(plan.out_layout, spec.device)
-        clip, std, seed = self.clip, self.std, self.seed
+        self.state, self.step, self.total, self.fresh, self.emit = state, step, total, fresh, emit
+        return True
 
-        def run(u: Updates) -> tuple[Updates | None, DifferentiallyPrivateAggregateState]:
-            flat = u.settled().flat
-            mult = _global_multipliers(flat, plan, clip)
-            init = None if fresh else acc
-            clipped = (0 if fresh else int(state.clipped)) + _clipped(mult)
-            if not emit:  # the running sum, in float64: exact, neither noised nor divided
-                _weighted_sums(flat, plan, mult, acc, init=init)
-                return None, state._replace(examples=np.int64(total), clipped=np.int64(clipped))
-            noise = _noise(seed, step, plan.out_layout.group_sizes) if std else [_NO_NOISE] * len(flat.groups)
-            out = FlatTree.empty(out_spec.layout, device=out_spec.device)
-            _weighted_sums(flat, plan, mult, out, noise, std, float(max(total, 1)), init=init)
-            return Updates(out, True), _after(seed, step, clipped, total, std / max(total, 1))
+    def run(self, u: Updates, acc: FlatTree) -> tuple[Updates | None, DifferentiallyPrivateAggregateState]:
+        """Adds the clipped examples of ``u`` to ``acc`` (None: nothing emitted), or on the
+        emitting step returns the noised average of the cycle in a new buffer (``acc`` read
+        only); and the new DP state, counting the cycle's examples (0 after it)."""
+        flat = u.settled().flat
+        plan, state, fresh, total = self.plan, self.state, self.fresh, self.total
+        mult = _global_multipliers(flat, plan, self.clip)
+        init = None if fresh else acc
+        clipped = (0 if fresh else int(state.clipped)) + _clipped(mult)
+        if not self.emit:  # the running sum, in float64: exact, neither noised nor divided
+            _weighted_sums(flat, plan, mult, acc, init=init)
+            return None, state._replace(examples=np.int64(total), clipped=np.int64(clipped))
+        std, seed, step = self.std, self.seed, self.step
+        noise = _noise(seed, step, plan.out_layout.group_sizes) if std else [_NO_NOISE] * len(flat.groups)
+        out = FlatTree.empty(self.spec.layout, device=self.spec.device)
+        _weighted_sums(flat, plan, mult, out, noise, std, float(max(total, 1)), init=init)
+        return Updates(out, True), _after(seed, step, clipped, total, std / max(total, 1))
 
-        return out_spec, run
+
+def _check_sums(acc: FlatTree, plan: _Plan, spec: Spec) -> None:
+    """ValueError unless ``acc`` holds the sums of the examples of ``plan`` (the params' layout,
+    on the updates' device), naming the first leaf that differs."""
+    if acc.layout is plan.out_layout and acc.device == spec.device:
+        return
+    want, got = acc.layout, plan.out_layout
+    for i in range(min(want.num_leaves, got.num_leaves)):
+        if want.shapes[i] != got.shapes[i] or want.dtypes[i] != got.dtypes[i]:
+            raise ValueError(
+                f"{got.path(i, 'updates')}: per-example {got.shapes[i]} {got.dtypes[i]} does not "
+                f"match the params the state was built for: {want.shapes[i]} {want.dtypes[i]}"
+            )
+    raise ValueError("updates: not per-example gradients of the params the state was built for")
 
 
 def differentially_private_aggregate(

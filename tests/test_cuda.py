@@ -682,6 +682,14 @@ def test_dp_accumulation_on_the_device_matches_the_host():
         outs.append(host(u))
     for a, b in zip(nba.tree_flatten(outs[1])[0], nba.tree_flatten(outs[0])[0]):
         np.testing.assert_allclose(a, b, rtol=1e-13)
+    # step_: the declared cycle adds the emitted update to the device params (the rest's pass)
+    ms = nba.MultiSteps(nba.dpsgd(0.1, 1.0, 1.0, seed=3), 3)
+    on = dev(p)
+    s = ms.init(on)
+    for m in minis:
+        s = nba.step_(ms, dev(m), s, on)
+    for a, b, x in zip(nba.tree_flatten(host(on))[0], nba.tree_flatten(p)[0], nba.tree_flatten(outs[0])[0]):
+        np.testing.assert_allclose(a, b + x, rtol=1e-13)
 
 
 # --- trees of separate CUDA arrays: packed and scattered over a table of their addresses ------
