@@ -18,7 +18,6 @@ from . import formulas as F
 from . import fuse
 from ._checks import INT32_MAX, flag, integer, transformation, wrong_state
 from ._interrupts import user_code
-from .apply import apply_updates_
 from .backend import ops_for, tree_sumsq_scaled
 from .base import Chain, Foreign, Stage, as_stage, undoable, with_extra_args_support
 from .control import Inner, add_to

@@ -1,27 +1,26 @@
 """The optax protocol over flat buffers: GradientTransformation, stages, chain.
 
 Every numbaccum transformation is an optax-style ``(init, update)`` pair whose ``update`` is the
-bound method of a `Stage`. A stage updates in two phases, so that a failed call changes nothing:
+bound method of a `Stage`. A stage *declares* its work once for a layout and a state
+(``declare(spec, state) -> part``: elementwise kernels and factors, reductions, host steps,
+control nodes over inner plans, user code as one opaque part; `numbaccum.fuse`); the runner
+(`numbaccum.runner`) keeps that declaration as a plan with the state and replays it each step, in
+two phases, so that a failed call changes nothing:
 
-1. ``plan(spec, state, params, extra) -> Step`` (host only, writes nothing): validates the state
-   against the updates' `Spec` (layout and device), checks params and extra arguments, calls
-   schedules and computes every per-step scalar (bias corrections, learning rates, counts).
-2. ``Step.run(updates) -> (updates, new_state)``: runs the kernels. It may decide on values it
-   reads (a clip's norm, a skip predicate) but raises nothing a plan could have caught.
+1. the plan's **tick** (host only, writes nothing): validates the state against the updates'
+   `Spec` (layout and device), checks params and extra arguments, calls schedules and computes
+   every per-step scalar (bias corrections, learning rates, counts);
+2. its **passes**: the kernels. They may decide on values they read (a clip's norm, a skip
+   predicate) but raise nothing a tick could have caught.
 
-`Stage.update` converts the user's tree into `Updates` once, plans the whole stage (a `chain`
-plans every one of its stages before it runs any), then runs it and hands the result back in the
-caller's form. `Updates` carry a pending `Factor` ``(flat / div) * mul`` that the next kernel
-applies while it reads the buffer, so ``clip_by_global_norm`` costs no pass of its own.
-
-A `chain` runs each maximal run of stages that declare their elementwise work (``Step.fuse``) as
-one generated kernel per dtype group (`numbaccum.fuse`; ``NUMBACCUM_FUSE=0``: stage by stage,
-the same bits on the CPU).
+`Updates` carry a pending `Factor` ``(flat / div) * mul`` that the next kernel applies while it
+reads the buffer, so ``clip_by_global_norm`` costs no pass of its own. A `chain` declares its
+stages' parts as one `numbaccum.fuse.Chained`; each maximal run of elementwise parts is one
+generated kernel per dtype group (``NUMBACCUM_FUSE=0``: part by part, the same bits on the CPU).
 
 Workspaces are explicit: a stage names the FlatTree of its state that owns its scratch buffers
 (`Stage.owner`); a stateless stage keeps its own, per layout, device and thread (`Stage.kept`).
 """
-
 from __future__ import annotations
 
 import abc
@@ -37,9 +36,8 @@ from ._checks import transformation, wrong_state
 from ._interrupts import user_code
 from ._loans import on_loan
 from .flat import FlatTree, as_flat, host_leaves, layout_of, spare
-from .fuse import run_part
 from .layout import Layout
-from .control import Inner, add_to
+from .control import Inner
 from .protocol import EmptyState, GradientTransformation, GradientTransformationExtraArgs, state_class
 from .transaction import keep_states, reading, state_flats
 from .tree import leaves_if_structure, tree_flatten, tree_map, tree_unflatten
@@ -192,63 +190,6 @@ def stateless_with_tree_map(f: Callable[[Any, Any], Any]) -> GradientTransformat
 # --- the stage protocol ---------------------------------------------------------------------
 
 
-class Step:
-    """A planned update of one stage: ``step.run(updates) -> (updates, new_state)``.
-
-    Made by `Stage.plan` with everything already validated and computed; ``run`` (a function,
-    usually a closure over the plan's values) only touches buffers. ``spec``: the `Spec` of the
-    updates ``run`` returns, when it differs from the input's (a per-example aggregation returns
-    params-shaped updates); None otherwise.
-    """
-
-    # ``run`` is the function itself, not a method calling it: one call less per stage and step.
-    __slots__ = ("run", "spec", "fuse", "apply", "final")
-
-    def __init__(
-        self,
-        run: Callable[[Updates], tuple[Updates, Any]],
-        spec: Spec | None = None,
-        fuse: Any = None,
-        apply: Callable[[Updates, FlatTree], Any] | None = None,
-        final: Callable[[Updates], tuple[Updates, Any]] | None = None,
-    ) -> None:
-        self.run = run
-        self.spec = spec
-        # The stage's elementwise work, declared for the chain compiler (`numbaccum.fuse`): a
-        # `Kernel`, `Scale` or `Prepass` part, or a `Chained` run of them; None: not fusable.
-        self.fuse = fuse
-        # ``apply(updates, params) -> new_state``: runs the step and adds its updates to
-        # ``params`` (a FlatTree of the layout) in its last pass, never writing them
-        # (`numbaccum.step_`); None where the step cannot.
-        self.apply = apply
-        # ``final(updates) -> (updates, new_state)``: `run` for a caller that settles the
-        # updates right after (`Stage.update`): a factor left pending at the end is applied in
-        # the last pass instead of a pass of its own. None: use `run`.
-        self.final = final
-
-
-def planned(part: Any, state: Any, params: ParamsRef | None, extra: dict) -> Step:
-    """A declared part as the `Step` of one update: ticked with ``state``, run by `run_part`
-    (``spec``: a reshaping `numbaccum.fuse.Host`'s, for the stages planned after it)."""
-    if not part.tick(state, params, extra):
-        raise AssertionError(f"{part!r} was declared for another state")  # declared from this one
-    return Step(lambda u: run_part(part, u), getattr(part, "spec", None), fuse=part)
-
-
-def replaying(plan: Any, state: Any) -> Step:
-    """The `Step` that replays a ticked `numbaccum.runner.Plan` of ``state`` (its declared part
-    offered to an enclosing chain, its last pass adding the updates to the params where the
-    plan can: `numbaccum.runner.Plan.apply`)."""
-    replay = _runner.replay
-    return Step(
-        lambda u: replay(plan, state, u, None, False),
-        getattr(plan.root, "spec", None),  # a reshaping `numbaccum.fuse.Host`'s, ticked
-        fuse=plan.root,
-        apply=(lambda u, p: replay(plan, state, u, p, False)[1]) if plan.apply else None,
-        final=lambda u: replay(plan, state, u, None, True),
-    )
-
-
 NO_PARAMS_MSG = (
     "You are using a transformation that requires the current value of parameters, but you are "
     "not passing `params` when calling `update`."
@@ -280,8 +221,8 @@ def host_step(
 # (`numbaccum.MultiSteps`) has but its users never call, kept out of its ``dir()`` and so out of
 # ``help()`` (mkdocs.yml's API filter hides the same names).
 PROTOCOL = frozenset(
-    ("complex_leaves", "declarable", "declare", "foreign", "kept", "kept_step", "local", "owner",
-     "plan", "refuses_complex", "reshapes", "take", "transformation", "workspace")
+    ("complex_leaves", "declare", "foreign", "kept", "local", "owner", "refuses_complex", "reshapes",
+     "take", "transformation", "undo_states", "workspace", "written")
 )  # fmt: skip
 
 
@@ -291,11 +232,11 @@ class _StageType(abc.ABCMeta):
 
 
 class Stage(metaclass=_StageType):
-    """A numbaccum transformation: ``init``, ``plan`` (validate, compute scalars, write nothing)
-    and the public optax ``update`` (plan, then run). ``transformation()`` is its
+    """A numbaccum transformation: ``init``, ``declare`` (its parts, kept and replayed by the
+    runner) and the public optax ``update`` (tick, then run). ``transformation()`` is its
     GradientTransformationExtraArgs; `stage_of` finds the stage back from one.
 
-    Subclasses implement `init` and `plan`, and `owner` when they have a state whose FlatTree
+    Subclasses implement `init` and `declare`, and `owner` when they have a state whose FlatTree
     owns their workspaces. ``reshapes = True`` marks a stage whose output layout differs from its
     input's (per-example aggregation); such a stage converts the user's input itself (`take`).
     """
@@ -314,43 +255,13 @@ class Stage(metaclass=_StageType):
         when all do. A combinator asks the stages it runs."""
         return None if self.complex_leaves else self
 
+    @abc.abstractmethod
     def declare(self, spec: Spec, state: Any) -> Any:
         """This stage's declaration for updates of ``spec`` and states holding ``state``'s
-        buffers: a part (`numbaccum.fuse.Kernel`, `Scale`, `Prepass`, `Chained`) whose ``tick``
-        computes each step's values, after checking ``state`` (TypeError/ValueError naming what
-        is wrong). The runner keeps it and replays it (`numbaccum.runner`). None: a stage
-        that is not declared plans each step itself (`plan`)."""
-        return None
-
-    def plan(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step:
-        """Validates ``state`` (and ``params``, ``extra``) for updates of ``spec`` and computes
-        every per-step scalar; writes nothing. Raises TypeError/ValueError naming what is wrong.
-
-        A declared stage's plan is the runner's plan kept with its state, ticked for this step
-        (`kept_step`); for a state without buffers, its declaration made for this one step."""
-        step = self.kept_step(spec, state, params, extra)
-        if step is not None:
-            return step
-        part = self.declare(spec, state)
-        if part is None:
-            raise TypeError(f"{type(self).__name__} neither declares nor plans")
-        return planned(part, state, params, extra)
-
-    def kept_step(self, spec: Spec, state: Any, params: ParamsRef | None, extra: dict) -> Step | None:
-        """The `Step` of a declared stage whose state owns buffers of ``spec``: the runner's
-        plan kept in that storage (made once), ticked now, replayed by the step; None otherwise.
-        A combinator that plans its inner transformation every step (MultiSteps, masked)
-        replays it so instead of declaring it again."""
-        if not self.declarable():
-            return None
-        owner = self.owner(state)
-        if owner is None or owner.layout is not spec.layout or owner.device != spec.device:
-            return None
-        return replaying(_runner.ticked(self, spec, state, owner, params, extra), state)
-
-    def declarable(self) -> bool:
-        """Whether `declare` gives a part (then the runner keeps the plan and replays it)."""
-        return type(self).declare is not Stage.declare
+        buffers: a part (`numbaccum.fuse.Kernel`, `Scale`, `Prepass`, `Host`, `Chained`,
+        `Wrapped`) whose ``tick`` computes each step's values, after checking ``state``
+        (TypeError/ValueError naming what is wrong). The runner keeps it and replays it
+        (`numbaccum.runner`)."""
 
     def owner(self, state: Any) -> FlatTree | None:
         """The FlatTree of ``state`` that owns this stage's workspaces, whose layout and device
@@ -641,8 +552,6 @@ class Chain(Stage):
         self.reshapes = self._reshaping is not None
         # The index of the last stage that runs foreign code, -1 if none.
         self._last_foreign = max((i for i, s in enumerate(stages) if s.foreign()), default=-1)
-        # Whether the whole chain is one declaration the runner can keep and replay.
-        self._declarable = all(s.declarable() for s in stages)
         # The stages that may own workspaces (their class declares `owner`): the only ones
         # `owner` asks. None for a reshaping chain, whose input layout is not the states'.
         self._may_own = () if self.reshapes else tuple(
@@ -708,9 +617,6 @@ class Chain(Stage):
             raise wrong_state(f"a tuple of {n} states (a chain of {n})", state, ValueError)
         return states
 
-    def declarable(self) -> bool:
-        return self._declarable
-
     def undo_states(self, state: Any) -> tuple:
         """The stages' states before the last one that runs foreign code (what they write),
         and what that one says of its own (`Stage.undo_states`)."""
@@ -722,10 +628,8 @@ class Chain(Stage):
         return (*earlier, *self.stages[last].undo_states(states[last]))
 
     def declare(self, spec: Spec, state: Any) -> Any:
-        """The stages' parts as one `numbaccum.fuse.Chained` (None unless every stage declares
-        and none reshapes); its ``tick`` ticks each stage's part with its own state."""
-        if not self._declarable:
-            return None
+        """The stages' parts as one `numbaccum.fuse.Chained`, whose ``tick`` ticks each stage's
+        part with its own state; a chain with a reshaping stage: a control node (`_Reshaping`)."""
         states = self._expect_states(state)
         if self.reshapes:
             return _Reshaping(self, spec).part

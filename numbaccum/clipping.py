@@ -13,7 +13,7 @@ from . import fuse
 from ._bounded import Bounded
 from ._checks import integer, non_negative, real, real_scalar, transformation, wrong_state
 from .backend import leaf_tables, ops_for, slice_sumsq, sumsq_of_leaves, tree_sumsq_scaled
-from .base import Stage, Step, as_stage, host_step, with_extra_args_support
+from .base import Stage, as_stage, host_step, with_extra_args_support
 from .contract import ONE, Factor, Ops
 from .control import Inner
 from .declared import Elementwise

@@ -34,7 +34,7 @@ from .declared import (
 )
 from .flat import FlatTree, as_flat, layout_and_device, layout_of
 from .formulas import abs_sq, formula, maximum, minimum, re
-from .fuse import Host, Kernel, Later, Scale
+from .fuse import Host, Later, Scale
 from .layout import check_float_dtype, check_storage, real_dtype
 from .optimizers import ScaleByAdamState, _mu_dtype, scale_by_rms, sgd
 from .protocol import GradientTransformationExtraArgs, state_class

@@ -56,7 +56,7 @@ class Inner:
             if owner is not None and (owner.layout is not spec.layout or owner.device != spec.device):
                 owner = None
             plan = self.plan = runner.sub_plan(self.stage, spec, state, owner, self.prefix)
-        return plan.tick(state, params, extra)  # type: ignore[union-attr]
+        return plan.tick(state, params, extra)
 
     def run(self, u: Updates, settle: bool = False) -> tuple[Updates, Any]:
         """The ticked inner step on ``u``: ``(updates, new_state)``; ``settle``: a factor left

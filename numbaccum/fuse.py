@@ -1,6 +1,6 @@
 """The chain compiler: a run of elementwise stages becomes one generated formula, one pass.
 
-A stage that may be fused says so in its plan: its `Step` carries a *part* (``Step.fuse``),
+A stage declares its work as *parts* (`numbaccum.base.Stage.declare`), kept in the runner's plan:
 
 * `Kernel`: one formula of `numbaccum.formulas` over the updates, with the stage's state
   buffers, extra inputs (params), per-group scalars and the buffer it writes its output to;
@@ -22,8 +22,7 @@ A stage that may be fused says so in its plan: its `Step` carries a *part* (``St
 A combinator declares its inner steps' parts: a nested chain as `Chained`, a wrapper whose state
 holds its inner stage's (`inject_hyperparams`) as `Wrapped`.
 
-`segments` cuts a chain's planned steps into maximal runs of parts (a step without a part runs
-as it is). `FusedRun.run` runs one: at most one pre-pass over its input, then, per dtype group,
+`cut` cuts a plan's parts into maximal runs (a host step runs as it is). `FusedRun.run` runs one: at most one pre-pass over its input, then, per dtype group,
 **one** kernel: a *composite formula* generated here, a plain-Python function that calls each
 part's formula in sequence and threads the running update from one to the next; it reads every
 input and state buffer once and writes every state and the output once. Both drivers compile it
@@ -280,8 +279,8 @@ class Host(_Part):
             in its last pass (MultiSteps): ``apply(updates, params) -> new_state``, which the
             runner calls instead of ``run`` when the part ends a plan run by `numbaccum.step_`.
         spec: the `numbaccum.updates.Spec` of the updates ``run`` returns when it is not the
-            input's (a per-example aggregation returns params-shaped updates: what
-            ``Step.spec`` says of a planned step); None otherwise.
+            input's (a per-example aggregation returns params-shaped updates; see
+            `returned_spec`); None otherwise.
     """
 
     __slots__ = ("run", "passes", "name", "settles", "pending", "new_state", "params", "tick", "apply", "spec")
@@ -341,8 +340,7 @@ class Wrapped(_Part):
         name: the wrapper, as errors name it (`numbaccum.explain` shows the inner stages).
         tick: see `_Part`: the wrapper's own checks and values, and its inner part's tick.
         inner: ``inner(state) -> inner_state``: where the inner stage's state is in the
-            wrapper's (`split`); None for a part made for one planned step, which `split`
-            never sees.
+            wrapper's (`split`).
     """
 
     __slots__ = ("part", "wrap", "name", "tick", "inner")
@@ -597,8 +595,7 @@ def cut(parts: list) -> list[tuple[int, int, FusedRun | None]]:
     None)`` for a unit that runs alone. A run holds at least one `Kernel` (else fusing saves
     nothing); a `Prepass` only starts one; a run is cut where its composite would take more
     than `MAX_ARGS` arguments; a `Collective` only starts one, and a pre-pass that rides on its
-    sum may follow it (`_joins`). A declared plan's runs (`numbaccum.runner.Plan`) and a chain's
-    planned steps (`segments`) are cut so."""
+    sum may follow it (`_joins`). A plan's runs (`numbaccum.runner.Plan`) are cut so."""
     out: list[tuple[int, int, FusedRun | None]] = []
     i, n = 0, len(parts)
     while i < n:

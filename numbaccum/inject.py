@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import _bounded, base, fuse, runner
+from . import _bounded, base, fuse
 from ._checks import wrong_state
 from .base import Stage
 from .declared import safe_increment
@@ -34,7 +34,7 @@ from .flat import FlatTree
 from .layout import Layout, check_float_dtype, is_float, real_dtype
 from .protocol import GradientTransformationExtraArgs, state_class
 from .tree import tree_flatten
-from .updates import ParamsRef, Spec, Updates
+from .updates import Spec, Updates
 
 __all__ = [
     "InjectHyperparamsState",
@@ -404,11 +404,6 @@ class _InjectHyperparams(Stage):
         are not hashable); None when it is built of other parts than ``shape`` (then it is the
         template of the next declaration, on this thread)."""
         stage = self._build(hparams)  # a bad value raises here, before anything is written
-        if not stage.declarable():
-            raise TypeError(
-                "inject_hyperparams: inner_factory returned another kind of transformation for "
-                f"{hparams} than for the initial values (one that does not declare its parts)"
-            )
         root = stage.declare(spec, inner_state)
         adopt = fuse.adopter(shell, shape, root)
         if adopt is None:

@@ -36,14 +36,14 @@ from ._bounded import Bounded
 from ._checks import flag, non_negative, real
 from .apply import scatter_back, writable_flat
 from .backend import ops_for, slice_sumsq, tree_sumsq_scaled
-from .base import NO_PARAMS_MSG, Stage, host_step
+from .base import Stage, host_step
 from .clipping import _Clip
 from .contract import ONE, Factor, Ops
 from .flat import FlatTree, as_flat, layout_of
 from .layout import Layout, compute_dtype, real_dtype
 from .protocol import EmptyState, GradientTransformationExtraArgs
 from .tables import ACTIVE, METRIC_TINY, NSLICES, SLEN, norm_pair, sum_in_order
-from .updates import ParamsRef, Spec, Updates
+from .updates import Spec, Updates
 
 __all__ = [
     "adaptive_grad_clip",

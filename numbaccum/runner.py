@@ -19,18 +19,17 @@ its last pass) are one function, `run`, in two modes. A call:
    before it; with ``step_`` the last pass adds the update to the params.
 
 Most calls repeat the last one: the state the last step returned, updates and params of the same
-layout and form. A stage keeps its last planned step per thread (`_LastStep`: the plan, weakly,
+layout and form. A stage keeps its last step's plan per thread (`_LastStep`: the plan, weakly,
 and the identity of the state it returned), and such a call goes from 3 straight to the plan's
 tick (`_again`), which checks the state as every step does; anything else takes 1-2.
 
 A control node (MultiSteps, masked, apply_if_finite, ...) declares a `numbaccum.fuse.Host` that
 holds the plan of its inner transformation (`sub_plan`: declared once, kept by the part, not
-here), ticks it when this step runs it, and replays it from its run. A reshaping stage that
-declares itself (lookahead, the per-example aggregation: its `numbaccum.fuse.Host` names the
-``spec`` of what it returns, set by its tick) keeps its plan and takes `_again` too: its params
-are checked after the tick, against that spec (`_reshaped`). A transformation that does not
-declare itself (user code; a chain after a reshaping first stage) runs through the same entry
-with its own `Stage.plan` each call.
+here), ticks it when this step runs it, and replays it from its run. A reshaping stage
+(lookahead, the per-example aggregation, a chain holding one: its `numbaccum.fuse.Host` names
+the ``spec`` of what it returns, set by its tick) keeps its plan and takes `_again` too: its
+params are checked after the tick, against that spec (`_reshaped`). User code is one opaque
+part of a plan (`numbaccum.base.Foreign`): every transformation is planned once and replayed.
 
 `numbaccum.explain` describes `plan_of`, the very plan `run` replays.
 """
@@ -44,7 +43,7 @@ import numpy as np
 
 from . import _config, arrays, fuse
 from .backend import ops_for
-from .apply import _apply, apply_updates_, check_writable, scatter_back
+from .apply import apply_updates_, check_writable, scatter_back
 from .flat import FlatTree, as_flat, device_flat, host_leaves, layout_of
 from .contract import ONE
 from .fuse import run_part
@@ -154,11 +153,9 @@ def stage_name(stage: Any) -> str:
 # --- finding the plan -----------------------------------------------------------------------
 
 
-def plan_of(stage: Any, spec: Spec, state: Any, owner: FlatTree | None) -> Plan | None:
+def plan_of(stage: Any, spec: Spec, state: Any, owner: FlatTree | None) -> Plan:
     """The kept plan of ``stage`` for ``spec`` and ``state``'s buffers (made now if none is
-    kept), not yet ticked; None for a stage that does not declare itself."""
-    if not stage.declarable():
-        return None
+    kept), not yet ticked."""
     fused = fuse.enabled()
     plans = _plans(stage, owner)
     key = (stage, spec.layout, spec.device, fused)
@@ -177,17 +174,14 @@ def plan_of(stage: Any, spec: Spec, state: Any, owner: FlatTree | None) -> Plan 
     return plan
 
 
-def sub_plan(stage: Any, spec: Spec, state: Any, owner: FlatTree | None, prefix: str) -> Plan | None:
+def sub_plan(stage: Any, spec: Spec, state: Any, owner: FlatTree | None, prefix: str) -> Plan:
     """The plan of ``stage``, the inner transformation of a control node (MultiSteps, masked,
-    ...), declared now for ``spec`` and ``state``'s buffers, not yet ticked; None when ``stage``
-    does not declare itself (user code: the control node plans it each call).
+    ...), declared now for ``spec`` and ``state``'s buffers, not yet ticked.
 
     The control node's part keeps it (it is not kept here: it lives and dies with the part, and
     so with the outer plan), ticks it on the steps that run it and runs it with `replay`. Its
     workspaces are ``owner``'s (None: the stage's own, `Stage.kept`) named with ``prefix``, so
     that they never collide with the outer plan's in the same owner."""
-    if not stage.declarable():
-        return None
     root = stage.declare(spec, state)  # checks the state: raises naming what is wrong
     scratch = [stage._workspace(owner, spec, f"{prefix}run{i}") for i in range(len(fuse.leaves(root)))]
     plan = Plan(root, spec, fuse.enabled(), scratch)
@@ -224,16 +218,14 @@ def _plans(stage: Any, owner: FlatTree | None) -> dict:
     return plans
 
 
-def ticked(stage: Any, spec: Spec, state: Any, owner: Any, ref: Any, extra: dict) -> Any:
+def ticked(stage: Any, spec: Spec, state: Any, owner: Any, ref: Any, extra: dict) -> Plan:
     """The plan, ticked for this step: declared anew when the state is not the one it was made
     for (the new declaration checks it, and raises what is wrong)."""
     plan = plan_of(stage, spec, state, owner)
-    if plan is None:
-        return None
     if not plan.tick(state, ref, extra):
         _plans(stage, owner).pop((stage, spec.layout, spec.device, plan.fused), None)
         plan = plan_of(stage, spec, state, owner)
-        if not plan.tick(state, ref, extra):  # type: ignore[union-attr]
+        if not plan.tick(state, ref, extra):
             raise AssertionError(f"{type(stage).__name__}: a new declaration refused its own state")
     return plan
 
@@ -331,7 +323,7 @@ def run(stage: Any, grads: Any, state: Any, params: Any, extra: dict, apply: boo
         params = FlatTree.empty(layout_of(None, "params"))
     owner = stage.owner(state)
     if apply:
-        if (stage.reshapes and not stage.declarable()) or not fuse.enabled():
+        if not fuse.enabled():
             # One transaction (the update joins it): Ctrl-C waits for the params too.
             return guarded(None, _update_then_apply, stage, grads, state, params, extra)
         return guarded(owner, _step, stage, grads, state, params, owner, extra)
@@ -455,31 +447,17 @@ def _update(stage: Any, updates: Any, state: Any, params: Any, owner: Any, extra
         if not stage.reshapes:
             ref.checked = check_params(params, spec)
     plan = ticked(stage, spec, state, owner, ref, extra)
-    if plan is not None:
-        if stage.reshapes:
-            out, new_state = _reshaped(stage, plan, state, u, kind, spec, ref, params, owner, False)
-            _keep_last(stage, plan, False, kind, new_state)
-            return out, new_state
-        u.scratch = stage._workspace(owner, spec, "output")
-        if kind in arrays.STREAM_KINDS:  # kernels go to the caller's current CUDA stream
-            with arrays.launch_context(kind):
-                out, new_state = _replayed(stage, plan, state, u, spec)
-        else:
-            out, new_state = _replayed(stage, plan, state, u, spec)
+    if stage.reshapes:
+        out, new_state = _reshaped(stage, plan, state, u, kind, spec, ref, params, owner, False)
         _keep_last(stage, plan, False, kind, new_state)
-        return out.lent(kind), new_state
-    else:
-        step = stage.plan(spec, state, ref, extra)
-        out_spec = step.spec or spec
-        if ref is not None and stage.reshapes:
-            _reshaped_params(stage, ref, params, owner, out_spec)
-        run_it = step.final or step.run
+        return out, new_state
     u.scratch = stage._workspace(owner, spec, "output")
-    if kind in arrays.STREAM_KINDS:
+    if kind in arrays.STREAM_KINDS:  # kernels go to the caller's current CUDA stream
         with arrays.launch_context(kind):
-            out, new_state = _run_or_zeros(stage, run_it, u, out_spec)
+            out, new_state = _replayed(stage, plan, state, u, spec)
     else:
-        out, new_state = _run_or_zeros(stage, run_it, u, out_spec)
+        out, new_state = _replayed(stage, plan, state, u, spec)
+    _keep_last(stage, plan, False, kind, new_state)
     return out.lent(kind), new_state
 
 
@@ -509,16 +487,6 @@ def _replayed(stage: Any, plan: Plan, state: Any, u: Updates, spec: Spec) -> tup
     return stage._output(u, new_state, spec), new_state
 
 
-def _run_or_zeros(stage: Any, run_it: Any, u: Updates, spec: Spec) -> tuple[FlatTree, Any]:
-    """``run_it(u)`` and its output; zeros (and the skipping stage's state) for a skipped step."""
-    try:
-        u, new_state = run_it(u)
-    except SkipStep as e:
-        zeros = stage.workspace(e.new_state, spec, "output")().fill_(0.0)
-        return zeros, e.new_state
-    return stage._output(u, new_state, spec), new_state
-
-
 def _step(stage: Any, grads: Any, state: Any, params: Any, owner: Any, extra: dict) -> Any:
     """`numbaccum.step_`, inside `guarded`: the update added to the params in its last pass."""
     if stage.reshapes:
@@ -534,17 +502,12 @@ def _step(stage: Any, grads: Any, state: Any, params: Any, owner: Any, extra: di
     )
     ref.checked = None if found is not None else check_params(params, spec)
     plan = ticked(stage, spec, state, owner, ref, extra)
-    how: Any = plan
-    if plan is None:
-        step = stage.plan(spec, state, ref, extra)
-        how = (step.run, step.apply)
     p, copied = _writable(params, spec, into, found, ref.checked)
     if ref._flat is None:  # a stage that reads the params (weight decay) reads these: the
         ref._flat = p  # fused pass then reads and writes one buffer (`fuse._run_group`)
     u.scratch = stage._workspace(owner, spec, "output")
-    new_state = _run_step(stage, how, state, u, p, copied, spec, kind, ref.checked, params, found)
-    if plan is not None:
-        _keep_last(stage, plan, True, kind, new_state)
+    new_state = _run_step(stage, plan, state, u, p, copied, spec, kind, ref.checked, params, found)
+    _keep_last(stage, plan, True, kind, new_state)
     return new_state
 
 
@@ -587,7 +550,7 @@ def _reshaped(
 
 def _run_step(
     stage: Any,
-    how: Any,
+    plan: Plan,
     state: Any,
     u: Updates,
     p: FlatTree,
@@ -600,14 +563,13 @@ def _run_step(
 ) -> Any:
     """The step on the writable params ``p``, on the caller's CUDA stream; when ``p`` is a
     packed copy of ``params`` (``copied``), copied back (into ``checked``, its NumPy leaves, or
-    by `scatter_back`). ``how``: a ticked `Plan`, or a planned step's ``(run, apply)`` (see
-    `_apply_step`). Returns the new state."""
+    by `scatter_back`). ``plan``: ticked. Returns the new state."""
     try:
         if kind in arrays.STREAM_KINDS:
             with arrays.launch_context(kind):
-                new_state = _apply_step(stage, how, state, u, p, spec)
+                new_state = _apply_step(stage, plan, state, u, p, spec)
         else:
-            new_state = _apply_step(stage, how, state, u, p, spec)
+            new_state = _apply_step(stage, plan, state, u, p, spec)
     except SkipStep as e:  # a clip skipped the step: the params are not touched
         return e.new_state
     if copied:
@@ -619,28 +581,20 @@ def _run_step(
     return new_state
 
 
-def _apply_step(stage: Any, how: Any, state: Any, u: Updates, p: FlatTree, spec: Spec) -> Any:
-    """Runs the step: its last pass adds the updates to ``p`` (a plan whose last run is fused,
-    or a step's ``apply``), or (nothing fused at the end) it runs, then the updates are added.
-    ``how``: a ticked `Plan`, or a step's ``(run, apply)`` (`numbaccum.base.Step`)."""
-    if type(how) is Plan:
-        if how.apply:
-            return replay(how, state, u, p, False)[1]
-        u, new_state = replay(how, state, u, None, False)
-    else:
-        run_it, apply_it = how
-        if apply_it is not None:
-            return apply_it(u, p)
-        u, new_state = run_it(u)
+def _apply_step(stage: Any, plan: Plan, state: Any, u: Updates, p: FlatTree, spec: Spec) -> Any:
+    """Runs the ticked plan: its last pass adds the updates to ``p`` (a plan whose last run is
+    fused, or a control node's ``apply``), or (nothing fused at the end) it runs, then the
+    updates are added."""
+    if plan.apply:
+        return replay(plan, state, u, p, False)[1]
+    u, new_state = replay(plan, state, u, None, False)
     factor = u.factor
-    if factor is not ONE and not factor.is_one:  # a trailing factor (-lr after an opaque stage):
+    if factor is not ONE and not factor.is_one:  # a trailing factor (-lr after a host step):
         # settled in the apply's pass
-        local = stage.local().__dict__  # its group calls, kept (planned or not: SM3, user code)
+        local = stage.local().__dict__  # its group calls, kept (SM3, user code)
         fuse.apply_settled(u, p, local.get("tail") or local.setdefault("tail", ({}, {})))
-    elif type(how) is Plan:  # `_apply`, with the plan's kept launches (`_output` read off)
-        how.launches.add(p, u.flat if u.owned or u.returnable else stage._output(u, new_state, spec))
-    else:
-        _apply(p, stage._output(u, new_state, spec), p)
+    else:  # `_apply`, with the plan's kept launches (`_output` read off)
+        plan.launches.add(p, u.flat if u.owned or u.returnable else stage._output(u, new_state, spec))
     return new_state
 
 

@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from ._interrupts import forced, hold, release
-from ._marks import BUSY, STALE, held, wait_for_reader
+from ._marks import STALE, held, wait_for_reader
 from .flat import FlatTree
 from .tree import short_repr
 

@@ -98,6 +98,32 @@ def package_calls(fn: Any) -> int:
     return calls
 
 
+def watch_declarations(monkeypatch: Any, seen: list | None = None) -> list:
+    """Makes every stage class's ``declare`` record its class's name into ``seen`` (returned) and
+    raise an AssertionError when ``seen`` is None: a steady step replays its kept plan and
+    declares nothing (a declaration is made once per state and layout)."""
+    from numbaccum.base import Stage
+
+    record: list = [] if seen is None else seen
+    classes, todo = [], [Stage]
+    while todo:
+        cls = todo.pop()
+        classes.append(cls)
+        todo.extend(cls.__subclasses__())
+    for cls in classes:
+        if "declare" in cls.__dict__ and cls is not Stage:
+            real = cls.__dict__["declare"]
+
+            def spy(self: Any, *args: Any, _real: Any = real, **kwargs: Any) -> Any:
+                record.append(type(self).__name__)
+                if seen is None:
+                    raise AssertionError(f"a steady step declared {type(self).__name__} again")
+                return _real(self, *args, **kwargs)
+
+            monkeypatch.setattr(cls, "declare", spy)
+    return record
+
+
 def require(module: str) -> Any:
     """``module`` imported; skips without it, except under ``NUMBACCUM_CI``, where a missing
     module fails the test (CI installs every test dependency: a skip would hide a lost test).

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from _testutil import assert_tree_equal, find_state
+from _testutil import assert_tree_equal, find_state, watch_declarations
 
 import numbaccum as nba
 
@@ -152,7 +152,7 @@ def _kept_plans(state):
 def test_steady_steps_replay_one_kept_plan_per_batch_size(monkeypatch):
     """issue 43: DP accumulation is declared per per-example layout (per batch size) and kept
     with the accumulator; the rest of the inner chain runs a kept sub plan, ticked on emitting
-    steps only. At a steady step nothing is planned, and the bits are the per-call ones
+    steps only. At a steady step nothing is declared, and the bits are the per-call ones
     (`test_k_mini_steps_equal_one_step_on_the_logical_batch`' reference)."""
     p = _params(5)
     ms, one = nba.MultiSteps(MAKERS["dpsgd_momentum"](), 2), MAKERS["dpsgd_momentum"]()
@@ -168,20 +168,13 @@ def test_steady_steps_replay_one_kept_plan_per_batch_size(monkeypatch):
     (plan,) = _kept_plans(s)
     rest = plan.root.run.__self__.rest.plan
     assert rest is not None
-    planned = []
-    for cls in (nba.base.Stage, nba.base.Chain):
-
-        def spy(self, *args, real=cls.plan, **kwargs):
-            planned.append(type(self).__name__)
-            return real(self, *args, **kwargs)
-
-        monkeypatch.setattr(cls, "plan", spy)
+    declared = watch_declarations(monkeypatch, [])
     for b, u1 in zip(batches[1:], expected[1:]):
         for mini in _split(b, (3, 3)):
             u, s = ms.update(mini, s, p)
         assert_tree_equal(u, u1)
         assert _kept_plans(s) == [plan] and plan.root.run.__self__.rest.plan is rest
-    assert planned == []
+    assert declared == []
     # Another batch size: a plan of its own beside the first, which stays kept.
     _, s = ms.update(_batch(p, 2, 30), s, p)
     assert len(_kept_plans(s)) == 2 and plan in _kept_plans(s)

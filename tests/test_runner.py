@@ -14,6 +14,7 @@ import threading
 import numpy as np
 import pytest
 import reference as ref
+from _testutil import watch_declarations
 
 import numbaccum as nba
 from numbaccum import runner
@@ -502,7 +503,7 @@ def _control_nodes():
 @pytest.mark.parametrize("name", sorted(_control_nodes()))
 def test_a_control_node_plans_nothing_at_a_steady_step(name, monkeypatch):
     """After the first steps, a control node's step ticks its kept plan and its inner's (no
-    `Stage.plan` of anything), with the same bits as before (a reference run planned each
+    declaration of anything: `Stage.declare`), with the same bits as before (a reference run planned each
     step: MultiSteps, masked, ... planned their inner transformation on every call)."""
     make = _control_nodes()[name]
     params = {"b": np.ones(3, np.float32), "w": np.arange(8, dtype=np.float32).reshape(2, 4)}
@@ -512,17 +513,9 @@ def test_a_control_node_plans_nothing_at_a_steady_step(name, monkeypatch):
     s = tx.init(p)
     for g in grads[:3]:
         s = nba.step_(tx, g, s, p)
-    planned = []
-    real = nba.base.Stage.plan
-
-    def spy(self, *args, **kwargs):
-        planned.append(type(self).__name__)
-        return real(self, *args, **kwargs)
-
-    monkeypatch.setattr(nba.base.Stage, "plan", spy)
-    monkeypatch.setattr(nba.base.Chain, "plan", spy)
+    declared = watch_declarations(monkeypatch, [])
     for g in grads[3:]:
         s = nba.step_(tx, g, s, p)
         _, s = tx.update(g, s, p)
-    assert planned == []
+    assert declared == []
     assert all(q.kind != "opaque" for q in nba.explain(make(), params).passes)

@@ -18,7 +18,6 @@ walk their digits run by run. ``error_model="numpy"``: no exception on a divisio
 from __future__ import annotations
 
 import math
-import os
 import weakref
 from typing import Any
 
