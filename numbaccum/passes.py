@@ -441,12 +441,15 @@ def _units(
 ) -> tuple:
     """What `explain` describes: ``(units, runs)``, ``units[i]`` the parts of unit ``i``,
     ``runs`` the ``(start, stop, fused run or None)`` over them: the parts of the runner's own
-    `runner.Plan` (the plan `step_` and ``update`` replay) and its runs."""
-    root = stage.declare(spec, state)
-    if not root.tick(state, ref, extra):  # another declaration fits this step (as `runner.ticked`)
-        root = stage.declare(spec, state)
-        root.tick(state, ref, extra)
-    plan = runner.Plan(root, spec, fused, [])
+    kept `runner.Plan` for ``state`` (the plan `step_` and ``update`` replay; made now if none
+    is kept), ticked for this step, and its runs (cut again when ``fused`` is not what the
+    runner does now)."""
+    owner = stage.owner(state)
+    if owner is not None and (owner.layout is not spec.layout or owner.device != spec.device):
+        owner = None
+    plan = runner.ticked(stage, spec, state, owner, ref, extra)
+    if plan.fused is not fused:
+        plan = runner.Plan(plan.root, spec, fused, [])
     units = [[p] for p in plan.leaves]
     runs = plan.runs if fused else [(i, i + 1, None) for i in range(len(units))]
     return units, runs

@@ -316,6 +316,33 @@ def test_explain_shows_the_plan_the_runner_replays(monkeypatch):
     assert [x.kind for x in shown.passes] == ["reduction", "fused"]
 
 
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: _chain(),
+        lambda: nba.MultiSteps(nba.adam(1e-3), 2),
+        lambda: nba.lamb(1e-3),
+        lambda: nba.chain(nba.stateless(lambda u, p: u), nba.adafactor(1e-2)),
+    ],
+    ids=["chain", "multisteps", "lamb", "user_code_then_adafactor"],
+)
+def test_explain_of_a_state_describes_its_kept_plan_and_declares_nothing(make, monkeypatch):
+    """issue 43: `explain` given a state is that state's kept plan describing itself (the plan the
+    next update replays, ticked): nothing is declared for it, and the update after it still
+    replays the same plan."""
+    tx, params = make(), _tree(0)
+    p = {k: v.copy() for k, v in params.items()}
+    s = tx.init(p)
+    for k in range(2):
+        s = nba.step_(tx, _tree(1 + k), s, p)
+        _, s = tx.update(_tree(3 + k), s, p)
+    declared = watch_declarations(monkeypatch, [])
+    shown = nba.explain(tx, p, s)
+    _, s = tx.update(_tree(5), s, p)
+    assert declared == [] and shown.passes
+    assert all(x.kind != "opaque" or x.stages == ("Foreign",) for x in shown.passes)
+
+
 @pytest.mark.parametrize("fused", ["1", "0"])
 def test_an_empty_chain_is_the_identity_and_explains_its_copy(fused, monkeypatch):
     """optax's ``chain()`` is the identity: ``update`` returns the updates (in a buffer of its
