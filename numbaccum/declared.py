@@ -32,6 +32,7 @@ from .fuse import Kernel
 from .layout import Layout, check_float_dtype, check_storage, real_dtype
 from .layout import compute_dtype as _layout_compute
 from .protocol import EmptyState
+from .traits import ELEMENT
 from .transaction import current
 from .updates import Spec
 
@@ -174,6 +175,7 @@ class Elementwise(Stage):
     Subclasses implement `scalars`.
     """
 
+    scope = ELEMENT  # `numbaccum.traits`: each element's update is of that element
     formula: ClassVar[F.Formula]
     state_cls: type[Any] | None = None  # a NamedTuple class
     fields: tuple[str, ...] = ()

@@ -36,6 +36,7 @@ from .masking import masked
 from .norms import scale_by_trust_ratio
 from .protocol import GradientTransformationExtraArgs, state_class
 from .scaling import ScalarOrSchedule, add_decayed_weights, identity, scale, scale_by_learning_rate
+from .traits import LEAF
 from .transaction import current
 from .tree import tree_flatten, tree_unflatten
 from .updates import ParamsRef, Spec, Updates
@@ -3050,6 +3051,7 @@ class _ScaleByNovograd(Stage):
     its ``nu`` and divisor on the host (one number per leaf), one segmented division pass, then
     the moment's fused pass."""
 
+    scope = LEAF
     complex_leaves = True  # optax's: norms of |g|, a complex moment
     public_name = "scale_by_novograd"
 
