@@ -25,6 +25,7 @@ from .lockstep import Note, inside
 from .protocol import EmptyState, GradientTransformationExtraArgs, state_class
 from .tables import segments
 from .tables import sum_in_order as _sequential_sum
+from .traits import LEAF, TREE
 from .transaction import keep_states
 from .tree import tree_unflatten
 from .updates import ParamsRef, SkipStep, Spec, Updates
@@ -244,6 +245,7 @@ class _ClipByGlobalNorm(Stage):
     """`clip_by_global_norm`: the factor ``(g / norm) * max_norm`` is left pending on the
     updates; the norm it saw goes into the new state (`fuse.Later`: known once the pre-pass ran)."""
 
+    scope = TREE
     complex_leaves = True  # optax defines it on complex leaves
 
     def __init__(self, max_norm: Any, nonfinite: str = "pass") -> None:
@@ -474,6 +476,7 @@ def normalize_by_update_norm(scale_factor: float = 1.0, eps: float = 1e-6) -> Gr
 
 
 class _NormalizeByUpdateNorm(_Stateless):
+    scope = TREE
     complex_leaves = True  # optax defines it on complex leaves
 
     def __init__(self, scale_factor: Any, eps: Any) -> None:
@@ -548,6 +551,7 @@ def scale_by_polyak(
 
 
 class _ScaleByPolyak(_Stateless):
+    scope = TREE
     complex_leaves = True  # optax's norm of complex leaves is |z|^2: the step is real
 
     def __init__(self, f_min: Any, max_learning_rate: Any, eps: Any, variant: Any) -> None:
@@ -643,6 +647,7 @@ def zero_nans() -> GradientTransformationExtraArgs:
 
 
 class _ZeroNans(Stage):
+    scope = LEAF
     complex_leaves = True  # optax defines it on complex leaves
 
     def init(self, params: Any) -> ZeroNansState:
@@ -730,6 +735,9 @@ def apply_if_finite(inner: Any, max_consecutive_errors: int) -> GradientTransfor
 
 
 class _ApplyIfFinite(Stage):
+    scope = TREE
+    children_at = "stage"
+
     def __init__(self, inner: Any, max_errors: Any) -> None:
         self.inner = with_extra_args_support(transformation(inner, "inner"))
         self.stage = as_stage(self.inner)
@@ -846,6 +854,7 @@ def clip_by_block_rms(threshold: float) -> GradientTransformationExtraArgs:
 
 
 class _ClipByBlockRms(_Stateless):
+    scope = LEAF
     complex_leaves = True  # optax defines it on complex leaves
 
     def __init__(self, threshold: Any) -> None:

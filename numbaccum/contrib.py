@@ -97,6 +97,7 @@ def adopt_direction(mu, nu, g, b1, one_minus_b1, b2, one_minus_b2, eps, clip_val
 class _ScaleByAdopt(Elementwise):
     state_cls, fields, formula, name = ScaleByAdamState, ("mu", "nu"), adopt_direction, "scale_by_adopt"
     counted = True
+    dtype_options = {"mu": "mu_dtype"}  # nu: the leaves' dtype (optax's)
 
     def __init__(
         self, b1: Any, b2: Any, eps: Any, mu_dtype: Any, nesterov: Any, use_clipping: Any, clip_value_fn: Any
@@ -108,9 +109,6 @@ class _ScaleByAdopt(Elementwise):
         if not callable(clip_value_fn):
             raise TypeError(f"clip_value_fn must be callable, got {type(clip_value_fn).__name__}")
         self.clip_value_fn = clip_value_fn
-
-    def field_dtypes(self, field: str, layout: Any) -> Any:
-        return self.mu_dtype if field == "mu" else None  # nu: the leaves' dtype (optax's)
 
     def scalars(self, count: Any, ct: np.dtype) -> tuple:
         c = int(count) - 1  # optax's ``state.count``: the steps before this one
@@ -291,6 +289,8 @@ class _ScaleByAdemamix(Elementwise):
         "scale_by_ademamix",
     )
     counted = True
+    dtype_options = dict.fromkeys(("m1", "m2", "nu"), "mu_dtype")  # optax keeps all three in mu_dtype
+    other_starts = {"count_m2": np.int32(0)}
     complex_leaves = True  # optax's moments of |g|^2
 
     def __init__(self, b1: Any, b2: Any, b3: Any, alpha: Any, eps: Any, eps_root: Any, mu_dtype: Any) -> None:
@@ -299,12 +299,6 @@ class _ScaleByAdemamix(Elementwise):
         self.alpha = alpha if callable(alpha) else real(alpha, "alpha")
         self.eps, self.eps_root = real(eps, "eps"), real(eps_root, "eps_root")
         self.mu_dtype = _mu_dtype(mu_dtype)
-
-    def field_dtypes(self, field: str, layout: Any) -> Any:
-        return self.mu_dtype  # optax keeps all three in mu_dtype
-
-    def other_fields(self) -> dict:
-        return {"count_m2": np.int32(0)}
 
     def declare(self, spec: Any, state: Any) -> Any:
         part = super().declare(spec, state)
@@ -1817,6 +1811,8 @@ def sophia_direction(
 class _ScaleBySophia(Elementwise):
     state_cls, fields, formula, name = SophiaState, ("mu", "nu"), sophia_direction, "scale_by_sophia"
     counted = True
+    dtype_options = {"mu": "mu_dtype"}
+    other_starts = {"hessian_fn_state": None}  # made by init
 
     def __init__(
         self,
@@ -1842,9 +1838,6 @@ class _ScaleBySophia(Elementwise):
         self.mu_dtype = _mu_dtype(mu_dtype)
         self.verbose = flag(verbose, "verbose")
         self.every = integer(print_win_rate_every_n_steps, "print_win_rate_every_n_steps")
-
-    def other_fields(self) -> dict:
-        return {"hessian_fn_state": None}
 
     def init(self, params: Any) -> SophiaState:
         state = super().init(params)

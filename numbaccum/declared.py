@@ -19,7 +19,7 @@ every stateful stage validates and counts with.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 import numpy as np
@@ -32,6 +32,7 @@ from .fuse import Kernel
 from .layout import Layout, check_float_dtype, check_storage, real_dtype
 from .layout import compute_dtype as _layout_compute
 from .protocol import EmptyState
+from .traits import ELEMENT
 from .transaction import current
 from .updates import Spec
 
@@ -161,28 +162,34 @@ class Elementwise(Stage):
         state_cls: the state class (a NamedTuple); None for a stateless stage (`EmptyState`).
         fields: the state's buffer fields, in the formula's order; the last one owns the
             stage's workspaces (its output buffer).
-        counted: whether the state has a ``count`` (int32, saturating), advanced every step;
-            ``count_field`` names that field (``"count"``). A stage whose step field is not a
-            count (optimistic gradients' ``is_initial_step``) overrides `count_start` and
-            `advance`.
+        counted: whether the state has a step field, advanced every step (`advance`).
+        count_field: that field (``"count"``; Adan's is ``t``).
+        count_start: the value it starts at (int32 0; optimistic gradients' ``is_initial_step``
+            starts True, and their `advance` is not a count's).
+        dtype_options: per buffer field, the attribute (the option: ``"mu_dtype"``) holding its
+            storage dtype; a field not named, or an option of None: each group's own dtype.
+        start_values: per buffer field, the attribute holding the value it starts at (RMSProp's
+            ``{"nu": "initial"}``); a field not named starts at 0.
+        other_starts: the state's other fields (neither buffers nor the step field) and their
+            initial values; each passes through a step unless the stage's tick changes it.
         inputs: what the formula reads after the updates: ``("params",)`` or nothing.
         name: the stage as `numbaccum.explain` shows it.
-        mu_dtype: storage dtype of a field named ``mu`` (None: each leaf's).
-        initial: the value the last field starts at (RMSProp's ``initial_scale``, Adagrad's
-            ``initial_accumulator_value``); see `initial_of`.
 
     Subclasses implement `scalars`.
     """
 
+    scope = ELEMENT  # `numbaccum.traits`: each element's update is of that element
     formula: ClassVar[F.Formula]
     state_cls: type[Any] | None = None  # a NamedTuple class
     fields: tuple[str, ...] = ()
     counted: bool = False
-    count_field: str = "count"  # the state's field of the count (Adan's is ``t``)
+    count_field: ClassVar[str] = "count"
+    count_start: ClassVar[Any] = np.int32(0)
+    dtype_options: ClassVar[Mapping[str, str]] = {}
+    start_values: ClassVar[Mapping[str, str]] = {}
+    other_starts: ClassVar[Mapping[str, Any]] = {}
     inputs: ClassVar[tuple[str, ...]] = ()
     name: ClassVar[str]
-    mu_dtype: np.dtype | None = None
-    initial: float = 0.0
 
     def scalars(self, count: Any, ct: np.dtype) -> tuple:
         """The formula's scalars for a group computing in ``ct`` at the new ``count`` (None for
@@ -190,16 +197,10 @@ class Elementwise(Stage):
         raise NotImplementedError(f"{type(self).__name__} declares no scalars")
 
     def field_dtypes(self, field: str, layout: Layout) -> Any:
-        """The storage dtypes of buffer ``field`` (None: each group's own)."""
-        return self.mu_dtype if field == "mu" else None
-
-    def initial_of(self, field: str) -> float:
-        """The value buffer ``field`` starts at: `initial` for the last field, else 0."""
-        return self.initial if field == self.fields[-1] else 0.0
-
-    def count_start(self) -> Any:
-        """The value ``count_field`` starts at (int32 0)."""
-        return np.int32(0)
+        """The storage dtypes of buffer ``field`` (None: each group's own): the value of its
+        `dtype_options` option."""
+        option = self.dtype_options.get(field)
+        return None if option is None else getattr(self, option)
 
     def advance(self, count: Any) -> tuple[Any, Any]:
         """The ``count_field`` of the new state and what `scalars` gets, from the old value:
@@ -218,19 +219,16 @@ class Elementwise(Stage):
             dts = self.field_dtypes(f, layout)
             if dts is not None:  # an explicit mu_dtype or accumulator_dtype: complex where the leaves are
                 per = dts if isinstance(dts, list) else [np.dtype(dts)] * len(layout.groups)
-                check_storage(per, layout, "mu_dtype" if f == "mu" else "accumulator_dtype")
+                # (trace's and ema's override field_dtypes and name no option yet)
+                check_storage(per, layout, self.dtype_options.get(f, "accumulator_dtype"))
             buf = FlatTree.zeros(layout, dts, device)
-            start = self.initial_of(f)
+            at = self.start_values.get(f)
+            start = getattr(self, at) if at is not None else 0.0
             values[f] = buf.fill_(start) if start else buf
         if self.counted:
-            values[self.count_field] = self.count_start()
-        values.update(self.other_fields())
+            values[self.count_field] = self.count_start
+        values.update(self.other_starts)
         return self.state_cls(**values)
-
-    def other_fields(self) -> dict:
-        """The initial values of the state's other fields (neither buffers nor the count):
-        none; a field here passes through each step unless the stage advances it."""
-        return {}
 
     def owner(self, state: Any) -> FlatTree | None:
         if not self.fields:

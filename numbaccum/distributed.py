@@ -66,6 +66,7 @@ from .fuse import Collective, Scale
 from .layout import Layout
 from .protocol import EmptyState, GradientTransformationExtraArgs, state_class
 from .tables import sum_in_order
+from .traits import ELEMENT, TREE
 from .transaction import current
 from .updates import Spec, Updates
 
@@ -666,6 +667,8 @@ def allreduce_mean(comm: Any = None, bucket_bytes: int | None = None) -> Gradien
 class _AllreduceMean(Stage):
     """`allreduce_mean` as a stage: the plan checks the state, the run is the collective."""
 
+    scope = ELEMENT
+
     def __init__(self, comm: Any, bucket: _Bucket) -> None:
         self.comm = comm
         self.n = comm.Get_size()
@@ -808,6 +811,8 @@ def clip_by_global_norm(max_norm: float, comm: Any = None) -> GradientTransforma
 
 class _ShardedClip(Stage):
     """The sharded clip as a stage: the run takes the norm over every rank (one collective)."""
+
+    scope = TREE
 
     def __init__(self, max_norm: float, comm: Any) -> None:
         self.max_norm = max_norm

@@ -57,6 +57,7 @@ from .tables import (
     Table,
     slice_table,
 )
+from .traits import LEAF
 from .transaction import current
 from .tree import tree_flatten, tree_unflatten
 from .updates import ParamsRef, Spec, Updates
@@ -261,6 +262,7 @@ _SM3_PASS = AxesPass(minimum, sm3_element)  # the smallest statistic, NaN if any
 class _ScaleByFactoredRms(Stage):
     """`scale_by_factored_rms` (see the module docstring for its passes)."""
 
+    scope = LEAF
     public_name = "scale_by_factored_rms"
 
     def __init__(
@@ -624,6 +626,7 @@ class _ScaleBySM3(Stage):
     and the statistics along an axis that is a leaf's only one, such as a vector's), then per
     axis number one segmented max over the accumulators, into ``mu`` on the host."""
 
+    scope = LEAF
     public_name = "scale_by_sm3"
 
     def __init__(self, b1: Any, b2: Any, eps: Any) -> None:

@@ -22,6 +22,7 @@ from .flat import FlatTree, as_flat, host_leaves, layout_and_device, layout_of
 from .fuse import Host
 from .layout import Layout
 from .protocol import GradientTransformationExtraArgs, state_class
+from .traits import ELEMENT
 from .tree import tree_map, tree_unflatten
 from .updates import ParamsRef, Spec, Updates, check_params
 
@@ -81,6 +82,8 @@ class _Lookahead(Stage):
     """`lookahead` as a reshaping stage: gradients of the fast params in, updates of the pair
     out (its declared `numbaccum.fuse.Host`'s ``spec``)."""
 
+    scope = ELEMENT
+    children_at = "stage"
     reshapes = True
 
     def __init__(self, fast_optimizer: Any, sync_period: Any, slow_step_size: Any, reset_state: Any) -> None:

@@ -43,6 +43,7 @@ from .flat import FlatTree, as_flat, layout_of
 from .layout import Layout, compute_dtype, real_dtype
 from .protocol import EmptyState, GradientTransformationExtraArgs
 from .tables import ACTIVE, METRIC_TINY, NSLICES, SLEN, norm_pair, sum_in_order
+from .traits import LEAF, TREE
 from .updates import Spec, Updates
 
 __all__ = [
@@ -502,6 +503,11 @@ class _Sliced(Stage):
     plan and run the same stages."""
 
     choose: tuple | None = None  # (cache key, chooser); None: the whole tree ('global')
+
+    @property
+    def scope(self) -> str:
+        """`numbaccum.traits`' scope: each slice is within a leaf; ``dim='global'``: the tree."""
+        return TREE if self.choose is None else LEAF
 
     def init(self, params: Any) -> EmptyState:
         return EmptyState()
@@ -1113,6 +1119,7 @@ class _ScaleByTrustRatio(Stage):
     """Each leaf's update scaled by ``trust_coefficient * ||p|| / (||u|| + eps)``: two per-leaf
     norms (one segmented reduction each per dtype group), then one per-leaf scaling pass."""
 
+    scope = LEAF
     complex_leaves = True  # optax defines it on complex leaves (norms of |z|)
     public_name = "scale_by_trust_ratio"
 
@@ -1217,6 +1224,7 @@ class _ScaleByParamBlock(Stage):
     update times its param's L2 norm (or root mean square), at least ``min_scale``: one
     segmented reduction per dtype group, one per-leaf scaling pass."""
 
+    scope = LEAF
     complex_leaves = True  # optax's norms of |p|
 
     def __init__(self, min_scale: Any, rms: bool) -> None:

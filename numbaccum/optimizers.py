@@ -36,6 +36,7 @@ from .masking import masked
 from .norms import scale_by_trust_ratio
 from .protocol import GradientTransformationExtraArgs, state_class
 from .scaling import ScalarOrSchedule, add_decayed_weights, identity, scale, scale_by_learning_rate
+from .traits import LEAF
 from .transaction import current
 from .tree import tree_flatten, tree_unflatten
 from .updates import ParamsRef, Spec, Updates
@@ -269,6 +270,7 @@ class _ScaleByAdam(Elementwise):
         True,
         "scale_by_adam",
     )
+    dtype_options = {"mu": "mu_dtype"}
 
     def __init__(self, b1: float, b2: float, eps: float, eps_root: float, mu_dtype: Any) -> None:
         self.b1 = check_decay(b1, "b1")
@@ -372,6 +374,7 @@ class _ScaleByNadam(_Direction):
         nadam_direction,
         "scale_by_adam(nesterov)",
     )
+    dtype_options = {"mu": "mu_dtype"}
 
     def __init__(self, b1: float, b2: float, eps: float, eps_root: float, mu_dtype: Any) -> None:
         self.b1, self.b2 = check_decay(b1, "b1"), check_decay(b2, "b2")
@@ -819,6 +822,7 @@ class _ScaleByAmsgrad(_Direction):
         amsgrad_direction,
         "scale_by_amsgrad",
     )
+    dtype_options = {"mu": "mu_dtype"}
 
     def __init__(
         self, b1: float, b2: float, eps: float, eps_root: float, mu_dtype: Any, bc_mu: bool, bc_nu: bool
@@ -1221,6 +1225,7 @@ def lion_direction(mu, g, one_minus_b1, b1, one_minus_b2, b2, smooth_beta, smoot
 
 class _ScaleByLion(_Direction):
     state_cls, fields, formula, name = ScaleByLionState, ("mu",), lion_direction, "scale_by_lion"
+    dtype_options = {"mu": "mu_dtype"}
 
     def __init__(self, b1: float, b2: float, mu_dtype: Any, mode: str, smooth_beta: float) -> None:
         self.b1, self.b2 = check_decay(b1, "b1"), check_decay(b2, "b2")
@@ -1370,6 +1375,7 @@ def yogi_direction(mu, nu, g, b1, one_minus_b1, one_minus_b2, bc1, bc2, eps, eps
 
 class _ScaleByYogi(_Direction):
     state_cls, fields, formula, name = ScaleByAdamState, ("mu", "nu"), yogi_direction, "scale_by_yogi"
+    start_values = {"mu": "initial", "nu": "initial"}  # both moments, as in optax
 
     def __init__(
         self, b1: float, b2: float, eps: float, eps_root: float, initial_accumulator_value: float
@@ -1377,9 +1383,6 @@ class _ScaleByYogi(_Direction):
         self.b1, self.b2 = check_decay(b1, "b1"), check_decay(b2, "b2")
         self.eps, self.eps_root = real(eps, "eps"), real(eps_root, "eps_root")
         self.initial = real(initial_accumulator_value, "initial_accumulator_value")
-
-    def initial_of(self, field: str) -> float:
-        return self.initial  # both moments, as in optax
 
     def scalars(self, count: Any, ct: np.dtype) -> tuple:
         b1, b2, t = self.b1, self.b2, int(count)
@@ -1484,6 +1487,7 @@ def rms_direction(nu, g, one_minus_decay, decay, bc, eps, eps_in_sqrt):
 class _ScaleByRms(_Direction):
     formula, name = rms_direction, "scale_by_rms"
     fields: tuple[str, ...] = ("nu",)
+    start_values = {"nu": "initial"}
 
     def __init__(self, decay: float, eps: float, initial_scale: float, eps_in_sqrt: bool, bc: bool) -> None:
         self.decay, self.eps = check_decay(decay, "decay"), real(eps, "eps")
@@ -1710,6 +1714,7 @@ def rss_direction(sum_of_squares, g, eps):
 class _ScaleByRss(_Direction):
     state_cls, fields, formula, name = ScaleByRssState, ("sum_of_squares",), rss_direction, "scale_by_rss"
     counted = False
+    start_values = {"sum_of_squares": "initial"}
 
     def __init__(self, initial_accumulator_value: float, eps: float) -> None:
         self.initial = real(initial_accumulator_value, "initial_accumulator_value")
@@ -2353,14 +2358,12 @@ class _ScaleByRprop(Elementwise):
         rprop_direction,
         "scale_by_rprop",
     )
+    start_values = {"step_sizes": "learning_rate"}
 
     def __init__(self, learning_rate: Any, eta_minus: Any, eta_plus: Any, lo: Any, hi: Any) -> None:
         self.learning_rate = real(learning_rate, "learning_rate")
         self.eta_minus, self.eta_plus = real(eta_minus, "eta_minus"), real(eta_plus, "eta_plus")
         self.lo, self.hi = real(lo, "min_step_size"), real(hi, "max_step_size")
-
-    def initial_of(self, field: str) -> float:
-        return self.learning_rate if field == "step_sizes" else 0.0
 
     def scalars(self, count: Any, ct: np.dtype) -> tuple:
         return (self.eta_plus, self.eta_minus, self.lo, self.hi)
@@ -2729,12 +2732,10 @@ class _ScaleByOptimisticGradient(Elementwise):
     )
     complex_leaves = True  # optax defines it on complex leaves
     counted, count_field = True, "is_initial_step"  # a flag, not a count: see `advance`
+    count_start = np.bool_(True)
 
     def __init__(self, alpha: Any, beta: Any) -> None:
         self.alpha, self.beta = real(alpha, "alpha"), real(beta, "beta")
-
-    def count_start(self) -> np.bool_:
-        return np.bool_(True)
 
     def advance(self, count: Any) -> tuple[np.bool_, bool]:
         return np.bool_(False), bool(count)  # the scalars read whether this is the first step
@@ -3036,6 +3037,7 @@ class _NovogradMoment(Elementwise):
     """The elementwise half of `scale_by_novograd` (the per-leaf norms are the other)."""
 
     state_cls, fields, formula, name = ScaleByNovogradState, ("mu",), novograd_moment, "scale_by_novograd"
+    dtype_options = {"mu": "mu_dtype"}
     counted, inputs = True, ("params",)
 
     def __init__(self, b1: float, weight_decay: float, mu_dtype: Any) -> None:
@@ -3050,6 +3052,7 @@ class _ScaleByNovograd(Stage):
     its ``nu`` and divisor on the host (one number per leaf), one segmented division pass, then
     the moment's fused pass."""
 
+    scope = LEAF
     complex_leaves = True  # optax's: norms of |g|, a complex moment
     public_name = "scale_by_novograd"
 

@@ -25,6 +25,7 @@ from .formulas import formula
 from .fuse import Kernel, Scale
 from .masking import MaskedState, _mask_leaf, _Masked, _Partition, masked
 from .protocol import EmptyState, GradientTransformationExtraArgs, state_class
+from .traits import ELEMENT
 from .tree import tree_map
 from .updates import ParamsRef, Spec
 
@@ -45,6 +46,7 @@ ScalarOrSchedule = float | Callable[[Any], Any]
 
 
 class _Identity(Stage):
+    scope = ELEMENT
     complex_leaves = True  # optax defines it on complex leaves
 
     def init(self, params: Any) -> EmptyState:
@@ -91,6 +93,7 @@ def identity() -> GradientTransformationExtraArgs:
 class _Scale(Stage):
     """``u = step_size * g``: a pending factor that rides on the next kernel (no pass of its own)."""
 
+    scope = ELEMENT
     complex_leaves = True  # optax defines it on complex leaves
 
     def __init__(self, step_size: float) -> None:
@@ -151,6 +154,7 @@ class ScaleByScheduleState(NamedTuple):
 class _ScaleBySchedule(Stage):
     """``u = sign * schedule(count) * g``; each step's tick calls the schedule."""
 
+    scope = ELEMENT
     complex_leaves = True  # optax defines it on complex leaves
 
     def __init__(self, schedule: Callable[[Any], Any], sign: float, what: str = "learning_rate") -> None:
@@ -311,6 +315,7 @@ class WeightDecaySchedule(NamedTuple):
 
 
 class _AddDecayedWeights(Stage):
+    scope = ELEMENT
     complex_leaves = True  # optax defines it on complex leaves
 
     def __init__(self, weight_decay: ScalarOrSchedule) -> None:

@@ -16,10 +16,11 @@ parameters. A step (`Sharded.step_`, or ``numbaccum.step_(sharded, grads, state,
 Two partitions, chosen when the `Sharded` is made (`Sharded.partition`, also recorded in each
 `ShardedState`: a state of one is refused by the other, with a ValueError):
 
-**Even** (``"even"``), when every stage of the wrapped transformation is per element (`_PER_ELEMENT`:
-AdamW, Adam, SGD, Lion, ... and `numbaccum.distributed.clip_by_global_norm`, with the combinators
-``chain``, ``inject_hyperparams``, ``MultiSteps`` without a skip function, ``lookahead`` and
-``conditionally_*`` around them; `per_element`). Leaf boundaries do not matter then, so each bucket
+**Even** (``"even"``), when every stage of the wrapped transformation is per element (the scope it
+declares, `numbaccum.traits`: AdamW, Adam, SGD, Lion, ... and
+`numbaccum.distributed.clip_by_global_norm`, with the combinators ``chain``, ``inject_hyperparams``,
+``MultiSteps`` without a skip function, ``lookahead`` and ``conditionally_*`` around them;
+`per_element`). Leaf boundaries do not matter then, so each bucket
 of each dtype buffer is split evenly among the ranks in rank order (``m // n`` elements each, one
 more for the first ``m % n``), cutting leaves: the send buffer of a bucket's ``Reduce_scatter`` is
 the bucket itself, and every rank adds its share of every bucket (with whole leaves, one rank adds a
@@ -60,7 +61,8 @@ norms, `apply_if_finite`, L-BFGS, ...) would see only the rank's part on a shard
 them, naming the stage, and accepts `numbaccum.distributed.clip_by_global_norm` with the same
 communicator instead (its norm is combined over the ranks). Only transformations known to be
 exact on a part of whole leaves are accepted (per element, per leaf, and the combinators around
-them); user code, whose reductions cannot be seen, is refused too.
+them: what each stage declares, `numbaccum.traits`); user code, whose reductions cannot be seen,
+is refused too.
 
 This module holds the machinery; `numbaccum.distributed.shard` (which checks the communicator and
 the bucket size) makes a `Sharded`.
@@ -73,38 +75,18 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import _config, lockstep
+from . import _config, lockstep, traits
 from ._checks import transformation
-from .accumulation import MultiSteps, _ApplyEvery
 from .apply import check_writable
 from .backend import ops_for
-from .base import Chain, Foreign, Stage, as_stage, chain, with_extra_args_support
-from .clipping import (
-    _ApplyIfFinite,
-    _Clip,
-    _ClipByBlockRms,
-    _ClipByGlobalNorm,
-    _KeepParamsNonnegative,
-    _NormalizeByUpdateNorm,
-    _ScaleByPolyak,
-    _ZeroNans,
-)
+from .base import Foreign, Stage, as_stage, chain, with_extra_args_support
 from .contract import ONE, Factor
-from .declared import Elementwise
-from .factored import _ScaleByFactoredRms, _ScaleBySM3
 from .flat import FlatTree, layout_and_device
 from .fuse import Scale
-from .inject import _InjectHyperparams
 from .layout import Layout
-from .lookahead import _Lookahead
-from .masking import _Conditionally, _Flatten, _Masked, _Partition
-from .norms import _ScaleByParamBlock, _ScaleByTrustRatio, _Sliced
-from .optimizers import _ScaleByNovograd
 from .passes import step_ as _step_
-from .privacy import _AddNoise, _Aggregate
 from .protocol import EmptyState, state_class
 from .runner import stage_name
-from .scaling import _AddDecayedWeights, _Identity, _Scale, _ScaleBySchedule
 from .stats import stats
 from .tree import short_repr, tree_flatten
 from .updates import Spec
@@ -330,69 +312,26 @@ class _Plan:
 
 # --- the transformations a shard accepts ---------------------------------------------------------
 
-# Per element (a formula over the elements, scalars from the step count or the hyperparameters).
-_PER_ELEMENT: tuple[type, ...] = (
-    Elementwise, _Identity, _Scale, _ScaleBySchedule, _AddDecayedWeights, _Clip, _KeepParamsNonnegative,
-    _ApplyEvery,
-)  # fmt: skip
-# Per leaf: exact on whole leaves (norms, factored moments, trust ratios of one leaf at a time).
-_PER_LEAF: tuple[type, ...] = (
-    _ScaleByFactoredRms, _ScaleBySM3, _ScaleByTrustRatio, _ScaleByParamBlock, _ClipByBlockRms,
-    _ScaleByNovograd, _ZeroNans,
-)  # fmt: skip
-# Combinators: exact when the stages they run are (their own bookkeeping is per leaf or scalar).
-_COMBINATORS: tuple[type, ...] = (
-    Chain,
-    _Masked,
-    _Partition,
-    _Conditionally,
-    _InjectHyperparams,
-    _Lookahead,
-    MultiSteps,
-)
-# Reductions over the whole tree: named in the error, with what to use instead.
-_WHOLE_TREE = {
-    _ClipByGlobalNorm: "use numbaccum.distributed.clip_by_global_norm(max_norm, comm) with the shard's "
+# From each stage's declared `numbaccum.traits`: per element and per leaf are exact on a part of
+# whole leaves; a reduction over the whole tree is refused, with what to use instead (by name).
+_GLOBAL_NORM = "dim='global': use numbaccum.distributed.clip_by_global_norm(max_norm, comm) for a global clip"
+_INSTEAD = {
+    "clip_by_global_norm": "use numbaccum.distributed.clip_by_global_norm(max_norm, comm) with the shard's "
     "communicator: its norm is combined over the ranks",
-    _NormalizeByUpdateNorm: "",
-    _ScaleByPolyak: "",
-    _ApplyIfFinite: "ranks would decide to skip the step apart",
-    _Aggregate: "its per-example clipping and noise are of the whole tree",
-    _AddNoise: "its noise is drawn by element position: every rank's part would get the same noise",
+    "rescale": _GLOBAL_NORM,  # clip_norm and normalize_norm
+    "centralize(dim='global')": _GLOBAL_NORM,
+    "apply_if_finite": "ranks would decide to skip the step apart",
+    "aggregate": "its per-example clipping and noise are of the whole tree",
+    "add_noise": "its noise is drawn by element position: every rank's part would get the same noise",
 }
-
-
-def _inner_stages(stage: Stage) -> list[Stage]:
-    """The stages a combinator runs (found in its attributes)."""
-    out: list[Stage] = []
-    seen: set[int] = set()
-
-    def visit(x: Any, depth: int) -> None:
-        if depth > 3 or id(x) in seen:
-            return
-        seen.add(id(x))
-        if isinstance(x, Stage):
-            out.append(x)
-        elif isinstance(x, (list, tuple)):
-            for v in x:
-                visit(v, depth + 1)
-        elif isinstance(x, dict):
-            for v in x.values():
-                visit(v, depth + 1)
-        elif callable(getattr(x, "init", None)) and callable(getattr(x, "update", None)):
-            visit(as_stage(x), depth + 1)
-
-    for name, v in vars(stage).items():
-        if name != "_kept":
-            visit(v, 0)
-    return out
 
 
 def check_shardable(stage: Stage, comm: Any, combined: tuple, refused: tuple, where: str = "tx") -> None:
     """Raises TypeError naming the first stage of ``stage`` that would not be exact on a part of
-    whole leaves (see the module docstring). ``combined``: stage classes whose reduction is
-    combined over a communicator (accepted with ``comm``'s group); ``refused``: collectives of
-    their own (`allreduce_mean`)."""
+    whole leaves (see the module docstring): one whose declared scope is the whole tree, or that
+    declares none (user code). ``combined``: stage classes whose reduction is combined over a
+    communicator (accepted with ``comm``'s group); ``refused``: collectives of their own
+    (`allreduce_mean`)."""
     name = stage_name(stage)
     if isinstance(stage, refused):
         raise TypeError(
@@ -407,62 +346,45 @@ def check_shardable(stage: Stage, comm: Any, combined: tuple, refused: tuple, wh
                 f"the same communicator"
             )
         return
-    if isinstance(stage, _Sliced):
-        if stage.choose is None:
-            raise TypeError(
-                f"shard: {where} holds {name} with dim='global', a norm over the whole tree: on a "
-                f"shard it would see only this rank's leaves (use numbaccum.distributed."
-                f"clip_by_global_norm(max_norm, comm) for a global clip)"
-            )
-        return
-    for cls, hint in _WHOLE_TREE.items():
-        if isinstance(stage, cls):
-            raise TypeError(
-                f"shard: {where} holds {name}, a reduction over the whole tree: on a shard it would "
-                f"see only this rank's leaves" + (f" ({hint})" if hint else "")
-            )
-    if isinstance(stage, _PER_ELEMENT + _PER_LEAF):
-        return
-    if isinstance(stage, _Flatten):  # one vector of the leaves: exact for per-element stages only
-        _only_per_element(stage.inner, f"{where}'s flatten")
-        return
-    if isinstance(stage, _COMBINATORS):
-        for inner in _inner_stages(stage):
+    kind = traits.scope(stage)
+    if kind == traits.TREE:
+        hint = _INSTEAD.get(name, "")
+        raise TypeError(
+            f"shard: {where} holds {name}, a reduction over the whole tree: on a shard it would "
+            f"see only this rank's leaves" + (f" ({hint})" if hint else "")
+        )
+    if kind is None:
+        what = "a transformation that is not numbaccum's" if isinstance(stage, Foreign) else name
+        raise TypeError(
+            f"shard: {where} holds {what}, which is not known to be exact on a part of the leaves "
+            f"(sharding accepts per-element and per-leaf transformations; one that reduces over "
+            f"the whole tree would see only this rank's leaves)"
+        )
+    for inner in traits.children(stage):
+        if getattr(stage, "joins_leaves", False):  # one vector of the leaves: per element only
+            _only_per_element(inner, f"{where}'s {name}", combined + refused)
+        else:
             check_shardable(inner, comm, combined, refused, where)
-        return
-    what = "a transformation that is not numbaccum's" if isinstance(stage, Foreign) else name
-    raise TypeError(
-        f"shard: {where} holds {what}, which is not known to be exact on a part of the leaves "
-        f"(sharding accepts per-element and per-leaf transformations; one that reduces over the "
-        f"whole tree would see only this rank's leaves)"
-    )
 
 
 def per_element(stage: Stage, combined: tuple) -> bool:
-    """Whether every stage of ``stage`` is per element (`_PER_ELEMENT`, a norm combined over the
-    ranks, and the combinators around them): then leaf boundaries do not matter, and a shard may
-    cut leaves (the even partition)."""
-    if isinstance(stage, _PER_ELEMENT + combined):
+    """Whether every stage of ``stage`` is per element (a declared scope of `ELEMENT
+    <numbaccum.traits.ELEMENT>`, or a norm combined over the ranks): then leaf boundaries do not
+    matter, and a shard may cut leaves (the even partition)."""
+    if isinstance(stage, combined):
         return True
-    if isinstance(stage, MultiSteps) and stage._skip is not None:  # a user function of the updates
-        return False
-    if isinstance(stage, _InjectHyperparams) and stage.probe is None:  # its stages are not known
-        return False
-    if isinstance(stage, (Chain, _InjectHyperparams, _Lookahead, MultiSteps, _Conditionally)):
-        inner = _inner_stages(stage)
-        return bool(inner) and all(per_element(s, combined) for s in inner)
-    return False
+    kids = traits.children(stage)
+    return traits.scope(stage) == traits.ELEMENT and all(per_element(s, combined) for s in kids)
 
 
-def _only_per_element(stage: Stage, where: str) -> None:
-    if isinstance(stage, Chain):
-        for s in stage.stages:
-            _only_per_element(s, where)
-    elif not isinstance(stage, _PER_ELEMENT):
+def _only_per_element(stage: Stage, where: str, collectives: tuple) -> None:
+    if isinstance(stage, collectives) or traits.scope(stage) != traits.ELEMENT:
         raise TypeError(
             f"shard: {where} runs {stage_name(stage)} on the leaves as one vector: on a shard the "
             f"vector would be only this rank's leaves"
         )
+    for inner in traits.children(stage):
+        _only_per_element(inner, where, collectives)
 
 
 def _mpi() -> Any:
@@ -480,6 +402,7 @@ class _Mean(Stage):
 
     complex_leaves = True
     public_name = "shard's mean over ranks"
+    scope = traits.ELEMENT
 
     def __init__(self, n: int) -> None:
         self.factor = Factor(float(n), 1.0) if n > 1 else ONE

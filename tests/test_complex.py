@@ -356,6 +356,7 @@ def test_a_user_transformation_in_a_chain_gets_the_complex_leaves():
     "make, field",
     [
         (lambda dt: nba.adam(0.1, mu_dtype=dt), "mu_dtype"),
+        (lambda dt: nba.ademamix(0.1, mu_dtype=dt), "mu_dtype"),  # its three moments (was named accumulator_dtype)
         (lambda dt: nba.sgd(0.1, momentum=0.9, accumulator_dtype=dt), "accumulator_dtype"),
         (lambda dt: nba.MultiSteps(nba.sgd(0.1), 2, accumulator_dtype=dt), "accumulator_dtype"),
     ],

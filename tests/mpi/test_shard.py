@@ -248,6 +248,8 @@ def test_shard_refuses_whole_tree_reductions_by_name():
             "normalize_by_update_norm",
         ),
         (nba.flatten(nba.adafactor(1e-3)), "flatten"),
+        # noise drawn by position in the one vector: every rank's vector would get the same noise
+        (nba.flatten(nba.chain(nba.add_noise(0.1, 0.55, 0), nba.sgd(0.1))), "flatten runs add_noise"),
     ]
     for tx, words in cases:
         with pytest.raises(TypeError, match=words):
@@ -269,6 +271,18 @@ def test_shard_refuses_whole_tree_reductions_by_name():
     dist.shard(nba.MultiSteps(nba.chain(dist.clip_by_global_norm(1.0), nba.lion(1e-4)), 2))
     dist.shard(nba.inject_hyperparams(nba.adamw)(learning_rate=1e-3))
     dist.shard(nba.flatten(nba.adam(1e-3)))
+    dist.shard(nba.flatten(nba.inject_hyperparams(nba.adamw)(learning_rate=1e-3)))  # per element inside
+
+
+def test_shard_takes_inject_hyperparams_with_a_schedule():
+    """A schedule's ``init`` and ``update`` are not a transformation's: the stage that runs is
+    the per-element one it builds (the even partition), with the data-parallel run's bits."""
+    def make():
+        return nba.inject_hyperparams(nba.sgd)(learning_rate=nba.linear_schedule(0.1, 0.01, 3), momentum=0.9)
+
+    opt, params, ref_params, state, _ = run_both(make(), nba.chain(dist.allreduce_mean(), make()), make_params())
+    assert opt.partition == state.partition == "even"
+    assert_matches(params.tree, ref_params.tree, exact=SIZE <= 2)
 
 
 def test_shard_errors_leave_everything_as_it_was():
