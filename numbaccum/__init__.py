@@ -244,8 +244,6 @@ from .stats import stats
 from .tree import tree_flatten, tree_map, tree_unflatten
 from .warmup import warmup
 
-from . import _pending_traits  # noqa: F401  (the traits of classes of the modules above)
-
 __version__ = "0.1.0"
 
 __all__ = [

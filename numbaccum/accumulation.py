@@ -24,7 +24,6 @@ from .control import Inner, add_to
 from .contract import ONE
 from .declared import (
     Elementwise,
-    acc_dtypes,
     bias_correction,
     check_decay,
     expect_state,
@@ -36,6 +35,7 @@ from .formulas import formula
 from .layout import Layout, check_float_dtype, check_storage
 from .lockstep import Note, inside
 from .protocol import GradientTransformationExtraArgs, state_class
+from .traits import ELEMENT, LEAF
 from .transaction import current, keep_states
 from .tree import short_repr
 from .updates import ParamsRef, SkipStep, Spec, Updates
@@ -94,16 +94,14 @@ class _Trace(Elementwise):
     complex_leaves = True  # optax defines it on complex leaves
 
     formula, state_cls, fields, name = trace_update, TraceState, ("trace",), "trace"
+    dtype_options = {"trace": "accumulator_dtype"}
 
     def __init__(self, decay: float, nesterov: bool, accumulator_dtype: Any) -> None:
         self.decay = check_decay(decay)
         self.nesterov = flag(nesterov, "nesterov")
-        if accumulator_dtype is not None:
-            check_float_dtype(accumulator_dtype, "accumulator_dtype", complex=True)
         self.accumulator_dtype = accumulator_dtype
-
-    def field_dtypes(self, field: str, layout: Layout) -> Any:
-        return acc_dtypes(layout, self.accumulator_dtype)
+        if accumulator_dtype is not None:  # stored as a dtype: `Elementwise.field_dtypes` reads it
+            self.accumulator_dtype = check_float_dtype(accumulator_dtype, "accumulator_dtype", complex=True)
 
     def scalars(self, count: Any, ct: np.dtype) -> tuple:
         return (self.decay, self.nesterov)
@@ -176,17 +174,15 @@ class _Ema(Elementwise):
     complex_leaves = True  # optax defines it on complex leaves
 
     formula, state_cls, fields, counted, name = F.ema, EmaState, ("ema",), True, "ema"
+    dtype_options = {"ema": "accumulator_dtype"}
 
     def __init__(self, decay: float, debias: bool, accumulator_dtype: Any) -> None:
         self.decay = check_decay(decay)
         self.one_minus = 1.0 - self.decay
         self.debias = flag(debias, "debias")
-        if accumulator_dtype is not None:
-            check_float_dtype(accumulator_dtype, "accumulator_dtype", complex=True)
         self.accumulator_dtype = accumulator_dtype
-
-    def field_dtypes(self, field: str, layout: Layout) -> Any:
-        return acc_dtypes(layout, self.accumulator_dtype)
+        if accumulator_dtype is not None:  # stored as a dtype: `Elementwise.field_dtypes` reads it
+            self.accumulator_dtype = check_float_dtype(accumulator_dtype, "accumulator_dtype", complex=True)
 
     def scalars(self, count: Any, ct: np.dtype) -> tuple:
         bc = bias_correction(self.decay, int(count), ct) if self.debias else 1.0
@@ -257,6 +253,7 @@ class ApplyEvery(NamedTuple):
 class _ApplyEvery(Stage):
     """`apply_every` as a stage: the plan decides whether this step emits."""
 
+    scope = ELEMENT
     complex_leaves = True  # optax defines it on complex leaves
 
     def __init__(self, k: int) -> None:
@@ -550,6 +547,8 @@ class MultiSteps(Stage):
         ([-2.0, -4.0], True)
     """
 
+    children_at = "_inner"
+
     def __init__(
         self,
         opt: Any,
@@ -584,6 +583,8 @@ class MultiSteps(Stage):
             )
         self._mean = flag(use_grad_mean, "use_grad_mean")
         self._skip = should_skip_update_fn
+        # A skip function of the user's sees a tree of the params' structure: whole leaves of it.
+        self.scope = LEAF if should_skip_update_fn is not None else ELEMENT
         self._user_skip = should_skip_update_fn is not None and (
             _skip_target(should_skip_update_fn)[0] not in FLAT_SKIP_PREDICATES
         )

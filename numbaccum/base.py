@@ -39,6 +39,7 @@ from .flat import FlatTree, as_flat, host_leaves, layout_of, spare
 from .layout import Layout
 from .control import Inner
 from .protocol import EmptyState, GradientTransformation, GradientTransformationExtraArgs, state_class
+from .traits import ELEMENT
 from .transaction import keep_states, reading, state_flats
 from .tree import leaves_if_structure, tree_flatten, tree_map, tree_unflatten
 from .updates import ParamsRef, SkipStep, Spec, Updates
@@ -538,8 +539,12 @@ def as_stage(tx: Any) -> Stage:
 
 
 class Chain(Stage):
-    """`chain` and `named_chain`: plans every stage (threading the `Spec`, which a first
-    reshaping stage changes) before it runs any. State: a tuple, or a dict keyed by ``names``."""
+    """`chain` and `named_chain`: declares every stage's parts as one plan, whose tick checks
+    every stage before any runs (a reshaping stage makes it a control node, `_Reshaping`).
+    State: a tuple, or a dict keyed by ``names``."""
+
+    scope = ELEMENT
+    children_at = "stages"
 
     def __init__(self, stages: list[Stage], names: list[str] | None = None) -> None:
         self.stages = stages

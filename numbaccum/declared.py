@@ -38,7 +38,6 @@ from .updates import Spec
 
 __all__ = [
     "Elementwise",
-    "acc_dtypes",
     "bias_correction",
     "check_decay",
     "compute_dtype",
@@ -65,14 +64,6 @@ def check_decay(decay: Any, name: str = "decay") -> float:
     if not 0.0 <= d <= 1.0:
         raise ValueError(f"{name} must be in [0, 1], got {decay!r}")
     return d
-
-
-def acc_dtypes(layout: Layout, accumulator_dtype: Any) -> list[np.dtype]:
-    """Storage dtype of each group's accumulator: ``accumulator_dtype`` or the group's own."""
-    if accumulator_dtype is None:
-        return list(layout.group_dtypes)
-    dt = check_float_dtype(accumulator_dtype, "accumulator_dtype", complex=True)
-    return [dt] * len(layout.groups)
 
 
 def bias_correction(decay: float, count: int, dtype: np.dtype) -> Any:
@@ -219,8 +210,7 @@ class Elementwise(Stage):
             dts = self.field_dtypes(f, layout)
             if dts is not None:  # an explicit mu_dtype or accumulator_dtype: complex where the leaves are
                 per = dts if isinstance(dts, list) else [np.dtype(dts)] * len(layout.groups)
-                # (trace's and ema's override field_dtypes and name no option yet)
-                check_storage(per, layout, self.dtype_options.get(f, "accumulator_dtype"))
+                check_storage(per, layout, self.dtype_options[f])
             buf = FlatTree.zeros(layout, dts, device)
             at = self.start_values.get(f)
             start = getattr(self, at) if at is not None else 0.0

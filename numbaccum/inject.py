@@ -33,6 +33,7 @@ from .declared import safe_increment
 from .flat import FlatTree
 from .layout import Layout, check_float_dtype, is_float, real_dtype
 from .protocol import GradientTransformationExtraArgs, state_class
+from .traits import ELEMENT
 from .tree import tree_flatten
 from .updates import Spec, Updates
 
@@ -240,6 +241,9 @@ class _InjectHyperparams(Stage):
     chain snapshot copies, never correctness). A factory whose kind of transformation changes
     with the values is refused at the plan that builds the other kind.
     """
+
+    scope = ELEMENT
+    children_at = "probe"  # the inner stage at the initial values
 
     def __init__(
         self,

@@ -33,6 +33,7 @@ from .declared import safe_increment
 from .flat import FlatTree, layout_of
 from .layout import Layout
 from .protocol import GradientTransformationExtraArgs, state_class
+from .traits import ELEMENT, LEAF
 from .tree import broadcast_prefix, short_repr, tree_flatten, tree_map, tree_unflatten
 from .updates import ParamsRef, SkipStep, Spec, Updates
 
@@ -163,6 +164,9 @@ def _runs(layout: Layout, sub: Layout, keep: tuple[bool, ...]) -> tuple[tuple, t
 class _Masked(Stage):
     """`masked` as a stage: declares the inner stage on the kept leaves' layout, kept (its tick's
     checks run before anything is written), and runs it on a packed copy of the kept leaves."""
+
+    scope = LEAF  # a mask has the params' structure
+    children_at = "inner"
 
     def __init__(self, inner: Any, mask: Any, mask_compatible_extra_args: bool) -> None:
         self.inner = as_stage(with_extra_args_support(transformation(inner, "inner")))
@@ -373,6 +377,9 @@ class _Partition(Stage):
     """`partition` as a stage: the chain of each label's `masked` transformation (disjoint
     masks, so their order does not matter), planned as one chain (all or nothing)."""
 
+    scope = LEAF  # a label tree has the params' structure
+    children_at = "chain"
+
     def __init__(
         self, transforms: Any, param_labels: Any, mask_compatible_extra_args: bool, what: str = "param_labels"
     ) -> None:
@@ -534,6 +541,9 @@ class _Conditionally(Stage):
     condition is asked at the tick, before anything is written; a step that runs the inner
     transformation replays the inner's own kept plan (`numbaccum.step_` adds the updates in its
     last pass) inside this state."""
+
+    scope = ELEMENT
+    children_at = "stage"
 
     def __init__(self, inner: Any, should_transform_fn: Any, forward_extra_args: Any, zeros: bool) -> None:
         self.inner = with_extra_args_support(transformation(inner, "inner"))
@@ -727,6 +737,10 @@ class _Flatten(Stage):
     """`flatten`: the inner transformation sees the tree as one 1-D array. The leaves of one
     dtype are that array already (one group of the flat buffers, in leaf order): the inner
     stage runs on a view of it, the updates come back as views of its output, nothing copied."""
+
+    scope = LEAF
+    children_at = "inner"
+    joins_leaves = True  # its inner stage sees the leaves as one vector
 
     def __init__(self, inner: Any) -> None:
         self.inner = as_stage(with_extra_args_support(transformation(inner, "inner")))

@@ -39,6 +39,7 @@ from .layout import Layout, finfo
 from .protocol import GradientTransformationExtraArgs, state_class
 from .scaling import ScalarOrSchedule, identity, scale_by_learning_rate
 from .tables import segments
+from .traits import TREE
 from .tree import short_repr, tree_unflatten
 from .updates import Spec, Updates
 
@@ -528,6 +529,7 @@ class _Aggregate(Stage):
     (its own `take`) and its declared `numbaccum.fuse.Host` returns params-shaped updates (its
     ``spec``), so that a `chain` plans the stages after it on the params' layout."""
 
+    scope = TREE
     reshapes = True
 
     def __init__(self, l2_norm_clip: Any, noise_multiplier: Any, seed: Any) -> None:
@@ -837,6 +839,7 @@ def add_noise_direction(g, std, k0, k1, step, group, index):
 
 
 class _AddNoise(Elementwise):
+    scope = TREE  # its noise is drawn by element position in the whole tree
     state_cls, formula, name = AddNoiseState, add_noise_direction, "add_noise"
     counted = True
     complex_leaves = True  # optax draws complex normals for complex leaves
