@@ -482,3 +482,33 @@ def test_explain_shows_the_inner_passes_of_a_declared_inner_host():
     assert "opaque" not in [q.kind for q in plan.passes]
     s = tx.init(p)
     assert str(plan) == str(nba.explain(nba.adafactor(**s.hyperparams), p))
+
+
+def test_user_code_raising_inside_an_injected_chain_leaves_the_state_as_it_was():
+    """inject_hyperparams around chain(sgd with momentum, user code): the chain's parts run in
+    the injected plan's runs, so the plan itself copies the momentum before the step and
+    restores it, bit for bit, when the user's code raises after sgd wrote it."""
+    fail = [False]
+
+    def update(u, state, params=None):
+        if fail[0]:
+            raise RuntimeError("user code failed")
+        return u, state
+
+    def make(learning_rate):
+        return nba.chain(nba.sgd(learning_rate, momentum=0.9), nba.GradientTransformation(lambda p: (), update))
+
+    tx = nba.inject_hyperparams(make)(learning_rate=0.1)
+    p = {"w": np.ones(5, np.float32)}
+    g = {"w": np.arange(5, dtype=np.float32)}
+    s = tx.init(p)
+    _, s = tx.update(g, s, p)
+    kept = nba.copy_state(s)
+    fail[0] = True
+    with pytest.raises(RuntimeError, match="user code failed"):
+        tx.update(g, s, p)
+    assert_tree_equal(s.inner_state[0][0].trace.tree, kept.inner_state[0][0].trace.tree)
+    fail[0] = False
+    u, _ = tx.update(g, s, p)  # the failed update committed nothing: the state is current
+    v, _ = tx.update(g, kept, p)
+    assert_tree_equal(u, v)
