@@ -33,10 +33,10 @@ from .declared import (
     safe_increment,
 )
 from .flat import FlatTree, as_flat, layout_and_device, layout_of
-from .formulas import abs_sq, formula, maximum, minimum, re
+from .formulas import abs_sq, formula, like, maximum, minimum, quot, re, sqrt
 from .fuse import Host, Later, Scale
 from .layout import check_float_dtype, check_storage, real_dtype
-from .optimizers import ScaleByAdamState, _mu_dtype, scale_by_rms, sgd
+from .optimizers import ScaleByAdamState, ScaleByBeliefState, _mu_dtype, scale_by_rms, sgd
 from .protocol import GradientTransformationExtraArgs, state_class
 from .scaling import ScalarOrSchedule, add_decayed_weights, scale_by_learning_rate
 from .schedules import warmup_constant_schedule
@@ -53,12 +53,14 @@ __all__ = [
     "ScaleBySimplifiedAdEMAMixState",
     "ScheduleFreeState",
     "SophiaState",
+    "acprop",
     "ademamix",
     "adopt",
     "dadapt_adamw",
     "hutchinson_estimator_diag_hessian",
     "prodigy",
     "reduce_on_plateau",
+    "scale_by_acprop",
     "scale_by_ademamix",
     "scale_by_adopt",
     "scale_by_simplified_ademamix",
@@ -224,6 +226,140 @@ def adopt(
         scale_by_adopt(
             b1, b2, eps, mu_dtype, nesterov=nesterov, use_clipping=use_clipping, clip_value_fn=clip_value_fn
         ),
+        scale_by_learning_rate(learning_rate),
+    )
+
+
+# --- ACProp ------------------------------------------------------------------------------------
+
+
+@formula(
+    states=("mu", "nu"),
+    inputs=("g",),
+    outputs=("out",),
+    scalars=("b1", "one_minus_b1", "b2", "one_minus_b2", "bc2", "eps", "eps_root", "first"),
+)
+def acprop_direction(mu, nu, g, b1, one_minus_b1, b2, one_minus_b2, bc2, eps, eps_root, first):
+    """ACProp, in optax's order of operations: mu as Adam's; nu = ((1 - b2) (g - mu_prev)^2 +
+    b2 nu) + eps_root (the *previous* mu; eps_root stored in nu); out = g / (sqrt(nu_prev / bc2)
+    + eps), the *previous* nu, which optax's ``where`` makes 1 at the first step."""
+    n = re(nu)
+    m = one_minus_b1 * g + b1 * mu
+    v = (one_minus_b2 * abs_sq(g - mu) + b2 * n) + eps_root
+    h = like(n, 1.0) if first else n / bc2  # (the literal in n's dtype: a float32 step stays so)
+    return m, v, quot(g, sqrt(h) + eps)
+
+
+class _ScaleByAcprop(Elementwise):
+    state_cls, fields, formula, name = ScaleByBeliefState, ("mu", "nu"), acprop_direction, "scale_by_acprop"
+    counted = True
+    complex_leaves = True  # optax's moments take complex leaves (abs_sq), as AdaBelief's
+
+    def __init__(self, b1: Any, b2: Any, eps: Any, eps_root: Any) -> None:
+        self.b1, self.b2 = check_decay(b1, "b1"), check_decay(b2, "b2")
+        self.eps, self.eps_root = real(eps, "eps"), real(eps_root, "eps_root")
+
+    def scalars(self, count: Any, ct: np.dtype) -> tuple:
+        c = int(count) - 1  # optax's ``state.count``: the steps before this one
+        b1, b2 = self.b1, self.b2
+        bc2 = bias_correction(b2, c, ct)  # (unused at the first step, c = 0)
+        return (b1, 1.0 - b1, b2, 1.0 - b2, bc2, self.eps, self.eps_root, c == 0)
+
+
+def scale_by_acprop(
+    b1: float = 0.9, b2: float = 0.999, eps: float = 1e-16, eps_root: float = 1e-16
+) -> GradientTransformationExtraArgs:
+    """Rescales the updates by ACProp: AdaBelief's moments, the update divided by the ones of
+    the steps before it (asynchronous).
+
+    ``u = g / (sqrt(nu / (1 - b2^(t-1))) + eps)`` with the state's ``nu`` (``t`` the new step
+    count; at the first step ``u = g / (1 + eps)``, as optax's ``where``), then
+    ``nu = ((1 - b2) (g - mu)^2 + b2 nu) + eps_root`` with the state's ``mu`` and
+    ``mu = (1 - b1) g + b1 mu``. One fused pass.
+
+    Args:
+        b1: decay rate of the first moment, between 0 and 1.
+        b2: decay rate of the second central moment, between 0 and 1.
+        eps: added outside the square root.
+        eps_root: added to the second central moment at each step (stored in ``nu``).
+
+    Returns:
+        A `GradientTransformationExtraArgs`; its state is ``ScaleByBeliefState(count, mu,
+            nu)``, as optax.contrib's. Updates keep each leaf's dtype.
+
+    Raises:
+        TypeError: ``b1``, ``b2``, ``eps`` or ``eps_root`` is not a real number.
+        ValueError: ``b1`` or ``b2`` is not between 0 and 1.
+
+    References:
+        Zhuang et al., "Momentum Centering and Asynchronous Update for Adaptive Gradient
+        Methods", NeurIPS 2021 (arXiv:2110.05454). optax.contrib.scale_by_acprop.
+
+    Examples:
+        >>> import numpy as np, numbaccum as nba
+        >>> tx = nba.scale_by_acprop()
+        >>> g = {"w": np.array([0.5, -2.0], np.float32)}
+        >>> u, state = tx.update(g, tx.init(g))
+        >>> [round(float(x), 4) for x in u["w"]]  # g itself at the first step
+        [0.5, -2.0]
+        >>> u, state = tx.update({"w": np.array([0.1, -1.0], np.float32)}, state)
+        >>> [round(float(x), 4) for x in u["w"]]  # g / |the first g|
+        [0.2, -0.5]
+    """
+    return _ScaleByAcprop(b1, b2, eps, eps_root).transformation()
+
+
+def acprop(
+    learning_rate: ScalarOrSchedule,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-16,
+    eps_root: float = 1e-16,
+    weight_decay: float = 0.0,
+    mask: Any = None,
+) -> GradientTransformationExtraArgs:
+    """ACProp: AdaBelief's centred second moment, the update divided by the steps before it:
+    ``chain(scale_by_acprop(b1, b2, eps, eps_root), add_decayed_weights(weight_decay, mask),
+    scale_by_learning_rate(learning_rate))``, one fused pass.
+
+    ``u = -lr (g / (sqrt(nu_prev / (1 - b2^(t-1))) + eps) + weight_decay p)``, ``nu_prev`` the
+    second central moment of the steps before this one (see `scale_by_acprop`).
+
+    Args:
+        learning_rate: a float, or a schedule of the step count.
+        b1: as in `scale_by_acprop`.
+        b2: as in `scale_by_acprop`.
+        eps: as in `scale_by_acprop`.
+        eps_root: as in `scale_by_acprop`.
+        weight_decay: the decay rate (multiplied by the learning rate, as in PyTorch).
+        mask: which leaves decay (as `add_decayed_weights`).
+
+    Returns:
+        A `GradientTransformationExtraArgs`; its state is ``(ScaleByBeliefState(count, mu, nu),
+            EmptyState(), EmptyState())`` (``MaskedState`` for a masked decay,
+            ``ScaleByScheduleState`` last with a schedule).
+
+    Raises:
+        TypeError: a hyperparameter has the wrong type.
+        ValueError: ``b1`` or ``b2`` is not between 0 and 1.
+
+    References:
+        Zhuang et al., "Momentum Centering and Asynchronous Update for Adaptive Gradient
+        Methods", NeurIPS 2021 (arXiv:2110.05454). optax.contrib.acprop.
+
+    Examples:
+        >>> import numpy as np, numbaccum as nba
+        >>> params = {"w": np.ones(2, np.float32)}
+        >>> tx = nba.acprop(0.1)
+        >>> state = tx.init(params)
+        >>> for g in ([0.5, -2.0], [0.1, -1.0]):
+        ...     state = nba.step_(tx, {"w": np.array(g, np.float32)}, state, params)
+        >>> [round(float(x), 4) for x in params["w"]]  # 1 - 0.1 g, then 1 - 0.1 g / |the first g|
+        [0.93, 1.25]
+    """
+    return chain(
+        scale_by_acprop(b1, b2, eps, eps_root),
+        add_decayed_weights(weight_decay, mask),
         scale_by_learning_rate(learning_rate),
     )
 

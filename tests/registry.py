@@ -849,6 +849,25 @@ _add(
     {},
     exact=True,
 )
+# ACProp: no NumPy reference; optax.contrib's is the peer (its eager float32 and float64 bits
+# equal ours; under jit within XLA's rounding, which test_against_optax.py allows).
+_ACPROP = {"b1": 0.8, "b2": 0.9, "eps": 1e-6, "eps_root": 1e-8}
+_add(
+    "acprop",
+    "acprop",
+    lambda: nba.acprop(1e-2, weight_decay=0.1),
+    None,
+    {"learning_rate": 1e-3},
+    optax=lambda o: o.contrib.acprop(1e-2, weight_decay=0.1),
+)
+_add(
+    "scale_by_acprop",
+    "scale_by_acprop",
+    lambda: nba.scale_by_acprop(**_ACPROP),
+    None,
+    {},
+    optax=lambda o: o.contrib.scale_by_acprop(**_ACPROP),
+)
 _add(
     "ademamix",
     "ademamix",

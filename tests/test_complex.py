@@ -292,7 +292,7 @@ TAKES_COMPLEX = {
     "optimistic_adam_v2", "conditionally_transform", "conditionally_mask", "add_noise", "noisy_sgd",
     "snapshot", "scale_by_lbfgs", "inject_stateful_hyperparams", "ademamix", "scale_by_ademamix",
     "scale_by_param_block_norm", "scale_by_param_block_rms", "novograd", "scale_by_novograd",
-    "schedule_free", "schedule_free_sgd", "schedule_free_adamw",
+    "schedule_free", "schedule_free_sgd", "schedule_free_adamw", "acprop", "scale_by_acprop",
 }  # fmt: skip
 # Registry cases whose hyperparameters fix a real state dtype (refused: see below).
 REAL_STATE = {"trace_nesterov_f64acc"}
