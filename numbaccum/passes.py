@@ -19,7 +19,7 @@ import numpy as np
 
 from . import fuse, runner
 from ._checks import transformation
-from .base import Stage, as_stage, stage_of, with_extra_args_support
+from .base import Foreign, Stage, as_stage, stage_of, with_extra_args_support
 from .flat import FlatTree, layout_of
 from .lookahead import LookaheadParams
 from .updates import ParamsRef, Spec
@@ -75,7 +75,8 @@ def step_(tx: Any, grads: Any, state: Any, params: Any, **extra_args: Any) -> An
         own = getattr(tx, "_numbaccum_step_", None)  # a step of its own (`distributed.shard`)
         if own is not None:
             return own(grads, state, params, **extra_args)
-        stage = as_stage(with_extra_args_support(transformation(tx, "tx")))
+        kept = getattr(getattr(tx, "update", None), "numbaccum_stage", None)  # `stateless`'s
+        stage = kept if type(kept) is Foreign else as_stage(with_extra_args_support(transformation(tx, "tx")))
     return runner.run(stage, grads, state, params, extra_args, True)
 
 
