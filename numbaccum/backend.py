@@ -93,25 +93,20 @@ def device_leaf_copies() -> Any:
 # it (their squares fit float64 with room to spare).
 
 
-def slice_sumsq(x: Any, table: Any) -> tuple[np.ndarray, np.ndarray]:
+def slice_sumsq(x: Any, table: Any, s: Any = None) -> tuple[np.ndarray, np.ndarray]:
     """``(s, f)`` per slice of ``table``: ``s = sum((x * f) ** 2)`` in float64, ``f`` 1 (the
     plain sum, the common case) or the power of two that rescued an overflowed or underflowed
     slice; the slice's L2 norm is ``sqrt(s) / f``. An inf or NaN element keeps the plain sum (inf
-    or NaN), as before."""
-    table = as_table(table)
-    return _rescue(x, table, ops_for(x).slice_sumsq(x, table))
-
-
-def _rescue(x: Any, table: Any, s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """`slice_sumsq` from the plain per-slice sums ``s`` of ``x`` over ``table`` (a `Table` or
-    its raw rows): the slices that left float64's range summed again, scaled."""
+    or NaN), as before. ``s``: the plain sums, when already taken (`Reductions.sumsq`)."""
+    if s is None:
+        s = ops_for(x).slice_sumsq(x, as_table(table))
     f = np.ones_like(s)
     if np.dtype(x.dtype).itemsize < 8 or not s.size:  # float32/16: the plain sum is exact enough
         return s, f
     bad = (s == np.inf) | (s < SUMSQ_TINY)
     if not bad.any():
         return s, f
-    table = as_table(table)
+    table = as_table(table)  # (a raw table's: cached)
     rows = table.rows
     row_of = np.repeat(np.arange(rows.shape[0]), rows[:, NSLICES])  # slices are numbered row by row
     bad &= ((rows[:, ACTIVE] != 0) & (rows[:, SLEN] > 0))[row_of]  # empty and inactive: 0 is right
@@ -151,7 +146,7 @@ class Reductions:
 
     def sumsq(self, slot: Any, x: Any, table: Any) -> tuple[np.ndarray, np.ndarray]:
         """`slice_sumsq`'s ``(s, f)``, its plain pass kept (the rare rescue is not)."""
-        return _rescue(x, table, self.reduce(slot, "sumsq", x, table))
+        return slice_sumsq(x, table, self.reduce(slot, "sumsq", x, table))
 
     def apply_(self, slot: Any, out: Any, x: Any, table: Any, centers: Any, factors: Any) -> None:
         """`Ops.slice_apply_`: ``out = (x - centers[s]) * factors[s]`` over every slice (None
