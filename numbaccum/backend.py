@@ -18,7 +18,7 @@ import numpy as np
 from . import _config
 from ._bounded import Bounded
 from .arrays import is_cuda_array
-from .contract import Ops
+from .contract import Ops, may_rescue
 from .layout import real_dtype
 from .tables import (
     ACTIVE,
@@ -36,6 +36,7 @@ from .tables import (
 
 __all__ = [
     "PiecewiseSumsq",
+    "Reductions",
     "leaf_sumsq",
     "leaf_tables",
     "ops_for",
@@ -92,25 +93,26 @@ def device_leaf_copies() -> Any:
 # it (their squares fit float64 with room to spare).
 
 
-def slice_sumsq(x: Any, table: Any) -> tuple[np.ndarray, np.ndarray]:
+def slice_sumsq(x: Any, table: Any, s: Any = None) -> tuple[np.ndarray, np.ndarray]:
     """``(s, f)`` per slice of ``table``: ``s = sum((x * f) ** 2)`` in float64, ``f`` 1 (the
     plain sum, the common case) or the power of two that rescued an overflowed or underflowed
     slice; the slice's L2 norm is ``sqrt(s) / f``. An inf or NaN element keeps the plain sum (inf
-    or NaN), as before."""
-    table = as_table(table)
-    ops = ops_for(x)
-    s = ops.slice_sumsq(x, table)
+    or NaN), as before. ``s``: the plain sums, when already taken (`Reductions.sumsq`)."""
+    if s is None:
+        s = ops_for(x).slice_sumsq(x, as_table(table))
     f = np.ones_like(s)
     if np.dtype(x.dtype).itemsize < 8 or not s.size:  # float32/16: the plain sum is exact enough
         return s, f
     bad = (s == np.inf) | (s < SUMSQ_TINY)
     if not bad.any():
         return s, f
+    table = as_table(table)  # (a raw table's: cached)
     rows = table.rows
     row_of = np.repeat(np.arange(rows.shape[0]), rows[:, NSLICES])  # slices are numbered row by row
     bad &= ((rows[:, ACTIVE] != 0) & (rows[:, SLEN] > 0))[row_of]  # empty and inactive: 0 is right
     if not bad.any():
         return s, f
+    ops = ops_for(x)
     sub = table.only(np.bincount(row_of[bad], minlength=rows.shape[0]) > 0)  # read only those rows
     m = ops.slice_maxabs(x, sub)
     fix = bad & np.isfinite(m) & (m > 0)
@@ -118,6 +120,81 @@ def slice_sumsq(x: Any, table: Any) -> tuple[np.ndarray, np.ndarray]:
         f[fix] = [norm_scale(v) for v in m[fix]]
         s = np.where(fix, ops.slice_sumsq_scaled(x, sub, f), s)
     return s, f
+
+
+class Reductions:
+    """Per-slice reductions and scalings kept across steps, as `numbaccum.fuse.Launches` keeps
+    elementwise launches: per caller's slot, the engine's call prepared for the very buffers and
+    table it was last given (`numbaccum.cpu.reduce.prepare`), prepared again when they change.
+    The same kernels, items and combine as the `Ops` calls they replace: the same bits, without
+    the Python dispatch of every call (a small tree's per-slice stage is mostly that). A
+    stage's declared part keeps one. A CUDA buffer takes the contract's call each time."""
+
+    __slots__ = ("last",)
+
+    def __init__(self) -> None:
+        self.last: dict = {}  # (slot, kind) -> (buffers, table, prepared run)
+
+    def reduce(self, slot: Any, kind: str, x: Any, table: Any, centers: Any = None, p: float = 0.0) -> np.ndarray:
+        """Per slice of ``table``: the engine's reduction ``kind`` of ``x`` (``'sumsq'``,
+        ``'csumsq'`` with ``centers``, ``'sum'``, ...), as `Ops`' ``slice_*`` give it."""
+        key = (slot, kind)
+        last = self.last.get(key)
+        if last is None or last[0] is not x or last[1] is not table:
+            last = self.last[key] = (x, table, _prepare_reduce(kind, x, as_table(table)))
+        return last[2](centers, p)
+
+    def sumsq(self, slot: Any, x: Any, table: Any) -> tuple[np.ndarray, np.ndarray]:
+        """`slice_sumsq`'s ``(s, f)``, its plain pass kept (the rare rescue is not)."""
+        return slice_sumsq(x, table, self.reduce(slot, "sumsq", x, table))
+
+    def apply_(self, slot: Any, out: Any, x: Any, table: Any, centers: Any, factors: Any) -> None:
+        """`Ops.slice_apply_`: ``out = (x - centers[s]) * factors[s]`` over every slice (None
+        or empty: 0 and 1)."""
+        key = (slot, "apply")
+        last = self.last.get(key)
+        if last is None or last[0] is not x or last[1] is not table or last[3] is not out:
+            last = self.last[key] = (x, table, _prepare_apply(out, x, as_table(table)), out)
+        last[2](_NO_VALUES if centers is None else centers, _NO_VALUES if factors is None else factors)
+
+
+    def rescale_(self, slot: Any, out: Any, x: Any, table: Any, p: float, *target: float) -> bool:
+        """`Ops.slice_rescale_` (``target``: its ``max_norm, min_norm, norm_value``): whether
+        ``out`` was written."""
+        key = (slot, "rescale", p)
+        last = self.last.get(key)
+        if last is None or last[0] is not x or last[1] is not table or last[3] is not out:
+            last = self.last[key] = (x, table, _prepare_rescale(out, x, as_table(table), p), out)
+        return bool(last[2](*target))
+
+
+def _prepare_reduce(kind: str, x: Any, table: Any) -> Any:
+    """``run(centers, p)``: the host engine's prepared reduction; on CUDA the engine's call."""
+    engine = ops_for(x).reduce
+    if isinstance(x, np.ndarray):
+        return engine.prepare(kind, x, table)
+    return lambda centers=None, p=0.0: engine.reduce(kind, x, table, centers, p)
+
+
+def _prepare_rescale(out: Any, x: Any, table: Any, p: float) -> Any:
+    """``run(max_norm, min_norm, norm_value)``: the host engine's prepared
+    `Ops.slice_rescale_`; on CUDA the contract's call."""
+    ops = ops_for(x)
+    if isinstance(x, np.ndarray):
+        return ops.reduce.prepare_rescale(out, x, table, p, may_rescue(p, x))
+    return lambda *target: ops.slice_rescale_(out, x, table, p, *target)
+
+
+def _prepare_apply(out: Any, x: Any, table: Any) -> Any:
+    """``run(centers, factors)``: the host engine's prepared `Ops.slice_apply_`; on CUDA the
+    contract's call."""
+    ops = ops_for(x)
+    if isinstance(x, np.ndarray):
+        return ops.reduce.prepare_apply(out, x, table)
+    return lambda centers, factors: ops.slice_apply_(out, x, table, centers, factors)
+
+
+_NO_VALUES = np.zeros(0, np.float64)  # an absent per-slice argument (centres 0, factors 1)
 
 
 def leaf_sumsq(flat: Any) -> np.ndarray:

@@ -25,7 +25,7 @@ from . import formulas as F
 from .layout import real_dtype
 from .tables import as_table, segments, whole
 
-__all__ = ["BACKEND", "ONE", "Factor", "Ops", "cast_scalars"]
+__all__ = ["BACKEND", "ONE", "Factor", "Ops", "cast_scalars", "may_rescue"]
 
 # What each backend package provides, module by module (tests/test_contract.py checks that
 # numbaccum.cpu and numbaccum.cuda both define every primitive, with the same parameters).
@@ -277,11 +277,8 @@ class Ops:
         float64, may have underflowed) is measured again scaled by a power of two. Returns whether
         ``out`` was written: the host returns False when every factor is 1, and the caller keeps
         ``x``; CUDA always writes it."""
-        # Squares in float64 leave its range only from float64 parts (a float32 or complex64
-        # element's square cannot): a float64 or complex128 buffer.
-        may_rescue = p != float("inf") and (p != 2.0 or real_dtype(np.dtype(x.dtype)) == np.float64)
         return bool(
-            self.reduce.rescale_(out, x, as_table(table), p, may_rescue, max_norm, min_norm, norm_value)
+            self.reduce.rescale_(out, x, as_table(table), p, may_rescue(p, x), max_norm, min_norm, norm_value)
         )
 
     # Shorthands: a whole buffer is one slice, ``offsets`` one contiguous slice per segment.
@@ -398,6 +395,13 @@ class Ops:
         self.per_example.batch_weighted_sum_(
             out, g, offsets, out_offsets, mult, noise, f(std), f(div), f(limit), start, init is not None
         )
+
+
+def may_rescue(p: float, x: Any) -> bool:
+    """Whether `Ops.slice_rescale_` of order ``p`` over buffer ``x`` may measure a slice again
+    scaled: squares in float64 leave its range only from float64 parts (a float32 or complex64
+    element's square cannot), other finite orders from any buffer."""
+    return p != float("inf") and (p != 2.0 or real_dtype(np.dtype(x.dtype)) == np.float64)
 
 
 def _values(v: Any) -> Any:

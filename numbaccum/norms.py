@@ -35,7 +35,7 @@ from . import _cache, runner
 from ._bounded import Bounded
 from ._checks import flag, non_negative, real
 from .apply import scatter_back, writable_flat
-from .backend import ops_for, slice_sumsq, tree_sumsq_scaled
+from .backend import Reductions, ops_for, slice_sumsq, tree_sumsq_scaled
 from .base import Stage, host_step
 from .clipping import _Clip
 from .contract import ONE, Factor, Ops
@@ -298,11 +298,39 @@ def _like(g: Any) -> Any:
     return empty(g.size, np.dtype(g.dtype))
 
 
+# A stage's kept reductions and its slot in them (`numbaccum.backend.Reductions`): a kept
+# plan's per-slice reductions, prepared once for their buffers; None: the contract's calls.
+Kept = tuple[Reductions, Any] | None
+
+# The engine's kind of each per-slice reduction of the contract (`Reductions.reduce` takes kinds).
+_KIND_OF = {
+    Ops.slice_sum: "sum",
+    Ops.slice_sumabs: "sumabs",
+    Ops.slice_sumpow: "sumpow",
+    Ops.slice_maxabs: "maxabs",
+    Ops.slice_minabs: "minabs",
+    Ops.slice_nnz: "nnz",
+}
+
+
 def _raw(
-    g: Any, rows: np.ndarray, kernel: Any, centers: Any = None, p: float = 0.0, scales: Any = None
+    g: Any,
+    rows: np.ndarray,
+    kernel: Any,
+    centers: Any = None,
+    p: float = 0.0,
+    scales: Any = None,
+    kept: Kept = None,
 ) -> np.ndarray:
     """Per slice of ``rows``: the reduction ``kernel`` (a per-slice reduction of the contract,
-    e.g. ``Ops.slice_sum``) of ``(g - centers) * scales``."""
+    e.g. ``Ops.slice_sum``) of ``(g - centers) * scales``, through ``kept`` when given (the
+    plain reductions: a rescue's scaled copy is rare)."""
+    if kept is not None and scales is None:
+        sums, slot = kept
+        if kernel is Ops.slice_sumsq:
+            centred = centers is not None and np.size(centers)
+            return sums.reduce(slot, "csumsq" if centred else "sumsq", g, rows, centers if centred else None)
+        return sums.reduce(slot, _KIND_OF[kernel], g, rows, None, p)
     ops = ops_for(g)
     if scales is not None:  # a scaled copy first: the rare overflow rescue
         tmp = _like(g)
@@ -319,14 +347,16 @@ def _power_kernel(p: float) -> Any:
     return Ops.slice_sumsq if p == 2 else Ops.slice_sumabs if p == 1 else Ops.slice_sumpow
 
 
-def _power_sums(g: Any, gs: _GroupSlices, p: float, centers: Any = None) -> tuple[np.ndarray, np.ndarray]:
+def _power_sums(
+    g: Any, gs: _GroupSlices, p: float, centers: Any = None, kept: Kept = None
+) -> tuple[np.ndarray, np.ndarray]:
     """``(S, f)`` per slice: ``S = sum(|(x - c) * f| ** p)``, where ``f`` is 1 except for slices
     whose plain sum overflowed (float64 leaves above ~1e154 for p = 2): those are summed again
     scaled by a power of two below their max, so the metric is ``S ** (1 / p) / f``."""
     if p == 2 and centers is None:  # the library's one scaled sum of squares (overflow and underflow)
-        return slice_sumsq(g, gs.rows)
+        return slice_sumsq(g, gs.rows) if kept is None else kept[0].sumsq(kept[1], g, gs.rows)
     kernel = _power_kernel(p)
-    s = _raw(g, gs.rows, kernel, centers, p)
+    s = _raw(g, gs.rows, kernel, centers, p, None, kept)
     f = np.ones_like(s)
     if p > 0:
         over = np.isinf(s) & gs.active
@@ -349,26 +379,27 @@ def _root(s: Any, f: Any, p: float) -> Any:
         return np.asarray(s, np.float64) ** (1.0 / p) / f
 
 
-def _slice_metric(g: Any, gs: _GroupSlices, key: float | str) -> np.ndarray:
-    """The metric ``key`` (see `check_ord`) of every slice of one group, in float64."""
+def _slice_metric(g: Any, gs: _GroupSlices, key: float | str, kept: Kept = None) -> np.ndarray:
+    """The metric ``key`` (see `check_ord`) of every slice of one group, in float64 (its
+    reductions through ``kept`` when given)."""
     rows, n = gs.rows, gs.slen
     with np.errstate(all="ignore"):  # empty slices and 'std' of one element give NaN: no warning
         if key == "sum":
-            return _raw(g, rows, Ops.slice_sum)
+            return _raw(g, rows, Ops.slice_sum, kept=kept)
         if key == "mad":
-            return _raw(g, rows, Ops.slice_sumabs) / n
+            return _raw(g, rows, Ops.slice_sumabs, kept=kept) / n
         if key in ("var", "std"):
-            mean = _raw(g, rows, Ops.slice_sum) / n
-            s, f = _power_sums(g, gs, 2.0, np.where(gs.active, mean, 0.0))
+            mean = _raw(g, rows, Ops.slice_sum, kept=kept) / n
+            s, f = _power_sums(g, gs, 2.0, np.where(gs.active, mean, 0.0), kept)
             q = np.where(n > 1, s / (n - 1), np.nan)  # unbiased: NaN below two elements
             return np.sqrt(q) / f if key == "std" else q / f / f
         if key == math.inf:
-            return _raw(g, rows, Ops.slice_maxabs)
+            return _raw(g, rows, Ops.slice_maxabs, kept=kept)
         if key == -math.inf:
-            return _raw(g, rows, Ops.slice_minabs)
+            return _raw(g, rows, Ops.slice_minabs, kept=kept)
         if key == 0:
-            return _raw(g, rows, Ops.slice_nnz)
-        return _root(*_power_sums(g, gs, float(key)), float(key))
+            return _raw(g, rows, Ops.slice_nnz, kept=kept)
+        return _root(*_power_sums(g, gs, float(key), None, kept), float(key))
 
 
 def _flat_of(tree: Any, name: str = "tree") -> FlatTree:
@@ -530,11 +561,17 @@ class _Rescale(_Sliced):
         slicing, key, target = self.slicing(spec), self.key, self.target
         # a reduction of each slice's metric, then the scaling pass
         passes = (("reduction", "metric", 1.0, 0.0), ("kernel", "rescale", 1.0, 1.0))
-        return host_step(lambda u, _: _rescale(u.settled(), key, slicing, target), passes, runner.stage_name(self))
+        sums = Reductions()
+        return host_step(
+            lambda u, _: _rescale(u.settled(), key, slicing, target, sums), passes, runner.stage_name(self)
+        )
 
 
-def _rescale(u: Updates, key: float | str, slicing: _Slicing | None, target: _Target) -> Updates:
-    """`_Rescale` on settled updates; ``slicing`` None: the whole tree.
+def _rescale(
+    u: Updates, key: float | str, slicing: _Slicing | None, target: _Target, sums: Reductions
+) -> Updates:
+    """`_Rescale` on settled updates; ``slicing`` None: the whole tree; ``sums`` the stage's
+    kept reductions.
 
     A p-norm (p > 0, the common case) is one engine call per group (`Ops.slice_rescale_`): the
     factors are computed where the data lives, so on CUDA nothing comes to the host. The
@@ -550,17 +587,17 @@ def _rescale(u: Updates, key: float | str, slicing: _Slicing | None, target: _Ta
         return u
     out = u.fresh()
     written = []
-    for o, g, gs in zip(out.groups, flat.groups, slicing.groups):
+    for gi, (o, g, gs) in enumerate(zip(out.groups, flat.groups, slicing.groups)):
         if not gs.any_active:
             written.append(False)
         elif isinstance(key, float) and key > 0:
-            written.append(ops_for(g).slice_rescale_(o, g, gs.rows, key, *target))
+            written.append(sums.rescale_(gi, o, g, gs.rows, key, *target))
         else:
-            metric = _slice_metric(g, gs, key)
+            metric = _slice_metric(g, gs, key, (sums, gi))
             f = _slice_factors(metric, gs.active, *target)
             scale = not np.all(f == 1.0)
             if scale:
-                ops_for(g).slice_apply_(o, g, gs.rows, _EMPTY, f)
+                sums.apply_(gi, o, g, gs.rows, _EMPTY, f)
             written.append(scale)
     if not any(written):
         return u
@@ -715,11 +752,13 @@ class _Centre(_Sliced):
     def declare(self, spec: Spec, state: Any) -> Any:
         slicing = self.slicing(spec)
         passes = (("reduction", "mean", 1.0, 0.0), ("kernel", "subtract", 1.0, 1.0))
-        return host_step(lambda u, _: _centre(u.settled(), slicing), passes, runner.stage_name(self))
+        sums = Reductions()
+        return host_step(lambda u, _: _centre(u.settled(), slicing, sums), passes, runner.stage_name(self))
 
 
-def _centre(u: Updates, slicing: _Slicing | None) -> Updates:
-    """`_Centre` on settled updates; ``slicing`` None: the whole tree."""
+def _centre(u: Updates, slicing: _Slicing | None, sums: Reductions) -> Updates:
+    """`_Centre` on settled updates; ``slicing`` None: the whole tree; ``sums`` the stage's kept
+    reductions."""
     flat = u.flat
     if slicing is None:
         n = flat.layout.size
@@ -732,19 +771,19 @@ def _centre(u: Updates, slicing: _Slicing | None) -> Updates:
         if not slicing.any_active:
             return u
         centers = []
-        for g, gs in zip(flat.groups, slicing.groups):
+        for gi, (g, gs) in enumerate(zip(flat.groups, slicing.groups)):
             if not gs.any_active:
                 centers.append(None)
                 continue
             with np.errstate(all="ignore"):
-                mean = _raw(g, gs.rows, Ops.slice_sum) / gs.slen
+                mean = _raw(g, gs.rows, Ops.slice_sum, kept=(sums, gi)) / gs.slen
             centers.append(np.where(gs.active, mean, 0.0))
     out = u.fresh()
-    for o, g, gs, c in zip(out.groups, flat.groups, slicing.groups, centers):
+    for gi, (o, g, gs, c) in enumerate(zip(out.groups, flat.groups, slicing.groups, centers)):
         if c is None:
             _copy_group(o, g)
         else:
-            ops_for(g).slice_apply_(o, g, gs.rows, c, _EMPTY)
+            sums.apply_(gi, o, g, gs.rows, c, _EMPTY)
     return Updates(out, True)
 
 
@@ -944,17 +983,18 @@ class _AdaptiveGradClip(_Sliced):
         slicing = self.slicing(spec)
         assert slicing is not None  # (``choose`` is set above: per unit, never global)
         clipping, eps = self.clipping, self.eps
+        sums = Reductions()
 
         def run(u: Updates, params: Any) -> Updates:
             u = u.settled()
             pf = params.flat()
             out = u.fresh()
-            for o, g, p, gs in zip(out.groups, u.flat.groups, pf.groups, slicing.groups):
-                g_norm = _slice_metric(g, gs, 2.0)
-                max_norm = clipping * np.maximum(_slice_metric(p, gs, 2.0), eps)
+            for gi, (o, g, p, gs) in enumerate(zip(out.groups, u.flat.groups, pf.groups, slicing.groups)):
+                g_norm = _slice_metric(g, gs, 2.0, (sums, ("u", gi)))
+                max_norm = clipping * np.maximum(_slice_metric(p, gs, 2.0, (sums, ("p", gi))), eps)
                 with np.errstate(all="ignore"):
                     f = np.where(g_norm < max_norm, 1.0, max_norm / np.maximum(g_norm, 1e-6))
-                ops_for(g).slice_apply_(o, g, gs.rows, _EMPTY, f)
+                sums.apply_(gi, o, g, gs.rows, _EMPTY, f)
             return Updates(out, True)
 
         passes = (("reduction", "unit norms of updates and params", 2.0, 0.0), ("kernel", "clip", 1.0, 1.0))
@@ -1136,15 +1176,17 @@ class _ScaleByTrustRatio(Stage):
         min_norm, trust, eps = self.min_norm, self.trust, self.eps
         # per group: the real dtype its ratios are rounded to
         reals = [real_dtype(compute_dtype(d)).type for d in spec.layout.group_dtypes]
+        sums = Reductions()
 
         def run(u: Updates, params: Any) -> Updates:
             u = u.settled()
             pf = params.flat()
             out = u.fresh()
-            for o, g, p, gs, t in zip(out.groups, u.flat.groups, pf.groups, leaves.groups, reals):
-                p_norm, u_norm = _slice_metric(p, gs, 2.0), _slice_metric(g, gs, 2.0)
+            for gi, (o, g, p, gs, t) in enumerate(zip(out.groups, u.flat.groups, pf.groups, leaves.groups, reals)):
+                p_norm = _slice_metric(p, gs, 2.0, (sums, ("p", gi)))
+                u_norm = _slice_metric(g, gs, 2.0, (sums, ("u", gi)))
                 ratio = _trust_ratios(p_norm, u_norm, min_norm, trust, eps, t)
-                ops_for(g).slice_apply_(o, g, gs.rows, _EMPTY, ratio)
+                sums.apply_(gi, o, g, gs.rows, _EMPTY, ratio)
             return Updates(out, True)
 
         passes = (("reduction", "leaf norms of updates and params", 2.0, 0.0), ("kernel", "scale", 1.0, 1.0))
@@ -1241,20 +1283,21 @@ class _ScaleByParamBlock(Stage):
     def declare(self, spec: Spec, state: Any) -> Any:
         leaves = _whole(spec.layout)
         min_scale, rms = self.min_scale, self.rms
+        sums = Reductions()
 
         def run(u: Updates, params: Any) -> Updates:
             u = u.settled()
             pf = params.flat()
             out = u.fresh()
-            for o, g, p, gs, offsets in zip(
-                out.groups, u.flat.groups, pf.groups, leaves.groups, spec.layout.offsets
+            for gi, (o, g, p, gs, offsets) in enumerate(
+                zip(out.groups, u.flat.groups, pf.groups, leaves.groups, spec.layout.offsets)
             ):
-                norm = _slice_metric(p, gs, 2.0)
+                norm = _slice_metric(p, gs, 2.0, (sums, gi))
                 if rms:
                     with np.errstate(divide="ignore", invalid="ignore"):  # an empty leaf: NaN, as jnp.mean
                         norm = norm / np.sqrt(np.diff(offsets).astype(np.float64))
                 # optax's safe_norm / safe_root_mean_squares: min_scale at or below it
-                ops_for(g).slice_apply_(o, g, gs.rows, _EMPTY, np.where(norm <= min_scale, min_scale, norm))
+                sums.apply_(gi, o, g, gs.rows, _EMPTY, np.where(norm <= min_scale, min_scale, norm))
             return Updates(out, True)
 
         passes = (("reduction", "leaf norms of params", 1.0, 0.0), ("kernel", "scale", 1.0, 1.0))

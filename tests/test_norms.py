@@ -486,3 +486,46 @@ def test_inverse_dims_is_checked_with_a_global_norm_too(make):
         make(1.0, dim="global", inverse_dims="yes")
     with pytest.raises(TypeError, match="inverse_dims"):
         nba.centralize(dim="global", inverse_dims="yes")
+
+
+# --- kept reductions (numbaccum.backend.Reductions) -------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.complex64, np.float16])
+def test_kept_reductions_give_the_contracts_bits_and_follow_their_buffers(dtype):
+    """A stage's kept reductions, scalings and rescales give the bits of the `Ops` calls they
+    replace, read the buffer's current values (not a kept result), and are prepared again for a
+    new buffer in the same slot (the identity check)."""
+    from numbaccum.backend import Reductions, ops_for
+    from numbaccum.tables import segments
+
+    rng = np.random.default_rng(3)
+    table = segments([0, 3, 3, 40, 2100])  # an empty slice, and one long enough for 64 lanes
+    x = rng.standard_normal(2100).astype(dtype)
+    if np.iscomplexobj(x):
+        x = x + 1j * rng.standard_normal(2100).astype(dtype)
+    ops, kept = ops_for(x), Reductions()
+    centers, factors = np.array([0.5, 0.0, -1.0, 2.0]), np.array([2.0, 1.0, 0.25, -3.0])
+    for step in range(3):
+        if step == 1:
+            x *= 3  # in place: the same buffer, new values
+        if step == 2:
+            x = (x * 0.5).astype(dtype)  # a new buffer in the same slots
+        assert_bits = np.testing.assert_array_equal
+        assert_bits(kept.reduce("g", "sumsq", x, table), ops.slice_sumsq(x, table))
+        assert_bits(kept.reduce("g", "maxabs", x, table), ops.slice_maxabs(x, table))
+        assert_bits(kept.reduce("g", "sumpow", x, table, None, 3.0), ops.slice_sumpow(x, table, 3.0))
+        if not np.iscomplexobj(x):
+            assert_bits(kept.reduce("g", "csumsq", x, table, centers), ops.slice_sumsq(x, table, centers))
+        assert_bits(kept.sumsq("g", x, table)[0], ops.slice_sumsq(x, table))
+        out, want = np.empty_like(x), np.empty_like(x)
+        kept.apply_("g", out, x, table, None, factors)
+        ops.slice_apply_(want, x, table, None, factors)
+        assert_bits(out, want)
+        if np.iscomplexobj(x):  # (the norm family's rescale is of real leaves)
+            continue
+        out, want = np.zeros_like(x), np.zeros_like(x)
+        assert kept.rescale_("g", out, x, table, 2.0, 1.0, 0.0, math.nan) == ops.slice_rescale_(
+            want, x, table, 2.0, 1.0
+        )
+        assert_bits(out, want)

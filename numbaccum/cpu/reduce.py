@@ -77,6 +77,9 @@ __all__ = [
     "axes_pass_",
     "ema_update_",
     "global_norm_finish_",
+    "prepare",
+    "prepare_apply",
+    "prepare_rescale",
     "reduce",
     "rescale_",
     "row_column_pass_",
@@ -503,6 +506,41 @@ def prepared(kind, table: Table):
     return run
 
 
+def prepare(kind, x, table: Table):
+    """``reduce(kind, x, table, centers, p)`` for this very buffer, resolved once: ``run(centers,
+    p)`` -> per slice, float64. The kernel, the table's work and the compiled entry are found at
+    the first call; later calls run them directly (the same kernel, items and combine: the same
+    bits). What `numbaccum.backend.Reductions` keeps for a plan's per-slice factors. A float16
+    buffer (a float32 copy per call) and a complex ``'sum'`` (two sums) take `reduce` itself."""
+    if x.dtype.type is np.float16 or (kind == "sum" and x.dtype.kind == "c"):
+        return lambda centers=None, p=0.0: reduce(kind, x, table, centers, p)
+    kinds, xr = _kinds_for(x)
+    (pair, op) = kinds[kind]
+    work = table.work(_config.REDUCE_BLOCK, True)
+    rows, items, pstart, pslice, nparts = table.rows, work.items, work.pstart, work.pslice, work.nparts
+    busy, n = items.shape[0] > 0, xr.size
+    folded = kind in _NON_NEGATIVE and nparts == pslice.size - 1 and bool(np.all(np.diff(pslice) == 1))
+    found: list = []  # the serial driver's compiled function (`driver.entry_point`), after its first call
+
+    def run(centers=None, p=0.0):
+        part = np.empty(nparts, np.float64)
+        # A fresh contiguous copy: always the type the entry was compiled for (never read-only).
+        c = _NONE if centers is None else np.array(centers, np.float64)
+        args = (xr, rows, items, pstart, c, np.float64(p), part)
+        if not busy:
+            pass
+        elif n >= _config.SERIAL_BELOW:  # a parallel region may run: asked at every call (a fork)
+            _guarded(n, _pick(pair, n), *args)
+        elif found:
+            found[0](*args)
+        else:
+            pair[1](*args)
+            found.append(entry_point(pair[1], args))
+        return part if folded else combine(part, pslice, op)
+
+    return run
+
+
 def by_items(kind, table: Table):
     """The reduction ``kind`` of ``table`` (its work at ``REDUCE_BLOCK``) run item by item, for a
     buffer that arrives in pieces (`numbaccum.backend.PiecewiseSumsq`): ``(work, run)``, where
@@ -575,6 +613,26 @@ def rescale_(out, x, table: Table, p, may_rescue, max_norm, min_norm, norm_value
         return False
     apply_(out, x, table, _NONE, factors)
     return True
+
+
+def prepare_rescale(out, x, table: Table, p, may_rescue):
+    """`rescale_` for these very buffers and this ``p``, resolved once (`prepare`,
+    `prepare_apply`): ``run(max_norm, min_norm, norm_value)`` -> whether ``out`` was written.
+    float16 and bfloat16 buffers take `rescale_` itself."""
+    if _has_f16(out, x):
+        return lambda *target: rescale_(out, x, table, p, may_rescue, *target)
+    totals, apply = prepare(pnorm_kind(p), x, table), prepare_apply(out, x, table)
+    rows, n, head = table.rows, table.nslices, (np.float64(p), bool(may_rescue))
+
+    def run(max_norm, min_norm, norm_value):
+        factors = np.empty(n, np.float64)
+        target = (np.float64(max_norm), np.float64(min_norm), np.float64(norm_value))
+        if not _pnorm_factors(totals(None, p), x, rows, *head, *target, factors):
+            return False
+        apply(_NONE, factors)
+        return True
+
+    return run
 
 
 # --- per-slice scalings ----------------------------------------------------------------------
@@ -752,6 +810,33 @@ def apply_(out, x, table: Table, centers, factors):
     ct = np.complex128 if np.iscomplexobj(centers) else np.float64  # a complex slice's mean
     values = (np.ascontiguousarray(centers, ct), np.ascontiguousarray(factors, np.float64))
     _run_scaler(_APPLY_IN_PLACE if in_place else _APPLY, x.size, table, in_place, out, x, 0.0, values)
+
+
+def prepare_apply(out, x, table: Table):
+    """`apply_` for these very buffers, resolved once: ``run(centers, factors)`` (as `prepare`
+    for `reduce`: the same kernel over the same items). float16 and bfloat16 buffers (staged
+    through float32 copies per call) take `apply_` itself."""
+    if _has_f16(out, x):
+        return lambda centers, factors: apply_(out, x, table, centers, factors)
+    in_place = out.ctypes.data == x.ctypes.data
+    pair = _APPLY_IN_PLACE if in_place else _APPLY
+    items, rows, n = table.work(_config.REDUCE_BLOCK, in_place).items, table.rows, x.size
+    found: dict = {}  # per centres dtype (a complex slice's mean), the serial driver's entry
+
+    def run(centers, factors):
+        if not items.shape[0]:
+            return
+        ct = np.complex128 if np.iscomplexobj(centers) else np.float64
+        args = (out, x, rows, items, 0.0, (np.array(centers, ct), np.array(factors, np.float64)))
+        if n >= _config.SERIAL_BELOW:
+            _guarded(n, _pick(pair, n), *args)
+        elif ct in found:
+            found[ct](*args)
+        else:
+            pair[1](*args)
+            found[ct] = entry_point(pair[1], args)
+
+    return run
 
 
 def divide_(out, x, factor, table: Table, divisors):
