@@ -13,11 +13,12 @@ parameter less than ``update`` then `apply_updates_`). Same bits as those two ca
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import fuse, runner
+from . import fuse, runner, transaction
 from ._checks import transformation
 from .base import Foreign, Stage, as_stage, stage_of, with_extra_args_support
 from .flat import FlatTree, layout_of
@@ -212,8 +213,17 @@ def explain(
     # the params as the runner hands them to a reshaping stage's run: of the layout of the
     # updates it returns (lookahead's pair)
     ref = ParamsRef(params, layout if grads is params else layout_of(params, "params"), None, device)
-    units, segs = _units(stage, spec, state, ref, apply, fused, extra_args)
-    return _explained(units, segs, layout, device, apply, fused)
+    owner = stage.owner(state)
+    if owner is not None and (owner.layout is not spec.layout or owner.device != spec.device):
+        owner = None
+    # The kept plan of a state with buffers is one for every thread: its tick writes the step's
+    # values (extra args, counts) into the plan's slots, which an update of that state running on
+    # another thread reads. Held as a reader (`transaction.reading`), as a save holds it, explain
+    # waits for no update and lets none start until it is done: a running one makes it raise the
+    # update's "another thread" error, where it would have changed that update's numbers.
+    with transaction.reading(owner) if owner is not None else contextlib.nullcontext():
+        units, segs = _units(stage, spec, state, owner, ref, fused, extra_args)
+        return _explained(units, segs, layout, device, apply, fused)
 
 
 def _explained(
@@ -438,16 +448,13 @@ def _one_by_one_passes(b: _Bytes, parts: list, pending: bool, passes: list) -> b
 
 
 def _units(
-    stage: Stage, spec: Spec, state: Any, ref: ParamsRef, apply: bool, fused: bool, extra: dict
+    stage: Stage, spec: Spec, state: Any, owner: Any, ref: ParamsRef, fused: bool, extra: dict
 ) -> tuple:
     """What `explain` describes: ``(units, runs)``, ``units[i]`` the parts of unit ``i``,
     ``runs`` the ``(start, stop, fused run or None)`` over them: the parts of the runner's own
     kept `runner.Plan` for ``state`` (the plan `step_` and ``update`` replay; made now if none
     is kept), ticked for this step, and its runs (cut again when ``fused`` is not what the
     runner does now)."""
-    owner = stage.owner(state)
-    if owner is not None and (owner.layout is not spec.layout or owner.device != spec.device):
-        owner = None
     plan = runner.ticked(stage, spec, state, owner, ref, extra)
     if plan.fused is not fused:
         plan = runner.Plan(plan.root, spec, fused, [])

@@ -546,3 +546,39 @@ def test_a_control_node_plans_nothing_at_a_steady_step(name, monkeypatch):
         _, s = tx.update(g, s, p)
     assert declared == []
     assert all(q.kind != "opaque" for q in nba.explain(make(), params).passes)
+
+
+def test_explain_never_changes_the_numbers_of_an_update_running_on_another_thread():
+    """A state's kept plan is shared by the threads: `explain`'s tick writes the step's values
+    (here scale_by_polyak's ``value``) where an update of that state on another thread reads
+    them. Explain holds the state as a reader: it raises the update's "another thread" error
+    while the update runs, and the update keeps its own numbers (it read explain's value)."""
+    inside, go = threading.Event(), threading.Event()
+
+    def wait(updates, state, params=None):
+        if waiting:
+            inside.set()
+            assert go.wait(10)
+        return updates, state
+
+    waiting = False
+    tx = nba.chain(nba.GradientTransformation(lambda p: (), wait), nba.trace(0.5), nba.scale_by_polyak())
+    params = {"w": np.ones(3)}
+    g = {"w": np.full(3, 2.0)}
+    s = tx.init(params)
+    _, s = tx.update(g, s, params, value=1.0)
+    expect, _ = tx.update(g, nba.copy_state(s), params, value=3.0)
+    waiting = True
+    got: list = []
+    worker = threading.Thread(target=lambda: got.append(tx.update(g, s, params, value=3.0)))
+    worker.start()
+    try:
+        assert inside.wait(10)
+        with pytest.raises(RuntimeError, match="another thread"):
+            nba.explain(tx, params, s, value=100.0)
+    finally:
+        go.set()
+        worker.join()
+    np.testing.assert_array_equal(got[0][0]["w"], expect["w"])
+    waiting = False
+    assert nba.explain(tx, params, got[0][1], value=3.0).passes  # free again once it returned
