@@ -61,6 +61,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from . import _locks, formulas as F
+from ._loans import on_loan
 from .backend import ops_for
 from .contract import ONE, Factor
 from .flat import FlatTree
@@ -794,8 +795,12 @@ def _run_group(
         for e in ex:
             ins.append(e.groups[gi])
     last = recent.get(shape)
-    if last is not None and last[0] is x and last[1] is og and last[2] is pg and _same(last[3], ins):
-        return last[4].run(parts, extras, flat, factor, out, apply, last[5])
+    if last is not None:
+        if last[0] is x and last[1] is og and last[2] is pg and _same(last[3], ins):
+            return last[4].run(parts, extras, flat, factor, out, apply, last[5])
+        before = last[6]  # the call before, on the other output buffer (`Launches.run`)
+        if before is not None and before[0] is x and before[1] is og and before[2] is pg and _same(before[3], ins):
+            return before[4].run(parts, extras, flat, factor, out, apply, before[5])
     _, mode, settle, flags = shape
     key = (
         gi,
@@ -811,7 +816,12 @@ def _run_group(
     if call is None:
         call = memo[key] = _GroupCall(parts, gi, x, mode, og, pg, ins, settle, flags[0])
     launch = call.prepare(x, og, pg, ins)
-    recent[shape] = (x, og, pg, ins, call, launch)
+    # The call before is kept when only buffers lent to the caller moved (the loop holding its
+    # last updates writes a workspace and its spare by turns): two prepared launches, not one a step.
+    before = None
+    if last is not None and last[4] is call and _lent_moved((*last[:3], *last[3]), (x, og, pg, *ins)):
+        before = (*last[:6], None)
+    recent[shape] = (x, og, pg, ins, call, launch, before)
     return call.run(parts, extras, flat, factor, out, apply, launch)
 
 
@@ -1236,6 +1246,26 @@ def apply_settled(u: Updates, params: FlatTree, memo: tuple | None = None) -> No
         _run_group([], [], gi, u.flat, factor, None, params, (gi, mode, False, flags), calls, recent)
 
 
+def _lent_moved(old: Sequence[Any], new: Sequence[Any]) -> bool:
+    """Whether the buffers ``new`` are ``old`` with only lent ones moved: every array of ``old``
+    that ``new`` does not have at its place is (a view of) a buffer whose values the caller
+    holds (`numbaccum._loans.on_loan`). That is the loop holding its last updates while it asks
+    for the next (``u, state = tx.update(g, state)``): the workspace it was handed is written
+    again only once it is dropped, and the call writes its spare (`numbaccum.flat.spare`), by
+    turns. Only the library's buffers are ever lent, so a launch kept for them keeps nothing of
+    the caller's alive (a new FlatTree of gradients each step is another input: not kept)."""
+    if len(old) != len(new):
+        return False
+    moved = False
+    for a, b in zip(old, new):
+        if a is not b:
+            base = getattr(a, "base", None)
+            if not on_loan((a if base is None else base,)):
+                return False
+            moved = True
+    return moved
+
+
 class Launches:
     """Kernel launches kept across steps: per formula and dtype group, the driver's launch of
     `map_` prepared (`prepare`) for the very buffers it was last given, prepared again when
@@ -1247,24 +1277,48 @@ class Launches:
     __slots__ = ("last",)
 
     def __init__(self) -> None:
-        self.last: dict = {}  # (formula, group) -> (arrays, launch)
+        # (formula, group) -> (arrays, launch, the entry before or None)
+        self.last: dict = {}
 
     def run(self, f: Any, gi: int, arrays: list, factor: Factor, scalars: tuple) -> None:
-        """``map_(f, factor, arrays, scalars)`` on group ``gi``'s buffers ``arrays``."""
-        last = self.last.get((f, gi))
-        if last is None or len(last[0]) != len(arrays) or not all(map(operator.is_, last[0], arrays)):
-            last = self.last[(f, gi)] = (arrays, ops_for(arrays[0]).driver.prepare(f, tuple(arrays)))
-        last[1](factor, scalars)
+        """``map_(f, factor, arrays, scalars)`` on group ``gi``'s buffers ``arrays``, whose last
+        is the output.
+
+        The launch before is kept too when only buffers lent to the caller moved since
+        (`_lent_moved`): the loop that holds its last updates while it asks for the next gets
+        them in a workspace and its spare by turns, and both launches stay prepared."""
+        key = (f, gi)
+        last = self.last.get(key)
+        if last is not None:  # inline tests, not `_same`: every launch of a kept plan asks
+            if len(last[0]) == len(arrays) and all(map(operator.is_, last[0], arrays)):
+                last[1](factor, scalars)
+                return
+            before = last[2]
+            if before is not None and len(before[0]) == len(arrays) and all(map(operator.is_, before[0], arrays)):
+                before[1](factor, scalars)
+                return
+        launch = ops_for(arrays[0]).driver.prepare(f, tuple(arrays))
+        before = (last[0], last[1]) if last is not None and _lent_moved(last[0], arrays) else None
+        self.last[key] = (arrays, launch, before)
+        launch(factor, scalars)
 
     def copy(self, key: Any, dst: Any, d0: int, src: Any, s0: int, n: int, factor: Factor) -> None:
         """``dst[d0:d0 + n] = factor(src[s0:s0 + n])`` (`Ops.scale_` over those slices), its
         launch kept under ``key`` (the caller's: one per fixed pair of bounds) while ``src`` and
         ``dst`` are the buffers it was prepared for."""
         last = self.last.get(key)
-        if last is None or last[0] is not src or last[1] is not dst:
-            launch = ops_for(src).driver.prepare(F.scale, (src[s0 : s0 + n], dst[d0 : d0 + n]))
-            last = self.last[key] = (src, dst, launch)
-        last[2](factor, ())
+        if last is not None:
+            if last[0] is src and last[1] is dst:
+                last[2](factor, ())
+                return
+            before = last[3]  # the launch for the other buffers of a pair (`run`)
+            if before is not None and before[0] is src and before[1] is dst:
+                before[2](factor, ())
+                return
+        launch = ops_for(src).driver.prepare(F.scale, (src[s0 : s0 + n], dst[d0 : d0 + n]))
+        before = (*last[:3], None) if last is not None and _lent_moved(last[:2], (src, dst)) else None
+        self.last[key] = (src, dst, launch, before)
+        launch(factor, ())
 
     def settle(self, u: Updates, out: FlatTree) -> FlatTree:
         """`Updates.into`: writes ``u``'s value into ``out`` (``u.flat`` itself when owned)."""

@@ -124,6 +124,55 @@ def test_the_common_loop_alternates_two_buffers_and_allocates_nothing(monkeypatc
     assert len(addresses) == 2
 
 
+@pytest.mark.parametrize(
+    "name", ["sgd", "trace", "adamw", "clip_by_global_norm", "masked_trace", "multi_transform", "partition"]
+)
+def test_the_common_loop_prepares_no_launch_in_steady_steps(name, monkeypatch):
+    """The loop that holds its last updates while it asks for the next writes a workspace and
+    its spare by turns: the kept launches for both stay prepared (they were prepared again every
+    step, a few microseconds of a small tree's update), and its numbers are those of a loop that
+    drops each update."""
+    from numbaccum.cpu import driver
+
+    tx, dropping = CASES[name].make(), CASES[name].make()
+    params, params2 = _tree(1), _tree(1)
+    state, state2 = tx.init(params), dropping.init(params2)
+    prepare, prepared = driver.prepare, []
+    monkeypatch.setattr(driver, "prepare", lambda *a: (prepared.append(a[0]), prepare(*a))[1])
+    updates = None
+    for step in range(8):
+        if step == 4:
+            prepared.clear()
+        updates, state = tx.update(_grads(0, step), state, params)
+        nba.apply_updates_(params, updates)
+        u2, state2 = dropping.update(_grads(0, step), state2, params2)
+        nba.apply_updates_(params2, u2)
+        del u2
+    assert prepared == [], [f.name for f in prepared]
+    assert_tree_equal(params, params2)
+
+
+@pytest.mark.parametrize("name", ["sgd", "trace", "adamw"])
+def test_kept_launches_keep_no_earlier_gradients_of_the_caller_alive(name):
+    """New FlatTrees of gradients each step: only the last one's launch is kept (the pair kept
+    for the common loop is of the library's own lent buffers), so the caller's earlier gradients
+    are freed as soon as the caller drops them."""
+    import gc
+    import weakref
+
+    tx = CASES[name].make()
+    params = _tree(1)
+    state = tx.init(params)
+    gone = []
+    for step in range(6):
+        g = FlatTree.from_tree(_grads(0, step))
+        gone.append([weakref.ref(b) for b in g.buffers.values()])
+        updates, state = tx.update(g, state, params)
+        del g
+    gc.collect()
+    assert [all(r() is None for r in refs) for refs in gone[:-1]] == [True] * 5
+
+
 def test_a_dropped_update_frees_its_buffer_for_the_next_call():
     tx = nba.sgd(0.1)
     params = _tree(1)
