@@ -56,9 +56,10 @@ __all__ = [
 
 def zeros_output(owner: FlatTree, layout: Layout) -> Updates:
     """A read-only zero tree kept by ``owner``: returned on steps that emit nothing."""
-    ws = owner._workspaces.get("zeros")
+    zeros = owner.workspace_of("zeros", list(layout.group_dtypes))
+    ws = zeros.buffer  # made once, never written again: not one to alternate (`Workspace`)
     if ws is None:
-        ws = owner.workspace("zeros", list(layout.group_dtypes)).fill_(0.0)
+        ws = zeros().fill_(0.0)
         if not ws.device:  # NumPy can enforce it; on the GPU it is a promise
             for g in ws.groups:
                 g.flags.writeable = False

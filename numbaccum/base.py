@@ -35,7 +35,7 @@ from . import runner as _runner
 from ._checks import transformation, wrong_state
 from ._interrupts import user_code
 from ._loans import on_loan
-from .flat import FlatTree, as_flat, host_leaves, layout_of, spare
+from .flat import FlatTree, Workspace, as_flat, host_leaves, layout_of
 from .layout import Layout
 from .control import Inner
 from .protocol import EmptyState, GradientTransformation, GradientTransformationExtraArgs, state_class
@@ -306,47 +306,44 @@ class Stage(metaclass=_StageType):
         return local
 
     def kept(self, name: str, layout: Layout, device: bool) -> FlatTree:
-        """A buffer this stage keeps for itself, per name, layout and device (and thread): the
-        workspaces of a stateless stage. One whose values the caller still holds (they were
-        returned: `numbaccum.flat.FlatTree.lent`) is not given out again (`spare`)."""
+        """The buffer to write of this stage's own workspace ``name`` (`kept_workspace`)."""
+        return self.kept_workspace(name, layout, device)()
+
+    def kept_workspace(self, name: str, layout: Layout, device: bool) -> Workspace:
+        """A `numbaccum.flat.Workspace` this stage keeps for itself, per name, layout and device
+        (and thread): the workspaces of a stateless stage.
+
+        Per thread, workspaces are kept for the `_config.KEPT_LAYOUTS` (layout, device) pairs
+        first used last, the oldest pair's dropped first (a hit costs one dict lookup): a
+        stateless transformation fed ever new tree shapes keeps bounded memory. A dropped one
+        lives on in the updates a caller still holds."""
         local = self.local()
         cache = local.__dict__.get("buffers")
         if cache is None:
             cache = local.buffers = {}
         key = (name, layout, device)
-        out = cache.get(key)
-        if out is None:
-            out = cache[key] = self._keep(local, cache, key)
-        elif on_loan(out.buffers.values()):  # the caller holds its last values: write elsewhere
-            out = cache[key] = spare(local.__dict__.setdefault("spares", {}), key, out)
-        return out
-
-    @staticmethod
-    def _keep(local: threading.local, cache: dict, key: tuple) -> FlatTree:
-        """A new kept buffer for ``key``. Per thread, buffers are kept for the
-        `_config.KEPT_LAYOUTS` (layout, device) pairs first used last, the oldest pair's dropped
-        first (a hit costs one dict lookup): a stateless transformation fed ever new tree shapes
-        keeps bounded memory. A dropped buffer lives on in the updates a caller still holds."""
-        shapes = local.__dict__.setdefault("shapes", [])  # (layout, device), in first-use order
-        pair = key[1:]
-        if pair not in shapes:
-            shapes.append(pair)
-            while len(shapes) > max(_config.KEPT_LAYOUTS, 2):  # 2: a reshaping stage's in and out
-                gone = shapes.pop(0)
-                for store in (cache, local.__dict__.get("spares", {})):
-                    for k in [k for k in store if k[1:] == gone]:
-                        del store[k]
-        return FlatTree.empty(key[1], device=key[2])
+        ws = cache.get(key)
+        if ws is None:
+            shapes = local.__dict__.setdefault("shapes", [])  # (layout, device), in first-use order
+            pair = key[1:]
+            if pair not in shapes:
+                shapes.append(pair)
+                while len(shapes) > max(_config.KEPT_LAYOUTS, 2):  # 2: a reshaping stage's in and out
+                    gone = shapes.pop(0)
+                    for k in [k for k in cache if k[1:] == gone]:
+                        del cache[k]
+            ws = cache[key] = Workspace(layout, None, device)
+        return ws
 
     def workspace(self, state: Any, spec: Spec, name: str) -> Callable[[], FlatTree]:
         """A buffer of ``spec``'s layout for this stage and state, made on first use: in the
         state's owner (`owner`) if it has one of that layout and device, else `kept`."""
         return self._workspace(self.owner(state), spec, name)
 
-    def _workspace(self, owner: FlatTree | None, spec: Spec, name: str) -> Callable[[], FlatTree]:
+    def _workspace(self, owner: FlatTree | None, spec: Spec, name: str) -> Workspace:
         if owner is not None and owner.layout is spec.layout and owner.device == spec.device:
-            return lambda: owner.workspace(name)
-        return lambda: self.kept(name, spec.layout, spec.device)
+            return owner.workspace_of(name)
+        return self.kept_workspace(name, spec.layout, spec.device)
 
     # --- the public update --------------------------------------------------------------------
 
@@ -393,8 +390,10 @@ class Stage(metaclass=_StageType):
         workspace of the state's ``owner``, else this stage's kept one on ``side`` (a callable:
         asked only when packing)."""
         if owner is not None:
-            return lambda: owner.workspace("input")
-        return lambda: self.kept("input", layout, side() if callable(side) else side)
+            return owner.workspace_of("input")
+        if callable(side):  # asked only when packing
+            return lambda: self.kept("input", layout, side())
+        return self.kept_workspace("input", layout, side)
 
     def update(self, updates: Any, state: Any, params: Any = None, **extra_args: Any) -> tuple[Any, Any]:
         """optax's ``update``: checks everything (state, params, schedules) before any buffer

@@ -25,7 +25,7 @@ from .contract import ONE
 from .layout import FLOATS, NAMES, STORED, Layout, check_float_dtype, is_stored, layout_of_leaves
 from .tree import TreeDef, format_path
 
-__all__ = ["FlatTree", "as_flat", "layout_of", "spare", "to_device", "to_host"]
+__all__ = ["FlatTree", "Workspace", "as_flat", "layout_of", "to_device", "to_host"]
 
 
 def _as_leaf(x: Any, where: tuple, name: str) -> Any:
@@ -171,7 +171,7 @@ class FlatTree:
         self.device = bool(self.groups) and on_device(self.groups[0])  # on a CUDA device
         self._readonly = readonly
         self._trees: dict[str, Any] = {}  # the tree of views, per array type it is shown as
-        self._workspaces: dict[str, FlatTree] = {}
+        self._workspaces: dict[str, Workspace] = {}  # `workspace_of`
         self._gen = 0
         self._live = 0
 
@@ -395,17 +395,16 @@ class FlatTree:
         return self
 
     def workspace(self, name: str, dtypes: Sequence[Any] | Any = None) -> FlatTree:
-        """A scratch FlatTree of the same layout owned by this one, allocated on first use.
+        """The buffer to write of this state's workspace ``name`` (`workspace_of`)."""
+        return self.workspace_of(name, dtypes)()
 
-        States keep their output buffers here, so a step allocates nothing; a `copy` gets
-        fresh workspaces. A workspace whose values the caller still holds (they were returned:
-        `lent`) is not given out again: another one is (`spare`)."""
+    def workspace_of(self, name: str, dtypes: Sequence[Any] | Any = None) -> Workspace:
+        """This state's `Workspace` ``name``: a scratch buffer of the same layout, owned by this
+        storage (a renewal of the state shares it; a `copy` gets fresh ones), so that a step
+        allocates nothing. ``dtypes``: its storage dtypes, as the first call gives them."""
         ws = self._workspaces.get(name)
         if ws is None:
-            ws = self._workspaces[name] = FlatTree.empty(self.layout, dtypes, self.device)
-        elif _loans.on_loan(ws.buffers.values()):
-            spares = self.__dict__.setdefault("_spares", {})
-            ws = self._workspaces[name] = spare(spares, name, ws)
+            ws = self._workspaces[name] = Workspace(self.layout, dtypes, self.device)
         return ws
 
     # --- handed to the caller -----------------------------------------------------------------
@@ -415,8 +414,8 @@ class FlatTree:
         (``kind`` 'flat') or a tree of ``kind``'s arrays ('numpy', 'numba', 'cupy', 'torch').
 
         They are made of fresh roots (`numbaccum._loans.lend`): while the caller holds any of
-        them, or a view of one, no workspace of this memory is written again (`workspace`,
-        `spare`). The containers are new too: the caller may change them as they like."""
+        them, or a view of one, no workspace of this memory is written again (`Workspace`,
+        its spare). The containers are new too: the caller may change them as they like."""
         starts = self.__dict__.get("_starts")
         if starts is None:
             starts = self.__dict__["_starts"] = self._group_starts()
@@ -467,18 +466,38 @@ def _address(x: Any) -> int:
     return ptr if ptr is not None else int(x._ary.__array_interface__["data"][0])
 
 
-def spare(spares: dict, key: Any, lent: FlatTree) -> FlatTree:
-    """The buffer to write instead of ``lent``, whose values the caller still holds: the spare
-    kept under ``key`` (the one lent before) if nothing holds it any more, else a new one of the
-    same layout, storage dtypes and device. ``lent`` becomes the spare: the loop that drops its
-    updates after applying them alternates between two buffers and allocates nothing, and a
-    buffer held for good (updates kept in a list) is forgotten after two calls: it is the
-    caller's."""
-    other = spares.get(key)
-    if other is None or _loans.on_loan(other.buffers.values()):
-        other = FlatTree.empty(lent.layout, list(lent.group_dtypes), lent.device)
-    spares[key] = lent
-    return other
+class Workspace:
+    """A buffer of one layout that a plan writes step after step (the packed updates, the
+    params, the returned updates, a run's scratch): owned by one state's storage
+    (`FlatTree.workspace_of`) or by one stage on one thread (`numbaccum.base.Stage.kept`), made
+    on first use.
+
+    Called, it gives the buffer to write: its own, unless the caller still holds values it was
+    handed from it (`FlatTree.lent`; a reference check, nanoseconds). Then it writes its spare
+    (the buffer it gave before, if nothing holds that one any more, else a new one), and the
+    held one becomes the spare: the loop that holds its last updates while it asks for the next
+    writes two buffers by turns and allocates nothing, and a buffer held for good (updates kept
+    in a list) is the caller's after two calls. No update is ever written over one the caller
+    holds."""
+
+    __slots__ = ("layout", "dtypes", "device", "buffer", "spare")
+
+    def __init__(self, layout: Layout, dtypes: Sequence[Any] | Any = None, device: bool = False) -> None:
+        self.layout, self.dtypes, self.device = layout, dtypes, device
+        self.buffer: FlatTree | None = None  # the one given last
+        self.spare: FlatTree | None = None  # the one given before, maybe still held
+
+    def __call__(self) -> FlatTree:
+        b = self.buffer
+        if b is None:
+            b = self.buffer = FlatTree.empty(self.layout, self.dtypes, self.device)
+        elif _loans.on_loan(b.buffers.values()):  # the caller holds its last values
+            other = self.spare
+            if other is None or _loans.on_loan(other.buffers.values()):
+                other = FlatTree.empty(b.layout, list(b.group_dtypes), b.device)
+            self.spare, b = b, other
+            self.buffer = b
+        return b
 
 
 def _unpickled_flat(
@@ -542,10 +561,16 @@ def host_leaves(tree: Any, layout: Layout) -> list[np.ndarray] | None:
     array; one dict, list or tuple of arrays) one loop that reads each leaf, its type, shape and
     dtype once beside the layout's (`_host_check`); else one walk beside the treedef, then
     whole-list comparisons, no per-leaf Python calls."""
+    return host_check(layout)(tree)
+
+
+def host_check(layout: Layout) -> Callable[[Any], list[np.ndarray] | None]:
+    """`host_leaves` for ``layout``, as a function of the tree (made once per layout): what a
+    kept plan calls on every step's arguments."""
     check = layout.__dict__.get("_host_check")
     if check is None:
         check = layout.__dict__["_host_check"] = _host_check(layout)
-    return check(tree)
+    return check
 
 
 def _walked_leaves(tree: Any, layout: Layout) -> list[np.ndarray] | None:
@@ -640,7 +665,7 @@ def as_flat(
         if tree.layout is layout and device in (None, tree.device):
             return tree, False, "flat"
     elif checked is not None and device is not True:
-        return _host_flat(checked, layout, pack_into)
+        return host_flat(checked, layout, pack_into)
     if device is not False and checked is None and not isinstance(tree, FlatTree):
         found = arrays.device_leaves(tree, layout)
         if found is not None:  # separate CUDA arrays, read off their own attributes
@@ -677,16 +702,19 @@ def _viewed(leaves: list, layout: Layout) -> FlatTree | None:
     return FlatTree(layout, views, {np.dtype(v.dtype): v for v in views})
 
 
-def _host_flat(
+def host_flat(
     leaves: list[np.ndarray], layout: Layout, pack_into: FlatTree | Callable[[], FlatTree] | None
 ) -> tuple[FlatTree, bool, str]:
     """`as_flat` of a plain tree whose NumPy leaves `host_leaves` checked against ``layout``:
     views of their memory when each group's leaves are one buffer back to back (the ``.tree``
     of a FlatTree), else each leaf copied into its view of ``pack_into`` (the same shapes and
     dtypes: faster than a concatenate for small leaves)."""
-    viewed = _viewed(leaves, layout)
-    if viewed is not None:
-        return viewed, False, "numpy"
+    first = leaves[0] if leaves else None
+    # `_viewed`'s first test, here: a plain tree's leaf owns its memory (every step of one)
+    if not (type(first) is np.ndarray and first.base is None and first.size):
+        viewed = _viewed(leaves, layout)
+        if viewed is not None:
+            return viewed, False, "numpy"
     if pack_into is None:
         out = FlatTree.empty(layout)
     else:

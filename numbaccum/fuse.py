@@ -1251,7 +1251,7 @@ def _lent_moved(old: Sequence[Any], new: Sequence[Any]) -> bool:
     that ``new`` does not have at its place is (a view of) a buffer whose values the caller
     holds (`numbaccum._loans.on_loan`). That is the loop holding its last updates while it asks
     for the next (``u, state = tx.update(g, state)``): the workspace it was handed is written
-    again only once it is dropped, and the call writes its spare (`numbaccum.flat.spare`), by
+    again only once it is dropped, and the call writes its spare (`numbaccum.flat.Workspace`), by
     turns. Only the library's buffers are ever lent, so a launch kept for them keeps nothing of
     the caller's alive (a new FlatTree of gradients each step is another input: not kept)."""
     if len(old) != len(new):

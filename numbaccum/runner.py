@@ -44,7 +44,7 @@ import numpy as np
 from . import _config, arrays, fuse
 from .backend import ops_for
 from .apply import apply_updates_, check_writable, scatter_back
-from .flat import FlatTree, as_flat, device_flat, host_leaves, layout_of
+from .flat import FlatTree, as_flat, device_flat, host_check, host_flat, layout_of
 from .contract import ONE
 from .fuse import run_part
 from .transaction import guarded, keep_states, state_flats
@@ -84,7 +84,7 @@ class Plan:
 
     __slots__ = (
         "root", "leaves", "runs", "scratch", "spec", "fused", "apply", "tick", "new_state", "owner",
-        "inbox", "into", "output", "launches", "undo", "__weakref__",
+        "inbox", "into", "output", "launches", "undo", "check", "__weakref__",
     )  # fmt: skip
     # Set by whoever makes the plan (`plan_of`, `sub_plan`), not by __init__.
     owner: FlatTree | None
@@ -103,6 +103,7 @@ class Plan:
         self.new_state = fuse.new_state_maker(root)  # the new state from the leaves' after a pass
         self.launches = fuse.Launches()  # the settle or add after the last part (`_replayed`)
         self.undo: Any = None  # set with the stage (`undo_of`)
+        self.check = host_check(spec.layout)  # `host_leaves` of a plain tree for this layout
 
 
 def undo_of(stage: Any, root: Any) -> Any:
@@ -374,10 +375,10 @@ def _again(stage: Any, plan: Plan, grads: Any, state: Any, params: Any, extra: d
             raise _MISS
         u, kind = Updates(grads, False), "flat"
     else:
-        checked = None if device else host_leaves(grads, layout)
+        checked = None if device else plan.check(grads)
         if checked is None:
             raise _MISS
-        flat, copied, kind = as_flat(grads, layout, "updates", plan.inbox, False, checked)
+        flat, copied, kind = host_flat(checked, layout, plan.inbox)
         u = Updates(flat, copied)
     if stage.reshapes:  # its params have the layout of what it returns: checked after its tick
         if params is None and apply:
@@ -421,7 +422,7 @@ def _params_again(plan: Plan, params: Any, apply: bool) -> tuple[ParamsRef | Non
         return ref, False
     if spec.device:
         raise _MISS
-    ref.checked = check_params(params, spec)
+    ref.checked = plan.check(params) or check_params(params, spec)  # the common case first
     if not apply:
         return ref, False
     ref._flat, copied = _writable(params, spec, plan.into, None, ref.checked)
@@ -623,6 +624,9 @@ def _writable(
         for x in checked:  # a loop, not a comprehension: a small tree's every step
             if not x.flags.writeable:
                 check_writable(params, "params")
+    if checked is not None:  # a plain host tree: packed, or viewed (`as_flat`'s own path)
+        flat, copied, _ = host_flat(checked, spec.layout, into)
+        return flat, copied
     if isinstance(params, FlatTree) and params.layout is spec.layout and params.device == spec.device:
         return params, False
     flat, copied, _ = as_flat(

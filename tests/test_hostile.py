@@ -426,6 +426,7 @@ DTYPE_ARGUMENTS: dict[str, Any] = {
     "FlatTree.empty.dtypes": lambda v: nba.FlatTree.empty(_flat().layout, v),
     "FlatTree.zeros.dtypes": lambda v: nba.FlatTree.zeros(_flat().layout, [v] * len(_flat().layout.groups)),
     "FlatTree.workspace.dtypes": lambda v: _flat().workspace("scratch", v),
+    "FlatTree.workspace_of.dtypes": lambda v: _flat().workspace_of("scratch", v)(),
     "FlatTree.from_tree.dtype": lambda v: nba.FlatTree.from_tree(_tree(), v),
     "FlatTree.zeros_like.dtype": lambda v: _flat().zeros_like(v),
     "MultiSteps.accumulator_dtype": lambda v: nba.MultiSteps(nba.sgd(0.1), 2, accumulator_dtype=v),
