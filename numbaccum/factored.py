@@ -667,8 +667,12 @@ class _ScaleBySM3(Stage):
         c0, c1 = (1.0 - self.b2 if self.b2 != 1.0 else 1.0), self.b2  # optax's coefficients
         scalars = (c0, c1, self.eps, 1.0 - b1, b1, 0.0, 1.0)  # `sm3_element`'s
         # Per group: its momentum, statistics and tables in one tuple (one zip a step).
-        mus = [mu.groups[g] for g in ax.mu_group]
-        groups = [(gi, n, mus[gi], ax.passes[gi], ax.maxima[gi]) for gi, n in enumerate(nu.groups)]
+        mus, maxima = [mu.groups[g] for g in ax.mu_group], ax.maxima
+        # (a group whose leaves all have one axis has no maxima to take: the pass writes mu)
+        groups = [
+            (gi, n, mus[gi], ax.passes[gi], maxima[gi], maxima[gi].jobs.size > 0)
+            for gi, n in enumerate(nu.groups)
+        ]
         sums = Reductions()  # the pass and the maxima, kept for their buffers
 
         def tick(state: Any, params: ParamsRef | None, extra: dict) -> bool:
@@ -681,9 +685,10 @@ class _ScaleBySM3(Stage):
         def run(u: Updates) -> tuple[Updates, ScaleBySM3State]:
             u = u.settled()
             out, acc = u.fresh(), nu.workspace("accumulators")
-            for (gi, n, m, table, maxima), o, g, a in zip(groups, out.groups, u.flat.groups, acc.groups):
+            for (gi, n, m, table, axes, some), o, g, a in zip(groups, out.groups, u.flat.groups, acc.groups):
                 sums.call(gi, prepare_axes, (_SM3_PASS, o, g, n, a, table, m), scalars)
-                sums.call(gi, prepare_axis_max, (m, a, maxima))
+                if some:
+                    sums.call(gi, prepare_axis_max, (m, a, axes))
             return Updates(out, True, scratch=u.scratch), part.new_state
 
         # One pass (reads the updates and nu; writes the updates, nu and the accumulators), then

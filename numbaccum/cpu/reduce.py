@@ -449,7 +449,7 @@ def partials(kind, x, table: Table, centers=None, p=0.0):
     return work, part, op
 
 
-_NON_NEGATIVE = frozenset(("sumsq", "sumabs", "nnz", "nancount", "nonfinite"))
+_NON_NEGATIVE = frozenset(("sumsq", "csumsq", "sumabs", "nnz", "nancount", "nonfinite"))
 
 
 def _dead():
