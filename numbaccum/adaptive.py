@@ -30,7 +30,7 @@ import numpy as np
 from . import formulas as F
 from . import fuse
 from ._checks import flag, non_negative, real, wrong_state
-from .backend import ops_for
+from .backend import Reductions, leaf_tables, ops_for, prepare_divide, prepare_ema
 from .base import Stage, as_stage, with_extra_args_support
 from .clipping import divide_leaves
 from .contract import ONE, Factor
@@ -89,12 +89,6 @@ def _group_factors(flat: FlatTree, gi: int, per_leaf: np.ndarray) -> np.ndarray:
     float32 kernel is compiled by accident)."""
     dt = flat.groups[gi].dtype
     return per_leaf[flat.layout.group_index[gi]].astype(compute_dtype(dt))
-
-
-def _divide_leaves(u: Updates, factors: np.ndarray) -> Updates:
-    """``u`` with each leaf divided by its factor (`numbaccum.clipping.divide_leaves`); ``u``
-    itself when every factor is 1."""
-    return divide_leaves(u, factors)
 
 
 def _divide_all(u: Updates, factor: float) -> Updates:
@@ -267,12 +261,19 @@ class _EmaNorm(Stage):
             ("reduction", "norms of the EMA", 1.0, 0.0),
             ("kernel", "scale", 1.0, 1.0),
         )
-        run = lambda u: self._run(u, now[0], now[1], now[2], inner)  # noqa: E731
+        sums = Reductions()  # the EMA's update and the divisions, kept for their buffers
+        run = lambda u: self._run(u, now[0], now[1], now[2], inner, sums)  # noqa: E731
         name = "normalize_by_ema" if self.normalize else "clip_norm_by_ema"
         return Host(run, passes, name, tick, pending=not self.tensorwise)
 
     def _run(
-        self, u: Updates, exp_avg: FlatTree, prev: np.ndarray, inner_state: Any, inner: _Inner | None
+        self,
+        u: Updates,
+        exp_avg: FlatTree,
+        prev: np.ndarray,
+        inner_state: Any,
+        inner: _Inner | None,
+        sums: Reductions,
     ) -> tuple[Updates, ClipNormByEmaState]:
         beta, ord, tensorwise, growth = self.beta, self.ord, self.tensorwise, self.growth
         min_norm, normalize = self.min_norm, self.normalize
@@ -285,11 +286,10 @@ class _EmaNorm(Stage):
         if inner is not None:
             out, inner_state = inner.run(t, u.factor, inner_state)
         active = np.isfinite(n)
-        for gi, (e, g) in enumerate(zip(exp_avg.groups, t.groups)):
+        for gi, (e, g, table) in enumerate(zip(exp_avg.groups, t.groups, leaf_tables(layout))):
             act = active[layout.group_index[gi]] if tensorwise else np.full(len(layout.groups[gi]), active)
             if act.any():
-                flags = act.astype(np.uint8)
-                ops_for(e).segment_ema_update_(e, g, ONE, layout.offsets[gi], flags, 1.0 - beta, beta)
+                sums.call(gi, prepare_ema, (e, g, table), ONE, act.astype(np.uint8), 1.0 - beta, beta)
         ema_norm = leaf_norms(exp_avg, ord) if tensorwise else np.array(tree_norm(exp_avg, ord))
         with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
             if growth is not None:
@@ -299,7 +299,7 @@ class _EmaNorm(Stage):
                 over = np.isfinite(ema_norm) & (ema_norm > allowed)
                 if over.any():
                     ratio = np.where(over, ema_norm / np.where(over, allowed, 1.0), 1.0)
-                    _rescale_ema(exp_avg, ratio, tensorwise)
+                    _rescale_ema(exp_avg, ratio, tensorwise, sums)
                     ema_norm = np.where(over, allowed, ema_norm)
                 prev[...] = np.where(np.isfinite(ema_norm), ema_norm, prev)
             ok = active & (n > TINY) & np.isfinite(ema_norm)
@@ -308,17 +308,16 @@ class _EmaNorm(Stage):
             if not normalize:
                 denom = np.maximum(denom, 1.0)
             denom = np.where(ok, denom, 1.0)
-        out = _divide_leaves(out, denom) if tensorwise else _divide_all(out, float(denom))
+        out = divide_leaves(out, denom, sums) if tensorwise else _divide_all(out, float(denom))
         return out, ClipNormByEmaState(exp_avg, prev, inner_state)
 
 
-def _rescale_ema(exp_avg: FlatTree, ratio: np.ndarray, tensorwise: bool) -> None:
-    """exp_avg /= ratio, per leaf or as a whole, in place."""
-    lay = exp_avg.layout
-    for gi, e in enumerate(exp_avg.groups):
+def _rescale_ema(exp_avg: FlatTree, ratio: np.ndarray, tensorwise: bool, sums: Reductions) -> None:
+    """exp_avg /= ratio, per leaf or as a whole, in place (``sums``: the stage's kept calls)."""
+    for gi, (e, table) in enumerate(zip(exp_avg.groups, leaf_tables(exp_avg.layout))):
         if tensorwise:
             f = _group_factors(exp_avg, gi, ratio)
-            ops_for(e).segment_divide_(e, e, ONE, lay.offsets[gi], f)
+            sums.call(("ema", gi), prepare_divide, (e, e, table), ONE, f)
         else:
             ops_for(e).scale_(e, e, Factor(float(ratio), 1.0))
 
@@ -738,9 +737,11 @@ class _NormGrowth(Stage):
             part = Scale(ONE, name="clip_norm_growth")
         else:
 
+            sums = Reductions()  # the divisions, kept for their buffers
+
             def run(u: Updates) -> tuple[Updates, ClipNormGrowthState]:
                 state = part.new_state  # the tick's
-                return self._run(u, state.prev_norm, bool(state.started), layout)
+                return self._run(u, state.prev_norm, bool(state.started), layout, sums)
 
             passes = (("reduction", "norms", 1.0, 0.0), ("kernel", "scale", 1.0, 1.0))
             part = Host(run, passes, "clip_norm_growth", pending=not self.tensorwise)
@@ -757,7 +758,7 @@ class _NormGrowth(Stage):
         return part
 
     def _run(
-        self, u: Updates, prev: np.ndarray, started: bool, layout: Layout
+        self, u: Updates, prev: np.ndarray, started: bool, layout: Layout, sums: Reductions
     ) -> tuple[Updates, ClipNormGrowthState]:
         add, mul, min_value, max_decay = self.add, self.mul, self.min_value, self.max_decay
         ord, tensorwise = self.ord, self.tensorwise
@@ -780,7 +781,7 @@ class _NormGrowth(Stage):
             if min_value is not None:
                 new = np.where(history, np.maximum(new, min_value), new)
             prev[...] = np.where(finite, new, prev)
-        out = _divide_leaves(u, denom) if tensorwise else _divide_all(u, float(denom))
+        out = divide_leaves(u, denom, sums) if tensorwise else _divide_all(u, float(denom))
         return out, ClipNormGrowthState(prev, np.bool_(True), layout)
 
 

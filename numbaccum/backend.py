@@ -11,6 +11,7 @@ when a CUDA array is seen, with one clear error if it cannot compile kernels her
 from __future__ import annotations
 
 import math
+import operator
 from typing import Any
 
 import numpy as np
@@ -167,6 +168,17 @@ class Reductions:
             last = self.last[key] = (x, table, _prepare_rescale(out, x, as_table(table), p), out)
         return bool(last[2](*target))
 
+    def call(self, slot: Any, prepare: Any, buffers: tuple, *args: Any) -> Any:
+        """``prepare(*buffers)(*args)``: the run `prepare` gives (`prepare_divide`,
+        `prepare_ema`, `prepare_axis_sumsq`, `prepare_axis_max`, `prepare_row_column`,
+        `prepare_axes`) kept under the caller's ``slot`` while ``buffers`` are the very objects
+        it was prepared for, prepared again when one changes."""
+        key = (slot, prepare)
+        last = self.last.get(key)
+        if last is None or not all(map(operator.is_, last[0], buffers)):
+            last = self.last[key] = (buffers, prepare(*buffers))
+        return last[1](*args)
+
 
 def _prepare_reduce(kind: str, x: Any, table: Any) -> Any:
     """``run(centers, p)``: the host engine's prepared reduction; on CUDA the engine's call."""
@@ -195,6 +207,59 @@ def _prepare_apply(out: Any, x: Any, table: Any) -> Any:
 
 
 _NO_VALUES = np.zeros(0, np.float64)  # an absent per-slice argument (centres 0, factors 1)
+
+
+# What `Reductions.call` keeps: the host engine's prepared entry (`numbaccum.cpu.reduce`'s
+# ``prepare_*``), or on a CUDA buffer the contract's call each time.
+
+
+def prepare_divide(out: Any, x: Any, table: Any) -> Any:
+    """``run(factor, divisors)``: `Ops.slice_divide_` of these buffers."""
+    ops = ops_for(x)
+    if isinstance(x, np.ndarray):
+        return ops.reduce.prepare_divide(out, x, as_table(table))
+    return lambda factor, divisors: ops.slice_divide_(out, x, factor, table, divisors)
+
+
+def prepare_ema(ema: Any, g: Any, table: Any) -> Any:
+    """``run(factor, active, one_minus_decay, decay)``: `Ops.slice_ema_update_` of these
+    buffers."""
+    ops = ops_for(g)
+    if isinstance(g, np.ndarray):
+        return ops.reduce.prepare_ema(ema, g, as_table(table))
+    return lambda factor, *rest: ops.slice_ema_update_(ema, g, factor, table, *rest)
+
+
+def prepare_axis_sumsq(x: Any, sums: Any) -> Any:
+    """``run()``: `Ops.axis_sumsq` of this buffer."""
+    ops = ops_for(x)
+    if isinstance(x, np.ndarray):
+        return ops.reduce.prepare_axis_sumsq(x, sums)
+    return lambda: ops.axis_sumsq(x, sums)
+
+
+def prepare_axis_max(out: Any, x: Any, maxima: Any) -> Any:
+    """``run()``: `Ops.axis_max_` of these buffers."""
+    ops = ops_for(x)
+    if isinstance(x, np.ndarray):
+        return ops.reduce.prepare_axis_max(out, x, maxima)
+    return lambda: ops.axis_max_(out, x, maxima)
+
+
+def prepare_row_column(decl: Any, out: Any, g: Any, v: Any, table: Any) -> Any:
+    """``run(rf, cf, scalars)``: `Ops.row_column_pass_` of these buffers."""
+    ops = ops_for(g)
+    if isinstance(g, np.ndarray):
+        return ops.reduce.prepare_row_column(decl, out, g, v, table)
+    return lambda rf, cf, scalars: ops.row_column_pass_(decl, out, g, v, table, rf, cf, scalars)
+
+
+def prepare_axes(decl: Any, out: Any, g: Any, nu: Any, acc: Any, table: Any, mu: Any) -> Any:
+    """``run(scalars)``: `Ops.axes_pass_` of these buffers."""
+    ops = ops_for(g)
+    if isinstance(g, np.ndarray):
+        return ops.reduce.prepare_axes(decl, out, g, nu, acc, table, mu)
+    return lambda scalars: ops.axes_pass_(decl, out, g, nu, acc, table, mu, scalars)
 
 
 def leaf_sumsq(flat: Any) -> np.ndarray:

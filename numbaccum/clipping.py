@@ -12,7 +12,7 @@ from . import formulas as F
 from . import fuse
 from ._bounded import Bounded
 from ._checks import integer, non_negative, real, real_scalar, transformation, wrong_state
-from .backend import leaf_tables, ops_for, slice_sumsq, sumsq_of_leaves, tree_sumsq_scaled
+from .backend import Reductions, leaf_tables, ops_for, prepare_divide, sumsq_of_leaves, tree_sumsq_scaled
 from .base import Stage, as_stage, host_step, with_extra_args_support
 from .contract import ONE, Factor, Ops
 from .control import Inner
@@ -23,7 +23,7 @@ from .fuse import Later, Prepass
 from .layout import Layout, compute_dtype
 from .lockstep import Note, inside
 from .protocol import EmptyState, GradientTransformationExtraArgs, state_class
-from .tables import segments
+from .tables import segments, whole
 from .tables import sum_in_order as _sequential_sum
 from .traits import LEAF, TREE
 from .transaction import keep_states
@@ -659,15 +659,19 @@ class _ZeroNans(Stage):
         zeroes them; the state is rebuilt from the counts each step."""
         if not isinstance(state, ZeroNansState):
             raise wrong_state("ZeroNansState", state)
-        treedef = spec.layout.treedef
+        lay = spec.layout
+        # The counts and the zeroing pass kept for their buffers (the contract's kernels).
+        sums, launches, groups = Reductions(), fuse.Launches(), tuple(zip(lay.group_index, leaf_tables(lay)))
 
         def run(u: Updates) -> tuple[Updates, ZeroNansState]:
             u = u.settled()
-            found = leaf_reductions(u.flat, Ops.segment_nancount) > 0
+            counts = np.empty(lay.num_leaves, np.float64)
             out = u.fresh()
-            for o, g in zip(out.groups, u.flat.groups):
-                ops_for(g).zero_nans_(o, g, ONE)
-            return Updates(out, True), ZeroNansState(tree_unflatten(treedef, list(found)))  # np.bool_s
+            for gi, ((members, table), o, g) in enumerate(zip(groups, out.groups, u.flat.groups)):
+                counts[members] = sums.reduce(gi, "nancount", g, table)
+                launches.run(F.zero_nans, gi, [g, o], ONE, ())
+            found = tree_unflatten(lay.treedef, list(counts > 0))  # np.bool_s
+            return Updates(out, True), ZeroNansState(found)
 
         def tick(state: Any, params: Any, extra: dict) -> bool:
             return isinstance(state, ZeroNansState)  # (its flags are no buffers: any such state)
@@ -767,6 +771,7 @@ class _ApplyIfFinite(Stage):
             raise wrong_state("ApplyIfFiniteState", state)
         inner, max_errors = Inner(self.stage, spec, "apply_if_finite."), self.max_errors
         step: list = [None]  # this step's state
+        sums, wholes = Reductions(), [whole(n) for n in spec.layout.group_sizes]  # the counts, kept
 
         def tick(state: Any, params: ParamsRef | None, extra: dict) -> bool:
             if not isinstance(state, ApplyIfFiniteState) or not inner.tick(state.inner_state, params, extra):
@@ -787,7 +792,10 @@ class _ApplyIfFinite(Stage):
             read = finite_of()
             finite = read(u.flat) if read is not None else None
             if finite is None:
-                finite = sum(ops_for(g).count_nonfinite(g) for g in u.flat.groups) == 0
+                nonfinite = 0.0
+                for gi, (g, table) in enumerate(zip(u.flat.groups, wholes)):
+                    nonfinite += sums.reduce(gi, "nonfinite", g, table)[0]
+                finite = nonfinite == 0
             count = 0 if finite else streak + 1
             new_total = total + (0 if finite else 1)
             flags = (np.int32(min(count, _INT32_MAX)), np.bool_(finite), np.int32(min(new_total, _INT32_MAX)))
@@ -872,15 +880,17 @@ class _ClipByBlockRms(_Stateless):
             for members, offsets, table in zip(lay.group_index, lay.offsets, leaf_tables(lay))
         ]
 
+        sums, n = Reductions(), lay.num_leaves  # the reductions and divisions kept for their buffers
+
         def run(u: Updates, params: Any) -> Updates:
             u = u.settled()
-            factors = np.empty(lay.num_leaves, np.float64)
-            for (members, sizes, table), g in zip(groups, u.flat.groups):
-                s, f = slice_sumsq(g, table)  # scaled: finite for float64 leaves past 1e154
+            factors = np.empty(n, np.float64)
+            for gi, ((members, sizes, table), g) in enumerate(zip(groups, u.flat.groups)):
+                s, f = sums.sumsq(gi, g, table)  # scaled: finite for float64 leaves past 1e154
                 with np.errstate(divide="ignore", invalid="ignore", over="ignore"):  # 0 / 0: NaN, as optax
                     rms = np.sqrt(s / sizes) / f
                     factors[members] = np.maximum(1.0, rms / threshold)
-            return divide_leaves(u, factors, always=True)
+            return divide_leaves(u, factors, sums, always=True)
 
         passes = (("reduction", "RMS per leaf", 1.0, 0.0), ("kernel", "divide", 1.0, 1.0))
         return host_step(run, passes, "clip_by_block_rms")
@@ -896,11 +906,21 @@ def _range(ctype: np.dtype) -> tuple[float, float]:
     return out
 
 
-def divide_leaves(u: Updates, factors: np.ndarray, always: bool = False) -> Updates:
+_CTYPE: dict[tuple, np.dtype] = {}
+
+
+def _ctype(*dtypes: np.dtype) -> np.dtype:
+    """`compute_dtype` of a pair of buffer dtypes, kept (a step of a small tree asks it)."""
+    out = _CTYPE[dtypes] = compute_dtype(*dtypes)
+    return out
+
+
+def divide_leaves(u: Updates, factors: np.ndarray, kept: Reductions, always: bool = False) -> Updates:
     """``u`` with each leaf divided by its float64 factor: one segmented pass per group in the
-    compute dtype (the factors cast to it), or, for a group where a factor does not fit that
-    dtype (a float32 leaf divided by 1e39 would be divided by inf), ``x * (1 / factor)`` in
-    float64, rounded once. ``u`` itself when every factor is 1 (unless ``always``)."""
+    compute dtype (the factors cast to it; prepared in the caller's ``kept``), or, for a group
+    where a factor does not fit that dtype (a float32 leaf divided by 1e39 would be divided by
+    inf), ``x * (1 / factor)`` in float64, rounded once. ``u`` itself when every factor is 1
+    (unless ``always``)."""
     if not always and not np.any(factors != 1.0):
         return u
     factor = u.factor
@@ -908,14 +928,15 @@ def divide_leaves(u: Updates, factors: np.ndarray, always: bool = False) -> Upda
         u, factor = u.settled(), ONE
     out = u.fresh()
     lay = u.flat.layout
+    tables = leaf_tables(lay)
     for gi, (o, g) in enumerate(zip(out.groups, u.flat.groups)):
         f = factors[lay.group_index[gi]]
-        ctype = compute_dtype(g.dtype, o.dtype)
+        ctype = _CTYPE.get((g.dtype, o.dtype)) or _ctype(g.dtype, o.dtype)
         tiny, big = _RANGE.get(ctype) or _range(ctype)
         with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
             a = np.abs(f)  # NaN fits (optax's NaN), 0 and inf too (the division by them is exact)
             if not np.any(((a > big) & (a < np.inf)) | ((a < tiny) & (a > 0))):  # the common case
-                ops_for(g).segment_divide_(o, g, factor, lay.offsets[gi], f.astype(ctype))
+                kept.call(gi, prepare_divide, (o, g, tables[gi]), factor, f.astype(ctype))
                 continue
             if not factor.is_one:  # the float64 path reads settled values
                 ops_for(g).scale_(o, g, factor)

@@ -33,7 +33,14 @@ import numpy as np
 from ._bounded import Bounded
 from ._checks import flag, integer, non_negative, real, real_or_schedule, scheduled, wrong_state
 from .accumulation import ema
-from .backend import ops_for
+from .backend import (
+    Reductions,
+    prepare_axes,
+    prepare_axis_max,
+    prepare_axis_sumsq,
+    prepare_divide,
+    prepare_row_column,
+)
 from .base import NO_PARAMS_MSG, Stage, chain
 from .clipping import clip_by_block_rms
 from .contract import ONE
@@ -222,10 +229,6 @@ def _unfactored_share(layout: Layout, dims: tuple) -> float:
     return sum(n for n, d in zip(layout.sizes, dims) if d is None) / total if total else 0.0
 
 
-def _as_f64(x: np.ndarray) -> np.ndarray:
-    return np.asarray(x, np.float64) if x.dtype.kind != "V" else x.astype(np.float64)
-
-
 # --- the per-element formulas of the passes (plain Python; both backends compile them) -----------
 
 
@@ -257,6 +260,22 @@ def sm3_element(x, m, nu, scalars):  # pragma: no cover - compiled by the backen
 
 _FACTORED_PASS = RowColumnPass(factored_element, rms_element)
 _SM3_PASS = AxesPass(minimum, sm3_element)  # the smallest statistic, NaN if any is (jnp.minimum)
+
+
+class _Stats:
+    """One dtype group's row or column statistics (``stats``, a host buffer in the leaves'
+    dtype), with what a step updates them from: their axis sums of squares, each statistic's
+    length and whether a factored leaf owns it, and ``wide``, their float64 copy (exact:
+    float64 holds every float32, float16 and bfloat16), a buffer of the declared part that
+    the kept reductions read; ``slot``: the axis sums' in them."""
+
+    __slots__ = ("active", "lens", "slot", "stats", "sums", "wide")
+
+    def __init__(
+        self, stats: np.ndarray, sums: AxisSums, lens: np.ndarray, active: np.ndarray, slot: Any
+    ) -> None:
+        self.stats, self.sums, self.lens, self.active, self.slot = stats, sums, lens, active, slot
+        self.wide = np.empty(stats.size)
 
 
 class _ScaleByFactoredRms(Stage):
@@ -317,25 +336,24 @@ class _ScaleByFactoredRms(Stage):
         v_row = expect_state(state, FactoredState, "v_row", f.v_row, False, renew=False)
         v_col = expect_state(state, FactoredState, "v_col", f.v_col, False, renew=False)
         buffers = (("v", v.__dict__), ("v_row", v_row.__dict__), ("v_col", v_col.__dict__))
-        host = ops_for(np.zeros(0))  # the statistics live on the host
         eps, decay_of = self.epsilon, self._decay
         step = [np.float64(0.0), np.float64(0.0)]  # this step's decay and one minus it (tick's)
-        # Per group: its backend, its buffers and tables in one tuple (one zip a step).
+        # Per group: its buffers and tables in one tuple (one zip a step).
         groups = [
             (
                 gi,
-                ops_for(v.groups[gi]),
                 v.groups[gi],
-                v_row.groups[gi],
-                v_col.groups[gi],
-                (f.rows[gi], f.row_len[gi], f.row_active[gi]),
-                (f.cols[gi], f.col_len[gi], f.col_active[gi]),
+                _Stats(v_row.groups[gi], f.rows[gi], f.row_len[gi], f.row_active[gi], (gi, "rows")),
+                _Stats(v_col.groups[gi], f.cols[gi], f.col_len[gi], f.col_active[gi], (gi, "cols")),
                 f.row_means[gi],
                 f.row_means_len[gi],
                 f.passes[gi],
+                np.empty(v_row.groups[gi].size),  # the row ratios
+                bool(f.row_active[gi].any()),  # whether a leaf of the group is factored
             )
             for gi in range(len(spec.layout.groups))
         ]
+        sums = Reductions()  # the axis sums, the ratios and the pass, kept for their buffers
         no_factors = np.zeros(0)
 
         def tick(state: Any, params: ParamsRef | None, extra: dict) -> bool:
@@ -350,32 +368,30 @@ class _ScaleByFactoredRms(Stage):
             part.new_state = FactoredState(safe_increment(np.int32(count)), new_row, new_col, new_v)
             return True
 
-        def statistics(stats: np.ndarray, sums: np.ndarray, table: tuple) -> np.ndarray:
-            """The new row or column statistics of a group (in place, in their dtype); float64."""
-            _, lens, active = table
-            with np.errstate(all="ignore"):
-                new = step[0] * _as_f64(stats) + step[1] * (sums / lens + eps)
-            stats[active] = new[active]
-            return _as_f64(stats)
-
         def run(u: Updates) -> tuple[Updates, FactoredState]:
             u = u.settled()
             out = u.fresh()
             decay, one_minus = step
-            for (gi, ops, vg, vr, vc, rows, cols, means, means_len, table), o, g in zip(
+            for (gi, vg, rows, cols, means, means_len, table, ratio, factored), o, g in zip(
                 groups, out.groups, u.flat.groups
             ):
-                if f.any_factored:
-                    r = statistics(vr, ops.axis_sumsq(g, rows[0]), rows)
-                    c = statistics(vc, ops.axis_sumsq(g, cols[0]), cols)
+                if factored:  # (a group without a factored leaf has no statistics to update)
+                    for st in (rows, cols):  # in place, in their dtype, from g's sums of squares
+                        st.wide[...] = st.stats
+                        with np.errstate(all="ignore"):
+                            sq = sums.call(st.slot, prepare_axis_sumsq, (g, st.sums))
+                            new = step[0] * st.wide + step[1] * (sq / st.lens + eps)
+                        st.stats[st.active] = new[st.active]
+                        st.wide[...] = st.stats
                     # v_row over its mean along d1, slice by slice of the means' table
-                    ratio = np.empty_like(r)
-                    host.slice_divide_(ratio, r, ONE, means, host.slice_sum(r, means) / means_len)
+                    mean = sums.reduce(gi, "sum", rows.wide, means) / means_len
+                    sums.call(gi, prepare_divide, (ratio, rows.wide, means), ONE, mean)
                     with np.errstate(all="ignore"):
-                        rf, cf = ratio**-0.5, c**-0.5
+                        rf, cf = ratio**-0.5, cols.wide**-0.5
                 else:
                     rf = cf = no_factors
-                ops.row_column_pass_(_FACTORED_PASS, o, g, vg, table, rf, cf, (decay, one_minus, eps))
+                scalars = (decay, one_minus, eps)
+                sums.call(gi, prepare_row_column, (_FACTORED_PASS, o, g, vg, table), rf, cf, scalars)
             return Updates(out, True, scratch=u.scratch), part.new_state
 
         # Two segmented reductions (row and column sums of squares) where a leaf is factored,
@@ -650,11 +666,14 @@ class _ScaleBySM3(Stage):
         b1 = self.b1
         c0, c1 = (1.0 - self.b2 if self.b2 != 1.0 else 1.0), self.b2  # optax's coefficients
         scalars = (c0, c1, self.eps, 1.0 - b1, b1, 0.0, 1.0)  # `sm3_element`'s
-        # Per group: its backend, momentum, statistics and tables in one tuple (one zip a step).
+        # Per group: its momentum, statistics and tables in one tuple (one zip a step).
+        mus, maxima = [mu.groups[g] for g in ax.mu_group], ax.maxima
+        # (a group whose leaves all have one axis has no maxima to take: the pass writes mu)
         groups = [
-            (ops_for(n), n, mu.groups[ax.mu_group[gi]], ax.passes[gi], ax.maxima[gi])
+            (gi, n, mus[gi], ax.passes[gi], maxima[gi], maxima[gi].jobs.size > 0)
             for gi, n in enumerate(nu.groups)
         ]
+        sums = Reductions()  # the pass and the maxima, kept for their buffers
 
         def tick(state: Any, params: ParamsRef | None, extra: dict) -> bool:
             if not holds(state, ScaleBySM3State, buffers):
@@ -666,9 +685,10 @@ class _ScaleBySM3(Stage):
         def run(u: Updates) -> tuple[Updates, ScaleBySM3State]:
             u = u.settled()
             out, acc = u.fresh(), nu.workspace("accumulators")
-            for (ops, n, m, table, maxima), o, g, a in zip(groups, out.groups, u.flat.groups, acc.groups):
-                ops.axes_pass_(_SM3_PASS, o, g, n, a, table, m, scalars)
-                ops.axis_max_(m, a, maxima)
+            for (gi, n, m, table, axes, some), o, g, a in zip(groups, out.groups, u.flat.groups, acc.groups):
+                sums.call(gi, prepare_axes, (_SM3_PASS, o, g, n, a, table, m), scalars)
+                if some:
+                    sums.call(gi, prepare_axis_max, (m, a, axes))
             return Updates(out, True, scratch=u.scratch), part.new_state
 
         # One pass (reads the updates and nu; writes the updates, nu and the accumulators), then

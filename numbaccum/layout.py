@@ -152,6 +152,7 @@ class Layout:
     leaf_start: tuple[int, ...]  # start of each leaf within its group
     offsets: tuple[np.ndarray, ...]  # per group: int64 leaf boundaries, len = n_leaves + 1
     group_sizes: tuple[int, ...]
+    num_leaves: int  # an attribute, not a property: a small tree's step asks it several times
     complex: bool
     shapes_dtypes: list[tuple[tuple[int, ...], np.dtype]]
 
@@ -182,6 +183,7 @@ class Layout:
     def __init__(self, treedef: TreeDef, shapes: tuple, dtypes: tuple, keys: tuple) -> None:
         self.treedef = treedef
         self.shapes = shapes
+        self.num_leaves = len(shapes)
         self.sizes = tuple(int(np.prod(s, dtype=np.int64)) for s in shapes)
         self.dtypes = dtypes
         order: list[np.dtype] = []
@@ -211,10 +213,6 @@ class Layout:
         self._paths: list[tuple] | None = None
         # A list, as `host_leaves` compares it with the list it builds from a tree's leaves.
         self.shapes_dtypes = list(zip(shapes, dtypes))
-
-    @property
-    def num_leaves(self) -> int:
-        return len(self.shapes)
 
     @property
     def size(self) -> int:

@@ -35,14 +35,14 @@ from . import _cache, runner
 from ._bounded import Bounded
 from ._checks import flag, non_negative, real
 from .apply import scatter_back, writable_flat
-from .backend import Reductions, ops_for, slice_sumsq, tree_sumsq_scaled
+from .backend import Reductions, leaf_sumsq, ops_for, slice_sumsq, tree_sumsq_scaled
 from .base import Stage, host_step
 from .clipping import _Clip
 from .contract import ONE, Factor, Ops
 from .flat import FlatTree, as_flat, layout_of
 from .layout import Layout, compute_dtype, real_dtype
 from .protocol import EmptyState, GradientTransformationExtraArgs
-from .tables import ACTIVE, METRIC_TINY, NSLICES, SLEN, norm_pair, sum_in_order
+from .tables import ACTIVE, METRIC_TINY, NSLICES, SLEN, SUMSQ_TINY, norm_pair, sum_in_order
 from .traits import LEAF, TREE
 from .updates import Spec, Updates
 
@@ -205,9 +205,12 @@ def _whole_leaf(shape: tuple) -> tuple[tuple, frozenset]:
     return shape, frozenset(range(len(shape)))
 
 
+_WHOLE = ("whole",)  # `_whole`'s key in `_SLICINGS`
+
+
 def _whole(layout: Layout) -> _Slicing:
     """Every leaf one slice (the per-leaf and global metrics)."""
-    return _slicing(layout, ("whole",), _whole_leaf)
+    return _slicing(layout, _WHOLE, _whole_leaf)
 
 
 def _check_dim(dim: Any, name: str = "dim") -> tuple[int, ...] | str | None:
@@ -343,8 +346,8 @@ def _raw(
     return kernel(ops, g, rows)
 
 
-def _power_kernel(p: float) -> Any:
-    return Ops.slice_sumsq if p == 2 else Ops.slice_sumabs if p == 1 else Ops.slice_sumpow
+# The reduction of the power sums of a p-norm: ``_POWER_KERNEL.get(p, Ops.slice_sumpow)``.
+_POWER_KERNEL = {2.0: Ops.slice_sumsq, 1.0: Ops.slice_sumabs}
 
 
 def _power_sums(
@@ -355,7 +358,7 @@ def _power_sums(
     scaled by a power of two below their max, so the metric is ``S ** (1 / p) / f``."""
     if p == 2 and centers is None:  # the library's one scaled sum of squares (overflow and underflow)
         return slice_sumsq(g, gs.rows) if kept is None else kept[0].sumsq(kept[1], g, gs.rows)
-    kernel = _power_kernel(p)
+    kernel = _POWER_KERNEL.get(p, Ops.slice_sumpow)
     s = _raw(g, gs.rows, kernel, centers, p, None, kept)
     f = np.ones_like(s)
     if p > 0:
@@ -416,35 +419,52 @@ def leaf_norms(flat: FlatTree, ord: Any = 2) -> np.ndarray:
     Raises:
         ValueError: unknown ``ord``.
     """
-    key = check_ord(ord)
-    flat = _flat_of(flat)
-    whole = _whole(flat.layout)
-    out = np.empty(flat.layout.num_leaves, np.float64)
+    key = ord if type(ord) is float and ord == ord else check_ord(ord)  # (a stage's: checked already)
+    flat = flat if isinstance(flat, FlatTree) else _flat_of(flat)
+    lay = flat.layout
+    if key == 2:  # the global norm's kept per-leaf sums (the same bits), unless one needs a rescue
+        sums = leaf_sumsq(flat)
+        for members, dt in zip(lay.group_index, lay.group_dtypes):
+            s = sums[members]
+            if dt.itemsize >= 8 and np.any((s == np.inf) | (s < SUMSQ_TINY)):  # `slice_sumsq`'s test
+                break
+        else:
+            return np.sqrt(sums)
+    whole = _whole(lay)
+    out = np.empty(lay.num_leaves, np.float64)
     for members, g, gs in zip(flat.layout.group_index, flat.groups, whole.groups):
         out[members] = _slice_metric(g, gs, key)
     return out
 
 
 def _leafwise(
-    flat: FlatTree, kernel: Any, centers: float | None = None, p: float = 0.0, scale: float | None = None
+    flat: FlatTree,
+    kernel: Any,
+    centers: float | None = None,
+    p: float = 0.0,
+    scale: float | None = None,
+    kept: Reductions | None = None,
 ) -> np.ndarray:
     """Per leaf (leaf order): the reduction ``kernel`` of ``(x - centers) * scale`` over all its
-    elements (``centers`` and ``scale`` one value for the whole tree)."""
-    whole = _whole(flat.layout)
+    elements (``centers`` and ``scale`` one value for the whole tree; through ``kept``, a
+    stage's kept reductions, when given)."""
+    whole = _SLICINGS.get((flat.layout, _WHOLE)) or _whole(flat.layout)
     out = np.empty(flat.layout.num_leaves, np.float64)
-    for members, g, gs in zip(flat.layout.group_index, flat.groups, whole.groups):
+    for gi, (members, g, gs) in enumerate(zip(flat.layout.group_index, flat.groups, whole.groups)):
         c = None if centers is None else np.full(members.size, centers)
         s = None if scale is None else np.full(members.size, scale)
-        out[members] = _raw(g, gs.rows, kernel, c, p, s)
+        out[members] = _raw(g, gs.rows, kernel, c, p, s, None if kept is None else (kept, gi))
     return out
 
 
-def _tree_power_sum(flat: FlatTree, p: float, center: float | None = None) -> tuple[float, float]:
+def _tree_power_sum(
+    flat: FlatTree, p: float, center: float | None = None, kept: Reductions | None = None
+) -> tuple[float, float]:
     """``(S, f)`` over the whole tree, leaves added in leaf order (see `_power_sums`)."""
-    kernel = _power_kernel(p)
+    kernel = _POWER_KERNEL.get(p, Ops.slice_sumpow)
     if p == 2 and center is None:  # the one global L2 norm: global_norm's bits
         return tree_sumsq_scaled(flat)
-    s = float(sum_in_order(_leafwise(flat, kernel, center, p)))
+    s = float(sum_in_order(_leafwise(flat, kernel, center, p, kept=kept)))
     if p > 0 and math.isinf(s):
         m = float(np.max(_leafwise(flat, Ops.slice_maxabs)))
         if math.isfinite(m) and m > 0:
@@ -453,39 +473,42 @@ def _tree_power_sum(flat: FlatTree, p: float, center: float | None = None) -> tu
     return s, 1.0
 
 
-def tree_norm(flat: FlatTree, ord: Any = 2) -> float:
+def tree_norm(flat: FlatTree, ord: Any = 2, kept: Reductions | None = None) -> float:
     """The metric ``ord`` of the whole tree (all leaves as one vector; torchzero's ``'global'``):
     p-norms from the per-leaf power sums added in leaf order, ``inf``/``-inf`` the max/min of
     ``|x|``, ``0`` (``'l0'``) the number of non-zero elements (torchzero raises
     ZeroDivisionError), ``'mad'`` ``sum|x| / n``, ``'sum'`` the signed sum, ``'std'``/``'var'``
     over all elements (unbiased, two passes). Accumulated in float64.
 
+    ``kept``: a stage's kept reductions (`numbaccum.backend.Reductions`), or None.
+
     Raises:
         ValueError: unknown ``ord``.
     """
-    key = check_ord(ord)
-    flat = _flat_of(flat)
-    n = flat.layout.size
+    key = ord if type(ord) is float and ord == ord else check_ord(ord)  # (a stage's: checked already)
+    flat = flat if isinstance(flat, FlatTree) else _flat_of(flat)
     with np.errstate(all="ignore"):
         if key == "sum":
-            return float(sum_in_order(_leafwise(flat, Ops.slice_sum)))
+            return float(sum_in_order(_leafwise(flat, Ops.slice_sum, kept=kept)))
+        n = flat.layout.size if isinstance(key, str) else 0  # (the statistics')
         if key == "mad":
-            return float(sum_in_order(_leafwise(flat, Ops.slice_sumabs))) / n if n else math.nan
+            return float(sum_in_order(_leafwise(flat, Ops.slice_sumabs, kept=kept))) / n if n else math.nan
         if key in ("var", "std"):
             if n < 2:
                 return math.nan
-            mean = float(sum_in_order(_leafwise(flat, Ops.slice_sum))) / n
-            s, f = _tree_power_sum(flat, 2.0, mean)
+            mean = float(sum_in_order(_leafwise(flat, Ops.slice_sum, kept=kept))) / n
+            s, f = _tree_power_sum(flat, 2.0, mean, kept)
             return math.sqrt(s / (n - 1)) / f if key == "std" else s / (n - 1) / f / f
         if key in (math.inf, -math.inf):
-            per_leaf = _leafwise(flat, Ops.slice_maxabs if key > 0 else Ops.slice_minabs)
+            per_leaf = _leafwise(flat, Ops.slice_maxabs if key > 0 else Ops.slice_minabs, kept=kept)
             if not per_leaf.size:
                 return 0.0 if key > 0 else math.inf
             return float(np.max(per_leaf) if key > 0 else np.min(per_leaf))
         if key == 0:
-            return float(sum_in_order(_leafwise(flat, Ops.slice_nnz)))
+            return float(sum_in_order(_leafwise(flat, Ops.slice_nnz, kept=kept)))
         p = float(key)
-        return float(_root(*_tree_power_sum(flat, p), p))
+        s, f = _tree_power_sum(flat, p, None, kept)
+        return s / f if p == 1 else float(_root(s, f, p))  # (`_root`'s l1, without its call)
 
 
 # --- scaling the updates --------------------------------------------------------------------
@@ -579,7 +602,7 @@ def _rescale(
     metrics to the host for the factors."""
     flat = u.flat
     if slicing is None:
-        n = tree_norm(flat, key)
+        n = tree_norm(flat, key, sums)
         d, m = norm_pair(n, *target)
         # The pending factor rides on the next kernel, as in clip_by_global_norm: (x / n) * t.
         return u if d == m else u.scaled(Factor(d, m))

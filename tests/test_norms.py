@@ -529,3 +529,131 @@ def test_kept_reductions_give_the_contracts_bits_and_follow_their_buffers(dtype)
             want, x, table, 2.0, 1.0
         )
         assert_bits(out, want)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16])
+def test_kept_calls_give_the_contracts_bits_and_follow_their_buffers(dtype):
+    """`Reductions.call`'s prepared runs (divisions, EMA updates, axis sums and maxima, the
+    Adafactor and SM3 passes) give the bits of the `Ops` calls they replace, read the buffers'
+    current values, and are prepared again for a new buffer in the same slot."""
+    from numbaccum import backend as B
+    from numbaccum.contract import Factor
+    from numbaccum.factored import _FACTORED_PASS, _SM3_PASS, _axes_of, _factoring
+    from numbaccum.flat import layout_of
+    from numbaccum.tables import segments
+
+    rng = np.random.default_rng(5)
+    tree = {"m": np.zeros((30, 90), dtype), "v": np.zeros(7, dtype), "t": np.zeros((3, 4, 5), dtype)}
+    lay = layout_of(tree, "t")
+    (offsets,), (fac,), ax = lay.offsets, _factoring(lay, True, 2).passes, _axes_of(lay)
+    table, rows = segments(offsets), _factoring(lay, True, 2).rows[0]
+    n = int(offsets[-1])
+    kept, assert_bits = B.Reductions(), np.testing.assert_array_equal
+    x = rng.standard_normal(n).astype(dtype)
+    out, ema = np.empty_like(x), np.zeros_like(x)
+    ema_want, v, v_want = ema.copy(), np.ones_like(x), np.ones_like(x)
+    nu, nu_want = np.zeros_like(x), np.zeros_like(x)
+    mu, mu_want = np.zeros(ax.mu.group_sizes[0], dtype), np.zeros(ax.mu.group_sizes[0], dtype)
+    acc, acc_want = np.zeros_like(x), np.zeros_like(x)
+    for step in range(3):
+        if step == 1:
+            x *= 3  # in place: the same buffer, new values
+        if step == 2:
+            x, out = (x * 0.5).astype(dtype), np.empty_like(x)  # new buffers in the same slots
+        ops, want = B.ops_for(x), np.empty_like(x)
+        factor, divisors = Factor(2.0, 3.0), np.array([0.5, 3.0, -4.0])
+        kept.call("g", B.prepare_divide, (out, x, table), factor, divisors)
+        ops.slice_divide_(want, x, factor, table, divisors)
+        assert_bits(out, want)
+        active = np.array([1, 0, 1], np.uint8)
+        kept.call("g", B.prepare_ema, (ema, x, table), factor, active, 0.1, 0.9)
+        ops.slice_ema_update_(ema_want, x, factor, table, active, 0.1, 0.9)
+        assert_bits(ema, ema_want)
+        assert_bits(kept.call("g", B.prepare_axis_sumsq, (x, rows)), ops.axis_sumsq(x, rows))
+        rf, cf = rng.random(rows.n_out) + 0.5, rng.random(_factoring(lay, True, 2).cols[0].n_out) + 0.5
+        kept.call("g", B.prepare_row_column, (_FACTORED_PASS, out, x, v, fac), rf, cf, (0.9, 0.1, 1e-30))
+        ops.row_column_pass_(_FACTORED_PASS, want, x, v_want, fac, rf, cf, (0.9, 0.1, 1e-30))
+        assert_bits(out, want)
+        assert_bits(v, v_want)
+        scalars = (0.1, 0.9, 1e-8, 0.5, 0.5, 0.0, 1.0)
+        kept.call("g", B.prepare_axes, (_SM3_PASS, out, x, nu, acc, ax.passes[0], mu), scalars)
+        ops.axes_pass_(_SM3_PASS, want, x, nu_want, acc_want, ax.passes[0], mu_want, scalars)
+        assert_bits(out, want)
+        assert_bits(nu, nu_want)
+        kept.call("g", B.prepare_axis_max, (mu, acc, ax.maxima[0]))
+        ops.axis_max_(mu_want, acc_want, ax.maxima[0])
+        assert_bits(mu, mu_want)
+
+
+# Stages whose declared parts keep their reductions and launches (`Reductions.call`, `fuse.Launches`).
+_KEPT_CASES = [
+    "clip_norm_by_ema", "clip_norm_growth", "zero_nans", "apply_if_finite", "clip_by_block_rms",
+    "normalize_global_l1", "normalize_std_inverse", "adafactor", "scale_by_factored_rms", "sm3",
+]
+
+
+@pytest.mark.parametrize("name", _KEPT_CASES)
+def test_kept_parts_follow_their_states(name, tmp_path):
+    """Two states of one transformation stepped in turn, a state restored from a checkpoint
+    next to the one it was saved from, and one state per thread on one transformation: each
+    gives the bits of a transformation of its own (the kept runs follow their buffers)."""
+    import threading
+
+    from registry import CASES
+
+    make = CASES[name].make
+    rng = np.random.default_rng(11)
+
+    def tree(scale):
+        return {
+            "w": (scale * rng.standard_normal((6, 5))).astype(np.float32),
+            "b": (scale * rng.standard_normal(5)).astype(np.float32),
+            "d": scale * rng.standard_normal(3),
+        }
+
+    params = [tree(1.0), tree(2.0)]
+    grads = [[tree(0.5 + k % 3) for k in range(8)] for _ in range(2)]
+
+    def steps(tx, i, state, ks):
+        outs = []
+        for k in ks:
+            u, state = tx.update(grads[i][k], state, params[i])
+            outs.append({key: np.array(v) for key, v in u.items()})
+        return outs, state
+
+    alone = [steps(make(), i, make().init(params[i]), range(8))[0] for i in range(2)]
+    tx = make()  # two states in turn on one transformation
+    states = [tx.init(p) for p in params]
+    together: list = [[], []]
+    for k in range(8):
+        for i in range(2):
+            out, states[i] = steps(tx, i, states[i], [k])
+            together[i] += out
+    for i in range(2):
+        for a, b in zip(together[i], alone[i]):
+            for key in a:
+                np.testing.assert_array_equal(a[key], b[key])
+    tx = make()  # a restored state beside the one it was saved from
+    _, state = steps(tx, 0, tx.init(params[0]), range(4))
+    nba.save_state(tmp_path / "s.npz", state)
+    restored = nba.load_state(tmp_path / "s.npz", like=tx.init(params[0]))
+    for k in range(4, 8):
+        (a,), state = steps(tx, 0, state, [k])
+        (b,), restored = steps(tx, 0, restored, [k])
+        for key in a:
+            np.testing.assert_array_equal(a[key], alone[0][k][key])
+            np.testing.assert_array_equal(b[key], alone[0][k][key])
+    tx, results = make(), [None, None]  # a thread per state
+
+    def work(i):
+        results[i] = steps(tx, i, tx.init(params[i]), range(8))[0]
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i in range(2):
+        for a, b in zip(results[i], alone[i]):
+            for key in a:
+                np.testing.assert_array_equal(a[key], b[key])

@@ -79,7 +79,13 @@ __all__ = [
     "global_norm_finish_",
     "prepare",
     "prepare_apply",
+    "prepare_axes",
+    "prepare_axis_max",
+    "prepare_axis_sumsq",
+    "prepare_divide",
+    "prepare_ema",
     "prepare_rescale",
+    "prepare_row_column",
     "reduce",
     "rescale_",
     "row_column_pass_",
@@ -443,7 +449,7 @@ def partials(kind, x, table: Table, centers=None, p=0.0):
     return work, part, op
 
 
-_NON_NEGATIVE = frozenset(("sumsq", "sumabs", "nnz", "nancount", "nonfinite"))
+_NON_NEGATIVE = frozenset(("sumsq", "csumsq", "sumabs", "nnz", "nancount", "nonfinite"))
 
 
 def _dead():
@@ -539,6 +545,18 @@ def prepare(kind, x, table: Table):
         return part if folded else combine(part, pslice, op)
 
     return run
+
+
+def _launch(pair, n, found, args):
+    """A prepared run's first kernel call, or each one of a large buffer (`prepare`'s rule):
+    below `_config.SERIAL_BELOW` the serial driver, its compiled entry then kept in ``found``
+    (the run calls it directly from then on); else the driver `_pick` chooses, under the guard,
+    asked at every call (a fork)."""
+    if n >= _config.SERIAL_BELOW:
+        return _guarded(n, _pick(pair, n), *args)
+    out = pair[1](*args)
+    found.append(entry_point(pair[1], args))
+    return out
 
 
 def by_items(kind, table: Table):
@@ -870,6 +888,46 @@ def ema_update_(ema, g, factor, table: Table, active, one_minus_decay, decay):
     _run_scaler(_EMA, g.size, table, False, ema, g, c, act)
 
 
+def prepare_divide(out, x, table: Table):
+    """`divide_` for these very buffers, resolved once (as `prepare_apply`): ``run(factor,
+    divisors)``. float16 and bfloat16 buffers take `divide_` itself."""
+    if _has_f16(out, x):
+        return lambda factor, divisors: divide_(out, x, factor, table, divisors)
+    t = np.result_type(out.dtype, x.dtype).type
+    pair = _DIVIDE_IN_PLACE if out.ctypes.data == x.ctypes.data else _DIVIDE
+    items, rows, n = table.work(_config.REDUCE_BLOCK, False).items, table.rows, x.size
+    found: list = []  # the serial driver's compiled entry, from the first call (`_launch`)
+
+    def run(factor, divisors):
+        if items.shape[0]:
+            div, mul = factor.div, factor.mul
+            c = (t(div), t(mul), not (div == 1.0 and mul == 1.0))
+            # a fresh copy of the divisors: always the type the entry was compiled for
+            args = (out, x, rows, items, c, np.array(divisors, t))
+            found[0](*args) if found else _launch(pair, n, found, args)
+
+    return run
+
+
+def prepare_ema(ema, g, table: Table):
+    """`ema_update_` for these very buffers, resolved once: ``run(factor, active,
+    one_minus_decay, decay)``. float16 and bfloat16 buffers take `ema_update_` itself."""
+    if _has_f16(ema, g):
+        return lambda factor, *rest: ema_update_(ema, g, factor, table, *rest)
+    t = np.result_type(ema.dtype, g.dtype).type
+    items, rows, n = table.work(_config.REDUCE_BLOCK, False).items, table.rows, g.size
+    found: list = []  # the serial driver's compiled entry, from the first call (`_launch`)
+
+    def run(factor, active, one_minus_decay, decay):
+        if items.shape[0]:
+            div, mul = factor.div, factor.mul
+            c = (t(div), t(mul), not (div == 1.0 and mul == 1.0), t(one_minus_decay), t(decay), t(1))
+            args = (ema, g, rows, items, c, np.array(active, np.uint8))
+            found[0](*args) if found else _launch(_EMA, n, found, args)
+
+    return run
+
+
 # --- sums of squares along one axis (Adafactor's statistics) ------------------------------------
 
 
@@ -931,6 +989,25 @@ def axis_sumsq(x, sums: AxisSums):
     return out
 
 
+def prepare_axis_sumsq(x, sums: AxisSums):
+    """`axis_sumsq` of this very buffer, resolved once: ``run()`` -> the sums (as `prepare`
+    for `reduce`). A float16 or bfloat16 buffer takes `axis_sumsq` itself."""
+    if x.dtype.itemsize == 2:
+        return lambda: axis_sumsq(x, sums)
+    items, jobs, n = sums.items(_config.REDUCE_BLOCK), sums.jobs, x.size
+    found: list = []  # the serial driver's compiled entry, from the first call (`_launch`)
+    pair, busy, n_out = (_axis_parallel, _axis_serial), items.shape[0] > 0, sums.n_out
+
+    def run():
+        out = np.zeros(n_out, np.float64)
+        if busy:
+            args = (x, jobs, items, out)
+            found[0](*args) if found else _launch(pair, n, found, args)
+        return out
+
+    return run
+
+
 @_jit
 def _max_item(x, jobs, items, out, b):  # pragma: no cover - compiled
     j, k0, k1 = items[b, 0], items[b, 1], items[b, 2]
@@ -975,6 +1052,24 @@ def axis_max_(out, x, maxima: AxisMaxima):
     tmp = np.empty(out.size, np.float64)
     _guarded(x.size, _pick((_max_parallel, _max_serial), x.size), x, maxima.jobs, items, tmp)
     out[maxima.where] = tmp[maxima.where]
+
+
+def prepare_axis_max(out, x, maxima: AxisMaxima):
+    """`axis_max_` for these very buffers, resolved once: ``run()``. A float16 or bfloat16
+    buffer takes `axis_max_` itself."""
+    items = maxima.items(_config.REDUCE_BLOCK)
+    if x.dtype.itemsize == 2 or not items.shape[0]:
+        return lambda: axis_max_(out, x, maxima)
+    pair, jobs, where, n = (_max_parallel, _max_serial), maxima.jobs, maxima.where, x.size
+    found: list = []  # the serial driver's compiled entry, from the first call (`_launch`)
+
+    def run():
+        tmp = np.empty(out.size, np.float64)
+        args = (x, jobs, items, tmp)
+        found[0](*args) if found else _launch(pair, n, found, args)
+        out[where] = tmp[where]
+
+    return run
 
 
 # --- axis passes: per-element formulas over statistics gathered along axes -----------------------
@@ -1109,6 +1204,24 @@ def row_column_pass_(decl, out, g, v, table: FactorTable, rf, cf, scalars):
     return _guarded(g.size, _pick(pair, g.size), out, g, v, table.meta, items, rf, cf, c)
 
 
+def prepare_row_column(decl, out, g, v, table: FactorTable):
+    """`row_column_pass_` for these very buffers, resolved once: ``run(rf, cf, scalars)``.
+    float16 and bfloat16 buffers take `row_column_pass_` itself."""
+    items = table.items(_config.REDUCE_BLOCK)
+    if _has_f16(out, g, v) or not items.shape[0]:
+        return lambda rf, cf, scalars: row_column_pass_(decl, out, g, v, table, rf, cf, scalars)
+    t, meta, n = np.result_type(v.dtype, g.dtype).type, table.meta, g.size
+    found: list = []  # the serial driver's compiled entry, from the first call (`_launch`)
+    pair = _pass_kernels(_row_column_kernels, decl)
+
+    def run(rf, cf, scalars):
+        c = tuple(map(t, scalars))
+        args = (out, g, v, meta, items, np.array(rf, np.float64), np.array(cf, np.float64), c)
+        found[0](*args) if found else _launch(pair, n, found, args)
+
+    return run
+
+
 def _axes_kernels(decl):
     """The drivers of a `numbaccum.tables.AxesPass` (parallel, serial, and their two ways of
     walking an item, ``item`` and ``digits``): one item is a run of one leaf's elements,
@@ -1228,6 +1341,25 @@ def axes_pass_(decl, out, g, nu, acc, table: AxisTable, mu, scalars):
         mu[...] = new
         return None
     return _guarded(g.size, _pick(pair, g.size), *args)
+
+
+def prepare_axes(decl, out, g, nu, acc, table: AxisTable, mu):
+    """`axes_pass_` for these very buffers, resolved once: ``run(scalars)``. float16 and
+    bfloat16 buffers or statistics take `axes_pass_` itself."""
+    items = table.items(_config.REDUCE_BLOCK)
+    t = np.result_type(nu.dtype, g.dtype).type
+    if _has_f16(out, g, nu, acc) or not items.shape[0] or mu.dtype != t:
+        return lambda scalars: axes_pass_(decl, out, g, nu, acc, table, mu, scalars)
+    head, n = (out, g, nu, acc, table.meta, table.axes, items), g.size
+    found: list = []  # the serial driver's compiled entry, from the first call (`_launch`)
+    pair = _pass_kernels(_axes_kernels, decl)
+
+    def run(scalars):
+        c = tuple(map(t, scalars))
+        args = (*head, np.array(mu, t), mu, c)  # the old statistics read while the direct ones are written
+        found[0](*args) if found else _launch(pair, n, found, args)
+
+    return run
 
 
 # --- a global norm, finished by the caller's formula --------------------------------------------
