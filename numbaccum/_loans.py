@@ -20,14 +20,14 @@ arrays wrap NumPy arrays, the NumPy root does).
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
 
 from . import arrays
 
-__all__ = ["lend", "on_loan"]
+__all__ = ["lend", "lent_moved", "on_loan"]
 
 # id(buffer) -> a weak reference to what keeps the last root lent of it alive (the root, or on a
 # device its owner token). An entry goes with its root; a buffer dies only after its roots (they
@@ -83,3 +83,24 @@ def on_loan(buffers: Iterable[Any]) -> bool:
         if ref is not None and ref() is not None:
             return True
     return False
+
+
+def lent_moved(old: Sequence[Any], new: Sequence[Any]) -> bool:
+    """Whether the buffers ``new`` are ``old`` with only lent ones moved: every array of ``old``
+    that ``new`` does not have at its place is (a view of) a buffer whose values the caller
+    holds (`on_loan`). That is the loop holding its last updates while it asks for the next
+    (``u, state = tx.update(g, state)``): the workspace it was handed is written again only once
+    it is dropped, and the call writes its spare (`numbaccum.flat.Workspace`), by turns. Only
+    the library's buffers are ever lent, so a launch kept for them as well as for the last ones
+    (`numbaccum.fuse.Launches`, `numbaccum.backend.Reductions`) keeps nothing of the caller's
+    alive (a new FlatTree of gradients each step is another input: not kept)."""
+    if len(old) != len(new):
+        return False
+    moved = False
+    for a, b in zip(old, new):
+        if a is not b:
+            base = getattr(a, "base", None)
+            if not on_loan((a if base is None else base,)):
+                return False
+            moved = True
+    return moved

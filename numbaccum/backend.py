@@ -18,6 +18,7 @@ import numpy as np
 
 from . import _config
 from ._bounded import Bounded
+from ._loans import lent_moved
 from .arrays import is_cuda_array
 from .contract import Ops, may_rescue
 from .layout import real_dtype
@@ -134,16 +135,16 @@ class Reductions:
     __slots__ = ("last",)
 
     def __init__(self) -> None:
-        self.last: dict = {}  # (slot, kind) -> (buffers, table, prepared run)
+        self.last: dict = {}  # (slot, kind) -> (buffers, prepared run, the entry before or None)
 
     def reduce(self, slot: Any, kind: str, x: Any, table: Any, centers: Any = None, p: float = 0.0) -> np.ndarray:
         """Per slice of ``table``: the engine's reduction ``kind`` of ``x`` (``'sumsq'``,
         ``'csumsq'`` with ``centers``, ``'sum'``, ...), as `Ops`' ``slice_*`` give it."""
-        key = (slot, kind)
+        key, buffers = (slot, kind), (x, table)
         last = self.last.get(key)
-        if last is None or last[0] is not x or last[1] is not table:
-            last = self.last[key] = (x, table, _prepare_reduce(kind, x, as_table(table)))
-        return last[2](centers, p)
+        if last is not None and last[0][0] is x and last[0][1] is table:
+            return last[1](centers, p)
+        return self._miss(key, last, buffers, _prepare_reduce, kind, x, table)(centers, p)
 
     def sumsq(self, slot: Any, x: Any, table: Any) -> tuple[np.ndarray, np.ndarray]:
         """`slice_sumsq`'s ``(s, f)``, its plain pass kept (the rare rescue is not)."""
@@ -152,21 +153,22 @@ class Reductions:
     def apply_(self, slot: Any, out: Any, x: Any, table: Any, centers: Any, factors: Any) -> None:
         """`Ops.slice_apply_`: ``out = (x - centers[s]) * factors[s]`` over every slice (None
         or empty: 0 and 1)."""
-        key = (slot, "apply")
+        key, buffers = (slot, "apply"), (x, table, out)
         last = self.last.get(key)
-        if last is None or last[0] is not x or last[1] is not table or last[3] is not out:
-            last = self.last[key] = (x, table, _prepare_apply(out, x, as_table(table)), out)
-        last[2](_NO_VALUES if centers is None else centers, _NO_VALUES if factors is None else factors)
-
+        if last is not None and all(map(operator.is_, last[0], buffers)):
+            run = last[1]
+        else:
+            run = self._miss(key, last, buffers, _prepare_apply, out, x, table)
+        run(_NO_VALUES if centers is None else centers, _NO_VALUES if factors is None else factors)
 
     def rescale_(self, slot: Any, out: Any, x: Any, table: Any, p: float, *target: float) -> bool:
         """`Ops.slice_rescale_` (``target``: its ``max_norm, min_norm, norm_value``): whether
         ``out`` was written."""
-        key = (slot, "rescale", p)
+        key, buffers = (slot, "rescale", p), (x, table, out)
         last = self.last.get(key)
-        if last is None or last[0] is not x or last[1] is not table or last[3] is not out:
-            last = self.last[key] = (x, table, _prepare_rescale(out, x, as_table(table), p), out)
-        return bool(last[2](*target))
+        if last is not None and all(map(operator.is_, last[0], buffers)):
+            return bool(last[1](*target))
+        return bool(self._miss(key, last, buffers, _prepare_rescale, out, x, table, p)(*target))
 
     def call(self, slot: Any, prepare: Any, buffers: tuple, *args: Any) -> Any:
         """``prepare(*buffers)(*args)``: the run `prepare` gives (`prepare_divide`,
@@ -175,14 +177,28 @@ class Reductions:
         it was prepared for, prepared again when one changes."""
         key = (slot, prepare)
         last = self.last.get(key)
-        if last is None or not all(map(operator.is_, last[0], buffers)):
-            last = self.last[key] = (buffers, prepare(*buffers))
-        return last[1](*args)
+        if last is not None and all(map(operator.is_, last[0], buffers)):
+            return last[1](*args)
+        return self._miss(key, last, buffers, prepare, *buffers)(*args)
+
+    def _miss(self, key: Any, last: tuple | None, buffers: tuple, prepare: Any, *how: Any) -> Any:
+        """The run for ``buffers`` when the last one kept under ``key`` is for others: the one
+        before it if that one is for these (the loop holding its last updates writes a
+        workspace and its spare by turns: both stay prepared, `numbaccum._loans.lent_moved`),
+        else ``prepare(*how)``, kept."""
+        if last is not None:
+            before = last[2]
+            if before is not None and all(map(operator.is_, before[0], buffers)):
+                return before[1]
+        run = prepare(*how)
+        before = (last[0], last[1], None) if last is not None and lent_moved(last[0], buffers) else None
+        self.last[key] = (buffers, run, before)
+        return run
 
 
 def _prepare_reduce(kind: str, x: Any, table: Any) -> Any:
     """``run(centers, p)``: the host engine's prepared reduction; on CUDA the engine's call."""
-    engine = ops_for(x).reduce
+    engine, table = ops_for(x).reduce, as_table(table)
     if isinstance(x, np.ndarray):
         return engine.prepare(kind, x, table)
     return lambda centers=None, p=0.0: engine.reduce(kind, x, table, centers, p)
@@ -191,7 +207,7 @@ def _prepare_reduce(kind: str, x: Any, table: Any) -> Any:
 def _prepare_rescale(out: Any, x: Any, table: Any, p: float) -> Any:
     """``run(max_norm, min_norm, norm_value)``: the host engine's prepared
     `Ops.slice_rescale_`; on CUDA the contract's call."""
-    ops = ops_for(x)
+    ops, table = ops_for(x), as_table(table)
     if isinstance(x, np.ndarray):
         return ops.reduce.prepare_rescale(out, x, table, p, may_rescue(p, x))
     return lambda *target: ops.slice_rescale_(out, x, table, p, *target)
@@ -200,7 +216,7 @@ def _prepare_rescale(out: Any, x: Any, table: Any, p: float) -> Any:
 def _prepare_apply(out: Any, x: Any, table: Any) -> Any:
     """``run(centers, factors)``: the host engine's prepared `Ops.slice_apply_`; on CUDA the
     contract's call."""
-    ops = ops_for(x)
+    ops, table = ops_for(x), as_table(table)
     if isinstance(x, np.ndarray):
         return ops.reduce.prepare_apply(out, x, table)
     return lambda centers, factors: ops.slice_apply_(out, x, table, centers, factors)

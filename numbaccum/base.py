@@ -35,7 +35,7 @@ from . import runner as _runner
 from ._checks import transformation, wrong_state
 from ._interrupts import user_code
 from ._loans import on_loan
-from .flat import FlatTree, Workspace, as_flat, host_leaves, layout_of
+from .flat import FlatTree, Workspace, as_flat, host_check, host_flat, host_leaves, layout_of
 from .layout import Layout
 from .control import Inner
 from .protocol import EmptyState, GradientTransformation, GradientTransformationExtraArgs, state_class
@@ -462,7 +462,11 @@ class Foreign(Stage):
         value fits), its run calls ``update`` on the settled updates and copies what it returns
         into the plan's scratch."""
         update = self.tx.update
-        kept = lambda: self.kept("output", spec.layout, spec.device)  # noqa: E731
+        kept = self.kept_workspace("output", spec.layout, spec.device)
+        # What the code is given: lent (`FlatTree.lent`), so that a step writes it again only
+        # when the code kept nothing of it (it may keep it: it gets another buffer then).
+        handed = self.kept_workspace("handed", spec.layout, spec.device)
+        launches, kind = fuse.Launches(), "numba" if spec.device else "numpy"
         step: list = [None, None, None]  # this step's state, raw params and extra arguments
 
         def tick(state: Any, params: ParamsRef | None, extra: dict) -> bool:
@@ -471,7 +475,8 @@ class Foreign(Stage):
 
         def run(u: Updates) -> tuple[Updates, Any]:
             state, raw, extra = step
-            out, new_state = user_code(update, u.handed_out().tree, state, raw, **extra)
+            given = launches.settle(u, handed()).lent(kind)
+            out, new_state = user_code(update, given, state, raw, **extra)
             return Updates(_read_foreign(out, spec, u.scratch or kept), True), new_state
 
         return fuse.Host(run, None, "Foreign", tick)
@@ -482,14 +487,18 @@ def _read_foreign(out: Any, spec: Spec, into: Callable[[], FlatTree]) -> FlatTre
     them (they may be its input, its own arrays or the params, which may change before they
     are read again). A Python or NumPy scalar stands for a 0-d leaf, as JAX accepts one."""
     layout = spec.layout
-    raw = leaves_if_structure(out, layout.treedef)
-    if raw is not None and any(type(x) is not np.ndarray for x in raw):
-        fixed = [
-            np.asarray(x, dtype=dt) if _is_real_scalar(x) and shape == () else x
-            for x, shape, dt in zip(raw, layout.shapes, layout.dtypes)
-        ]
-        out = tree_unflatten(layout.treedef, fixed)
-    flat, copied, _ = as_flat(out, layout, "updates", pack_into=into, device=spec.device)
+    checked = None if spec.device else host_check(layout)(out)  # the common case: arrays as given
+    if checked is not None:
+        flat, copied, _ = host_flat(checked, layout, into)
+    else:
+        raw = leaves_if_structure(out, layout.treedef)
+        if raw is not None and any(type(x) is not np.ndarray for x in raw):
+            fixed = [
+                np.asarray(x, dtype=dt) if _is_real_scalar(x) and shape == () else x
+                for x, shape, dt in zip(raw, layout.shapes, layout.dtypes)
+            ]
+            out = tree_unflatten(layout.treedef, fixed)
+        flat, copied, _ = as_flat(out, layout, "updates", pack_into=into, device=spec.device)
     if copied:
         return flat
     dst = into()

@@ -61,7 +61,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from . import _locks, formulas as F
-from ._loans import on_loan
+from ._loans import lent_moved
 from .backend import ops_for
 from .contract import ONE, Factor
 from .flat import FlatTree
@@ -819,7 +819,7 @@ def _run_group(
     # The call before is kept when only buffers lent to the caller moved (the loop holding its
     # last updates writes a workspace and its spare by turns): two prepared launches, not one a step.
     before = None
-    if last is not None and last[4] is call and _lent_moved((*last[:3], *last[3]), (x, og, pg, *ins)):
+    if last is not None and last[4] is call and lent_moved((*last[:3], *last[3]), (x, og, pg, *ins)):
         before = (*last[:6], None)
     recent[shape] = (x, og, pg, ins, call, launch, before)
     return call.run(parts, extras, flat, factor, out, apply, launch)
@@ -1246,26 +1246,6 @@ def apply_settled(u: Updates, params: FlatTree, memo: tuple | None = None) -> No
         _run_group([], [], gi, u.flat, factor, None, params, (gi, mode, False, flags), calls, recent)
 
 
-def _lent_moved(old: Sequence[Any], new: Sequence[Any]) -> bool:
-    """Whether the buffers ``new`` are ``old`` with only lent ones moved: every array of ``old``
-    that ``new`` does not have at its place is (a view of) a buffer whose values the caller
-    holds (`numbaccum._loans.on_loan`). That is the loop holding its last updates while it asks
-    for the next (``u, state = tx.update(g, state)``): the workspace it was handed is written
-    again only once it is dropped, and the call writes its spare (`numbaccum.flat.Workspace`), by
-    turns. Only the library's buffers are ever lent, so a launch kept for them keeps nothing of
-    the caller's alive (a new FlatTree of gradients each step is another input: not kept)."""
-    if len(old) != len(new):
-        return False
-    moved = False
-    for a, b in zip(old, new):
-        if a is not b:
-            base = getattr(a, "base", None)
-            if not on_loan((a if base is None else base,)):
-                return False
-            moved = True
-    return moved
-
-
 class Launches:
     """Kernel launches kept across steps: per formula and dtype group, the driver's launch of
     `map_` prepared (`prepare`) for the very buffers it was last given, prepared again when
@@ -1285,8 +1265,9 @@ class Launches:
         is the output.
 
         The launch before is kept too when only buffers lent to the caller moved since
-        (`_lent_moved`): the loop that holds its last updates while it asks for the next gets
-        them in a workspace and its spare by turns, and both launches stay prepared."""
+        (`numbaccum._loans.lent_moved`): the loop that holds its last updates while it asks for
+        the next gets them in a workspace and its spare by turns, and both launches stay
+        prepared."""
         key = (f, gi)
         last = self.last.get(key)
         if last is not None:  # inline tests, not `_same`: every launch of a kept plan asks
@@ -1298,7 +1279,7 @@ class Launches:
                 before[1](factor, scalars)
                 return
         launch = ops_for(arrays[0]).driver.prepare(f, tuple(arrays))
-        before = (last[0], last[1]) if last is not None and _lent_moved(last[0], arrays) else None
+        before = (last[0], last[1]) if last is not None and lent_moved(last[0], arrays) else None
         self.last[key] = (arrays, launch, before)
         launch(factor, scalars)
 
@@ -1316,7 +1297,7 @@ class Launches:
                 before[2](factor, ())
                 return
         launch = ops_for(src).driver.prepare(F.scale, (src[s0 : s0 + n], dst[d0 : d0 + n]))
-        before = (*last[:3], None) if last is not None and _lent_moved(last[:2], (src, dst)) else None
+        before = (*last[:3], None) if last is not None and lent_moved(last[:2], (src, dst)) else None
         self.last[key] = (src, dst, launch, before)
         launch(factor, ())
 

@@ -169,6 +169,14 @@ def tree_flatten(tree: Any) -> tuple[list[Any], TreeDef]:
         >>> treedef
         TreeDef({'b': (*, None), 'w': *}, num_leaves=2)
     """
+    if type(tree) is dict and tree:  # the common tree, one dict of arrays: no walk
+        try:
+            keys = tuple(sorted(tree))
+        except TypeError:
+            keys = ()  # `_children` raises the error
+        values = list(map(tree.__getitem__, keys))
+        if keys and list(map(type, values)).count(np.ndarray) == len(values):
+            return values, TreeDef(_DICT, keys, (_LEAF_DEF,) * len(keys), len(keys))
     leaves: list[Any] = []
     return leaves, _flatten(tree, (), leaves, None)
 

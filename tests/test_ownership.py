@@ -173,6 +173,34 @@ def test_kept_launches_keep_no_earlier_gradients_of_the_caller_alive(name):
     assert [all(r() is None for r in refs) for refs in gone[:-1]] == [True] * 5
 
 
+@pytest.mark.parametrize("chained", [False, True])
+def test_user_code_keeps_the_updates_it_was_given(chained):
+    """User code is handed the settled updates in a workspace lent to it: code that keeps them
+    (in a list, as optax code may keep JAX's immutable arrays) keeps their values, and code that
+    modifies them in place changes nothing numbaccum reads afterwards."""
+    given, seen = [], []
+
+    def keep(updates, state, params=None):
+        given.append(updates)
+        seen.append(snapshot(updates))
+        updates["w"] *= 2.0  # its own, for this call
+        return {k: v.copy() for k, v in updates.items()}, state
+
+    user = nba.GradientTransformation(lambda p: (), keep)
+    tx = nba.chain(nba.trace(0.5), user, nba.scale(-1.0)) if chained else user
+    params = _tree(1)
+    state = tx.init(params)
+    for step in range(4):
+        updates, state = tx.update(_grads(0, step), state, params)
+        expect = snapshot(given[-1])
+        if chained:
+            expect = {k: -v for k, v in expect.items()}
+        assert_tree_equal(updates, expect)
+    for g, s in zip(given, seen):
+        s["w"] = s["w"] * 2.0
+        assert_tree_equal(g, s)
+
+
 def test_a_dropped_update_frees_its_buffer_for_the_next_call():
     tx = nba.sgd(0.1)
     params = _tree(1)
