@@ -462,10 +462,12 @@ class Foreign(Stage):
         value fits), its run calls ``update`` on the settled updates and copies what it returns
         into the plan's scratch."""
         update = self.tx.update
-        kept = self.kept_workspace("output", spec.layout, spec.device)
-        # What the code is given: lent (`FlatTree.lent`), so that a step writes it again only
-        # when the code kept nothing of it (it may keep it: it gets another buffer then).
-        handed = self.kept_workspace("handed", spec.layout, spec.device)
+        # The declaration's own workspaces: a plan runs one update at a time (a stage's kept
+        # ones are its thread's, and a plan of a state may run on any thread). What the code is
+        # given is lent (`FlatTree.lent`): a step writes it again only when the code kept
+        # nothing of it (it may keep it: it gets another buffer then).
+        kept = Workspace(spec.layout, None, spec.device)
+        handed = Workspace(spec.layout, None, spec.device)
         launches, kind = fuse.Launches(), "numba" if spec.device else "numpy"
         step: list = [None, None, None]  # this step's state, raw params and extra arguments
 

@@ -32,7 +32,7 @@ from .accumulation import trace
 from .backend import ops_for, slice_sumsq
 from .base import Stage, chain
 from .declared import Elementwise, check_decay
-from .flat import FlatTree, as_flat, host_leaves, layout_of
+from .flat import FlatTree, Workspace, as_flat, host_leaves, layout_of
 from .formulas import formula, like, normal
 from .fuse import Host
 from .layout import Layout, finfo
@@ -566,10 +566,10 @@ class _Aggregate(Stage):
 
     def declare(self, spec: Spec, state: Any) -> Host:
         """A `numbaccum.fuse.Host` for per-example gradients of ``spec`` (the batch checked here,
-        once per batch size); its tick checks the noise key. Each step returns the sums in a
-        new buffer of their own (a buffer this stage kept would be overwritten by the update of
-        another state of the same transformation while the caller still holds the first one's
-        updates)."""
+        once per batch size); its tick checks the noise key. Each step writes the sums into
+        the declaration's workspace, which is never one whose values the caller still holds
+        (`numbaccum.flat.Workspace`: the update of another state of the same transformation
+        writes its spare then)."""
         _check_dp_state(state)
         plan = _plan(spec.layout, "updates")
         if plan.batch == 0 and spec.layout.num_leaves:
@@ -577,6 +577,7 @@ class _Aggregate(Stage):
         out_spec = Spec(plan.out_layout, spec.device)
         clip, std, seed = self.clip, self.std, self.seed
         now = [0]  # this step's noise step
+        sums = Workspace(out_spec.layout, None, out_spec.device)  # the plan's: one update at a time
 
         def tick(state: Any, params: Any, extra: dict) -> bool:
             if not isinstance(state, DifferentiallyPrivateAggregateState):
@@ -591,8 +592,7 @@ class _Aggregate(Stage):
             mult = _global_multipliers(flat, plan, clip)
             # Without noise the noise arrays are not read; the output still saturates.
             noise = _noise(seed, step, plan.out_layout.group_sizes) if std else [_NO_NOISE] * len(flat.groups)
-            # A new buffer per update: params-sized, B times smaller than the batch it sums.
-            out = FlatTree.empty(out_spec.layout, device=out_spec.device)
+            out = sums()  # never one whose values the caller holds (`Workspace`)
             batch = max(plan.batch, 1)
             _weighted_sums(flat, plan, mult, out, noise, std, float(batch))
             return Updates(out, True), _after(seed, step, _clipped(mult), plan.batch, std / batch)

@@ -201,6 +201,57 @@ def test_user_code_keeps_the_updates_it_was_given(chained):
         assert_tree_equal(g, s)
 
 
+def test_states_declared_on_one_thread_and_updated_on_two_keep_their_own_numbers():
+    """Two states of one chain with user code, their plans made on the main thread, then
+    updated at once on two threads, both inside the user code together: each thread's updates
+    are those of the same steps run alone (a workspace of the declaration, not of the thread
+    that declared it)."""
+    barrier = threading.Barrier(2, timeout=10)
+    together = [False]
+
+    def meet(updates, state, params=None):
+        if together[0]:
+            barrier.wait()  # both threads hold what they were given here
+            barrier.wait()
+        return updates, state
+
+    tx = nba.chain(nba.trace(0.5), nba.GradientTransformation(lambda p: (), meet), nba.scale(-1.0))
+    params = [_tree(1), _tree(2)]
+    states = [tx.init(p) for p in params]
+    for m in (0, 1):
+        _, states[m] = tx.update(_grads(m, 0), states[m], params[m])
+    expect = []
+    for m in (0, 1):
+        s = nba.copy_state(states[m])
+        u = []
+        for step in range(1, 4):
+            out, s = tx.update(_grads(m, step), s, params[m])
+            u.append(snapshot(out))
+        expect.append(u)
+    got: list = [[], []]
+    errors = []
+
+    def work(m):
+        try:
+            s = states[m]
+            for step in range(1, 4):
+                out, s = tx.update(_grads(m, step), s, params[m])
+                got[m].append(snapshot(out))
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    together[0] = True
+    threads = [threading.Thread(target=work, args=(m,)) for m in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]
+    for m in (0, 1):
+        for a, b in zip(got[m], expect[m]):
+            assert_tree_equal(a, b)
+
+
 def test_a_dropped_update_frees_its_buffer_for_the_next_call():
     tx = nba.sgd(0.1)
     params = _tree(1)
