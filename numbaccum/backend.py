@@ -195,6 +195,15 @@ class Reductions:
         self.last[key] = (buffers, run, before)
         return run
 
+    def dot(self, slot: Any, x: Any, y: Any) -> float:
+        """`Ops.dot`: ``sum(x * y)`` in float64, in its fixed order (the host engine's
+        `numbaccum.cpu.reduce.prepare_dot`; on CUDA the contract's call)."""
+        key, buffers = (slot, "dot"), (x, y)
+        last = self.last.get(key)
+        if last is not None and last[0][0] is x and last[0][1] is y:
+            return last[1]()
+        return self._miss(key, last, buffers, _prepare_dot, x, y)()
+
 
 def _prepare_reduce(kind: str, x: Any, table: Any) -> Any:
     """``run(centers, p)``: the host engine's prepared reduction; on CUDA the engine's call."""
@@ -202,6 +211,12 @@ def _prepare_reduce(kind: str, x: Any, table: Any) -> Any:
     if isinstance(x, np.ndarray):
         return engine.prepare(kind, x, table)
     return lambda centers=None, p=0.0: engine.reduce(kind, x, table, centers, p)
+
+
+def _prepare_dot(x: Any, y: Any) -> Any:
+    """``run()``: the host engine's prepared `Ops.dot`; on CUDA the contract's call."""
+    ops = ops_for(x)
+    return ops.reduce.prepare_dot(x, y) if isinstance(x, np.ndarray) else lambda: ops.dot(x, y)
 
 
 def _prepare_rescale(out: Any, x: Any, table: Any, p: float) -> Any:

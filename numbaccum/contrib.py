@@ -19,7 +19,7 @@ import numpy as np
 from . import arrays, runner
 from ._checks import flag, integer, real, scheduled, transformation, wrong_state
 from ._interrupts import user_code
-from .backend import ops_for
+from .backend import Reductions, ops_for
 from .base import Stage, as_stage, chain, find_state, stage_of, with_extra_args_support
 from .clipping import _objective_value
 from .contract import ONE, Factor
@@ -34,12 +34,13 @@ from .declared import (
 )
 from .flat import FlatTree, as_flat, layout_and_device, layout_of
 from .formulas import abs_sq, formula, like, maximum, minimum, quot, re, sqrt
-from .fuse import Host, Later, Scale
+from .fuse import Host, Launches, Later, Scale
 from .layout import check_float_dtype, check_storage, real_dtype
 from .optimizers import ScaleByAdamState, ScaleByBeliefState, _mu_dtype, scale_by_rms, sgd
 from .protocol import GradientTransformationExtraArgs, state_class
 from .scaling import ScalarOrSchedule, add_decayed_weights, scale_by_learning_rate
 from .schedules import warmup_constant_schedule
+from .tables import whole
 from .transaction import current
 from .tree import tree_flatten, tree_map
 from .updates import ParamsRef, Spec, Updates
@@ -992,7 +993,7 @@ class _ScheduleFree(Stage):
         sub = runner.sub_plan(inner, spec, base_state, owner, "schedule_free.")
         assert sub is not None  # (a base optimizer that reshapes is refused when built)
         learning_rate, power, b1 = self.learning_rate, self.power, self.b1
-        ops = [ops_for(zg) for zg in z.groups]
+        launches = Launches()  # the pass over z, kept for the buffers it last ran on
         step: list = [None] * 5  # this step's params, scalars, values of the new state, base state
 
         def tick(state: Any, params: ParamsRef | None, extra: dict) -> bool:
@@ -1029,8 +1030,8 @@ class _ScheduleFree(Stage):
             base_u, base_state = runner.replay(sub, base, u, None, True)  # ticked by `tick`
             p = params.flat()
             out = base_u.fresh() if base_u.owned else u.fresh()
-            for o, zg, g, pg, og in zip(ops, z.groups, base_u.flat.groups, p.groups, out.groups):
-                o.driver.map_(schedule_free_direction, base_u.factor, (zg, g, pg, og), scalars)
+            for gi, arrays in enumerate(zip(z.groups, base_u.flat.groups, p.groups, out.groups)):
+                launches.run(schedule_free_direction, gi, list(arrays), base_u.factor, scalars)
             new_state = ScheduleFreeState(b1_, weight_sum, step_count, max_lr, base_state, z)
             return Updates(out, True, scratch=u.scratch), new_state
 
@@ -1450,7 +1451,8 @@ class _LrFree(Stage):
         buffers = tuple((f, b.__dict__) for f, b in zip(fields, (ea, eas, gs, p0)) if b is not None)
         b1, b2, eps, wd, name = self.b1, self.b2, self.eps, self.weight_decay, self.public_name
         b3, d0, coef, sb2 = self.b3, self.estim_lr0, self.coef, b2**0.5
-        ops = [ops_for(a) for a in ea.groups]
+        # The passes' launches and the reductions, kept for the buffers they last ran on.
+        launches, sums, wholes = Launches(), Reductions(), [whole(a.size) for a in ea.groups]
         # this step's t, count, d, nw, dlr, neg_wd_dlr, scalars, params and the buffers it keeps
         step: list = [None] * 9
 
@@ -1488,19 +1490,22 @@ class _LrFree(Stage):
             u = u.settled()
             g, p = u.flat, params.flat()
             tmp = ea.workspace("weighted")
-            for o, tg, a, b, x in zip(
-                ops, tmp.groups, (p0 or gs).groups, (p.groups if prodigy else eas.groups), g.groups
+            for gi, (tg, a, b, x) in enumerate(
+                zip(tmp.groups, (p0 or gs).groups, (p.groups if prodigy else eas.groups), g.groups)
             ):
                 if prodigy:  # p0 - p, as optax's param_diff
-                    o.driver.map_(params_diff, ONE, (tg, x, a, b), ())
+                    launches.run(params_diff, gi, [tg, x, a, b], ONE, ())
                 else:  # s / (sqrt(eas) + eps), from the state before this step
-                    o.driver.map_(dadapt_weighted, ONE, (tg, a, b), (eps,))
-            acum = t(sum([o.dot(x, y) for o, x, y in zip(ops, g.groups, tmp.groups)]))
+                    launches.run(dadapt_weighted, gi, [tg, a, b], ONE, (eps,))
+            acum = t(sum(map(sums.dot, range(len(wholes)), g.groups, tmp.groups)))
             out = u.fresh()
             direction = prodigy_direction if prodigy else dadapt_direction
-            for o, a, b, s, x, pg, og in zip(ops, ea.groups, eas.groups, gs.groups, g.groups, p.groups, out.groups):
-                o.driver.map_(direction, ONE, (a, b, s, x, pg, og), scalars)
-            l1 = t(sum([o.sumabs(x) for o, x in zip(ops, gs.groups)]))
+            for gi, arrays in enumerate(zip(ea.groups, eas.groups, gs.groups, g.groups, p.groups, out.groups)):
+                launches.run(direction, gi, list(arrays), ONE, scalars)
+            l1 = 0.0
+            for gi, x in enumerate(gs.groups):
+                l1 += float(sums.reduce(gi, "sumabs", x, wholes[gi])[0])
+            l1 = t(l1)
             with np.errstate(all="ignore"):
                 if prodigy:
                     new_nw = t(t(b3) * nw + t(t(d / t(d0)) * dlr) * acum)
@@ -1516,8 +1521,8 @@ class _LrFree(Stage):
                 # again from the moments just stored, one pass of its own.
                 with np.errstate(all="ignore"):
                     eps_d = t(new_d * t(eps))
-                for o, a, b, pg, og in zip(ops, ea.groups, eas.groups, p.groups, out.groups):
-                    o.driver.map_(prodigy_update, ONE, (a, b, pg, og), (dlr, neg_wd_dlr, eps_d))
+                for gi, arrays in enumerate(zip(ea.groups, eas.groups, p.groups, out.groups)):
+                    launches.run(prodigy_update, gi, list(arrays), ONE, (dlr, neg_wd_dlr, eps_d))
             tail = (new_d, new_nw, c)
             new = ProdigyState(ea, eas, gs, p0, *tail) if prodigy else DAdaptAdamWState(ea, eas, gs, *tail)
             return Updates(out, True, scratch=u.scratch), new

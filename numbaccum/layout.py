@@ -148,11 +148,11 @@ class Layout:
     groups: tuple[tuple[int, ...], ...]  # leaf indices of each group, in leaf order
     group_index: tuple[np.ndarray, ...]  # the same as int64 arrays
     group_dtypes: tuple[np.dtype, ...]
+    num_leaves: int  # an attribute, not a property: a small tree's step asks it several times
     leaf_group: tuple[int, ...]
     leaf_start: tuple[int, ...]  # start of each leaf within its group
     offsets: tuple[np.ndarray, ...]  # per group: int64 leaf boundaries, len = n_leaves + 1
     group_sizes: tuple[int, ...]
-    num_leaves: int  # an attribute, not a property: a small tree's step asks it several times
     complex: bool
     shapes_dtypes: list[tuple[tuple[int, ...], np.dtype]]
 
@@ -183,7 +183,7 @@ class Layout:
     def __init__(self, treedef: TreeDef, shapes: tuple, dtypes: tuple, keys: tuple) -> None:
         self.treedef = treedef
         self.shapes = shapes
-        self.num_leaves = len(shapes)
+        self.num_leaves = len(shapes)  # (an attribute, not a property: asked every step)
         self.sizes = tuple(int(np.prod(s, dtype=np.int64)) for s in shapes)
         self.dtypes = dtypes
         order: list[np.dtype] = []

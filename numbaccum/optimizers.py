@@ -22,7 +22,7 @@ import numpy as np
 from . import formulas as F
 from ._checks import flag, non_negative, real
 from .accumulation import ema, trace
-from .backend import leaf_tables, ops_for
+from .backend import Reductions, leaf_sumsq, leaf_tables, ops_for, prepare_divide
 from .base import Stage, chain
 from .clipping import leaf_reductions, scale_by_polyak
 from .contract import ONE, Ops
@@ -30,7 +30,7 @@ from .declared import Elementwise, bias_correction, check_decay, expect_state, h
 from .flat import FlatTree, as_flat, layout_and_device
 from .formulas import abs_sq, formula, inv_root, maximum, quot, re, sqrt, tanh
 from .formulas import signum as sign_of  # (``signum`` is the public optimizer below)
-from .fuse import FusedRun, Host
+from .fuse import FusedRun, Host, Launches
 from .layout import check_float_dtype, compute_dtype, real_dtype
 from .masking import masked
 from .norms import scale_by_trust_ratio
@@ -3082,11 +3082,10 @@ class _ScaleByNovograd(Stage):
         buffers = (("mu", mu.__dict__),)
         dtypes = [compute_dtype(d) for d in lay.group_dtypes]
         reals = [real_dtype(d).type for d in lay.dtypes]  # each leaf's nu is of its real dtype
-        # Per group: its backend, offsets and leaves, and the real dtype of its quotients.
-        groups = [
-            (ops_for(m), lay.offsets[gi], lay.group_index[gi], real_dtype(d))
-            for gi, (m, d) in enumerate(zip(mu.groups, dtypes))
-        ]
+        # Per group: its leaves' table and members, and the real dtype of its quotients; the
+        # divisions kept for the buffers they last ran on.
+        groups = list(zip(leaf_tables(lay), lay.group_index, map(real_dtype, dtypes)))
+        divisions = Reductions()
         treedef, name = lay.treedef, self.public_name
         step: list = [None, False]  # this step's old nu (checked) and whether it is the first
 
@@ -3104,7 +3103,7 @@ class _ScaleByNovograd(Stage):
         def run(u: Updates) -> tuple[Updates, ScaleByNovogradState]:
             u = u.settled()
             nu, first = step
-            sq = leaf_reductions(u.flat, Ops.segment_sumsq)  # float64, one pass per group
+            sq = leaf_sumsq(u.flat)  # float64, one pass per group
             new_nu, divisors = [], np.empty(len(nu), np.float64)
             with np.errstate(over="ignore", invalid="ignore"):
                 # Host numbers, one per leaf, in the leaf's dtype as optax's; a complex leaf's in
@@ -3118,8 +3117,8 @@ class _ScaleByNovograd(Stage):
             # g / divisor in the compute dtype: float16 and bfloat16 leaves keep float32 quotients
             # for the moment's pass (its ``+ wd p`` may cancel them).
             normalized = mu.workspace("normalized", dtypes)
-            for (ops, offsets, members, rt), o, g in zip(groups, normalized.groups, u.flat.groups):
-                ops.segment_divide_(o, g, ONE, offsets, divisors[members].astype(rt))
+            for gi, ((table, members, rt), o, g) in enumerate(zip(groups, normalized.groups, u.flat.groups)):
+                divisions.call(gi, prepare_divide, (o, g, table), ONE, divisors[members].astype(rt))
             out, factor, (new_state,) = kernel.run(normalized, ONE, Updates(normalized, False).fresh)
             return Updates(out, True, factor), new_state._replace(nu=tree_unflatten(treedef, new_nu))
 
@@ -3345,9 +3344,10 @@ class _ScaleByDistanceOverGradients(Stage):
         # Per group: its backend, leaves and table, the dtypes of its distances, sums and step
         # sizes, and one float64 step size per leaf (filled each step).
         groups = [
-            (ops_for(p0), members, table, dt, st, np.promote_types(dt, st))
-            for p0, members, table, dt, st in zip(init.groups, lay.group_index, leaf_tables(lay), dist, sos)
+            (members, table, dt, st, np.promote_types(dt, st))
+            for members, table, dt, st in zip(lay.group_index, leaf_tables(lay), dist, sos)
         ]
+        launches, scalings = Launches(), Reductions()  # kept for the buffers they last ran on
         step: list = [None] * 4  # this step's params, old distances and sums, init_params renewed
 
         def tick(state: Any, params: ParamsRef | None, extra: dict) -> bool:
@@ -3360,8 +3360,8 @@ class _ScaleByDistanceOverGradients(Stage):
             old_sos = _leaf_scalars(state.grad_sum_of_squares, lay, "state.grad_sum_of_squares", leaf_sos, (1,))
             # (float64 holds every float32 and float64 value exactly: one array for all the groups)
             step[0], step[3] = params, new_init
-            step[1] = np.array([float(a) for a in old_dist], np.float64)
-            step[2] = np.array([float(a[0]) for a in old_sos], np.float64)
+            step[1] = np.array(old_dist, np.float64)
+            step[2] = np.array(old_sos, np.float64).reshape(-1)
             return True
 
         def run(u: Updates) -> tuple[Updates, ScaleByDistanceOverGradientsState]:
@@ -3369,14 +3369,14 @@ class _ScaleByDistanceOverGradients(Stage):
             params, old_d, old_s, new_init = step
             pf = params.flat()
             diff = init.workspace("distance", dist)
-            for o, p, p0 in zip(diff.groups, pf.groups, init.groups):
-                ops_for(o).add_scaled_(o, p, ONE, p0, -1.0)  # p - p0, in the distance's dtype
-            dist_sq = leaf_reductions(diff, Ops.segment_sumsq)  # float64, one pass per group
-            grad_sq = leaf_reductions(u.flat, Ops.segment_sumsq)
+            for gi, (o, p, p0) in enumerate(zip(diff.groups, pf.groups, init.groups)):
+                launches.run(F.add_scaled, gi, [p, p0, o], ONE, (-1.0,))  # p - p0, in the distance's dtype
+            dist_sq = leaf_sumsq(diff)  # float64, one pass per group
+            grad_sq = leaf_sumsq(u.flat)
             out = u.fresh()
             new_dist: list[Any] = [None] * lay.num_leaves
             new_sos: list[Any] = [None] * lay.num_leaves
-            for (ops, members, table, dt, st, et), o, g in zip(groups, out.groups, u.flat.groups):
+            for gi, ((members, table, dt, st, et), o, g) in enumerate(zip(groups, out.groups, u.flat.groups)):
                 with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
                     # optax's per leaf: d = max(d, ||p - p0||); s += sum(g^2); eta = c (d / sqrt(s + eps))
                     d = np.maximum(old_d[members].astype(dt), np.sqrt(dist_sq[members].astype(dt)))
@@ -3384,7 +3384,7 @@ class _ScaleByDistanceOverGradients(Stage):
                     eta = et.type(scale) * (d.astype(et) / np.sqrt(s.astype(et) + et.type(eps)))
                 # eta * g in float64, rounded once to the leaf's dtype (float32 * float32 exactly
                 # as a float32 product)
-                ops.slice_apply_(o, g, table, None, eta.astype(np.float64))
+                scalings.apply_(gi, o, g, table, None, eta.astype(np.float64))
                 for j, i in enumerate(members):
                     new_dist[i] = np.array(d[j])
                     new_sos[i] = s[j : j + 1].copy()

@@ -29,6 +29,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from . import _config
 from ._checks import flag, integer, non_negative, real, real_scalar, wrong_state
 from ._interrupts import user_code
 from .backend import ops_for
@@ -74,6 +75,66 @@ def _axpy(out: FlatTree, x: FlatTree, s: float, y: FlatTree, ops: list | None = 
 def _copy_into(out: FlatTree, x: FlatTree, ops: list | None = None) -> None:
     for i, (o, a) in enumerate(zip(out.groups, x.groups)):
         (ops[i] if ops is not None else ops_for(o)).scale_(o, a, ONE)
+
+
+def _two_loop(
+    vec: FlatTree, g: FlatTree, p: FlatTree, prev_params: FlatTree, prev_updates: FlatTree,
+    dps: tuple, dus: tuple, rhos: np.ndarray, order: Any, gamma: float, ops: list,
+) -> None:
+    """This step's pair kept and the two-loop recursion over the memory slots ``order`` (oldest
+    first), through the contract's calls (`numbaccum.cpu.reduce.lbfgs_two_loop` compiled)."""
+    _copy_into(prev_params, p, ops)  # this step's pair, kept for the next one
+    _copy_into(prev_updates, g, ops)
+    if vec is not g:
+        _copy_into(vec, g, ops)
+    alphas = []
+    for j in reversed(order):
+        alpha = rhos[j] * _dot(dps[j], vec, ops)
+        _axpy(vec, vec, -alpha, dus[j], ops)
+        alphas.append(alpha)
+    if gamma != 1.0:
+        for o, op in zip(vec.groups, ops):
+            op.scale_(o, o, Factor(1.0, gamma))
+    for j, alpha in zip(order, reversed(alphas)):
+        beta = rhos[j] * _dot(dus[j], vec, ops)
+        _axpy(vec, vec, alpha - beta, dps[j], ops)
+
+
+def _compiled_groups(prev_params: FlatTree, prev_updates: FlatTree, dps: tuple, dus: tuple) -> Any:
+    """``groups(p, g, vec)``: per dtype group, the arguments of the CPU engine's compiled step
+    (`numbaccum.cpu.reduce.lbfgs_pair`, ``lbfgs_two_loop``), or None where the step's buffers
+    do not fit them; None where it never runs: on a device, more than two groups, dtypes other
+    than float32 and float64, or a group of a size the driver runs in parallel (there the
+    contract's calls use every core)."""
+    kept = prev_params.groups
+    if prev_params.device or len(kept) > 2:
+        return None
+    fixed = []
+    for gi, (pp, pu) in enumerate(zip(kept, prev_updates.groups)):
+        dt = pp.dtype
+        mem = tuple(d.groups[gi] for d in dps), tuple(d.groups[gi] for d in dus)
+        arrays = (pu, *mem[0], *mem[1])
+        if dt not in _REALS or pp.size >= _config.SERIAL_BELOW or not pp.flags.c_contiguous:
+            return None
+        if any(a.dtype != dt or not a.flags.c_contiguous for a in arrays):
+            return None
+        fixed.append((pp, pu, *mem, dt.type(0)))
+    none = np.zeros(0, np.float64)  # the pad of a tree of one group: adds 0.0 to each product
+    pad = (none, none, none, none, none, (none,) * len(dps), (none,) * len(dus), np.float64(0.0))
+
+    def groups(p: FlatTree, g: FlatTree, vec: FlatTree) -> tuple | None:
+        out: list = []
+        for pp, pu, ds, us, zero in fixed:
+            a, b, q = p.groups[len(out)], g.groups[len(out)], vec.groups[len(out)]
+            if a.dtype != pp.dtype or b.dtype != pp.dtype or q.dtype != pp.dtype:
+                return None
+            out.append((a, b, pp, pu, q, ds, us, zero))
+        return (*out, pad) if len(out) == 1 else tuple(out)
+
+    return groups
+
+
+_REALS = (np.dtype(np.float32), np.dtype(np.float64))
 
 
 def _weights_fit(weights: Any, m: int) -> bool:
@@ -181,6 +242,9 @@ class _ScaleByLBFGS(Stage):
         # which every step passes on as they are (a copied or loaded state has its own).
         p_storage, u_storage = prev_params.__dict__, prev_updates.__dict__
         ops = [ops_for(g) for g in prev_params.groups]  # per group: the same for every buffer
+        engine: Any = ops[0].reduce if ops else None
+        block = np.int64(_config.REDUCE_BLOCK)
+        compiled = _compiled_groups(prev_params, prev_updates, dps, dus)
         now: list = [0, None, None, None]  # this step's count, weights, owner and params
 
         def tick(state: Any, params: Any, extra: dict) -> bool:
@@ -206,39 +270,35 @@ class _ScaleByLBFGS(Stage):
             u = u.settled()
             g, p = u.flat, params.flat()
             rhos = np.asarray(weights).copy()
+            vec = u.fresh()  # (the updates' own buffer when they may be overwritten)
+            # the CPU engine's compiled step, where it applies (float64 weights: its arithmetic)
+            fast = compiled(p, g, vec) if compiled is not None and rhos.dtype == np.float64 else None
             if count > 0:  # the newest pair (s, y), from the last step's params and gradients
-                s, y = dps[prev], dus[prev]
-                _axpy(s, p, -1.0, prev_params, ops)
-                _axpy(y, g, -1.0, prev_updates, ops)
-                sy = _dot(y, s, ops)
+                if fast:
+                    sy, yy = engine.lbfgs_pair(*fast, prev, True, block)
+                else:
+                    s, y = dps[prev], dus[prev]
+                    _axpy(s, p, -1.0, prev_params, ops)
+                    _axpy(y, g, -1.0, prev_updates, ops)
+                    sy = _dot(y, s, ops)
+                    yy = _dot(y, y, ops) if scale_init else 0.0
                 rhos[prev] = 0.0 if sy == 0.0 else 1.0 / sy
             if not scale_init:
                 gamma = 1.0
             elif count > 0:
-                yy = _dot(dus[prev], dus[prev], ops)
                 gamma = sy / yy if yy > 0.0 else 1.0
             else:  # optax's first step: a capped reciprocal of the gradient's norm
+                gg = engine.lbfgs_pair(*fast, prev, False, block)[0] if fast else _dot(g, g, ops)
                 with np.errstate(divide="ignore"):
-                    gamma = float(np.minimum(1.0, 1.0 / np.sqrt(_dot(g, g, ops))))
+                    gamma = float(np.minimum(1.0, 1.0 / np.sqrt(gg)))
             # The two-loop recursion, newest pair first; slots not yet written hold zeros and
             # weight 0, and change nothing: skipped.
-            order = [(idx + j) % m for j in range(m)][m - filled :]
-            _copy_into(prev_params, p, ops)  # this step's pair, kept for the next one
-            _copy_into(prev_updates, g, ops)
-            vec = u.fresh()  # (the updates' own buffer when they may be overwritten)
-            if vec is not g:
-                _copy_into(vec, g, ops)
-            alphas = []
-            for j in reversed(order):
-                alpha = rhos[j] * _dot(dps[j], vec, ops)
-                _axpy(vec, vec, -alpha, dus[j], ops)
-                alphas.append(alpha)
-            if gamma != 1.0:
-                for o, op in zip(vec.groups, ops):
-                    op.scale_(o, o, Factor(1.0, gamma))
-            for j, alpha in zip(order, reversed(alphas)):
-                beta = rhos[j] * _dot(dus[j], vec, ops)
-                _axpy(vec, vec, alpha - beta, dps[j], ops)
+            order = (np.arange(idx, idx + m) % m)[m - filled :]
+            if fast:
+                f = Factor(1.0, gamma)
+                engine.lbfgs_two_loop(*fast, rhos, order, vec is not g, f.div, f.mul, gamma != 1.0, block)
+            else:
+                _two_loop(vec, g, p, prev_params, prev_updates, dps, dus, rhos, order, gamma, ops)
             new = ScaleByLBFGSState(safe_increment(count), prev_params, prev_updates, dps, dus, rhos)
             return Updates(vec, True, scratch=u.scratch), new
 

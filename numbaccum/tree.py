@@ -93,7 +93,7 @@ def _children(node: Any) -> tuple[str, Any, list[tuple[Any, Any]]] | None:
             keys = tuple(sorted(node))
         except TypeError as e:
             raise TypeError(f"dict keys must be sortable, got {short_repr(list(node), 200)}") from e
-        return _DICT, keys, [(k, node[k]) for k in keys]
+        return _DICT, keys, list(zip(keys, map(node.__getitem__, keys)))  # (maps: no frame per node)
     fields: Any = getattr(type(node), "_fields", _MISSING) if isinstance(node, tuple) else _MISSING
     if fields is not _MISSING:  # a NamedTuple (`_is_namedtuple`, inline: every node asks)
         return _NAMEDTUPLE, type(node), [(f, getattr(node, f)) for f in fields]
@@ -120,7 +120,7 @@ class _Attr(str):
 
 
 def _flatten(node: Any, path: tuple, leaves: list, paths: list | None) -> TreeDef:
-    spec = _children(node)
+    spec = None if type(node) is np.ndarray else _children(node)  # (an array: a leaf)
     if spec is None:
         leaves.append(node)
         if paths is not None:
@@ -134,6 +134,13 @@ def _flatten(node: Any, path: tuple, leaves: list, paths: list | None) -> TreeDe
     built = []  # loops, not generators: every call that derives a layout walks a tree
     n = 0
     for k, v in items:
+        if type(v) is np.ndarray:  # the common leaf, without a call of its own
+            leaves.append(v)
+            if paths is not None:
+                paths.append(path + (k,))
+            built.append(_LEAF_DEF)
+            n += 1
+            continue
         c = _flatten(v, path + (k,), leaves, paths)
         built.append(c)
         n += c.num_leaves

@@ -526,37 +526,33 @@ def prepare(kind, x, table: Table):
     rows, items, pstart, pslice, nparts = table.rows, work.items, work.pstart, work.pslice, work.nparts
     busy, n = items.shape[0] > 0, xr.size
     folded = kind in _NON_NEGATIVE and nparts == pslice.size - 1 and bool(np.all(np.diff(pslice) == 1))
-    found: list = []  # the serial driver's compiled function (`driver.entry_point`), after its first call
+    kernel = _kept_kernel(pair, n)
 
     def run(centers=None, p=0.0):
         part = np.empty(nparts, np.float64)
         # A fresh contiguous copy: always the type the entry was compiled for (never read-only).
         c = _NONE if centers is None else np.array(centers, np.float64)
-        args = (xr, rows, items, pstart, c, np.float64(p), part)
-        if not busy:
-            pass
-        elif n >= _config.SERIAL_BELOW:  # a parallel region may run: asked at every call (a fork)
-            _guarded(n, _pick(pair, n), *args)
-        elif found:
-            found[0](*args)
-        else:
-            pair[1](*args)
-            found.append(entry_point(pair[1], args))
+        if busy:
+            kernel[0](xr, rows, items, pstart, c, np.float64(p), part)
         return part if folded else combine(part, pslice, op)
 
     return run
 
 
-def _launch(pair, n, found, args):
-    """A prepared run's first kernel call, or each one of a large buffer (`prepare`'s rule):
-    below `_config.SERIAL_BELOW` the serial driver, its compiled entry then kept in ``found``
-    (the run calls it directly from then on); else the driver `_pick` chooses, under the guard,
-    asked at every call (a fork)."""
+def _kept_kernel(pair, n):
+    """``[kernel]``, what a prepared call over ``n`` elements calls with arguments of fixed types:
+    at a parallel size the pair behind its guard (`_pick` asked at every call: a fork); else the
+    serial driver, replaced after its first call by its compiled function (`driver.entry_point`)."""
     if n >= _config.SERIAL_BELOW:
-        return _guarded(n, _pick(pair, n), *args)
-    out = pair[1](*args)
-    found.append(entry_point(pair[1], args))
-    return out
+        return [lambda *args: _guarded(n, _pick(pair, n), *args)]
+    kernel: list = []
+
+    def first(*args):
+        pair[1](*args)
+        kernel[0] = entry_point(pair[1], args)
+
+    kernel.append(first)
+    return kernel
 
 
 def by_items(kind, table: Table):
@@ -872,6 +868,24 @@ def divide_(out, x, factor, table: Table, divisors):
     _run_scaler(kernels, x.size, table, False, out, x, (t(div), t(mul), scaled), d)
 
 
+def prepare_divide(out, x, table: Table):
+    """`divide_` for these very buffers, resolved once: ``run(factor, divisors)`` (as
+    `prepare_apply`: the same kernel over the same items). float16 and bfloat16 buffers (staged
+    through float32 copies per call) take `divide_` itself."""
+    if _has_f16(out, x):
+        return lambda factor, divisors: divide_(out, x, factor, table, divisors)
+    t = np.result_type(out.dtype, x.dtype).type
+    pair = _DIVIDE_IN_PLACE if out.ctypes.data == x.ctypes.data else _DIVIDE
+    items, rows, kernel = table.work(_config.REDUCE_BLOCK, False).items, table.rows, _kept_kernel(pair, x.size)
+
+    def run(factor, divisors):
+        if items.shape[0]:
+            div, mul = factor.div, factor.mul
+            c = (t(div), t(mul), not (div == 1.0 and mul == 1.0))
+            kernel[0](out, x, rows, items, c, np.array(divisors, t))
+
+    return run
+
 def ema_update_(ema, g, factor, table: Table, active, one_minus_decay, decay):
     """ema = (1 - decay) * factor(g) + decay * ema over each slice ``s`` with ``active[s] != 0``
     (`numbaccum.formulas.ema`); the other slices are left as they are (their g is not even
@@ -888,27 +902,6 @@ def ema_update_(ema, g, factor, table: Table, active, one_minus_decay, decay):
     _run_scaler(_EMA, g.size, table, False, ema, g, c, act)
 
 
-def prepare_divide(out, x, table: Table):
-    """`divide_` for these very buffers, resolved once (as `prepare_apply`): ``run(factor,
-    divisors)``. float16 and bfloat16 buffers take `divide_` itself."""
-    if _has_f16(out, x):
-        return lambda factor, divisors: divide_(out, x, factor, table, divisors)
-    t = np.result_type(out.dtype, x.dtype).type
-    pair = _DIVIDE_IN_PLACE if out.ctypes.data == x.ctypes.data else _DIVIDE
-    items, rows, n = table.work(_config.REDUCE_BLOCK, False).items, table.rows, x.size
-    found: list = []  # the serial driver's compiled entry, from the first call (`_launch`)
-
-    def run(factor, divisors):
-        if items.shape[0]:
-            div, mul = factor.div, factor.mul
-            c = (t(div), t(mul), not (div == 1.0 and mul == 1.0))
-            # a fresh copy of the divisors: always the type the entry was compiled for
-            args = (out, x, rows, items, c, np.array(divisors, t))
-            found[0](*args) if found else _launch(pair, n, found, args)
-
-    return run
-
-
 def prepare_ema(ema, g, table: Table):
     """`ema_update_` for these very buffers, resolved once: ``run(factor, active,
     one_minus_decay, decay)``. float16 and bfloat16 buffers take `ema_update_` itself."""
@@ -916,14 +909,14 @@ def prepare_ema(ema, g, table: Table):
         return lambda factor, *rest: ema_update_(ema, g, factor, table, *rest)
     t = np.result_type(ema.dtype, g.dtype).type
     items, rows, n = table.work(_config.REDUCE_BLOCK, False).items, table.rows, g.size
-    found: list = []  # the serial driver's compiled entry, from the first call (`_launch`)
 
+    kernel = _kept_kernel(_EMA, n)
     def run(factor, active, one_minus_decay, decay):
         if items.shape[0]:
             div, mul = factor.div, factor.mul
             c = (t(div), t(mul), not (div == 1.0 and mul == 1.0), t(one_minus_decay), t(decay), t(1))
             args = (ema, g, rows, items, c, np.array(active, np.uint8))
-            found[0](*args) if found else _launch(_EMA, n, found, args)
+            kernel[0](*args)
 
     return run
 
@@ -995,14 +988,14 @@ def prepare_axis_sumsq(x, sums: AxisSums):
     if x.dtype.itemsize == 2:
         return lambda: axis_sumsq(x, sums)
     items, jobs, n = sums.items(_config.REDUCE_BLOCK), sums.jobs, x.size
-    found: list = []  # the serial driver's compiled entry, from the first call (`_launch`)
     pair, busy, n_out = (_axis_parallel, _axis_serial), items.shape[0] > 0, sums.n_out
 
+    kernel = _kept_kernel(pair, n)
     def run():
         out = np.zeros(n_out, np.float64)
         if busy:
             args = (x, jobs, items, out)
-            found[0](*args) if found else _launch(pair, n, found, args)
+            kernel[0](*args)
         return out
 
     return run
@@ -1061,12 +1054,12 @@ def prepare_axis_max(out, x, maxima: AxisMaxima):
     if x.dtype.itemsize == 2 or not items.shape[0]:
         return lambda: axis_max_(out, x, maxima)
     pair, jobs, where, n = (_max_parallel, _max_serial), maxima.jobs, maxima.where, x.size
-    found: list = []  # the serial driver's compiled entry, from the first call (`_launch`)
 
+    kernel = _kept_kernel(pair, n)
     def run():
         tmp = np.empty(out.size, np.float64)
         args = (x, jobs, items, tmp)
-        found[0](*args) if found else _launch(pair, n, found, args)
+        kernel[0](*args)
         out[where] = tmp[where]
 
     return run
@@ -1211,13 +1204,13 @@ def prepare_row_column(decl, out, g, v, table: FactorTable):
     if _has_f16(out, g, v) or not items.shape[0]:
         return lambda rf, cf, scalars: row_column_pass_(decl, out, g, v, table, rf, cf, scalars)
     t, meta, n = np.result_type(v.dtype, g.dtype).type, table.meta, g.size
-    found: list = []  # the serial driver's compiled entry, from the first call (`_launch`)
     pair = _pass_kernels(_row_column_kernels, decl)
 
+    kernel = _kept_kernel(pair, n)
     def run(rf, cf, scalars):
         c = tuple(map(t, scalars))
         args = (out, g, v, meta, items, np.array(rf, np.float64), np.array(cf, np.float64), c)
-        found[0](*args) if found else _launch(pair, n, found, args)
+        kernel[0](*args)
 
     return run
 
@@ -1351,13 +1344,13 @@ def prepare_axes(decl, out, g, nu, acc, table: AxisTable, mu):
     if _has_f16(out, g, nu, acc) or not items.shape[0] or mu.dtype != t:
         return lambda scalars: axes_pass_(decl, out, g, nu, acc, table, mu, scalars)
     head, n = (out, g, nu, acc, table.meta, table.axes, items), g.size
-    found: list = []  # the serial driver's compiled entry, from the first call (`_launch`)
     pair = _pass_kernels(_axes_kernels, decl)
 
+    kernel = _kept_kernel(pair, n)
     def run(scalars):
         c = tuple(map(t, scalars))
         args = (*head, np.array(mu, t), mu, c)  # the old statistics read while the direct ones are written
-        found[0](*args) if found else _launch(pair, n, found, args)
+        kernel[0](*args)
 
     return run
 
@@ -1447,3 +1440,110 @@ def dot(x, y) -> float:
     else:
         _guarded(x.size, _dot_parallel, x, y, np.int64(block), part)
     return float(sum_in_order(part))
+
+
+# --- L-BFGS's step compiled whole (a small tree's: no Python between its dots and updates) ------
+#
+# Per dtype group (two at most, float32 or float64; a tree of one group pads with an empty
+# float64 one), ``(p, g, prev_p, prev_g, q, s_mem, y_mem, zero)``: the params, the gradient,
+# the last step's pair, the direction, the memories (tuples of buffers) and a zero of the
+# group's dtype (scalars are rounded to it as the driver's cast does). Each element is computed
+# by the formulas of the contract's calls they replace (``add_scaled``: x + s * y; ``scale``:
+# (x / div) * mul) and each inner product is `dot`'s (its blocks summed in order, the groups
+# added from 0.0 in order): the same bits as `numbaccum.quasi_newton`'s calls.
+
+
+@_jit
+def _axpy_run(out, x, s, y):  # pragma: no cover - compiled
+    for i in range(out.size):
+        out[i] = x[i] + s * y[i]
+
+
+@_jit
+def _dot_of(x, y, block):  # pragma: no cover - compiled
+    """`dot`'s value: `_dot_serial`'s blocks summed in order from 0.0 (`sum_in_order`)."""
+    total = 0.0
+    for b in range(max(-(-x.size // block), 1)):
+        total += _dot_block(x, y, b * block, min((b + 1) * block, x.size))
+    return total
+
+
+@_cache.cached
+@njit(error_model="numpy")
+def lbfgs_pair(ga, gb, k, newest, block):  # pragma: no cover - compiled
+    """With ``newest``: memory slot ``k`` set to the newest pair, s = p + (-1) prev_p and y = g +
+    (-1) prev_g, and ``(<y, s>, <y, y>)``; else ``(<g, g>, 0.0)``."""
+    if not newest:
+        return (0.0 + _dot_of(ga[1], ga[1], block)) + _dot_of(gb[1], gb[1], block), 0.0
+    _axpy_run(ga[5][k], ga[0], _like(ga[7], -1.0), ga[2])
+    _axpy_run(ga[6][k], ga[1], _like(ga[7], -1.0), ga[3])
+    _axpy_run(gb[5][k], gb[0], _like(gb[7], -1.0), gb[2])
+    _axpy_run(gb[6][k], gb[1], _like(gb[7], -1.0), gb[3])
+    sy = (0.0 + _dot_of(ga[6][k], ga[5][k], block)) + _dot_of(gb[6][k], gb[5][k], block)
+    yy = (0.0 + _dot_of(ga[6][k], ga[6][k], block)) + _dot_of(gb[6][k], gb[6][k], block)
+    return sy, yy
+
+
+@_jit
+def _keep_pair(grp, copy):  # pragma: no cover - compiled
+    """prev_p = p, prev_g = g and, with ``copy``, q = g (`Ops.scale_` with no factor: copies)."""
+    grp[2][:] = grp[0]
+    grp[3][:] = grp[1]
+    if copy:
+        grp[4][:] = grp[1]
+
+
+@_jit
+def _scale_run(q, div, mul):  # pragma: no cover - compiled
+    for i in range(q.size):
+        q[i] = (q[i] / div) * mul
+
+
+@_cache.cached
+@njit(error_model="numpy")
+def lbfgs_two_loop(ga, gb, rho, order, copy, div, mul, scaled, block):  # pragma: no cover - compiled
+    """This step's pair kept (`_keep_pair`), then the two-loop recursion over the memory slots
+    ``order`` (oldest first) with weights ``rho``: the direction q, scaled by ``(div, mul)``
+    between the loops when ``scaled``."""
+    _keep_pair(ga, copy)
+    _keep_pair(gb, copy)
+    alphas = np.empty(order.size, np.float64)
+    for t in range(order.size - 1, -1, -1):  # newest first
+        j = order[t]
+        alpha = rho[j] * ((0.0 + _dot_of(ga[5][j], ga[4], block)) + _dot_of(gb[5][j], gb[4], block))
+        _axpy_run(ga[4], ga[4], _like(ga[7], -alpha), ga[6][j])
+        _axpy_run(gb[4], gb[4], _like(gb[7], -alpha), gb[6][j])
+        alphas[t] = alpha
+    if scaled:
+        _scale_run(ga[4], _like(ga[7], div), _like(ga[7], mul))
+        _scale_run(gb[4], _like(gb[7], div), _like(gb[7], mul))
+    for t in range(order.size):
+        j = order[t]
+        beta = rho[j] * ((0.0 + _dot_of(ga[6][j], ga[4], block)) + _dot_of(gb[6][j], gb[4], block))
+        _axpy_run(ga[4], ga[4], _like(ga[7], alphas[t] - beta), ga[5][j])
+        _axpy_run(gb[4], gb[4], _like(gb[7], alphas[t] - beta), gb[5][j])
+
+
+def prepare_dot(x, y):
+    """`dot` for these very buffers, resolved once: ``run()`` -> float (the same blocks summed
+    in the same order: the same bits). After the first call the serial kernel and the sum are
+    called without numba's dispatch (`driver.entry_point`); buffers of a parallel size, float16
+    and bfloat16 ones (widened per call) take `dot` itself."""
+    if x.dtype.itemsize == 2 or y.dtype.itemsize == 2 or x.size >= _config.SERIAL_BELOW:
+        return lambda: dot(x, y)
+    if x.dtype.kind == "c":
+        x, y = x.view(x.real.dtype), y.view(y.real.dtype)
+    block, nparts = np.int64(_config.REDUCE_BLOCK), max(-(-x.size // _config.REDUCE_BLOCK), 1)
+    found: list = []  # the kernel's and the sum's compiled functions, after the first call
+
+    def run():
+        part = np.zeros(nparts, np.float64)  # per call: threads may share a kept run
+        if found:
+            found[0](x, y, block, part)
+            return float(found[1](part))
+        _dot_serial(x, y, block, part)
+        total = float(sum_in_order(part))
+        found[:] = entry_point(_dot_serial, (x, y, block, part)), entry_point(sum_in_order, (part,))
+        return total
+
+    return run
