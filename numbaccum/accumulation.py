@@ -20,7 +20,7 @@ from ._checks import INT32_MAX, flag, integer, transformation, wrong_state
 from ._interrupts import user_code
 from .backend import ops_for, tree_sumsq_scaled
 from .base import Chain, Foreign, Stage, as_stage, undoable, with_extra_args_support
-from .control import Inner, add_to
+from .control import Adds, Inner, add_to
 from .contract import ONE
 from .declared import (
     Elementwise,
@@ -725,6 +725,7 @@ class _DpCycle:
         self.acc: Any = None
         self.emits = False
         self.note: Note | None = None
+        self.launches, self.adds = fuse.Launches(), Adds()  # the zeroing's and the add's, kept
         self.part = fuse.Host(
             self.run, self.passes, "multisteps", self.tick, settles=False, apply=self.apply, spec=out_spec
         )
@@ -781,15 +782,15 @@ class _DpCycle:
             with inside(self.note):  # type: ignore[arg-type]  # set where emits is
                 if self.rest is None:
                     if p is not None:
-                        add_to(p, emitted)
+                        self.adds(p, emitted)
                 elif p is None:
                     out, rest_states = self.rest.run(emitted, settle=True)
                 else:
                     rest_states = self.rest.apply(emitted, p)
         except SkipStep as e:  # the rest skipped (a clip saw NaN): zeros, cycle over
             out, rest_states = zeros_output(acc, self.layout), e.new_state
-        for a in acc.groups:
-            ops_for(a).fill_(a, 0.0)
+        for gi, a in enumerate(acc.groups):  # `Ops.fill_`'s kernel, its launch kept
+            self.launches.run(F.fill, gi, [a], ONE, (0.0,))
         inner_state = self.pack([dp_state, *rest_states])
         step = safe_increment(state.gradient_step)
         new = MultiStepsState(np.int32(0), step, inner_state, acc, state.skip_state)

@@ -42,6 +42,7 @@ __all__ = [
     "leaf_sumsq",
     "leaf_tables",
     "ops_for",
+    "prepare_weighted_sum",
     "slice_sumsq",
     "tree_sumsq",
     "tree_sumsq_scaled",
@@ -217,6 +218,18 @@ def _prepare_dot(x: Any, y: Any) -> Any:
     """``run()``: the host engine's prepared `Ops.dot`; on CUDA the contract's call."""
     ops = ops_for(x)
     return ops.reduce.prepare_dot(x, y) if isinstance(x, np.ndarray) else lambda: ops.dot(x, y)
+
+
+def prepare_weighted_sum(out: Any, g: Any, offsets: Any, out_offsets: Any, init: Any) -> Any:
+    """``run(mult, noise, std, div, limit)``: `Ops.batch_weighted_sum_` over these buffers (the
+    sum from ``init``, or from 0 when None), for `Reductions.call`: the host engine's prepared
+    sum (`numbaccum.cpu.per_example.prepare_weighted_sum`); on CUDA the contract's call."""
+    ops = ops_for(g)
+    if isinstance(g, np.ndarray):
+        return ops.per_example.prepare_weighted_sum(out, g, offsets, out_offsets, init)
+    return lambda mult, noise, std, div, limit: ops.batch_weighted_sum_(
+        out, g, offsets, out_offsets, mult, noise, std, div, limit, init
+    )
 
 
 def _prepare_rescale(out: Any, x: Any, table: Any, p: float) -> Any:

@@ -14,17 +14,36 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import runner
+from . import fuse, runner
 from .apply import apply_updates_
 from .flat import FlatTree
 from .updates import ParamsRef, Spec, Updates
 
-__all__ = ["Inner", "add_to"]
+__all__ = ["Adds", "Inner", "add_to"]
 
 
 def add_to(params: FlatTree, u: Updates) -> None:
     """``params += u`` (settled first), for a step whose updates no pass added."""
     apply_updates_(params, u.settled().flat)
+
+
+class Adds:
+    """`add_to` kept across steps by one caller (a control node's declaration): ``params += u``
+    by the kept launches of the plain add (`numbaccum.fuse.Launches.add`, `apply_updates_`'s
+    kernel), or, with a factor pending, settled and added in one pass that rounds as settling
+    first would (`numbaccum.fuse.apply_settled`, its group calls kept): the same bits."""
+
+    __slots__ = ("launches", "memo")
+
+    def __init__(self) -> None:
+        self.launches = fuse.Launches()
+        self.memo: tuple[dict, dict] = ({}, {})
+
+    def __call__(self, params: FlatTree, u: Updates) -> None:
+        if u.pending:
+            fuse.apply_settled(u, params, self.memo)
+        else:
+            self.launches.add(params, u.flat)
 
 
 class Inner:
@@ -37,12 +56,13 @@ class Inner:
         state: the inner state ticked.
     """
 
-    __slots__ = ("stage", "spec", "prefix", "plan", "state")
+    __slots__ = ("stage", "spec", "prefix", "plan", "state", "adds")
 
     def __init__(self, stage: Any, spec: Spec, prefix: str) -> None:
         self.stage, self.spec, self.prefix = stage, spec, prefix
         self.plan: runner.Plan | None = None
         self.state: Any = None
+        self.adds = Adds()  # `apply`'s, when the plan's last pass cannot add
 
     def tick(self, state: Any, params: ParamsRef | None, extra: dict) -> bool:
         """This step's values of the inner plan, before anything is written (its checks raise
@@ -72,7 +92,7 @@ class Inner:
         if plan.apply:
             return runner.replay(plan, self.state, u, params, False)[1]
         out, new_state = self.run(u)
-        add_to(params, out)
+        self.adds(params, out)
         return new_state
 
     def passes(self, apply: bool, weight: float = 1.0) -> list:

@@ -29,7 +29,7 @@ from . import arrays
 from ._bounded import Bounded
 from ._checks import flag, non_negative, real, wrong_state
 from .accumulation import trace
-from .backend import ops_for, slice_sumsq
+from .backend import Reductions, ops_for, prepare_weighted_sum, slice_sumsq
 from .base import Stage, chain
 from .declared import Elementwise, check_decay
 from .flat import FlatTree, Workspace, as_flat, host_leaves, layout_of
@@ -69,6 +69,7 @@ class _Plan:
     out_layout: Layout  # the same tree without the batch axis, grouped like the input
     runs: tuple[np.ndarray, ...]  # per group: offsets of its (leaf, example) runs, leaf-major
     example_sizes: np.ndarray  # D_k per leaf, int64
+    tables: tuple  # per group: the segments table of its runs (one slice per run)
 
 
 # Per per-example layout, i.e. per batch size: bounded, as Poisson-sampled DP-SGD sees a new
@@ -108,7 +109,7 @@ def _make_plan(layout: Layout, name: str) -> _Plan:
         table = np.append(starts.ravel(), offsets[-1]).astype(np.int64)
         table.flags.writeable = False
         runs.append(table)
-    return _Plan(batch, out_layout, tuple(runs), sizes)
+    return _Plan(batch, out_layout, tuple(runs), sizes, tuple(segments(r) for r in runs))
 
 
 def _per_example(grads: Any, name: str) -> tuple[FlatTree, _Plan, str]:
@@ -127,17 +128,18 @@ def _check_clip(value: Any, name: str) -> float:
 # --- the two passes -------------------------------------------------------------------------
 
 
-def _squared_norms(flat: FlatTree, plan: _Plan) -> tuple[np.ndarray, np.ndarray]:
+def _squared_norms(flat: FlatTree, plan: _Plan, kept: Reductions | None = None) -> tuple[np.ndarray, np.ndarray]:
     """``(s, f)``, float64 ``(leaves, B)``: the squared norm of example ``b`` of leaf ``k`` is
     ``s[k, b] / f[k, b] ** 2`` (`numbaccum.backend.slice_sumsq`: ``f`` is 1 except where float64
     entries past ~1e154 or below ~1e-154 made the plain sum overflow or underflow).
 
-    One segmented reduction per dtype group; on the GPU the values come back to the host."""
+    One segmented reduction per dtype group (prepared in ``kept``, a declaration's, when given);
+    on the GPU the values come back to the host."""
     lay = flat.layout
     s = np.empty((lay.num_leaves, plan.batch), np.float64)
     f = np.ones_like(s)
-    for members, runs, g in zip(lay.group_index, plan.runs, flat.groups):
-        gs, gf = slice_sumsq(g, segments(runs))
+    for gi, (members, table, g) in enumerate(zip(lay.group_index, plan.tables, flat.groups)):
+        gs, gf = slice_sumsq(g, table) if kept is None else kept.sumsq(gi, g, table)
         s[members] = np.asarray(gs).reshape(members.size, plan.batch)
         f[members] = np.asarray(gf).reshape(members.size, plan.batch)
     return s, f
@@ -153,10 +155,10 @@ def _multipliers(norms: np.ndarray, clip: Any) -> np.ndarray:
     return mult
 
 
-def _global_norms(flat: FlatTree, plan: _Plan) -> np.ndarray:
+def _global_norms(flat: FlatTree, plan: _Plan, kept: Reductions | None = None) -> np.ndarray:
     """Each example's L2 norm over every leaf, float64 ``(B,)`` (leaves added in tree order;
     where a leaf was rescaled, the example's leaves are added at its smallest scale)."""
-    s, f = _squared_norms(flat, plan)
+    s, f = _squared_norms(flat, plan, kept)
     if np.all(f == 1.0):  # the common case
         return np.sqrt(s.sum(axis=0))
     nonzero = s != 0  # per example: the scale of its largest entries, over its non-zero leaves
@@ -168,9 +170,9 @@ def _global_norms(flat: FlatTree, plan: _Plan) -> np.ndarray:
     return np.sqrt(terms.sum(axis=0)) / big
 
 
-def _global_multipliers(flat: FlatTree, plan: _Plan, clip: float) -> np.ndarray:
+def _global_multipliers(flat: FlatTree, plan: _Plan, clip: float, kept: Reductions | None = None) -> np.ndarray:
     """Each example's multiplier for its norm over every leaf (`_global_norms`)."""
-    return _multipliers(_global_norms(flat, plan), clip)
+    return _multipliers(_global_norms(flat, plan, kept), clip)
 
 
 def _weighted_sums(
@@ -182,20 +184,28 @@ def _weighted_sums(
     std: float = 0.0,
     div: float = 1.0,
     init: FlatTree | None = None,
+    kept: Reductions | None = None,
 ) -> FlatTree:
     """``out[k] = (init[k] + sum_b mult[k, b] * g[k][b] + std * noise[k]) / div``, one kernel
-    per group; ``mult`` is ``(leaves, B)``, or ``(B,)`` for one multiplier per example; the sum
-    starts from 0 without ``init`` (an earlier sum of the same layout: DP accumulation).
+    per group (prepared in ``kept``, a declaration's, when given); ``mult`` is ``(leaves, B)``,
+    or ``(B,)`` for one multiplier per example; the sum starts from 0 without ``init`` (an
+    earlier sum of the same layout: DP accumulation).
 
     With noise the result saturates at the largest finite value of each output dtype."""
-    lay = flat.layout
+    lay, out_offsets = flat.layout, plan.out_layout.offsets
     mult = np.broadcast_to(mult, (lay.num_leaves, plan.batch))  # one multiplier per example: every leaf
     for gi, (members, g, o) in enumerate(zip(lay.group_index, flat.groups, out.groups)):
         limit = float(finfo(o.dtype).max) if noise is not None else math.inf
         z = noise[gi] if noise is not None else _NO_NOISE
         m = np.ascontiguousarray(mult[members])
-        args = (lay.offsets[gi], plan.out_layout.offsets[gi], m, z, std, div, limit)
-        ops_for(g).batch_weighted_sum_(o, g, *args, init=None if init is None else init.groups[gi])
+        start = None if init is None else init.groups[gi]
+        if kept is None:
+            ops_for(g).batch_weighted_sum_(o, g, lay.offsets[gi], out_offsets[gi], m, z, std, div, limit, init=start)
+        else:
+            # A slot per kind of call: a DP accumulation's first mini-step sums from 0 into the
+            # sums, the others from them, and the emitting one (with noise) into the updates.
+            slot, buffers = (gi, start is None, noise is None), (o, g, lay.offsets[gi], out_offsets[gi], start)
+            kept.call(slot, prepare_weighted_sum, buffers, m, z, float(std), float(div), limit)
     return out
 
 
@@ -578,6 +588,7 @@ class _Aggregate(Stage):
         clip, std, seed = self.clip, self.std, self.seed
         now = [0]  # this step's noise step
         sums = Workspace(out_spec.layout, None, out_spec.device)  # the plan's: one update at a time
+        kept = Reductions()  # the norms' and the sums' calls, prepared for their buffers
 
         def tick(state: Any, params: Any, extra: dict) -> bool:
             if not isinstance(state, DifferentiallyPrivateAggregateState):
@@ -589,12 +600,12 @@ class _Aggregate(Stage):
             """Clip, sum, add noise, divide by the batch size."""
             step = now[0]
             flat = u.settled().flat
-            mult = _global_multipliers(flat, plan, clip)
+            mult = _global_multipliers(flat, plan, clip, kept)
             # Without noise the noise arrays are not read; the output still saturates.
             noise = _noise(seed, step, plan.out_layout.group_sizes) if std else [_NO_NOISE] * len(flat.groups)
             out = sums()  # never one whose values the caller holds (`Workspace`)
             batch = max(plan.batch, 1)
-            _weighted_sums(flat, plan, mult, out, noise, std, float(batch))
+            _weighted_sums(flat, plan, mult, out, noise, std, float(batch), kept=kept)
             return Updates(out, True), _after(seed, step, _clipped(mult), plan.batch, std / batch)
 
         # the per-example norms (one reduction), then the weighted sums over the batch; per
@@ -632,6 +643,9 @@ class _Accumulation:
         self.plan, self.batch, self.leaves = plan, plan.batch, spec.layout.num_leaves
         self.spec = Spec(plan.out_layout, spec.device)
         self.clip, self.std, self.seed = agg.clip, agg.std, agg.seed
+        self.kept = Reductions()  # the norms' and the sums' calls, prepared for their buffers
+        # The emitted updates: never written over ones the caller holds (`Workspace`).
+        self.out = Workspace(self.spec.layout, None, self.spec.device)
         # This step's values (`tick`).
         self.state: Any = None
         self.step, self.total, self.fresh, self.emit = 0, 0, True, False
@@ -655,16 +669,16 @@ class _Accumulation:
         only); and the new DP state, counting the cycle's examples (0 after it)."""
         flat = u.settled().flat
         plan, state, fresh, total = self.plan, self.state, self.fresh, self.total
-        mult = _global_multipliers(flat, plan, self.clip)
+        mult = _global_multipliers(flat, plan, self.clip, self.kept)
         init = None if fresh else acc
         clipped = (0 if fresh else int(state.clipped)) + _clipped(mult)
         if not self.emit:  # the running sum, in float64: exact, neither noised nor divided
-            _weighted_sums(flat, plan, mult, acc, init=init)
+            _weighted_sums(flat, plan, mult, acc, init=init, kept=self.kept)
             return None, state._replace(examples=np.int64(total), clipped=np.int64(clipped))
         std, seed, step = self.std, self.seed, self.step
         noise = _noise(seed, step, plan.out_layout.group_sizes) if std else [_NO_NOISE] * len(flat.groups)
-        out = FlatTree.empty(self.spec.layout, device=self.spec.device)
-        _weighted_sums(flat, plan, mult, out, noise, std, float(max(total, 1)), init=init)
+        out = self.out()
+        _weighted_sums(flat, plan, mult, out, noise, std, float(max(total, 1)), init=init, kept=self.kept)
         return Updates(out, True), _after(seed, step, clipped, total, std / max(total, 1))
 
 

@@ -19,7 +19,7 @@ from .. import _cache, formulas
 from ..tables import segments
 from .driver import guard_for, runs_serial
 
-__all__ = ["batch_weighted_sum_"]
+__all__ = ["batch_weighted_sum_", "prepare_weighted_sum"]
 
 # Output elements per work item: each example's row of a chunk is read as one 256 KiB run (the
 # prefetchers follow it), against a float64 accumulator of 512 KiB that stays in L2. Measured on
@@ -121,3 +121,29 @@ def batch_weighted_sum_(out, g, offsets, out_offsets, mult, noise, std, div, lim
     items = segments(out_offsets).work(BATCH_CHUNK, False).items
     with guard_for(g.size):  # numba's workqueue layer aborts on concurrent parallel calls
         run(out, g, offsets, out_offsets, mult, noise, std, div, limit, init, has_init, items)
+
+
+def prepare_weighted_sum(out, g, offsets, out_offsets, init):
+    """`batch_weighted_sum_` over these very buffers, as ``run(mult, noise, std, div, limit)``
+    (float64 scalars), the sum from ``init`` or, when None, from 0: its items are found once
+    (the same kernel over the same items: the same bits). What a declared DP aggregation keeps
+    (`numbaccum.backend.prepare_weighted_sum`). float16 and bfloat16 buffers take the call."""
+    has_init, start = init is not None, _FROM_ZERO if init is None else init
+    if out.dtype.itemsize == 2 or g.dtype.itemsize == 2:
+        return lambda mult, noise, std, div, limit: batch_weighted_sum_(
+            out, g, offsets, out_offsets, mult, noise, std, div, limit, start, has_init
+        )
+    items, n = segments(out_offsets).work(BATCH_CHUNK, False).items, g.size
+
+    def run(mult, noise, std, div, limit):
+        if noise.dtype.itemsize == 2:  # (never from numbaccum: its noise is float64)
+            batch_weighted_sum_(out, g, offsets, out_offsets, mult, noise, std, div, limit, start, has_init)
+            return
+        kernel = _WEIGHTED_SUM[1] if runs_serial(n) else _WEIGHTED_SUM[0]  # asked each call: a fork
+        with guard_for(n):
+            kernel(out, g, offsets, out_offsets, mult, noise, std, div, limit, start, has_init, items)
+
+    return run
+
+
+_FROM_ZERO = np.zeros(1, np.float64)  # the init a sum from 0 passes (never read)
