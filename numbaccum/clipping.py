@@ -881,9 +881,10 @@ class _ClipByBlockRms(_Stateless):
         ]
 
         sums, n = Reductions(), lay.num_leaves  # the reductions and divisions kept for their buffers
+        settles = fuse.Launches()  # and the settle's launches
 
         def run(u: Updates, params: Any) -> Updates:
-            u = u.settled()
+            u = u.settled(kept=settles)
             factors = np.empty(n, np.float64)
             for gi, ((members, sizes, table), g) in enumerate(zip(groups, u.flat.groups)):
                 s, f = sums.sumsq(gi, g, table)  # scaled: finite for float64 leaves past 1e154

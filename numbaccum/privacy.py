@@ -128,7 +128,9 @@ def _check_clip(value: Any, name: str) -> float:
 # --- the two passes -------------------------------------------------------------------------
 
 
-def _squared_norms(flat: FlatTree, plan: _Plan, kept: Reductions | None = None) -> tuple[np.ndarray, np.ndarray]:
+def _squared_norms(
+    flat: FlatTree, plan: _Plan, kept: Reductions | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """``(s, f)``, float64 ``(leaves, B)``: the squared norm of example ``b`` of leaf ``k`` is
     ``s[k, b] / f[k, b] ** 2`` (`numbaccum.backend.slice_sumsq`: ``f`` is 1 except where float64
     entries past ~1e154 or below ~1e-154 made the plain sum overflow or underflow).
@@ -170,7 +172,9 @@ def _global_norms(flat: FlatTree, plan: _Plan, kept: Reductions | None = None) -
     return np.sqrt(terms.sum(axis=0)) / big
 
 
-def _global_multipliers(flat: FlatTree, plan: _Plan, clip: float, kept: Reductions | None = None) -> np.ndarray:
+def _global_multipliers(
+    flat: FlatTree, plan: _Plan, clip: float, kept: Reductions | None = None
+) -> np.ndarray:
     """Each example's multiplier for its norm over every leaf (`_global_norms`)."""
     return _multipliers(_global_norms(flat, plan, kept), clip)
 
@@ -200,11 +204,16 @@ def _weighted_sums(
         m = np.ascontiguousarray(mult[members])
         start = None if init is None else init.groups[gi]
         if kept is None:
-            ops_for(g).batch_weighted_sum_(o, g, lay.offsets[gi], out_offsets[gi], m, z, std, div, limit, init=start)
+            ops_for(g).batch_weighted_sum_(
+                o, g, lay.offsets[gi], out_offsets[gi], m, z, std, div, limit, init=start
+            )
         else:
             # A slot per kind of call: a DP accumulation's first mini-step sums from 0 into the
             # sums, the others from them, and the emitting one (with noise) into the updates.
-            slot, buffers = (gi, start is None, noise is None), (o, g, lay.offsets[gi], out_offsets[gi], start)
+            slot, buffers = (
+                (gi, start is None, noise is None),
+                (o, g, lay.offsets[gi], out_offsets[gi], start),
+            )
             kept.call(slot, prepare_weighted_sum, buffers, m, z, float(std), float(div), limit)
     return out
 

@@ -88,13 +88,17 @@ class Updates:
             return self.scratch()
         return FlatTree.empty(self.flat.layout, device=self.flat.device)
 
-    def settled(self, into: FlatTree | None = None) -> Updates:
+    def settled(self, into: FlatTree | None = None, kept: Any = None) -> Updates:
         """This update with the pending factor applied (in place when owned, else into ``into``
-        or `fresh`)."""
+        or `fresh`); ``kept``: a declaration's `numbaccum.fuse.Launches`, which keeps the scale
+        launches across steps (`numbaccum.fuse.Launches.settle`: the same kernel)."""
         if not self.pending:
             return self
         out = into if into is not None and not self.owned else self.fresh()
-        self.into(out)
+        if kept is None:
+            self.into(out)
+        else:
+            kept.settle(self, out)
         return Updates(out, True, scratch=self.scratch)
 
     def into(self, out: FlatTree) -> FlatTree:

@@ -282,3 +282,48 @@ def state_arrays(state, path: str = "state") -> dict:
         for k in sorted(state):
             out.update(state_arrays(state[k], f"{path}[{k!r}]"))
     return out
+
+
+def raising_user_code() -> tuple[Any, list]:
+    """``(transformation, fail)``: a user-written stateless transformation (the updates as they
+    are) that raises ``RuntimeError("user code failed")`` while ``fail[0]`` is True."""
+    fail = [False]
+
+    def update(u: Any, state: Any, params: Any = None) -> Any:
+        if fail[0]:
+            raise RuntimeError("user code failed")
+        return u, state
+
+    return nba.GradientTransformation(lambda params: (), update), fail
+
+
+def check_raising_update_commits_nothing(tx: Any, fail: list, grads: Any, params: Any, written: Any) -> None:
+    """An update of ``tx`` whose user code raises (``fail``, from `raising_user_code`) leaves
+    ``written(state)`` (what the stages before it write) as it was, bit for bit, and commits
+    nothing: the next update of that state gives the same bits as one of a copy taken before."""
+    s = tx.init(params)
+    _, s = tx.update(grads, s, params)
+    kept = nba.copy_state(s)
+    fail[0] = True
+    with pytest.raises(RuntimeError, match="user code failed"):
+        tx.update(grads, s, params)
+    assert_tree_equal(written(s), written(kept))
+    fail[0] = False
+    u, _ = tx.update(grads, s, params)  # the state is still current
+    v, _ = tx.update(grads, kept, params)
+    assert_tree_equal(u, v)
+
+
+def same_stdout_with_one_and_two_threads(script: str) -> None:
+    """``script`` (Python source) prints the same with NUMBA_NUM_THREADS 1 and 2: the parallel
+    kernels' bits do not depend on the thread count."""
+    import subprocess
+
+    results = []
+    for threads in ("1", "2"):
+        env = dict(os.environ, NUMBA_NUM_THREADS=threads)
+        r = subprocess.run(
+            [sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True
+        )
+        results.append(r.stdout.strip())
+    assert results[0] == results[1]

@@ -9,12 +9,11 @@ give the same bits whichever table holds them.
 
 import math
 import os
-import subprocess
-import sys
 import textwrap
 
 import numpy as np
 import pytest
+from _testutil import same_stdout_with_one_and_two_threads
 
 import numbaccum as nba
 from numbaccum import norms, tables
@@ -261,14 +260,7 @@ SCRIPT = textwrap.dedent(
 
 
 def test_same_bits_with_one_and_two_threads():
-    results = []
-    for threads in ("1", "2"):
-        env = dict(os.environ, NUMBA_NUM_THREADS=threads)
-        r = subprocess.run(
-            [sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, check=True
-        )
-        results.append(r.stdout.strip())
-    assert results[0] == results[1]
+    same_stdout_with_one_and_two_threads(SCRIPT)
 
 
 # --- CUDA (a real GPU or the simulator) -----------------------------------------------------

@@ -5,7 +5,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from _testutil import assert_tree_equal, package_calls, watch_declarations
+from _testutil import (
+    assert_tree_equal,
+    check_raising_update_commits_nothing,
+    package_calls,
+    raising_user_code,
+    watch_declarations,
+)
 
 import numbaccum as nba
 
@@ -488,27 +494,10 @@ def test_user_code_raising_inside_an_injected_chain_leaves_the_state_as_it_was()
     """inject_hyperparams around chain(sgd with momentum, user code): the chain's parts run in
     the injected plan's runs, so the plan itself copies the momentum before the step and
     restores it, bit for bit, when the user's code raises after sgd wrote it."""
-    fail = [False]
-
-    def update(u, state, params=None):
-        if fail[0]:
-            raise RuntimeError("user code failed")
-        return u, state
-
-    def make(learning_rate):
-        return nba.chain(nba.sgd(learning_rate, momentum=0.9), nba.GradientTransformation(lambda p: (), update))
-
-    tx = nba.inject_hyperparams(make)(learning_rate=0.1)
+    user, fail = raising_user_code()
+    tx = nba.inject_hyperparams(lambda learning_rate: nba.chain(nba.sgd(learning_rate, momentum=0.9), user))(
+        learning_rate=0.1
+    )
     p = {"w": np.ones(5, np.float32)}
     g = {"w": np.arange(5, dtype=np.float32)}
-    s = tx.init(p)
-    _, s = tx.update(g, s, p)
-    kept = nba.copy_state(s)
-    fail[0] = True
-    with pytest.raises(RuntimeError, match="user code failed"):
-        tx.update(g, s, p)
-    assert_tree_equal(s.inner_state[0][0].trace.tree, kept.inner_state[0][0].trace.tree)
-    fail[0] = False
-    u, _ = tx.update(g, s, p)  # the failed update committed nothing: the state is current
-    v, _ = tx.update(g, kept, p)
-    assert_tree_equal(u, v)
+    check_raising_update_commits_nothing(tx, fail, g, p, lambda s: s.inner_state[0][0].trace.tree)

@@ -1,13 +1,11 @@
 """The CPU kernels through the contract (`ops_for`) against plain NumPy: edge cases and thread-count
 determinism."""
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import numpy as np
 import pytest
+from _testutil import same_stdout_with_one_and_two_threads
 
 from numbaccum import _config, accumulation, formulas, optimizers
 from numbaccum.backend import ops_for
@@ -151,14 +149,7 @@ SCRIPT = textwrap.dedent(
 
 
 def test_same_bits_with_one_and_two_threads():
-    results = []
-    for threads in ("1", "2"):
-        env = dict(os.environ, NUMBA_NUM_THREADS=threads)
-        r = subprocess.run(
-            [sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, check=True
-        )
-        results.append(r.stdout.strip())
-    assert results[0] == results[1]
+    same_stdout_with_one_and_two_threads(SCRIPT)
 
 
 def test_concurrent_calls_from_threads_do_not_abort():

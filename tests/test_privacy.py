@@ -7,7 +7,15 @@ import math
 import numpy as np
 import pytest
 import reference as ref
-from _testutil import assert_tree_close, assert_tree_equal, no_shared_memory, require, snapshot
+from _testutil import (
+    assert_tree_close,
+    assert_tree_equal,
+    check_raising_update_commits_nothing,
+    no_shared_memory,
+    raising_user_code,
+    require,
+    snapshot,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from strategies import F32 as DT32
@@ -514,27 +522,10 @@ def test_user_code_after_the_aggregate_that_raises_leaves_the_states_as_they_wer
     """A chain whose foreign stage after the reshaping one raises: the momentum written before it
     (a chain of the aggregate, sgd with momentum, then user code) is restored, bit for bit."""
     p = {"w": np.zeros(4, np.float32)}
-    fail = [False]
-
-    def update(u, state, params=None):
-        if fail[0]:
-            raise RuntimeError("user code failed")
-        return u, state
-
-    user = nba.GradientTransformation(lambda params: (), update)
+    user, fail = raising_user_code()
     tx = nba.chain(nba.differentially_private_aggregate(1.0, 0.0, seed=1), nba.sgd(0.1, momentum=0.9), user)
     g = {"w": np.arange(12, dtype=np.float32).reshape(3, 4)}
-    s = tx.init(p)
-    _, s = tx.update(g, s, p)
-    kept = nba.copy_state(s)
-    fail[0] = True
-    with pytest.raises(RuntimeError, match="user code failed"):
-        tx.update(g, s, p)
-    assert_tree_equal(s[1][0].trace.tree, kept[1][0].trace.tree)
-    fail[0] = False
-    u, _ = tx.update(g, s, p)  # the state is still current: the failed update committed nothing
-    u2, _ = tx.update(g, kept, p)
-    assert_tree_equal(u, u2)
+    check_raising_update_commits_nothing(tx, fail, g, p, lambda s: s[1][0].trace.tree)
 
 
 # --- privacy accounting ------------------------------------------------------------------------
