@@ -1009,7 +1009,7 @@ class _AdaptiveGradClip(_Sliced):
         sums = Reductions()
 
         def run(u: Updates, params: Any) -> Updates:
-            u = u.settled()
+            u = u if u.factor is ONE else u.settled()  # (inline: nothing pending, the common case)
             pf = params.flat()
             out = u.fresh()
             for gi, (o, g, p, gs) in enumerate(zip(out.groups, u.flat.groups, pf.groups, slicing.groups)):
@@ -1207,7 +1207,7 @@ class _ScaleByTrustRatio(Stage):
         sums = Reductions()
 
         def run(u: Updates, params: Any) -> Updates:
-            u = u.settled()
+            u = u if u.factor is ONE else u.settled()  # (inline: nothing pending, the common case)
             pf = params.flat()
             out = u.fresh()
             for gi, (o, g, p, gs, t) in enumerate(zip(out.groups, u.flat.groups, pf.groups, leaves.groups, reals)):
@@ -1234,8 +1234,9 @@ def _trust_ratios(
     rounding of an exact product, ``t``'s own product)."""
     with np.errstate(all="ignore"):
         lo = t(min_norm)
-        pn, un = p_norm.astype(t), u_norm.astype(t)
-        pn, un = np.where(pn <= lo, lo, pn), np.where(un <= lo, lo, un)  # optax's safe_norm
+        pt: np.ndarray = p_norm.astype(t)
+        ut: np.ndarray = u_norm.astype(t)
+        pn, un = np.where(pt <= lo, lo, pt), np.where(ut <= lo, lo, ut)  # optax's safe_norm
         ratio = t(trust) * pn / (un + t(eps))
         p64, u64 = np.maximum(p_norm, min_norm), np.maximum(u_norm, min_norm)
         wide = (trust * p64 / (u64 + eps)).astype(t)
