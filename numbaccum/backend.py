@@ -254,12 +254,17 @@ def prepare_norm_scaling(out: Any, x: Any, y: Any, table: Any) -> Any:
     and items as `Reductions.sumsq` and `Reductions.apply_`, the same bits. On CUDA the
     contract's calls."""
     ops, t = ops_for(x), as_table(table)
+    engine = ops.reduce
     if isinstance(x, np.ndarray):
-        sums = ops.reduce.prepare_pair("sumsq", y, x, t)
+        sums = engine.prepare_pair("sumsq", y, x, t)
     else:
-        sums = lambda: (ops.reduce.reduce("sumsq", y, t, None, 0.0), ops.reduce.reduce("sumsq", x, t, None, 0.0))  # noqa: E731
+
+        def sums() -> tuple[np.ndarray, np.ndarray]:
+            return engine.reduce("sumsq", y, t, None, 0.0), engine.reduce("sumsq", x, t, None, 0.0)
+
     apply = _prepare_apply(out, x, table)
-    wide_y, wide_x = np.dtype(y.dtype).itemsize >= 8, np.dtype(x.dtype).itemsize >= 8  # `slice_sumsq`'s rescue
+    # (float64 buffers: `slice_sumsq`'s rescue)
+    wide_y, wide_x = np.dtype(y.dtype).itemsize >= 8, np.dtype(x.dtype).itemsize >= 8
 
     def run(factors_of: Any, *args: Any) -> None:
         sy, sx = sums()

@@ -1975,11 +1975,15 @@ class _ScaleBySophia(Elementwise):
         self.eps, self.gamma = real(eps, "eps"), real(gamma, "gamma")
         self.clip = None if clip_threshold is None else real(clip_threshold, "clip_threshold")
         self.update_interval = integer(update_interval, "update_interval", 1)
-        tx = with_extra_args_support(transformation(hessian_diagonal_fn, "hessian_diagonal_fn"))
+        given = transformation(hessian_diagonal_fn, "hessian_diagonal_fn")
+        tx = with_extra_args_support(given)
         found = stage_of(tx)
         self.hessian = tx
         self.hutchinson = found if isinstance(found, _Hutchinson) else None  # called directly
         self.user_estimator = found is None  # the user's: interruptible, as a callback
+        # A plain GradientTransformation of the user's: its own update, called without the extra
+        # args, as the wrapper `with_extra_args_support` made for it calls it.
+        self.plain_update = given.update if found is None and tx is not given else None
         self.mu_dtype = _mu_dtype(mu_dtype)
         self.verbose = flag(verbose, "verbose")
         self.every = integer(print_win_rate_every_n_steps, "print_win_rate_every_n_steps")
@@ -2015,7 +2019,9 @@ class _ScaleBySophia(Elementwise):
             return self.hutchinson.estimate(spec, hstate, params, extra, into)
         raw = params.raw
         update = self.hessian.update
-        if self.user_estimator:
+        if self.plain_update is not None:
+            out, new = user_code(self.plain_update, None, hstate, raw)
+        elif self.user_estimator:
             out, new = user_code(update, None, hstate, raw, **extra)
         else:
             out, new = update(None, hstate, raw, **extra)

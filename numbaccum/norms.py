@@ -1201,10 +1201,9 @@ class _ScaleByTrustRatio(Stage):
 
     def declare(self, spec: Spec, state: Any) -> Any:
         leaves = _whole(spec.layout)
-        min_norm, trust, eps = self.min_norm, self.trust, self.eps
         # per group: the real dtype its ratios are rounded to
         reals = [real_dtype(compute_dtype(d)).type for d in spec.layout.group_dtypes]
-        sums = Reductions()
+        sums, ratio_args = Reductions(), (self.min_norm, self.trust, self.eps)
 
         def run(u: Updates, params: Any) -> Updates:
             u = u if u.factor is ONE else u.settled()  # (inline: nothing pending, the common case)
@@ -1212,7 +1211,7 @@ class _ScaleByTrustRatio(Stage):
             out = u.fresh()
             for gi, (o, g, p, gs, t) in enumerate(zip(out.groups, u.flat.groups, pf.groups, leaves.groups, reals)):
                 # ``o = g * _trust_ratios(||p||, ||g||, ...)`` per leaf, one kept call
-                sums.call(gi, prepare_norm_scaling, (o, g, p, gs.rows), _trust_ratios, min_norm, trust, eps, t)
+                sums.call(gi, prepare_norm_scaling, (o, g, p, gs.rows), _trust_ratios, *ratio_args, t)
             return Updates(out, True)
 
         passes = (("reduction", "leaf norms of updates and params", 2.0, 0.0), ("kernel", "scale", 1.0, 1.0))

@@ -3120,7 +3120,8 @@ class _ScaleByNovograd(Stage):
             normalized = normalized_of()
             for gi, ((table, members, rt), o, g) in enumerate(zip(groups, normalized.groups, u.flat.groups)):
                 divisions.call(gi, prepare_divide, (o, g, table), ONE, divisors[members].astype(rt))
-            out, factor, (new_state,) = kernel.run(normalized, ONE, lambda: Updates(normalized, False).fresh())
+            spare = lambda: Updates(normalized, False).fresh()  # noqa: E731  (the moment has its output)
+            out, factor, (new_state,) = kernel.run(normalized, ONE, spare)
             return Updates(out, True, factor), new_state._replace(nu=tree_unflatten(treedef, new_nu))
 
         # a reduction of each leaf's squares, the division pass, then the moment's pass (reads
