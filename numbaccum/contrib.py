@@ -32,7 +32,7 @@ from .declared import (
     holds,
     safe_increment,
 )
-from .flat import FlatTree, as_flat, host_check, layout_and_device, layout_of
+from .flat import FlatTree, as_flat, host_check, host_flat, layout_and_device, layout_of
 from .formulas import abs_sq, formula, like, maximum, minimum, quot, re, sqrt
 from .fuse import Host, Launches, Later, Scale
 from .layout import check_float_dtype, check_storage, real_dtype
@@ -1715,7 +1715,10 @@ def _copied_in(tree: Any, spec: Spec, into: FlatTree, name: str) -> FlatTree:
     # A plain tree of NumPy arrays of the layout (a host estimate's every step): checked by the
     # layout's kept check, copied in by `host_flat`; anything else is checked and named by `as_flat`.
     checked = None if spec.device else host_check(spec.layout)(tree)
-    flat, copied, _ = as_flat(tree, spec.layout, name, into, spec.device, checked)
+    if checked is not None:
+        flat, copied, _ = host_flat(checked, spec.layout, into)
+    else:
+        flat, copied, _ = as_flat(tree, spec.layout, name, into, spec.device)
     if not copied:
         for d, s in zip(into.groups, flat.groups):
             if into.device:
