@@ -32,7 +32,7 @@ from .declared import (
     holds,
     safe_increment,
 )
-from .flat import FlatTree, as_flat, layout_and_device, layout_of
+from .flat import FlatTree, as_flat, host_check, host_flat, layout_and_device, layout_of
 from .formulas import abs_sq, formula, like, maximum, minimum, quot, re, sqrt
 from .fuse import Host, Launches, Later, Scale
 from .layout import check_float_dtype, check_storage, real_dtype
@@ -1712,7 +1712,13 @@ def _array_kind(raw: Any, device: bool) -> str:
 def _copied_in(tree: Any, spec: Spec, into: FlatTree, name: str) -> FlatTree:
     """``tree`` (what a callback returned) copied into ``into``, in its dtypes: never a view of
     the callback's arrays, which it may reuse."""
-    flat, copied, _ = as_flat(tree, spec.layout, name, into, spec.device)
+    # A plain tree of NumPy arrays of the layout (a host estimate's every step): checked by the
+    # layout's kept check, copied in by `host_flat`; anything else is checked and named by `as_flat`.
+    checked = None if spec.device else host_check(spec.layout)(tree)
+    if checked is not None:
+        flat, copied, _ = host_flat(checked, spec.layout, into)
+    else:
+        flat, copied, _ = as_flat(tree, spec.layout, name, into, spec.device)
     if not copied:
         for d, s in zip(into.groups, flat.groups):
             if into.device:
@@ -1972,10 +1978,15 @@ class _ScaleBySophia(Elementwise):
         self.eps, self.gamma = real(eps, "eps"), real(gamma, "gamma")
         self.clip = None if clip_threshold is None else real(clip_threshold, "clip_threshold")
         self.update_interval = integer(update_interval, "update_interval", 1)
-        tx = with_extra_args_support(transformation(hessian_diagonal_fn, "hessian_diagonal_fn"))
+        given = transformation(hessian_diagonal_fn, "hessian_diagonal_fn")
+        tx = with_extra_args_support(given)
         found = stage_of(tx)
         self.hessian = tx
         self.hutchinson = found if isinstance(found, _Hutchinson) else None  # called directly
+        self.user_estimator = found is None  # the user's: interruptible, as a callback
+        # A plain GradientTransformation of the user's: its own update, called without the extra
+        # args, as the wrapper `with_extra_args_support` made for it calls it.
+        self.plain_update = given.update if found is None and tx is not given else None
         self.mu_dtype = _mu_dtype(mu_dtype)
         self.verbose = flag(verbose, "verbose")
         self.every = integer(print_win_rate_every_n_steps, "print_win_rate_every_n_steps")
@@ -2011,7 +2022,9 @@ class _ScaleBySophia(Elementwise):
             return self.hutchinson.estimate(spec, hstate, params, extra, into)
         raw = params.raw
         update = self.hessian.update
-        if stage_of(self.hessian) is None:  # the user's estimator: interruptible, as a callback
+        if self.plain_update is not None:
+            out, new = user_code(self.plain_update, None, hstate, raw)
+        elif self.user_estimator:
             out, new = user_code(update, None, hstate, raw, **extra)
         else:
             out, new = update(None, hstate, raw, **extra)
@@ -2040,7 +2053,9 @@ class _ScaleBySophia(Elementwise):
             if hessian_step:
                 new = estimate(spec, state.hessian_fn_state, params, extra, h)
                 part.new_state = part.new_state._replace(hessian_fn_state=new)
-            part.scalars = [(*s[:-1], hessian_step) for s in part.scalars]
+            scalars = part.scalars  # (the tick's new list: each group's, its last set here)
+            for i in range(len(scalars)):
+                scalars[i] = (*scalars[i][:-1], hessian_step)
             part.inputs = plain
             if report and int(part.new_state.count) % self.every == 0:
                 self._report(part, mu, nu, h)

@@ -236,9 +236,8 @@ class Elementwise(Stage):
             for gi, gdt in enumerate(spec.layout.group_dtypes)
         ]
         out: Callable[[], FlatTree] | None = None
-        if bufs:
-            last, dtypes = bufs[-1], spec.layout.group_dtypes
-            out = lambda: last.workspace("out", dtypes)  # noqa: E731
+        if bufs:  # the last buffer's workspace "out", called for the buffer to write
+            out = bufs[-1].workspace_of("out", spec.layout.group_dtypes)
         part = Kernel(self.formula, bufs, [], None, out=out, name=self.name)
         part.tick = self._ticker(part, bufs, cts)
         return part

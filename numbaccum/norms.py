@@ -35,7 +35,7 @@ from . import _cache, runner
 from ._bounded import Bounded
 from ._checks import flag, non_negative, real
 from .apply import scatter_back, writable_flat
-from .backend import Reductions, leaf_sumsq, ops_for, slice_sumsq, tree_sumsq_scaled
+from .backend import Reductions, leaf_sumsq, ops_for, prepare_norm_scaling, slice_sumsq, tree_sumsq_scaled
 from .base import Stage, host_step
 from .clipping import _Clip
 from .contract import ONE, Factor, Ops
@@ -1009,19 +1009,24 @@ class _AdaptiveGradClip(_Sliced):
         sums = Reductions()
 
         def run(u: Updates, params: Any) -> Updates:
-            u = u.settled()
+            u = u if u.factor is ONE else u.settled()  # (inline: nothing pending, the common case)
             pf = params.flat()
             out = u.fresh()
             for gi, (o, g, p, gs) in enumerate(zip(out.groups, u.flat.groups, pf.groups, slicing.groups)):
-                g_norm = _slice_metric(g, gs, 2.0, (sums, ("u", gi)))
-                max_norm = clipping * np.maximum(_slice_metric(p, gs, 2.0, (sums, ("p", gi))), eps)
-                with np.errstate(all="ignore"):
-                    f = np.where(g_norm < max_norm, 1.0, max_norm / np.maximum(g_norm, 1e-6))
-                sums.apply_(gi, o, g, gs.rows, _EMPTY, f)
+                # ``o = g * _agc_factors(||p||, ||g||, ...)`` per unit, one kept call
+                sums.call(gi, prepare_norm_scaling, (o, g, p, gs.rows), _agc_factors, clipping, eps)
             return Updates(out, True)
 
         passes = (("reduction", "unit norms of updates and params", 2.0, 0.0), ("kernel", "clip", 1.0, 1.0))
         return host_step(run, passes, "adaptive_grad_clip", params=True)
+
+
+def _agc_factors(p_norm: np.ndarray, g_norm: np.ndarray, clipping: float, eps: float) -> np.ndarray:
+    """Adaptive clipping's factor per unit: 1 while ``||g|| < clipping * max(||p||, eps)``,
+    else that bound over ``max(||g||, 1e-6)``."""
+    max_norm = clipping * np.maximum(p_norm, eps)
+    with np.errstate(all="ignore"):
+        return np.where(g_norm < max_norm, 1.0, max_norm / np.maximum(g_norm, 1e-6))
 
 
 # --- in place on lists or trees of arrays ---------------------------------------------------
@@ -1196,20 +1201,17 @@ class _ScaleByTrustRatio(Stage):
 
     def declare(self, spec: Spec, state: Any) -> Any:
         leaves = _whole(spec.layout)
-        min_norm, trust, eps = self.min_norm, self.trust, self.eps
         # per group: the real dtype its ratios are rounded to
         reals = [real_dtype(compute_dtype(d)).type for d in spec.layout.group_dtypes]
-        sums = Reductions()
+        sums, ratio_args = Reductions(), (self.min_norm, self.trust, self.eps)
 
         def run(u: Updates, params: Any) -> Updates:
-            u = u.settled()
+            u = u if u.factor is ONE else u.settled()  # (inline: nothing pending, the common case)
             pf = params.flat()
             out = u.fresh()
             for gi, (o, g, p, gs, t) in enumerate(zip(out.groups, u.flat.groups, pf.groups, leaves.groups, reals)):
-                p_norm = _slice_metric(p, gs, 2.0, (sums, ("p", gi)))
-                u_norm = _slice_metric(g, gs, 2.0, (sums, ("u", gi)))
-                ratio = _trust_ratios(p_norm, u_norm, min_norm, trust, eps, t)
-                sums.apply_(gi, o, g, gs.rows, _EMPTY, ratio)
+                # ``o = g * _trust_ratios(||p||, ||g||, ...)`` per leaf, one kept call
+                sums.call(gi, prepare_norm_scaling, (o, g, p, gs.rows), _trust_ratios, *ratio_args, t)
             return Updates(out, True)
 
         passes = (("reduction", "leaf norms of updates and params", 2.0, 0.0), ("kernel", "scale", 1.0, 1.0))
@@ -1231,12 +1233,9 @@ def _trust_ratios(
     rounding of an exact product, ``t``'s own product)."""
     with np.errstate(all="ignore"):
         lo = t(min_norm)
-
-    def safe(norm: np.ndarray) -> np.ndarray:  # optax's safe_norm: min_norm at or below it
-        return np.where(norm <= lo, lo, norm)
-
-    with np.errstate(all="ignore"):
-        pn, un = safe(p_norm.astype(t)), safe(u_norm.astype(t))
+        pt: np.ndarray = p_norm.astype(t)
+        ut: np.ndarray = u_norm.astype(t)
+        pn, un = np.where(pt <= lo, lo, pt), np.where(ut <= lo, lo, ut)  # optax's safe_norm
         ratio = t(trust) * pn / (un + t(eps))
         p64, u64 = np.maximum(p_norm, min_norm), np.maximum(u_norm, min_norm)
         wide = (trust * p64 / (u64 + eps)).astype(t)

@@ -3086,6 +3086,7 @@ class _ScaleByNovograd(Stage):
         # divisions kept for the buffers they last ran on.
         groups = list(zip(leaf_tables(lay), lay.group_index, map(real_dtype, dtypes)))
         divisions = Reductions()
+        normalized_of = mu.workspace_of("normalized", dtypes)  # (mu's storage: the tick holds it)
         treedef, name = lay.treedef, self.public_name
         step: list = [None, False]  # this step's old nu (checked) and whether it is the first
 
@@ -3101,7 +3102,7 @@ class _ScaleByNovograd(Stage):
             return True
 
         def run(u: Updates) -> tuple[Updates, ScaleByNovogradState]:
-            u = u.settled()
+            u = u if u.factor is ONE else u.settled()  # (inline: nothing pending, the common case)
             nu, first = step
             sq = leaf_sumsq(u.flat)  # float64, one pass per group
             new_nu, divisors = [], np.empty(len(nu), np.float64)
@@ -3116,10 +3117,11 @@ class _ScaleByNovograd(Stage):
                     divisors[i] = np.sqrt(n + t(eps_root)) + t(eps)
             # g / divisor in the compute dtype: float16 and bfloat16 leaves keep float32 quotients
             # for the moment's pass (its ``+ wd p`` may cancel them).
-            normalized = mu.workspace("normalized", dtypes)
+            normalized = normalized_of()
             for gi, ((table, members, rt), o, g) in enumerate(zip(groups, normalized.groups, u.flat.groups)):
                 divisions.call(gi, prepare_divide, (o, g, table), ONE, divisors[members].astype(rt))
-            out, factor, (new_state,) = kernel.run(normalized, ONE, Updates(normalized, False).fresh)
+            spare = lambda: Updates(normalized, False).fresh()  # noqa: E731  (the moment has its output)
+            out, factor, (new_state,) = kernel.run(normalized, ONE, spare)
             return Updates(out, True, factor), new_state._replace(nu=tree_unflatten(treedef, new_nu))
 
         # a reduction of each leaf's squares, the division pass, then the moment's pass (reads

@@ -657,3 +657,31 @@ def test_kept_parts_follow_their_states(name, tmp_path):
         for a, b in zip(results[i], alone[i]):
             for key in a:
                 np.testing.assert_array_equal(a[key], b[key])
+
+
+@pytest.mark.parametrize("scale", [2.0**600, 2.0**-600])
+def test_trust_ratio_and_agc_rescue_float64_norms(scale):
+    """The trust ratio's and adaptive clipping's kept call per group
+    (`numbaccum.backend.prepare_norm_scaling`) rescues float64 sums of squares that overflow or
+    underflow, as `numbaccum.backend.slice_sumsq` does: params and updates scaled alike by a
+    power of two give the ratios of the unscaled ones (the plain sums would be inf or 0), on
+    the step that prepares the call and on the ones that reuse it."""
+    rng = np.random.default_rng(3)
+    x = {"a": rng.standard_normal(40), "b": rng.standard_normal(7)}
+    y = {"a": rng.standard_normal(40), "b": rng.standard_normal(7)}
+    p = {k: v * scale for k, v in x.items()}
+    g = {k: v * scale for k, v in y.items()}
+    ratio = {k: np.linalg.norm(x[k]) / np.linalg.norm(y[k]) for k in x}
+    tx = nba.scale_by_trust_ratio()
+    state = tx.init(p)
+    for _ in range(3):
+        u, state = tx.update(g, state, p)
+        for k in x:
+            np.testing.assert_allclose(u[k], g[k] * ratio[k], rtol=1e-13)
+    if scale > 1:  # (below 1e-6, AGC's floor on ||g|| is not scale-free)
+        agc = nba.adaptive_grad_clip(0.01)
+        state = agc.init(p)
+        for _ in range(3):
+            u, state = agc.update(g, state, p)
+            for k in x:
+                np.testing.assert_allclose(u[k], g[k] * (0.01 * ratio[k]), rtol=1e-13)

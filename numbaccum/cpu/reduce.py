@@ -520,21 +520,49 @@ def prepare(kind, x, table: Table):
     buffer (a float32 copy per call) and a complex ``'sum'`` (two sums) take `reduce` itself."""
     if x.dtype.type is np.float16 or (kind == "sum" and x.dtype.kind == "c"):
         return lambda centers=None, p=0.0: reduce(kind, x, table, centers, p)
-    kinds, xr = _kinds_for(x)
-    (pair, op) = kinds[kind]
-    work = table.work(_config.REDUCE_BLOCK, True)
-    rows, items, pstart, pslice, nparts = table.rows, work.items, work.pstart, work.pslice, work.nparts
-    busy, n = items.shape[0] > 0, xr.size
-    folded = kind in _NON_NEGATIVE and nparts == pslice.size - 1 and bool(np.all(np.diff(pslice) == 1))
-    kernel = _kept_kernel(pair, n)
+    head, nparts, pslice, op, folded, kernel = _resolved(kind, x, table)
+    busy = head[2].shape[0] > 0
 
     def run(centers=None, p=0.0):
         part = np.empty(nparts, np.float64)
         # A fresh contiguous copy: always the type the entry was compiled for (never read-only).
         c = _NONE if centers is None else np.array(centers, np.float64)
         if busy:
-            kernel[0](xr, rows, items, pstart, c, np.float64(p), part)
+            kernel[0](*head, c, np.float64(p), part)
         return part if folded else combine(part, pslice, op)
+
+    return run
+
+
+def _resolved(kind, x, table: Table):
+    """What `prepare`'s run calls for ``x``: ``(head, nparts, pslice, op, folded, kernel)``, the
+    kernel's leading arguments ``(x, rows, items, pstart)`` (its items empty: nothing to run),
+    the partials' count and combine, whether they are already the per-slice values, and the
+    `_kept_kernel`."""
+    kinds, xr = _kinds_for(x)
+    (pair, op) = kinds[kind]
+    work = table.work(_config.REDUCE_BLOCK, True)
+    pslice, nparts = work.pslice, work.nparts
+    folded = kind in _NON_NEGATIVE and nparts == pslice.size - 1 and bool(np.all(np.diff(pslice) == 1))
+    return (xr, table.rows, work.items, work.pstart), nparts, pslice, op, folded, _kept_kernel(pair, xr.size)
+
+
+def prepare_pair(kind, x, y, table: Table):
+    """``(reduce(kind, x, table), reduce(kind, y, table))`` for these very buffers, resolved once
+    (`prepare`'s, for a kind without centres): ``run()`` -> the two per-slice arrays, from one
+    call (a trust ratio's norms of params and updates). float16 buffers take `reduce` itself."""
+    if np.float16 in (x.dtype.type, y.dtype.type) or (kind == "sum" and "c" in (x.dtype.kind, y.dtype.kind)):
+        return lambda: (reduce(kind, x, table), reduce(kind, y, table))
+    hx, nparts, pslice, opx, folded_x, kx = _resolved(kind, x, table)
+    hy, _, _, opy, folded_y, ky = _resolved(kind, y, table)
+    busy, zero = hx[2].shape[0] > 0, np.float64(0.0)
+
+    def run():
+        px, py = np.empty(nparts, np.float64), np.empty(nparts, np.float64)
+        if busy:
+            kx[0](*hx, _NONE, zero, px)
+            ky[0](*hy, _NONE, zero, py)
+        return (px if folded_x else combine(px, pslice, opx)), (py if folded_y else combine(py, pslice, opy))
 
     return run
 
