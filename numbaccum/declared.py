@@ -238,7 +238,7 @@ class Elementwise(Stage):
         out: Callable[[], FlatTree] | None = None
         if bufs:
             last, dtypes = bufs[-1], spec.layout.group_dtypes
-            out = lambda: last.workspace("out", dtypes)  # noqa: E731
+            out = last.workspace_of("out", dtypes)  # (called: the buffer to write)
         part = Kernel(self.formula, bufs, [], None, out=out, name=self.name)
         part.tick = self._ticker(part, bufs, cts)
         return part

@@ -141,6 +141,7 @@ class _Lookahead(Stage):
         n = spec.layout.num_leaves
         pairs: dict = {}  # another pair layout -> (its spec, its updates' workspace)
         usual_out = Workspace(usual.layout, None, spec.device)
+        usual_into = Workspace(usual.layout, None, spec.device)  # the usual pair, packed
         check_half = host_check(spec.layout)  # `host_leaves` of one half of the usual pair
         launches = Launches()  # the pair's updates written over fixed bounds, kept
         slow = Factor(1.0, a)
@@ -171,9 +172,10 @@ class _Lookahead(Stage):
             if checked is not None:  # plain NumPy leaves of the usual pair: the fast ones first
                 out_spec, ws = usual, usual_out
                 fast.checked = checked[:n]
-                # The pair checked against its layout: the runner's check of the params of what
-                # this stage returns has nothing left to do (`numbaccum.runner._reshaped_params`).
-                params.checked, params._layout = checked, usual.layout
+                # The pair checked against its layout, and where it is packed: the runner has
+                # nothing left to do for the params of what this stage returns
+                # (`numbaccum.runner._reshaped_params`).
+                params.checked, params._layout, params._into = checked, usual.layout, usual_into
             else:
                 layout = layout_of(pair, "params")
                 known = pairs.get(layout)

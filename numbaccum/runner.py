@@ -464,12 +464,13 @@ def _update(stage: Any, updates: Any, state: Any, params: Any, owner: Any, extra
 
 def _reshaped_params(stage: Any, ref: ParamsRef, params: Any, owner: Any, out_spec: Spec) -> None:
     """The params of a reshaping stage's update, checked against the layout its updates have
-    (``out_spec``: the params', not the per-example gradients'); nothing to check when the
-    tick checked their host leaves against that layout already (lookahead's pair)."""
+    (``out_spec``: the params', not the per-example gradients'); nothing to do when the tick
+    checked their host leaves against that layout and named where they are packed already
+    (lookahead's pair: `ParamsRef` ``checked``, ``_layout`` and ``_into`` set together)."""
     if ref.checked is None or ref._layout is not out_spec.layout:
         ref.checked = check_params(params, out_spec)
         ref._layout = out_spec.layout
-    ref._into = stage._workspace(owner, out_spec, "params")
+        ref._into = stage._workspace(owner, out_spec, "params")
 
 
 def _replayed(stage: Any, plan: Plan, state: Any, u: Updates, spec: Spec) -> tuple[FlatTree, Any]:
