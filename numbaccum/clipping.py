@@ -785,14 +785,20 @@ class _ApplyIfFinite(Stage):
             first = plan.leaves[0] if plan is not None and plan.leaves else None
             return first.finite_of if type(first) is Prepass else None
 
-        def decided(u: Updates) -> tuple[Updates, ApplyIfFiniteState, _Flags, Any]:
-            """The settled updates, this step's state, its new counters and, when the inner plan
-            runs, the note it runs under (else None)."""
+        # The context a collective inside reads (`numbaccum.lockstep`), its note set each step.
+        around = inside(Note((), str))
+
+        def stepped(u: Updates, p: FlatTree | None = None) -> tuple[Any, ApplyIfFiniteState]:
+            """The step on ``u``: ``(updates, new_state)``. With ``p`` (`numbaccum.step_` ending
+            with this part): the inner plan adds its updates to ``p`` in its last pass
+            (`Inner.apply`), a skipped step adds zeros, as its updates are; ``(None, new_state)``."""
             state = step[0]
             streak, total = int(state.notfinite_count), int(state.total_notfinite)
             if u.factor is not ONE and not u.factor.is_one:  # (`Updates.pending`, inline)
                 u = u.settled()
-            read = finite_of()
+            plan = inner.plan  # (`finite_of`, inline)
+            first = plan.leaves[0] if plan is not None and plan.leaves else None
+            read = first.finite_of if type(first) is Prepass else None
             finite = read(u.flat) if read is not None else None
             if finite is None:
                 nonfinite = 0.0
@@ -802,47 +808,32 @@ class _ApplyIfFinite(Stage):
             count = 0 if finite else streak + 1
             new_total = total + (0 if finite else 1)
             flags = (np.int32(min(count, _INT32_MAX)), np.bool_(finite), np.int32(min(new_total, _INT32_MAX)))
-            if not (finite or count > max_errors):
-                keep_states(state.inner_state)  # ticked, not run: it stays the current one
-                return u, state, flags, None
-            # It decides from this rank's own updates: a collective inside compares the skipped
-            # steps across the ranks, which a NaN on one rank only sets apart.
-            return u, state, flags, Note((count, new_total), lambda: _skipped_text(new_total, count))
-
-        def run(u: Updates) -> tuple[Updates, ApplyIfFiniteState]:
-            u, state, flags, note = decided(u)
-            if note is None:
-                return Updates(u.fresh().fill_(0.0), True), ApplyIfFiniteState(*flags, state.inner_state)
-            try:
-                with inside(note):
-                    out, inner_state = inner.run(u)
-            except SkipStep as e:  # an inner clip skipped: zeros, its state as it says
-                return Updates(u.fresh().fill_(0.0), True), ApplyIfFiniteState(*flags, e.new_state)
-            return out, ApplyIfFiniteState(*flags, inner_state)
-
-        # `numbaccum.step_` ending with this part: the inner plan adds its updates to the params
-        # in its last pass (`Inner.apply`); a skipped step adds zeros, as its updates are.
-        def apply(u: Updates, p: FlatTree) -> ApplyIfFiniteState:
-            u, state, flags, note = decided(u)
-            if note is not None:
+            if finite or count > max_errors:
+                # It decides from this rank's own updates: a collective inside compares the
+                # skipped steps across the ranks, which a NaN on one rank only sets apart.
+                around.note = Note((count, new_total), lambda: _skipped_text(new_total, count))
                 try:
-                    with inside(note):
-                        return ApplyIfFiniteState(*flags, inner.apply(u, p))
-                except SkipStep as e:  # an inner clip skipped: its state as it says
-                    state = ApplyIfFiniteState(*flags, e.new_state)
+                    with around:
+                        if p is None:
+                            out, inner_state = inner.run(u)
+                            return out, ApplyIfFiniteState(*flags, inner_state)
+                        return None, ApplyIfFiniteState(*flags, inner.apply(u, p))
+                except SkipStep as e:  # an inner clip skipped: zeros, its state as it says
+                    new_state = ApplyIfFiniteState(*flags, e.new_state)
             else:
-                state = ApplyIfFiniteState(*flags, state.inner_state)
-            add_to(p, Updates(u.fresh().fill_(0.0), True))
-            return state
+                keep_states(state.inner_state)  # ticked, not run: it stays the current one
+                new_state = ApplyIfFiniteState(*flags, state.inner_state)
+            zeros = Updates(u.fresh().fill_(0.0), True)
+            if p is None:
+                return zeros, new_state
+            add_to(p, zeros)
+            return None, new_state
 
         def passes(apply: bool) -> list:
             rows = [] if finite_of() is not None else [("reduction", "finiteness", 1.0, 0.0, 1.0)]
             return rows + inner.passes(apply)
 
-        return fuse.Host(run, passes, "apply_if_finite", tick, apply=apply)
-
-
-_Flags = tuple[np.int32, np.bool_, np.int32]  # apply_if_finite's new counters
+        return fuse.Host(stepped, passes, "apply_if_finite", tick, apply=lambda u, p: stepped(u, p)[1])
 
 
 def _skipped_text(total: int, streak: int) -> str:
