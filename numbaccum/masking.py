@@ -272,7 +272,7 @@ class _Masked(Stage):
 
         def passes(apply: bool) -> list:
             gather = ("kernel", "the kept leaves in", kept[0], kept[0], 0.0)
-            return [gather, *inner.passes(False, kept[1]), ("kernel", "the updates out", 1.0, 1.0, 0.0)]
+            return [gather, *inner.passes(False, kept[1], True), ("kernel", "the updates out", 1.0, 1.0, 0.0)]
 
         return fuse.Host(run, passes, "masked", tick, settles=False)
 

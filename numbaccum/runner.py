@@ -195,12 +195,14 @@ def sub_plan(stage: Any, spec: Spec, state: Any, owner: FlatTree | None, prefix:
 class Sub(NamedTuple):
     """A control node's inner plan in its ``passes`` (`numbaccum.fuse.Host`), which
     `numbaccum.explain` describes in its place: ``plan`` (ticked for this step), whether it adds
-    the updates to the params (``apply``), and the share of the parameters it runs on
-    (``weight``: masked's kept leaves)."""
+    the updates to the params (``apply``), the share of the parameters it runs on
+    (``weight``: masked's kept leaves), and whether a factor it leaves pending is applied by
+    the control node's next pass (``folded``: masked's copies out), not settled on its own."""
 
     plan: Plan
     apply: bool
     weight: float = 1.0
+    folded: bool = False
 
 
 def _plans(stage: Any, owner: FlatTree | None) -> dict:
