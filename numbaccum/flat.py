@@ -442,7 +442,8 @@ class FlatTree:
             # A dict of leaves (the common tree) is built straight from its keys, as is each of
             # a node of such dicts (`_tree.dict_children`); any other structure by `tree_unflatten`.
             td = lay.treedef
-            where = (slices, _tree.leaf_dict_keys(td), _tree.dict_children(td))
+            keys = _tree.leaf_dict_keys(td)
+            where = (slices, keys, None if keys is not None else _tree.dict_children(td))
             self.__dict__["_lent_slices"] = where
         slices, keys, nested = where
         views = []
