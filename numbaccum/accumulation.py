@@ -282,21 +282,41 @@ class _ApplyEvery(Stage):
             step[2] = np.int32(int(safe_increment(state.count)) % k)
             return True
 
-        def run(u: Updates) -> tuple[Updates, ApplyEvery]:
+        # The sums, the emitted copy and (`numbaccum.step_`) the add to the params, launched
+        # over the state's buffers by kept launches: the add of the zeros and of the sum each
+        # its own, so that the steps between emits do not prepare them again by turns.
+        sums, add_zeros, add_sum = fuse.Launches(), fuse.Launches(), fuse.Launches()
+
+        def accumulated(u: Updates) -> tuple[FlatTree, bool, ApplyEvery]:
             acc, c, count = step
-            for a, g in zip(acc.groups, u.flat.groups):
-                ops_for(g).sum_accumulate_(a, g, u.factor, c == 0)
-            if c != k - 1:
-                return zeros_output(acc, layout), ApplyEvery(count, acc)
-            out = Updates(acc, owned=False).into(acc.workspace("out", dtypes))
-            return Updates(out, owned=True), ApplyEvery(count, acc)
+            factor, fresh = u.factor, (c == 0,)
+            for gi, (a, g) in enumerate(zip(acc.groups, u.flat.groups)):
+                sums.run(F.sum_accumulate, gi, [a, g], factor, fresh)
+            return acc, c == k - 1, ApplyEvery(count, acc)
+
+        def run(u: Updates) -> tuple[Updates, ApplyEvery]:
+            acc, emits, new_state = accumulated(u)
+            if not emits:
+                return zeros_output(acc, layout), new_state
+            out = sums.settle(Updates(acc, owned=False), acc.workspace("out", dtypes))
+            return Updates(out, owned=True), new_state
+
+        def apply(u: Updates, p: FlatTree) -> ApplyEvery:
+            acc, emits, new_state = accumulated(u)
+            if emits:  # the sum added as it is (the emitted copy's values)
+                add_sum.add(p, acc)
+            else:  # zeros added, as the updates of the step are (the params' -0.0 become 0.0)
+                add_zeros.add(p, zeros_output(acc, layout).flat)
+            return new_state
 
         def passes(apply: bool) -> list:
             c = step[1]
             out = [("kernel", "accumulate", 1.0 if c == 0 else 2.0, 1.0, 1.0 if c == 0 else 2.0)]
+            if apply:  # the sum, or zeros, added to the params
+                return out + [("apply", "apply_updates_", 2.0, 1.0)]
             return out + [("kernel", "emit the sum", 1.0, 1.0, 0.0)] if c == k - 1 else out
 
-        return fuse.Host(run, passes, "apply_every", tick, settles=False)
+        return fuse.Host(run, passes, "apply_every", tick, settles=False, apply=apply)
 
 
 def apply_every(k: int = 1) -> GradientTransformationExtraArgs:

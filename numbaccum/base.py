@@ -35,6 +35,7 @@ from . import runner as _runner
 from ._checks import transformation, wrong_state
 from ._interrupts import user_code
 from ._loans import on_loan
+from .contract import ONE
 from .flat import FlatTree, Workspace, as_flat, host_check, host_flat, host_leaves, layout_of
 from .layout import Layout
 from .control import Inner
@@ -959,13 +960,22 @@ class _Snapshot(Stage):
         if not isinstance(state, SnapshotState):
             raise wrong_state("SnapshotState", state)
         name, measure = self.measure_name, self.measure
+        from .clipping import global_norm  # (clipping imports this module)
+
+        # The library's global norm measures the flat buffers themselves: the same bits as the
+        # tree of their views (it reduces each leaf, then the leaves in tree order), without
+        # finding the layout of that tree again every step.
+        flat_measure = measure is global_norm
 
         def tick(state: Any, params: Any, extra: dict) -> bool:
             return isinstance(state, SnapshotState)  # else declared again: the error above
 
         def run(u: Updates) -> tuple[Updates, SnapshotState]:
-            u = u.settled()
-            value = user_code(measure, u.flat.tree)
+            if u.factor is not ONE and not u.factor.is_one:  # (`Updates.pending`, inline)
+                u = u.settled()
+            value = user_code(measure, u.flat if flat_measure else u.flat.tree)
+            if type(value) is float:  # a number shares no buffer
+                return u, SnapshotState({name: value})
             owned = tree_map(lambda x: x.copy() if _shares(x, u.flat) else x, value)
             return u, SnapshotState({name: owned})
 

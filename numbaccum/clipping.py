@@ -15,7 +15,7 @@ from ._checks import integer, non_negative, real, real_scalar, transformation, w
 from .backend import Reductions, leaf_tables, ops_for, prepare_divide, sumsq_of_leaves, tree_sumsq_scaled
 from .base import Stage, as_stage, host_step, with_extra_args_support
 from .contract import ONE, Factor, Ops
-from .control import Inner
+from .control import Inner, add_to
 from .declared import Elementwise
 from .flat import FlatTree, as_flat, layout_of
 from .formulas import clip_factor, clip_finish
@@ -785,11 +785,20 @@ class _ApplyIfFinite(Stage):
             first = plan.leaves[0] if plan is not None and plan.leaves else None
             return first.finite_of if type(first) is Prepass else None
 
-        def run(u: Updates) -> tuple[Updates, ApplyIfFiniteState]:
+        # The context a collective inside reads (`numbaccum.lockstep`), its note set each step.
+        around = inside(Note((), str))
+
+        def stepped(u: Updates, p: FlatTree | None = None) -> tuple[Any, ApplyIfFiniteState]:
+            """The step on ``u``: ``(updates, new_state)``. With ``p`` (`numbaccum.step_` ending
+            with this part): the inner plan adds its updates to ``p`` in its last pass
+            (`Inner.apply`), a skipped step adds zeros, as its updates are; ``(None, new_state)``."""
             state = step[0]
             streak, total = int(state.notfinite_count), int(state.total_notfinite)
-            u = u.settled()
-            read = finite_of()
+            if u.factor is not ONE and not u.factor.is_one:  # (`Updates.pending`, inline)
+                u = u.settled()
+            plan = inner.plan  # (`finite_of`, inline)
+            first = plan.leaves[0] if plan is not None and plan.leaves else None
+            read = first.finite_of if type(first) is Prepass else None
             finite = read(u.flat) if read is not None else None
             if finite is None:
                 nonfinite = 0.0
@@ -802,22 +811,29 @@ class _ApplyIfFinite(Stage):
             if finite or count > max_errors:
                 # It decides from this rank's own updates: a collective inside compares the
                 # skipped steps across the ranks, which a NaN on one rank only sets apart.
-                note = Note((count, new_total), lambda: _skipped_text(new_total, count))
+                around.note = Note((count, new_total), lambda: _skipped_text(new_total, count))
                 try:
-                    with inside(note):
-                        out, inner_state = inner.run(u)
+                    with around:
+                        if p is None:
+                            out, inner_state = inner.run(u)
+                            return out, ApplyIfFiniteState(*flags, inner_state)
+                        return None, ApplyIfFiniteState(*flags, inner.apply(u, p))
                 except SkipStep as e:  # an inner clip skipped: zeros, its state as it says
-                    return Updates(u.fresh().fill_(0.0), True), ApplyIfFiniteState(*flags, e.new_state)
-                return out, ApplyIfFiniteState(*flags, inner_state)
-            zeros = u.fresh().fill_(0.0)
-            keep_states(state.inner_state)  # ticked, not run: it stays the current one
-            return Updates(zeros, True), ApplyIfFiniteState(*flags, state.inner_state)
+                    new_state = ApplyIfFiniteState(*flags, e.new_state)
+            else:
+                keep_states(state.inner_state)  # ticked, not run: it stays the current one
+                new_state = ApplyIfFiniteState(*flags, state.inner_state)
+            zeros = Updates(u.fresh().fill_(0.0), True)
+            if p is None:
+                return zeros, new_state
+            add_to(p, zeros)
+            return None, new_state
 
         def passes(apply: bool) -> list:
             rows = [] if finite_of() is not None else [("reduction", "finiteness", 1.0, 0.0, 1.0)]
-            return rows + inner.passes(False)
+            return rows + inner.passes(apply)
 
-        return fuse.Host(run, passes, "apply_if_finite", tick)
+        return fuse.Host(stepped, passes, "apply_if_finite", tick, apply=lambda u, p: stepped(u, p)[1])
 
 
 def _skipped_text(total: int, streak: int) -> str:

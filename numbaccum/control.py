@@ -95,9 +95,10 @@ class Inner:
         self.adds(params, out)
         return new_state
 
-    def passes(self, apply: bool, weight: float = 1.0) -> list:
-        """What the inner step moves, for `numbaccum.explain`: its plan (`numbaccum.runner.Sub`);
-        nothing before a step has run it."""
+    def passes(self, apply: bool, weight: float = 1.0, folded: bool = False) -> list:
+        """What the inner step moves, for `numbaccum.explain`: its plan (`numbaccum.runner.Sub`;
+        ``folded``: a factor it leaves pending is applied by the caller's next pass); nothing
+        before a step has run it."""
         if self.plan is None:
             return []
-        return [runner.Sub(self.plan, apply, weight)]
+        return [runner.Sub(self.plan, apply, weight, folded)]

@@ -439,10 +439,13 @@ class FlatTree:
                 (self.group_dtypes[g], starts[g] + s, starts[g] + s + n, shape)
                 for g, s, n, shape in zip(lay.leaf_group, lay.leaf_start, lay.sizes, lay.shapes)
             ]
-            # A dict of leaves (the common tree) is built straight from its keys; any other
-            # structure by `tree_unflatten`.
-            where = self.__dict__["_lent_slices"] = (slices, _tree.leaf_dict_keys(lay.treedef))
-        slices, keys = where
+            # A dict of leaves (the common tree) is built straight from its keys, as is each of
+            # a node of such dicts (`_tree.dict_children`); any other structure by `tree_unflatten`.
+            td = lay.treedef
+            keys = _tree.leaf_dict_keys(td)
+            where = (slices, keys, None if keys is not None else _tree.dict_children(td))
+            self.__dict__["_lent_slices"] = where
+        slices, keys, nested = where
         views = []
         for d, a, b, shape in slices:
             views.append(roots[d][a:b].reshape(shape))
@@ -450,6 +453,13 @@ class FlatTree:
             views = [arrays.as_kind(v, kind) for v in views]
         if keys is not None:
             return dict(zip(keys, views))
+        if nested is not None:
+            make, parts = nested
+            kids, i = [], 0
+            for k in parts:  # a loop, not a comprehension: every update returns through here
+                kids.append(dict(zip(k, views[i : i + len(k)])))
+                i += len(k)
+            return make(kids)
         return _tree.tree_unflatten(self.layout.treedef, views)
 
     def _group_starts(self) -> tuple[int, ...]:

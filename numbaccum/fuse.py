@@ -1301,6 +1301,28 @@ class Launches:
         self.last[key] = (src, dst, launch, before)
         launch(factor, ())
 
+    def sliced(self, key: Any, f: Any, bufs: tuple, starts: tuple, n: int, factor: Factor, scalars: tuple) -> None:
+        """``map_(f, factor, [b[s:s + n] for b, s in zip(bufs, starts)], scalars)`` (the output
+        last), its launch kept under ``key`` (the caller's: one per fixed bounds) while ``bufs``
+        are the buffers it was prepared for (`copy` for any formula)."""
+        last = self.last.get(key)
+        if last is not None:
+            if all(map(operator.is_, last[0], bufs)):
+                last[1](factor, scalars)
+                return
+            before = last[2]
+            if before is not None and all(map(operator.is_, before[0], bufs)):
+                before[1](factor, scalars)
+                return
+        views: list = []  # one view per (buffer, start): an array passed twice is one object
+        for i, (b, s) in enumerate(zip(bufs, starts)):  # (the driver's in-place variant, as `map_`)
+            j = next((j for j in range(i) if bufs[j] is b and starts[j] == s), i)
+            views.append(b[s : s + n] if j == i else views[j])
+        launch = ops_for(bufs[0]).driver.prepare(f, tuple(views))
+        before = (last[0], last[1]) if last is not None and lent_moved(last[0], bufs) else None
+        self.last[key] = (bufs, launch, before)
+        launch(factor, scalars)
+
     def settle(self, u: Updates, out: FlatTree) -> FlatTree:
         """`Updates.into`: writes ``u``'s value into ``out`` (``u.flat`` itself when owned)."""
         factor, sources = u.factor, u.flat.groups

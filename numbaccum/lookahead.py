@@ -12,14 +12,13 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import arrays
+from . import arrays, formulas as F
 from ._checks import flag, integer, real, transformation, wrong_state
-from .backend import ops_for
 from .base import Stage, as_stage, with_extra_args_support
 from .contract import ONE, Factor
 from .control import Inner
-from .flat import FlatTree, as_flat, host_leaves, layout_and_device, layout_of
-from .fuse import Host
+from .flat import FlatTree, Workspace, as_flat, host_check, host_leaves, layout_and_device, layout_of
+from .fuse import Host, Launches
 from .layout import Layout
 from .protocol import GradientTransformationExtraArgs, state_class
 from .traits import ELEMENT
@@ -129,8 +128,9 @@ class _Lookahead(Stage):
         optimizer's plan kept inside it (`numbaccum.control.Inner`), then the pass that writes
         the updates of the pair. Its tick checks the state and the params (the pair's layout:
         the ``spec`` of what it returns, set each step) and ticks the fast optimizer on the
-        fast half of the params; its run writes the pair's updates into a new buffer (a kept
-        one would be overwritten by another state's update while the caller holds it)."""
+        fast half of the params; its run writes the pair's updates into a workspace of the
+        pair's layout (`numbaccum.flat.Workspace`: the one the caller holds is never written
+        again), by launches kept over the fast and slow halves (`numbaccum.fuse.Launches`)."""
         if not isinstance(state, LookaheadState):
             raise wrong_state("LookaheadState", state)
         inner = Inner(self.stage, spec, "lookahead.")
@@ -139,8 +139,14 @@ class _Lookahead(Stage):
         # same shapes and dtypes, a FlatTree or CUDA arrays: its own, checked once and kept).
         usual = Spec(_pair_of(spec.layout), spec.device)
         n = spec.layout.num_leaves
-        pairs: dict = {}
-        now: list = [False, None, None]  # this step's: sync, steps_since_sync after it, params
+        pairs: dict = {}  # another pair layout -> (its spec, its updates' workspace)
+        usual_out = Workspace(usual.layout, None, spec.device)
+        usual_into = Workspace(usual.layout, None, spec.device)  # the usual pair, packed
+        check_half = host_check(spec.layout)  # `host_leaves` of one half of the usual pair
+        launches = Launches()  # the pair's updates written over fixed bounds, kept
+        slow = Factor(1.0, a)
+        now: list = [False, None, None, None]  # this step's: sync, steps_since_sync after it,
+        # params, the workspace of the pair's updates
 
         def tick(state: Any, params: ParamsRef | None, extra: dict) -> bool:
             if type(state) is not LookaheadState and not isinstance(state, LookaheadState):
@@ -155,48 +161,64 @@ class _Lookahead(Stage):
             fast = ParamsRef(
                 pair.fast, spec.layout, None, spec.device, fill=lambda: _half(params.flat(), spec.layout)
             )
-            checked = None if spec.device else host_leaves(pair, usual.layout)
+            checked = None
+            if not spec.device:  # the usual pair: each half checked as the fast params' layout
+                fast_leaves = check_half(pair.fast) if type(pair) is LookaheadParams else None
+                slow_leaves = None if fast_leaves is None else check_half(pair.slow)
+                if fast_leaves is not None and slow_leaves is not None:
+                    checked = fast_leaves + slow_leaves  # the pair's leaves: fast, then slow
+                else:  # (a subclass, another structure: the pair's own walk)
+                    checked = host_leaves(pair, usual.layout)
             if checked is not None:  # plain NumPy leaves of the usual pair: the fast ones first
-                out_spec = usual
+                out_spec, ws = usual, usual_out
                 fast.checked = checked[:n]
+                # The pair checked against its layout, and where it is packed: the runner has
+                # nothing left to do for the params of what this stage returns
+                # (`numbaccum.runner._reshaped_params`).
+                params.checked, params._layout, params._into = checked, usual.layout, usual_into
             else:
                 layout = layout_of(pair, "params")
                 known = pairs.get(layout)
-                if known is not None:
-                    out_spec = known
-                else:
-                    out_spec = Spec(_pair_layout(pair, spec.layout, layout), spec.device)
+                if known is None:
+                    known = Spec(_pair_layout(pair, spec.layout, layout), spec.device)
+                    known = (known, Workspace(known.layout, None, spec.device))
                     if len(pairs) > 2:
                         pairs.clear()
-                    pairs[layout] = out_spec
+                    pairs[layout] = known
+                out_spec, ws = known
                 fast.checked = check_params(pair.fast, spec)
             if not inner.tick(state.fast_state, fast, extra):
                 return False  # the fast state holds other buffers: declared again
             since = int(state.steps_since_sync)
-            now[0], now[1], now[2] = since == period - 1, np.int32((since + 1) % period), params
+            now[0], now[1], now[2], now[3] = since == period - 1, np.int32((since + 1) % period), params, ws
             part.spec = out_spec
             return True
 
         def run(u: Updates) -> tuple[Updates, LookaheadState]:
-            sync, new_since, params = now
+            sync, new_since, params, ws = now
             fast_u, fast_state = inner.run(u, True)
-            fu = fast_u.settled().flat
+            fu = fast_u.flat
+            # The pair's updates in a workspace (one given to the caller is never written again
+            # while they hold it: `numbaccum.flat.Workspace`), by kept launches over the halves.
+            out = ws()
+            if not sync:  # the fast step as it is (its factor applied); the slow params stay
+                factor = fast_u.factor
+                for gi, (o, g) in enumerate(zip(out.groups, fu.groups)):
+                    n = g.size
+                    launches.copy(("fast", gi), o, 0, g, 0, n, factor)
+                    launches.sliced(("slow", gi), F.fill, (o,), (n,), n, ONE, (0.0,))
+                return Updates(out, True), LookaheadState(fast_state, new_since)
+            if fast_u.factor is not ONE and not fast_u.factor.is_one:
+                fu = fast_u.settled().flat
             pf = params.flat()
-            out = FlatTree.empty(part.spec.layout, None, spec.device)
-            for o, g, p in zip(out.groups, fu.groups, pf.groups):
-                n = g.size
-                of, osl, f, s = o[:n], o[n:], p[:n], p[n:]
-                ops = ops_for(g)
-                if not sync:  # the fast step as it is; the slow params stay
-                    ops.scale_(of, g, ONE)
-                    ops.fill_(osl, 0.0)
-                    continue
+            for gi, (o, g, p) in enumerate(zip(out.groups, fu.groups, pf.groups)):
                 # d = fast + u - slow; slow += a d; fast = slow's new value (u - (1 - a) d)
-                ops.add_scaled_(osl, f, ONE, g, 1.0)
-                ops.add_scaled_(osl, osl, ONE, s, -1.0)
-                ops.add_scaled_(of, g, ONE, osl, -(1.0 - a))
-                ops.scale_(osl, osl, Factor(1.0, a))
-            if sync and reset:
+                n = g.size
+                launches.sliced(("d", gi), F.add_scaled, (p, g, o), (0, 0, n), n, ONE, (1.0,))
+                launches.sliced(("d-slow", gi), F.add_scaled, (o, p, o), (n, n, n), n, ONE, (-1.0,))
+                launches.sliced(("fast'", gi), F.add_scaled, (g, o, o), (0, n, 0), n, ONE, (-(1.0 - a),))
+                launches.sliced(("slow'", gi), F.scale, (o, o), (n, n), n, slow, ())
+            if reset:
                 fast_state = make_state(params.raw.fast)
             return Updates(out, True), LookaheadState(fast_state, new_since)
 

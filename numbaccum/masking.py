@@ -30,7 +30,7 @@ from .base import Chain, Stage, as_stage, undoable, with_extra_args_support
 from .control import Inner, add_to
 from .contract import ONE
 from .declared import safe_increment
-from .flat import FlatTree, layout_of
+from .flat import FlatTree, Workspace, layout_of
 from .layout import Layout
 from .protocol import GradientTransformationExtraArgs, state_class
 from .traits import ELEMENT, LEAF
@@ -226,25 +226,26 @@ class _Masked(Stage):
         m = self.resolve(spec.layout)
         sub_spec = Spec(m.sub, spec.device)
         inner = Inner(self.inner, sub_spec, "masked.")
-        inbox = lambda: self.kept("masked_in", m.sub, spec.device)  # noqa: E731
-        scratch = lambda: self.kept("masked_scratch", m.sub, spec.device)  # noqa: E731
+        # The kept leaves' workspaces, this part's own (a plan is the state's, or the thread's
+        # for a stage without buffers): the packed updates, the inner step's scratch, the params.
+        inbox, scratch, packed = (Workspace(m.sub, None, spec.device) for _ in range(3))
         layout, mask_extra = spec.layout, self.mask_extra
         # The copies in and out of the kept leaves (and of their params), over fixed bounds:
         # their launches kept while the buffers are the same (the workspaces, step after step).
         copies = fuse.Launches()
+        now: list = [None]  # this step's params (set by the tick)
+        fill = self._packer(now, m, packed, copies)
+
+        def raw_of() -> Any:
+            return self._masked_input(now[0].raw)
 
         def tick(state: Any, params: ParamsRef | None, extra: dict) -> bool:
             if not isinstance(state, MaskedState):
                 return False
             sub_params = None
             if params is not None:
-                sub_params = ParamsRef(
-                    None,
-                    m.sub,
-                    device=spec.device,
-                    fill=self._packer(params, m, sub_spec, copies),
-                    raw_of=lambda: self._masked_input(params.raw),
-                )
+                now[0] = params
+                sub_params = ParamsRef(None, m.sub, device=spec.device, fill=fill, raw_of=raw_of)
             if mask_extra and extra:
                 extra = {k: self._mask_extra(v, layout, m) for k, v in extra.items()}
             return inner.tick(state.inner_state, sub_params, extra)
@@ -255,34 +256,36 @@ class _Masked(Stage):
             for i, (g, a, b, sg, sa) in enumerate(m.runs):  # the kept leaves, the factor applied
                 copies.copy(("in", i), sub.groups[sg], sa, groups[g], a, b - a, factor)
             inner_out, new_inner = inner.run(Updates(sub, True, scratch=scratch), settle=True)
-            if inner_out.factor is not ONE and not inner_out.factor.is_one:  # (`pending`, inline)
-                inner_out = inner_out.settled()
+            # A factor the inner step left pending (a lone scale) is applied by the copies out:
+            # the same kernel (`Updates.settled`'s scale), into the updates instead of in place.
+            pending = inner_out.factor
             out = u.flat if u.owned else u.fresh()
             if out is not u.flat or (factor is not ONE and not factor.is_one):
                 for i, (g, a, b) in enumerate(m.gaps):  # the masked-out leaves pass through
                     copies.copy(("gap", i), out.groups[g], a, groups[g], a, b - a, factor)
             ys = inner_out.flat.groups
             for i, (g, a, b, sg, sa) in enumerate(m.runs):
-                copies.copy(("out", i), out.groups[g], a, ys[sg], sa, b - a, ONE)
+                copies.copy(("out", i), out.groups[g], a, ys[sg], sa, b - a, pending)
             return Updates(out, True, scratch=u.scratch), MaskedState(new_inner)
 
         kept = _share(m.sub, layout)
 
         def passes(apply: bool) -> list:
             gather = ("kernel", "the kept leaves in", kept[0], kept[0], 0.0)
-            return [gather, *inner.passes(False, kept[1]), ("kernel", "the updates out", 1.0, 1.0, 0.0)]
+            return [gather, *inner.passes(False, kept[1], True), ("kernel", "the updates out", 1.0, 1.0, 0.0)]
 
         return fuse.Host(run, passes, "masked", tick, settles=False)
 
     def _packer(
-        self, params: ParamsRef, m: _Plan, sub_spec: Spec, copies: fuse.Launches
+        self, now: list, m: _Plan, packed: Workspace, copies: fuse.Launches
     ) -> Callable[[], FlatTree]:
-        """A ``ParamsRef`` fill for the kept leaves of ``params``: packed from its flat form,
-        one copy per run of kept leaves (launched through the declaration's ``copies``)."""
+        """A ``ParamsRef`` fill for the kept leaves of this step's params (``now[0]``): packed
+        from its flat form into ``packed``, one copy per run of kept leaves (launched through
+        the declaration's ``copies``)."""
 
         def into() -> FlatTree:
-            full = params.flat()
-            sub = self.kept("masked_params", sub_spec.layout, sub_spec.device)
+            full = now[0].flat()
+            sub = packed()
             for i, (g, a, b, sg, sa) in enumerate(m.runs):
                 copies.copy(("params", i), sub.groups[sg], sa, full.groups[g], a, b - a, ONE)
             return sub

@@ -292,7 +292,10 @@ def _control_passes(
         if isinstance(item, runner.Sub):
             sub = _explain_plan(item.plan, item.apply, fused, device)
             w = item.weight
-            passes += [Pass(p.kind, p.stages, _times(p.read, w), _times(p.written, w)) for p in sub.passes]
+            shown = sub.passes
+            if item.folded and shown and shown[-1].kind == "settle":  # the node's next pass applies it
+                shown = shown[:-1]
+            passes += [Pass(p.kind, p.stages, _times(p.read, w), _times(p.written, w)) for p in shown]
             own = _Bytes(item.plan.spec.layout).x * (3 if item.apply else 2)  # its input, output (params)
             more += (sub.minimum - own) * w
             continue

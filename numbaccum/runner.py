@@ -195,12 +195,14 @@ def sub_plan(stage: Any, spec: Spec, state: Any, owner: FlatTree | None, prefix:
 class Sub(NamedTuple):
     """A control node's inner plan in its ``passes`` (`numbaccum.fuse.Host`), which
     `numbaccum.explain` describes in its place: ``plan`` (ticked for this step), whether it adds
-    the updates to the params (``apply``), and the share of the parameters it runs on
-    (``weight``: masked's kept leaves)."""
+    the updates to the params (``apply``), the share of the parameters it runs on
+    (``weight``: masked's kept leaves), and whether a factor it leaves pending is applied by
+    the control node's next pass (``folded``: masked's copies out), not settled on its own."""
 
     plan: Plan
     apply: bool
     weight: float = 1.0
+    folded: bool = False
 
 
 def _plans(stage: Any, owner: FlatTree | None) -> dict:
@@ -464,10 +466,13 @@ def _update(stage: Any, updates: Any, state: Any, params: Any, owner: Any, extra
 
 def _reshaped_params(stage: Any, ref: ParamsRef, params: Any, owner: Any, out_spec: Spec) -> None:
     """The params of a reshaping stage's update, checked against the layout its updates have
-    (``out_spec``: the params', not the per-example gradients')."""
-    ref.checked = check_params(params, out_spec)
-    ref._layout = out_spec.layout
-    ref._into = stage._workspace(owner, out_spec, "params")
+    (``out_spec``: the params', not the per-example gradients'); nothing to do when the tick
+    checked their host leaves against that layout and named where they are packed already
+    (lookahead's pair: `ParamsRef` ``checked``, ``_layout`` and ``_into`` set together)."""
+    if ref.checked is None or ref._layout is not out_spec.layout:
+        ref.checked = check_params(params, out_spec)
+        ref._layout = out_spec.layout
+        ref._into = stage._workspace(owner, out_spec, "params")
 
 
 def _replayed(stage: Any, plan: Plan, state: Any, u: Updates, spec: Spec) -> tuple[FlatTree, Any]:

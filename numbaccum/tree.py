@@ -312,6 +312,22 @@ def leaf_dict_keys(td: TreeDef) -> tuple | None:
     return None
 
 
+def dict_children(td: TreeDef) -> tuple | None:
+    """For a NamedTuple, tuple or list each of whose children is one dict of leaves (lookahead's
+    pair of trees): ``(make, keys)``, ``make(children)`` rebuilding the node from its children
+    and ``keys`` each child's (`leaf_dict_keys`), so that a caller rebuilding it every step
+    makes its dicts at once; else None (`tree_unflatten`'s walk)."""
+    if td.kind not in (_NAMEDTUPLE, _TUPLE, _LIST) or not td.children:
+        return None
+    keys = tuple(leaf_dict_keys(c) for c in td.children)
+    if any(k is None for k in keys):
+        return None
+    make: Any = tuple if td.kind == _TUPLE else list
+    if td.kind == _NAMEDTUPLE:
+        make = lambda kids: td.meta(*kids)  # noqa: E731
+    return make, keys
+
+
 def _built(td: TreeDef, it: Iterator[Any]) -> Any:
     """`tree_unflatten`'s walk: a module function, not a closure over itself, whose reference
     cycle would keep the leaves alive until the cyclic collector runs (and a returned update

@@ -248,3 +248,33 @@ def test_normalize_by_update_norm_with_a_zero_scale_factor_gives_zeros_as_optax(
 def test_clip_by_global_norm_names_a_nonfinite_policy_that_is_not_a_string():
     with pytest.raises(ValueError, match="nonfinite must be one of"):
         nba.clip_by_global_norm(1.0, nonfinite=np.zeros(3))
+
+
+def test_snapshot_of_global_norm_measures_the_flat_buffers_as_their_tree():
+    """snapshot(global_norm) measures the updates' flat buffers themselves (no tree of views, no
+    layout found again each step): the same float, bit for bit, as the tree of the updates that
+    any other measure sees, at every step and with the pending factor of a scale before it."""
+    rng = np.random.default_rng(3)
+    params = {
+        "w": rng.standard_normal((8, 16)).astype(np.float32),
+        "b": rng.standard_normal(16).astype(np.float32),
+        "d": rng.standard_normal(4),
+    }
+    seen = []
+
+    def as_a_tree(tree):
+        assert type(tree) is dict  # what a measure is documented to get
+        seen.append(nba.global_norm(tree))
+        return seen[-1]
+
+    flat_tx = nba.chain(nba.sgd(0.1, momentum=0.9), nba.scale(0.5), nba.snapshot("n", nba.global_norm))
+    tree_tx = nba.chain(nba.sgd(0.1, momentum=0.9), nba.scale(0.5), nba.snapshot("n", as_a_tree))
+    s1, s2 = flat_tx.init(params), tree_tx.init(params)
+    for k in range(4):
+        g = {key: rng.standard_normal(v.shape).astype(v.dtype) for key, v in params.items()}
+        u1, s1 = flat_tx.update(g, s1)
+        u2, s2 = tree_tx.update(g, s2)
+        measured = s1[2].measurement["n"]
+        assert type(measured) is float
+        assert math.copysign(1.0, measured) == 1.0 and measured.hex() == seen[-1].hex(), k
+        assert measured.hex() == nba.global_norm(u1).hex() == s2[2].measurement["n"].hex(), k

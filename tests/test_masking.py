@@ -367,3 +367,20 @@ def test_conditionally_refuses_an_inner_that_reshapes_its_updates(make):
     for inner in (nba.dpsgd(0.1, 1.0, 0.5, seed=0), nba.lookahead(nba.sgd(0.1), 2, 0.5)):
         with pytest.raises(TypeError, match=f"{make.__name__}: inner reshapes its updates"):
             make(inner, lambda step: step % 2 == 0)
+
+
+def test_masked_scale_applies_its_factor_in_the_copies_out():
+    """masked(scale): the factor the inner scale leaves pending is applied by the copies of the
+    kept leaves out (no settle pass of its own, none in `explain`), with the bits of a settle."""
+    p = {"w": np.zeros((4, 4), np.float32), "b": np.zeros(4, np.float32), "d": np.zeros(3)}
+    tx = nba.masked(nba.scale(-0.3), {"w": True, "b": False, "d": True})
+    state = tx.init(p)
+    rng = np.random.default_rng(5)
+    for _ in range(3):
+        g = {k: rng.standard_normal(v.shape).astype(v.dtype) for k, v in p.items()}
+        u, state = tx.update(g, state)
+        for k in ("w", "d"):  # numpy's own product rounds as the settle does
+            np.testing.assert_array_equal(u[k].view(np.uint8), (g[k] * g[k].dtype.type(-0.3)).view(np.uint8))
+        np.testing.assert_array_equal(u["b"], g["b"])
+    kinds = [q.kind for q in nba.explain(tx, p, state).passes]
+    assert kinds == ["kernel", "kernel"], kinds
