@@ -104,10 +104,10 @@ def _compiled_groups(prev_params: FlatTree, prev_updates: FlatTree, dps: tuple, 
     """``groups(p, g, vec)``: per dtype group, the arguments of the CPU engine's compiled step
     (`numbaccum.cpu.reduce.lbfgs_pair`, ``lbfgs_two_loop``), or None where the step's buffers
     do not fit them; None where it never runs: on a device, more than two groups, dtypes other
-    than float32 and float64, or a group of a size the driver runs in parallel (there the
-    contract's calls use every core)."""
+    than float32 and float64, a group of a size the driver runs in parallel (there the
+    contract's calls use every core), or a memory of more than `_COMPILED_MEMORY` slots."""
     kept = prev_params.groups
-    if prev_params.device or len(kept) > 2:
+    if prev_params.device or len(kept) > 2 or len(dps) > _COMPILED_MEMORY:
         return None
     fixed = []
     for gi, (pp, pu) in enumerate(zip(kept, prev_updates.groups)):
@@ -135,6 +135,11 @@ def _compiled_groups(prev_params: FlatTree, prev_updates: FlatTree, dps: tuple, 
 
 
 _REALS = (np.dtype(np.float32), np.dtype(np.float64))
+# The compiled step takes the memory as tuples of arrays, a type (and a compilation) per memory
+# size (about 5 s for 10 or 16 slots, once: the kernel cache keeps it); past a few dozen, numba's
+# compilation runs for minutes and exhausts memory (1000 slots crashed a test worker). optax's
+# default is 10; a larger memory takes the contract's calls (the same bits: test_declared_hosts).
+_COMPILED_MEMORY = 16
 
 
 def _weights_fit(weights: Any, m: int) -> bool:

@@ -155,3 +155,19 @@ def test_lbfgs_compiled_step_gives_the_contract_calls_bits_and_follows_its_state
         ub, sb = tx.update(_lbfgs_trees(kind, 20 + k), sb, pb)
         uc, sc = alone.update(_lbfgs_trees(kind, 20 + k), sc, _lbfgs_trees(kind, 2))
         assert all(np.asarray(ub[n]).tobytes() == np.asarray(uc[n]).tobytes() for n in ub)
+
+
+def test_lbfgs_memory_past_the_compiled_steps_takes_the_contract_calls(monkeypatch):
+    """A memory larger than the compiled step takes (`quasi_newton._COMPILED_MEMORY`) runs the
+    contract's calls: the compiled step would be a new numba type per memory size, and 1000
+    slots compiled for minutes until a test worker died."""
+    import numbaccum.cpu.reduce as engine
+    import numbaccum.quasi_newton as qn
+
+    ran = []
+    two_loop = engine.lbfgs_two_loop
+    monkeypatch.setattr(engine, "lbfgs_two_loop", lambda *a: ran.append(1) or two_loop(*a))
+    big = _lbfgs_run(nba.scale_by_lbfgs(qn._COMPILED_MEMORY + 1), "float32")
+    assert not ran and len(big) == 6
+    _lbfgs_run(nba.scale_by_lbfgs(qn._COMPILED_MEMORY), "float32")
+    assert ran  # (the largest it takes still compiles)
