@@ -921,6 +921,13 @@ def _copied(x: Any, memo: dict[int, Any]) -> Any:
 # --- monitoring: a measure of the updates kept in the state --------------------------------
 
 
+# Measures that `snapshot` passes the flat buffers themselves: the library's global norm
+# (`numbaccum.clipping` adds it, as it imports this module) gives the same bits on them as on the
+# tree of their views (it reduces each leaf, then the leaves in tree order), without finding the
+# layout of that tree again every step.
+FLAT_MEASURES: set = set()
+
+
 @state_class
 class SnapshotState(NamedTuple):
     """The state of `snapshot` (optax's field).
@@ -960,12 +967,7 @@ class _Snapshot(Stage):
         if not isinstance(state, SnapshotState):
             raise wrong_state("SnapshotState", state)
         name, measure = self.measure_name, self.measure
-        from .clipping import global_norm  # (clipping imports this module)
-
-        # The library's global norm measures the flat buffers themselves: the same bits as the
-        # tree of their views (it reduces each leaf, then the leaves in tree order), without
-        # finding the layout of that tree again every step.
-        flat_measure = measure is global_norm
+        flat_measure = any(measure is m for m in FLAT_MEASURES)  # (a measure need not hash)
 
         def tick(state: Any, params: Any, extra: dict) -> bool:
             return isinstance(state, SnapshotState)  # else declared again: the error above

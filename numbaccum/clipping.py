@@ -13,7 +13,7 @@ from . import fuse
 from ._bounded import Bounded
 from ._checks import integer, non_negative, real, real_scalar, transformation, wrong_state
 from .backend import Reductions, leaf_tables, ops_for, prepare_divide, sumsq_of_leaves, tree_sumsq_scaled
-from .base import Stage, as_stage, host_step, with_extra_args_support
+from .base import FLAT_MEASURES, Stage, as_stage, host_step, with_extra_args_support
 from .contract import ONE, Factor, Ops
 from .control import Inner, add_to
 from .declared import Elementwise
@@ -114,6 +114,9 @@ def global_norm(tree: Any, ord: Any = 2, squared: bool = False) -> float:
         return value * value if squared else value
     total = sum_in_order(per_leaf)
     return total * total if squared else total
+
+
+FLAT_MEASURES.add(global_norm)  # snapshot measures the flat buffers with it: the same bits
 
 
 @state_class

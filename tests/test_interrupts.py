@@ -352,6 +352,7 @@ def test_sigint_at_every_point_of_an_update(name, apply, default_sigint):
         out, cout = _step(tx, i, state, params), _step(clean, i, cstate, cparams)
         state, cstate = (out, cout) if apply else (out[1], cout[1])
     at, i, outcomes = 1, 5, {"in the call": 0, "after it": 0}
+    ends: list = []  # the points of the steps in a row that ended before point `at`
     while True:
         cout = _step(clean, i, cstate, cparams)
         expected, cstate = _kept(cout, cparams), cout if apply else cout[1]
@@ -364,8 +365,15 @@ def test_sigint_at_every_point_of_an_update(name, apply, default_sigint):
         if not came:  # past the last point: no SIGINT was raised
             assert box and sweep.seen < at, f"point {at} ({sweep.where}): a SIGINT was lost"
             assert_bitwise(_kept(box[0], params), expected, "the uninterrupted step")
-            assert sweep.seen == at - 1, f"a step of {sweep.seen} points, {at - 1} swept"
-            break
+            ends.append(sweep.seen)
+            # Two in a row: the held update's steps write a workspace and its spare by turns, and
+            # their kept calls are found by one test more or less, so steps alternate by a point.
+            if len(ends) == 2:
+                assert max(ends) == at - 1, f"steps of {ends} points, {at - 1} swept"
+                break
+            state, i = (box[0] if apply else box[0][1]), i + 1
+            continue
+        ends = []
         if box:  # the update completed; the SIGINT arrived after it returned
             outcomes["after it"] += 1
             out = box[0]
