@@ -719,7 +719,10 @@ class FusedRun:
         pending = factor
         # The shape of the calls, the same for every group: the pending factors.
         mode = 0 if factor.is_one else 2 if factor.device is not None else 1
-        flags = (_factor_kind(factor), *map(_part_kind, scales))
+        flags = [0 if mode == 0 else 1 if mode == 1 and factor.div == 1.0 else 2]  # `_factor_kind`s,
+        for sc in scales:  # inline (every step of a kept plan)
+            f = sc.factor
+            flags.append(0 if f is ONE or f.is_one else 1 if f.device is None and f.div == 1.0 else 2)
         for gi in range(len(flat.groups)):
             pending = _run_group(
                 body,
@@ -729,7 +732,7 @@ class FusedRun:
                 factor,
                 out,
                 apply,
-                (gi, mode, settle, flags),
+                (gi, mode, settle, tuple(flags)),
                 memo,
                 recent,
             )
@@ -759,10 +762,6 @@ def _factor_kind(factor: Factor) -> int:
     if factor is ONE or factor.is_one:
         return 0
     return 1 if factor.device is None and factor.div == 1.0 else 2
-
-
-def _part_kind(part: Any) -> int:
-    return _factor_kind(part.factor)
 
 
 def _run_group(
@@ -796,10 +795,18 @@ def _run_group(
             ins.append(e.groups[gi])
     last = recent.get(shape)
     if last is not None:
-        if last[0] is x and last[1] is og and last[2] is pg and _same(last[3], ins):
+        # (``not ins``: `_same`'s common case, inline)
+        held = last[3]
+        if last[0] is x and last[1] is og and last[2] is pg and (not ins and not held or _same(held, ins)):
             return last[4].run(parts, extras, flat, factor, out, apply, last[5])
         before = last[6]  # the call before, on the other output buffer (`Launches.run`)
-        if before is not None and before[0] is x and before[1] is og and before[2] is pg and _same(before[3], ins):
+        if (
+            before is not None
+            and before[0] is x
+            and before[1] is og
+            and before[2] is pg
+            and (not ins and not before[3] or _same(before[3], ins))
+        ):
             return before[4].run(parts, extras, flat, factor, out, apply, before[5])
     _, mode, settle, flags = shape
     key = (

@@ -161,6 +161,10 @@ def _runs(layout: Layout, sub: Layout, keep: tuple[bool, ...]) -> tuple[tuple, t
     return tuple(tuple(r) for r in runs if r[2] > r[1]), tuple(tuple(r) for r in gaps if r[2] > r[1])
 
 
+def _inner_state(state: MaskedState) -> Any:
+    return state.inner_state
+
+
 class _Masked(Stage):
     """`masked` as a stage: declares the inner stage on the kept leaves' layout, kept (its tick's
     checks run before anything is written), and runs it on a packed copy of the kept leaves."""
@@ -224,6 +228,8 @@ class _Masked(Stage):
         if not isinstance(state, MaskedState):
             raise wrong_state("MaskedState (masked)", state)
         m = self.resolve(spec.layout)
+        if m.sub is spec.layout:  # every leaf kept (lars' default masks): no copies in or out
+            return self._declare_whole(spec, state)
         sub_spec = Spec(m.sub, spec.device)
         inner = Inner(self.inner, sub_spec, "masked.")
         # The kept leaves' workspaces, this part's own (a plan is the state's, or the thread's
@@ -275,6 +281,38 @@ class _Masked(Stage):
             return [gather, *inner.passes(False, kept[1], True), ("kernel", "the updates out", 1.0, 1.0, 0.0)]
 
         return fuse.Host(run, passes, "masked", tick, settles=False)
+
+    def _declare_whole(self, spec: Spec, state: MaskedState) -> Any:
+        """`declare` for a mask that keeps every leaf of ``spec``'s layout (in its grouping):
+        the inner stage's parts run on the updates themselves, as the inner stage alone would.
+        Declared parts join the enclosing plan's runs (`numbaccum.fuse.Wrapped`, fused with the
+        neighbours'); user code runs in its own kept plan (`numbaccum.control.Inner`), which
+        restores what it wrote when that code raises."""
+        layout, mask_extra = spec.layout, self.mask_extra
+        m = self.resolve(layout)
+        foreign = self.inner.foreign()
+        if not foreign:
+            part = self.inner.declare(spec, state.inner_state)
+            inner_tick = fuse.flat_tick(part)
+        else:
+            inner = Inner(self.inner, spec, "masked.")
+            inner_tick = inner.tick
+
+        def tick(state: Any, params: ParamsRef | None, extra: dict) -> bool:
+            if not isinstance(state, MaskedState):
+                return False
+            if mask_extra and extra:
+                extra = {k: self._mask_extra(v, layout, m) for k, v in extra.items()}
+            return inner_tick(state.inner_state, params, extra)
+
+        if not foreign:
+            return fuse.Wrapped(part, MaskedState, "masked", tick, _inner_state)
+
+        def run(u: Updates) -> tuple[Updates, MaskedState]:
+            out, new_inner = inner.run(u)
+            return out, MaskedState(new_inner)
+
+        return fuse.Host(run, lambda apply: inner.passes(False), "masked", tick, settles=False)
 
     def _packer(
         self, now: list, m: _Plan, packed: Workspace, copies: fuse.Launches

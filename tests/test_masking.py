@@ -384,3 +384,34 @@ def test_masked_scale_applies_its_factor_in_the_copies_out():
         np.testing.assert_array_equal(u["b"], g["b"])
     kinds = [q.kind for q in nba.explain(tx, p, state).passes]
     assert kinds == ["kernel", "kernel"], kinds
+
+
+def test_a_mask_keeping_every_leaf_runs_the_inner_parts_in_place():
+    """A mask that keeps every leaf (lars' and lamb's defaults) runs the inner stage's parts on
+    the updates themselves: its kernels fuse with the neighbours' (no copies in or out in
+    `explain`), the bits and the inner state are the inner stage's alone, and user code inside
+    still commits nothing when it raises."""
+    from _testutil import check_raising_update_commits_nothing, raising_user_code
+
+    rng = np.random.default_rng(7)
+    p = {"w": rng.standard_normal((4, 3)).astype(np.float32), "d": rng.standard_normal(5)}
+    every = {"w": True, "d": True}
+    tx = nba.chain(nba.scale(0.5), nba.masked(nba.trace(0.9), every), nba.scale(-0.1))
+    plain = nba.chain(nba.scale(0.5), nba.trace(0.9), nba.scale(-0.1))
+    shown = nba.explain(tx, p, apply=True)
+    assert [q.kind for q in shown.passes] == ["fused"], shown
+    s, t = tx.init(p), plain.init(p)
+    pa, pb = snapshot(p), snapshot(p)
+    for k in range(3):
+        g = {n: rng.standard_normal(v.shape).astype(v.dtype) for n, v in p.items()}
+        u, s = tx.update(g, s, p)
+        v, t = plain.update(g, t, p)
+        assert_tree_equal(u, v)
+        s, t = nba.step_(tx, g, s, pa), nba.step_(plain, g, t, pb)
+        assert_tree_equal(pa, pb)
+    assert isinstance(s[1], nba.MaskedState)
+    assert_tree_equal(s[1].inner_state.trace, t[1].trace)
+    user, fail = raising_user_code()
+    guarded = nba.chain(nba.trace(0.5), nba.masked(nba.chain(nba.trace(0.9), user), every))
+    written = lambda st: (st[0].trace.tree, st[1].inner_state[0].trace.tree)  # noqa: E731
+    check_raising_update_commits_nothing(guarded, fail, g, p, written)
