@@ -479,19 +479,33 @@ class _Partition(Stage):
         return dict(zip(keys, map(state.inner_states.__getitem__, keys.values())))
 
     def declare(self, spec: Spec, state: Any) -> Any:
-        """A `numbaccum.fuse.Host` that runs the kept plan of the chain of each label's `masked`
-        (`numbaccum.control.Inner`); its tick checks the state's labels and ticks that plan."""
-        self._inner(state)
-        inner, keys = Inner(self.chain, spec, "partition."), self.keys
+        """The chain of each label's `masked`, its parts in the enclosing plan's runs
+        (`numbaccum.fuse.Wrapped`); with user code inside, a `numbaccum.fuse.Host` that runs that
+        chain's own kept plan (`numbaccum.control.Inner`), which restores what it wrote when that
+        code raises. The tick checks the state's labels and ticks the chain."""
+        chain_state, keys = self._inner(state), self.keys
 
-        def tick(state: Any, params: ParamsRef | None, extra: dict) -> bool:
+        def wrap(states: dict) -> PartitionState:
+            return PartitionState(dict(zip(map(keys.__getitem__, states), states.values())))
+
+        if not self.chain.foreign():
+            part = self.chain.declare(spec, chain_state)
+            inner_tick = fuse.flat_tick(part)
+
+            def tick(state: Any, params: ParamsRef | None, extra: dict) -> bool:
+                return inner_tick(self._inner(state), params, extra)
+
+            return fuse.Wrapped(part, wrap, "partition", tick, self._inner)
+        inner = Inner(self.chain, spec, "partition.")
+
+        def ticked(state: Any, params: ParamsRef | None, extra: dict) -> bool:
             return inner.tick(self._inner(state), params, extra)
 
         def run(u: Updates) -> tuple[Updates, PartitionState]:
             out, states = inner.run(u)
-            return out, PartitionState(dict(zip(map(keys.__getitem__, states), states.values())))
+            return out, wrap(states)
 
-        return fuse.Host(run, lambda apply: inner.passes(False), "partition", tick, settles=False)
+        return fuse.Host(run, lambda apply: inner.passes(False), "partition", ticked, settles=False)
 
 
 def partition(
