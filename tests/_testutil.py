@@ -327,3 +327,39 @@ def same_stdout_with_one_and_two_threads(script: str) -> None:
         )
         results.append(r.stdout.strip())
     assert results[0] == results[1]
+
+
+def plain(x: Any) -> Any:
+    """A state or updates as nested plain data of host arrays (bits compared with array_equal)."""
+    if isinstance(x, nba.FlatTree):
+        return ("flat", [g.copy_to_host() if x.device else np.array(g) for g in x.groups])
+    if isinstance(x, dict):
+        return {k: plain(v) for k, v in x.items()}
+    if isinstance(x, (tuple, list)):
+        return (type(x).__name__, [plain(v) for v in x])
+    if isinstance(x, (np.ndarray, np.generic)):
+        return np.array(x)
+    return x
+
+
+def assert_bits_equal(a: Any, b: Any, where: str = "") -> None:
+    """Bit equality of two states or updates: the same containers (a NamedTuple's class name
+    too), dtypes and shapes, the same bytes (NaN payloads, -0.0), equal plain scalars."""
+    pa, pb = plain(a), plain(b)
+
+    def rec(x, y, path):
+        if isinstance(x, dict):
+            assert isinstance(y, dict) and set(x) == set(y), path
+            for k in x:
+                rec(x[k], y[k], f"{path}[{k!r}]")
+        elif isinstance(x, tuple):
+            assert isinstance(y, tuple) and x[0] == y[0] and len(x[1]) == len(y[1]), path
+            for i, (u, v) in enumerate(zip(x[1], y[1])):
+                rec(u, v, f"{path}[{i}]")
+        elif isinstance(x, np.ndarray):
+            assert isinstance(y, np.ndarray) and x.dtype == y.dtype and x.shape == y.shape, path
+            assert x.tobytes() == y.tobytes(), f"{where}{path}: {x} != {y}"
+        else:
+            assert type(x) is type(y) and (x == y or (x != x and y != y)), f"{where}{path}: {x!r} != {y!r}"
+
+    rec(pa, pb, "")

@@ -30,6 +30,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import pytest
 import strategies as strat
+from _testutil import assert_bits_equal, plain
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -181,40 +182,6 @@ RESTORES = {
     "pickle": lambda state, like, tmp_path: pickle.loads(pickle.dumps(state)),
     "deepcopy": lambda state, like, tmp_path: copy.deepcopy(state),
 }
-
-
-def plain(x):
-    """A state or updates as nested plain data of host arrays (bits compared with array_equal)."""
-    if isinstance(x, nba.FlatTree):
-        return ("flat", [g.copy_to_host() if x.device else np.array(g) for g in x.groups])
-    if isinstance(x, dict):
-        return {k: plain(v) for k, v in x.items()}
-    if isinstance(x, (tuple, list)):
-        return (type(x).__name__, [plain(v) for v in x])
-    if isinstance(x, (np.ndarray, np.generic)):
-        return np.array(x)
-    return x
-
-
-def assert_bits_equal(a, b, where=""):
-    pa, pb = plain(a), plain(b)
-
-    def rec(x, y, path):
-        if isinstance(x, dict):
-            assert isinstance(y, dict) and set(x) == set(y), path
-            for k in x:
-                rec(x[k], y[k], f"{path}[{k!r}]")
-        elif isinstance(x, tuple):
-            assert isinstance(y, tuple) and x[0] == y[0] and len(x[1]) == len(y[1]), path
-            for i, (u, v) in enumerate(zip(x[1], y[1])):
-                rec(u, v, f"{path}[{i}]")
-        elif isinstance(x, np.ndarray):
-            assert isinstance(y, np.ndarray) and x.dtype == y.dtype and x.shape == y.shape, path
-            assert x.tobytes() == y.tobytes(), f"{where}{path}: {x} != {y}"
-        else:
-            assert type(x) is type(y) and (x == y or (x != x and y != y)), f"{where}{path}: {x!r} != {y!r}"
-
-    rec(pa, pb, "")
 
 
 def run_steps(tx, state, steps, batch, with_params, copy_out=True):

@@ -12,7 +12,7 @@ import os
 
 import numpy as np
 import pytest
-from _testutil import assert_tree_close, assert_tree_equal, quick_and_long, ref, snapshot
+from _testutil import assert_bits_equal, assert_tree_close, assert_tree_equal, quick_and_long, ref, snapshot
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from registry import CASES, cases
@@ -108,9 +108,10 @@ def snapshot_state(state):
 
 def _same(a, b, msg=""):
     (ua, sa), (ub, sb) = a, b
+    assert len(ua) == len(ub), msg
     for i, (x, y) in enumerate(zip(ua, ub)):
-        assert_tree_equal(x, y, msg=f"{msg} step {i}")
-    assert_tree_equal(_state_leaves(sa), _state_leaves(sb), msg=f"{msg} state")
+        assert_bits_equal(x, y, where=f"{msg} step {i}")
+    assert_bits_equal(sa, sb, where=f"{msg} state")
 
 
 def _state_leaves(s):

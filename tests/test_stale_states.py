@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 import pytest
-from _testutil import assert_tree_equal, snapshot
+from _testutil import assert_bits_equal, assert_tree_equal, snapshot
 
 import numbaccum as nba
 from numbaccum import checkpoint
@@ -41,15 +41,6 @@ def _values(state):
     if isinstance(state, (tuple, list)):
         return [_values(x) for x in state]
     return np.array(state, copy=True)
-
-
-def _same_values(a, b) -> None:
-    if isinstance(a, list):
-        assert isinstance(b, list) and len(a) == len(b)
-        for x, y in zip(a, b):
-            _same_values(x, y)
-    else:
-        np.testing.assert_array_equal(a, b)
 
 
 MAKERS = {
@@ -85,7 +76,7 @@ def test_item3_a_state_kept_from_before_is_refused(name, step):
         else:
             tx.update(_grads(9), best, params)
     assert_tree_equal(params, P)  # nothing written: params, and the current state's buffers
-    _same_values(_values(state), kept)
+    assert_bits_equal(_values(state), kept)
     _advance(tx, state, 2, step)  # the current state goes on
 
 
@@ -263,7 +254,7 @@ def test_item4_params_of_another_dtype_give_the_same_error_from_update_and_step(
             messages.append(str(e.value))
         assert messages[0] == messages[1]
         assert_tree_equal(p64, before)
-        _same_values(_values(state), kept)
+        assert_bits_equal(_values(state), kept)
         _advance(tx, state, 1, True)  # the state is still current
 
 
@@ -412,7 +403,7 @@ def test_i42_item5_an_update_waits_for_a_save_of_its_state(tmp_path, monkeypatch
     saver.join(30)
     updater.join(30)
     assert out["save"] is None, out["save"]
-    _same_values(_values(nba.load_state(tmp_path / "s.npz")), before)
+    assert_bits_equal(_values(nba.load_state(tmp_path / "s.npz")), before)
     assert int(out["update"][1][0].count) == 3
 
 
