@@ -42,6 +42,7 @@ __all__ = [
     "leaf_sumsq",
     "leaf_tables",
     "ops_for",
+    "prepare_block_scaling",
     "prepare_norm_scaling",
     "prepare_weighted_sum",
     "slice_sumsq",
@@ -139,7 +140,9 @@ class Reductions:
     def __init__(self) -> None:
         self.last: dict = {}  # (slot, kind) -> (buffers, prepared run, the entry before or None)
 
-    def reduce(self, slot: Any, kind: str, x: Any, table: Any, centers: Any = None, p: float = 0.0) -> np.ndarray:
+    def reduce(
+        self, slot: Any, kind: str, x: Any, table: Any, centers: Any = None, p: float = 0.0
+    ) -> np.ndarray:
         """Per slice of ``table``: the engine's reduction ``kind`` of ``x`` (``'sumsq'``,
         ``'csumsq'`` with ``centers``, ``'sum'``, ...), as `Ops`' ``slice_*`` give it."""
         key, buffers = (slot, kind), (x, table)
@@ -258,21 +261,28 @@ def _prepare_apply(out: Any, x: Any, table: Any) -> Any:
 _NO_VALUES = np.zeros(0, np.float64)  # an absent per-slice argument (centres 0, factors 1)
 
 
-def prepare_norm_scaling(out: Any, x: Any, y: Any, table: Any) -> Any:
+def prepare_norm_scaling(out: Any, x: Any, y: Any, table: Any, x_norm: bool = True) -> Any:
     """``run(factors_of, *args)``: ``out = x * factors_of(||y||, ||x||, *args)`` over every slice
     of ``table`` (`Ops.slice_apply_`), both L2 norms per slice in float64 as `slice_sumsq` gives
     them (its rescue included): the trust ratio's and adaptive clipping's step of one group, in
-    one kept call (`Reductions.call`). The host engine's two sums of squares are one prepared
-    call (`numbaccum.cpu.reduce.prepare_pair`), the scaling `prepare_apply`'s: the same kernels
-    and items as `Reductions.sumsq` and `Reductions.apply_`, the same bits. On CUDA the
-    contract's calls."""
+    one kept call (`Reductions.call`); without ``x_norm``, ``factors_of(||y||, *args)`` (a param
+    block's scale). The host engine's two sums of squares are one prepared call
+    (`numbaccum.cpu.reduce.prepare_pair`), the scaling `prepare_apply`'s: the same kernels and
+    items as `Reductions.sumsq` and `Reductions.apply_`, the same bits. On CUDA the contract's
+    calls."""
     ops, t = ops_for(x), as_table(table)
     engine = ops.reduce
-    if isinstance(x, np.ndarray):
+    if not x_norm:
+        one = engine.prepare("sumsq", y, t) if isinstance(y, np.ndarray) else None
+
+        def sums() -> tuple[np.ndarray, np.ndarray | None]:
+            return (one(None, 0.0) if one is not None else engine.reduce("sumsq", y, t, None, 0.0)), None
+
+    elif isinstance(x, np.ndarray):
         sums = engine.prepare_pair("sumsq", y, x, t)
     else:
 
-        def sums() -> tuple[np.ndarray, np.ndarray]:
+        def sums() -> tuple[np.ndarray, np.ndarray | None]:
             return engine.reduce("sumsq", y, t, None, 0.0), engine.reduce("sumsq", x, t, None, 0.0)
 
     apply = _prepare_apply(out, x, table)
@@ -283,10 +293,19 @@ def prepare_norm_scaling(out: Any, x: Any, y: Any, table: Any) -> Any:
         sy, sx = sums()
         # (inline: `slice_sumsq`'s test of a float64 buffer's plain sums)
         ny = _l2(y, t, sy) if wide_y and ((sy == np.inf) | (sy < SUMSQ_TINY)).any() else np.sqrt(sy)
+        if sx is None:
+            apply(_NO_VALUES, factors_of(ny, *args))
+            return
         nx = _l2(x, t, sx) if wide_x and ((sx == np.inf) | (sx < SUMSQ_TINY)).any() else np.sqrt(sx)
         apply(_NO_VALUES, factors_of(ny, nx, *args))
 
     return run
+
+
+def prepare_block_scaling(out: Any, x: Any, y: Any, table: Any) -> Any:
+    """`prepare_norm_scaling` with ``y``'s norm only: ``run(factors_of, *args)`` writes
+    ``out = x * factors_of(||y||, *args)`` (`numbaccum.scale_by_param_block_norm`'s step)."""
+    return prepare_norm_scaling(out, x, y, table, x_norm=False)
 
 
 def _l2(x: Any, table: Any, s: np.ndarray) -> np.ndarray:
@@ -497,4 +516,3 @@ def _rescued(flat: Any, sums: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
             scaled[members] = ops.slice_sumsq_scaled(g, table, np.full(members.size, f))
             scale[members] = f
     return scaled, scale
-

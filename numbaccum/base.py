@@ -21,6 +21,7 @@ generated kernel per dtype group (``NUMBACCUM_FUSE=0``: part by part, the same b
 Workspaces are explicit: a stage names the FlatTree of its state that owns its scratch buffers
 (`Stage.owner`); a stateless stage keeps its own, per layout, device and thread (`Stage.kept`).
 """
+
 from __future__ import annotations
 
 import abc
@@ -199,12 +200,18 @@ NO_PARAMS_MSG = (
 
 
 def host_step(
-    run: Callable[[Updates, ParamsRef | None], Updates], passes: tuple | None, name: str, params: bool = False
+    run: Callable[[Updates, ParamsRef | None], Updates],
+    passes: tuple | None,
+    name: str,
+    params: bool = False,
+    settle: bool = False,
 ) -> fuse.Host:
     """A stateless stage's declared `numbaccum.fuse.Host` part: ``run(updates, params) ->
     updates`` each step, the state passed through as it is. Its tick keeps the step's params
     (a ValueError with optax's message when the stage reads them, ``params``, and none were
-    given: before anything runs)."""
+    given: before anything runs). ``settle``: ``run`` is given the updates settled, a pending
+    factor applied first by kept launches (`numbaccum.fuse.Launches.settle`: the kernel of
+    `Updates.settled`, the same bits)."""
 
     def tick(state: Any, p: ParamsRef | None, extra: dict) -> bool:
         if params and p is None:
@@ -212,8 +219,18 @@ def host_step(
         part.params, part.new_state = p, state
         return True
 
-    def step(u: Updates) -> tuple[Updates, Any]:
-        return run(u, part.params), part.new_state
+    if settle:
+        launches = fuse.Launches()
+
+        def step(u: Updates) -> tuple[Updates, Any]:
+            if u.factor is not ONE and not u.factor.is_one:  # (`Updates.pending`, inline)
+                u = u.settled(kept=launches)
+            return run(u, part.params), part.new_state
+
+    else:
+
+        def step(u: Updates) -> tuple[Updates, Any]:
+            return run(u, part.params), part.new_state
 
     part = fuse.Host(step, passes, name, tick)
     return part
@@ -570,8 +587,10 @@ class Chain(Stage):
         self._last_foreign = max((i for i, s in enumerate(stages) if s.foreign()), default=-1)
         # The stages that may own workspaces (their class declares `owner`): the only ones
         # `owner` asks. None for a reshaping chain, whose input layout is not the states'.
-        self._may_own = () if self.reshapes else tuple(
-            i for i, stage in enumerate(stages) if type(stage).owner is not Stage.owner
+        self._may_own = (
+            ()
+            if self.reshapes
+            else tuple(i for i, stage in enumerate(stages) if type(stage).owner is not Stage.owner)
         )
 
     def init(self, params: Any) -> Any:

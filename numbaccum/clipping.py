@@ -900,10 +900,8 @@ class _ClipByBlockRms(_Stateless):
         ]
 
         sums, n = Reductions(), lay.num_leaves  # the reductions and divisions kept for their buffers
-        settles = fuse.Launches()  # and the settle's launches
 
         def run(u: Updates, params: Any) -> Updates:
-            u = u.settled(kept=settles)
             factors = np.empty(n, np.float64)
             for gi, ((members, sizes, table), g) in enumerate(zip(groups, u.flat.groups)):
                 s, f = sums.sumsq(gi, g, table)  # scaled: finite for float64 leaves past 1e154
@@ -913,7 +911,7 @@ class _ClipByBlockRms(_Stateless):
             return divide_leaves(u, factors, sums, always=True)
 
         passes = (("reduction", "RMS per leaf", 1.0, 0.0), ("kernel", "divide", 1.0, 1.0))
-        return host_step(run, passes, "clip_by_block_rms")
+        return host_step(run, passes, "clip_by_block_rms", settle=True)
 
 
 _RANGE: dict[np.dtype, tuple[float, float]] = {}

@@ -35,7 +35,15 @@ from . import _cache, runner
 from ._bounded import Bounded
 from ._checks import flag, non_negative, real
 from .apply import scatter_back, writable_flat
-from .backend import Reductions, leaf_sumsq, ops_for, prepare_norm_scaling, slice_sumsq, tree_sumsq_scaled
+from .backend import (
+    Reductions,
+    leaf_sumsq,
+    ops_for,
+    prepare_block_scaling,
+    prepare_norm_scaling,
+    slice_sumsq,
+    tree_sumsq_scaled,
+)
 from .base import Stage, host_step
 from .clipping import _Clip
 from .contract import ONE, Factor, Ops
@@ -73,7 +81,6 @@ _norm_pair = njit(inline="always", error_model="numpy")(norm_pair)
 _NAMED_ORDS = {"l0": 0.0, "l1": 1.0, "l2": 2.0, "l3": 3.0, "l4": 4.0, "linf": math.inf}
 _STATISTICS = ("mad", "std", "var", "sum")
 _EMPTY = np.zeros(0, np.float64)
-
 
 
 # --- ord ------------------------------------------------------------------------------------
@@ -586,7 +593,7 @@ class _Rescale(_Sliced):
         passes = (("reduction", "metric", 1.0, 0.0), ("kernel", "rescale", 1.0, 1.0))
         sums = Reductions()
         return host_step(
-            lambda u, _: _rescale(u.settled(), key, slicing, target, sums), passes, runner.stage_name(self)
+            lambda u, _: _rescale(u, key, slicing, target, sums), passes, runner.stage_name(self), settle=True
         )
 
 
@@ -776,7 +783,7 @@ class _Centre(_Sliced):
         slicing = self.slicing(spec)
         passes = (("reduction", "mean", 1.0, 0.0), ("kernel", "subtract", 1.0, 1.0))
         sums = Reductions()
-        return host_step(lambda u, _: _centre(u.settled(), slicing, sums), passes, runner.stage_name(self))
+        return host_step(lambda u, _: _centre(u, slicing, sums), passes, runner.stage_name(self), settle=True)
 
 
 def _centre(u: Updates, slicing: _Slicing | None, sums: Reductions) -> Updates:
@@ -1009,7 +1016,6 @@ class _AdaptiveGradClip(_Sliced):
         sums = Reductions()
 
         def run(u: Updates, params: Any) -> Updates:
-            u = u if u.factor is ONE else u.settled()  # (inline: nothing pending, the common case)
             pf = params.flat()
             out = u.fresh()
             for gi, (o, g, p, gs) in enumerate(zip(out.groups, u.flat.groups, pf.groups, slicing.groups)):
@@ -1018,7 +1024,7 @@ class _AdaptiveGradClip(_Sliced):
             return Updates(out, True)
 
         passes = (("reduction", "unit norms of updates and params", 2.0, 0.0), ("kernel", "clip", 1.0, 1.0))
-        return host_step(run, passes, "adaptive_grad_clip", params=True)
+        return host_step(run, passes, "adaptive_grad_clip", params=True, settle=True)
 
 
 def _agc_factors(p_norm: np.ndarray, g_norm: np.ndarray, clipping: float, eps: float) -> np.ndarray:
@@ -1206,16 +1212,17 @@ class _ScaleByTrustRatio(Stage):
         sums, ratio_args = Reductions(), (self.min_norm, self.trust, self.eps)
 
         def run(u: Updates, params: Any) -> Updates:
-            u = u if u.factor is ONE else u.settled()  # (inline: nothing pending, the common case)
             pf = params.flat()
             out = u.fresh()
-            for gi, (o, g, p, gs, t) in enumerate(zip(out.groups, u.flat.groups, pf.groups, leaves.groups, reals)):
+            for gi, (o, g, p, gs, t) in enumerate(
+                zip(out.groups, u.flat.groups, pf.groups, leaves.groups, reals)
+            ):
                 # ``o = g * _trust_ratios(||p||, ||g||, ...)`` per leaf, one kept call
                 sums.call(gi, prepare_norm_scaling, (o, g, p, gs.rows), _trust_ratios, *ratio_args, t)
             return Updates(out, True)
 
         passes = (("reduction", "leaf norms of updates and params", 2.0, 0.0), ("kernel", "scale", 1.0, 1.0))
-        return host_step(run, passes, "scale_by_trust_ratio", params=True)
+        return host_step(run, passes, "scale_by_trust_ratio", params=True, settle=True)
 
 
 def _trust_ratios(
@@ -1304,26 +1311,31 @@ class _ScaleByParamBlock(Stage):
 
     def declare(self, spec: Spec, state: Any) -> Any:
         leaves = _whole(spec.layout)
-        min_scale, rms = self.min_scale, self.rms
-        sums = Reductions()
+        min_scale, sums = self.min_scale, Reductions()
+        # per group: each leaf's sqrt(size), the RMS's divisor (None: the L2 norm itself)
+        roots = [np.sqrt(np.diff(o).astype(np.float64)) if self.rms else None for o in spec.layout.offsets]
 
         def run(u: Updates, params: Any) -> Updates:
-            u = u.settled()
             pf = params.flat()
             out = u.fresh()
-            for gi, (o, g, p, gs, offsets) in enumerate(
-                zip(out.groups, u.flat.groups, pf.groups, leaves.groups, spec.layout.offsets)
+            for gi, (o, g, p, gs, r) in enumerate(
+                zip(out.groups, u.flat.groups, pf.groups, leaves.groups, roots)
             ):
-                norm = _slice_metric(p, gs, 2.0, (sums, gi))
-                if rms:
-                    with np.errstate(divide="ignore", invalid="ignore"):  # an empty leaf: NaN, as jnp.mean
-                        norm = norm / np.sqrt(np.diff(offsets).astype(np.float64))
-                # optax's safe_norm / safe_root_mean_squares: min_scale at or below it
-                sums.apply_(gi, o, g, gs.rows, _EMPTY, np.where(norm <= min_scale, min_scale, norm))
+                # ``o = g * max(||p||, min_scale)`` per leaf (its RMS with ``rms``), one kept call
+                sums.call(gi, prepare_block_scaling, (o, g, p, gs.rows), _block_scales, r, min_scale)
             return Updates(out, True)
 
         passes = (("reduction", "leaf norms of params", 1.0, 0.0), ("kernel", "scale", 1.0, 1.0))
-        return host_step(run, passes, self.public_name, params=True)
+        return host_step(run, passes, self.public_name, params=True, settle=True)
+
+
+def _block_scales(norm: np.ndarray, roots: np.ndarray | None, min_scale: float) -> np.ndarray:
+    """optax's ``safe_norm`` (``roots`` None) or ``safe_root_mean_squares`` per leaf: the L2 norm
+    (divided by ``roots``, each leaf's sqrt(size)), ``min_scale`` at or below it."""
+    if roots is not None:
+        with np.errstate(divide="ignore", invalid="ignore"):  # an empty leaf: NaN, as jnp.mean
+            norm = norm / roots
+    return np.where(norm <= min_scale, min_scale, norm)
 
 
 def scale_by_param_block_norm(min_scale: float = 1e-3) -> GradientTransformationExtraArgs:
