@@ -27,12 +27,13 @@ import numpy as np
 
 from . import arrays
 
-__all__ = ["lend", "lent_moved", "on_loan"]
+__all__ = ["LENT", "lend", "lent_moved", "on_loan"]
 
 # id(buffer) -> a weak reference to what keeps the last root lent of it alive (the root, or on a
 # device its owner token). An entry goes with its root; a buffer dies only after its roots (they
-# hold it), so an id reused by a new buffer never finds a live entry of the old one.
-_LENT: dict[int, weakref.ref] = {}
+# hold it), so an id reused by a new buffer never finds a live entry of the old one. Emptied,
+# never rebound: a hot caller tests ``if LENT`` before it calls `on_loan`.
+LENT: dict[int, weakref.ref] = {}
 
 
 class _Owner:
@@ -66,20 +67,20 @@ def lend(buffer: Any) -> Any:
     key = id(buffer)
 
     def forget(r: weakref.ref) -> None:  # every view is gone (a newer loan's entry stays)
-        if _LENT.get(key) is r:
-            _LENT.pop(key)
+        if LENT.get(key) is r:
+            LENT.pop(key)
 
     ref = weakref.ref(watched, forget)
-    _LENT[key] = ref
+    LENT[key] = ref
     return root
 
 
 def on_loan(buffers: Iterable[Any]) -> bool:
     """Whether the caller still holds something lent of one of ``buffers`` (`lend`)."""
-    if not _LENT:  # nothing lent anywhere: the common case of `numbaccum.step_`
+    if not LENT:  # nothing lent anywhere: the common case of `numbaccum.step_`
         return False
     for b in buffers:
-        ref = _LENT.get(id(b))
+        ref = LENT.get(id(b))
         if ref is not None and ref() is not None:
             return True
     return False

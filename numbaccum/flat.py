@@ -501,7 +501,7 @@ class Workspace:
         b = self.buffer
         if b is None:
             b = self.buffer = FlatTree.empty(self.layout, self.dtypes, self.device)
-        elif _loans.on_loan(b.buffers.values()):  # the caller holds its last values
+        elif _loans.LENT and _loans.on_loan(b.buffers.values()):  # the caller holds its last values
             other = self.spare
             if other is None or _loans.on_loan(other.buffers.values()):
                 other = FlatTree.empty(b.layout, list(b.group_dtypes), b.device)

@@ -131,6 +131,49 @@ def _share(sub: Layout, layout: Layout) -> tuple[float, float]:
     return kept / size, float(sum(sub.group_sizes)) / n
 
 
+class _Views:
+    """The kept leaves of a full FlatTree as a FlatTree of ``sub`` whose groups are views of the
+    full one's, where every group of ``sub`` is one run of a full group (a label's leaves of
+    one dtype back to back, as `partition`'s often are): the inner transformation reads and
+    writes them in place, no copies in or out. Kept for the last few full FlatTrees (a
+    workspace and its spare by turns, the caller's gradients), so that the inner plan's kept
+    launches see the same views step after step."""
+
+    __slots__ = ("sub", "spans", "last")
+
+    def __init__(self, sub: Layout, spans: list) -> None:
+        self.sub, self.spans = sub, spans  # per group of sub: (full group, start, stop)
+        self.last: list = []  # [(full groups, view)], the newest first
+
+    @staticmethod
+    def of(m: _Plan, device: bool) -> _Views | None:
+        """The views of ``m``'s kept leaves, or None where a group of ``m.sub`` is not one run
+        of a full group (the kept leaves are then packed by copies); host buffers only (a
+        device buffer's slices are copied as before)."""
+        if device:
+            return None
+        spans: list = [None] * len(m.sub.groups)
+        for g, a, b, sg, sa in m.runs:
+            if sa != 0 or spans[sg] is not None or b - a != m.sub.group_sizes[sg]:
+                return None
+            spans[sg] = (g, a, b)
+        return _Views(m.sub, spans) if all(x is not None for x in spans) else None
+
+    def view(self, full: FlatTree) -> FlatTree | None:
+        """The kept leaves of ``full`` as views (None when its storage dtypes are not the
+        layout's: the copies convert)."""
+        groups = full.groups
+        for held, v in self.last:
+            if held is groups:
+                return v
+        parts = [groups[g][a:b] for g, a, b in self.spans]
+        if any(x.dtype != d for x, d in zip(parts, self.sub.group_dtypes)):
+            return None
+        v = FlatTree(self.sub, parts, {x.dtype: x for x in parts})
+        self.last = [(groups, v), *self.last[:2]]
+        return v
+
+
 def _runs(layout: Layout, sub: Layout, keep: tuple[bool, ...]) -> tuple[tuple, tuple]:
     runs: list[list[int]] = []
     gaps: list[list[int]] = []
@@ -240,7 +283,9 @@ class _Masked(Stage):
         # their launches kept while the buffers are the same (the workspaces, step after step).
         copies = fuse.Launches()
         now: list = [None]  # this step's params (set by the tick)
-        fill = self._packer(now, m, packed, copies)
+        # Where each kept group is one run of a full group: views instead of copies (`_Views`).
+        views, param_views = _Views.of(m, spec.device), _Views.of(m, spec.device)
+        fill = self._packer(now, m, packed, copies, param_views)
 
         def raw_of() -> Any:
             return self._masked_input(now[0].raw)
@@ -257,11 +302,16 @@ class _Masked(Stage):
             return inner.tick(state.inner_state, sub_params, extra)
 
         def run(u: Updates) -> tuple[Updates, MaskedState]:
-            sub = inbox()
             factor, groups = u.factor, u.flat.groups
-            for i, (g, a, b, sg, sa) in enumerate(m.runs):  # the kept leaves, the factor applied
-                copies.copy(("in", i), sub.groups[sg], sa, groups[g], a, b - a, factor)
-            inner_out, new_inner = inner.run(Updates(sub, True, scratch=scratch), settle=True)
+            sub = viewed = None if views is None else views.view(u.flat)
+            if viewed is not None:  # the kept leaves in place: the inner step reads them as they are
+                inner_in = Updates(viewed, u.owned, factor, scratch=scratch)
+            else:
+                sub = inbox()
+                for i, (g, a, b, sg, sa) in enumerate(m.runs):  # the kept leaves, the factor applied
+                    copies.copy(("in", i), sub.groups[sg], sa, groups[g], a, b - a, factor)
+                inner_in = Updates(sub, True, scratch=scratch)
+            inner_out, new_inner = inner.run(inner_in, settle=True)
             # A factor the inner step left pending (a lone scale) is applied by the copies out:
             # the same kernel (`Updates.settled`'s scale), into the updates instead of in place.
             pending = inner_out.factor
@@ -269,16 +319,24 @@ class _Masked(Stage):
             if out is not u.flat or (factor is not ONE and not factor.is_one):
                 for i, (g, a, b) in enumerate(m.gaps):  # the masked-out leaves pass through
                     copies.copy(("gap", i), out.groups[g], a, groups[g], a, b - a, factor)
+            in_place = viewed is not None and inner_out.flat is viewed and out is u.flat
+            moved[0] = not (in_place and (pending is ONE or pending.is_one))
+            if not moved[0]:  # written in place, into the views of the updates: nothing to move
+                return Updates(out, True, scratch=u.scratch), MaskedState(new_inner)
             ys = inner_out.flat.groups
             for i, (g, a, b, sg, sa) in enumerate(m.runs):
                 copies.copy(("out", i), out.groups[g], a, ys[sg], sa, b - a, pending)
             return Updates(out, True, scratch=u.scratch), MaskedState(new_inner)
 
         kept = _share(m.sub, layout)
+        moved = [True]  # whether the last step copied the inner step's updates out
 
         def passes(apply: bool) -> list:
-            gather = ("kernel", "the kept leaves in", kept[0], kept[0], 0.0)
-            return [gather, *inner.passes(False, kept[1], True), ("kernel", "the updates out", 1.0, 1.0, 0.0)]
+            # (views: the kept leaves are read in place; the updates move out unless the inner
+            # step wrote them in place too, as the last step showed)
+            gather = [("kernel", "the kept leaves in", kept[0], kept[0], 0.0)] if views is None else []
+            out = [("kernel", "the updates out", 1.0, 1.0, 0.0)] if moved[0] else []
+            return [*gather, *inner.passes(False, kept[1], True), *out]
 
         return fuse.Host(run, passes, "masked", tick, settles=False)
 
@@ -315,14 +373,17 @@ class _Masked(Stage):
         return fuse.Host(run, lambda apply: inner.passes(False), "masked", tick, settles=False)
 
     def _packer(
-        self, now: list, m: _Plan, packed: Workspace, copies: fuse.Launches
+        self, now: list, m: _Plan, packed: Workspace, copies: fuse.Launches, views: _Views | None
     ) -> Callable[[], FlatTree]:
-        """A ``ParamsRef`` fill for the kept leaves of this step's params (``now[0]``): packed
-        from its flat form into ``packed``, one copy per run of kept leaves (launched through
-        the declaration's ``copies``)."""
+        """A ``ParamsRef`` fill for the kept leaves of this step's params (``now[0]``): views of
+        its flat form (``views``, where they can be), else packed into ``packed``, one copy per
+        run of kept leaves (launched through the declaration's ``copies``)."""
 
         def into() -> FlatTree:
             full = now[0].flat()
+            sub = None if views is None else views.view(full)
+            if sub is not None:
+                return sub
             sub = packed()
             for i, (g, a, b, sg, sa) in enumerate(m.runs):
                 copies.copy(("params", i), sub.groups[sg], sa, full.groups[g], a, b - a, ONE)

@@ -30,6 +30,8 @@ _INT64 = 2**63  # counts and steps are int64 at most (a state's count is an int3
 
 def _count(count: Any) -> int:
     """The step count as an int; TypeError for anything that is not an integer."""
+    if type(count) is np.int32:  # a state's count (every scheduled step): always in range
+        return int(count)
     return integer(count, "count", minimum=-_INT64, maximum=_INT64 - 1)
 
 
