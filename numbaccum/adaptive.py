@@ -278,7 +278,7 @@ class _EmaNorm(Stage):
         beta, ord, tensorwise, growth = self.beta, self.ord, self.tensorwise, self.growth
         min_norm, normalize = self.min_norm, self.normalize
         layout = exp_avg.layout
-        u = u.settled()
+        u = u if u.factor is ONE else u.settled()  # (inline: nothing pending, the common case)
         t = u.flat
         # The statistics come from the input, before the inner transformation runs.
         n = leaf_norms(t, ord) if tensorwise else np.array(tree_norm(t, ord))
@@ -762,7 +762,7 @@ class _NormGrowth(Stage):
     ) -> tuple[Updates, ClipNormGrowthState]:
         add, mul, min_value, max_decay = self.add, self.mul, self.min_value, self.max_decay
         ord, tensorwise = self.ord, self.tensorwise
-        u = u.settled()
+        u = u if u.factor is ONE else u.settled()  # (inline: nothing pending, the common case)
         n = leaf_norms(u.flat, ord) if tensorwise else np.array(tree_norm(u.flat, ord))
         with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
             finite = np.isfinite(n)

@@ -667,7 +667,7 @@ class _ZeroNans(Stage):
         sums, launches, groups = Reductions(), fuse.Launches(), tuple(zip(lay.group_index, leaf_tables(lay)))
 
         def run(u: Updates) -> tuple[Updates, ZeroNansState]:
-            u = u.settled()
+            u = u if u.factor is ONE else u.settled()  # (inline: nothing pending, the common case)
             counts = np.empty(lay.num_leaves, np.float64)
             out = u.fresh()
             for gi, ((members, table), o, g) in enumerate(zip(groups, out.groups, u.flat.groups)):

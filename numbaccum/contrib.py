@@ -1487,7 +1487,7 @@ class _LrFree(Stage):
 
         def run(u: Updates) -> tuple[Updates, Any]:
             t, c, d, nw, dlr, neg_wd_dlr, scalars, params, (ea, eas, gs, p0) = step
-            u = u.settled()
+            u = u if u.factor is ONE else u.settled()  # (inline: nothing pending, the common case)
             g, p = u.flat, params.flat()
             tmp = ea.workspace("weighted")
             for gi, (tg, a, b, x) in enumerate(

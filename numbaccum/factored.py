@@ -369,7 +369,7 @@ class _ScaleByFactoredRms(Stage):
             return True
 
         def run(u: Updates) -> tuple[Updates, FactoredState]:
-            u = u.settled()
+            u = u if u.factor is ONE else u.settled()  # (inline: nothing pending, the common case)
             out = u.fresh()
             decay, one_minus = step
             for (gi, vg, rows, cols, means, means_len, table, ratio, factored), o, g in zip(
@@ -683,7 +683,7 @@ class _ScaleBySM3(Stage):
             return True
 
         def run(u: Updates) -> tuple[Updates, ScaleBySM3State]:
-            u = u.settled()
+            u = u if u.factor is ONE else u.settled()  # (inline: nothing pending, the common case)
             out, acc = u.fresh(), nu.workspace("accumulators")
             for (gi, n, m, table, axes, some), o, g, a in zip(groups, out.groups, u.flat.groups, acc.groups):
                 sums.call(gi, prepare_axes, (_SM3_PASS, o, g, n, a, table, m), scalars)

@@ -3367,7 +3367,7 @@ class _ScaleByDistanceOverGradients(Stage):
             return True
 
         def run(u: Updates) -> tuple[Updates, ScaleByDistanceOverGradientsState]:
-            u = u.settled()
+            u = u if u.factor is ONE else u.settled()  # (inline: nothing pending, the common case)
             params, old_d, old_s, new_init = step
             pf = params.flat()
             diff = init.workspace("distance", dist)

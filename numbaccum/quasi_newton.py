@@ -272,7 +272,7 @@ class _ScaleByLBFGS(Stage):
             count, weights, prev_params, params = now  # (prev_params: renewed, the owner)
             idx, prev = count % m, (count - 1) % m
             filled = min(count, m)  # slots written so far (after this step's)
-            u = u.settled()
+            u = u if u.factor is ONE else u.settled()  # (inline: nothing pending, the common case)
             g, p = u.flat, params.flat()
             rhos = np.asarray(weights).copy()
             vec = u.fresh()  # (the updates' own buffer when they may be overwritten)
@@ -606,7 +606,7 @@ class _ZoomLinesearch(Stage):
 
         def run(u: Updates) -> tuple[Updates, ScaleByZoomLinesearchState]:
             params, kept_grad, value0, grad0, objective, guess = now
-            u = u.settled()
+            u = u if u.factor is ONE else u.settled()  # (inline: nothing pending, the common case)
             direction, p = u.flat, params.flat()
             trial = trial_of()  # kept: not a new params-sized buffer per update
 
@@ -909,7 +909,7 @@ class _BacktrackingLinesearch(Stage):
                     err = value - (1.0 + ls.rtol) * value0 - step * ls.slope_rtol * slope
                 return math.inf if math.isnan(err) else max(err, 0.0)
 
-            u = u.settled()
+            u = u if u.factor is ONE else u.settled()  # (inline: nothing pending, the common case)
             direction, p = u.flat, params.flat()
             slope = _dot(direction, grad0)
             trial = trial_of()  # kept: not a new params-sized buffer per update
