@@ -293,9 +293,13 @@ class Elementwise(Stage):
                     values[count_at], count = advance(values[count_at])
                 if ct0 is not None:  # every group computes in one dtype: no comprehension per step
                     part.scalars = [scalars(count, ct0)] * n_groups
-                else:
-                    each = [scalars(count, ct) for ct in distinct]
-                    part.scalars = each if len(each) == len(cts) else [each[i] for i in where]
+                else:  # (loops, not comprehensions: each of those is a call, every step)
+                    each = []
+                    for ct in distinct:
+                        each.append(scalars(count, ct))
+                    if len(each) != n_groups:
+                        each = [each[i] for i in where]
+                    part.scalars = each
             part.new_state = new(cls, values)
             return True
 

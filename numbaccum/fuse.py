@@ -655,8 +655,13 @@ class FusedRun:
 
     def new_states(self) -> list:
         """One new state per step (nested chains' states rebuilt)."""
-        it = iter([p.new_state.make() if isinstance(p.new_state, Later) else p.new_state for p in self.parts])
-        return [f(it) for f in self.packers]
+        made = []  # (loops, not comprehensions: each of those is a call, every step)
+        for p in self.parts:
+            made.append(p.new_state.make() if isinstance(p.new_state, Later) else p.new_state)
+        it, out = iter(made), []
+        for f in self.packers:
+            out.append(f(it))
+        return out
 
     def run(
         self,

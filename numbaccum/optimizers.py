@@ -1903,7 +1903,7 @@ class _ScaleByRadam(_Direction):
     def scalars(self, count: Any, ct: np.dtype) -> tuple:
         b1, b2, t = self.b1, self.b2, int(count)
         bc2 = bias_correction(b2, t, ct)
-        one, two, four = (ct.type(x) for x in (1.0, 2.0, 4.0))
+        one, two, four = ct.type(1.0), ct.type(2.0), ct.type(4.0)
         # b2 ** t in the compute dtype, as optax's weak float: rho_t cancels 1999 - 1994 near the
         # threshold, so 1 - bc2 (rounded twice) would move it by a percent.
         b2t = ct.type(b2) ** t
