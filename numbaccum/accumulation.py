@@ -9,6 +9,7 @@ its plan checks the state and computes the step's scalars, its step runs the ker
 from __future__ import annotations
 
 import functools
+import operator
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -732,8 +733,22 @@ class _DpCycle:
         out_spec = self.sums.spec
         self.ms, self.storage, self.layout = ms, acc.__dict__, out_spec.layout
         self.rest = Inner(ms._rest, out_spec, "multisteps.") if ms._rest is not None else None
-        self.names = ms._inner.names if isinstance(ms._inner, Chain) else None
-        self.chained = isinstance(ms._inner, Chain)
+        inner = ms._inner
+        self.names = inner.names if isinstance(inner, Chain) else None
+        self.chained = isinstance(inner, Chain)
+        # Resolved once, not on every step: the inner stages' states (`MultiSteps._inner_states`)
+        # and, for a constant every_k_schedule, k (`MultiSteps._schedule`: the int itself).
+        self.split = inner._states if isinstance(inner, Chain) else None
+        self.k = None if callable(ms._k) else ms._k
+        # The inner state from the stages' states: a chain's tuple (or named chain's dict), else
+        # the one stage's state.
+        names = self.names
+        if not self.chained:
+            self.pack: Callable[[list], Any] = operator.itemgetter(0)
+        elif names is None:
+            self.pack = tuple
+        else:
+            self.pack = lambda new: dict(zip(names, new))
         # explain's ratios, per byte of the per-example input: the float64 sums, the updates
         x = float(np.dot(spec.layout.group_sizes, [d.itemsize for d in spec.layout.group_dtypes]))
         a = float(np.dot(out_spec.layout.group_sizes, [g.dtype.itemsize for g in acc.groups]))
@@ -746,8 +761,9 @@ class _DpCycle:
         self.emits = False
         self.note: Note | None = None
         self.launches, self.adds = fuse.Launches(), Adds()  # the zeroing's and the add's, kept
+        # (its run is `_step` without params: the updates come back)
         self.part = fuse.Host(
-            self.run, self.passes, "multisteps", self.tick, settles=False, apply=self.apply, spec=out_spec
+            self._step, self.passes, "multisteps", self.tick, settles=False, apply=self.apply, spec=out_spec
         )
 
     def tick(self, state: Any, params: ParamsRef | None, extra: dict) -> bool:
@@ -755,11 +771,12 @@ class _DpCycle:
             return False
         if getattr(state.acc_grads, "__dict__", None) is not self.storage:  # other buffers: declared again
             return False
-        states = self.ms._inner_states(state)
+        split = self.split
+        states = split(state.inner_opt_state) if split is not None else (state.inner_opt_state,)
         if states is None:
             return False  # declared again: the error above
         acc = current(state.acc_grads, "acc_grads")
-        k = self.ms._schedule(state.gradient_step)
+        k = self.k if self.k is not None else self.ms._schedule(state.gradient_step)
         mini = int(state.mini_step)
         emits = mini >= k - 1
         if not self.sums.tick(states[0], mini == 0, emits):
@@ -770,25 +787,14 @@ class _DpCycle:
         self.note = self.ms._emitting(k, state.gradient_step) if emits else None
         return True
 
-    def pack(self, new: list) -> Any:
-        """The inner state from the stages' states: a chain's tuple (or named chain's dict)."""
-        if not self.chained:
-            return new[0]
-        return tuple(new) if self.names is None else dict(zip(self.names, new))
-
-    def run(self, u: Updates) -> tuple[Updates, MultiStepsState]:
-        out, new = self._step(u, None)
-        assert out is not None  # (updates, no params: the updates come back)
-        return out, new
-
     def apply(self, u: Updates, p: FlatTree) -> MultiStepsState:
         """`run`, the emitted update added to ``p`` (in the rest's last pass where its plan can);
         a step that emits nothing leaves ``p`` as it is."""
         return self._step(u, p)[1]
 
-    def _step(self, u: Updates, p: FlatTree | None) -> tuple[Updates | None, MultiStepsState]:
+    def _step(self, u: Updates, p: FlatTree | None = None) -> tuple[Any, MultiStepsState]:
         """The step on ``u``: ``(updates, new state)``, or with params ``p`` ``(None, new
-        state)``, the emitted update added to them."""
+        state)``, the emitted update added to them (the part's ``run``, without them)."""
         state, states, acc = self.state, self.states, self.acc
         emitted, dp_state = self.sums.run(u, acc)
         if emitted is None:  # a mini-step: the DP stage's state counts the examples; the others wait

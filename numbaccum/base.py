@@ -703,7 +703,7 @@ class _Reshaping:
         self.inner = Inner(stages[r], spec, f"chain{r}.")
         self.post = Chain(stages[r + 1 :]) if r + 1 < len(stages) else None
         self.posts: dict = {}  # the layout the reshaping stage returns -> the plan of the rest
-        self.pack = (lambda new: tuple(new)) if names is None else (lambda new: dict(zip(names, new)))
+        self.pack = tuple if names is None else (lambda new: dict(zip(names, new)))
         # foreign code after the stages that write: what they wrote, restored if it raises
         self.guarded = tuple(range(r + 1)) if chain._last_foreign > r else ()
         self.written = [stages[i].written for i in self.guarded]
@@ -721,7 +721,8 @@ class _Reshaping:
             return False
         inner_plan = self.inner.plan
         assert inner_plan is not None
-        out_spec = fuse.returned_spec(inner_plan.root) or self.spec
+        root = inner_plan.root  # (`fuse.returned_spec`'s common case inline: a reshaping Host)
+        out_spec = (root.spec if type(root) is fuse.Host else fuse.returned_spec(root)) or self.spec
         post = None
         if self.post is not None:
             post = self.posts.get(out_spec)

@@ -16,6 +16,7 @@ from typing import Any
 
 from . import fuse, runner
 from .apply import apply_updates_
+from .contract import ONE
 from .flat import FlatTree
 from .updates import ParamsRef, Spec, Updates
 
@@ -40,7 +41,8 @@ class Adds:
         self.memo: tuple[dict, dict] = ({}, {})
 
     def __call__(self, params: FlatTree, u: Updates) -> None:
-        if u.pending:
+        factor = u.factor
+        if factor is not ONE and not factor.is_one:  # (`Updates.pending`, inline)
             fuse.apply_settled(u, params, self.memo)
         else:
             self.launches.add(params, u.flat)
@@ -91,7 +93,7 @@ class Inner:
         assert plan is not None  # (made by `tick`)
         if plan.apply:
             return runner.replay(plan, self.state, u, params, False)[1]
-        out, new_state = self.run(u)
+        out, new_state = runner.replay(plan, self.state, u, None, False)  # (`run`)
         self.adds(params, out)
         return new_state
 

@@ -174,7 +174,7 @@ class _Lookahead(Stage):
                 fast.checked = checked[:n]
                 # The pair checked against its layout, and where it is packed: the runner has
                 # nothing left to do for the params of what this stage returns
-                # (`numbaccum.runner._reshaped_params`).
+                # (`numbaccum.runner._reshaped`).
                 params.checked, params._layout, params._into = checked, usual.layout, usual_into
             else:
                 layout = layout_of(pair, "params")

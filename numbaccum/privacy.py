@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import math
 import numbers
+import operator
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -31,6 +33,7 @@ from ._checks import flag, non_negative, real, wrong_state
 from .accumulation import trace
 from .backend import Reductions, ops_for, prepare_weighted_sum, slice_sumsq
 from .base import Stage, chain
+from .contract import ONE
 from .declared import Elementwise, check_decay
 from .flat import FlatTree, Workspace, as_flat, host_leaves, layout_of
 from .formulas import formula, like, normal
@@ -38,7 +41,7 @@ from .fuse import Host
 from .layout import Layout, finfo
 from .protocol import GradientTransformationExtraArgs, state_class
 from .scaling import ScalarOrSchedule, identity, scale_by_learning_rate
-from .tables import segments
+from .tables import SUMSQ_TINY, as_table, segments
 from .traits import TREE
 from .tree import short_repr, tree_unflatten
 from .updates import Spec, Updates
@@ -128,20 +131,17 @@ def _check_clip(value: Any, name: str) -> float:
 # --- the two passes -------------------------------------------------------------------------
 
 
-def _squared_norms(
-    flat: FlatTree, plan: _Plan, kept: Reductions | None = None
-) -> tuple[np.ndarray, np.ndarray]:
+def _squared_norms(flat: FlatTree, plan: _Plan) -> tuple[np.ndarray, np.ndarray]:
     """``(s, f)``, float64 ``(leaves, B)``: the squared norm of example ``b`` of leaf ``k`` is
     ``s[k, b] / f[k, b] ** 2`` (`numbaccum.backend.slice_sumsq`: ``f`` is 1 except where float64
     entries past ~1e154 or below ~1e-154 made the plain sum overflow or underflow).
 
-    One segmented reduction per dtype group (prepared in ``kept``, a declaration's, when given);
-    on the GPU the values come back to the host."""
+    One segmented reduction per dtype group; on the GPU the values come back to the host."""
     lay = flat.layout
     s = np.empty((lay.num_leaves, plan.batch), np.float64)
     f = np.ones_like(s)
-    for gi, (members, table, g) in enumerate(zip(lay.group_index, plan.tables, flat.groups)):
-        gs, gf = slice_sumsq(g, table) if kept is None else kept.sumsq(gi, g, table)
+    for members, table, g in zip(lay.group_index, plan.tables, flat.groups):
+        gs, gf = slice_sumsq(g, table)
         s[members] = np.asarray(gs).reshape(members.size, plan.batch)
         f[members] = np.asarray(gf).reshape(members.size, plan.batch)
     return s, f
@@ -157,12 +157,17 @@ def _multipliers(norms: np.ndarray, clip: Any) -> np.ndarray:
     return mult
 
 
-def _global_norms(flat: FlatTree, plan: _Plan, kept: Reductions | None = None) -> np.ndarray:
-    """Each example's L2 norm over every leaf, float64 ``(B,)`` (leaves added in tree order;
-    where a leaf was rescaled, the example's leaves are added at its smallest scale)."""
-    s, f = _squared_norms(flat, plan, kept)
+def _global_norms(flat: FlatTree, plan: _Plan) -> np.ndarray:
+    """Each example's L2 norm over every leaf, float64 ``(B,)`` (`_norms_over_leaves`)."""
+    s, f = _squared_norms(flat, plan)
     if np.all(f == 1.0):  # the common case
         return np.sqrt(s.sum(axis=0))
+    return _norms_over_leaves(s, f)
+
+
+def _norms_over_leaves(s: np.ndarray, f: np.ndarray) -> np.ndarray:
+    """Each example's L2 norm from its leaves' `_squared_norms` ``(s, f)`` (leaves added in tree
+    order; where a leaf was rescaled, the example's leaves are added at its smallest scale)."""
     nonzero = s != 0  # per example: the scale of its largest entries, over its non-zero leaves
     big = np.where(nonzero, f, np.inf).min(axis=0)
     big = np.where(np.isfinite(big), big, 1.0)
@@ -170,13 +175,6 @@ def _global_norms(flat: FlatTree, plan: _Plan, kept: Reductions | None = None) -
         r = big[None, :] / f
         terms = np.where(nonzero, s * r * r, 0.0)
     return np.sqrt(terms.sum(axis=0)) / big
-
-
-def _global_multipliers(
-    flat: FlatTree, plan: _Plan, clip: float, kept: Reductions | None = None
-) -> np.ndarray:
-    """Each example's multiplier for its norm over every leaf (`_global_norms`)."""
-    return _multipliers(_global_norms(flat, plan, kept), clip)
 
 
 def _weighted_sums(
@@ -187,13 +185,9 @@ def _weighted_sums(
     noise: list[np.ndarray] | None = None,
     std: float = 0.0,
     div: float = 1.0,
-    init: FlatTree | None = None,
-    kept: Reductions | None = None,
 ) -> FlatTree:
-    """``out[k] = (init[k] + sum_b mult[k, b] * g[k][b] + std * noise[k]) / div``, one kernel
-    per group (prepared in ``kept``, a declaration's, when given); ``mult`` is ``(leaves, B)``,
-    or ``(B,)`` for one multiplier per example; the sum starts from 0 without ``init`` (an
-    earlier sum of the same layout: DP accumulation).
+    """``out[k] = (sum_b mult[k, b] * g[k][b] + std * noise[k]) / div``, one kernel per group;
+    ``mult`` is ``(leaves, B)``, or ``(B,)`` for one multiplier per example.
 
     With noise the result saturates at the largest finite value of each output dtype."""
     lay, out_offsets = flat.layout, plan.out_layout.offsets
@@ -202,20 +196,117 @@ def _weighted_sums(
         limit = float(finfo(o.dtype).max) if noise is not None else math.inf
         z = noise[gi] if noise is not None else _NO_NOISE
         m = np.ascontiguousarray(mult[members])
-        start = None if init is None else init.groups[gi]
-        if kept is None:
-            ops_for(g).batch_weighted_sum_(
-                o, g, lay.offsets[gi], out_offsets[gi], m, z, std, div, limit, init=start
-            )
-        else:
-            # A slot per kind of call: a DP accumulation's first mini-step sums from 0 into the
-            # sums, the others from them, and the emitting one (with noise) into the updates.
-            slot, buffers = (
-                (gi, start is None, noise is None),
-                (o, g, lay.offsets[gi], out_offsets[gi], start),
-            )
-            kept.call(slot, prepare_weighted_sum, buffers, m, z, float(std), float(div), limit)
+        ops_for(g).batch_weighted_sum_(o, g, lay.offsets[gi], out_offsets[gi], m, z, std, div, limit)
     return out
+
+
+class _Passes:
+    """The two passes of a declared DP aggregation (`_Aggregate.declare`, `_Accumulation`) over
+    per-example gradients of one layout, kept across steps (`numbaccum.backend.Reductions`,
+    prepared again when the buffers change): each group's squared norms a reduction prepared
+    for its buffer, and the weighted sums of every group one prepared call, whose limits and
+    kernels are found once. The same kernels over the same items, in the same order, as
+    `_global_norms` and `_weighted_sums`: the same bits, without the dispatch of each call (a
+    small tree's whole step is mostly that)."""
+
+    __slots__ = ("layout", "plan", "clip", "kept", "norms", "prepare_sums")
+
+    def __init__(self, layout: Layout, plan: _Plan, clip: float) -> None:
+        self.layout, self.plan, self.clip = layout, plan, clip
+        self.kept = Reductions()
+        # The groups the squared norms were last prepared for, and per group its run.
+        self.norms: tuple[tuple, list] = ((), [])
+        self.prepare_sums = self._prepare_sums  # one object: part of `Reductions.call`'s key
+
+    def multipliers(self, flat: FlatTree) -> tuple[np.ndarray, int]:
+        """Each example's multiplier for its norm over every leaf, ``(B,)``: `_multipliers` of
+        `_global_norms`, whose rescue of a float64 group runs only where its plain sums need it
+        (`numbaccum.backend.slice_sumsq`'s test, inline); and how many examples the clip scaled
+        down (or dropped: a non-finite norm)."""
+        plan, batch, groups = self.plan, self.plan.batch, flat.groups
+        lay = self.layout
+        held, runs = self.norms
+        if len(held) != len(groups) or not all(map(operator.is_, held, groups)):
+            runs = _prepare_sumsqs(groups, plan.tables)
+            self.norms = (tuple(groups), runs)
+        s = np.empty((lay.num_leaves, batch), np.float64)
+        f = None  # the scales, once a group's plain sums overflowed or underflowed
+        for members, table, g, sumsq in zip(lay.group_index, plan.tables, groups, runs):
+            gs = sumsq()
+            if np.dtype(g.dtype).itemsize >= 8 and ((gs == np.inf) | (gs < SUMSQ_TINY)).any():
+                gs, gf = slice_sumsq(g, table, gs)
+                if f is None:
+                    f = np.ones_like(s)
+                f[members] = np.asarray(gf).reshape(members.size, batch)
+            s[members] = np.asarray(gs).reshape(members.size, batch)
+        if f is None or np.all(f == 1.0):  # the common case
+            mult = _multipliers(np.sqrt(s.sum(axis=0)), self.clip)
+        else:
+            mult = _multipliers(_norms_over_leaves(s, f), self.clip)
+        return mult, int(np.count_nonzero(mult < 1.0))
+
+    def sums(
+        self,
+        flat: FlatTree,
+        mult: np.ndarray,
+        out: FlatTree,
+        noise: tuple[int, int] | None,
+        std: float,
+        div: float,
+        init: FlatTree | None = None,
+    ) -> None:
+        """`_weighted_sums` of ``flat`` into ``out``, the sums from ``init`` (an earlier sum
+        of the same layout: DP accumulation) or from 0. ``noise``: the ``(seed, step)`` of the
+        noise draw, added with ``std`` (standard normal float64 draws for each group, in group
+        order, from Philox keyed by it: every (seed, step) pair is an independent stream; with
+        ``std`` 0 nothing drawn, as nothing is read) and the result saturated; None: neither."""
+        buffers = (*out.groups, *flat.groups) if init is None else (*out.groups, *flat.groups, *init.groups)
+        # A slot per kind of call: a DP accumulation's first mini-step sums from 0 into the
+        # sums, the others from them, and the emitting one (with noise) into the updates.
+        self.kept.call((init is None, noise is None), self.prepare_sums, buffers, mult, noise, std, div)
+
+    def _prepare_sums(self, *buffers: Any) -> Any:
+        """``run(mult, noise, std, div)`` over these buffers: the out groups, the per-example
+        groups, and the init groups (none: the sums start from 0). Each group's noise is drawn
+        just before its kernel runs: the draws of one generator in group order, as drawn all
+        first."""
+        lay, plan = self.layout, self.plan
+        n = len(plan.tables)
+        outs, grads, inits = buffers[:n], buffers[n : 2 * n], buffers[2 * n :] or (None,) * n
+        out_offsets, members = plan.out_layout.offsets, lay.group_index
+        runs = [
+            prepare_weighted_sum(o, g, lay.offsets[gi], out_offsets[gi], init)
+            for gi, (o, g, init) in enumerate(zip(outs, grads, inits))
+        ]
+        limits = [float(finfo(o.dtype).max) for o in outs]  # with noise: saturated
+        shape, sizes = (lay.num_leaves, plan.batch), plan.out_layout.group_sizes
+
+        def run(mult: np.ndarray, noise: tuple | None, std: float, div: float) -> None:
+            mult = np.broadcast_to(mult, shape)  # one multiplier per example: every leaf
+            noised, rng = noise is not None, None
+            if noised and std:
+                rng = np.random.Generator(np.random.Philox(key=np.array(noise, np.uint64)))
+            for gi in range(n):  # a loop, not calls: every step
+                m = np.ascontiguousarray(mult[members[gi]])
+                z = rng.standard_normal(sizes[gi]) if rng is not None else _NO_NOISE
+                runs[gi](m, z, std, div, limits[gi] if noised else math.inf)
+
+        return run
+
+
+def _prepare_sumsqs(groups: Sequence[Any], tables: tuple) -> list:
+    """Per group, ``run()`` -> the plain float64 sum of squares of each of its (leaf, example)
+    runs: the host engine's reduction prepared for that buffer (`numbaccum.cpu.reduce.prepare`,
+    what `numbaccum.backend.Reductions.reduce` keeps: the same kernel and items); on CUDA the
+    engine's call."""
+    runs = []
+    for g, table in zip(groups, tables):
+        engine, t = ops_for(g).reduce, as_table(table)
+        if isinstance(g, np.ndarray):
+            runs.append(engine.prepare("sumsq", g, t))
+        else:
+            runs.append(lambda engine=engine, g=g, t=t: engine.reduce("sumsq", g, t, None, 0.0))
+    return runs
 
 
 _NO_NOISE = np.zeros(1, np.float64)  # the noise argument when std == 0 (never read then)
@@ -524,22 +615,12 @@ def _check_dp_state(state: Any, name: str = "state") -> tuple[int, int]:
     return seed, step
 
 
-def _noise(seed: int, step: int, sizes: tuple[int, ...]) -> list[np.ndarray]:
-    """Standard normal float64 draws for each group, in group order, from Philox keyed by
-    ``(seed, step)``: every (seed, step) pair is an independent stream."""
-    rng = np.random.Generator(np.random.Philox(key=_key(seed, step)))
-    return [rng.standard_normal(n) for n in sizes]
-
-
-def _clipped(mult: np.ndarray) -> int:
-    """The examples a clip scaled down (or dropped: a non-finite norm) in a batch."""
-    return int(np.count_nonzero(mult < 1.0))
-
-
 def _after(seed: int, step: int, clipped: int, batch: int, noise_std: float) -> Any:
     """The state after an update: the next noise key, and what this update did."""
+    key = np.array([seed, step + 1], np.uint64)  # `_key`'s, inline: every update
+    key.flags.writeable = False
     return DifferentiallyPrivateAggregateState(
-        _key(seed, step + 1), np.int64(0), np.int64(clipped), np.int64(batch), np.float64(noise_std)
+        key, np.int64(0), np.int64(clipped), np.int64(batch), np.float64(noise_std)
     )
 
 
@@ -597,7 +678,7 @@ class _Aggregate(Stage):
         clip, std, seed = self.clip, self.std, self.seed
         now = [0]  # this step's noise step
         sums = Workspace(out_spec.layout, None, out_spec.device)  # the plan's: one update at a time
-        kept = Reductions()  # the norms' and the sums' calls, prepared for their buffers
+        kept = _Passes(spec.layout, plan, clip)  # the norms' and the sums' calls, kept
 
         def tick(state: Any, params: Any, extra: dict) -> bool:
             if not isinstance(state, DifferentiallyPrivateAggregateState):
@@ -608,14 +689,13 @@ class _Aggregate(Stage):
         def run(u: Updates) -> tuple[Updates, DifferentiallyPrivateAggregateState]:
             """Clip, sum, add noise, divide by the batch size."""
             step = now[0]
-            flat = u.settled().flat
-            mult = _global_multipliers(flat, plan, clip, kept)
-            # Without noise the noise arrays are not read; the output still saturates.
-            noise = _noise(seed, step, plan.out_layout.group_sizes) if std else [_NO_NOISE] * len(flat.groups)
+            flat = u.flat if u.factor is ONE else u.settled().flat  # (`settled`'s test, sooner)
+            mult, clipped = kept.multipliers(flat)
             out = sums()  # never one whose values the caller holds (`Workspace`)
             batch = max(plan.batch, 1)
-            _weighted_sums(flat, plan, mult, out, noise, std, float(batch), kept=kept)
-            return Updates(out, True), _after(seed, step, _clipped(mult), plan.batch, std / batch)
+            # (with std 0 no noise is drawn; the output still saturates)
+            kept.sums(flat, mult, out, (seed, step), float(std), float(batch))
+            return Updates(out, True), _after(seed, step, clipped, plan.batch, std / batch)
 
         # the per-example norms (one reduction), then the weighted sums over the batch; per
         # parameter of the per-example input, whose batch sums to one parameter in 1 / B
@@ -651,8 +731,8 @@ class _Accumulation:
         _check_sums(acc, plan, spec)
         self.plan, self.batch, self.leaves = plan, plan.batch, spec.layout.num_leaves
         self.spec = Spec(plan.out_layout, spec.device)
-        self.clip, self.std, self.seed = agg.clip, agg.std, agg.seed
-        self.kept = Reductions()  # the norms' and the sums' calls, prepared for their buffers
+        self.std, self.seed = agg.std, agg.seed
+        self.passes = _Passes(spec.layout, plan, agg.clip)  # the norms' and the sums' calls, kept
         # The emitted updates: never written over ones the caller holds (`Workspace`).
         self.out = Workspace(self.spec.layout, None, self.spec.device)
         # This step's values (`tick`).
@@ -676,18 +756,17 @@ class _Accumulation:
         """Adds the clipped examples of ``u`` to ``acc`` (None: nothing emitted), or on the
         emitting step returns the noised average of the cycle in a new buffer (``acc`` read
         only); and the new DP state, counting the cycle's examples (0 after it)."""
-        flat = u.settled().flat
-        plan, state, fresh, total = self.plan, self.state, self.fresh, self.total
-        mult = _global_multipliers(flat, plan, self.clip, self.kept)
+        flat = u.flat if u.factor is ONE else u.settled().flat  # (`settled`'s test, sooner)
+        state, fresh, total, passes = self.state, self.fresh, self.total, self.passes
+        mult, clipped = passes.multipliers(flat)
         init = None if fresh else acc
-        clipped = (0 if fresh else int(state.clipped)) + _clipped(mult)
+        clipped += 0 if fresh else int(state.clipped)
         if not self.emit:  # the running sum, in float64: exact, neither noised nor divided
-            _weighted_sums(flat, plan, mult, acc, init=init, kept=self.kept)
+            passes.sums(flat, mult, acc, None, 0.0, 1.0, init)
             return None, state._replace(examples=np.int64(total), clipped=np.int64(clipped))
         std, seed, step = self.std, self.seed, self.step
-        noise = _noise(seed, step, plan.out_layout.group_sizes) if std else [_NO_NOISE] * len(flat.groups)
         out = self.out()
-        _weighted_sums(flat, plan, mult, out, noise, std, float(max(total, 1)), init=init, kept=self.kept)
+        passes.sums(flat, mult, out, (seed, step), float(std), float(max(total, 1)), init)
         return Updates(out, True), _after(seed, step, clipped, total, std / max(total, 1))
 
 

@@ -84,7 +84,7 @@ class Plan:
 
     __slots__ = (
         "root", "leaves", "runs", "scratch", "spec", "fused", "apply", "tick", "new_state", "owner",
-        "inbox", "into", "output", "launches", "undo", "check", "__weakref__",
+        "inbox", "into", "output", "launches", "undo", "check", "returned", "__weakref__",
     )  # fmt: skip
     # Set by whoever makes the plan (`plan_of`, `sub_plan`), not by __init__.
     owner: FlatTree | None
@@ -104,6 +104,9 @@ class Plan:
         self.launches = fuse.Launches()  # the settle or add after the last part (`_replayed`)
         self.undo: Any = None  # set with the stage (`undo_of`)
         self.check = host_check(spec.layout)  # `host_leaves` of a plain tree for this layout
+        # A reshaping stage's: for the layout its updates have (the params'), `host_leaves` of
+        # the params and where they are packed, ``(spec, check, into)`` (`_reshaped`).
+        self.returned: tuple | None = None
 
 
 def undo_of(stage: Any, root: Any) -> Any:
@@ -250,11 +253,20 @@ def replay(plan: Plan, state: Any, u: Updates, apply: FlatTree | None, settle: b
             u.scratch = plan.scratch[i]
             try:
                 if fr is None:
+                    part = leaves[start]
                     if i == last and apply is not None:  # a control node's `Host.apply` (`Plan.apply`)
-                        part = leaves[start]
                         part.new_state = part.apply(u, apply)
                         return None, plan.new_state()
-                    u = run_part(leaves[start], u)[0]
+                    # `run_part`'s two common parts inline (every replay of a control node)
+                    kind = type(part)
+                    if kind is fuse.Host:
+                        u, part.new_state = part.run(u)
+                    elif kind is fuse.Scale:  # a pending factor (`Updates.scaled`; ONE: nothing)
+                        factor = part.factor
+                        if factor is not ONE and not factor.is_one:
+                            u = u.scaled(factor)
+                    else:
+                        u = run_part(part, u)[0]
                 elif i == last:
                     out, factor = fr.run(u.flat, u.factor, u.fresh, apply, settle, False)
                     if out is None:
@@ -464,17 +476,6 @@ def _update(stage: Any, updates: Any, state: Any, params: Any, owner: Any, extra
     return out.lent(kind), new_state
 
 
-def _reshaped_params(stage: Any, ref: ParamsRef, params: Any, owner: Any, out_spec: Spec) -> None:
-    """The params of a reshaping stage's update, checked against the layout its updates have
-    (``out_spec``: the params', not the per-example gradients'); nothing to do when the tick
-    checked their host leaves against that layout and named where they are packed already
-    (lookahead's pair: `ParamsRef` ``checked``, ``_layout`` and ``_into`` set together)."""
-    if ref.checked is None or ref._layout is not out_spec.layout:
-        ref.checked = check_params(params, out_spec)
-        ref._layout = out_spec.layout
-        ref._into = stage._workspace(owner, out_spec, "params")
-
-
 def _replayed(stage: Any, plan: Plan, state: Any, u: Updates, spec: Spec) -> tuple[FlatTree, Any]:
     """`_run_or_zeros` of a kept plan: its output settled (the last pass settles a trailing
     factor), zeros for a skipped step."""
@@ -530,17 +531,39 @@ def _step_reshaped(stage: Any, grads: Any, state: Any, params: Any, owner: Any, 
 
 
 def _reshaped(
-    stage: Any, plan: Plan, state: Any, u: Updates, kind: str, spec: Spec, ref: Any, params: Any, owner: Any, apply: bool
+    stage: Any,
+    plan: Plan,
+    state: Any,
+    u: Updates,
+    kind: str,
+    spec: Spec,
+    ref: Any,
+    params: Any,
+    owner: Any,
+    apply: bool,
 ) -> Any:
     """The ticked plan of a declared reshaping stage run: the params checked against the layout
     of the updates it returns (its `numbaccum.fuse.Host`'s ``spec``, known after the tick);
     ``(updates, new_state)``, or with ``apply`` (`numbaccum.step_`) the params made writable,
     the updates added to them (nothing adds them in a pass: the stage writes a buffer of its
     own) and the new state."""
-    out_spec = fuse.returned_spec(plan.root) or spec
-    if ref is not None:
-        _reshaped_params(stage, ref, params, owner, out_spec)
-    u.scratch = stage._workspace(owner, spec, "output")
+    root = plan.root  # (`fuse.returned_spec`'s common case inline: a reshaping stage's Host)
+    out_spec = (root.spec if type(root) is fuse.Host else fuse.returned_spec(root)) or spec
+    if ref is not None and (ref.checked is None or ref._layout is not out_spec.layout):
+        # The params, checked against the layout of the updates (``out_spec``: the params', not
+        # the per-example gradients') as `check_params` checks them, a plain host tree by the
+        # plan's kept `host_leaves` first (the common case); nothing to do when the tick checked
+        # their host leaves against that layout and named where they are packed already
+        # (lookahead's pair: `ParamsRef` ``checked``, ``_layout`` and ``_into`` set together).
+        kept = plan.returned
+        if kept is None or kept[0] is not out_spec:  # (the spec its part returns: one per layout)
+            check = None if out_spec.device else host_check(out_spec.layout)
+            kept = plan.returned = (out_spec, check, stage._workspace(owner, out_spec, "params"))
+        check = kept[1]
+        ref.checked = (check is not None and check(params)) or check_params(params, out_spec)
+        ref._layout = out_spec.layout
+        ref._into = kept[2]
+    u.scratch = plan.output  # (`plan_of`'s: the stage's workspace of the input's spec)
     if not apply:
         if kind in arrays.STREAM_KINDS:  # kernels go to the caller's current CUDA stream
             with arrays.launch_context(kind):
@@ -574,6 +597,8 @@ def _run_step(
         if kind in arrays.STREAM_KINDS:
             with arrays.launch_context(kind):
                 new_state = _apply_step(stage, plan, state, u, p, spec)
+        elif plan.apply:  # (`_apply_step`'s common case inline: every step of a kept plan)
+            new_state = replay(plan, state, u, p, False)[1]
         else:
             new_state = _apply_step(stage, plan, state, u, p, spec)
     except SkipStep as e:  # a clip skipped the step: the params are not touched

@@ -18,6 +18,7 @@ from numba import njit, prange
 from .. import _cache, formulas
 from ..tables import segments
 from .driver import guard_for, runs_serial
+from .reduce import _kept_kernel
 
 __all__ = ["batch_weighted_sum_", "prepare_weighted_sum"]
 
@@ -125,23 +126,22 @@ def batch_weighted_sum_(out, g, offsets, out_offsets, mult, noise, std, div, lim
 
 def prepare_weighted_sum(out, g, offsets, out_offsets, init):
     """`batch_weighted_sum_` over these very buffers, as ``run(mult, noise, std, div, limit)``
-    (float64 scalars), the sum from ``init`` or, when None, from 0: its items are found once
-    (the same kernel over the same items: the same bits). What a declared DP aggregation keeps
+    (float64 scalars and arrays: numbaccum's noise is float64), the sum from ``init`` or, when
+    None, from 0: its items are found once, its kernel kept (`numbaccum.cpu.reduce._kept_kernel`:
+    below `_config.SERIAL_BELOW` the serial driver's compiled function, called without numba's
+    dispatch; above it the pair behind its guard, asked at each call) -- the same kernel over the
+    same items: the same bits. What a declared DP aggregation keeps
     (`numbaccum.backend.prepare_weighted_sum`). float16 and bfloat16 buffers take the call."""
     has_init, start = init is not None, _FROM_ZERO if init is None else init
     if out.dtype.itemsize == 2 or g.dtype.itemsize == 2:
         return lambda mult, noise, std, div, limit: batch_weighted_sum_(
             out, g, offsets, out_offsets, mult, noise, std, div, limit, start, has_init
         )
-    items, n = segments(out_offsets).work(BATCH_CHUNK, False).items, g.size
+    items = segments(out_offsets).work(BATCH_CHUNK, False).items
+    kernel = _kept_kernel(_WEIGHTED_SUM, g.size)
 
     def run(mult, noise, std, div, limit):
-        if noise.dtype.itemsize == 2:  # (never from numbaccum: its noise is float64)
-            batch_weighted_sum_(out, g, offsets, out_offsets, mult, noise, std, div, limit, start, has_init)
-            return
-        kernel = _WEIGHTED_SUM[1] if runs_serial(n) else _WEIGHTED_SUM[0]  # asked each call: a fork
-        with guard_for(n):
-            kernel(out, g, offsets, out_offsets, mult, noise, std, div, limit, start, has_init, items)
+        kernel[0](out, g, offsets, out_offsets, mult, noise, std, div, limit, start, has_init, items)
 
     return run
 
