@@ -124,10 +124,18 @@ def _add(name: str, public: str, make, reference=None, required=None, **kw) -> N
     CASES[name] = Case(public, make, reference, required, **kw)
 
 
-def _alike(name: str, public: str, build: Callable[[Any], Any], reference=None, **kw) -> None:
-    """A Case built by one call ``build(lib)`` of numbaccum and optax alike, and of
-    tests/reference.py unless ``reference`` builds the reference's otherwise."""
-    _add(name, public, lambda: build(nba), reference or (lambda: build(ref)), optax=build, **kw)
+def _alike(name: str, public: str, build: Callable[[Any], Any], reference=None, optax=True, **kw) -> None:
+    """A Case built by one call ``build(lib)`` of numbaccum and optax alike (``optax=False``: a
+    transformation optax lacks), and of tests/reference.py unless ``reference`` builds the
+    reference's otherwise."""
+    reference = reference or (lambda: build(ref))
+    _add(name, public, lambda: build(nba), reference, optax=build if optax else None, **kw)
+
+
+def _adaptive(name: str, public: str, build: Callable[[Any], Any], reference=None) -> None:
+    """`_alike` for numbaccum.adaptive's clippers: torchzero's, not optax's; the reference's state
+    has fields of its own."""
+    _alike(name, public, build, reference, optax=False, ref_state=False)
 
 
 # The note of the Cases whose 1 / sqrt is rounded once more than the reference's
@@ -536,6 +544,7 @@ _add(
     {},
     ref_state=False,
 )
+_adaptive("clip_norm_by_ema_beta_half", "clip_norm_by_ema", lambda L: L.clip_norm_by_ema(beta=0.5))
 _add(
     "normalize_by_ema",
     "normalize_by_ema",
@@ -543,6 +552,12 @@ _add(
     lambda: ref.clip_norm_by_ema(0.9, normalize=True),
     {},
     ref_state=False,
+)
+_adaptive(
+    "normalize_by_ema_global",
+    "normalize_by_ema",
+    lambda L: L.normalize_by_ema(beta=0.5, tensorwise=False),
+    lambda: ref.clip_norm_by_ema(beta=0.5, tensorwise=False, normalize=True),
 )
 _add(
     "clip_value_by_ema",
@@ -552,6 +567,7 @@ _add(
     {},
     ref_state=False,
 )
+_adaptive("clip_value_by_ema_beta_half", "clip_value_by_ema", lambda L: L.clip_value_by_ema(beta=0.5))
 _add(
     "clip_norm_growth",
     "clip_norm_growth",
@@ -568,6 +584,7 @@ _add(
     {},
     ref_state=False,
 )
+_adaptive("clip_value_growth_add_one", "clip_value_growth", lambda L: L.clip_value_growth(add=1.0))
 
 # --- wrappers and combinators ----------------------------------------------------------------
 _add(
