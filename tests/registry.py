@@ -87,6 +87,11 @@ def _even_steps(step: Any) -> Any:
     return step % 2 == 0
 
 
+def _decaying_rate(count: Any) -> Any:
+    """A learning-rate schedule of the step count, for NumPy and JAX counts alike (no int())."""
+    return 0.1 / (1.0 + count)
+
+
 def _sophia_hessian(f: Callable[[Any], Any]) -> Any:
     """A deterministic estimate ``f(params)`` of the Hessian's diagonal, for Sophia's Cases:
     computed on the host in each leaf's dtype, returned where the params live."""
@@ -117,6 +122,24 @@ CASES: dict[str, Case] = {}
 def _add(name: str, public: str, make, reference=None, required=None, **kw) -> None:
     assert name not in CASES, name
     CASES[name] = Case(public, make, reference, required, **kw)
+
+
+def _alike(name: str, public: str, build: Callable[[Any], Any], reference=None, optax=True, **kw) -> None:
+    """A Case built by one call ``build(lib)`` of numbaccum and optax alike (``optax=False``: a
+    transformation optax lacks), and of tests/reference.py unless ``reference`` builds the
+    reference's otherwise."""
+    reference = reference or (lambda: build(ref))
+    _add(name, public, lambda: build(nba), reference, optax=build if optax else None, **kw)
+
+
+def _adaptive(name: str, public: str, build: Callable[[Any], Any], reference=None) -> None:
+    """`_alike` for numbaccum.adaptive's clippers: torchzero's, not optax's; the reference's state
+    has fields of its own."""
+    _alike(name, public, build, reference, optax=False, ref_state=False)
+
+
+# The note of the Cases whose 1 / sqrt is rounded once more than the reference's
+_RSQRT = "1 / sqrt in float64 then rounded, as optax's rsqrt is not 1 / sqrt in float32 either"
 
 
 # --- accumulation and scaling ----------------------------------------------------------------
@@ -252,6 +275,7 @@ _add(
     lambda: ref.adam(1e-2, b1=0.5, b2=0.75, eps=1e-3, eps_root=1e-4),
     exact=True,
 )
+_alike("adam_nesterov", "adam", lambda L: L.adam(1e-2, nesterov=True), lambda: ref.nadam(1e-2), exact=True)
 _add(
     "scale_by_nadam",
     "scale_by_nadam",
@@ -269,6 +293,15 @@ _add(
     exact=True,
     optax=lambda o: o.nadam(1e-2),
 )
+_alike("nadam_b1", "nadam", lambda L: L.nadam(1e-2, b1=0.8), exact=True)
+# optax's nadam and nadamw are adam and adamw with nesterov=True by default (issue 47)
+_alike(
+    "nadam_nesterov_false",
+    "nadam",
+    lambda L: L.nadam(1e-2, nesterov=False),
+    lambda: ref.adam(1e-2),
+    exact=True,
+)
 _add(
     "adamw",
     "adamw",
@@ -278,6 +311,8 @@ _add(
     exact=True,
     optax=lambda o: o.adamw(1e-2, weight_decay=0.1),
 )
+_alike("adamw_schedule_nesterov", "adamw", lambda L: L.adamw(_decaying_rate, nesterov=True), exact=True)
+_alike("adamw_nesterov_masked", "adamw", lambda L: L.adamw(1e-2, nesterov=True, mask=_ndim_mask), exact=True)
 _add(
     "nadamw",
     "nadamw",
@@ -287,6 +322,13 @@ _add(
     exact=True,
     optax=lambda o: o.nadamw(1e-2, weight_decay=0.1),
 )
+_alike(
+    "nadamw_nesterov_false",
+    "nadamw",
+    lambda L: L.nadamw(1e-2, weight_decay=0.1, nesterov=False),
+    lambda: ref.adamw(1e-2, weight_decay=0.1),
+    exact=True,
+)
 _add(
     "amsgrad",
     "amsgrad",
@@ -295,6 +337,13 @@ _add(
     {"learning_rate": 1e-3},
     exact=True,
     optax=lambda o: o.amsgrad(1e-2),
+)
+_alike("amsgrad_schedule", "amsgrad", lambda L: L.amsgrad(_decaying_rate), exact=True)
+_alike(
+    "amsgrad_no_corrections",
+    "amsgrad",
+    lambda L: L.amsgrad(1e-2, bias_correction_mu=False, bias_correction_nu=False),
+    exact=True,
 )
 _add("scale_by_amsgrad", "scale_by_amsgrad", nba.scale_by_amsgrad, None, {})
 _add(
@@ -353,6 +402,7 @@ _add(
     exact=True,
     optax=lambda o: o.lion(1e-2),
 )
+_alike("lion_weight_decay", "lion", lambda L: L.lion(1e-2, weight_decay=0.1), exact=True)
 _add("scale_by_lion", "scale_by_lion", nba.scale_by_lion, ref.scale_by_lion, {}, exact=True)
 _add(
     "scale_by_lion_smooth",
@@ -361,6 +411,7 @@ _add(
     lambda: ref.scale_by_lion(mode="smooth", smooth_beta=2.0),
     exact=False,
     note="tanh: NumPy's and the compiled libm's float32 tanh may differ in the last bit",
+    optax=lambda o: o.scale_by_lion(mode="smooth", smooth_beta=2.0),
 )
 _add(
     "scale_by_lion_refined",
@@ -383,7 +434,7 @@ _add(
     lambda: nba.rmsprop(1e-2, bias_correction=True, initial_scale=0.5),
     lambda: ref.rmsprop(1e-2, bias_correction=True, initial_scale=0.5),
     exact=False,
-    note="1 / sqrt in float64 then rounded, as optax's rsqrt is not 1 / sqrt in float32 either",
+    note=_RSQRT,
 )
 _add(
     "rmsprop_centered_momentum",
@@ -391,13 +442,36 @@ _add(
     lambda: nba.rmsprop(1e-2, centered=True, momentum=0.9, nesterov=True),
     lambda: ref.rmsprop(1e-2, centered=True, momentum=0.9, nesterov=True),
     exact=False,
-    note="1 / sqrt in float64 then rounded, as optax's rsqrt is not 1 / sqrt in float32 either",
+    note=_RSQRT,
 )
 _add(
     "rmsprop_centered_bc_eps_out",
     "rmsprop",
     lambda: nba.rmsprop(1e-2, centered=True, bias_correction=True, eps_in_sqrt=False, eps=1e-3),
     lambda: ref.rmsprop(1e-2, centered=True, bias_correction=True, eps_in_sqrt=False, eps=1e-3),
+    exact=True,
+)
+_alike("rmsprop_eps_in_sqrt", "rmsprop", lambda L: L.rmsprop(1e-2), note=_RSQRT)
+_alike("rmsprop_centered_only", "rmsprop", lambda L: L.rmsprop(1e-2, centered=True), note=_RSQRT)
+# Momentum 0.75: with 0.5 or 0.9 a trace element of test_bitexact's data cancels (a step's update
+# against the last one's, 8e-6 relative apart after 1 / sqrt's one-ulp rounding), past its rtol.
+_alike(
+    "rmsprop_bias_correction_momentum",
+    "rmsprop",
+    lambda L: L.rmsprop(1e-2, bias_correction=True, momentum=0.75),
+    note=_RSQRT,
+)
+_RMSPROP_EVERY_OPTION = {
+    "eps_in_sqrt": False,
+    "centered": True,
+    "momentum": 0.9,
+    "nesterov": True,
+    "bias_correction": True,
+}
+_alike(
+    "rmsprop_every_option",
+    "rmsprop",
+    lambda L: L.rmsprop(_decaying_rate, 0.8, 1e-6, 0.5, **_RMSPROP_EVERY_OPTION),
     exact=True,
 )
 _add("scale_by_rms", "scale_by_rms", nba.scale_by_rms, None, {})
@@ -409,9 +483,10 @@ _add(
     lambda: ref.adagrad(0.1),
     {"learning_rate": 1e-3},
     exact=False,
-    note="1 / sqrt in float64 then rounded, as optax's rsqrt is not 1 / sqrt in float32 either",
+    note=_RSQRT,
     optax=lambda o: o.adagrad(0.1),
 )
+_alike("adagrad_from_zero", "adagrad", lambda L: L.adagrad(0.1, 0.0), note=_RSQRT)
 _add("scale_by_rss", "scale_by_rss", nba.scale_by_rss, None, {})
 
 # --- clipping and the norm family ------------------------------------------------------------
@@ -469,6 +544,7 @@ _add(
     {},
     ref_state=False,
 )
+_adaptive("clip_norm_by_ema_beta_half", "clip_norm_by_ema", lambda L: L.clip_norm_by_ema(beta=0.5))
 _add(
     "normalize_by_ema",
     "normalize_by_ema",
@@ -476,6 +552,12 @@ _add(
     lambda: ref.clip_norm_by_ema(0.9, normalize=True),
     {},
     ref_state=False,
+)
+_adaptive(
+    "normalize_by_ema_global",
+    "normalize_by_ema",
+    lambda L: L.normalize_by_ema(beta=0.5, tensorwise=False),
+    lambda: ref.clip_norm_by_ema(beta=0.5, tensorwise=False, normalize=True),
 )
 _add(
     "clip_value_by_ema",
@@ -485,6 +567,7 @@ _add(
     {},
     ref_state=False,
 )
+_adaptive("clip_value_by_ema_beta_half", "clip_value_by_ema", lambda L: L.clip_value_by_ema(beta=0.5))
 _add(
     "clip_norm_growth",
     "clip_norm_growth",
@@ -501,6 +584,7 @@ _add(
     {},
     ref_state=False,
 )
+_adaptive("clip_value_growth_add_one", "clip_value_growth", lambda L: L.clip_value_growth(add=1.0))
 
 # --- wrappers and combinators ----------------------------------------------------------------
 _add(

@@ -9,6 +9,7 @@ import pytest
 import reference as ref
 from _testutil import assert_tree_close, quick_and_long, snapshot
 from hypothesis import strategies as st
+from registry import CASES
 from strategies import tree_sequences
 
 import numbaccum as nba
@@ -432,19 +433,21 @@ def tree_pair():
     return p, steps
 
 
-ALL = {
-    "clip_norm_by_ema": lambda: nba.clip_norm_by_ema(beta=0.5),
-    "normalize_by_ema_global": lambda: nba.normalize_by_ema(beta=0.5, tensorwise=False),
-    "clip_value_by_ema": lambda: nba.clip_value_by_ema(beta=0.5),
-    "clip_norm_growth": lambda: nba.clip_norm_growth(),
-    "clip_value_growth": lambda: nba.clip_value_growth(add=1.0),
+# The registry's Cases of numbaccum.adaptive (tests/registry.py).
+ADAPTIVE = {
+    "clip_norm_by_ema",
+    "normalize_by_ema",
+    "clip_value_by_ema",
+    "clip_norm_growth",
+    "clip_value_growth",
 }
+ALL = sorted(n for n, c in CASES.items() if c.public in ADAPTIVE)
 
 
-@pytest.mark.parametrize("name", sorted(ALL))
+@pytest.mark.parametrize("name", ALL)
 def test_flattree_in_flattree_out_same_values_and_input_untouched(name):
     p, steps = tree_pair()
-    tx1, tx2 = ALL[name](), ALL[name]()
+    tx1, tx2 = CASES[name].make(), CASES[name].make()
     s1, s2 = tx1.init(p), tx2.init(nba.FlatTree.from_tree(p))
     for g in steps:
         before = snapshot(g)
@@ -456,11 +459,11 @@ def test_flattree_in_flattree_out_same_values_and_input_untouched(name):
         assert_tree_close(g, before, rtol=0.0, atol_rel=0.0)
 
 
-@pytest.mark.parametrize("name", sorted(ALL))
+@pytest.mark.parametrize("name", ALL)
 def test_chained_after_a_pending_factor_matches_two_steps(name):
     p, steps = tree_pair()
-    chained = nba.chain(nba.scale(0.5), ALL[name](), nba.scale(-2.0))
-    alone = ALL[name]()
+    chained = nba.chain(nba.scale(0.5), CASES[name].make(), nba.scale(-2.0))
+    alone = CASES[name].make()
     sc, sa = chained.init(p), alone.init(p)
     for g in steps:
         uc, sc = chained.update(g, sc, p)
@@ -469,13 +472,13 @@ def test_chained_after_a_pending_factor_matches_two_steps(name):
         assert_tree_close(uc, nba.tree_map(lambda x: x * x.dtype.type(-2.0), snapshot(ua)))
 
 
-@pytest.mark.parametrize("name", sorted(ALL))
+@pytest.mark.parametrize("name", ALL)
 def test_state_is_unchanged_after_a_failed_update(name):
     p, steps = tree_pair()
-    tx = ALL[name]()
+    tx = CASES[name].make()
     _, state = tx.update(steps[0], tx.init(p))
     saved = nba.copy_state(state)
-    if name != "clip_norm_growth":  # its state holds one norm per leaf, no shapes
+    if CASES[name].public != "clip_norm_growth":  # its state holds one norm per leaf, no shapes
         bad = dict(steps[1])
         bad["w"] = bad["w"][:, :2]
         with pytest.raises(ValueError, match=r"updates\['w'\]"):

@@ -173,27 +173,8 @@ def test_none_updates_as_optax():
     assert nba.apply_updates(None, params) is None and optax.apply_updates(None, params) is None
 
 
-# optax's optimizer library: the registry's Cases that name optax's construction (Case.optax),
-# and these variants of them.
-OPTIMIZERS = {
-    "adamw_nesterov_mask": lambda L: L.adamw(1e-2, nesterov=True, mask={"dense": True, "norm": False}),
-    "lion_smooth": lambda L: L.chain(L.scale_by_lion(mode="smooth", smooth_beta=2.0), L.scale(-1e-2)),
-    # optax's nadam and nadamw are adam and adamw with nesterov=True by default (issue 47)
-    "nadam_nesterov_false": lambda L: L.nadam(1e-2, nesterov=False),
-    "nadamw_nesterov_false": lambda L: L.nadamw(1e-2, weight_decay=0.1, nesterov=False),
-    "rmsprop": lambda L: L.rmsprop(1e-2),
-    "rmsprop_every_option": lambda L: L.rmsprop(
-        1e-2,
-        0.8,
-        1e-6,
-        0.5,
-        eps_in_sqrt=False,
-        centered=True,
-        momentum=0.9,
-        nesterov=True,
-        bias_correction=True,
-    ),
-}
+# optax's optimizer library and every other registry Case that names optax's construction of it
+# (Case.optax).
 REGISTERED = sorted(name for name, case in CASES.items() if case.optax is not None)
 
 
@@ -233,11 +214,6 @@ def _matches_optax(ours, theirs, of_params=False, dtype=np.float32, steps=6):
 
 # Updates that are the new params minus the params: their rounding is the params' (a cancellation).
 OF_PARAMS = {"schedule_free_adam", "schedule_free_adamw", "schedule_free_sgd"}
-
-
-@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
-def test_optimizer_library_matches_optax(name):
-    _matches_optax(OPTIMIZERS[name](nba), OPTIMIZERS[name](optax))
 
 
 @pytest.mark.parametrize("name", REGISTERED)
@@ -292,6 +268,12 @@ def test_scale_by_distance_over_gradients_matches_optax_as_the_params_move(jit):
 
 def test_the_registry_names_optax_for_the_optimizer_library():
     assert {"adamw", "nadam", "amsgrad", "adamax", "adabelief", "lion", "adagrad"} <= set(REGISTERED)
+    # the variants this file once listed on its own: a mask, lion's smooth sign, optax's
+    # nesterov=False of nadam and nadamw (issue 47), rmsprop's defaults and every option
+    assert {
+        "adamw_nesterov_masked", "scale_by_lion_smooth", "nadam_nesterov_false", "nadamw_nesterov_false",
+        "rmsprop_eps_in_sqrt", "rmsprop_every_option",
+    } <= set(REGISTERED)  # fmt: skip
 
 
 # --- issue 47: what optax accepts and numbaccum refused ---------------------------------------

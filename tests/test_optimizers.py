@@ -10,83 +10,40 @@ import reference as ref
 import strategies as strat
 from _testutil import assert_tree_close, assert_tree_equal, require, snapshot
 from hypothesis import HealthCheck, given, settings
+from registry import CASES, with_reference
 
 import numbaccum as nba
 
 SETTINGS = settings(deadline=None, max_examples=10, suppress_health_check=[HealthCheck.too_slow])
 
 
-def _sched(c):
-    return 0.1 / (1.0 + c)
-
-
-# name -> (ours, reference); the learning rate a float or a schedule.
-PAIRS = {
-    "adamw": (lambda: nba.adamw(0.01, weight_decay=0.1), lambda: ref.adamw(0.01, weight_decay=0.1)),
-    "adamw_schedule_nesterov": (
-        lambda: nba.adamw(_sched, nesterov=True),
-        lambda: ref.adamw(_sched, nesterov=True),
-    ),
-    "nadam": (lambda: nba.nadam(0.01, b1=0.8), lambda: ref.nadam(0.01, b1=0.8)),
-    "adam_nesterov": (lambda: nba.adam(0.01, nesterov=True), lambda: ref.nadam(0.01)),
-    "amsgrad": (lambda: nba.amsgrad(_sched), lambda: ref.amsgrad(_sched)),
-    "amsgrad_no_corrections": (
-        lambda: nba.amsgrad(0.01, bias_correction_mu=False, bias_correction_nu=False),
-        lambda: ref.amsgrad(0.01, bias_correction_mu=False, bias_correction_nu=False),
-    ),
-    "adamax": (lambda: nba.adamax(0.01), lambda: ref.adamax(0.01)),
-    "adabelief": (lambda: nba.adabelief(0.01), lambda: ref.adabelief(0.01)),
-    "adabelief_nesterov": (
-        lambda: nba.adabelief(0.01, nesterov=True),
-        lambda: ref.adabelief(0.01, nesterov=True),
-    ),
-    "lion": (lambda: nba.lion(0.01, weight_decay=0.1), lambda: ref.lion(0.01, weight_decay=0.1)),
-    "lion_smooth": (
-        lambda: nba.scale_by_lion(mode="smooth", smooth_beta=2.0),
-        lambda: ref.scale_by_lion(mode="smooth", smooth_beta=2.0),
-    ),
-    "lion_refined": (lambda: nba.scale_by_lion(mode="refined"), lambda: ref.scale_by_lion(mode="refined")),
-    "rmsprop": (lambda: nba.rmsprop(0.01), lambda: ref.rmsprop(0.01)),
-    "rmsprop_every_option": (
-        lambda: nba.rmsprop(
-            _sched,
-            0.8,
-            1e-6,
-            0.5,
-            eps_in_sqrt=False,
-            centered=True,
-            momentum=0.9,
-            nesterov=True,
-            bias_correction=True,
-        ),
-        lambda: ref.rmsprop(
-            _sched,
-            0.8,
-            1e-6,
-            0.5,
-            eps_in_sqrt=False,
-            centered=True,
-            momentum=0.9,
-            nesterov=True,
-            bias_correction=True,
-        ),
-    ),
-    "rmsprop_centered": (lambda: nba.rmsprop(0.01, centered=True), lambda: ref.rmsprop(0.01, centered=True)),
-    "rmsprop_bias_corrected": (
-        lambda: nba.rmsprop(0.01, bias_correction=True, momentum=0.5),
-        lambda: ref.rmsprop(0.01, bias_correction=True, momentum=0.5),
-    ),
-    "adagrad": (lambda: nba.adagrad(0.1), lambda: ref.adagrad(0.1)),
-    "adagrad_from_zero": (lambda: nba.adagrad(0.1, 0.0), lambda: ref.adagrad(0.1, 0.0)),
+# The registry's Cases of the optimizers this file covers (tests/registry.py: each with its
+# reference from tests/reference.py; the learning rate a float or a schedule).
+LIBRARY = {
+    "adam",
+    "adamw",
+    "nadam",
+    "amsgrad",
+    "adamax",
+    "adabelief",
+    "lion",
+    "scale_by_lion",
+    "rmsprop",
+    "adagrad",
 }
+# rmsprop_centered_momentum: a Nesterov trace over a centered 1 / sqrt rounded once more (its
+# note): hypothesis finds a one-element leaf where the trace cancels, ours 8e-6 from the
+# reference's and each 4e-6 from the float64 value (test_bitexact compares it on its own data).
+CANCELS = {"rmsprop_centered_momentum"}
+REFERENCED = [n for n in with_reference() if CASES[n].public in LIBRARY and n not in CANCELS]
 
 
 @SETTINGS
 @given(data=strat.tree_sequences(min_steps=1, max_steps=4))
-@pytest.mark.parametrize("name", sorted(PAIRS))
+@pytest.mark.parametrize("name", REFERENCED)
 def test_matches_reference(name, data):
     params, grads = data
-    tx, rtx = PAIRS[name][0](), PAIRS[name][1]()
+    tx, rtx = CASES[name].make(), CASES[name].reference()
     s, rs = tx.init(params), rtx.init(params)
     for g in grads:
         before = snapshot(g)
@@ -153,12 +110,12 @@ def test_initial_values_and_mu_dtype():
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-@pytest.mark.parametrize("name", sorted(PAIRS))
+@pytest.mark.parametrize("name", REFERENCED)
 def test_edge_values(name, dtype):
     """NaN, +-inf, +-0 and huge values: the same answers as the reference, NaN where it has NaN."""
     g = {"x": np.array([np.nan, np.inf, -np.inf, 0.0, -0.0, 1e30, -1e-30, 3.0], dtype)}
     p = {"x": np.array([1.0, -1.0, 2.0, 0.0, -0.0, 1.0, 1.0, np.inf], dtype)}
-    tx, rtx = PAIRS[name][0](), PAIRS[name][1]()
+    tx, rtx = CASES[name].make(), CASES[name].reference()
     s, rs = tx.init(p), rtx.init(p)
     with np.errstate(all="ignore"):
         for _ in range(2):
@@ -218,19 +175,21 @@ def test_zero_weight_decay_passes_the_updates_through():
     assert np.signbit(u["x"][0]) and u["x"][1] == 1.0
 
 
-@pytest.mark.parametrize("name", ["adamw", "lion", "rmsprop_every_option", "adagrad", "amsgrad"])
+@pytest.mark.parametrize(
+    "name", ["adamw", "lion_weight_decay", "rmsprop_every_option", "adagrad", "amsgrad_schedule"]
+)
 def test_step_applies_in_the_fused_pass_with_the_same_bits(name):
     p = {"w": np.linspace(-1, 1, 12, dtype=np.float32).reshape(3, 4), "b": np.linspace(0, 1, 4)}
     grads = [nba.tree_map(lambda x, i=i: np.sin(x * 3 + i).astype(x.dtype), p) for i in range(3)]
     a, b = snapshot(p), snapshot(p)
-    tx1, tx2 = PAIRS[name][0](), PAIRS[name][0]()
+    tx1, tx2 = CASES[name].make(), CASES[name].make()
     s1, s2 = tx1.init(a), tx2.init(b)
     for g in grads:
         s1 = nba.step_(tx1, g, s1, a)
         u, s2 = tx2.update(g, s2, b)
         nba.apply_updates_(b, u)
         assert_tree_equal(a, b)
-    plan = nba.explain(PAIRS[name][0](), {"w": np.ones((3, 4), np.float32)}, apply=True)
+    plan = nba.explain(CASES[name].make(), {"w": np.ones((3, 4), np.float32)}, apply=True)
     assert [x.kind for x in plan.passes] == ["fused"] and plan.total == plan.minimum
 
 
