@@ -21,7 +21,7 @@ from ._checks import INT32_MAX, flag, integer, transformation, wrong_state
 from ._interrupts import user_code
 from .backend import ops_for, tree_sumsq_scaled
 from .base import Chain, Foreign, Stage, as_stage, undoable, with_extra_args_support
-from .control import Adds, Inner, add_to
+from .control import Adds, Inner
 from .contract import ONE
 from .declared import (
     Elementwise,

@@ -15,7 +15,7 @@ from ._checks import integer, non_negative, real, real_scalar, transformation, w
 from .backend import Reductions, leaf_tables, ops_for, prepare_divide, sumsq_of_leaves, tree_sumsq_scaled
 from .base import FLAT_MEASURES, Stage, as_stage, host_step, with_extra_args_support
 from .contract import ONE, Factor, Ops
-from .control import Inner, add_to
+from .control import Inner
 from .declared import Elementwise
 from .flat import FlatTree, as_flat, layout_of
 from .formulas import clip_factor, clip_finish
@@ -829,7 +829,7 @@ class _ApplyIfFinite(Stage):
             zeros = Updates(u.fresh().fill_(0.0), True)
             if p is None:
                 return zeros, new_state
-            add_to(p, zeros)
+            inner.adds(p, zeros)
             return None, new_state
 
         def passes(apply: bool) -> list:

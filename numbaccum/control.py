@@ -15,24 +15,19 @@ from __future__ import annotations
 from typing import Any
 
 from . import fuse, runner
-from .apply import apply_updates_
 from .contract import ONE
 from .flat import FlatTree
 from .updates import ParamsRef, Spec, Updates
 
-__all__ = ["Adds", "Inner", "add_to"]
-
-
-def add_to(params: FlatTree, u: Updates) -> None:
-    """``params += u`` (settled first), for a step whose updates no pass added."""
-    apply_updates_(params, u.settled().flat)
+__all__ = ["Adds", "Inner"]
 
 
 class Adds:
-    """`add_to` kept across steps by one caller (a control node's declaration): ``params += u``
-    by the kept launches of the plain add (`numbaccum.fuse.Launches.add`, `apply_updates_`'s
-    kernel), or, with a factor pending, settled and added in one pass that rounds as settling
-    first would (`numbaccum.fuse.apply_settled`, its group calls kept): the same bits."""
+    """``params += u`` (settled first) for a step whose updates no pass added, kept across steps
+    by one caller (a control node's declaration): by the kept launches of the plain add
+    (`numbaccum.fuse.Launches.add`, `numbaccum.apply_updates_`'s kernel), or, with a factor
+    pending, settled and added in one pass that rounds as settling first would
+    (`numbaccum.fuse.apply_settled`, its group calls kept): the same bits."""
 
     __slots__ = ("launches", "memo")
 

@@ -27,7 +27,7 @@ import numpy as np
 from . import _bounded, fuse
 from ._checks import flag, transformation, wrong_state
 from .base import Chain, Stage, as_stage, undoable, with_extra_args_support
-from .control import Inner, add_to
+from .control import Inner
 from .contract import ONE
 from .declared import safe_increment
 from .flat import FlatTree, Workspace, layout_of
@@ -750,7 +750,7 @@ class _Conditionally(Stage):
                 except SkipStep as e:
                     raise SkipStep(wrap(e.new_state, new_step)) from None
             out, new_state = run(u)
-            add_to(p, out)
+            inner.adds(p, out)
             return new_state
 
         def passes(apply: bool) -> list:
