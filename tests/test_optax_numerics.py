@@ -86,7 +86,8 @@ def _scaled(s: np.ndarray, g: np.ndarray) -> np.ndarray:
 def _differs_by_rsqrt_alone(make, copy, params, grads, dtype) -> tuple[list, list]:
     """``make(optax)``'s updates are ``copy`` (a NumPy copy of optax's formula) with XLA's rsqrt,
     ``make(nba)``'s the same copy with 1 / sqrt, bit for bit both at every step, and the two
-    differ somewhere. Returns (numbaccum's, optax's) updates."""
+    differ somewhere unless XLA's rsqrt rounds as 1 / sqrt on these values. Returns
+    (numbaccum's, optax's) updates."""
     optax = require("optax")
     with jax_x64(dtype == F64):
         theirs = _optax_run(make(optax), params, grads)
@@ -96,7 +97,11 @@ def _differs_by_rsqrt_alone(make, copy, params, grads, dtype) -> tuple[list, lis
     for k in range(len(grads)):
         assert same_bits(xla[k], theirs[k]), f"step {k}: optax is not its formula with lax.rsqrt"
         assert same_bits(ieee[k], ours[k]), f"step {k}: numbaccum is not the formula with 1 / sqrt"
-    assert not all(same_bits(a, b) for a, b in zip(ours, theirs))  # the difference is real
+    # The difference is real where XLA's rsqrt rounds otherwise on these values. Some versions'
+    # float64 rsqrt on the CPU is correctly rounded (jax 0.10.2's here): then the two formulas
+    # agree, and so must the updates.
+    rounds_alike = all(same_bits(a, b) for a, b in zip(xla, ieee))
+    assert all(same_bits(a, b) for a, b in zip(ours, theirs)) == rounds_alike
     return ours, theirs
 
 
