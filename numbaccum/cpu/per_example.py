@@ -18,7 +18,7 @@ from numba import njit, prange
 from .. import _cache, formulas
 from ..tables import segments
 from .driver import guard_for, runs_serial
-from .reduce import _kept_kernel
+from .reduce import kept_kernel
 
 __all__ = ["batch_weighted_sum_", "prepare_weighted_sum"]
 
@@ -127,7 +127,7 @@ def batch_weighted_sum_(out, g, offsets, out_offsets, mult, noise, std, div, lim
 def prepare_weighted_sum(out, g, offsets, out_offsets, init):
     """`batch_weighted_sum_` over these very buffers, as ``run(mult, noise, std, div, limit)``
     (float64 scalars and arrays: numbaccum's noise is float64), the sum from ``init`` or, when
-    None, from 0: its items are found once, its kernel kept (`numbaccum.cpu.reduce._kept_kernel`:
+    None, from 0: its items are found once, its kernel kept (`numbaccum.cpu.reduce.kept_kernel`:
     below `_config.SERIAL_BELOW` the serial driver's compiled function, called without numba's
     dispatch; above it the pair behind its guard, asked at each call) -- the same kernel over the
     same items: the same bits. What a declared DP aggregation keeps
@@ -138,7 +138,7 @@ def prepare_weighted_sum(out, g, offsets, out_offsets, init):
             out, g, offsets, out_offsets, mult, noise, std, div, limit, start, has_init
         )
     items = segments(out_offsets).work(BATCH_CHUNK, False).items
-    kernel = _kept_kernel(_WEIGHTED_SUM, g.size)
+    kernel = kept_kernel(_WEIGHTED_SUM, g.size)
 
     def run(mult, noise, std, div, limit):
         kernel[0](out, g, offsets, out_offsets, mult, noise, std, div, limit, start, has_init, items)

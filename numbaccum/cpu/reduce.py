@@ -77,6 +77,7 @@ __all__ = [
     "axes_pass_",
     "ema_update_",
     "global_norm_finish_",
+    "kept_kernel",
     "prepare",
     "prepare_apply",
     "prepare_axes",
@@ -538,13 +539,13 @@ def _resolved(kind, x, table: Table):
     """What `prepare`'s run calls for ``x``: ``(head, nparts, pslice, op, folded, kernel)``, the
     kernel's leading arguments ``(x, rows, items, pstart)`` (its items empty: nothing to run),
     the partials' count and combine, whether they are already the per-slice values, and the
-    `_kept_kernel`."""
+    `kept_kernel`."""
     kinds, xr = _kinds_for(x)
     (pair, op) = kinds[kind]
     work = table.work(_config.REDUCE_BLOCK, True)
     pslice, nparts = work.pslice, work.nparts
     folded = kind in _NON_NEGATIVE and nparts == pslice.size - 1 and bool(np.all(np.diff(pslice) == 1))
-    return (xr, table.rows, work.items, work.pstart), nparts, pslice, op, folded, _kept_kernel(pair, xr.size)
+    return (xr, table.rows, work.items, work.pstart), nparts, pslice, op, folded, kept_kernel(pair, xr.size)
 
 
 def prepare_pair(kind, x, y, table: Table):
@@ -567,7 +568,7 @@ def prepare_pair(kind, x, y, table: Table):
     return run
 
 
-def _kept_kernel(pair, n):
+def kept_kernel(pair, n):
     """``[kernel]``, what a prepared call over ``n`` elements calls with arguments of fixed types:
     at a parallel size the pair behind its guard (`_pick` asked at every call: a fork); else the
     serial driver, replaced after its first call by its compiled function (`driver.entry_point`)."""
@@ -904,7 +905,7 @@ def prepare_divide(out, x, table: Table):
         return lambda factor, divisors: divide_(out, x, factor, table, divisors)
     t = np.result_type(out.dtype, x.dtype).type
     pair = _DIVIDE_IN_PLACE if out.ctypes.data == x.ctypes.data else _DIVIDE
-    items, rows, kernel = table.work(_config.REDUCE_BLOCK, False).items, table.rows, _kept_kernel(pair, x.size)
+    items, rows, kernel = table.work(_config.REDUCE_BLOCK, False).items, table.rows, kept_kernel(pair, x.size)
 
     def run(factor, divisors):
         if items.shape[0]:
@@ -938,7 +939,7 @@ def prepare_ema(ema, g, table: Table):
     t = np.result_type(ema.dtype, g.dtype).type
     items, rows, n = table.work(_config.REDUCE_BLOCK, False).items, table.rows, g.size
 
-    kernel = _kept_kernel(_EMA, n)
+    kernel = kept_kernel(_EMA, n)
     def run(factor, active, one_minus_decay, decay):
         if items.shape[0]:
             div, mul = factor.div, factor.mul
@@ -1018,7 +1019,7 @@ def prepare_axis_sumsq(x, sums: AxisSums):
     items, jobs, n = sums.items(_config.REDUCE_BLOCK), sums.jobs, x.size
     pair, busy, n_out = (_axis_parallel, _axis_serial), items.shape[0] > 0, sums.n_out
 
-    kernel = _kept_kernel(pair, n)
+    kernel = kept_kernel(pair, n)
     def run():
         out = np.zeros(n_out, np.float64)
         if busy:
@@ -1083,7 +1084,7 @@ def prepare_axis_max(out, x, maxima: AxisMaxima):
         return lambda: axis_max_(out, x, maxima)
     pair, jobs, where, n = (_max_parallel, _max_serial), maxima.jobs, maxima.where, x.size
 
-    kernel = _kept_kernel(pair, n)
+    kernel = kept_kernel(pair, n)
     def run():
         tmp = np.empty(out.size, np.float64)
         args = (x, jobs, items, tmp)
@@ -1234,7 +1235,7 @@ def prepare_row_column(decl, out, g, v, table: FactorTable):
     t, meta, n = np.result_type(v.dtype, g.dtype).type, table.meta, g.size
     pair = _pass_kernels(_row_column_kernels, decl)
 
-    kernel = _kept_kernel(pair, n)
+    kernel = kept_kernel(pair, n)
     def run(rf, cf, scalars):
         c = tuple(map(t, scalars))
         args = (out, g, v, meta, items, np.array(rf, np.float64), np.array(cf, np.float64), c)
@@ -1374,7 +1375,7 @@ def prepare_axes(decl, out, g, nu, acc, table: AxisTable, mu):
     head, n = (out, g, nu, acc, table.meta, table.axes, items), g.size
     pair = _pass_kernels(_axes_kernels, decl)
 
-    kernel = _kept_kernel(pair, n)
+    kernel = kept_kernel(pair, n)
     def run(scalars):
         c = tuple(map(t, scalars))
         args = (*head, np.array(mu, t), mu, c)  # the old statistics read while the direct ones are written
