@@ -44,6 +44,7 @@ __all__ = [
     "ops_for",
     "prepare_block_scaling",
     "prepare_norm_scaling",
+    "prepare_reduce",
     "prepare_weighted_sum",
     "slice_sumsq",
     "tree_sumsq",
@@ -149,7 +150,7 @@ class Reductions:
         last = self.last.get(key)
         if last is not None and last[0][0] is x and last[0][1] is table:
             return last[1](centers, p)
-        return self._miss(key, last, buffers, _prepare_reduce, kind, x, table)(centers, p)
+        return self._miss(key, last, buffers, prepare_reduce, kind, x, table)(centers, p)
 
     def sumsq(self, slot: Any, x: Any, table: Any) -> tuple[np.ndarray, np.ndarray]:
         """`slice_sumsq`'s ``(s, f)``, its plain pass kept (the rare rescue is not)."""
@@ -214,7 +215,7 @@ class Reductions:
         return self._miss(key, last, buffers, _prepare_dot, x, y)()
 
 
-def _prepare_reduce(kind: str, x: Any, table: Any) -> Any:
+def prepare_reduce(kind: str, x: Any, table: Any) -> Any:
     """``run(centers, p)``: the host engine's prepared reduction; on CUDA the engine's call."""
     engine, table = ops_for(x).reduce, as_table(table)
     if isinstance(x, np.ndarray):
@@ -273,10 +274,10 @@ def prepare_norm_scaling(out: Any, x: Any, y: Any, table: Any, x_norm: bool = Tr
     ops, t = ops_for(x), as_table(table)
     engine = ops.reduce
     if not x_norm:
-        one = engine.prepare("sumsq", y, t) if isinstance(y, np.ndarray) else None
+        one = prepare_reduce("sumsq", y, t)
 
         def sums() -> tuple[np.ndarray, np.ndarray | None]:
-            return (one(None, 0.0) if one is not None else engine.reduce("sumsq", y, t, None, 0.0)), None
+            return one(None, 0.0), None
 
     elif isinstance(x, np.ndarray):
         sums = engine.prepare_pair("sumsq", y, x, t)

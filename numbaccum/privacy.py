@@ -21,7 +21,6 @@ import math
 import numbers
 import operator
 import warnings
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -31,7 +30,7 @@ from . import arrays
 from ._bounded import Bounded
 from ._checks import flag, non_negative, real, wrong_state
 from .accumulation import trace
-from .backend import Reductions, ops_for, prepare_weighted_sum, slice_sumsq
+from .backend import Reductions, ops_for, prepare_reduce, prepare_weighted_sum, slice_sumsq
 from .base import Stage, chain
 from .contract import ONE
 from .declared import Elementwise, check_decay
@@ -41,7 +40,7 @@ from .fuse import Host
 from .layout import Layout, finfo
 from .protocol import GradientTransformationExtraArgs, state_class
 from .scaling import ScalarOrSchedule, identity, scale_by_learning_rate
-from .tables import SUMSQ_TINY, as_table, segments
+from .tables import SUMSQ_TINY, segments
 from .traits import TREE
 from .tree import short_repr, tree_unflatten
 from .updates import Spec, Updates
@@ -227,7 +226,8 @@ class _Passes:
         lay = self.layout
         held, runs = self.norms
         if len(held) != len(groups) or not all(map(operator.is_, held, groups)):
-            runs = _prepare_sumsqs(groups, plan.tables)
+            # per group: its plain float64 sums of squares per (leaf, example) run, prepared
+            runs = [prepare_reduce("sumsq", g, table) for g, table in zip(groups, plan.tables)]
             self.norms = (tuple(groups), runs)
         s = np.empty((lay.num_leaves, batch), np.float64)
         f = None  # the scales, once a group's plain sums overflowed or underflowed
@@ -292,21 +292,6 @@ class _Passes:
                 runs[gi](m, z, std, div, limits[gi] if noised else math.inf)
 
         return run
-
-
-def _prepare_sumsqs(groups: Sequence[Any], tables: tuple) -> list:
-    """Per group, ``run()`` -> the plain float64 sum of squares of each of its (leaf, example)
-    runs: the host engine's reduction prepared for that buffer (`numbaccum.cpu.reduce.prepare`,
-    what `numbaccum.backend.Reductions.reduce` keeps: the same kernel and items); on CUDA the
-    engine's call."""
-    runs = []
-    for g, table in zip(groups, tables):
-        engine, t = ops_for(g).reduce, as_table(table)
-        if isinstance(g, np.ndarray):
-            runs.append(engine.prepare("sumsq", g, t))
-        else:
-            runs.append(lambda engine=engine, g=g, t=t: engine.reduce("sumsq", g, t, None, 0.0))
-    return runs
 
 
 _NO_NOISE = np.zeros(1, np.float64)  # the noise argument when std == 0 (never read then)
